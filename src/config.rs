@@ -1,0 +1,221 @@
+//! Node configuration: plain serde structs with defaults that mirror `config/default.toml`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Everything a node needs to start. Build it with struct-update syntax over
+/// [`NodeConfig::default`], or load it from TOML with [`NodeConfig::from_toml_str`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NodeConfig {
+    /// Stable id of this node, unique in the cluster. It survives restarts; each restart is a new
+    /// incarnation (generation) of it.
+    pub node_id: String,
+    /// Nodes with another cluster id are never admitted (gossip and messaging both check it).
+    pub cluster_id: String,
+    /// UDP address for gossip (chitchat). Port 0 picks a free port; [`crate::Node::gossip_addr`]
+    /// reports the bound one.
+    pub gossip_addr: SocketAddr,
+    /// TCP address for node-to-node messages. Port 0 picks a free port.
+    pub messaging_addr: SocketAddr,
+    /// Gossip addresses of existing members to join through. Empty: this node forms a new
+    /// cluster by itself.
+    pub seeds: Vec<SocketAddr>,
+    /// Roles of this node; sharded types and replicated data can be limited to a role.
+    pub roles: Vec<String>,
+    /// Directory for durable data (LMDB). Created if missing; never derived from a port.
+    pub data_dir: PathBuf,
+    /// Gossip membership and failure detection.
+    pub membership: MembershipSettings,
+    /// Node-to-node messaging.
+    pub transport: TransportSettings,
+    /// The distributed-data replicator.
+    pub replicator: ReplicatorSettings,
+    /// Fault injection for in-process test clusters.
+    #[cfg(feature = "testkit")]
+    #[serde(skip)]
+    pub fault_injector: Option<crate::testkit::FaultInjector>,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            node_id: String::new(),
+            cluster_id: "ddshard".into(),
+            gossip_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            messaging_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            seeds: Vec::new(),
+            roles: Vec::new(),
+            data_dir: PathBuf::from("ddshard-data"),
+            membership: MembershipSettings::default(),
+            transport: TransportSettings::default(),
+            replicator: ReplicatorSettings::default(),
+            #[cfg(feature = "testkit")]
+            fault_injector: None,
+        }
+    }
+}
+
+/// Gossip and failure-detector settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MembershipSettings {
+    /// How often chitchat gossips with peers (and how often membership is re-read).
+    #[serde(with = "humantime_serde")]
+    pub gossip_interval: Duration,
+    /// Phi threshold of the failure detector; with chitchat phi is `elapsed / mean interval`, so
+    /// the detection time is about `phi × mean heartbeat inter-arrival`.
+    pub phi_threshold: f64,
+    /// Prior mean heartbeat interval of a new peer; keep it close to `gossip_interval`
+    /// (chitchat's own default of 5 s slows detection for minutes).
+    #[serde(with = "humantime_serde")]
+    pub initial_interval: Duration,
+    /// How long a dead node's gossip state is kept before it is forgotten.
+    #[serde(with = "humantime_serde")]
+    pub dead_node_grace_period: Duration,
+    /// When this node's first seed is its own gossip address, it forms a new cluster by itself
+    /// if no member answers within this time.
+    #[serde(with = "humantime_serde")]
+    pub seed_node_timeout: Duration,
+    /// How long a leaving node keeps gossiping its final status so every member sees it removed.
+    #[serde(with = "humantime_serde")]
+    pub leave_linger: Duration,
+}
+
+impl Default for MembershipSettings {
+    fn default() -> Self {
+        MembershipSettings {
+            gossip_interval: Duration::from_millis(150),
+            phi_threshold: 10.0,
+            initial_interval: Duration::from_millis(150),
+            dead_node_grace_period: Duration::from_secs(3600),
+            seed_node_timeout: Duration::from_secs(5),
+            leave_linger: Duration::from_millis(1000),
+        }
+    }
+}
+
+/// Node-to-node messaging settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TransportSettings {
+    /// Largest frame accepted or sent, in bytes. A peer announcing a larger one is disconnected.
+    pub max_frame_size: usize,
+    /// Frames queued per peer before sends fail with [`Error::SendQueueFull`].
+    pub send_queue_capacity: usize,
+    /// Time allowed for a TCP connect plus handshake.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// First reconnect delay; doubles up to `reconnect_backoff_max`.
+    #[serde(with = "humantime_serde")]
+    pub reconnect_backoff_min: Duration,
+    /// Largest reconnect delay.
+    #[serde(with = "humantime_serde")]
+    pub reconnect_backoff_max: Duration,
+    /// Frames written before the writer flushes the socket (batching).
+    pub max_batch: usize,
+}
+
+impl Default for TransportSettings {
+    fn default() -> Self {
+        TransportSettings {
+            max_frame_size: 8 * 1024 * 1024,
+            send_queue_capacity: 65_536,
+            connect_timeout: Duration::from_secs(3),
+            reconnect_backoff_min: Duration::from_millis(50),
+            reconnect_backoff_max: Duration::from_secs(2),
+            max_batch: 128,
+        }
+    }
+}
+
+/// Distributed-data replicator settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReplicatorSettings {
+    /// How often the replicator compares digests with one random peer (anti-entropy).
+    #[serde(with = "humantime_serde")]
+    pub gossip_interval: Duration,
+    /// Keys starting with one of these prefixes are durable: written to LMDB before an update is
+    /// acknowledged and loaded before the replicator serves anything.
+    pub durable_key_prefixes: Vec<String>,
+    /// Size of the LMDB memory map in bytes (virtual; the file grows as needed up to it).
+    pub lmdb_map_size: usize,
+    /// Only members with this role hold replicas (empty: every member).
+    pub role: Option<String>,
+}
+
+impl Default for ReplicatorSettings {
+    fn default() -> Self {
+        ReplicatorSettings {
+            gossip_interval: Duration::from_millis(500),
+            durable_key_prefixes: vec!["shard-".into(), "durable-".into()],
+            lmdb_map_size: 4 << 30,
+            role: None,
+        }
+    }
+}
+
+impl NodeConfig {
+    /// Parses a TOML document (the format of `config/default.toml`); missing settings keep their
+    /// defaults, unknown ones are an error.
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| Error::Config(e.to_string()))
+    }
+
+    /// Reads and parses a TOML file.
+    pub fn from_toml_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::io(format!("reading config {}", path.display()), e))?;
+        Self::from_toml_str(&text)
+    }
+
+    /// Checks every setting; [`crate::Node::start`] calls it first.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        if self.node_id.is_empty() || self.node_id.len() > 200 {
+            return bad("node_id must be 1 to 200 characters".into());
+        }
+        if self.node_id.contains(['/', '#', ',']) || self.node_id.chars().any(char::is_whitespace) {
+            return bad(format!("node_id {:?} must not contain '/', '#', ',' or white space", self.node_id));
+        }
+        if self.cluster_id.is_empty() {
+            return bad("cluster_id must not be empty".into());
+        }
+        if self.roles.iter().any(|r| r.is_empty() || r.contains(',')) {
+            return bad("roles must be non-empty and must not contain ','".into());
+        }
+        let m = &self.membership;
+        if m.gossip_interval.is_zero() || m.initial_interval.is_zero() {
+            return bad("membership.gossip_interval and initial_interval must be > 0".into());
+        }
+        if !(m.phi_threshold.is_finite() && m.phi_threshold > 1.0) {
+            return bad("membership.phi_threshold must be > 1".into());
+        }
+        let t = &self.transport;
+        if !(1024..=1 << 30).contains(&t.max_frame_size) {
+            return bad("transport.max_frame_size must be between 1 KiB and 1 GiB".into());
+        }
+        if t.send_queue_capacity == 0 || t.max_batch == 0 {
+            return bad("transport.send_queue_capacity and max_batch must be > 0".into());
+        }
+        if t.reconnect_backoff_min.is_zero() || t.reconnect_backoff_max < t.reconnect_backoff_min {
+            return bad("transport.reconnect_backoff_min must be > 0 and <= reconnect_backoff_max".into());
+        }
+        if self.replicator.gossip_interval.is_zero() {
+            return bad("replicator.gossip_interval must be > 0".into());
+        }
+        if self.replicator.lmdb_map_size < 1 << 20 {
+            return bad("replicator.lmdb_map_size must be at least 1 MiB".into());
+        }
+        if self.replicator.durable_key_prefixes.iter().any(String::is_empty) {
+            return bad("replicator.durable_key_prefixes must not contain an empty prefix (it would make every key durable; list the prefixes)".into());
+        }
+        Ok(())
+    }
+}

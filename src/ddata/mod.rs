@@ -1,0 +1,274 @@
+//! Distributed data: a replicator holding CRDT values under string keys, with Local / Majority /
+//! All reads and writes, read repair, anti-entropy by digest, change subscriptions and durable
+//! keys in LMDB.
+//!
+//! The protocol lives in the sans-IO [`replicator`] state machine; this module is its tokio
+//! driver: one task that owns the state machine, the inbox, the ticker and the durable store.
+
+pub mod crdt;
+pub mod durable;
+pub mod replicator;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, warn};
+
+pub use crdt::{Crdt, GSet, LwwMap, OrSet, ReplicatedData, WriteCtx};
+pub use durable::DurableStore;
+pub use replicator::{Consistency, ReplicatorMsg};
+use replicator::{Action, Input, ReplicatorCore};
+
+use crate::error::{Error, Result};
+use crate::membership::{MemberStatus, MembershipSnapshot, UniqueAddress};
+use crate::transport::{Inbound, PeerAddr, Transport};
+
+/// Transport topic of replicator messages.
+pub(crate) const TOPIC: &str = "ddata";
+
+pub(crate) enum ReplyTx {
+    Get(oneshot::Sender<Result<Option<ReplicatedData>>>),
+    Update(oneshot::Sender<Result<()>>),
+}
+
+enum Command {
+    Op(Input<ReplyTx>),
+    Subscribe { key: String, reply: oneshot::Sender<watch::Receiver<Option<ReplicatedData>>> },
+}
+
+/// Handle to the node's replicator; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Replicator {
+    commands: mpsc::Sender<Command>,
+}
+
+impl std::fmt::Debug for Command {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Command")
+    }
+}
+
+pub(crate) fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Replicator {
+    /// Reads `key` with the given consistency. `Ok(None)`: no replica asked has a value.
+    pub async fn get<T: Crdt>(&self, key: &str, consistency: Consistency, timeout: Duration) -> Result<Option<T>> {
+        let (tx, rx) = oneshot::channel();
+        let input = Input::Get { key: key.to_string(), consistency, timeout, reply: ReplyTx::Get(tx) };
+        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
+        let data = rx.await.map_err(|_| Error::ShutDown)??;
+        data.map(|d| T::from_data(d, key)).transpose()
+    }
+
+    /// Changes `key` (starting from `T::default()` when it has no value) and replicates the new
+    /// state with the given consistency. On [`Error::ConsistencyTimeout`] or
+    /// [`Error::NotEnoughReplicas`] the local value *is* changed and spreads by gossip.
+    pub async fn update<T, F>(&self, key: &str, consistency: Consistency, timeout: Duration, modify: F) -> Result<()>
+    where
+        T: Crdt,
+        F: FnOnce(&mut T, &mut WriteCtx) + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let owned_key = key.to_string();
+        let modify: replicator::Modify = Box::new(move |current, ctx| {
+            let mut value = match current {
+                Some(d) => T::from_data(d, &owned_key)?,
+                None => T::default(),
+            };
+            modify(&mut value, ctx);
+            Ok(value.into_data())
+        });
+        let input = Input::Update { key: key.to_string(), consistency, timeout, modify, reply: ReplyTx::Update(tx) };
+        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)?
+    }
+
+    /// Watches the local value of `key`: the receiver holds the current value and is notified on
+    /// every change (local update, replicated write, gossip or read repair).
+    pub async fn subscribe(&self, key: &str) -> Result<watch::Receiver<Option<ReplicatedData>>> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Subscribe { key: key.to_string(), reply: tx }).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)
+    }
+}
+
+/// Settings the driver needs.
+pub(crate) struct ReplicatorParams {
+    pub self_addr: UniqueAddress,
+    pub role: Option<String>,
+    pub durable_prefixes: Vec<String>,
+    pub gossip_interval: Duration,
+}
+
+/// Loads the durable keys, then starts the replicator task. Nothing is served before the load
+/// finished; a store that cannot be read fails the start.
+pub(crate) async fn start(
+    params: ReplicatorParams,
+    transport: Transport,
+    members: watch::Receiver<Arc<MembershipSnapshot>>,
+    store: DurableStore,
+    shutdown: CancellationToken,
+) -> Result<(Replicator, tokio::task::JoinHandle<()>)> {
+    let loader = store.clone();
+    let loaded = tokio::task::spawn_blocking(move || loader.load_all())
+        .await
+        .map_err(|e| Error::storage(store.path(), format!("load task failed: {e}")))??;
+    let mut core = ReplicatorCore::new(params.self_addr.clone(), params.durable_prefixes, params.gossip_interval);
+    core.load(loaded);
+    let inbound = transport.subscribe(TOPIC, 4096);
+    let (tx, rx) = mpsc::channel(4096);
+    let driver = Driver { core, transport, store, role: params.role, watchers: HashMap::new() };
+    let task = tokio::spawn(driver.run(rx, inbound, members, shutdown));
+    Ok((Replicator { commands: tx }, task))
+}
+
+struct Driver {
+    core: ReplicatorCore<ReplyTx>,
+    transport: Transport,
+    store: DurableStore,
+    role: Option<String>,
+    watchers: HashMap<String, watch::Sender<Option<ReplicatedData>>>,
+}
+
+impl Driver {
+    async fn run(
+        mut self,
+        mut commands: mpsc::Receiver<Command>,
+        mut inbound: mpsc::Receiver<Inbound>,
+        mut members: watch::Receiver<Arc<MembershipSnapshot>>,
+        shutdown: CancellationToken,
+    ) {
+        let mut tick = tokio::time::interval(Duration::from_millis(25));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut cmds = Vec::with_capacity(256);
+        let mut msgs = Vec::with_capacity(256);
+        let mut actions = Vec::new();
+        self.apply_members(&members.borrow_and_update(), &mut actions);
+        loop {
+            let now = Instant::now();
+            let wall = wall_ms();
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                n = commands.recv_many(&mut cmds, 256) => {
+                    if n == 0 { break; }
+                    for c in cmds.drain(..) {
+                        match c {
+                            Command::Op(input) => self.core.handle(input, now, wall, &mut actions),
+                            Command::Subscribe { key, reply } => {
+                                let current = self.core.local_value(&key).cloned();
+                                let w = self.watchers.entry(key).or_insert_with(|| watch::channel(current).0);
+                                let _ = reply.send(w.subscribe());
+                            }
+                        }
+                    }
+                }
+                n = inbound.recv_many(&mut msgs, 256) => {
+                    if n == 0 { break; }
+                    for m in msgs.drain(..) {
+                        match crate::transport::wire::decode::<ReplicatorMsg>(&m.body) {
+                            Ok(msg) => self.core.handle(Input::Remote { from: m.from, msg }, now, wall, &mut actions),
+                            Err(e) => warn!(peer = %m.from.address, error = %e, "malformed replicator message dropped"),
+                        }
+                    }
+                }
+                _ = tick.tick() => self.core.handle(Input::Tick, now, wall, &mut actions),
+                changed = members.changed() => {
+                    if changed.is_err() { break; }
+                    let snap = members.borrow_and_update().clone();
+                    self.apply_members(&snap, &mut actions);
+                }
+            }
+            if !actions.is_empty() {
+                self.perform(std::mem::take(&mut actions)).await;
+            }
+        }
+    }
+
+    fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<Action<ReplyTx>>) {
+        let role = self.role.as_deref();
+        let me = &snap.self_address;
+        let peer = |m: &crate::membership::Member| PeerAddr { address: m.address().clone(), messaging_addr: m.messaging_addr() };
+        let replicas = snap.up_members(role).filter(|m| m.address() != me).map(|m| (peer(m), m.is_reachable())).collect();
+        let gossip_targets = snap
+            .members
+            .iter()
+            .filter(|m| m.address() != me && m.is_reachable() && m.has_role(role))
+            .filter(|m| !matches!(m.status(), MemberStatus::Down | MemberStatus::Removed))
+            .map(peer)
+            .collect();
+        self.core.handle(Input::Members { replicas, gossip_targets }, Instant::now(), wall_ms(), out);
+    }
+
+    /// Performs actions: all persists of the batch first, in one LMDB transaction, then sends,
+    /// replies and notifications. If the persist fails, acknowledgements of this batch are
+    /// withheld and local updates answer with the storage error.
+    async fn perform(&mut self, actions: Vec<Action<ReplyTx>>) {
+        let mut batch: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+        for a in &actions {
+            if let Action::Persist { key, value } = a {
+                match rmp_serde::to_vec(value) {
+                    Ok(bytes) => {
+                        batch.retain(|(k, _)| k != key);
+                        batch.push((key.clone(), Some(bytes)));
+                    }
+                    Err(e) => error!(%key, error = %e, "cannot encode durable value"),
+                }
+            }
+        }
+        let mut persist_error: Option<String> = None;
+        if !batch.is_empty() {
+            let store = self.store.clone();
+            let r = tokio::task::spawn_blocking(move || store.write_batch(&batch)).await;
+            match r {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => persist_error = Some(e.to_string()),
+                Err(e) => persist_error = Some(format!("persist task failed: {e}")),
+            }
+            if let Some(e) = &persist_error {
+                error!(error = %e, "durable write failed; withholding acknowledgements");
+            }
+        }
+        for a in actions {
+            match a {
+                Action::Persist { .. } => {}
+                Action::Send { to, msg } => {
+                    if persist_error.is_some() && matches!(msg, ReplicatorMsg::WriteAck { .. }) {
+                        continue;
+                    }
+                    match crate::transport::wire::encode(&msg) {
+                        Ok(bytes) => {
+                            if let Err(e) = self.transport.send(&to, TOPIC, &bytes) {
+                                warn!(peer = %to.address, error = %e, "replicator message not sent");
+                            }
+                        }
+                        Err(e) => error!(error = %e, "cannot encode replicator message"),
+                    }
+                }
+                Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {
+                    let _ = tx.send(result);
+                }
+                Action::ReplyUpdate { reply: ReplyTx::Update(tx), result } => {
+                    let result = match (&persist_error, result) {
+                        (Some(e), Ok(())) => Err(Error::storage(self.store.path(), e)),
+                        (_, r) => r,
+                    };
+                    let _ = tx.send(result);
+                }
+                Action::ReplyGet { .. } | Action::ReplyUpdate { .. } => {
+                    error!("reply handle of the wrong kind; this is a bug");
+                }
+                Action::Changed { key, value } => {
+                    if let Some(w) = self.watchers.get(&key) {
+                        w.send_replace(Some(value));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,115 @@
+//! Typed errors of the whole crate.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Everything that can go wrong in ddshard, as a type a caller can match on.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A setting is out of range or inconsistent; the message names it.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A socket could not be bound or another I/O operation failed.
+    #[error("I/O error while {context}: {source}")]
+    Io {
+        /// What ddshard was doing.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// Gossip (chitchat) could not start or failed.
+    #[error("gossip error: {0}")]
+    Gossip(String),
+
+    /// The LMDB store under `data_dir` could not be opened, read or written (a corrupt file ends
+    /// up here, never in a panic).
+    #[error("durable store at {path}: {reason}")]
+    Storage {
+        /// The store's directory.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+
+    /// The node (or the component asked) has shut down.
+    #[error("node is shut down")]
+    ShutDown,
+
+    /// No connection to the peer could be used to send the message.
+    #[error("peer {peer} is not reachable: {reason}")]
+    PeerUnavailable {
+        /// The peer's node id.
+        peer: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// The per-peer send queue is full; the message was not sent.
+    #[error("send queue to {peer} is full; message dropped")]
+    SendQueueFull {
+        /// The peer's node id.
+        peer: String,
+    },
+
+    /// A request did not get its response in time.
+    #[error("request to {peer} timed out")]
+    RequestTimeout {
+        /// The peer's node id.
+        peer: String,
+    },
+
+    /// The message could not be encoded or decoded.
+    #[error("codec error: {0}")]
+    Codec(String),
+
+    /// Fewer replicas are reachable than the consistency level needs; nothing was sent and the
+    /// local value (for an update) was still changed and will spread by gossip.
+    #[error("consistency needs {needed} replicas but only {reachable} are reachable")]
+    NotEnoughReplicas {
+        /// Replicas needed, this node included.
+        needed: usize,
+        /// Replicas reachable, this node included.
+        reachable: usize,
+    },
+
+    /// The consistency level was not reached within the timeout. For an update the local value
+    /// is changed and will spread by gossip; retry if you need the guarantee.
+    #[error("consistency timed out: {acked} of {needed} replicas answered")]
+    ConsistencyTimeout {
+        /// Replicas needed, this node included.
+        needed: usize,
+        /// Replicas that answered, this node included.
+        acked: usize,
+    },
+
+    /// The key holds a CRDT of another type than the one asked for.
+    #[error("key {key:?} holds a {found}, not a {expected}")]
+    WrongDataType {
+        /// The key.
+        key: String,
+        /// The type asked for.
+        expected: &'static str,
+        /// The type stored.
+        found: &'static str,
+    },
+
+    /// The address is not usable (for example, the wildcard address as an advertised address).
+    #[error("address {0} cannot be advertised to peers")]
+    BadAddress(SocketAddr),
+}
+
+impl Error {
+    pub(crate) fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io { context: context.into(), source }
+    }
+
+    pub(crate) fn storage(path: &std::path::Path, reason: impl ToString) -> Self {
+        Error::Storage { path: path.to_path_buf(), reason: reason.to_string() }
+    }
+}
+
+/// Result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,31 @@
+//! # ddshard
+//!
+//! Cluster sharding for peer-to-peer Rust clusters, in the spirit of Akka Cluster Sharding in
+//! distributed-data mode, with no external datastore:
+//!
+//! - [`membership`]: gossip membership and failure detection over chitchat;
+//! - [`transport`]: node-to-node messages over TCP (handshake, framing, batching, reconnects,
+//!   request/response);
+//! - [`ddata`]: a replicator of CRDTs (LWW-map, OR-set, G-set) with majority reads and writes,
+//!   anti-entropy and LMDB durability;
+//! - [`Node`]: wires them together.
+//!
+//! With the `testkit` feature, [`testkit`] starts in-process clusters with fault injection.
+
+#![warn(missing_docs)]
+
+pub mod config;
+pub mod ddata;
+pub mod error;
+pub mod membership;
+mod node;
+pub mod transport;
+
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use config::{MembershipSettings, NodeConfig, ReplicatorSettings, TransportSettings};
+pub use ddata::{Consistency, Replicator};
+pub use error::{Error, Result};
+pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
+pub use node::Node;

@@ -1,0 +1,249 @@
+//! Cluster membership over chitchat gossip: member list, status, roles, reachability, age order
+//! and membership events.
+//!
+//! Each node gossips a few small keys of its own (status, up-number, roles, messaging address);
+//! [`view::compute_members`] turns the gossip state into the member list, the same way on every
+//! node, and [`driver`] runs the joining/leaving life cycle around chitchat.
+//!
+//! **Age order.** When a member turns Up it takes an *up-number*: one more than the highest it
+//! has seen in gossip (Lamport style). Members are ordered by `(up_number, node_id)`, so a node
+//! that joins a running cluster is always younger than every member it saw, whatever the wall
+//! clocks say, and a restarted node (new generation) is younger than everyone. Views can disagree
+//! for a moment; coordinator state is guarded by majority reads and writes, not by this order.
+
+mod driver;
+mod view;
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+pub(crate) use driver::{MembershipDriver, MembershipHandle};
+pub use view::compute_members;
+
+/// A node incarnation: its stable id plus the generation it started with. A restarted node has
+/// a larger generation and is a different incarnation.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct UniqueAddress {
+    /// Stable node id.
+    pub node_id: Arc<str>,
+    /// Generation (grows on every start of the node).
+    pub generation: u64,
+}
+
+impl UniqueAddress {
+    /// Creates an address.
+    pub fn new(node_id: impl Into<Arc<str>>, generation: u64) -> Self {
+        UniqueAddress { node_id: node_id.into(), generation }
+    }
+}
+
+impl fmt::Display for UniqueAddress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}#{}", self.node_id, self.generation)
+    }
+}
+
+/// Life-cycle status of a member (as in Akka, without WeaklyUp).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum MemberStatus {
+    /// Started and gossiping, not yet part of the cluster's decisions.
+    Joining,
+    /// Full member.
+    Up,
+    /// Leaving gracefully: handing off its work.
+    Leaving,
+    /// Done handing off; about to stop.
+    Exiting,
+    /// Gone from the cluster (after leaving, or superseded by a newer incarnation).
+    Removed,
+    /// Declared down by a downing decision; never comes back as this incarnation.
+    Down,
+}
+
+impl MemberStatus {
+    pub(crate) fn as_key(self) -> &'static str {
+        match self {
+            MemberStatus::Joining => "joining",
+            MemberStatus::Up => "up",
+            MemberStatus::Leaving => "leaving",
+            MemberStatus::Exiting => "exiting",
+            MemberStatus::Removed => "removed",
+            MemberStatus::Down => "down",
+        }
+    }
+
+    pub(crate) fn from_key(s: &str) -> Option<Self> {
+        Some(match s {
+            "joining" => MemberStatus::Joining,
+            "up" => MemberStatus::Up,
+            "leaving" => MemberStatus::Leaving,
+            "exiting" => MemberStatus::Exiting,
+            "removed" => MemberStatus::Removed,
+            "down" => MemberStatus::Down,
+            _ => return None,
+        })
+    }
+
+    /// Up or Leaving: the members that count for majorities and may host work.
+    pub fn is_up_or_leaving(self) -> bool {
+        matches!(self, MemberStatus::Up | MemberStatus::Leaving)
+    }
+}
+
+/// One member as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    pub(crate) address: UniqueAddress,
+    pub(crate) status: MemberStatus,
+    pub(crate) up_number: Option<u64>,
+    pub(crate) roles: Vec<String>,
+    pub(crate) reachable: bool,
+    pub(crate) messaging_addr: SocketAddr,
+    pub(crate) gossip_addr: SocketAddr,
+}
+
+impl Member {
+    /// The member's stable node id.
+    pub fn node_id(&self) -> &str {
+        &self.address.node_id
+    }
+    /// The incarnation (node id + generation).
+    pub fn address(&self) -> &UniqueAddress {
+        &self.address
+    }
+    /// Current status.
+    pub fn status(&self) -> MemberStatus {
+        self.status
+    }
+    /// Roles the member has.
+    pub fn roles(&self) -> &[String] {
+        &self.roles
+    }
+    /// Whether it has the role (`None` = any member).
+    pub fn has_role(&self, role: Option<&str>) -> bool {
+        role.is_none_or(|r| self.roles.iter().any(|x| x == r))
+    }
+    /// The up-number that orders members by age (lower = older); `None` while joining.
+    pub fn up_number(&self) -> Option<u64> {
+        self.up_number
+    }
+    /// False while the failure detector considers it dead.
+    pub fn is_reachable(&self) -> bool {
+        self.reachable
+    }
+    /// TCP address of its messaging endpoint.
+    pub fn messaging_addr(&self) -> SocketAddr {
+        self.messaging_addr
+    }
+    /// UDP gossip address.
+    pub fn gossip_addr(&self) -> SocketAddr {
+        self.gossip_addr
+    }
+    /// Age key: lower is older. Joining members sort after every member that is up.
+    pub(crate) fn age_key(&self) -> (u64, u64, &str) {
+        match self.up_number {
+            Some(n) => (0, n, &self.address.node_id),
+            None => (1, self.address.generation, &self.address.node_id),
+        }
+    }
+}
+
+/// The member list as seen by one node at one moment, oldest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembershipSnapshot {
+    /// This node.
+    pub self_address: UniqueAddress,
+    /// Members, oldest first. Removed members are not listed; unreachable ones are, flagged.
+    pub members: Vec<Member>,
+}
+
+impl MembershipSnapshot {
+    /// The member with this node id, if listed.
+    pub fn member(&self, node_id: &str) -> Option<&Member> {
+        self.members.iter().find(|m| m.node_id() == node_id)
+    }
+
+    /// This node's own entry.
+    pub fn self_member(&self) -> Option<&Member> {
+        self.members.iter().find(|m| m.address == self.self_address)
+    }
+
+    /// The oldest member that is Up or Leaving and has the role: where singletons run.
+    pub fn oldest(&self, role: Option<&str>) -> Option<&Member> {
+        self.members.iter().find(|m| m.status.is_up_or_leaving() && m.has_role(role))
+    }
+
+    /// Members that are Up or Leaving with the role (reachable or not): the replica set that
+    /// majorities are counted over.
+    pub fn up_members(&self, role: Option<&str>) -> impl Iterator<Item = &Member> {
+        self.members.iter().filter(move |m| m.status.is_up_or_leaving() && m.has_role(role))
+    }
+}
+
+/// A change in the member list, derived by comparing two snapshots.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemberEvent {
+    /// A new member appeared (joining).
+    Joined(Member),
+    /// A member became Up.
+    Up(Member),
+    /// A member started leaving.
+    Leaving(Member),
+    /// A member finished handing off and is about to stop.
+    Exited(Member),
+    /// A member was declared down.
+    Downed(Member),
+    /// A member is gone from the list.
+    Removed(UniqueAddress),
+    /// The failure detector lost a member.
+    Unreachable(Member),
+    /// A member that was unreachable is back.
+    Reachable(Member),
+}
+
+/// The events that turn `before` into `after`.
+pub fn diff_snapshots(before: &MembershipSnapshot, after: &MembershipSnapshot) -> Vec<MemberEvent> {
+    let mut events = Vec::new();
+    for m in &after.members {
+        match before.members.iter().find(|b| b.address == m.address) {
+            None => {
+                events.push(MemberEvent::Joined(m.clone()));
+                if m.status != MemberStatus::Joining {
+                    events.extend(status_event(m));
+                }
+                if !m.reachable {
+                    events.push(MemberEvent::Unreachable(m.clone()));
+                }
+            }
+            Some(b) => {
+                if b.status != m.status {
+                    events.extend(status_event(m));
+                }
+                if b.reachable && !m.reachable {
+                    events.push(MemberEvent::Unreachable(m.clone()));
+                } else if !b.reachable && m.reachable {
+                    events.push(MemberEvent::Reachable(m.clone()));
+                }
+            }
+        }
+    }
+    for b in &before.members {
+        if !after.members.iter().any(|m| m.address == b.address) {
+            events.push(MemberEvent::Removed(b.address.clone()));
+        }
+    }
+    events
+}
+
+fn status_event(m: &Member) -> Option<MemberEvent> {
+    Some(match m.status {
+        MemberStatus::Up => MemberEvent::Up(m.clone()),
+        MemberStatus::Leaving => MemberEvent::Leaving(m.clone()),
+        MemberStatus::Exiting => MemberEvent::Exited(m.clone()),
+        MemberStatus::Down => MemberEvent::Downed(m.clone()),
+        MemberStatus::Joining | MemberStatus::Removed => return None,
+    })
+}

@@ -1,0 +1,148 @@
+//! Pure computation of the member list from gossip state, identical on every node that has the
+//! same gossip state.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+use super::{Member, MemberStatus, MembershipSnapshot, UniqueAddress};
+
+/// Gossip keys each node publishes about itself.
+pub(crate) mod keys {
+    pub const STATUS: &str = "status";
+    pub const UP_NUMBER: &str = "up";
+    pub const ROLES: &str = "roles";
+    pub const MESSAGING: &str = "msg";
+}
+
+/// What gossip knows about one node incarnation.
+#[derive(Debug, Clone)]
+pub struct GossipNode {
+    /// The incarnation.
+    pub address: UniqueAddress,
+    /// Its gossip address.
+    pub gossip_addr: SocketAddr,
+    /// Whether chitchat's failure detector considers it alive.
+    pub live: bool,
+    /// Its published keys.
+    pub keys: BTreeMap<String, String>,
+}
+
+/// Builds the member list (oldest first) from gossip state.
+///
+/// - only the newest generation of a node id counts (a restart supersedes the old incarnation);
+/// - `removed` members, and `exiting`/`down` members that are no longer alive, are dropped;
+/// - nodes whose keys are not yet complete are not listed.
+pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> MembershipSnapshot {
+    let mut newest: BTreeMap<&str, &GossipNode> = BTreeMap::new();
+    for n in nodes {
+        let slot = newest.entry(&n.address.node_id).or_insert(n);
+        if n.address.generation > slot.address.generation {
+            *slot = n;
+        }
+    }
+    let mut members: Vec<Member> = newest
+        .values()
+        .filter_map(|n| {
+            let is_self = n.address == *self_address;
+            let status = MemberStatus::from_key(n.keys.get(keys::STATUS)?)?;
+            let messaging_addr: SocketAddr = n.keys.get(keys::MESSAGING)?.parse().ok()?;
+            let live = is_self || n.live;
+            let gone = match status {
+                MemberStatus::Removed => true,
+                MemberStatus::Exiting | MemberStatus::Down => !live,
+                _ => false,
+            };
+            if gone {
+                return None;
+            }
+            let up_number = n.keys.get(keys::UP_NUMBER).and_then(|s| s.parse().ok());
+            let roles = n
+                .keys
+                .get(keys::ROLES)
+                .map(|r| r.split(',').filter(|s| !s.is_empty()).map(String::from).collect())
+                .unwrap_or_default();
+            Some(Member {
+                address: n.address.clone(),
+                status,
+                up_number: if status == MemberStatus::Joining { None } else { up_number },
+                roles,
+                reachable: live,
+                messaging_addr,
+                gossip_addr: n.gossip_addr,
+            })
+        })
+        .collect();
+    members.sort_by(|a, b| a.age_key().cmp(&b.age_key()));
+    MembershipSnapshot { self_address: self_address.clone(), members }
+}
+
+/// The highest up-number in gossip, over every node and generation (live or dead).
+pub(crate) fn highest_up_number(nodes: &[GossipNode]) -> u64 {
+    nodes
+        .iter()
+        .filter_map(|n| n.keys.get(keys::UP_NUMBER)?.parse::<u64>().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(id: &str, generation: u64, status: &str, up: Option<u64>, live: bool) -> GossipNode {
+        let mut keys = BTreeMap::new();
+        keys.insert(keys::STATUS.to_string(), status.to_string());
+        keys.insert(keys::MESSAGING.to_string(), "127.0.0.1:1".to_string());
+        keys.insert(keys::ROLES.to_string(), "a,b".to_string());
+        if let Some(u) = up {
+            keys.insert(keys::UP_NUMBER.to_string(), u.to_string());
+        }
+        GossipNode {
+            address: UniqueAddress::new(id, generation),
+            gossip_addr: "127.0.0.1:2".parse().unwrap(),
+            live,
+            keys,
+        }
+    }
+
+    #[test]
+    fn members_are_ordered_by_up_number_then_node_id_and_joining_last() {
+        let me = UniqueAddress::new("a", 1);
+        let nodes = vec![
+            node("c", 5, "up", Some(1), true),
+            node("a", 1, "joining", None, true),
+            node("b", 9, "up", Some(1), true),
+            node("d", 2, "up", Some(2), true),
+        ];
+        let s = compute_members(&me, &nodes);
+        let ids: Vec<_> = s.members.iter().map(|m| m.node_id()).collect();
+        assert_eq!(ids, ["b", "c", "d", "a"]);
+        assert_eq!(s.oldest(None).unwrap().node_id(), "b");
+        assert_eq!(s.members[0].roles(), ["a", "b"]);
+    }
+
+    #[test]
+    fn newer_generation_supersedes_older_incarnation() {
+        let me = UniqueAddress::new("a", 1);
+        let nodes = vec![node("b", 1, "up", Some(1), false), node("b", 2, "up", Some(3), true)];
+        let s = compute_members(&me, &nodes);
+        assert_eq!(s.members.len(), 1);
+        assert_eq!(s.members[0].address().generation, 2);
+        assert_eq!(highest_up_number(&nodes), 3);
+    }
+
+    #[test]
+    fn removed_and_dead_exiting_members_are_not_listed_but_unreachable_up_members_are() {
+        let me = UniqueAddress::new("a", 1);
+        let nodes = vec![
+            node("b", 1, "removed", Some(1), true),
+            node("c", 1, "exiting", Some(2), false),
+            node("d", 1, "up", Some(3), false),
+            node("e", 1, "bogus", Some(4), true),
+        ];
+        let s = compute_members(&me, &nodes);
+        assert_eq!(s.members.len(), 1);
+        assert_eq!(s.members[0].node_id(), "d");
+        assert!(!s.members[0].is_reachable());
+    }
+}

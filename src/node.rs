@@ -1,0 +1,185 @@
+//! A cluster node: wires membership, transport and the replicator together.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{broadcast, watch};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, info_span, Instrument};
+
+use crate::config::NodeConfig;
+use crate::ddata::{self, DurableStore, Replicator, ReplicatorParams};
+use crate::error::{Error, Result};
+use crate::membership::{Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress};
+use crate::transport::Transport;
+
+struct NodeInner {
+    config: NodeConfig,
+    address: UniqueAddress,
+    membership: MembershipHandle,
+    transport: Transport,
+    replicator: Replicator,
+    shutdown: CancellationToken,
+    tasks: Mutex<Vec<JoinHandle<()>>>,
+}
+
+/// A running cluster node. Cheap to clone; every clone is the same node.
+#[derive(Clone)]
+pub struct Node {
+    inner: Arc<NodeInner>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node").field("address", &self.inner.address).finish()
+    }
+}
+
+impl Node {
+    /// Validates the configuration, opens the durable store under `data_dir` (loading every
+    /// durable key before serving), binds messaging and gossip, and joins the cluster through
+    /// the seeds.
+    pub async fn start(config: NodeConfig) -> Result<Node> {
+        config.validate()?;
+        let dir = config.data_dir.join("ddata");
+        let map_size = config.replicator.lmdb_map_size;
+        let (store, generation) = tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
+            let store = DurableStore::open(&dir, map_size)?;
+            let generation = store.next_generation(ddata::wall_ms())?;
+            Ok((store, generation))
+        })
+        .await
+        .map_err(|e| Error::storage(&config.data_dir, format!("open task failed: {e}")))??;
+        let address = UniqueAddress::new(config.node_id.as_str(), generation);
+        let span = info_span!("node", node = %address);
+        let shutdown = CancellationToken::new();
+        let transport = Transport::bind(
+            config.messaging_addr,
+            address.clone(),
+            config.cluster_id.clone(),
+            config.transport.clone(),
+            shutdown.clone(),
+            #[cfg(feature = "testkit")]
+            config.fault_injector.clone(),
+        )
+        .await?;
+        let (membership, driver) = MembershipDriver::start(&config, address.clone(), transport.local().messaging_addr).await?;
+        let mut tasks = vec![tokio::spawn(driver.run(shutdown.clone()).instrument(span.clone()))];
+        let params = ReplicatorParams {
+            self_addr: address.clone(),
+            role: config.replicator.role.clone(),
+            durable_prefixes: config.replicator.durable_key_prefixes.clone(),
+            gossip_interval: config.replicator.gossip_interval,
+        };
+        let started = ddata::start(params, transport.clone(), membership.watch(), store, shutdown.clone()).await;
+        let (replicator, task) = match started {
+            Ok(r) => r,
+            Err(e) => {
+                shutdown.cancel();
+                return Err(e);
+            }
+        };
+        tasks.push(task);
+        tasks.push(tokio::spawn(forget_removed_peers(membership.events(), transport.clone(), shutdown.clone())));
+        info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
+        Ok(Node {
+            inner: Arc::new(NodeInner {
+                config,
+                address,
+                membership,
+                transport,
+                replicator,
+                shutdown,
+                tasks: Mutex::new(tasks),
+            }),
+        })
+    }
+
+    /// The stable node id.
+    pub fn node_id(&self) -> &str {
+        &self.inner.address.node_id
+    }
+    /// This incarnation (node id + generation).
+    pub fn address(&self) -> &UniqueAddress {
+        &self.inner.address
+    }
+    /// The bound gossip (UDP) address.
+    pub fn gossip_addr(&self) -> SocketAddr {
+        self.inner.membership.gossip_addr()
+    }
+    /// The bound messaging (TCP) address.
+    pub fn messaging_addr(&self) -> SocketAddr {
+        self.inner.transport.local().messaging_addr
+    }
+    /// The configuration the node started with.
+    pub fn config(&self) -> &NodeConfig {
+        &self.inner.config
+    }
+    /// Members, oldest first. A member seen unreachable is listed (flagged) until it is removed
+    /// or downed.
+    pub fn members(&self) -> Vec<Member> {
+        self.inner.membership.snapshot().members.clone()
+    }
+    /// The current membership snapshot.
+    pub fn membership(&self) -> Arc<MembershipSnapshot> {
+        self.inner.membership.snapshot()
+    }
+    /// A watch over membership snapshots.
+    pub fn watch_membership(&self) -> watch::Receiver<Arc<MembershipSnapshot>> {
+        self.inner.membership.watch()
+    }
+    /// Membership events from now on.
+    pub fn subscribe_events(&self) -> broadcast::Receiver<MemberEvent> {
+        self.inner.membership.events()
+    }
+    /// The distributed-data replicator.
+    pub fn replicator(&self) -> &Replicator {
+        &self.inner.replicator
+    }
+    /// The messaging layer.
+    pub fn transport(&self) -> &Transport {
+        &self.inner.transport
+    }
+
+    /// Leaves gracefully: Leaving → Exiting → Removed in gossip, lingers so every member sees it,
+    /// then stops.
+    pub async fn leave(&self) -> Result<()> {
+        let m = &self.inner.membership;
+        m.set_status(MemberStatus::Leaving).await?;
+        m.set_status(MemberStatus::Exiting).await?;
+        m.set_status(MemberStatus::Removed).await?;
+        tokio::time::sleep(self.inner.config.membership.leave_linger).await;
+        self.shutdown().await;
+        Ok(())
+    }
+
+    /// Stops at once, without hand-off or goodbye (as a crash would, for the others). Returns
+    /// when every task of the node has ended and its store is closed.
+    pub async fn shutdown(&self) {
+        self.inner.shutdown.cancel();
+        let tasks: Vec<JoinHandle<()>> = std::mem::take(&mut *self.inner.tasks.lock().expect("tasks lock"));
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+
+    /// Whether [`Node::shutdown`] (or leave) was called.
+    pub fn is_shut_down(&self) -> bool {
+        self.inner.shutdown.is_cancelled()
+    }
+}
+
+async fn forget_removed_peers(mut events: broadcast::Receiver<MemberEvent>, transport: Transport, shutdown: CancellationToken) {
+    loop {
+        let ev = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            ev = events.recv() => ev,
+        };
+        match ev {
+            Ok(MemberEvent::Removed(addr)) => transport.forget_peer(&addr),
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Err(broadcast::error::RecvError::Closed) => return,
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! In-process test clusters with fault injection (feature `testkit`).
+//!
+//! A [`FaultInjector`] shared by the nodes of one process cuts directed links between node ids,
+//! for gossip (UDP) and messaging (TCP) alike; [`TestCluster`] starts N nodes on loopback with
+//! temporary data dirs, kills them abruptly and restarts them on the same data dir as a new
+//! incarnation.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chitchat::ChitchatEnvelope;
+use chitchat::transport::{RecvOutcome, SendOutcome, Socket};
+use tempfile::TempDir;
+
+use crate::config::NodeConfig;
+use crate::error::Result;
+use crate::membership::MemberStatus;
+use crate::node::Node;
+
+#[derive(Debug, Default)]
+struct FaultState {
+    owner_of_addr: HashMap<SocketAddr, String>,
+    cut: HashSet<(String, String)>,
+}
+
+/// Shared switchboard of cut links between node ids.
+#[derive(Debug, Clone, Default)]
+pub struct FaultInjector {
+    state: Arc<RwLock<FaultState>>,
+}
+
+impl FaultInjector {
+    /// A switchboard with every link up.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub(crate) fn register(&self, node_id: &str, addrs: &[SocketAddr]) {
+        let mut s = self.state.write().expect("fault state");
+        for a in addrs {
+            s.owner_of_addr.insert(*a, node_id.to_string());
+        }
+    }
+
+    /// Cuts every link between a node of `a` and a node of `b`, both directions.
+    pub fn cut(&self, a: &[&str], b: &[&str]) {
+        let mut s = self.state.write().expect("fault state");
+        for x in a {
+            for y in b {
+                s.cut.insert((x.to_string(), y.to_string()));
+                s.cut.insert((y.to_string(), x.to_string()));
+            }
+        }
+    }
+
+    /// Cuts traffic from `from` to `to` only.
+    pub fn cut_one_way(&self, from: &str, to: &str) {
+        self.state.write().expect("fault state").cut.insert((from.to_string(), to.to_string()));
+    }
+
+    /// Restores every link.
+    pub fn heal_all(&self) {
+        self.state.write().expect("fault state").cut.clear();
+    }
+
+    /// Whether traffic from `from` to `to` is cut.
+    pub fn is_cut(&self, from: &str, to: &str) -> bool {
+        let s = self.state.read().expect("fault state");
+        !s.cut.is_empty() && s.cut.contains(&(from.to_string(), to.to_string()))
+    }
+
+    fn is_cut_to_addr(&self, from: &str, to: SocketAddr) -> bool {
+        let s = self.state.read().expect("fault state");
+        s.owner_of_addr.get(&to).is_some_and(|owner| s.cut.contains(&(from.to_string(), owner.clone())))
+    }
+
+    fn is_cut_from_addr(&self, from: SocketAddr, to: &str) -> bool {
+        let s = self.state.read().expect("fault state");
+        s.owner_of_addr.get(&from).is_some_and(|owner| s.cut.contains(&(owner.clone(), to.to_string())))
+    }
+}
+
+/// A chitchat socket that drops datagrams on cut links.
+pub(crate) struct FaultySocket {
+    inner: Box<dyn Socket>,
+    node_id: Arc<str>,
+    injector: FaultInjector,
+}
+
+impl FaultySocket {
+    pub(crate) fn new(inner: Box<dyn Socket>, node_id: Arc<str>, injector: FaultInjector) -> Self {
+        FaultySocket { inner, node_id, injector }
+    }
+}
+
+#[async_trait]
+impl Socket for FaultySocket {
+    fn local_addr(&self) -> anyhow::Result<SocketAddr> {
+        self.inner.local_addr()
+    }
+
+    async fn send(&mut self, to: SocketAddr, envelope: ChitchatEnvelope) -> anyhow::Result<SendOutcome> {
+        if self.injector.is_cut_to_addr(&self.node_id, to) {
+            return Ok(SendOutcome { num_bytes_sent: 0 });
+        }
+        self.inner.send(to, envelope).await
+    }
+
+    async fn recv(&mut self) -> anyhow::Result<RecvOutcome> {
+        loop {
+            let r = self.inner.recv().await?;
+            if !self.injector.is_cut_from_addr(r.from_addr, &self.node_id) {
+                return Ok(r);
+            }
+        }
+    }
+}
+
+/// Polls `check` until it returns `Some`, or panics with `what` after `timeout`.
+pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Settings that suit in-process clusters on a small, loaded machine.
+pub fn test_config(node_id: &str, data_dir: &std::path::Path, cluster_id: &str) -> NodeConfig {
+    let mut c = NodeConfig {
+        node_id: node_id.to_string(),
+        cluster_id: cluster_id.to_string(),
+        data_dir: data_dir.to_path_buf(),
+        ..NodeConfig::default()
+    };
+    c.replicator.gossip_interval = Duration::from_millis(200);
+    c.replicator.lmdb_map_size = 64 << 20;
+    c.membership.leave_linger = Duration::from_millis(800);
+    c
+}
+
+/// N nodes in this process, on loopback, sharing one [`FaultInjector`].
+pub struct TestCluster {
+    nodes: Vec<Option<Node>>,
+    dirs: Vec<TempDir>,
+    injector: FaultInjector,
+    cluster_id: String,
+    customize: Arc<dyn Fn(usize, &mut NodeConfig) + Send + Sync>,
+}
+
+impl TestCluster {
+    /// Starts `n` nodes `n1..=nN`; `n1` forms the cluster, the others join through it.
+    pub async fn start(n: usize) -> Result<TestCluster> {
+        Self::start_with(n, |_, _| {}).await
+    }
+
+    /// Like [`TestCluster::start`], with a hook to change each node's config (index from 0).
+    pub async fn start_with(n: usize, customize: impl Fn(usize, &mut NodeConfig) + Send + Sync + 'static) -> Result<TestCluster> {
+        let mut c = TestCluster {
+            nodes: Vec::new(),
+            dirs: Vec::new(),
+            injector: FaultInjector::new(),
+            cluster_id: "test-cluster".into(),
+            customize: Arc::new(customize),
+        };
+        for _ in 0..n {
+            c.add_node().await?;
+        }
+        Ok(c)
+    }
+
+    /// Node id of index `i`.
+    pub fn node_id(i: usize) -> String {
+        format!("n{}", i + 1)
+    }
+
+    fn config_for(&self, i: usize) -> NodeConfig {
+        let mut cfg = test_config(&Self::node_id(i), self.dirs[i].path(), &self.cluster_id);
+        cfg.seeds = self.nodes.iter().flatten().filter(|n| !n.is_shut_down()).map(Node::gossip_addr).collect();
+        cfg.fault_injector = Some(self.injector.clone());
+        (self.customize)(i, &mut cfg);
+        cfg
+    }
+
+    /// Starts one more node; returns its index.
+    pub async fn add_node(&mut self) -> Result<usize> {
+        let i = self.nodes.len();
+        self.dirs.push(tempfile::tempdir().map_err(|e| crate::Error::io("creating temp dir", e))?);
+        let cfg = self.config_for(i);
+        let node = Node::start(cfg).await?;
+        self.nodes.push(Some(node));
+        Ok(i)
+    }
+
+    /// Node `i` (panics if it is killed).
+    pub fn node(&self, i: usize) -> &Node {
+        self.nodes[i].as_ref().expect("node is not running")
+    }
+
+    /// Running nodes with their indexes.
+    pub fn running(&self) -> impl Iterator<Item = (usize, &Node)> {
+        self.nodes.iter().enumerate().filter_map(|(i, n)| Some((i, n.as_ref()?)))
+    }
+
+    /// Number of node slots (running or not).
+    pub fn len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// True when no node was ever started.
+    pub fn is_empty(&self) -> bool {
+        self.nodes.is_empty()
+    }
+
+    /// The shared fault injector.
+    pub fn injector(&self) -> &FaultInjector {
+        &self.injector
+    }
+
+    /// Cuts gossip and messaging between the two sets of node indexes.
+    pub fn partition(&self, a: &[usize], b: &[usize]) {
+        let ids = |v: &[usize]| v.iter().map(|i| Self::node_id(*i)).collect::<Vec<_>>();
+        let (a, b) = (ids(a), ids(b));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let b: Vec<&str> = b.iter().map(String::as_str).collect();
+        self.injector.cut(&a, &b);
+    }
+
+    /// Heals every cut.
+    pub fn heal(&self) {
+        self.injector.heal_all();
+    }
+
+    /// Stops node `i` abruptly (no leave, no hand-off).
+    pub async fn kill(&mut self, i: usize) {
+        if let Some(n) = self.nodes[i].take() {
+            n.shutdown().await;
+        }
+    }
+
+    /// Restarts node `i` on its data dir as a new incarnation (kills it first if running).
+    pub async fn restart(&mut self, i: usize) -> Result<()> {
+        self.kill(i).await;
+        let cfg = self.config_for(i);
+        self.nodes[i] = Some(Node::start(cfg).await?);
+        Ok(())
+    }
+
+    /// Waits until every running node lists exactly the running nodes, all Up and reachable.
+    pub async fn await_converged(&self, timeout: Duration) {
+        let expected: Vec<String> = {
+            let mut v: Vec<String> = self.running().map(|(_, n)| n.node_id().to_string()).collect();
+            v.sort();
+            v
+        };
+        eventually(timeout, &format!("all running nodes see exactly {expected:?} up"), || {
+            let ok = self.running().all(|(_, n)| {
+                let ms = n.members();
+                let mut ids: Vec<String> = ms.iter().map(|m| m.node_id().to_string()).collect();
+                ids.sort();
+                ids == expected && ms.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
+            });
+            std::future::ready(ok.then_some(()))
+        })
+        .await
+    }
+
+    /// Shuts every node down.
+    pub async fn shutdown(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill(i).await;
+        }
+    }
+}

@@ -1,0 +1,444 @@
+//! Node-to-node messaging over TCP.
+//!
+//! Every node dials each peer it sends to and keeps one outbound connection per peer
+//! incarnation, written by one writer task that batches frames before flushing. Inbound
+//! connections are read-only after the handshake, so the pair of nodes uses two connections and
+//! the order of messages from one node to another is the order they were sent. Requests and
+//! responses are matched by correlation id; the response comes back over the responder's own
+//! outbound connection.
+//!
+//! Bad input (oversized frames, garbage, a foreign cluster id, another protocol version) closes
+//! only that connection with a logged, typed reason and bumps a counter.
+
+pub mod wire;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::config::TransportSettings;
+use crate::error::{Error, Result};
+use crate::membership::UniqueAddress;
+use wire::{Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
+
+/// Where a peer incarnation is reached.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PeerAddr {
+    /// The incarnation.
+    pub address: UniqueAddress,
+    /// Its messaging (TCP) address.
+    pub messaging_addr: SocketAddr,
+}
+
+/// A message delivered to a topic's subscriber.
+#[derive(Debug)]
+pub struct Inbound {
+    /// Sender.
+    pub from: PeerAddr,
+    /// Payload.
+    pub body: Bytes,
+    /// Correlation id when the sender waits for a response ([`Transport::respond`]).
+    pub request_id: Option<u64>,
+}
+
+/// Counters of the transport, for logs, tests and operators.
+#[derive(Debug, Default)]
+pub struct TransportStats {
+    /// Frames written to sockets.
+    pub frames_sent: AtomicU64,
+    /// Frames read from sockets.
+    pub frames_received: AtomicU64,
+    /// Connections closed because of bad input or a refused handshake.
+    pub connections_rejected: AtomicU64,
+    /// Frames dropped: unknown topic, full subscriber, or cut by fault injection.
+    pub frames_dropped: AtomicU64,
+}
+
+struct Inner {
+    local: PeerAddr,
+    cluster_id: String,
+    settings: TransportSettings,
+    writers: Mutex<HashMap<UniqueAddress, mpsc::Sender<Bytes>>>,
+    topics: Mutex<HashMap<String, mpsc::Sender<Inbound>>>,
+    pending: Mutex<HashMap<u64, oneshot::Sender<Result<Bytes>>>>,
+    next_request_id: AtomicU64,
+    stats: TransportStats,
+    shutdown: CancellationToken,
+    #[cfg(feature = "testkit")]
+    injector: Option<crate::testkit::FaultInjector>,
+}
+
+/// Handle to the messaging layer of one node; cheap to clone.
+#[derive(Clone)]
+pub struct Transport {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport").field("local", &self.inner.local).finish()
+    }
+}
+
+fn codec(max_frame: usize) -> LengthDelimitedCodec {
+    LengthDelimitedCodec::builder().max_frame_length(max_frame).new_codec()
+}
+
+impl Transport {
+    /// Binds the listener and starts accepting. `bind` may use port 0.
+    pub async fn bind(
+        bind: SocketAddr,
+        local: UniqueAddress,
+        cluster_id: String,
+        settings: TransportSettings,
+        shutdown: CancellationToken,
+        #[cfg(feature = "testkit")] injector: Option<crate::testkit::FaultInjector>,
+    ) -> Result<Transport> {
+        let listener = TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
+        let messaging_addr = listener.local_addr().map_err(|e| Error::io("reading bound messaging address", e))?;
+        if messaging_addr.ip().is_unspecified() {
+            return Err(Error::BadAddress(messaging_addr));
+        }
+        let inner = Arc::new(Inner {
+            local: PeerAddr { address: local, messaging_addr },
+            cluster_id,
+            settings,
+            writers: Mutex::default(),
+            topics: Mutex::default(),
+            pending: Mutex::default(),
+            next_request_id: AtomicU64::new(1),
+            stats: TransportStats::default(),
+            shutdown,
+            #[cfg(feature = "testkit")]
+            injector,
+        });
+        tokio::spawn(accept_loop(listener, inner.clone()));
+        Ok(Transport { inner })
+    }
+
+    /// This node's address as peers see it.
+    pub fn local(&self) -> &PeerAddr {
+        &self.inner.local
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &TransportStats {
+        &self.inner.stats
+    }
+
+    /// Subscribes to a topic; messages and requests for it arrive on the returned channel.
+    /// A second subscription replaces the first.
+    pub fn subscribe(&self, topic: &str, capacity: usize) -> mpsc::Receiver<Inbound> {
+        let (tx, rx) = mpsc::channel(capacity);
+        self.inner.topics.lock().expect("topics lock").insert(topic.to_string(), tx);
+        rx
+    }
+
+    /// Sends a one-way message. Delivery is at most once and in order per peer.
+    pub fn send(&self, to: &PeerAddr, topic: &str, body: &[u8]) -> Result<()> {
+        let frame = wire::encode(&Frame::Message { topic: topic.to_string(), body: body.to_vec() })?;
+        self.enqueue(to, frame)
+    }
+
+    /// Sends a request and waits for its response (or the timeout).
+    pub async fn request(&self, to: &PeerAddr, topic: &str, body: &[u8], timeout: Duration) -> Result<Bytes> {
+        let id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let frame = wire::encode(&Frame::Request { id, topic: topic.to_string(), body: body.to_vec() })?;
+        let (tx, rx) = oneshot::channel();
+        self.inner.pending.lock().expect("pending lock").insert(id, tx);
+        let result = match self.enqueue(to, frame) {
+            Ok(()) => match tokio::time::timeout(timeout, rx).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(_)) => Err(Error::ShutDown),
+                Err(_) => Err(Error::RequestTimeout { peer: to.address.node_id.to_string() }),
+            },
+            Err(e) => Err(e),
+        };
+        self.inner.pending.lock().expect("pending lock").remove(&id);
+        result
+    }
+
+    /// Answers a request received as [`Inbound`] with `request_id`.
+    pub fn respond(&self, to: &PeerAddr, request_id: u64, body: Result<&[u8], String>) -> Result<()> {
+        let body = body.map(|b| serde_bytes::ByteBuf::from(b.to_vec()));
+        let frame = wire::encode(&Frame::Response { id: request_id, body })?;
+        self.enqueue(to, frame)
+    }
+
+    /// Stops the writer of a peer incarnation (it left or was replaced); queued frames are dropped.
+    pub fn forget_peer(&self, peer: &UniqueAddress) {
+        self.inner.writers.lock().expect("writers lock").remove(peer);
+    }
+
+    fn enqueue(&self, to: &PeerAddr, frame: Bytes) -> Result<()> {
+        let inner = &self.inner;
+        if inner.shutdown.is_cancelled() {
+            return Err(Error::ShutDown);
+        }
+        if frame.len() > inner.settings.max_frame_size {
+            return Err(Error::Codec(format!(
+                "frame of {} bytes exceeds max_frame_size {}",
+                frame.len(),
+                inner.settings.max_frame_size
+            )));
+        }
+        if to.address == inner.local.address {
+            // Loopback without a socket: decode and dispatch directly, same semantics.
+            let from = inner.local.clone();
+            let inner2 = inner.clone();
+            tokio::spawn(async move {
+                if let Ok(f) = wire::decode::<Frame>(&frame) {
+                    dispatch(&inner2, &from, f).await;
+                }
+            });
+            return Ok(());
+        }
+        let mut writers = inner.writers.lock().expect("writers lock");
+        let tx = writers.entry(to.address.clone()).or_insert_with(|| {
+            let (tx, rx) = mpsc::channel(inner.settings.send_queue_capacity);
+            tokio::spawn(writer_task(inner.clone(), to.clone(), rx));
+            tx
+        });
+        match tx.try_send(frame) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                Err(Error::SendQueueFull { peer: to.address.node_id.to_string() })
+            }
+            Err(mpsc::error::TrySendError::Closed(frame)) => {
+                // The writer ended (peer incarnation refused us); start afresh once.
+                writers.remove(&to.address);
+                drop(writers);
+                let _ = frame;
+                Err(Error::PeerUnavailable {
+                    peer: to.address.node_id.to_string(),
+                    reason: "connection to this incarnation was refused".into(),
+                })
+            }
+        }
+    }
+}
+
+#[cfg(feature = "testkit")]
+fn cut(inner: &Inner, from: &str, to: &str) -> bool {
+    inner.injector.as_ref().is_some_and(|i| i.is_cut(from, to))
+}
+#[cfg(not(feature = "testkit"))]
+fn cut(_inner: &Inner, _from: &str, _to: &str) -> bool {
+    false
+}
+
+/// Dials the peer, handshakes, and writes queued frames in batches; reconnects with backoff.
+async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, mut rx: mpsc::Receiver<Bytes>) {
+    let s = &inner.settings;
+    let mut backoff = s.reconnect_backoff_min;
+    let mut batch = Vec::with_capacity(s.max_batch);
+    'reconnect: loop {
+        let conn = tokio::select! {
+            _ = inner.shutdown.cancelled() => return,
+            r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer)) => r,
+        };
+        let mut framed = match conn {
+            Ok(Ok(f)) => {
+                backoff = s.reconnect_backoff_min;
+                f
+            }
+            Ok(Err(DialError::Refused(reason))) => {
+                warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
+                return;
+            }
+            Ok(Err(DialError::Io(e))) => {
+                debug!(peer = %peer.address, error = %e, "connect failed; retrying");
+                tokio::select! {
+                    _ = inner.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(s.reconnect_backoff_max);
+                continue 'reconnect;
+            }
+            Err(_) => {
+                debug!(peer = %peer.address, "connect timed out; retrying");
+                backoff = (backoff * 2).min(s.reconnect_backoff_max);
+                continue 'reconnect;
+            }
+        };
+        loop {
+            batch.clear();
+            let n = tokio::select! {
+                _ = inner.shutdown.cancelled() => return,
+                n = rx.recv_many(&mut batch, s.max_batch) => n,
+            };
+            if n == 0 {
+                return; // forgotten peer
+            }
+            let dropped = cut(&inner, &inner.local.address.node_id, &peer.address.node_id);
+            if dropped {
+                inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
+                continue;
+            }
+            for frame in batch.drain(..) {
+                if let Err(e) = framed.feed(frame).await {
+                    debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
+                    continue 'reconnect;
+                }
+            }
+            if let Err(e) = SinkExt::<Bytes>::flush(&mut framed).await {
+                debug!(peer = %peer.address, error = %e, "flush failed; reconnecting");
+                continue 'reconnect;
+            }
+            inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+enum DialError {
+    Io(std::io::Error),
+    Refused(String),
+}
+
+async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Framed<TcpStream, LengthDelimitedCodec>, DialError> {
+    let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
+    stream.set_nodelay(true).map_err(DialError::Io)?;
+    let mut framed = Framed::new(stream, codec(inner.settings.max_frame_size));
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        cluster_id: inner.cluster_id.clone(),
+        from: inner.local.address.clone(),
+        from_messaging_addr: inner.local.messaging_addr,
+        to: peer.address.clone(),
+    };
+    let hello = wire::encode(&hello).map_err(|e| DialError::Refused(e.to_string()))?;
+    framed.send(hello).await.map_err(DialError::Io)?;
+    match framed.next().await {
+        Some(Ok(bytes)) => match wire::decode::<HelloReply>(&bytes) {
+            Ok(HelloReply::Accept) => Ok(framed),
+            Ok(HelloReply::Reject(r)) => Err(DialError::Refused(r.to_string())),
+            Err(e) => Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
+        },
+        Some(Err(e)) => Err(DialError::Io(e)),
+        None => Err(DialError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+    }
+}
+
+async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
+    loop {
+        let accepted = tokio::select! {
+            _ = inner.shutdown.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, remote)) => {
+                let _ = stream.set_nodelay(true);
+                tokio::spawn(read_connection(inner.clone(), stream, remote));
+            }
+            Err(e) => {
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Why an inbound connection was closed by us.
+#[derive(Debug, thiserror::Error)]
+enum InboundError {
+    #[error("handshake refused: {0}")]
+    Rejected(RejectReason),
+    #[error("malformed handshake: {0}")]
+    MalformedHandshake(String),
+    #[error("no handshake within the connect timeout")]
+    HandshakeTimeout,
+    #[error("bad frame (oversized or truncated): {0}")]
+    BadFrame(std::io::Error),
+    #[error("malformed frame: {0}")]
+    MalformedFrame(String),
+}
+
+async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr) {
+    let result = tokio::select! {
+        _ = inner.shutdown.cancelled() => Ok(()),
+        r = serve_connection(&inner, stream) => r,
+    };
+    if let Err(e) = result {
+        inner.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
+        warn!(%remote, reason = %e, "closing inbound connection");
+    }
+}
+
+async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), InboundError> {
+    let mut framed = Framed::new(stream, codec(inner.settings.max_frame_size));
+    let first = match tokio::time::timeout(inner.settings.connect_timeout, framed.next()).await {
+        Err(_) => return Err(InboundError::HandshakeTimeout),
+        Ok(None) => return Ok(()),
+        Ok(Some(Err(e))) => return Err(InboundError::BadFrame(e)),
+        Ok(Some(Ok(b))) => b,
+    };
+    let hello: Hello = wire::decode(&first).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
+    let reject = if hello.protocol_version != PROTOCOL_VERSION {
+        Some(RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: PROTOCOL_VERSION })
+    } else if hello.cluster_id != inner.cluster_id {
+        Some(RejectReason::ForeignCluster(hello.cluster_id.clone()))
+    } else if hello.to != inner.local.address {
+        Some(RejectReason::WrongAddressee(hello.to.clone()))
+    } else {
+        None
+    };
+    if let Some(reason) = reject {
+        if let Ok(b) = wire::encode(&HelloReply::Reject(reason.clone())) {
+            let _ = framed.send(b).await;
+        }
+        return Err(InboundError::Rejected(reason));
+    }
+    let reply = wire::encode(&HelloReply::Accept).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
+    framed.send(reply).await.map_err(InboundError::BadFrame)?;
+    let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
+    info!(peer = %from.address, "inbound connection accepted");
+    while let Some(item) = framed.next().await {
+        let bytes = item.map_err(InboundError::BadFrame)?;
+        inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+        let frame: Frame = wire::decode(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
+        if cut(inner, &from.address.node_id, &inner.local.address.node_id) {
+            inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        dispatch(inner, &from, frame).await;
+    }
+    Ok(())
+}
+
+async fn dispatch(inner: &Arc<Inner>, from: &PeerAddr, frame: Frame) {
+    let (topic, body, request_id) = match frame {
+        Frame::Response { id, body } => {
+            if let Some(tx) = inner.pending.lock().expect("pending lock").remove(&id) {
+                let _ = tx.send(body.map(|b| Bytes::from(b.into_vec())).map_err(|reason| {
+                    Error::PeerUnavailable { peer: from.address.node_id.to_string(), reason }
+                }));
+            }
+            return;
+        }
+        Frame::Message { topic, body } => (topic, body, None),
+        Frame::Request { id, topic, body } => (topic, body, Some(id)),
+    };
+    let tx = inner.topics.lock().expect("topics lock").get(&topic).cloned();
+    let delivered = match tx {
+        Some(tx) => tx.send(Inbound { from: from.clone(), body: Bytes::from(body), request_id }).await.is_ok(),
+        None => false,
+    };
+    if !delivered {
+        inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+        warn!(peer = %from.address, %topic, "no subscriber for topic; message dropped");
+        if let Some(id) = request_id {
+            let t = Transport { inner: inner.clone() };
+            let _ = t.respond(from, id, Err(format!("no service for topic {topic:?}")));
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! Wire format: length-delimited frames (4-byte big-endian length) holding rmp-serde values.
+//! The first frame each way is the handshake; after it the dialing side sends [`Frame`]s only.
+
+use std::net::SocketAddr;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::membership::UniqueAddress;
+
+/// Bumped on any incompatible change of the frames below.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// First frame of a connection, from the dialing node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hello {
+    /// Must equal [`PROTOCOL_VERSION`].
+    pub protocol_version: u32,
+    /// Must equal the listener's cluster id.
+    pub cluster_id: String,
+    /// Who is dialing.
+    pub from: UniqueAddress,
+    /// Where the dialing node listens (replies go there).
+    pub from_messaging_addr: SocketAddr,
+    /// The incarnation the dialer wants to reach; a restarted listener refuses old addressees.
+    pub to: UniqueAddress,
+}
+
+/// The listener's answer to [`Hello`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum HelloReply {
+    /// Accepted; frames may follow.
+    Accept,
+    /// Refused; the connection closes.
+    Reject(RejectReason),
+}
+
+/// Why a handshake was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum RejectReason {
+    /// Another protocol version.
+    #[error("protocol version {theirs} is not {ours}")]
+    ProtocolVersion {
+        /// Dialer's version.
+        theirs: u32,
+        /// Listener's version.
+        ours: u32,
+    },
+    /// Another cluster.
+    #[error("foreign cluster id {0:?}")]
+    ForeignCluster(String),
+    /// The dialer wanted another node or an older incarnation of this one.
+    #[error("addressed to {0}, which is not this node incarnation")]
+    WrongAddressee(UniqueAddress),
+}
+
+/// A message after the handshake.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Frame {
+    /// One-way message to a topic.
+    Message {
+        /// Receiving service.
+        topic: String,
+        /// Service-specific payload.
+        #[serde(with = "serde_bytes")]
+        body: Vec<u8>,
+    },
+    /// Request that expects a [`Frame::Response`] with the same id.
+    Request {
+        /// Correlation id.
+        id: u64,
+        /// Receiving service.
+        topic: String,
+        /// Service-specific payload.
+        #[serde(with = "serde_bytes")]
+        body: Vec<u8>,
+    },
+    /// Answer to a request.
+    Response {
+        /// Correlation id of the request.
+        id: u64,
+        /// Payload, or why the request could not be served.
+        body: Result<serde_bytes::ByteBuf, String>,
+    },
+}
+
+/// Encodes any serde value as rmp (named fields, so added fields stay compatible).
+pub fn encode<T: Serialize>(value: &T) -> Result<Bytes> {
+    rmp_serde::to_vec_named(value).map(Bytes::from).map_err(|e| Error::Codec(e.to_string()))
+}
+
+/// Decodes an rmp value.
+pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Codec(e.to_string()))
+}
