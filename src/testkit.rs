@@ -25,6 +25,7 @@ use crate::node::Node;
 struct FaultState {
     owner_of_addr: HashMap<SocketAddr, String>,
     cut: HashSet<(String, String)>,
+    messaging_cut: HashSet<(String, String)>,
 }
 
 /// Shared switchboard of cut links between node ids.
@@ -57,6 +58,18 @@ impl FaultInjector {
         }
     }
 
+    /// Cuts node-to-node messaging (TCP) only, both directions, while gossip keeps flowing:
+    /// peers stay "reachable" but messages are lost, as on a half-broken network.
+    pub fn cut_messaging(&self, a: &[&str], b: &[&str]) {
+        let mut s = self.state.write().expect("fault state");
+        for x in a {
+            for y in b {
+                s.messaging_cut.insert((x.to_string(), y.to_string()));
+                s.messaging_cut.insert((y.to_string(), x.to_string()));
+            }
+        }
+    }
+
     /// Cuts traffic from `from` to `to` only.
     pub fn cut_one_way(&self, from: &str, to: &str) {
         self.state.write().expect("fault state").cut.insert((from.to_string(), to.to_string()));
@@ -64,13 +77,16 @@ impl FaultInjector {
 
     /// Restores every link.
     pub fn heal_all(&self) {
-        self.state.write().expect("fault state").cut.clear();
+        let mut s = self.state.write().expect("fault state");
+        s.cut.clear();
+        s.messaging_cut.clear();
     }
 
-    /// Whether traffic from `from` to `to` is cut.
-    pub fn is_cut(&self, from: &str, to: &str) -> bool {
+    /// Whether messaging from `from` to `to` is cut.
+    pub fn is_messaging_cut(&self, from: &str, to: &str) -> bool {
         let s = self.state.read().expect("fault state");
-        !s.cut.is_empty() && s.cut.contains(&(from.to_string(), to.to_string()))
+        let link = (from.to_string(), to.to_string());
+        s.cut.contains(&link) || s.messaging_cut.contains(&link)
     }
 
     fn is_cut_to_addr(&self, from: &str, to: SocketAddr) -> bool {

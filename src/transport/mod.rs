@@ -230,7 +230,7 @@ impl Transport {
 
 #[cfg(feature = "testkit")]
 fn cut(inner: &Inner, from: &str, to: &str) -> bool {
-    inner.injector.as_ref().is_some_and(|i| i.is_cut(from, to))
+    inner.injector.as_ref().is_some_and(|i| i.is_messaging_cut(from, to))
 }
 #[cfg(not(feature = "testkit"))]
 fn cut(_inner: &Inner, _from: &str, _to: &str) -> bool {

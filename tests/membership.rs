@@ -1,0 +1,131 @@
+//! Membership over gossip: convergence, age order, failure detection, leave, foreign clusters.
+
+use std::time::Duration;
+
+use ddshard::testkit::{TestCluster, eventually, test_config};
+use ddshard::{MemberStatus, Node};
+
+const CONVERGE: Duration = Duration::from_secs(30);
+
+fn ids(node: &Node) -> Vec<String> {
+    node.members().iter().map(|m| m.node_id().to_string()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_nodes_agree_on_members_and_oldest_and_a_later_sixth_is_youngest_everywhere() {
+    let mut c = TestCluster::start(5).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let first = ids(c.node(0));
+    assert_eq!(first.len(), 5);
+    for (_, n) in c.running() {
+        assert_eq!(ids(n), first, "same age order on {}", n.node_id());
+        assert_eq!(n.membership().oldest(None).unwrap().node_id(), "n1");
+    }
+    let i = c.add_node().await.unwrap();
+    c.await_converged(CONVERGE).await;
+    for (_, n) in c.running() {
+        let order = ids(n);
+        assert_eq!(order.last().map(String::as_str), Some("n6"), "n6 youngest on {}", n.node_id());
+        assert_eq!(order[..5], first[..], "older members keep their order on {}", n.node_id());
+        assert_eq!(n.membership().oldest(None).unwrap().node_id(), "n1");
+    }
+    let up6 = c.node(i).membership().self_member().unwrap().up_number().unwrap();
+    let max_before = c.node(0).members()[..5].iter().map(|m| m.up_number().unwrap()).max().unwrap();
+    assert!(up6 > max_before);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abruptly_killed_node_is_seen_unreachable_and_stays_listed() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let mut events = c.node(0).subscribe_events();
+    c.kill(2).await;
+    for i in [0, 1] {
+        let n = c.node(i).clone();
+        eventually(Duration::from_secs(15), "n3 unreachable", || {
+            let n = n.clone();
+            async move { n.members().iter().find(|m| m.node_id() == "n3").filter(|m| !m.is_reachable()).map(|_| ()) }
+        })
+        .await;
+    }
+    let saw_unreachable = eventually(Duration::from_secs(5), "unreachable event", || {
+        let mut found = None;
+        while let Ok(ev) = events.try_recv() {
+            if let ddshard::MemberEvent::Unreachable(m) = ev {
+                if m.node_id() == "n3" {
+                    found = Some(());
+                }
+            }
+        }
+        std::future::ready(found)
+    })
+    .await;
+    assert_eq!(saw_unreachable, ());
+    assert_eq!(c.node(0).members().len(), 3, "unreachable members are still listed");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gracefully_leaving_node_is_removed_everywhere() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let leaving = c.node(1).clone();
+    leaving.leave().await.unwrap();
+    assert!(leaving.is_shut_down());
+    for i in [0, 2] {
+        let n = c.node(i).clone();
+        eventually(Duration::from_secs(15), "n2 removed", || {
+            let n = n.clone();
+            async move { (!ids(&n).contains(&"n2".to_string())).then_some(()) }
+        })
+        .await;
+        assert_eq!(ids(&n), ["n1", "n3"]);
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_with_another_cluster_id_never_appears_in_any_member_list() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut foreign_cfg = test_config("intruder", dir.path(), "another-cluster");
+    foreign_cfg.seeds = vec![c.node(0).gossip_addr()];
+    let foreign = Node::start(foreign_cfg).await.unwrap();
+    // A legitimate node that joins after the intruder had the same chance to gossip.
+    c.add_node().await.unwrap();
+    let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    eventually(CONVERGE, "n3 joined while the intruder stays out", || {
+        let nodes = nodes.clone();
+        let foreign = foreign.clone();
+        async move {
+            for n in &nodes {
+                assert!(!ids(n).contains(&"intruder".to_string()), "intruder admitted on {}", n.node_id());
+            }
+            assert_eq!(ids(&foreign), ["intruder"], "intruder sees only itself");
+            nodes.iter().all(|n| ids(n).len() == 3 && n.members().iter().all(|m| m.status() == MemberStatus::Up)).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(foreign.members()[0].status(), MemberStatus::Joining, "nobody let it in");
+    foreign.shutdown().await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarted_node_is_a_new_incarnation_and_the_youngest() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let old = c.node(0).address().clone();
+    c.restart(0).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let new = c.node(0).address().clone();
+    assert_eq!(new.node_id, old.node_id);
+    assert!(new.generation > old.generation);
+    for (_, n) in c.running() {
+        assert_eq!(ids(n), ["n2", "n3", "n1"], "on {}", n.node_id());
+        assert_eq!(n.membership().member("n1").unwrap().address(), &new);
+    }
+    c.shutdown().await;
+}

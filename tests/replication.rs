@@ -1,0 +1,246 @@
+//! The replicator across in-process clusters: majority reads and writes, gossip convergence,
+//! partitions, durability across restarts.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use ddshard::ddata::{GSet, LwwMap, OrSet};
+use ddshard::testkit::{TestCluster, eventually};
+use ddshard::{Consistency, Error, Node};
+
+const CONVERGE: Duration = Duration::from_secs(30);
+const OP: Duration = Duration::from_secs(5);
+
+async fn orset_members(n: &Node, key: &str) -> BTreeSet<String> {
+    n.replicator().get::<OrSet>(key, Consistency::Local, OP).await.unwrap().map(|s| s.members()).unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn majority_writes_are_seen_by_majority_reads_on_every_node_right_after_success() {
+    let mut c = TestCluster::start(5).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    for w in 0..5 {
+        let writer = c.node(w).replicator().clone();
+        let key = format!("map-{w}");
+        writer
+            .update::<LwwMap, _>(&key, Consistency::MAJORITY, OP, move |m, ctx| {
+                m.put_as(ctx, "owner", &format!("n{}", w + 1)).unwrap();
+            })
+            .await
+            .unwrap();
+        writer
+            .update::<OrSet, _>("set", Consistency::MAJORITY, OP, move |s, ctx| s.add(ctx, format!("e{w}")))
+            .await
+            .unwrap();
+        for r in 0..5 {
+            let reader = c.node(r).replicator();
+            let map = reader.get::<LwwMap>(&key, Consistency::MAJORITY, OP).await.unwrap().expect("map present");
+            assert_eq!(map.get_as::<String>("owner").unwrap(), Some(format!("n{}", w + 1)));
+            let set = reader.get::<OrSet>("set", Consistency::MAJORITY, OP).await.unwrap().expect("set present");
+            assert!(set.contains(&format!("e{w}")), "reader n{} misses e{w}", r + 1);
+        }
+    }
+    // Asking for a key with the wrong type is a typed error.
+    let err = c.node(0).replicator().get::<GSet>("set", Consistency::Local, OP).await.unwrap_err();
+    assert!(matches!(err, Error::WrongDataType { .. }), "{err}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_adds_and_removes_from_all_nodes_converge_by_gossip_alone() {
+    let mut c = TestCluster::start(5).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let mut tasks = Vec::new();
+    for (i, n) in c.running() {
+        let r = n.replicator().clone();
+        tasks.push(tokio::spawn(async move {
+            for k in 0..20 {
+                let member = format!("n{i}-{k}");
+                r.update::<OrSet, _>("shared", Consistency::Local, OP, move |s, ctx| s.add(ctx, member)).await.unwrap();
+            }
+            for k in (0..20).step_by(2) {
+                let member = format!("n{i}-{k}");
+                r.update::<OrSet, _>("shared", Consistency::Local, OP, move |s, _| s.remove(&member)).await.unwrap();
+            }
+            let mut ctx_key = format!("k{i}");
+            r.update::<LwwMap, _>("lww", Consistency::Local, OP, move |m, ctx| m.put(ctx, std::mem::take(&mut ctx_key), vec![i as u8]))
+                .await
+                .unwrap();
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let expected: BTreeSet<String> = (0..5).flat_map(|i| (1..20).step_by(2).map(move |k| format!("n{i}-{k}"))).collect();
+    let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    eventually(CONVERGE, "every node holds the same OR-set and LWW-map", || {
+        let nodes = nodes.clone();
+        let expected = expected.clone();
+        async move {
+            for n in &nodes {
+                if orset_members(n, "shared").await != expected {
+                    return None;
+                }
+                let m = n.replicator().get::<LwwMap>("lww", Consistency::Local, OP).await.unwrap()?;
+                if m.len() != 5 {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_two_three_majority_side_writes_minority_fails_and_all_converge_after_heal() {
+    let mut c = TestCluster::start(5).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let minority = [0usize, 1];
+    let majority = [2usize, 3, 4];
+    c.partition(&minority, &majority);
+    // Wait until each side sees the other as unreachable.
+    for i in 0..5 {
+        let n = c.node(i).clone();
+        let expect_unreachable = if i < 2 { 3 } else { 2 };
+        eventually(CONVERGE, "partition detected", || {
+            let n = n.clone();
+            async move { (n.members().iter().filter(|m| !m.is_reachable()).count() == expect_unreachable).then_some(()) }
+        })
+        .await;
+    }
+    let mut acknowledged = Vec::new();
+    for (k, i) in majority.iter().enumerate() {
+        let member = format!("maj-{k}");
+        c.node(*i)
+            .replicator()
+            .update::<OrSet, _>("p", Consistency::MAJORITY, OP, {
+                let member = member.clone();
+                move |s, ctx| s.add(ctx, member)
+            })
+            .await
+            .expect("majority side reaches a majority");
+        acknowledged.push(member);
+    }
+    let err = c
+        .node(0)
+        .replicator()
+        .update::<OrSet, _>("p", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "min-0"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::NotEnoughReplicas { needed: 3, reachable: 2 }), "{err}");
+    let err = c.node(1).replicator().get::<OrSet>("p", Consistency::MAJORITY, OP).await.unwrap_err();
+    assert!(matches!(err, Error::NotEnoughReplicas { .. }), "{err}");
+
+    c.heal();
+    c.await_converged(CONVERGE).await;
+    let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    let mut expected: BTreeSet<String> = acknowledged.into_iter().collect();
+    expected.insert("min-0".into()); // applied locally on the minority side, spread after healing
+    eventually(CONVERGE, "all five converge with no acknowledged add lost", || {
+        let nodes = nodes.clone();
+        let expected = expected.clone();
+        async move {
+            for n in &nodes {
+                if orset_members(n, "p").await != expected {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_whose_acks_never_arrive_fails_with_the_typed_timeout_and_keeps_the_local_value() {
+    let mut c = TestCluster::start(5).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    // Messaging only: gossip still says everybody is reachable, so the write is sent to every
+    // replica and the answers never come.
+    c.injector().cut_messaging(&["n1"], &["n3", "n4", "n5"]);
+    let r = c.node(0).replicator().clone();
+    let err = r
+        .update::<GSet, _>("t", Consistency::MAJORITY, Duration::from_millis(500), |s, _| s.insert("x"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::ConsistencyTimeout { needed: 3, acked: 2 }), "{err}");
+    let local = r.get::<GSet>("t", Consistency::Local, OP).await.unwrap().unwrap();
+    assert!(local.contains("x"), "the local value stays updated");
+    c.heal();
+    let n5 = c.node(4).clone();
+    eventually(CONVERGE, "value spreads by gossip after healing", || {
+        let n5 = n5.clone();
+        async move { n5.replicator().get::<GSet>("t", Consistency::Local, OP).await.unwrap().filter(|s| s.contains("x")).map(|_| ()) }
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_key_written_with_majority_survives_restarting_every_node() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    c.node(1)
+        .replicator()
+        .update::<OrSet, _>("shard-counter-7-0", Consistency::MAJORITY, OP, |s, ctx| {
+            s.add(ctx, "c-1");
+            s.add(ctx, "c-2");
+        })
+        .await
+        .unwrap();
+    c.node(2)
+        .replicator()
+        .update::<OrSet, _>("shard-counter-7-0", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "c-3"))
+        .await
+        .unwrap();
+    c.node(0)
+        .replicator()
+        .update::<OrSet, _>("volatile", Consistency::All, OP, |s, ctx| s.add(ctx, "gone"))
+        .await
+        .unwrap();
+    for i in 0..3 {
+        c.kill(i).await;
+    }
+    for i in 0..3 {
+        c.restart(i).await.unwrap();
+    }
+    c.await_converged(CONVERGE).await;
+    // Before any majority read: what each node loaded from its own disk.
+    let mut loaded_from_disk = 0;
+    for (_, n) in c.running() {
+        if orset_members(n, "shard-counter-7-0").await.len() == 3 {
+            loaded_from_disk += 1;
+        }
+    }
+    assert!(loaded_from_disk >= 1, "majority-acknowledged state was on disk somewhere");
+    let expected: BTreeSet<String> = ["c-1", "c-2", "c-3"].iter().map(|s| s.to_string()).collect();
+    for (_, n) in c.running() {
+        // Loaded from LMDB before serving; a majority read sees every acknowledged add.
+        let majority = n.replicator().get::<OrSet>("shard-counter-7-0", Consistency::MAJORITY, OP).await.unwrap().unwrap();
+        assert_eq!(majority.members(), expected, "on {}", n.node_id());
+        assert!(orset_members(n, "volatile").await.is_empty(), "non-durable keys are memory only");
+    }
+    // New writes after the restart (new actor ids) still merge cleanly.
+    c.node(0)
+        .replicator()
+        .update::<OrSet, _>("shard-counter-7-0", Consistency::MAJORITY, OP, |s, _| s.remove("c-1"))
+        .await
+        .unwrap();
+    let set = c.node(2).replicator().get::<OrSet>("shard-counter-7-0", Consistency::MAJORITY, OP).await.unwrap().unwrap();
+    assert_eq!(set.members().len(), 2);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_lmdb_file_fails_node_start_with_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let ddata = dir.path().join("ddata");
+    std::fs::create_dir_all(&ddata).unwrap();
+    std::fs::write(ddata.join("data.mdb"), b"this is not an LMDB file, just garbage bytes".repeat(1000)).unwrap();
+    let cfg = ddshard::testkit::test_config("n1", dir.path(), "c");
+    let err = Node::start(cfg).await.unwrap_err();
+    assert!(matches!(err, Error::Storage { .. }), "{err}");
+}
