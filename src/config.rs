@@ -170,8 +170,8 @@ impl NodeConfig {
 
     /// Reads and parses a TOML file.
     pub fn from_toml_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| Error::io(format!("reading config {}", path.display()), e))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading config {}", path.display()), e))?;
         Self::from_toml_str(&text)
     }
 
@@ -217,5 +217,41 @@ impl NodeConfig {
             return bad("replicator.durable_key_prefixes must not contain an empty prefix (it would make every key durable; list the prefixes)".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `config/default.toml` documents every setting; it must parse to exactly the defaults.
+    #[test]
+    fn default_toml_documents_exactly_the_defaults() {
+        let parsed = NodeConfig::from_toml_str(include_str!("../config/default.toml")).unwrap();
+        let a = toml::to_string(&parsed).unwrap();
+        let b = toml::to_string(&NodeConfig::default()).unwrap();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn bad_settings_are_typed_config_errors() {
+        let ok = NodeConfig { node_id: "n1".into(), ..NodeConfig::default() };
+        assert!(ok.validate().is_ok());
+        for (cfg, what) in [
+            (NodeConfig { node_id: String::new(), ..ok.clone() }, "node_id"),
+            (NodeConfig { node_id: "a b".into(), ..ok.clone() }, "node_id"),
+            (NodeConfig { cluster_id: String::new(), ..ok.clone() }, "cluster_id"),
+            (NodeConfig { roles: vec!["a,b".into()], ..ok.clone() }, "roles"),
+        ] {
+            match cfg.validate() {
+                Err(Error::Config(m)) => assert!(m.contains(what), "{m}"),
+                other => panic!("expected config error for {what}, got {other:?}"),
+            }
+        }
+        let mut t = ok.clone();
+        t.transport.max_frame_size = 10;
+        assert!(matches!(t.validate(), Err(Error::Config(_))));
+        assert!(matches!(NodeConfig::from_toml_str("no_such_setting = 1"), Err(Error::Config(_))));
+        assert!(matches!(NodeConfig::from_toml_str("[membership]\ngossip_interval = \"soon\""), Err(Error::Config(_))));
     }
 }

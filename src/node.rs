@@ -6,12 +6,14 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{broadcast, watch};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span, Instrument};
+use tracing::{Instrument, info, info_span};
 
 use crate::config::NodeConfig;
 use crate::ddata::{self, DurableStore, Replicator, ReplicatorParams};
 use crate::error::{Error, Result};
-use crate::membership::{Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress};
+use crate::membership::{
+    Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress,
+};
 use crate::transport::Transport;
 
 struct NodeInner {
@@ -60,11 +62,14 @@ impl Node {
             config.cluster_id.clone(),
             config.transport.clone(),
             shutdown.clone(),
-            #[cfg(feature = "testkit")]
-            config.fault_injector.clone(),
         )
         .await?;
-        let (membership, driver) = MembershipDriver::start(&config, address.clone(), transport.local().messaging_addr).await?;
+        #[cfg(feature = "testkit")]
+        if let Some(injector) = &config.fault_injector {
+            transport.set_fault_injector(injector.clone());
+        }
+        let (membership, driver) =
+            MembershipDriver::start(&config, address.clone(), transport.local().messaging_addr).await?;
         let mut tasks = vec![tokio::spawn(driver.run(shutdown.clone()).instrument(span.clone()))];
         let params = ReplicatorParams {
             self_addr: address.clone(),
@@ -170,7 +175,11 @@ impl Node {
     }
 }
 
-async fn forget_removed_peers(mut events: broadcast::Receiver<MemberEvent>, transport: Transport, shutdown: CancellationToken) {
+async fn forget_removed_peers(
+    mut events: broadcast::Receiver<MemberEvent>,
+    transport: Transport,
+    shutdown: CancellationToken,
+) {
     loop {
         let ev = tokio::select! {
             _ = shutdown.cancelled() => return,

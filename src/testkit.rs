@@ -168,13 +168,16 @@ pub fn test_config(node_id: &str, data_dir: &std::path::Path, cluster_id: &str) 
     c
 }
 
+/// Hook that changes node `i`'s configuration before it starts.
+type Customize = dyn Fn(usize, &mut NodeConfig) + Send + Sync;
+
 /// N nodes in this process, on loopback, sharing one [`FaultInjector`].
 pub struct TestCluster {
     nodes: Vec<Option<Node>>,
     dirs: Vec<TempDir>,
     injector: FaultInjector,
     cluster_id: String,
-    customize: Arc<dyn Fn(usize, &mut NodeConfig) + Send + Sync>,
+    customize: Arc<Customize>,
 }
 
 impl TestCluster {
@@ -184,7 +187,10 @@ impl TestCluster {
     }
 
     /// Like [`TestCluster::start`], with a hook to change each node's config (index from 0).
-    pub async fn start_with(n: usize, customize: impl Fn(usize, &mut NodeConfig) + Send + Sync + 'static) -> Result<TestCluster> {
+    pub async fn start_with(
+        n: usize,
+        customize: impl Fn(usize, &mut NodeConfig) + Send + Sync + 'static,
+    ) -> Result<TestCluster> {
         let mut c = TestCluster {
             nodes: Vec::new(),
             dirs: Vec::new(),

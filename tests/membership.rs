@@ -52,10 +52,8 @@ async fn abruptly_killed_node_is_seen_unreachable_and_stays_listed() {
     let saw_unreachable = eventually(Duration::from_secs(5), "unreachable event", || {
         let mut found = None;
         while let Ok(ev) = events.try_recv() {
-            if let ddshard::MemberEvent::Unreachable(m) = ev {
-                if m.node_id() == "n3" {
-                    found = Some(());
-                }
+            if matches!(&ev, ddshard::MemberEvent::Unreachable(m) if m.node_id() == "n3") {
+                found = Some(());
             }
         }
         std::future::ready(found)
@@ -104,7 +102,10 @@ async fn node_with_another_cluster_id_never_appears_in_any_member_list() {
                 assert!(!ids(n).contains(&"intruder".to_string()), "intruder admitted on {}", n.node_id());
             }
             assert_eq!(ids(&foreign), ["intruder"], "intruder sees only itself");
-            nodes.iter().all(|n| ids(n).len() == 3 && n.members().iter().all(|m| m.status() == MemberStatus::Up)).then_some(())
+            nodes
+                .iter()
+                .all(|n| ids(n).len() == 3 && n.members().iter().all(|m| m.status() == MemberStatus::Up))
+                .then_some(())
         }
     })
     .await;

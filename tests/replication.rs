@@ -63,15 +63,18 @@ async fn concurrent_adds_and_removes_from_all_nodes_converge_by_gossip_alone() {
                 r.update::<OrSet, _>("shared", Consistency::Local, OP, move |s, _| s.remove(&member)).await.unwrap();
             }
             let mut ctx_key = format!("k{i}");
-            r.update::<LwwMap, _>("lww", Consistency::Local, OP, move |m, ctx| m.put(ctx, std::mem::take(&mut ctx_key), vec![i as u8]))
-                .await
-                .unwrap();
+            r.update::<LwwMap, _>("lww", Consistency::Local, OP, move |m, ctx| {
+                m.put(ctx, std::mem::take(&mut ctx_key), vec![i as u8])
+            })
+            .await
+            .unwrap();
         }));
     }
     for t in tasks {
         t.await.unwrap();
     }
-    let expected: BTreeSet<String> = (0..5).flat_map(|i| (1..20).step_by(2).map(move |k| format!("n{i}-{k}"))).collect();
+    let expected: BTreeSet<String> =
+        (0..5).flat_map(|i| (1..20).step_by(2).map(move |k| format!("n{i}-{k}"))).collect();
     let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
     eventually(CONVERGE, "every node holds the same OR-set and LWW-map", || {
         let nodes = nodes.clone();
@@ -173,7 +176,14 @@ async fn write_whose_acks_never_arrive_fails_with_the_typed_timeout_and_keeps_th
     let n5 = c.node(4).clone();
     eventually(CONVERGE, "value spreads by gossip after healing", || {
         let n5 = n5.clone();
-        async move { n5.replicator().get::<GSet>("t", Consistency::Local, OP).await.unwrap().filter(|s| s.contains("x")).map(|_| ()) }
+        async move {
+            n5.replicator()
+                .get::<GSet>("t", Consistency::Local, OP)
+                .await
+                .unwrap()
+                .filter(|s| s.contains("x"))
+                .map(|_| ())
+        }
     })
     .await;
     c.shutdown().await;
@@ -219,7 +229,8 @@ async fn durable_key_written_with_majority_survives_restarting_every_node() {
     let expected: BTreeSet<String> = ["c-1", "c-2", "c-3"].iter().map(|s| s.to_string()).collect();
     for (_, n) in c.running() {
         // Loaded from LMDB before serving; a majority read sees every acknowledged add.
-        let majority = n.replicator().get::<OrSet>("shard-counter-7-0", Consistency::MAJORITY, OP).await.unwrap().unwrap();
+        let majority =
+            n.replicator().get::<OrSet>("shard-counter-7-0", Consistency::MAJORITY, OP).await.unwrap().unwrap();
         assert_eq!(majority.members(), expected, "on {}", n.node_id());
         assert!(orset_members(n, "volatile").await.is_empty(), "non-durable keys are memory only");
     }
@@ -229,7 +240,8 @@ async fn durable_key_written_with_majority_survives_restarting_every_node() {
         .update::<OrSet, _>("shard-counter-7-0", Consistency::MAJORITY, OP, |s, _| s.remove("c-1"))
         .await
         .unwrap();
-    let set = c.node(2).replicator().get::<OrSet>("shard-counter-7-0", Consistency::MAJORITY, OP).await.unwrap().unwrap();
+    let set =
+        c.node(2).replicator().get::<OrSet>("shard-counter-7-0", Consistency::MAJORITY, OP).await.unwrap().unwrap();
     assert_eq!(set.members().len(), 2);
     c.shutdown().await;
 }

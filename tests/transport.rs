@@ -5,8 +5,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ddshard::testkit::{TestCluster, eventually};
-use ddshard::transport::wire::{self, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
 use ddshard::transport::PeerAddr;
+use ddshard::transport::wire::{self, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
 use ddshard::{Consistency, Error, Node, UniqueAddress};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -122,7 +122,10 @@ async fn handshake_with_foreign_cluster_id_or_version_or_old_incarnation_is_reje
     };
     let cases = [
         (Hello { cluster_id: "evil".into(), ..good.clone() }, RejectReason::ForeignCluster("evil".into())),
-        (Hello { protocol_version: 99, ..good.clone() }, RejectReason::ProtocolVersion { theirs: 99, ours: PROTOCOL_VERSION }),
+        (
+            Hello { protocol_version: 99, ..good.clone() },
+            RejectReason::ProtocolVersion { theirs: 99, ours: PROTOCOL_VERSION },
+        ),
         (
             Hello { to: UniqueAddress::new("n1", target.address().generation - 1), ..good.clone() },
             RejectReason::WrongAddressee(UniqueAddress::new("n1", target.address().generation - 1)),

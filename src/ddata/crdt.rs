@@ -252,7 +252,9 @@ macro_rules! impl_crdt {
             fn from_data(data: ReplicatedData, key: &str) -> Result<Self> {
                 match data {
                     ReplicatedData::$t(v) => Ok(v),
-                    other => Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() }),
+                    other => {
+                        Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() })
+                    }
                 }
             }
         }

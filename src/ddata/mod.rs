@@ -20,8 +20,8 @@ use tracing::{error, warn};
 
 pub use crdt::{Crdt, GSet, LwwMap, OrSet, ReplicatedData, WriteCtx};
 pub use durable::DurableStore;
-pub use replicator::{Consistency, ReplicatorMsg};
 use replicator::{Action, Input, ReplicatorCore};
+pub use replicator::{Consistency, ReplicatorMsg};
 
 use crate::error::{Error, Result};
 use crate::membership::{MemberStatus, MembershipSnapshot, UniqueAddress};
@@ -93,7 +93,10 @@ impl Replicator {
     /// every change (local update, replicated write, gossip or read repair).
     pub async fn subscribe(&self, key: &str) -> Result<watch::Receiver<Option<ReplicatedData>>> {
         let (tx, rx) = oneshot::channel();
-        self.commands.send(Command::Subscribe { key: key.to_string(), reply: tx }).await.map_err(|_| Error::ShutDown)?;
+        self.commands
+            .send(Command::Subscribe { key: key.to_string(), reply: tx })
+            .await
+            .map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)
     }
 }
@@ -193,8 +196,12 @@ impl Driver {
     fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<Action<ReplyTx>>) {
         let role = self.role.as_deref();
         let me = &snap.self_address;
-        let peer = |m: &crate::membership::Member| PeerAddr { address: m.address().clone(), messaging_addr: m.messaging_addr() };
-        let replicas = snap.up_members(role).filter(|m| m.address() != me).map(|m| (peer(m), m.is_reachable())).collect();
+        let peer = |m: &crate::membership::Member| PeerAddr {
+            address: m.address().clone(),
+            messaging_addr: m.messaging_addr(),
+        };
+        let replicas =
+            snap.up_members(role).filter(|m| m.address() != me).map(|m| (peer(m), m.is_reachable())).collect();
         let gossip_targets = snap
             .members
             .iter()

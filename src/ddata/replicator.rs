@@ -102,12 +102,29 @@ pub(crate) type Modify = Box<dyn FnOnce(Option<ReplicatedData>, &mut WriteCtx) -
 
 /// Inputs of the state machine; `R` is the caller's reply handle.
 pub(crate) enum Input<R> {
-    Get { key: String, consistency: Consistency, timeout: Duration, reply: R },
-    Update { key: String, consistency: Consistency, timeout: Duration, modify: Modify, reply: R },
-    Remote { from: PeerAddr, msg: ReplicatorMsg },
+    Get {
+        key: String,
+        consistency: Consistency,
+        timeout: Duration,
+        reply: R,
+    },
+    Update {
+        key: String,
+        consistency: Consistency,
+        timeout: Duration,
+        modify: Modify,
+        reply: R,
+    },
+    Remote {
+        from: PeerAddr,
+        msg: ReplicatorMsg,
+    },
     /// Replica holders other than this node (Up/Leaving with the role) and which are reachable;
     /// plus the members to gossip with.
-    Members { replicas: Vec<(PeerAddr, bool)>, gossip_targets: Vec<PeerAddr> },
+    Members {
+        replicas: Vec<(PeerAddr, bool)>,
+        gossip_targets: Vec<PeerAddr>,
+    },
     Tick,
 }
 
@@ -277,7 +294,15 @@ impl<R> ReplicatorCore<R> {
         }
     }
 
-    fn on_get(&mut self, key: String, c: Consistency, timeout: Duration, reply: R, now: Instant, out: &mut Vec<Action<R>>) {
+    fn on_get(
+        &mut self,
+        key: String,
+        c: Consistency,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
         let needed = c.needed(self.total_replicas());
         let local = self.local_value(&key).cloned();
         if needed <= 1 {
@@ -296,7 +321,10 @@ impl<R> ReplicatorCore<R> {
         for to in reachable {
             out.push(Action::Send { to, msg: ReplicatorMsg::Read { op, key: key.clone() } });
         }
-        self.reads.insert(op, PendingRead { key, needed, responders: Vec::new(), merged: local, deadline: now + timeout, reply });
+        self.reads.insert(
+            op,
+            PendingRead { key, needed, responders: Vec::new(), merged: local, deadline: now + timeout, reply },
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -318,14 +346,12 @@ impl<R> ReplicatorCore<R> {
                 return;
             }
         };
-        if let Some(cur) = &current {
-            if cur.type_name() != new_value.type_name() {
-                out.push(Action::ReplyUpdate {
-                    reply,
-                    result: Err(Error::WrongDataType { key, expected: new_value.type_name(), found: cur.type_name() }),
-                });
-                return;
-            }
+        if let Some(cur) = current.as_ref().filter(|c| c.type_name() != new_value.type_name()) {
+            out.push(Action::ReplyUpdate {
+                reply,
+                result: Err(Error::WrongDataType { key, expected: new_value.type_name(), found: cur.type_name() }),
+            });
+            return;
         }
         if current.as_ref() != Some(&new_value) {
             self.data.insert(key.clone(), Entry { value: new_value.clone(), digest: None });
@@ -441,11 +467,9 @@ impl<R> ReplicatorCore<R> {
         }
         if r.responders.len() + 1 >= r.needed {
             let r = self.reads.remove(&op).expect("pending read");
-            if let Some(m) = r.merged {
-                if let Err(e) = self.merge_in(&r.key, m, out) {
-                    out.push(Action::ReplyGet { reply: r.reply, result: Err(e) });
-                    return;
-                }
+            if let Some(Err(e)) = r.merged.map(|m| self.merge_in(&r.key, m, out)) {
+                out.push(Action::ReplyGet { reply: r.reply, result: Err(e) });
+                return;
             }
             let result = self.local_value(&r.key).cloned();
             // Read repair: replicas that answered with an older value get the merged one.
@@ -539,14 +563,26 @@ mod tests {
         let now = Instant::now();
         let mut out = Vec::new();
         c.handle(
-            Input::Update { key: "shard-1".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), modify: add("x"), reply: 7 },
+            Input::Update {
+                key: "shard-1".into(),
+                consistency: Consistency::MAJORITY,
+                timeout: Duration::from_secs(1),
+                modify: add("x"),
+                reply: 7,
+            },
             now,
             1,
             &mut out,
         );
         // Durable key: persisted, then 4 writes.
         assert!(matches!(out[0], Action::Persist { .. }));
-        let op = out.iter().find_map(|a| match a { Action::Send { msg: ReplicatorMsg::Write { op, .. }, .. } => Some(*op), _ => None }).unwrap();
+        let op = out
+            .iter()
+            .find_map(|a| match a {
+                Action::Send { msg: ReplicatorMsg::Write { op, .. }, .. } => Some(*op),
+                _ => None,
+            })
+            .unwrap();
         assert_eq!(out.iter().filter(|a| matches!(a, Action::Send { .. })).count(), 4);
         let mut out = Vec::new();
         c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
@@ -558,14 +594,23 @@ mod tests {
 
         let mut out = Vec::new();
         c.handle(
-            Input::Update { key: "k2".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), modify: add("y"), reply: 8 },
+            Input::Update {
+                key: "k2".into(),
+                consistency: Consistency::MAJORITY,
+                timeout: Duration::from_secs(1),
+                modify: add("y"),
+                reply: 8,
+            },
             now,
             1,
             &mut out,
         );
         let mut out = Vec::new();
         c.handle(Input::Tick, now + Duration::from_secs(2), 1, &mut out);
-        assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { reply: 8, result: Err(Error::ConsistencyTimeout { needed: 3, acked: 1 }) })));
+        assert!(out.iter().any(|a| matches!(
+            a,
+            Action::ReplyUpdate { reply: 8, result: Err(Error::ConsistencyTimeout { needed: 3, acked: 1 }) }
+        )));
         // The local value stays updated.
         assert!(c.local_value("k2").is_some());
     }
@@ -577,12 +622,21 @@ mod tests {
         c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
         let mut out = Vec::new();
         c.handle(
-            Input::Update { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), modify: add("x"), reply: 1 },
+            Input::Update {
+                key: "k".into(),
+                consistency: Consistency::MAJORITY,
+                timeout: Duration::from_secs(1),
+                modify: add("x"),
+                reply: 1,
+            },
             Instant::now(),
             1,
             &mut out,
         );
-        assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 2 }), .. })));
+        assert!(out.iter().any(|a| matches!(
+            a,
+            Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 2 }), .. }
+        )));
         assert!(c.local_value("k").is_some());
     }
 
@@ -593,18 +647,51 @@ mod tests {
         let peers = vec![(peer("b"), true), (peer("c"), true)];
         a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
         b.handle(
-            Input::Update { key: "k".into(), consistency: Consistency::Local, timeout: Duration::from_secs(1), modify: add("from-b"), reply: 0 },
+            Input::Update {
+                key: "k".into(),
+                consistency: Consistency::Local,
+                timeout: Duration::from_secs(1),
+                modify: add("from-b"),
+                reply: 0,
+            },
             Instant::now(),
             1,
             &mut vec![],
         );
         let mut out = Vec::new();
-        a.handle(Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 }, Instant::now(), 1, &mut out);
-        let op = out.iter().find_map(|x| match x { Action::Send { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op), _ => None }).unwrap();
+        a.handle(
+            Input::Get {
+                key: "k".into(),
+                consistency: Consistency::MAJORITY,
+                timeout: Duration::from_secs(1),
+                reply: 5,
+            },
+            Instant::now(),
+            1,
+            &mut out,
+        );
+        let op = out
+            .iter()
+            .find_map(|x| match x {
+                Action::Send { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
+                _ => None,
+            })
+            .unwrap();
         let value = b.local_value("k").cloned();
         let mut out = Vec::new();
-        a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, value } }, Instant::now(), 1, &mut out);
-        let got = out.iter().find_map(|x| match x { Action::ReplyGet { reply: 5, result: Ok(v) } => Some(v.clone()), _ => None }).unwrap();
+        a.handle(
+            Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, value } },
+            Instant::now(),
+            1,
+            &mut out,
+        );
+        let got = out
+            .iter()
+            .find_map(|x| match x {
+                Action::ReplyGet { reply: 5, result: Ok(v) } => Some(v.clone()),
+                _ => None,
+            })
+            .unwrap();
         let set = GSet::from_data(got.unwrap(), "k").unwrap();
         assert!(set.contains("from-b"));
     }
@@ -615,9 +702,25 @@ mod tests {
         let mut b = core("b");
         let now = Instant::now();
         for (c, m) in [(&mut a, "x"), (&mut b, "y")] {
-            c.handle(Input::Update { key: "k".into(), consistency: Consistency::Local, timeout: Duration::from_secs(1), modify: add(m), reply: 0 }, now, 1, &mut vec![]);
+            c.handle(
+                Input::Update {
+                    key: "k".into(),
+                    consistency: Consistency::Local,
+                    timeout: Duration::from_secs(1),
+                    modify: add(m),
+                    reply: 0,
+                },
+                now,
+                1,
+                &mut vec![],
+            );
         }
-        a.handle(Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")] }, now, 0, &mut vec![]);
+        a.handle(
+            Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")] },
+            now,
+            0,
+            &mut vec![],
+        );
         let pa = peer("a");
         let pb = peer("b");
         // Pump messages between the two until quiet.

@@ -59,7 +59,11 @@ struct PreboundTransport(Mutex<Option<Box<dyn Socket>>>);
 #[async_trait]
 impl Transport for PreboundTransport {
     async fn open(&self, _listen_addr: SocketAddr) -> anyhow::Result<Box<dyn Socket>> {
-        self.0.lock().expect("prebound socket lock").take().ok_or_else(|| anyhow::anyhow!("gossip socket already opened"))
+        self.0
+            .lock()
+            .expect("prebound socket lock")
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("gossip socket already opened"))
     }
 }
 
@@ -129,19 +133,13 @@ impl MembershipDriver {
             (keys::MESSAGING.to_string(), messaging_addr.to_string()),
         ];
         let transport = PreboundTransport(Mutex::new(Some(socket)));
-        let chitchat = spawn_chitchat(chitchat_cfg, initial, &transport)
-            .await
-            .map_err(|e| Error::Gossip(format!("{e:#}")))?;
+        let chitchat =
+            spawn_chitchat(chitchat_cfg, initial, &transport).await.map_err(|e| Error::Gossip(format!("{e:#}")))?;
         let empty = Arc::new(MembershipSnapshot { self_address: address.clone(), members: Vec::new() });
         let (snapshot_tx, snapshot_rx) = watch::channel(empty);
         let (events, _) = broadcast::channel(1024);
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-        let handle = MembershipHandle {
-            snapshot: snapshot_rx,
-            events: events.clone(),
-            commands: cmd_tx,
-            gossip_addr,
-        };
+        let handle = MembershipHandle { snapshot: snapshot_rx, events: events.clone(), commands: cmd_tx, gossip_addr };
         let driver = MembershipDriver {
             chitchat,
             address,

@@ -78,11 +78,7 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
 
 /// The highest up-number in gossip, over every node and generation (live or dead).
 pub(crate) fn highest_up_number(nodes: &[GossipNode]) -> u64 {
-    nodes
-        .iter()
-        .filter_map(|n| n.keys.get(keys::UP_NUMBER)?.parse::<u64>().ok())
-        .max()
-        .unwrap_or(0)
+    nodes.iter().filter_map(|n| n.keys.get(keys::UP_NUMBER)?.parse::<u64>().ok()).max().unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -75,7 +75,7 @@ struct Inner {
     stats: TransportStats,
     shutdown: CancellationToken,
     #[cfg(feature = "testkit")]
-    injector: Option<crate::testkit::FaultInjector>,
+    injector: std::sync::OnceLock<crate::testkit::FaultInjector>,
 }
 
 /// Handle to the messaging layer of one node; cheap to clone.
@@ -102,9 +102,9 @@ impl Transport {
         cluster_id: String,
         settings: TransportSettings,
         shutdown: CancellationToken,
-        #[cfg(feature = "testkit")] injector: Option<crate::testkit::FaultInjector>,
     ) -> Result<Transport> {
-        let listener = TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
+        let listener =
+            TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
         let messaging_addr = listener.local_addr().map_err(|e| Error::io("reading bound messaging address", e))?;
         if messaging_addr.ip().is_unspecified() {
             return Err(Error::BadAddress(messaging_addr));
@@ -120,10 +120,16 @@ impl Transport {
             stats: TransportStats::default(),
             shutdown,
             #[cfg(feature = "testkit")]
-            injector,
+            injector: std::sync::OnceLock::new(),
         });
         tokio::spawn(accept_loop(listener, inner.clone()));
         Ok(Transport { inner })
+    }
+
+    /// Routes this transport's traffic through a fault injector (test clusters only).
+    #[cfg(feature = "testkit")]
+    pub(crate) fn set_fault_injector(&self, injector: crate::testkit::FaultInjector) {
+        let _ = self.inner.injector.set(injector);
     }
 
     /// This node's address as peers see it.
@@ -214,11 +220,9 @@ impl Transport {
             Err(mpsc::error::TrySendError::Full(_)) => {
                 Err(Error::SendQueueFull { peer: to.address.node_id.to_string() })
             }
-            Err(mpsc::error::TrySendError::Closed(frame)) => {
-                // The writer ended (peer incarnation refused us); start afresh once.
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                // The writer ended because this incarnation refused us; the next send dials anew.
                 writers.remove(&to.address);
-                drop(writers);
-                let _ = frame;
                 Err(Error::PeerUnavailable {
                     peer: to.address.node_id.to_string(),
                     reason: "connection to this incarnation was refused".into(),
@@ -230,7 +234,7 @@ impl Transport {
 
 #[cfg(feature = "testkit")]
 fn cut(inner: &Inner, from: &str, to: &str) -> bool {
-    inner.injector.as_ref().is_some_and(|i| i.is_messaging_cut(from, to))
+    inner.injector.get().is_some_and(|i| i.is_messaging_cut(from, to))
 }
 #[cfg(not(feature = "testkit"))]
 fn cut(_inner: &Inner, _from: &str, _to: &str) -> bool {
@@ -419,9 +423,10 @@ async fn dispatch(inner: &Arc<Inner>, from: &PeerAddr, frame: Frame) {
     let (topic, body, request_id) = match frame {
         Frame::Response { id, body } => {
             if let Some(tx) = inner.pending.lock().expect("pending lock").remove(&id) {
-                let _ = tx.send(body.map(|b| Bytes::from(b.into_vec())).map_err(|reason| {
-                    Error::PeerUnavailable { peer: from.address.node_id.to_string(), reason }
-                }));
+                let _ = tx.send(
+                    body.map(|b| Bytes::from(b.into_vec()))
+                        .map_err(|reason| Error::PeerUnavailable { peer: from.address.node_id.to_string(), reason }),
+                );
             }
             return;
         }
