@@ -117,8 +117,6 @@ pub struct TransportSettings {
     /// Largest reconnect delay.
     #[serde(with = "humantime_serde")]
     pub reconnect_backoff_max: Duration,
-    /// Frames written before the writer flushes the socket (batching).
-    pub max_batch: usize,
 }
 
 impl Default for TransportSettings {
@@ -129,7 +127,6 @@ impl Default for TransportSettings {
             connect_timeout: Duration::from_secs(3),
             reconnect_backoff_min: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_secs(2),
-            max_batch: 128,
         }
     }
 }
@@ -201,8 +198,8 @@ impl NodeConfig {
         if !(1024..=1 << 30).contains(&t.max_frame_size) {
             return bad("transport.max_frame_size must be between 1 KiB and 1 GiB".into());
         }
-        if t.send_queue_capacity == 0 || t.max_batch == 0 {
-            return bad("transport.send_queue_capacity and max_batch must be > 0".into());
+        if t.send_queue_capacity == 0 {
+            return bad("transport.send_queue_capacity must be > 0".into());
         }
         if t.reconnect_backoff_min.is_zero() || t.reconnect_backoff_max < t.reconnect_backoff_min {
             return bad("transport.reconnect_backoff_min must be > 0 and <= reconnect_backoff_max".into());

@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 use crate::config::TransportSettings;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
-use wire::{Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
+use wire::{Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason, ResponseBody};
 
 /// Where a peer incarnation is reached.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -64,11 +64,26 @@ pub struct TransportStats {
     pub frames_dropped: AtomicU64,
 }
 
+/// Frames waiting for one peer's writer, already length-prefixed in one buffer: senders encode
+/// straight into it under a short lock, and the writer takes the whole buffer for one write.
+#[derive(Default)]
+struct PeerQueue {
+    state: Mutex<QueueState>,
+    wake: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct QueueState {
+    buf: bytes::BytesMut,
+    frames: usize,
+    closed: bool,
+}
+
 struct Inner {
     local: PeerAddr,
     cluster_id: String,
     settings: TransportSettings,
-    writers: Mutex<HashMap<UniqueAddress, mpsc::Sender<Bytes>>>,
+    writers: Mutex<HashMap<UniqueAddress, Arc<PeerQueue>>>,
     topics: Mutex<HashMap<String, mpsc::Sender<Inbound>>>,
     pending: Mutex<HashMap<u64, oneshot::Sender<Result<Bytes>>>>,
     next_request_id: AtomicU64,
@@ -152,17 +167,15 @@ impl Transport {
 
     /// Sends a one-way message. Delivery is at most once and in order per peer.
     pub fn send(&self, to: &PeerAddr, topic: &str, body: &[u8]) -> Result<()> {
-        let frame = wire::encode(&Frame::Message { topic: topic.to_string(), body: body.to_vec() })?;
-        self.enqueue(to, frame)
+        self.enqueue(to, &Frame::Message { topic, body })
     }
 
     /// Sends a request and waits for its response (or the timeout).
     pub async fn request(&self, to: &PeerAddr, topic: &str, body: &[u8], timeout: Duration) -> Result<Bytes> {
         let id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let frame = wire::encode(&Frame::Request { id, topic: topic.to_string(), body: body.to_vec() })?;
         let (tx, rx) = oneshot::channel();
         self.inner.pending.lock().expect("pending lock").insert(id, tx);
-        let result = match self.enqueue(to, frame) {
+        let result = match self.enqueue(to, &Frame::Request { id, topic, body }) {
             Ok(()) => match tokio::time::timeout(timeout, rx).await {
                 Ok(Ok(r)) => r,
                 Ok(Err(_)) => Err(Error::ShutDown),
@@ -176,59 +189,88 @@ impl Transport {
 
     /// Answers a request received as [`Inbound`] with `request_id`.
     pub fn respond(&self, to: &PeerAddr, request_id: u64, body: Result<&[u8], String>) -> Result<()> {
-        let body = body.map(|b| serde_bytes::ByteBuf::from(b.to_vec()));
-        let frame = wire::encode(&Frame::Response { id: request_id, body })?;
-        self.enqueue(to, frame)
+        let body = match &body {
+            Ok(b) => ResponseBody::Ok(b),
+            Err(e) => ResponseBody::Err(e.clone()),
+        };
+        self.enqueue(to, &Frame::Response { id: request_id, body })
     }
 
     /// Stops the writer of a peer incarnation (it left or was replaced); queued frames are dropped.
     pub fn forget_peer(&self, peer: &UniqueAddress) {
-        self.inner.writers.lock().expect("writers lock").remove(peer);
+        if let Some(q) = self.inner.writers.lock().expect("writers lock").remove(peer) {
+            q.state.lock().expect("queue lock").closed = true;
+            q.wake.notify_one();
+        }
     }
 
-    fn enqueue(&self, to: &PeerAddr, frame: Bytes) -> Result<()> {
+    fn enqueue(&self, to: &PeerAddr, frame: &Frame<'_>) -> Result<()> {
         let inner = &self.inner;
         if inner.shutdown.is_cancelled() {
             return Err(Error::ShutDown);
         }
-        if frame.len() > inner.settings.max_frame_size {
-            return Err(Error::Codec(format!(
-                "frame of {} bytes exceeds max_frame_size {}",
-                frame.len(),
-                inner.settings.max_frame_size
-            )));
-        }
+        let max = inner.settings.max_frame_size;
+        let too_large = |len: usize| Error::Codec(format!("frame of {len} bytes exceeds max_frame_size {max}"));
         if to.address == inner.local.address {
             // Loopback without a socket: decode and dispatch directly, same semantics.
+            let bytes = wire::encode(frame)?;
+            if bytes.len() > max {
+                return Err(too_large(bytes.len()));
+            }
             let from = inner.local.clone();
             let inner2 = inner.clone();
             tokio::spawn(async move {
-                if let Ok(f) = wire::decode::<Frame>(&frame) {
-                    dispatch(&inner2, &from, f).await;
+                if let Ok(f) = wire::decode_borrowed::<Frame>(&bytes) {
+                    dispatch(&inner2, &from, &bytes, f, &mut HashMap::new()).await;
                 }
             });
             return Ok(());
         }
-        let mut writers = inner.writers.lock().expect("writers lock");
-        let tx = writers.entry(to.address.clone()).or_insert_with(|| {
-            let (tx, rx) = mpsc::channel(inner.settings.send_queue_capacity);
-            tokio::spawn(writer_task(inner.clone(), to.clone(), rx));
-            tx
-        });
-        match tx.try_send(frame) {
-            Ok(()) => Ok(()),
-            Err(mpsc::error::TrySendError::Full(_)) => {
-                Err(Error::SendQueueFull { peer: to.address.node_id.to_string() })
-            }
-            Err(mpsc::error::TrySendError::Closed(_)) => {
-                // The writer ended because this incarnation refused us; the next send dials anew.
-                writers.remove(&to.address);
-                Err(Error::PeerUnavailable {
-                    peer: to.address.node_id.to_string(),
-                    reason: "connection to this incarnation was refused".into(),
+        let queue = {
+            let mut writers = inner.writers.lock().expect("writers lock");
+            writers
+                .entry(to.address.clone())
+                .or_insert_with(|| {
+                    let q = Arc::new(PeerQueue::default());
+                    tokio::spawn(writer_task(inner.clone(), to.clone(), q.clone()));
+                    q
                 })
+                .clone()
+        };
+        let mut q = queue.state.lock().expect("queue lock");
+        if q.closed {
+            drop(q);
+            let mut writers = inner.writers.lock().expect("writers lock");
+            if writers.get(&to.address).is_some_and(|w| Arc::ptr_eq(w, &queue)) {
+                // This incarnation refused us; the next send dials anew.
+                writers.remove(&to.address);
             }
+            return Err(Error::PeerUnavailable {
+                peer: to.address.node_id.to_string(),
+                reason: "connection to this incarnation was refused".into(),
+            });
         }
+        if q.frames >= inner.settings.send_queue_capacity {
+            return Err(Error::SendQueueFull { peer: to.address.node_id.to_string() });
+        }
+        use bytes::BufMut;
+        let start = q.buf.len();
+        q.buf.put_u32(0);
+        let encoded = rmp_serde::encode::write_named(&mut (&mut q.buf).writer(), frame);
+        let len = q.buf.len() - start - 4;
+        if let Err(e) = encoded {
+            q.buf.truncate(start);
+            return Err(Error::Codec(e.to_string()));
+        }
+        if len > max {
+            q.buf.truncate(start);
+            return Err(too_large(len));
+        }
+        q.buf[start..start + 4].copy_from_slice(&(len as u32).to_be_bytes());
+        q.frames += 1;
+        drop(q);
+        queue.wake.notify_one();
+        Ok(())
     }
 }
 
@@ -241,23 +283,28 @@ fn cut(_inner: &Inner, _from: &str, _to: &str) -> bool {
     false
 }
 
-/// Dials the peer, handshakes, and writes queued frames in batches; reconnects with backoff.
-async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, mut rx: mpsc::Receiver<Bytes>) {
+/// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
+/// reconnects with backoff. Frames in a failed write are lost (delivery is at most once).
+async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
+    use tokio::io::AsyncWriteExt;
     let s = &inner.settings;
     let mut backoff = s.reconnect_backoff_min;
-    let mut batch = Vec::with_capacity(s.max_batch);
     'reconnect: loop {
         let conn = tokio::select! {
             _ = inner.shutdown.cancelled() => return,
             r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer)) => r,
         };
-        let mut framed = match conn {
+        let mut stream = match conn {
             Ok(Ok(f)) => {
                 backoff = s.reconnect_backoff_min;
-                f
+                f.into_inner()
             }
             Ok(Err(DialError::Refused(reason))) => {
                 warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
+                let mut q = queue.state.lock().expect("queue lock");
+                q.closed = true;
+                q.buf.clear();
+                q.frames = 0;
                 return;
             }
             Ok(Err(DialError::Io(e))) => {
@@ -276,27 +323,26 @@ async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, mut rx: mpsc::Receiver<B
             }
         };
         loop {
-            batch.clear();
-            let n = tokio::select! {
-                _ = inner.shutdown.cancelled() => return,
-                n = rx.recv_many(&mut batch, s.max_batch) => n,
+            let (chunk, n) = {
+                let mut q = queue.state.lock().expect("queue lock");
+                if q.closed {
+                    return; // forgotten peer
+                }
+                let n = std::mem::take(&mut q.frames);
+                (q.buf.split().freeze(), n)
             };
             if n == 0 {
-                return; // forgotten peer
+                tokio::select! {
+                    _ = inner.shutdown.cancelled() => return,
+                    _ = queue.wake.notified() => continue,
+                }
             }
-            let dropped = cut(&inner, &inner.local.address.node_id, &peer.address.node_id);
-            if dropped {
+            if cut(&inner, &inner.local.address.node_id, &peer.address.node_id) {
                 inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
                 continue;
             }
-            for frame in batch.drain(..) {
-                if let Err(e) = framed.feed(frame).await {
-                    debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
-                    continue 'reconnect;
-                }
-            }
-            if let Err(e) = SinkExt::<Bytes>::flush(&mut framed).await {
-                debug!(peer = %peer.address, error = %e, "flush failed; reconnecting");
+            if let Err(e) = stream.write_all(&chunk).await {
+                debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
                 continue 'reconnect;
             }
             inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
@@ -406,38 +452,66 @@ async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), I
     framed.send(reply).await.map_err(InboundError::BadFrame)?;
     let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
     info!(peer = %from.address, "inbound connection accepted");
+    let mut topic_cache = HashMap::new();
     while let Some(item) = framed.next().await {
-        let bytes = item.map_err(InboundError::BadFrame)?;
+        let bytes = item.map_err(InboundError::BadFrame)?.freeze();
         inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
-        let frame: Frame = wire::decode(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
+        let frame: Frame = wire::decode_borrowed(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
         if cut(inner, &from.address.node_id, &inner.local.address.node_id) {
             inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
             continue;
         }
-        dispatch(inner, &from, frame).await;
+        dispatch(inner, &from, &bytes, frame, &mut topic_cache).await;
     }
     Ok(())
 }
 
-async fn dispatch(inner: &Arc<Inner>, from: &PeerAddr, frame: Frame) {
+/// Delivers one frame: responses complete their pending request; messages and requests go to
+/// the topic's subscriber (looked up once per connection and topic). `buf` is the frame's
+/// buffer; bodies are slices of it, not copies.
+async fn dispatch(
+    inner: &Arc<Inner>,
+    from: &PeerAddr,
+    buf: &Bytes,
+    frame: Frame<'_>,
+    cache: &mut HashMap<String, mpsc::Sender<Inbound>>,
+) {
     let (topic, body, request_id) = match frame {
         Frame::Response { id, body } => {
             if let Some(tx) = inner.pending.lock().expect("pending lock").remove(&id) {
-                let _ = tx.send(
-                    body.map(|b| Bytes::from(b.into_vec()))
-                        .map_err(|reason| Error::PeerUnavailable { peer: from.address.node_id.to_string(), reason }),
-                );
+                let _ = tx.send(match body {
+                    ResponseBody::Ok(b) => Ok(buf.slice_ref(b)),
+                    ResponseBody::Err(reason) => {
+                        Err(Error::PeerUnavailable { peer: from.address.node_id.to_string(), reason })
+                    }
+                });
             }
             return;
         }
         Frame::Message { topic, body } => (topic, body, None),
         Frame::Request { id, topic, body } => (topic, body, Some(id)),
     };
-    let tx = inner.topics.lock().expect("topics lock").get(&topic).cloned();
-    let delivered = match tx {
-        Some(tx) => tx.send(Inbound { from: from.clone(), body: Bytes::from(body), request_id }).await.is_ok(),
-        None => false,
-    };
+    let mut inbound = Inbound { from: from.clone(), body: buf.slice_ref(body), request_id };
+    let mut delivered = false;
+    // A cached sender may belong to a replaced subscription: on failure look up once more.
+    for attempt in 0..2 {
+        if attempt == 1 || !cache.contains_key(topic) {
+            match inner.topics.lock().expect("topics lock").get(topic) {
+                Some(tx) => cache.insert(topic.to_string(), tx.clone()),
+                None => break,
+            };
+        }
+        match cache[topic].send(inbound).await {
+            Ok(()) => {
+                delivered = true;
+                break;
+            }
+            Err(mpsc::error::SendError(back)) => {
+                cache.remove(topic);
+                inbound = back;
+            }
+        }
+    }
     if !delivered {
         inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
         warn!(peer = %from.address, %topic, "no subscriber for topic; message dropped");

@@ -55,34 +55,47 @@ pub enum RejectReason {
     WrongAddressee(UniqueAddress),
 }
 
-/// A message after the handshake.
+/// A message after the handshake. Borrowed from the frame buffer when decoded, so bodies are
+/// handed on without copying.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum Frame {
+pub enum Frame<'a> {
     /// One-way message to a topic.
     Message {
         /// Receiving service.
-        topic: String,
+        #[serde(borrow)]
+        topic: &'a str,
         /// Service-specific payload.
-        #[serde(with = "serde_bytes")]
-        body: Vec<u8>,
+        #[serde(with = "serde_bytes", borrow)]
+        body: &'a [u8],
     },
     /// Request that expects a [`Frame::Response`] with the same id.
     Request {
         /// Correlation id.
         id: u64,
         /// Receiving service.
-        topic: String,
+        #[serde(borrow)]
+        topic: &'a str,
         /// Service-specific payload.
-        #[serde(with = "serde_bytes")]
-        body: Vec<u8>,
+        #[serde(with = "serde_bytes", borrow)]
+        body: &'a [u8],
     },
     /// Answer to a request.
     Response {
         /// Correlation id of the request.
         id: u64,
         /// Payload, or why the request could not be served.
-        body: Result<serde_bytes::ByteBuf, String>,
+        #[serde(borrow)]
+        body: ResponseBody<'a>,
     },
+}
+
+/// Body of a [`Frame::Response`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ResponseBody<'a> {
+    /// The service's answer.
+    Ok(#[serde(with = "serde_bytes", borrow)] &'a [u8]),
+    /// Why the request could not be served.
+    Err(String),
 }
 
 /// Encodes any serde value as rmp (named fields, so added fields stay compatible).
@@ -92,5 +105,10 @@ pub fn encode<T: Serialize>(value: &T) -> Result<Bytes> {
 
 /// Decodes an rmp value.
 pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::Codec(e.to_string()))
+}
+
+/// Decodes a value that borrows from `bytes` (such as [`Frame`]).
+pub fn decode_borrowed<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T> {
     rmp_serde::from_slice(bytes).map_err(|e| Error::Codec(e.to_string()))
 }
