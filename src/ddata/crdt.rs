@@ -240,6 +240,8 @@ pub trait Crdt: Clone + Default + Send + 'static {
     fn into_data(self) -> ReplicatedData;
     /// Unwraps a value of this type.
     fn from_data(data: ReplicatedData, key: &str) -> Result<Self>;
+    /// Borrows a value of this type mutably.
+    fn data_mut<'a>(data: &'a mut ReplicatedData, key: &str) -> Result<&'a mut Self>;
 }
 
 macro_rules! impl_crdt {
@@ -250,6 +252,14 @@ macro_rules! impl_crdt {
                 ReplicatedData::$t(self)
             }
             fn from_data(data: ReplicatedData, key: &str) -> Result<Self> {
+                match data {
+                    ReplicatedData::$t(v) => Ok(v),
+                    other => {
+                        Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() })
+                    }
+                }
+            }
+            fn data_mut<'a>(data: &'a mut ReplicatedData, key: &str) -> Result<&'a mut Self> {
                 match data {
                     ReplicatedData::$t(v) => Ok(v),
                     other => {

@@ -76,13 +76,16 @@ impl Replicator {
     {
         let (tx, rx) = oneshot::channel();
         let owned_key = key.to_string();
-        let modify: replicator::Modify = Box::new(move |current, ctx| {
-            let mut value = match current {
-                Some(d) => T::from_data(d, &owned_key)?,
-                None => T::default(),
-            };
-            modify(&mut value, ctx);
-            Ok(value.into_data())
+        let modify: replicator::Modify = Box::new(move |current, ctx| match current {
+            Some(data) => {
+                modify(T::data_mut(data, &owned_key)?, ctx);
+                Ok(None)
+            }
+            None => {
+                let mut value = T::default();
+                modify(&mut value, ctx);
+                Ok(Some(value.into_data()))
+            }
         });
         let input = Input::Update { key: key.to_string(), consistency, timeout, modify, reply: ReplyTx::Update(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
@@ -217,13 +220,15 @@ impl Driver {
     /// withheld and local updates answer with the storage error.
     async fn perform(&mut self, actions: Vec<Action<ReplyTx>>) {
         let mut batch: Vec<(String, Option<Vec<u8>>)> = Vec::new();
+        let mut keys = std::collections::HashSet::new();
         for a in &actions {
-            if let Action::Persist { key, value } = a {
+            if let Action::Persist { key } = a {
+                if !keys.insert(key.as_str()) {
+                    continue;
+                }
+                let Some(value) = self.core.local_value(key) else { continue };
                 match rmp_serde::to_vec(value) {
-                    Ok(bytes) => {
-                        batch.retain(|(k, _)| k != key);
-                        batch.push((key.clone(), Some(bytes)));
-                    }
+                    Ok(bytes) => batch.push((key.clone(), Some(bytes))),
                     Err(e) => error!(%key, error = %e, "cannot encode durable value"),
                 }
             }
@@ -248,15 +253,9 @@ impl Driver {
                     if persist_error.is_some() && matches!(msg, ReplicatorMsg::WriteAck { .. }) {
                         continue;
                     }
-                    match crate::transport::wire::encode(&msg) {
-                        Ok(bytes) => {
-                            if let Err(e) = self.transport.send(&to, TOPIC, &bytes) {
-                                warn!(peer = %to.address, error = %e, "replicator message not sent");
-                            }
-                        }
-                        Err(e) => error!(error = %e, "cannot encode replicator message"),
-                    }
+                    self.send_to(std::slice::from_ref(&to), &msg);
                 }
+                Action::Broadcast { to, msg } => self.send_to(&to, &msg),
                 Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {
                     let _ = tx.send(result);
                 }
@@ -270,12 +269,26 @@ impl Driver {
                 Action::ReplyGet { .. } | Action::ReplyUpdate { .. } => {
                     error!("reply handle of the wrong kind; this is a bug");
                 }
-                Action::Changed { key, value } => {
+                Action::Changed { key } => {
                     if let Some(w) = self.watchers.get(&key) {
-                        w.send_replace(Some(value));
+                        w.send_replace(self.core.local_value(&key).cloned());
                     }
                 }
             }
+        }
+    }
+
+    /// Encodes once, sends to each peer.
+    fn send_to(&self, peers: &[PeerAddr], msg: &ReplicatorMsg) {
+        match crate::transport::wire::encode(msg) {
+            Ok(bytes) => {
+                for to in peers {
+                    if let Err(e) = self.transport.send(to, TOPIC, &bytes) {
+                        warn!(peer = %to.address, error = %e, "replicator message not sent");
+                    }
+                }
+            }
+            Err(e) => error!(error = %e, "cannot encode replicator message"),
         }
     }
 }

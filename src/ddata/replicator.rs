@@ -97,8 +97,11 @@ pub enum ReplicatorMsg {
     },
 }
 
-/// A boxed update of one key's value.
-pub(crate) type Modify = Box<dyn FnOnce(Option<ReplicatedData>, &mut WriteCtx) -> Result<ReplicatedData> + Send>;
+/// A boxed update of one key's value: changes an existing value in place (returning `None`) or,
+/// for a key without a value, returns the new value. A value of the wrong type is an error and
+/// must be left untouched.
+pub(crate) type Modify =
+    Box<dyn FnOnce(Option<&mut ReplicatedData>, &mut WriteCtx) -> Result<Option<ReplicatedData>> + Send>;
 
 /// Inputs of the state machine; `R` is the caller's reply handle.
 pub(crate) enum Input<R> {
@@ -129,13 +132,33 @@ pub(crate) enum Input<R> {
 }
 
 /// Outputs; the driver performs every `Persist` of a batch before any `Send` or reply of it.
+/// `Persist` and `Changed` name only the key: the driver reads the current value when it
+/// performs them, so no value is cloned for them.
 #[derive(Debug)]
 pub(crate) enum Action<R> {
-    Send { to: PeerAddr, msg: ReplicatorMsg },
-    Persist { key: String, value: ReplicatedData },
-    ReplyGet { reply: R, result: Result<Option<ReplicatedData>> },
-    ReplyUpdate { reply: R, result: Result<()> },
-    Changed { key: String, value: ReplicatedData },
+    Send {
+        to: PeerAddr,
+        msg: ReplicatorMsg,
+    },
+    /// The same message to several peers (encoded once).
+    Broadcast {
+        to: Vec<PeerAddr>,
+        msg: ReplicatorMsg,
+    },
+    Persist {
+        key: String,
+    },
+    ReplyGet {
+        reply: R,
+        result: Result<Option<ReplicatedData>>,
+    },
+    ReplyUpdate {
+        reply: R,
+        result: Result<()>,
+    },
+    Changed {
+        key: String,
+    },
 }
 
 struct Entry {
@@ -230,35 +253,29 @@ impl<R> ReplicatorCore<R> {
 
     /// Merges `incoming` into the local value of `key`; emits Persist/Changed when it changed.
     fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<Action<R>>) -> Result<()> {
-        let changed = match self.data.get_mut(key) {
+        // Equal incoming digests are skipped: anti-entropy and read repair only send values
+        // that differ, so comparing whole values (a clone per merge) would cost more than the
+        // rare redundant persist.
+        match self.data.get_mut(key) {
             Some(entry) => {
-                let before = entry.value.clone();
                 if let Err((mine, theirs)) = entry.value.merge(incoming) {
                     return Err(Error::WrongDataType { key: key.to_string(), expected: mine, found: theirs });
                 }
-                let changed = entry.value != before;
-                if changed {
-                    entry.digest = None;
-                }
-                changed
+                entry.digest = None;
             }
             None => {
                 self.data.insert(key.to_string(), Entry { value: incoming, digest: None });
-                true
             }
-        };
-        if changed {
-            self.emit_changed(key, out);
         }
+        self.emit_changed(key, out);
         Ok(())
     }
 
     fn emit_changed(&self, key: &str, out: &mut Vec<Action<R>>) {
-        let value = self.data[key].value.clone();
         if self.is_durable(key) {
-            out.push(Action::Persist { key: key.to_string(), value: value.clone() });
+            out.push(Action::Persist { key: key.to_string() });
         }
-        out.push(Action::Changed { key: key.to_string(), value });
+        out.push(Action::Changed { key: key.to_string() });
     }
 
     fn digest(&mut self, key: &str) -> Option<u64> {
@@ -318,9 +335,7 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         let op = self.next_op();
-        for to in reachable {
-            out.push(Action::Send { to, msg: ReplicatorMsg::Read { op, key: key.clone() } });
-        }
+        out.push(Action::Broadcast { to: reachable, msg: ReplicatorMsg::Read { op, key: key.clone() } });
         self.reads.insert(
             op,
             PendingRead { key, needed, responders: Vec::new(), merged: local, deadline: now + timeout, reply },
@@ -338,25 +353,23 @@ impl<R> ReplicatorCore<R> {
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
-        let current = self.local_value(&key).cloned();
-        let new_value = match modify(current.clone(), &mut self.ctx) {
-            Ok(v) => v,
+        let existing = self.data.get_mut(&key);
+        let had_value = existing.is_some();
+        match modify(existing.map(|e| &mut e.value), &mut self.ctx) {
+            Ok(Some(created)) if !had_value => {
+                self.data.insert(key.clone(), Entry { value: created, digest: None });
+            }
+            Ok(_) => {
+                if let Some(e) = self.data.get_mut(&key) {
+                    e.digest = None;
+                }
+            }
             Err(e) => {
                 out.push(Action::ReplyUpdate { reply, result: Err(e) });
                 return;
             }
-        };
-        if let Some(cur) = current.as_ref().filter(|c| c.type_name() != new_value.type_name()) {
-            out.push(Action::ReplyUpdate {
-                reply,
-                result: Err(Error::WrongDataType { key, expected: new_value.type_name(), found: cur.type_name() }),
-            });
-            return;
         }
-        if current.as_ref() != Some(&new_value) {
-            self.data.insert(key.clone(), Entry { value: new_value.clone(), digest: None });
-            self.emit_changed(&key, out);
-        }
+        self.emit_changed(&key, out);
         let needed = c.needed(self.total_replicas());
         if needed <= 1 {
             out.push(Action::ReplyUpdate { reply, result: Ok(()) });
@@ -371,9 +384,8 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         let op = self.next_op();
-        for to in reachable {
-            out.push(Action::Send { to, msg: ReplicatorMsg::Write { op, key: key.clone(), value: new_value.clone() } });
-        }
+        let value = self.data[&key].value.clone();
+        out.push(Action::Broadcast { to: reachable, msg: ReplicatorMsg::Write { op, key, value } });
         let acked = HashSet::from([self.self_addr.clone()]);
         self.writes.insert(op, PendingWrite { needed, acked, deadline: now + timeout, reply });
     }
@@ -475,13 +487,11 @@ impl<R> ReplicatorCore<R> {
             // Read repair: replicas that answered with an older value get the merged one.
             let final_digest = result.as_ref().map_or(0, digest_of);
             if let Some(v) = &result {
-                for (peer, d) in r.responders {
-                    if d != final_digest {
-                        out.push(Action::Send {
-                            to: peer,
-                            msg: ReplicatorMsg::Gossip { entries: vec![(r.key.clone(), v.clone())], want: Vec::new() },
-                        });
-                    }
+                let stale: Vec<PeerAddr> =
+                    r.responders.into_iter().filter(|(_, d)| *d != final_digest).map(|(p, _)| p).collect();
+                if !stale.is_empty() {
+                    let msg = ReplicatorMsg::Gossip { entries: vec![(r.key.clone(), v.clone())], want: Vec::new() };
+                    out.push(Action::Broadcast { to: stale, msg });
                 }
             }
             out.push(Action::ReplyGet { reply: r.reply, result: Ok(result) });
@@ -532,13 +542,17 @@ mod tests {
     }
 
     fn add(member: &'static str) -> Modify {
-        Box::new(move |cur, _ctx| {
-            let mut s = match cur {
-                Some(d) => GSet::from_data(d, "k")?,
-                None => GSet::default(),
-            };
-            s.insert(member);
-            Ok(s.into_data())
+        Box::new(move |cur, _ctx| match cur {
+            Some(ReplicatedData::GSet(s)) => {
+                s.insert(member);
+                Ok(None)
+            }
+            Some(other) => Err(Error::WrongDataType { key: "k".into(), expected: "GSet", found: other.type_name() }),
+            None => {
+                let mut s = GSet::default();
+                s.insert(member);
+                Ok(Some(s.into_data()))
+            }
         })
     }
 
@@ -576,14 +590,14 @@ mod tests {
         );
         // Durable key: persisted, then 4 writes.
         assert!(matches!(out[0], Action::Persist { .. }));
-        let op = out
+        let (op, fanout) = out
             .iter()
             .find_map(|a| match a {
-                Action::Send { msg: ReplicatorMsg::Write { op, .. }, .. } => Some(*op),
+                Action::Broadcast { to, msg: ReplicatorMsg::Write { op, .. } } => Some((*op, to.len())),
                 _ => None,
             })
             .unwrap();
-        assert_eq!(out.iter().filter(|a| matches!(a, Action::Send { .. })).count(), 4);
+        assert_eq!(fanout, 4);
         let mut out = Vec::new();
         c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
         assert!(out.is_empty(), "2 of 3");
@@ -673,7 +687,7 @@ mod tests {
         let op = out
             .iter()
             .find_map(|x| match x {
-                Action::Send { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
+                Action::Broadcast { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
                 _ => None,
             })
             .unwrap();
