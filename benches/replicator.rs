@@ -1,5 +1,6 @@
 //! WriteMajority update latency and throughput on a 3-node in-process cluster (durable and
-//! memory-only keys), with a local-only update in the same run as the baseline.
+//! memory-only keys) on a 10-member OR-set, with a local-only update in the same run as the
+//! baseline.
 
 use std::time::Duration;
 
@@ -30,7 +31,7 @@ fn bench(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.to_async(&rt).iter(|| {
                 i += 1;
-                let member = format!("m{}", i % 1000);
+                let member = format!("m{}", i % 10);
                 let r = r.clone();
                 async move { r.update::<OrSet, _>(key, consistency, OP, move |s, ctx| s.add(ctx, member)).await.unwrap() }
             })
