@@ -96,6 +96,47 @@ pub enum Error {
         found: &'static str,
     },
 
+    /// Entity ids must not be empty.
+    #[error("entity id must not be empty")]
+    EmptyEntityId,
+
+    /// The region's buffer for messages whose shard home is unknown is full; the message was
+    /// dropped (counted and logged).
+    #[error("buffer of region {type_name:?} is full ({buffer_size} messages); message dropped")]
+    BufferFull {
+        /// Entity type.
+        type_name: String,
+        /// The configured `buffer_size`.
+        buffer_size: usize,
+    },
+
+    /// No reply within the ask timeout.
+    #[error("ask to entity {entity_id:?} timed out after {timeout:?}")]
+    AskTimeout {
+        /// The entity.
+        entity_id: String,
+        /// The timeout used.
+        timeout: std::time::Duration,
+    },
+
+    /// The message was not handled: the entity stopped or panicked, its shard was handed off,
+    /// or the payload did not decode.
+    #[error("message to entity {entity_id:?} was not handled: {reason}")]
+    NotDelivered {
+        /// The entity.
+        entity_id: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// A sharded type of this name is already started on this node.
+    #[error("entity type {0:?} is already started on this node")]
+    TypeAlreadyStarted(String),
+
+    /// The coordinator could not be reached for a query.
+    #[error("coordinator of {0:?} is not available")]
+    CoordinatorUnavailable(String),
+
     /// The address is not usable (for example, the wildcard address as an advertised address).
     #[error("address {0} cannot be advertised to peers")]
     BadAddress(SocketAddr),

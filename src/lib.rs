@@ -19,6 +19,7 @@ pub mod ddata;
 pub mod error;
 pub mod membership;
 mod node;
+pub mod sharding;
 pub mod transport;
 
 #[cfg(feature = "testkit")]
@@ -29,3 +30,4 @@ pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};
 pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
 pub use node::Node;
+pub use sharding::{Entity, EntityContext, ShardRegion, Sharding, ShardingSettings};

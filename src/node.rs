@@ -16,8 +16,16 @@ use crate::membership::{
 };
 use crate::transport::Transport;
 
+/// What `Node::leave` needs from a running region.
+pub(crate) trait RegionControl: Send + Sync {
+    fn type_name(&self) -> &str;
+    /// Hands off every shard, then stops the region.
+    fn graceful_shutdown(&self) -> futures::future::BoxFuture<'_, ()>;
+}
+
 struct NodeInner {
     config: NodeConfig,
+    regions: Mutex<Vec<Arc<dyn RegionControl>>>,
     address: UniqueAddress,
     membership: MembershipHandle,
     transport: Transport,
@@ -91,6 +99,7 @@ impl Node {
         Ok(Node {
             inner: Arc::new(NodeInner {
                 config,
+                regions: Mutex::new(Vec::new()),
                 address,
                 membership,
                 transport,
@@ -147,11 +156,36 @@ impl Node {
         &self.inner.transport
     }
 
-    /// Leaves gracefully: Leaving → Exiting → Removed in gossip, lingers so every member sees it,
-    /// then stops.
+    pub(crate) fn register_region(&self, region: Arc<dyn RegionControl>) -> Result<()> {
+        let mut regions = self.inner.regions.lock().expect("regions lock");
+        if regions.iter().any(|r| r.type_name() == region.type_name()) {
+            return Err(Error::TypeAlreadyStarted(region.type_name().to_string()));
+        }
+        regions.push(region);
+        Ok(())
+    }
+
+    pub(crate) fn shutdown_token(&self) -> CancellationToken {
+        self.inner.shutdown.clone()
+    }
+
+    /// Spawns a task that `shutdown` waits for.
+    pub(crate) fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        let span = info_span!("node", node = %self.inner.address);
+        let handle = tokio::spawn(task.instrument(span));
+        self.inner.tasks.lock().expect("tasks lock").push(handle);
+    }
+
+    /// Leaves gracefully: Leaving in gossip; every region hands off its shards to other nodes
+    /// (the coordinator moves too if it ran here); then Exiting → Removed, lingering so every
+    /// member sees it; then stops.
     pub async fn leave(&self) -> Result<()> {
         let m = &self.inner.membership;
         m.set_status(MemberStatus::Leaving).await?;
+        let regions: Vec<Arc<dyn RegionControl>> = self.inner.regions.lock().expect("regions lock").clone();
+        for r in regions {
+            r.graceful_shutdown().await;
+        }
         m.set_status(MemberStatus::Exiting).await?;
         m.set_status(MemberStatus::Removed).await?;
         tokio::time::sleep(self.inner.config.membership.leave_linger).await;

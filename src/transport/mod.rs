@@ -165,6 +165,11 @@ impl Transport {
         rx
     }
 
+    /// Removes a topic's subscription; later messages for it are dropped (and counted).
+    pub fn unsubscribe(&self, topic: &str) {
+        self.inner.topics.lock().expect("topics lock").remove(topic);
+    }
+
     /// Sends a one-way message. Delivery is at most once and in order per peer.
     pub fn send(&self, to: &PeerAddr, topic: &str, body: &[u8]) -> Result<()> {
         self.enqueue(to, &Frame::Message { topic, body })

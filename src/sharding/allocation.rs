@@ -1,0 +1,403 @@
+//! Shard allocation strategies: where a new shard goes, and which shards to move when the
+//! cluster is unbalanced. Pure functions of the current allocation, so they are table-tested.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, RwLock};
+
+use crate::membership::UniqueAddress;
+
+/// A region (one node incarnation hosting one entity type).
+pub type RegionId = UniqueAddress;
+/// A shard id.
+pub type ShardId = String;
+
+/// One region's current shards, in allocation order (oldest first).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegionAllocation {
+    /// The region.
+    pub region: RegionId,
+    /// Its shards, oldest allocation first.
+    pub shards: Vec<ShardId>,
+    /// Its node is leaving (or its region shutting down): allocate elsewhere when possible.
+    pub leaving: bool,
+}
+
+/// Decides shard placement. Implement it for a custom strategy; the coordinator calls it only
+/// with the regions that are registered and not shutting down.
+pub trait ShardAllocationStrategy: Send + Sync + 'static {
+    /// The region for a new shard. `regions` is never empty.
+    fn allocate(&self, requester: &RegionId, shard: &ShardId, regions: &[RegionAllocation]) -> RegionId;
+
+    /// Shards to hand off now (the coordinator then re-allocates them with [`Self::allocate`]).
+    /// `in_progress` are shards already being moved.
+    fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId>;
+}
+
+/// Regions ordered by suitability for a new shard: not leaving first, then fewest shards, then
+/// address (so every coordinator decides the same way).
+fn by_suitability(regions: &[RegionAllocation]) -> Vec<&RegionAllocation> {
+    let mut v: Vec<&RegionAllocation> = regions.iter().collect();
+    v.sort_by(|a, b| (a.leaving, a.shards.len(), &a.region).cmp(&(b.leaving, b.shards.len(), &b.region)));
+    v
+}
+
+fn least_loaded(regions: &[RegionAllocation]) -> RegionId {
+    by_suitability(regions)[0].region.clone()
+}
+
+/// Least-shard allocation with Akka's newer rebalance algorithm: balanced within one or two
+/// rounds, moving at most `limit = max(1, min(floor(relative_limit × total), absolute_limit))`
+/// shards per round.
+#[derive(Debug, Clone)]
+pub struct LeastShardAllocation {
+    /// Upper bound on shards moved per rebalance round.
+    pub absolute_limit: usize,
+    /// Upper bound as a fraction of all shards.
+    pub relative_limit: f64,
+}
+
+impl Default for LeastShardAllocation {
+    fn default() -> Self {
+        LeastShardAllocation { absolute_limit: 20, relative_limit: 0.1 }
+    }
+}
+
+impl ShardAllocationStrategy for LeastShardAllocation {
+    fn allocate(&self, _requester: &RegionId, _shard: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        least_loaded(regions)
+    }
+
+    fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        if !in_progress.is_empty() || regions.is_empty() {
+            return BTreeSet::new();
+        }
+        // Leaving regions are emptied by their graceful shutdown, not by rebalancing.
+        let active: Vec<&RegionAllocation> = regions.iter().filter(|r| !r.leaving).collect();
+        if active.is_empty() {
+            return BTreeSet::new();
+        }
+        let total: usize = active.iter().map(|r| r.shards.len()).sum();
+        let optimal = total.div_ceil(active.len());
+        let relative = (self.relative_limit * total as f64).floor() as usize;
+        let limit = relative.min(self.absolute_limit).max(1);
+        let mut sorted = active.clone();
+        sorted.sort_by(|a, b| (b.shards.len(), &a.region).cmp(&(a.shards.len(), &b.region)));
+        // Phase 1: surplus above optimal, oldest shards first.
+        let mut out = BTreeSet::new();
+        for r in &sorted {
+            for s in r.shards.iter().take(r.shards.len().saturating_sub(optimal)) {
+                if out.len() >= limit {
+                    return out;
+                }
+                out.insert(s.clone());
+            }
+        }
+        if !out.is_empty() {
+            return out;
+        }
+        // Phase 2: regions at optimal give one shard each to fill regions below optimal - 1.
+        let deficit: usize = active.iter().map(|r| (optimal - 1).saturating_sub(r.shards.len())).sum();
+        let take = deficit.min(limit);
+        for r in sorted.iter().filter(|r| r.shards.len() >= optimal) {
+            if out.len() >= take {
+                break;
+            }
+            if let Some(s) = r.shards.first() {
+                out.insert(s.clone());
+            }
+        }
+        out
+    }
+}
+
+/// Akka's legacy least-shard strategy: move from the region with most shards while the
+/// difference to the region with fewest exceeds `threshold`, at most `max_simultaneous` at a
+/// time.
+#[derive(Debug, Clone)]
+pub struct LegacyLeastShardAllocation {
+    /// Difference tolerated between the most and least loaded region.
+    pub threshold: usize,
+    /// Shards in hand-off at the same time.
+    pub max_simultaneous: usize,
+}
+
+impl Default for LegacyLeastShardAllocation {
+    fn default() -> Self {
+        LegacyLeastShardAllocation { threshold: 1, max_simultaneous: 3 }
+    }
+}
+
+impl ShardAllocationStrategy for LegacyLeastShardAllocation {
+    fn allocate(&self, _requester: &RegionId, _shard: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        least_loaded(regions)
+    }
+
+    fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        if in_progress.len() >= self.max_simultaneous || regions.is_empty() {
+            return BTreeSet::new();
+        }
+        let least = by_suitability(regions)[0].shards.len();
+        let most = regions
+            .iter()
+            .map(|r| r.shards.iter().filter(|s| !in_progress.contains(*s)).cloned().collect::<Vec<_>>())
+            .max_by_key(Vec::len)
+            .unwrap_or_default();
+        let diff = most.len().saturating_sub(least);
+        if diff <= self.threshold {
+            return BTreeSet::new();
+        }
+        let n = (diff - self.threshold).min(self.threshold).min(self.max_simultaneous - in_progress.len());
+        let mut sorted = most;
+        sorted.sort();
+        sorted.into_iter().take(n).collect()
+    }
+}
+
+/// Consistent hashing of shard ids onto a ring of regions (`virtual_nodes` points per region),
+/// so a shard tends to return to the same node; rebalance moves shards that are not on their
+/// ring position, up to `rebalance_limit` per round.
+#[derive(Debug, Clone)]
+pub struct ConsistentHashingAllocation {
+    /// Ring points per region.
+    pub virtual_nodes: usize,
+    /// Shards moved per rebalance round.
+    pub rebalance_limit: usize,
+}
+
+impl Default for ConsistentHashingAllocation {
+    fn default() -> Self {
+        ConsistentHashingAllocation { virtual_nodes: 10, rebalance_limit: 10 }
+    }
+}
+
+impl ConsistentHashingAllocation {
+    /// The region the ring gives for `shard` (regions identified by node id, so a restarted
+    /// node gets its shards back).
+    pub fn ring_owner(&self, shard: &str, regions: &[RegionAllocation]) -> Option<RegionId> {
+        let candidates: Vec<&RegionAllocation> = regions.iter().filter(|r| !r.leaving).collect();
+        let candidates = if candidates.is_empty() { regions.iter().collect() } else { candidates };
+        let mut ring: Vec<(u64, &RegionId)> = Vec::new();
+        for r in candidates {
+            for v in 0..self.virtual_nodes {
+                let point = xxhash_rust::xxh3::xxh3_64(format!("{}-{v}", r.region.node_id).as_bytes());
+                ring.push((point, &r.region));
+            }
+        }
+        ring.sort();
+        let h = xxhash_rust::xxh3::xxh3_64(shard.as_bytes());
+        let i = ring.partition_point(|(p, _)| *p < h);
+        ring.get(i).or(ring.first()).map(|(_, r)| (*r).clone())
+    }
+}
+
+impl ShardAllocationStrategy for ConsistentHashingAllocation {
+    fn allocate(&self, requester: &RegionId, shard: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        self.ring_owner(shard, regions).unwrap_or_else(|| requester.clone())
+    }
+
+    fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        let mut out = BTreeSet::new();
+        for r in regions {
+            for s in &r.shards {
+                if out.len() + in_progress.len() >= self.rebalance_limit {
+                    return out;
+                }
+                if !in_progress.contains(s) && self.ring_owner(s, regions).is_some_and(|o| o != r.region) {
+                    out.insert(s.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Desired shard locations (shard id → node id) set by an operator; see
+/// [`crate::sharding::ShardRegion::set_external_shard_location`]. Shards go to their desired
+/// node when it hosts a region, otherwise to the requester.
+#[derive(Debug, Clone, Default)]
+pub struct ExternalAllocation {
+    locations: Arc<RwLock<BTreeMap<ShardId, String>>>,
+    /// Shards moved per rebalance round.
+    pub rebalance_limit: usize,
+}
+
+impl ExternalAllocation {
+    /// A strategy reading the shared location table.
+    pub fn new(locations: Arc<RwLock<BTreeMap<ShardId, String>>>) -> Self {
+        ExternalAllocation { locations, rebalance_limit: 10 }
+    }
+
+    fn desired(&self, shard: &str, regions: &[RegionAllocation]) -> Option<RegionId> {
+        let node = self.locations.read().expect("locations lock").get(shard).cloned()?;
+        regions.iter().find(|r| *r.region.node_id == *node).map(|r| r.region.clone())
+    }
+}
+
+impl ShardAllocationStrategy for ExternalAllocation {
+    fn allocate(&self, requester: &RegionId, shard: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        self.desired(shard, regions).unwrap_or_else(|| {
+            if regions.iter().any(|r| r.region == *requester) { requester.clone() } else { least_loaded(regions) }
+        })
+    }
+
+    fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        let mut out = BTreeSet::new();
+        for r in regions {
+            for s in &r.shards {
+                if out.len() + in_progress.len() >= self.rebalance_limit {
+                    return out;
+                }
+                if !in_progress.contains(s) && self.desired(s, regions).is_some_and(|d| d != r.region) {
+                    out.insert(s.clone());
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(sizes: &[usize]) -> Vec<RegionAllocation> {
+        let mut n = 0;
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &k)| RegionAllocation {
+                region: UniqueAddress::new(format!("r{i}"), 1),
+                shards: (0..k)
+                    .map(|_| {
+                        n += 1;
+                        format!("{n:03}")
+                    })
+                    .collect(),
+                leaving: false,
+            })
+            .collect()
+    }
+
+    fn apply(regions: &mut [RegionAllocation], moved: &BTreeSet<ShardId>, s: &dyn ShardAllocationStrategy) {
+        for r in regions.iter_mut() {
+            r.shards.retain(|x| !moved.contains(x));
+        }
+        for shard in moved {
+            let to = s.allocate(&regions[0].region, shard, regions);
+            regions.iter_mut().find(|r| r.region == to).unwrap().shards.push(shard.clone());
+        }
+    }
+
+    fn sizes(regions: &[RegionAllocation]) -> Vec<usize> {
+        regions.iter().map(|r| r.shards.len()).collect()
+    }
+
+    const UNLIMITED: LeastShardAllocation = LeastShardAllocation { absolute_limit: 1000, relative_limit: 1.0 };
+
+    #[test]
+    fn least_shard_rebalance_matches_the_akka_example_table() {
+        // (layout, shards moved in the first round, layout after one round when given)
+        let table: &[(&[usize], usize, Option<&[usize]>)] = &[
+            (&[1, 2, 0], 1, Some(&[1, 1, 1])),
+            (&[1, 1, 0], 0, None),
+            (&[3, 0, 0], 2, Some(&[1, 1, 1])),
+            (&[4, 4, 0], 2, Some(&[3, 3, 2])),
+            (&[4, 4, 2], 1, None),
+            (&[50, 50, 0], 32, Some(&[34, 34, 32])),
+        ];
+        for (before, moved, after) in table {
+            let mut regions = layout(before);
+            let m = UNLIMITED.rebalance(&regions, &BTreeSet::new());
+            assert_eq!(m.len(), *moved, "layout {before:?}");
+            apply(&mut regions, &m, &UNLIMITED);
+            if let Some(after) = after {
+                let mut got = sizes(&regions);
+                got.sort_unstable_by(|a, b| b.cmp(a));
+                let mut want = after.to_vec();
+                want.sort_unstable_by(|a, b| b.cmp(a));
+                assert_eq!(got, want, "layout {before:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn least_shard_balances_small_layouts_within_two_rounds() {
+        for before in [[3usize, 0, 0], [4, 4, 0], [4, 4, 2], [7, 1, 0], [10, 0, 1], [5, 5, 5]] {
+            let mut regions = layout(&before);
+            for _ in 0..2 {
+                let m = UNLIMITED.rebalance(&regions, &BTreeSet::new());
+                apply(&mut regions, &m, &UNLIMITED);
+            }
+            let s = sizes(&regions);
+            assert!(s.iter().max().unwrap() - s.iter().min().unwrap() <= 1, "{before:?} -> {s:?}");
+        }
+    }
+
+    #[test]
+    fn least_shard_respects_limits_and_waits_for_rebalances_in_progress() {
+        let regions = layout(&[50, 50, 0]);
+        let limited = LeastShardAllocation { absolute_limit: 5, relative_limit: 0.1 };
+        assert_eq!(limited.rebalance(&regions, &BTreeSet::new()).len(), 5);
+        let relative = LeastShardAllocation { absolute_limit: 100, relative_limit: 0.02 };
+        assert_eq!(relative.rebalance(&regions, &BTreeSet::new()).len(), 2);
+        let busy = BTreeSet::from(["001".to_string()]);
+        assert!(limited.rebalance(&regions, &busy).is_empty());
+    }
+
+    #[test]
+    fn least_shard_allocates_to_the_least_loaded_region_not_leaving() {
+        let mut regions = layout(&[2, 0, 1]);
+        assert_eq!(UNLIMITED.allocate(&regions[0].region, &"x".into(), &regions).node_id.as_ref(), "r1");
+        regions[1].leaving = true;
+        assert_eq!(UNLIMITED.allocate(&regions[0].region, &"x".into(), &regions).node_id.as_ref(), "r2");
+    }
+
+    #[test]
+    fn legacy_strategy_moves_alphabetically_first_shards_from_the_largest_region() {
+        let legacy = LegacyLeastShardAllocation::default();
+        let regions = layout(&[5, 1, 1]);
+        // diff 4 > threshold 1: move min(3, 1, 3) = 1.
+        assert_eq!(legacy.rebalance(&regions, &BTreeSet::new()), BTreeSet::from(["001".to_string()]));
+        assert!(legacy.rebalance(&layout(&[2, 1, 1]), &BTreeSet::new()).is_empty());
+        let t3 = LegacyLeastShardAllocation { threshold: 3, max_simultaneous: 2 };
+        // diff 9 > 3: min(6, 3, 2) = 2.
+        assert_eq!(t3.rebalance(&layout(&[10, 1]), &BTreeSet::new()).len(), 2);
+        let busy: BTreeSet<ShardId> = ["001".to_string(), "002".to_string()].into();
+        assert!(t3.rebalance(&layout(&[10, 1]), &busy).is_empty(), "max simultaneous reached");
+    }
+
+    #[test]
+    fn consistent_hashing_is_stable_and_moves_only_misplaced_shards() {
+        let ch = ConsistentHashingAllocation::default();
+        let mut regions = layout(&[0, 0, 0]);
+        let mut placed = BTreeMap::new();
+        for i in 0..60 {
+            let shard = format!("s{i}");
+            let r = ch.allocate(&regions[0].region, &shard, &regions);
+            assert_eq!(r, ch.allocate(&regions[1].region, &shard, &regions), "independent of the requester");
+            placed.insert(shard.clone(), r.clone());
+            regions.iter_mut().find(|x| x.region == r).unwrap().shards.push(shard);
+        }
+        assert!(regions.iter().all(|r| !r.shards.is_empty()), "spread over all regions");
+        assert!(ch.rebalance(&regions, &BTreeSet::new()).is_empty(), "all on their ring position");
+        // A fourth region: only shards now owned by it move.
+        regions.push(RegionAllocation { region: UniqueAddress::new("r3", 1), shards: vec![], leaving: false });
+        let big = ConsistentHashingAllocation { rebalance_limit: 1000, ..ch.clone() };
+        let moved = big.rebalance(&regions, &BTreeSet::new());
+        assert!(!moved.is_empty());
+        for s in &moved {
+            assert_eq!(big.ring_owner(s, &regions).unwrap().node_id.as_ref(), "r3");
+        }
+    }
+
+    #[test]
+    fn external_strategy_follows_the_operator_table() {
+        let table = Arc::new(RwLock::new(BTreeMap::from([("a".to_string(), "r2".to_string())])));
+        let ext = ExternalAllocation::new(table.clone());
+        let regions = layout(&[1, 0, 0]);
+        assert_eq!(ext.allocate(&regions[0].region, &"a".into(), &regions).node_id.as_ref(), "r2");
+        assert_eq!(ext.allocate(&regions[1].region, &"b".into(), &regions).node_id.as_ref(), "r1", "requester");
+        table.write().unwrap().insert("001".into(), "r1".into());
+        assert_eq!(ext.rebalance(&regions, &BTreeSet::new()), BTreeSet::from(["001".to_string()]));
+    }
+}

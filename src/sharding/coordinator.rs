@@ -1,0 +1,718 @@
+//! The shard coordinator as a sans-IO state machine: region registry, shard → region
+//! allocation with epochs, rebalancing with the hand-off protocol, graceful shutdown of regions.
+//!
+//! Every state change is written to the replicated LWW-map (majority) by the driver; messages
+//! that reveal a change (HostShard, ShardHome, RegisterAck) are held until the write holding
+//! it is acknowledged, so no region ever learns an allocation a new coordinator could miss.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::allocation::{RegionAllocation, RegionId, ShardAllocationStrategy, ShardId};
+use super::protocol::{ToCoordinator, ToRegion};
+use crate::ddata::LwwMap;
+
+/// Persisted record of a shard: its home (none while unallocated) and the epoch of its latest
+/// allocation, kept across deallocation so epochs only grow.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ShardRecord {
+    pub region: Option<RegionId>,
+    pub epoch: u64,
+}
+
+/// Persisted record of a registered region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RegionRecord {
+    pub region: RegionId,
+    pub proxy: bool,
+}
+
+/// The coordinator state as stored in the LWW-map.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct CoordinatorState {
+    pub shards: BTreeMap<ShardId, ShardRecord>,
+    pub regions: BTreeSet<RegionId>,
+    pub proxies: BTreeSet<RegionId>,
+}
+
+fn shard_key(shard: &str) -> String {
+    format!("s/{shard}")
+}
+fn region_key(region: &RegionId) -> String {
+    format!("r/{region}")
+}
+
+impl CoordinatorState {
+    /// Reads the state from the replicated map; undecodable entries are skipped with a warning.
+    pub(crate) fn from_map(map: &LwwMap) -> Self {
+        let mut st = CoordinatorState::default();
+        for (k, v) in map.iter() {
+            if let Some(shard) = k.strip_prefix("s/") {
+                match rmp_serde::from_slice::<ShardRecord>(v) {
+                    Ok(r) => {
+                        st.shards.insert(shard.to_string(), r);
+                    }
+                    Err(e) => warn!(key = k, error = %e, "undecodable shard record skipped"),
+                }
+            } else if k.starts_with("r/") {
+                match rmp_serde::from_slice::<RegionRecord>(v) {
+                    Ok(r) if r.proxy => {
+                        st.proxies.insert(r.region);
+                    }
+                    Ok(r) => {
+                        st.regions.insert(r.region);
+                    }
+                    Err(e) => warn!(key = k, error = %e, "undecodable region record skipped"),
+                }
+            }
+        }
+        st
+    }
+
+    /// Shards of each region ordered by allocation (epoch).
+    fn allocations(&self) -> BTreeMap<RegionId, Vec<ShardId>> {
+        let mut by_region: BTreeMap<RegionId, Vec<(u64, ShardId)>> =
+            self.regions.iter().map(|r| (r.clone(), Vec::new())).collect();
+        for (s, rec) in &self.shards {
+            if let Some(r) = &rec.region {
+                by_region.entry(r.clone()).or_default().push((rec.epoch, s.clone()));
+            }
+        }
+        by_region
+            .into_iter()
+            .map(|(r, mut v)| {
+                v.sort();
+                (r, v.into_iter().map(|(_, s)| s).collect())
+            })
+            .collect()
+    }
+
+    pub(crate) fn home(&self, shard: &str) -> Option<(&RegionId, u64)> {
+        let rec = self.shards.get(shard)?;
+        Some((rec.region.as_ref()?, rec.epoch))
+    }
+}
+
+/// One entry to write: key and new value (`None` removes it).
+pub(crate) type StateEntry = (String, Option<Vec<u8>>);
+
+/// Settings the coordinator uses.
+#[derive(Debug, Clone)]
+pub(crate) struct CoordinatorSettings {
+    pub min_nr_of_members: usize,
+    pub rebalance_interval: Duration,
+    pub handoff_timeout: Duration,
+    pub shard_start_timeout: Duration,
+    /// Re-allocate shards of terminated regions at once (remember-entities) instead of on demand.
+    pub eager_reallocation: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum CoordinatorInput {
+    FromRegion(ToCoordinator),
+    RegionTerminated(RegionId),
+    /// The write started by the last `Write` action is durable on a majority.
+    WriteDone,
+    /// Whether the cluster is in a state to rebalance (no unreachable or joining member).
+    RebalanceAllowed(bool),
+    Tick,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum CoordinatorAction {
+    Send { to: RegionId, msg: ToRegion },
+    /// Write these entries with majority; answer with `WriteDone` once acknowledged.
+    Write(Vec<StateEntry>),
+}
+
+#[derive(Debug)]
+enum HandoffPhase {
+    WaitingForAcks(BTreeSet<RegionId>),
+    Stopping,
+}
+
+#[derive(Debug)]
+struct Handoff {
+    from: RegionId,
+    phase: HandoffPhase,
+    deadline: Instant,
+}
+
+#[derive(Default)]
+struct Batch {
+    entries: Vec<StateEntry>,
+    effects: Vec<CoordinatorAction>,
+}
+
+/// The coordinator of one entity type.
+pub(crate) struct CoordinatorCore {
+    me: RegionId,
+    settings: CoordinatorSettings,
+    strategy: Arc<dyn ShardAllocationStrategy>,
+    state: CoordinatorState,
+    shutting_down: BTreeSet<RegionId>,
+    handoffs: BTreeMap<ShardId, Handoff>,
+    deferred: BTreeMap<ShardId, BTreeSet<RegionId>>,
+    unacked_host: BTreeMap<ShardId, (RegionId, u64, Instant)>,
+    in_flight: Option<Batch>,
+    queued: Batch,
+    next_rebalance: Instant,
+    rebalance_allowed: bool,
+    last_epoch_ms: u64,
+}
+
+impl CoordinatorCore {
+    pub(crate) fn new(
+        me: RegionId,
+        settings: CoordinatorSettings,
+        strategy: Arc<dyn ShardAllocationStrategy>,
+        state: CoordinatorState,
+        now: Instant,
+    ) -> Self {
+        let next_rebalance = now + settings.rebalance_interval;
+        CoordinatorCore {
+            me,
+            settings,
+            strategy,
+            state,
+            shutting_down: BTreeSet::new(),
+            handoffs: BTreeMap::new(),
+            deferred: BTreeMap::new(),
+            unacked_host: BTreeMap::new(),
+            in_flight: None,
+            queued: Batch::default(),
+            next_rebalance,
+            rebalance_allowed: false,
+            last_epoch_ms: 0,
+        }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn state(&self) -> &CoordinatorState {
+        &self.state
+    }
+
+    /// Regions hosting shards (not proxies).
+    pub(crate) fn regions(&self) -> impl Iterator<Item = &RegionId> {
+        self.state.regions.iter()
+    }
+
+    /// Regions and proxies.
+    pub(crate) fn all_regions(&self) -> impl Iterator<Item = &RegionId> {
+        self.state.regions.iter().chain(self.state.proxies.iter())
+    }
+
+    /// Shards being handed off right now.
+    #[cfg(test)]
+    pub(crate) fn rebalancing(&self) -> impl Iterator<Item = &ShardId> {
+        self.handoffs.keys()
+    }
+
+    /// Queues state entries and the messages that may only leave once they are durable.
+    fn commit(&mut self, entries: Vec<StateEntry>, effects: Vec<CoordinatorAction>, out: &mut Vec<CoordinatorAction>) {
+        if entries.is_empty() && self.in_flight.is_none() && self.queued.entries.is_empty() {
+            out.extend(effects);
+            return;
+        }
+        self.queued.entries.extend(entries);
+        self.queued.effects.extend(effects);
+        self.start_write(out);
+    }
+
+    fn start_write(&mut self, out: &mut Vec<CoordinatorAction>) {
+        if self.in_flight.is_some() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.queued);
+        if batch.entries.is_empty() {
+            out.extend(batch.effects);
+            return;
+        }
+        out.push(CoordinatorAction::Write(batch.entries.clone()));
+        self.in_flight = Some(batch);
+    }
+
+    fn send(to: &RegionId, msg: ToRegion) -> CoordinatorAction {
+        CoordinatorAction::Send { to: to.clone(), msg }
+    }
+
+    fn shard_entry(&self, shard: &str) -> StateEntry {
+        let rec = &self.state.shards[shard];
+        (shard_key(shard), Some(rmp_serde::to_vec(rec).expect("shard record encodes")))
+    }
+
+    pub(crate) fn handle(&mut self, input: CoordinatorInput, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+        match input {
+            CoordinatorInput::FromRegion(msg) => self.on_region_msg(msg, now, wall_ms, out),
+            CoordinatorInput::RegionTerminated(region) => self.on_region_terminated(region, now, wall_ms, out),
+            CoordinatorInput::WriteDone => {
+                if let Some(batch) = self.in_flight.take() {
+                    out.extend(batch.effects);
+                }
+                self.start_write(out);
+            }
+            CoordinatorInput::RebalanceAllowed(allowed) => self.rebalance_allowed = allowed,
+            CoordinatorInput::Tick => self.on_tick(now, out),
+        }
+    }
+
+    fn on_region_msg(&mut self, msg: ToCoordinator, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+        match msg {
+            ToCoordinator::Register { region, proxy } => {
+                let known = if proxy { self.state.proxies.contains(&region) } else { self.state.regions.contains(&region) };
+                let mut entries = Vec::new();
+                if !known {
+                    info!(%region, proxy, "region registered");
+                    let rec = RegionRecord { region: region.clone(), proxy };
+                    entries.push((region_key(&region), Some(rmp_serde::to_vec(&rec).expect("region record encodes"))));
+                    if proxy {
+                        self.state.proxies.insert(region.clone());
+                    } else {
+                        self.state.regions.insert(region.clone());
+                    }
+                }
+                let mut effects = vec![Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() })];
+                for (shard, rec) in &self.state.shards {
+                    if let (Some(home), false) = (&rec.region, self.handoffs.contains_key(shard)) {
+                        effects.push(Self::send(
+                            &region,
+                            ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch: rec.epoch },
+                        ));
+                    }
+                }
+                self.commit(entries, effects, out);
+                if !known && !proxy {
+                    self.allocate_deferred(now, wall_ms, out);
+                }
+            }
+            ToCoordinator::GetShardHome { shard, region } => self.on_get_shard_home(shard, region, now, wall_ms, out),
+            ToCoordinator::ShardStarted { shard, region } => {
+                if self.unacked_host.get(&shard).is_some_and(|(r, _, _)| *r == region) {
+                    self.unacked_host.remove(&shard);
+                }
+            }
+            ToCoordinator::BeginHandOffAck { shard, region } => {
+                let Some(h) = self.handoffs.get_mut(&shard) else { return };
+                if let HandoffPhase::WaitingForAcks(pending) = &mut h.phase {
+                    pending.remove(&region);
+                    if pending.is_empty() {
+                        h.phase = HandoffPhase::Stopping;
+                        let from = h.from.clone();
+                        self.commit(vec![], vec![Self::send(&from, ToRegion::HandOff { shard })], out);
+                    }
+                }
+            }
+            ToCoordinator::ShardStopped { shard, region } => {
+                if self.handoffs.get(&shard).is_some_and(|h| h.from == region) {
+                    self.finish_handoff(&shard, now, wall_ms, out);
+                }
+            }
+            ToCoordinator::GracefulShutdownReq { region } => {
+                if !self.state.regions.contains(&region) {
+                    return;
+                }
+                if self.shutting_down.insert(region.clone()) {
+                    info!(%region, "region shutting down; handing off its shards");
+                }
+                let shards: Vec<ShardId> = self
+                    .state
+                    .shards
+                    .iter()
+                    .filter(|(s, r)| r.region.as_ref() == Some(&region) && !self.handoffs.contains_key(*s))
+                    .map(|(s, _)| s.clone())
+                    .collect();
+                for s in shards {
+                    self.start_handoff(s, region.clone(), now, out);
+                }
+            }
+        }
+    }
+
+    fn live_candidates(&self) -> Vec<RegionAllocation> {
+        self.state
+            .allocations()
+            .into_iter()
+            .filter(|(r, _)| !self.shutting_down.contains(r))
+            .map(|(region, shards)| RegionAllocation { region, shards, leaving: false })
+            .collect()
+    }
+
+    fn on_get_shard_home(&mut self, shard: ShardId, requester: RegionId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+        if self.handoffs.contains_key(&shard) {
+            self.deferred.entry(shard).or_default().insert(requester);
+            return;
+        }
+        if let Some((home, epoch)) = self.state.home(&shard) {
+            let msg = ToRegion::ShardHome { shard, region: home.clone(), epoch };
+            self.commit(vec![], vec![Self::send(&requester, msg)], out);
+            return;
+        }
+        self.deferred.entry(shard).or_default().insert(requester);
+        self.allocate_deferred(now, wall_ms, out);
+    }
+
+    /// Allocates every deferred shard that can be allocated now.
+    fn allocate_deferred(&mut self, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+        if self.state.regions.len() < self.settings.min_nr_of_members {
+            return;
+        }
+        let shards: Vec<ShardId> =
+            self.deferred.keys().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
+        for shard in shards {
+            if let Some((home, epoch)) = self.state.home(&shard).map(|(h, e)| (h.clone(), e)) {
+                let requesters = self.deferred.remove(&shard).unwrap_or_default();
+                let effects = requesters
+                    .iter()
+                    .map(|r| Self::send(r, ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch }))
+                    .collect();
+                self.commit(vec![], effects, out);
+                continue;
+            }
+            let requester = self.deferred[&shard].iter().next().cloned().unwrap_or_else(|| self.me.clone());
+            if !self.allocate(&shard, &requester, now, wall_ms, out) {
+                return; // no region can take shards now
+            }
+        }
+    }
+
+    /// Allocates `shard` through the strategy; returns false when no region is available.
+    fn allocate(&mut self, shard: &ShardId, requester: &RegionId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) -> bool {
+        let candidates = self.live_candidates();
+        if candidates.is_empty() {
+            return false;
+        }
+        let mut target = self.strategy.allocate(requester, shard, &candidates);
+        if !candidates.iter().any(|c| c.region == target) {
+            warn!(%target, %shard, "allocation strategy chose an unknown region; using the least loaded");
+            target = candidates.iter().min_by_key(|c| c.shards.len()).expect("non-empty").region.clone();
+        }
+        // Epochs grow per shard and follow the wall clock, so a shard allocated by a new
+        // coordinator that missed an unacknowledged allocation still gets a larger epoch.
+        let prev = self.state.shards.get(shard).map_or(0, |r| r.epoch);
+        let epoch = (prev + 1).max(wall_ms).max(self.last_epoch_ms + 1);
+        self.last_epoch_ms = epoch;
+        debug!(%shard, region = %target, epoch, "shard allocated");
+        self.state.shards.insert(shard.clone(), ShardRecord { region: Some(target.clone()), epoch });
+        let entry = self.shard_entry(shard);
+        let mut effects = vec![Self::send(&target, ToRegion::HostShard { shard: shard.clone(), epoch })];
+        for r in self.deferred.remove(shard).unwrap_or_default() {
+            effects.push(Self::send(&r, ToRegion::ShardHome { shard: shard.clone(), region: target.clone(), epoch }));
+        }
+        self.unacked_host.insert(shard.clone(), (target, epoch, now));
+        self.commit(vec![entry], effects, out);
+        true
+    }
+
+    fn start_handoff(&mut self, shard: ShardId, from: RegionId, now: Instant, out: &mut Vec<CoordinatorAction>) {
+        let everyone: BTreeSet<RegionId> = self.all_regions().cloned().collect();
+        let effects = everyone.iter().map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone() })).collect();
+        debug!(%shard, %from, "hand-off started");
+        self.handoffs.insert(
+            shard,
+            Handoff { from, phase: HandoffPhase::WaitingForAcks(everyone), deadline: now + self.settings.handoff_timeout },
+        );
+        self.commit(vec![], effects, out);
+    }
+
+    fn finish_handoff(&mut self, shard: &ShardId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+        let Some(h) = self.handoffs.remove(shard) else { return };
+        debug!(%shard, from = %h.from, "hand-off done");
+        self.unacked_host.remove(shard);
+        if let Some(rec) = self.state.shards.get_mut(shard) {
+            rec.region = None;
+        }
+        let dealloc = self.shard_entry(shard);
+        self.commit(vec![dealloc], vec![], out);
+        // Eager re-allocation: the shard has a home again before anyone asks.
+        let requester = self.deferred.get(shard).and_then(|d| d.iter().next().cloned()).unwrap_or_else(|| h.from.clone());
+        self.allocate(shard, &requester, now, wall_ms, out);
+    }
+
+    fn on_region_terminated(&mut self, region: RegionId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+        let was_region = self.state.regions.remove(&region);
+        let was_proxy = self.state.proxies.remove(&region);
+        if !was_region && !was_proxy {
+            return;
+        }
+        info!(%region, "region terminated");
+        self.shutting_down.remove(&region);
+        let mut entries = vec![(region_key(&region), None)];
+        let lost: Vec<ShardId> = self
+            .state
+            .shards
+            .iter()
+            .filter(|(_, r)| r.region.as_ref() == Some(&region))
+            .map(|(s, _)| s.clone())
+            .collect();
+        for s in &lost {
+            self.state.shards.get_mut(s).expect("shard").region = None;
+            self.unacked_host.remove(s);
+            entries.push(self.shard_entry(s));
+        }
+        self.commit(entries, vec![], out);
+        // A terminated region counts as having acknowledged, and as having stopped its shards.
+        let shards: Vec<ShardId> = self.handoffs.keys().cloned().collect();
+        for shard in shards {
+            let h = self.handoffs.get_mut(&shard).expect("handoff");
+            if h.from == region {
+                self.handoffs.remove(&shard);
+                self.allocate(&shard, &self.me.clone(), now, wall_ms, out);
+                continue;
+            }
+            if let HandoffPhase::WaitingForAcks(pending) = &mut h.phase {
+                pending.remove(&region);
+                if pending.is_empty() {
+                    h.phase = HandoffPhase::Stopping;
+                    let from = h.from.clone();
+                    self.commit(vec![], vec![Self::send(&from, ToRegion::HandOff { shard })], out);
+                }
+            }
+        }
+        for shard in &lost {
+            self.deferred.entry(shard.clone()).or_default();
+            if !self.settings.eager_reallocation && self.deferred[shard].is_empty() {
+                self.deferred.remove(shard);
+            }
+        }
+        self.allocate_deferred(now, wall_ms, out);
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<CoordinatorAction>) {
+        // HostShard is re-sent until the region confirms.
+        let resend: Vec<(ShardId, RegionId, u64)> = self
+            .unacked_host
+            .iter()
+            .filter(|(_, (_, _, at))| *at + self.settings.shard_start_timeout <= now)
+            .map(|(s, (r, e, _))| (s.clone(), r.clone(), *e))
+            .collect();
+        for (shard, region, epoch) in resend {
+            self.unacked_host.insert(shard.clone(), (region.clone(), epoch, now));
+            self.commit(vec![], vec![Self::send(&region, ToRegion::HostShard { shard, epoch })], out);
+        }
+        // One timeout bounds a whole hand-off.
+        let expired: Vec<ShardId> =
+            self.handoffs.iter().filter(|(_, h)| h.deadline <= now).map(|(s, _)| s.clone()).collect();
+        for shard in expired {
+            let h = self.handoffs.remove(&shard).expect("handoff");
+            warn!(%shard, from = %h.from, phase = ?h.phase, "hand-off timed out; shard stays where it was");
+            if let Some((home, epoch)) = self.state.home(&shard).map(|(h, e)| (h.clone(), e)) {
+                let requesters = self.deferred.remove(&shard).unwrap_or_default();
+                let mut effects: Vec<CoordinatorAction> = requesters
+                    .iter()
+                    .map(|r| Self::send(r, ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch }))
+                    .collect();
+                // Regions forgot the home at BeginHandOff: tell everyone again.
+                for r in self.all_regions() {
+                    effects.push(Self::send(r, ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch }));
+                }
+                self.commit(vec![], effects, out);
+            }
+        }
+        if now >= self.next_rebalance {
+            self.next_rebalance = now + self.settings.rebalance_interval;
+            if self.rebalance_allowed && self.shutting_down.is_empty() {
+                let in_progress: BTreeSet<ShardId> = self.handoffs.keys().cloned().collect();
+                let candidates = self.live_candidates();
+                if candidates.len() > 1 {
+                    for shard in self.strategy.rebalance(&candidates, &in_progress) {
+                        if let Some((from, _)) = self.state.home(&shard).map(|(h, e)| (h.clone(), e)) {
+                            if !self.handoffs.contains_key(&shard) {
+                                info!(%shard, %from, "rebalancing shard");
+                                self.start_handoff(shard, from, now, out);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::allocation::LeastShardAllocation;
+    use crate::membership::UniqueAddress;
+
+    fn r(n: &str) -> RegionId {
+        UniqueAddress::new(n, 1)
+    }
+
+    fn core(min: usize) -> CoordinatorCore {
+        CoordinatorCore::new(
+            r("c"),
+            CoordinatorSettings {
+                min_nr_of_members: min,
+                rebalance_interval: Duration::from_secs(10),
+                handoff_timeout: Duration::from_secs(5),
+                shard_start_timeout: Duration::from_secs(2),
+                eager_reallocation: false,
+            },
+            Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+            CoordinatorState::default(),
+            Instant::now(),
+        )
+    }
+
+    /// Feeds an input; completes writes at once; returns the messages sent.
+    fn step(c: &mut CoordinatorCore, input: CoordinatorInput, now: Instant, wall: u64) -> Vec<(RegionId, ToRegion)> {
+        let mut out = Vec::new();
+        c.handle(input, now, wall, &mut out);
+        let mut sent = Vec::new();
+        while !out.is_empty() {
+            let mut next = Vec::new();
+            for a in out {
+                match a {
+                    CoordinatorAction::Send { to, msg } => sent.push((to, msg)),
+                    CoordinatorAction::Write(_) => c.handle(CoordinatorInput::WriteDone, now, wall, &mut next),
+                }
+            }
+            out = next;
+        }
+        sent
+    }
+
+    fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
+        step(c, CoordinatorInput::FromRegion(ToCoordinator::Register { region: r(n), proxy: false }), now, 1);
+    }
+
+    #[test]
+    fn messages_revealing_an_allocation_wait_for_the_majority_write() {
+        let mut c = core(1);
+        let now = Instant::now();
+        let mut out = Vec::new();
+        c.handle(CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("a"), proxy: false }), now, 1, &mut out);
+        assert!(matches!(out.as_slice(), [CoordinatorAction::Write(_)]), "only the write: {out:?}");
+        let mut out2 = Vec::new();
+        c.handle(CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1, &mut out2);
+        assert!(out2.is_empty(), "queued behind the first write");
+        let mut out3 = Vec::new();
+        c.handle(CoordinatorInput::WriteDone, now, 1, &mut out3);
+        assert!(matches!(&out3[0], CoordinatorAction::Send { msg: ToRegion::RegisterAck { .. }, .. }));
+        assert!(matches!(out3.last().unwrap(), CoordinatorAction::Write(_)), "second batch started");
+        let mut out4 = Vec::new();
+        c.handle(CoordinatorInput::WriteDone, now, 1, &mut out4);
+        assert!(out4.iter().any(|a| matches!(a, CoordinatorAction::Send { msg: ToRegion::HostShard { .. }, .. })));
+        assert!(out4.iter().any(|a| matches!(a, CoordinatorAction::Send { msg: ToRegion::ShardHome { .. }, .. })));
+    }
+
+    #[test]
+    fn min_nr_of_members_defers_allocation_until_enough_regions_registered() {
+        let mut c = core(3);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        assert!(sent.is_empty());
+        reg(&mut c, "b", now);
+        assert!(c.state().shards.is_empty());
+        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("c3"), proxy: false }), now, 1);
+        assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
+    }
+
+    #[test]
+    fn epochs_strictly_increase_across_reallocations() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        let mut last = 0;
+        for round in 0..4u64 {
+            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "7".into(), region: r("a") }), now, 5);
+            let (home, epoch) = c.state().home("7").map(|(h, e)| (h.clone(), e)).unwrap();
+            assert!(epoch > last, "round {round}: {epoch} > {last}");
+            last = epoch;
+            // The home dies; a new incarnation of it registers.
+            step(&mut c, CoordinatorInput::RegionTerminated(home.clone()), now, 5);
+            assert!(c.state().home("7").is_none());
+            let again = UniqueAddress::new(home.node_id.clone(), home.generation + 1);
+            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::Register { region: again, proxy: false }), now, 5);
+        }
+    }
+
+    #[test]
+    fn rebalance_hands_off_after_all_acks_and_a_terminated_region_counts_as_acked() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        for s in 0..4 {
+            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r("a") }), now, 1);
+        }
+        reg(&mut c, "b", now);
+        reg(&mut c, "x", now);
+        step(&mut c, CoordinatorInput::RebalanceAllowed(true), now, 1);
+        let later = now + Duration::from_secs(11);
+        let sent = step(&mut c, CoordinatorInput::Tick, later, 2);
+        let begins: BTreeSet<ShardId> = sent
+            .iter()
+            .filter_map(|(_, m)| match m {
+                ToRegion::BeginHandOff { shard } => Some(shard.clone()),
+                _ => None,
+            })
+            .collect();
+        assert!(!begins.is_empty());
+        let shard = begins.iter().next().unwrap().clone();
+        for who in ["a", "b"] {
+            let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: shard.clone(), region: r(who) }), later, 2);
+            assert!(sent.is_empty(), "still waiting for x");
+        }
+        let sent = step(&mut c, CoordinatorInput::RegionTerminated(r("x")), later, 2);
+        assert!(sent.contains(&(r("a"), ToRegion::HandOff { shard: shard.clone() })), "{sent:?}");
+        // A GetShardHome during the hand-off is deferred, answered with the new home after.
+        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: shard.clone(), region: r("b") }), later, 2);
+        assert!(sent.is_empty());
+        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a") }), later, 2);
+        let (home, _) = c.state().home(&shard).unwrap();
+        assert_eq!(home, &r("b"));
+        assert!(sent.iter().any(|(to, m)| *to == r("b") && matches!(m, ToRegion::HostShard { .. })));
+        assert!(sent.iter().any(|(to, m)| *to == r("b") && matches!(m, ToRegion::ShardHome { .. })));
+    }
+
+    #[test]
+    fn graceful_shutdown_moves_every_shard_of_the_region_and_only_those() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        for s in 0..6 {
+            let who = if s % 2 == 0 { "a" } else { "b" };
+            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
+        }
+        let on_a: BTreeSet<ShardId> =
+            c.state().shards.iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
+        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
+        let begins: BTreeSet<ShardId> = sent
+            .iter()
+            .filter_map(|(_, m)| match m {
+                ToRegion::BeginHandOff { shard } => Some(shard.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(begins, on_a);
+        for s in &on_a {
+            for who in ["a", "b"] {
+                step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }), now, 1);
+            }
+            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a") }), now, 1);
+        }
+        assert!(c.state().shards.values().all(|rec| rec.region == Some(r("b"))));
+    }
+
+    #[test]
+    fn hand_off_timeout_keeps_the_shard_and_retells_its_home() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        let home = c.state().home("1").unwrap().0.clone();
+        step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), now, 1);
+        let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(6), 1);
+        assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { region, .. } if *region == home)));
+        assert_eq!(c.rebalancing().count(), 0);
+    }
+}

@@ -1,0 +1,314 @@
+//! Cluster sharding: entities addressed by id, grouped into shards, hosted by regions on the
+//! nodes a coordinator (a singleton on the oldest member with the type's role) chooses.
+//!
+//! The protocol parts are sans-IO state machines ([`allocation`], `coordinator`, `region`,
+//! `shard`); `runtime` holds the tokio tasks that drive them.
+
+pub mod allocation;
+mod coordinator;
+#[allow(missing_docs)] // wire messages; the field names are the documentation
+pub mod protocol;
+mod region;
+mod runtime;
+mod shard;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize, de::DeserializeOwned};
+
+pub use allocation::{
+    ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation, RegionAllocation,
+    RegionId, ShardAllocationStrategy, ShardId,
+};
+pub use runtime::ShardRegion;
+
+use crate::error::{Error, Result};
+use crate::node::Node;
+
+/// A sharded entity: one instance per entity id, living on one node at a time.
+///
+/// Each entity runs in its own task and handles one message at a time. A handler that panics
+/// stops only that entity; the next message starts a fresh instance.
+pub trait Entity: Send + 'static {
+    /// Messages the entity handles.
+    type Message: Serialize + DeserializeOwned + Send + 'static;
+    /// What `handle` answers (sent back to `ask`, discarded for `tell`).
+    type Reply: Serialize + DeserializeOwned + Send + 'static;
+
+    /// Handles one message.
+    fn handle(&mut self, msg: Self::Message, ctx: &mut EntityContext) -> impl Future<Output = Self::Reply> + Send;
+}
+
+/// What an entity knows about itself while handling a message.
+#[derive(Debug, Clone)]
+pub struct EntityContext {
+    pub(crate) entity_id: String,
+    pub(crate) shard_id: ShardId,
+    pub(crate) epoch: u64,
+    pub(crate) passivate: bool,
+}
+
+impl EntityContext {
+    /// The entity id.
+    pub fn entity_id(&self) -> &str {
+        &self.entity_id
+    }
+    /// The shard it belongs to.
+    pub fn shard_id(&self) -> &str {
+        &self.shard_id
+    }
+    /// Fencing token: strictly larger for every new allocation of the shard, so an entity can
+    /// guard external side effects against an older incarnation elsewhere.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+    /// Stops the entity after this message. Messages that arrive meanwhile are kept and
+    /// delivered to its next incarnation.
+    pub fn passivate(&mut self) {
+        self.passivate = true;
+    }
+}
+
+/// How the coordinator places shards (see [`allocation`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "strategy", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum AllocationSettings {
+    /// [`LeastShardAllocation`] (the default).
+    LeastShard {
+        /// Most shards moved per rebalance round.
+        absolute_limit: usize,
+        /// Most shards moved per round as a fraction of all shards.
+        relative_limit: f64,
+    },
+    /// [`LegacyLeastShardAllocation`].
+    LegacyLeastShard {
+        /// Tolerated difference between most and least loaded region.
+        threshold: usize,
+        /// Shards in hand-off at the same time.
+        max_simultaneous: usize,
+    },
+    /// [`ConsistentHashingAllocation`].
+    ConsistentHashing {
+        /// Ring points per region.
+        virtual_nodes: usize,
+        /// Shards moved per round.
+        rebalance_limit: usize,
+    },
+}
+
+impl Default for AllocationSettings {
+    fn default() -> Self {
+        AllocationSettings::LeastShard { absolute_limit: 20, relative_limit: 0.1 }
+    }
+}
+
+/// Settings of one sharded entity type (defaults in `config/default.toml`, section `[sharding]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShardingSettings {
+    /// Shards per type; entity ids are spread over them by [`default_shard_id`]. Keep it
+    /// stable for the life of the data (about 10× the largest node count).
+    pub number_of_shards: u32,
+    /// Only nodes with this role host the type; elsewhere `start` gives a proxy.
+    pub role: Option<String>,
+    /// Restart entities after rebalance, crash or full restart (issue 4; not yet available).
+    pub remember_entities: bool,
+    /// Messages a region buffers while shard homes are unknown; beyond it `tell` fails with
+    /// [`Error::BufferFull`].
+    pub buffer_size: usize,
+    /// One timeout for a whole hand-off (acks, stopping the entities).
+    #[serde(with = "humantime_serde")]
+    pub handoff_timeout: Duration,
+    /// How often the coordinator considers rebalancing.
+    #[serde(with = "humantime_serde")]
+    pub rebalance_interval: Duration,
+    /// Entities idle this long are passivated (`None`: never).
+    #[serde(with = "humantime_serde")]
+    pub passivation_idle_timeout: Option<Duration>,
+    /// Default timeout of [`ShardRegion::ask`] and of queries.
+    #[serde(with = "humantime_serde")]
+    pub ask_timeout: Duration,
+    /// Regions that must have registered before the first shard is allocated.
+    pub min_nr_of_members: usize,
+    /// Registration and shard-home retry interval (backoff starts at an eighth of it).
+    #[serde(with = "humantime_serde")]
+    pub retry_interval: Duration,
+    /// `HostShard` is re-sent after this long without `ShardStarted`.
+    #[serde(with = "humantime_serde")]
+    pub shard_start_timeout: Duration,
+    /// Timeout of each coordinator state write (retried until it succeeds).
+    #[serde(with = "humantime_serde")]
+    pub updating_state_timeout: Duration,
+    /// Timeout of each coordinator state read at take-over (retried until it succeeds).
+    #[serde(with = "humantime_serde")]
+    pub waiting_for_state_timeout: Duration,
+    /// Shard allocation strategy.
+    pub allocation: AllocationSettings,
+}
+
+impl Default for ShardingSettings {
+    fn default() -> Self {
+        ShardingSettings {
+            number_of_shards: 1000,
+            role: None,
+            remember_entities: false,
+            buffer_size: 100_000,
+            handoff_timeout: Duration::from_secs(30),
+            rebalance_interval: Duration::from_secs(10),
+            passivation_idle_timeout: Some(Duration::from_secs(120)),
+            ask_timeout: Duration::from_secs(5),
+            min_nr_of_members: 1,
+            retry_interval: Duration::from_secs(2),
+            shard_start_timeout: Duration::from_secs(10),
+            updating_state_timeout: Duration::from_secs(5),
+            waiting_for_state_timeout: Duration::from_secs(2),
+            allocation: AllocationSettings::default(),
+        }
+    }
+}
+
+impl ShardingSettings {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(format!("sharding: {m}")));
+        if self.number_of_shards == 0 {
+            return bad("number_of_shards must be > 0");
+        }
+        if self.buffer_size == 0 {
+            return bad("buffer_size must be > 0");
+        }
+        if self.min_nr_of_members == 0 {
+            return bad("min_nr_of_members must be >= 1");
+        }
+        if self.handoff_timeout < Duration::from_millis(100) || self.ask_timeout.is_zero() {
+            return bad("handoff_timeout must be >= 100ms and ask_timeout > 0");
+        }
+        if self.retry_interval.is_zero() || self.rebalance_interval.is_zero() || self.shard_start_timeout.is_zero() {
+            return bad("retry_interval, rebalance_interval and shard_start_timeout must be > 0");
+        }
+        if self.remember_entities {
+            return bad("remember_entities is not available yet (planned: remembered entities in OR-sets, durable in LMDB)");
+        }
+        Ok(())
+    }
+
+    fn strategy(&self) -> Arc<dyn ShardAllocationStrategy> {
+        match &self.allocation {
+            AllocationSettings::LeastShard { absolute_limit, relative_limit } => {
+                Arc::new(LeastShardAllocation { absolute_limit: *absolute_limit, relative_limit: *relative_limit })
+            }
+            AllocationSettings::LegacyLeastShard { threshold, max_simultaneous } => {
+                Arc::new(LegacyLeastShardAllocation { threshold: *threshold, max_simultaneous: *max_simultaneous })
+            }
+            AllocationSettings::ConsistentHashing { virtual_nodes, rebalance_limit } => {
+                Arc::new(ConsistentHashingAllocation { virtual_nodes: *virtual_nodes, rebalance_limit: *rebalance_limit })
+            }
+        }
+    }
+}
+
+/// The default shard of an entity: the XXH3-64 hash (seed 0) of the id's UTF-8 bytes, modulo
+/// `number_of_shards`, in decimal. Stable across versions, platforms and processes.
+pub fn default_shard_id(entity_id: &str, number_of_shards: u32) -> ShardId {
+    (xxhash_rust::xxh3::xxh3_64(entity_id.as_bytes()) % u64::from(number_of_shards.max(1))).to_string()
+}
+
+/// Maps an entity id to its shard id.
+pub type ShardIdExtractor = Arc<dyn Fn(&str) -> ShardId + Send + Sync>;
+
+/// Optional parts of [`Sharding::start_with`].
+#[derive(Default, Clone)]
+pub struct StartOptions {
+    /// Custom entity → shard mapping (default: [`default_shard_id`]).
+    pub shard_id_extractor: Option<ShardIdExtractor>,
+    /// Custom allocation strategy (default: from [`ShardingSettings::allocation`]).
+    pub allocation_strategy: Option<Arc<dyn ShardAllocationStrategy>>,
+}
+
+/// Per-region entity counts across the cluster.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClusterShardingStats {
+    /// Region → shard → live entities, for regions that answered.
+    pub regions: BTreeMap<RegionId, BTreeMap<ShardId, usize>>,
+    /// Regions that did not answer in time (Akka would return nothing at all).
+    pub failed: BTreeSet<RegionId>,
+}
+
+/// Entry point to sharding on a node: `node.sharding()`.
+#[derive(Clone)]
+pub struct Sharding {
+    node: Node,
+}
+
+impl Node {
+    /// Cluster sharding on this node.
+    pub fn sharding(&self) -> Sharding {
+        Sharding { node: self.clone() }
+    }
+}
+
+impl Sharding {
+    /// Starts hosting entity type `type_name` here (or a proxy if this node lacks the role),
+    /// creating entities with `factory(entity_id)`.
+    pub async fn start<E, F>(&self, type_name: &str, factory: F, settings: ShardingSettings) -> Result<ShardRegion<E>>
+    where
+        E: Entity,
+        F: Fn(&str) -> E + Send + Sync + 'static,
+    {
+        self.start_with(type_name, factory, settings, StartOptions::default()).await
+    }
+
+    /// [`Sharding::start`] with a custom shard-id extractor and/or allocation strategy.
+    pub async fn start_with<E, F>(
+        &self,
+        type_name: &str,
+        factory: F,
+        settings: ShardingSettings,
+        options: StartOptions,
+    ) -> Result<ShardRegion<E>>
+    where
+        E: Entity,
+        F: Fn(&str) -> E + Send + Sync + 'static,
+    {
+        settings.validate()?;
+        let has_role = settings.role.as_deref().is_none_or(|r| self.node.config().roles.iter().any(|x| x == r));
+        let factory: Option<runtime::Factory<E>> = if has_role { Some(Arc::new(factory)) } else { None };
+        runtime::start_region(&self.node, type_name, factory, settings, options).await
+    }
+
+    /// Starts a proxy: routes to the type's entities without hosting any.
+    pub async fn start_proxy<E: Entity>(&self, type_name: &str, settings: ShardingSettings) -> Result<ShardRegion<E>> {
+        settings.validate()?;
+        runtime::start_region::<E>(&self.node, type_name, None, settings, StartOptions::default()).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_shard_id_is_stable_and_spread() {
+        // Pinned values: changing the function would move every entity.
+        assert_eq!(default_shard_id("c-1", 1000), default_shard_id("c-1", 1000));
+        let pinned = default_shard_id("counter-42", 1000);
+        assert_eq!(pinned, (xxhash_rust::xxh3::xxh3_64(b"counter-42") % 1000).to_string());
+        let used: BTreeSet<ShardId> = (0..10_000).map(|i| default_shard_id(&format!("e{i}"), 100)).collect();
+        assert_eq!(used.len(), 100);
+    }
+
+    #[test]
+    fn settings_validation_gives_typed_errors() {
+        assert!(ShardingSettings::default().validate().is_ok());
+        for s in [
+            ShardingSettings { number_of_shards: 0, ..Default::default() },
+            ShardingSettings { buffer_size: 0, ..Default::default() },
+            ShardingSettings { min_nr_of_members: 0, ..Default::default() },
+        ] {
+            assert!(matches!(s.validate(), Err(Error::Config(_))));
+        }
+    }
+}

@@ -1,0 +1,384 @@
+//! A shard region as a sans-IO state machine: routes messages to local shards, to other regions,
+//! or into one bounded buffer while a shard's home is unknown; registers with the coordinator
+//! with backoff; takes part in hand-offs; shuts down gracefully.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::allocation::{RegionId, ShardId};
+use super::protocol::{ToCoordinator, ToRegion};
+
+/// Why the region dropped a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RegionDrop {
+    /// The region's buffer (`buffer_size`) is full.
+    BufferFull,
+    /// Buffered for a shard that was then handed off (delivering it later could reorder).
+    HandOff,
+}
+
+#[derive(Debug)]
+pub(crate) enum RegionInput<M> {
+    Route { shard: ShardId, entity_id: String, msg: M },
+    Coordinator(ToRegion),
+    /// The member hosting the coordinator (oldest with the role) changed.
+    CoordinatorChanged(Option<RegionId>),
+    /// A region's node left the cluster.
+    RegionGone(RegionId),
+    /// A local shard finished its hand-off.
+    LocalShardStopped(ShardId),
+    GracefulShutdown,
+    Tick,
+}
+
+#[derive(Debug, PartialEq)]
+pub(crate) enum RegionAction<M> {
+    ToCoordinator { coordinator: RegionId, msg: ToCoordinator },
+    StartShard { shard: ShardId, epoch: u64 },
+    Deliver { shard: ShardId, entity_id: String, msg: M },
+    Forward { region: RegionId, shard: ShardId, entity_id: String, msg: M },
+    HandOffShard { shard: ShardId },
+    Drop { entity_id: String, msg: M, reason: RegionDrop },
+    /// Graceful shutdown finished: no shards and no buffered messages left.
+    Stopped,
+}
+
+/// Settings the region uses.
+#[derive(Debug, Clone)]
+pub(crate) struct RegionSettings {
+    pub buffer_size: usize,
+    pub retry_interval: Duration,
+}
+
+/// Routing and hand-off state of one region (or proxy).
+pub(crate) struct RegionCore<M> {
+    me: RegionId,
+    proxy: bool,
+    settings: RegionSettings,
+    coordinator: Option<RegionId>,
+    registered: bool,
+    register_backoff: Duration,
+    next_register: Instant,
+    homes: HashMap<ShardId, (RegionId, u64)>,
+    hosted: HashMap<ShardId, u64>,
+    handing_off: HashSet<ShardId>,
+    buffers: HashMap<ShardId, VecDeque<(String, M)>>,
+    buffered: usize,
+    requested: HashMap<ShardId, Instant>,
+    shutting_down: bool,
+    stopped: bool,
+}
+
+impl<M> RegionCore<M> {
+    pub(crate) fn new(me: RegionId, proxy: bool, settings: RegionSettings, now: Instant) -> Self {
+        RegionCore {
+            me,
+            proxy,
+            register_backoff: (settings.retry_interval / 8).max(Duration::from_millis(100)).min(settings.retry_interval),
+            settings,
+            coordinator: None,
+            registered: false,
+            next_register: now,
+            homes: HashMap::new(),
+            hosted: HashMap::new(),
+            handing_off: HashSet::new(),
+            buffers: HashMap::new(),
+            buffered: 0,
+            requested: HashMap::new(),
+            shutting_down: false,
+            stopped: false,
+        }
+    }
+
+    /// Messages waiting for a shard home.
+    pub(crate) fn buffered(&self) -> usize {
+        self.buffered
+    }
+
+    fn to_coordinator(&self, msg: ToCoordinator, out: &mut Vec<RegionAction<M>>) {
+        if let Some(c) = &self.coordinator {
+            out.push(RegionAction::ToCoordinator { coordinator: c.clone(), msg });
+        }
+    }
+
+    fn request_home(&mut self, shard: &ShardId, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        if !self.registered {
+            return; // asked for every buffered shard once registered
+        }
+        if self.requested.get(shard).is_some_and(|at| *at + self.settings.retry_interval > now) {
+            return;
+        }
+        self.requested.insert(shard.clone(), now);
+        self.to_coordinator(ToCoordinator::GetShardHome { shard: shard.clone(), region: self.me.clone() }, out);
+    }
+
+    fn route(&mut self, shard: ShardId, entity_id: String, msg: M, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        match self.homes.get(&shard).cloned() {
+            Some((home, epoch)) if home == self.me => {
+                if !self.hosted.contains_key(&shard) {
+                    self.hosted.insert(shard.clone(), epoch);
+                    out.push(RegionAction::StartShard { shard: shard.clone(), epoch });
+                }
+                out.push(RegionAction::Deliver { shard, entity_id, msg });
+            }
+            Some((home, _)) => out.push(RegionAction::Forward { region: home, shard, entity_id, msg }),
+            None => {
+                if self.buffered >= self.settings.buffer_size {
+                    out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::BufferFull });
+                    return;
+                }
+                self.buffers.entry(shard.clone()).or_default().push_back((entity_id, msg));
+                self.buffered += 1;
+                self.request_home(&shard, now, out);
+            }
+        }
+    }
+
+    fn flush(&mut self, shard: &ShardId, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        if let Some(buf) = self.buffers.remove(shard) {
+            self.buffered -= buf.len();
+            for (entity_id, msg) in buf {
+                self.route(shard.clone(), entity_id, msg, now, out);
+            }
+        }
+    }
+
+    fn host(&mut self, shard: ShardId, epoch: u64, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        self.homes.insert(shard.clone(), (self.me.clone(), epoch));
+        if self.hosted.get(&shard) != Some(&epoch) {
+            self.hosted.insert(shard.clone(), epoch);
+            out.push(RegionAction::StartShard { shard: shard.clone(), epoch });
+        }
+        self.flush(&shard, now, out);
+    }
+
+    pub(crate) fn handle(&mut self, input: RegionInput<M>, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        match input {
+            RegionInput::Route { shard, entity_id, msg } => self.route(shard, entity_id, msg, now, out),
+            RegionInput::Coordinator(msg) => self.on_coordinator(msg, now, out),
+            RegionInput::CoordinatorChanged(c) => {
+                if c != self.coordinator {
+                    self.coordinator = c;
+                    self.registered = false;
+                    self.register_backoff =
+                        (self.settings.retry_interval / 8).max(Duration::from_millis(100)).min(self.settings.retry_interval);
+                    self.next_register = now;
+                    self.on_tick(now, out);
+                }
+            }
+            RegionInput::RegionGone(region) => {
+                self.homes.retain(|_, (r, _)| *r != region);
+            }
+            RegionInput::LocalShardStopped(shard) => {
+                self.hosted.remove(&shard);
+                if self.handing_off.remove(&shard) {
+                    self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone() }, out);
+                }
+                self.check_stopped(out);
+            }
+            RegionInput::GracefulShutdown => {
+                self.shutting_down = true;
+                self.to_coordinator(ToCoordinator::GracefulShutdownReq { region: self.me.clone() }, out);
+                self.check_stopped(out);
+            }
+            RegionInput::Tick => self.on_tick(now, out),
+        }
+    }
+
+    fn on_coordinator(&mut self, msg: ToRegion, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        match msg {
+            ToRegion::RegisterAck { coordinator } => {
+                self.coordinator = Some(coordinator);
+                self.registered = true;
+                self.requested.clear();
+                let shards: Vec<ShardId> = self.buffers.keys().cloned().collect();
+                for s in shards {
+                    self.request_home(&s, now, out);
+                }
+                if self.shutting_down {
+                    self.to_coordinator(ToCoordinator::GracefulShutdownReq { region: self.me.clone() }, out);
+                }
+            }
+            ToRegion::ShardHome { shard, region, epoch } => {
+                self.requested.remove(&shard);
+                if region == self.me {
+                    self.host(shard, epoch, now, out);
+                } else {
+                    self.homes.insert(shard.clone(), (region, epoch));
+                    self.flush(&shard, now, out);
+                }
+            }
+            ToRegion::HostShard { shard, epoch } => {
+                if self.proxy || self.shutting_down {
+                    return; // the coordinator re-sends elsewhere after shard_start_timeout
+                }
+                self.requested.remove(&shard);
+                self.host(shard.clone(), epoch, now, out);
+                self.to_coordinator(ToCoordinator::ShardStarted { shard, region: self.me.clone() }, out);
+            }
+            ToRegion::BeginHandOff { shard } => {
+                self.homes.remove(&shard);
+                self.requested.remove(&shard);
+                self.to_coordinator(ToCoordinator::BeginHandOffAck { shard, region: self.me.clone() }, out);
+            }
+            ToRegion::HandOff { shard } => {
+                // Messages buffered for the shard are dropped: sent on after the hand-off they
+                // could overtake messages that reach the new home first.
+                if let Some(buf) = self.buffers.remove(&shard) {
+                    self.buffered -= buf.len();
+                    for (entity_id, msg) in buf {
+                        out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::HandOff });
+                    }
+                }
+                self.homes.remove(&shard);
+                if self.hosted.contains_key(&shard) {
+                    if self.handing_off.insert(shard.clone()) {
+                        out.push(RegionAction::HandOffShard { shard });
+                    }
+                } else {
+                    self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone() }, out);
+                }
+            }
+        }
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        if !self.registered && self.coordinator.is_some() && now >= self.next_register {
+            self.to_coordinator(ToCoordinator::Register { region: self.me.clone(), proxy: self.proxy }, out);
+            self.next_register = now + self.register_backoff;
+            self.register_backoff = (self.register_backoff * 2).min(self.settings.retry_interval);
+        }
+        if self.registered {
+            let shards: Vec<ShardId> = self.buffers.keys().cloned().collect();
+            for s in shards {
+                self.request_home(&s, now, out);
+            }
+        }
+        self.check_stopped(out);
+    }
+
+    fn check_stopped(&mut self, out: &mut Vec<RegionAction<M>>) {
+        if self.shutting_down && !self.stopped && self.hosted.is_empty() && self.buffered == 0 {
+            self.stopped = true;
+            out.push(RegionAction::Stopped);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::membership::UniqueAddress;
+
+    fn r(n: &str) -> RegionId {
+        UniqueAddress::new(n, 1)
+    }
+
+    fn region(buffer_size: usize) -> RegionCore<u32> {
+        let mut c = RegionCore::new(r("me"), false, RegionSettings { buffer_size, retry_interval: Duration::from_secs(2) }, Instant::now());
+        let mut out = Vec::new();
+        c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), Instant::now(), &mut out);
+        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { .. }, .. }]));
+        c.handle(RegionInput::Coordinator(ToRegion::RegisterAck { coordinator: r("coord") }), Instant::now(), &mut out);
+        c
+    }
+
+    fn run(c: &mut RegionCore<u32>, input: RegionInput<u32>) -> Vec<RegionAction<u32>> {
+        let mut out = Vec::new();
+        c.handle(input, Instant::now(), &mut out);
+        out
+    }
+
+    fn route(shard: &str, msg: u32) -> RegionInput<u32> {
+        RegionInput::Route { shard: shard.into(), entity_id: format!("e{msg}"), msg }
+    }
+
+    #[test]
+    fn unknown_shard_is_buffered_asked_once_and_flushed_in_order_when_its_home_arrives() {
+        let mut c = region(10);
+        let out = run(&mut c, route("1", 1));
+        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]));
+        assert!(run(&mut c, route("1", 2)).is_empty(), "asked only once per shard");
+        let out = run(&mut c, RegionInput::Coordinator(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
+        let msgs: Vec<u32> = out
+            .iter()
+            .map(|a| match a {
+                RegionAction::Forward { msg, region, .. } if *region == r("other") => *msg,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(msgs, vec![1, 2]);
+        assert_eq!(c.buffered(), 0);
+    }
+
+    #[test]
+    fn full_buffer_drops_with_a_typed_reason() {
+        let mut c = region(2);
+        run(&mut c, route("1", 1));
+        run(&mut c, route("2", 2));
+        let out = run(&mut c, route("3", 3));
+        assert_eq!(out, vec![RegionAction::Drop { entity_id: "e3".into(), msg: 3, reason: RegionDrop::BufferFull }]);
+    }
+
+    #[test]
+    fn host_shard_starts_it_acknowledges_and_delivers_locally() {
+        let mut c = region(10);
+        run(&mut c, route("1", 1));
+        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 9 }));
+        assert_eq!(out[0], RegionAction::StartShard { shard: "1".into(), epoch: 9 });
+        assert!(out.contains(&RegionAction::Deliver { shard: "1".into(), entity_id: "e1".into(), msg: 1 }));
+        assert!(out.iter().any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::ShardStarted { .. }, .. })));
+    }
+
+    #[test]
+    fn hand_off_buffers_after_begin_drops_buffer_on_hand_off_and_reports_stopped() {
+        let mut c = region(10);
+        run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
+        let out = run(&mut c, RegionInput::Coordinator(ToRegion::BeginHandOff { shard: "1".into() }));
+        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::BeginHandOffAck { .. }, .. }]));
+        run(&mut c, route("1", 5));
+        assert_eq!(c.buffered(), 1);
+        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into() }));
+        assert!(out.contains(&RegionAction::Drop { entity_id: "e5".into(), msg: 5, reason: RegionDrop::HandOff }));
+        assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }));
+        let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { .. }, .. }]));
+    }
+
+    #[test]
+    fn graceful_shutdown_ends_when_no_shard_and_no_message_is_left() {
+        let mut c = region(10);
+        run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
+        let out = run(&mut c, RegionInput::GracefulShutdown);
+        assert!(!out.contains(&RegionAction::Stopped));
+        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "2".into(), epoch: 1 }));
+        assert!(out.is_empty(), "no new shards while shutting down");
+        run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into() }));
+        let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        assert!(out.contains(&RegionAction::Stopped));
+    }
+
+    #[test]
+    fn registration_retries_with_backoff_until_acknowledged() {
+        let t0 = Instant::now();
+        let mut c: RegionCore<u32> =
+            RegionCore::new(r("me"), true, RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2) }, t0);
+        let mut out = Vec::new();
+        c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), t0, &mut out);
+        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { proxy: true, .. }, .. }]));
+        let mut times = Vec::new();
+        let mut t = t0;
+        for _ in 0..100 {
+            t += Duration::from_millis(50);
+            let mut out = Vec::new();
+            c.handle(RegionInput::Tick, t, &mut out);
+            if !out.is_empty() {
+                times.push(t.duration_since(t0).as_millis());
+            }
+        }
+        // 250 ms, then doubling: 500, 1000, 2000 (capped).
+        assert_eq!(times[..3], [250, 750, 1750]);
+    }
+}
