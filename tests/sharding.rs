@@ -1,0 +1,129 @@
+//! Cluster sharding end to end on in-process clusters (ports of Akka's multi-node specs).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::*;
+use ddshard::testkit::{TestCluster, eventually};
+use ddshard::Error;
+
+const CONVERGE: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_counter_answers_and_lists_its_own_region() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let r = start_counter(c.node(0), &probe, settings()).await;
+    r.tell("c-1", CounterMsg::Add(5)).unwrap();
+    r.tell("c-1", CounterMsg::Add(2)).unwrap();
+    assert_eq!(value(&r, "c-1").await, 7);
+    assert_eq!(value(&r, "c-2").await, 0);
+    let regions = r.current_regions().await.unwrap();
+    assert_eq!(regions, BTreeSet::from([c.node(0).address().clone()]));
+    let state = r.region_state().await.unwrap();
+    let ids: BTreeSet<String> = state.values().flatten().cloned().collect();
+    assert_eq!(ids, BTreeSet::from(["c-1".to_string(), "c-2".to_string()]));
+    assert!(matches!(r.tell("", CounterMsg::Get), Err(Error::EmptyEntityId)));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_node_joins_and_entities_spread_over_both() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let r1 = start_counter(c.node(0), &probe, settings()).await;
+    for i in 0..20 {
+        r1.tell(&format!("e{i}"), CounterMsg::Add(1)).unwrap();
+    }
+    c.add_node().await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let r2 = start_counter(c.node(1), &probe, settings()).await;
+    for i in 20..60 {
+        r2.tell(&format!("e{i}"), CounterMsg::Add(1)).unwrap();
+    }
+    // Rebalancing moves some shards to n2; every counter keeps answering meanwhile.
+    eventually(CONVERGE, "entities hosted on both nodes", || {
+        let (r1, r2) = (r1.clone(), r2.clone());
+        async move {
+            let mut hosts = BTreeSet::new();
+            for i in 0..60 {
+                hosts.insert(where_is(&r1, &format!("e{i}")).await);
+            }
+            (hosts.len() == 2).then_some(())
+        }
+    })
+    .await;
+    assert_eq!(r2.current_regions().await.unwrap().len(), 2);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passivation_while_messages_keep_arriving_loses_none() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let regions = start_everywhere(&c, &probe, settings()).await;
+    let mut expected = 0u64;
+    for round in 0..20 {
+        for k in 0..10 {
+            let r = &regions[(round + k) % 2];
+            r.tell("busy", CounterMsg::Add(1)).unwrap();
+            expected += 1;
+        }
+        regions[round % 2].tell("busy", CounterMsg::Stop).unwrap();
+        expected += 1;
+    }
+    // The final ask is ordered after every tell from the same region.
+    regions[0].ask("busy", CounterMsg::Get).await.unwrap();
+    regions[1].ask("busy", CounterMsg::Get).await.unwrap();
+    expected += 2;
+    eventually(CONVERGE, "every message handled exactly once", || {
+        let h = probe.handled.load(Ordering::SeqCst);
+        assert!(h <= expected, "handled {h} > sent {expected}");
+        std::future::ready((h == expected).then_some(()))
+    })
+    .await;
+    assert!(probe.started.load(Ordering::SeqCst) >= 10, "the entity was passivated and restarted repeatedly");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_only_node_reaches_every_entity() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let hosts = [start_counter(c.node(0), &probe, settings()).await, start_counter(c.node(1), &probe, settings()).await];
+    let proxy = c.node(2).sharding().start_proxy::<Counter>("counter", settings()).await.unwrap();
+    assert!(proxy.is_proxy());
+    for i in 0..30 {
+        proxy.tell(&format!("p{i}"), CounterMsg::Add(i)).unwrap();
+    }
+    for i in 0..30 {
+        assert_eq!(value(&proxy, &format!("p{i}")).await, i);
+        let host = where_is(&hosts[0], &format!("p{i}")).await;
+        assert_ne!(host, "n3", "a proxy hosts nothing");
+    }
+    assert!(proxy.region_state().await.unwrap().is_empty());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_handler_stops_only_that_entity_and_the_next_message_starts_a_fresh_one() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let r = start_counter(c.node(0), &probe, settings()).await;
+    r.tell("a", CounterMsg::Add(3)).unwrap();
+    r.tell("b", CounterMsg::Add(4)).unwrap();
+    let err = r.ask("a", CounterMsg::Panic).await.unwrap_err();
+    assert!(matches!(err, Error::NotDelivered { .. }), "{err}");
+    assert_eq!(value(&r, "a").await, 0, "fresh instance");
+    assert_eq!(value(&r, "b").await, 4, "other entities unaffected");
+    assert_eq!(r.counters().entity_panics.load(Ordering::Relaxed), 1);
+    c.shutdown().await;
+}
