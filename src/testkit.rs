@@ -154,6 +154,18 @@ where
     }
 }
 
+/// Logs through the test harness (shown for failing tests only), filtered by `RUST_LOG`
+/// (errors only when unset); `DDSHARD_TEST_LOG=stderr` writes straight to stderr instead.
+pub fn init_test_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let _ = if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") {
+        builder.with_writer(std::io::stderr).try_init()
+    } else {
+        builder.with_test_writer().try_init()
+    };
+}
+
 /// Settings that suit in-process clusters on a small, loaded machine.
 pub fn test_config(node_id: &str, data_dir: &std::path::Path, cluster_id: &str) -> NodeConfig {
     let mut c = NodeConfig {
@@ -191,6 +203,7 @@ impl TestCluster {
         n: usize,
         customize: impl Fn(usize, &mut NodeConfig) + Send + Sync + 'static,
     ) -> Result<TestCluster> {
+        init_test_tracing();
         let mut c = TestCluster {
             nodes: Vec::new(),
             dirs: Vec::new(),

@@ -7,8 +7,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
-use ddshard::testkit::{TestCluster, eventually};
 use ddshard::Error;
+use ddshard::testkit::{TestCluster, eventually};
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -99,7 +99,8 @@ async fn proxy_only_node_reaches_every_entity() {
     let mut c = TestCluster::start(3).await.unwrap();
     c.await_converged(CONVERGE).await;
     let probe = Probe::default();
-    let hosts = [start_counter(c.node(0), &probe, settings()).await, start_counter(c.node(1), &probe, settings()).await];
+    let hosts =
+        [start_counter(c.node(0), &probe, settings()).await, start_counter(c.node(1), &probe, settings()).await];
     let proxy = c.node(2).sharding().start_proxy::<Counter>("counter", settings()).await.unwrap();
     assert!(proxy.is_proxy());
     for i in 0..30 {

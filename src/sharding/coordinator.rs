@@ -120,12 +120,17 @@ pub(crate) enum CoordinatorInput {
     WriteDone,
     /// Whether the cluster is in a state to rebalance (no unreachable or joining member).
     RebalanceAllowed(bool),
+    /// This coordinator just took over with the state it read: tell every home again.
+    TakeOver,
     Tick,
 }
 
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum CoordinatorAction {
-    Send { to: RegionId, msg: ToRegion },
+    Send {
+        to: RegionId,
+        msg: ToRegion,
+    },
     /// Write these entries with majority; answer with `WriteDone` once acknowledged.
     Write(Vec<StateEntry>),
 }
@@ -164,6 +169,9 @@ pub(crate) struct CoordinatorCore {
     next_rebalance: Instant,
     rebalance_allowed: bool,
     last_epoch_ms: u64,
+    /// Latched once `min_nr_of_members` regions registered (or the state already had
+    /// allocations): the limit only holds back the first allocation.
+    min_members_reached: bool,
 }
 
 impl CoordinatorCore {
@@ -175,7 +183,10 @@ impl CoordinatorCore {
         now: Instant,
     ) -> Self {
         let next_rebalance = now + settings.rebalance_interval;
+        let min_members_reached =
+            state.regions.len() >= settings.min_nr_of_members || state.shards.values().any(|r| r.region.is_some());
         CoordinatorCore {
+            min_members_reached,
             me,
             settings,
             strategy,
@@ -246,7 +257,13 @@ impl CoordinatorCore {
         (shard_key(shard), Some(rmp_serde::to_vec(rec).expect("shard record encodes")))
     }
 
-    pub(crate) fn handle(&mut self, input: CoordinatorInput, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+    pub(crate) fn handle(
+        &mut self,
+        input: CoordinatorInput,
+        now: Instant,
+        wall_ms: u64,
+        out: &mut Vec<CoordinatorAction>,
+    ) {
         match input {
             CoordinatorInput::FromRegion(msg) => self.on_region_msg(msg, now, wall_ms, out),
             CoordinatorInput::RegionTerminated(region) => self.on_region_terminated(region, now, wall_ms, out),
@@ -258,13 +275,29 @@ impl CoordinatorCore {
             }
             CoordinatorInput::RebalanceAllowed(allowed) => self.rebalance_allowed = allowed,
             CoordinatorInput::Tick => self.on_tick(now, out),
+            CoordinatorInput::TakeOver => {
+                // A predecessor may have written allocations whose HostShard never left it.
+                let homes: Vec<(ShardId, RegionId, u64)> = self
+                    .state
+                    .shards
+                    .iter()
+                    .filter_map(|(s, r)| Some((s.clone(), r.region.clone()?, r.epoch)))
+                    .collect();
+                let mut effects = Vec::new();
+                for (shard, region, epoch) in homes {
+                    self.unacked_host.insert(shard.clone(), (region.clone(), epoch, now));
+                    effects.push(Self::send(&region, ToRegion::HostShard { shard, epoch }));
+                }
+                self.commit(vec![], effects, out);
+            }
         }
     }
 
     fn on_region_msg(&mut self, msg: ToCoordinator, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
         match msg {
             ToCoordinator::Register { region, proxy } => {
-                let known = if proxy { self.state.proxies.contains(&region) } else { self.state.regions.contains(&region) };
+                let known =
+                    if proxy { self.state.proxies.contains(&region) } else { self.state.regions.contains(&region) };
                 let mut entries = Vec::new();
                 if !known {
                     info!(%region, proxy, "region registered");
@@ -312,6 +345,7 @@ impl CoordinatorCore {
                     self.finish_handoff(&shard, now, wall_ms, out);
                 }
             }
+            ToCoordinator::RegionStopped { region } => self.on_region_terminated(region, now, wall_ms, out),
             ToCoordinator::GracefulShutdownReq { region } => {
                 if !self.state.regions.contains(&region) {
                     return;
@@ -342,7 +376,14 @@ impl CoordinatorCore {
             .collect()
     }
 
-    fn on_get_shard_home(&mut self, shard: ShardId, requester: RegionId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
+    fn on_get_shard_home(
+        &mut self,
+        shard: ShardId,
+        requester: RegionId,
+        now: Instant,
+        wall_ms: u64,
+        out: &mut Vec<CoordinatorAction>,
+    ) {
         if self.handoffs.contains_key(&shard) {
             self.deferred.entry(shard).or_default().insert(requester);
             return;
@@ -358,11 +399,13 @@ impl CoordinatorCore {
 
     /// Allocates every deferred shard that can be allocated now.
     fn allocate_deferred(&mut self, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
-        if self.state.regions.len() < self.settings.min_nr_of_members {
-            return;
+        if !self.min_members_reached {
+            if self.state.regions.len() < self.settings.min_nr_of_members {
+                return;
+            }
+            self.min_members_reached = true;
         }
-        let shards: Vec<ShardId> =
-            self.deferred.keys().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
+        let shards: Vec<ShardId> = self.deferred.keys().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
         for shard in shards {
             if let Some((home, epoch)) = self.state.home(&shard).map(|(h, e)| (h.clone(), e)) {
                 let requesters = self.deferred.remove(&shard).unwrap_or_default();
@@ -381,7 +424,14 @@ impl CoordinatorCore {
     }
 
     /// Allocates `shard` through the strategy; returns false when no region is available.
-    fn allocate(&mut self, shard: &ShardId, requester: &RegionId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) -> bool {
+    fn allocate(
+        &mut self,
+        shard: &ShardId,
+        requester: &RegionId,
+        now: Instant,
+        wall_ms: u64,
+        out: &mut Vec<CoordinatorAction>,
+    ) -> bool {
         let candidates = self.live_candidates();
         if candidates.is_empty() {
             return false;
@@ -414,7 +464,11 @@ impl CoordinatorCore {
         debug!(%shard, %from, "hand-off started");
         self.handoffs.insert(
             shard,
-            Handoff { from, phase: HandoffPhase::WaitingForAcks(everyone), deadline: now + self.settings.handoff_timeout },
+            Handoff {
+                from,
+                phase: HandoffPhase::WaitingForAcks(everyone),
+                deadline: now + self.settings.handoff_timeout,
+            },
         );
         self.commit(vec![], effects, out);
     }
@@ -429,7 +483,8 @@ impl CoordinatorCore {
         let dealloc = self.shard_entry(shard);
         self.commit(vec![dealloc], vec![], out);
         // Eager re-allocation: the shard has a home again before anyone asks.
-        let requester = self.deferred.get(shard).and_then(|d| d.iter().next().cloned()).unwrap_or_else(|| h.from.clone());
+        let requester =
+            self.deferred.get(shard).and_then(|d| d.iter().next().cloned()).unwrap_or_else(|| h.from.clone());
         self.allocate(shard, &requester, now, wall_ms, out);
     }
 
@@ -508,7 +563,8 @@ impl CoordinatorCore {
                     .collect();
                 // Regions forgot the home at BeginHandOff: tell everyone again.
                 for r in self.all_regions() {
-                    effects.push(Self::send(r, ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch }));
+                    effects
+                        .push(Self::send(r, ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch }));
                 }
                 self.commit(vec![], effects, out);
             }
@@ -536,8 +592,8 @@ impl CoordinatorCore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sharding::allocation::LeastShardAllocation;
     use crate::membership::UniqueAddress;
+    use crate::sharding::allocation::LeastShardAllocation;
 
     fn r(n: &str) -> RegionId {
         UniqueAddress::new(n, 1)
@@ -586,10 +642,20 @@ mod tests {
         let mut c = core(1);
         let now = Instant::now();
         let mut out = Vec::new();
-        c.handle(CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("a"), proxy: false }), now, 1, &mut out);
+        c.handle(
+            CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("a"), proxy: false }),
+            now,
+            1,
+            &mut out,
+        );
         assert!(matches!(out.as_slice(), [CoordinatorAction::Write(_)]), "only the write: {out:?}");
         let mut out2 = Vec::new();
-        c.handle(CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1, &mut out2);
+        c.handle(
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
+            now,
+            1,
+            &mut out2,
+        );
         assert!(out2.is_empty(), "queued behind the first write");
         let mut out3 = Vec::new();
         c.handle(CoordinatorInput::WriteDone, now, 1, &mut out3);
@@ -606,12 +672,44 @@ mod tests {
         let mut c = core(3);
         let now = Instant::now();
         reg(&mut c, "a", now);
-        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        let sent = step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
+            now,
+            1,
+        );
         assert!(sent.is_empty());
         reg(&mut c, "b", now);
         assert!(c.state().shards.is_empty());
-        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("c3"), proxy: false }), now, 1);
+        let sent = step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("c3"), proxy: false }),
+            now,
+            1,
+        );
         assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
+    }
+
+    #[test]
+    fn min_nr_of_members_only_holds_back_the_first_allocation() {
+        let mut c = core(2);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
+            now,
+            1,
+        );
+        step(&mut c, CoordinatorInput::RegionTerminated(r("b")), now, 1);
+        let sent = step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "2".into(), region: r("a") }),
+            now,
+            1,
+        );
+        assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { .. })), "one region is enough now");
     }
 
     #[test]
@@ -622,7 +720,12 @@ mod tests {
         reg(&mut c, "b", now);
         let mut last = 0;
         for round in 0..4u64 {
-            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "7".into(), region: r("a") }), now, 5);
+            step(
+                &mut c,
+                CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "7".into(), region: r("a") }),
+                now,
+                5,
+            );
             let (home, epoch) = c.state().home("7").map(|(h, e)| (h.clone(), e)).unwrap();
             assert!(epoch > last, "round {round}: {epoch} > {last}");
             last = epoch;
@@ -640,7 +743,12 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         for s in 0..4 {
-            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r("a") }), now, 1);
+            step(
+                &mut c,
+                CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r("a") }),
+                now,
+                1,
+            );
         }
         reg(&mut c, "b", now);
         reg(&mut c, "x", now);
@@ -657,15 +765,30 @@ mod tests {
         assert!(!begins.is_empty());
         let shard = begins.iter().next().unwrap().clone();
         for who in ["a", "b"] {
-            let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: shard.clone(), region: r(who) }), later, 2);
+            let sent = step(
+                &mut c,
+                CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: shard.clone(), region: r(who) }),
+                later,
+                2,
+            );
             assert!(sent.is_empty(), "still waiting for x");
         }
         let sent = step(&mut c, CoordinatorInput::RegionTerminated(r("x")), later, 2);
         assert!(sent.contains(&(r("a"), ToRegion::HandOff { shard: shard.clone() })), "{sent:?}");
         // A GetShardHome during the hand-off is deferred, answered with the new home after.
-        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: shard.clone(), region: r("b") }), later, 2);
+        let sent = step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: shard.clone(), region: r("b") }),
+            later,
+            2,
+        );
         assert!(sent.is_empty());
-        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a") }), later, 2);
+        let sent = step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a") }),
+            later,
+            2,
+        );
         let (home, _) = c.state().home(&shard).unwrap();
         assert_eq!(home, &r("b"));
         assert!(sent.iter().any(|(to, m)| *to == r("b") && matches!(m, ToRegion::HostShard { .. })));
@@ -680,11 +803,17 @@ mod tests {
         reg(&mut c, "b", now);
         for s in 0..6 {
             let who = if s % 2 == 0 { "a" } else { "b" };
-            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
+            step(
+                &mut c,
+                CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }),
+                now,
+                1,
+            );
         }
         let on_a: BTreeSet<ShardId> =
             c.state().shards.iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
-        let sent = step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
+        let sent =
+            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
         let begins: BTreeSet<ShardId> = sent
             .iter()
             .filter_map(|(_, m)| match m {
@@ -695,9 +824,19 @@ mod tests {
         assert_eq!(begins, on_a);
         for s in &on_a {
             for who in ["a", "b"] {
-                step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }), now, 1);
+                step(
+                    &mut c,
+                    CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }),
+                    now,
+                    1,
+                );
             }
-            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a") }), now, 1);
+            step(
+                &mut c,
+                CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a") }),
+                now,
+                1,
+            );
         }
         assert!(c.state().shards.values().all(|rec| rec.region == Some(r("b"))));
     }
@@ -708,7 +847,12 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         reg(&mut c, "b", now);
-        step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
+            now,
+            1,
+        );
         let home = c.state().home("1").unwrap().0.clone();
         step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), now, 1);
         let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(6), 1);

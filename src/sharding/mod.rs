@@ -20,8 +20,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 
 pub use allocation::{
-    ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation, RegionAllocation,
-    RegionId, ShardAllocationStrategy, ShardId,
+    ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation,
+    RegionAllocation, RegionId, ShardAllocationStrategy, ShardId,
 };
 pub use runtime::ShardRegion;
 
@@ -190,7 +190,9 @@ impl ShardingSettings {
             return bad("retry_interval, rebalance_interval and shard_start_timeout must be > 0");
         }
         if self.remember_entities {
-            return bad("remember_entities is not available yet (planned: remembered entities in OR-sets, durable in LMDB)");
+            return bad(
+                "remember_entities is not available yet (planned: remembered entities in OR-sets, durable in LMDB)",
+            );
         }
         Ok(())
     }
@@ -204,7 +206,10 @@ impl ShardingSettings {
                 Arc::new(LegacyLeastShardAllocation { threshold: *threshold, max_simultaneous: *max_simultaneous })
             }
             AllocationSettings::ConsistentHashing { virtual_nodes, rebalance_limit } => {
-                Arc::new(ConsistentHashingAllocation { virtual_nodes: *virtual_nodes, rebalance_limit: *rebalance_limit })
+                Arc::new(ConsistentHashingAllocation {
+                    virtual_nodes: *virtual_nodes,
+                    rebalance_limit: *rebalance_limit,
+                })
             }
         }
     }

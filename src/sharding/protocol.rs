@@ -32,6 +32,8 @@ pub enum ToCoordinator {
     ShardStopped { shard: ShardId, region: RegionId },
     /// Hand off every shard of this region; it is shutting down.
     GracefulShutdownReq { region: RegionId },
+    /// The region stopped (after a graceful shutdown); forget it.
+    RegionStopped { region: RegionId },
 }
 
 /// Coordinator → region.

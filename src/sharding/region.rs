@@ -21,7 +21,11 @@ pub(crate) enum RegionDrop {
 
 #[derive(Debug)]
 pub(crate) enum RegionInput<M> {
-    Route { shard: ShardId, entity_id: String, msg: M },
+    Route {
+        shard: ShardId,
+        entity_id: String,
+        msg: M,
+    },
     Coordinator(ToRegion),
     /// The member hosting the coordinator (oldest with the role) changed.
     CoordinatorChanged(Option<RegionId>),
@@ -35,12 +39,33 @@ pub(crate) enum RegionInput<M> {
 
 #[derive(Debug, PartialEq)]
 pub(crate) enum RegionAction<M> {
-    ToCoordinator { coordinator: RegionId, msg: ToCoordinator },
-    StartShard { shard: ShardId, epoch: u64 },
-    Deliver { shard: ShardId, entity_id: String, msg: M },
-    Forward { region: RegionId, shard: ShardId, entity_id: String, msg: M },
-    HandOffShard { shard: ShardId },
-    Drop { entity_id: String, msg: M, reason: RegionDrop },
+    ToCoordinator {
+        coordinator: RegionId,
+        msg: ToCoordinator,
+    },
+    StartShard {
+        shard: ShardId,
+        epoch: u64,
+    },
+    Deliver {
+        shard: ShardId,
+        entity_id: String,
+        msg: M,
+    },
+    Forward {
+        region: RegionId,
+        shard: ShardId,
+        entity_id: String,
+        msg: M,
+    },
+    HandOffShard {
+        shard: ShardId,
+    },
+    Drop {
+        entity_id: String,
+        msg: M,
+        reason: RegionDrop,
+    },
     /// Graceful shutdown finished: no shards and no buffered messages left.
     Stopped,
 }
@@ -76,7 +101,9 @@ impl<M> RegionCore<M> {
         RegionCore {
             me,
             proxy,
-            register_backoff: (settings.retry_interval / 8).max(Duration::from_millis(100)).min(settings.retry_interval),
+            register_backoff: (settings.retry_interval / 8)
+                .max(Duration::from_millis(100))
+                .min(settings.retry_interval),
             settings,
             coordinator: None,
             registered: false,
@@ -162,8 +189,9 @@ impl<M> RegionCore<M> {
                 if c != self.coordinator {
                     self.coordinator = c;
                     self.registered = false;
-                    self.register_backoff =
-                        (self.settings.retry_interval / 8).max(Duration::from_millis(100)).min(self.settings.retry_interval);
+                    self.register_backoff = (self.settings.retry_interval / 8)
+                        .max(Duration::from_millis(100))
+                        .min(self.settings.retry_interval);
                     self.next_register = now;
                     self.on_tick(now, out);
                 }
@@ -262,6 +290,7 @@ impl<M> RegionCore<M> {
     fn check_stopped(&mut self, out: &mut Vec<RegionAction<M>>) {
         if self.shutting_down && !self.stopped && self.hosted.is_empty() && self.buffered == 0 {
             self.stopped = true;
+            self.to_coordinator(ToCoordinator::RegionStopped { region: self.me.clone() }, out);
             out.push(RegionAction::Stopped);
         }
     }
@@ -277,7 +306,12 @@ mod tests {
     }
 
     fn region(buffer_size: usize) -> RegionCore<u32> {
-        let mut c = RegionCore::new(r("me"), false, RegionSettings { buffer_size, retry_interval: Duration::from_secs(2) }, Instant::now());
+        let mut c = RegionCore::new(
+            r("me"),
+            false,
+            RegionSettings { buffer_size, retry_interval: Duration::from_secs(2) },
+            Instant::now(),
+        );
         let mut out = Vec::new();
         c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), Instant::now(), &mut out);
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { .. }, .. }]));
@@ -301,7 +335,10 @@ mod tests {
         let out = run(&mut c, route("1", 1));
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]));
         assert!(run(&mut c, route("1", 2)).is_empty(), "asked only once per shard");
-        let out = run(&mut c, RegionInput::Coordinator(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
+        let out = run(
+            &mut c,
+            RegionInput::Coordinator(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }),
+        );
         let msgs: Vec<u32> = out
             .iter()
             .map(|a| match a {
@@ -329,7 +366,10 @@ mod tests {
         let out = run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 9 }));
         assert_eq!(out[0], RegionAction::StartShard { shard: "1".into(), epoch: 9 });
         assert!(out.contains(&RegionAction::Deliver { shard: "1".into(), entity_id: "e1".into(), msg: 1 }));
-        assert!(out.iter().any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::ShardStarted { .. }, .. })));
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::ShardStarted { .. }, .. }))
+        );
     }
 
     #[test]
@@ -363,11 +403,18 @@ mod tests {
     #[test]
     fn registration_retries_with_backoff_until_acknowledged() {
         let t0 = Instant::now();
-        let mut c: RegionCore<u32> =
-            RegionCore::new(r("me"), true, RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2) }, t0);
+        let mut c: RegionCore<u32> = RegionCore::new(
+            r("me"),
+            true,
+            RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2) },
+            t0,
+        );
         let mut out = Vec::new();
         c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), t0, &mut out);
-        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { proxy: true, .. }, .. }]));
+        assert!(matches!(
+            &out[..],
+            [RegionAction::ToCoordinator { msg: ToCoordinator::Register { proxy: true, .. }, .. }]
+        ));
         let mut times = Vec::new();
         let mut t = t0;
         for _ in 0..100 {

@@ -20,7 +20,9 @@ use super::protocol::{
 };
 use super::region::{RegionAction, RegionCore, RegionDrop, RegionInput, RegionSettings};
 use super::shard::{DropReason, ShardAction, ShardCore, ShardInput};
-use super::{ClusterShardingStats, Entity, EntityContext, RegionId, ShardId, ShardIdExtractor, ShardingSettings, StartOptions};
+use super::{
+    ClusterShardingStats, Entity, EntityContext, RegionId, ShardId, ShardIdExtractor, ShardingSettings, StartOptions,
+};
 use crate::ddata::{Consistency, LwwMap, wall_ms};
 use crate::error::{Error, Result};
 use crate::membership::{MemberStatus, MembershipSnapshot};
@@ -34,7 +36,10 @@ const TICK: Duration = Duration::from_millis(100);
 /// Where the answer to a message goes.
 enum ReplyTo<E: Entity> {
     Local(oneshot::Sender<Result<E::Reply>>),
-    Remote { region: RegionId, ask_id: u64 },
+    Remote {
+        region: RegionId,
+        ask_id: u64,
+    },
     /// `start_entity`: answered once the entity runs.
     Started(oneshot::Sender<Result<()>>),
 }
@@ -57,9 +62,18 @@ enum EntityCmd<E: Entity> {
 }
 
 enum EntityEvent<E: Entity> {
-    Passivate { shard: ShardId, entity_id: String, incarnation: u64 },
+    Passivate {
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+    },
     /// The entity task ended; `leftovers` are messages it had not handled (after a panic).
-    Terminated { shard: ShardId, entity_id: String, incarnation: u64, leftovers: Vec<Envelope<E>> },
+    Terminated {
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+        leftovers: Vec<Envelope<E>>,
+    },
 }
 
 enum RegionCmd<E: Entity> {
@@ -165,7 +179,9 @@ impl<E: Entity> ShardRegion<E> {
         self.submit(entity_id, Envelope { msg: Some(msg), reply: Some(ReplyTo::Local(tx)) })?;
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::NotDelivered { entity_id: entity_id.to_string(), reason: "entity stopped".into() }),
+            Ok(Err(_)) => {
+                Err(Error::NotDelivered { entity_id: entity_id.to_string(), reason: "entity stopped".into() })
+            }
             Err(_) => Err(Error::AskTimeout { entity_id: entity_id.to_string(), timeout }),
         }
     }
@@ -177,7 +193,9 @@ impl<E: Entity> ShardRegion<E> {
         let timeout = self.inner.settings.ask_timeout;
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err(Error::NotDelivered { entity_id: entity_id.to_string(), reason: "entity stopped".into() }),
+            Ok(Err(_)) => {
+                Err(Error::NotDelivered { entity_id: entity_id.to_string(), reason: "entity stopped".into() })
+            }
             Err(_) => Err(Error::AskTimeout { entity_id: entity_id.to_string(), timeout }),
         }
     }
@@ -420,7 +438,9 @@ fn send_reply<E: Entity>(
         }
         ReplyTo::Remote { region, ask_id } => {
             let result = match result {
-                Ok(Some(r)) => wire::encode(&r).map(|b| serde_bytes::ByteBuf::from(b.to_vec())).map_err(|e| e.to_string()),
+                Ok(Some(r)) => {
+                    wire::encode(&r).map(|b| serde_bytes::ByteBuf::from(b.to_vec())).map_err(|e| e.to_string())
+                }
                 Ok(None) => Ok(serde_bytes::ByteBuf::new()),
                 Err(e) => Err(e.to_string()),
             };
@@ -521,7 +541,8 @@ impl<E: Entity> RegionTask<E> {
                 self.shutdown_waiters.push(tx);
                 if self.shutdown_deadline.is_none() {
                     info!(type_name = %self.type_name, "region shutting down gracefully");
-                    self.shutdown_deadline = Some(Instant::now() + self.settings.handoff_timeout + Duration::from_secs(1));
+                    self.shutdown_deadline =
+                        Some(Instant::now() + self.settings.handoff_timeout + Duration::from_secs(1));
                     self.work.push_back(Work::Region(RegionInput::GracefulShutdown));
                 }
             }
@@ -615,7 +636,11 @@ impl<E: Entity> RegionTask<E> {
                         let _ = tx.send(r);
                     }
                     Some(PendingAsk::Started(tx)) => {
-                        let _ = tx.send(result.map(|_| ()).map_err(|reason| Error::NotDelivered { entity_id: String::new(), reason }));
+                        let _ = tx.send(
+                            result
+                                .map(|_| ())
+                                .map_err(|reason| Error::NotDelivered { entity_id: String::new(), reason }),
+                        );
                     }
                     None => {}
                 }
@@ -641,9 +666,15 @@ impl<E: Entity> RegionTask<E> {
                 if current {
                     self.shards.get_mut(&shard).expect("shard").entities.remove(&entity_id);
                 }
-                self.work.push_back(Work::Shard(shard.clone(), ShardInput::Terminated { entity_id: entity_id.clone(), incarnation }));
+                self.work.push_back(Work::Shard(
+                    shard.clone(),
+                    ShardInput::Terminated { entity_id: entity_id.clone(), incarnation },
+                ));
                 for env in leftovers {
-                    self.work.push_back(Work::Shard(shard.clone(), ShardInput::Deliver { entity_id: entity_id.clone(), msg: env }));
+                    self.work.push_back(Work::Shard(
+                        shard.clone(),
+                        ShardInput::Deliver { entity_id: entity_id.clone(), msg: env },
+                    ));
                 }
             }
         }
@@ -703,7 +734,8 @@ impl<E: Entity> RegionTask<E> {
                     return;
                 }
                 debug!(type_name = %self.type_name, %shard, epoch, "starting shard");
-                let stop_timeout = self.settings.handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1));
+                let stop_timeout =
+                    self.settings.handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1));
                 let entry = self.shards.entry(shard).or_insert_with(|| LocalShard {
                     core: ShardCore::new(self.settings.passivation_idle_timeout, stop_timeout),
                     epoch,
@@ -773,7 +805,8 @@ impl<E: Entity> RegionTask<E> {
                 (Some((self.me.clone(), id)), Some((id, PendingAsk::Started(tx))))
             }
         };
-        let msg = RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id: entity_id.clone(), payload, reply_to });
+        let msg =
+            RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id: entity_id.clone(), payload, reply_to });
         let sent = wire::encode(&msg).and_then(|b| self.transport.send(&peer, &region_topic(&self.type_name), &b));
         match (sent, pending) {
             (Ok(()), Some((id, p))) => {
@@ -801,7 +834,12 @@ impl<E: Entity> RegionTask<E> {
                 let factory = self.factory.clone().expect("only regions with a factory host shards");
                 let shard = self.shards.get_mut(shard_id).expect("shard");
                 let (tx, rx) = mpsc::unbounded_channel();
-                let ctx = EntityContext { entity_id: entity_id.clone(), shard_id: shard_id.clone(), epoch: shard.epoch, passivate: false };
+                let ctx = EntityContext {
+                    entity_id: entity_id.clone(),
+                    shard_id: shard_id.clone(),
+                    epoch: shard.epoch,
+                    passivate: false,
+                };
                 let runner = EntityRunner {
                     ctx,
                     incarnation,
@@ -820,7 +858,8 @@ impl<E: Entity> RegionTask<E> {
                     Some(h) => {
                         if let Err(mpsc::error::SendError(EntityCmd::Msg(env))) = h.tx.send(EntityCmd::Msg(msg)) {
                             // The task already ended; its Terminated event is on the way. Redeliver after it.
-                            self.work.push_back(Work::Shard(shard_id.clone(), ShardInput::Deliver { entity_id, msg: env }));
+                            self.work
+                                .push_back(Work::Shard(shard_id.clone(), ShardInput::Deliver { entity_id, msg: env }));
                         }
                     }
                     None => self.fail(msg, &entity_id, "entity is not running"),
@@ -996,7 +1035,11 @@ impl CoordinatorRunner {
     }
 
     /// Reads the state (majority) and runs the coordinator until this node is no longer oldest.
-    async fn serve(&self, mut members: watch::Receiver<Arc<MembershipSnapshot>>, shutdown: tokio_util::sync::CancellationToken) {
+    async fn serve(
+        &self,
+        mut members: watch::Receiver<Arc<MembershipSnapshot>>,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) {
         let role = self.settings.role.as_deref();
         let key = state_key(&self.type_name);
         let replicator = self.node.replicator().clone();
@@ -1038,8 +1081,11 @@ impl CoordinatorRunner {
         let mut out = Vec::new();
         let mut snap = members.borrow_and_update().clone();
         self.check_members(&mut core, &snap, &mut out);
+        core.handle(CoordinatorInput::TakeOver, Instant::now(), wall_ms(), &mut out);
+        let mut writes: Vec<JoinHandle<()>> = Vec::new();
         loop {
-            self.perform(&mut out, &snap, &done_tx);
+            writes.retain(|w| !w.is_finished());
+            writes.extend(self.perform(&mut out, &snap, &done_tx));
             let now = Instant::now();
             let wall = wall_ms();
             tokio::select! {
@@ -1048,7 +1094,10 @@ impl CoordinatorRunner {
                     Some(m) => self.on_inbound(&mut core, m, &snap, &mut out),
                     None => break,
                 },
-                Some(()) = done_rx.recv() => core.handle(CoordinatorInput::WriteDone, now, wall, &mut out),
+                Some(()) = done_rx.recv() => {
+                    debug!(type_name = %self.type_name, "coordinator state write acknowledged");
+                    core.handle(CoordinatorInput::WriteDone, now, wall, &mut out)
+                }
                 changed = members.changed() => {
                     if changed.is_err() { break; }
                     snap = members.borrow_and_update().clone();
@@ -1062,6 +1111,10 @@ impl CoordinatorRunner {
             }
         }
         transport.unsubscribe(&topic);
+        // A write still retrying must not land after a successor took over.
+        for w in writes {
+            w.abort();
+        }
     }
 
     fn check_members(&self, core: &mut CoordinatorCore, snap: &MembershipSnapshot, out: &mut Vec<CoordinatorAction>) {
@@ -1073,11 +1126,19 @@ impl CoordinatorRunner {
         core.handle(CoordinatorInput::RebalanceAllowed(rebalance_allowed(snap)), now, wall_ms(), out);
     }
 
-    fn on_inbound(&self, core: &mut CoordinatorCore, m: Inbound, snap: &MembershipSnapshot, out: &mut Vec<CoordinatorAction>) {
+    fn on_inbound(
+        &self,
+        core: &mut CoordinatorCore,
+        m: Inbound,
+        snap: &MembershipSnapshot,
+        out: &mut Vec<CoordinatorAction>,
+    ) {
         let transport = self.node.transport();
         if let Some(id) = m.request_id {
             let reply = match wire::decode::<CoordinatorQuery>(&m.body) {
-                Ok(CoordinatorQuery::CurrentRegions) => wire::encode(&core.regions().cloned().collect::<BTreeSet<RegionId>>()),
+                Ok(CoordinatorQuery::CurrentRegions) => {
+                    wire::encode(&core.regions().cloned().collect::<BTreeSet<RegionId>>())
+                }
                 Err(e) => Err(e),
             };
             let r = match &reply {
@@ -1089,6 +1150,7 @@ impl CoordinatorRunner {
         }
         match wire::decode::<ToCoordinator>(&m.body) {
             Ok(msg) => {
+                debug!(type_name = %self.type_name, ?msg, "coordinator received");
                 if let ToCoordinator::Register { region, .. } = &msg {
                     // Only members that are up may register (a joining node retries).
                     let up = snap.members.iter().any(|x| x.address() == region && x.status().is_up_or_leaving());
@@ -1103,8 +1165,14 @@ impl CoordinatorRunner {
         }
     }
 
-    fn perform(&self, out: &mut Vec<CoordinatorAction>, snap: &MembershipSnapshot, done: &mpsc::UnboundedSender<()>) {
+    fn perform(
+        &self,
+        out: &mut Vec<CoordinatorAction>,
+        snap: &MembershipSnapshot,
+        done: &mpsc::UnboundedSender<()>,
+    ) -> Option<JoinHandle<()>> {
         let topic = region_topic(&self.type_name);
+        let mut write = None;
         for action in out.drain(..) {
             match action {
                 CoordinatorAction::Send { to, msg } => {
@@ -1119,12 +1187,13 @@ impl CoordinatorRunner {
                     }
                 }
                 CoordinatorAction::Write(entries) => {
+                    debug!(type_name = %self.type_name, entries = entries.len(), "coordinator state write started");
                     let replicator = self.node.replicator().clone();
                     let key = state_key(&self.type_name);
                     let timeout = self.settings.updating_state_timeout;
                     let done = done.clone();
                     let type_name = self.type_name.clone();
-                    tokio::spawn(async move {
+                    write = Some(tokio::spawn(async move {
                         let mut backoff = Duration::from_millis(100);
                         loop {
                             let e2 = entries.clone();
@@ -1149,10 +1218,10 @@ impl CoordinatorRunner {
                             }
                         }
                         let _ = done.send(());
-                    });
+                    }));
                 }
             }
         }
+        write
     }
 }
-

@@ -32,11 +32,20 @@ pub(crate) enum DropReason {
 
 #[derive(Debug)]
 pub(crate) enum ShardInput<M> {
-    Deliver { entity_id: String, msg: M },
+    Deliver {
+        entity_id: String,
+        msg: M,
+    },
     /// The entity asked to be passivated (after the message it was handling).
-    Passivate { entity_id: String, incarnation: u64 },
+    Passivate {
+        entity_id: String,
+        incarnation: u64,
+    },
     /// The entity task ended (after a stop, a panic or a forced abort).
-    Terminated { entity_id: String, incarnation: u64 },
+    Terminated {
+        entity_id: String,
+        incarnation: u64,
+    },
     HandOff,
     Tick,
 }
@@ -44,14 +53,28 @@ pub(crate) enum ShardInput<M> {
 #[derive(Debug, PartialEq)]
 pub(crate) enum ShardAction<M> {
     /// Spawn entity `entity_id` as `incarnation`.
-    Start { entity_id: String, incarnation: u64 },
+    Start {
+        entity_id: String,
+        incarnation: u64,
+    },
     /// Put a message in the entity's mailbox.
-    Send { entity_id: String, msg: M },
+    Send {
+        entity_id: String,
+        msg: M,
+    },
     /// Put a stop signal in the entity's mailbox (after the messages already there).
-    Stop { entity_id: String },
+    Stop {
+        entity_id: String,
+    },
     /// Abort the entity task now.
-    ForceStop { entity_id: String },
-    Drop { entity_id: String, msg: M, reason: DropReason },
+    ForceStop {
+        entity_id: String,
+    },
+    Drop {
+        entity_id: String,
+        msg: M,
+        reason: DropReason,
+    },
     /// Hand-off finished: every entity has stopped.
     Stopped,
 }
@@ -90,10 +113,8 @@ impl<M> ShardCore<M> {
     fn start(&mut self, entity_id: &str, now: Instant, out: &mut Vec<ShardAction<M>>) {
         let incarnation = self.next_incarnation;
         self.next_incarnation += 1;
-        self.entities.insert(
-            entity_id.to_string(),
-            EntityEntry { state: EntityState::Active, incarnation, last_activity: now },
-        );
+        self.entities
+            .insert(entity_id.to_string(), EntityEntry { state: EntityState::Active, incarnation, last_activity: now });
         out.push(ShardAction::Start { entity_id: entity_id.to_string(), incarnation });
     }
 
@@ -132,7 +153,11 @@ impl<M> ShardCore<M> {
                 if let Some(buffered) = self.buffers.remove(&entity_id) {
                     if self.handoff_deadline.is_some() {
                         for msg in buffered {
-                            out.push(ShardAction::Drop { entity_id: entity_id.clone(), msg, reason: DropReason::HandOff });
+                            out.push(ShardAction::Drop {
+                                entity_id: entity_id.clone(),
+                                msg,
+                                reason: DropReason::HandOff,
+                            });
                         }
                     } else if !buffered.is_empty() {
                         // Messages that arrived while it stopped go to its next incarnation.
@@ -226,7 +251,10 @@ mod tests {
         let out = run(&mut s, deliver("a", 1), now);
         assert_eq!(
             out,
-            vec![ShardAction::Start { entity_id: "a".into(), incarnation: 1 }, ShardAction::Send { entity_id: "a".into(), msg: 1 }]
+            vec![
+                ShardAction::Start { entity_id: "a".into(), incarnation: 1 },
+                ShardAction::Send { entity_id: "a".into(), msg: 1 }
+            ]
         );
         assert_eq!(run(&mut s, deliver("a", 2), now), vec![ShardAction::Send { entity_id: "a".into(), msg: 2 }]);
     }
@@ -236,7 +264,10 @@ mod tests {
         let mut s = ShardCore::new(None, Duration::from_secs(1));
         let now = Instant::now();
         run(&mut s, deliver("a", 1), now);
-        assert_eq!(run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now), vec![ShardAction::Stop { entity_id: "a".into() }]);
+        assert_eq!(
+            run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now),
+            vec![ShardAction::Stop { entity_id: "a".into() }]
+        );
         assert!(run(&mut s, deliver("a", 2), now).is_empty());
         assert!(run(&mut s, deliver("a", 3), now).is_empty());
         // A stale termination of an older incarnation is ignored.
@@ -268,7 +299,10 @@ mod tests {
         let t0 = Instant::now();
         run(&mut s, deliver("a", 1), t0);
         run(&mut s, deliver("b", 1), t0 + Duration::from_secs(100));
-        assert_eq!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(121)), vec![ShardAction::Stop { entity_id: "a".into() }]);
+        assert_eq!(
+            run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(121)),
+            vec![ShardAction::Stop { entity_id: "a".into() }]
+        );
     }
 
     #[test]
@@ -282,7 +316,10 @@ mod tests {
         let out = run(&mut s, ShardInput::HandOff, now);
         assert!(out.contains(&ShardAction::Drop { entity_id: "b".into(), msg: 9, reason: DropReason::HandOff }));
         assert!(out.contains(&ShardAction::Stop { entity_id: "a".into() }));
-        assert_eq!(run(&mut s, deliver("c", 1), now), vec![ShardAction::Drop { entity_id: "c".into(), msg: 1, reason: DropReason::HandOff }]);
+        assert_eq!(
+            run(&mut s, deliver("c", 1), now),
+            vec![ShardAction::Drop { entity_id: "c".into(), msg: 1, reason: DropReason::HandOff }]
+        );
         assert!(run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 2 }, now).is_empty());
         let out = run(&mut s, ShardInput::Tick, now + Duration::from_secs(3));
         assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into() }, ShardAction::Stopped]);
