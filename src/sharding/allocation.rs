@@ -297,7 +297,8 @@ mod tests {
     #[test]
     fn least_shard_rebalance_matches_the_akka_example_table() {
         // (layout, shards moved in the first round, layout after one round when given)
-        let table: &[(&[usize], usize, Option<&[usize]>)] = &[
+        type Row = (&'static [usize], usize, Option<&'static [usize]>);
+        let table: &[Row] = &[
             (&[1, 2, 0], 1, Some(&[1, 1, 1])),
             (&[1, 1, 0], 0, None),
             (&[3, 0, 0], 2, Some(&[1, 1, 1])),

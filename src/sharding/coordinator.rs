@@ -576,11 +576,10 @@ impl CoordinatorCore {
                 let candidates = self.live_candidates();
                 if candidates.len() > 1 {
                     for shard in self.strategy.rebalance(&candidates, &in_progress) {
-                        if let Some((from, _)) = self.state.home(&shard).map(|(h, e)| (h.clone(), e)) {
-                            if !self.handoffs.contains_key(&shard) {
-                                info!(%shard, %from, "rebalancing shard");
-                                self.start_handoff(shard, from, now, out);
-                            }
+                        let from = self.state.home(&shard).map(|(h, _)| h.clone());
+                        if let Some(from) = from.filter(|_| !self.handoffs.contains_key(&shard)) {
+                            info!(%shard, %from, "rebalancing shard");
+                            self.start_handoff(shard, from, now, out);
                         }
                     }
                 }

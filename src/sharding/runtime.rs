@@ -445,10 +445,10 @@ fn send_reply<E: Entity>(
                 Err(e) => Err(e.to_string()),
             };
             let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result });
-            if let (Some(peer), Ok(bytes)) = (peer_of(members, &region), wire::encode(&msg)) {
-                if let Err(e) = transport.send(&peer, &region_topic(type_name), &bytes) {
-                    debug!(%region, error = %e, "ask reply not sent");
-                }
+            if let (Some(peer), Ok(bytes)) = (peer_of(members, &region), wire::encode(&msg))
+                && let Err(e) = transport.send(&peer, &region_topic(type_name), &bytes)
+            {
+                debug!(%region, error = %e, "ask reply not sent");
             }
         }
     }

@@ -138,11 +138,12 @@ impl<M> ShardCore<M> {
                 }
             }
             ShardInput::Passivate { entity_id, incarnation } => {
-                if let Some(e) = self.entities.get_mut(&entity_id) {
-                    if e.incarnation == incarnation && e.state == EntityState::Active {
-                        e.state = EntityState::Stopping;
-                        out.push(ShardAction::Stop { entity_id });
-                    }
+                if let Some(e) = self.entities.get_mut(&entity_id)
+                    && e.incarnation == incarnation
+                    && e.state == EntityState::Active
+                {
+                    e.state = EntityState::Stopping;
+                    out.push(ShardAction::Stop { entity_id });
                 }
             }
             ShardInput::Terminated { entity_id, incarnation } => {
