@@ -85,6 +85,26 @@ pub struct MembershipSettings {
     /// How long a leaving node keeps gossiping its final status so every member sees it removed.
     #[serde(with = "humantime_serde")]
     pub leave_linger: Duration,
+    /// Automatic downing of unreachable members.
+    pub downing: DowningStrategy,
+    /// Keep-majority decides once the set of unreachable members has not changed for this long.
+    #[serde(with = "humantime_serde")]
+    pub stable_after: Duration,
+    /// A downed member stays listed (as Down) this long before it is removed: its shards and
+    /// singletons move only then, giving the losing side time to stop its own.
+    #[serde(with = "humantime_serde")]
+    pub down_removal_margin: Duration,
+}
+
+/// How unreachable members are downed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DowningStrategy {
+    /// The side with more members (tie: the side with the lowest address) downs the other; the
+    /// losing side downs itself.
+    KeepMajority,
+    /// Never down automatically (an unreachable member stays until it comes back or leaves).
+    Off,
 }
 
 impl Default for MembershipSettings {
@@ -96,6 +116,9 @@ impl Default for MembershipSettings {
             dead_node_grace_period: Duration::from_secs(3600),
             seed_node_timeout: Duration::from_secs(5),
             leave_linger: Duration::from_millis(1000),
+            downing: DowningStrategy::KeepMajority,
+            stable_after: Duration::from_secs(5),
+            down_removal_margin: Duration::from_secs(5),
         }
     }
 }

@@ -25,7 +25,7 @@ pub mod transport;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use config::{MembershipSettings, NodeConfig, ReplicatorSettings, TransportSettings};
+pub use config::{DowningStrategy, MembershipSettings, NodeConfig, ReplicatorSettings, TransportSettings};
 pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};
 pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};

@@ -95,6 +95,8 @@ impl Node {
         };
         tasks.push(task);
         tasks.push(tokio::spawn(forget_removed_peers(membership.events(), transport.clone(), shutdown.clone())));
+        // Not in `tasks`: it may cancel the token itself, and `shutdown` must not wait for it.
+        tokio::spawn(stop_when_downed(membership.watch(), shutdown.clone()));
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
         Ok(Node {
             inner: Arc::new(NodeInner {
@@ -206,6 +208,24 @@ impl Node {
     /// Whether [`Node::shutdown`] (or leave) was called.
     pub fn is_shut_down(&self) -> bool {
         self.inner.shutdown.is_cancelled()
+    }
+}
+
+/// A node that is downed (by the other side, or by itself on the minority side) stops at once,
+/// like a crash: its regions and singletons end before the others move them (they wait the
+/// down-removal margin). It must restart as a new incarnation to rejoin.
+async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>, shutdown: CancellationToken) {
+    loop {
+        let downed = members.borrow_and_update().self_member().is_some_and(|m| m.status() == MemberStatus::Down);
+        if downed {
+            tracing::warn!("this node was downed; stopping");
+            shutdown.cancel();
+            return;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = members.changed() => if r.is_err() { return },
+        }
     }
 }
 

@@ -177,7 +177,16 @@ pub fn test_config(node_id: &str, data_dir: &std::path::Path, cluster_id: &str) 
     c.replicator.gossip_interval = Duration::from_millis(200);
     c.replicator.lmdb_map_size = 64 << 20;
     c.membership.leave_linger = Duration::from_millis(800);
+    // Tests that cut links decide themselves when to down; failover tests opt in.
+    c.membership.downing = crate::config::DowningStrategy::Off;
     c
+}
+
+/// Keep-majority downing with short timers, for failover tests.
+pub fn fast_downing(c: &mut NodeConfig) {
+    c.membership.downing = crate::config::DowningStrategy::KeepMajority;
+    c.membership.stable_after = Duration::from_millis(1000);
+    c.membership.down_removal_margin = Duration::from_millis(1000);
 }
 
 /// Hook that changes node `i`'s configuration before it starts.

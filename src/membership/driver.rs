@@ -13,9 +13,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::downing::{Decision, KeepMajority};
 use super::view::{GossipNode, compute_members, highest_up_number, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
-use crate::config::NodeConfig;
+use crate::config::{DowningStrategy, NodeConfig};
 use crate::error::{Error, Result};
 
 enum Command {
@@ -82,6 +83,10 @@ pub(crate) struct MembershipDriver {
     snapshot_tx: watch::Sender<Arc<MembershipSnapshot>>,
     events: broadcast::Sender<MemberEvent>,
     commands: mpsc::UnboundedReceiver<Command>,
+    downing: Option<KeepMajority>,
+    down_removal_margin: Duration,
+    down_seen: std::collections::HashMap<UniqueAddress, Instant>,
+    downs_published: std::collections::HashSet<UniqueAddress>,
 }
 
 impl MembershipDriver {
@@ -154,6 +159,11 @@ impl MembershipDriver {
             snapshot_tx,
             events,
             commands: cmd_rx,
+            downing: (m.downing == DowningStrategy::KeepMajority)
+                .then(|| KeepMajority::new(m.stable_after, Instant::now())),
+            down_removal_margin: m.down_removal_margin,
+            down_seen: Default::default(),
+            downs_published: Default::default(),
         };
         Ok((handle, driver))
     }
@@ -220,7 +230,9 @@ impl MembershipDriver {
             // Re-read so the snapshot carries our own new keys.
             return Box::pin(self.refresh()).await;
         }
-        let next = compute_members(&self.address, &nodes);
+        let mut next = compute_members(&self.address, &nodes);
+        self.apply_down_removal_margin(&mut next);
+        self.run_downing(&next).await;
         let prev = self.snapshot_tx.borrow().clone();
         if *prev != next {
             for ev in diff_snapshots(&prev, &next) {
@@ -228,6 +240,56 @@ impl MembershipDriver {
                 let _ = self.events.send(ev);
             }
             self.snapshot_tx.send_replace(Arc::new(next));
+        }
+    }
+
+    /// Down members stay listed for `down_removal_margin` after this node first saw them Down,
+    /// then they are removed (their shards and singletons move only then).
+    fn apply_down_removal_margin(&mut self, snap: &mut MembershipSnapshot) {
+        let now = Instant::now();
+        let down: std::collections::HashSet<UniqueAddress> = snap
+            .members
+            .iter()
+            .filter(|m| m.status == MemberStatus::Down && m.address != self.address)
+            .map(|m| m.address.clone())
+            .collect();
+        self.down_seen.retain(|a, _| down.contains(a));
+        for a in &down {
+            self.down_seen.entry(a.clone()).or_insert(now);
+        }
+        let margin = self.down_removal_margin;
+        let seen = &self.down_seen;
+        snap.members.retain(|m| seen.get(&m.address).is_none_or(|t| now.duration_since(*t) < margin));
+    }
+
+    /// Keep-majority downing: publish down marks for the losing side, or down this node.
+    async fn run_downing(&mut self, snap: &MembershipSnapshot) {
+        if !self.status.is_up_or_leaving() {
+            return;
+        }
+        let Some(k) = self.downing.as_mut() else { return };
+        match k.decide(snap, Instant::now()) {
+            Decision::Wait => {}
+            Decision::DownOthers(victims) => {
+                let new: Vec<UniqueAddress> =
+                    victims.into_iter().filter(|v| !self.downs_published.contains(v)).collect();
+                if new.is_empty() {
+                    return;
+                }
+                warn!(node = %self.address, downed = ?new.iter().map(ToString::to_string).collect::<Vec<_>>(), "keep-majority: downing unreachable members");
+                self.chitchat
+                    .with_chitchat(|c| {
+                        for v in &new {
+                            c.self_node_state().set(format!("{}{v}", keys::DOWN_PREFIX), "1");
+                        }
+                    })
+                    .await;
+                self.downs_published.extend(new);
+            }
+            Decision::DownMyself => {
+                warn!(node = %self.address, "keep-majority: this node is on the minority side; downing itself");
+                self.publish_status(MemberStatus::Down, None).await;
+            }
         }
     }
 

@@ -12,6 +12,8 @@ pub(crate) mod keys {
     pub const UP_NUMBER: &str = "up";
     pub const ROLES: &str = "roles";
     pub const MESSAGING: &str = "msg";
+    /// `down:<node_id>#<generation>`: the publishing node downed that incarnation.
+    pub const DOWN_PREFIX: &str = "down:";
 }
 
 /// What gossip knows about one node incarnation.
@@ -31,8 +33,11 @@ pub struct GossipNode {
 ///
 /// - only the newest generation of a node id counts (a restart supersedes the old incarnation);
 /// - `removed` members, and `exiting`/`down` members that are no longer alive, are dropped;
-/// - nodes whose keys are not yet complete are not listed.
+/// - nodes whose keys are not yet complete are not listed;
+/// - an incarnation that any node marked down (`down:<node>#<generation>`) is Down.
 pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> MembershipSnapshot {
+    let downed: std::collections::HashSet<&str> =
+        nodes.iter().flat_map(|n| n.keys.keys().filter_map(|k| k.strip_prefix(keys::DOWN_PREFIX))).collect();
     let mut newest: BTreeMap<&str, &GossipNode> = BTreeMap::new();
     for n in nodes {
         let slot = newest.entry(&n.address.node_id).or_insert(n);
@@ -44,12 +49,16 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
         .values()
         .filter_map(|n| {
             let is_self = n.address == *self_address;
-            let status = MemberStatus::from_key(n.keys.get(keys::STATUS)?)?;
+            let mut status = MemberStatus::from_key(n.keys.get(keys::STATUS)?)?;
+            if status != MemberStatus::Removed && downed.contains(n.address.to_string().as_str()) {
+                status = MemberStatus::Down;
+            }
             let messaging_addr: SocketAddr = n.keys.get(keys::MESSAGING)?.parse().ok()?;
             let live = is_self || n.live;
             let gone = match status {
                 MemberStatus::Removed => true,
-                MemberStatus::Exiting | MemberStatus::Down => !live,
+                // Down members stay listed until the driver's removal margin has passed.
+                MemberStatus::Exiting => !live,
                 _ => false,
             };
             if gone {
@@ -125,6 +134,18 @@ mod tests {
         assert_eq!(s.members.len(), 1);
         assert_eq!(s.members[0].address().generation, 2);
         assert_eq!(highest_up_number(&nodes), 3);
+    }
+
+    #[test]
+    fn a_down_mark_from_any_node_makes_the_member_down() {
+        let me = UniqueAddress::new("a", 1);
+        let mut a = node("a", 1, "up", Some(1), true);
+        a.keys.insert(format!("{}b#1", keys::DOWN_PREFIX), "1".into());
+        let nodes = vec![a, node("b", 1, "up", Some(2), false), node("c", 1, "up", Some(3), true)];
+        let s = compute_members(&me, &nodes);
+        assert_eq!(s.member("b").unwrap().status(), MemberStatus::Down);
+        assert_eq!(s.member("c").unwrap().status(), MemberStatus::Up);
+        assert_eq!(s.up_members(None).count(), 2, "Down members do not count for majorities");
     }
 
     #[test]

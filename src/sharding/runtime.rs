@@ -1001,13 +1001,27 @@ fn state_key(type_name: &str) -> String {
     format!("sharding-coordinator-{type_name}")
 }
 
+/// The coordinator runs on the oldest Up/Leaving member with the role; an older member that
+/// was downed but is not yet removed (down-removal margin) still blocks the take-over, so the
+/// old coordinator has stopped before a new one starts.
 fn i_am_coordinator(snap: &MembershipSnapshot, role: Option<&str>) -> bool {
-    snap.oldest(role).is_some_and(|m| *m.address() == snap.self_address)
+    snap.members
+        .iter()
+        .find(|m| {
+            m.has_role(role) && matches!(m.status(), MemberStatus::Up | MemberStatus::Leaving | MemberStatus::Down)
+        })
+        .is_some_and(|m| *m.address() == snap.self_address && m.status() != MemberStatus::Down)
 }
 
+/// A region is terminated once its member is gone or exiting; a downed member's region counts
+/// as alive until the down-removal margin removes the member.
 fn region_alive(snap: &MembershipSnapshot, region: &RegionId) -> bool {
     snap.members.iter().any(|m| {
-        m.address() == region && matches!(m.status(), MemberStatus::Joining | MemberStatus::Up | MemberStatus::Leaving)
+        m.address() == region
+            && matches!(
+                m.status(),
+                MemberStatus::Joining | MemberStatus::Up | MemberStatus::Leaving | MemberStatus::Down
+            )
     })
 }
 

@@ -1,0 +1,144 @@
+//! Keep-majority split-brain resolver as a pure decision function: when the set of unreachable
+//! members has not changed for `stable_after`, the side with more members downs the other; on a
+//! tie the side holding the lowest address wins. A node on the losing side downs itself.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{MemberStatus, MembershipSnapshot, UniqueAddress};
+
+/// What the resolver decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// Nothing (yet).
+    Wait,
+    /// This node is on the winning side: down these members.
+    DownOthers(BTreeSet<UniqueAddress>),
+    /// This node is on the losing side: it must stop and leave.
+    DownMyself,
+}
+
+/// Keep-majority state: the unreachable set and since when it is stable.
+#[derive(Debug)]
+pub(crate) struct KeepMajority {
+    stable_after: Duration,
+    unreachable: BTreeSet<UniqueAddress>,
+    stable_since: Instant,
+}
+
+impl KeepMajority {
+    pub(crate) fn new(stable_after: Duration, now: Instant) -> Self {
+        KeepMajority { stable_after, unreachable: BTreeSet::new(), stable_since: now }
+    }
+
+    /// Feeds the current view; returns the decision once the view is stable long enough.
+    pub(crate) fn decide(&mut self, snap: &MembershipSnapshot, now: Instant) -> Decision {
+        let counted: Vec<&super::Member> = snap
+            .members
+            .iter()
+            .filter(|m| !matches!(m.status(), MemberStatus::Down | MemberStatus::Removed | MemberStatus::Exiting))
+            .collect();
+        let unreachable: BTreeSet<UniqueAddress> =
+            counted.iter().filter(|m| !m.is_reachable()).map(|m| m.address().clone()).collect();
+        if unreachable != self.unreachable {
+            self.unreachable = unreachable;
+            self.stable_since = now;
+            return Decision::Wait;
+        }
+        if self.unreachable.is_empty() || now.duration_since(self.stable_since) < self.stable_after {
+            return Decision::Wait;
+        }
+        let reachable = counted.len() - self.unreachable.len();
+        let keep = if reachable != self.unreachable.len() {
+            reachable > self.unreachable.len()
+        } else {
+            let lowest = counted.iter().map(|m| m.address()).min();
+            lowest.is_some_and(|l| !self.unreachable.contains(l))
+        };
+        if keep { Decision::DownOthers(self.unreachable.clone()) } else { Decision::DownMyself }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::membership::view::{GossipNode, compute_members};
+    use std::collections::BTreeMap;
+
+    fn snap(me: &str, members: &[(&str, bool)]) -> MembershipSnapshot {
+        let nodes: Vec<GossipNode> = members
+            .iter()
+            .enumerate()
+            .map(|(i, (id, live))| {
+                let mut keys = BTreeMap::new();
+                keys.insert("status".to_string(), "up".to_string());
+                keys.insert("up".to_string(), (i + 1).to_string());
+                keys.insert("msg".to_string(), "127.0.0.1:1".to_string());
+                GossipNode {
+                    address: UniqueAddress::new(*id, 1),
+                    gossip_addr: "127.0.0.1:2".parse().unwrap(),
+                    live: *live,
+                    keys,
+                }
+            })
+            .collect();
+        compute_members(&UniqueAddress::new(me, 1), &nodes)
+    }
+
+    #[test]
+    fn majority_side_downs_the_unreachable_minority_after_stable_after() {
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let s = snap("a", &[("a", true), ("b", true), ("c", true), ("d", false), ("e", false)]);
+        assert_eq!(k.decide(&s, t0), Decision::Wait);
+        assert_eq!(k.decide(&s, t0 + Duration::from_secs(4)), Decision::Wait);
+        let d = k.decide(&s, t0 + Duration::from_secs(5));
+        assert_eq!(d, Decision::DownOthers([UniqueAddress::new("d", 1), UniqueAddress::new("e", 1)].into()));
+    }
+
+    #[test]
+    fn minority_side_downs_itself() {
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let s = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        k.decide(&s, t0);
+        assert_eq!(k.decide(&s, t0 + Duration::from_secs(6)), Decision::DownMyself);
+    }
+
+    #[test]
+    fn a_change_in_the_unreachable_set_restarts_the_clock() {
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        k.decide(&snap("a", &[("a", true), ("b", true), ("c", false)]), t0);
+        let later = snap("a", &[("a", true), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        assert_eq!(k.decide(&later, t0 + Duration::from_secs(4)), Decision::Wait);
+        assert_eq!(k.decide(&later, t0 + Duration::from_secs(8)), Decision::Wait);
+        assert!(matches!(k.decide(&later, t0 + Duration::from_secs(9)), Decision::DownOthers(_)));
+    }
+
+    #[test]
+    fn tie_is_won_by_the_side_with_the_lowest_address() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(10);
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let s = snap("a", &[("a", true), ("b", true), ("c", false), ("d", false)]);
+        k.decide(&s, t0);
+        assert!(matches!(k.decide(&s, later), Decision::DownOthers(_)));
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true)]);
+        k.decide(&s, t0);
+        assert_eq!(k.decide(&s, later), Decision::DownMyself);
+    }
+
+    #[test]
+    fn healed_partition_decides_nothing() {
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(1), t0);
+        k.decide(&snap("a", &[("a", true), ("b", false), ("c", true)]), t0);
+        let healed = snap("a", &[("a", true), ("b", true), ("c", true)]);
+        assert_eq!(k.decide(&healed, t0 + Duration::from_secs(5)), Decision::Wait);
+        assert_eq!(k.decide(&healed, t0 + Duration::from_secs(9)), Decision::Wait);
+    }
+}

@@ -1,0 +1,89 @@
+//! Crashes: the coordinator's node is killed; keep-majority downing lets the cluster move on.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::*;
+use ddshard::testkit::{TestCluster, eventually, fast_downing};
+use ddshard::{MemberStatus, Node};
+
+const CONVERGE: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_node_killed_known_shards_keep_answering_and_new_shards_allocate_after_take_over() {
+    let mut c = TestCluster::start_with(4, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s =
+        ddshard::ShardingSettings { min_nr_of_members: 4, rebalance_interval: Duration::from_secs(3600), ..settings() };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_counter(n, &probe, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..40).map(|i| format!("k{i}")).collect();
+    let mut homes = BTreeMap::new();
+    for id in &ids {
+        regions[1].ask(id, CounterMsg::Add(1)).await.unwrap();
+        homes.insert(id.clone(), where_is(&regions[1], id).await);
+    }
+    // n1 runs the coordinator; kill it.
+    c.kill(0).await;
+    // Shards with known homes elsewhere keep answering throughout, with their state.
+    for (id, home) in &homes {
+        if home != "n1" {
+            assert_eq!(value(&regions[2], id).await, 1, "{id} on {home}");
+        }
+    }
+    // n1 gets downed and removed everywhere; the coordinator moves to n2.
+    let survivors: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    eventually(CONVERGE, "n1 removed after downing", || {
+        let s = survivors.clone();
+        async move { s.iter().all(|n| n.membership().member("n1").is_none()).then_some(()) }
+    })
+    .await;
+    // New shards are allocated by the new coordinator; n1's entities come back elsewhere.
+    for i in 0..20 {
+        assert_eq!(value(&regions[3], &format!("fresh{i}")).await, 0);
+    }
+    for (id, home) in &homes {
+        let v = value(&regions[2], id).await;
+        if home == "n1" {
+            assert_eq!(v, 0, "{id} re-created")
+        } else {
+            assert_eq!(v, 1)
+        }
+        assert_ne!(where_is(&regions[2], id).await, "n1");
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn minority_side_of_a_partition_downs_itself_and_the_majority_downs_it() {
+    let mut c = TestCluster::start_with(5, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    c.partition(&[0, 1], &[2, 3, 4]);
+    for i in [0, 1] {
+        let n = c.node(i).clone();
+        eventually(CONVERGE, "minority node stops itself", || std::future::ready(n.is_shut_down().then_some(()))).await;
+    }
+    for i in [2, 3, 4] {
+        let n = c.node(i).clone();
+        assert!(!n.is_shut_down());
+        eventually(CONVERGE, "minority removed on the majority side", || {
+            let n = n.clone();
+            async move {
+                let ids: Vec<String> = n.members().iter().map(|m| m.node_id().to_string()).collect();
+                (ids == ["n3", "n4", "n5"] && n.members().iter().all(|m| m.status() == MemberStatus::Up)).then_some(())
+            }
+        })
+        .await;
+    }
+    c.heal();
+    // The downed nodes come back only as new incarnations.
+    c.restart(0).await.unwrap();
+    c.restart(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    c.shutdown().await;
+}
