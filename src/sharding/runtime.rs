@@ -90,8 +90,8 @@ pub struct RegionCounters {
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.
     pub dropped_handoff: AtomicU64,
-    /// Payloads from other nodes that did not decode.
-    pub dropped_undecodable: AtomicU64,
+    /// Messages from other nodes that did not decode or had an empty entity id.
+    pub dropped_invalid: AtomicU64,
     /// Entity handlers that panicked.
     pub entity_panics: AtomicU64,
 }
@@ -606,7 +606,7 @@ impl<E: Entity> RegionTask<E> {
                     match wire::decode::<E::Message>(&payload) {
                         Ok(msg) => Some(msg),
                         Err(e) => {
-                            self.counters.dropped_undecodable.fetch_add(1, Ordering::Relaxed);
+                            self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
                             warn!(type_name = %self.type_name, peer = %m.from.address, %entity_id, error = %e, "message payload does not decode; dropped");
                             if let Some(r) = reply {
                                 let err = not_delivered(&entity_id, format!("payload does not decode: {e}"));
@@ -617,6 +617,7 @@ impl<E: Entity> RegionTask<E> {
                     }
                 };
                 if entity_id.is_empty() {
+                    self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
                     warn!(type_name = %self.type_name, peer = %m.from.address, "message with an empty entity id dropped");
                     if let Some(r) = reply {
                         send_reply::<E>(&self.transport, &self.members, &self.type_name, r, Err(Error::EmptyEntityId));
@@ -646,7 +647,7 @@ impl<E: Entity> RegionTask<E> {
                 }
             }
             Err(e) => {
-                self.counters.dropped_undecodable.fetch_add(1, Ordering::Relaxed);
+                self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
                 warn!(type_name = %self.type_name, peer = %m.from.address, error = %e, "malformed region message dropped");
             }
         }
