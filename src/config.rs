@@ -36,6 +36,9 @@ pub struct NodeConfig {
     pub transport: TransportSettings,
     /// The distributed-data replicator.
     pub replicator: ReplicatorSettings,
+    /// Default settings for sharded entity types started by the `ddshard` binary (library users
+    /// pass `ShardingSettings` to `start` directly).
+    pub sharding: crate::sharding::ShardingSettings,
     /// Fault injection for in-process test clusters.
     #[cfg(feature = "testkit")]
     #[serde(skip)]
@@ -55,6 +58,7 @@ impl Default for NodeConfig {
             membership: MembershipSettings::default(),
             transport: TransportSettings::default(),
             replicator: ReplicatorSettings::default(),
+            sharding: crate::sharding::ShardingSettings::default(),
             #[cfg(feature = "testkit")]
             fault_injector: None,
         }
@@ -233,6 +237,7 @@ impl NodeConfig {
         if self.replicator.lmdb_map_size < 1 << 20 {
             return bad("replicator.lmdb_map_size must be at least 1 MiB".into());
         }
+        self.sharding.validate()?;
         if self.replicator.durable_key_prefixes.iter().any(String::is_empty) {
             return bad("replicator.durable_key_prefixes must not contain an empty prefix (it would make every key durable; list the prefixes)".into());
         }

@@ -1,10 +1,12 @@
-//! The `ddshard` command line: `demo` runs a local in-process cluster.
+//! The `ddshard` command line: `demo` runs a local in-process cluster with a sharded counter.
 
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use ddshard::ddata::OrSet;
-use ddshard::{Consistency, Node, NodeConfig};
+use ddshard::sharding::ClusterShardingStats;
+use ddshard::{Entity, EntityContext, MemberStatus, Node, NodeConfig, ShardRegion};
+use serde::{Deserialize, Serialize};
 
 #[derive(Parser)]
 #[command(name = "ddshard", version, about = "Cluster sharding for peer-to-peer Rust clusters")]
@@ -15,24 +17,54 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Run a local 3-node cluster with the embedded default settings and show it working.
+    /// Run a local 3-node cluster (embedded default settings, temp dirs, loopback) with a
+    /// sharded counter workload; then one node leaves gracefully and one is killed.
     Demo {
-        /// Number of nodes.
-        #[arg(long, default_value_t = 3)]
-        nodes: usize,
+        /// Counters to create.
+        #[arg(long, default_value_t = 300)]
+        counters: usize,
+        /// Increments per counter.
+        #[arg(long, default_value_t = 10)]
+        increments: i64,
     },
 }
 
 const DEFAULT_CONFIG: &str = include_str!("../../config/default.toml");
 
+/// The demo's entity: a counter.
+#[derive(Default)]
+struct Counter {
+    value: i64,
+}
+
+#[derive(Serialize, Deserialize)]
+enum CounterMsg {
+    Add(i64),
+    Get,
+}
+
+impl Entity for Counter {
+    type Message = CounterMsg;
+    type Reply = i64;
+    async fn handle(&mut self, msg: CounterMsg, _ctx: &mut EntityContext) -> i64 {
+        match msg {
+            CounterMsg::Add(n) => {
+                self.value += n;
+                self.value
+            }
+            CounterMsg::Get => self.value,
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into()))
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Demo { nodes } => demo(nodes).await,
+        Command::Demo { counters, increments } => demo(counters, increments).await,
     };
     if let Err(e) = result {
         eprintln!("error: {e}");
@@ -51,74 +83,114 @@ async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool
     Ok(())
 }
 
-fn print_members(title: &str, node: &Node) {
-    println!("\n{title} (as seen by {})", node.node_id());
-    println!("  {:<6} {:<10} {:<9} {:<10} messaging", "node", "status", "up-number", "reachable");
-    for m in node.members() {
-        let up = m.up_number().map_or("-".to_string(), |n| n.to_string());
-        println!(
-            "  {:<6} {:<10} {:<9} {:<10} {}",
-            m.node_id(),
-            format!("{:?}", m.status()),
-            up,
-            m.is_reachable(),
-            m.messaging_addr()
-        );
+fn print_distribution(title: &str, stats: &ClusterShardingStats) {
+    println!("\n{title}");
+    println!("  {:<8} {:>7} {:>9}", "node", "shards", "entities");
+    for (region, shards) in &stats.regions {
+        let entities: usize = shards.values().sum();
+        println!("  {:<8} {:>7} {:>9}", region.node_id, shards.len(), entities);
+    }
+    for region in &stats.failed {
+        println!("  {:<8} {:>7} {:>9}", region.node_id, "-", "no answer");
     }
 }
 
-async fn demo(n: usize) -> Result<(), Box<dyn std::error::Error>> {
-    if n < 3 {
-        return Err("the demo needs at least 3 nodes".into());
-    }
+async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error::Error>> {
     let base = NodeConfig::from_toml_str(DEFAULT_CONFIG)?;
     let root = tempfile::tempdir()?;
+    let n = 3;
     println!("ddshard demo: {n} nodes on loopback, data under {}", root.path().display());
+    println!("(embedded defaults; the demo only shortens downing timers to 2 s so the crash is handled quickly)");
     let mut nodes: Vec<Node> = Vec::new();
     for i in 0..n {
-        let cfg = NodeConfig {
+        let mut cfg = NodeConfig {
             node_id: format!("node-{}", i + 1),
             data_dir: root.path().join(format!("node-{}", i + 1)),
             seeds: nodes.iter().map(Node::gossip_addr).collect(),
             ..base.clone()
         };
+        cfg.membership.stable_after = Duration::from_secs(2);
+        cfg.membership.down_removal_margin = Duration::from_secs(2);
         nodes.push(Node::start(cfg).await?);
     }
     wait_for("all members up", Duration::from_secs(30), || {
-        nodes
-            .iter()
-            .all(|x| x.members().len() == n && x.members().iter().all(|m| m.status() == ddshard::MemberStatus::Up))
+        nodes.iter().all(|x| x.members().len() == n && x.members().iter().all(|m| m.status() == MemberStatus::Up))
     })
     .await?;
-    print_members("cluster formed", &nodes[0]);
+    println!(
+        "cluster formed: {}",
+        nodes[0].members().iter().map(|m| m.node_id().to_string()).collect::<Vec<_>>().join(", ")
+    );
 
-    let op = Duration::from_secs(5);
-    for (i, node) in nodes.iter().enumerate() {
-        node.replicator()
-            .update::<OrSet, _>("durable-demo", Consistency::MAJORITY, op, move |s, ctx| {
-                s.add(ctx, format!("written-by-node-{}", i + 1))
-            })
-            .await?;
-    }
-    let seen =
-        nodes[n - 1].replicator().get::<OrSet>("durable-demo", Consistency::MAJORITY, op).await?.unwrap_or_default();
-    println!("\nreplicated OR-set (majority writes from every node, majority read on node-{n}): {:?}", seen.members());
-
-    println!("\nnode-2 leaves gracefully; node-3 is killed abruptly");
-    nodes[1].leave().await?;
-    nodes[2].shutdown().await;
-    let watcher = nodes[0].clone();
-    wait_for("node-2 removed and node-3 unreachable", Duration::from_secs(30), || {
-        let ms = watcher.members();
-        !ms.iter().any(|m| m.node_id() == "node-2") && ms.iter().any(|m| m.node_id() == "node-3" && !m.is_reachable())
-    })
-    .await?;
-    print_members("after leave and crash", &nodes[0]);
-    let local = nodes[0].replicator().get::<OrSet>("durable-demo", Consistency::Local, op).await?.unwrap_or_default();
-    println!("\nnode-1 still holds {} replicated entries", local.len());
-    println!("(cluster sharding lands on top of this foundation; see README)");
+    let settings = ddshard::ShardingSettings { min_nr_of_members: n, ..base.sharding.clone() };
+    let mut regions: Vec<ShardRegion<Counter>> = Vec::new();
     for node in &nodes {
-        node.shutdown().await;
+        regions.push(node.sharding().start("counter", |_: &str| Counter::default(), settings.clone()).await?);
     }
+
+    let ids: Vec<String> = (0..counters).map(|i| format!("counter-{i}")).collect();
+    let total = ids.len() as u64 * increments as u64;
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} increments ({per_sec})")?);
+    let started = Instant::now();
+    for round in 0..increments {
+        let mut asks = Vec::with_capacity(ids.len());
+        for (k, id) in ids.iter().enumerate() {
+            // Every node sends: routing is location-transparent.
+            let r = regions[(k + round as usize) % n].clone();
+            let id = id.clone();
+            asks.push(tokio::spawn(async move { r.ask(&id, CounterMsg::Add(1)).await }));
+        }
+        for a in asks {
+            a.await??;
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let elapsed = started.elapsed();
+    println!(
+        "\n{total} increments of {counters} counters in {:.2?} ({:.0} asks/s)",
+        elapsed,
+        total as f64 / elapsed.as_secs_f64()
+    );
+    for id in &ids {
+        let v = regions[0].ask(id, CounterMsg::Get).await?;
+        if v != increments {
+            return Err(format!("{id} is {v}, expected {increments}").into());
+        }
+    }
+    println!("every counter is {increments}");
+    print_distribution("shard distribution", &regions[0].cluster_stats(Duration::from_secs(3)).await?);
+
+    println!("\nnode-2 leaves gracefully (hands its shards off)…");
+    nodes[1].leave().await?;
+    print_distribution("after node-2 left", &regions[0].cluster_stats(Duration::from_secs(3)).await?);
+    let mut kept = 0;
+    for id in &ids {
+        if regions[0].ask(id, CounterMsg::Get).await? == increments {
+            kept += 1;
+        }
+    }
+    println!("{kept}/{counters} counters kept their value (entities of node-2 were re-created; state is in memory)");
+
+    println!("\nnode-3 is killed (no goodbye)…");
+    let t = Instant::now();
+    nodes[2].shutdown().await;
+    let survivor = nodes[0].clone();
+    wait_for("node-3 downed and removed", Duration::from_secs(60), || survivor.membership().member("node-3").is_none())
+        .await?;
+    println!("node-3 downed by keep-majority and removed after {:.1?}", t.elapsed());
+    let mut answered = BTreeMap::new();
+    for id in &ids {
+        let v = regions[0].ask(id, CounterMsg::Get).await?;
+        *answered.entry(v == increments).or_insert(0) += 1;
+    }
+    print_distribution("after node-3 was killed", &regions[0].cluster_stats(Duration::from_secs(3)).await?);
+    println!(
+        "all {counters} counters answer ({} with their value, {} re-created)",
+        answered.get(&true).unwrap_or(&0),
+        answered.get(&false).unwrap_or(&0)
+    );
+    nodes[0].shutdown().await;
     Ok(())
 }
