@@ -1,0 +1,210 @@
+//! Sharding throughput and latency, each beside a baseline measured in the same run:
+//! - local tell / ask through a region vs a raw tokio mpsc actor;
+//! - remote tell / ask (entity on another node) vs a raw transport request/response;
+//! - latency of the first message to a new shard on 3 nodes (p50/p99 printed).
+
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use ddshard::testkit::TestCluster;
+use ddshard::transport::PeerAddr;
+use ddshard::{Entity, EntityContext, ShardRegion, ShardingSettings};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+
+#[derive(Default)]
+struct Counter(i64);
+
+#[derive(Serialize, Deserialize)]
+enum Msg {
+    Add(i64),
+    Get,
+}
+
+impl Entity for Counter {
+    type Message = Msg;
+    type Reply = i64;
+    async fn handle(&mut self, msg: Msg, _ctx: &mut EntityContext) -> i64 {
+        if let Msg::Add(n) = msg {
+            self.0 += n;
+        }
+        self.0
+    }
+}
+
+const N: u64 = 5_000;
+const IN_FLIGHT: usize = 64;
+
+fn settings() -> ShardingSettings {
+    ShardingSettings { number_of_shards: 100_000, ..ShardingSettings::default() }
+}
+
+/// The baseline: one task owning a counter behind a bounded mpsc.
+fn mpsc_actor(rt: &tokio::runtime::Runtime) -> mpsc::Sender<(Msg, Option<oneshot::Sender<i64>>)> {
+    let (tx, mut rx) = mpsc::channel::<(Msg, Option<oneshot::Sender<i64>>)>(1024);
+    rt.spawn(async move {
+        let mut c = Counter::default();
+        while let Some((m, reply)) = rx.recv().await {
+            if let Msg::Add(n) = m {
+                c.0 += n;
+            }
+            if let Some(r) = reply {
+                let _ = r.send(c.0);
+            }
+        }
+    });
+    tx
+}
+
+/// `IN_FLIGHT` asks at a time, awaited together (no task per ask, like the baselines).
+async fn asks_region(r: &ShardRegion<Counter>, id: &str) {
+    for _ in 0..N as usize / IN_FLIGHT {
+        let asks = (0..IN_FLIGHT).map(|_| r.ask(id, Msg::Add(1)));
+        for res in futures::future::join_all(asks).await {
+            res.unwrap();
+        }
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (cluster, local, remote_from_a) = rt.block_on(async {
+        let c = TestCluster::start(3).await.unwrap();
+        c.await_converged(Duration::from_secs(30)).await;
+        let mut regions = Vec::new();
+        for (_, n) in c.running() {
+            regions.push(n.sharding().start("counter", |_: &str| Counter::default(), settings()).await.unwrap());
+        }
+        (c, regions[0].clone(), regions[1].clone())
+    });
+    // An entity hosted on n1 (local to region 0, remote for region 1).
+    let (local_id, remote_id) = rt.block_on(async {
+        let mut local_id = None;
+        let mut remote_id = None;
+        for i in 0.. {
+            let id = format!("b{i}");
+            local.ask(&id, Msg::Get).await.unwrap();
+            let here = local.region_state().await.unwrap().values().flatten().any(|e| *e == id);
+            if here && local_id.is_none() {
+                local_id = Some(id);
+            } else if here && remote_id.is_none() {
+                remote_id = Some(id);
+            }
+            if local_id.is_some() && remote_id.is_some() {
+                break;
+            }
+        }
+        (local_id.unwrap(), remote_id.unwrap())
+    });
+
+    let mut g = c.benchmark_group("local");
+    g.throughput(Throughput::Elements(N));
+    g.sample_size(10).measurement_time(Duration::from_secs(6));
+    let actor = mpsc_actor(&rt);
+    g.bench_function("baseline_mpsc_tell", |b| {
+        b.to_async(&rt).iter(|| async {
+            for _ in 0..N {
+                actor.send((Msg::Add(1), None)).await.unwrap();
+            }
+            let (tx, rx) = oneshot::channel();
+            actor.send((Msg::Get, Some(tx))).await.unwrap();
+            rx.await.unwrap();
+        })
+    });
+    g.bench_function("region_tell", |b| {
+        b.to_async(&rt).iter(|| async {
+            for _ in 0..N {
+                local.tell(&local_id, Msg::Add(1)).unwrap();
+            }
+            local.ask(&local_id, Msg::Get).await.unwrap();
+        })
+    });
+    g.bench_function("baseline_mpsc_ask", |b| {
+        b.to_async(&rt).iter(|| async {
+            let mut pending = Vec::with_capacity(IN_FLIGHT);
+            for _ in 0..N as usize / IN_FLIGHT {
+                for _ in 0..IN_FLIGHT {
+                    let (tx, rx) = oneshot::channel();
+                    actor.send((Msg::Add(1), Some(tx))).await.unwrap();
+                    pending.push(rx);
+                }
+                for p in pending.drain(..) {
+                    p.await.unwrap();
+                }
+            }
+        })
+    });
+    g.bench_function("region_ask", |b| b.to_async(&rt).iter(|| asks_region(&local, &local_id)));
+    g.finish();
+
+    let mut g = c.benchmark_group("remote");
+    g.throughput(Throughput::Elements(N));
+    g.sample_size(10).measurement_time(Duration::from_secs(8));
+    let (ta, tb) = (cluster.node(1).transport().clone(), cluster.node(0).transport().clone());
+    let mut echo = tb.subscribe("bench-echo", 65_536);
+    let responder = tb.clone();
+    rt.spawn(async move {
+        while let Some(m) = echo.recv().await {
+            let _ = responder.respond(&m.from, m.request_id.unwrap(), Ok(&m.body));
+        }
+    });
+    let to = PeerAddr { address: cluster.node(0).address().clone(), messaging_addr: cluster.node(0).messaging_addr() };
+    g.bench_function("baseline_transport_request", |b| {
+        b.to_async(&rt).iter(|| async {
+            let body = rmp_serde::to_vec(&Msg::Add(1)).unwrap();
+            for _ in 0..N as usize / IN_FLIGHT {
+                let reqs = (0..IN_FLIGHT).map(|_| ta.request(&to, "bench-echo", &body, Duration::from_secs(5)));
+                for res in futures::future::join_all(reqs).await {
+                    res.unwrap();
+                }
+            }
+        })
+    });
+    g.bench_function("region_ask_remote", |b| b.to_async(&rt).iter(|| asks_region(&remote_from_a, &remote_id)));
+    g.bench_function("region_tell_remote", |b| {
+        b.to_async(&rt).iter(|| async {
+            for _ in 0..N {
+                remote_from_a.tell(&remote_id, Msg::Add(1)).unwrap();
+            }
+            remote_from_a.ask(&remote_id, Msg::Get).await.unwrap();
+        })
+    });
+    g.finish();
+
+    // First message to a new shard: allocation (majority write) + HostShard + delivery.
+    let mut samples: Vec<Duration> = rt.block_on(async {
+        let mut v = Vec::new();
+        for i in 0..200 {
+            let id = format!("first-{i}");
+            let t = Instant::now();
+            remote_from_a.ask(&id, Msg::Get).await.unwrap();
+            v.push(t.elapsed());
+        }
+        v
+    });
+    samples.sort();
+    println!(
+        "first message to a new shard (3 nodes, 200 samples): p50 {:?}, p99 {:?}, max {:?}",
+        samples[samples.len() / 2],
+        samples[samples.len() * 99 / 100],
+        samples[samples.len() - 1]
+    );
+    let mut g = c.benchmark_group("first_message_new_shard");
+    g.sample_size(30);
+    let mut k = 0u64;
+    g.bench_function("ask_new_entity_new_shard_3_nodes", |b| {
+        b.to_async(&rt).iter(|| {
+            k += 1;
+            let r = remote_from_a.clone();
+            async move { r.ask(&format!("fresh-{k}"), Msg::Get).await.unwrap() }
+        })
+    });
+    g.finish();
+    rt.block_on(async move {
+        let mut cluster = cluster;
+        cluster.shutdown().await;
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
