@@ -24,6 +24,8 @@ pub(crate) trait RegionControl: Send + Sync {
 }
 
 struct NodeInner {
+    /// Exclusive lock on the data dir while the node runs (released at shutdown).
+    data_dir_lock: Mutex<Option<std::fs::File>>,
     config: NodeConfig,
     regions: Mutex<Vec<Arc<dyn RegionControl>>>,
     address: UniqueAddress,
@@ -52,6 +54,7 @@ impl Node {
     /// the seeds.
     pub async fn start(config: NodeConfig) -> Result<Node> {
         config.validate()?;
+        let data_dir_lock = lock_data_dir(&config.data_dir)?;
         let dir = config.data_dir.join("ddata");
         let map_size = config.replicator.lmdb_map_size;
         let (store, generation) = tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
@@ -100,6 +103,7 @@ impl Node {
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
         Ok(Node {
             inner: Arc::new(NodeInner {
+                data_dir_lock: Mutex::new(Some(data_dir_lock)),
                 config,
                 regions: Mutex::new(Vec::new()),
                 address,
@@ -203,11 +207,34 @@ impl Node {
         for t in tasks {
             let _ = t.await;
         }
+        self.inner.data_dir_lock.lock().expect("lock slot").take();
     }
 
     /// Whether [`Node::shutdown`] (or leave) was called.
     pub fn is_shut_down(&self) -> bool {
         self.inner.shutdown.is_cancelled()
+    }
+}
+
+/// Name of the lock file in a data dir.
+pub(crate) const LOCK_FILE: &str = "ddshard.lock";
+
+/// Takes the exclusive lock of a data dir: one running node (or tool) per store.
+pub(crate) fn lock_data_dir(data_dir: &std::path::Path) -> Result<std::fs::File> {
+    std::fs::create_dir_all(data_dir).map_err(|e| Error::storage(data_dir, format!("cannot create directory: {e}")))?;
+    let path = data_dir.join(LOCK_FILE);
+    let file = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|e| Error::storage(data_dir, format!("cannot open {}: {e}", path.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => {
+            Err(Error::storage(data_dir, "the data dir is in use by a running node (lock held)"))
+        }
+        Err(std::fs::TryLockError::Error(e)) => Err(Error::storage(data_dir, format!("cannot lock: {e}"))),
     }
 }
 

@@ -249,6 +249,11 @@ impl TestCluster {
         Ok(i)
     }
 
+    /// Data dir of node `i`.
+    pub fn data_dir(&self, i: usize) -> &std::path::Path {
+        self.dirs[i].path()
+    }
+
     /// Node `i` (panics if it is killed).
     pub fn node(&self, i: usize) -> &Node {
         self.nodes[i].as_ref().expect("node is not running")

@@ -27,6 +27,16 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         increments: i64,
     },
+    /// Delete the sharding data (remembered entities and shards) of entity types from a stopped
+    /// node's data dir (Akka's RemoveInternalClusterShardingData). Refuses while a node runs on it.
+    RemoveInternalData {
+        /// The node's data dir.
+        #[arg(long)]
+        data_dir: std::path::PathBuf,
+        /// Entity type names.
+        #[arg(required = true)]
+        types: Vec<String>,
+    },
 }
 
 const DEFAULT_CONFIG: &str = include_str!("../../config/default.toml");
@@ -65,11 +75,19 @@ async fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo { counters, increments } => demo(counters, increments).await,
+        Command::RemoveInternalData { data_dir, types } => remove_internal_data(&data_dir, &types),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
+}
+
+fn remove_internal_data(data_dir: &std::path::Path, types: &[String]) -> Result<(), Box<dyn std::error::Error>> {
+    for (t, n) in ddshard::sharding::remove_internal_data(data_dir, types)? {
+        println!("{t}: deleted {n} keys");
+    }
+    Ok(())
 }
 
 async fn wait_for(what: &str, timeout: Duration, mut check: impl FnMut() -> bool) -> Result<(), String> {

@@ -122,6 +122,9 @@ pub(crate) enum CoordinatorInput {
     RebalanceAllowed(bool),
     /// This coordinator just took over with the state it read: tell every home again.
     TakeOver,
+    /// Remember-entities: every shard the type ever had (durable); those without a home are
+    /// allocated at once so their entities start without a message.
+    RememberedShards(BTreeSet<ShardId>),
     Tick,
 }
 
@@ -275,6 +278,14 @@ impl CoordinatorCore {
             }
             CoordinatorInput::RebalanceAllowed(allowed) => self.rebalance_allowed = allowed,
             CoordinatorInput::Tick => self.on_tick(now, out),
+            CoordinatorInput::RememberedShards(shards) => {
+                for shard in shards {
+                    if self.state.home(&shard).is_none() && !self.handoffs.contains_key(&shard) {
+                        self.deferred.entry(shard).or_default();
+                    }
+                }
+                self.allocate_deferred(now, wall_ms, out);
+            }
             CoordinatorInput::TakeOver => {
                 // A predecessor may have written allocations whose HostShard never left it.
                 let homes: Vec<(ShardId, RegionId, u64)> = self
@@ -687,6 +698,29 @@ mod tests {
             1,
         );
         assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
+    }
+
+    #[test]
+    fn remembered_shards_are_allocated_without_any_request_once_regions_registered() {
+        let mut c = core(2);
+        let now = Instant::now();
+        let shards: BTreeSet<ShardId> = ["3".to_string(), "9".to_string()].into();
+        assert!(step(&mut c, CoordinatorInput::RememberedShards(shards), now, 1).is_empty(), "waits for regions");
+        reg(&mut c, "a", now);
+        let sent = step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("b"), proxy: false }),
+            now,
+            1,
+        );
+        let hosted: BTreeSet<ShardId> = sent
+            .iter()
+            .filter_map(|(_, m)| match m {
+                ToRegion::HostShard { shard, .. } => Some(shard.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(hosted, ["3".to_string(), "9".to_string()].into());
     }
 
     #[test]

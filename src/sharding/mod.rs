@@ -114,8 +114,24 @@ pub struct ShardingSettings {
     pub number_of_shards: u32,
     /// Only nodes with this role host the type; elsewhere `start` gives a proxy.
     pub role: Option<String>,
-    /// Restart entities after rebalance, crash or full restart (issue 4; not yet available).
+    /// Remember started entities (in replicated OR-sets, durable in LMDB) and start them again
+    /// after hand-off, crash or a full-cluster restart. Idle passivation is off for such types.
     pub remember_entities: bool,
+    /// OR-set keys per shard for remembered ids (ids spread by hash). More slots keep each
+    /// replicated value small: about 60 bytes per id, so 1M ids in 64 slots is ~1 MB per key.
+    /// Like `number_of_shards`, keep it stable for the life of the data.
+    pub remember_entities_slots: u32,
+    /// Remembered entity that stopped without passivating (panic) restarts after this.
+    #[serde(with = "humantime_serde")]
+    pub entity_restart_backoff: Duration,
+    /// A shard whose remembered set could not be loaded or written restarts after this.
+    #[serde(with = "humantime_serde")]
+    pub shard_failure_backoff: Duration,
+    /// Remembered entities a shard starts per `entity_recovery_interval` (0: all at once).
+    pub entity_recovery_batch: usize,
+    /// See `entity_recovery_batch`.
+    #[serde(with = "humantime_serde")]
+    pub entity_recovery_interval: Duration,
     /// Messages a region buffers while shard homes are unknown; beyond it `tell` fails with
     /// [`Error::BufferFull`].
     pub buffer_size: usize,
@@ -155,6 +171,11 @@ impl Default for ShardingSettings {
             number_of_shards: 1000,
             role: None,
             remember_entities: false,
+            remember_entities_slots: 16,
+            entity_restart_backoff: Duration::from_secs(10),
+            shard_failure_backoff: Duration::from_secs(10),
+            entity_recovery_batch: 0,
+            entity_recovery_interval: Duration::from_millis(100),
             buffer_size: 100_000,
             handoff_timeout: Duration::from_secs(30),
             rebalance_interval: Duration::from_secs(10),
@@ -189,10 +210,11 @@ impl ShardingSettings {
         if self.retry_interval.is_zero() || self.rebalance_interval.is_zero() || self.shard_start_timeout.is_zero() {
             return bad("retry_interval, rebalance_interval and shard_start_timeout must be > 0");
         }
-        if self.remember_entities {
-            return bad(
-                "remember_entities is not available yet (planned: remembered entities in OR-sets, durable in LMDB)",
-            );
+        if !(1..=4096).contains(&self.remember_entities_slots) {
+            return bad("remember_entities_slots must be between 1 and 4096");
+        }
+        if self.entity_recovery_batch > 0 && self.entity_recovery_interval.is_zero() {
+            return bad("entity_recovery_interval must be > 0 when entity_recovery_batch is set");
         }
         Ok(())
     }
@@ -213,6 +235,44 @@ impl ShardingSettings {
             }
         }
     }
+}
+
+/// Replicator key of one slot of a shard's remembered entity ids (durable: `shard-` prefix).
+/// `/` cannot occur in type names, so one type's keys never prefix another's.
+pub(crate) fn remembered_entities_key(type_name: &str, shard: &str, slot: u32) -> String {
+    format!("shard-{type_name}/{shard}/{slot}")
+}
+
+/// Replicator key of the durable set of a type's shards (for a full-cluster restart).
+pub(crate) fn remembered_shards_key(type_name: &str) -> String {
+    format!("shard-{type_name}/all")
+}
+
+/// Prefix of every durable sharding key of a type.
+pub fn durable_key_prefix(type_name: &str) -> String {
+    format!("shard-{type_name}/")
+}
+
+/// Deletes the durable sharding data (remembered entities and shards) of `types` from a
+/// stopped node's data dir — Akka's RemoveInternalClusterShardingData. Refuses while a running
+/// node holds the data dir. Returns the number of keys deleted per type.
+pub fn remove_internal_data(data_dir: &std::path::Path, types: &[String]) -> Result<Vec<(String, usize)>> {
+    let _lock = crate::node::lock_data_dir(data_dir)?;
+    let store = crate::ddata::DurableStore::open(&data_dir.join("ddata"), 1 << 30)?;
+    types
+        .iter()
+        .map(|t| {
+            if t.is_empty() || t.contains('/') {
+                return Err(Error::Config(format!("invalid entity type name {t:?}")));
+            }
+            Ok((t.clone(), store.delete_prefix(&durable_key_prefix(t))?))
+        })
+        .collect()
+}
+
+/// The slot of an entity id among `slots` remembered-entity keys.
+pub(crate) fn remembered_slot(entity_id: &str, slots: u32) -> u32 {
+    (xxhash_rust::xxh3::xxh3_64_with_seed(entity_id.as_bytes(), 0x5107) % u64::from(slots.max(1))) as u32
 }
 
 /// The default shard of an entity: the XXH3-64 hash (seed 0) of the id's UTF-8 bytes, modulo

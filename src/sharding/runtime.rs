@@ -23,7 +23,7 @@ use super::shard::{DropReason, ShardAction, ShardCore, ShardInput};
 use super::{
     ClusterShardingStats, Entity, EntityContext, RegionId, ShardId, ShardIdExtractor, ShardingSettings, StartOptions,
 };
-use crate::ddata::{Consistency, LwwMap, wall_ms};
+use crate::ddata::{Consistency, GSet, LwwMap, OrSet, wall_ms};
 use crate::error::{Error, Result};
 use crate::membership::{MemberStatus, MembershipSnapshot};
 use crate::node::{Node, RegionControl};
@@ -74,6 +74,31 @@ enum EntityEvent<E: Entity> {
         incarnation: u64,
         leftovers: Vec<Envelope<E>>,
     },
+    /// Remember-entities: a store operation of shard instance `instance` finished.
+    Store {
+        shard: ShardId,
+        instance: u64,
+        input: StoreResult,
+    },
+    /// Remember-entities: start these remembered ids now (recovery, possibly rate-limited).
+    Recover {
+        shard: ShardId,
+        instance: u64,
+        entity_ids: Vec<String>,
+    },
+    /// A failed shard's backoff is over: start it again.
+    RestartShard {
+        shard: ShardId,
+        epoch: u64,
+    },
+}
+
+/// Outcome of a remembered-entities store operation.
+enum StoreResult {
+    Loaded(BTreeSet<String>),
+    WriteDone,
+    Failed,
+    MovedAway(String),
 }
 
 enum RegionCmd<E: Entity> {
@@ -94,6 +119,8 @@ pub struct RegionCounters {
     pub dropped_invalid: AtomicU64,
     /// Entity handlers that panicked.
     pub entity_panics: AtomicU64,
+    /// Shards stopped because their remembered set could not be loaded or written.
+    pub shard_failures: AtomicU64,
 }
 
 struct HandleInner<E: Entity> {
@@ -350,6 +377,8 @@ pub(crate) async fn start_region<E: Entity>(
         shutdown_waiters: Vec::new(),
         shutdown_deadline: None,
         work: VecDeque::new(),
+        extractor: inner.extractor.clone(),
+        next_shard_instance: 1,
     };
     let shutdown = node.shutdown_token();
     node.spawn(task.run(rx, inbound, events_rx, node.watch_membership(), shutdown.clone()));
@@ -385,6 +414,8 @@ struct LocalShard<E: Entity> {
     core: ShardCore<Envelope<E>>,
     epoch: u64,
     entities: HashMap<String, EntityHandle<E>>,
+    /// Tells store results of this instance from those of an earlier (failed) one.
+    instance: u64,
 }
 
 enum Work<E: Entity> {
@@ -410,6 +441,8 @@ struct RegionTask<E: Entity> {
     shutdown_waiters: Vec<oneshot::Sender<()>>,
     shutdown_deadline: Option<Instant>,
     work: VecDeque<Work<E>>,
+    extractor: ShardIdExtractor,
+    next_shard_instance: u64,
 }
 
 fn peer_of(snap: &MembershipSnapshot, addr: &RegionId) -> Option<PeerAddr> {
@@ -678,7 +711,161 @@ impl<E: Entity> RegionTask<E> {
                     ));
                 }
             }
+            EntityEvent::Store { shard, instance, input } => {
+                if self.shards.get(&shard).is_none_or(|s| s.instance != instance) {
+                    return; // a result for an instance that no longer exists
+                }
+                let input = match input {
+                    StoreResult::Loaded(ids) => ShardInput::Loaded(ids),
+                    StoreResult::WriteDone => ShardInput::WriteDone,
+                    StoreResult::Failed => ShardInput::StoreFailed,
+                    StoreResult::MovedAway(entity_id) => ShardInput::MovedAway { entity_id },
+                };
+                self.work.push_back(Work::Shard(shard, input));
+            }
+            EntityEvent::Recover { shard, instance, entity_ids } => {
+                if self.shards.get(&shard).is_none_or(|s| s.instance != instance) {
+                    return;
+                }
+                self.recover(&shard, instance, entity_ids);
+            }
+            EntityEvent::RestartShard { shard, epoch } => {
+                if !self.shards.contains_key(&shard) && self.shutdown_deadline.is_none() {
+                    info!(type_name = %self.type_name, %shard, "restarting shard after failure backoff");
+                    self.start_shard(shard, epoch);
+                }
+            }
         }
+    }
+
+    /// Starts remembered entities: those still in this shard directly, the others (the
+    /// extractor changed) through the region, forgetting them here once the new shard has them.
+    fn recover(&mut self, shard: &ShardId, instance: u64, entity_ids: Vec<String>) {
+        for id in entity_ids {
+            let target = (self.extractor)(&id);
+            if target == *shard {
+                let env = Envelope { msg: None, reply: None };
+                self.work.push_back(Work::Shard(shard.clone(), ShardInput::Deliver { entity_id: id, msg: env }));
+                continue;
+            }
+            let (tx, rx) = oneshot::channel();
+            let env = Envelope { msg: None, reply: Some(ReplyTo::Started(tx)) };
+            self.work.push_back(Work::Region(RegionInput::Route { shard: target, entity_id: id.clone(), msg: env }));
+            let events = self.events_tx.clone();
+            let origin = shard.clone();
+            tokio::spawn(async move {
+                if let Ok(Ok(())) = rx.await {
+                    let input = StoreResult::MovedAway(id);
+                    let _ = events.send(EntityEvent::Store { shard: origin, instance, input });
+                }
+            });
+        }
+    }
+
+    fn start_shard(&mut self, shard: ShardId, epoch: u64) {
+        let stop_timeout =
+            self.settings.handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1));
+        let instance = self.next_shard_instance;
+        self.next_shard_instance += 1;
+        let core = if self.settings.remember_entities {
+            ShardCore::remembering(stop_timeout, self.settings.entity_restart_backoff)
+        } else {
+            ShardCore::new(self.settings.passivation_idle_timeout, stop_timeout)
+        };
+        self.shards.insert(shard.clone(), LocalShard { core, epoch, entities: HashMap::new(), instance });
+        if self.settings.remember_entities {
+            self.spawn_load(shard, instance);
+        }
+    }
+
+    /// Loads the shard's remembered ids with a majority read of every slot.
+    fn spawn_load(&self, shard: ShardId, instance: u64) {
+        let replicator = self.node.replicator().clone();
+        let events = self.events_tx.clone();
+        let (type_name, slots) = (self.type_name.clone(), self.settings.remember_entities_slots);
+        let timeout = self.settings.waiting_for_state_timeout;
+        let (batch, interval) = (self.settings.entity_recovery_batch, self.settings.entity_recovery_interval);
+        tokio::spawn(async move {
+            let reads = (0..slots).map(|slot| {
+                let key = super::remembered_entities_key(&type_name, &shard, slot);
+                let replicator = replicator.clone();
+                async move { replicator.get::<OrSet>(&key, REMEMBER_CONSISTENCY, timeout).await }
+            });
+            let mut ids = BTreeSet::new();
+            for r in futures::future::join_all(reads).await {
+                match r {
+                    Ok(set) => ids.extend(set.map(|s| s.members()).unwrap_or_default()),
+                    Err(e) => {
+                        warn!(%type_name, %shard, error = %e, "loading remembered entities failed");
+                        let _ = events.send(EntityEvent::Store { shard, instance, input: StoreResult::Failed });
+                        return;
+                    }
+                }
+            }
+            debug!(%type_name, %shard, entities = ids.len(), "remembered entities loaded");
+            let all: Vec<String> = ids.iter().cloned().collect();
+            // The shard takes the set first; recovery starts follow (at the configured rate).
+            let _ = events.send(EntityEvent::Store { shard: shard.clone(), instance, input: StoreResult::Loaded(ids) });
+            if batch > 0 {
+                for chunk in all.chunks(batch) {
+                    tokio::time::sleep(interval).await;
+                    let ev = EntityEvent::Recover { shard: shard.clone(), instance, entity_ids: chunk.to_vec() };
+                    if events.send(ev).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Records starts and stops of a shard's entities: one majority update per touched slot.
+    fn spawn_write(&self, shard: ShardId, instance: u64, adds: BTreeSet<String>, removes: BTreeSet<String>) {
+        let replicator = self.node.replicator().clone();
+        let events = self.events_tx.clone();
+        let (type_name, slots) = (self.type_name.clone(), self.settings.remember_entities_slots);
+        let timeout = (self.settings.updating_state_timeout / 4).max(Duration::from_millis(100));
+        tokio::spawn(async move {
+            let mut by_slot: BTreeMap<u32, (Vec<String>, Vec<String>)> = BTreeMap::new();
+            for id in adds {
+                by_slot.entry(super::remembered_slot(&id, slots)).or_default().0.push(id);
+            }
+            for id in removes {
+                by_slot.entry(super::remembered_slot(&id, slots)).or_default().1.push(id);
+            }
+            let writes = by_slot.into_iter().map(|(slot, (adds, removes))| {
+                let key = super::remembered_entities_key(&type_name, &shard, slot);
+                let replicator = replicator.clone();
+                async move {
+                    let mut last = Ok(());
+                    // Akka's policy: a few tries with a quarter of the update timeout each.
+                    for _ in 0..3 {
+                        let (a, r) = (adds.clone(), removes.clone());
+                        last = replicator
+                            .update::<OrSet, _>(&key, REMEMBER_CONSISTENCY, timeout, move |set, ctx| {
+                                if !a.is_empty() {
+                                    set.add_all(ctx, a);
+                                }
+                                for id in &r {
+                                    set.remove(id);
+                                }
+                            })
+                            .await;
+                        if last.is_ok() {
+                            break;
+                        }
+                    }
+                    last
+                }
+            });
+            let mut result = StoreResult::WriteDone;
+            for r in futures::future::join_all(writes).await {
+                if let Err(e) = r {
+                    warn!(%type_name, %shard, error = %e, "recording remembered entities failed");
+                    result = StoreResult::Failed;
+                }
+            }
+            let _ = events.send(EntityEvent::Store { shard, instance, input: result });
+        });
     }
 
     fn process(&mut self) {
@@ -735,14 +922,10 @@ impl<E: Entity> RegionTask<E> {
                     return;
                 }
                 debug!(type_name = %self.type_name, %shard, epoch, "starting shard");
-                let stop_timeout =
-                    self.settings.handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1));
-                let entry = self.shards.entry(shard).or_insert_with(|| LocalShard {
-                    core: ShardCore::new(self.settings.passivation_idle_timeout, stop_timeout),
-                    epoch,
-                    entities: HashMap::new(),
-                });
-                entry.epoch = epoch;
+                match self.shards.get_mut(&shard) {
+                    Some(existing) => existing.epoch = epoch,
+                    None => self.start_shard(shard, epoch),
+                }
             }
             RegionAction::Deliver { shard, entity_id, msg } => {
                 if self.shards.contains_key(&shard) {
@@ -878,9 +1061,41 @@ impl<E: Entity> RegionTask<E> {
                 }
             }
             ShardAction::Drop { entity_id, msg, reason } => {
-                let DropReason::HandOff = reason;
-                self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
-                self.fail(msg, &entity_id, "dropped during shard hand-off");
+                let why = match reason {
+                    DropReason::HandOff => {
+                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                        "dropped during shard hand-off"
+                    }
+                    DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
+                };
+                self.fail(msg, &entity_id, why);
+            }
+            ShardAction::Recover { entity_ids } => {
+                let Some(s) = self.shards.get(shard_id) else { return };
+                let instance = s.instance;
+                if self.settings.entity_recovery_batch == 0 {
+                    self.recover(shard_id, instance, entity_ids);
+                }
+                // Otherwise the load task feeds them in batches.
+            }
+            ShardAction::WriteRemembered { adds, removes } => {
+                if let Some(s) = self.shards.get(shard_id) {
+                    self.spawn_write(shard_id.clone(), s.instance, adds, removes);
+                }
+            }
+            ShardAction::Failed => {
+                let Some(s) = self.shards.remove(shard_id) else { return };
+                for (_, e) in s.entities {
+                    e.task.abort();
+                }
+                self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
+                warn!(type_name = %self.type_name, shard = %shard_id, backoff = ?self.settings.shard_failure_backoff, "shard failed; restarting after backoff");
+                let events = self.events_tx.clone();
+                let (shard, epoch, backoff) = (shard_id.clone(), s.epoch, self.settings.shard_failure_backoff);
+                tokio::spawn(async move {
+                    tokio::time::sleep(backoff).await;
+                    let _ = events.send(EntityEvent::RestartShard { shard, epoch });
+                });
             }
             ShardAction::Stopped => {
                 if let Some(s) = self.shards.remove(shard_id) {
@@ -993,6 +1208,10 @@ struct CoordinatorRunner {
     strategy: Arc<dyn super::ShardAllocationStrategy>,
 }
 
+/// Consistency of remembered-entity reads and writes: plain majorities, so a shard keeps working
+/// while a minority of nodes is unreachable (majority reads and writes always intersect).
+const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
+
 /// Consistency of coordinator state writes (Akka's WriteMajorityPlus 3, min-cap 5).
 const STATE_WRITE: Consistency = Consistency::Majority { plus: 3, min_cap: 5 };
 /// Consistency of the state read at take-over (ReadMajorityPlus 5, min-cap 5).
@@ -1097,6 +1316,22 @@ impl CoordinatorRunner {
         let mut snap = members.borrow_and_update().clone();
         self.check_members(&mut core, &snap, &mut out);
         core.handle(CoordinatorInput::TakeOver, Instant::now(), wall_ms(), &mut out);
+        if self.settings.remember_entities {
+            let key = super::remembered_shards_key(&self.type_name);
+            let shards = loop {
+                match replicator.get::<GSet>(&key, STATE_READ, self.settings.waiting_for_state_timeout).await {
+                    Ok(s) => break s.map(|s| s.members()).unwrap_or_default(),
+                    Err(e) => warn!(type_name = %self.type_name, error = %e, "cannot read the remembered shards yet"),
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                if !i_am_coordinator(&members.borrow(), role) || shutdown.is_cancelled() {
+                    transport.unsubscribe(&topic);
+                    return;
+                }
+            };
+            info!(type_name = %self.type_name, shards = shards.len(), "allocating remembered shards");
+            core.handle(CoordinatorInput::RememberedShards(shards), Instant::now(), wall_ms(), &mut out);
+        }
         let mut writes: Vec<JoinHandle<()>> = Vec::new();
         loop {
             writes.retain(|w| !w.is_finished());
@@ -1208,6 +1443,15 @@ impl CoordinatorRunner {
                     let timeout = self.settings.updating_state_timeout;
                     let done = done.clone();
                     let type_name = self.type_name.clone();
+                    // Remember-entities: allocated shards also go into the durable set of shards.
+                    let remembered: Option<BTreeSet<ShardId>> = self.settings.remember_entities.then(|| {
+                        entries
+                            .iter()
+                            .filter(|(_, v)| v.is_some())
+                            .filter_map(|(k, _)| k.strip_prefix("s/").map(String::from))
+                            .collect()
+                    });
+                    let gset_key = super::remembered_shards_key(&self.type_name);
                     write = Some(tokio::spawn(async move {
                         let mut backoff = Duration::from_millis(100);
                         loop {
@@ -1222,6 +1466,19 @@ impl CoordinatorRunner {
                                     }
                                 })
                                 .await;
+                            let r = match (r, &remembered) {
+                                (Ok(()), Some(shards)) if !shards.is_empty() => {
+                                    let shards = shards.clone();
+                                    replicator
+                                        .update::<GSet, _>(&gset_key, STATE_WRITE, timeout, move |g, _| {
+                                            for s in shards {
+                                                g.insert(s);
+                                            }
+                                        })
+                                        .await
+                                }
+                                (r, _) => r,
+                            };
                             match r {
                                 Ok(()) => break,
                                 Err(Error::ShutDown) => return,

@@ -1,8 +1,13 @@
 //! A shard as a sans-IO state machine: the life cycle of its entities (start, passivate,
-//! restart on the next message, stop for hand-off), with messages buffered while an entity is
-//! passivating and delivered to its next incarnation.
+//! restart, stop for hand-off), with messages buffered while an entity is starting or stopping
+//! and delivered to its next incarnation.
+//!
+//! With remember-entities, the shard first loads its remembered ids (and starts them), records
+//! every start and every passivation in the replicated set before acting on it — one write in
+//! flight, the starts and stops that arrive meanwhile batched into the next — and restarts an
+//! entity that stopped without passivating after `entity_restart_backoff`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -10,10 +15,16 @@ use tokio::time::Instant;
 /// Life-cycle state of one entity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EntityState {
+    /// Remember-entities: its start is being recorded; messages wait.
+    RememberingStart,
     /// Running and receiving messages.
     Active,
-    /// Told to stop (passivation or hand-off); new messages wait in the shard's buffer.
+    /// Told to stop (passivation or hand-off); new messages wait.
     Stopping,
+    /// Remember-entities: its passivation is being recorded; messages wait.
+    RememberingStop,
+    /// Remember-entities: stopped without passivating; restarts at the deadline or on a message.
+    WaitingForRestart(Instant),
 }
 
 #[derive(Debug)]
@@ -28,6 +39,8 @@ struct EntityEntry {
 pub(crate) enum DropReason {
     /// The shard is being handed off.
     HandOff,
+    /// The shard failed (its remembered set could not be loaded or written).
+    ShardFailed,
 }
 
 #[derive(Debug)]
@@ -45,6 +58,16 @@ pub(crate) enum ShardInput<M> {
     Terminated {
         entity_id: String,
         incarnation: u64,
+    },
+    /// Remember-entities: the remembered ids were loaded.
+    Loaded(BTreeSet<String>),
+    /// Remember-entities: the last `WriteRemembered` is durable on a majority.
+    WriteDone,
+    /// Remember-entities: the load or the write failed.
+    StoreFailed,
+    /// Remember-entities: the id now lives in another shard (changed extractor); forget it here.
+    MovedAway {
+        entity_id: String,
     },
     HandOff,
     Tick,
@@ -75,8 +98,28 @@ pub(crate) enum ShardAction<M> {
         msg: M,
         reason: DropReason,
     },
+    /// Remember-entities: start these remembered ids (each through the region).
+    Recover {
+        entity_ids: Vec<String>,
+    },
+    /// Remember-entities: record these starts and stops; answer `WriteDone` or `StoreFailed`.
+    WriteRemembered {
+        adds: BTreeSet<String>,
+        removes: BTreeSet<String>,
+    },
     /// Hand-off finished: every entity has stopped.
     Stopped,
+    /// Remember-entities: the store failed; the shard stopped and must be restarted later.
+    Failed,
+}
+
+#[derive(Debug, Default)]
+struct Remember {
+    loaded: bool,
+    remembered: HashSet<String>,
+    in_flight: Option<(BTreeSet<String>, BTreeSet<String>)>,
+    next_adds: BTreeSet<String>,
+    next_removes: BTreeSet<String>,
 }
 
 /// One shard's entities.
@@ -87,6 +130,11 @@ pub(crate) struct ShardCore<M> {
     idle_timeout: Option<Duration>,
     handoff_deadline: Option<Instant>,
     handoff_stop_timeout: Duration,
+    remember: Option<Remember>,
+    /// Messages that arrived before the remembered ids were loaded.
+    early: VecDeque<(String, M)>,
+    restart_backoff: Duration,
+    failed: bool,
 }
 
 impl<M> ShardCore<M> {
@@ -98,16 +146,29 @@ impl<M> ShardCore<M> {
             idle_timeout,
             handoff_deadline: None,
             handoff_stop_timeout,
+            remember: None,
+            early: VecDeque::new(),
+            restart_backoff: Duration::from_secs(10),
+            failed: false,
         }
     }
 
-    /// Live entity ids (active or stopping).
+    /// A shard that remembers its entities: it waits for `Loaded` before serving. Idle
+    /// passivation is off (remembered entities are meant to stay up).
+    pub(crate) fn remembering(handoff_stop_timeout: Duration, restart_backoff: Duration) -> Self {
+        ShardCore { remember: Some(Remember::default()), restart_backoff, ..Self::new(None, handoff_stop_timeout) }
+    }
+
+    /// Live entity ids (not counting those waiting for a restart).
     pub(crate) fn entity_ids(&self) -> impl Iterator<Item = &str> {
-        self.entities.keys().map(String::as_str)
+        self.entities
+            .iter()
+            .filter(|(_, e)| !matches!(e.state, EntityState::WaitingForRestart(_)))
+            .map(|(id, _)| id.as_str())
     }
 
     pub(crate) fn entity_count(&self) -> usize {
-        self.entities.len()
+        self.entity_ids().count()
     }
 
     fn start(&mut self, entity_id: &str, now: Instant, out: &mut Vec<ShardAction<M>>) {
@@ -116,27 +177,80 @@ impl<M> ShardCore<M> {
         self.entities
             .insert(entity_id.to_string(), EntityEntry { state: EntityState::Active, incarnation, last_activity: now });
         out.push(ShardAction::Start { entity_id: entity_id.to_string(), incarnation });
+        if let Some(buffered) = self.buffers.remove(entity_id) {
+            for msg in buffered {
+                out.push(ShardAction::Send { entity_id: entity_id.to_string(), msg });
+            }
+        }
+    }
+
+    fn buffer(&mut self, entity_id: String, msg: M) {
+        self.buffers.entry(entity_id).or_default().push_back(msg);
+    }
+
+    fn maybe_write(&mut self, out: &mut Vec<ShardAction<M>>) {
+        let Some(r) = self.remember.as_mut() else { return };
+        if r.in_flight.is_some() || (r.next_adds.is_empty() && r.next_removes.is_empty()) {
+            return;
+        }
+        let adds = std::mem::take(&mut r.next_adds);
+        let removes = std::mem::take(&mut r.next_removes);
+        r.in_flight = Some((adds.clone(), removes.clone()));
+        out.push(ShardAction::WriteRemembered { adds, removes });
+    }
+
+    fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M>>) {
+        if self.handoff_deadline.is_some() || self.failed {
+            let reason = if self.failed { DropReason::ShardFailed } else { DropReason::HandOff };
+            out.push(ShardAction::Drop { entity_id, msg, reason });
+            return;
+        }
+        if self.remember.as_ref().is_some_and(|r| !r.loaded) {
+            self.early.push_back((entity_id, msg));
+            return;
+        }
+        let state = self.entities.get_mut(&entity_id).map(|e| {
+            e.last_activity = now;
+            e.state
+        });
+        match state {
+            Some(EntityState::Active) => out.push(ShardAction::Send { entity_id, msg }),
+            Some(EntityState::WaitingForRestart(_)) => {
+                self.buffer(entity_id.clone(), msg);
+                self.start(&entity_id, now, out);
+            }
+            Some(_) => self.buffer(entity_id, msg),
+            None => match self.remember.as_mut() {
+                Some(r) if !r.remembered.contains(&entity_id) => {
+                    // Record the start before creating the entity.
+                    r.next_adds.insert(entity_id.clone());
+                    r.next_removes.remove(&entity_id);
+                    self.entities.insert(
+                        entity_id.clone(),
+                        EntityEntry { state: EntityState::RememberingStart, incarnation: 0, last_activity: now },
+                    );
+                    self.buffer(entity_id, msg);
+                    self.maybe_write(out);
+                }
+                _ => {
+                    self.buffer(entity_id.clone(), msg);
+                    self.start(&entity_id, now, out);
+                }
+            },
+        }
+    }
+
+    fn check_handoff_done(&mut self, out: &mut Vec<ShardAction<M>>) {
+        let writing = self.remember.as_ref().is_some_and(|r| r.in_flight.is_some());
+        if self.handoff_deadline.is_some() && self.entities.is_empty() && !writing {
+            self.handoff_deadline = None;
+            out.push(ShardAction::Stopped);
+        }
     }
 
     pub(crate) fn handle(&mut self, input: ShardInput<M>, now: Instant, out: &mut Vec<ShardAction<M>>) {
         match input {
-            ShardInput::Deliver { entity_id, msg } => {
-                if self.handoff_deadline.is_some() {
-                    out.push(ShardAction::Drop { entity_id, msg, reason: DropReason::HandOff });
-                    return;
-                }
-                match self.entities.get_mut(&entity_id).map(|e| {
-                    e.last_activity = now;
-                    e.state
-                }) {
-                    None => {
-                        self.start(&entity_id, now, out);
-                        out.push(ShardAction::Send { entity_id, msg });
-                    }
-                    Some(EntityState::Active) => out.push(ShardAction::Send { entity_id, msg }),
-                    Some(EntityState::Stopping) => self.buffers.entry(entity_id).or_default().push_back(msg),
-                }
-            }
+            ShardInput::Deliver { entity_id, msg } => self.deliver(entity_id, msg, now, out),
             ShardInput::Passivate { entity_id, incarnation } => {
                 if let Some(e) = self.entities.get_mut(&entity_id)
                     && e.incarnation == incarnation
@@ -146,31 +260,55 @@ impl<M> ShardCore<M> {
                     out.push(ShardAction::Stop { entity_id });
                 }
             }
-            ShardInput::Terminated { entity_id, incarnation } => {
-                if self.entities.get(&entity_id).is_none_or(|e| e.incarnation != incarnation) {
-                    return;
+            ShardInput::Terminated { entity_id, incarnation } => self.on_terminated(entity_id, incarnation, now, out),
+            ShardInput::Loaded(ids) => {
+                let Some(r) = self.remember.as_mut() else { return };
+                r.loaded = true;
+                r.remembered = ids.iter().cloned().collect();
+                if !ids.is_empty() {
+                    out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
                 }
-                self.entities.remove(&entity_id);
-                if let Some(buffered) = self.buffers.remove(&entity_id) {
-                    if self.handoff_deadline.is_some() {
-                        for msg in buffered {
-                            out.push(ShardAction::Drop {
-                                entity_id: entity_id.clone(),
-                                msg,
-                                reason: DropReason::HandOff,
-                            });
-                        }
-                    } else if !buffered.is_empty() {
-                        // Messages that arrived while it stopped go to its next incarnation.
-                        self.start(&entity_id, now, out);
-                        for msg in buffered {
-                            out.push(ShardAction::Send { entity_id: entity_id.clone(), msg });
+                for (id, msg) in std::mem::take(&mut self.early) {
+                    self.deliver(id, msg, now, out);
+                }
+            }
+            ShardInput::WriteDone => {
+                let Some(r) = self.remember.as_mut() else { return };
+                let Some((adds, removes)) = r.in_flight.take() else { return };
+                r.remembered.extend(adds.iter().cloned());
+                for id in &removes {
+                    r.remembered.remove(id);
+                }
+                for id in adds {
+                    if self.entities.get(&id).is_some_and(|e| e.state == EntityState::RememberingStart) {
+                        if self.handoff_deadline.is_some() {
+                            self.entities.remove(&id);
+                        } else {
+                            self.start(&id, now, out);
                         }
                     }
                 }
-                if self.handoff_deadline.is_some() && self.entities.is_empty() {
-                    self.handoff_deadline = None;
-                    out.push(ShardAction::Stopped);
+                for id in removes {
+                    if self.entities.get(&id).is_some_and(|e| e.state == EntityState::RememberingStop) {
+                        self.entities.remove(&id);
+                        if self.buffers.get(&id).is_some_and(|b| !b.is_empty()) {
+                            // Messages arrived while it passivated: it starts again (recorded again).
+                            let buffered = self.buffers.remove(&id).unwrap_or_default();
+                            for msg in buffered {
+                                self.deliver(id.clone(), msg, now, out);
+                            }
+                        }
+                    }
+                }
+                self.maybe_write(out);
+                self.check_handoff_done(out);
+            }
+            ShardInput::StoreFailed => self.fail(out),
+            ShardInput::MovedAway { entity_id } => {
+                if let Some(r) = self.remember.as_mut() {
+                    r.next_removes.insert(entity_id.clone());
+                    r.next_adds.remove(&entity_id);
+                    self.maybe_write(out);
                 }
             }
             ShardInput::HandOff => {
@@ -183,49 +321,133 @@ impl<M> ShardCore<M> {
                         out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::HandOff });
                     }
                 }
-                let mut ids: Vec<&String> = self.entities.keys().collect();
+                for (id, msg) in self.early.drain(..) {
+                    out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::HandOff });
+                }
+                let mut ids: Vec<String> = self.entities.keys().cloned().collect();
                 ids.sort();
                 for id in ids {
-                    let e = &self.entities[id];
-                    if e.state == EntityState::Active {
-                        out.push(ShardAction::Stop { entity_id: id.clone() });
+                    let e = self.entities.get_mut(&id).expect("entity");
+                    match e.state {
+                        EntityState::Active => {
+                            e.state = EntityState::Stopping;
+                            out.push(ShardAction::Stop { entity_id: id });
+                        }
+                        EntityState::WaitingForRestart(_) => {
+                            self.entities.remove(&id);
+                        }
+                        _ => {}
                     }
                 }
-                for e in self.entities.values_mut() {
-                    e.state = EntityState::Stopping;
-                }
-                if self.entities.is_empty() {
-                    self.handoff_deadline = None;
-                    out.push(ShardAction::Stopped);
+                self.check_handoff_done(out);
+            }
+            ShardInput::Tick => self.on_tick(now, out),
+        }
+    }
+
+    fn on_terminated(&mut self, entity_id: String, incarnation: u64, now: Instant, out: &mut Vec<ShardAction<M>>) {
+        let Some(e) = self.entities.get(&entity_id) else { return };
+        if e.incarnation != incarnation {
+            return;
+        }
+        let state = e.state;
+        if self.handoff_deadline.is_some() {
+            self.entities.remove(&entity_id);
+            if let Some(buffered) = self.buffers.remove(&entity_id) {
+                for msg in buffered {
+                    out.push(ShardAction::Drop { entity_id: entity_id.clone(), msg, reason: DropReason::HandOff });
                 }
             }
-            ShardInput::Tick => {
-                if let Some(deadline) = self.handoff_deadline {
-                    if now >= deadline {
-                        let mut ids: Vec<String> = self.entities.keys().cloned().collect();
-                        ids.sort();
-                        for id in ids {
-                            out.push(ShardAction::ForceStop { entity_id: id });
-                        }
-                        self.entities.clear();
-                        self.handoff_deadline = None;
-                        out.push(ShardAction::Stopped);
-                    }
-                    return;
+            self.check_handoff_done(out);
+            return;
+        }
+        match (state, self.remember.is_some()) {
+            (EntityState::Stopping, true) => {
+                // Passivated: record the stop; messages meanwhile wait for the write.
+                self.entities.get_mut(&entity_id).expect("entity").state = EntityState::RememberingStop;
+                let r = self.remember.as_mut().expect("remember");
+                r.next_removes.insert(entity_id.clone());
+                r.next_adds.remove(&entity_id);
+                self.maybe_write(out);
+            }
+            (EntityState::Active, true) => {
+                // Stopped without passivating (panic): it stays remembered and comes back.
+                let at = now + self.restart_backoff;
+                self.entities.get_mut(&entity_id).expect("entity").state = EntityState::WaitingForRestart(at);
+                if self.buffers.get(&entity_id).is_some_and(|b| !b.is_empty()) {
+                    self.start(&entity_id, now, out);
                 }
-                if let Some(idle) = self.idle_timeout {
-                    let mut ids: Vec<String> = self
-                        .entities
-                        .iter()
-                        .filter(|(_, e)| e.state == EntityState::Active && e.last_activity + idle <= now)
-                        .map(|(id, _)| id.clone())
-                        .collect();
-                    ids.sort();
-                    for id in ids {
-                        self.entities.get_mut(&id).expect("entity").state = EntityState::Stopping;
-                        out.push(ShardAction::Stop { entity_id: id });
+            }
+            _ => {
+                self.entities.remove(&entity_id);
+                if let Some(buffered) = self.buffers.remove(&entity_id).filter(|b| !b.is_empty()) {
+                    // Messages that arrived while it stopped go to its next incarnation.
+                    for msg in buffered {
+                        self.deliver(entity_id.clone(), msg, now, out);
                     }
                 }
+            }
+        }
+    }
+
+    fn fail(&mut self, out: &mut Vec<ShardAction<M>>) {
+        if self.failed {
+            return;
+        }
+        self.failed = true;
+        let mut ids: Vec<String> = self.entities.keys().cloned().collect();
+        ids.sort();
+        for id in ids {
+            out.push(ShardAction::ForceStop { entity_id: id });
+        }
+        self.entities.clear();
+        for (id, buffered) in self.buffers.drain() {
+            for msg in buffered {
+                out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::ShardFailed });
+            }
+        }
+        for (id, msg) in self.early.drain(..) {
+            out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::ShardFailed });
+        }
+        out.push(ShardAction::Failed);
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<ShardAction<M>>) {
+        if let Some(deadline) = self.handoff_deadline {
+            if now >= deadline {
+                let mut ids: Vec<String> = self.entities.keys().cloned().collect();
+                ids.sort();
+                for id in ids {
+                    out.push(ShardAction::ForceStop { entity_id: id });
+                }
+                self.entities.clear();
+                if let Some(r) = self.remember.as_mut() {
+                    r.in_flight = None; // the new home reloads whatever was stored
+                }
+                self.check_handoff_done(out);
+            }
+            return;
+        }
+        let due: Vec<String> = self
+            .entities
+            .iter()
+            .filter(|(_, e)| matches!(e.state, EntityState::WaitingForRestart(at) if at <= now))
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in due {
+            self.start(&id, now, out);
+        }
+        if let Some(idle) = self.idle_timeout {
+            let mut ids: Vec<String> = self
+                .entities
+                .iter()
+                .filter(|(_, e)| e.state == EntityState::Active && e.last_activity + idle <= now)
+                .map(|(id, _)| id.clone())
+                .collect();
+            ids.sort();
+            for id in ids {
+                self.entities.get_mut(&id).expect("entity").state = EntityState::Stopping;
+                out.push(ShardAction::Stop { entity_id: id });
             }
         }
     }
@@ -243,6 +465,10 @@ mod tests {
 
     fn deliver(id: &str, msg: u32) -> ShardInput<u32> {
         ShardInput::Deliver { entity_id: id.into(), msg }
+    }
+
+    fn ids(v: &[&str]) -> BTreeSet<String> {
+        v.iter().map(|s| s.to_string()).collect()
     }
 
     #[test]
@@ -330,5 +556,95 @@ mod tests {
     fn hand_off_of_an_empty_shard_is_done_at_once() {
         let mut s: ShardCore<u32> = ShardCore::new(None, Duration::from_secs(2));
         assert_eq!(run(&mut s, ShardInput::HandOff, Instant::now()), vec![ShardAction::Stopped]);
+    }
+
+    fn remembering() -> ShardCore<u32> {
+        ShardCore::remembering(Duration::from_secs(2), Duration::from_secs(10))
+    }
+
+    #[test]
+    fn remembering_shard_waits_for_its_load_then_recovers_and_serves() {
+        let mut s = remembering();
+        let now = Instant::now();
+        assert!(run(&mut s, deliver("x", 1), now).is_empty(), "held until loaded");
+        let out = run(&mut s, ShardInput::Loaded(ids(&["a", "x"])), now);
+        assert_eq!(out[0], ShardAction::Recover { entity_ids: vec!["a".into(), "x".into()] });
+        // x is remembered already: it starts without a new write.
+        assert!(out.contains(&ShardAction::Start { entity_id: "x".into(), incarnation: 1 }));
+        assert!(out.contains(&ShardAction::Send { entity_id: "x".into(), msg: 1 }));
+        assert!(!out.iter().any(|a| matches!(a, ShardAction::WriteRemembered { .. })));
+    }
+
+    #[test]
+    fn starts_are_recorded_before_the_entity_runs_and_batched_one_write_at_a_time() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        let out = run(&mut s, deliver("a", 1), now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["a"]), removes: ids(&[]) }]);
+        assert!(run(&mut s, deliver("b", 2), now).is_empty(), "queued behind the write in flight");
+        assert!(run(&mut s, deliver("c", 3), now).is_empty());
+        assert!(run(&mut s, deliver("a", 4), now).is_empty(), "a's messages wait for its write");
+        let out = run(&mut s, ShardInput::WriteDone, now);
+        assert_eq!(
+            out,
+            vec![
+                ShardAction::Start { entity_id: "a".into(), incarnation: 1 },
+                ShardAction::Send { entity_id: "a".into(), msg: 1 },
+                ShardAction::Send { entity_id: "a".into(), msg: 4 },
+                ShardAction::WriteRemembered { adds: ids(&["b", "c"]), removes: ids(&[]) },
+            ]
+        );
+    }
+
+    #[test]
+    fn passivation_records_the_stop_and_a_message_meanwhile_starts_it_again() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a"])), now);
+        run(&mut s, deliver("a", 1), now);
+        run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
+        let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&[]), removes: ids(&["a"]) }]);
+        assert!(run(&mut s, deliver("a", 2), now).is_empty());
+        let out = run(&mut s, ShardInput::WriteDone, now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["a"]), removes: ids(&[]) }]);
+        let out = run(&mut s, ShardInput::WriteDone, now);
+        assert!(out.contains(&ShardAction::Send { entity_id: "a".into(), msg: 2 }));
+    }
+
+    #[test]
+    fn entity_that_stops_without_passivating_restarts_after_the_backoff() {
+        let mut s = remembering();
+        let t0 = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a"])), t0);
+        run(&mut s, deliver("a", 1), t0);
+        assert!(run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0).is_empty());
+        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(5)).is_empty());
+        let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(10));
+        assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 2 }]);
+    }
+
+    #[test]
+    fn store_failure_stops_the_shard_and_fails_waiting_messages() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        run(&mut s, deliver("a", 1), now);
+        let out = run(&mut s, ShardInput::StoreFailed, now);
+        assert!(out.contains(&ShardAction::Drop { entity_id: "a".into(), msg: 1, reason: DropReason::ShardFailed }));
+        assert_eq!(out.last(), Some(&ShardAction::Failed));
+    }
+
+    #[test]
+    fn hand_off_waits_for_the_write_in_flight() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        run(&mut s, deliver("a", 1), now);
+        let out = run(&mut s, ShardInput::HandOff, now);
+        assert!(!out.contains(&ShardAction::Stopped));
+        let out = run(&mut s, ShardInput::WriteDone, now);
+        assert_eq!(out, vec![ShardAction::Stopped]);
     }
 }

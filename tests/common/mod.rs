@@ -26,6 +26,8 @@ pub struct Probe {
     pub nodes_seen: Arc<Mutex<BTreeMap<String, String>>>,
     /// Instances created (incarnations, over all entities).
     pub started: Arc<AtomicU64>,
+    /// (entity id, node) of every instance created.
+    pub created: Arc<Mutex<Vec<(String, String)>>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -97,9 +99,41 @@ pub fn settings() -> ShardingSettings {
 }
 
 pub async fn start_counter(node: &ddshard::Node, probe: &Probe, settings: ShardingSettings) -> ShardRegion<Counter> {
+    start_type(node, "counter", probe, settings).await
+}
+
+/// Every entity id running in these regions (from their region state; no message sent).
+pub async fn running_ids(regions: &[ShardRegion<Counter>]) -> Vec<String> {
+    let mut ids = Vec::new();
+    for r in regions {
+        if let Ok(state) = r.region_state().await {
+            ids.extend(state.into_values().flatten());
+        }
+    }
+    ids.sort();
+    ids
+}
+
+/// Starts a counter type named `type_name`, recording every instance created.
+pub async fn start_type(
+    node: &ddshard::Node,
+    type_name: &str,
+    probe: &Probe,
+    settings: ShardingSettings,
+) -> ShardRegion<Counter> {
     let mut p = probe.clone();
     p.node = node.node_id().to_string();
-    node.sharding().start("counter", move |_id: &str| Counter::new(p.clone()), settings).await.unwrap()
+    node.sharding()
+        .start(
+            type_name,
+            move |id: &str| {
+                p.created.lock().unwrap().push((id.to_string(), p.node.clone()));
+                Counter::new(p.clone())
+            },
+            settings,
+        )
+        .await
+        .unwrap()
 }
 
 /// Starts the counter type on every running node of the cluster.
