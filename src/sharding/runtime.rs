@@ -379,6 +379,7 @@ pub(crate) async fn start_region<E: Entity>(
         work: VecDeque::new(),
         extractor: inner.extractor.clone(),
         next_shard_instance: 1,
+        orphans: HashMap::new(),
     };
     let shutdown = node.shutdown_token();
     node.spawn(task.run(rx, inbound, events_rx, node.watch_membership(), shutdown.clone()));
@@ -443,6 +444,9 @@ struct RegionTask<E: Entity> {
     work: VecDeque<Work<E>>,
     extractor: ShardIdExtractor,
     next_shard_instance: u64,
+    /// Messages sent to an entity task that had already ended, redelivered after its
+    /// Terminated event.
+    orphans: HashMap<(ShardId, String), Vec<Envelope<E>>>,
 }
 
 fn peer_of(snap: &MembershipSnapshot, addr: &RegionId) -> Option<PeerAddr> {
@@ -704,7 +708,8 @@ impl<E: Entity> RegionTask<E> {
                     shard.clone(),
                     ShardInput::Terminated { entity_id: entity_id.clone(), incarnation },
                 ));
-                for env in leftovers {
+                let orphans = self.orphans.remove(&(shard.clone(), entity_id.clone())).unwrap_or_default();
+                for env in leftovers.into_iter().chain(orphans) {
                     self.work.push_back(Work::Shard(
                         shard.clone(),
                         ShardInput::Deliver { entity_id: entity_id.clone(), msg: env },
@@ -897,6 +902,15 @@ impl<E: Entity> RegionTask<E> {
         }
     }
 
+    fn fail_orphans(&mut self, shard: &ShardId) {
+        let keys: Vec<(ShardId, String)> = self.orphans.keys().filter(|(s, _)| s == shard).cloned().collect();
+        for k in keys {
+            for env in self.orphans.remove(&k).unwrap_or_default() {
+                self.fail(env, &k.1, "its shard stopped");
+            }
+        }
+    }
+
     fn fail(&self, env: Envelope<E>, entity_id: &str, reason: &str) {
         if let Some(r) = env.reply {
             send_reply::<E>(&self.transport, &self.members, &self.type_name, r, Err(not_delivered(entity_id, reason)));
@@ -1041,9 +1055,10 @@ impl<E: Entity> RegionTask<E> {
                 match shard.entities.get(&entity_id) {
                     Some(h) => {
                         if let Err(mpsc::error::SendError(EntityCmd::Msg(env))) = h.tx.send(EntityCmd::Msg(msg)) {
-                            // The task already ended; its Terminated event is on the way. Redeliver after it.
-                            self.work
-                                .push_back(Work::Shard(shard_id.clone(), ShardInput::Deliver { entity_id, msg: env }));
+                            // The task already ended; its Terminated event is on the way. The
+                            // message goes to the next incarnation after it (not back into this
+                            // loop, which would spin until the event is read).
+                            self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
                         }
                     }
                     None => self.fail(msg, &entity_id, "entity is not running"),
@@ -1084,6 +1099,7 @@ impl<E: Entity> RegionTask<E> {
                 }
             }
             ShardAction::Failed => {
+                self.fail_orphans(shard_id);
                 let Some(s) = self.shards.remove(shard_id) else { return };
                 for (_, e) in s.entities {
                     e.task.abort();
@@ -1098,6 +1114,7 @@ impl<E: Entity> RegionTask<E> {
                 });
             }
             ShardAction::Stopped => {
+                self.fail_orphans(shard_id);
                 if let Some(s) = self.shards.remove(shard_id) {
                     for (_, e) in s.entities {
                         e.task.abort();
