@@ -119,7 +119,7 @@ async fn epochs_seen_by_one_entity_strictly_increase_across_hand_offs_and_crashe
     let regions = start_everywhere(&c, &probe, s).await;
     let id = "ep-1".to_string();
     let epoch = |r: ddshard::ShardRegion<Counter>, id: String| async move {
-        match r.ask(&id, CounterMsg::Epoch).await.unwrap() {
+        match ask_retry(&r, &id, CounterMsg::Epoch, CONVERGE).await {
             CounterReply::Epoch(e) => e,
             other => panic!("{other:?}"),
         }
@@ -131,7 +131,10 @@ async fn epochs_seen_by_one_entity_strictly_increase_across_hand_offs_and_crashe
     c.node(idx(&host1)).leave().await.unwrap();
     let via = (0..4).find(|i| *i != idx(&host1)).unwrap();
     let e2 = epoch(regions[via].clone(), id.clone()).await;
-    let host2 = where_is(&regions[via], &id).await;
+    let host2 = match ask_retry(&regions[via], &id, CounterMsg::WhereAreYou, CONVERGE).await {
+        CounterReply::Node(n) => n,
+        other => panic!("{other:?}"),
+    };
     assert_ne!(host1, host2);
     // Crash: the new host is killed; downing removes it; the entity comes back elsewhere.
     c.kill(idx(&host2)).await;

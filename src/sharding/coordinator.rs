@@ -186,8 +186,8 @@ impl CoordinatorCore {
         now: Instant,
     ) -> Self {
         let next_rebalance = now + settings.rebalance_interval;
-        let min_members_reached =
-            state.regions.len() >= settings.min_nr_of_members || state.shards.values().any(|r| r.region.is_some());
+        // Any shard record (even deallocated) means a predecessor already allocated.
+        let min_members_reached = state.regions.len() >= settings.min_nr_of_members || !state.shards.is_empty();
         CoordinatorCore {
             min_members_reached,
             me,
@@ -721,6 +721,30 @@ mod tests {
             })
             .collect();
         assert_eq!(hosted, ["3".to_string(), "9".to_string()].into());
+    }
+
+    #[test]
+    fn a_successor_coordinator_does_not_wait_for_min_nr_of_members_again() {
+        let mut state = CoordinatorState::default();
+        state.regions.insert(r("a"));
+        // Allocated once by a predecessor, deallocated since.
+        state.shards.insert("1".into(), ShardRecord { region: None, epoch: 7 });
+        let mut c = CoordinatorCore::new(
+            r("c"),
+            CoordinatorSettings {
+                min_nr_of_members: 3,
+                rebalance_interval: Duration::from_secs(10),
+                handoff_timeout: Duration::from_secs(5),
+                shard_start_timeout: Duration::from_secs(2),
+                eager_reallocation: false,
+            },
+            Arc::new(LeastShardAllocation::default()),
+            state,
+            Instant::now(),
+        );
+        let get = ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") };
+        let sent = step(&mut c, CoordinatorInput::FromRegion(get), Instant::now(), 1);
+        assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { epoch, .. } if *epoch > 7)));
     }
 
     #[test]

@@ -380,6 +380,7 @@ pub(crate) async fn start_region<E: Entity>(
         extractor: inner.extractor.clone(),
         next_shard_instance: 1,
         orphans: HashMap::new(),
+        ask_targets: HashMap::new(),
     };
     let shutdown = node.shutdown_token();
     node.spawn(task.run(rx, inbound, events_rx, node.watch_membership(), shutdown.clone()));
@@ -447,6 +448,9 @@ struct RegionTask<E: Entity> {
     /// Messages sent to an entity task that had already ended, redelivered after its
     /// Terminated event.
     orphans: HashMap<(ShardId, String), Vec<Envelope<E>>>,
+    /// The region each pending ask was forwarded to: asks to a region whose node went down
+    /// fail at once instead of waiting for their timeout.
+    ask_targets: HashMap<u64, RegionId>,
 }
 
 fn peer_of(snap: &MembershipSnapshot, addr: &RegionId) -> Option<PeerAddr> {
@@ -532,6 +536,7 @@ impl<E: Entity> RegionTask<E> {
                         self.work.push_back(Work::Shard(s, ShardInput::Tick));
                     }
                     self.pending_asks.retain(|_, p| !p.is_closed());
+                    self.ask_targets.retain(|id, _| self.pending_asks.contains_key(id));
                     if self.shutdown_deadline.is_some_and(|d| Instant::now() >= d) {
                         warn!(type_name = %self.type_name, "graceful shutdown timed out; stopping the remaining shards");
                         self.stop_all_shards();
@@ -613,6 +618,20 @@ impl<E: Entity> RegionTask<E> {
         let now_alive = alive(&snap);
         for gone in before.difference(&now_alive) {
             self.work.push_back(Work::Region(RegionInput::RegionGone(gone.clone())));
+            let lost: Vec<u64> = self.ask_targets.iter().filter(|(_, r)| *r == gone).map(|(id, _)| *id).collect();
+            for id in lost {
+                self.ask_targets.remove(&id);
+                let reason = format!("the entity's node {gone} left or went down before answering");
+                match self.pending_asks.remove(&id) {
+                    Some(PendingAsk::Reply(tx)) => {
+                        let _ = tx.send(Err(Error::NotDelivered { entity_id: String::new(), reason }));
+                    }
+                    Some(PendingAsk::Started(tx)) => {
+                        let _ = tx.send(Err(Error::NotDelivered { entity_id: String::new(), reason }));
+                    }
+                    None => {}
+                }
+            }
         }
         let coordinator = snap.oldest(self.settings.role.as_deref()).map(|m| m.address().clone());
         self.members = snap;
@@ -665,6 +684,7 @@ impl<E: Entity> RegionTask<E> {
                 self.work.push_back(Work::Region(RegionInput::Route { shard, entity_id, msg: env }));
             }
             Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
+                self.ask_targets.remove(&ask_id);
                 match self.pending_asks.remove(&ask_id) {
                     Some(PendingAsk::Reply(tx)) => {
                         let r = match result {
@@ -1009,6 +1029,7 @@ impl<E: Entity> RegionTask<E> {
         match (sent, pending) {
             (Ok(()), Some((id, p))) => {
                 self.pending_asks.insert(id, p);
+                self.ask_targets.insert(id, region.clone());
             }
             (Ok(()), None) => {}
             (Err(e), Some((_, p))) => {

@@ -158,3 +158,19 @@ pub async fn where_is(r: &ShardRegion<Counter>, id: &str) -> String {
         other => panic!("unexpected {other:?}"),
     }
 }
+
+/// Asks until an answer comes (a message in flight to a node that crashed is lost, as in any
+/// at-most-once system; a client retries). Panics after `within`.
+pub async fn ask_retry(r: &ShardRegion<Counter>, id: &str, msg: CounterMsg, within: Duration) -> CounterReply {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match r.ask_with_timeout(id, msg.clone(), Duration::from_secs(2)).await {
+            Ok(reply) => return reply,
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("no answer from {id} within {within:?}: {e}"),
+        }
+    }
+}
