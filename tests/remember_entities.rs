@@ -281,3 +281,51 @@ async fn remove_internal_data_drops_only_the_named_types_and_refuses_while_runni
     assert!(probe2.created.lock().unwrap().iter().all(|(id, _)| ids.contains(id)));
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_failing_during_writes_and_loads_recovers_and_loses_no_acknowledged_start() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s = ShardingSettings {
+        number_of_shards: 1,
+        min_nr_of_members: 3,
+        updating_state_timeout: Duration::from_millis(400),
+        waiting_for_state_timeout: Duration::from_millis(300),
+        shard_failure_backoff: Duration::from_millis(300),
+        ..remember()
+    };
+    let regions = start_all(&c, &probe, s).await;
+    let acked: BTreeSet<String> = (0..10).map(|i| format!("a{i}")).collect();
+    for id in &acked {
+        regions[0].ask(id, CounterMsg::Add(1)).await.unwrap();
+    }
+    let host = where_is(&regions[0], "a0").await;
+    let h = host[1..].parse::<usize>().unwrap() - 1;
+    let others: Vec<String> = (0..3).filter(|i| *i != h).map(|i| format!("n{}", i + 1)).collect();
+    // The host's majority writes and reads stall (messaging cut, gossip intact).
+    c.injector().cut_messaging(&[host.as_str()], &[others[0].as_str(), others[1].as_str()]);
+    let start_write = regions[h].ask_with_timeout("late", CounterMsg::Add(1), Duration::from_secs(3)).await;
+    assert!(start_write.is_err(), "a start that could not be recorded is not acknowledged");
+    let stop_write = regions[h].ask_with_timeout("a1", CounterMsg::Stop, Duration::from_secs(3)).await;
+    let _ = stop_write; // answered or not: the stop's write fails either way
+    let r = regions[h].clone();
+    eventually(CONVERGE, "the shard failed on writes and again on its reload", || {
+        std::future::ready((r.counters().shard_failures.load(std::sync::atomic::Ordering::Relaxed) >= 2).then_some(()))
+    })
+    .await;
+    c.heal();
+    // Recovery: the shard restarts, reloads, and new starts are recorded again.
+    assert_eq!(ask_retry(&regions[h], "late", CounterMsg::Add(1), CONVERGE).await, CounterReply::Value(1));
+    let mut expected = acked.clone();
+    expected.insert("late".into());
+    let node = c.node(0).clone();
+    let e = expected.clone();
+    eventually(CONVERGE, "every acknowledged start is in the durable set", || {
+        let (n, e) = (node.clone(), e.clone());
+        async move { durable_set(&n, "counter", "0", 4).await.is_superset(&e).then_some(()) }
+    })
+    .await;
+    await_running(&regions, &expected, "acknowledged entities run again").await;
+    c.shutdown().await;
+}
