@@ -1,0 +1,178 @@
+//! Remember-entities costs, each beside its baseline in the same run:
+//! - new-entity start rate with remember-entities on vs off (3 nodes, majority writes, LMDB);
+//! - restart time of 100k remembered entities after a full-cluster restart (printed);
+//! - memory and serialized size of one shard holding 1M remembered ids (printed).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use ddshard::ddata::{OrSet, WriteCtx};
+use ddshard::testkit::TestCluster;
+use ddshard::{Entity, EntityContext, ShardRegion, ShardingSettings};
+use serde::{Deserialize, Serialize};
+
+#[derive(Default)]
+struct Thing;
+
+#[derive(Serialize, Deserialize)]
+struct Ping;
+
+impl Entity for Thing {
+    type Message = Ping;
+    type Reply = ();
+    async fn handle(&mut self, _msg: Ping, _ctx: &mut EntityContext) {}
+}
+
+const BATCH: usize = 512;
+const IN_FLIGHT: usize = 64;
+
+fn settings(remember: bool) -> ShardingSettings {
+    ShardingSettings { remember_entities: remember, number_of_shards: 100, min_nr_of_members: 3, ..Default::default() }
+}
+
+async fn start_new(r: &ShardRegion<Thing>, prefix: &str, from: usize) {
+    for chunk in (from..from + BATCH).collect::<Vec<_>>().chunks(IN_FLIGHT) {
+        let asks = chunk.iter().map(|i| {
+            let id = format!("{prefix}-{i}");
+            let r = r.clone();
+            async move { r.ask(&id, Ping).await.unwrap() }
+        });
+        futures::future::join_all(asks).await;
+    }
+}
+
+fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * 4096
+}
+
+fn bench(c: &mut Criterion) {
+    // Memory and serialized size of one shard holding 1M ids in 64 slots.
+    let before = rss_bytes();
+    let slots = 64u32;
+    let mut sets: Vec<OrSet> = (0..slots).map(|_| OrSet::default()).collect();
+    let ctx = WriteCtx::new("n1#1", 1);
+    let mut per_slot: Vec<Vec<String>> = vec![Vec::new(); slots as usize];
+    for i in 0..1_000_000u32 {
+        let id = format!("{:08x}-entity", i.wrapping_mul(2_654_435_761));
+        per_slot[(xxhash_rust::xxh3::xxh3_64(id.as_bytes()) % u64::from(slots)) as usize].push(id);
+    }
+    let t = Instant::now();
+    for (s, ids) in sets.iter_mut().zip(per_slot) {
+        // As a shard records them: batches of 1000 starts per write.
+        for chunk in ids.chunks(1000) {
+            s.add_all(&ctx, chunk.to_vec());
+        }
+    }
+    let built = t.elapsed();
+    let bytes: usize = sets.iter().map(|s| rmp_serde::to_vec(&ddshard::ddata::ReplicatedData::OrSet(s.clone())).unwrap().len()).sum();
+    let largest = sets.iter().map(|s| rmp_serde::to_vec(s).unwrap().len()).max().unwrap();
+    println!(
+        "1M remembered ids in {slots} slots: built in {built:?}, serialized {:.1} MB (largest slot {:.0} KB), RSS +{:.0} MB",
+        bytes as f64 / 1e6,
+        largest as f64 / 1e3,
+        rss_bytes().saturating_sub(before) as f64 / 1e6
+    );
+    drop(sets);
+
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let (mut cluster, on, off) = rt.block_on(async {
+        let c = TestCluster::start(3).await.unwrap();
+        c.await_converged(Duration::from_secs(30)).await;
+        let (mut on, mut off) = (Vec::new(), Vec::new());
+        for (_, n) in c.running() {
+            on.push(n.sharding().start("on", |_: &str| Thing, settings(true)).await.unwrap());
+            off.push(n.sharding().start("off", |_: &str| Thing, settings(false)).await.unwrap());
+        }
+        (c, on[0].clone(), off[0].clone())
+    });
+    let mut g = c.benchmark_group("new_entity_start_rate_3_nodes");
+    g.throughput(Throughput::Elements(BATCH as u64));
+    g.sample_size(10).measurement_time(Duration::from_secs(10));
+    let mut next = 0usize;
+    g.bench_function("remember_entities_off", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    start_new(&off, "off", next).await;
+                    next += BATCH;
+                }
+                t.elapsed()
+            })
+        })
+    });
+    let mut next = 0usize;
+    g.bench_function("remember_entities_on_majority_lmdb", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    start_new(&on, "on", next).await;
+                    next += BATCH;
+                }
+                t.elapsed()
+            })
+        })
+    });
+    g.finish();
+
+    // Restart time after a full-cluster restart: seed 100k remembered ids straight into the
+    // replicated sets (as the shards would have recorded them), restart every node, and time
+    // until all of them run again.
+    const N: usize = 100_000;
+    rt.block_on(async {
+        let s = ShardingSettings { remember_entities_slots: 16, ..settings(true) };
+        let r = cluster.node(0).replicator().clone();
+        let mut by_key: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+        for i in 0..N {
+            let id = format!("r-{i}");
+            let shard = ddshard::sharding::default_shard_id(&id, s.number_of_shards);
+            let slot = xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember_entities_slots);
+            by_key.entry(format!("shard-restart/{shard}/{slot}")).or_default().push(id);
+        }
+        for (key, ids) in by_key {
+            r.update::<OrSet, _>(&key, ddshard::Consistency::All, Duration::from_secs(10), move |set, ctx| set.add_all(ctx, ids))
+                .await
+                .unwrap();
+        }
+        let shards: BTreeSet<String> = (0..s.number_of_shards).map(|i| i.to_string()).collect();
+        r.update::<ddshard::ddata::GSet, _>("shard-restart/all", ddshard::Consistency::All, Duration::from_secs(10), move |g, _| {
+            for sh in shards {
+                g.insert(sh);
+            }
+        })
+        .await
+        .unwrap();
+        for i in 0..3 {
+            cluster.kill(i).await;
+        }
+        let t = Instant::now();
+        for i in 0..3 {
+            cluster.restart(i).await.unwrap();
+        }
+        cluster.await_converged(Duration::from_secs(60)).await;
+        let mut regions = Vec::new();
+        for (_, n) in cluster.running() {
+            regions.push(n.sharding().start("restart", |_: &str| Thing, s.clone()).await.unwrap());
+        }
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            let mut running = 0;
+            for r in &regions {
+                running += r.region_stats().await.unwrap().values().sum::<usize>();
+            }
+            if running >= N {
+                println!("full-cluster restart: {N} remembered entities running again {:?} after the restart began", t.elapsed());
+                break;
+            }
+            assert!(Instant::now() < deadline, "only {running} of {N} running after 300 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        cluster.shutdown().await;
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
