@@ -66,7 +66,8 @@ fn bench(c: &mut Criterion) {
         }
     }
     let built = t.elapsed();
-    let bytes: usize = sets.iter().map(|s| rmp_serde::to_vec(&ddshard::ddata::ReplicatedData::OrSet(s.clone())).unwrap().len()).sum();
+    let bytes: usize =
+        sets.iter().map(|s| rmp_serde::to_vec(&ddshard::ddata::ReplicatedData::OrSet(s.clone())).unwrap().len()).sum();
     let largest = sets.iter().map(|s| rmp_serde::to_vec(s).unwrap().len()).max().unwrap();
     println!(
         "1M remembered ids in {slots} slots: built in {built:?}, serialized {:.1} MB (largest slot {:.0} KB), RSS +{:.0} MB",
@@ -129,20 +130,28 @@ fn bench(c: &mut Criterion) {
         for i in 0..N {
             let id = format!("r-{i}");
             let shard = ddshard::sharding::default_shard_id(&id, s.number_of_shards);
-            let slot = xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember_entities_slots);
+            let slot =
+                xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember_entities_slots);
             by_key.entry(format!("shard-restart/{shard}/{slot}")).or_default().push(id);
         }
         for (key, ids) in by_key {
-            r.update::<OrSet, _>(&key, ddshard::Consistency::All, Duration::from_secs(10), move |set, ctx| set.add_all(ctx, ids))
-                .await
-                .unwrap();
+            r.update::<OrSet, _>(&key, ddshard::Consistency::All, Duration::from_secs(10), move |set, ctx| {
+                set.add_all(ctx, ids)
+            })
+            .await
+            .unwrap();
         }
         let shards: BTreeSet<String> = (0..s.number_of_shards).map(|i| i.to_string()).collect();
-        r.update::<ddshard::ddata::GSet, _>("shard-restart/all", ddshard::Consistency::All, Duration::from_secs(10), move |g, _| {
-            for sh in shards {
-                g.insert(sh);
-            }
-        })
+        r.update::<ddshard::ddata::GSet, _>(
+            "shard-restart/all",
+            ddshard::Consistency::All,
+            Duration::from_secs(10),
+            move |g, _| {
+                for sh in shards {
+                    g.insert(sh);
+                }
+            },
+        )
         .await
         .unwrap();
         for i in 0..3 {
@@ -164,7 +173,10 @@ fn bench(c: &mut Criterion) {
                 running += r.region_stats().await.unwrap().values().sum::<usize>();
             }
             if running >= N {
-                println!("full-cluster restart: {N} remembered entities running again {:?} after the restart began", t.elapsed());
+                println!(
+                    "full-cluster restart: {N} remembered entities running again {:?} after the restart began",
+                    t.elapsed()
+                );
                 break;
             }
             assert!(Instant::now() < deadline, "only {running} of {N} running after 300 s");

@@ -87,3 +87,94 @@ async fn minority_side_of_a_partition_downs_itself_and_the_majority_downs_it() {
     c.await_converged(CONVERGE).await;
     c.shutdown().await;
 }
+
+/// An entity that records its activations (from its first message, which carries the epoch;
+/// entities here are always started by a message).
+struct Tracked {
+    log: ddshard::testkit::ActivationLog,
+    node: String,
+    guard: Option<ddshard::testkit::ActivationGuard>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Touch;
+
+impl ddshard::Entity for Tracked {
+    type Message = Touch;
+    type Reply = ();
+    async fn handle(&mut self, _msg: Touch, ctx: &mut ddshard::EntityContext) {
+        if self.guard.is_none() {
+            self.guard = Some(self.log.started(ctx.entity_id(), &self.node, ctx.epoch()));
+        }
+    }
+}
+
+async fn start_tracked(
+    n: &Node,
+    log: &ddshard::testkit::ActivationLog,
+    s: ddshard::ShardingSettings,
+) -> ddshard::ShardRegion<Tracked> {
+    let (log, node) = (log.clone(), n.node_id().to_string());
+    n.sharding()
+        .start("tracked", move |_: &str| Tracked { log: log.clone(), node: node.clone(), guard: None }, s)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partition_two_three_minority_stops_before_majority_starts_and_no_activations_overlap() {
+    let mut c = TestCluster::start_with(5, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let s = ddshard::ShardingSettings { min_nr_of_members: 5, ..settings() };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_tracked(n, &log, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..50).map(|i| format!("t{i}")).collect();
+    for id in &ids {
+        regions[0].ask(id, Touch).await.unwrap();
+    }
+    let on_minority = log.activations().iter().filter(|a| a.node == "n1" || a.node == "n2").count();
+    assert!(on_minority > 0, "the minority hosts some entities");
+    c.partition(&[0, 1], &[2, 3, 4]);
+    // Keep traffic going from the majority side until every entity answers there.
+    for id in &ids {
+        let deadline = tokio::time::Instant::now() + CONVERGE;
+        while regions[3].ask_with_timeout(id, Touch, Duration::from_secs(2)).await.is_err() {
+            assert!(tokio::time::Instant::now() < deadline, "{id} never answered on the majority side");
+        }
+    }
+    assert!(c.node(0).is_shut_down() && c.node(1).is_shut_down(), "the minority downed itself");
+    if let Err(v) = log.check() {
+        panic!("overlapping activations: {v:#?}");
+    }
+    let moved = log.activations().iter().filter(|a| a.node != "n1" && a.node != "n2").count();
+    assert!(moved >= ids.len(), "every entity runs on the majority side");
+    c.heal();
+    // The minority comes back as new incarnations and receives shards again by rebalance.
+    c.restart(0).await.unwrap();
+    c.restart(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let r1 = start_tracked(c.node(0), &log, s.clone()).await;
+    let r2 = start_tracked(c.node(1), &log, s.clone()).await;
+    eventually(CONVERGE, "rejoined nodes receive shards by rebalance", || {
+        let (r1, r2) = (r1.clone(), r2.clone());
+        async move {
+            let n = r1.region_state().await.ok()?.len() + r2.region_state().await.ok()?.len();
+            (n > 0).then_some(())
+        }
+    })
+    .await;
+    // Touch everything again so moved entities start on their new homes.
+    for id in &ids {
+        let deadline = tokio::time::Instant::now() + CONVERGE;
+        while regions[3].ask_with_timeout(id, Touch, Duration::from_secs(2)).await.is_err() {
+            assert!(tokio::time::Instant::now() < deadline, "{id} never answered after the rebalance");
+        }
+    }
+    c.shutdown().await;
+    if let Err(v) = log.check() {
+        panic!("overlapping activations: {v:#?}");
+    }
+}
