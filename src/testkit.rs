@@ -185,7 +185,7 @@ pub fn test_config(node_id: &str, data_dir: &std::path::Path, cluster_id: &str) 
 /// Keep-majority downing with short timers, for failover tests.
 pub fn fast_downing(c: &mut NodeConfig) {
     c.membership.downing = crate::config::DowningStrategy::KeepMajority;
-    c.membership.stable_after = Duration::from_millis(1000);
+    c.membership.stable_after = Duration::from_millis(1500);
     c.membership.down_removal_margin = Duration::from_millis(1000);
 }
 

@@ -92,7 +92,9 @@ async fn passivation_while_messages_keep_arriving_loses_none() {
     })
     .await;
     let started = probe.started.load(Ordering::SeqCst);
-    assert_eq!(started, 21, "every passivation was followed by a fresh incarnation");
+    // A message can reach the mailbox before the passivation request is processed (then it is
+    // handled before the stop), so the number of incarnations varies; none may lose a message.
+    assert!(started >= 2, "the entity was passivated and started again: {started}");
     c.shutdown().await;
 }
 

@@ -74,7 +74,8 @@ async fn minority_side_of_a_partition_downs_itself_and_the_majority_downs_it() {
         eventually(CONVERGE, "minority removed on the majority side", || {
             let n = n.clone();
             async move {
-                let ids: Vec<String> = n.members().iter().map(|m| m.node_id().to_string()).collect();
+                let mut ids: Vec<String> = n.members().iter().map(|m| m.node_id().to_string()).collect();
+                ids.sort();
                 (ids == ["n3", "n4", "n5"] && n.members().iter().all(|m| m.status() == MemberStatus::Up)).then_some(())
             }
         })
