@@ -187,3 +187,32 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
     assert_eq!(probe.handled.load(Ordering::SeqCst), 20);
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_allocation_places_and_moves_shards_where_the_operator_says() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s = ShardingSettings {
+        allocation: ddshard::sharding::AllocationSettings::External { rebalance_limit: 10 },
+        min_nr_of_members: 2,
+        ..settings()
+    };
+    let regions = start_everywhere(&c, &probe, s).await;
+    let shard = regions[0].shard_id("ext-1");
+    regions[0].set_external_shard_location(&shard, "n2").await.unwrap();
+    // The location table follows the replicated map; wait for the coordinator's copy.
+    let r0 = regions[0].clone();
+    eventually(CONVERGE, "ext-1 allocated on n2", || {
+        let r0 = r0.clone();
+        async move { (where_is(&r0, "ext-1").await == "n2").then_some(()) }
+    })
+    .await;
+    regions[1].set_external_shard_location(&shard, "n1").await.unwrap();
+    eventually(CONVERGE, "ext-1 moved to n1 by rebalance", || {
+        let r0 = r0.clone();
+        async move { (where_is(&r0, "ext-1").await == "n1").then_some(()) }
+    })
+    .await;
+    c.shutdown().await;
+}

@@ -227,6 +227,11 @@ impl ExternalAllocation {
         ExternalAllocation { locations, rebalance_limit: 10 }
     }
 
+    /// The shared table (shard id → node id) this strategy reads.
+    pub fn locations(&self) -> &Arc<RwLock<BTreeMap<ShardId, String>>> {
+        &self.locations
+    }
+
     fn desired(&self, shard: &str, regions: &[RegionAllocation]) -> Option<RegionId> {
         let node = self.locations.read().expect("locations lock").get(shard).cloned()?;
         regions.iter().find(|r| *r.region.node_id == *node).map(|r| r.region.clone())

@@ -97,6 +97,12 @@ pub enum AllocationSettings {
         /// Shards moved per round.
         rebalance_limit: usize,
     },
+    /// [`ExternalAllocation`]: shards go where an operator says
+    /// ([`ShardRegion::set_external_shard_location`]), kept in a replicated, durable LWW-map.
+    External {
+        /// Shards moved per round.
+        rebalance_limit: usize,
+    },
 }
 
 impl Default for AllocationSettings {
@@ -233,6 +239,12 @@ impl ShardingSettings {
                     rebalance_limit: *rebalance_limit,
                 })
             }
+            AllocationSettings::External { rebalance_limit } => {
+                // Without the runtime's table (filled from the replicated map) nothing is desired.
+                let mut ext = ExternalAllocation::new(Arc::default());
+                ext.rebalance_limit = *rebalance_limit;
+                Arc::new(ext)
+            }
         }
     }
 }
@@ -246,6 +258,11 @@ pub(crate) fn remembered_entities_key(type_name: &str, shard: &str, slot: u32) -
 /// Replicator key of the durable set of a type's shards (for a full-cluster restart).
 pub(crate) fn remembered_shards_key(type_name: &str) -> String {
     format!("shard-{type_name}/all")
+}
+
+/// Replicator key of the operator's desired shard locations (External allocation).
+pub(crate) fn external_locations_key(type_name: &str) -> String {
+    format!("shard-{type_name}/external-locations")
 }
 
 /// Prefix of every durable sharding key of a type.

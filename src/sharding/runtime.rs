@@ -299,6 +299,21 @@ impl<E: Entity> ShardRegion<E> {
         Ok(stats)
     }
 
+    /// External allocation: asks for `shard` to live on node `node_id` (majority write to the
+    /// replicated, durable table of desired locations). New allocations follow at once;
+    /// allocated shards move at the next rebalance.
+    pub async fn set_external_shard_location(&self, shard: &str, node_id: &str) -> Result<()> {
+        let key = super::external_locations_key(&self.inner.type_name);
+        let (shard, node_id) = (shard.to_string(), node_id.to_string());
+        self.inner
+            .node
+            .replicator()
+            .update::<LwwMap, _>(&key, Consistency::MAJORITY, self.inner.settings.ask_timeout, move |m, ctx| {
+                let _ = m.put_as(ctx, shard, &node_id);
+            })
+            .await
+    }
+
     /// Hands off every shard of this region to other regions, then stops it (used by
     /// `Node::leave`). Bounded by `handoff_timeout`.
     pub async fn graceful_shutdown(&self) {
@@ -324,6 +339,28 @@ impl<E: Entity> RegionControl for HandleInner<E> {
 }
 
 /// Starts the region (and, where the node may host the coordinator, the coordinator runner).
+/// Keeps the External strategy's table equal to the replicated map of desired locations.
+async fn follow_external_locations(
+    node: Node,
+    type_name: String,
+    table: Arc<std::sync::RwLock<BTreeMap<ShardId, String>>>,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let Ok(mut rx) = node.replicator().subscribe(&super::external_locations_key(&type_name)).await else { return };
+    loop {
+        let current = rx.borrow_and_update().clone();
+        if let Some(crate::ddata::ReplicatedData::LwwMap(m)) = current {
+            let next: BTreeMap<ShardId, String> =
+                m.iter().filter_map(|(k, _)| Some((k.to_string(), m.get_as::<String>(k).ok()??))).collect();
+            *table.write().expect("locations lock") = next;
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = rx.changed() => if r.is_err() { return },
+        }
+    }
+}
+
 pub(crate) async fn start_region<E: Entity>(
     node: &Node,
     type_name: &str,
@@ -385,7 +422,22 @@ pub(crate) async fn start_region<E: Entity>(
     let shutdown = node.shutdown_token();
     node.spawn(task.run(rx, inbound, events_rx, node.watch_membership(), shutdown.clone()));
     if !proxy {
-        let strategy = options.allocation_strategy.unwrap_or_else(|| settings.strategy());
+        let strategy = match (&options.allocation_strategy, &settings.allocation) {
+            (Some(s), _) => s.clone(),
+            (None, super::AllocationSettings::External { rebalance_limit }) => {
+                let table: Arc<std::sync::RwLock<BTreeMap<ShardId, String>>> = Arc::default();
+                node.spawn(follow_external_locations(
+                    node.clone(),
+                    type_name.to_string(),
+                    table.clone(),
+                    shutdown.clone(),
+                ));
+                let mut ext = super::ExternalAllocation::new(table);
+                ext.rebalance_limit = *rebalance_limit;
+                Arc::new(ext) as Arc<dyn super::ShardAllocationStrategy>
+            }
+            (None, _) => settings.strategy(),
+        };
         let runner = CoordinatorRunner { node: node.clone(), type_name: type_name.to_string(), settings, strategy };
         node.spawn(runner.run(shutdown));
     }
