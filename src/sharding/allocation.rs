@@ -41,6 +41,28 @@ fn by_suitability(regions: &[RegionAllocation]) -> Vec<&RegionAllocation> {
     v
 }
 
+/// Shards not in the region `target` gives them (when it gives one), up to `limit` moves in
+/// progress at once.
+fn misplaced(
+    regions: &[RegionAllocation],
+    in_progress: &BTreeSet<ShardId>,
+    limit: usize,
+    target: impl Fn(&str) -> Option<RegionId>,
+) -> BTreeSet<ShardId> {
+    let mut out = BTreeSet::new();
+    for r in regions {
+        for s in &r.shards {
+            if out.len() + in_progress.len() >= limit {
+                return out;
+            }
+            if !in_progress.contains(s) && target(s).is_some_and(|t| t != r.region) {
+                out.insert(s.clone());
+            }
+        }
+    }
+    out
+}
+
 fn least_loaded(regions: &[RegionAllocation]) -> RegionId {
     by_suitability(regions)[0].region.clone()
 }
@@ -196,18 +218,7 @@ impl ShardAllocationStrategy for ConsistentHashingAllocation {
     }
 
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
-        let mut out = BTreeSet::new();
-        for r in regions {
-            for s in &r.shards {
-                if out.len() + in_progress.len() >= self.rebalance_limit {
-                    return out;
-                }
-                if !in_progress.contains(s) && self.ring_owner(s, regions).is_some_and(|o| o != r.region) {
-                    out.insert(s.clone());
-                }
-            }
-        }
-        out
+        misplaced(regions, in_progress, self.rebalance_limit, |s| self.ring_owner(s, regions))
     }
 }
 
@@ -246,18 +257,7 @@ impl ShardAllocationStrategy for ExternalAllocation {
     }
 
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
-        let mut out = BTreeSet::new();
-        for r in regions {
-            for s in &r.shards {
-                if out.len() + in_progress.len() >= self.rebalance_limit {
-                    return out;
-                }
-                if !in_progress.contains(s) && self.desired(s, regions).is_some_and(|d| d != r.region) {
-                    out.insert(s.clone());
-                }
-            }
-        }
-        out
+        misplaced(regions, in_progress, self.rebalance_limit, |s| self.desired(s, regions))
     }
 }
 

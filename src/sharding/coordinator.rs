@@ -609,16 +609,20 @@ mod tests {
         UniqueAddress::new(n, 1)
     }
 
+    fn test_settings(min: usize) -> CoordinatorSettings {
+        CoordinatorSettings {
+            min_nr_of_members: min,
+            rebalance_interval: Duration::from_secs(10),
+            handoff_timeout: Duration::from_secs(5),
+            shard_start_timeout: Duration::from_secs(2),
+            eager_reallocation: false,
+        }
+    }
+
     fn core(min: usize) -> CoordinatorCore {
         CoordinatorCore::new(
             r("c"),
-            CoordinatorSettings {
-                min_nr_of_members: min,
-                rebalance_interval: Duration::from_secs(10),
-                handoff_timeout: Duration::from_secs(5),
-                shard_start_timeout: Duration::from_secs(2),
-                eager_reallocation: false,
-            },
+            test_settings(min),
             Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
             CoordinatorState::default(),
             Instant::now(),
@@ -731,13 +735,7 @@ mod tests {
         state.shards.insert("1".into(), ShardRecord { region: None, epoch: 7 });
         let mut c = CoordinatorCore::new(
             r("c"),
-            CoordinatorSettings {
-                min_nr_of_members: 3,
-                rebalance_interval: Duration::from_secs(10),
-                handoff_timeout: Duration::from_secs(5),
-                shard_start_timeout: Duration::from_secs(2),
-                eager_reallocation: false,
-            },
+            test_settings(3),
             Arc::new(LeastShardAllocation::default()),
             state,
             Instant::now(),
