@@ -19,6 +19,7 @@ pub mod ddata;
 pub mod error;
 pub mod membership;
 mod node;
+pub mod service;
 pub mod sharding;
 pub mod transport;
 

@@ -27,6 +27,26 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         increments: i64,
     },
+    /// Run a real node from a config file (TOML, as config/default.toml) hosting the sample
+    /// key-value type `kv`, with the line protocol of `ddshard::service` on --client-addr.
+    /// Prints one `READY …` line with the bound addresses; SIGTERM or Ctrl-C leaves gracefully.
+    Node {
+        /// Node configuration (TOML).
+        #[arg(long)]
+        config: std::path::PathBuf,
+        /// Address of the client line protocol (port 0: any free port).
+        #[arg(long, default_value = "127.0.0.1:0")]
+        client_addr: std::net::SocketAddr,
+    },
+    /// Send one request to a node's client address and print the answer (see `ddshard::service`).
+    Call {
+        /// The node's client address.
+        #[arg(long)]
+        addr: std::net::SocketAddr,
+        /// The request, e.g. `PUT cart-1 apples` or `STATS`.
+        #[arg(required = true)]
+        request: Vec<String>,
+    },
     /// Delete the sharding data (remembered entities and shards) of entity types from a stopped
     /// node's data dir (Akka's RemoveInternalClusterShardingData). Refuses while a node runs on it.
     RemoveInternalData {
@@ -76,10 +96,60 @@ async fn main() {
     let result = match cli.command {
         Command::Demo { counters, increments } => demo(counters, increments).await,
         Command::RemoveInternalData { data_dir, types } => remove_internal_data(&data_dir, &types),
+        Command::Node { config, client_addr } => run_node(&config, client_addr).await,
+        Command::Call { addr, request } => {
+            match ddshard::service::call(addr, &request.join(" "), Duration::from_secs(10)).await {
+                Ok(line) => {
+                    println!("{line}");
+                    if line.starts_with("ERR") { Err("the node answered with an error".into()) } else { Ok(()) }
+                }
+                Err(e) => Err(e.into()),
+            }
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
+    }
+}
+
+async fn run_node(
+    config: &std::path::Path,
+    client_addr: std::net::SocketAddr,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let cfg = NodeConfig::from_toml_file(config)?;
+    let settings = cfg.sharding.clone();
+    let node = Node::start(cfg).await?;
+    let me = node.node_id().to_string();
+    let region = node.sharding().start("kv", move |_: &str| ddshard::service::KvEntity::new(&me), settings).await?;
+    let listener = tokio::net::TcpListener::bind(client_addr).await?;
+    let client = listener.local_addr()?;
+    println!(
+        "READY node={} gossip={} messaging={} client={client}",
+        node.node_id(),
+        node.gossip_addr(),
+        node.messaging_addr()
+    );
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = tokio::spawn(ddshard::service::serve(node.clone(), region, listener, stop.clone()));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+        _ = wait_until_stopped(&node) => {
+            stop.cancel();
+            return Err("the node was downed (or stopped); restart it to rejoin as a new incarnation".into());
+        }
+    }
+    stop.cancel();
+    let _ = server.await;
+    node.leave().await?;
+    Ok(())
+}
+
+async fn wait_until_stopped(node: &Node) {
+    while !node.is_shut_down() {
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
 
