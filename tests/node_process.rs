@@ -30,11 +30,15 @@ fn field(line: &str, name: &str) -> SocketAddr {
 }
 
 fn spawn_node(dir: &std::path::Path, id: &str, seeds: &[SocketAddr]) -> NodeProcess {
+    spawn_node_with(dir, id, seeds, "")
+}
+
+fn spawn_node_with(dir: &std::path::Path, id: &str, seeds: &[SocketAddr], sharding_extra: &str) -> NodeProcess {
     let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
     let config = format!(
         "node_id = \"{id}\"\ncluster_id = \"proc-test\"\ndata_dir = \"{}\"\nseeds = [{}]\n\
          [membership]\nstable_after = \"1500ms\"\ndown_removal_margin = \"1s\"\n\
-         [sharding]\nnumber_of_shards = 20\nretry_interval = \"400ms\"\n",
+         [sharding]\nnumber_of_shards = 20\nretry_interval = \"400ms\"\n{sharding_extra}",
         dir.join(id).display(),
         seeds.join(", ")
     );
@@ -105,4 +109,49 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     let status = n1.child.wait().unwrap();
     assert!(status.success(), "graceful exit: {status}");
+}
+
+/// Sum of entity counts in a `STATS` answer, and whether any region failed to answer.
+fn stats_total(answer: &str) -> Option<usize> {
+    let body = answer.strip_prefix("STATS")?;
+    let (regions, failed) = body.split_once("FAILED")?;
+    if !failed.trim().is_empty() {
+        return None;
+    }
+    Some(regions.split_whitespace().filter_map(|r| r.split_once('=')?.1.parse::<usize>().ok()).sum())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_sigkill_the_coordinator_host_then_another_and_remembered_entities_run_without_a_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let remember = "remember_entities = true\nmin_nr_of_members = 3\n";
+    let mut n1 = spawn_node_with(dir.path(), "n1", &[], remember);
+    let n2 = spawn_node_with(dir.path(), "n2", &[n1.gossip], remember);
+    let mut n3 = spawn_node_with(dir.path(), "n3", &[n1.gossip], remember);
+    until(n2.client, "MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == 3).await;
+    for i in 0..30 {
+        assert!(ask(n3.client, &format!("PUT r{i} v")).await.starts_with("OK "));
+    }
+    assert_eq!(stats_total(&ask(n2.client, "STATS").await), Some(30));
+    // n1 is the oldest: it runs the coordinator.
+    let bound = Duration::from_millis(1000 + 1500 + 1000 + 5000);
+    let killed = Instant::now();
+    n1.child.kill().unwrap();
+    n1.child.wait().unwrap();
+    until(n2.client, "STATS", bound, |a| stats_total(a) == Some(30) && !a.contains("n1=")).await;
+    println!(
+        "coordinator host killed: 30 remembered entities running on n2/n3 after {:?}, no message sent",
+        killed.elapsed()
+    );
+    for i in 0..30 {
+        // It answers; its value was in memory on the killed node (only the id is remembered).
+        until(n2.client, &format!("GET r{i}"), bound, |a| a.starts_with("VALUE ") || a.starts_with("NONE ")).await;
+    }
+    // Then a non-coordinator: n3 (n2, the lower address, wins the 1-1 tie and stays).
+    let killed = Instant::now();
+    n3.child.kill().unwrap();
+    n3.child.wait().unwrap();
+    until(n2.client, "STATS", bound, |a| a.trim_end() == "STATS n2=30 FAILED").await;
+    println!("second node killed: all 30 remembered entities running on n2 after {:?}", killed.elapsed());
+    drop(n2);
 }
