@@ -256,3 +256,59 @@ async fn corrupt_lmdb_file_fails_node_start_with_a_typed_error() {
     let err = Node::start(cfg).await.unwrap_err();
     assert!(matches!(err, Error::Storage { .. }), "{err}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_that_lost_its_data_dir_rejoins_with_the_same_id_without_corrupting_any_crdt() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    for (i, n) in c.running() {
+        let member = format!("before-{i}");
+        n.replicator()
+            .update::<OrSet, _>("durable-lost", Consistency::All, OP, move |s, ctx| s.add(ctx, member))
+            .await
+            .unwrap();
+    }
+    let old = c.node(0).address().clone();
+    c.kill(0).await;
+    // The disk is gone: nothing of n1's store survives.
+    for entry in std::fs::read_dir(c.data_dir(0)).unwrap() {
+        let p = entry.unwrap().path();
+        if p.is_dir() { std::fs::remove_dir_all(&p).unwrap() } else { std::fs::remove_file(&p).unwrap() }
+    }
+    c.restart(0).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let new = c.node(0).address().clone();
+    assert_eq!(new.node_id, old.node_id);
+    assert!(new.generation > old.generation, "a new incarnation, so a new CRDT actor");
+    // The rejoined node adds and removes; every replica converges on one state with nothing lost.
+    c.node(0)
+        .replicator()
+        .update::<OrSet, _>("durable-lost", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "after-0"))
+        .await
+        .unwrap();
+    // An OR-set removes only what the replica has observed: read with majority first (which
+    // merges the others' state into the fresh replica), then remove.
+    let seen = c.node(0).replicator().get::<OrSet>("durable-lost", Consistency::MAJORITY, OP).await.unwrap().unwrap();
+    assert!(seen.contains("before-1") && seen.contains("after-0"));
+    c.node(0)
+        .replicator()
+        .update::<OrSet, _>("durable-lost", Consistency::MAJORITY, OP, |s, _| s.remove("before-1"))
+        .await
+        .unwrap();
+    let expected: BTreeSet<String> = ["before-0", "before-2", "after-0"].iter().map(|s| s.to_string()).collect();
+    let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    eventually(CONVERGE, "all replicas converge after the data loss", || {
+        let nodes = nodes.clone();
+        let expected = expected.clone();
+        async move {
+            for n in &nodes {
+                if orset_members(n, "durable-lost").await != expected {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    c.shutdown().await;
+}
