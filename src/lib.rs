@@ -10,7 +10,7 @@
 //!   anti-entropy and LMDB durability;
 //! - [`Node`]: wires them together.
 //!
-//! With the `testkit` feature, [`testkit`] starts in-process clusters with fault injection.
+//! With the `testkit` feature, `testkit` starts in-process clusters with fault injection.
 
 #![warn(missing_docs)]
 

@@ -3,7 +3,7 @@
 //!
 //! Each node gossips a few small keys of its own (status, up-number, roles, messaging address);
 //! [`view::compute_members`] turns the gossip state into the member list, the same way on every
-//! node, and [`driver`] runs the joining/leaving life cycle around chitchat.
+//! node, and the driver runs the joining/leaving life cycle around chitchat.
 //!
 //! **Age order.** When a member turns Up it takes an *up-number*: one more than the highest it
 //! has seen in gossip (Lamport style). Members are ordered by `(up_number, node_id)`, so a node
