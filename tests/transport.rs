@@ -169,3 +169,19 @@ async fn messages_to_a_peer_arrive_in_the_order_sent() {
     .await;
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_a_node_sends_to_itself_keep_their_order() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    let me = peer_of(c.node(0));
+    let t = c.node(0).transport().clone();
+    let mut inbox = t.subscribe("self", 10_000);
+    for i in 0..5_000u32 {
+        t.send(&me, "self", &i.to_be_bytes()).unwrap();
+    }
+    for i in 0..5_000u32 {
+        let m = tokio::time::timeout(Duration::from_secs(10), inbox.recv()).await.unwrap().unwrap();
+        assert_eq!(u32::from_be_bytes(m.body[..4].try_into().unwrap()), i);
+    }
+    c.shutdown().await;
+}

@@ -89,6 +89,8 @@ struct Inner {
     next_request_id: AtomicU64,
     stats: TransportStats,
     shutdown: CancellationToken,
+    /// Frames this node sends to itself, dispatched in order by one task.
+    loopback: mpsc::UnboundedSender<Bytes>,
     #[cfg(feature = "testkit")]
     injector: std::sync::OnceLock<crate::testkit::FaultInjector>,
 }
@@ -124,6 +126,7 @@ impl Transport {
         if messaging_addr.ip().is_unspecified() {
             return Err(Error::BadAddress(messaging_addr));
         }
+        let (loopback_tx, loopback_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             local: PeerAddr { address: local, messaging_addr },
             cluster_id,
@@ -134,10 +137,12 @@ impl Transport {
             next_request_id: AtomicU64::new(1),
             stats: TransportStats::default(),
             shutdown,
+            loopback: loopback_tx,
             #[cfg(feature = "testkit")]
             injector: std::sync::OnceLock::new(),
         });
         tokio::spawn(accept_loop(listener, inner.clone()));
+        tokio::spawn(loopback_loop(inner.clone(), loopback_rx));
         Ok(Transport { inner })
     }
 
@@ -222,14 +227,8 @@ impl Transport {
             if bytes.len() > max {
                 return Err(too_large(bytes.len()));
             }
-            let from = inner.local.clone();
-            let inner2 = inner.clone();
-            tokio::spawn(async move {
-                if let Ok(f) = wire::decode_borrowed::<Frame>(&bytes) {
-                    dispatch(&inner2, &from, &bytes, f, &mut HashMap::new()).await;
-                }
-            });
-            return Ok(());
+            // One task delivers loopback frames in order, like a connection would.
+            return inner.loopback.send(bytes).map_err(|_| Error::ShutDown);
         }
         let queue = {
             let mut writers = inner.writers.lock().expect("writers lock");
@@ -381,6 +380,23 @@ async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Framed<TcpStream, Length
         },
         Some(Err(e)) => Err(DialError::Io(e)),
         None => Err(DialError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+    }
+}
+
+async fn loopback_loop(inner: Arc<Inner>, mut frames: mpsc::UnboundedReceiver<Bytes>) {
+    let from = inner.local.clone();
+    let mut cache = HashMap::new();
+    loop {
+        let bytes = tokio::select! {
+            _ = inner.shutdown.cancelled() => return,
+            b = frames.recv() => match b {
+                Some(b) => b,
+                None => return,
+            },
+        };
+        if let Ok(f) = wire::decode_borrowed::<Frame>(&bytes) {
+            dispatch(&inner, &from, &bytes, f, &mut cache).await;
+        }
     }
 }
 
