@@ -8,12 +8,14 @@
 //!   request/response);
 //! - [`ddata`]: a replicator of CRDTs (LWW-map, OR-set, G-set) with majority reads and writes,
 //!   anti-entropy and LMDB durability;
-//! - [`Node`]: wires them together.
+//! - [`Node`]: wires them together;
+//! - [`activation`]: an activation log and the checker of "at most one live incarnation".
 //!
 //! With the `testkit` feature, `testkit` starts in-process clusters with fault injection.
 
 #![warn(missing_docs)]
 
+pub mod activation;
 pub mod config;
 pub mod ddata;
 pub mod error;

@@ -25,6 +25,7 @@ use tokio_util::codec::{Framed, LinesCodec};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::activation::{ActivationGuard, ActivationLog};
 use crate::error::{Error, Result};
 use crate::node::Node;
 use crate::sharding::{Entity, EntityContext, ShardRegion};
@@ -34,12 +35,20 @@ use crate::sharding::{Entity, EntityContext, ShardRegion};
 pub struct KvEntity {
     value: Option<String>,
     node: String,
+    log: Option<ActivationLog>,
+    activation: Option<ActivationGuard>,
 }
 
 impl KvEntity {
     /// An empty entry hosted on `node`.
     pub fn new(node: &str) -> Self {
-        KvEntity { value: None, node: node.to_string() }
+        KvEntity { value: None, node: node.to_string(), log: None, activation: None }
+    }
+
+    /// An empty entry hosted on `node` that records its activation (start, epoch, stop) in
+    /// `log`.
+    pub fn with_activation_log(node: &str, log: ActivationLog) -> Self {
+        KvEntity { log: Some(log), ..Self::new(node) }
     }
 }
 
@@ -68,6 +77,12 @@ pub struct KvReply {
 impl Entity for KvEntity {
     type Message = KvMsg;
     type Reply = KvReply;
+
+    async fn started(&mut self, ctx: &EntityContext) {
+        if let Some(log) = &self.log {
+            self.activation = Some(log.started(ctx.entity_id(), &self.node, ctx.epoch()));
+        }
+    }
 
     async fn handle(&mut self, msg: KvMsg, ctx: &mut EntityContext) -> KvReply {
         match msg {

@@ -37,6 +37,10 @@ enum Command {
         /// Address of the client line protocol (port 0: any free port).
         #[arg(long, default_value = "127.0.0.1:0")]
         client_addr: std::net::SocketAddr,
+        /// Append every activation of a `kv` entity (id, node, epoch, start, stop) to this file,
+        /// for `ddshard::activation::check_activations` (see `ddshard::activation`).
+        #[arg(long)]
+        activation_log: Option<std::path::PathBuf>,
     },
     /// Send one request to a node's client address and print the answer (see `ddshard::service`).
     Call {
@@ -96,7 +100,9 @@ async fn main() {
     let result = match cli.command {
         Command::Demo { counters, increments } => demo(counters, increments).await,
         Command::RemoveInternalData { data_dir, types } => remove_internal_data(&data_dir, &types),
-        Command::Node { config, client_addr } => run_node(&config, client_addr).await,
+        Command::Node { config, client_addr, activation_log } => {
+            run_node(&config, client_addr, activation_log.as_deref()).await
+        }
         Command::Call { addr, request } => {
             match ddshard::service::call(addr, &request.join(" "), Duration::from_secs(10)).await {
                 Ok(line) => {
@@ -116,12 +122,18 @@ async fn main() {
 async fn run_node(
     config: &std::path::Path,
     client_addr: std::net::SocketAddr,
+    activation_log: Option<&std::path::Path>,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let cfg = NodeConfig::from_toml_file(config)?;
     let settings = cfg.sharding.clone();
+    let log = activation_log.map(ddshard::activation::ActivationLog::with_file).transpose()?;
     let node = Node::start(cfg).await?;
     let me = node.node_id().to_string();
-    let region = node.sharding().start("kv", move |_: &str| ddshard::service::KvEntity::new(&me), settings).await?;
+    let factory = move |_: &str| match &log {
+        Some(log) => ddshard::service::KvEntity::with_activation_log(&me, log.clone()),
+        None => ddshard::service::KvEntity::new(&me),
+    };
+    let region = node.sharding().start("kv", factory, settings).await?;
     let listener = tokio::net::TcpListener::bind(client_addr).await?;
     let client = listener.local_addr()?;
     println!(
@@ -138,6 +150,8 @@ async fn run_node(
         _ = term.recv() => {}
         _ = wait_until_stopped(&node) => {
             stop.cancel();
+            // Every entity is gone (and logged as stopped) before the process exits.
+            node.shutdown().await;
             return Err("the node was downed (or stopped); restart it to rejoin as a new incarnation".into());
         }
     }

@@ -1,6 +1,13 @@
 //! Keep-majority split-brain resolver as a pure decision function: when the set of unreachable
 //! members has not changed for `stable_after`, the side with more members downs the other; on a
 //! tie the side holding the lowest address wins. A node on the losing side downs itself.
+//!
+//! The two sides time their decisions differently on purpose. The winning side waits until its
+//! unreachable set has been stable for `stable_after` (any change restarts the clock: that only
+//! delays downing others, which is safe). The losing side downs itself once it has been losing
+//! *continuously* for `stable_after`, even if its unreachable set changed meanwhile (say a
+//! peer on its own side crashed): restarting its clock there would let it outlive the moment
+//! the winners, who saw no change, start its shards elsewhere.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -26,11 +33,13 @@ pub(crate) struct KeepMajority {
     stable_after: Duration,
     unreachable: BTreeSet<UniqueAddress>,
     stable_since: Instant,
+    /// Since when this node has been on the losing side without a break.
+    losing_since: Option<Instant>,
 }
 
 impl KeepMajority {
     pub(crate) fn new(stable_after: Duration, now: Instant) -> Self {
-        KeepMajority { stable_after, unreachable: BTreeSet::new(), stable_since: now }
+        KeepMajority { stable_after, unreachable: BTreeSet::new(), stable_since: now, losing_since: None }
     }
 
     /// Feeds the current view; returns the decision once the view is stable long enough.
@@ -45,9 +54,9 @@ impl KeepMajority {
         if unreachable != self.unreachable {
             self.unreachable = unreachable;
             self.stable_since = now;
-            return Decision::Wait;
         }
-        if self.unreachable.is_empty() || now.duration_since(self.stable_since) < self.stable_after {
+        if self.unreachable.is_empty() {
+            self.losing_since = None;
             return Decision::Wait;
         }
         let reachable = counted.len() - self.unreachable.len();
@@ -57,7 +66,19 @@ impl KeepMajority {
             let lowest = counted.iter().map(|m| m.address()).min();
             lowest.is_some_and(|l| !self.unreachable.contains(l))
         };
-        if keep { Decision::DownOthers(self.unreachable.clone()) } else { Decision::DownMyself }
+        if keep {
+            self.losing_since = None;
+            if now.duration_since(self.stable_since) < self.stable_after {
+                return Decision::Wait;
+            }
+            Decision::DownOthers(self.unreachable.clone())
+        } else {
+            let since = *self.losing_since.get_or_insert(now);
+            if now.duration_since(since) < self.stable_after {
+                return Decision::Wait;
+            }
+            Decision::DownMyself
+        }
     }
 }
 
@@ -130,6 +151,33 @@ mod tests {
         let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true)]);
         k.decide(&s, t0);
         assert_eq!(k.decide(&s, later), Decision::DownMyself);
+    }
+
+    #[test]
+    fn losing_side_keeps_its_clock_when_a_peer_on_its_side_crashes_mid_partition() {
+        // 2|3 partition seen from d; 1 s later e (on d's side) crashes: d's unreachable set
+        // changes, but d has been losing all along and must down itself on the original
+        // schedule, when the majority (which saw no change) downs d and e.
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        assert_eq!(k.decide(&cut, t0), Decision::Wait);
+        let crashed = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", false)]);
+        assert_eq!(k.decide(&crashed, t0 + Duration::from_secs(1)), Decision::Wait);
+        assert_eq!(k.decide(&crashed, t0 + Duration::from_secs(5)), Decision::DownMyself);
+    }
+
+    #[test]
+    fn losing_clock_restarts_after_the_node_stopped_losing() {
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        k.decide(&cut, t0);
+        let healed = snap("d", &[("a", true), ("b", true), ("c", true), ("d", true), ("e", true)]);
+        assert_eq!(k.decide(&healed, t0 + Duration::from_secs(3)), Decision::Wait);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(4)), Decision::Wait);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(8)), Decision::Wait);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(9)), Decision::DownMyself);
     }
 
     #[test]

@@ -40,6 +40,15 @@ pub trait Entity: Send + 'static {
 
     /// Handles one message.
     fn handle(&mut self, msg: Self::Message, ctx: &mut EntityContext) -> impl Future<Output = Self::Reply> + Send;
+
+    /// Runs once when this incarnation starts, before its first message — also when a
+    /// remembered entity is restarted without any message. `ctx.epoch()` is the fencing token
+    /// of this activation: the place to load state or to claim external resources. A panic here
+    /// stops the incarnation like a panic in [`Entity::handle`]. Does nothing by default.
+    fn started(&mut self, ctx: &EntityContext) -> impl Future<Output = ()> + Send {
+        let _ = ctx;
+        async {}
+    }
 }
 
 /// What an entity knows about itself while handling a message.

@@ -418,6 +418,7 @@ pub(crate) async fn start_region<E: Entity>(
         next_shard_instance: 1,
         orphans: HashMap::new(),
         ask_targets: HashMap::new(),
+        aborted: Vec::new(),
     };
     let shutdown = node.shutdown_token();
     node.spawn(task.run(rx, inbound, events_rx, node.watch_membership(), shutdown.clone()));
@@ -503,6 +504,9 @@ struct RegionTask<E: Entity> {
     /// The region each pending ask was forwarded to: asks to a region whose node went down
     /// fail at once instead of waiting for their timeout.
     ask_targets: HashMap<u64, RegionId>,
+    /// Entity tasks aborted but maybe not yet dropped; the region task awaits them before it
+    /// ends, so `Node::shutdown` returns only when no entity of the node is alive.
+    aborted: Vec<tokio::task::JoinHandle<()>>,
 }
 
 fn peer_of(snap: &MembershipSnapshot, addr: &RegionId) -> Option<PeerAddr> {
@@ -604,14 +608,24 @@ impl<E: Entity> RegionTask<E> {
         }
         self.stop_all_shards();
         self.transport.unsubscribe(&region_topic(&self.type_name));
+        for task in self.aborted.drain(..) {
+            let _ = task.await;
+        }
     }
 
     fn stop_all_shards(&mut self) {
-        for (_, shard) in self.shards.drain() {
+        let shards: Vec<LocalShard<E>> = self.shards.drain().map(|(_, s)| s).collect();
+        for shard in shards {
             for (_, e) in shard.entities {
-                e.task.abort();
+                self.abort_entity(e.task);
             }
         }
+    }
+
+    fn abort_entity(&mut self, task: tokio::task::JoinHandle<()>) {
+        task.abort();
+        self.aborted.retain(|t| !t.is_finished());
+        self.aborted.push(task);
     }
 
     fn finish_shutdown(&mut self) {
@@ -1145,7 +1159,7 @@ impl<E: Entity> RegionTask<E> {
             ShardAction::ForceStop { entity_id } => {
                 if let Some(h) = self.shards.get_mut(shard_id).and_then(|s| s.entities.remove(&entity_id)) {
                     warn!(type_name = %self.type_name, %entity_id, "entity did not stop within the hand-off timeout; aborted");
-                    h.task.abort();
+                    self.abort_entity(h.task);
                 }
             }
             ShardAction::Drop { entity_id, msg, reason } => {
@@ -1175,7 +1189,7 @@ impl<E: Entity> RegionTask<E> {
                 self.fail_orphans(shard_id);
                 let Some(s) = self.shards.remove(shard_id) else { return };
                 for (_, e) in s.entities {
-                    e.task.abort();
+                    self.abort_entity(e.task);
                 }
                 self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
                 warn!(type_name = %self.type_name, shard = %shard_id, backoff = ?self.settings.shard_failure_backoff, "shard failed; restarting after backoff");
@@ -1190,7 +1204,7 @@ impl<E: Entity> RegionTask<E> {
                 self.fail_orphans(shard_id);
                 if let Some(s) = self.shards.remove(shard_id) {
                     for (_, e) in s.entities {
-                        e.task.abort();
+                        self.abort_entity(e.task);
                     }
                 }
                 debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
@@ -1245,6 +1259,21 @@ impl<E: Entity> EntityRunner<E> {
                 return;
             }
         };
+        if let Err(panic) = AssertUnwindSafe(entity.started(&self.ctx)).catch_unwind().await {
+            self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
+            error!(type_name = %self.type_name, entity_id = %id, panic = %panic_text(&*panic), "entity start hook panicked; entity stopped");
+            drop(entity);
+            // Its queued messages go to a fresh instance, as after a panic in `handle`.
+            inbox.close();
+            let mut leftovers = Vec::new();
+            while let Ok(cmd) = inbox.try_recv() {
+                if let EntityCmd::Msg(env) = cmd {
+                    leftovers.push(env);
+                }
+            }
+            self.terminated(leftovers);
+            return;
+        }
         while let Some(cmd) = inbox.recv().await {
             let env = match cmd {
                 EntityCmd::Stop => break,
@@ -1259,11 +1288,8 @@ impl<E: Entity> EntityRunner<E> {
                 Ok(reply) => self.respond(env.reply, Ok(Some(reply))),
                 Err(panic) => {
                     self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
-                    let what = panic
-                        .downcast_ref::<&str>()
-                        .map(|s| s.to_string())
-                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                        .unwrap_or_default();
+                    let what = panic_text(&*panic);
+                    drop(entity);
                     error!(type_name = %self.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
                     self.respond(env.reply, Err(not_delivered(&id, format!("entity handler panicked: {what}"))));
                     // Messages still queued go to a fresh instance.
@@ -1286,8 +1312,19 @@ impl<E: Entity> EntityRunner<E> {
                 });
             }
         }
+        // Gone before anyone hears it terminated: the next incarnation may start elsewhere.
+        drop(entity);
         self.terminated(Vec::new());
     }
+}
+
+/// The message of a caught panic, if it carried one.
+fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_default()
 }
 
 /// Runs the coordinator of one type while this node is the oldest member with the role.

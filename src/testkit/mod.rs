@@ -3,7 +3,8 @@
 //! A [`FaultInjector`] shared by the nodes of one process cuts directed links between node ids,
 //! for gossip (UDP) and messaging (TCP) alike; [`TestCluster`] starts N nodes on loopback with
 //! temporary data dirs, kills them abruptly and restarts them on the same data dir as a new
-//! incarnation.
+//! incarnation. [`process`] runs `ddshard node` as real processes (for SIGKILL tests, network
+//! namespaces and fail-over benches).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -20,6 +21,10 @@ use crate::config::NodeConfig;
 use crate::error::Result;
 use crate::membership::MemberStatus;
 use crate::node::Node;
+
+pub mod process;
+
+pub use crate::activation::{Activation, ActivationGuard, ActivationLog, check_activations};
 
 #[derive(Debug, Default)]
 struct FaultState {
@@ -335,92 +340,3 @@ impl TestCluster {
     }
 }
 
-/// One activation of an entity: where, with which epoch, and when it ran.
-#[derive(Debug, Clone)]
-pub struct Activation {
-    /// Entity id.
-    pub entity_id: String,
-    /// Node that ran it.
-    pub node: String,
-    /// Epoch (fencing token) it ran with.
-    pub epoch: u64,
-    /// When the instance was created.
-    pub start: tokio::time::Instant,
-    /// When it was dropped (`None`: still running).
-    pub stop: Option<tokio::time::Instant>,
-}
-
-/// Records entity activations (start and stop) and checks the sharding promise: at most one
-/// live incarnation per entity id at any time, and epochs that never go back.
-#[derive(Debug, Clone, Default)]
-pub struct ActivationLog {
-    log: Arc<std::sync::Mutex<Vec<Activation>>>,
-}
-
-/// Held by a test entity for its lifetime; records the stop when dropped (also on abort).
-#[derive(Debug)]
-pub struct ActivationGuard {
-    log: ActivationLog,
-    index: usize,
-}
-
-impl Drop for ActivationGuard {
-    fn drop(&mut self) {
-        if let Ok(mut l) = self.log.log.lock() {
-            l[self.index].stop = Some(tokio::time::Instant::now());
-        }
-    }
-}
-
-impl ActivationLog {
-    /// A new, empty log.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Records a start; keep the guard in the entity.
-    pub fn started(&self, entity_id: &str, node: &str, epoch: u64) -> ActivationGuard {
-        let mut l = self.log.lock().expect("activation log");
-        l.push(Activation {
-            entity_id: entity_id.to_string(),
-            node: node.to_string(),
-            epoch,
-            start: tokio::time::Instant::now(),
-            stop: None,
-        });
-        ActivationGuard { log: self.clone(), index: l.len() - 1 }
-    }
-
-    /// Every activation so far.
-    pub fn activations(&self) -> Vec<Activation> {
-        self.log.lock().expect("activation log").clone()
-    }
-
-    /// Checks that no two activations of one id overlap in time and that epochs never
-    /// decrease (and grow whenever the entity moved to another node). Returns every violation.
-    pub fn check(&self) -> std::result::Result<(), Vec<String>> {
-        let mut by_id: HashMap<String, Vec<Activation>> = HashMap::new();
-        for a in self.activations() {
-            by_id.entry(a.entity_id.clone()).or_default().push(a);
-        }
-        let mut violations = Vec::new();
-        for (id, mut acts) in by_id {
-            acts.sort_by_key(|a| a.start);
-            for w in acts.windows(2) {
-                let (a, b) = (&w[0], &w[1]);
-                match a.stop {
-                    Some(stop) if stop <= b.start => {}
-                    _ => violations.push(format!(
-                        "{id}: activation on {} (epoch {}) still live when {} (epoch {}) started",
-                        a.node, a.epoch, b.node, b.epoch
-                    )),
-                }
-                if b.epoch < a.epoch || (b.node != a.node && b.epoch == a.epoch) {
-                    violations
-                        .push(format!("{id}: epoch went from {} on {} to {} on {}", a.epoch, a.node, b.epoch, b.node));
-                }
-            }
-        }
-        if violations.is_empty() { Ok(()) } else { Err(violations) }
-    }
-}

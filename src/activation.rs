@@ -1,0 +1,292 @@
+//! Activation log and checker: the evidence for the sharding promise.
+//!
+//! Test entities (and the sample `kv` type of `ddshard node --activation-log`) record every
+//! activation: entity id, node, epoch, start and stop. [`check_activations`] then asserts that
+//! no two activations of one id overlapped in time and that epochs never went back (and grew
+//! whenever the entity moved to another node).
+//!
+//! Times are wall-clock ([`SystemTime`]) so that logs written by several processes on one
+//! machine can be merged and compared. A log can also be written to a file, one line per event
+//! (tab-separated, appended and flushed per line, so a SIGKILL loses nothing already recorded):
+//!
+//! ```text
+//! start <n> <epoch> <unix µs> <node> <entity id>
+//! stop  <n> <unix µs>
+//! ```
+//!
+//! where `<n>` numbers the activations of that file. Tabs, newlines and backslashes in ids are
+//! escaped as `\t`, `\n`, `\\`.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+
+/// One activation of an entity: where, with which epoch, and when it ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Activation {
+    /// Entity id.
+    pub entity_id: String,
+    /// Node that ran it.
+    pub node: String,
+    /// Epoch (fencing token) it ran with.
+    pub epoch: u64,
+    /// When the instance started.
+    pub start: SystemTime,
+    /// When it was dropped (`None`: still running, or its process died without a word).
+    pub stop: Option<SystemTime>,
+}
+
+#[derive(Debug, Default)]
+struct LogInner {
+    activations: Vec<Activation>,
+    file: Option<std::fs::File>,
+}
+
+/// Records entity activations (start and stop), in memory and optionally in a file.
+#[derive(Debug, Clone, Default)]
+pub struct ActivationLog {
+    inner: Arc<Mutex<LogInner>>,
+}
+
+/// Held by an entity for its lifetime; records the stop when dropped (also on abort).
+#[derive(Debug)]
+pub struct ActivationGuard {
+    log: ActivationLog,
+    index: usize,
+}
+
+impl Drop for ActivationGuard {
+    fn drop(&mut self) {
+        let now = SystemTime::now();
+        if let Ok(mut l) = self.log.inner.lock() {
+            l.activations[self.index].stop = Some(now);
+            let line = format!("stop\t{}\t{}\n", self.index, micros(now));
+            write_line(&mut l, &line);
+        }
+    }
+}
+
+fn micros(t: SystemTime) -> u128 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_micros()
+}
+
+fn write_line(l: &mut LogInner, line: &str) {
+    if let Some(f) = l.file.as_mut()
+        && let Err(e) = f.write_all(line.as_bytes())
+    {
+        tracing::error!(error = %e, "activation log write failed; the log is incomplete from here on");
+        l.file = None;
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('\t', "\\t").replace('\n', "\\n")
+}
+
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('t') => out.push('\t'),
+            Some('n') => out.push('\n'),
+            Some(other) => out.push(other),
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+impl ActivationLog {
+    /// A new, empty, in-memory log.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A log that also appends every event to `path` (created if missing).
+    pub fn with_file(path: &Path) -> Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening activation log {}", path.display()), e))?;
+        Ok(ActivationLog { inner: Arc::new(Mutex::new(LogInner { activations: Vec::new(), file: Some(file) })) })
+    }
+
+    /// Records a start; keep the guard in the entity for as long as it lives.
+    pub fn started(&self, entity_id: &str, node: &str, epoch: u64) -> ActivationGuard {
+        let now = SystemTime::now();
+        let mut l = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        l.activations.push(Activation {
+            entity_id: entity_id.to_string(),
+            node: node.to_string(),
+            epoch,
+            start: now,
+            stop: None,
+        });
+        let index = l.activations.len() - 1;
+        let line = format!("start\t{index}\t{epoch}\t{}\t{}\t{}\n", micros(now), escape(node), escape(entity_id));
+        write_line(&mut l, &line);
+        ActivationGuard { log: self.clone(), index }
+    }
+
+    /// Every activation so far.
+    pub fn activations(&self) -> Vec<Activation> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).activations.clone()
+    }
+
+    /// Checks this log (see [`check_activations`]).
+    pub fn check(&self) -> std::result::Result<(), Vec<String>> {
+        check_activations(&self.activations())
+    }
+
+    /// Reads the activations of log files written by [`ActivationLog::with_file`] (by any
+    /// number of processes) into one list.
+    pub fn load(paths: &[PathBuf]) -> Result<Vec<Activation>> {
+        let mut all = Vec::new();
+        for path in paths {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| Error::io(format!("reading activation log {}", path.display()), e))?;
+            let bad = |n: usize, line: &str| Error::Config(format!("{}:{}: bad activation record {line:?}", path.display(), n + 1));
+            let mut by_index: HashMap<usize, usize> = HashMap::new();
+            for (n, line) in text.lines().enumerate() {
+                let f: Vec<&str> = line.split('\t').collect();
+                let at = |s: &str| s.parse::<u64>().ok().map(|us| UNIX_EPOCH + Duration::from_micros(us));
+                match f.as_slice() {
+                    ["start", index, epoch, time, node, id] => {
+                        let (Ok(index), Ok(epoch), Some(start)) = (index.parse(), epoch.parse(), at(time)) else {
+                            return Err(bad(n, line));
+                        };
+                        by_index.insert(index, all.len());
+                        all.push(Activation {
+                            entity_id: unescape(id),
+                            node: unescape(node),
+                            epoch,
+                            start,
+                            stop: None,
+                        });
+                    }
+                    ["stop", index, time] => {
+                        let (Ok(index), Some(stop)) = (index.parse::<usize>(), at(time)) else {
+                            return Err(bad(n, line));
+                        };
+                        let slot = by_index.get(&index).ok_or_else(|| bad(n, line))?;
+                        all[*slot].stop = Some(stop);
+                    }
+                    // A process killed mid-write leaves at most one partial last line.
+                    _ if n + 1 == text.lines().count() && !text.ends_with('\n') => {}
+                    _ => return Err(bad(n, line)),
+                }
+            }
+        }
+        Ok(all)
+    }
+}
+
+/// Checks the sharding promise over a set of activations: no two activations of one id overlap
+/// in time, and epochs never decrease (and grow whenever the entity moved to another node).
+/// Returns every violation found.
+pub fn check_activations(activations: &[Activation]) -> std::result::Result<(), Vec<String>> {
+    let mut by_id: HashMap<&str, Vec<&Activation>> = HashMap::new();
+    for a in activations {
+        by_id.entry(&a.entity_id).or_default().push(a);
+    }
+    let mut violations = Vec::new();
+    for (id, mut acts) in by_id {
+        acts.sort_by_key(|a| a.start);
+        // Compare with the earlier activation that stops last, not only the previous one: a
+        // long-lived stale activation may span several later ones.
+        let mut stops_last: Option<&Activation> = None;
+        for (i, b) in acts.iter().enumerate() {
+            if let Some(a) = stops_last
+                && a.stop.is_none_or(|stop| stop > b.start)
+            {
+                violations.push(format!(
+                    "{id}: activation on {} (epoch {}) still live when {} (epoch {}) started",
+                    a.node, a.epoch, b.node, b.epoch
+                ));
+            }
+            if i > 0 {
+                let a = acts[i - 1];
+                if b.epoch < a.epoch || (b.node != a.node && b.epoch == a.epoch) {
+                    violations
+                        .push(format!("{id}: epoch went from {} on {} to {} on {}", a.epoch, a.node, b.epoch, b.node));
+                }
+            }
+            stops_last = match stops_last {
+                Some(a) if a.stop.is_none() || b.stop.is_some_and(|s| Some(s) <= a.stop) => Some(a),
+                _ => Some(*b),
+            };
+        }
+    }
+    if violations.is_empty() { Ok(()) } else { Err(violations) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn act(id: &str, node: &str, epoch: u64, start: u64, stop: Option<u64>) -> Activation {
+        let t = |s: u64| UNIX_EPOCH + Duration::from_secs(1_000_000 + s);
+        Activation { entity_id: id.into(), node: node.into(), epoch, start: t(start), stop: stop.map(t) }
+    }
+
+    #[test]
+    fn sequential_activations_with_growing_epochs_pass() {
+        let acts = [act("a", "n1", 1, 0, Some(5)), act("a", "n2", 2, 5, Some(9)), act("a", "n2", 2, 10, None)];
+        assert_eq!(check_activations(&acts), Ok(()));
+    }
+
+    #[test]
+    fn overlap_is_found_even_when_a_stale_activation_spans_several_later_ones() {
+        let acts = [act("a", "n1", 1, 0, Some(20)), act("a", "n2", 2, 5, Some(6)), act("a", "n3", 3, 10, Some(12))];
+        let v = check_activations(&acts).unwrap_err();
+        assert_eq!(v.len(), 2, "{v:?}");
+        assert!(v.iter().all(|m| m.contains("on n1 (epoch 1) still live")), "{v:?}");
+    }
+
+    #[test]
+    fn an_activation_that_never_stopped_overlaps_every_later_one() {
+        let v = check_activations(&[act("a", "n1", 1, 0, None), act("a", "n2", 2, 3, Some(4))]).unwrap_err();
+        assert_eq!(v.len(), 1);
+    }
+
+    #[test]
+    fn epoch_that_goes_back_or_stays_across_nodes_is_a_violation() {
+        let v = check_activations(&[act("a", "n1", 5, 0, Some(1)), act("a", "n2", 4, 2, Some(3))]).unwrap_err();
+        assert!(v[0].contains("epoch went from 5"));
+        let v = check_activations(&[act("a", "n1", 5, 0, Some(1)), act("a", "n2", 5, 2, Some(3))]).unwrap_err();
+        assert!(v[0].contains("epoch went from 5"));
+    }
+
+    #[test]
+    fn file_logs_of_several_writers_load_back_with_escaped_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let (p1, p2) = (dir.path().join("n1.log"), dir.path().join("n2.log"));
+        let l1 = ActivationLog::with_file(&p1).unwrap();
+        let l2 = ActivationLog::with_file(&p2).unwrap();
+        let g = l1.started("odd\tid\nwith\\escapes", "n1", 3);
+        drop(g);
+        let _still_running = l2.started("b", "n2", 7);
+        let mut loaded = ActivationLog::load(&[p1.clone(), p2]).unwrap();
+        loaded.sort_by(|a, b| a.node.cmp(&b.node));
+        assert_eq!(loaded.len(), 2);
+        assert_eq!(loaded[0].entity_id, "odd\tid\nwith\\escapes");
+        assert_eq!(loaded[0].epoch, 3);
+        assert!(loaded[0].stop.is_some_and(|s| s >= loaded[0].start));
+        assert_eq!((loaded[1].entity_id.as_str(), loaded[1].stop), ("b", None));
+        // A torn last line (killed mid-write) is ignored; garbage elsewhere is an error.
+        std::fs::write(&p1, "start\t0\t1\t5\tn1\ta\nstop\t0").unwrap();
+        assert_eq!(ActivationLog::load(&[p1.clone()]).unwrap().len(), 1);
+        std::fs::write(&p1, "nonsense\nstart\t0\t1\t5\tn1\ta\n").unwrap();
+        assert!(matches!(ActivationLog::load(&[p1]), Err(Error::Config(_))));
+    }
+}

@@ -1,0 +1,290 @@
+//! Seeded random fault runs: crash / partition / heal / restart / leave on a 5-node in-process
+//! cluster under traffic, with remembered entities and the activation checker. Every run must
+//! end with zero overlapping activations, epochs that never go back, and every acknowledged
+//! (hence remembered) entity id running again.
+//!
+//! The seed fixes the fault schedule (which fault, which nodes, how long between steps); thread
+//! timing and the traffic interleaving still vary from run to run.
+//!
+//! - CI runs a short set (`cargo test --test random_faults`).
+//! - Soak: `DDSHARD_FAULT_SEEDS=200 cargo test --release --test random_faults -- --nocapture`
+//!   (seeds 1..=200; `DDSHARD_FAULT_SEED_START` moves the range, `DDSHARD_FAULT_STEPS` sets
+//!   the faults per run, default 8).
+//! - Replay one: `DDSHARD_FAULT_SEED=<seed> cargo test --test random_faults -- --nocapture`.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ddshard::testkit::{ActivationGuard, ActivationLog, TestCluster, eventually, fast_downing};
+use ddshard::{Entity, EntityContext, Node, ShardRegion, ShardingSettings};
+use rand::rngs::StdRng;
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+const NODES: usize = 5;
+const IDS: usize = 40;
+/// At most this many nodes are down at once (crashed, left, or stopped by downing), so a
+/// majority of the original members can always carry on.
+const MAX_DOWN: usize = 2;
+const SETTLE: Duration = Duration::from_secs(60);
+
+/// Records each activation from its start hook (remembered entities start without a message).
+struct Tracked {
+    log: ActivationLog,
+    node: String,
+    guard: Option<ActivationGuard>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Touch;
+
+impl Entity for Tracked {
+    type Message = Touch;
+    type Reply = ();
+    async fn started(&mut self, ctx: &EntityContext) {
+        self.guard = Some(self.log.started(ctx.entity_id(), &self.node, ctx.epoch()));
+    }
+    async fn handle(&mut self, _msg: Touch, _ctx: &mut EntityContext) {}
+}
+
+fn settings() -> ShardingSettings {
+    ShardingSettings {
+        remember_entities: true,
+        number_of_shards: 10,
+        remember_entities_slots: 4,
+        min_nr_of_members: 3,
+        retry_interval: Duration::from_millis(400),
+        rebalance_interval: Duration::from_millis(700),
+        handoff_timeout: Duration::from_secs(10),
+        shard_start_timeout: Duration::from_secs(2),
+        ..ShardingSettings::default()
+    }
+}
+
+async fn start_tracked(n: &Node, log: &ActivationLog) -> ShardRegion<Tracked> {
+    let (log, node) = (log.clone(), n.node_id().to_string());
+    n.sharding()
+        .start("tracked", move |_: &str| Tracked { log: log.clone(), node: node.clone(), guard: None }, settings())
+        .await
+        .unwrap()
+}
+
+type Regions = Arc<Mutex<Vec<Option<ShardRegion<Tracked>>>>>;
+
+#[derive(Debug)]
+enum Fault {
+    Crash(usize),
+    Partition(Vec<usize>),
+    Heal,
+    Restart(usize),
+    Leave(usize),
+    Quiet,
+}
+
+fn is_up(c: &TestCluster, i: usize) -> bool {
+    c.running().any(|(j, n)| j == i && !n.is_shut_down())
+}
+
+/// Picks the next fault from what the cluster's state allows.
+fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
+    let up: Vec<usize> = (0..NODES).filter(|i| is_up(c, *i)).collect();
+    let down: Vec<usize> = (0..NODES).filter(|i| !is_up(c, *i)).collect();
+    let mut options: Vec<u8> = vec![5]; // quiet
+    if down.len() < MAX_DOWN && up.len() > 1 {
+        options.extend([0, 0]); // crash
+        if !partitioned {
+            options.extend([1, 1, 4]); // partition, leave
+        }
+    }
+    if partitioned {
+        options.extend([2, 2, 2]); // heal
+    }
+    if !down.is_empty() {
+        options.extend([3, 3]); // restart
+    }
+    match *options.choose(rng).unwrap() {
+        0 => Fault::Crash(*up.choose(rng).unwrap()),
+        1 => {
+            // A minority (or, with an even count, half) of the running nodes.
+            let size = rng.random_range(1..=(up.len() / 2).min(MAX_DOWN - down.len()));
+            let mut side: Vec<usize> = up.choose_multiple(rng, size).copied().collect();
+            side.sort();
+            Fault::Partition(side)
+        }
+        2 => Fault::Heal,
+        3 => Fault::Restart(*down.choose(rng).unwrap()),
+        4 => Fault::Leave(*up.choose(rng).unwrap()),
+        _ => Fault::Quiet,
+    }
+}
+
+/// Asks random ids through random running regions; every answered id is acknowledged.
+async fn traffic(seed: u64, regions: Regions, acked: Arc<Mutex<BTreeSet<String>>>, stop: Arc<tokio::sync::Notify>) {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    loop {
+        let id = format!("e{}", rng.random_range(0..IDS));
+        let region = {
+            let r = regions.lock().unwrap();
+            let live: Vec<&ShardRegion<Tracked>> = r.iter().flatten().collect();
+            live.choose(&mut rng).map(|r| (*r).clone())
+        };
+        if let Some(region) = region {
+            let ask = region.ask_with_timeout(&id, Touch, Duration::from_secs(2));
+            tokio::select! {
+                _ = stop.notified() => return,
+                r = ask => if r.is_ok() { acked.lock().unwrap().insert(id); },
+            }
+        }
+        tokio::select! {
+            _ = stop.notified() => return,
+            _ = tokio::time::sleep(Duration::from_millis(rng.random_range(5..40))) => {}
+        }
+    }
+}
+
+async fn restart(c: &mut TestCluster, i: usize, regions: &Regions, log: &ActivationLog) {
+    regions.lock().unwrap()[i] = None;
+    c.restart(i).await.unwrap();
+    let r = start_tracked(c.node(i), log).await;
+    regions.lock().unwrap()[i] = Some(r);
+}
+
+async fn run_seed(seed: u64, steps: usize) {
+    println!("seed {seed}: {NODES} nodes, {steps} faults");
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut c = TestCluster::start_with(NODES, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(SETTLE).await;
+    let log = ActivationLog::new();
+    let regions: Regions = Arc::new(Mutex::new(vec![None; NODES]));
+    for i in 0..NODES {
+        let r = start_tracked(c.node(i), &log).await;
+        regions.lock().unwrap()[i] = Some(r);
+    }
+    let acked = Arc::new(Mutex::new(BTreeSet::new()));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let traffic = tokio::spawn(traffic(seed, regions.clone(), acked.clone(), stop.clone()));
+
+    let mut partitioned = false;
+    for step in 0..steps {
+        let pause = Duration::from_millis(rng.random_range(200..4000));
+        let fault = next_fault(&mut rng, &c, partitioned);
+        println!("seed {seed} step {step}: {fault:?}, then {pause:?}");
+        match fault {
+            Fault::Crash(i) => {
+                regions.lock().unwrap()[i] = None;
+                c.kill(i).await;
+            }
+            Fault::Partition(side) => {
+                let rest: Vec<usize> = (0..NODES).filter(|i| !side.contains(i)).collect();
+                c.partition(&side, &rest);
+                partitioned = true;
+            }
+            Fault::Heal => {
+                c.heal();
+                partitioned = false;
+            }
+            Fault::Restart(i) => restart(&mut c, i, &regions, &log).await,
+            Fault::Leave(i) => {
+                regions.lock().unwrap()[i] = None;
+                let node = c.node(i).clone();
+                tokio::time::timeout(Duration::from_secs(60), node.leave())
+                    .await
+                    .unwrap_or_else(|_| panic!("seed {seed}: n{} did not leave within 60 s", i + 1))
+                    .unwrap();
+                c.kill(i).await;
+            }
+            Fault::Quiet => {}
+        }
+        tokio::time::sleep(pause).await;
+        // Downed nodes stop themselves; their regions are gone.
+        for i in 0..NODES {
+            if !is_up(&c, i) {
+                regions.lock().unwrap()[i] = None;
+            }
+        }
+    }
+
+    // Heal, let pending downing decisions land, bring every node back, and converge.
+    c.heal();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    for round in 0.. {
+        for i in 0..NODES {
+            if !is_up(&c, i) {
+                restart(&mut c, i, &regions, &log).await;
+            }
+        }
+        let converged = tokio::time::timeout(SETTLE, c.await_converged(SETTLE)).await.is_ok();
+        if converged && (0..NODES).all(|i| is_up(&c, i)) {
+            break;
+        }
+        assert!(round < 3, "seed {seed}: the cluster did not converge after healing and restarting");
+    }
+    stop.notify_waiters();
+    traffic.abort();
+    let _ = traffic.await;
+
+    // Every acknowledged id runs again, once, without any further message.
+    let acked: BTreeSet<String> = acked.lock().unwrap().clone();
+    assert!(!acked.is_empty(), "seed {seed}: traffic got no answer at all");
+    let all: Vec<ShardRegion<Tracked>> = regions.lock().unwrap().iter().flatten().cloned().collect();
+    let outcome = tokio::time::timeout(
+        SETTLE,
+        eventually(SETTLE, "every acknowledged id runs", || {
+            let (all, acked) = (all.clone(), acked.clone());
+            async move {
+                let mut running = Vec::new();
+                for r in &all {
+                    running.extend(r.region_state().await.ok()?.into_values().flatten());
+                }
+                let set: BTreeSet<String> = running.iter().cloned().collect();
+                (set.len() == running.len() && acked.is_subset(&set)).then_some(())
+            }
+        }),
+    )
+    .await;
+    if outcome.is_err() {
+        let mut running = BTreeSet::new();
+        for r in &all {
+            running.extend(r.region_state().await.unwrap_or_default().into_values().flatten());
+        }
+        let lost: Vec<&String> = acked.difference(&running).collect();
+        panic!("seed {seed}: acknowledged remembered ids not running: {lost:?}");
+    }
+    c.shutdown().await;
+    if let Err(v) = log.check() {
+        panic!("seed {seed}: {} violations: {v:#?}", v.len());
+    }
+    println!("seed {seed}: ok, {} activations, {} acknowledged ids", log.activations().len(), acked.len());
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name} must be a number, got {v:?}")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_crash_partition_heal_restart_leave_sequences_keep_one_activation_per_id_and_lose_no_remembered_id() {
+    let steps = env_u64("DDSHARD_FAULT_STEPS").unwrap_or(8) as usize;
+    let seeds: Vec<u64> = match (env_u64("DDSHARD_FAULT_SEED"), env_u64("DDSHARD_FAULT_SEEDS")) {
+        (Some(one), _) => vec![one],
+        (None, Some(n)) => {
+            let start = env_u64("DDSHARD_FAULT_SEED_START").unwrap_or(1);
+            (start..start + n).collect()
+        }
+        (None, None) => vec![1, 2, 3],
+    };
+    for seed in seeds {
+        let run = tokio::spawn(run_seed(seed, steps));
+        if let Err(e) = run.await {
+            let why = e.try_into_panic().ok().and_then(|p| {
+                p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            });
+            panic!(
+                "random fault run failed with seed {seed}: {}\nreplay: DDSHARD_FAULT_SEED={seed} cargo test --test \
+                 random_faults -- --nocapture",
+                why.unwrap_or_default()
+            );
+        }
+    }
+}
