@@ -155,7 +155,9 @@ impl ActivationLog {
         for path in paths {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| Error::io(format!("reading activation log {}", path.display()), e))?;
-            let bad = |n: usize, line: &str| Error::Config(format!("{}:{}: bad activation record {line:?}", path.display(), n + 1));
+            let bad = |n: usize, line: &str| {
+                Error::Config(format!("{}:{}: bad activation record {line:?}", path.display(), n + 1))
+            };
             let mut by_index: HashMap<usize, usize> = HashMap::new();
             for (n, line) in text.lines().enumerate() {
                 let f: Vec<&str> = line.split('\t').collect();

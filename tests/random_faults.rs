@@ -120,6 +120,10 @@ fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
     }
 }
 
+/// Concurrent traffic workers (an ask through an isolated node blocks its worker for the ask
+/// timeout).
+const WORKERS: u64 = 4;
+
 /// Asks random ids through random running regions; every answered id is acknowledged.
 async fn traffic(seed: u64, regions: Regions, acked: Arc<Mutex<BTreeSet<String>>>, stop: Arc<tokio::sync::Notify>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
@@ -151,6 +155,19 @@ async fn restart(c: &mut TestCluster, i: usize, regions: &Regions, log: &Activat
     regions.lock().unwrap()[i] = Some(r);
 }
 
+/// Shards and entities hosted per running node (for the run's log).
+async fn shards_per_node(regions: &Regions) -> Vec<(String, usize, usize)> {
+    let all: Vec<(usize, ShardRegion<Tracked>)> =
+        regions.lock().unwrap().iter().enumerate().filter_map(|(i, r)| Some((i, r.clone()?))).collect();
+    let mut out = Vec::new();
+    for (i, r) in all {
+        if let Ok(state) = r.region_state().await {
+            out.push((TestCluster::node_id(i), state.len(), state.values().map(Vec::len).sum()));
+        }
+    }
+    out
+}
+
 async fn run_seed(seed: u64, steps: usize) {
     println!("seed {seed}: {NODES} nodes, {steps} faults");
     let mut rng = StdRng::seed_from_u64(seed);
@@ -164,7 +181,9 @@ async fn run_seed(seed: u64, steps: usize) {
     }
     let acked = Arc::new(Mutex::new(BTreeSet::new()));
     let stop = Arc::new(tokio::sync::Notify::new());
-    let traffic = tokio::spawn(traffic(seed, regions.clone(), acked.clone(), stop.clone()));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|w| tokio::spawn(traffic(seed * WORKERS + w, regions.clone(), acked.clone(), stop.clone())))
+        .collect();
 
     let mut partitioned = false;
     for step in 0..steps {
@@ -198,6 +217,7 @@ async fn run_seed(seed: u64, steps: usize) {
             Fault::Quiet => {}
         }
         tokio::time::sleep(pause).await;
+        println!("seed {seed} step {step}: shards per node {:?}", shards_per_node(&regions).await);
         // Downed nodes stop themselves; their regions are gone.
         for i in 0..NODES {
             if !is_up(&c, i) {
@@ -222,8 +242,10 @@ async fn run_seed(seed: u64, steps: usize) {
         assert!(round < 3, "seed {seed}: the cluster did not converge after healing and restarting");
     }
     stop.notify_waiters();
-    traffic.abort();
-    let _ = traffic.await;
+    for w in workers {
+        w.abort();
+        let _ = w.await;
+    }
 
     // Every acknowledged id runs again, once, without any further message.
     let acked: BTreeSet<String> = acked.lock().unwrap().clone();
@@ -256,7 +278,11 @@ async fn run_seed(seed: u64, steps: usize) {
     if let Err(v) = log.check() {
         panic!("seed {seed}: {} violations: {v:#?}", v.len());
     }
-    println!("seed {seed}: ok, {} activations, {} acknowledged ids", log.activations().len(), acked.len());
+    let mut per_node = std::collections::BTreeMap::new();
+    for a in log.activations() {
+        *per_node.entry(a.node).or_insert(0) += 1;
+    }
+    println!("seed {seed}: ok, {} acknowledged ids; activations per node {per_node:?}", acked.len());
 }
 
 fn env_u64(name: &str) -> Option<u64> {

@@ -45,11 +45,10 @@ impl FaultInjector {
         Self::default()
     }
 
-    pub(crate) fn register(&self, node_id: &str, addrs: &[SocketAddr]) {
-        let mut s = self.state.write().expect("fault state");
-        for a in addrs {
-            s.owner_of_addr.insert(*a, node_id.to_string());
-        }
+    /// Records which node owns a gossip (UDP) address; a later owner of the same address (a
+    /// restarted node that got a freed port) replaces the earlier one.
+    pub(crate) fn register_gossip_addr(&self, node_id: &str, addr: SocketAddr) {
+        self.state.write().expect("fault state").owner_of_addr.insert(addr, node_id.to_string());
     }
 
     /// Cuts every link between a node of `a` and a node of `b`, both directions.
@@ -339,4 +338,3 @@ impl TestCluster {
         }
     }
 }
-

@@ -107,11 +107,8 @@ impl NodeProcess {
         if let Some(log) = &opts.activation_log {
             args.extend(["--activation-log".into(), log.display().to_string()]);
         }
-        let stderr = if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") {
-            Stdio::inherit()
-        } else {
-            Stdio::null()
-        };
+        let stderr =
+            if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") { Stdio::inherit() } else { Stdio::null() };
         let mut child = Command::new(&args[0])
             .args(&args[1..])
             .stdout(Stdio::piped())
