@@ -287,7 +287,7 @@ mod tests {
         assert_eq!((loaded[1].entity_id.as_str(), loaded[1].stop), ("b", None));
         // A torn last line (killed mid-write) is ignored; garbage elsewhere is an error.
         std::fs::write(&p1, "start\t0\t1\t5\tn1\ta\nstop\t0").unwrap();
-        assert_eq!(ActivationLog::load(&[p1.clone()]).unwrap().len(), 1);
+        assert_eq!(ActivationLog::load(std::slice::from_ref(&p1)).unwrap().len(), 1);
         std::fs::write(&p1, "nonsense\nstart\t0\t1\t5\tn1\ta\n").unwrap();
         assert!(matches!(ActivationLog::load(&[p1]), Err(Error::Config(_))));
     }

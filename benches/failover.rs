@@ -1,0 +1,121 @@
+//! Fail-over time after SIGKILL: three `ddshard node` processes (release build) with
+//! remembered entities; one is killed and the clock runs until every entity it hosted answers
+//! again from a survivor. One sample is one whole run (cluster start excluded), so criterion's
+//! median is the median over runs.
+//!
+//! Baseline in the same run: the floor the settings impose, failure detection (phi 10 at
+//! 150 ms gossip: about 1 s) + `stable_after` + `down_removal_margin`; the report gives each
+//! median as a ratio to it.
+//!
+//! `cargo bench --bench failover`
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
+use ddshard::service::call;
+use ddshard::testkit::process::{NodeProcess, ProcessOptions, stats_total};
+
+const NODES: usize = 3;
+const IDS: usize = 60;
+const STABLE_AFTER: Duration = Duration::from_millis(1500);
+const MARGIN: Duration = Duration::from_millis(1000);
+const DETECTION_ESTIMATE: Duration = Duration::from_millis(1000);
+const RUNS: usize = 10;
+
+fn spawn(dir: &Path, i: usize, seeds: &[&NodeProcess]) -> NodeProcess {
+    let mut o = ProcessOptions::new(&format!("n{}", i + 1), "failover-bench", dir);
+    o.seeds = seeds.iter().map(|s| s.gossip).collect();
+    o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
+    o.sharding_toml = format!(
+        "number_of_shards = 30\nremember_entities = true\nmin_nr_of_members = {NODES}\nretry_interval = \"400ms\"\n"
+    );
+    NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).expect("node starts")
+}
+
+/// One run: start the cluster, place the entities, SIGKILL `victim` (0 = the oldest, which
+/// hosts the coordinator), time until every entity it hosted answers from a survivor.
+async fn one_run(victim: usize) -> Duration {
+    let dir = tempfile::tempdir().unwrap();
+    let mut nodes: Vec<NodeProcess> = Vec::new();
+    for i in 0..NODES {
+        let seeds: Vec<&NodeProcess> = nodes.first().into_iter().collect();
+        let p = spawn(dir.path(), i, &seeds);
+        nodes.push(p);
+    }
+    nodes[1].until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == NODES).await;
+    let victim_id = format!("n{}", victim + 1);
+    let mut on_victim = Vec::new();
+    for k in 0..IDS {
+        let a = nodes[k % NODES].call(&format!("PUT e{k} v"), Duration::from_secs(10)).await.unwrap();
+        assert!(a.starts_with("OK "), "{a}");
+        if a.split_whitespace().nth(1) == Some(victim_id.as_str()) {
+            on_victim.push(format!("e{k}"));
+        }
+    }
+    nodes[1].until("STATS", Duration::from_secs(30), |a| stats_total(a) == Some(IDS)).await;
+    assert!(!on_victim.is_empty(), "{victim_id} hosts entities");
+    let survivor = nodes[if victim == 1 { 2 } else { 1 }].client;
+    let killed = Instant::now();
+    nodes[victim].kill();
+    let mut waits = Vec::new();
+    for id in on_victim {
+        let victim_id = victim_id.clone();
+        waits.push(tokio::spawn(async move {
+            let request = format!("GET {id}");
+            loop {
+                let a = call(survivor, &request, Duration::from_secs(2)).await.unwrap_or_default();
+                let answered = a.starts_with("VALUE ") || a.starts_with("NONE ");
+                if answered && a.split_whitespace().nth(1) != Some(victim_id.as_str()) {
+                    return;
+                }
+                assert!(killed.elapsed() < Duration::from_secs(60), "{id} never answered again: {a:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    for w in waits {
+        w.await.unwrap();
+    }
+    killed.elapsed()
+}
+
+fn median(v: &mut [Duration]) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn failover(c: &mut Criterion) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let floor = DETECTION_ESTIMATE + STABLE_AFTER + MARGIN;
+    let mut group = c.benchmark_group("failover_after_sigkill");
+    group.sample_size(RUNS).sampling_mode(SamplingMode::Flat);
+    group.warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(1));
+    for (name, victim) in [("non_coordinator_node", 2), ("coordinator_host", 0)] {
+        let mut runs = Vec::new();
+        group.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let t = rt.block_on(one_run(victim));
+                    runs.push(t);
+                    total += t;
+                }
+                total
+            })
+        });
+        let m = median(&mut runs);
+        println!(
+            "{name}: {} runs, median {m:.2?} (min {:.2?}, max {:.2?}); floor detection ~{DETECTION_ESTIMATE:?} + \
+             stable_after {STABLE_AFTER:?} + margin {MARGIN:?} = {floor:?}; ratio {:.2}",
+            runs.len(),
+            runs[0],
+            runs[runs.len() - 1],
+            m.as_secs_f64() / floor.as_secs_f64()
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, failover);
+criterion_main!(benches);
