@@ -67,6 +67,39 @@ fn least_loaded(regions: &[RegionAllocation]) -> RegionId {
     by_suitability(regions)[0].region.clone()
 }
 
+/// Runs another strategy and contains its panics: a strategy bug must not take the coordinator
+/// down with it (every shard would stay unallocated until the node restarts). A panicking
+/// `allocate` falls back to the least-loaded region, a panicking `rebalance` moves nothing.
+pub(crate) struct PanicGuardedStrategy(pub(crate) Arc<dyn ShardAllocationStrategy>);
+
+impl PanicGuardedStrategy {
+    fn contain<T>(&self, what: &str, f: impl FnOnce() -> T, fallback: impl FnOnce() -> T) -> T {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(v) => v,
+            Err(_) => {
+                tracing::error!(call = what, "shard allocation strategy panicked; using the safe fallback");
+                fallback()
+            }
+        }
+    }
+}
+
+impl ShardAllocationStrategy for PanicGuardedStrategy {
+    fn allocate(&self, requester: &RegionId, shard: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        let chosen = self.contain("allocate", || self.0.allocate(requester, shard, regions), || least_loaded(regions));
+        if regions.iter().any(|r| r.region == chosen) {
+            chosen
+        } else {
+            tracing::error!(region = %chosen, %shard, "allocation strategy chose an unknown region; using the least loaded");
+            least_loaded(regions)
+        }
+    }
+
+    fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        self.contain("rebalance", || self.0.rebalance(regions, in_progress), BTreeSet::new)
+    }
+}
+
 /// Least-shard allocation with Akka's newer rebalance algorithm: balanced within one or two
 /// rounds, moving at most `limit = max(1, min(floor(relative_limit × total), absolute_limit))`
 /// shards per round.
@@ -99,6 +132,9 @@ impl ShardAllocationStrategy for LeastShardAllocation {
             return BTreeSet::new();
         }
         let total: usize = active.iter().map(|r| r.shards.len()).sum();
+        if total == 0 {
+            return BTreeSet::new();
+        }
         let optimal = total.div_ceil(active.len());
         let relative = (self.relative_limit * total as f64).floor() as usize;
         let limit = relative.min(self.absolute_limit).max(1);
@@ -348,6 +384,48 @@ mod tests {
         assert_eq!(relative.rebalance(&regions, &BTreeSet::new()).len(), 2);
         let busy = BTreeSet::from(["001".to_string()]);
         assert!(limited.rebalance(&regions, &busy).is_empty());
+    }
+
+    #[test]
+    fn least_shard_rebalance_with_no_shards_anywhere_moves_nothing() {
+        // Found by the random fault runs: every shard on leaving regions, the rest empty.
+        let s = LeastShardAllocation::default();
+        let mut layout = layout(&[0, 0]);
+        assert!(s.rebalance(&layout, &BTreeSet::new()).is_empty());
+        layout.push(RegionAllocation {
+            region: UniqueAddress::new("leaving", 1),
+            shards: vec!["1".into()],
+            leaving: true,
+        });
+        assert!(s.rebalance(&layout, &BTreeSet::new()).is_empty());
+    }
+
+    #[test]
+    fn a_panicking_strategy_is_contained_with_safe_fallbacks() {
+        struct Broken;
+        impl ShardAllocationStrategy for Broken {
+            fn allocate(&self, _: &RegionId, _: &ShardId, _: &[RegionAllocation]) -> RegionId {
+                panic!("broken allocate")
+            }
+            fn rebalance(&self, _: &[RegionAllocation], _: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+                panic!("broken rebalance")
+            }
+        }
+        struct Stranger;
+        impl ShardAllocationStrategy for Stranger {
+            fn allocate(&self, _: &RegionId, _: &ShardId, _: &[RegionAllocation]) -> RegionId {
+                UniqueAddress::new("nobody", 9)
+            }
+            fn rebalance(&self, _: &[RegionAllocation], _: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+                BTreeSet::new()
+            }
+        }
+        let layout = layout(&[2, 0]);
+        let guarded = PanicGuardedStrategy(Arc::new(Broken));
+        assert_eq!(guarded.allocate(&layout[0].region, &"new".into(), &layout), layout[1].region);
+        assert!(guarded.rebalance(&layout, &BTreeSet::new()).is_empty());
+        let guarded = PanicGuardedStrategy(Arc::new(Stranger));
+        assert_eq!(guarded.allocate(&layout[0].region, &"new".into(), &layout), layout[1].region);
     }
 
     #[test]

@@ -1432,7 +1432,9 @@ impl CoordinatorRunner {
             eager_reallocation: self.settings.remember_entities,
         };
         let me = self.node.address().clone();
-        let mut core = CoordinatorCore::new(me, cs, self.strategy.clone(), state, Instant::now());
+        let strategy: Arc<dyn super::ShardAllocationStrategy> =
+            Arc::new(super::allocation::PanicGuardedStrategy(self.strategy.clone()));
+        let mut core = CoordinatorCore::new(me, cs, strategy, state, Instant::now());
         let transport = self.node.transport().clone();
         let topic = coordinator_topic(&self.type_name);
         let mut inbound = transport.subscribe(&topic, 65_536);
