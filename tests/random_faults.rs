@@ -1,7 +1,7 @@
-//! Seeded random fault runs: crash / partition / heal / restart / leave on a 5-node in-process
-//! cluster under traffic, with remembered entities and the activation checker. Every run must
-//! end with zero overlapping activations, epochs that never go back, and every acknowledged
-//! (hence remembered) entity id running again.
+//! Seeded random fault runs: crash / partition / messaging-only cut / heal / restart / leave on
+//! a 5-node in-process cluster under traffic, with remembered entities and the activation
+//! checker. Every run must end with zero overlapping activations, epochs that never go back, and
+//! every acknowledged (hence remembered) entity id running again.
 //!
 //! The seed fixes the fault schedule (which fault, which nodes, how long between steps); thread
 //! timing and the traffic interleaving still vary from run to run.
@@ -77,6 +77,9 @@ type Regions = Arc<Mutex<Vec<Option<ShardRegion<Tracked>>>>>;
 enum Fault {
     Crash(usize),
     Partition(Vec<usize>),
+    /// Node-to-node messaging between two nodes is lost while gossip flows: both look
+    /// reachable, so nobody is downed, but hand-offs, writes and asks between them fail.
+    CutMessaging(usize, usize),
     Heal,
     Restart(usize),
     Leave(usize),
@@ -98,6 +101,9 @@ fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
             options.extend([1, 1, 4]); // partition, leave
         }
     }
+    if up.len() > 1 {
+        options.push(6); // messaging-only cut
+    }
     if partitioned {
         options.extend([2, 2, 2]); // heal
     }
@@ -116,6 +122,10 @@ fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
         2 => Fault::Heal,
         3 => Fault::Restart(*down.choose(rng).unwrap()),
         4 => Fault::Leave(*up.choose(rng).unwrap()),
+        6 => {
+            let pair: Vec<usize> = up.choose_multiple(rng, 2).copied().collect();
+            Fault::CutMessaging(pair[0].min(pair[1]), pair[0].max(pair[1]))
+        }
         _ => Fault::Quiet,
     }
 }
@@ -198,6 +208,11 @@ async fn run_seed(seed: u64, steps: usize) {
             Fault::Partition(side) => {
                 let rest: Vec<usize> = (0..NODES).filter(|i| !side.contains(i)).collect();
                 c.partition(&side, &rest);
+                partitioned = true;
+            }
+            Fault::CutMessaging(a, b) => {
+                let (a, b) = (TestCluster::node_id(a), TestCluster::node_id(b));
+                c.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
                 partitioned = true;
             }
             Fault::Heal => {
