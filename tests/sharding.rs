@@ -134,3 +134,39 @@ async fn panicking_handler_stops_only_that_entity_and_the_next_message_starts_a_
     assert_eq!(r.counters().entity_panics.load(Ordering::Relaxed), 1);
     c.shutdown().await;
 }
+
+/// An entity whose start hook panics for ids starting with "bad".
+struct FragileStart;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Ping;
+
+impl ddshard::Entity for FragileStart {
+    type Message = Ping;
+    type Reply = String;
+    async fn started(&mut self, ctx: &ddshard::EntityContext) {
+        assert!(!ctx.entity_id().starts_with("bad"), "cannot start {}", ctx.entity_id());
+    }
+    async fn handle(&mut self, _msg: Ping, ctx: &mut ddshard::EntityContext) -> String {
+        format!("{} at epoch {}", ctx.entity_id(), ctx.epoch())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_start_hook_fails_the_queued_messages_at_once_without_a_restart_loop() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let r = c.node(0).sharding().start("fragile", |_: &str| FragileStart, settings()).await.unwrap();
+    assert!(r.ask("good-1", Ping).await.unwrap().starts_with("good-1 at epoch "));
+    let asks: Vec<_> = (0..5).map(|_| r.ask_with_timeout("bad-1", Ping, Duration::from_secs(20))).collect();
+    for result in futures::future::join_all(asks).await {
+        let err = result.unwrap_err();
+        assert!(matches!(err, Error::NotDelivered { .. }), "{err}");
+        // Failed by the hook, not by the 20 s ask timeout (that would be another error).
+        assert!(err.to_string().contains("start hook panicked"), "{err}");
+    }
+    let panics = r.counters().entity_panics.load(Ordering::Relaxed);
+    assert!((1..=5).contains(&panics), "one panic per start attempt, no spin: {panics}");
+    assert_eq!(r.ask("good-2", Ping).await.unwrap().split(' ').next(), Some("good-2"), "the region still serves");
+    c.shutdown().await;
+}

@@ -5,9 +5,15 @@
 //! The two sides time their decisions differently on purpose. The winning side waits until its
 //! unreachable set has been stable for `stable_after` (any change restarts the clock: that only
 //! delays downing others, which is safe). The losing side downs itself once it has been losing
-//! *continuously* for `stable_after`, even if its unreachable set changed meanwhile (say a
-//! peer on its own side crashed): restarting its clock there would let it outlive the moment
-//! the winners, who saw no change, start its shards elsewhere.
+//! for `stable_after`, even if its unreachable set changed meanwhile (say a peer on its own side
+//! crashed): restarting its clock there would let it outlive the moment the winners, who saw no
+//! change, start its shards elsewhere. For the same reason a brief spell of not losing (one
+//! heartbeat that got through a flapping link, seen by the loser only) does not restart the
+//! clock: only `stable_after` without losing does.
+//!
+//! What remains is the assumption every keep-majority resolver makes: the two sides detect the
+//! split within `down_removal_margin` of each other, so the losers are gone before the winners
+//! move their shards. Keep the margin at least as long as the failure detector's spread.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -33,13 +39,21 @@ pub(crate) struct KeepMajority {
     stable_after: Duration,
     unreachable: BTreeSet<UniqueAddress>,
     stable_since: Instant,
-    /// Since when this node has been on the losing side without a break.
+    /// Since when this node has been on the losing side (without a break of `stable_after`).
     losing_since: Option<Instant>,
+    /// Since when it has not been losing, while `losing_since` is still set.
+    not_losing_since: Option<Instant>,
 }
 
 impl KeepMajority {
     pub(crate) fn new(stable_after: Duration, now: Instant) -> Self {
-        KeepMajority { stable_after, unreachable: BTreeSet::new(), stable_since: now, losing_since: None }
+        KeepMajority {
+            stable_after,
+            unreachable: BTreeSet::new(),
+            stable_since: now,
+            losing_since: None,
+            not_losing_since: None,
+        }
     }
 
     /// Feeds the current view; returns the decision once the view is stable long enough.
@@ -56,7 +70,7 @@ impl KeepMajority {
             self.stable_since = now;
         }
         if self.unreachable.is_empty() {
-            self.losing_since = None;
+            self.not_losing(now);
             return Decision::Wait;
         }
         let reachable = counted.len() - self.unreachable.len();
@@ -67,17 +81,28 @@ impl KeepMajority {
             lowest.is_some_and(|l| !self.unreachable.contains(l))
         };
         if keep {
-            self.losing_since = None;
+            self.not_losing(now);
             if now.duration_since(self.stable_since) < self.stable_after {
                 return Decision::Wait;
             }
             Decision::DownOthers(self.unreachable.clone())
         } else {
+            self.not_losing_since = None;
             let since = *self.losing_since.get_or_insert(now);
             if now.duration_since(since) < self.stable_after {
                 return Decision::Wait;
             }
             Decision::DownMyself
+        }
+    }
+
+    fn not_losing(&mut self, now: Instant) {
+        if self.losing_since.is_some() {
+            let since = *self.not_losing_since.get_or_insert(now);
+            if now.duration_since(since) >= self.stable_after {
+                self.losing_since = None;
+                self.not_losing_since = None;
+            }
         }
     }
 }
@@ -168,7 +193,7 @@ mod tests {
     }
 
     #[test]
-    fn losing_clock_restarts_after_the_node_stopped_losing() {
+    fn a_brief_flap_seen_only_by_the_loser_does_not_restart_its_clock() {
         let t0 = Instant::now();
         let mut k = KeepMajority::new(Duration::from_secs(5), t0);
         let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
@@ -176,8 +201,21 @@ mod tests {
         let healed = snap("d", &[("a", true), ("b", true), ("c", true), ("d", true), ("e", true)]);
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(3)), Decision::Wait);
         assert_eq!(k.decide(&cut, t0 + Duration::from_secs(4)), Decision::Wait);
-        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(8)), Decision::Wait);
-        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(9)), Decision::DownMyself);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(5)), Decision::DownMyself);
+    }
+
+    #[test]
+    fn losing_clock_restarts_after_stable_after_without_losing() {
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        k.decide(&cut, t0);
+        let healed = snap("d", &[("a", true), ("b", true), ("c", true), ("d", true), ("e", true)]);
+        assert_eq!(k.decide(&healed, t0 + Duration::from_secs(3)), Decision::Wait);
+        assert_eq!(k.decide(&healed, t0 + Duration::from_secs(8)), Decision::Wait);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(9)), Decision::Wait);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(13)), Decision::Wait);
+        assert_eq!(k.decide(&cut, t0 + Duration::from_secs(14)), Decision::DownMyself);
     }
 
     #[test]

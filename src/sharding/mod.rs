@@ -44,7 +44,8 @@ pub trait Entity: Send + 'static {
     /// Runs once when this incarnation starts, before its first message — also when a
     /// remembered entity is restarted without any message. `ctx.epoch()` is the fencing token
     /// of this activation: the place to load state or to claim external resources. A panic here
-    /// stops the incarnation like a panic in [`Entity::handle`]. Does nothing by default.
+    /// stops the incarnation and fails the messages queued for it (they are not handed to a
+    /// next incarnation, which would panic the same way). Does nothing by default.
     fn started(&mut self, ctx: &EntityContext) -> impl Future<Output = ()> + Send {
         let _ = ctx;
         async {}

@@ -11,6 +11,7 @@ use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
 use tracing::{debug, error, info, warn};
 
 use super::coordinator::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, CoordinatorState};
@@ -85,6 +86,10 @@ enum EntityEvent<E: Entity> {
         shard: ShardId,
         instance: u64,
         entity_ids: Vec<String>,
+    },
+    /// Every entity task of a stopped shard has ended: it may be reported stopped.
+    ShardTasksEnded {
+        shard: ShardId,
     },
     /// A failed shard's backoff is over: start it again.
     RestartShard {
@@ -418,7 +423,7 @@ pub(crate) async fn start_region<E: Entity>(
         next_shard_instance: 1,
         orphans: HashMap::new(),
         ask_targets: HashMap::new(),
-        aborted: Vec::new(),
+        entity_tasks: TaskTracker::new(),
     };
     let shutdown = node.shutdown_token();
     node.spawn(task.run(rx, inbound, events_rx, node.watch_membership(), shutdown.clone()));
@@ -471,6 +476,9 @@ struct LocalShard<E: Entity> {
     entities: HashMap<String, EntityHandle<E>>,
     /// Tells store results of this instance from those of an earlier (failed) one.
     instance: u64,
+    /// This shard's entity tasks: a stopped or failed shard is reported (and restarted) only
+    /// once all of them have ended, so no entity outlives its shard's hand-over.
+    tasks: TaskTracker,
 }
 
 enum Work<E: Entity> {
@@ -504,9 +512,9 @@ struct RegionTask<E: Entity> {
     /// The region each pending ask was forwarded to: asks to a region whose node went down
     /// fail at once instead of waiting for their timeout.
     ask_targets: HashMap<u64, RegionId>,
-    /// Entity tasks aborted but maybe not yet dropped; the region task awaits them before it
-    /// ends, so `Node::shutdown` returns only when no entity of the node is alive.
-    aborted: Vec<tokio::task::JoinHandle<()>>,
+    /// Every entity task of this region: the region task waits for them before it ends, so
+    /// `Node::shutdown` returns only when no entity of the node is alive.
+    entity_tasks: TaskTracker,
 }
 
 fn peer_of(snap: &MembershipSnapshot, addr: &RegionId) -> Option<PeerAddr> {
@@ -595,8 +603,7 @@ impl<E: Entity> RegionTask<E> {
                     self.ask_targets.retain(|id, _| self.pending_asks.contains_key(id));
                     if self.shutdown_deadline.is_some_and(|d| Instant::now() >= d) {
                         warn!(type_name = %self.type_name, "graceful shutdown timed out; stopping the remaining shards");
-                        self.stop_all_shards();
-                        self.finish_shutdown();
+                        break;
                     }
                 }
             }
@@ -608,24 +615,25 @@ impl<E: Entity> RegionTask<E> {
         }
         self.stop_all_shards();
         self.transport.unsubscribe(&region_topic(&self.type_name));
-        for task in self.aborted.drain(..) {
-            let _ = task.await;
+        // Nobody hears that this region stopped before its entities are gone. `abort` takes
+        // effect at an entity's next await; one that never yields cannot be stopped.
+        self.entity_tasks.close();
+        if tokio::time::timeout(self.settings.handoff_timeout, self.entity_tasks.wait()).await.is_err() {
+            error!(
+                type_name = %self.type_name,
+                still_running = self.entity_tasks.len(),
+                "entity tasks did not end within the hand-off timeout after being aborted (a handler that never yields?)"
+            );
         }
+        self.finish_shutdown();
     }
 
     fn stop_all_shards(&mut self) {
-        let shards: Vec<LocalShard<E>> = self.shards.drain().map(|(_, s)| s).collect();
-        for shard in shards {
+        for (_, shard) in self.shards.drain() {
             for (_, e) in shard.entities {
-                self.abort_entity(e.task);
+                e.task.abort();
             }
         }
-    }
-
-    fn abort_entity(&mut self, task: tokio::task::JoinHandle<()>) {
-        task.abort();
-        self.aborted.retain(|t| !t.is_finished());
-        self.aborted.push(task);
     }
 
     fn finish_shutdown(&mut self) {
@@ -781,6 +789,10 @@ impl<E: Entity> RegionTask<E> {
             EntityEvent::Passivate { shard, entity_id, incarnation } => {
                 self.work.push_back(Work::Shard(shard, ShardInput::Passivate { entity_id, incarnation }));
             }
+            EntityEvent::ShardTasksEnded { shard } => {
+                debug!(type_name = %self.type_name, %shard, "shard stopped (its aborted entities have ended)");
+                self.work.push_back(Work::Region(RegionInput::LocalShardStopped(shard)));
+            }
             EntityEvent::Terminated { shard, entity_id, incarnation, leftovers } => {
                 let current = self
                     .shards
@@ -863,7 +875,10 @@ impl<E: Entity> RegionTask<E> {
         } else {
             ShardCore::new(self.settings.passivation_idle_timeout, stop_timeout)
         };
-        self.shards.insert(shard.clone(), LocalShard { core, epoch, entities: HashMap::new(), instance });
+        self.shards.insert(
+            shard.clone(),
+            LocalShard { core, epoch, entities: HashMap::new(), instance, tasks: TaskTracker::new() },
+        );
         if self.settings.remember_entities {
             self.spawn_load(shard, instance);
         }
@@ -1134,7 +1149,8 @@ impl<E: Entity> RegionTask<E> {
                     type_name: self.type_name.clone(),
                     counters: self.counters.clone(),
                 };
-                let task = tokio::spawn(runner.run(factory, rx));
+                let task =
+                    tokio::spawn(self.entity_tasks.track_future(shard.tasks.track_future(runner.run(factory, rx))));
                 shard.entities.insert(entity_id, EntityHandle { tx, task, incarnation });
             }
             ShardAction::Send { entity_id, msg } => {
@@ -1159,7 +1175,7 @@ impl<E: Entity> RegionTask<E> {
             ShardAction::ForceStop { entity_id } => {
                 if let Some(h) = self.shards.get_mut(shard_id).and_then(|s| s.entities.remove(&entity_id)) {
                     warn!(type_name = %self.type_name, %entity_id, "entity did not stop within the hand-off timeout; aborted");
-                    self.abort_entity(h.task);
+                    h.task.abort();
                 }
             }
             ShardAction::Drop { entity_id, msg, reason } => {
@@ -1189,26 +1205,42 @@ impl<E: Entity> RegionTask<E> {
                 self.fail_orphans(shard_id);
                 let Some(s) = self.shards.remove(shard_id) else { return };
                 for (_, e) in s.entities {
-                    self.abort_entity(e.task);
+                    e.task.abort();
                 }
                 self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
                 warn!(type_name = %self.type_name, shard = %shard_id, backoff = ?self.settings.shard_failure_backoff, "shard failed; restarting after backoff");
                 let events = self.events_tx.clone();
                 let (shard, epoch, backoff) = (shard_id.clone(), s.epoch, self.settings.shard_failure_backoff);
+                let tasks = s.tasks;
+                tasks.close();
                 tokio::spawn(async move {
+                    tasks.wait().await;
                     tokio::time::sleep(backoff).await;
                     let _ = events.send(EntityEvent::RestartShard { shard, epoch });
                 });
             }
             ShardAction::Stopped => {
                 self.fail_orphans(shard_id);
-                if let Some(s) = self.shards.remove(shard_id) {
-                    for (_, e) in s.entities {
-                        self.abort_entity(e.task);
-                    }
+                let Some(s) = self.shards.remove(shard_id) else {
+                    self.work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+                    return;
+                };
+                for (_, e) in s.entities {
+                    e.task.abort();
                 }
-                debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
-                self.work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+                s.tasks.close();
+                if s.tasks.is_empty() {
+                    debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
+                    self.work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+                } else {
+                    // Aborted entities end at their next await; report the shard stopped (so it
+                    // may start elsewhere) only then.
+                    let (events, shard, tasks) = (self.events_tx.clone(), shard_id.clone(), s.tasks);
+                    tokio::spawn(async move {
+                        tasks.wait().await;
+                        let _ = events.send(EntityEvent::ShardTasksEnded { shard });
+                    });
+                }
             }
         }
     }
@@ -1261,17 +1293,18 @@ impl<E: Entity> EntityRunner<E> {
         };
         if let Err(panic) = AssertUnwindSafe(entity.started(&self.ctx)).catch_unwind().await {
             self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
-            error!(type_name = %self.type_name, entity_id = %id, panic = %panic_text(&*panic), "entity start hook panicked; entity stopped");
+            let what = panic_text(&*panic);
+            error!(type_name = %self.type_name, entity_id = %id, panic = %what, "entity start hook panicked; entity stopped");
             drop(entity);
-            // Its queued messages go to a fresh instance, as after a panic in `handle`.
+            // Its queued messages fail (as after a panicking factory): handing them to a fresh
+            // instance would spin if the hook always panics, since no message gets consumed.
             inbox.close();
-            let mut leftovers = Vec::new();
             while let Ok(cmd) = inbox.try_recv() {
                 if let EntityCmd::Msg(env) = cmd {
-                    leftovers.push(env);
+                    self.respond(env.reply, Err(not_delivered(&id, format!("entity start hook panicked: {what}"))));
                 }
             }
-            self.terminated(leftovers);
+            self.terminated(Vec::new());
             return;
         }
         while let Some(cmd) = inbox.recv().await {

@@ -237,7 +237,9 @@ impl TestCluster {
 
     fn config_for(&self, i: usize) -> NodeConfig {
         let mut cfg = test_config(&Self::node_id(i), self.dirs[i].path(), &self.cluster_id);
-        cfg.seeds = self.nodes.iter().flatten().filter(|n| !n.is_shut_down()).map(Node::gossip_addr).collect();
+        // Seeds are the members that are Up: a node that is itself still joining cannot let
+        // anyone in. With none (every member gone), this node forms a new cluster.
+        cfg.seeds = self.nodes.iter().flatten().filter(|n| Self::is_member(n)).map(Node::gossip_addr).collect();
         cfg.fault_injector = Some(self.injector.clone());
         (self.customize)(i, &mut cfg);
         cfg
@@ -312,21 +314,27 @@ impl TestCluster {
         Ok(())
     }
 
-    /// Waits until every running node lists exactly the running nodes, all Up and reachable.
+    /// Whether `node` runs and is an Up member in its own view.
+    pub fn is_member(node: &Node) -> bool {
+        !node.is_shut_down() && node.membership().self_member().is_some_and(|m| m.status() == MemberStatus::Up)
+    }
+
+    /// Whether every running node lists exactly the running nodes, all Up and reachable.
+    pub fn is_converged(&self) -> bool {
+        let mut expected: Vec<String> = self.running().map(|(_, n)| n.node_id().to_string()).collect();
+        expected.sort();
+        self.running().all(|(_, n)| {
+            let ms = n.members();
+            let mut ids: Vec<String> = ms.iter().map(|m| m.node_id().to_string()).collect();
+            ids.sort();
+            ids == expected && ms.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
+        })
+    }
+
+    /// Waits until [`TestCluster::is_converged`]; panics after `timeout`.
     pub async fn await_converged(&self, timeout: Duration) {
-        let expected: Vec<String> = {
-            let mut v: Vec<String> = self.running().map(|(_, n)| n.node_id().to_string()).collect();
-            v.sort();
-            v
-        };
-        eventually(timeout, &format!("all running nodes see exactly {expected:?} up"), || {
-            let ok = self.running().all(|(_, n)| {
-                let ms = n.members();
-                let mut ids: Vec<String> = ms.iter().map(|m| m.node_id().to_string()).collect();
-                ids.sort();
-                ids == expected && ms.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
-            });
-            std::future::ready(ok.then_some(()))
+        eventually(timeout, "all running nodes see exactly the running nodes up", || {
+            std::future::ready(self.is_converged().then_some(()))
         })
         .await
     }
