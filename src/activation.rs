@@ -10,12 +10,17 @@
 //! (tab-separated, appended and flushed per line, so a SIGKILL loses nothing already recorded):
 //!
 //! ```text
+//! open  <unix µs>
 //! start <n> <epoch> <unix µs> <node> <entity id>
 //! stop  <n> <unix µs>
 //! ```
 //!
-//! where `<n>` numbers the activations of that file. Tabs, newlines and backslashes in ids are
-//! escaped as `\t`, `\n`, `\\`.
+//! where `<n>` numbers the activations since the last `open` (written each time a process opens
+//! the file, so a restarted node may append to the same one). Activations left without a stop
+//! when the file is opened again belonged to a process that died (SIGKILL): the loader gives them
+//! that `open` time as their stop, an upper bound that can only report too much overlap, never
+//! hide one. A line torn by a kill mid-write is ignored (the next `open` marks it). Tabs, CRs, newlines and backslashes in
+//! ids and node names are escaped as `\t`, `\r`, `\n`, `\\`.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -62,11 +67,11 @@ pub struct ActivationGuard {
 impl Drop for ActivationGuard {
     fn drop(&mut self) {
         let now = SystemTime::now();
-        if let Ok(mut l) = self.log.inner.lock() {
-            l.activations[self.index].stop = Some(now);
-            let line = format!("stop\t{}\t{}\n", self.index, micros(now));
-            write_line(&mut l, &line);
-        }
+        // A poisoned lock still records the stop: a missing one would read as an overlap.
+        let mut l = self.log.inner.lock().unwrap_or_else(|p| p.into_inner());
+        l.activations[self.index].stop = Some(now);
+        let line = format!("stop\t{}\t{}\n", self.index, micros(now));
+        write_line(&mut l, &line);
     }
 }
 
@@ -84,7 +89,7 @@ fn write_line(l: &mut LogInner, line: &str) {
 }
 
 fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('\t', "\\t").replace('\n', "\\n")
+    s.replace('\\', "\\\\").replace('\t', "\\t").replace('\n', "\\n").replace('\r', "\\r")
 }
 
 fn unescape(s: &str) -> String {
@@ -98,6 +103,7 @@ fn unescape(s: &str) -> String {
         match chars.next() {
             Some('t') => out.push('\t'),
             Some('n') => out.push('\n'),
+            Some('r') => out.push('\r'),
             Some(other) => out.push(other),
             None => out.push('\\'),
         }
@@ -113,11 +119,22 @@ impl ActivationLog {
 
     /// A log that also appends every event to `path` (created if missing).
     pub fn with_file(path: &Path) -> Result<Self> {
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-            .map_err(|e| Error::io(format!("opening activation log {}", path.display()), e))?;
+        let io = |e| Error::io(format!("opening activation log {}", path.display()), e);
+        let mut file = std::fs::OpenOptions::new().create(true).read(true).append(true).open(path).map_err(io)?;
+        // Mark and end a line torn by a process killed mid-write (even a torn line may parse,
+        // say a truncated time), so the loader skips it and new records start clean.
+        let torn = {
+            use std::io::{Read, Seek, SeekFrom};
+            let len = file.seek(SeekFrom::End(0)).map_err(io)?;
+            let mut last = [0u8; 1];
+            len > 0 && {
+                file.seek(SeekFrom::End(-1)).map_err(io)?;
+                file.read_exact(&mut last).map_err(io)?;
+                last[0] != b'\n'
+            }
+        };
+        let open = format!("{}open\t{}\n", if torn { TORN_MARK } else { "" }, micros(SystemTime::now()));
+        file.write_all(open.as_bytes()).map_err(io)?;
         Ok(ActivationLog { inner: Arc::new(Mutex::new(LogInner { activations: Vec::new(), file: Some(file) })) })
     }
 
@@ -155,42 +172,60 @@ impl ActivationLog {
         for path in paths {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| Error::io(format!("reading activation log {}", path.display()), e))?;
-            let bad = |n: usize, line: &str| {
-                Error::Config(format!("{}:{}: bad activation record {line:?}", path.display(), n + 1))
-            };
-            let mut by_index: HashMap<usize, usize> = HashMap::new();
-            for (n, line) in text.lines().enumerate() {
-                let f: Vec<&str> = line.split('\t').collect();
-                let at = |s: &str| s.parse::<u64>().ok().map(|us| UNIX_EPOCH + Duration::from_micros(us));
-                match f.as_slice() {
-                    ["start", index, epoch, time, node, id] => {
-                        let (Ok(index), Ok(epoch), Some(start)) = (index.parse(), epoch.parse(), at(time)) else {
-                            return Err(bad(n, line));
-                        };
-                        by_index.insert(index, all.len());
-                        all.push(Activation {
-                            entity_id: unescape(id),
-                            node: unescape(node),
-                            epoch,
-                            start,
-                            stop: None,
-                        });
-                    }
-                    ["stop", index, time] => {
-                        let (Ok(index), Some(stop)) = (index.parse::<usize>(), at(time)) else {
-                            return Err(bad(n, line));
-                        };
-                        let slot = by_index.get(&index).ok_or_else(|| bad(n, line))?;
-                        all[*slot].stop = Some(stop);
-                    }
-                    // A process killed mid-write leaves at most one partial last line.
-                    _ if n + 1 == text.lines().count() && !text.ends_with('\n') => {}
-                    _ => return Err(bad(n, line)),
-                }
-            }
+            load_one(path, &text, &mut all)?;
         }
         Ok(all)
     }
+}
+
+/// Appended to a torn line when the file is opened again (a tab cannot occur unescaped in a
+/// record's fields).
+const TORN_MARK: &str = "\t#torn\n";
+
+fn load_one(path: &Path, text: &str, all: &mut Vec<Activation>) -> Result<()> {
+    let bad =
+        |n: usize, line: &str| Error::Config(format!("{}:{}: bad activation record {line:?}", path.display(), n + 1));
+    let at = |s: &str| s.parse::<u64>().ok().map(|us| UNIX_EPOCH + Duration::from_micros(us));
+    let lines: Vec<&str> = text.split('\n').collect();
+    // Index (since the last `open`) → position in `all`.
+    let mut open: HashMap<usize, usize> = HashMap::new();
+    for (n, line) in lines.iter().enumerate() {
+        // The piece after the last newline is empty, or a line torn by a kill: never trusted.
+        if n + 1 == lines.len() {
+            break;
+        }
+        if line.ends_with(TORN_MARK.trim_end_matches('\n')) {
+            continue;
+        }
+        let f: Vec<&str> = line.split('\t').collect();
+        match f.as_slice() {
+            ["open", time] => {
+                let Some(opened) = at(time) else { return Err(bad(n, line)) };
+                // Activations still open belonged to a process that died: they ended no later
+                // than this (conservative for the checker).
+                for (_, slot) in open.drain() {
+                    let a: &mut Activation = &mut all[slot];
+                    a.stop.get_or_insert(opened.max(a.start));
+                }
+            }
+            ["start", index, epoch, time, node, id] => {
+                let (Ok(index), Ok(epoch), Some(start)) = (index.parse(), epoch.parse(), at(time)) else {
+                    return Err(bad(n, line));
+                };
+                open.insert(index, all.len());
+                all.push(Activation { entity_id: unescape(id), node: unescape(node), epoch, start, stop: None });
+            }
+            ["stop", index, time] => {
+                let (Ok(index), Some(stop)) = (index.parse::<usize>(), at(time)) else {
+                    return Err(bad(n, line));
+                };
+                let slot = open.remove(&index).ok_or_else(|| bad(n, line))?;
+                all[slot].stop = Some(stop);
+            }
+            _ => return Err(bad(n, line)),
+        }
+    }
+    Ok(())
 }
 
 /// Checks the sharding promise over a set of activations: no two activations of one id overlap
@@ -275,20 +310,47 @@ mod tests {
         let (p1, p2) = (dir.path().join("n1.log"), dir.path().join("n2.log"));
         let l1 = ActivationLog::with_file(&p1).unwrap();
         let l2 = ActivationLog::with_file(&p2).unwrap();
-        let g = l1.started("odd\tid\nwith\\escapes", "n1", 3);
+        let g = l1.started("odd\tid\nwith\\escapes\r", "n1", 3);
         drop(g);
         let _still_running = l2.started("b", "n2", 7);
         let mut loaded = ActivationLog::load(&[p1.clone(), p2]).unwrap();
         loaded.sort_by(|a, b| a.node.cmp(&b.node));
         assert_eq!(loaded.len(), 2);
-        assert_eq!(loaded[0].entity_id, "odd\tid\nwith\\escapes");
+        assert_eq!(loaded[0].entity_id, "odd\tid\nwith\\escapes\r");
         assert_eq!(loaded[0].epoch, 3);
         assert!(loaded[0].stop.is_some_and(|s| s >= loaded[0].start));
         assert_eq!((loaded[1].entity_id.as_str(), loaded[1].stop), ("b", None));
-        // A torn last line (killed mid-write) is ignored; garbage elsewhere is an error.
-        std::fs::write(&p1, "start\t0\t1\t5\tn1\ta\nstop\t0").unwrap();
-        assert_eq!(ActivationLog::load(std::slice::from_ref(&p1)).unwrap().len(), 1);
+        // Garbage in the middle of a file is an error.
         std::fs::write(&p1, "nonsense\nstart\t0\t1\t5\tn1\ta\n").unwrap();
         assert!(matches!(ActivationLog::load(&[p1]), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn a_process_killed_mid_write_and_restarted_on_the_same_file_loads_conservatively() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("n1.log");
+        let first = ActivationLog::with_file(&p).unwrap();
+        let a = first.started("a", "n1", 1);
+        let b = first.started("b", "n1", 1);
+        drop(b);
+        std::mem::forget(a); // SIGKILL: "a" never logs its stop
+        drop(first);
+        // Torn mid-record: a truncated stop time that would still parse must not be trusted.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(b"stop\t0\t12").unwrap();
+        drop(f);
+        let second = ActivationLog::with_file(&p).unwrap();
+        let reopened = SystemTime::now();
+        let _c = second.started("a", "n1", 2);
+        let loaded = ActivationLog::load(std::slice::from_ref(&p)).unwrap();
+        assert_eq!(loaded.len(), 3, "{loaded:?}");
+        let killed = loaded.iter().find(|x| x.entity_id == "a" && x.epoch == 1).unwrap();
+        let stop = killed.stop.expect("ends at the reopening");
+        assert!(stop <= reopened && stop >= killed.start);
+        assert_eq!(check_activations(&loaded), Ok(()));
+        // A torn line at the very end is ignored too.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&p).unwrap();
+        f.write_all(b"start\t9\t").unwrap();
+        assert_eq!(ActivationLog::load(std::slice::from_ref(&p)).unwrap().len(), 3);
     }
 }

@@ -15,6 +15,7 @@ const SLACK: Duration = Duration::from_secs(5);
 
 fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str) -> NodeProcess {
     let mut o = ProcessOptions::new(id, "proc-test", dir);
+    o.activation_log = Some(dir.join(format!("activations-{id}.log")));
     o.seeds = seeds.iter().map(|s| s.gossip).collect();
     o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
     o.sharding_toml = format!("number_of_shards = 20\nretry_interval = \"400ms\"\n{sharding}");
@@ -59,7 +60,7 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
         .await;
     }
     println!("all 20 entities answered from n1 {:?} after SIGKILL of n2", killed.elapsed());
-    let status = n1.terminate(Duration::from_secs(30)).unwrap();
+    let status = n1.terminate(Duration::from_secs(30)).await.unwrap();
     assert!(status.success(), "graceful exit: {status}");
 }
 
@@ -89,14 +90,17 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
     let first = nodes.iter().position(|p| p.node_id == coordinator).unwrap();
     let second = n - 1;
     assert_ne!(first, second);
+    let mut killed_at = Vec::new();
     for (round, victim) in [first, second].into_iter().enumerate() {
         let victim_id = nodes[victim].node_id.clone();
         let hosted = stats_by_node(&ask(&nodes[victim], "STATS").await)
             .into_iter()
             .find(|(node, _)| *node == victim_id)
             .map_or(0, |(_, c)| c);
+        assert!(hosted > 0, "{victim_id} hosts entities before it is killed");
         let killed = Instant::now();
         nodes[victim].kill();
+        killed_at.push((victim_id.clone(), std::time::SystemTime::now()));
         let watcher = (0..n).find(|i| *i != first && *i != victim).unwrap();
         let gone = format!(" {victim_id}=");
         nodes[watcher].until("STATS", bound, |a| stats_total(a) == Some(ids) && !a.contains(&gone)).await;
@@ -113,6 +117,25 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
                 .until(&format!("GET r{i}"), bound, |a| a.starts_with("VALUE ") || a.starts_with("NONE "))
                 .await;
         }
+    }
+    // The activation logs of all processes: a killed process's activations ended when it was
+    // killed; none overlaps another activation of its id, and epochs grew with every move.
+    let logs: Vec<_> = (1..=n).map(|i| dir.path().join(format!("activations-n{i}.log"))).collect();
+    let mut acts = ddshard::activation::ActivationLog::load(&logs).unwrap();
+    for a in acts.iter_mut() {
+        if let Some((_, t)) = killed_at.iter().find(|(node, _)| *node == a.node) {
+            a.stop.get_or_insert(*t);
+        }
+    }
+    let on_survivors: std::collections::BTreeSet<&str> = acts
+        .iter()
+        .filter(|a| killed_at.iter().all(|(node, _)| *node != a.node))
+        .map(|a| a.entity_id.as_str())
+        .collect();
+    assert_eq!(on_survivors.len(), ids, "every id ran on a survivor");
+    assert!(acts.len() > ids, "entities of the killed nodes started again elsewhere");
+    if let Err(v) = ddshard::activation::check_activations(&acts) {
+        panic!("overlapping activations across SIGKILL fail-over: {v:#?}");
     }
 }
 

@@ -94,7 +94,8 @@ fn field(line: &str, name: &str) -> Option<SocketAddr> {
 
 impl NodeProcess {
     /// Writes the config and starts the process; returns once it printed its `READY` line
-    /// (at most `startup_timeout`). Its stderr (logs) is discarded unless
+    /// (at most `startup_timeout`; this blocks the calling thread for the node's start-up,
+    /// typically well under a second). Its stderr (logs) is discarded unless
     /// `DDSHARD_TEST_LOG=stderr`.
     pub fn spawn(binary: &Path, opts: &ProcessOptions, startup_timeout: Duration) -> Result<NodeProcess> {
         std::fs::create_dir_all(&opts.dir).map_err(|e| Error::io("creating the process dir", e))?;
@@ -152,17 +153,17 @@ impl NodeProcess {
     }
 
     /// SIGTERM (graceful leave); waits up to `timeout` for the exit status.
-    pub fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus> {
+    pub async fn terminate(&mut self, timeout: Duration) -> Result<ExitStatus> {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill").args(["-TERM", &pid]).status().map_err(|e| Error::io("running kill", e))?;
         if !sent.success() {
             return Err(Error::Config(format!("kill -TERM {pid} failed")));
         }
-        self.wait_exit(timeout)
+        self.wait_exit(timeout).await
     }
 
     /// Waits up to `timeout` for the process to exit by itself (e.g. after being downed).
-    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.child.try_wait().map_err(|e| Error::io("waiting for the node", e))? {
@@ -171,7 +172,7 @@ impl NodeProcess {
             if Instant::now() >= deadline {
                 return Err(Error::Config(format!("node {} still running after {timeout:?}", self.node_id)));
             }
-            std::thread::sleep(Duration::from_millis(20));
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
