@@ -237,9 +237,11 @@ impl TestCluster {
 
     fn config_for(&self, i: usize) -> NodeConfig {
         let mut cfg = test_config(&Self::node_id(i), self.dirs[i].path(), &self.cluster_id);
-        // Seeds are the members that are Up: a node that is itself still joining cannot let
-        // anyone in. With none (every member gone), this node forms a new cluster.
-        cfg.seeds = self.nodes.iter().flatten().filter(|n| Self::is_member(n)).map(Node::gossip_addr).collect();
+        // Seeds: the members that are Up (a node that is itself still joining cannot let anyone
+        // in), else every running node (they are all starting up).
+        let running: Vec<&Node> = self.nodes.iter().flatten().filter(|n| !n.is_shut_down()).collect();
+        let up: Vec<&Node> = running.iter().copied().filter(|n| Self::is_member(n)).collect();
+        cfg.seeds = if up.is_empty() { running } else { up }.into_iter().map(Node::gossip_addr).collect();
         cfg.fault_injector = Some(self.injector.clone());
         (self.customize)(i, &mut cfg);
         cfg
@@ -310,6 +312,16 @@ impl TestCluster {
     pub async fn restart(&mut self, i: usize) -> Result<()> {
         self.kill(i).await;
         let cfg = self.config_for(i);
+        self.nodes[i] = Some(Node::start(cfg).await?);
+        Ok(())
+    }
+
+    /// Restarts node `i` with no seeds, so it forms a new cluster: what an operator does when
+    /// every member is gone and the remaining nodes can only wait for each other to join.
+    pub async fn restart_forming(&mut self, i: usize) -> Result<()> {
+        self.kill(i).await;
+        let mut cfg = self.config_for(i);
+        cfg.seeds.clear();
         self.nodes[i] = Some(Node::start(cfg).await?);
         Ok(())
     }
