@@ -133,6 +133,16 @@ mod tests {
         compute_members(&UniqueAddress::new(me, 1), &nodes)
     }
 
+    /// d's view of a 2|3 cut between {a, b, c} and {d, e}.
+    fn cut_seen_by_d() -> MembershipSnapshot {
+        snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)])
+    }
+
+    /// d's view with every link up.
+    fn healed_seen_by_d() -> MembershipSnapshot {
+        snap("d", &[("a", true), ("b", true), ("c", true), ("d", true), ("e", true)])
+    }
+
     #[test]
     fn majority_side_downs_the_unreachable_minority_after_stable_after() {
         let t0 = Instant::now();
@@ -185,7 +195,7 @@ mod tests {
         // schedule, when the majority (which saw no change) downs d and e.
         let t0 = Instant::now();
         let mut k = KeepMajority::new(Duration::from_secs(5), t0);
-        let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        let cut = cut_seen_by_d();
         assert_eq!(k.decide(&cut, t0), Decision::Wait);
         let crashed = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", false)]);
         assert_eq!(k.decide(&crashed, t0 + Duration::from_secs(1)), Decision::Wait);
@@ -196,9 +206,9 @@ mod tests {
     fn a_brief_flap_seen_only_by_the_loser_does_not_restart_its_clock() {
         let t0 = Instant::now();
         let mut k = KeepMajority::new(Duration::from_secs(5), t0);
-        let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        let cut = cut_seen_by_d();
         k.decide(&cut, t0);
-        let healed = snap("d", &[("a", true), ("b", true), ("c", true), ("d", true), ("e", true)]);
+        let healed = healed_seen_by_d();
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(3)), Decision::Wait);
         assert_eq!(k.decide(&cut, t0 + Duration::from_secs(4)), Decision::Wait);
         assert_eq!(k.decide(&cut, t0 + Duration::from_secs(5)), Decision::DownMyself);
@@ -208,9 +218,9 @@ mod tests {
     fn losing_clock_restarts_after_stable_after_without_losing() {
         let t0 = Instant::now();
         let mut k = KeepMajority::new(Duration::from_secs(5), t0);
-        let cut = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
+        let cut = cut_seen_by_d();
         k.decide(&cut, t0);
-        let healed = snap("d", &[("a", true), ("b", true), ("c", true), ("d", true), ("e", true)]);
+        let healed = healed_seen_by_d();
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(3)), Decision::Wait);
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(8)), Decision::Wait);
         assert_eq!(k.decide(&cut, t0 + Duration::from_secs(9)), Decision::Wait);

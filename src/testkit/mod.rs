@@ -53,25 +53,13 @@ impl FaultInjector {
 
     /// Cuts every link between a node of `a` and a node of `b`, both directions.
     pub fn cut(&self, a: &[&str], b: &[&str]) {
-        let mut s = self.state.write().expect("fault state");
-        for x in a {
-            for y in b {
-                s.cut.insert((x.to_string(), y.to_string()));
-                s.cut.insert((y.to_string(), x.to_string()));
-            }
-        }
+        cut_both_ways(&mut self.state.write().expect("fault state").cut, a, b);
     }
 
     /// Cuts node-to-node messaging (TCP) only, both directions, while gossip keeps flowing:
     /// peers stay "reachable" but messages are lost, as on a half-broken network.
     pub fn cut_messaging(&self, a: &[&str], b: &[&str]) {
-        let mut s = self.state.write().expect("fault state");
-        for x in a {
-            for y in b {
-                s.messaging_cut.insert((x.to_string(), y.to_string()));
-                s.messaging_cut.insert((y.to_string(), x.to_string()));
-            }
-        }
+        cut_both_ways(&mut self.state.write().expect("fault state").messaging_cut, a, b);
     }
 
     /// Cuts traffic from `from` to `to` only.
@@ -101,6 +89,15 @@ impl FaultInjector {
     fn is_cut_from_addr(&self, from: SocketAddr, to: &str) -> bool {
         let s = self.state.read().expect("fault state");
         s.owner_of_addr.get(&from).is_some_and(|owner| s.cut.contains(&(owner.clone(), to.to_string())))
+    }
+}
+
+fn cut_both_ways(links: &mut HashSet<(String, String)>, a: &[&str], b: &[&str]) {
+    for x in a {
+        for y in b {
+            links.insert((x.to_string(), y.to_string()));
+            links.insert((y.to_string(), x.to_string()));
+        }
     }
 }
 
