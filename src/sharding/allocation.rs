@@ -23,7 +23,9 @@ pub struct RegionAllocation {
 }
 
 /// Decides shard placement. Implement it for a custom strategy; the coordinator calls it only
-/// with the regions that are registered and not shutting down.
+/// with the regions that are registered and not shutting down. A panic in either method is
+/// contained (with `panic = "unwind"`, Rust's default): the coordinator logs it, places a new
+/// shard on the least-loaded region and skips that rebalance round.
 pub trait ShardAllocationStrategy: Send + Sync + 'static {
     /// The region for a new shard. `regions` is never empty.
     fn allocate(&self, requester: &RegionId, shard: &ShardId, regions: &[RegionAllocation]) -> RegionId;
