@@ -179,3 +179,45 @@ async fn partition_two_three_minority_stops_before_majority_starts_and_no_activa
         panic!("overlapping activations: {v:#?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lower_coordinator_min_cap_keeps_allocating_while_one_of_four_nodes_is_unreachable() {
+    // Downing is off here: the killed node stays an unreachable member.
+    let mut c = TestCluster::start(4).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let strict = ddshard::ShardingSettings { rebalance_interval: Duration::from_secs(3600), ..settings() };
+    let relaxed = ddshard::ShardingSettings {
+        coordinator_write_majority_plus: 0,
+        coordinator_read_majority_plus: 0,
+        coordinator_majority_min_cap: 3,
+        ..strict.clone()
+    };
+    // Regions on n1..n3 only; n4 holds replicas but hosts no shard.
+    let (mut strict_regions, mut relaxed_regions) = (Vec::new(), Vec::new());
+    for i in 0..3 {
+        strict_regions.push(start_type(c.node(i), "strict", &probe, strict.clone()).await);
+        relaxed_regions.push(start_type(c.node(i), "relaxed", &probe, relaxed.clone()).await);
+    }
+    assert_eq!(value(&strict_regions[0], "before").await, 0);
+    assert_eq!(value(&relaxed_regions[0], "before").await, 0);
+    c.kill(3).await;
+    let n1 = c.node(0).clone();
+    eventually(CONVERGE, "n4 seen unreachable", || {
+        let n1 = n1.clone();
+        async move { n1.members().iter().any(|m| m.node_id() == "n4" && !m.is_reachable()).then_some(()) }
+    })
+    .await;
+    // Majority 3 of 4 suffices for the relaxed type: new shards keep being allocated.
+    for i in 0..5 {
+        let r = relaxed_regions[1].ask(&format!("after{i}"), CounterMsg::Add(1)).await.unwrap();
+        assert_eq!(r, CounterReply::Value(1));
+    }
+    // With Akka's defaults (plus 3, min-cap 5) every allocation needs all 4 members.
+    let stalled = strict_regions[1].ask_with_timeout("after0", CounterMsg::Get, Duration::from_secs(3)).await;
+    assert!(stalled.is_err(), "the strict type cannot allocate a new shard with n4 unreachable: {stalled:?}");
+    // A region that knows the home of a shard keeps reaching it (the coordinator is not asked;
+    // it is busy retrying the write, and Akka's coordinator stashes requests meanwhile too).
+    assert_eq!(value(&strict_regions[0], "before").await, 0, "known shards keep answering");
+    c.shutdown().await;
+}

@@ -177,6 +177,18 @@ pub struct ShardingSettings {
     /// Timeout of each coordinator state read at take-over (retried until it succeeds).
     #[serde(with = "humantime_serde")]
     pub waiting_for_state_timeout: Duration,
+    /// Coordinator state writes wait for a majority plus this many more replicas (Akka's
+    /// `write-majority-plus`, 3). Majority reads and writes intersect anyway; the extra copies
+    /// keep the state safe across membership changes that shift what "majority" means.
+    pub coordinator_write_majority_plus: usize,
+    /// The take-over read of the coordinator state asks a majority plus this many (Akka's
+    /// `read-majority-plus`, 5).
+    pub coordinator_read_majority_plus: usize,
+    /// Lower bound on those write and read replica counts (capped at the cluster size; Akka's
+    /// `majority-min-cap`, 5). With the defaults, a cluster of up to 5 nodes needs every
+    /// member for each allocation, so one unreachable node holds new allocations back until it
+    /// is downed; lower it (say to 3) to keep allocating in small clusters with one node out.
+    pub coordinator_majority_min_cap: usize,
     /// Shard allocation strategy.
     pub allocation: AllocationSettings,
 }
@@ -202,6 +214,9 @@ impl Default for ShardingSettings {
             shard_start_timeout: Duration::from_secs(10),
             updating_state_timeout: Duration::from_secs(5),
             waiting_for_state_timeout: Duration::from_secs(2),
+            coordinator_write_majority_plus: 3,
+            coordinator_read_majority_plus: 5,
+            coordinator_majority_min_cap: 5,
             allocation: AllocationSettings::default(),
         }
     }

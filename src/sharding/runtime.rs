@@ -1372,10 +1372,15 @@ struct CoordinatorRunner {
 /// while a minority of nodes is unreachable (majority reads and writes always intersect).
 const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
 
-/// Consistency of coordinator state writes (Akka's WriteMajorityPlus 3, min-cap 5).
-const STATE_WRITE: Consistency = Consistency::Majority { plus: 3, min_cap: 5 };
-/// Consistency of the state read at take-over (ReadMajorityPlus 5, min-cap 5).
-const STATE_READ: Consistency = Consistency::Majority { plus: 5, min_cap: 5 };
+/// Consistency of coordinator state writes (Akka's WriteMajorityPlus, 3 and min-cap 5 by default).
+fn state_write(s: &ShardingSettings) -> Consistency {
+    Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap }
+}
+
+/// Consistency of the state read at take-over (ReadMajorityPlus, 5 and min-cap 5 by default).
+fn state_read(s: &ShardingSettings) -> Consistency {
+    Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap }
+}
 
 fn state_key(type_name: &str) -> String {
     format!("sharding-coordinator-{type_name}")
@@ -1439,7 +1444,10 @@ impl CoordinatorRunner {
         let replicator = self.node.replicator().clone();
         let mut attempts = 0u32;
         let map = loop {
-            match replicator.get::<LwwMap>(&key, STATE_READ, self.settings.waiting_for_state_timeout).await {
+            match replicator
+                .get::<LwwMap>(&key, state_read(&self.settings), self.settings.waiting_for_state_timeout)
+                .await
+            {
                 Ok(m) => break m.unwrap_or_default(),
                 Err(e) => {
                     attempts += 1;
@@ -1481,7 +1489,10 @@ impl CoordinatorRunner {
         if self.settings.remember_entities {
             let key = super::remembered_shards_key(&self.type_name);
             let shards = loop {
-                match replicator.get::<GSet>(&key, STATE_READ, self.settings.waiting_for_state_timeout).await {
+                match replicator
+                    .get::<GSet>(&key, state_read(&self.settings), self.settings.waiting_for_state_timeout)
+                    .await
+                {
                     Ok(s) => break s.map(|s| s.members()).unwrap_or_default(),
                     Err(e) => warn!(type_name = %self.type_name, error = %e, "cannot read the remembered shards yet"),
                 }
@@ -1603,6 +1614,7 @@ impl CoordinatorRunner {
                     let replicator = self.node.replicator().clone();
                     let key = state_key(&self.type_name);
                     let timeout = self.settings.updating_state_timeout;
+                    let consistency = state_write(&self.settings);
                     let done = done.clone();
                     let type_name = self.type_name.clone();
                     // Remember-entities: allocated shards also go into the durable set of shards.
@@ -1619,7 +1631,7 @@ impl CoordinatorRunner {
                         loop {
                             let e2 = entries.clone();
                             let r = replicator
-                                .update::<LwwMap, _>(&key, STATE_WRITE, timeout, move |m, ctx| {
+                                .update::<LwwMap, _>(&key, consistency, timeout, move |m, ctx| {
                                     for (k, v) in e2 {
                                         match v {
                                             Some(bytes) => m.put(ctx, k, bytes),
@@ -1632,7 +1644,7 @@ impl CoordinatorRunner {
                                 (Ok(()), Some(shards)) if !shards.is_empty() => {
                                     let shards = shards.clone();
                                     replicator
-                                        .update::<GSet, _>(&gset_key, STATE_WRITE, timeout, move |g, _| {
+                                        .update::<GSet, _>(&gset_key, consistency, timeout, move |g, _| {
                                             for s in shards {
                                                 g.insert(s);
                                             }
