@@ -1463,6 +1463,13 @@ impl CoordinatorRunner {
                 return;
             }
         };
+        // The read may have taken a while: if this node stopped being the oldest meanwhile (it
+        // is leaving, say), a coordinator started now would run beside its successor until
+        // the next membership change, both allocating shards. Found by random fault seed 20.
+        if !i_am_coordinator(&members.borrow_and_update(), role) || shutdown.is_cancelled() {
+            info!(type_name = %self.type_name, "no longer the oldest member after reading the state; not starting");
+            return;
+        }
         let state = CoordinatorState::from_map(&map);
         info!(type_name = %self.type_name, shards = state.shards.len(), regions = state.regions.len(), "coordinator started");
         let cs = CoordinatorSettings {
@@ -1502,6 +1509,10 @@ impl CoordinatorRunner {
                     return;
                 }
             };
+            if !i_am_coordinator(&members.borrow(), role) || shutdown.is_cancelled() {
+                transport.unsubscribe(&topic);
+                return;
+            }
             info!(type_name = %self.type_name, shards = shards.len(), "allocating remembered shards");
             core.handle(CoordinatorInput::RememberedShards(shards), Instant::now(), wall_ms(), &mut out);
         }
@@ -1530,7 +1541,15 @@ impl CoordinatorRunner {
                     }
                     self.check_members(&mut core, &snap, &mut out);
                 }
-                _ = tick.tick() => core.handle(CoordinatorInput::Tick, now, wall, &mut out),
+                _ = tick.tick() => {
+                    // Also checked without a membership change: a change consumed while this
+                    // coordinator was busy must not leave it running.
+                    if !i_am_coordinator(&members.borrow(), role) {
+                        info!(type_name = %self.type_name, "no longer the oldest member; coordinator stops");
+                        break;
+                    }
+                    core.handle(CoordinatorInput::Tick, now, wall, &mut out)
+                }
             }
         }
         transport.unsubscribe(&topic);
