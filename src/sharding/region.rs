@@ -124,6 +124,11 @@ impl<M> RegionCore<M> {
         self.buffered
     }
 
+    /// The coordinator this region follows: the oldest member with the role, in its view.
+    pub(crate) fn coordinator(&self) -> Option<&RegionId> {
+        self.coordinator.as_ref()
+    }
+
     fn to_coordinator(&self, msg: ToCoordinator, out: &mut Vec<RegionAction<M>>) {
         if let Some(c) = &self.coordinator {
             out.push(RegionAction::ToCoordinator { coordinator: c.clone(), msg });
