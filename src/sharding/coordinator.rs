@@ -146,6 +146,8 @@ enum HandoffPhase {
 
 #[derive(Debug)]
 struct Handoff {
+    /// Unique across coordinator incarnations (follows the wall clock).
+    id: u64,
     from: RegionId,
     phase: HandoffPhase,
     deadline: Instant,
@@ -172,6 +174,9 @@ pub(crate) struct CoordinatorCore {
     next_rebalance: Instant,
     rebalance_allowed: bool,
     last_epoch_ms: u64,
+    /// Wall clock of the latest input, and the latest hand-off id issued.
+    wall_ms: u64,
+    last_handoff_id: u64,
     /// Latched once `min_nr_of_members` regions registered (or the state already had
     /// allocations): the limit only holds back the first allocation.
     min_members_reached: bool,
@@ -203,6 +208,8 @@ impl CoordinatorCore {
             next_rebalance,
             rebalance_allowed: false,
             last_epoch_ms: 0,
+            wall_ms: 0,
+            last_handoff_id: 0,
         }
     }
 
@@ -267,6 +274,7 @@ impl CoordinatorCore {
         wall_ms: u64,
         out: &mut Vec<CoordinatorAction>,
     ) {
+        self.wall_ms = self.wall_ms.max(wall_ms);
         match input {
             CoordinatorInput::FromRegion(msg) => self.on_region_msg(msg, now, wall_ms, out),
             CoordinatorInput::RegionTerminated(region) => self.on_region_terminated(region, now, wall_ms, out),
@@ -346,13 +354,17 @@ impl CoordinatorCore {
                     pending.remove(&region);
                     if pending.is_empty() {
                         h.phase = HandoffPhase::Stopping;
-                        let from = h.from.clone();
-                        self.commit(vec![], vec![Self::send(&from, ToRegion::HandOff { shard })], out);
+                        let (from, handoff) = (h.from.clone(), h.id);
+                        self.commit(vec![], vec![Self::send(&from, ToRegion::HandOff { shard, handoff })], out);
                     }
                 }
             }
-            ToCoordinator::ShardStopped { shard, region } => {
-                if self.handoffs.get(&shard).is_some_and(|h| h.from == region) {
+            ToCoordinator::ShardStopped { shard, region, handoff } => {
+                let current = self
+                    .handoffs
+                    .get(&shard)
+                    .is_some_and(|h| h.from == region && h.id == handoff && matches!(h.phase, HandoffPhase::Stopping));
+                if current {
                     self.finish_handoff(&shard, now, wall_ms, out);
                 }
             }
@@ -473,9 +485,12 @@ impl CoordinatorCore {
         let everyone: BTreeSet<RegionId> = self.all_regions().cloned().collect();
         let effects = everyone.iter().map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone() })).collect();
         debug!(%shard, %from, "hand-off started");
+        let id = (self.last_handoff_id + 1).max(self.wall_ms << 16);
+        self.last_handoff_id = id;
         self.handoffs.insert(
             shard,
             Handoff {
+                id,
                 from,
                 phase: HandoffPhase::WaitingForAcks(everyone),
                 deadline: now + self.settings.handoff_timeout,
@@ -534,8 +549,8 @@ impl CoordinatorCore {
                 pending.remove(&region);
                 if pending.is_empty() {
                     h.phase = HandoffPhase::Stopping;
-                    let from = h.from.clone();
-                    self.commit(vec![], vec![Self::send(&from, ToRegion::HandOff { shard })], out);
+                    let (from, handoff) = (h.from.clone(), h.id);
+                    self.commit(vec![], vec![Self::send(&from, ToRegion::HandOff { shard, handoff })], out);
                 }
             }
         }
@@ -829,7 +844,7 @@ mod tests {
             assert!(sent.is_empty(), "still waiting for x");
         }
         let sent = step(&mut c, CoordinatorInput::RegionTerminated(r("x")), later, 2);
-        assert!(sent.contains(&(r("a"), ToRegion::HandOff { shard: shard.clone() })), "{sent:?}");
+        let handoff = handoff_id(&sent, "a", &shard).unwrap_or_else(|| panic!("no HandOff to a: {sent:?}"));
         // A GetShardHome during the hand-off is deferred, answered with the new home after.
         let sent = step(
             &mut c,
@@ -840,7 +855,7 @@ mod tests {
         assert!(sent.is_empty());
         let sent = step(
             &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a") }),
+            CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a"), handoff }),
             later,
             2,
         );
@@ -878,22 +893,78 @@ mod tests {
             .collect();
         assert_eq!(begins, on_a);
         for s in &on_a {
+            let mut handoff = None;
             for who in ["a", "b"] {
-                step(
+                let sent = step(
                     &mut c,
                     CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }),
                     now,
                     1,
                 );
+                handoff = handoff.or(handoff_id(&sent, "a", s));
             }
+            let handoff = handoff.expect("HandOff sent once every region acked");
             step(
                 &mut c,
-                CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a") }),
+                CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }),
                 now,
                 1,
             );
         }
         assert!(c.state().shards.values().all(|rec| rec.region == Some(r("b"))));
+    }
+
+    /// The id of the `HandOff` of `shard` sent to region `to`, if any.
+    fn handoff_id(sent: &[(RegionId, ToRegion)], to: &str, shard: &str) -> Option<u64> {
+        sent.iter().find_map(|(r_, m)| match m {
+            ToRegion::HandOff { shard: s, handoff } if *r_ == r(to) && s == shard => Some(*handoff),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn a_late_shard_stopped_of_a_timed_out_hand_off_does_not_complete_the_next_one() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        step(
+            &mut c,
+            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
+            now,
+            1,
+        );
+        let home = c.state().home("1").unwrap().0.clone();
+        let home_name = home.node_id.clone();
+        let hand_off = |c: &mut CoordinatorCore, at: Instant| {
+            step(c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), at, 1);
+            let mut id = None;
+            for who in ["a", "b"] {
+                let sent = step(
+                    c,
+                    CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r(who) }),
+                    at,
+                    1,
+                );
+                id = id.or(handoff_id(&sent, &home_name, "1"));
+            }
+            id.expect("HandOff sent")
+        };
+        // First hand-off: HandOff sent, no answer before the timeout; the shard stays.
+        let first = hand_off(&mut c, now);
+        step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(6), 1);
+        assert_eq!(c.state().home("1").unwrap().0, &home);
+        // Second hand-off of the same shard from the same region; the first one's answer
+        // arrives late and must not complete it.
+        let later = now + Duration::from_secs(7);
+        let second = hand_off(&mut c, later);
+        assert_ne!(first, second);
+        let stale = ToCoordinator::ShardStopped { shard: "1".into(), region: home.clone(), handoff: first };
+        step(&mut c, CoordinatorInput::FromRegion(stale), later, 2);
+        assert_eq!(c.state().home("1").unwrap().0, &home, "the stale answer moved nothing");
+        let current = ToCoordinator::ShardStopped { shard: "1".into(), region: home.clone(), handoff: second };
+        step(&mut c, CoordinatorInput::FromRegion(current), later, 2);
+        assert_ne!(c.state().home("1").map(|(h, _)| h.clone()), Some(home.clone()), "the current answer moves it");
     }
 
     #[test]

@@ -28,8 +28,9 @@ pub enum ToCoordinator {
     ShardStarted { shard: ShardId, region: RegionId },
     /// The region stopped routing to the shard's old home.
     BeginHandOffAck { shard: ShardId, region: RegionId },
-    /// The old home stopped the shard's entities.
-    ShardStopped { shard: ShardId, region: RegionId },
+    /// The old home stopped the shard's entities, answering the `HandOff` with this id (a late
+    /// answer to an earlier, timed-out hand-off must not complete a later one).
+    ShardStopped { shard: ShardId, region: RegionId, handoff: u64 },
     /// Hand off every shard of this region; it is shutting down.
     GracefulShutdownReq { region: RegionId },
     /// The region stopped (after a graceful shutdown); forget it.
@@ -47,8 +48,9 @@ pub enum ToRegion {
     HostShard { shard: ShardId, epoch: u64 },
     /// Stop routing to the shard's current home; buffer its messages; acknowledge.
     BeginHandOff { shard: ShardId },
-    /// Drop the shard's buffered messages, stop its entities, answer `ShardStopped`.
-    HandOff { shard: ShardId },
+    /// Drop the shard's buffered messages, stop its entities, answer `ShardStopped` with the
+    /// same hand-off id.
+    HandOff { shard: ShardId, handoff: u64 },
 }
 
 /// Region → region.

@@ -2,7 +2,7 @@
 //! or into one bounded buffer while a shard's home is unknown; registers with the coordinator
 //! with backoff; takes part in hand-offs; shuts down gracefully.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -88,7 +88,8 @@ pub(crate) struct RegionCore<M> {
     next_register: Instant,
     homes: HashMap<ShardId, (RegionId, u64)>,
     hosted: HashMap<ShardId, u64>,
-    handing_off: HashSet<ShardId>,
+    /// Shards being handed off, with the id of the `HandOff` to answer.
+    handing_off: HashMap<ShardId, u64>,
     buffers: HashMap<ShardId, VecDeque<(String, M)>>,
     buffered: usize,
     requested: HashMap<ShardId, Instant>,
@@ -110,7 +111,7 @@ impl<M> RegionCore<M> {
             next_register: now,
             homes: HashMap::new(),
             hosted: HashMap::new(),
-            handing_off: HashSet::new(),
+            handing_off: HashMap::new(),
             buffers: HashMap::new(),
             buffered: 0,
             requested: HashMap::new(),
@@ -206,8 +207,8 @@ impl<M> RegionCore<M> {
             }
             RegionInput::LocalShardStopped(shard) => {
                 self.hosted.remove(&shard);
-                if self.handing_off.remove(&shard) {
-                    self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone() }, out);
+                if let Some(handoff) = self.handing_off.remove(&shard) {
+                    self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
                 self.check_stopped(out);
             }
@@ -256,7 +257,7 @@ impl<M> RegionCore<M> {
                 self.requested.remove(&shard);
                 self.to_coordinator(ToCoordinator::BeginHandOffAck { shard, region: self.me.clone() }, out);
             }
-            ToRegion::HandOff { shard } => {
+            ToRegion::HandOff { shard, handoff } => {
                 // Messages buffered for the shard are dropped: sent on after the hand-off they
                 // could overtake messages that reach the new home first.
                 if let Some(buf) = self.buffers.remove(&shard) {
@@ -267,11 +268,12 @@ impl<M> RegionCore<M> {
                 }
                 self.homes.remove(&shard);
                 if self.hosted.contains_key(&shard) {
-                    if self.handing_off.insert(shard.clone()) {
+                    // A repeated HandOff (new id) is answered with the newest id once stopped.
+                    if self.handing_off.insert(shard.clone(), handoff).is_none() {
                         out.push(RegionAction::HandOffShard { shard });
                     }
                 } else {
-                    self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone() }, out);
+                    self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
             }
         }
@@ -385,11 +387,17 @@ mod tests {
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::BeginHandOffAck { .. }, .. }]));
         run(&mut c, route("1", 5));
         assert_eq!(c.buffered(), 1);
-        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into() }));
+        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into(), handoff: 7 }));
         assert!(out.contains(&RegionAction::Drop { entity_id: "e5".into(), msg: 5, reason: RegionDrop::HandOff }));
         assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }));
         let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
-        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { .. }, .. }]));
+        assert!(
+            matches!(
+                &out[..],
+                [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { handoff: 7, .. }, .. }]
+            ),
+            "answers with the id of the HandOff: {out:?}"
+        );
     }
 
     #[test]
@@ -400,7 +408,7 @@ mod tests {
         assert!(!out.contains(&RegionAction::Stopped));
         let out = run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "2".into(), epoch: 1 }));
         assert!(out.is_empty(), "no new shards while shutting down");
-        run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into() }));
+        run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into(), handoff: 1 }));
         let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
         assert!(out.contains(&RegionAction::Stopped));
     }
