@@ -922,8 +922,8 @@ mod tests {
         })
     }
 
-    #[test]
-    fn a_late_shard_stopped_of_a_timed_out_hand_off_does_not_complete_the_next_one() {
+    /// Regions a and b, shard "1" allocated; returns the core, the start time and its home.
+    fn regions_a_b_with_shard_1() -> (CoordinatorCore, Instant, RegionId) {
         let mut c = core(1);
         let now = Instant::now();
         reg(&mut c, "a", now);
@@ -935,6 +935,12 @@ mod tests {
             1,
         );
         let home = c.state().home("1").unwrap().0.clone();
+        (c, now, home)
+    }
+
+    #[test]
+    fn a_late_shard_stopped_of_a_timed_out_hand_off_does_not_complete_the_next_one() {
+        let (mut c, now, home) = regions_a_b_with_shard_1();
         let home_name = home.node_id.clone();
         let hand_off = |c: &mut CoordinatorCore, at: Instant| {
             step(c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), at, 1);
@@ -969,17 +975,7 @@ mod tests {
 
     #[test]
     fn hand_off_timeout_keeps_the_shard_and_retells_its_home() {
-        let mut c = core(1);
-        let now = Instant::now();
-        reg(&mut c, "a", now);
-        reg(&mut c, "b", now);
-        step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
-            now,
-            1,
-        );
-        let home = c.state().home("1").unwrap().0.clone();
+        let (mut c, now, home) = regions_a_b_with_shard_1();
         step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), now, 1);
         let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(6), 1);
         assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { region, .. } if *region == home)));
