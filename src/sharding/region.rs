@@ -26,7 +26,11 @@ pub(crate) enum RegionInput<M> {
         entity_id: String,
         msg: M,
     },
-    Coordinator(ToRegion),
+    /// A message from the coordinator on `from`.
+    Coordinator {
+        from: RegionId,
+        msg: ToRegion,
+    },
     /// The member hosting the coordinator (oldest with the role) changed.
     CoordinatorChanged(Option<RegionId>),
     /// A region's node left the cluster.
@@ -125,11 +129,6 @@ impl<M> RegionCore<M> {
         self.buffered
     }
 
-    /// The coordinator this region follows: the oldest member with the role, in its view.
-    pub(crate) fn coordinator(&self) -> Option<&RegionId> {
-        self.coordinator.as_ref()
-    }
-
     fn to_coordinator(&self, msg: ToCoordinator, out: &mut Vec<RegionAction<M>>) {
         if let Some(c) = &self.coordinator {
             out.push(RegionAction::ToCoordinator { coordinator: c.clone(), msg });
@@ -190,7 +189,15 @@ impl<M> RegionCore<M> {
     pub(crate) fn handle(&mut self, input: RegionInput<M>, now: Instant, out: &mut Vec<RegionAction<M>>) {
         match input {
             RegionInput::Route { shard, entity_id, msg } => self.route(shard, entity_id, msg, now, out),
-            RegionInput::Coordinator(msg) => self.on_coordinator(msg, now, out),
+            RegionInput::Coordinator { from, msg } => {
+                // Only the coordinator this region follows (the oldest member in its view) may
+                // place shards here: a stale one elsewhere (its node stopped being the oldest)
+                // must not start a shard its successor placed on another region. Messages lost
+                // while two views briefly disagree are re-sent by the usual retries.
+                if self.coordinator.as_ref() == Some(&from) {
+                    self.on_coordinator(msg, now, out);
+                }
+            }
             RegionInput::CoordinatorChanged(c) => {
                 if c != self.coordinator {
                     self.coordinator = c;
@@ -322,8 +329,23 @@ mod tests {
         let mut out = Vec::new();
         c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), Instant::now(), &mut out);
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { .. }, .. }]));
-        c.handle(RegionInput::Coordinator(ToRegion::RegisterAck { coordinator: r("coord") }), Instant::now(), &mut out);
+        c.handle(coord(ToRegion::RegisterAck { coordinator: r("coord") }), Instant::now(), &mut out);
         c
+    }
+
+    /// A message from the coordinator the test region follows.
+    fn coord(msg: ToRegion) -> RegionInput<u32> {
+        RegionInput::Coordinator { from: r("coord"), msg }
+    }
+
+    #[test]
+    fn messages_from_a_coordinator_the_region_does_not_follow_are_ignored() {
+        let mut c = region(10);
+        let stale =
+            RegionInput::Coordinator { from: r("old-coord"), msg: ToRegion::HostShard { shard: "1".into(), epoch: 3 } };
+        assert!(run(&mut c, stale).is_empty(), "no shard started for a stale coordinator");
+        let out = run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 4 }));
+        assert!(out.contains(&RegionAction::StartShard { shard: "1".into(), epoch: 4 }));
     }
 
     fn run(c: &mut RegionCore<u32>, input: RegionInput<u32>) -> Vec<RegionAction<u32>> {
@@ -342,10 +364,7 @@ mod tests {
         let out = run(&mut c, route("1", 1));
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]));
         assert!(run(&mut c, route("1", 2)).is_empty(), "asked only once per shard");
-        let out = run(
-            &mut c,
-            RegionInput::Coordinator(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }),
-        );
+        let out = run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
         let msgs: Vec<u32> = out
             .iter()
             .map(|a| match a {
@@ -370,7 +389,7 @@ mod tests {
     fn host_shard_starts_it_acknowledges_and_delivers_locally() {
         let mut c = region(10);
         run(&mut c, route("1", 1));
-        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 9 }));
+        let out = run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 9 }));
         assert_eq!(out[0], RegionAction::StartShard { shard: "1".into(), epoch: 9 });
         assert!(out.contains(&RegionAction::Deliver { shard: "1".into(), entity_id: "e1".into(), msg: 1 }));
         assert!(
@@ -382,12 +401,12 @@ mod tests {
     #[test]
     fn hand_off_buffers_after_begin_drops_buffer_on_hand_off_and_reports_stopped() {
         let mut c = region(10);
-        run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
-        let out = run(&mut c, RegionInput::Coordinator(ToRegion::BeginHandOff { shard: "1".into() }));
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
+        let out = run(&mut c, coord(ToRegion::BeginHandOff { shard: "1".into() }));
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::BeginHandOffAck { .. }, .. }]));
         run(&mut c, route("1", 5));
         assert_eq!(c.buffered(), 1);
-        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into(), handoff: 7 }));
+        let out = run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 7 }));
         assert!(out.contains(&RegionAction::Drop { entity_id: "e5".into(), msg: 5, reason: RegionDrop::HandOff }));
         assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }));
         let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
@@ -403,12 +422,12 @@ mod tests {
     #[test]
     fn graceful_shutdown_ends_when_no_shard_and_no_message_is_left() {
         let mut c = region(10);
-        run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
         let out = run(&mut c, RegionInput::GracefulShutdown);
         assert!(!out.contains(&RegionAction::Stopped));
-        let out = run(&mut c, RegionInput::Coordinator(ToRegion::HostShard { shard: "2".into(), epoch: 1 }));
+        let out = run(&mut c, coord(ToRegion::HostShard { shard: "2".into(), epoch: 1 }));
         assert!(out.is_empty(), "no new shards while shutting down");
-        run(&mut c, RegionInput::Coordinator(ToRegion::HandOff { shard: "1".into(), handoff: 1 }));
+        run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 1 }));
         let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
         assert!(out.contains(&RegionAction::Stopped));
     }

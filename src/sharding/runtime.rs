@@ -728,15 +728,7 @@ impl<E: Entity> RegionTask<E> {
         }
         match wire::decode::<RegionInbound>(&m.body) {
             Ok(RegionInbound::Coordinator(msg)) => {
-                // Only the coordinator this region follows (the oldest member in its view) may
-                // place shards here: a stale one elsewhere (its node stopped being the oldest)
-                // must not start a shard its successor placed on another region. Messages lost
-                // while two views briefly disagree are re-sent by the usual retries.
-                if self.core.coordinator() != Some(&m.from.address) {
-                    debug!(type_name = %self.type_name, from = %m.from.address, "message from a coordinator this region does not follow; ignored");
-                    return;
-                }
-                self.work.push_back(Work::Region(RegionInput::Coordinator(msg)))
+                self.work.push_back(Work::Region(RegionInput::Coordinator { from: m.from.address, msg }))
             }
             Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to })) => {
                 let reply = reply_to.map(|(region, ask_id)| ReplyTo::Remote { region, ask_id });
