@@ -1276,6 +1276,17 @@ impl<E: Entity> EntityRunner<E> {
         });
     }
 
+    /// Fails every queued message with `reason` and reports the incarnation ended.
+    fn fail_queued_and_end(&self, inbox: &mut mpsc::UnboundedReceiver<EntityCmd<E>>, reason: &str) {
+        inbox.close();
+        while let Ok(cmd) = inbox.try_recv() {
+            if let EntityCmd::Msg(env) = cmd {
+                self.respond(env.reply, Err(not_delivered(&self.ctx.entity_id, reason)));
+            }
+        }
+        self.terminated(Vec::new());
+    }
+
     async fn run(mut self, factory: Factory<E>, mut inbox: mpsc::UnboundedReceiver<EntityCmd<E>>) {
         let id = self.ctx.entity_id.clone();
         let mut entity = match std::panic::catch_unwind(AssertUnwindSafe(|| factory(&id))) {
@@ -1283,13 +1294,7 @@ impl<E: Entity> EntityRunner<E> {
             Err(_) => {
                 self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
                 error!(type_name = %self.type_name, entity_id = %id, "entity factory panicked; failing its messages");
-                inbox.close();
-                while let Ok(cmd) = inbox.try_recv() {
-                    if let EntityCmd::Msg(env) = cmd {
-                        self.respond(env.reply, Err(not_delivered(&id, "entity factory panicked")));
-                    }
-                }
-                self.terminated(Vec::new());
+                self.fail_queued_and_end(&mut inbox, "entity factory panicked");
                 return;
             }
         };
@@ -1300,13 +1305,7 @@ impl<E: Entity> EntityRunner<E> {
             drop(entity);
             // Its queued messages fail (as after a panicking factory): handing them to a fresh
             // instance would spin if the hook always panics, since no message gets consumed.
-            inbox.close();
-            while let Ok(cmd) = inbox.try_recv() {
-                if let EntityCmd::Msg(env) = cmd {
-                    self.respond(env.reply, Err(not_delivered(&id, format!("entity start hook panicked: {what}"))));
-                }
-            }
-            self.terminated(Vec::new());
+            self.fail_queued_and_end(&mut inbox, &format!("entity start hook panicked: {what}"));
             return;
         }
         while let Some(cmd) = inbox.recv().await {
