@@ -137,7 +137,20 @@ fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
 const WORKERS: u64 = 4;
 
 /// Asks random ids through random running regions; every answered id is acknowledged.
-async fn traffic(seed: u64, regions: Regions, acked: Arc<Mutex<BTreeSet<String>>>, stop: Arc<tokio::sync::Notify>) {
+/// What the traffic workers share: the acknowledged ids and the number of answers.
+#[derive(Clone, Default)]
+struct Acks {
+    ids: Arc<Mutex<BTreeSet<String>>>,
+    answers: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Acks {
+    fn answers(&self) -> u64 {
+        self.answers.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+async fn traffic(seed: u64, regions: Regions, acks: Acks, stop: Arc<tokio::sync::Notify>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     loop {
         let id = format!("e{}", rng.random_range(0..IDS));
@@ -150,7 +163,10 @@ async fn traffic(seed: u64, regions: Regions, acked: Arc<Mutex<BTreeSet<String>>
             let ask = region.ask_with_timeout(&id, Touch, Duration::from_secs(2));
             tokio::select! {
                 _ = stop.notified() => return,
-                r = ask => if r.is_ok() { acked.lock().unwrap().insert(id); },
+                r = ask => if r.is_ok() {
+                    acks.ids.lock().unwrap().insert(id);
+                    acks.answers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                },
             }
         }
         tokio::select! {
@@ -197,10 +213,10 @@ async fn run_seed(seed: u64, steps: usize) {
         let r = start_tracked(c.node(i), &log).await;
         regions.lock().unwrap()[i] = Some(r);
     }
-    let acked = Arc::new(Mutex::new(BTreeSet::new()));
+    let acks = Acks::default();
     let stop = Arc::new(tokio::sync::Notify::new());
     let workers: Vec<_> = (0..WORKERS)
-        .map(|w| tokio::spawn(traffic(seed * WORKERS + w, regions.clone(), acked.clone(), stop.clone())))
+        .map(|w| tokio::spawn(traffic(seed * WORKERS + w, regions.clone(), acks.clone(), stop.clone())))
         .collect();
 
     let mut partitioned = false;
@@ -252,7 +268,18 @@ async fn run_seed(seed: u64, steps: usize) {
     // Heal, let pending downing decisions land, bring every node back, and converge. A node
     // still joining after that (its seeds died meanwhile) restarts too.
     c.heal();
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Settled: every node still running sees no unreachable and no Down member (a node the
+    // others downed while cut has heard it and stopped). Not reaching it is fine: the rounds
+    // below restart whatever is left behind.
+    let settle = tokio::time::Instant::now() + Duration::from_secs(20);
+    let settled = |c: &TestCluster| {
+        c.running()
+            .filter(|(_, n)| !n.is_shut_down())
+            .all(|(_, n)| n.members().iter().all(|m| m.is_reachable() && m.status() != ddshard::MemberStatus::Down))
+    };
+    while !settled(&c) && tokio::time::Instant::now() < settle {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     for round in 0.. {
         for i in 0..NODES {
             if !is_up(&c, i) || (round > 0 && !TestCluster::is_member(c.node(i))) {
@@ -268,9 +295,14 @@ async fn run_seed(seed: u64, steps: usize) {
         }
         assert!(round < 3, "seed {seed}: the cluster did not converge after healing and restarting");
     }
-    // A converged cluster serves: traffic goes on a little (a run whose faults took every
-    // node down early may not have been acknowledged anything before).
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    // A converged cluster serves: wait for an answer given after recovery (a run whose faults
+    // took every node down early may have had none before).
+    let recovered = acks.answers();
+    let serve = tokio::time::Instant::now() + SETTLE;
+    while acks.answers() == recovered {
+        assert!(tokio::time::Instant::now() < serve, "seed {seed}: the converged cluster answered no ask");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     stop.notify_waiters();
     for w in workers {
         w.abort();
@@ -278,8 +310,7 @@ async fn run_seed(seed: u64, steps: usize) {
     }
 
     // Every acknowledged id runs again, once, without any further message.
-    let acked: BTreeSet<String> = acked.lock().unwrap().clone();
-    assert!(!acked.is_empty(), "seed {seed}: a converged cluster answered no ask");
+    let acked: BTreeSet<String> = acks.ids.lock().unwrap().clone();
     let all: Vec<(usize, ShardRegion<Tracked>)> =
         regions.lock().unwrap().iter().enumerate().filter_map(|(i, r)| Some((i, r.clone()?))).collect();
     let deadline = tokio::time::Instant::now() + SETTLE;
