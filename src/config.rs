@@ -38,11 +38,7 @@ pub struct NodeConfig {
     pub replicator: ReplicatorSettings,
     /// Default settings for sharded entity types started by the `ddshard` binary (library users
     /// pass `ShardingSettings` to `start` directly).
-    pub sharding: crate::sharding::ShardingSettings,
-    /// Fault injection for in-process test clusters.
-    #[cfg(feature = "testkit")]
-    #[serde(skip)]
-    pub fault_injector: Option<crate::testkit::FaultInjector>,
+    pub sharding: crate::sharding::settings::ShardingSettings,
 }
 
 impl Default for NodeConfig {
@@ -58,9 +54,7 @@ impl Default for NodeConfig {
             membership: MembershipSettings::default(),
             transport: TransportSettings::default(),
             replicator: ReplicatorSettings::default(),
-            sharding: crate::sharding::ShardingSettings::default(),
-            #[cfg(feature = "testkit")]
-            fault_injector: None,
+            sharding: crate::sharding::settings::ShardingSettings::default(),
         }
     }
 }

@@ -16,13 +16,17 @@
 #![warn(missing_docs)]
 
 pub mod activation;
+pub mod clock;
 pub mod config;
 pub mod ddata;
 pub mod error;
 pub mod membership;
 mod node;
+#[cfg(feature = "cli")]
 pub mod service;
 pub mod sharding;
+mod singleton;
+mod spawn;
 pub mod transport;
 
 #[cfg(feature = "testkit")]
@@ -32,5 +36,5 @@ pub use config::{DowningStrategy, MembershipSettings, NodeConfig, ReplicatorSett
 pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};
 pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
-pub use node::Node;
+pub use node::{Node, NodeBuilder};
 pub use sharding::{Entity, EntityContext, ShardRegion, Sharding, ShardingSettings};

@@ -7,8 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::*;
-use ddshard::sharding::protocol::{RegionInbound, RegionToRegion};
-use ddshard::testkit::{TestCluster, eventually, fast_downing};
+use ddshard::testkit::{TestCluster, eventually, fast_downing, forged_deliver};
 use ddshard::transport::{PeerAddr, wire};
 use ddshard::{Node, ShardingSettings};
 
@@ -154,15 +153,7 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
     let regions = start_everywhere(&c, &probe, settings()).await;
     let sender: &Node = c.node(0);
     let target = PeerAddr { address: c.node(1).address().clone(), messaging_addr: c.node(1).messaging_addr() };
-    let deliver = |entity_id: &str, payload: Vec<u8>| {
-        wire::encode(&RegionInbound::Region(RegionToRegion::Deliver {
-            shard: "0".into(),
-            entity_id: entity_id.into(),
-            payload,
-            reply_to: None,
-        }))
-        .unwrap()
-    };
+    let deliver = |entity_id: &str, payload: Vec<u8>| forged_deliver("0", entity_id, payload);
     // A payload that does not deserialize as the entity's message.
     sender.transport().send(&target, "region/counter", &deliver("victim", vec![0xc1, 0xc1, 0xc1])).unwrap();
     // An empty entity id.

@@ -11,10 +11,12 @@ pub mod replicator;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
+use crate::clock::wall_ms;
+
+use crate::clock::Instant;
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
@@ -24,7 +26,8 @@ use replicator::{Action, Input, ReplicatorCore};
 pub use replicator::{Consistency, ReplicatorMsg};
 
 use crate::error::{Error, Result};
-use crate::membership::{MemberStatus, MembershipSnapshot, UniqueAddress};
+use crate::membership::{MembershipSnapshot, UniqueAddress};
+use crate::spawn::Spawner;
 use crate::transport::{Inbound, PeerAddr, Transport};
 
 /// Transport topic of replicator messages.
@@ -50,10 +53,6 @@ impl std::fmt::Debug for Command {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Command")
     }
-}
-
-pub(crate) fn wall_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 impl Replicator {
@@ -119,8 +118,8 @@ pub(crate) async fn start(
     transport: Transport,
     members: watch::Receiver<Arc<MembershipSnapshot>>,
     store: DurableStore,
-    shutdown: CancellationToken,
-) -> Result<(Replicator, tokio::task::JoinHandle<()>)> {
+    spawner: Spawner,
+) -> Result<Replicator> {
     let loader = store.clone();
     let loaded = tokio::task::spawn_blocking(move || loader.load_all())
         .await
@@ -130,8 +129,9 @@ pub(crate) async fn start(
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);
     let driver = Driver { core, transport, store, role: params.role, watchers: HashMap::new() };
-    let task = tokio::spawn(driver.run(rx, inbound, members, shutdown));
-    Ok((Replicator { commands: tx }, task))
+    let shutdown = spawner.shutdown_token().clone();
+    spawner.spawn(driver.run(rx, inbound, members, shutdown));
+    Ok(Replicator { commands: tx })
 }
 
 struct Driver {
@@ -199,18 +199,15 @@ impl Driver {
     fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<Action<ReplyTx>>) {
         let role = self.role.as_deref();
         let me = &snap.self_address;
-        let peer = |m: &crate::membership::Member| PeerAddr {
-            address: m.address().clone(),
-            messaging_addr: m.messaging_addr(),
-        };
         let replicas =
-            snap.up_members(role).filter(|m| m.address() != me).map(|m| (peer(m), m.is_reachable())).collect();
+            snap.up_members(role).filter(|m| m.address() != me).map(|m| (m.peer(), m.is_reachable())).collect();
+        // Gossip goes to every reachable, routable member with the role, joining ones included
+        // (they need the state before they turn Up).
         let gossip_targets = snap
             .members
             .iter()
-            .filter(|m| m.address() != me && m.is_reachable() && m.has_role(role))
-            .filter(|m| !matches!(m.status(), MemberStatus::Down | MemberStatus::Removed))
-            .map(peer)
+            .filter(|m| m.address() != me && m.is_reachable() && m.has_role(role) && m.status().is_routable())
+            .map(crate::membership::Member::peer)
             .collect();
         self.core.handle(Input::Members { replicas, gossip_targets }, Instant::now(), wall_ms(), out);
     }

@@ -5,10 +5,10 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
+use crate::clock::Instant;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
 use tracing::warn;
 
 use super::crdt::{ReplicatedData, WriteCtx};

@@ -18,9 +18,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::clock::Instant;
 
-use super::{MemberStatus, MembershipSnapshot, UniqueAddress};
+use super::{MembershipSnapshot, UniqueAddress};
 
 /// What the resolver decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -58,11 +58,7 @@ impl KeepMajority {
 
     /// Feeds the current view; returns the decision once the view is stable long enough.
     pub(crate) fn decide(&mut self, snap: &MembershipSnapshot, now: Instant) -> Decision {
-        let counted: Vec<&super::Member> = snap
-            .members
-            .iter()
-            .filter(|m| !matches!(m.status(), MemberStatus::Down | MemberStatus::Removed | MemberStatus::Exiting))
-            .collect();
+        let counted: Vec<&super::Member> = snap.members.iter().filter(|m| m.status().counts_for_downing()).collect();
         let unreachable: BTreeSet<UniqueAddress> =
             counted.iter().filter(|m| !m.is_reachable()).map(|m| m.address().clone()).collect();
         if unreachable != self.unreachable {

@@ -1,20 +1,21 @@
-//! The membership task: runs chitchat, moves this node through joining → up, publishes member
-//! snapshots and events, and carries status changes (leaving, exiting, removed) into gossip.
+//! The membership task: runs chitchat, feeds its state to the [`LifecycleCore`] (which decides
+//! joining → up, the down-removal margin and downing), publishes member snapshots and events,
+//! and carries status changes (leaving, exiting, removed, down) into gossip.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::clock::Instant;
 use async_trait::async_trait;
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig, spawn_chitchat};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::debug;
 
-use super::downing::{Decision, KeepMajority};
-use super::view::{GossipNode, compute_members, highest_up_number, keys};
+use super::lifecycle::{LifecycleAction, LifecycleCore, LifecycleSettings};
+use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
 use crate::config::{DowningStrategy, NodeConfig};
 use crate::error::{Error, Result};
@@ -68,25 +69,19 @@ impl Transport for PreboundTransport {
     }
 }
 
+/// Wraps the gossip socket (the test kit's fault injector drops datagrams on cut links).
+pub(crate) type GossipSocketWrapper =
+    std::sync::Arc<dyn Fn(Box<dyn Socket>, &UniqueAddress, SocketAddr) -> Box<dyn Socket> + Send + Sync>;
+
 /// The membership task.
 pub(crate) struct MembershipDriver {
     chitchat: ChitchatHandle,
     address: UniqueAddress,
-    gossip_addr: SocketAddr,
-    seeds: Vec<SocketAddr>,
-    self_is_first_seed: bool,
     gossip_interval: Duration,
-    seed_node_timeout: Duration,
-    status: MemberStatus,
-    started: Instant,
-    up_member_seen_at: Option<Instant>,
+    core: LifecycleCore,
     snapshot_tx: watch::Sender<Arc<MembershipSnapshot>>,
     events: broadcast::Sender<MemberEvent>,
     commands: mpsc::UnboundedReceiver<Command>,
-    downing: Option<KeepMajority>,
-    down_removal_margin: Duration,
-    down_seen: std::collections::HashMap<UniqueAddress, Instant>,
-    downs_published: std::collections::HashSet<UniqueAddress>,
 }
 
 impl MembershipDriver {
@@ -95,6 +90,7 @@ impl MembershipDriver {
         cfg: &NodeConfig,
         address: UniqueAddress,
         messaging_addr: SocketAddr,
+        wrap_socket: Option<&GossipSocketWrapper>,
     ) -> Result<(MembershipHandle, MembershipDriver)> {
         let socket = chitchat::transport::UdpSocket::open(cfg.gossip_addr)
             .await
@@ -104,14 +100,8 @@ impl MembershipDriver {
             return Err(Error::BadAddress(gossip_addr));
         }
         let socket: Box<dyn Socket> = Box::new(socket);
-        #[cfg(feature = "testkit")]
-        let socket: Box<dyn Socket> = match &cfg.fault_injector {
-            Some(inj) => {
-                // Only the UDP address: messaging is cut by node id, and a TCP port may carry
-                // the same number as another node's UDP port.
-                inj.register_gossip_addr(&address.node_id, gossip_addr);
-                Box::new(crate::testkit::FaultySocket::new(socket, address.node_id.clone(), inj.clone()))
-            }
+        let socket = match wrap_socket {
+            Some(wrap) => wrap(socket, &address, gossip_addr),
             None => socket,
         };
         let m = &cfg.membership;
@@ -147,25 +137,22 @@ impl MembershipDriver {
         let (events, _) = broadcast::channel(1024);
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let handle = MembershipHandle { snapshot: snapshot_rx, events: events.clone(), commands: cmd_tx, gossip_addr };
-        let driver = MembershipDriver {
-            chitchat,
-            address,
-            gossip_addr,
+        let lifecycle = LifecycleSettings {
+            has_seeds: !seeds.is_empty(),
             self_is_first_seed: cfg.seeds.first() == Some(&gossip_addr),
-            seeds,
             gossip_interval: m.gossip_interval,
             seed_node_timeout: m.seed_node_timeout,
-            status: MemberStatus::Joining,
-            started: Instant::now(),
-            up_member_seen_at: None,
+            down_removal_margin: m.down_removal_margin,
+            downing_stable_after: (m.downing == DowningStrategy::KeepMajority).then_some(m.stable_after),
+        };
+        let driver = MembershipDriver {
+            chitchat,
+            core: LifecycleCore::new(address.clone(), lifecycle, Instant::now()),
+            address,
+            gossip_interval: m.gossip_interval,
             snapshot_tx,
             events,
             commands: cmd_rx,
-            downing: (m.downing == DowningStrategy::KeepMajority)
-                .then(|| KeepMajority::new(m.stable_after, Instant::now())),
-            down_removal_margin: m.down_removal_margin,
-            down_seen: Default::default(),
-            downs_published: Default::default(),
         };
         Ok((handle, driver))
     }
@@ -180,6 +167,7 @@ impl MembershipDriver {
                 _ = tick.tick() => self.refresh().await,
                 cmd = self.commands.recv() => match cmd {
                     Some(Command::SetStatus(status, done)) => {
+                        self.core.status_published(status);
                         self.publish_status(status, None).await;
                         self.refresh().await;
                         let _ = done.send(());
@@ -193,8 +181,7 @@ impl MembershipDriver {
         }
     }
 
-    async fn publish_status(&mut self, status: MemberStatus, up_number: Option<u64>) {
-        self.status = status;
+    async fn publish_status(&self, status: MemberStatus, up_number: Option<u64>) {
         self.chitchat
             .with_chitchat(|c| {
                 let st = c.self_node_state();
@@ -225,16 +212,26 @@ impl MembershipDriver {
 
     async fn refresh(&mut self) {
         let nodes = self.read_gossip().await;
-        if self.status == MemberStatus::Joining && self.ready_to_be_up(&nodes) {
-            let up = highest_up_number(&nodes) + 1;
-            info!(node = %self.address, up_number = up, "member is up");
-            self.publish_status(MemberStatus::Up, Some(up)).await;
-            // Re-read so the snapshot carries our own new keys.
-            return Box::pin(self.refresh()).await;
+        let mut actions = Vec::new();
+        let next = self.core.on_gossip(&nodes, Instant::now(), &mut actions);
+        for action in actions {
+            match action {
+                LifecycleAction::PublishStatus { status, up_number } => self.publish_status(status, up_number).await,
+                LifecycleAction::PublishDowns(victims) => {
+                    self.chitchat
+                        .with_chitchat(|c| {
+                            for v in &victims {
+                                c.self_node_state().set(format!("{}{v}", keys::DOWN_PREFIX), "1");
+                            }
+                        })
+                        .await;
+                }
+            }
         }
-        let mut next = compute_members(&self.address, &nodes);
-        self.apply_down_removal_margin(&mut next);
-        self.run_downing(&next).await;
+        let Some(next) = next else {
+            // Just turned Up: re-read so the snapshot carries our own new keys.
+            return Box::pin(self.refresh()).await;
+        };
         let prev = self.snapshot_tx.borrow().clone();
         if *prev != next {
             for ev in diff_snapshots(&prev, &next) {
@@ -243,82 +240,5 @@ impl MembershipDriver {
             }
             self.snapshot_tx.send_replace(Arc::new(next));
         }
-    }
-
-    /// Down members stay listed for `down_removal_margin` after this node first saw them Down,
-    /// then they are removed (their shards and singletons move only then).
-    fn apply_down_removal_margin(&mut self, snap: &mut MembershipSnapshot) {
-        let now = Instant::now();
-        let down: std::collections::HashSet<UniqueAddress> = snap
-            .members
-            .iter()
-            .filter(|m| m.status == MemberStatus::Down && m.address != self.address)
-            .map(|m| m.address.clone())
-            .collect();
-        self.down_seen.retain(|a, _| down.contains(a));
-        for a in &down {
-            self.down_seen.entry(a.clone()).or_insert(now);
-        }
-        let margin = self.down_removal_margin;
-        let seen = &self.down_seen;
-        snap.members.retain(|m| seen.get(&m.address).is_none_or(|t| now.duration_since(*t) < margin));
-    }
-
-    /// Keep-majority downing: publish down marks for the losing side, or down this node.
-    async fn run_downing(&mut self, snap: &MembershipSnapshot) {
-        if !self.status.is_up_or_leaving() {
-            return;
-        }
-        let Some(k) = self.downing.as_mut() else { return };
-        match k.decide(snap, Instant::now()) {
-            Decision::Wait => {}
-            Decision::DownOthers(victims) => {
-                let new: Vec<UniqueAddress> =
-                    victims.into_iter().filter(|v| !self.downs_published.contains(v)).collect();
-                if new.is_empty() {
-                    return;
-                }
-                warn!(node = %self.address, downed = ?new.iter().map(ToString::to_string).collect::<Vec<_>>(), "keep-majority: downing unreachable members");
-                self.chitchat
-                    .with_chitchat(|c| {
-                        for v in &new {
-                            c.self_node_state().set(format!("{}{v}", keys::DOWN_PREFIX), "1");
-                        }
-                    })
-                    .await;
-                self.downs_published.extend(new);
-            }
-            Decision::DownMyself => {
-                warn!(node = %self.address, "keep-majority: this node is on the minority side; downing itself");
-                self.publish_status(MemberStatus::Down, None).await;
-            }
-        }
-    }
-
-    /// Joining → Up: with no seeds at once; otherwise once a member that is up was seen and two
-    /// more gossip rounds passed (so the highest up-number has arrived); a node that is its own
-    /// first seed forms the cluster alone after `seed_node_timeout`.
-    fn ready_to_be_up(&mut self, nodes: &[GossipNode]) -> bool {
-        if self.seeds.is_empty() && !self.self_is_first_seed {
-            return true;
-        }
-        let now = Instant::now();
-        let other_up = nodes.iter().any(|n| {
-            n.live
-                && n.address.node_id != self.address.node_id
-                && n.keys
-                    .get(keys::STATUS)
-                    .and_then(|s| MemberStatus::from_key(s))
-                    .is_some_and(MemberStatus::is_up_or_leaving)
-        });
-        if other_up {
-            let seen = *self.up_member_seen_at.get_or_insert(now);
-            return now.duration_since(seen) >= self.gossip_interval * 2;
-        }
-        if self.self_is_first_seed && now.duration_since(self.started) >= self.seed_node_timeout {
-            warn!(node = %self.address, gossip = %self.gossip_addr, "no member answered; forming a new cluster as first seed");
-            return true;
-        }
-        false
     }
 }

@@ -13,6 +13,7 @@
 
 mod downing;
 mod driver;
+mod lifecycle;
 mod view;
 
 use std::fmt;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-pub(crate) use driver::{MembershipDriver, MembershipHandle};
+pub(crate) use driver::{GossipSocketWrapper, MembershipDriver, MembershipHandle};
 pub use view::compute_members;
 
 /// A node incarnation: its stable id plus the generation it started with. A restarted node has
@@ -45,6 +46,15 @@ impl fmt::Display for UniqueAddress {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}#{}", self.node_id, self.generation)
     }
+}
+
+/// Where a peer incarnation is reached.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PeerAddr {
+    /// The incarnation.
+    pub address: UniqueAddress,
+    /// Its messaging (TCP) address.
+    pub messaging_addr: SocketAddr,
 }
 
 /// Life-cycle status of a member (as in Akka, without WeaklyUp).
@@ -88,9 +98,34 @@ impl MemberStatus {
         })
     }
 
-    /// Up or Leaving: the members that count for majorities and may host work.
+    /// Up or Leaving: the members that count for majorities, may register a region and may
+    /// host a singleton.
     pub fn is_up_or_leaving(self) -> bool {
         matches!(self, MemberStatus::Up | MemberStatus::Leaving)
+    }
+
+    /// Joining, Up or Leaving: messages to the member can still be handled, so they are sent
+    /// and answers are awaited. Exiting members have handed everything off; Down ones are
+    /// being stopped.
+    pub fn is_routable(self) -> bool {
+        matches!(self, MemberStatus::Joining | MemberStatus::Up | MemberStatus::Leaving)
+    }
+
+    /// Routable, or Down but still listed: the member's entities may still be running. A Down
+    /// member stays listed for the down-removal margin, so its shards move only once it is gone.
+    pub fn may_host(self) -> bool {
+        self.is_routable() || self == MemberStatus::Down
+    }
+
+    /// Up only: the members new shards go to (Leaving members are handing theirs off; joining
+    /// and Down members must not get any).
+    pub fn takes_new_shards(self) -> bool {
+        self == MemberStatus::Up
+    }
+
+    /// Joining, Up or Leaving: the members keep-majority counts when it compares the sides.
+    pub fn counts_for_downing(self) -> bool {
+        matches!(self, MemberStatus::Joining | MemberStatus::Up | MemberStatus::Leaving)
     }
 }
 
@@ -143,6 +178,10 @@ impl Member {
     pub fn gossip_addr(&self) -> SocketAddr {
         self.gossip_addr
     }
+    /// Where messages for this member go.
+    pub fn peer(&self) -> PeerAddr {
+        PeerAddr { address: self.address.clone(), messaging_addr: self.messaging_addr }
+    }
     /// Age key: lower is older. Joining members sort after every member that is up.
     pub(crate) fn age_key(&self) -> (u64, u64, &str) {
         match self.up_number {
@@ -162,6 +201,43 @@ pub struct MembershipSnapshot {
 }
 
 impl MembershipSnapshot {
+    /// The listed member with this address (incarnation).
+    pub fn get(&self, address: &UniqueAddress) -> Option<&Member> {
+        self.members.iter().find(|m| m.address == *address)
+    }
+
+    /// Where to send messages for this incarnation, if it is listed and routable
+    /// ([`MemberStatus::is_routable`]).
+    pub fn peer(&self, address: &UniqueAddress) -> Option<PeerAddr> {
+        self.get(address).filter(|m| m.status.is_routable()).map(Member::peer)
+    }
+
+    /// Whether the incarnation is listed and routable ([`MemberStatus::is_routable`]).
+    pub fn is_routable(&self, address: &UniqueAddress) -> bool {
+        self.get(address).is_some_and(|m| m.status.is_routable())
+    }
+
+    /// Where a singleton with this role runs: the oldest member with the role that is Up or
+    /// Leaving — unless an older member with the role is Down and still listed (inside the
+    /// down-removal margin), in which case nobody: the old instance may still be running, and
+    /// the successor waits until it is removed.
+    pub fn singleton_host(&self, role: Option<&str>) -> Option<&Member> {
+        self.members
+            .iter()
+            .find(|m| m.has_role(role) && (m.status.is_up_or_leaving() || m.status == MemberStatus::Down))
+            .filter(|m| m.status != MemberStatus::Down)
+    }
+
+    /// Whether this node hosts the singleton with this role ([`Self::singleton_host`]).
+    pub fn hosts_singleton(&self, role: Option<&str>) -> bool {
+        self.singleton_host(role).is_some_and(|m| m.address == self.self_address)
+    }
+
+    /// Every member reachable and none joining: a good time to move shards.
+    pub fn is_settled(&self) -> bool {
+        self.members.iter().all(|m| m.reachable && m.status != MemberStatus::Joining)
+    }
+
     /// The member with this node id, if listed.
     pub fn member(&self, node_id: &str) -> Option<&Member> {
         self.members.iter().find(|m| m.node_id() == node_id)
@@ -172,7 +248,8 @@ impl MembershipSnapshot {
         self.members.iter().find(|m| m.address == self.self_address)
     }
 
-    /// The oldest member that is Up or Leaving and has the role: where singletons run.
+    /// The oldest member that is Up or Leaving and has the role (singletons run on
+    /// [`Self::singleton_host`], which also waits for an older Down member to be removed).
     pub fn oldest(&self, role: Option<&str>) -> Option<&Member> {
         self.members.iter().find(|m| m.status.is_up_or_leaving() && m.has_role(role))
     }

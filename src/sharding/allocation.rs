@@ -4,12 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
 
-use crate::membership::UniqueAddress;
-
-/// A region (one node incarnation hosting one entity type).
-pub type RegionId = UniqueAddress;
-/// A shard id.
-pub type ShardId = String;
+pub use super::ids::{RegionId, ShardId};
+use super::settings::AllocationSettings;
 
 /// One region's current shards, in allocation order (oldest first).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -260,6 +256,30 @@ impl ShardAllocationStrategy for ConsistentHashingAllocation {
     }
 }
 
+/// The strategy the settings name. `external_locations` is the table the External strategy
+/// reads (kept equal to the replicated map of desired locations by the coordinator driver).
+pub(crate) fn strategy_for(
+    settings: &AllocationSettings,
+    external_locations: Arc<RwLock<BTreeMap<ShardId, String>>>,
+) -> Arc<dyn ShardAllocationStrategy> {
+    match settings {
+        AllocationSettings::LeastShard { absolute_limit, relative_limit } => {
+            Arc::new(LeastShardAllocation { absolute_limit: *absolute_limit, relative_limit: *relative_limit })
+        }
+        AllocationSettings::LegacyLeastShard { threshold, max_simultaneous } => {
+            Arc::new(LegacyLeastShardAllocation { threshold: *threshold, max_simultaneous: *max_simultaneous })
+        }
+        AllocationSettings::ConsistentHashing { virtual_nodes, rebalance_limit } => {
+            Arc::new(ConsistentHashingAllocation { virtual_nodes: *virtual_nodes, rebalance_limit: *rebalance_limit })
+        }
+        AllocationSettings::External { rebalance_limit } => {
+            let mut ext = ExternalAllocation::new(external_locations);
+            ext.rebalance_limit = *rebalance_limit;
+            Arc::new(ext)
+        }
+    }
+}
+
 /// Desired shard locations (shard id → node id) set by an operator; see
 /// [`crate::sharding::ShardRegion::set_external_shard_location`]. Shards go to their desired
 /// node when it hosts a region, otherwise to the requester.
@@ -302,6 +322,7 @@ impl ShardAllocationStrategy for ExternalAllocation {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::membership::UniqueAddress;
 
     fn layout(sizes: &[usize]) -> Vec<RegionAllocation> {
         let mut n = 0;

@@ -5,17 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::allocation::{RegionId, ShardId};
-
-/// Transport topic of the regions of a type.
-pub(crate) fn region_topic(type_name: &str) -> String {
-    format!("region/{type_name}")
-}
-
-/// Transport topic of the coordinator of a type.
-pub(crate) fn coordinator_topic(type_name: &str) -> String {
-    format!("coordinator/{type_name}")
-}
+use super::ids::{RegionId, ShardId};
+use crate::error::Error;
 
 /// Region → coordinator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -35,6 +26,21 @@ pub enum ToCoordinator {
     GracefulShutdownReq { region: RegionId },
     /// The region stopped (after a graceful shutdown); forget it.
     RegionStopped { region: RegionId },
+}
+
+impl ToCoordinator {
+    /// The region the message speaks for (every message names its sender's region).
+    pub(crate) fn region(&self) -> &RegionId {
+        match self {
+            ToCoordinator::Register { region, .. }
+            | ToCoordinator::GetShardHome { region, .. }
+            | ToCoordinator::ShardStarted { region, .. }
+            | ToCoordinator::BeginHandOffAck { region, .. }
+            | ToCoordinator::ShardStopped { region, .. }
+            | ToCoordinator::GracefulShutdownReq { region }
+            | ToCoordinator::RegionStopped { region } => region,
+        }
+    }
 }
 
 /// Coordinator → region.
@@ -66,7 +72,51 @@ pub enum RegionToRegion {
         reply_to: Option<(RegionId, u64)>,
     },
     /// The answer to an ask (rmp-encoded `Entity::Reply`), or why there is none.
-    AskReply { ask_id: u64, result: Result<serde_bytes::ByteBuf, String> },
+    AskReply { ask_id: u64, result: Result<serde_bytes::ByteBuf, DeliveryFailure> },
+}
+
+/// Why an ask failed on the node that handled it: the delivery errors of [`Error`] without the
+/// entity id (the asker knows it), so a remote failure arrives as the same typed error as a
+/// local one.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum DeliveryFailure {
+    BufferFull { type_name: String, buffer_size: usize },
+    EmptyEntityId,
+    AskTimeout { timeout_ms: u64 },
+    NotDelivered { reason: String },
+}
+
+impl DeliveryFailure {
+    /// The failure an error becomes on the wire (errors that are not delivery errors travel as
+    /// `NotDelivered` with their text).
+    pub(crate) fn of(error: &Error) -> Self {
+        match error {
+            Error::BufferFull { type_name, buffer_size } => {
+                DeliveryFailure::BufferFull { type_name: type_name.clone(), buffer_size: *buffer_size }
+            }
+            Error::EmptyEntityId => DeliveryFailure::EmptyEntityId,
+            Error::AskTimeout { timeout, .. } => {
+                DeliveryFailure::AskTimeout { timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) }
+            }
+            Error::NotDelivered { reason, .. } => DeliveryFailure::NotDelivered { reason: reason.clone() },
+            other => DeliveryFailure::NotDelivered { reason: other.to_string() },
+        }
+    }
+
+    /// The error the asker of `entity_id` gets.
+    pub(crate) fn into_error(self, entity_id: &str) -> Error {
+        match self {
+            DeliveryFailure::BufferFull { type_name, buffer_size } => Error::BufferFull { type_name, buffer_size },
+            DeliveryFailure::EmptyEntityId => Error::EmptyEntityId,
+            DeliveryFailure::AskTimeout { timeout_ms } => Error::AskTimeout {
+                entity_id: entity_id.to_string(),
+                timeout: std::time::Duration::from_millis(timeout_ms),
+            },
+            DeliveryFailure::NotDelivered { reason } => {
+                Error::NotDelivered { entity_id: entity_id.to_string(), reason }
+            }
+        }
+    }
 }
 
 /// Everything on a region topic.
@@ -98,3 +148,37 @@ pub enum RegionQuery {
 pub type RegionStatsReply = BTreeMap<ShardId, usize>;
 /// Answer to [`RegionQuery::State`]: shard id → entity ids.
 pub type RegionStateReply = BTreeMap<ShardId, Vec<String>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delivery_failures_cross_the_wire_as_the_same_typed_errors_with_the_entity_id() {
+        let cases = [
+            Error::BufferFull { type_name: "cart".into(), buffer_size: 7 },
+            Error::EmptyEntityId,
+            Error::AskTimeout { entity_id: "remote-side".into(), timeout: std::time::Duration::from_millis(1500) },
+            Error::NotDelivered { entity_id: "remote-side".into(), reason: "entity stopped".into() },
+        ];
+        for e in cases {
+            let wire = crate::transport::wire::encode(&DeliveryFailure::of(&e)).unwrap();
+            let back = crate::transport::wire::decode::<DeliveryFailure>(&wire).unwrap().into_error("cart-1");
+            match (&e, &back) {
+                (Error::BufferFull { .. }, Error::BufferFull { type_name, buffer_size }) => {
+                    assert_eq!((type_name.as_str(), *buffer_size), ("cart", 7))
+                }
+                (Error::EmptyEntityId, Error::EmptyEntityId) => {}
+                (Error::AskTimeout { .. }, Error::AskTimeout { entity_id, timeout }) => {
+                    assert_eq!((entity_id.as_str(), timeout.as_millis()), ("cart-1", 1500))
+                }
+                (Error::NotDelivered { .. }, Error::NotDelivered { entity_id, reason }) => {
+                    assert_eq!((entity_id.as_str(), reason.as_str()), ("cart-1", "entity stopped"))
+                }
+                _ => panic!("{e:?} came back as {back:?}"),
+            }
+        }
+        let other = DeliveryFailure::of(&Error::ShutDown).into_error("cart-2");
+        assert!(matches!(other, Error::NotDelivered { ref entity_id, .. } if entity_id == "cart-2"), "{other:?}");
+    }
+}

@@ -45,6 +45,18 @@ impl FaultInjector {
         Self::default()
     }
 
+    /// Starts a node whose messaging and gossip go through this switchboard.
+    pub async fn start_node(&self, config: NodeConfig) -> Result<Node> {
+        let injector = self.clone();
+        let wrap: crate::membership::GossipSocketWrapper = Arc::new(move |socket, address, gossip_addr| {
+            // Only the UDP address: messaging is cut by node id, and a TCP port may carry the
+            // same number as another node's UDP port.
+            injector.register_gossip_addr(&address.node_id, gossip_addr);
+            Box::new(FaultySocket::new(socket, address.node_id.clone(), injector.clone()))
+        });
+        Node::builder(config).link_filter(Arc::new(self.clone())).gossip_socket(wrap).start().await
+    }
+
     /// Records which node owns a gossip (UDP) address; a later owner of the same address (a
     /// restarted node that got a freed port) replaces the earlier one.
     pub(crate) fn register_gossip_addr(&self, node_id: &str, addr: SocketAddr) {
@@ -92,6 +104,12 @@ impl FaultInjector {
     }
 }
 
+impl crate::transport::LinkFilter for FaultInjector {
+    fn allows(&self, from: &str, to: &str) -> bool {
+        !self.is_messaging_cut(from, to)
+    }
+}
+
 fn cut_both_ways(links: &mut HashSet<(String, String)>, a: &[&str], b: &[&str]) {
     for x in a {
         for y in b {
@@ -135,6 +153,19 @@ impl Socket for FaultySocket {
             }
         }
     }
+}
+
+/// The body of a region-to-region `Deliver` as a peer sends it on the topic `region/<type>`:
+/// for tests that forge broken or hostile messages (the wire protocol itself is crate-private).
+pub fn forged_deliver(shard: &str, entity_id: &str, payload: Vec<u8>) -> Vec<u8> {
+    use crate::sharding::protocol::{RegionInbound, RegionToRegion};
+    let msg = RegionInbound::Region(RegionToRegion::Deliver {
+        shard: shard.into(),
+        entity_id: entity_id.into(),
+        payload,
+        reply_to: None,
+    });
+    crate::transport::wire::encode(&msg).expect("a Deliver encodes").to_vec()
 }
 
 /// Polls `check` until it returns `Some`, or panics with `what` after `timeout`.
@@ -239,7 +270,6 @@ impl TestCluster {
         let running: Vec<&Node> = self.nodes.iter().flatten().filter(|n| !n.is_shut_down()).collect();
         let up: Vec<&Node> = running.iter().copied().filter(|n| Self::is_member(n)).collect();
         cfg.seeds = if up.is_empty() { running } else { up }.into_iter().map(Node::gossip_addr).collect();
-        cfg.fault_injector = Some(self.injector.clone());
         (self.customize)(i, &mut cfg);
         cfg
     }
@@ -249,7 +279,7 @@ impl TestCluster {
         let i = self.nodes.len();
         self.dirs.push(tempfile::tempdir().map_err(|e| crate::Error::io("creating temp dir", e))?);
         let cfg = self.config_for(i);
-        let node = Node::start(cfg).await?;
+        let node = self.injector.start_node(cfg).await?;
         self.nodes.push(Some(node));
         Ok(i)
     }
@@ -309,7 +339,7 @@ impl TestCluster {
     pub async fn restart(&mut self, i: usize) -> Result<()> {
         self.kill(i).await;
         let cfg = self.config_for(i);
-        self.nodes[i] = Some(Node::start(cfg).await?);
+        self.nodes[i] = Some(self.injector.start_node(cfg).await?);
         Ok(())
     }
 
@@ -319,7 +349,7 @@ impl TestCluster {
         self.kill(i).await;
         let mut cfg = self.config_for(i);
         cfg.seeds.clear();
-        self.nodes[i] = Some(Node::start(cfg).await?);
+        self.nodes[i] = Some(self.injector.start_node(cfg).await?);
         Ok(())
     }
 

@@ -10,7 +10,10 @@
 //! Bad input (oversized frames, garbage, a foreign cluster id, another protocol version) closes
 //! only that connection with a logged, typed reason and bumps a counter.
 
+mod link;
 pub mod wire;
+
+pub use link::LinkFilter;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -29,16 +32,10 @@ use tracing::{debug, info, warn};
 use crate::config::TransportSettings;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
+use crate::spawn::Spawner;
 use wire::{Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason, ResponseBody};
 
-/// Where a peer incarnation is reached.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct PeerAddr {
-    /// The incarnation.
-    pub address: UniqueAddress,
-    /// Its messaging (TCP) address.
-    pub messaging_addr: SocketAddr,
-}
+pub use crate::membership::PeerAddr;
 
 /// A message delivered to a topic's subscriber.
 #[derive(Debug)]
@@ -60,7 +57,7 @@ pub struct TransportStats {
     pub frames_received: AtomicU64,
     /// Connections closed because of bad input or a refused handshake.
     pub connections_rejected: AtomicU64,
-    /// Frames dropped: unknown topic, full subscriber, or cut by fault injection.
+    /// Frames dropped: unknown topic, full subscriber, or cut by the link filter.
     pub frames_dropped: AtomicU64,
 }
 
@@ -91,8 +88,8 @@ struct Inner {
     shutdown: CancellationToken,
     /// Frames this node sends to itself, dispatched in order by one task.
     loopback: mpsc::UnboundedSender<Bytes>,
-    #[cfg(feature = "testkit")]
-    injector: std::sync::OnceLock<crate::testkit::FaultInjector>,
+    link_filter: Option<Arc<dyn LinkFilter>>,
+    spawner: Spawner,
 }
 
 /// Handle to the messaging layer of one node; cheap to clone.
@@ -112,7 +109,8 @@ fn codec(max_frame: usize) -> LengthDelimitedCodec {
 }
 
 impl Transport {
-    /// Binds the listener and starts accepting. `bind` may use port 0.
+    /// Binds the listener and starts accepting, outside any node (its tasks end when
+    /// `shutdown` fires). `bind` may use port 0.
     pub async fn bind(
         bind: SocketAddr,
         local: UniqueAddress,
@@ -120,6 +118,21 @@ impl Transport {
         settings: TransportSettings,
         shutdown: CancellationToken,
     ) -> Result<Transport> {
+        let spawner = Spawner::new(tracing::Span::current(), shutdown);
+        Self::bind_with(bind, local, cluster_id, settings, spawner, None).await
+    }
+
+    /// Binds the listener and starts accepting; every task goes through `spawner`, and the
+    /// link filter (if any) decides which links carry messages.
+    pub(crate) async fn bind_with(
+        bind: SocketAddr,
+        local: UniqueAddress,
+        cluster_id: String,
+        settings: TransportSettings,
+        spawner: Spawner,
+        link_filter: Option<Arc<dyn LinkFilter>>,
+    ) -> Result<Transport> {
+        let shutdown = spawner.shutdown_token().clone();
         let listener =
             TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
         let messaging_addr = listener.local_addr().map_err(|e| Error::io("reading bound messaging address", e))?;
@@ -138,18 +151,12 @@ impl Transport {
             stats: TransportStats::default(),
             shutdown,
             loopback: loopback_tx,
-            #[cfg(feature = "testkit")]
-            injector: std::sync::OnceLock::new(),
+            link_filter,
+            spawner,
         });
-        tokio::spawn(accept_loop(listener, inner.clone()));
-        tokio::spawn(loopback_loop(inner.clone(), loopback_rx));
+        inner.spawner.spawn(accept_loop(listener, inner.clone()));
+        inner.spawner.spawn(loopback_loop(inner.clone(), loopback_rx));
         Ok(Transport { inner })
-    }
-
-    /// Routes this transport's traffic through a fault injector (test clusters only).
-    #[cfg(feature = "testkit")]
-    pub(crate) fn set_fault_injector(&self, injector: crate::testkit::FaultInjector) {
-        let _ = self.inner.injector.set(injector);
     }
 
     /// This node's address as peers see it.
@@ -236,7 +243,7 @@ impl Transport {
                 .entry(to.address.clone())
                 .or_insert_with(|| {
                     let q = Arc::new(PeerQueue::default());
-                    tokio::spawn(writer_task(inner.clone(), to.clone(), q.clone()));
+                    inner.spawner.spawn(writer_task(inner.clone(), to.clone(), q.clone()));
                     q
                 })
                 .clone()
@@ -278,13 +285,9 @@ impl Transport {
     }
 }
 
-#[cfg(feature = "testkit")]
+/// Whether the link filter (if any) cuts messages from `from` to `to`.
 fn cut(inner: &Inner, from: &str, to: &str) -> bool {
-    inner.injector.get().is_some_and(|i| i.is_messaging_cut(from, to))
-}
-#[cfg(not(feature = "testkit"))]
-fn cut(_inner: &Inner, _from: &str, _to: &str) -> bool {
-    false
+    inner.link_filter.as_ref().is_some_and(|f| !f.allows(from, to))
 }
 
 /// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
@@ -409,7 +412,7 @@ async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
         match accepted {
             Ok((stream, remote)) => {
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(read_connection(inner.clone(), stream, remote));
+                inner.spawner.spawn(read_connection(inner.clone(), stream, remote));
             }
             Err(e) => {
                 warn!(error = %e, "accept failed");

@@ -9,94 +9,15 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::allocation::{RegionAllocation, RegionId, ShardAllocationStrategy, ShardId};
-use super::protocol::{ToCoordinator, ToRegion};
-use crate::ddata::LwwMap;
-
-/// Persisted record of a shard: its home (none while unallocated) and the epoch of its latest
-/// allocation, kept across deallocation so epochs only grow.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct ShardRecord {
-    pub region: Option<RegionId>,
-    pub epoch: u64,
-}
-
-/// Persisted record of a registered region.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct RegionRecord {
-    pub region: RegionId,
-    pub proxy: bool,
-}
-
-/// The coordinator state as stored in the LWW-map.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub(crate) struct CoordinatorState {
-    pub shards: BTreeMap<ShardId, ShardRecord>,
-    pub regions: BTreeSet<RegionId>,
-    pub proxies: BTreeSet<RegionId>,
-}
-
-fn shard_key(shard: &str) -> String {
-    format!("s/{shard}")
-}
-fn region_key(region: &RegionId) -> String {
-    format!("r/{region}")
-}
-
-impl CoordinatorState {
-    /// Reads the state from the replicated map; undecodable entries are skipped with a warning.
-    pub(crate) fn from_map(map: &LwwMap) -> Self {
-        let mut st = CoordinatorState::default();
-        for (k, v) in map.iter() {
-            if let Some(shard) = k.strip_prefix("s/") {
-                match rmp_serde::from_slice::<ShardRecord>(v) {
-                    Ok(r) => {
-                        st.shards.insert(shard.to_string(), r);
-                    }
-                    Err(e) => warn!(key = k, error = %e, "undecodable shard record skipped"),
-                }
-            } else if k.starts_with("r/") {
-                match rmp_serde::from_slice::<RegionRecord>(v) {
-                    Ok(r) if r.proxy => {
-                        st.proxies.insert(r.region);
-                    }
-                    Ok(r) => {
-                        st.regions.insert(r.region);
-                    }
-                    Err(e) => warn!(key = k, error = %e, "undecodable region record skipped"),
-                }
-            }
-        }
-        st
-    }
-
-    /// Shards of each region ordered by allocation (epoch).
-    fn allocations(&self) -> BTreeMap<RegionId, Vec<ShardId>> {
-        let mut by_region: BTreeMap<RegionId, Vec<(u64, ShardId)>> =
-            self.regions.iter().map(|r| (r.clone(), Vec::new())).collect();
-        for (s, rec) in &self.shards {
-            if let Some(r) = &rec.region {
-                by_region.entry(r.clone()).or_default().push((rec.epoch, s.clone()));
-            }
-        }
-        by_region
-            .into_iter()
-            .map(|(r, mut v)| {
-                v.sort();
-                (r, v.into_iter().map(|(_, s)| s).collect())
-            })
-            .collect()
-    }
-
-    pub(crate) fn home(&self, shard: &str) -> Option<(&RegionId, u64)> {
-        let rec = self.shards.get(shard)?;
-        Some((rec.region.as_ref()?, rec.epoch))
-    }
-}
+use super::state::{CoordinatorState, RegionRecord, ShardRecord};
+use crate::clock::Instant;
+use crate::membership::MemberStatus;
+use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};
+use crate::sharding::ids::{RegionId, ShardId};
+use crate::sharding::keys;
+use crate::sharding::protocol::{ToCoordinator, ToRegion};
 
 /// One entry to write: key and new value (`None` removes it).
 pub(crate) type StateEntry = (String, Option<Vec<u8>>);
@@ -112,14 +33,43 @@ pub(crate) struct CoordinatorSettings {
     pub eager_reallocation: bool,
 }
 
+/// What the coordinator knows of the membership: the status of every listed member and
+/// whether the cluster is settled (see [`crate::membership::MembershipSnapshot::is_settled`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct MembersView {
+    pub statuses: BTreeMap<RegionId, MemberStatus>,
+    pub settled: bool,
+}
+
+impl MembersView {
+    /// The view of a membership snapshot.
+    pub(crate) fn of(snap: &crate::membership::MembershipSnapshot) -> Self {
+        MembersView {
+            statuses: snap.members.iter().map(|m| (m.address().clone(), m.status())).collect(),
+            settled: snap.is_settled(),
+        }
+    }
+
+    fn status(&self, region: &RegionId) -> Option<MemberStatus> {
+        self.statuses.get(region).copied()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum CoordinatorInput {
-    FromRegion(ToCoordinator),
-    RegionTerminated(RegionId),
+    /// A message from the region on `from` (the transport-level sender). A message whose
+    /// `region` field names another region is dropped: a region speaks only for itself.
+    FromRegion {
+        from: RegionId,
+        msg: ToCoordinator,
+    },
+    /// The membership changed: regions whose member may no longer host
+    /// ([`MemberStatus::may_host`]) are terminated, registrations are accepted only from Up
+    /// or Leaving members, new shards go only to Up members, and rebalancing waits for a
+    /// settled cluster.
+    Members(MembersView),
     /// The write started by the last `Write` action is durable on a majority.
     WriteDone,
-    /// Whether the cluster is in a state to rebalance (no unreachable or joining member).
-    RebalanceAllowed(bool),
     /// This coordinator just took over with the state it read: tell every home again.
     TakeOver,
     /// Remember-entities: every shard the type ever had (durable); those without a home are
@@ -180,6 +130,8 @@ pub(crate) struct CoordinatorCore {
     /// Latched once `min_nr_of_members` regions registered (or the state already had
     /// allocations): the limit only holds back the first allocation.
     min_members_reached: bool,
+    members: MembersView,
+    rejected: u64,
 }
 
 impl CoordinatorCore {
@@ -210,12 +162,21 @@ impl CoordinatorCore {
             last_epoch_ms: 0,
             wall_ms: 0,
             last_handoff_id: 0,
+            members: MembersView::default(),
+            rejected: 0,
         }
     }
 
     #[cfg(test)]
     pub(crate) fn state(&self) -> &CoordinatorState {
         &self.state
+    }
+
+    /// Messages dropped because their `region` field was not their sender, or because the
+    /// sender was not an Up or Leaving member when it registered.
+    #[cfg(test)]
+    pub(crate) fn rejected_messages(&self) -> u64 {
+        self.rejected
     }
 
     /// Regions hosting shards (not proxies).
@@ -264,7 +225,7 @@ impl CoordinatorCore {
 
     fn shard_entry(&self, shard: &str) -> StateEntry {
         let rec = &self.state.shards[shard];
-        (shard_key(shard), Some(rmp_serde::to_vec(rec).expect("shard record encodes")))
+        (keys::shard_entry(shard), Some(rmp_serde::to_vec(rec).expect("shard record encodes")))
     }
 
     pub(crate) fn handle(
@@ -276,15 +237,34 @@ impl CoordinatorCore {
     ) {
         self.wall_ms = self.wall_ms.max(wall_ms);
         match input {
-            CoordinatorInput::FromRegion(msg) => self.on_region_msg(msg, now, wall_ms, out),
-            CoordinatorInput::RegionTerminated(region) => self.on_region_terminated(region, now, wall_ms, out),
+            CoordinatorInput::FromRegion { from, msg } => {
+                if *msg.region() != from {
+                    self.rejected += 1;
+                    warn!(%from, ?msg, "coordinator message naming another region than its sender dropped");
+                    return;
+                }
+                self.on_region_msg(msg, now, wall_ms, out)
+            }
+            CoordinatorInput::Members(view) => {
+                self.rebalance_allowed = view.settled;
+                self.members = view;
+                let gone: Vec<RegionId> = self
+                    .all_regions()
+                    .filter(|r| !self.members.status(r).is_some_and(MemberStatus::may_host))
+                    .cloned()
+                    .collect();
+                for region in gone {
+                    self.on_region_terminated(region, now, wall_ms, out);
+                }
+                // A member that turned Up may take the shards that waited for a candidate.
+                self.allocate_deferred(now, wall_ms, out);
+            }
             CoordinatorInput::WriteDone => {
                 if let Some(batch) = self.in_flight.take() {
                     out.extend(batch.effects);
                 }
                 self.start_write(out);
             }
-            CoordinatorInput::RebalanceAllowed(allowed) => self.rebalance_allowed = allowed,
             CoordinatorInput::Tick => self.on_tick(now, out),
             CoordinatorInput::RememberedShards(shards) => {
                 for shard in shards {
@@ -315,13 +295,22 @@ impl CoordinatorCore {
     fn on_region_msg(&mut self, msg: ToCoordinator, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
         match msg {
             ToCoordinator::Register { region, proxy } => {
+                if !self.members.status(&region).is_some_and(MemberStatus::is_up_or_leaving) {
+                    // A joining member retries; a Down or gone one must not come back.
+                    debug!(%region, "registration from a member that is not up; ignored");
+                    self.rejected += 1;
+                    return;
+                }
                 let known =
                     if proxy { self.state.proxies.contains(&region) } else { self.state.regions.contains(&region) };
                 let mut entries = Vec::new();
                 if !known {
                     info!(%region, proxy, "region registered");
                     let rec = RegionRecord { region: region.clone(), proxy };
-                    entries.push((region_key(&region), Some(rmp_serde::to_vec(&rec).expect("region record encodes"))));
+                    entries.push((
+                        keys::region_entry(&region),
+                        Some(rmp_serde::to_vec(&rec).expect("region record encodes")),
+                    ));
                     if proxy {
                         self.state.proxies.insert(region.clone());
                     } else {
@@ -394,7 +383,9 @@ impl CoordinatorCore {
         self.state
             .allocations()
             .into_iter()
-            .filter(|(r, _)| !self.shutting_down.contains(r))
+            .filter(|(r, _)| {
+                !self.shutting_down.contains(r) && self.members.status(r).is_some_and(MemberStatus::takes_new_shards)
+            })
             .map(|(region, shards)| RegionAllocation { region, shards, leaving: false })
             .collect()
     }
@@ -522,7 +513,7 @@ impl CoordinatorCore {
         }
         info!(%region, "region terminated");
         self.shutting_down.remove(&region);
-        let mut entries = vec![(region_key(&region), None)];
+        let mut entries = vec![(keys::region_entry(&region), None)];
         let lost: Vec<ShardId> = self
             .state
             .shards
@@ -644,8 +635,32 @@ mod tests {
         )
     }
 
-    /// Feeds an input; completes writes at once; returns the messages sent.
+    /// A message from the region it names.
+    fn from_region(msg: ToCoordinator) -> CoordinatorInput {
+        CoordinatorInput::FromRegion { from: msg.region().clone(), msg }
+    }
+
+    /// Marks the cluster settled (no unreachable or joining member): rebalancing may run.
+    fn settle(c: &mut CoordinatorCore) {
+        let mut view = c.members.clone();
+        view.settled = true;
+        c.handle(CoordinatorInput::Members(view), Instant::now(), 1, &mut Vec::new());
+    }
+
+    /// The member of `region` is gone from the membership; returns the messages sent.
+    fn terminate(c: &mut CoordinatorCore, region: RegionId, now: Instant, wall: u64) -> Vec<(RegionId, ToRegion)> {
+        let mut view = c.members.clone();
+        view.statuses.remove(&region);
+        step(c, CoordinatorInput::Members(view), now, wall)
+    }
+
+    /// Feeds an input; completes writes at once; returns the messages sent. A region that
+    /// registers is listed as an Up member first (tests of rejected registrations call
+    /// `handle` directly).
     fn step(c: &mut CoordinatorCore, input: CoordinatorInput, now: Instant, wall: u64) -> Vec<(RegionId, ToRegion)> {
+        if let CoordinatorInput::FromRegion { msg: ToCoordinator::Register { region, .. }, .. } = &input {
+            c.members.statuses.entry(region.clone()).or_insert(MemberStatus::Up);
+        }
         let mut out = Vec::new();
         c.handle(input, now, wall, &mut out);
         let mut sent = Vec::new();
@@ -663,28 +678,19 @@ mod tests {
     }
 
     fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
-        step(c, CoordinatorInput::FromRegion(ToCoordinator::Register { region: r(n), proxy: false }), now, 1);
+        step(c, from_region(ToCoordinator::Register { region: r(n), proxy: false }), now, 1);
     }
 
     #[test]
     fn messages_revealing_an_allocation_wait_for_the_majority_write() {
         let mut c = core(1);
+        c.members.statuses.insert(r("a"), MemberStatus::Up);
         let now = Instant::now();
         let mut out = Vec::new();
-        c.handle(
-            CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("a"), proxy: false }),
-            now,
-            1,
-            &mut out,
-        );
+        c.handle(from_region(ToCoordinator::Register { region: r("a"), proxy: false }), now, 1, &mut out);
         assert!(matches!(out.as_slice(), [CoordinatorAction::Write(_)]), "only the write: {out:?}");
         let mut out2 = Vec::new();
-        c.handle(
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
-            now,
-            1,
-            &mut out2,
-        );
+        c.handle(from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1, &mut out2);
         assert!(out2.is_empty(), "queued behind the first write");
         let mut out3 = Vec::new();
         c.handle(CoordinatorInput::WriteDone, now, 1, &mut out3);
@@ -701,21 +707,11 @@ mod tests {
         let mut c = core(3);
         let now = Instant::now();
         reg(&mut c, "a", now);
-        let sent = step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
-            now,
-            1,
-        );
+        let sent = step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
         assert!(sent.is_empty());
         reg(&mut c, "b", now);
         assert!(c.state().shards.is_empty());
-        let sent = step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("c3"), proxy: false }),
-            now,
-            1,
-        );
+        let sent = step(&mut c, from_region(ToCoordinator::Register { region: r("c3"), proxy: false }), now, 1);
         assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
     }
 
@@ -726,12 +722,7 @@ mod tests {
         let shards: BTreeSet<ShardId> = ["3".to_string(), "9".to_string()].into();
         assert!(step(&mut c, CoordinatorInput::RememberedShards(shards), now, 1).is_empty(), "waits for regions");
         reg(&mut c, "a", now);
-        let sent = step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::Register { region: r("b"), proxy: false }),
-            now,
-            1,
-        );
+        let sent = step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false }), now, 1);
         let hosted: BTreeSet<ShardId> = sent
             .iter()
             .filter_map(|(_, m)| match m {
@@ -755,8 +746,9 @@ mod tests {
             state,
             Instant::now(),
         );
+        c.members.statuses.insert(r("a"), MemberStatus::Up);
         let get = ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") };
-        let sent = step(&mut c, CoordinatorInput::FromRegion(get), Instant::now(), 1);
+        let sent = step(&mut c, from_region(get), Instant::now(), 1);
         assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { epoch, .. } if *epoch > 7)));
     }
 
@@ -766,19 +758,9 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         reg(&mut c, "b", now);
-        step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
-            now,
-            1,
-        );
-        step(&mut c, CoordinatorInput::RegionTerminated(r("b")), now, 1);
-        let sent = step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "2".into(), region: r("a") }),
-            now,
-            1,
-        );
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        terminate(&mut c, r("b"), now, 1);
+        let sent = step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "2".into(), region: r("a") }), now, 1);
         assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { .. })), "one region is enough now");
     }
 
@@ -790,20 +772,15 @@ mod tests {
         reg(&mut c, "b", now);
         let mut last = 0;
         for round in 0..4u64 {
-            step(
-                &mut c,
-                CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "7".into(), region: r("a") }),
-                now,
-                5,
-            );
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "7".into(), region: r("a") }), now, 5);
             let (home, epoch) = c.state().home("7").map(|(h, e)| (h.clone(), e)).unwrap();
             assert!(epoch > last, "round {round}: {epoch} > {last}");
             last = epoch;
             // The home dies; a new incarnation of it registers.
-            step(&mut c, CoordinatorInput::RegionTerminated(home.clone()), now, 5);
+            terminate(&mut c, home.clone(), now, 5);
             assert!(c.state().home("7").is_none());
             let again = UniqueAddress::new(home.node_id.clone(), home.generation + 1);
-            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::Register { region: again, proxy: false }), now, 5);
+            step(&mut c, from_region(ToCoordinator::Register { region: again, proxy: false }), now, 5);
         }
     }
 
@@ -813,16 +790,11 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         for s in 0..4 {
-            step(
-                &mut c,
-                CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r("a") }),
-                now,
-                1,
-            );
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r("a") }), now, 1);
         }
         reg(&mut c, "b", now);
         reg(&mut c, "x", now);
-        step(&mut c, CoordinatorInput::RebalanceAllowed(true), now, 1);
+        settle(&mut c);
         let later = now + Duration::from_secs(11);
         let sent = step(&mut c, CoordinatorInput::Tick, later, 2);
         let begins: BTreeSet<ShardId> = sent
@@ -837,25 +809,21 @@ mod tests {
         for who in ["a", "b"] {
             let sent = step(
                 &mut c,
-                CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: shard.clone(), region: r(who) }),
+                from_region(ToCoordinator::BeginHandOffAck { shard: shard.clone(), region: r(who) }),
                 later,
                 2,
             );
             assert!(sent.is_empty(), "still waiting for x");
         }
-        let sent = step(&mut c, CoordinatorInput::RegionTerminated(r("x")), later, 2);
+        let sent = terminate(&mut c, r("x"), later, 2);
         let handoff = handoff_id(&sent, "a", &shard).unwrap_or_else(|| panic!("no HandOff to a: {sent:?}"));
         // A GetShardHome during the hand-off is deferred, answered with the new home after.
-        let sent = step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: shard.clone(), region: r("b") }),
-            later,
-            2,
-        );
+        let sent =
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: shard.clone(), region: r("b") }), later, 2);
         assert!(sent.is_empty());
         let sent = step(
             &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a"), handoff }),
+            from_region(ToCoordinator::ShardStopped { shard: shard.clone(), region: r("a"), handoff }),
             later,
             2,
         );
@@ -873,17 +841,11 @@ mod tests {
         reg(&mut c, "b", now);
         for s in 0..6 {
             let who = if s % 2 == 0 { "a" } else { "b" };
-            step(
-                &mut c,
-                CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }),
-                now,
-                1,
-            );
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
         }
         let on_a: BTreeSet<ShardId> =
             c.state().shards.iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
-        let sent =
-            step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
+        let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
         let begins: BTreeSet<ShardId> = sent
             .iter()
             .filter_map(|(_, m)| match m {
@@ -897,7 +859,7 @@ mod tests {
             for who in ["a", "b"] {
                 let sent = step(
                     &mut c,
-                    CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }),
+                    from_region(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }),
                     now,
                     1,
                 );
@@ -906,7 +868,7 @@ mod tests {
             let handoff = handoff.expect("HandOff sent once every region acked");
             step(
                 &mut c,
-                CoordinatorInput::FromRegion(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }),
+                from_region(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }),
                 now,
                 1,
             );
@@ -928,12 +890,7 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         reg(&mut c, "b", now);
-        step(
-            &mut c,
-            CoordinatorInput::FromRegion(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }),
-            now,
-            1,
-        );
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
         let home = c.state().home("1").unwrap().0.clone();
         (c, now, home)
     }
@@ -943,15 +900,11 @@ mod tests {
         let (mut c, now, home) = regions_a_b_with_shard_1();
         let home_name = home.node_id.clone();
         let hand_off = |c: &mut CoordinatorCore, at: Instant| {
-            step(c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), at, 1);
+            step(c, from_region(ToCoordinator::GracefulShutdownReq { region: home.clone() }), at, 1);
             let mut id = None;
             for who in ["a", "b"] {
-                let sent = step(
-                    c,
-                    CoordinatorInput::FromRegion(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r(who) }),
-                    at,
-                    1,
-                );
+                let sent =
+                    step(c, from_region(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r(who) }), at, 1);
                 id = id.or(handoff_id(&sent, &home_name, "1"));
             }
             id.expect("HandOff sent")
@@ -966,19 +919,89 @@ mod tests {
         let second = hand_off(&mut c, later);
         assert_ne!(first, second);
         let stale = ToCoordinator::ShardStopped { shard: "1".into(), region: home.clone(), handoff: first };
-        step(&mut c, CoordinatorInput::FromRegion(stale), later, 2);
+        step(&mut c, from_region(stale), later, 2);
         assert_eq!(c.state().home("1").unwrap().0, &home, "the stale answer moved nothing");
         let current = ToCoordinator::ShardStopped { shard: "1".into(), region: home.clone(), handoff: second };
-        step(&mut c, CoordinatorInput::FromRegion(current), later, 2);
+        step(&mut c, from_region(current), later, 2);
         assert_ne!(c.state().home("1").map(|(h, _)| h.clone()), Some(home.clone()), "the current answer moves it");
     }
 
     #[test]
     fn hand_off_timeout_keeps_the_shard_and_retells_its_home() {
         let (mut c, now, home) = regions_a_b_with_shard_1();
-        step(&mut c, CoordinatorInput::FromRegion(ToCoordinator::GracefulShutdownReq { region: home.clone() }), now, 1);
+        step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: home.clone() }), now, 1);
         let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(6), 1);
         assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { region, .. } if *region == home)));
         assert_eq!(c.rebalancing().count(), 0);
+    }
+
+    #[test]
+    fn a_message_naming_another_region_than_its_sender_is_dropped() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        let home = c.state().home("1").map(|(h, _)| h.clone()).expect("allocated");
+        // A forged RegionStopped for the live home, sent by the other region: ignored.
+        let other = if home == r("a") { r("b") } else { r("a") };
+        let forged =
+            CoordinatorInput::FromRegion { from: other, msg: ToCoordinator::RegionStopped { region: home.clone() } };
+        assert!(step(&mut c, forged, now, 2).is_empty());
+        assert_eq!(c.rejected_messages(), 1);
+        assert_eq!(c.state().home("1").map(|(h, _)| h.clone()), Some(home), "the shard keeps its home");
+    }
+
+    #[test]
+    fn registration_is_accepted_only_from_up_or_leaving_members() {
+        let mut c = core(1);
+        let now = Instant::now();
+        for (status, accepted) in [
+            (None, false),
+            (Some(MemberStatus::Joining), false),
+            (Some(MemberStatus::Down), false),
+            (Some(MemberStatus::Exiting), false),
+            (Some(MemberStatus::Leaving), true),
+            (Some(MemberStatus::Up), true),
+        ] {
+            let region = r(&format!("{status:?}"));
+            if let Some(s) = status {
+                c.members.statuses.insert(region.clone(), s);
+            }
+            let rejected = c.rejected_messages();
+            let mut out = Vec::new();
+            c.handle(from_region(ToCoordinator::Register { region: region.clone(), proxy: false }), now, 1, &mut out);
+            assert_eq!(c.regions().any(|x| *x == region), accepted, "{status:?}");
+            assert_eq!(c.rejected_messages() == rejected, accepted, "{status:?}");
+        }
+    }
+
+    #[test]
+    fn a_down_member_keeps_its_shards_until_removed_but_gets_no_new_ones() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        for s in 0..4 {
+            let region = if s % 2 == 0 { r("a") } else { r("b") };
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: s.to_string(), region }), now, 1);
+        }
+        let on_b: Vec<ShardId> =
+            (0..4).map(|s| s.to_string()).filter(|s| c.state().home(s).is_some_and(|(h, _)| *h == r("b"))).collect();
+        assert!(!on_b.is_empty(), "least-shard spreads over both");
+        let mut view = c.members.clone();
+        view.statuses.insert(r("b"), MemberStatus::Down);
+        step(&mut c, CoordinatorInput::Members(view), now, 2);
+        for s in &on_b {
+            assert_eq!(c.state().home(s).map(|(h, _)| h.clone()), Some(r("b")), "kept during the margin");
+        }
+        for s in 10..14 {
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: s.to_string(), region: r("b") }), now, 3);
+            assert_eq!(c.state().home(&s.to_string()).map(|(h, _)| h.clone()), Some(r("a")), "shard {s}");
+        }
+        let sent = terminate(&mut c, r("b"), now, 4);
+        for s in &on_b {
+            assert_eq!(c.state().home(s), None, "deallocated once removed: {sent:?}");
+        }
     }
 }

@@ -10,7 +10,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
-use tokio::time::Instant;
+use crate::clock::Instant;
 
 /// Life-cycle state of one entity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

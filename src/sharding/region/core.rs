@@ -2,13 +2,12 @@
 //! or into one bounded buffer while a shard's home is unknown; registers with the coordinator
 //! with backoff; takes part in hand-offs; shuts down gracefully.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
-use super::allocation::{RegionId, ShardId};
-use super::protocol::{ToCoordinator, ToRegion};
+use crate::clock::Instant;
+use crate::sharding::ids::{RegionId, ShardId};
+use crate::sharding::protocol::{ToCoordinator, ToRegion};
 
 /// Why the region dropped a message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,10 +30,15 @@ pub(crate) enum RegionInput<M> {
         from: RegionId,
         msg: ToRegion,
     },
-    /// The member hosting the coordinator (oldest with the role) changed.
-    CoordinatorChanged(Option<RegionId>),
-    /// A region's node left the cluster.
-    RegionGone(RegionId),
+    /// The membership changed: the routable regions
+    /// ([`crate::membership::MemberStatus::is_routable`]) and the coordinator's host
+    /// ([`crate::membership::MembershipSnapshot::singleton_host`]). Homes on regions that are no
+    /// longer routable are forgotten (their messages are buffered and the home asked anew),
+    /// and each such region is reported with [`RegionAction::RegionGone`].
+    Members {
+        routable: BTreeSet<RegionId>,
+        coordinator: Option<RegionId>,
+    },
     /// A local shard finished its hand-off.
     LocalShardStopped(ShardId),
     GracefulShutdown,
@@ -70,6 +74,8 @@ pub(crate) enum RegionAction<M> {
         msg: M,
         reason: RegionDrop,
     },
+    /// The region is no longer routable: asks waiting for an answer from it fail now.
+    RegionGone(RegionId),
     /// Graceful shutdown finished: no shards and no buffered messages left.
     Stopped,
 }
@@ -87,6 +93,8 @@ pub(crate) struct RegionCore<M> {
     proxy: bool,
     settings: RegionSettings,
     coordinator: Option<RegionId>,
+    /// Regions messages can be sent to (from the latest membership view).
+    routable: BTreeSet<RegionId>,
     registered: bool,
     register_backoff: Duration,
     next_register: Instant,
@@ -101,16 +109,21 @@ pub(crate) struct RegionCore<M> {
     stopped: bool,
 }
 
+/// Registration retries start at an eighth of the retry interval (at least 100 ms) and double
+/// up to the interval.
+fn initial_register_backoff(retry_interval: Duration) -> Duration {
+    (retry_interval / 8).max(Duration::from_millis(100)).min(retry_interval)
+}
+
 impl<M> RegionCore<M> {
     pub(crate) fn new(me: RegionId, proxy: bool, settings: RegionSettings, now: Instant) -> Self {
         RegionCore {
             me,
             proxy,
-            register_backoff: (settings.retry_interval / 8)
-                .max(Duration::from_millis(100))
-                .min(settings.retry_interval),
+            register_backoff: initial_register_backoff(settings.retry_interval),
             settings,
             coordinator: None,
+            routable: BTreeSet::new(),
             registered: false,
             next_register: now,
             homes: HashMap::new(),
@@ -155,8 +168,14 @@ impl<M> RegionCore<M> {
                 }
                 out.push(RegionAction::Deliver { shard, entity_id, msg });
             }
-            Some((home, _)) => out.push(RegionAction::Forward { region: home, shard, entity_id, msg }),
-            None => {
+            Some((home, _)) if self.routable.contains(&home) => {
+                out.push(RegionAction::Forward { region: home, shard, entity_id, msg })
+            }
+            home => {
+                if home.is_some() {
+                    // The home's node is gone: forget it and ask again.
+                    self.homes.remove(&shard);
+                }
                 if self.buffered >= self.settings.buffer_size {
                     out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::BufferFull });
                     return;
@@ -198,19 +217,19 @@ impl<M> RegionCore<M> {
                     self.on_coordinator(msg, now, out);
                 }
             }
-            RegionInput::CoordinatorChanged(c) => {
-                if c != self.coordinator {
-                    self.coordinator = c;
+            RegionInput::Members { routable, coordinator } => {
+                for gone in self.routable.difference(&routable) {
+                    self.homes.retain(|_, (r, _)| r != gone);
+                    out.push(RegionAction::RegionGone(gone.clone()));
+                }
+                self.routable = routable;
+                if coordinator != self.coordinator {
+                    self.coordinator = coordinator;
                     self.registered = false;
-                    self.register_backoff = (self.settings.retry_interval / 8)
-                        .max(Duration::from_millis(100))
-                        .min(self.settings.retry_interval);
+                    self.register_backoff = initial_register_backoff(self.settings.retry_interval);
                     self.next_register = now;
                     self.on_tick(now, out);
                 }
-            }
-            RegionInput::RegionGone(region) => {
-                self.homes.retain(|_, (r, _)| *r != region);
             }
             RegionInput::LocalShardStopped(shard) => {
                 self.hosted.remove(&shard);
@@ -243,7 +262,11 @@ impl<M> RegionCore<M> {
                 }
             }
             ToRegion::ShardHome { shard, region, epoch } => {
-                self.requested.remove(&shard);
+                if region == self.me || self.routable.contains(&region) {
+                    // Otherwise the request stays throttled: asking again at once for a home
+                    // this region cannot reach yet would loop with the coordinator.
+                    self.requested.remove(&shard);
+                }
                 if region == self.me {
                     self.host(shard, epoch, now, out);
                 } else {
@@ -327,10 +350,15 @@ mod tests {
             Instant::now(),
         );
         let mut out = Vec::new();
-        c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), Instant::now(), &mut out);
+        c.handle(members(&["me", "coord", "other"], Some("coord")), Instant::now(), &mut out);
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { .. }, .. }]));
         c.handle(coord(ToRegion::RegisterAck { coordinator: r("coord") }), Instant::now(), &mut out);
         c
+    }
+
+    /// A membership view with these routable regions and this coordinator host.
+    fn members(routable: &[&str], coordinator: Option<&str>) -> RegionInput<u32> {
+        RegionInput::Members { routable: routable.iter().map(|n| r(n)).collect(), coordinator: coordinator.map(r) }
     }
 
     /// A message from the coordinator the test region follows.
@@ -442,7 +470,7 @@ mod tests {
             t0,
         );
         let mut out = Vec::new();
-        c.handle(RegionInput::CoordinatorChanged(Some(r("coord"))), t0, &mut out);
+        c.handle(members(&["me", "coord"], Some("coord")), t0, &mut out);
         assert!(matches!(
             &out[..],
             [RegionAction::ToCoordinator { msg: ToCoordinator::Register { proxy: true, .. }, .. }]
@@ -459,5 +487,41 @@ mod tests {
         }
         // 250 ms, then doubling: 500, 1000, 2000 (capped).
         assert_eq!(times[..3], [250, 750, 1750]);
+    }
+
+    #[test]
+    fn a_region_that_stops_being_routable_is_reported_and_its_shards_asked_for_again() {
+        let mut c = region(10);
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
+        assert!(matches!(&run(&mut c, route("1", 1))[..], [RegionAction::Forward { .. }]));
+        let out = run(&mut c, members(&["me", "coord"], Some("coord")));
+        assert_eq!(out, vec![RegionAction::RegionGone(r("other"))]);
+        let out = run(&mut c, route("1", 2));
+        assert!(
+            matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]),
+            "buffered and asked again, not forwarded to a gone region: {out:?}"
+        );
+        assert_eq!(c.buffered(), 1);
+    }
+
+    #[test]
+    fn a_home_on_a_region_never_seen_routable_is_not_forwarded_to() {
+        let mut c = region(10);
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("stranger"), epoch: 3 }));
+        let out = run(&mut c, route("1", 1));
+        assert!(!out.iter().any(|a| matches!(a, RegionAction::Forward { .. })), "{out:?}");
+        assert_eq!(c.buffered(), 1);
+    }
+
+    #[test]
+    fn a_new_coordinator_host_restarts_registration_at_once() {
+        let mut c = region(10);
+        let out = run(&mut c, members(&["me", "coord", "other"], Some("other")));
+        assert!(
+            matches!(&out[..], [RegionAction::ToCoordinator { coordinator, msg: ToCoordinator::Register { .. } }] if *coordinator == r("other")),
+            "{out:?}"
+        );
+        let stale = run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
+        assert!(stale.is_empty(), "the old coordinator is no longer followed");
     }
 }

@@ -1,19 +1,26 @@
 //! A cluster node: wires membership, transport and the replicator together.
 
+mod builder;
+mod data_dir;
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::{broadcast, watch};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, info_span};
+use tracing::{info, info_span};
 
+pub use builder::NodeBuilder;
+pub(crate) use data_dir::lock_data_dir;
+
+use crate::clock::wall_ms;
 use crate::config::NodeConfig;
 use crate::ddata::{self, DurableStore, Replicator, ReplicatorParams};
 use crate::error::{Error, Result};
 use crate::membership::{
     Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress,
 };
+use crate::spawn::Spawner;
 use crate::transport::Transport;
 
 /// What `Node::leave` needs from a running region.
@@ -32,8 +39,7 @@ struct NodeInner {
     membership: MembershipHandle,
     transport: Transport,
     replicator: Replicator,
-    shutdown: CancellationToken,
-    tasks: Mutex<Vec<JoinHandle<()>>>,
+    spawner: Spawner,
 }
 
 /// A running cluster node. Cheap to clone; every clone is the same node.
@@ -51,55 +57,72 @@ impl std::fmt::Debug for Node {
 impl Node {
     /// Validates the configuration, opens the durable store under `data_dir` (loading every
     /// durable key before serving), binds messaging and gossip, and joins the cluster through
-    /// the seeds.
+    /// the seeds. [`Node::builder`] starts a node with seams (a link filter) as well.
     pub async fn start(config: NodeConfig) -> Result<Node> {
+        NodeBuilder::new(config).start().await
+    }
+
+    /// A builder for a node with seams beyond its configuration.
+    pub fn builder(config: NodeConfig) -> NodeBuilder {
+        NodeBuilder::new(config)
+    }
+
+    async fn start_built(b: NodeBuilder) -> Result<Node> {
+        let config = b.config;
         config.validate()?;
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
         let dir = config.data_dir.join("ddata");
         let map_size = config.replicator.lmdb_map_size;
         let (store, generation) = tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
             let store = DurableStore::open(&dir, map_size)?;
-            let generation = store.next_generation(ddata::wall_ms())?;
+            let generation = store.next_generation(wall_ms())?;
             Ok((store, generation))
         })
         .await
         .map_err(|e| Error::storage(&config.data_dir, format!("open task failed: {e}")))??;
         let address = UniqueAddress::new(config.node_id.as_str(), generation);
-        let span = info_span!("node", node = %address);
-        let shutdown = CancellationToken::new();
-        let transport = Transport::bind(
+        let spawner = Spawner::new(info_span!("node", node = %address), CancellationToken::new());
+        let shutdown = spawner.shutdown_token().clone();
+        let transport = Transport::bind_with(
             config.messaging_addr,
             address.clone(),
             config.cluster_id.clone(),
             config.transport.clone(),
-            shutdown.clone(),
+            spawner.clone(),
+            b.link_filter,
         )
         .await?;
-        #[cfg(feature = "testkit")]
-        if let Some(injector) = &config.fault_injector {
-            transport.set_fault_injector(injector.clone());
-        }
-        let (membership, driver) =
-            MembershipDriver::start(&config, address.clone(), transport.local().messaging_addr).await?;
-        let mut tasks = vec![tokio::spawn(driver.run(shutdown.clone()).instrument(span.clone()))];
+        let started = MembershipDriver::start(
+            &config,
+            address.clone(),
+            transport.local().messaging_addr,
+            b.gossip_socket.as_ref(),
+        )
+        .await;
+        let (membership, driver) = match started {
+            Ok(m) => m,
+            Err(e) => {
+                spawner.shut_down().await;
+                return Err(e);
+            }
+        };
+        spawner.spawn(driver.run(shutdown.clone()));
         let params = ReplicatorParams {
             self_addr: address.clone(),
             role: config.replicator.role.clone(),
             durable_prefixes: config.replicator.durable_key_prefixes.clone(),
             gossip_interval: config.replicator.gossip_interval,
         };
-        let started = ddata::start(params, transport.clone(), membership.watch(), store, shutdown.clone()).await;
-        let (replicator, task) = match started {
+        let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;
+        let replicator = match started {
             Ok(r) => r,
             Err(e) => {
-                shutdown.cancel();
+                spawner.shut_down().await;
                 return Err(e);
             }
         };
-        tasks.push(task);
-        tasks.push(tokio::spawn(forget_removed_peers(membership.events(), transport.clone(), shutdown.clone())));
-        // Not in `tasks`: it may cancel the token itself, and `shutdown` must not wait for it.
-        tokio::spawn(stop_when_downed(membership.watch(), shutdown.clone()));
+        spawner.spawn(forget_removed_peers(membership.events(), transport.clone(), shutdown.clone()));
+        spawner.spawn(stop_when_downed(membership.watch(), shutdown.clone()));
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
         Ok(Node {
             inner: Arc::new(NodeInner {
@@ -110,8 +133,7 @@ impl Node {
                 membership,
                 transport,
                 replicator,
-                shutdown,
-                tasks: Mutex::new(tasks),
+                spawner,
             }),
         })
     }
@@ -172,14 +194,12 @@ impl Node {
     }
 
     pub(crate) fn shutdown_token(&self) -> CancellationToken {
-        self.inner.shutdown.clone()
+        self.inner.spawner.shutdown_token().clone()
     }
 
-    /// Spawns a task that `shutdown` waits for.
-    pub(crate) fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
-        let span = info_span!("node", node = %self.inner.address);
-        let handle = tokio::spawn(task.instrument(span));
-        self.inner.tasks.lock().expect("tasks lock").push(handle);
+    /// Spawns the node's tasks (in its tracing span; `shutdown` waits for them).
+    pub(crate) fn spawner(&self) -> &Spawner {
+        &self.inner.spawner
     }
 
     /// Leaves gracefully: Leaving in gossip; every region hands off its shards to other nodes
@@ -202,39 +222,13 @@ impl Node {
     /// Stops at once, without hand-off or goodbye (as a crash would, for the others). Returns
     /// when every task of the node has ended and its store is closed.
     pub async fn shutdown(&self) {
-        self.inner.shutdown.cancel();
-        let tasks: Vec<JoinHandle<()>> = std::mem::take(&mut *self.inner.tasks.lock().expect("tasks lock"));
-        for t in tasks {
-            let _ = t.await;
-        }
+        self.inner.spawner.shut_down().await;
         self.inner.data_dir_lock.lock().expect("lock slot").take();
     }
 
     /// Whether [`Node::shutdown`] (or leave) was called.
     pub fn is_shut_down(&self) -> bool {
-        self.inner.shutdown.is_cancelled()
-    }
-}
-
-/// Name of the lock file in a data dir.
-pub(crate) const LOCK_FILE: &str = "ddshard.lock";
-
-/// Takes the exclusive lock of a data dir: one running node (or tool) per store.
-pub(crate) fn lock_data_dir(data_dir: &std::path::Path) -> Result<std::fs::File> {
-    std::fs::create_dir_all(data_dir).map_err(|e| Error::storage(data_dir, format!("cannot create directory: {e}")))?;
-    let path = data_dir.join(LOCK_FILE);
-    let file = std::fs::File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&path)
-        .map_err(|e| Error::storage(data_dir, format!("cannot open {}: {e}", path.display())))?;
-    match file.try_lock() {
-        Ok(()) => Ok(file),
-        Err(std::fs::TryLockError::WouldBlock) => {
-            Err(Error::storage(data_dir, "the data dir is in use by a running node (lock held)"))
-        }
-        Err(std::fs::TryLockError::Error(e)) => Err(Error::storage(data_dir, format!("cannot lock: {e}"))),
+        self.inner.spawner.shutdown_token().is_cancelled()
     }
 }
 

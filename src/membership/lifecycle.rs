@@ -1,0 +1,297 @@
+//! This node's membership life cycle as a sans-IO state machine: when it turns Up, which Down
+//! members are still listed (the down-removal margin), and which downing decisions to publish.
+//! The driver reads gossip, feeds it here with `now`, and performs the actions in chitchat.
+//!
+//! - **Joining → Up.** With no seeds (and not its own first seed) at once. Otherwise once a
+//!   live member that is Up or Leaving was seen and two more gossip intervals passed, so the
+//!   highest up-number in gossip has arrived; the new up-number is one more than the highest
+//!   seen (Lamport style, see the age order in [`super`]). A node that is its own first seed
+//!   forms the cluster alone after `seed_node_timeout` without an answer.
+//! - **Down-removal margin.** A member seen Down stays listed (as Down) for
+//!   `down_removal_margin` after this node first saw it so, then it is dropped from the
+//!   snapshot: its shards and singletons move only then, giving it time to stop.
+//! - **Downing.** While this node is Up or Leaving, keep-majority decides on each snapshot;
+//!   each victim's down mark is published once, and a losing node publishes itself Down.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use super::downing::{Decision, KeepMajority};
+use super::view::{GossipNode, compute_members, highest_up_number, keys};
+use super::{MemberStatus, MembershipSnapshot, UniqueAddress};
+use crate::clock::Instant;
+
+/// What the driver publishes in gossip.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum LifecycleAction {
+    /// Set this node's status (and up-number, when turning Up), then read gossip again.
+    PublishStatus { status: MemberStatus, up_number: Option<u64> },
+    /// Publish down marks for these members.
+    PublishDowns(Vec<UniqueAddress>),
+}
+
+/// Settings of the life cycle.
+#[derive(Debug, Clone)]
+pub(crate) struct LifecycleSettings {
+    /// Seeds other than this node's own gossip address.
+    pub has_seeds: bool,
+    pub self_is_first_seed: bool,
+    pub gossip_interval: Duration,
+    pub seed_node_timeout: Duration,
+    pub down_removal_margin: Duration,
+    /// Keep-majority's `stable_after`, or `None` with downing off.
+    pub downing_stable_after: Option<Duration>,
+}
+
+/// The life cycle of this node's membership.
+#[derive(Debug)]
+pub(crate) struct LifecycleCore {
+    address: UniqueAddress,
+    settings: LifecycleSettings,
+    status: MemberStatus,
+    started: Instant,
+    up_member_seen_at: Option<Instant>,
+    downing: Option<KeepMajority>,
+    down_seen: HashMap<UniqueAddress, Instant>,
+    downs_published: HashSet<UniqueAddress>,
+}
+
+impl LifecycleCore {
+    pub(crate) fn new(address: UniqueAddress, settings: LifecycleSettings, now: Instant) -> Self {
+        LifecycleCore {
+            address,
+            downing: settings.downing_stable_after.map(|s| KeepMajority::new(s, now)),
+            settings,
+            status: MemberStatus::Joining,
+            started: now,
+            up_member_seen_at: None,
+            down_seen: HashMap::new(),
+            downs_published: HashSet::new(),
+        }
+    }
+
+    /// This node's own status as last published.
+    #[cfg(test)]
+    pub(crate) fn status(&self) -> MemberStatus {
+        self.status
+    }
+
+    /// Records a status this node publishes on request (leaving, exiting, removed).
+    pub(crate) fn status_published(&mut self, status: MemberStatus) {
+        self.status = status;
+    }
+
+    /// Feeds the gossip state at `now`. Returns the snapshot to publish, or `None` when this
+    /// node just turned Up (the driver publishes that and reads gossip again).
+    pub(crate) fn on_gossip(
+        &mut self,
+        nodes: &[GossipNode],
+        now: Instant,
+        out: &mut Vec<LifecycleAction>,
+    ) -> Option<MembershipSnapshot> {
+        if self.status == MemberStatus::Joining && self.ready_to_be_up(nodes, now) {
+            let up = highest_up_number(nodes) + 1;
+            info!(node = %self.address, up_number = up, "member is up");
+            self.status = MemberStatus::Up;
+            out.push(LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(up) });
+            return None;
+        }
+        let mut snap = compute_members(&self.address, nodes);
+        self.apply_down_removal_margin(&mut snap, now);
+        self.run_downing(&snap, now, out);
+        Some(snap)
+    }
+
+    fn apply_down_removal_margin(&mut self, snap: &mut MembershipSnapshot, now: Instant) {
+        let down: HashSet<&UniqueAddress> = snap
+            .members
+            .iter()
+            .filter(|m| m.status == MemberStatus::Down && m.address != self.address)
+            .map(|m| &m.address)
+            .collect();
+        self.down_seen.retain(|a, _| down.contains(a));
+        for a in down {
+            self.down_seen.entry(a.clone()).or_insert(now);
+        }
+        let (margin, seen) = (self.settings.down_removal_margin, &self.down_seen);
+        snap.members.retain(|m| seen.get(&m.address).is_none_or(|t| now.duration_since(*t) < margin));
+    }
+
+    fn run_downing(&mut self, snap: &MembershipSnapshot, now: Instant, out: &mut Vec<LifecycleAction>) {
+        if !self.status.is_up_or_leaving() {
+            return;
+        }
+        let Some(k) = self.downing.as_mut() else { return };
+        match k.decide(snap, now) {
+            Decision::Wait => {}
+            Decision::DownOthers(victims) => {
+                let new: Vec<UniqueAddress> =
+                    victims.into_iter().filter(|v| !self.downs_published.contains(v)).collect();
+                if !new.is_empty() {
+                    warn!(node = %self.address, downed = ?new.iter().map(ToString::to_string).collect::<Vec<_>>(), "keep-majority: downing unreachable members");
+                    self.downs_published.extend(new.iter().cloned());
+                    out.push(LifecycleAction::PublishDowns(new));
+                }
+            }
+            Decision::DownMyself => {
+                warn!(node = %self.address, "keep-majority: this node is on the minority side; downing itself");
+                self.status = MemberStatus::Down;
+                out.push(LifecycleAction::PublishStatus { status: MemberStatus::Down, up_number: None });
+            }
+        }
+    }
+
+    fn ready_to_be_up(&mut self, nodes: &[GossipNode], now: Instant) -> bool {
+        if !self.settings.has_seeds && !self.settings.self_is_first_seed {
+            return true;
+        }
+        let other_up = nodes.iter().any(|n| {
+            n.live
+                && n.address.node_id != self.address.node_id
+                && n.keys
+                    .get(keys::STATUS)
+                    .and_then(|s| MemberStatus::from_key(s))
+                    .is_some_and(MemberStatus::is_up_or_leaving)
+        });
+        if other_up {
+            let seen = *self.up_member_seen_at.get_or_insert(now);
+            return now.duration_since(seen) >= self.settings.gossip_interval * 2;
+        }
+        if self.settings.self_is_first_seed && now.duration_since(self.started) >= self.settings.seed_node_timeout {
+            warn!(node = %self.address, "no member answered; forming a new cluster as first seed");
+            return true;
+        }
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    const GOSSIP: Duration = Duration::from_millis(100);
+
+    fn settings(has_seeds: bool, first_seed: bool, downing: Option<Duration>) -> LifecycleSettings {
+        LifecycleSettings {
+            has_seeds,
+            self_is_first_seed: first_seed,
+            gossip_interval: GOSSIP,
+            seed_node_timeout: Duration::from_secs(5),
+            down_removal_margin: Duration::from_secs(2),
+            downing_stable_after: downing,
+        }
+    }
+
+    fn node(id: &str, status: &str, up: Option<u64>, live: bool) -> GossipNode {
+        let mut keys = BTreeMap::new();
+        keys.insert(keys::STATUS.to_string(), status.to_string());
+        if let Some(n) = up {
+            keys.insert(keys::UP_NUMBER.to_string(), n.to_string());
+        }
+        keys.insert(keys::MESSAGING.to_string(), "127.0.0.1:1".to_string());
+        GossipNode { address: UniqueAddress::new(id, 1), gossip_addr: "127.0.0.1:2".parse().unwrap(), live, keys }
+    }
+
+    fn me() -> UniqueAddress {
+        UniqueAddress::new("me", 1)
+    }
+
+    #[test]
+    fn a_node_without_seeds_turns_up_at_once_with_up_number_one() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(false, false, None), t0);
+        let mut out = Vec::new();
+        assert!(c.on_gossip(&[node("me", "joining", None, true)], t0, &mut out).is_none());
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(1) }]);
+        assert_eq!(c.status(), MemberStatus::Up);
+    }
+
+    #[test]
+    fn a_joiner_waits_two_gossip_intervals_after_seeing_an_up_member_and_takes_the_next_up_number() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(true, false, None), t0);
+        let nodes = [node("a", "up", Some(7), true), node("me", "joining", None, true)];
+        let mut out = Vec::new();
+        assert!(c.on_gossip(&nodes, t0, &mut out).is_some());
+        assert!(c.on_gossip(&nodes, t0 + GOSSIP, &mut out).is_some());
+        assert!(out.is_empty(), "still joining: {out:?}");
+        assert!(c.on_gossip(&nodes, t0 + GOSSIP * 2, &mut out).is_none());
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(8) }]);
+    }
+
+    #[test]
+    fn an_unreachable_up_member_does_not_let_a_joiner_in() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(true, false, None), t0);
+        let nodes = [node("a", "up", Some(1), false), node("me", "joining", None, true)];
+        let mut out = Vec::new();
+        c.on_gossip(&nodes, t0 + Duration::from_secs(60), &mut out);
+        assert!(out.is_empty());
+        assert_eq!(c.status(), MemberStatus::Joining);
+    }
+
+    #[test]
+    fn the_first_seed_forms_a_cluster_alone_after_the_seed_node_timeout() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(true, true, None), t0);
+        let nodes = [node("me", "joining", None, true)];
+        let mut out = Vec::new();
+        c.on_gossip(&nodes, t0 + Duration::from_millis(4900), &mut out);
+        assert!(out.is_empty());
+        c.on_gossip(&nodes, t0 + Duration::from_secs(5), &mut out);
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(1) }]);
+    }
+
+    #[test]
+    fn a_down_member_stays_listed_for_the_margin_after_first_seen_down() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(false, false, None), t0);
+        c.status_published(MemberStatus::Up);
+        let nodes = [node("a", "down", Some(1), true), node("me", "up", Some(2), true)];
+        let listed = |c: &mut LifecycleCore, at| {
+            let snap = c.on_gossip(&nodes, at, &mut Vec::new()).unwrap();
+            snap.members.iter().any(|m| m.node_id() == "a")
+        };
+        assert!(listed(&mut c, t0 + Duration::from_secs(10)), "first seen down now");
+        assert!(listed(&mut c, t0 + Duration::from_millis(11_900)));
+        assert!(!listed(&mut c, t0 + Duration::from_secs(12)), "removed after the margin");
+    }
+
+    #[test]
+    fn keep_majority_publishes_each_victim_once_and_a_loser_downs_itself() {
+        let stable = Duration::from_secs(1);
+        let t0 = Instant::now();
+        let mut winner = LifecycleCore::new(UniqueAddress::new("a", 1), settings(false, false, Some(stable)), t0);
+        winner.status_published(MemberStatus::Up);
+        let view = [node("a", "up", Some(1), true), node("b", "up", Some(2), true), node("c", "up", Some(3), false)];
+        let mut out = Vec::new();
+        winner.on_gossip(&view, t0, &mut out);
+        winner.on_gossip(&view, t0 + stable, &mut out);
+        winner.on_gossip(&view, t0 + stable * 2, &mut out);
+        assert_eq!(out, vec![LifecycleAction::PublishDowns(vec![UniqueAddress::new("c", 1)])]);
+
+        let mut loser = LifecycleCore::new(UniqueAddress::new("c", 1), settings(false, false, Some(stable)), t0);
+        loser.status_published(MemberStatus::Up);
+        let seen_by_c =
+            [node("a", "up", Some(1), false), node("b", "up", Some(2), false), node("c", "up", Some(3), true)];
+        let mut out = Vec::new();
+        loser.on_gossip(&seen_by_c, t0, &mut out);
+        loser.on_gossip(&seen_by_c, t0 + stable, &mut out);
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Down, up_number: None }]);
+        assert_eq!(loser.status(), MemberStatus::Down);
+    }
+
+    #[test]
+    fn a_joining_node_never_downs_anyone() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(true, false, Some(Duration::from_millis(1))), t0);
+        let view = [node("a", "up", Some(1), false), node("me", "joining", None, true)];
+        let mut out = Vec::new();
+        c.on_gossip(&view, t0, &mut out);
+        c.on_gossip(&view, t0 + Duration::from_secs(10), &mut out);
+        assert!(out.is_empty(), "{out:?}");
+    }
+}

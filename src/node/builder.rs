@@ -1,0 +1,55 @@
+//! [`NodeBuilder`]: a node's configuration plus the seams that are not configuration — a
+//! [`LinkFilter`] for messaging and a wrapper of the gossip socket (the test kit's fault
+//! injector uses both). Production code compiles the same with or without the test kit.
+
+use std::sync::Arc;
+
+use super::Node;
+use crate::config::NodeConfig;
+use crate::error::Result;
+use crate::membership::GossipSocketWrapper;
+use crate::transport::LinkFilter;
+
+/// Starts a [`Node`] with seams; `Node::builder(config).start()` equals `Node::start(config)`.
+#[must_use = "a builder does nothing until `start`"]
+pub struct NodeBuilder {
+    pub(super) config: NodeConfig,
+    pub(super) link_filter: Option<Arc<dyn LinkFilter>>,
+    pub(super) gossip_socket: Option<GossipSocketWrapper>,
+}
+
+impl std::fmt::Debug for NodeBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeBuilder")
+            .field("node_id", &self.config.node_id)
+            .field("link_filter", &self.link_filter)
+            .field("gossip_socket", &self.gossip_socket.is_some())
+            .finish()
+    }
+}
+
+impl NodeBuilder {
+    /// A builder for a node with this configuration and no seams.
+    pub fn new(config: NodeConfig) -> Self {
+        NodeBuilder { config, link_filter: None, gossip_socket: None }
+    }
+
+    /// Messages between nodes pass only where `filter` allows.
+    pub fn link_filter(mut self, filter: Arc<dyn LinkFilter>) -> Self {
+        self.link_filter = Some(filter);
+        self
+    }
+
+    /// Wraps the bound gossip socket before chitchat gets it (crate-private: its type is
+    /// chitchat's, which is not part of the public API; only the test kit uses it).
+    #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+    pub(crate) fn gossip_socket(mut self, wrap: GossipSocketWrapper) -> Self {
+        self.gossip_socket = Some(wrap);
+        self
+    }
+
+    /// Starts the node (see [`Node::start`]).
+    pub async fn start(self) -> Result<Node> {
+        Node::start_built(self).await
+    }
+}

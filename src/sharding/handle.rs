@@ -1,0 +1,315 @@
+//! The public handle of a region: [`ShardRegion`] sends to entities by id and queries the
+//! region and the cluster; [`start_region`] spawns the region task and, where this node may host
+//! the coordinator, the coordinator's singleton driver.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tracing::warn;
+
+use super::envelope::{Envelope, Replier, ReplyTo, not_delivered};
+use super::ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id, valid_type_name};
+use super::protocol::{CoordinatorQuery, RegionQuery, RegionStatsReply};
+use super::region::{AskTable, RegionCmd, RegionCore, RegionSettings, RegionTask};
+use super::settings::ShardingSettings;
+use super::shard::{Factory, LocalShards, RememberIo};
+use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
+use crate::clock::Instant;
+use crate::ddata::{Consistency, LwwMap};
+use crate::error::{Error, Result};
+use crate::membership::PeerAddr;
+use crate::node::{Node, RegionControl};
+use crate::transport::wire;
+
+/// Waits for an entity's answer up to `timeout`.
+async fn await_answer<T>(entity_id: &str, rx: oneshot::Receiver<Result<T>>, timeout: Duration) -> Result<T> {
+    match tokio::time::timeout(timeout, rx).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(_)) => Err(not_delivered(entity_id, "entity stopped")),
+        Err(_) => Err(Error::AskTimeout { entity_id: entity_id.to_string(), timeout }),
+    }
+}
+
+/// Counters of one region.
+#[derive(Debug, Default)]
+pub struct RegionCounters {
+    /// Messages dropped because the buffer was full.
+    pub dropped_buffer_full: AtomicU64,
+    /// Messages dropped during hand-offs.
+    pub dropped_handoff: AtomicU64,
+    /// Messages from other nodes that did not decode or had an empty entity id.
+    pub dropped_invalid: AtomicU64,
+    /// Entity handlers that panicked.
+    pub entity_panics: AtomicU64,
+    /// Shards stopped because their remembered set could not be loaded or written.
+    pub shard_failures: AtomicU64,
+}
+
+pub(crate) struct HandleInner<E: Entity> {
+    type_name: String,
+    node: Node,
+    settings: ShardingSettings,
+    extractor: ShardIdExtractor,
+    commands: mpsc::UnboundedSender<RegionCmd<E>>,
+    buffered: Arc<AtomicUsize>,
+    counters: Arc<RegionCounters>,
+    proxy: bool,
+}
+
+/// Handle to the region (or proxy) of one entity type on this node; cheap to clone.
+pub struct ShardRegion<E: Entity> {
+    inner: Arc<HandleInner<E>>,
+}
+
+impl<E: Entity> Clone for ShardRegion<E> {
+    fn clone(&self) -> Self {
+        ShardRegion { inner: self.inner.clone() }
+    }
+}
+
+impl<E: Entity> std::fmt::Debug for ShardRegion<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardRegion").field("type", &self.inner.type_name).field("proxy", &self.inner.proxy).finish()
+    }
+}
+
+impl<E: Entity> ShardRegion<E> {
+    /// The entity type's name.
+    pub fn type_name(&self) -> &str {
+        &self.inner.type_name
+    }
+
+    /// Whether this is a proxy (hosts nothing).
+    pub fn is_proxy(&self) -> bool {
+        self.inner.proxy
+    }
+
+    /// The shard an entity id belongs to.
+    pub fn shard_id(&self, entity_id: &str) -> ShardId {
+        (self.inner.extractor)(entity_id)
+    }
+
+    /// Counters of this region.
+    pub fn counters(&self) -> &RegionCounters {
+        &self.inner.counters
+    }
+
+    fn submit(&self, entity_id: &str, env: Envelope<E>) -> Result<()> {
+        if entity_id.is_empty() {
+            return Err(Error::EmptyEntityId);
+        }
+        let i = &self.inner;
+        if i.buffered.load(Ordering::Relaxed) >= i.settings.buffer_size {
+            if i.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed) == 0 {
+                warn!(type_name = %i.type_name, "region buffer full; dropping messages");
+            }
+            return Err(Error::BufferFull { type_name: i.type_name.clone(), buffer_size: i.settings.buffer_size });
+        }
+        let shard = (i.extractor)(entity_id);
+        i.commands
+            .send(RegionCmd::Deliver { shard, entity_id: entity_id.to_string(), env })
+            .map_err(|_| Error::ShutDown)
+    }
+
+    /// Sends a message to entity `entity_id`, wherever it lives; no reply. Messages from this
+    /// region to one entity arrive in the order sent.
+    pub fn tell(&self, entity_id: &str, msg: E::Message) -> Result<()> {
+        self.submit(entity_id, Envelope { msg: Some(msg), reply: None })
+    }
+
+    /// Sends a message and waits for the entity's reply, up to the settings' `ask_timeout`.
+    pub async fn ask(&self, entity_id: &str, msg: E::Message) -> Result<E::Reply> {
+        self.ask_with_timeout(entity_id, msg, self.inner.settings.ask_timeout).await
+    }
+
+    /// [`ShardRegion::ask`] with an explicit timeout.
+    pub async fn ask_with_timeout(&self, entity_id: &str, msg: E::Message, timeout: Duration) -> Result<E::Reply> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(entity_id, Envelope { msg: Some(msg), reply: Some(ReplyTo::Local(tx)) })?;
+        await_answer(entity_id, rx, timeout).await
+    }
+
+    /// Starts entity `entity_id` without a message; returns once it runs.
+    pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.submit(entity_id, Envelope { msg: None, reply: Some(ReplyTo::Started(tx)) })?;
+        await_answer(entity_id, rx, self.inner.settings.ask_timeout).await
+    }
+
+    /// Shards hosted by this region with their live entity ids.
+    pub async fn region_state(&self) -> Result<BTreeMap<ShardId, Vec<String>>> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.commands.send(RegionCmd::State(tx)).map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)
+    }
+
+    /// Shards hosted by this region with their live entity counts.
+    pub async fn region_stats(&self) -> Result<BTreeMap<ShardId, usize>> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.commands.send(RegionCmd::Stats(tx)).map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)
+    }
+
+    fn coordinator_peer(&self) -> Result<PeerAddr> {
+        let snap = self.inner.node.membership();
+        let m = snap
+            .singleton_host(self.inner.settings.role.as_deref())
+            .ok_or_else(|| Error::CoordinatorUnavailable(self.inner.type_name.clone()))?;
+        Ok(m.peer())
+    }
+
+    /// Every region of this type in the cluster (from the coordinator).
+    pub async fn current_regions(&self) -> Result<BTreeSet<RegionId>> {
+        let peer = self.coordinator_peer()?;
+        let body = wire::encode(&CoordinatorQuery::CurrentRegions)?;
+        let topic = keys::coordinator_topic(&self.inner.type_name);
+        let reply = self
+            .inner
+            .node
+            .transport()
+            .request(&peer, &topic, &body, self.inner.settings.ask_timeout)
+            .await
+            .map_err(|_| Error::CoordinatorUnavailable(self.inner.type_name.clone()))?;
+        wire::decode(&reply)
+    }
+
+    /// Entity counts of every region; regions that do not answer within `timeout` are listed in
+    /// `failed` instead of failing the whole query.
+    pub async fn cluster_stats(&self, timeout: Duration) -> Result<ClusterShardingStats> {
+        let regions = self.current_regions().await?;
+        let snap = self.inner.node.membership();
+        let topic = keys::region_topic(&self.inner.type_name);
+        let body = wire::encode(&RegionQuery::Stats)?;
+        let transport = self.inner.node.transport().clone();
+        let asks = regions.into_iter().map(|region| {
+            let peer = snap.peer(&region);
+            let (transport, topic, body) = (transport.clone(), topic.clone(), body.clone());
+            async move {
+                let Some(peer) = peer else { return (region, None) };
+                let r = transport.request(&peer, &topic, &body, timeout).await.ok();
+                (region, r.and_then(|b| wire::decode::<RegionStatsReply>(&b).ok()))
+            }
+        });
+        let mut stats = ClusterShardingStats::default();
+        for (region, answer) in futures::future::join_all(asks).await {
+            match answer {
+                Some(s) => {
+                    stats.regions.insert(region, s);
+                }
+                None => {
+                    stats.failed.insert(region);
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    /// External allocation: asks for `shard` to live on node `node_id` (majority write to the
+    /// replicated, durable table of desired locations). New allocations follow at once;
+    /// allocated shards move at the next rebalance.
+    pub async fn set_external_shard_location(&self, shard: &str, node_id: &str) -> Result<()> {
+        let key = keys::external_locations(&self.inner.type_name);
+        let (shard, node_id) = (shard.to_string(), node_id.to_string());
+        self.inner
+            .node
+            .replicator()
+            .update::<LwwMap, _>(&key, Consistency::MAJORITY, self.inner.settings.ask_timeout, move |m, ctx| {
+                let _ = m.put_as(ctx, shard, &node_id);
+            })
+            .await
+    }
+
+    /// Hands off every shard of this region to other regions, then stops it (used by
+    /// `Node::leave`). Bounded by `handoff_timeout`.
+    pub async fn graceful_shutdown(&self) {
+        RegionControl::graceful_shutdown(&*self.inner).await
+    }
+}
+
+impl<E: Entity> RegionControl for HandleInner<E> {
+    fn type_name(&self) -> &str {
+        &self.type_name
+    }
+    fn graceful_shutdown(&self) -> futures::future::BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let (tx, rx) = oneshot::channel();
+            if self.commands.send(RegionCmd::GracefulShutdown(tx)).is_ok() {
+                let _ = rx.await;
+            }
+        })
+    }
+}
+
+/// Starts the region of a type on `node` (a proxy without a factory) and, unless it is a proxy,
+/// the coordinator singleton driver of the type.
+pub(crate) async fn start_region<E: Entity>(
+    node: &Node,
+    type_name: &str,
+    factory: Option<Factory<E>>,
+    settings: ShardingSettings,
+    options: StartOptions,
+) -> Result<ShardRegion<E>> {
+    if !valid_type_name(type_name) {
+        return Err(Error::Config(format!("entity type name {type_name:?} must be non-empty and without '/'")));
+    }
+    let n = settings.number_of_shards;
+    let extractor: ShardIdExtractor =
+        options.shard_id_extractor.clone().unwrap_or_else(|| Arc::new(move |id: &str| default_shard_id(id, n)));
+    let (tx, rx) = mpsc::unbounded_channel();
+    let proxy = factory.is_none();
+    let inner = Arc::new(HandleInner {
+        type_name: type_name.to_string(),
+        node: node.clone(),
+        settings: settings.clone(),
+        extractor,
+        commands: tx,
+        buffered: Arc::new(AtomicUsize::new(0)),
+        counters: Arc::new(RegionCounters::default()),
+        proxy,
+    });
+    node.register_region(inner.clone())?;
+    let me = node.address().clone();
+    let transport = node.transport().clone();
+    let replier = Replier::new(transport.clone(), type_name, node.watch_membership());
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let shards = factory.clone().map(|factory| {
+        let remember = RememberIo::new(node.replicator().clone(), node.spawner().clone(), type_name, &settings);
+        LocalShards::new(
+            type_name,
+            factory,
+            settings.clone(),
+            inner.extractor.clone(),
+            events_tx,
+            replier.clone(),
+            inner.counters.clone(),
+            remember,
+            node.spawner().clone(),
+        )
+    });
+    let region_settings = RegionSettings { buffer_size: settings.buffer_size, retry_interval: settings.retry_interval };
+    let task = RegionTask {
+        type_name: type_name.to_string(),
+        me: me.clone(),
+        role: settings.role.clone(),
+        transport,
+        core: RegionCore::new(me, proxy, region_settings, Instant::now()),
+        shards,
+        settings: settings.clone(),
+        asks: AskTable::default(),
+        buffered: inner.buffered.clone(),
+        counters: inner.counters.clone(),
+        replier,
+        members: node.membership(),
+        shutdown_waiters: Vec::new(),
+        shutdown_deadline: None,
+        work: Default::default(),
+    };
+    node.spawner().spawn(task.run(node.clone(), rx, events_rx));
+    if !proxy {
+        coordinator::start_singleton(node, type_name, settings, options.allocation_strategy);
+    }
+    Ok(ShardRegion { inner })
+}

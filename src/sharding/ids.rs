@@ -1,0 +1,69 @@
+//! The names sharding gives things: region and shard ids, the entity → shard mapping and the
+//! entity → remembered-slot mapping. A leaf module: everything else in `sharding` uses it.
+
+use std::sync::Arc;
+
+use crate::membership::UniqueAddress;
+
+/// A region (one node incarnation hosting one entity type).
+pub type RegionId = UniqueAddress;
+/// A shard id.
+pub type ShardId = String;
+
+/// Maps an entity id to its shard id.
+pub type ShardIdExtractor = Arc<dyn Fn(&str) -> ShardId + Send + Sync>;
+
+/// The default shard of an entity: the XXH3-64 hash (seed 0) of the id's UTF-8 bytes, modulo
+/// `number_of_shards`, in decimal. Stable across versions, platforms and processes: changing it
+/// moves every entity (and orphans every remembered id), so a test pins literal values.
+pub fn default_shard_id(entity_id: &str, number_of_shards: u32) -> ShardId {
+    (xxhash_rust::xxh3::xxh3_64(entity_id.as_bytes()) % u64::from(number_of_shards.max(1))).to_string()
+}
+
+/// The slot of an entity id among `slots` remembered-entity keys (stable, like
+/// [`default_shard_id`]).
+pub(crate) fn remembered_slot(entity_id: &str, slots: u32) -> u32 {
+    (xxhash_rust::xxh3::xxh3_64_with_seed(entity_id.as_bytes(), 0x5107) % u64::from(slots.max(1))) as u32
+}
+
+/// Entity type names: non-empty and without `/` (keys and topics are built with `/`, so one
+/// type's keys never prefix another's).
+pub(crate) fn valid_type_name(type_name: &str) -> bool {
+    !type_name.is_empty() && !type_name.contains('/')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_shard_ids_are_pinned_literal_values() {
+        // A change here moves every entity of every deployed cluster: a breaking change.
+        for (id, shards, expected) in
+            [("counter-42", 1000, "918"), ("c-1", 1000, "884"), ("cart-7", 100, "93"), ("e0", 16, "0"), ("x", 1, "0")]
+        {
+            assert_eq!(default_shard_id(id, shards), expected, "shard of {id:?} among {shards}");
+        }
+    }
+
+    #[test]
+    fn default_shard_ids_spread_over_every_shard() {
+        let used: std::collections::BTreeSet<ShardId> =
+            (0..10_000).map(|i| default_shard_id(&format!("e{i}"), 100)).collect();
+        assert_eq!(used.len(), 100);
+    }
+
+    #[test]
+    fn remembered_slots_are_pinned_literal_values() {
+        for (id, slots, expected) in [("counter-42", 16, 3), ("c-1", 16, 15), ("cart-7", 64, 31), ("x", 1, 0)] {
+            assert_eq!(remembered_slot(id, slots), expected, "slot of {id:?} among {slots}");
+        }
+    }
+
+    #[test]
+    fn type_names_with_a_slash_or_empty_are_invalid() {
+        assert!(valid_type_name("counter"));
+        assert!(!valid_type_name(""));
+        assert!(!valid_type_name("a/b"));
+    }
+}

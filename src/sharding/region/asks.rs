@@ -1,0 +1,106 @@
+//! Asks this region forwarded to other regions, waiting for their `AskReply`: each remembers
+//! the region it went to and the entity it was for, so an ask to a region that is gone fails
+//! at once (with the entity named) instead of waiting for its timeout.
+
+use std::collections::HashMap;
+
+use crate::sharding::ids::RegionId;
+
+struct Pending<P> {
+    target: RegionId,
+    entity_id: String,
+    handle: P,
+}
+
+/// Pending remote asks by ask id; `P` is the asker's handle.
+pub(crate) struct AskTable<P> {
+    next_id: u64,
+    asks: HashMap<u64, Pending<P>>,
+}
+
+impl<P> Default for AskTable<P> {
+    fn default() -> Self {
+        AskTable { next_id: 1, asks: HashMap::new() }
+    }
+}
+
+impl<P> AskTable<P> {
+    /// Records an ask sent to `target` for `entity_id`; returns its id.
+    pub(crate) fn insert(&mut self, target: RegionId, entity_id: String, handle: P) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.asks.insert(id, Pending { target, entity_id, handle });
+        id
+    }
+
+    /// The ask answered by an `AskReply` with this id, with its entity id.
+    pub(crate) fn take(&mut self, id: u64) -> Option<(String, P)> {
+        self.asks.remove(&id).map(|p| (p.entity_id, p.handle))
+    }
+
+    /// Every ask sent to `region`, oldest first (the region is gone: they fail now).
+    pub(crate) fn take_region(&mut self, region: &RegionId) -> Vec<(String, P)> {
+        let mut ids: Vec<u64> = self.asks.iter().filter(|(_, p)| p.target == *region).map(|(id, _)| *id).collect();
+        ids.sort_unstable();
+        ids.into_iter().filter_map(|id| self.take(id)).collect()
+    }
+
+    /// Forgets asks whose asker stopped waiting (timed out).
+    pub(crate) fn retain_waiting(&mut self, waiting: impl Fn(&P) -> bool) {
+        self.asks.retain(|_, p| waiting(&p.handle));
+    }
+
+    /// Asks pending.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.asks.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(n: &str) -> RegionId {
+        RegionId::new(n, 1)
+    }
+
+    #[test]
+    fn an_answered_ask_is_taken_once_with_its_entity() {
+        let mut t = AskTable::default();
+        let id = t.insert(r("b"), "e1".into(), 10u32);
+        assert_eq!(t.take(id), Some(("e1".to_string(), 10)));
+        assert_eq!(t.take(id), None, "a duplicate answer finds nothing");
+        assert_eq!(t.take(999), None);
+    }
+
+    #[test]
+    fn ask_ids_are_never_reused() {
+        let mut t = AskTable::default();
+        let a = t.insert(r("b"), "e1".into(), 1u32);
+        t.take(a);
+        let b = t.insert(r("b"), "e2".into(), 2u32);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn a_gone_region_fails_only_its_own_asks_oldest_first() {
+        let mut t = AskTable::default();
+        t.insert(r("b"), "e1".into(), 1u32);
+        t.insert(r("c"), "e2".into(), 2u32);
+        t.insert(r("b"), "e3".into(), 3u32);
+        assert_eq!(t.take_region(&r("b")), vec![("e1".to_string(), 1), ("e3".to_string(), 3)]);
+        assert_eq!(t.len(), 1);
+        assert!(t.take_region(&r("b")).is_empty());
+    }
+
+    #[test]
+    fn asks_whose_asker_gave_up_are_forgotten() {
+        let mut t = AskTable::default();
+        t.insert(r("b"), "e1".into(), 1u32);
+        let kept = t.insert(r("b"), "e2".into(), 2u32);
+        t.retain_waiting(|h| *h != 1);
+        assert_eq!(t.len(), 1);
+        assert!(t.take(kept).is_some());
+    }
+}

@@ -1,0 +1,355 @@
+//! The region task: selects over its handle's commands, the region topic, its shards' task
+//! reports, membership and a ticker; feeds them to the region core (and, through
+//! [`LocalShards`], to the shard cores) and performs their actions.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, error, info, warn};
+
+use super::asks::AskTable;
+use super::core::{RegionAction, RegionCore, RegionDrop, RegionInput};
+use crate::clock::Instant;
+use crate::error::Result;
+use crate::membership::MembershipSnapshot;
+use crate::node::Node;
+use crate::sharding::envelope::{Envelope, Replier, ReplyTo, not_delivered};
+use crate::sharding::handle::RegionCounters;
+use crate::sharding::ids::{RegionId, ShardId};
+use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion};
+use crate::sharding::settings::ShardingSettings;
+use crate::sharding::shard::{LocalShards, ShardEvent, ShardInput, Work};
+use crate::sharding::{Entity, keys};
+use crate::transport::{Inbound, Transport, wire};
+
+/// How often regions and shards check their deadlines.
+pub(crate) const REGION_TICK: Duration = Duration::from_millis(100);
+
+/// Graceful shutdown gives up this long after the hand-off timeout.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+
+/// What a region handle asks of its task.
+pub(crate) enum RegionCmd<E: Entity> {
+    Deliver { shard: ShardId, entity_id: String, env: Envelope<E> },
+    State(oneshot::Sender<crate::sharding::protocol::RegionStateReply>),
+    Stats(oneshot::Sender<crate::sharding::protocol::RegionStatsReply>),
+    GracefulShutdown(oneshot::Sender<()>),
+}
+
+/// An asker waiting for a remote answer.
+pub(crate) enum PendingAsk<R> {
+    Reply(oneshot::Sender<Result<R>>),
+    Started(oneshot::Sender<Result<()>>),
+}
+
+impl<R> PendingAsk<R> {
+    fn is_waiting(&self) -> bool {
+        match self {
+            PendingAsk::Reply(tx) => !tx.is_closed(),
+            PendingAsk::Started(tx) => !tx.is_closed(),
+        }
+    }
+
+    fn fail(self, error: crate::error::Error) {
+        match self {
+            PendingAsk::Reply(tx) => {
+                let _ = tx.send(Err(error));
+            }
+            PendingAsk::Started(tx) => {
+                let _ = tx.send(Err(error));
+            }
+        }
+    }
+}
+
+/// The region task of one entity type on one node.
+pub(crate) struct RegionTask<E: Entity> {
+    pub type_name: String,
+    pub me: RegionId,
+    pub role: Option<String>,
+    pub transport: Transport,
+    pub core: RegionCore<Envelope<E>>,
+    /// `None` for a proxy.
+    pub shards: Option<LocalShards<E>>,
+    pub settings: ShardingSettings,
+    pub asks: AskTable<PendingAsk<E::Reply>>,
+    pub buffered: Arc<AtomicUsize>,
+    pub counters: Arc<RegionCounters>,
+    pub replier: Replier,
+    pub members: Arc<MembershipSnapshot>,
+    pub shutdown_waiters: Vec<oneshot::Sender<()>>,
+    pub shutdown_deadline: Option<Instant>,
+    pub work: VecDeque<Work<E>>,
+}
+
+impl<E: Entity> RegionTask<E> {
+    pub(crate) async fn run(
+        mut self,
+        node: Node,
+        mut commands: mpsc::UnboundedReceiver<RegionCmd<E>>,
+        mut events: mpsc::UnboundedReceiver<ShardEvent<E>>,
+    ) {
+        let topic = keys::region_topic(&self.type_name);
+        let mut inbound = self.transport.subscribe(&topic, 65_536);
+        let mut members = node.watch_membership();
+        let shutdown = node.shutdown_token();
+        let mut tick = tokio::time::interval(REGION_TICK);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let snap = members.borrow_and_update().clone();
+        self.on_members(snap);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => break,
+                cmd = commands.recv() => match cmd {
+                    Some(cmd) => self.on_command(cmd),
+                    None => break,
+                },
+                msg = inbound.recv() => match msg {
+                    Some(m) => self.on_inbound(m),
+                    None => break,
+                },
+                Some(ev) = events.recv() => {
+                    let shutting_down = self.shutdown_deadline.is_some();
+                    if let Some(shards) = self.shards.as_mut() {
+                        shards.on_event(ev, shutting_down, &mut self.work);
+                    }
+                }
+                changed = members.changed() => {
+                    if changed.is_err() { break; }
+                    let snap = members.borrow_and_update().clone();
+                    self.on_members(snap);
+                }
+                _ = tick.tick() => {
+                    self.work.push_back(Work::Region(RegionInput::Tick));
+                    for s in self.shards.as_ref().map(LocalShards::ids).unwrap_or_default() {
+                        self.work.push_back(Work::Shard(s, ShardInput::Tick));
+                    }
+                    self.asks.retain_waiting(PendingAsk::is_waiting);
+                    if self.shutdown_deadline.is_some_and(|d| Instant::now() >= d) {
+                        warn!(type_name = %self.type_name, "graceful shutdown timed out; stopping the remaining shards");
+                        break;
+                    }
+                }
+            }
+            self.process();
+            self.buffered.store(self.core.buffered(), Ordering::Relaxed);
+            if self.shutdown_deadline.is_some() && self.shutdown_waiters.is_empty() {
+                break; // graceful shutdown finished
+            }
+        }
+        self.transport.unsubscribe(&topic);
+        if let Some(shards) = self.shards.as_mut() {
+            shards.stop_all(self.settings.handoff_timeout).await;
+        }
+        self.finish_shutdown();
+    }
+
+    fn finish_shutdown(&mut self) {
+        for w in self.shutdown_waiters.drain(..) {
+            let _ = w.send(());
+        }
+    }
+
+    fn state_reply(&self) -> crate::sharding::protocol::RegionStateReply {
+        self.shards.as_ref().map(LocalShards::state).unwrap_or_default()
+    }
+
+    fn stats_reply(&self) -> crate::sharding::protocol::RegionStatsReply {
+        self.shards.as_ref().map(LocalShards::stats).unwrap_or_default()
+    }
+
+    fn on_command(&mut self, cmd: RegionCmd<E>) {
+        match cmd {
+            RegionCmd::Deliver { shard, entity_id, env } => {
+                self.work.push_back(Work::Region(RegionInput::Route { shard, entity_id, msg: env }))
+            }
+            RegionCmd::State(tx) => {
+                let _ = tx.send(self.state_reply());
+            }
+            RegionCmd::Stats(tx) => {
+                let _ = tx.send(self.stats_reply());
+            }
+            RegionCmd::GracefulShutdown(tx) => {
+                self.shutdown_waiters.push(tx);
+                if self.shutdown_deadline.is_none() {
+                    info!(type_name = %self.type_name, "region shutting down gracefully");
+                    self.shutdown_deadline = Some(Instant::now() + self.settings.handoff_timeout + SHUTDOWN_GRACE);
+                    self.work.push_back(Work::Region(RegionInput::GracefulShutdown));
+                }
+            }
+        }
+    }
+
+    fn on_members(&mut self, snap: Arc<MembershipSnapshot>) {
+        let routable: BTreeSet<RegionId> =
+            snap.members.iter().filter(|m| m.status().is_routable()).map(|m| m.address().clone()).collect();
+        let coordinator = snap.singleton_host(self.role.as_deref()).map(|m| m.address().clone());
+        self.members = snap;
+        self.work.push_back(Work::Region(RegionInput::Members { routable, coordinator }));
+    }
+
+    fn on_inbound(&mut self, m: Inbound) {
+        if let Some(id) = m.request_id {
+            let reply = match wire::decode::<RegionQuery>(&m.body) {
+                Ok(RegionQuery::Stats) => wire::encode(&self.stats_reply()),
+                Ok(RegionQuery::State) => wire::encode(&self.state_reply()),
+                Err(e) => Err(e),
+            };
+            let r = match &reply {
+                Ok(b) => Ok(&b[..]),
+                Err(e) => Err(e.to_string()),
+            };
+            let _ = self.transport.respond(&m.from, id, r);
+            return;
+        }
+        match wire::decode::<RegionInbound>(&m.body) {
+            Ok(RegionInbound::Coordinator(msg)) => {
+                self.work.push_back(Work::Region(RegionInput::Coordinator { from: m.from.address, msg }))
+            }
+            Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to })) => {
+                let reply = reply_to.map(|(region, ask_id)| ReplyTo::Remote { region, ask_id });
+                let msg = if payload.is_empty() { Ok(None) } else { wire::decode::<E::Message>(&payload).map(Some) };
+                let failure = match (&msg, entity_id.is_empty()) {
+                    (_, true) => Some(crate::error::Error::EmptyEntityId),
+                    (Err(e), _) => Some(not_delivered(&entity_id, format!("payload does not decode: {e}"))),
+                    _ => None,
+                };
+                if let Some(err) = failure {
+                    self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
+                    warn!(type_name = %self.type_name, peer = %m.from.address, %entity_id, error = %err, "invalid message dropped");
+                    if let Some(r) = reply {
+                        self.replier.reply::<E>(r, &entity_id, Err(err));
+                    }
+                    return;
+                }
+                let env = Envelope { msg: msg.ok().flatten(), reply };
+                self.work.push_back(Work::Region(RegionInput::Route { shard, entity_id, msg: env }));
+            }
+            Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
+                let Some((entity_id, pending)) = self.asks.take(ask_id) else { return };
+                match (pending, result) {
+                    (PendingAsk::Reply(tx), Ok(b)) => {
+                        let _ = tx.send(wire::decode::<E::Reply>(&b));
+                    }
+                    (PendingAsk::Started(tx), Ok(_)) => {
+                        let _ = tx.send(Ok(()));
+                    }
+                    (p, Err(failure)) => p.fail(failure.into_error(&entity_id)),
+                }
+            }
+            Err(e) => {
+                self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
+                warn!(type_name = %self.type_name, peer = %m.from.address, error = %e, "malformed region message dropped");
+            }
+        }
+    }
+
+    fn process(&mut self) {
+        let now = Instant::now();
+        while let Some(w) = self.work.pop_front() {
+            match w {
+                Work::Region(input) => {
+                    let mut out = Vec::new();
+                    self.core.handle(input, now, &mut out);
+                    for a in out {
+                        self.perform(a);
+                    }
+                }
+                Work::Shard(shard, input) => match self.shards.as_mut() {
+                    Some(shards) => shards.handle(shard, input, now, &mut self.work),
+                    None => {
+                        if let ShardInput::Deliver { entity_id, msg } = input {
+                            self.replier.fail(msg, &entity_id, "this node does not host entities of this type");
+                        }
+                    }
+                },
+            }
+        }
+    }
+
+    fn perform(&mut self, action: RegionAction<Envelope<E>>) {
+        match action {
+            RegionAction::ToCoordinator { coordinator, msg } => {
+                let Some(peer) = self.members.peer(&coordinator) else { return };
+                let sent = wire::encode(&msg)
+                    .and_then(|b| self.transport.send(&peer, &keys::coordinator_topic(&self.type_name), &b));
+                if let Err(e) = sent {
+                    debug!(error = %e, "message to coordinator not sent");
+                }
+            }
+            RegionAction::StartShard { shard, epoch } => match self.shards.as_mut() {
+                Some(shards) => {
+                    debug!(type_name = %self.type_name, %shard, epoch, "starting shard");
+                    shards.start(shard, epoch);
+                }
+                None => error!(%shard, "a proxy was asked to host a shard; ignored"),
+            },
+            RegionAction::Deliver { shard, entity_id, msg } => {
+                self.work.push_back(Work::Shard(shard, ShardInput::Deliver { entity_id, msg }))
+            }
+            RegionAction::Forward { region, shard, entity_id, msg } => self.forward(region, shard, entity_id, msg),
+            RegionAction::HandOffShard { shard } => self.work.push_back(Work::Shard(shard, ShardInput::HandOff)),
+            RegionAction::Drop { entity_id, msg, reason } => {
+                let why = match reason {
+                    RegionDrop::BufferFull => {
+                        if self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed) == 0 {
+                            warn!(type_name = %self.type_name, "region buffer full; dropping messages");
+                        }
+                        "region buffer full"
+                    }
+                    RegionDrop::HandOff => {
+                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                        "dropped during shard hand-off"
+                    }
+                };
+                self.replier.fail(msg, &entity_id, why);
+            }
+            RegionAction::RegionGone(region) => {
+                for (entity_id, pending) in self.asks.take_region(&region) {
+                    let reason = format!("the entity's node {region} left or went down before answering");
+                    pending.fail(not_delivered(&entity_id, reason));
+                }
+            }
+            RegionAction::Stopped => {
+                info!(type_name = %self.type_name, "region stopped after handing off its shards");
+                self.finish_shutdown();
+            }
+        }
+    }
+
+    fn forward(&mut self, region: RegionId, shard: ShardId, entity_id: String, env: Envelope<E>) {
+        let Some(peer) = self.members.peer(&region) else {
+            // The core forwards only to routable regions of the same view; never reached.
+            self.replier.fail(env, &entity_id, "the shard's home is not routable");
+            return;
+        };
+        let payload = match env.msg.as_ref().map(wire::encode).transpose() {
+            Ok(p) => p.map(|b| b.to_vec()).unwrap_or_default(),
+            Err(e) => {
+                self.replier.fail(env, &entity_id, &format!("message does not encode: {e}"));
+                return;
+            }
+        };
+        let (reply_to, pending) = match env.reply {
+            None => (None, None),
+            Some(ReplyTo::Remote { region, ask_id }) => (Some((region, ask_id)), None),
+            Some(ReplyTo::Local(tx)) => (None, Some(PendingAsk::Reply(tx))),
+            Some(ReplyTo::Started(tx)) => (None, Some(PendingAsk::Started(tx))),
+        };
+        let ask_id = pending.map(|p| self.asks.insert(region.clone(), entity_id.clone(), p));
+        let reply_to = reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id)));
+        let msg =
+            RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id: entity_id.clone(), payload, reply_to });
+        let sent =
+            wire::encode(&msg).and_then(|b| self.transport.send(&peer, &keys::region_topic(&self.type_name), &b));
+        if let Err(e) = sent {
+            match ask_id.and_then(|id| self.asks.take(id)) {
+                Some((_, p)) => p.fail(not_delivered(&entity_id, format!("not sent to {region}: {e}"))),
+                None => debug!(%region, error = %e, "message not forwarded"),
+            }
+        }
+    }
+}

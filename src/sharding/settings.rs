@@ -1,0 +1,177 @@
+//! Settings of one sharded entity type. A leaf module (it imports nothing else from
+//! `sharding`), so `config` can embed these settings without reaching the rest of sharding.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// How the coordinator places shards (see [`super::allocation`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "strategy", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum AllocationSettings {
+    /// [`super::LeastShardAllocation`] (the default).
+    LeastShard {
+        /// Most shards moved per rebalance round.
+        absolute_limit: usize,
+        /// Most shards moved per round as a fraction of all shards.
+        relative_limit: f64,
+    },
+    /// [`super::LegacyLeastShardAllocation`].
+    LegacyLeastShard {
+        /// Tolerated difference between most and least loaded region.
+        threshold: usize,
+        /// Shards in hand-off at the same time.
+        max_simultaneous: usize,
+    },
+    /// [`super::ConsistentHashingAllocation`].
+    ConsistentHashing {
+        /// Ring points per region.
+        virtual_nodes: usize,
+        /// Shards moved per round.
+        rebalance_limit: usize,
+    },
+    /// [`super::ExternalAllocation`]: shards go where an operator says
+    /// ([`super::ShardRegion::set_external_shard_location`]), kept in a replicated, durable LWW-map.
+    External {
+        /// Shards moved per round.
+        rebalance_limit: usize,
+    },
+}
+
+impl Default for AllocationSettings {
+    fn default() -> Self {
+        AllocationSettings::LeastShard { absolute_limit: 20, relative_limit: 0.1 }
+    }
+}
+
+/// Settings of one sharded entity type (defaults in `config/default.toml`, section `[sharding]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShardingSettings {
+    /// Shards per type; entity ids are spread over them by [`super::default_shard_id`]. Keep it
+    /// stable for the life of the data (about 10× the largest node count).
+    pub number_of_shards: u32,
+    /// Only nodes with this role host the type; elsewhere `start` gives a proxy.
+    pub role: Option<String>,
+    /// Remember started entities (in replicated OR-sets, durable in LMDB) and start them again
+    /// after hand-off, crash or a full-cluster restart. Idle passivation is off for such types.
+    pub remember_entities: bool,
+    /// OR-set keys per shard for remembered ids (ids spread by hash). More slots keep each
+    /// replicated value small: about 60 bytes per id, so 1M ids in 64 slots is ~1 MB per key.
+    /// Like `number_of_shards`, keep it stable for the life of the data.
+    pub remember_entities_slots: u32,
+    /// Remembered entity that stopped without passivating (panic) restarts after this.
+    #[serde(with = "humantime_serde")]
+    pub entity_restart_backoff: Duration,
+    /// A shard whose remembered set could not be loaded or written restarts after this.
+    #[serde(with = "humantime_serde")]
+    pub shard_failure_backoff: Duration,
+    /// Remembered entities a shard starts per `entity_recovery_interval` (0: all at once).
+    pub entity_recovery_batch: usize,
+    /// See `entity_recovery_batch`.
+    #[serde(with = "humantime_serde")]
+    pub entity_recovery_interval: Duration,
+    /// Messages a region buffers while shard homes are unknown; beyond it `tell` fails with
+    /// [`Error::BufferFull`].
+    pub buffer_size: usize,
+    /// One timeout for a whole hand-off (acks, stopping the entities).
+    #[serde(with = "humantime_serde")]
+    pub handoff_timeout: Duration,
+    /// How often the coordinator considers rebalancing.
+    #[serde(with = "humantime_serde")]
+    pub rebalance_interval: Duration,
+    /// Entities idle this long are passivated (`None`: never).
+    #[serde(with = "humantime_serde")]
+    pub passivation_idle_timeout: Option<Duration>,
+    /// Default timeout of [`super::ShardRegion::ask`] and of queries.
+    #[serde(with = "humantime_serde")]
+    pub ask_timeout: Duration,
+    /// Regions that must have registered before the first shard is allocated.
+    pub min_nr_of_members: usize,
+    /// Registration and shard-home retry interval (backoff starts at an eighth of it).
+    #[serde(with = "humantime_serde")]
+    pub retry_interval: Duration,
+    /// `HostShard` is re-sent after this long without `ShardStarted`.
+    #[serde(with = "humantime_serde")]
+    pub shard_start_timeout: Duration,
+    /// Timeout of each coordinator state write (retried until it succeeds).
+    #[serde(with = "humantime_serde")]
+    pub updating_state_timeout: Duration,
+    /// Timeout of each coordinator state read at take-over (retried until it succeeds).
+    #[serde(with = "humantime_serde")]
+    pub waiting_for_state_timeout: Duration,
+    /// Coordinator state writes wait for a majority plus this many more replicas (Akka's
+    /// `write-majority-plus`, 3). Majority reads and writes intersect anyway; the extra copies
+    /// keep the state safe across membership changes that shift what "majority" means.
+    pub coordinator_write_majority_plus: usize,
+    /// The take-over read of the coordinator state asks a majority plus this many (Akka's
+    /// `read-majority-plus`, 5).
+    pub coordinator_read_majority_plus: usize,
+    /// Lower bound on those write and read replica counts (capped at the cluster size; Akka's
+    /// `majority-min-cap`, 5). With the defaults, a cluster of up to 5 nodes needs every
+    /// member for each allocation, so one unreachable node holds new allocations back until it
+    /// is downed; lower it (say to 3) to keep allocating in small clusters with one node out.
+    pub coordinator_majority_min_cap: usize,
+    /// Shard allocation strategy.
+    pub allocation: AllocationSettings,
+}
+
+impl Default for ShardingSettings {
+    fn default() -> Self {
+        ShardingSettings {
+            number_of_shards: 1000,
+            role: None,
+            remember_entities: false,
+            remember_entities_slots: 16,
+            entity_restart_backoff: Duration::from_secs(10),
+            shard_failure_backoff: Duration::from_secs(10),
+            entity_recovery_batch: 0,
+            entity_recovery_interval: Duration::from_millis(100),
+            buffer_size: 100_000,
+            handoff_timeout: Duration::from_secs(30),
+            rebalance_interval: Duration::from_secs(10),
+            passivation_idle_timeout: Some(Duration::from_secs(120)),
+            ask_timeout: Duration::from_secs(5),
+            min_nr_of_members: 1,
+            retry_interval: Duration::from_secs(2),
+            shard_start_timeout: Duration::from_secs(10),
+            updating_state_timeout: Duration::from_secs(5),
+            waiting_for_state_timeout: Duration::from_secs(2),
+            coordinator_write_majority_plus: 3,
+            coordinator_read_majority_plus: 5,
+            coordinator_majority_min_cap: 5,
+            allocation: AllocationSettings::default(),
+        }
+    }
+}
+
+impl ShardingSettings {
+    /// Checks the settings.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(Error::Config(format!("sharding: {m}")));
+        if self.number_of_shards == 0 {
+            return bad("number_of_shards must be > 0");
+        }
+        if self.buffer_size == 0 {
+            return bad("buffer_size must be > 0");
+        }
+        if self.min_nr_of_members == 0 {
+            return bad("min_nr_of_members must be >= 1");
+        }
+        if self.handoff_timeout < Duration::from_millis(100) || self.ask_timeout.is_zero() {
+            return bad("handoff_timeout must be >= 100ms and ask_timeout > 0");
+        }
+        if self.retry_interval.is_zero() || self.rebalance_interval.is_zero() || self.shard_start_timeout.is_zero() {
+            return bad("retry_interval, rebalance_interval and shard_start_timeout must be > 0");
+        }
+        if !(1..=4096).contains(&self.remember_entities_slots) {
+            return bad("remember_entities_slots must be between 1 and 4096");
+        }
+        if self.entity_recovery_batch > 0 && self.entity_recovery_interval.is_zero() {
+            return bad("entity_recovery_interval must be > 0 when entity_recovery_batch is set");
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,436 @@
+//! The shards a region hosts: one [`ShardCore`] each, with the entity tasks it started. Performs
+//! the shard cores' actions (spawn, mailbox, stop, remember I/O) and turns what the tasks report
+//! back ([`ShardEvent`]) into inputs of the cores.
+//!
+//! A shard is reported stopped or restarted only once every entity task it started has ended
+//! (per-shard task trackers), so no entity outlives its shard's hand-over. Each hosted shard is
+//! an *instance* with an id: results of remember I/O for an earlier, failed instance of the same
+//! shard are dropped.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio_util::task::TaskTracker;
+use tracing::{debug, info, warn};
+
+use super::core::{DropReason, ShardAction, ShardCore, ShardInput};
+use super::entity::{EntityCmd, EntityRunner, Factory};
+use super::remember::RememberIo;
+use crate::sharding::envelope::{Envelope, Replier, ReplyTo};
+use crate::sharding::handle::RegionCounters;
+use crate::sharding::ids::{ShardId, ShardIdExtractor};
+use crate::sharding::region::RegionInput;
+use crate::sharding::settings::ShardingSettings;
+use crate::sharding::{Entity, EntityContext};
+use crate::spawn::Spawner;
+
+/// What entity and I/O tasks report to their region.
+pub(crate) enum ShardEvent<E: Entity> {
+    Passivate {
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+    },
+    /// The entity task ended; `leftovers` are messages it had not handled (after a panic).
+    Terminated {
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+        leftovers: Vec<Envelope<E>>,
+    },
+    /// Remember-entities: a store operation of shard instance `instance` finished.
+    Store {
+        shard: ShardId,
+        instance: u64,
+        input: StoreResult,
+    },
+    /// Remember-entities: start these remembered ids now (recovery, possibly rate-limited).
+    Recover {
+        shard: ShardId,
+        instance: u64,
+        entity_ids: Vec<String>,
+    },
+    /// Every entity task of a stopped shard has ended: it may be reported stopped.
+    ShardTasksEnded {
+        shard: ShardId,
+    },
+    /// A failed shard's backoff is over: start it again.
+    RestartShard {
+        shard: ShardId,
+        epoch: u64,
+    },
+}
+
+/// Outcome of a remembered-entities store operation.
+pub(crate) enum StoreResult {
+    Loaded(BTreeSet<String>),
+    WriteDone,
+    Failed,
+    MovedAway(String),
+}
+
+/// Work for the region's loop: an input for the region core or for one shard core.
+pub(crate) enum Work<E: Entity> {
+    Region(RegionInput<Envelope<E>>),
+    Shard(ShardId, ShardInput<Envelope<E>>),
+}
+
+struct EntityHandle<E: Entity> {
+    tx: mpsc::UnboundedSender<EntityCmd<E>>,
+    task: JoinHandle<()>,
+    incarnation: u64,
+}
+
+struct LocalShard<E: Entity> {
+    core: ShardCore<Envelope<E>>,
+    epoch: u64,
+    entities: HashMap<String, EntityHandle<E>>,
+    instance: u64,
+    tasks: TaskTracker,
+}
+
+/// The shards of one region and their entity tasks.
+pub(crate) struct LocalShards<E: Entity> {
+    type_name: Arc<str>,
+    factory: Factory<E>,
+    settings: ShardingSettings,
+    extractor: ShardIdExtractor,
+    shards: HashMap<ShardId, LocalShard<E>>,
+    next_instance: u64,
+    /// Messages sent to an entity task that had already ended, redelivered after its
+    /// Terminated event.
+    orphans: HashMap<(ShardId, String), Vec<Envelope<E>>>,
+    events: mpsc::UnboundedSender<ShardEvent<E>>,
+    replier: Replier,
+    counters: Arc<RegionCounters>,
+    remember: RememberIo,
+    spawner: Spawner,
+    /// Every entity task of the region: the region waits for them before it ends.
+    entity_tasks: TaskTracker,
+}
+
+/// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
+/// rest for the hand-off messages around it.
+fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
+    handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1))
+}
+
+impl<E: Entity> LocalShards<E> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        type_name: &str,
+        factory: Factory<E>,
+        settings: ShardingSettings,
+        extractor: ShardIdExtractor,
+        events: mpsc::UnboundedSender<ShardEvent<E>>,
+        replier: Replier,
+        counters: Arc<RegionCounters>,
+        remember: RememberIo,
+        spawner: Spawner,
+    ) -> Self {
+        LocalShards {
+            type_name: type_name.into(),
+            factory,
+            settings,
+            extractor,
+            shards: HashMap::new(),
+            next_instance: 1,
+            orphans: HashMap::new(),
+            events,
+            replier,
+            counters,
+            remember,
+            spawner,
+            entity_tasks: TaskTracker::new(),
+        }
+    }
+
+    pub(crate) fn ids(&self) -> Vec<ShardId> {
+        self.shards.keys().cloned().collect()
+    }
+
+    /// Shard → live entity ids (sorted).
+    pub(crate) fn state(&self) -> std::collections::BTreeMap<ShardId, Vec<String>> {
+        self.shards
+            .iter()
+            .map(|(s, sh)| {
+                let mut ids: Vec<String> = sh.core.entity_ids().map(String::from).collect();
+                ids.sort();
+                (s.clone(), ids)
+            })
+            .collect()
+    }
+
+    /// Shard → live entity count.
+    pub(crate) fn stats(&self) -> std::collections::BTreeMap<ShardId, usize> {
+        self.shards.iter().map(|(s, sh)| (s.clone(), sh.core.entity_count())).collect()
+    }
+
+    /// Starts hosting `shard` (or only updates its epoch if hosted).
+    pub(crate) fn start(&mut self, shard: ShardId, epoch: u64) {
+        if let Some(existing) = self.shards.get_mut(&shard) {
+            existing.epoch = epoch;
+            return;
+        }
+        let s = &self.settings;
+        let stop_timeout = entity_stop_timeout(s.handoff_timeout);
+        let instance = self.next_instance;
+        self.next_instance += 1;
+        let core = if s.remember_entities {
+            ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
+        } else {
+            ShardCore::new(s.passivation_idle_timeout, stop_timeout)
+        };
+        let entities = HashMap::new();
+        self.shards.insert(shard.clone(), LocalShard { core, epoch, entities, instance, tasks: TaskTracker::new() });
+        if s.remember_entities {
+            self.remember.load(shard, instance, self.events.clone());
+        }
+    }
+
+    /// Feeds a shard core; a message for a shard not hosted (handed off) fails.
+    pub(crate) fn handle(
+        &mut self,
+        shard: ShardId,
+        input: ShardInput<Envelope<E>>,
+        now: crate::clock::Instant,
+        work: &mut VecDeque<Work<E>>,
+    ) {
+        let Some(s) = self.shards.get_mut(&shard) else {
+            if let ShardInput::Deliver { entity_id, msg } = input {
+                self.replier.fail(msg, &entity_id, "shard is not hosted here");
+            }
+            return;
+        };
+        let mut out = Vec::new();
+        s.core.handle(input, now, &mut out);
+        for a in out {
+            self.perform(&shard, a, work);
+        }
+    }
+
+    /// Turns a task's report into work; `None` when it concerns a shard instance that is gone.
+    pub(crate) fn on_event(&mut self, ev: ShardEvent<E>, shutting_down: bool, work: &mut VecDeque<Work<E>>) {
+        match ev {
+            ShardEvent::Passivate { shard, entity_id, incarnation } => {
+                work.push_back(Work::Shard(shard, ShardInput::Passivate { entity_id, incarnation }));
+            }
+            ShardEvent::ShardTasksEnded { shard } => {
+                debug!(type_name = %self.type_name, %shard, "shard stopped (its aborted entities have ended)");
+                work.push_back(Work::Region(RegionInput::LocalShardStopped(shard)));
+            }
+            ShardEvent::Terminated { shard, entity_id, incarnation, leftovers } => {
+                if let Some(s) = self.shards.get_mut(&shard)
+                    && s.entities.get(&entity_id).is_some_and(|h| h.incarnation == incarnation)
+                {
+                    s.entities.remove(&entity_id);
+                }
+                let input = ShardInput::Terminated { entity_id: entity_id.clone(), incarnation };
+                work.push_back(Work::Shard(shard.clone(), input));
+                let orphans = self.orphans.remove(&(shard.clone(), entity_id.clone())).unwrap_or_default();
+                for env in leftovers.into_iter().chain(orphans) {
+                    let input = ShardInput::Deliver { entity_id: entity_id.clone(), msg: env };
+                    work.push_back(Work::Shard(shard.clone(), input));
+                }
+            }
+            ShardEvent::Store { shard, instance, input } => {
+                if !self.is_instance(&shard, instance) {
+                    return;
+                }
+                let input = match input {
+                    StoreResult::Loaded(ids) => ShardInput::Loaded(ids),
+                    StoreResult::WriteDone => ShardInput::WriteDone,
+                    StoreResult::Failed => ShardInput::StoreFailed,
+                    StoreResult::MovedAway(entity_id) => ShardInput::MovedAway { entity_id },
+                };
+                work.push_back(Work::Shard(shard, input));
+            }
+            ShardEvent::Recover { shard, instance, entity_ids } => {
+                if self.is_instance(&shard, instance) {
+                    self.recover(&shard, instance, entity_ids, work);
+                }
+            }
+            ShardEvent::RestartShard { shard, epoch } => {
+                if !self.shards.contains_key(&shard) && !shutting_down {
+                    info!(type_name = %self.type_name, %shard, "restarting shard after failure backoff");
+                    self.start(shard, epoch);
+                }
+            }
+        }
+    }
+
+    fn is_instance(&self, shard: &ShardId, instance: u64) -> bool {
+        self.shards.get(shard).is_some_and(|s| s.instance == instance)
+    }
+
+    /// Starts remembered entities: those still in this shard directly, the others (the
+    /// extractor changed) through the region, forgetting them here once the new shard has them.
+    fn recover(&mut self, shard: &ShardId, instance: u64, entity_ids: Vec<String>, work: &mut VecDeque<Work<E>>) {
+        for id in entity_ids {
+            let target = (self.extractor)(&id);
+            if target == *shard {
+                let input = ShardInput::Deliver { entity_id: id, msg: Envelope::start_only() };
+                work.push_back(Work::Shard(shard.clone(), input));
+                continue;
+            }
+            let (tx, rx) = oneshot::channel();
+            let env = Envelope { msg: None, reply: Some(ReplyTo::Started(tx)) };
+            work.push_back(Work::Region(RegionInput::Route { shard: target, entity_id: id.clone(), msg: env }));
+            let (events, origin) = (self.events.clone(), shard.clone());
+            self.spawner.spawn_until_shutdown(async move {
+                if let Ok(Ok(())) = rx.await {
+                    let input = StoreResult::MovedAway(id);
+                    let _ = events.send(ShardEvent::Store { shard: origin, instance, input });
+                }
+            });
+        }
+    }
+
+    fn fail_orphans(&mut self, shard: &ShardId) {
+        let keys: Vec<(ShardId, String)> = self.orphans.keys().filter(|(s, _)| s == shard).cloned().collect();
+        for k in keys {
+            for env in self.orphans.remove(&k).unwrap_or_default() {
+                self.replier.fail(env, &k.1, "its shard stopped");
+            }
+        }
+    }
+
+    fn spawn_entity(&mut self, shard_id: &ShardId, entity_id: String, incarnation: u64) {
+        let Some(shard) = self.shards.get_mut(shard_id) else { return };
+        let (tx, rx) = mpsc::unbounded_channel();
+        let ctx = EntityContext {
+            entity_id: entity_id.clone(),
+            shard_id: shard_id.clone(),
+            epoch: shard.epoch,
+            passivate: false,
+        };
+        let runner = EntityRunner {
+            ctx,
+            incarnation,
+            events: self.events.clone(),
+            replier: self.replier.clone(),
+            type_name: self.type_name.clone(),
+            counters: self.counters.clone(),
+        };
+        let run = runner.run(self.factory.clone(), rx);
+        let task = self.spawner.spawn(self.entity_tasks.track_future(shard.tasks.track_future(run)));
+        shard.entities.insert(entity_id, EntityHandle { tx, task, incarnation });
+    }
+
+    fn perform(&mut self, shard_id: &ShardId, action: ShardAction<Envelope<E>>, work: &mut VecDeque<Work<E>>) {
+        match action {
+            ShardAction::Start { entity_id, incarnation } => self.spawn_entity(shard_id, entity_id, incarnation),
+            ShardAction::Send { entity_id, msg } => {
+                match self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) {
+                    Some(h) => {
+                        if let Err(mpsc::error::SendError(EntityCmd::Msg(env))) = h.tx.send(EntityCmd::Msg(msg)) {
+                            // The task already ended; its Terminated event is on the way. The
+                            // message goes to the next incarnation after it (not back into this
+                            // loop, which would spin until the event is read).
+                            self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
+                        }
+                    }
+                    None => self.replier.fail(msg, &entity_id, "entity is not running"),
+                }
+            }
+            ShardAction::Stop { entity_id } => {
+                if let Some(h) = self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) {
+                    let _ = h.tx.send(EntityCmd::Stop);
+                }
+            }
+            ShardAction::ForceStop { entity_id } => {
+                if let Some(h) = self.shards.get_mut(shard_id).and_then(|s| s.entities.remove(&entity_id)) {
+                    warn!(type_name = %self.type_name, %entity_id, "entity did not stop within the hand-off timeout; aborted");
+                    h.task.abort();
+                }
+            }
+            ShardAction::Drop { entity_id, msg, reason } => {
+                let why = match reason {
+                    DropReason::HandOff => {
+                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                        "dropped during shard hand-off"
+                    }
+                    DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
+                };
+                self.replier.fail(msg, &entity_id, why);
+            }
+            ShardAction::Recover { entity_ids } => {
+                // With a recovery batch set, the load task feeds them in batches instead.
+                if let Some(s) = self.shards.get(shard_id)
+                    && self.settings.entity_recovery_batch == 0
+                {
+                    let instance = s.instance;
+                    self.recover(shard_id, instance, entity_ids, work);
+                }
+            }
+            ShardAction::WriteRemembered { adds, removes } => {
+                if let Some(s) = self.shards.get(shard_id) {
+                    self.remember.write(shard_id.clone(), s.instance, adds, removes, self.events.clone());
+                }
+            }
+            ShardAction::Failed => {
+                self.fail_orphans(shard_id);
+                let Some(s) = self.shards.remove(shard_id) else { return };
+                abort_entities(&s);
+                self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
+                let backoff = self.settings.shard_failure_backoff;
+                warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
+                let (events, shard, epoch, tasks) = (self.events.clone(), shard_id.clone(), s.epoch, s.tasks);
+                self.spawner.spawn_until_shutdown(async move {
+                    tasks.wait().await;
+                    tokio::time::sleep(backoff).await;
+                    let _ = events.send(ShardEvent::RestartShard { shard, epoch });
+                });
+            }
+            ShardAction::Stopped => {
+                self.fail_orphans(shard_id);
+                let Some(s) = self.shards.remove(shard_id) else {
+                    work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+                    return;
+                };
+                abort_entities(&s);
+                if s.tasks.is_empty() {
+                    debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
+                    work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+                } else {
+                    // Aborted entities end at their next await; report the shard stopped (so it
+                    // may start elsewhere) only then.
+                    let (events, shard, tasks) = (self.events.clone(), shard_id.clone(), s.tasks);
+                    self.spawner.spawn_until_shutdown(async move {
+                        tasks.wait().await;
+                        let _ = events.send(ShardEvent::ShardTasksEnded { shard });
+                    });
+                }
+            }
+        }
+    }
+
+    /// Aborts every entity (the region is ending); then waits, up to `timeout`, for their tasks.
+    pub(crate) async fn stop_all(&mut self, timeout: Duration) {
+        for (_, shard) in self.shards.drain() {
+            abort_entities(&shard);
+        }
+        // Nobody hears that this region stopped before its entities are gone. `abort` takes
+        // effect at an entity's next await; one that never yields cannot be stopped.
+        self.entity_tasks.close();
+        if tokio::time::timeout(timeout, self.entity_tasks.wait()).await.is_err() {
+            tracing::error!(
+                type_name = %self.type_name,
+                still_running = self.entity_tasks.len(),
+                "entity tasks did not end within the hand-off timeout after being aborted (a handler that never yields?)"
+            );
+        }
+    }
+}
+
+/// Aborts a shard's entity tasks and closes its tracker (so waiting for it can end).
+fn abort_entities<E: Entity>(shard: &LocalShard<E>) {
+    for e in shard.entities.values() {
+        e.task.abort();
+    }
+    shard.tasks.close();
+}
