@@ -105,6 +105,8 @@ impl SingletonCore {
                         self.phase = Phase::Idle;
                         out.push(SingletonAction::Stop);
                     }
+                    // A read in flight is abandoned: its result, however good, must not start a
+                    // singleton here any more (the seed-20 race).
                     (false, Phase::Reading { .. } | Phase::RetryAt(_)) => self.phase = Phase::Idle,
                     _ => {}
                 }
@@ -113,16 +115,16 @@ impl SingletonCore {
                 if self.phase != (Phase::Reading { read }) {
                     return; // an older read, or one this node gave up when it stopped being host
                 }
+                // Still reading means still the host: losing the role abandons the read.
                 match result {
-                    Ok(state) if self.host => {
+                    Ok(state) => {
                         self.failed_reads = 0;
                         self.phase = Phase::Running;
                         out.push(SingletonAction::Start(state));
                     }
-                    Ok(_) => self.phase = Phase::Idle,
                     Err(_) => {
                         self.failed_reads += 1;
-                        self.phase = if self.host { Phase::RetryAt(now + self.retry_interval) } else { Phase::Idle };
+                        self.phase = Phase::RetryAt(now + self.retry_interval);
                     }
                 }
             }
