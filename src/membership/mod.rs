@@ -11,7 +11,7 @@
 //! clocks say, and a restarted node (new generation) is younger than everyone. Views can disagree
 //! for a moment; coordinator state is guarded by majority reads and writes, not by this order.
 
-mod downing;
+pub(crate) mod downing;
 mod driver;
 mod lifecycle;
 mod view;

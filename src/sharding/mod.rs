@@ -20,15 +20,15 @@
 //! [`allocation`] (strategies). `ids` and `keys` name things; `settings` is a leaf module.
 
 pub mod allocation;
-mod coordinator;
+pub(crate) mod coordinator;
 mod envelope;
 mod handle;
 mod ids;
-mod keys;
+pub(crate) mod keys;
 pub(crate) mod protocol;
-mod region;
+pub(crate) mod region;
 pub mod settings;
-mod shard;
+pub(crate) mod shard;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

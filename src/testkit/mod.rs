@@ -23,6 +23,7 @@ use crate::membership::MemberStatus;
 use crate::node::Node;
 
 pub mod process;
+pub mod sim;
 
 pub use crate::activation::{Activation, ActivationGuard, ActivationLog, check_activations};
 

@@ -101,6 +101,10 @@ struct Handoff {
     from: RegionId,
     phase: HandoffPhase,
     deadline: Instant,
+    /// When its last message (BeginHandOff or HandOff) went out: one that got no answer within
+    /// `shard_start_timeout` is sent again (a message lost on a broken connection must not
+    /// hold the shard until the hand-off times out).
+    sent_at: Instant,
 }
 
 #[derive(Default)]
@@ -485,6 +489,7 @@ impl CoordinatorCore {
                 from,
                 phase: HandoffPhase::WaitingForAcks(everyone),
                 deadline: now + self.settings.handoff_timeout,
+                sent_at: now,
             },
         );
         self.commit(vec![], effects, out);
@@ -565,6 +570,22 @@ impl CoordinatorCore {
         for (shard, region, epoch) in resend {
             self.unacked_host.insert(shard.clone(), (region.clone(), epoch, now));
             self.commit(vec![], vec![Self::send(&region, ToRegion::HostShard { shard, epoch })], out);
+        }
+        // Hand-off messages without an answer are sent again.
+        let mut resend = Vec::new();
+        for (shard, h) in self.handoffs.iter_mut().filter(|(_, h)| h.sent_at + self.settings.shard_start_timeout <= now)
+        {
+            h.sent_at = now;
+            match &h.phase {
+                HandoffPhase::WaitingForAcks(pending) => resend
+                    .extend(pending.iter().map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone() }))),
+                HandoffPhase::Stopping => {
+                    resend.push(Self::send(&h.from, ToRegion::HandOff { shard: shard.clone(), handoff: h.id }))
+                }
+            }
+        }
+        if !resend.is_empty() {
+            self.commit(vec![], resend, out);
         }
         // One timeout bounds a whole hand-off.
         let expired: Vec<ShardId> =
@@ -1003,5 +1024,37 @@ mod tests {
         for s in &on_b {
             assert_eq!(c.state().home(s), None, "deallocated once removed: {sent:?}");
         }
+    }
+
+    #[test]
+    fn unanswered_hand_off_messages_are_sent_again_after_the_shard_start_timeout() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        step(&mut c, from_region(ToCoordinator::ShardStarted { shard: "1".into(), region: r("a") }), now, 1);
+        reg(&mut c, "b", now);
+        let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 2);
+        assert!(sent.iter().any(|(to, m)| *to == r("b") && matches!(m, ToRegion::BeginHandOff { .. })));
+        // b's ack is lost; a acks.
+        step(&mut c, from_region(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r("a") }), now, 2);
+        let early = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(1), 2);
+        assert!(early.is_empty(), "not before the shard start timeout: {early:?}");
+        let again = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(2), 2);
+        assert_eq!(
+            again,
+            vec![(r("b"), ToRegion::BeginHandOff { shard: "1".into() })],
+            "only to the region that did not ack"
+        );
+        let sent =
+            step(&mut c, from_region(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r("b") }), now, 2);
+        let Some(ToRegion::HandOff { handoff, .. }) =
+            sent.iter().map(|(_, m)| m.clone()).find(|m| matches!(m, ToRegion::HandOff { .. }))
+        else {
+            panic!("HandOff after every ack: {sent:?}")
+        };
+        // The HandOff is lost too: sent again with the same id.
+        let again = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(4), 2);
+        assert_eq!(again, vec![(r("a"), ToRegion::HandOff { shard: "1".into(), handoff })]);
     }
 }

@@ -2,7 +2,7 @@
 //! or into one bounded buffer while a shard's home is unknown; registers with the coordinator
 //! with backoff; takes part in hand-offs; shuts down gracefully.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use crate::clock::Instant;
@@ -98,13 +98,13 @@ pub(crate) struct RegionCore<M> {
     registered: bool,
     register_backoff: Duration,
     next_register: Instant,
-    homes: HashMap<ShardId, (RegionId, u64)>,
-    hosted: HashMap<ShardId, u64>,
+    homes: BTreeMap<ShardId, (RegionId, u64)>,
+    hosted: BTreeMap<ShardId, u64>,
     /// Shards being handed off, with the id of the `HandOff` to answer.
-    handing_off: HashMap<ShardId, u64>,
-    buffers: HashMap<ShardId, VecDeque<(String, M)>>,
+    handing_off: BTreeMap<ShardId, u64>,
+    buffers: BTreeMap<ShardId, VecDeque<(String, M)>>,
     buffered: usize,
-    requested: HashMap<ShardId, Instant>,
+    requested: BTreeMap<ShardId, Instant>,
     shutting_down: bool,
     stopped: bool,
 }
@@ -126,12 +126,12 @@ impl<M> RegionCore<M> {
             routable: BTreeSet::new(),
             registered: false,
             next_register: now,
-            homes: HashMap::new(),
-            hosted: HashMap::new(),
-            handing_off: HashMap::new(),
-            buffers: HashMap::new(),
+            homes: BTreeMap::new(),
+            hosted: BTreeMap::new(),
+            handing_off: BTreeMap::new(),
+            buffers: BTreeMap::new(),
             buffered: 0,
-            requested: HashMap::new(),
+            requested: BTreeMap::new(),
             shutting_down: false,
             stopped: false,
         }

@@ -7,7 +7,7 @@
 //! flight, the starts and stops that arrive meanwhile batched into the next — and restarts an
 //! entity that stopped without passivating after `entity_restart_backoff`.
 
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use crate::clock::Instant;
@@ -116,7 +116,7 @@ pub(crate) enum ShardAction<M> {
 #[derive(Debug, Default)]
 struct Remember {
     loaded: bool,
-    remembered: HashSet<String>,
+    remembered: BTreeSet<String>,
     in_flight: Option<(BTreeSet<String>, BTreeSet<String>)>,
     next_adds: BTreeSet<String>,
     next_removes: BTreeSet<String>,
@@ -124,8 +124,8 @@ struct Remember {
 
 /// One shard's entities.
 pub(crate) struct ShardCore<M> {
-    entities: HashMap<String, EntityEntry>,
-    buffers: HashMap<String, VecDeque<M>>,
+    entities: BTreeMap<String, EntityEntry>,
+    buffers: BTreeMap<String, VecDeque<M>>,
     next_incarnation: u64,
     idle_timeout: Option<Duration>,
     handoff_deadline: Option<Instant>,
@@ -140,8 +140,8 @@ pub(crate) struct ShardCore<M> {
 impl<M> ShardCore<M> {
     pub(crate) fn new(idle_timeout: Option<Duration>, handoff_stop_timeout: Duration) -> Self {
         ShardCore {
-            entities: HashMap::new(),
-            buffers: HashMap::new(),
+            entities: BTreeMap::new(),
+            buffers: BTreeMap::new(),
             next_incarnation: 1,
             idle_timeout,
             handoff_deadline: None,
@@ -316,7 +316,7 @@ impl<M> ShardCore<M> {
                     return;
                 }
                 self.handoff_deadline = Some(now + self.handoff_stop_timeout);
-                for (id, buffered) in self.buffers.drain() {
+                for (id, buffered) in std::mem::take(&mut self.buffers) {
                     for msg in buffered {
                         out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::HandOff });
                     }
@@ -401,7 +401,7 @@ impl<M> ShardCore<M> {
             out.push(ShardAction::ForceStop { entity_id: id });
         }
         self.entities.clear();
-        for (id, buffered) in self.buffers.drain() {
+        for (id, buffered) in std::mem::take(&mut self.buffers) {
             for msg in buffered {
                 out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::ShardFailed });
             }

@@ -10,7 +10,7 @@ use futures::FutureExt;
 use tokio::sync::mpsc;
 use tracing::error;
 
-use super::host::ShardEvent;
+use super::ShardEvent;
 use crate::error::Result;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo, not_delivered};
 use crate::sharding::handle::RegionCounters;

@@ -7,7 +7,7 @@
 //! an *instance* with an id: results of remember I/O for an earlier, failed instance of the same
 //! shard are dropped.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use super::core::{DropReason, ShardAction, ShardCore, ShardInput};
 use super::entity::{EntityCmd, EntityRunner, Factory};
 use super::remember::RememberIo;
+use super::{ShardEvent, StoreResult, Work};
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, ShardIdExtractor};
@@ -27,57 +28,6 @@ use crate::sharding::region::RegionInput;
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, EntityContext};
 use crate::spawn::Spawner;
-
-/// What entity and I/O tasks report to their region.
-pub(crate) enum ShardEvent<E: Entity> {
-    Passivate {
-        shard: ShardId,
-        entity_id: String,
-        incarnation: u64,
-    },
-    /// The entity task ended; `leftovers` are messages it had not handled (after a panic).
-    Terminated {
-        shard: ShardId,
-        entity_id: String,
-        incarnation: u64,
-        leftovers: Vec<Envelope<E>>,
-    },
-    /// Remember-entities: a store operation of shard instance `instance` finished.
-    Store {
-        shard: ShardId,
-        instance: u64,
-        input: StoreResult,
-    },
-    /// Remember-entities: start these remembered ids now (recovery, possibly rate-limited).
-    Recover {
-        shard: ShardId,
-        instance: u64,
-        entity_ids: Vec<String>,
-    },
-    /// Every entity task of a stopped shard has ended: it may be reported stopped.
-    ShardTasksEnded {
-        shard: ShardId,
-    },
-    /// A failed shard's backoff is over: start it again.
-    RestartShard {
-        shard: ShardId,
-        epoch: u64,
-    },
-}
-
-/// Outcome of a remembered-entities store operation.
-pub(crate) enum StoreResult {
-    Loaded(BTreeSet<String>),
-    WriteDone,
-    Failed,
-    MovedAway(String),
-}
-
-/// Work for the region's loop: an input for the region core or for one shard core.
-pub(crate) enum Work<E: Entity> {
-    Region(RegionInput<Envelope<E>>),
-    Shard(ShardId, ShardInput<Envelope<E>>),
-}
 
 struct EntityHandle<E: Entity> {
     tx: mpsc::UnboundedSender<EntityCmd<E>>,

@@ -9,5 +9,63 @@ mod remember;
 
 pub(crate) use core::ShardInput;
 pub(crate) use entity::Factory;
-pub(crate) use host::{LocalShards, ShardEvent, Work};
+pub(crate) use host::LocalShards;
 pub(crate) use remember::RememberIo;
+
+use std::collections::BTreeSet;
+
+use crate::sharding::Entity;
+use crate::sharding::envelope::Envelope;
+use crate::sharding::ids::ShardId;
+use crate::sharding::region::RegionInput;
+
+/// What entity and I/O tasks report to their region.
+pub(crate) enum ShardEvent<E: Entity> {
+    Passivate {
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+    },
+    /// The entity task ended; `leftovers` are messages it had not handled (after a panic).
+    Terminated {
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+        leftovers: Vec<Envelope<E>>,
+    },
+    /// Remember-entities: a store operation of shard instance `instance` finished.
+    Store {
+        shard: ShardId,
+        instance: u64,
+        input: StoreResult,
+    },
+    /// Remember-entities: start these remembered ids now (recovery, possibly rate-limited).
+    Recover {
+        shard: ShardId,
+        instance: u64,
+        entity_ids: Vec<String>,
+    },
+    /// Every entity task of a stopped shard has ended: it may be reported stopped.
+    ShardTasksEnded {
+        shard: ShardId,
+    },
+    /// A failed shard's backoff is over: start it again.
+    RestartShard {
+        shard: ShardId,
+        epoch: u64,
+    },
+}
+
+/// Outcome of a remembered-entities store operation.
+pub(crate) enum StoreResult {
+    Loaded(BTreeSet<String>),
+    WriteDone,
+    Failed,
+    MovedAway(String),
+}
+
+/// Work for the region's loop: an input for the region core or for one shard core.
+pub(crate) enum Work<E: Entity> {
+    Region(RegionInput<Envelope<E>>),
+    Shard(ShardId, ShardInput<Envelope<E>>),
+}

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::host::{ShardEvent, StoreResult};
+use super::{ShardEvent, StoreResult};
 use crate::ddata::{Consistency, OrSet, Replicator};
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::settings::ShardingSettings;

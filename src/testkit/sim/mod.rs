@@ -1,0 +1,776 @@
+//! A deterministic simulation of the sharding cores: the coordinator (under its singleton life
+//! cycle), regions, shards, the replicator holding the coordinator state, and keep-majority
+//! downing, wired together on a seeded in-memory network with a fake clock. No sockets, no
+//! tasks, no wall clock: one seed is one interleaving, replayed byte for byte.
+//!
+//! **What is simulated.** Each node runs the same cores its tokio drivers run. The network
+//! delivers per-link in order (as TCP does) after a seeded latency, and drops messages on cut
+//! links, to and from crashed nodes, and (optionally) at random. Membership is the sim's own
+//! model of gossip: one shared table of members and statuses, seen by each node with
+//! reachability from the current cuts and with the down-removal margin applied per observer.
+//! Entities are records: a start is an activation, a message to a running entity answers its
+//! ask at once, a stop ends the activation.
+//!
+//! **What is checked.** Never two live activations of one entity id (on any nodes, at any
+//! time); every ask ends (answered, or failed with a typed reason that the faults explain);
+//! after the faults heal and downed nodes restart, every entity answers again.
+//!
+//! **Replay a seed.** `DDSHARD_SIM_SEED=<seed> cargo test --test sim -- --nocapture replay`
+//! runs one seed with its trace printed. The trace lists every sharding-protocol message and
+//! every activation with its virtual time in ms.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::clock::Instant;
+use crate::ddata::LwwMap;
+use crate::ddata::crdt::ReplicatedData;
+use crate::ddata::replicator::{Action as RepAction, Consistency, Input as RepInput, ReplicatorCore, ReplicatorMsg};
+use crate::membership::{Member, MemberStatus, MembershipSnapshot, PeerAddr, UniqueAddress};
+use crate::sharding::allocation::LeastShardAllocation;
+use crate::sharding::coordinator::core::{
+    CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView,
+};
+use crate::sharding::coordinator::state::CoordinatorState;
+use crate::sharding::protocol::{ToCoordinator, ToRegion};
+use crate::sharding::region::core::{RegionAction, RegionCore, RegionInput, RegionSettings};
+use crate::sharding::shard::core::{ShardAction, ShardCore, ShardInput};
+use crate::sharding::{ShardId, default_shard_id, keys};
+use crate::singleton::{SingletonAction, SingletonCore, SingletonInput};
+
+mod perform;
+
+/// The one entity type of the simulation.
+const TYPE: &str = "sim";
+/// Each node's cores tick this often.
+const TICK_MS: u64 = 50;
+/// Membership views are refreshed this often.
+const MEMBERSHIP_MS: u64 = 100;
+/// An ask fails with a timeout after this long.
+const ASK_TIMEOUT_MS: u64 = 5_000;
+/// A failed coordinator-state write is retried after this long.
+const WRITE_RETRY_MS: u64 = 200;
+
+/// The shape of one simulated run.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// Nodes (all start Up).
+    pub nodes: usize,
+    /// Shards of the entity type.
+    pub shards: u32,
+    /// Distinct entity ids the workload asks.
+    pub entities: usize,
+    /// Virtual time with faults and traffic, in ms.
+    pub fault_ms: u64,
+    /// Random faults (crash, restart, partition, heal) during `fault_ms`.
+    pub faults: bool,
+    /// Per-mille of messages dropped at random during the faults.
+    pub drop_per_mille: u32,
+    /// Record the trace (off for long property runs: it is most of their cost).
+    pub trace: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { nodes: 5, shards: 12, entities: 30, fault_ms: 20_000, faults: true, drop_per_mille: 5, trace: true }
+    }
+}
+
+/// What one run saw.
+#[derive(Debug, Default)]
+pub struct SimReport {
+    /// Every protocol message delivered and every activation, with its virtual time.
+    pub trace: Vec<String>,
+    /// Broken promises (empty on a good run).
+    pub violations: Vec<String>,
+    /// Asks answered.
+    pub answered: usize,
+    /// Asks failed, by reason.
+    pub failed: BTreeMap<&'static str, usize>,
+    /// Activations of entities over the run.
+    pub activations: usize,
+}
+
+/// Why an ask failed; each is a typed error in the real drivers.
+const BUFFER_FULL: &str = "BufferFull";
+const HAND_OFF: &str = "NotDelivered(hand-off)";
+const SHARD_FAILED: &str = "NotDelivered(shard failed)";
+const REGION_GONE: &str = "NotDelivered(region gone)";
+const NOT_HOSTED: &str = "NotDelivered(not hosted)";
+const TIMEOUT: &str = "AskTimeout";
+
+/// The message an entity gets: the client ask it answers, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Msg {
+    ask: Option<u64>,
+}
+
+enum Wire {
+    ToCoordinator(ToCoordinator),
+    ToRegion(ToRegion),
+    Deliver { shard: ShardId, entity_id: String, msg: Msg },
+    AskReply { ask: u64 },
+    Replicator(ReplicatorMsg),
+}
+
+enum Event {
+    Deliver {
+        from: UniqueAddress,
+        to: UniqueAddress,
+        wire: Wire,
+    },
+    Tick(usize),
+    Membership,
+    Fault,
+    Ask,
+    Terminated {
+        node: UniqueAddress,
+        shard: ShardId,
+        entity_id: String,
+        incarnation: u64,
+    },
+    RetryWrite {
+        node: UniqueAddress,
+        write: u64,
+    },
+    /// A client asks again after a transient, typed failure (as callers of `ask` do).
+    RetryAsk {
+        entity_id: String,
+        attempt: u32,
+    },
+}
+
+/// What a replicator reply answers.
+#[derive(Debug, Clone, Copy)]
+enum RepReply {
+    TakeOverRead { read: u64 },
+    StateWrite { write: u64 },
+}
+
+struct Coordinator {
+    core: CoordinatorCore,
+    /// The write in flight (id and entries, for a retry).
+    write: Option<(u64, Vec<crate::sharding::coordinator::core::StateEntry>)>,
+}
+
+struct Node {
+    addr: UniqueAddress,
+    region: RegionCore<Msg>,
+    shards: BTreeMap<ShardId, (ShardCore<Msg>, u64)>,
+    /// Running entity instances: id → (shard, incarnation).
+    entities: BTreeMap<String, (ShardId, u64)>,
+    singleton: SingletonCore,
+    coordinator: Option<Coordinator>,
+    replicator: ReplicatorCore<RepReply>,
+    /// Asks forwarded from here, by ask id → region they went to.
+    forwarded: BTreeMap<u64, UniqueAddress>,
+    downing: crate::membership::downing::KeepMajority,
+    down_seen: BTreeMap<UniqueAddress, u64>,
+    last_view: Option<MembershipSnapshot>,
+    next_write: u64,
+}
+
+struct MemberRow {
+    addr: UniqueAddress,
+    status: MemberStatus,
+    up_number: u64,
+}
+
+struct Ask {
+    entity_id: String,
+    asker: UniqueAddress,
+    deadline: u64,
+    outcome: Option<Result<(), &'static str>>,
+    /// Asked after recovery: must be answered, after at most `MAX_RETRIES` retries on a
+    /// transient failure (hand-off, region gone).
+    must_answer: bool,
+    attempt: u32,
+}
+
+/// Retries of an ask after recovery that failed transiently.
+const MAX_RETRIES: u32 = 3;
+
+/// One simulated cluster.
+pub struct Sim {
+    cfg: SimConfig,
+    rng: StdRng,
+    now_ms: u64,
+    base: Instant,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64)>>,
+    events: BTreeMap<u64, Event>,
+    link_free_at: BTreeMap<(UniqueAddress, UniqueAddress), u64>,
+    /// Node slot → its running incarnation (`None`: crashed or downed).
+    nodes: Vec<Option<Node>>,
+    generations: Vec<u64>,
+    /// Durable replicator state per node slot (what LMDB would hold).
+    disks: Vec<BTreeMap<String, ReplicatedData>>,
+    members: Vec<MemberRow>,
+    cut: BTreeSet<(usize, usize)>,
+    asks: BTreeMap<u64, Ask>,
+    next_ask: u64,
+    live: BTreeMap<String, Vec<(UniqueAddress, u64)>>,
+    dropping: bool,
+    report: SimReport,
+}
+
+fn settings() -> crate::sharding::ShardingSettings {
+    crate::sharding::ShardingSettings { passivation_idle_timeout: None, ..Default::default() }
+}
+
+fn peer_of(addr: &UniqueAddress) -> PeerAddr {
+    PeerAddr { address: addr.clone(), messaging_addr: SocketAddr::from(([127, 0, 0, 1], 1)) }
+}
+
+fn wire_name(w: &Wire) -> String {
+    match w {
+        Wire::ToCoordinator(m) => format!("{m:?}"),
+        Wire::ToRegion(m) => format!("{m:?}"),
+        Wire::Deliver { entity_id, .. } => format!("Deliver({entity_id})"),
+        Wire::AskReply { ask } => format!("AskReply({ask})"),
+        Wire::Replicator(_) => "Replicator".into(),
+    }
+}
+
+impl Sim {
+    /// A cluster of `cfg.nodes` Up members, seeded.
+    pub fn new(seed: u64, cfg: SimConfig) -> Self {
+        let mut sim = Sim {
+            rng: StdRng::seed_from_u64(seed),
+            now_ms: 0,
+            base: Instant::now(),
+            seq: 0,
+            queue: BinaryHeap::new(),
+            events: BTreeMap::new(),
+            link_free_at: BTreeMap::new(),
+            nodes: Vec::new(),
+            generations: vec![0; cfg.nodes],
+            disks: vec![BTreeMap::new(); cfg.nodes],
+            members: Vec::new(),
+            cut: BTreeSet::new(),
+            asks: BTreeMap::new(),
+            next_ask: 1,
+            live: BTreeMap::new(),
+            dropping: false,
+            report: SimReport::default(),
+            cfg,
+        };
+        for i in 0..sim.cfg.nodes {
+            sim.nodes.push(None);
+            sim.start_node(i);
+            sim.schedule(1 + i as u64 * 7, Event::Tick(i));
+        }
+        sim.schedule(MEMBERSHIP_MS, Event::Membership);
+        sim
+    }
+
+    fn now(&self) -> Instant {
+        self.base + Duration::from_millis(self.now_ms)
+    }
+
+    fn wall(&self) -> u64 {
+        1_700_000_000_000 + self.now_ms
+    }
+
+    fn trace(&mut self, line: impl FnOnce() -> String) {
+        if self.cfg.trace {
+            let line = format!("{:>6} {}", self.now_ms, line());
+            self.report.trace.push(line);
+        }
+    }
+
+    fn schedule(&mut self, after_ms: u64, ev: Event) {
+        self.seq += 1;
+        self.queue.push(Reverse((self.now_ms + after_ms, self.seq)));
+        self.events.insert(self.seq, ev);
+    }
+
+    fn slot_of(&self, addr: &UniqueAddress) -> Option<usize> {
+        let i = addr.node_id.strip_prefix('n')?.parse::<usize>().ok()?.checked_sub(1)?;
+        self.nodes.get(i)?.as_ref().filter(|n| n.addr == *addr).map(|_| i)
+    }
+
+    fn start_node(&mut self, i: usize) {
+        self.generations[i] += 1;
+        let addr = UniqueAddress::new(format!("n{}", i + 1), self.generations[i]);
+        let up_number = self.members.iter().map(|m| m.up_number).max().unwrap_or(0) + 1;
+        // A newer incarnation supersedes the old one (gossip marks it removed).
+        for m in self.members.iter_mut().filter(|m| m.addr.node_id == addr.node_id) {
+            m.status = MemberStatus::Removed;
+        }
+        self.members.push(MemberRow { addr: addr.clone(), status: MemberStatus::Up, up_number });
+        let now = self.now();
+        let s = settings();
+        let mut replicator = ReplicatorCore::new(addr.clone(), vec!["shard-".into()], Duration::from_millis(200));
+        replicator.load(self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+        let region_settings = RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval };
+        self.nodes[i] = Some(Node {
+            region: RegionCore::new(addr.clone(), false, region_settings, now),
+            shards: BTreeMap::new(),
+            entities: BTreeMap::new(),
+            singleton: SingletonCore::new(Duration::from_millis(200)),
+            coordinator: None,
+            replicator,
+            forwarded: BTreeMap::new(),
+            downing: crate::membership::downing::KeepMajority::new(Duration::from_millis(1_500), now),
+            down_seen: BTreeMap::new(),
+            last_view: None,
+            next_write: 1,
+            addr: addr.clone(),
+        });
+        self.trace(|| format!("{addr} starts (up-number {up_number})"));
+    }
+
+    /// Crashes node slot `i`: its state is gone (its disk stays); its entities end now.
+    fn crash(&mut self, i: usize, why: &str) {
+        let Some(node) = self.nodes[i].take() else { return };
+        self.trace(|| format!("{} {why}", node.addr));
+        for (entity_id, _) in node.entities {
+            self.end_activation(&entity_id, &node.addr);
+        }
+    }
+
+    fn reachable(&self, a: usize, b: usize) -> bool {
+        a == b || (!self.cut.contains(&(a, b)) && self.nodes[b].is_some())
+    }
+
+    /// Node `i`'s view: every member not removed, reachability from the cuts, Down members
+    /// dropped once the margin passed since this node first saw them Down.
+    fn view_of(&mut self, i: usize) -> MembershipSnapshot {
+        let margin_ms = 1_000;
+        let now = self.now_ms;
+        let rows: Vec<(UniqueAddress, MemberStatus, u64)> = self
+            .members
+            .iter()
+            .filter(|m| m.status != MemberStatus::Removed)
+            .map(|m| (m.addr.clone(), m.status, m.up_number))
+            .collect();
+        let me = self.nodes[i].as_ref().expect("running").addr.clone();
+        let mut members = Vec::new();
+        for (addr, status, up) in rows {
+            let slot = addr.node_id[1..].parse::<usize>().expect("n<i>") - 1;
+            let node = self.nodes[i].as_mut().expect("running");
+            if status == MemberStatus::Down && addr != me {
+                let seen = *node.down_seen.entry(addr.clone()).or_insert(now);
+                if now >= seen + margin_ms {
+                    continue;
+                }
+            }
+            let current = self.nodes[slot].as_ref().is_some_and(|n| n.addr == addr);
+            let reachable = addr == me || (current && self.reachable(i, slot));
+            members.push(Member {
+                address: addr,
+                status,
+                up_number: Some(up),
+                roles: Vec::new(),
+                reachable,
+                messaging_addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+                gossip_addr: SocketAddr::from(([127, 0, 0, 1], 2)),
+            });
+        }
+        MembershipSnapshot { self_address: me, members }
+    }
+
+    fn on_membership(&mut self) {
+        let now = self.now();
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].is_none() {
+                continue;
+            }
+            let view = self.view_of(i);
+            let wall = self.wall();
+            let node = self.nodes[i].as_mut().expect("running");
+            match node.downing.decide(&view, now) {
+                crate::membership::downing::Decision::DownOthers(victims) => {
+                    for m in self.members.iter_mut().filter(|m| victims.contains(&m.addr)) {
+                        if m.status != MemberStatus::Down && m.status != MemberStatus::Removed {
+                            m.status = MemberStatus::Down;
+                        }
+                    }
+                }
+                crate::membership::downing::Decision::DownMyself => {
+                    let me = node.addr.clone();
+                    for m in self.members.iter_mut().filter(|m| m.addr == me) {
+                        m.status = MemberStatus::Down;
+                    }
+                    self.crash(i, "downs itself (minority side)");
+                    continue;
+                }
+                crate::membership::downing::Decision::Wait => {}
+            }
+            if view.members.iter().any(|m| m.address == view.self_address && m.status == MemberStatus::Down) {
+                self.crash(i, "sees itself downed and stops");
+                continue;
+            }
+            if node.last_view.as_ref() == Some(&view) {
+                continue;
+            }
+            node.last_view = Some(view.clone());
+            let me = node.addr.clone();
+            let mut single = Vec::new();
+            node.singleton.handle(SingletonInput::Host(view.hosts_singleton(None)), now, &mut single);
+            let routable = view.members.iter().filter(|m| m.status.is_routable()).map(|m| m.address.clone()).collect();
+            let coordinator = view.singleton_host(None).map(|m| m.address.clone());
+            let mut region_out = Vec::new();
+            node.region.handle(RegionInput::Members { routable, coordinator }, now, &mut region_out);
+            let mut coord_out = Vec::new();
+            if let Some(c) = node.coordinator.as_mut() {
+                c.core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut coord_out);
+            }
+            let replicas =
+                view.up_members(None).filter(|m| m.address != me).map(|m| (peer_of(&m.address), m.reachable)).collect();
+            let targets = view
+                .members
+                .iter()
+                .filter(|m| m.address != me && m.reachable && m.status.is_routable())
+                .map(|m| peer_of(&m.address))
+                .collect();
+            let mut rep_out = Vec::new();
+            node.replicator.handle(RepInput::Members { replicas, gossip_targets: targets }, now, wall, &mut rep_out);
+            self.perform_singleton(i, single);
+            self.perform_region(i, region_out);
+            self.perform_coordinator(i, coord_out);
+            self.perform_replicator(i, rep_out);
+        }
+        self.schedule(MEMBERSHIP_MS, Event::Membership);
+    }
+
+    fn send(&mut self, from: &UniqueAddress, to: &UniqueAddress, wire: Wire) {
+        let (Some(a), Some(b)) = (self.slot_of(from), to.node_id[1..].parse::<usize>().ok().map(|n| n - 1)) else {
+            return;
+        };
+        if a != b
+            && (self.cut.contains(&(a, b))
+                || (self.dropping && self.rng.random_range(0..1000) < self.cfg.drop_per_mille))
+        {
+            return;
+        }
+        let latency = if a == b { 0 } else { self.rng.random_range(1..=5) };
+        let link = (from.clone(), to.clone());
+        let at = (self.now_ms + latency).max(*self.link_free_at.get(&link).unwrap_or(&0));
+        self.link_free_at.insert(link, at);
+        self.seq += 1;
+        self.queue.push(Reverse((at, self.seq)));
+        self.events.insert(self.seq, Event::Deliver { from: from.clone(), to: to.clone(), wire });
+    }
+
+    fn deliver(&mut self, from: UniqueAddress, to: UniqueAddress, wire: Wire) {
+        let Some(i) = self.slot_of(&to) else { return };
+        if let Some(a) = self.slot_of(&from).or_else(|| from.node_id[1..].parse::<usize>().ok().map(|n| n - 1))
+            && a != i
+            && self.cut.contains(&(a, i))
+        {
+            return;
+        }
+        if !matches!(wire, Wire::Replicator(_) | Wire::Deliver { .. } | Wire::AskReply { .. }) {
+            self.trace(|| format!("{from} -> {to} {}", wire_name(&wire)));
+        }
+        let (now, wall) = (self.now(), self.wall());
+        let node = self.nodes[i].as_mut().expect("running");
+        match wire {
+            Wire::ToCoordinator(msg) => {
+                let mut out = Vec::new();
+                if let Some(c) = node.coordinator.as_mut() {
+                    c.core.handle(CoordinatorInput::FromRegion { from, msg }, now, wall, &mut out);
+                }
+                self.perform_coordinator(i, out);
+            }
+            Wire::ToRegion(msg) => {
+                let mut out = Vec::new();
+                node.region.handle(RegionInput::Coordinator { from, msg }, now, &mut out);
+                self.perform_region(i, out);
+            }
+            Wire::Deliver { shard, entity_id, msg } => {
+                let mut out = Vec::new();
+                node.region.handle(RegionInput::Route { shard, entity_id, msg }, now, &mut out);
+                self.perform_region(i, out);
+            }
+            Wire::AskReply { ask } => {
+                node.forwarded.remove(&ask);
+                self.resolve(ask, Ok(()));
+            }
+            Wire::Replicator(msg) => {
+                let mut out = Vec::new();
+                node.replicator.handle(RepInput::Remote { from: peer_of(&from), msg }, now, wall, &mut out);
+                self.perform_replicator(i, out);
+            }
+        }
+    }
+
+    fn resolve(&mut self, ask: u64, outcome: Result<(), &'static str>) {
+        let Some(a) = self.asks.get_mut(&ask) else { return };
+        if let Some(earlier) = a.outcome {
+            // A late answer after a failure is dropped (the asker stopped waiting); an entity
+            // answering one ask twice handled the message twice.
+            if outcome.is_ok() && earlier.is_ok() {
+                self.report.violations.push(format!("ask {ask} to {} answered twice", a.entity_id));
+            }
+            return;
+        }
+        a.outcome = Some(outcome);
+        if let (true, Err(why)) = (a.must_answer, outcome)
+            && (why == HAND_OFF || why == REGION_GONE)
+            && a.attempt < MAX_RETRIES
+        {
+            let (entity_id, attempt) = (a.entity_id.clone(), a.attempt + 1);
+            a.must_answer = false; // its retry carries the promise now
+            self.schedule(200, Event::RetryAsk { entity_id, attempt });
+        }
+        match outcome {
+            Ok(()) => self.report.answered += 1,
+            Err(why) => *self.report.failed.entry(why).or_default() += 1,
+        }
+    }
+
+    fn on_tick(&mut self, i: usize) {
+        self.schedule(TICK_MS, Event::Tick(i));
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let mut single = Vec::new();
+        node.singleton.handle(SingletonInput::Tick, now, &mut single);
+        let mut region_out = Vec::new();
+        node.region.handle(RegionInput::Tick, now, &mut region_out);
+        let mut shard_out = Vec::new();
+        for (id, (core, _)) in node.shards.iter_mut() {
+            let mut out = Vec::new();
+            core.handle(ShardInput::Tick, now, &mut out);
+            shard_out.extend(out.into_iter().map(|a| (id.clone(), a)));
+        }
+        let mut coord_out = Vec::new();
+        if let Some(c) = node.coordinator.as_mut() {
+            c.core.handle(CoordinatorInput::Tick, now, wall, &mut coord_out);
+        }
+        let mut rep_out = Vec::new();
+        node.replicator.handle(RepInput::Tick, now, wall, &mut rep_out);
+        self.perform_singleton(i, single);
+        self.perform_region(i, region_out);
+        for (shard, a) in shard_out {
+            self.perform_shard(i, &shard, a);
+        }
+        self.perform_coordinator(i, coord_out);
+        self.perform_replicator(i, rep_out);
+    }
+
+    /// Asks `entity_id` through node slot `i`'s region.
+    fn ask(&mut self, i: usize, entity_id: String, must_answer: bool) {
+        self.ask_attempt(i, entity_id, must_answer, 0);
+    }
+
+    fn ask_attempt(&mut self, i: usize, entity_id: String, must_answer: bool, attempt: u32) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let ask = self.next_ask;
+        self.next_ask += 1;
+        let shard = default_shard_id(&entity_id, self.cfg.shards);
+        let asker = node.addr.clone();
+        let deadline = self.now_ms + ASK_TIMEOUT_MS;
+        self.asks
+            .insert(ask, Ask { entity_id: entity_id.clone(), asker, deadline, outcome: None, must_answer, attempt });
+        let mut out = Vec::new();
+        let now = self.now();
+        let node = self.nodes[i].as_mut().expect("running");
+        node.region.handle(RegionInput::Route { shard, entity_id, msg: Msg { ask: Some(ask) } }, now, &mut out);
+        self.perform_region(i, out);
+    }
+
+    fn on_ask(&mut self) {
+        let running: Vec<usize> = (0..self.nodes.len()).filter(|i| self.nodes[*i].is_some()).collect();
+        if !running.is_empty() {
+            let i = running[self.rng.random_range(0..running.len())];
+            let e = self.rng.random_range(0..self.cfg.entities);
+            self.ask(i, format!("e{e}"), false);
+        }
+        // Asks whose asker crashed end with it; the others time out.
+        let now = self.now_ms;
+        let expired: Vec<u64> =
+            self.asks.iter().filter(|(_, a)| a.outcome.is_none() && a.deadline <= now).map(|(id, _)| *id).collect();
+        for id in expired {
+            self.resolve(id, Err(TIMEOUT));
+        }
+        if self.now_ms < self.cfg.fault_ms {
+            let gap = self.rng.random_range(10..60);
+            self.schedule(gap, Event::Ask);
+        }
+    }
+
+    fn on_fault(&mut self) {
+        if self.now_ms >= self.cfg.fault_ms {
+            return;
+        }
+        let n = self.nodes.len();
+        match self.rng.random_range(0..10) {
+            0..=2 => {
+                let i = self.rng.random_range(0..n);
+                if self.nodes[i].is_some() && self.nodes.iter().filter(|x| x.is_some()).count() > n / 2 + 1 {
+                    self.crash(i, "crashes");
+                }
+            }
+            3..=4 => {
+                let i = self.rng.random_range(0..n);
+                if self.nodes[i].is_none() && self.cut.is_empty() {
+                    self.start_node(i);
+                }
+            }
+            5..=6 => {
+                if self.cut.is_empty() {
+                    let k = self.rng.random_range(1..=(n - 1) / 2);
+                    let mut slots: Vec<usize> = (0..n).collect();
+                    for j in 0..n {
+                        let r = self.rng.random_range(j..n);
+                        slots.swap(j, r);
+                    }
+                    let (minority, majority) = slots.split_at(k);
+                    for a in minority {
+                        for b in majority {
+                            self.cut.insert((*a, *b));
+                            self.cut.insert((*b, *a));
+                        }
+                    }
+                    self.trace(|| format!("partition {minority:?} | {majority:?}"));
+                }
+            }
+            _ => {
+                if !self.cut.is_empty() {
+                    self.cut.clear();
+                    self.trace(|| "heal".into());
+                }
+            }
+        }
+        if self.now_ms < self.cfg.fault_ms {
+            let gap = self.rng.random_range(500..3_000);
+            self.schedule(gap, Event::Fault);
+        }
+    }
+
+    /// Asks `entity_id` through node `i` (index from 0) and returns the ask's id.
+    pub fn ask_through(&mut self, i: usize, entity_id: &str) -> u64 {
+        let id = self.next_ask;
+        self.ask(i, entity_id.to_string(), false);
+        id
+    }
+
+    /// Whether ask `id` was answered.
+    pub fn answered(&self, id: u64) -> bool {
+        self.asks.get(&id).is_some_and(|a| a.outcome == Some(Ok(())))
+    }
+
+    /// Crashes node `i` (index from 0); its disk stays.
+    pub fn crash_node(&mut self, i: usize) {
+        self.crash(i, "crashes");
+    }
+
+    /// Starts node `i` again as a new incarnation on its disk.
+    pub fn restart_node(&mut self, i: usize) {
+        self.crash(i, "stops for a restart");
+        self.start_node(i);
+    }
+
+    /// Cuts every link between the two sets of node indexes.
+    pub fn partition(&mut self, a: &[usize], b: &[usize]) {
+        for x in a {
+            for y in b {
+                self.cut.insert((*x, *y));
+                self.cut.insert((*y, *x));
+            }
+        }
+        self.trace(|| format!("partition {a:?} | {b:?}"));
+    }
+
+    /// Restores every link.
+    pub fn heal(&mut self) {
+        self.cut.clear();
+        self.trace(|| "heal".into());
+    }
+
+    /// Virtual time in ms.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// What was seen so far.
+    pub fn report(&self) -> &SimReport {
+        &self.report
+    }
+
+    /// Runs events until virtual time `until_ms`.
+    pub fn run_until(&mut self, until_ms: u64) {
+        while let Some(Reverse((at, seq))) = self.queue.peek().copied() {
+            if at > until_ms {
+                break;
+            }
+            self.queue.pop();
+            self.now_ms = at;
+            let Some(ev) = self.events.remove(&seq) else { continue };
+            match ev {
+                Event::Deliver { from, to, wire } => self.deliver(from, to, wire),
+                Event::Tick(i) => self.on_tick(i),
+                Event::Membership => self.on_membership(),
+                Event::Fault => self.on_fault(),
+                Event::Ask => self.on_ask(),
+                Event::Terminated { node, shard, entity_id, incarnation } => {
+                    self.on_terminated(node, shard, entity_id, incarnation)
+                }
+                Event::RetryAsk { entity_id, attempt } => {
+                    let i = attempt as usize % self.nodes.len();
+                    self.ask_attempt(i, entity_id, true, attempt);
+                }
+                Event::RetryWrite { node, write } => {
+                    if let Some(i) = self.slot_of(&node) {
+                        self.start_write(i, write);
+                    }
+                }
+            }
+        }
+        self.now_ms = self.now_ms.max(until_ms);
+    }
+
+    /// The whole run: traffic and faults for `fault_ms`, then heal, restart every stopped node,
+    /// let the cluster settle, and ask every entity once more (each must be answered).
+    pub fn run(mut self) -> SimReport {
+        self.schedule(200, Event::Ask);
+        if self.cfg.faults {
+            self.dropping = self.cfg.drop_per_mille > 0;
+            self.schedule(2_000, Event::Fault);
+        }
+        self.run_until(self.cfg.fault_ms);
+        self.dropping = false;
+        self.cut.clear();
+        self.trace(|| "heal; restarting stopped nodes".into());
+        for i in 0..self.nodes.len() {
+            if self.nodes[i].is_none() {
+                self.start_node(i);
+            }
+        }
+        // Settle: downing of the old incarnations, removal margins, coordinator take-over.
+        let settle = self.now_ms + 15_000;
+        self.run_until(settle);
+        for e in 0..self.cfg.entities {
+            let i = e % self.nodes.len();
+            self.ask(i, format!("e{e}"), true);
+        }
+        let end = self.now_ms + ASK_TIMEOUT_MS + 1_000;
+        self.run_until(end);
+        // Asks still open end by their timeout, as `ask` does; an ask that ends twice (an answer
+        // after a failure or a second answer) was reported when it happened.
+        let open: Vec<u64> = self.asks.iter().filter(|(_, a)| a.outcome.is_none()).map(|(id, _)| *id).collect();
+        for id in open {
+            self.resolve(id, Err(TIMEOUT));
+        }
+        for (id, a) in &self.asks {
+            if let (true, Some(Err(why))) = (a.must_answer, a.outcome) {
+                self.report.violations.push(format!("after recovery, ask {id} to {} failed: {why}", a.entity_id));
+            }
+        }
+        self.report
+    }
+}
+
+/// Runs one seed with `cfg`.
+pub fn run_seed(seed: u64, cfg: &SimConfig) -> SimReport {
+    Sim::new(seed, cfg.clone()).run()
+}

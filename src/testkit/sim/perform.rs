@@ -1,0 +1,335 @@
+//! How the simulation performs the cores' actions: what the drivers do, on the in-memory
+//! network and the sim's entity records.
+
+use super::*;
+
+impl Sim {
+    pub(super) fn perform_singleton(&mut self, i: usize, actions: Vec<SingletonAction<LwwMap>>) {
+        let (now, wall) = (self.now(), self.wall());
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            match action {
+                SingletonAction::Read { read } => {
+                    let s = settings();
+                    let consistency = Consistency::Majority {
+                        plus: s.coordinator_read_majority_plus,
+                        min_cap: s.coordinator_majority_min_cap,
+                    };
+                    let input = RepInput::Get {
+                        key: keys::coordinator_state(TYPE),
+                        consistency,
+                        timeout: s.waiting_for_state_timeout,
+                        reply: RepReply::TakeOverRead { read },
+                    };
+                    let mut out = Vec::new();
+                    node.replicator.handle(input, now, wall, &mut out);
+                    self.perform_replicator(i, out);
+                }
+                SingletonAction::Start(map) => {
+                    let s = settings();
+                    let cs = CoordinatorSettings {
+                        min_nr_of_members: 1,
+                        rebalance_interval: s.rebalance_interval,
+                        handoff_timeout: s.handoff_timeout,
+                        shard_start_timeout: s.shard_start_timeout,
+                        eager_reallocation: false,
+                    };
+                    let strategy = Arc::new(LeastShardAllocation::default());
+                    let mut core =
+                        CoordinatorCore::new(node.addr.clone(), cs, strategy, CoordinatorState::from_map(&map), now);
+                    let mut out = Vec::new();
+                    if let Some(view) = node.last_view.clone() {
+                        core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut out);
+                    }
+                    core.handle(CoordinatorInput::TakeOver, now, wall, &mut out);
+                    node.coordinator = Some(Coordinator { core, write: None });
+                    let addr = node.addr.clone();
+                    self.trace(|| format!("{addr} coordinator starts"));
+                    self.perform_coordinator(i, out);
+                }
+                SingletonAction::Stop => {
+                    node.coordinator = None;
+                    let addr = node.addr.clone();
+                    self.trace(|| format!("{addr} coordinator stops"));
+                }
+            }
+        }
+    }
+
+    pub(super) fn perform_coordinator(&mut self, i: usize, actions: Vec<CoordinatorAction>) {
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            let me = node.addr.clone();
+            match action {
+                CoordinatorAction::Send { to, msg } => self.send(&me, &to, Wire::ToRegion(msg)),
+                CoordinatorAction::Write(entries) => {
+                    let write = node.next_write;
+                    node.next_write += 1;
+                    if let Some(c) = node.coordinator.as_mut() {
+                        c.write = Some((write, entries));
+                    }
+                    self.start_write(i, write);
+                }
+            }
+        }
+    }
+
+    pub(super) fn start_write(&mut self, i: usize, write: u64) {
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let Some((_, entries)) = node.coordinator.as_ref().and_then(|c| c.write.clone()).filter(|(w, _)| *w == write)
+        else {
+            return;
+        };
+        let s = settings();
+        let consistency =
+            Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap };
+        let modify: crate::ddata::replicator::Modify = Box::new(move |current, ctx| {
+            let apply = |m: &mut LwwMap, ctx: &mut crate::ddata::WriteCtx| {
+                for (k, v) in entries {
+                    match v {
+                        Some(bytes) => m.put(ctx, k, bytes),
+                        None => m.remove(ctx, &k),
+                    }
+                }
+            };
+            match current {
+                Some(ReplicatedData::LwwMap(m)) => {
+                    apply(m, ctx);
+                    Ok(None)
+                }
+                Some(other) => Err(crate::Error::Codec(format!("not a map: {}", other.type_name()))),
+                None => {
+                    let mut m = LwwMap::default();
+                    apply(&mut m, ctx);
+                    Ok(Some(ReplicatedData::LwwMap(m)))
+                }
+            }
+        });
+        let input = RepInput::Update {
+            key: keys::coordinator_state(TYPE),
+            consistency,
+            timeout: s.updating_state_timeout,
+            modify,
+            reply: RepReply::StateWrite { write },
+        };
+        let mut out = Vec::new();
+        node.replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
+    }
+
+    pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<RepAction<RepReply>>) {
+        let (now, wall) = (self.now(), self.wall());
+        // Persist first, as the driver does (one LMDB transaction before any send).
+        for a in &actions {
+            if let RepAction::Persist { key } = a
+                && let Some(v) = self.nodes[i].as_ref().and_then(|n| n.replicator.local_value(key)).cloned()
+            {
+                self.disks[i].insert(key.clone(), v);
+            }
+        }
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            let me = node.addr.clone();
+            match action {
+                RepAction::Persist { .. } | RepAction::Changed { .. } => {}
+                RepAction::Send { to, msg } => self.send(&me, &to.address, Wire::Replicator(msg)),
+                RepAction::Broadcast { to, msg } => {
+                    for p in to {
+                        self.send(&me, &p.address, Wire::Replicator(msg.clone()));
+                    }
+                }
+                RepAction::ReplyGet { reply: RepReply::TakeOverRead { read }, result } => {
+                    let result = match result {
+                        Ok(Some(ReplicatedData::LwwMap(m))) => Ok(m),
+                        Ok(None) => Ok(LwwMap::default()),
+                        Ok(Some(other)) => Err(format!("not a map: {}", other.type_name())),
+                        Err(e) => Err(e.to_string()),
+                    };
+                    let mut single = Vec::new();
+                    node.singleton.handle(SingletonInput::ReadDone { read, result }, now, &mut single);
+                    self.perform_singleton(i, single);
+                }
+                RepAction::ReplyUpdate { reply: RepReply::StateWrite { write }, result } => {
+                    let current =
+                        node.coordinator.as_ref().and_then(|c| c.write.as_ref()).is_some_and(|(w, _)| *w == write);
+                    if !current {
+                        continue;
+                    }
+                    if result.is_ok() {
+                        let c = node.coordinator.as_mut().expect("coordinator");
+                        c.write = None;
+                        let mut out = Vec::new();
+                        c.core.handle(CoordinatorInput::WriteDone, now, wall, &mut out);
+                        self.perform_coordinator(i, out);
+                    } else {
+                        let node = me;
+                        self.schedule(WRITE_RETRY_MS, Event::RetryWrite { node, write });
+                    }
+                }
+                RepAction::ReplyGet { .. } | RepAction::ReplyUpdate { .. } => {
+                    self.report.violations.push("replicator reply of the wrong kind".into());
+                }
+            }
+        }
+    }
+
+    pub(super) fn perform_region(&mut self, i: usize, actions: Vec<RegionAction<Msg>>) {
+        let now = self.now();
+        let mut work: VecDeque<RegionAction<Msg>> = actions.into();
+        while let Some(action) = work.pop_front() {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            let me = node.addr.clone();
+            match action {
+                RegionAction::ToCoordinator { coordinator, msg } => {
+                    self.send(&me, &coordinator, Wire::ToCoordinator(msg))
+                }
+                RegionAction::StartShard { shard, epoch } => {
+                    let entry = node
+                        .shards
+                        .entry(shard)
+                        .or_insert_with(|| (ShardCore::new(None, Duration::from_secs(25)), epoch));
+                    entry.1 = epoch;
+                }
+                RegionAction::Deliver { shard, entity_id, msg } => match node.shards.get_mut(&shard) {
+                    Some((core, _)) => {
+                        let mut out = Vec::new();
+                        core.handle(ShardInput::Deliver { entity_id, msg }, now, &mut out);
+                        for a in out {
+                            self.perform_shard(i, &shard, a);
+                        }
+                    }
+                    None => self.fail(msg, NOT_HOSTED),
+                },
+                RegionAction::Forward { region, shard, entity_id, msg } => {
+                    if let Some(ask) = msg.ask {
+                        node.forwarded.insert(ask, region.clone());
+                    }
+                    self.send(&me, &region, Wire::Deliver { shard, entity_id, msg });
+                }
+                RegionAction::HandOffShard { shard } => {
+                    if let Some((core, _)) = node.shards.get_mut(&shard) {
+                        let mut out = Vec::new();
+                        core.handle(ShardInput::HandOff, now, &mut out);
+                        for a in out {
+                            self.perform_shard(i, &shard, a);
+                        }
+                    }
+                }
+                RegionAction::Drop { msg, reason, .. } => {
+                    let why = match reason {
+                        crate::sharding::region::core::RegionDrop::BufferFull => BUFFER_FULL,
+                        crate::sharding::region::core::RegionDrop::HandOff => HAND_OFF,
+                    };
+                    self.fail(msg, why);
+                }
+                RegionAction::RegionGone(region) => {
+                    let gone: Vec<u64> =
+                        node.forwarded.iter().filter(|(_, r)| **r == region).map(|(a, _)| *a).collect();
+                    for ask in &gone {
+                        node.forwarded.remove(ask);
+                    }
+                    for ask in gone {
+                        self.resolve(ask, Err(REGION_GONE));
+                    }
+                }
+                RegionAction::Stopped => {}
+            }
+        }
+    }
+
+    pub(super) fn fail(&mut self, msg: Msg, why: &'static str) {
+        if let Some(ask) = msg.ask {
+            self.resolve(ask, Err(why));
+        }
+    }
+
+    pub(super) fn perform_shard(&mut self, i: usize, shard: &ShardId, action: ShardAction<Msg>) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let me = node.addr.clone();
+        match action {
+            ShardAction::Start { entity_id, incarnation } => {
+                let epoch = node.shards.get(shard).map_or(0, |(_, e)| *e);
+                node.entities.insert(entity_id.clone(), (shard.clone(), incarnation));
+                self.report.activations += 1;
+                self.trace(|| format!("{me} starts {entity_id} (shard {shard}, epoch {epoch})"));
+                let others: Vec<String> = self
+                    .live
+                    .get(&entity_id)
+                    .map(|v| v.iter().filter(|(n, _)| *n != me).map(|(n, _)| n.to_string()).collect())
+                    .unwrap_or_default();
+                if !others.is_empty() {
+                    let v = format!("t={} {entity_id} started on {me} while live on {others:?}", self.now_ms);
+                    self.report.violations.push(v);
+                }
+                self.live.entry(entity_id).or_default().push((me, incarnation));
+            }
+            ShardAction::Send { entity_id, msg } => {
+                if !node.entities.contains_key(&entity_id) {
+                    self.fail(msg, NOT_HOSTED);
+                    return;
+                }
+                if let Some(ask) = msg.ask
+                    && let Some(asker) = self.asks.get(&ask).map(|a| a.asker.clone())
+                {
+                    self.send(&me, &asker, Wire::AskReply { ask });
+                }
+            }
+            ShardAction::Stop { entity_id } => {
+                if let Some((_, incarnation)) = node.entities.get(&entity_id).cloned() {
+                    let ev = Event::Terminated { node: me, shard: shard.clone(), entity_id, incarnation };
+                    self.schedule(1, ev);
+                }
+            }
+            ShardAction::ForceStop { entity_id } => {
+                node.entities.remove(&entity_id);
+                self.end_activation(&entity_id, &me);
+            }
+            ShardAction::Drop { msg, reason, .. } => {
+                let why = match reason {
+                    crate::sharding::shard::core::DropReason::HandOff => HAND_OFF,
+                    crate::sharding::shard::core::DropReason::ShardFailed => SHARD_FAILED,
+                };
+                self.fail(msg, why);
+            }
+            ShardAction::Stopped | ShardAction::Failed => {
+                node.shards.remove(shard);
+                let mut out = Vec::new();
+                node.region.handle(
+                    RegionInput::LocalShardStopped(shard.clone()),
+                    self.base + Duration::from_millis(self.now_ms),
+                    &mut out,
+                );
+                self.perform_region(i, out);
+            }
+            ShardAction::Recover { .. } | ShardAction::WriteRemembered { .. } => {
+                self.report.violations.push("remember-entities action in a sim without remembered entities".into());
+            }
+        }
+    }
+
+    pub(super) fn end_activation(&mut self, entity_id: &str, node: &UniqueAddress) {
+        if let Some(v) = self.live.get_mut(entity_id) {
+            v.retain(|(n, _)| n != node);
+        }
+        self.trace(|| format!("{node} stops {entity_id}"));
+    }
+
+    pub(super) fn on_terminated(&mut self, node: UniqueAddress, shard: ShardId, entity_id: String, incarnation: u64) {
+        let Some(i) = self.slot_of(&node) else { return };
+        let now = self.now();
+        let n = self.nodes[i].as_mut().expect("running");
+        if n.entities.get(&entity_id).is_some_and(|(_, inc)| *inc == incarnation) {
+            n.entities.remove(&entity_id);
+            self.end_activation(&entity_id, &node);
+        }
+        let n = self.nodes[i].as_mut().expect("running");
+        if let Some((core, _)) = n.shards.get_mut(&shard) {
+            let mut out = Vec::new();
+            core.handle(ShardInput::Terminated { entity_id, incarnation }, now, &mut out);
+            for a in out {
+                self.perform_shard(i, &shard, a);
+            }
+        }
+    }
+}

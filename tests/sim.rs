@@ -1,0 +1,150 @@
+//! The deterministic simulation of the sharding cores (`ddshard::testkit::sim`): seeded runs
+//! with crashes, restarts, partitions and dropped messages, checked for at most one live
+//! activation per entity, every ask ending, and full service after recovery; and the same seed
+//! giving the same trace byte for byte.
+//!
+//! Replay one seed with its trace: `DDSHARD_SIM_SEED=42 cargo test --test sim replay -- --nocapture`.
+
+use ddshard::testkit::sim::{SimConfig, run_seed};
+
+fn check(seed: u64, cfg: &SimConfig) -> ddshard::testkit::sim::SimReport {
+    let report = run_seed(seed, cfg);
+    assert!(
+        report.violations.is_empty(),
+        "seed {seed}: {} violations, first: {:?}\nreplay: DDSHARD_SIM_SEED={seed} cargo test --test sim replay -- --nocapture",
+        report.violations.len(),
+        &report.violations[..report.violations.len().min(5)]
+    );
+    report
+}
+
+#[test]
+fn the_same_seed_gives_the_same_trace_byte_for_byte() {
+    let cfg = SimConfig::default();
+    let a = run_seed(7, &cfg);
+    let b = run_seed(7, &cfg);
+    assert!(a.trace.len() > 100, "a run with traffic and faults traces a lot: {}", a.trace.len());
+    assert_eq!(a.trace, b.trace);
+    let c = run_seed(8, &cfg);
+    assert_ne!(a.trace, c.trace, "another seed, another interleaving");
+}
+
+#[test]
+fn a_quiet_cluster_answers_every_ask() {
+    let cfg = SimConfig { faults: false, drop_per_mille: 0, ..SimConfig::default() };
+    let report = check(1, &cfg);
+    assert!(report.failed.is_empty(), "no faults, no failures: {:?}", report.failed);
+    assert!(report.answered > 100, "answered {}", report.answered);
+}
+
+#[test]
+fn random_faults_never_run_an_entity_twice_and_service_recovers() {
+    let seeds: u64 = std::env::var("DDSHARD_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
+    let cfg = SimConfig { trace: false, ..SimConfig::default() };
+    let started = std::time::Instant::now();
+    // Two threads (CI has two cores); each seed is still one deterministic run.
+    let reports: Vec<ddshard::testkit::sim::SimReport> = std::thread::scope(|s| {
+        let halves: Vec<_> = (0..2u64)
+            .map(|t| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    (0..seeds).filter(|seed| seed % 2 == t).map(|seed| check(seed, &cfg)).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        halves.into_iter().flat_map(|h| h.join().expect("a seed failed")).collect()
+    });
+    let answered: usize = reports.iter().map(|r| r.answered).sum();
+    let activations: usize = reports.iter().map(|r| r.activations).sum();
+    let mut failed = std::collections::BTreeMap::new();
+    for r in &reports {
+        for (k, v) in &r.failed {
+            *failed.entry(*k).or_insert(0) += v;
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "{seeds} seeds in {secs:.1}s ({:.0} seeds/s): {answered} asks answered, {activations} activations, failed: {failed:?}",
+        seeds as f64 / secs
+    );
+    assert!(answered > seeds as usize * 100, "service under faults: {answered} answers over {seeds} seeds");
+    let explained = ["AskTimeout", "NotDelivered(region gone)", "NotDelivered(hand-off)", "NotDelivered(not hosted)"];
+    for kind in failed.keys() {
+        assert!(explained.contains(kind), "a failure the faults cannot explain: {kind} ({failed:?})");
+    }
+}
+
+#[test]
+fn replay() {
+    let Some(seed) = std::env::var("DDSHARD_SIM_SEED").ok().and_then(|s| s.parse().ok()) else { return };
+    let report = run_seed(seed, &SimConfig::default());
+    for line in &report.trace {
+        println!("{line}");
+    }
+    println!("violations: {:#?}", report.violations);
+}
+
+/// Compares a trace with its golden file under `tests/sim/`; `DDSHARD_BLESS=1` rewrites it.
+fn golden(name: &str, trace: &[String]) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/sim").join(format!("{name}.txt"));
+    let text = trace.join("\n") + "\n";
+    if std::env::var("DDSHARD_BLESS").as_deref() == Ok("1") {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &text).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (DDSHARD_BLESS=1 writes it)", path.display()));
+    if expected != text {
+        let first = expected
+            .lines()
+            .zip(text.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(expected.lines().count().min(text.lines().count()));
+        panic!(
+            "trace differs from {} at line {}:\n  expected: {:?}\n  actual:   {:?}\n(DDSHARD_BLESS=1 rewrites it after you checked the change)",
+            path.display(),
+            first + 1,
+            expected.lines().nth(first),
+            text.lines().nth(first)
+        );
+    }
+}
+
+#[test]
+fn golden_coordinator_take_over_after_its_node_crashes() {
+    use ddshard::testkit::sim::Sim;
+    let cfg = SimConfig { nodes: 3, shards: 6, entities: 6, faults: false, drop_per_mille: 0, ..SimConfig::default() };
+    let mut sim = Sim::new(1, cfg);
+    sim.run_until(1_000);
+    let first: Vec<u64> = (0..6).map(|e| sim.ask_through(1, &format!("e{e}"))).collect();
+    sim.run_until(2_000);
+    assert!(first.iter().all(|a| sim.answered(*a)), "all answered before the crash");
+    sim.crash_node(0); // n1: the oldest member, hosting the coordinator
+    sim.run_until(8_000);
+    let again: Vec<u64> = (0..6).map(|e| sim.ask_through(2, &format!("e{e}"))).collect();
+    sim.run_until(12_000);
+    assert!(again.iter().all(|a| sim.answered(*a)), "the successor coordinator re-allocated every shard");
+    assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
+    golden("coordinator_take_over", &sim.report().trace);
+}
+
+#[test]
+fn golden_partition_downs_the_minority_and_the_majority_takes_its_shards() {
+    use ddshard::testkit::sim::Sim;
+    let cfg =
+        SimConfig { nodes: 5, shards: 10, entities: 10, faults: false, drop_per_mille: 0, ..SimConfig::default() };
+    let mut sim = Sim::new(2, cfg);
+    sim.run_until(1_000);
+    for e in 0..10 {
+        sim.ask_through(e % 5, &format!("e{e}"));
+    }
+    sim.run_until(2_000);
+    sim.partition(&[3, 4], &[0, 1, 2]);
+    sim.run_until(9_000);
+    let after: Vec<u64> = (0..10).map(|e| sim.ask_through(0, &format!("e{e}"))).collect();
+    sim.run_until(14_000);
+    assert!(after.iter().all(|a| sim.answered(*a)), "the majority serves every entity");
+    assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
+    golden("partition_and_downing", &sim.report().trace);
+}
