@@ -675,6 +675,17 @@ mod tests {
         step(c, CoordinatorInput::Members(view), now, wall)
     }
 
+    /// Region `region` asks for the home of `shard`; returns the messages sent.
+    fn get_home(
+        c: &mut CoordinatorCore,
+        shard: &str,
+        region: &str,
+        now: Instant,
+        wall: u64,
+    ) -> Vec<(RegionId, ToRegion)> {
+        step(c, from_region(ToCoordinator::GetShardHome { shard: shard.into(), region: r(region) }), now, wall)
+    }
+
     /// Feeds an input; completes writes at once; returns the messages sent. A region that
     /// registers is listed as an Up member first (tests of rejected registrations call
     /// `handle` directly).
@@ -728,7 +739,7 @@ mod tests {
         let mut c = core(3);
         let now = Instant::now();
         reg(&mut c, "a", now);
-        let sent = step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        let sent = get_home(&mut c, "1", "a", now, 1);
         assert!(sent.is_empty());
         reg(&mut c, "b", now);
         assert!(c.state().shards.is_empty());
@@ -779,9 +790,9 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         reg(&mut c, "b", now);
-        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        get_home(&mut c, "1", "a", now, 1);
         terminate(&mut c, r("b"), now, 1);
-        let sent = step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "2".into(), region: r("a") }), now, 1);
+        let sent = get_home(&mut c, "2", "a", now, 1);
         assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { .. })), "one region is enough now");
     }
 
@@ -793,7 +804,7 @@ mod tests {
         reg(&mut c, "b", now);
         let mut last = 0;
         for round in 0..4u64 {
-            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "7".into(), region: r("a") }), now, 5);
+            get_home(&mut c, "7", "a", now, 5);
             let (home, epoch) = c.state().home("7").map(|(h, e)| (h.clone(), e)).unwrap();
             assert!(epoch > last, "round {round}: {epoch} > {last}");
             last = epoch;
@@ -911,7 +922,7 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         reg(&mut c, "b", now);
-        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        get_home(&mut c, "1", "a", now, 1);
         let home = c.state().home("1").unwrap().0.clone();
         (c, now, home)
     }
@@ -962,7 +973,7 @@ mod tests {
         let now = Instant::now();
         reg(&mut c, "a", now);
         reg(&mut c, "b", now);
-        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        get_home(&mut c, "1", "a", now, 1);
         let home = c.state().home("1").map(|(h, _)| h.clone()).expect("allocated");
         // A forged RegionStopped for the live home, sent by the other region: ignored.
         let other = if home == r("a") { r("b") } else { r("a") };
@@ -1031,7 +1042,7 @@ mod tests {
         let mut c = core(1);
         let now = Instant::now();
         reg(&mut c, "a", now);
-        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        get_home(&mut c, "1", "a", now, 1);
         step(&mut c, from_region(ToCoordinator::ShardStarted { shard: "1".into(), region: r("a") }), now, 1);
         reg(&mut c, "b", now);
         let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 2);

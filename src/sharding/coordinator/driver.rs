@@ -224,7 +224,6 @@ impl CoordinatorDriver {
             }
             SingletonAction::Stop => {
                 info!(type_name = %self.type_name, "no longer the coordinator's host; coordinator stops");
-                out.clear();
                 if let Some(r) = running.take() {
                     self.stop(r);
                 }
