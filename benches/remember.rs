@@ -63,16 +63,21 @@ fn bench(c: &mut Criterion) {
         // As a shard records them: batches of 1000 starts per write.
         for chunk in ids.chunks(1000) {
             s.add_all(&ctx, chunk.to_vec());
+            // The replicator takes each update's delta and ships it.
+            s.take_delta();
         }
     }
     let built = t.elapsed();
+    let heap: usize = sets.iter().map(OrSet::heap_bytes).sum();
     let bytes: usize =
         sets.iter().map(|s| rmp_serde::to_vec(&ddshard::ddata::ReplicatedData::OrSet(s.clone())).unwrap().len()).sum();
     let largest = sets.iter().map(|s| rmp_serde::to_vec(s).unwrap().len()).max().unwrap();
     println!(
-        "1M remembered ids in {slots} slots: built in {built:?}, serialized {:.1} MB (largest slot {:.0} KB), RSS +{:.0} MB",
+        "1M remembered ids in {slots} slots: built in {built:?}, serialized {:.1} MB (largest slot {:.0} KB), \
+         set storage {:.1} B/id, RSS +{:.0} MB",
         bytes as f64 / 1e6,
         largest as f64 / 1e3,
+        heap as f64 / 1e6,
         rss_bytes().saturating_sub(before) as f64 / 1e6
     );
     drop(sets);

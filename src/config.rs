@@ -159,6 +159,13 @@ pub struct ReplicatorSettings {
     /// How often the replicator compares digests with one random peer (anti-entropy).
     #[serde(with = "humantime_serde")]
     pub gossip_interval: Duration,
+    /// How often deltas of local (`Consistency::Local`) updates are shipped to the other
+    /// replicas. Majority updates ship theirs at once.
+    #[serde(with = "humantime_serde")]
+    pub delta_interval: Duration,
+    /// Byte budget of one anti-entropy or delta message (a single value over it still goes
+    /// alone); at most half of `transport.max_frame_size` is used.
+    pub max_gossip_message_bytes: usize,
     /// Keys starting with one of these prefixes are durable: written to LMDB before an update is
     /// acknowledged and loaded before the replicator serves anything.
     pub durable_key_prefixes: Vec<String>,
@@ -172,6 +179,8 @@ impl Default for ReplicatorSettings {
     fn default() -> Self {
         ReplicatorSettings {
             gossip_interval: Duration::from_millis(500),
+            delta_interval: Duration::from_millis(50),
+            max_gossip_message_bytes: 1 << 20,
             durable_key_prefixes: vec!["shard-".into(), "durable-".into()],
             lmdb_map_size: 4 << 30,
             role: None,

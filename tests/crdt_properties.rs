@@ -116,3 +116,232 @@ proptest! {
         check_laws(a, b, c)?;
     }
 }
+
+// ---- The δ-OR-set against two oracles -------------------------------------------------------
+
+/// One step of a three-replica OR-set execution.
+#[derive(Debug, Clone)]
+enum SetStep {
+    Add(usize, u8),
+    Remove(usize, u8),
+    /// Replica takes its local delta into the network pool.
+    TakeDelta(usize),
+    /// Pool entry (index mod pool size) is delivered to a replica; it stays in the pool, so it
+    /// may be delivered again (duplication) or never (loss), in any order.
+    Deliver(usize, usize),
+    /// Full-state anti-entropy from one replica to another.
+    FullSync(usize, usize),
+}
+
+fn set_step() -> impl Strategy<Value = SetStep> {
+    let r = 0usize..3;
+    prop_oneof![
+        4 => (r.clone(), 0u8..6).prop_map(|(r, x)| SetStep::Add(r, x)),
+        2 => (r.clone(), 0u8..6).prop_map(|(r, x)| SetStep::Remove(r, x)),
+        2 => r.clone().prop_map(SetStep::TakeDelta),
+        3 => (any::<usize>(), r.clone()).prop_map(|(i, to)| SetStep::Deliver(i, to)),
+        1 => (r.clone(), r).prop_map(|(a, b)| SetStep::FullSync(a, b)),
+    ]
+}
+
+/// One event of the specification: (element, the dot it added if any, the dots it killed).
+type SpecEvent = (String, Option<(usize, u64)>, Vec<(usize, u64)>);
+
+/// The OR-set specification: an element is present at a replica when the replica knows an add
+/// of it whose dot no known event has killed (a remove kills the dots it observed; an add kills
+/// the older dots of its element).
+#[derive(Default)]
+struct Spec {
+    events: Vec<SpecEvent>,
+    known: [std::collections::BTreeSet<usize>; 3],
+    unshipped: [Vec<usize>; 3],
+    counters: [u64; 3],
+}
+
+impl Spec {
+    fn live_dots(&self, r: usize, x: &str) -> Vec<(usize, u64)> {
+        let killed: std::collections::BTreeSet<(usize, u64)> =
+            self.known[r].iter().flat_map(|e| self.events[*e].2.iter().copied()).collect();
+        self.known[r]
+            .iter()
+            .filter_map(|e| {
+                let (el, dot, _) = &self.events[*e];
+                dot.filter(|d| el == x && !killed.contains(d))
+            })
+            .collect()
+    }
+    fn present(&self, r: usize) -> std::collections::BTreeSet<String> {
+        (0..6).map(|x| format!("m{x}")).filter(|x| !self.live_dots(r, x).is_empty()).collect()
+    }
+    fn event(&mut self, r: usize, x: String, add: bool) {
+        let killed = self.live_dots(r, &x);
+        let dot = add.then(|| {
+            self.counters[r] += 1;
+            (r, self.counters[r])
+        });
+        if !add && killed.is_empty() {
+            return;
+        }
+        self.events.push((x, dot, killed));
+        let e = self.events.len() - 1;
+        self.known[r].insert(e);
+        self.unshipped[r].push(e);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Full-state replication: the δ-OR-set has the same members as `crdts::Orswot` after every
+    /// step, and equal states have equal digests.
+    #[test]
+    fn or_set_matches_the_crdts_orswot_oracle_under_full_state_sync(
+        steps in prop::collection::vec(set_step(), 1..60),
+    ) {
+        use crdts::{CmRDT, CvRDT, Orswot};
+        let ctxs: Vec<WriteCtx> = (0..3).map(|i| WriteCtx::new(format!("n{i}#1"), 1)).collect();
+        let mut ours: Vec<OrSet> = vec![OrSet::default(); 3];
+        let mut oracle: Vec<Orswot<String, String>> = vec![Orswot::new(); 3];
+        for step in steps {
+            match step {
+                SetStep::Add(r, x) => {
+                    ours[r].add(&ctxs[r], format!("m{x}"));
+                    let op = oracle[r].add(format!("m{x}"), oracle[r].read_ctx().derive_add_ctx(format!("n{r}#1")));
+                    oracle[r].apply(op);
+                }
+                SetStep::Remove(r, x) => {
+                    ours[r].remove(&format!("m{x}"));
+                    let m = format!("m{x}");
+                    let op = oracle[r].rm(m.clone(), oracle[r].contains(&m).derive_rm_ctx());
+                    oracle[r].apply(op);
+                }
+                SetStep::FullSync(a, b) | SetStep::Deliver(a, b) if a < 3 => {
+                    let from = ours[a].clone();
+                    ours[b].merge(from);
+                    let from = oracle[a].clone();
+                    oracle[b].merge(from);
+                }
+                _ => {}
+            }
+            for (r, (mine, theirs)) in ours.iter().zip(&oracle).enumerate() {
+                let expected: std::collections::BTreeSet<String> = theirs.read().val.into_iter().collect();
+                prop_assert_eq!(mine.members(), expected, "replica {}", r);
+            }
+        }
+        for a in 0..3 {
+            for b in 0..3 {
+                if ours[a] == ours[b] {
+                    prop_assert_eq!(ours[a].digest(), ours[b].digest());
+                }
+            }
+        }
+    }
+
+    /// δ-replication with loss, duplication and reordering, plus occasional full-state sync:
+    /// after every step each replica holds exactly the members the specification gives for the
+    /// events it knows; once everything is delivered, all replicas are equal with equal digests,
+    /// whatever the order they learnt things in, and so are their decoded copies.
+    #[test]
+    fn or_set_deltas_lost_duplicated_or_reordered_match_the_specification(
+        steps in prop::collection::vec(set_step(), 1..80),
+    ) {
+        let ctxs: Vec<WriteCtx> = (0..3).map(|i| WriteCtx::new(format!("n{i}#1"), 1)).collect();
+        let mut ours: Vec<OrSet> = vec![OrSet::default(); 3];
+        let mut spec = Spec::default();
+        let mut pool: Vec<(ddshard::ddata::OrSetDelta, Vec<usize>)> = Vec::new();
+        for step in steps {
+            match step {
+                SetStep::Add(r, x) => {
+                    ours[r].add(&ctxs[r], format!("m{x}"));
+                    spec.event(r, format!("m{x}"), true);
+                }
+                SetStep::Remove(r, x) => {
+                    ours[r].remove(&format!("m{x}"));
+                    spec.event(r, format!("m{x}"), false);
+                }
+                SetStep::TakeDelta(r) => {
+                    let events = std::mem::take(&mut spec.unshipped[r]);
+                    match ours[r].take_delta() {
+                        Some(d) => pool.push((d, events)),
+                        None => prop_assert!(events.is_empty(), "events without a delta"),
+                    }
+                }
+                SetStep::Deliver(i, to) => {
+                    if !pool.is_empty() {
+                        let (d, events) = &pool[i % pool.len()];
+                        ours[to].merge_delta(d).unwrap();
+                        spec.known[to].extend(events.iter().copied());
+                    }
+                }
+                SetStep::FullSync(a, b) => {
+                    let from = ours[a].clone();
+                    ours[b].merge(from);
+                    let known = spec.known[a].clone();
+                    spec.known[b].extend(known);
+                }
+            }
+            for (r, set) in ours.iter().enumerate() {
+                prop_assert_eq!(set.members(), spec.present(r), "replica {}", r);
+            }
+        }
+        // Deliver every delta everywhere (in reverse order), then full-sync around the ring.
+        for (d, _) in pool.iter().rev() {
+            for s in ours.iter_mut() {
+                s.merge_delta(d).unwrap();
+            }
+        }
+        for _ in 0..2 {
+            for a in 0..3 {
+                let from = ours[a].clone();
+                ours[(a + 1) % 3].merge(from);
+            }
+        }
+        for r in 1..3 {
+            prop_assert_eq!(&ours[r], &ours[0]);
+            prop_assert_eq!(ours[r].digest(), ours[0].digest());
+        }
+        let decoded: OrSet = rmp_serde::from_slice(&rmp_serde::to_vec(&ours[1]).unwrap()).unwrap();
+        prop_assert_eq!(decoded.digest(), ours[0].digest());
+        prop_assert_eq!(&decoded, &ours[0]);
+    }
+
+    /// A replica that had a writer's state merges the writer's later delta and ends exactly
+    /// where merging the writer's full state would leave it (for all three types).
+    #[test]
+    fn a_delta_on_top_of_the_previous_state_equals_the_full_state(
+        base in prop::collection::vec(op(), 0..10),
+        more in prop::collection::vec(op(), 1..10),
+        other in prop::collection::vec(op(), 0..10),
+    ) {
+        // LWW-map.
+        let mut ctx = WriteCtx::new("w#1", 5);
+        let mut writer = LwwMap::default();
+        apply_lww(&mut writer, &mut ctx, &base);
+        let mut replica = writer.clone();
+        apply_lww(&mut replica, &mut WriteCtx::new("r#1", 3), &other);
+        writer.take_delta();
+        apply_lww(&mut writer, &mut ctx, &more);
+        let delta = writer.take_delta();
+        let mut by_delta = replica.clone();
+        if let Some(d) = delta { by_delta.merge(d); }
+        let mut by_full = replica.clone();
+        by_full.merge(writer.clone());
+        prop_assert_eq!(by_delta.digest(), by_full.digest());
+        prop_assert_eq!(by_delta, by_full);
+
+        // OR-set.
+        let wctx = WriteCtx::new("w#1", 1);
+        let mut writer = OrSet::default();
+        apply_orset(&mut writer, &wctx, &base);
+        let mut replica = writer.clone();
+        apply_orset(&mut replica, &WriteCtx::new("r#1", 1), &other);
+        writer.take_delta();
+        apply_orset(&mut writer, &wctx, &more);
+        let mut by_delta = replica.clone();
+        if let Some(d) = writer.take_delta() { by_delta.merge_delta(&d).unwrap(); }
+        let mut by_full = replica.clone();
+        by_full.merge(writer.clone());
+        prop_assert_eq!(by_delta.digest(), by_full.digest());
+        prop_assert_eq!(by_delta, by_full);
+    }
+}

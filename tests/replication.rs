@@ -312,3 +312,67 @@ async fn node_that_lost_its_data_dir_rejoins_with_the_same_id_without_corrupting
     .await;
     c.shutdown().await;
 }
+
+fn counters(n: &Node) -> [u64; 4] {
+    use std::sync::atomic::Ordering::Relaxed;
+    let s = n.replicator().stats();
+    [
+        s.full_values_sent.load(Relaxed),
+        s.values_merged.load(Relaxed),
+        s.durable_commits.load(Relaxed),
+        s.deltas_sent.load(Relaxed),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_converged_cluster_ships_no_values_and_commits_nothing_during_anti_entropy() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    // Durable OR-sets with many members and concurrent writers: the shape whose digests used to
+    // differ on every node, so each gossip round shipped and re-committed every set.
+    for (i, n) in c.running() {
+        let r = n.replicator().clone();
+        for k in 0..8 {
+            let ids: Vec<String> = (0..50).map(|e| format!("n{i}-k{k}-e{e}")).collect();
+            r.update::<OrSet, _>(&format!("shard-quiet/{k}/0"), Consistency::MAJORITY, OP, move |s, ctx| {
+                s.add_all(ctx, ids)
+            })
+            .await
+            .unwrap();
+        }
+    }
+    assert!(counters(c.node(0))[3] > 0, "majority writes shipped deltas");
+    // Wait until every node holds the same 8 × 150 members.
+    let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    eventually(CONVERGE, "every node holds all 1,200 members", || {
+        let nodes = nodes.clone();
+        async move {
+            for k in 0..8 {
+                for n in &nodes {
+                    if orset_members(n, &format!("shard-quiet/{k}/0")).await.len() != 150 {
+                        return None;
+                    }
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    let before: Vec<[u64; 4]> = nodes.iter().map(counters).collect();
+    let rounds_before: Vec<u64> =
+        nodes.iter().map(|n| n.replicator().stats().digest_rounds.load(std::sync::atomic::Ordering::Relaxed)).collect();
+    // Let every node run at least 8 anti-entropy rounds.
+    eventually(CONVERGE, "8 anti-entropy rounds on every node", || {
+        let done = nodes
+            .iter()
+            .zip(&rounds_before)
+            .all(|(n, r0)| n.replicator().stats().digest_rounds.load(std::sync::atomic::Ordering::Relaxed) >= r0 + 8);
+        async move { done.then_some(()) }
+    })
+    .await;
+    for (i, n) in nodes.iter().enumerate() {
+        let after = counters(n);
+        assert_eq!(after[..3], before[i][..3], "node {i}: [full values sent, values merged, durable commits] moved");
+    }
+    c.shutdown().await;
+}

@@ -1,11 +1,13 @@
 //! The replicated data types: an LWW-map, an OR-set and a G-set, all state-based CRDTs whose
-//! `merge` is commutative, associative and idempotent (property-tested).
+//! `merge` is commutative, associative and idempotent (property-tested). Each keeps a canonical
+//! digest up to date on every change and hands out deltas (δ-states) of its local changes.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crdts::{CmRDT, CvRDT, GSet as CrdtGSet, LWWReg, Orswot};
+use crdts::LWWReg;
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_bytes::ByteBuf;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{Error, Result};
 
@@ -38,18 +40,114 @@ impl WriteCtx {
     /// Next marker, strictly above `floor` and every marker this writer issued: a writer that
     /// has read a value always overwrites it, whatever the wall clocks say.
     fn next_marker(&mut self, floor: u64) -> Marker {
-        let t = self.now_ms.max(self.clock + 1).max(floor + 1);
+        // Saturating: a peer's marker at u64::MAX must not panic or wrap the clock.
+        let t = self.now_ms.max(self.clock.saturating_add(1)).max(floor.saturating_add(1));
         self.clock = t;
         (t, self.actor.clone())
     }
 }
 
+/// Number of digest buckets of a map or G-set: anti-entropy of a large value compares these
+/// and ships only the buckets that differ.
+pub const BUCKETS: usize = 64;
+
+/// One digest per bucket (boxed: 512 bytes).
+#[derive(Clone)]
+struct Buckets(Box<[u64; BUCKETS]>);
+
+impl Default for Buckets {
+    fn default() -> Self {
+        Buckets(Box::new([0; BUCKETS]))
+    }
+}
+
+impl std::ops::Deref for Buckets {
+    type Target = [u64; BUCKETS];
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Buckets {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+fn bucket_of(key: &str) -> usize {
+    (xxh3_64(key.as_bytes()) % BUCKETS as u64) as usize
+}
+
+fn lww_entry_hash(key: &str, reg: &LWWReg<Option<ByteBuf>, Marker>) -> u64 {
+    let mut h = Xxh3::new();
+    h.update(&(key.len() as u64).to_le_bytes());
+    h.update(key.as_bytes());
+    h.update(&reg.marker.0.to_le_bytes());
+    h.update(&(reg.marker.1.len() as u64).to_le_bytes());
+    h.update(reg.marker.1.as_bytes());
+    match &reg.val {
+        Some(v) => {
+            h.update(&[1]);
+            h.update(v);
+        }
+        None => h.update(&[0]),
+    }
+    h.digest()
+}
+
+type Reg = LWWReg<Option<ByteBuf>, Marker>;
+
 /// A map of last-writer-wins registers. Values are opaque bytes; use [`LwwMap::put_as`] and
 /// [`LwwMap::get_as`] for serde types. Removal writes a tombstone (kept, so it wins over older
 /// writes everywhere).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Its digest is a sum of one hash per entry, kept per bucket of keys and updated on every
+/// change; its delta is the submap written locally since the last [`LwwMap::take_delta`].
+#[derive(Clone, Default)]
 pub struct LwwMap {
-    entries: BTreeMap<String, LWWReg<Option<ByteBuf>, Marker>>,
+    entries: BTreeMap<String, Reg>,
+    buckets: Buckets,
+    delta: Option<BTreeMap<String, Reg>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct LwwMapWire {
+    entries: BTreeMap<String, Reg>,
+}
+
+impl Serialize for LwwMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            entries: &'a BTreeMap<String, Reg>,
+        }
+        Borrowed { entries: &self.entries }.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for LwwMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let wire = LwwMapWire::deserialize(d)?;
+        let mut m = LwwMap::default();
+        for (k, reg) in wire.entries {
+            m.buckets[bucket_of(&k)] = m.buckets[bucket_of(&k)].wrapping_add(lww_entry_hash(&k, &reg));
+            m.entries.insert(k, reg);
+        }
+        Ok(m)
+    }
+}
+
+impl PartialEq for LwwMap {
+    fn eq(&self, other: &Self) -> bool {
+        self.entries == other.entries
+    }
+}
+impl Eq for LwwMap {}
+
+impl std::fmt::Debug for LwwMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LwwMap").field("entries", &self.entries).finish()
+    }
 }
 
 impl LwwMap {
@@ -85,7 +183,18 @@ impl LwwMap {
     fn write(&mut self, ctx: &mut WriteCtx, key: String, val: Option<ByteBuf>) {
         let floor = self.entries.get(&key).map_or(0, |r| r.marker.0);
         let marker = ctx.next_marker(floor);
-        self.entries.insert(key, LWWReg { val, marker });
+        let reg = LWWReg { val, marker };
+        self.delta.get_or_insert_with(BTreeMap::new).insert(key.clone(), reg.clone());
+        self.set(key, reg);
+    }
+
+    /// Installs `reg` under `key`, keeping the bucket digest in step.
+    fn set(&mut self, key: String, reg: Reg) {
+        let b = bucket_of(&key);
+        let added = lww_entry_hash(&key, &reg);
+        let removed = self.entries.get(&key).map_or(0, |old| lww_entry_hash(&key, old));
+        self.buckets[b] = self.buckets[b].wrapping_sub(removed).wrapping_add(added);
+        self.entries.insert(key, reg);
     }
 
     /// Live entries in key order.
@@ -103,103 +212,193 @@ impl LwwMap {
         self.len() == 0
     }
 
-    /// Merges another replica's state (higher marker wins per key).
+    /// Number of entries, tombstones included.
+    pub fn entry_count(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Merges another replica's state (higher marker wins per key). A submap is a state, so
+    /// this also merges deltas and buckets.
     pub fn merge(&mut self, other: LwwMap) {
         for (k, reg) in other.entries {
-            match self.entries.get_mut(&k) {
-                Some(mine) => mine.merge(reg),
-                None => {
-                    self.entries.insert(k, reg);
-                }
+            let newer = self.entries.get(&k).is_none_or(|mine| reg.marker > mine.marker);
+            if newer {
+                self.set(k, reg);
             }
         }
     }
-}
 
-/// An observed-remove set of strings (add wins over a concurrent remove).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct OrSet {
-    set: Orswot<String, Actor>,
-}
+    /// Canonical digest (the sum of the bucket digests).
+    pub fn digest(&self) -> u64 {
+        self.buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+    }
 
-impl Default for OrSet {
-    fn default() -> Self {
-        OrSet { set: Orswot::new() }
+    /// Per-bucket digests.
+    pub fn bucket_digests(&self) -> &[u64; BUCKETS] {
+        &self.buckets
+    }
+
+    /// The submap of the given buckets: a state that merges like any other.
+    pub fn buckets_subset(&self, buckets: &[usize]) -> LwwMap {
+        let mut m = LwwMap::default();
+        for (k, reg) in &self.entries {
+            if buckets.contains(&bucket_of(k)) {
+                m.set(k.clone(), reg.clone());
+            }
+        }
+        m
+    }
+
+    /// Takes the entries written locally since the last take.
+    pub fn take_delta(&mut self) -> Option<LwwMap> {
+        let entries = self.delta.take()?;
+        let mut m = LwwMap::default();
+        for (k, reg) in entries {
+            m.set(k, reg);
+        }
+        Some(m)
+    }
+
+    /// Approximate encoded size in bytes.
+    pub fn approx_bytes(&self) -> usize {
+        self.entries.iter().map(|(k, r)| k.len() + r.val.as_ref().map_or(0, |v| v.len()) + r.marker.1.len() + 16).sum()
+    }
+
+    /// Highest marker clock in the map (a writer continues above it).
+    pub fn max_clock(&self) -> u64 {
+        self.entries.values().map(|r| r.marker.0).max().unwrap_or(0)
     }
 }
 
-impl OrSet {
-    /// Adds a member.
-    pub fn add(&mut self, ctx: &WriteCtx, member: impl Into<String>) {
-        let op = self.set.add(member.into(), self.set.read_ctx().derive_add_ctx(ctx.actor.clone()));
-        self.set.apply(op);
-    }
+pub use super::orset::{OrSet, OrSetDelta, OrSetError};
 
-    /// Adds several members in one dot.
-    pub fn add_all<I: IntoIterator<Item = String>>(&mut self, ctx: &WriteCtx, members: I) {
-        let op = self.set.add_all(members, self.set.read_ctx().derive_add_ctx(ctx.actor.clone()));
-        self.set.apply(op);
-    }
-
-    /// Removes a member (only the adds this replica has seen).
-    pub fn remove(&mut self, member: &str) {
-        let member = member.to_string();
-        let op = self.set.rm(member.clone(), self.set.contains(&member).derive_rm_ctx());
-        self.set.apply(op);
-    }
-
-    /// Whether `member` is in the set.
-    pub fn contains(&self, member: &str) -> bool {
-        self.set.contains(&member.to_string()).val
-    }
-
-    /// The members, sorted.
-    pub fn members(&self) -> BTreeSet<String> {
-        self.set.iter().map(|r| r.val.clone()).collect()
-    }
-
-    /// Number of members.
-    pub fn len(&self) -> usize {
-        self.set.iter().count()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Merges another replica's state.
-    pub fn merge(&mut self, other: OrSet) {
-        self.set.merge(other.set);
-    }
-}
-
-/// A grow-only set of strings.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// A grow-only set of strings. Digest: a sum of one hash per member, per bucket; delta: the
+/// members added locally since the last take.
+#[derive(Clone, Default)]
 pub struct GSet {
-    set: CrdtGSet<String>,
+    set: BTreeSet<String>,
+    buckets: Buckets,
+    delta: Option<BTreeSet<String>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct GSetWire {
+    members: BTreeSet<String>,
+}
+
+impl Serialize for GSet {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            members: &'a BTreeSet<String>,
+        }
+        Borrowed { members: &self.set }.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for GSet {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let wire = GSetWire::deserialize(d)?;
+        let mut g = GSet::default();
+        for m in wire.members {
+            g.add_member(m);
+        }
+        Ok(g)
+    }
+}
+
+impl PartialEq for GSet {
+    fn eq(&self, other: &Self) -> bool {
+        self.set == other.set
+    }
+}
+impl Eq for GSet {}
+
+impl std::fmt::Debug for GSet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(&self.set).finish()
+    }
 }
 
 impl GSet {
     /// Adds a member.
     pub fn insert(&mut self, member: impl Into<String>) {
-        self.set.insert(member.into());
+        let member = member.into();
+        if !self.set.contains(&member) {
+            self.delta.get_or_insert_with(BTreeSet::new).insert(member.clone());
+            self.add_member(member);
+        }
+    }
+    fn add_member(&mut self, member: String) {
+        let b = bucket_of(&member);
+        if !self.set.contains(&member) {
+            self.buckets[b] = self.buckets[b].wrapping_add(xxh3_64(member.as_bytes()));
+            self.set.insert(member);
+        }
     }
     /// Whether `member` is in the set.
     pub fn contains(&self, member: &str) -> bool {
-        self.set.contains(&member.to_string())
+        self.set.contains(member)
     }
     /// The members, sorted.
     pub fn members(&self) -> BTreeSet<String> {
-        self.set.read()
+        self.set.clone()
     }
-    /// Merges another replica's state.
+    /// The members, sorted, borrowed.
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.set.iter().map(String::as_str)
+    }
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.set.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.set.is_empty()
+    }
+    /// Merges another replica's state (or a delta, or a bucket subset).
     pub fn merge(&mut self, other: GSet) {
-        self.set.merge(other.set);
+        for m in other.set {
+            self.add_member(m);
+        }
+    }
+    /// Canonical digest.
+    pub fn digest(&self) -> u64 {
+        self.buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+    }
+    /// Per-bucket digests.
+    pub fn bucket_digests(&self) -> &[u64; BUCKETS] {
+        &self.buckets
+    }
+    /// The members of the given buckets.
+    pub fn buckets_subset(&self, buckets: &[usize]) -> GSet {
+        let mut g = GSet::default();
+        for m in &self.set {
+            if buckets.contains(&bucket_of(m)) {
+                g.add_member(m.clone());
+            }
+        }
+        g
+    }
+    /// Approximate encoded size in bytes.
+    pub fn approx_bytes(&self) -> usize {
+        self.set.iter().map(|m| m.len() + 2).sum()
+    }
+    /// Takes the members added locally since the last take.
+    pub fn take_delta(&mut self) -> Option<GSet> {
+        let members = self.delta.take()?;
+        let mut g = GSet::default();
+        for m in members {
+            g.add_member(m);
+        }
+        Some(g)
     }
 }
 
 /// Any value a replicator key can hold.
+// The OR-set's inline part is a few hundred bytes; values live one per key in the replicator's
+// map, so boxing would add an allocation per key for no gain.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ReplicatedData {
     /// LWW-map.
@@ -208,6 +407,86 @@ pub enum ReplicatedData {
     OrSet(OrSet),
     /// G-set.
     GSet(GSet),
+}
+
+/// A change of one value: itself a state of the same type (a δ-state), so deltas merge in any
+/// order, lost or duplicated.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ReplicatedDelta {
+    /// Entries of an LWW-map written since the last take.
+    LwwMap(LwwMap),
+    /// Adds and removes of an OR-set.
+    OrSet(OrSetDelta),
+    /// Members added to a G-set.
+    GSet(GSet),
+}
+
+impl ReplicatedDelta {
+    /// The type's name, for errors.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            ReplicatedDelta::LwwMap(_) => LwwMap::NAME,
+            ReplicatedDelta::OrSet(_) => OrSet::NAME,
+            ReplicatedDelta::GSet(_) => GSet::NAME,
+        }
+    }
+
+    /// Number of elements the delta carries (for batching limits).
+    pub fn len(&self) -> usize {
+        match self {
+            ReplicatedDelta::LwwMap(m) => m.entry_count(),
+            ReplicatedDelta::OrSet(d) => d.len(),
+            ReplicatedDelta::GSet(g) => g.len(),
+        }
+    }
+
+    /// True when it carries nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Approximate encoded size in bytes.
+    pub fn approx_bytes(&self) -> usize {
+        match self {
+            ReplicatedDelta::LwwMap(m) => m.approx_bytes(),
+            ReplicatedDelta::OrSet(d) => d.approx_bytes(),
+            ReplicatedDelta::GSet(g) => g.approx_bytes(),
+        }
+    }
+
+    /// Joins `other` into `self` (same type), so pending deltas of one key ship as one.
+    pub fn join(&mut self, other: ReplicatedDelta) -> std::result::Result<(), (&'static str, &'static str)> {
+        match (self, other) {
+            (ReplicatedDelta::LwwMap(a), ReplicatedDelta::LwwMap(b)) => a.merge(b),
+            (ReplicatedDelta::OrSet(a), ReplicatedDelta::OrSet(b)) => a.join_delta(b),
+            (ReplicatedDelta::GSet(a), ReplicatedDelta::GSet(b)) => a.merge(b),
+            (a, b) => return Err((a.type_name(), b.type_name())),
+        }
+        Ok(())
+    }
+
+    /// The empty value of the delta's type (what a replica without the key merges it into).
+    pub fn empty_value(&self) -> ReplicatedData {
+        match self {
+            ReplicatedDelta::LwwMap(_) => ReplicatedData::LwwMap(LwwMap::default()),
+            ReplicatedDelta::OrSet(_) => ReplicatedData::OrSet(OrSet::default()),
+            ReplicatedDelta::GSet(_) => ReplicatedData::GSet(GSet::default()),
+        }
+    }
+}
+
+/// Why a merge was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MergeError {
+    /// The incoming value or delta is of another type than the local value.
+    WrongType {
+        /// Local type.
+        mine: &'static str,
+        /// Incoming type.
+        theirs: &'static str,
+    },
+    /// The incoming OR-set would break a limit.
+    Invalid(OrSetError),
 }
 
 impl ReplicatedData {
@@ -222,13 +501,92 @@ impl ReplicatedData {
 
     /// Merges `other` into `self`; both must be of the same type.
     pub fn merge(&mut self, other: ReplicatedData) -> std::result::Result<(), (&'static str, &'static str)> {
+        match self.try_merge(other) {
+            Ok(()) => Ok(()),
+            Err(MergeError::WrongType { mine, theirs }) => Err((mine, theirs)),
+            Err(MergeError::Invalid(e)) => {
+                tracing::warn!(error = %e, "merge refused");
+                Ok(())
+            }
+        }
+    }
+
+    /// Merges `other` into `self`, leaving `self` unchanged on error.
+    pub fn try_merge(&mut self, other: ReplicatedData) -> std::result::Result<(), MergeError> {
         match (self, other) {
             (ReplicatedData::LwwMap(a), ReplicatedData::LwwMap(b)) => a.merge(b),
-            (ReplicatedData::OrSet(a), ReplicatedData::OrSet(b)) => a.merge(b),
+            (ReplicatedData::OrSet(a), ReplicatedData::OrSet(b)) => a.try_merge(&b).map_err(MergeError::Invalid)?,
             (ReplicatedData::GSet(a), ReplicatedData::GSet(b)) => a.merge(b),
-            (a, b) => return Err((a.type_name(), b.type_name())),
+            (a, b) => return Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() }),
         }
         Ok(())
+    }
+
+    /// Merges a delta, leaving `self` unchanged on error. O(delta).
+    pub fn merge_delta(&mut self, delta: &ReplicatedDelta) -> std::result::Result<(), MergeError> {
+        match (self, delta) {
+            (ReplicatedData::LwwMap(a), ReplicatedDelta::LwwMap(b)) => a.merge(b.clone()),
+            (ReplicatedData::OrSet(a), ReplicatedDelta::OrSet(b)) => a.merge_delta(b).map_err(MergeError::Invalid)?,
+            (ReplicatedData::GSet(a), ReplicatedDelta::GSet(b)) => a.merge(b.clone()),
+            (a, b) => return Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() }),
+        }
+        Ok(())
+    }
+
+    /// Takes the local changes since the last take.
+    pub fn take_delta(&mut self) -> Option<ReplicatedDelta> {
+        match self {
+            ReplicatedData::LwwMap(m) => m.take_delta().map(ReplicatedDelta::LwwMap),
+            ReplicatedData::OrSet(s) => s.take_delta().map(ReplicatedDelta::OrSet),
+            ReplicatedData::GSet(g) => g.take_delta().map(ReplicatedDelta::GSet),
+        }
+    }
+
+    /// Canonical digest: equal values have equal digests on every node.
+    pub fn digest(&self) -> u64 {
+        let (tag, d) = match self {
+            ReplicatedData::LwwMap(m) => (1u64, m.digest()),
+            ReplicatedData::OrSet(s) => (2, s.digest()),
+            ReplicatedData::GSet(g) => (3, g.digest()),
+        };
+        d.wrapping_add(tag.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+    }
+
+    /// Per-bucket digests, for values that can be shipped by bucket (maps and G-sets).
+    pub fn bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
+        match self {
+            ReplicatedData::LwwMap(m) => Some(m.bucket_digests()),
+            ReplicatedData::GSet(g) => Some(g.bucket_digests()),
+            ReplicatedData::OrSet(_) => None,
+        }
+    }
+
+    /// The part of the value in the given buckets (the whole value for an OR-set, whose causal
+    /// context cannot be split).
+    pub fn buckets_subset(&self, buckets: &[usize]) -> ReplicatedData {
+        match self {
+            ReplicatedData::LwwMap(m) => ReplicatedData::LwwMap(m.buckets_subset(buckets)),
+            ReplicatedData::GSet(g) => ReplicatedData::GSet(g.buckets_subset(buckets)),
+            ReplicatedData::OrSet(_) => self.clone(),
+        }
+    }
+
+    /// Approximate encoded size in bytes (for message budgets; never encodes).
+    pub fn approx_bytes(&self) -> usize {
+        match self {
+            ReplicatedData::LwwMap(m) => m.approx_bytes(),
+            ReplicatedData::OrSet(s) => s.approx_bytes(),
+            ReplicatedData::GSet(g) => g.approx_bytes(),
+        }
+    }
+
+    /// Number of elements (entries, members), for batching limits.
+    pub fn element_count(&self) -> usize {
+        match self {
+            ReplicatedData::LwwMap(m) => m.entry_count(),
+            ReplicatedData::OrSet(s) => s.len(),
+            ReplicatedData::GSet(g) => g.len(),
+        }
     }
 }
 

@@ -27,6 +27,20 @@ impl std::fmt::Debug for DurableStore {
 }
 
 const GENERATION_KEY: &str = "generation";
+const FORMAT_KEY: &str = "format";
+
+/// Version of the value encoding in the `ddata` database. 2: the compact δ-OR-set and the
+/// digest-carrying map and G-set of round 2 (1, unmarked, was `crdts::Orswot` and `crdts::GSet`).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// What [`DurableStore::load_all`] read.
+#[derive(Debug, Default)]
+pub struct Loaded {
+    /// Every key whose value decoded.
+    pub entries: Vec<(String, ReplicatedData)>,
+    /// Keys whose stored bytes do not decode (left in place, skipped; other replicas repair).
+    pub corrupt: Vec<(String, String)>,
+}
 
 impl DurableStore {
     /// Opens (creating if needed) the store in `dir`. A corrupt or foreign file is a typed
@@ -49,7 +63,23 @@ impl DurableStore {
             })
             .map_err(|e| Error::storage(dir, format!("cannot open databases: {e}")))?
             .unwrap_commit();
-        Ok(DurableStore { env, data, meta, path: dir.to_path_buf() })
+        let store = DurableStore { env, data, meta, path: dir.to_path_buf() };
+        store.stamp_if_empty()?;
+        Ok(store)
+    }
+
+    /// A store without data gets the current format at once, so whatever is written next is
+    /// known to be of this format.
+    fn stamp_if_empty(&self) -> Result<()> {
+        let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
+        let empty = self.data.is_empty(&wtxn).map_err(|e| Error::storage(&self.path, e))?;
+        let stamped = self.meta.get(&wtxn, FORMAT_KEY).map_err(|e| Error::storage(&self.path, e))?.is_some();
+        if empty && !stamped {
+            self.meta
+                .put(&mut wtxn, FORMAT_KEY, &FORMAT_VERSION.to_be_bytes())
+                .map_err(|e| Error::storage(&self.path, e))?;
+        }
+        wtxn.commit().map_err(|e| Error::storage(&self.path, e))
     }
 
     /// The store's directory.
@@ -57,18 +87,52 @@ impl DurableStore {
         &self.path
     }
 
-    /// Every stored key with its value. An entry that does not decode is a typed error: the
-    /// replicator must not serve from a store it cannot read completely.
-    pub fn load_all(&self) -> Result<Vec<(String, ReplicatedData)>> {
+    /// Every stored key with its value. Refuses a store written in another format (with an error
+    /// that names `ddshard remove-internal-data`); a single value that does not decode is
+    /// reported in [`Loaded::corrupt`] and skipped, so one bad record costs that key only.
+    pub fn load_all(&self) -> Result<Loaded> {
+        self.check_format()?;
         let rtxn = self.env.read_txn().map_err(|e| Error::storage(&self.path, e))?;
-        let mut out = Vec::new();
+        let mut out = Loaded::default();
         for item in self.data.iter(&rtxn).map_err(|e| Error::storage(&self.path, e))? {
             let (key, bytes) = item.map_err(|e| Error::storage(&self.path, e))?;
-            let value: ReplicatedData = rmp_serde::from_slice(bytes)
-                .map_err(|e| Error::storage(&self.path, format!("corrupt value for key {key:?}: {e}")))?;
-            out.push((key.to_string(), value));
+            match rmp_serde::from_slice::<ReplicatedData>(bytes) {
+                Ok(value) => out.entries.push((key.to_string(), value)),
+                Err(e) => out.corrupt.push((key.to_string(), e.to_string())),
+            }
         }
         Ok(out)
+    }
+
+    /// Stamps an empty store with [`FORMAT_VERSION`]; refuses data of another version.
+    fn check_format(&self) -> Result<()> {
+        let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
+        let stored = self.meta.get(&wtxn, FORMAT_KEY).map_err(|e| Error::storage(&self.path, e))?;
+        let version = match stored {
+            Some(b) if b.len() == 4 => Some(u32::from_be_bytes(b.try_into().expect("4 bytes"))),
+            Some(_) => return Err(Error::storage(&self.path, "corrupt format record")),
+            None => None,
+        };
+        if version == Some(FORMAT_VERSION) {
+            return Ok(());
+        }
+        let empty = self.data.is_empty(&wtxn).map_err(|e| Error::storage(&self.path, e))?;
+        if !empty {
+            let found = version.map_or_else(|| "1 (unmarked)".to_string(), |v| v.to_string());
+            return Err(Error::storage(
+                &self.path,
+                format!(
+                    "replicated data written in format {found}, this build reads format {FORMAT_VERSION}; \
+                     remove it with `ddshard remove-internal-data --data-dir <node data dir> <entity types>` \
+                     (the cluster's other replicas and the remembered entities' owners repopulate it) \
+                     or start this node with an empty data dir"
+                ),
+            ));
+        }
+        self.meta
+            .put(&mut wtxn, FORMAT_KEY, &FORMAT_VERSION.to_be_bytes())
+            .map_err(|e| Error::storage(&self.path, e))?;
+        wtxn.commit().map_err(|e| Error::storage(&self.path, e))
     }
 
     /// Writes (or, with `None`, deletes) several keys in one transaction, durably: the commit
@@ -136,13 +200,35 @@ mod tests {
             assert_eq!(g1, 1000);
         }
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
-        let all = s.load_all().unwrap();
+        let all = s.load_all().unwrap().entries;
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].0, "shard-x");
         // Clock went backwards: still a larger generation.
         assert_eq!(s.next_generation(5).unwrap(), g1 + 1);
         assert_eq!(s.delete_prefix("shard-").unwrap(), 1);
-        assert!(s.load_all().unwrap().is_empty());
+        assert!(s.load_all().unwrap().entries.is_empty());
+    }
+
+    #[test]
+    fn a_store_of_the_previous_format_is_refused_with_the_removal_command_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        // Written by round 1: values but no format record.
+        s.write_batch(&[("shard-kv/1/0".into(), Some(vec![0x91, 0x80]))]).unwrap();
+        let mut w = s.env.write_txn().unwrap();
+        s.meta.delete(&mut w, FORMAT_KEY).unwrap();
+        w.commit().unwrap();
+        drop(s);
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        let err = s.load_all().unwrap_err().to_string();
+        assert!(err.contains("remove-internal-data") && err.contains("format 1"), "{err}");
+        // After the removal the store is stamped and loads.
+        assert_eq!(s.delete_prefix("shard-").unwrap(), 1);
+        assert!(s.load_all().unwrap().entries.is_empty());
+        s.write_batch(&[("shard-kv/1/0".into(), Some(vec![0xc1]))]).unwrap();
+        let loaded = s.load_all().unwrap();
+        assert_eq!(loaded.corrupt.len(), 1, "a bad record is skipped and reported, not fatal");
+        assert!(loaded.entries.is_empty());
     }
 
     #[test]

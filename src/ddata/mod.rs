@@ -7,7 +7,9 @@
 
 pub mod crdt;
 pub mod durable;
+pub mod orset;
 pub mod replicator;
+pub mod stats;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,10 +22,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-pub use crdt::{Crdt, GSet, LwwMap, OrSet, ReplicatedData, WriteCtx};
+pub use crdt::{Crdt, GSet, LwwMap, MergeError, OrSet, OrSetDelta, ReplicatedData, ReplicatedDelta, WriteCtx};
 pub use durable::DurableStore;
 use replicator::{Action, Input, ReplicatorCore};
 pub use replicator::{Consistency, ReplicatorMsg};
+pub use stats::ReplicatorStats;
 
 use crate::error::{Error, Result};
 use crate::membership::{MembershipSnapshot, UniqueAddress};
@@ -38,6 +41,8 @@ pub(crate) enum ReplyTx {
     Update(oneshot::Sender<Result<()>>),
 }
 
+// Short-lived: moved through the command channel once.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     Op(Input<ReplyTx>),
     Subscribe { key: String, reply: oneshot::Sender<watch::Receiver<Option<ReplicatedData>>> },
@@ -47,6 +52,7 @@ enum Command {
 #[derive(Clone, Debug)]
 pub struct Replicator {
     commands: mpsc::Sender<Command>,
+    stats: Arc<ReplicatorStats>,
 }
 
 impl std::fmt::Debug for Command {
@@ -56,6 +62,12 @@ impl std::fmt::Debug for Command {
 }
 
 impl Replicator {
+    /// The replicator's counters (values and deltas sent and merged, durable commits, digest
+    /// rounds, refused input).
+    pub fn stats(&self) -> &ReplicatorStats {
+        &self.stats
+    }
+
     /// Reads `key` with the given consistency. `Ok(None)`: no replica asked has a value.
     pub async fn get<T: Crdt>(&self, key: &str, consistency: Consistency, timeout: Duration) -> Result<Option<T>> {
         let (tx, rx) = oneshot::channel();
@@ -109,6 +121,8 @@ pub(crate) struct ReplicatorParams {
     pub role: Option<String>,
     pub durable_prefixes: Vec<String>,
     pub gossip_interval: Duration,
+    pub delta_interval: Duration,
+    pub max_message_bytes: usize,
 }
 
 /// Loads the durable keys, then starts the replicator task. Nothing is served before the load
@@ -124,14 +138,25 @@ pub(crate) async fn start(
     let loaded = tokio::task::spawn_blocking(move || loader.load_all())
         .await
         .map_err(|e| Error::storage(store.path(), format!("load task failed: {e}")))??;
-    let mut core = ReplicatorCore::new(params.self_addr.clone(), params.durable_prefixes, params.gossip_interval);
-    core.load(loaded);
+    let settings = replicator::CoreSettings {
+        durable_prefixes: params.durable_prefixes,
+        gossip_interval: params.gossip_interval,
+        delta_interval: params.delta_interval,
+        max_message_bytes: params.max_message_bytes,
+    };
+    let stats = Arc::new(ReplicatorStats::default());
+    let mut core = ReplicatorCore::new(params.self_addr.clone(), settings, stats.clone());
+    for (key, error) in &loaded.corrupt {
+        ReplicatorStats::inc(&stats.rejected);
+        error!(%key, %error, "durable value does not decode; skipped (other replicas repair it)");
+    }
+    core.load(loaded.entries);
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);
-    let driver = Driver { core, transport, store, role: params.role, watchers: HashMap::new() };
+    let driver = Driver { core, transport, store, role: params.role, watchers: HashMap::new(), stats: stats.clone() };
     let shutdown = spawner.shutdown_token().clone();
     spawner.spawn(driver.run(rx, inbound, members, shutdown));
-    Ok(Replicator { commands: tx })
+    Ok(Replicator { commands: tx, stats })
 }
 
 struct Driver {
@@ -140,6 +165,7 @@ struct Driver {
     store: DurableStore,
     role: Option<String>,
     watchers: HashMap<String, watch::Sender<Option<ReplicatedData>>>,
+    stats: Arc<ReplicatorStats>,
 }
 
 impl Driver {
@@ -179,7 +205,10 @@ impl Driver {
                     for m in msgs.drain(..) {
                         match crate::transport::wire::decode::<ReplicatorMsg>(&m.body) {
                             Ok(msg) => self.core.handle(Input::Remote { from: m.from, msg }, now, wall, &mut actions),
-                            Err(e) => warn!(peer = %m.from.address, error = %e, "malformed replicator message dropped"),
+                            Err(e) => {
+                                ReplicatorStats::inc(&self.stats.rejected);
+                                warn!(peer = %m.from.address, error = %e, "malformed replicator message dropped");
+                            }
                         }
                     }
                 }
@@ -235,9 +264,12 @@ impl Driver {
             let store = self.store.clone();
             let r = tokio::task::spawn_blocking(move || store.write_batch(&batch)).await;
             match r {
-                Ok(Ok(())) => {}
+                Ok(Ok(())) => ReplicatorStats::inc(&self.stats.durable_commits),
                 Ok(Err(e)) => persist_error = Some(e.to_string()),
                 Err(e) => persist_error = Some(format!("persist task failed: {e}")),
+            }
+            if persist_error.is_some() {
+                ReplicatorStats::inc(&self.stats.durable_failures);
             }
             if let Some(e) = &persist_error {
                 error!(error = %e, "durable write failed; withholding acknowledgements");

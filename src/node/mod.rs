@@ -112,6 +112,8 @@ impl Node {
             role: config.replicator.role.clone(),
             durable_prefixes: config.replicator.durable_key_prefixes.clone(),
             gossip_interval: config.replicator.gossip_interval,
+            delta_interval: config.replicator.delta_interval,
+            max_message_bytes: config.replicator.max_gossip_message_bytes.min(config.transport.max_frame_size / 2),
         };
         let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;
         let replicator = match started {

@@ -31,7 +31,9 @@ use rand::{Rng, SeedableRng};
 use crate::clock::Instant;
 use crate::ddata::LwwMap;
 use crate::ddata::crdt::ReplicatedData;
-use crate::ddata::replicator::{Action as RepAction, Consistency, Input as RepInput, ReplicatorCore, ReplicatorMsg};
+use crate::ddata::replicator::{
+    Action as RepAction, Consistency, CoreSettings, Input as RepInput, ReplicatorCore, ReplicatorMsg,
+};
 use crate::membership::{Member, MemberStatus, MembershipSnapshot, PeerAddr, UniqueAddress};
 use crate::sharding::allocation::LeastShardAllocation;
 use crate::sharding::coordinator::core::{
@@ -111,6 +113,8 @@ struct Msg {
     ask: Option<u64>,
 }
 
+// Simulation only: messages are moved through the event queue once.
+#[allow(clippy::large_enum_variant)]
 enum Wire {
     ToCoordinator(ToCoordinator),
     ToRegion(ToRegion),
@@ -119,6 +123,7 @@ enum Wire {
     Replicator(ReplicatorMsg),
 }
 
+#[allow(clippy::large_enum_variant)]
 enum Event {
     Deliver {
         from: UniqueAddress,
@@ -307,7 +312,11 @@ impl Sim {
         self.members.push(MemberRow { addr: addr.clone(), status: MemberStatus::Up, up_number });
         let now = self.now();
         let s = settings();
-        let mut replicator = ReplicatorCore::new(addr.clone(), vec!["shard-".into()], Duration::from_millis(200));
+        let mut replicator = ReplicatorCore::new(
+            addr.clone(),
+            CoreSettings::new(vec!["shard-".into()], Duration::from_millis(200)),
+            std::sync::Arc::new(crate::ddata::ReplicatorStats::default()),
+        );
         replicator.load(self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone())).collect());
         let region_settings = RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval };
         self.nodes[i] = Some(Node {

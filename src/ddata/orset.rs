@@ -1,0 +1,1010 @@
+//! A compact δ-OR-set of strings (add wins over a concurrent remove), built for millions of
+//! remembered entity ids.
+//!
+//! **Model.** The add-wins OR-set of Almeida, Shoker and Baquero, "Delta State Replicated Data
+//! Types" (2018): a *dot store* (element → the dots of the adds that put it there; a dot is
+//! `(writer, counter)`) and a *causal context* (every dot this replica has seen, as a version
+//! vector plus a "cloud" of dots above it that arrived out of order). The join of `(s, c)` and
+//! `(s', c')` keeps, per element, the dots both stores hold, plus those of one store that the
+//! other's context has not seen; the contexts are unioned.
+//!
+//! **Deltas.** `add(x)` produces the δ-state `({x → d}, {d} ∪ dots(x))`, `remove(x)` produces
+//! `({}, dots(x))`. Each is itself a state, so deltas can be merged in any order, lost,
+//! duplicated or joined together: no sequence numbers and no causal delivery are needed (a lost
+//! delta is repaired by full-state anti-entropy). [`OrSet::take_delta`] returns everything
+//! changed locally since the last take, as an [`OrSetDelta`]; [`OrSet::merge_delta`] costs
+//! O(delta). A delta names the element of every dot in its context, so a replica finds the dots
+//! to drop without an index from dots to elements.
+//!
+//! **Memory.** Elements live in one byte arena (a length varint, then the bytes); a
+//! `hashbrown::HashTable` holds, per element, its arena offset and one packed dot (16-bit writer
+//! index, 48-bit counter) in 12 bytes. Elements with more than one dot (concurrent adds of the
+//! same element) keep the rest in a side map, which is empty in the common case. Writers are
+//! interned once per set. About 30–45 bytes per 15-byte id.
+//!
+//! **Digest.** A wrapping sum of one hash per (element, dot), per version-vector entry and per
+//! cloud dot, each computed from the writer's *name*: equal states have equal digests on every
+//! node, whatever their history or memory layout, and every change updates it in O(1).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+
+use hashbrown::HashTable;
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use super::crdt::{Actor, WriteCtx};
+
+/// Largest dot counter (48 bits); a decoded value above it is refused.
+pub const MAX_COUNTER: u64 = (1 << 48) - 1;
+/// Most distinct writers one set may hold (16-bit writer index).
+pub const MAX_WRITERS: usize = 1 << 16;
+/// Longest element, in bytes.
+pub const MAX_ELEMENT_LEN: usize = 16 * 1024;
+
+const TAG_ENTRY: u64 = 0x6f72_7365_745f_656e;
+const TAG_VV: u64 = 0x6f72_7365_745f_7676;
+const TAG_CLOUD: u64 = 0x6f72_7365_745f_636c;
+
+/// A dot: writer index (16 bits) and counter (48 bits) packed into one word. Writer indexes are
+/// local to one set (or one delta); they are translated by name when states meet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+struct Dot(u64);
+
+impl Dot {
+    fn new(writer: u16, counter: u64) -> Dot {
+        debug_assert!(counter <= MAX_COUNTER);
+        Dot((u64::from(writer) << 48) | counter)
+    }
+    fn writer(self) -> u16 {
+        (self.0 >> 48) as u16
+    }
+    fn counter(self) -> u64 {
+        self.0 & MAX_COUNTER
+    }
+}
+
+/// One element of the index: its arena offset and its first dot, split into two `u32`s so the
+/// slot is 12 bytes with 4-byte alignment.
+#[derive(Clone, Copy)]
+struct Slot {
+    offset: u32,
+    dot: [u32; 2],
+}
+
+impl Slot {
+    fn dot(self) -> Dot {
+        Dot((u64::from(self.dot[0]) << 32) | u64::from(self.dot[1]))
+    }
+    fn set_dot(&mut self, d: Dot) {
+        self.dot = [(d.0 >> 32) as u32, d.0 as u32];
+    }
+}
+
+fn mix(a: u64, b: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&a.to_le_bytes());
+    buf[8..].copy_from_slice(&b.to_le_bytes());
+    xxh3_64(&buf)
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn get_varint(bytes: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let b = *bytes.get(*pos)?;
+        *pos += 1;
+        v |= u64::from(b & 0x7f).checked_shl(shift)?;
+        if b < 0x80 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+/// The writer table of one set or delta: index ↔ name, and each name's hash (for digests).
+#[derive(Clone, Default)]
+struct Writers {
+    names: Vec<Actor>,
+    hashes: Vec<u64>,
+    by_name: HashMap<Actor, u16>,
+}
+
+impl Writers {
+    fn intern(&mut self, name: &str) -> Option<u16> {
+        if let Some(i) = self.by_name.get(name) {
+            return Some(*i);
+        }
+        if self.names.len() >= MAX_WRITERS {
+            return None;
+        }
+        let i = self.names.len() as u16;
+        self.names.push(name.to_string());
+        self.hashes.push(xxh3_64(name.as_bytes()));
+        self.by_name.insert(name.to_string(), i);
+        Some(i)
+    }
+    fn name(&self, i: u16) -> &str {
+        &self.names[usize::from(i)]
+    }
+    fn hash(&self, i: u16) -> u64 {
+        self.hashes[usize::from(i)]
+    }
+}
+
+/// Why a set, a delta or a merge was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OrSetError {
+    /// More distinct writers than a set may hold.
+    #[error("more than {MAX_WRITERS} writers")]
+    TooManyWriters,
+    /// A malformed encoded value.
+    #[error("malformed OR-set: {0}")]
+    Malformed(&'static str),
+}
+
+/// An observed-remove set of strings (add wins over a concurrent remove), with δ-state
+/// replication. See the module documentation.
+#[derive(Clone, Default)]
+pub struct OrSet {
+    writers: Writers,
+    /// Per writer index: every counter `1..=vv[w]` has been seen.
+    vv: Vec<u64>,
+    /// Seen dots above the version vector.
+    cloud: BTreeSet<Dot>,
+    arena: Vec<u8>,
+    /// Arena bytes of removed elements, reclaimed by compaction.
+    garbage: usize,
+    index: HashTable<Slot>,
+    /// Dots beyond the first, by arena offset (concurrent adds of one element).
+    extra: HashMap<u32, Vec<Dot>>,
+    entries_digest: u64,
+    context_digest: u64,
+    /// Local changes not yet taken by [`OrSet::take_delta`].
+    delta: Option<Box<OrSetDelta>>,
+}
+
+impl OrSet {
+    /// Adds a member (with a fresh dot of `ctx`'s writer; older dots of it are superseded).
+    pub fn add(&mut self, ctx: &WriteCtx, member: impl Into<String>) {
+        let member = member.into();
+        let Some(w) = self.writers.intern(&ctx.actor) else {
+            tracing::error!(writers = MAX_WRITERS, "OR-set writer table full; add dropped");
+            return;
+        };
+        let Some(dot) = self.next_dot(w) else {
+            tracing::error!("OR-set counter exhausted for this writer; add dropped");
+            return;
+        };
+        let old = self.dots_of(member.as_bytes());
+        self.set_dots(member.as_bytes(), &[dot]);
+        self.context_insert(dot);
+        let mut d = OrSetDelta::default();
+        d.record(&self.writers, &member, &[dot], &old);
+        self.push_delta(d);
+    }
+
+    /// Adds several members, each with its own dot.
+    pub fn add_all<I: IntoIterator<Item = String>>(&mut self, ctx: &WriteCtx, members: I) {
+        for m in members {
+            self.add(ctx, m);
+        }
+    }
+
+    /// Removes a member (the adds this replica has seen; a concurrent unseen add wins).
+    pub fn remove(&mut self, member: &str) {
+        let old = self.dots_of(member.as_bytes());
+        if old.is_empty() {
+            return;
+        }
+        self.set_dots(member.as_bytes(), &[]);
+        let mut d = OrSetDelta::default();
+        d.record(&self.writers, member, &[], &old);
+        self.push_delta(d);
+    }
+
+    /// Whether `member` is in the set.
+    pub fn contains(&self, member: &str) -> bool {
+        self.find(member.as_bytes()).is_some()
+    }
+
+    /// The members, in no particular order, without copying them.
+    pub fn iter(&self) -> impl Iterator<Item = &str> {
+        self.index.iter().map(|s| {
+            // Only valid UTF-8 enters the arena (members are `String`s or validated on decode).
+            std::str::from_utf8(self.element_at(s.offset)).unwrap_or_default()
+        })
+    }
+
+    /// The members, sorted.
+    pub fn members(&self) -> BTreeSet<String> {
+        self.iter().map(str::to_string).collect()
+    }
+
+    /// Number of members.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Canonical digest: equal states have equal digests on every node.
+    pub fn digest(&self) -> u64 {
+        self.entries_digest.wrapping_add(self.context_digest)
+    }
+
+    /// Bytes held by the set's own storage (arena, index, side tables), for memory accounting.
+    pub fn heap_bytes(&self) -> usize {
+        self.arena.capacity()
+            + self.index.capacity() * (std::mem::size_of::<Slot>() + 1)
+            + self.extra.capacity() * 40
+            + self.cloud.len() * 16
+            + self.vv.capacity() * 8
+            + self.writers.names.iter().map(|n| n.capacity() * 2 + 48).sum::<usize>()
+    }
+
+    /// Approximate encoded size in bytes (for message budgets; never encodes).
+    pub fn approx_bytes(&self) -> usize {
+        self.arena.len().saturating_sub(self.garbage)
+            + (self.len() + self.extra.values().map(Vec::len).sum::<usize>()) * 6
+            + self.writers.names.iter().map(|n| n.len() + 10).sum::<usize>()
+            + self.cloud.len() * 10
+    }
+
+    /// The highest counter of `writer` this set has seen (0 if none).
+    pub fn max_counter_of(&self, writer: &str) -> u64 {
+        let Some(&w) = self.writers.by_name.get(writer) else { return 0 };
+        let cloud_max = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, MAX_COUNTER)).next_back().map(|d| d.counter());
+        cloud_max.unwrap_or(0).max(self.vv[usize::from(w)])
+    }
+
+    /// Takes the local changes made since the last take (None when there were none).
+    pub fn take_delta(&mut self) -> Option<OrSetDelta> {
+        self.delta.take().map(|b| *b)
+    }
+
+    /// Merges another replica's full state: O(|self| + |other|).
+    pub fn merge(&mut self, other: OrSet) {
+        if let Err(e) = self.try_merge(&other) {
+            tracing::error!(error = %e, "OR-set merge refused");
+        }
+    }
+
+    /// Merges another replica's full state, refusing (and leaving `self` unchanged) when the
+    /// writer table would overflow.
+    pub fn try_merge(&mut self, other: &OrSet) -> Result<(), OrSetError> {
+        let map = self.map_writers(&other.writers)?;
+        let theirs = |d: Dot| Dot::new(map[usize::from(d.writer())], d.counter());
+        // Decide every element against both contexts as they were before the merge.
+        let mut changes: Vec<(Vec<u8>, Vec<Dot>)> = Vec::new();
+        for slot in self.index.iter() {
+            let x = self.element_at(slot.offset);
+            if other.find(x).is_some() {
+                continue;
+            }
+            let mine = self.slot_dots(*slot);
+            let keep: Vec<Dot> =
+                mine.iter().copied().filter(|d| !other.context_contains_mapped(*d, &self.writers)).collect();
+            if keep.len() != mine.len() {
+                changes.push((x.to_vec(), keep));
+            }
+        }
+        for slot in other.index.iter() {
+            let x = other.element_at(slot.offset);
+            let d_theirs: Vec<Dot> = other.slot_dots(*slot).into_iter().map(theirs).collect();
+            let mine = self.dots_of(x);
+            let result = self.join_dots(&mine, &d_theirs, |d| other.context_contains_mapped(d, &self.writers));
+            if result != mine {
+                changes.push((x.to_vec(), result));
+            }
+        }
+        for (x, dots) in changes {
+            self.set_dots(&x, &dots);
+        }
+        for (w, &n) in other.vv.iter().enumerate() {
+            self.context_raise(map[w], n);
+        }
+        for d in &other.cloud {
+            self.context_insert(theirs(*d));
+        }
+        Ok(())
+    }
+
+    /// Merges a delta: O(delta).
+    pub fn merge_delta(&mut self, delta: &OrSetDelta) -> Result<(), OrSetError> {
+        let map = self.map_writers(&delta.writers)?;
+        let theirs = |(w, c): (u16, u64)| Dot::new(map[usize::from(w)], c);
+        for (x, e) in &delta.entries {
+            let present: Vec<Dot> = e.present.iter().copied().map(theirs).collect();
+            let seen: BTreeSet<Dot> = e.present.iter().chain(&e.removed).copied().map(theirs).collect();
+            let mine = self.dots_of(x.as_bytes());
+            let result = self.join_dots(&mine, &present, |d| seen.contains(&d));
+            if result != mine {
+                self.set_dots(x.as_bytes(), &result);
+            }
+        }
+        for e in delta.entries.values() {
+            for d in e.present.iter().chain(&e.removed) {
+                self.context_insert(theirs(*d));
+            }
+        }
+        Ok(())
+    }
+
+    /// `(L ∩ D) ∪ (L \ c') ∪ (D \ c)` for one element: `mine` = L, `theirs` = D (already in this
+    /// set's writer indexes), `theirs_seen` tests c'; c is this set's context.
+    fn join_dots(&self, mine: &[Dot], theirs: &[Dot], theirs_seen: impl Fn(Dot) -> bool) -> Vec<Dot> {
+        let mut out: Vec<Dot> = mine.iter().copied().filter(|d| theirs.contains(d) || !theirs_seen(*d)).collect();
+        for d in theirs {
+            if !mine.contains(d) && !self.context_contains(*d) {
+                out.push(*d);
+            }
+        }
+        out.sort_unstable();
+        out
+    }
+
+    fn map_writers(&mut self, other: &Writers) -> Result<Vec<u16>, OrSetError> {
+        let new = other.names.iter().filter(|n| !self.writers.by_name.contains_key(n.as_str())).count();
+        if self.writers.names.len() + new > MAX_WRITERS {
+            return Err(OrSetError::TooManyWriters);
+        }
+        let map: Vec<u16> = other.names.iter().map(|n| self.writers.intern(n).expect("room checked")).collect();
+        self.vv.resize(self.writers.names.len(), 0);
+        Ok(map)
+    }
+
+    /// Whether this set's context holds `d`, given in `their` writer indexes' namespace.
+    fn context_contains_mapped(&self, d: Dot, their: &Writers) -> bool {
+        match self.writers.by_name.get(their.name(d.writer())) {
+            Some(&w) => self.context_contains(Dot::new(w, d.counter())),
+            None => false,
+        }
+    }
+
+    fn next_dot(&mut self, w: u16) -> Option<Dot> {
+        self.vv.resize(self.writers.names.len(), 0);
+        let next = self.max_counter_of_index(w).checked_add(1).filter(|c| *c <= MAX_COUNTER)?;
+        Some(Dot::new(w, next))
+    }
+
+    fn max_counter_of_index(&self, w: u16) -> u64 {
+        let cloud_max = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, MAX_COUNTER)).next_back().map(|d| d.counter());
+        cloud_max.unwrap_or(0).max(self.vv[usize::from(w)])
+    }
+
+    fn context_contains(&self, d: Dot) -> bool {
+        self.vv.get(usize::from(d.writer())).is_some_and(|&n| d.counter() <= n) || self.cloud.contains(&d)
+    }
+
+    fn vv_hash(&self, w: u16, n: u64) -> u64 {
+        if n == 0 { 0 } else { mix(self.writers.hash(w) ^ TAG_VV, n) }
+    }
+
+    fn cloud_hash(&self, d: Dot) -> u64 {
+        mix(self.writers.hash(d.writer()) ^ TAG_CLOUD, d.counter())
+    }
+
+    fn set_vv(&mut self, w: u16, n: u64) {
+        let old = self.vv[usize::from(w)];
+        self.context_digest = self.context_digest.wrapping_sub(self.vv_hash(w, old)).wrapping_add(self.vv_hash(w, n));
+        self.vv[usize::from(w)] = n;
+    }
+
+    /// Adds one dot to the context, keeping it compact (no cloud dot at or just above the
+    /// version vector).
+    fn context_insert(&mut self, d: Dot) {
+        let w = d.writer();
+        let n = self.vv[usize::from(w)];
+        if d.counter() <= n {
+            return;
+        }
+        if d.counter() == n + 1 {
+            self.set_vv(w, d.counter());
+            self.absorb_cloud(w);
+        } else if self.cloud.insert(d) {
+            self.context_digest = self.context_digest.wrapping_add(self.cloud_hash(d));
+        }
+    }
+
+    /// Raises writer `w`'s version vector entry to at least `n`.
+    fn context_raise(&mut self, w: u16, n: u64) {
+        if n <= self.vv[usize::from(w)] {
+            return;
+        }
+        let covered: Vec<Dot> = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, n)).copied().collect();
+        for d in covered {
+            self.cloud.remove(&d);
+            self.context_digest = self.context_digest.wrapping_sub(self.cloud_hash(d));
+        }
+        self.set_vv(w, n);
+        self.absorb_cloud(w);
+    }
+
+    fn absorb_cloud(&mut self, w: u16) {
+        loop {
+            let next = Dot::new(w, self.vv[usize::from(w)] + 1);
+            if next.counter() > MAX_COUNTER || !self.cloud.remove(&next) {
+                return;
+            }
+            self.context_digest = self.context_digest.wrapping_sub(self.cloud_hash(next));
+            self.set_vv(w, next.counter());
+        }
+    }
+
+    fn element_at(&self, offset: u32) -> &[u8] {
+        let mut pos = offset as usize;
+        let len = get_varint(&self.arena, &mut pos).unwrap_or(0) as usize;
+        &self.arena[pos..pos + len]
+    }
+
+    fn find(&self, x: &[u8]) -> Option<Slot> {
+        self.index.find(xxh3_64(x), |s| self.element_at(s.offset) == x).copied()
+    }
+
+    fn slot_dots(&self, slot: Slot) -> Vec<Dot> {
+        let mut v = vec![slot.dot()];
+        if !self.extra.is_empty()
+            && let Some(more) = self.extra.get(&slot.offset)
+        {
+            v.extend_from_slice(more);
+            v.sort_unstable();
+        }
+        v
+    }
+
+    fn dots_of(&self, x: &[u8]) -> Vec<Dot> {
+        self.find(x).map(|s| self.slot_dots(s)).unwrap_or_default()
+    }
+
+    fn entry_hash(&self, x: &[u8], d: Dot) -> u64 {
+        xxh3_64_with_seed(x, mix(self.writers.hash(d.writer()) ^ TAG_ENTRY, d.counter()))
+    }
+
+    /// Replaces the dots of `x` (empty: removes it), keeping the digest and arena in step.
+    fn set_dots(&mut self, x: &[u8], dots: &[Dot]) {
+        let hash = xxh3_64(x);
+        let old = self.find(x);
+        let old_dots = old.map(|s| self.slot_dots(s)).unwrap_or_default();
+        let mut digest = self.entries_digest;
+        for d in &old_dots {
+            digest = digest.wrapping_sub(self.entry_hash(x, *d));
+        }
+        for d in dots {
+            digest = digest.wrapping_add(self.entry_hash(x, *d));
+        }
+        self.entries_digest = digest;
+        match (old, dots.split_first()) {
+            (Some(slot), None) => {
+                let arena = &self.arena;
+                if let Ok(e) = self.index.find_entry(hash, |s| {
+                    let mut p = s.offset as usize;
+                    let len = get_varint(arena, &mut p).unwrap_or(0) as usize;
+                    &arena[p..p + len] == x
+                }) {
+                    e.remove();
+                }
+                self.extra.remove(&slot.offset);
+                self.garbage += x.len() + 3;
+                self.maybe_compact();
+            }
+            (Some(slot), Some((first, rest))) => {
+                let arena = &self.arena;
+                if let Some(s) = self.index.find_mut(hash, |s| {
+                    let mut p = s.offset as usize;
+                    let len = get_varint(arena, &mut p).unwrap_or(0) as usize;
+                    &arena[p..p + len] == x
+                }) {
+                    s.set_dot(*first);
+                }
+                if rest.is_empty() {
+                    self.extra.remove(&slot.offset);
+                } else {
+                    self.extra.insert(slot.offset, rest.to_vec());
+                }
+            }
+            (None, Some((first, rest))) => {
+                let offset = self.arena.len() as u32;
+                put_varint(&mut self.arena, x.len() as u64);
+                self.arena.extend_from_slice(x);
+                let mut slot = Slot { offset, dot: [0, 0] };
+                slot.set_dot(*first);
+                let arena = &self.arena;
+                self.index.insert_unique(hash, slot, |s| {
+                    let mut p = s.offset as usize;
+                    let len = get_varint(arena, &mut p).unwrap_or(0) as usize;
+                    xxh3_64(&arena[p..p + len])
+                });
+                if !rest.is_empty() {
+                    self.extra.insert(offset, rest.to_vec());
+                }
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// Rewrites the arena without removed elements once they are half of it.
+    fn maybe_compact(&mut self) {
+        if self.garbage < 4096 || self.garbage * 2 < self.arena.len() {
+            return;
+        }
+        let mut arena = Vec::with_capacity(self.arena.len() - self.garbage.min(self.arena.len()));
+        let mut extra = HashMap::with_capacity(self.extra.len());
+        for slot in self.index.iter_mut() {
+            let mut p = slot.offset as usize;
+            let len = get_varint(&self.arena, &mut p).unwrap_or(0) as usize;
+            let new_offset = arena.len() as u32;
+            put_varint(&mut arena, len as u64);
+            arena.extend_from_slice(&self.arena[p..p + len]);
+            if let Some(more) = self.extra.remove(&slot.offset) {
+                extra.insert(new_offset, more);
+            }
+            slot.offset = new_offset;
+        }
+        self.arena = arena;
+        self.extra = extra;
+        self.garbage = 0;
+    }
+
+    fn push_delta(&mut self, d: OrSetDelta) {
+        match &mut self.delta {
+            Some(acc) => acc.join_delta(d),
+            None => self.delta = Some(Box::new(d)),
+        }
+    }
+
+    /// Every (element, dot) pair, for encoding and comparison.
+    fn for_each_entry<'a>(&'a self, mut f: impl FnMut(&'a [u8], Dot)) {
+        for slot in self.index.iter() {
+            let x = self.element_at(slot.offset);
+            for d in self.slot_dots(*slot) {
+                f(x, d);
+            }
+        }
+    }
+
+    /// The state with writer names instead of indexes, sorted: for equality.
+    fn canonical(&self) -> CanonicalView<'_> {
+        let vv = self
+            .vv
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .map(|(w, n)| (self.writers.name(w as u16), *n))
+            .collect();
+        let cloud = self.cloud.iter().map(|d| (self.writers.name(d.writer()), d.counter())).collect();
+        let mut entries = BTreeSet::new();
+        self.for_each_entry(|x, d| {
+            entries.insert((x, self.writers.name(d.writer()), d.counter()));
+        });
+        (vv, cloud, entries)
+    }
+}
+
+/// Version vector, cloud and (element, writer, counter) entries, by writer name.
+type CanonicalView<'a> = (BTreeMap<&'a str, u64>, BTreeSet<(&'a str, u64)>, BTreeSet<(&'a [u8], &'a str, u64)>);
+
+impl PartialEq for OrSet {
+    fn eq(&self, other: &Self) -> bool {
+        self.digest() == other.digest() && self.len() == other.len() && self.canonical() == other.canonical()
+    }
+}
+
+impl Eq for OrSet {}
+
+impl fmt::Debug for OrSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (vv, cloud, _) = self.canonical();
+        f.debug_struct("OrSet")
+            .field("members", &self.members())
+            .field("vv", &vv)
+            .field("cloud", &cloud)
+            .field("digest", &format_args!("{:016x}", self.digest()))
+            .finish()
+    }
+}
+
+/// The encoded form: writer names, version vector, cloud, then every (element, dot) as
+/// `[len varint][bytes][writer varint][counter varint]` in one byte string (≈ id length + 5 B).
+#[derive(Serialize, Deserialize)]
+struct OrSetWire {
+    writers: Vec<Actor>,
+    vv: Vec<u64>,
+    cloud: Vec<(u16, u64)>,
+    #[serde(with = "serde_bytes")]
+    entries: Vec<u8>,
+}
+
+impl Serialize for OrSet {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut entries = Vec::with_capacity(self.arena.len() + self.len() * 5);
+        self.for_each_entry(|x, d| {
+            put_varint(&mut entries, x.len() as u64);
+            entries.extend_from_slice(x);
+            put_varint(&mut entries, u64::from(d.writer()));
+            put_varint(&mut entries, d.counter());
+        });
+        OrSetWire {
+            writers: self.writers.names.clone(),
+            vv: self.vv.clone(),
+            cloud: self.cloud.iter().map(|d| (d.writer(), d.counter())).collect(),
+            entries,
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for OrSet {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        OrSet::from_wire(OrSetWire::deserialize(d)?).map_err(D::Error::custom)
+    }
+}
+
+fn check_writers(names: &[Actor]) -> Result<Writers, OrSetError> {
+    if names.len() > MAX_WRITERS {
+        return Err(OrSetError::TooManyWriters);
+    }
+    let mut w = Writers::default();
+    for n in names {
+        if w.by_name.contains_key(n.as_str()) {
+            return Err(OrSetError::Malformed("duplicate writer"));
+        }
+        w.intern(n);
+    }
+    Ok(w)
+}
+
+fn check_dot(writers: &Writers, w: u64, c: u64) -> Result<Dot, OrSetError> {
+    let w = u16::try_from(w).ok().filter(|w| usize::from(*w) < writers.names.len());
+    let w = w.ok_or(OrSetError::Malformed("writer index out of range"))?;
+    if c == 0 || c > MAX_COUNTER {
+        return Err(OrSetError::Malformed("counter out of range"));
+    }
+    Ok(Dot::new(w, c))
+}
+
+fn check_element(x: &[u8]) -> Result<(), OrSetError> {
+    if x.len() > MAX_ELEMENT_LEN {
+        return Err(OrSetError::Malformed("element too long"));
+    }
+    std::str::from_utf8(x).map_err(|_| OrSetError::Malformed("element is not UTF-8"))?;
+    Ok(())
+}
+
+impl OrSet {
+    fn from_wire(wire: OrSetWire) -> Result<OrSet, OrSetError> {
+        let writers = check_writers(&wire.writers)?;
+        if wire.vv.len() != writers.names.len() {
+            return Err(OrSetError::Malformed("version vector length"));
+        }
+        if wire.vv.iter().any(|n| *n > MAX_COUNTER) {
+            return Err(OrSetError::Malformed("counter out of range"));
+        }
+        let mut set = OrSet { vv: vec![0; writers.names.len()], writers, ..OrSet::default() };
+        for (w, n) in wire.vv.iter().enumerate() {
+            set.set_vv(w as u16, *n);
+        }
+        for (w, c) in wire.cloud {
+            let d = check_dot(&set.writers, u64::from(w), c)?;
+            set.context_insert(d);
+        }
+        let bytes = &wire.entries;
+        let mut pos = 0;
+        let mut by_element: Vec<(&[u8], Dot)> = Vec::new();
+        while pos < bytes.len() {
+            let len = get_varint(bytes, &mut pos).ok_or(OrSetError::Malformed("truncated entry"))?;
+            let len = usize::try_from(len).map_err(|_| OrSetError::Malformed("element too long"))?;
+            let end =
+                pos.checked_add(len).filter(|e| *e <= bytes.len()).ok_or(OrSetError::Malformed("truncated entry"))?;
+            let x = &bytes[pos..end];
+            check_element(x)?;
+            pos = end;
+            let w = get_varint(bytes, &mut pos).ok_or(OrSetError::Malformed("truncated entry"))?;
+            let c = get_varint(bytes, &mut pos).ok_or(OrSetError::Malformed("truncated entry"))?;
+            let d = check_dot(&set.writers, w, c)?;
+            if !set.context_contains(d) {
+                return Err(OrSetError::Malformed("entry dot outside the causal context"));
+            }
+            by_element.push((x, d));
+        }
+        by_element.sort_unstable();
+        by_element.dedup();
+        set.index.reserve(by_element.len(), |_| 0);
+        let mut i = 0;
+        while i < by_element.len() {
+            let x = by_element[i].0;
+            let mut j = i;
+            while j < by_element.len() && by_element[j].0 == x {
+                j += 1;
+            }
+            let dots: Vec<Dot> = by_element[i..j].iter().map(|(_, d)| *d).collect();
+            set.set_dots(x, &dots);
+            i = j;
+        }
+        Ok(set)
+    }
+}
+
+/// The local changes of an [`OrSet`] since the last [`OrSet::take_delta`], as a δ-state: per
+/// touched element, the dots it holds in the delta and the dots the delta has seen removed.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct OrSetDelta {
+    writers: Writers,
+    entries: BTreeMap<String, DeltaEntry>,
+}
+
+#[derive(Clone, Default, PartialEq, Eq, Debug, Serialize, Deserialize)]
+struct DeltaEntry {
+    present: Vec<(u16, u64)>,
+    removed: Vec<(u16, u64)>,
+}
+
+impl PartialEq for Writers {
+    fn eq(&self, other: &Self) -> bool {
+        self.names == other.names
+    }
+}
+impl Eq for Writers {}
+
+impl fmt::Debug for OrSetDelta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OrSetDelta").field("writers", &self.writers.names).field("entries", &self.entries).finish()
+    }
+}
+
+impl OrSetDelta {
+    /// Number of elements the delta touches.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when the delta touches nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Approximate encoded size in bytes.
+    pub fn approx_bytes(&self) -> usize {
+        let dots: usize = self.entries.values().map(|e| e.present.len() + e.removed.len()).sum();
+        self.entries.keys().map(|k| k.len() + 4).sum::<usize>()
+            + dots * 10
+            + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>()
+    }
+
+    /// Records one local op on `x`: `present` dots it now holds, `removed` dots it no longer
+    /// does (both in `from`'s writer indexes).
+    fn record(&mut self, from: &Writers, x: &str, present: &[Dot], removed: &[Dot]) {
+        let mut conv = |d: &Dot| {
+            let w = self.writers.intern(from.name(d.writer())).expect("a delta has at most the set's writers");
+            (w, d.counter())
+        };
+        let present: Vec<(u16, u64)> = present.iter().map(&mut conv).collect();
+        let removed: Vec<(u16, u64)> = removed.iter().map(&mut conv).collect();
+        self.entries.insert(x.to_string(), DeltaEntry { present, removed });
+    }
+
+    /// Joins another delta into this one (both are δ-states, so this is the state join per
+    /// element).
+    pub fn join_delta(&mut self, other: OrSetDelta) {
+        let map: Vec<u16> = other
+            .writers
+            .names
+            .iter()
+            .map(|n| self.writers.intern(n).expect("a delta has at most the set's writers"))
+            .collect();
+        for (x, e) in other.entries {
+            let conv = |(w, c): &(u16, u64)| (map[usize::from(*w)], *c);
+            let p2: Vec<(u16, u64)> = e.present.iter().map(conv).collect();
+            let r2: Vec<(u16, u64)> = e.removed.iter().map(conv).collect();
+            match self.entries.get_mut(&x) {
+                None => {
+                    self.entries.insert(x, DeltaEntry { present: p2, removed: r2 });
+                }
+                Some(mine) => {
+                    let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
+                    let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
+                    let mut present: Vec<(u16, u64)> =
+                        mine.present.iter().copied().filter(|d| p2.contains(d) || !seen2.contains(d)).collect();
+                    for d in &p2 {
+                        if !mine.present.contains(d) && !seen1.contains(d) {
+                            present.push(*d);
+                        }
+                    }
+                    present.sort_unstable();
+                    let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
+                    *mine = DeltaEntry { present, removed };
+                }
+            }
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct OrSetDeltaWire {
+    writers: Vec<Actor>,
+    entries: Vec<(String, DeltaEntry)>,
+}
+
+impl Serialize for OrSetDelta {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        OrSetDeltaWire {
+            writers: self.writers.names.clone(),
+            entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for OrSetDelta {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let wire = OrSetDeltaWire::deserialize(d)?;
+        let check = || -> Result<OrSetDelta, OrSetError> {
+            let writers = check_writers(&wire.writers)?;
+            let mut entries = BTreeMap::new();
+            for (x, e) in wire.entries {
+                check_element(x.as_bytes())?;
+                for (w, c) in e.present.iter().chain(&e.removed) {
+                    check_dot(&writers, u64::from(*w), *c)?;
+                }
+                if entries.insert(x, e).is_some() {
+                    return Err(OrSetError::Malformed("duplicate element in delta"));
+                }
+            }
+            Ok(OrSetDelta { writers, entries })
+        };
+        check().map_err(D::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx(actor: &str) -> WriteCtx {
+        WriteCtx::new(actor, 1)
+    }
+
+    fn roundtrip(s: &OrSet) -> OrSet {
+        rmp_serde::from_slice(&rmp_serde::to_vec(s).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn equal_sets_built_in_different_orders_have_equal_digests_and_encodings_decode_equal() {
+        let mut a = OrSet::default();
+        let mut b = OrSet::default();
+        let ids: Vec<String> = (0..200).map(|i| format!("id-{i}")).collect();
+        for id in &ids {
+            a.add(&ctx("n1#1"), id.clone());
+        }
+        let mut from_a = a.clone();
+        // b learns the same adds by merge, then by delta, in reverse order.
+        b.merge(from_a.clone());
+        assert_eq!(a.digest(), b.digest());
+        let d = from_a.take_delta().unwrap();
+        let mut c = OrSet::default();
+        c.merge_delta(&d).unwrap();
+        assert_eq!(c, a);
+        assert_eq!(c.digest(), a.digest());
+        let r = roundtrip(&a);
+        assert_eq!(r, a);
+        assert_eq!(r.digest(), a.digest());
+    }
+
+    #[test]
+    fn concurrent_add_survives_a_remove_that_did_not_see_it() {
+        let mut a = OrSet::default();
+        a.add(&ctx("a#1"), "x");
+        let mut b = a.clone();
+        b.remove("x");
+        a.add(&ctx("a#1"), "x");
+        let mut m = a.clone();
+        m.merge(b.clone());
+        assert!(m.contains("x"));
+        let mut n = b.clone();
+        n.merge(a.clone());
+        assert_eq!(m, n);
+    }
+
+    #[test]
+    fn a_remove_delta_that_arrives_before_the_add_still_removes_it() {
+        let mut a = OrSet::default();
+        a.add(&ctx("a#1"), "x");
+        let add = a.take_delta().unwrap();
+        a.remove("x");
+        let rm = a.take_delta().unwrap();
+        let mut b = OrSet::default();
+        b.merge_delta(&rm).unwrap();
+        b.merge_delta(&add).unwrap();
+        b.merge_delta(&rm).unwrap();
+        assert!(!b.contains("x"));
+        assert_eq!(b, a);
+    }
+
+    #[test]
+    fn a_lost_delta_leaves_a_cloud_that_a_full_merge_closes() {
+        let mut a = OrSet::default();
+        a.add(&ctx("a#1"), "x");
+        let _lost = a.take_delta().unwrap();
+        a.add(&ctx("a#1"), "y");
+        let second = a.take_delta().unwrap();
+        let mut b = OrSet::default();
+        b.merge_delta(&second).unwrap();
+        assert!(b.contains("y") && !b.contains("x"));
+        assert_eq!(b.cloud.len(), 1, "dot 2 seen without dot 1");
+        b.merge(a.clone());
+        assert!(b.cloud.is_empty());
+        assert_eq!(b, a);
+    }
+
+    #[test]
+    fn removing_most_elements_compacts_the_arena_and_keeps_the_rest() {
+        let mut s = OrSet::default();
+        for i in 0..10_000 {
+            s.add(&ctx("a#1"), format!("entity-{i:06}"));
+        }
+        let full = s.arena.len();
+        for i in 0..9_000 {
+            s.remove(&format!("entity-{i:06}"));
+        }
+        assert!(s.arena.len() < full / 2, "{} of {full}", s.arena.len());
+        assert_eq!(s.len(), 1_000);
+        assert!(s.contains("entity-009999") && !s.contains("entity-000001"));
+        assert_eq!(roundtrip(&s), s);
+    }
+
+    #[test]
+    fn malformed_encodings_are_typed_errors() {
+        let bad = |w: OrSetWire| rmp_serde::from_slice::<OrSet>(&rmp_serde::to_vec(&w).unwrap()).is_err();
+        let wire = |writers: Vec<&str>, vv: Vec<u64>, entries: Vec<u8>| OrSetWire {
+            writers: writers.into_iter().map(String::from).collect(),
+            vv,
+            cloud: vec![],
+            entries,
+        };
+        assert!(bad(wire(vec!["a", "a"], vec![1, 1], vec![])), "duplicate writer");
+        assert!(bad(wire(vec!["a"], vec![], vec![])), "vv length");
+        assert!(bad(wire(vec!["a"], vec![MAX_COUNTER + 1], vec![])), "counter");
+        assert!(bad(wire(vec!["a"], vec![1], vec![1, b'x', 5, 1])), "writer index");
+        assert!(bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 2])), "dot outside context");
+        assert!(bad(wire(vec!["a"], vec![1], vec![9, b'x'])), "truncated");
+        assert!(bad(wire(vec!["a"], vec![1], vec![1, 0xff, 0, 1])), "not utf-8");
+        assert!(!bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 1])), "valid");
+    }
+
+    #[test]
+    fn merging_past_the_writer_limit_is_refused_and_changes_nothing() {
+        let mut big = OrSet { vv: vec![0; MAX_WRITERS], ..OrSet::default() };
+        for i in 0..MAX_WRITERS {
+            big.writers.intern(&format!("w{i}"));
+        }
+        let mut other = OrSet::default();
+        other.add(&ctx("newcomer#1"), "x");
+        let before = big.digest();
+        assert_eq!(big.try_merge(&other), Err(OrSetError::TooManyWriters));
+        assert_eq!(big.digest(), before);
+        assert!(!big.contains("x"));
+    }
+
+    #[test]
+    fn a_writer_continues_above_the_highest_counter_it_ever_saw_of_itself() {
+        let mut a = OrSet::default();
+        a.add(&ctx("a#1"), "x");
+        let mut b = OrSet::default();
+        b.merge(a.clone());
+        b.add(&ctx("a#1"), "y"); // same writer on another replica: never happens, but stays safe
+        assert_eq!(b.max_counter_of("a#1"), 2);
+        assert_eq!(a.max_counter_of("a#1"), 1);
+        assert_eq!(a.max_counter_of("nobody"), 0);
+    }
+}

@@ -1,0 +1,763 @@
+//! The replicator as a sans-IO state machine: it takes inputs (local gets and updates, messages
+//! from peers, membership, ticks) and returns actions (send, persist, reply, notify). The tokio
+//! driver in [`super`] performs them; tests drive it directly with a fake clock.
+//!
+//! **Writes ship deltas.** An update takes the value's delta (what it changed) and sends that:
+//! a majority update as one acknowledged [`ReplicatorMsg::WriteDelta`], a local one into a
+//! per-key pending delta that [`ReplicatorMsg::DeltaPropagation`] ships every
+//! `delta_interval`. Deltas are δ-states, so loss, duplication and reordering are harmless; what
+//! a lost delta leaves behind, anti-entropy repairs. A full value is sent only for an update
+//! that changed nothing (so there is no delta) and by anti-entropy.
+//!
+//! **Anti-entropy is quiet once converged.** Each value keeps a canonical digest up to date; the
+//! replicator keeps 256 key-space bucket sums of `(key, digest)` and their total (the root). A
+//! round sends the root; only a peer whose root differs answers, with its bucket sums; only
+//! the keys of differing buckets are compared; only differing values move, and large maps and
+//! G-sets move by value bucket. Every message is capped in bytes. A merge that leaves the digest
+//! unchanged persists and notifies nothing.
+//!
+//! **Trust.** Acks and read results count only from the replicas the operation addressed.
+
+mod gossip;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+use tracing::warn;
+
+use super::crdt::{MergeError, ReplicatedData, ReplicatedDelta, WriteCtx};
+use super::stats::ReplicatorStats;
+use crate::clock::Instant;
+use crate::error::{Error, Result};
+use crate::membership::UniqueAddress;
+use crate::transport::PeerAddr;
+
+/// How many replicas must take part in a read or a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Consistency {
+    /// Only this node.
+    Local,
+    /// `min(N, max(N/2 + 1 + plus, min_cap))` replicas, this node included, where N counts the
+    /// Up and Leaving members holding replicas (reachable or not).
+    Majority {
+        /// Extra replicas on top of a plain majority.
+        plus: usize,
+        /// Lower bound on the number of replicas.
+        min_cap: usize,
+    },
+    /// Every replica.
+    All,
+}
+
+impl Consistency {
+    /// A plain majority.
+    pub const MAJORITY: Consistency = Consistency::Majority { plus: 0, min_cap: 0 };
+
+    /// Replicas needed out of `n`.
+    pub fn needed(self, n: usize) -> usize {
+        match self {
+            Consistency::Local => 1,
+            Consistency::Majority { plus, min_cap } => n.min((n / 2 + 1 + plus).max(min_cap)),
+            Consistency::All => n,
+        }
+    }
+}
+
+/// Number of key-space buckets of the anti-entropy digest.
+pub(crate) const KEY_BUCKETS: usize = 256;
+
+/// Messages between replicators.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ReplicatorMsg {
+    /// Merge this full value; answer with [`ReplicatorMsg::WriteAck`] once it is stored.
+    Write {
+        /// Operation id of the writer.
+        op: u64,
+        /// Key.
+        key: String,
+        /// Full state.
+        value: ReplicatedData,
+    },
+    /// Merge these deltas (one or more keys); answer with one [`ReplicatorMsg::WriteAck`] once
+    /// all are stored.
+    WriteDelta {
+        /// Operation id of the writer.
+        op: u64,
+        /// Key → delta.
+        entries: Vec<(String, ReplicatedDelta)>,
+    },
+    /// The write was merged (and persisted, for durable keys).
+    WriteAck {
+        /// Operation id.
+        op: u64,
+    },
+    /// Deltas of local updates; no answer.
+    DeltaPropagation {
+        /// Key → delta.
+        entries: Vec<(String, ReplicatedDelta)>,
+    },
+    /// Send me your value of `key`.
+    Read {
+        /// Operation id of the reader.
+        op: u64,
+        /// Key.
+        key: String,
+    },
+    /// Answer to [`ReplicatorMsg::Read`].
+    ReadResult {
+        /// Operation id.
+        op: u64,
+        /// The value, if any.
+        value: Option<ReplicatedData>,
+    },
+    /// Anti-entropy probe: the root digest over all keys.
+    Status {
+        /// Sum of the key-space bucket digests.
+        root: u64,
+    },
+    /// Answer to a differing root: the key-space bucket digests.
+    KeyBuckets {
+        /// [`KEY_BUCKETS`] sums of `(key, value digest)` hashes.
+        digests: Vec<u64>,
+    },
+    /// Per-key digests of the keys in some key-space buckets.
+    Digests {
+        /// Buckets whose keys are all listed.
+        buckets: Vec<u16>,
+        /// Key → value digest.
+        digests: Vec<(String, u64)>,
+    },
+    /// Values (or value buckets) to merge, and what the sender wants back.
+    Gossip {
+        /// Values (whole, or the entries of some value buckets).
+        entries: Vec<(String, ReplicatedData)>,
+        /// Keys whose values the sender wants.
+        want: Vec<String>,
+        /// Keys whose value-bucket digests differ: the sender wants those buckets back.
+        want_buckets: Vec<(String, Vec<u16>)>,
+        /// Value-bucket digests of large differing values, for the receiver to compare.
+        value_buckets: Vec<(String, Vec<u64>)>,
+    },
+}
+
+/// A boxed update of one key's value: changes an existing value in place (returning `None`) or,
+/// for a key without a value, returns the new value. A value of the wrong type is an error and
+/// must be left untouched.
+pub(crate) type Modify =
+    Box<dyn FnOnce(Option<&mut ReplicatedData>, &mut WriteCtx) -> Result<Option<ReplicatedData>> + Send>;
+
+/// Inputs of the state machine; `R` is the caller's reply handle.
+// Remote messages carry values inline; inputs are moved once into the core, never stored.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Input<R> {
+    Get {
+        key: String,
+        consistency: Consistency,
+        timeout: Duration,
+        reply: R,
+    },
+    Update {
+        key: String,
+        consistency: Consistency,
+        timeout: Duration,
+        modify: Modify,
+        reply: R,
+    },
+    Remote {
+        from: PeerAddr,
+        msg: ReplicatorMsg,
+    },
+    /// Replica holders other than this node (Up/Leaving with the role) and which are reachable;
+    /// plus the members to gossip with.
+    Members {
+        replicas: Vec<(PeerAddr, bool)>,
+        gossip_targets: Vec<PeerAddr>,
+    },
+    Tick,
+}
+
+/// Outputs; the driver performs every `Persist` of a batch before any `Send` or reply of it.
+/// `Persist` and `Changed` name only the key: the driver reads the current value when it
+/// performs them, so no value is cloned for them.
+#[derive(Debug)]
+pub(crate) enum Action<R> {
+    Send {
+        to: PeerAddr,
+        msg: ReplicatorMsg,
+    },
+    /// The same message to several peers (encoded once).
+    Broadcast {
+        to: Vec<PeerAddr>,
+        msg: ReplicatorMsg,
+    },
+    Persist {
+        key: String,
+    },
+    ReplyGet {
+        reply: R,
+        result: Result<Option<ReplicatedData>>,
+    },
+    ReplyUpdate {
+        reply: R,
+        result: Result<()>,
+    },
+    Changed {
+        key: String,
+    },
+}
+
+/// Settings of the core.
+#[derive(Debug, Clone)]
+pub(crate) struct CoreSettings {
+    pub durable_prefixes: Vec<String>,
+    pub gossip_interval: Duration,
+    /// How often deltas of local updates are shipped.
+    pub delta_interval: Duration,
+    /// Budget of one gossip or delta message (values are counted by their approximate encoded
+    /// size; one value over the budget still goes alone).
+    pub max_message_bytes: usize,
+}
+
+impl CoreSettings {
+    pub(crate) fn new(durable_prefixes: Vec<String>, gossip_interval: Duration) -> Self {
+        CoreSettings {
+            durable_prefixes,
+            gossip_interval,
+            delta_interval: Duration::from_millis(50),
+            max_message_bytes: 1 << 20,
+        }
+    }
+}
+
+struct Entry {
+    value: ReplicatedData,
+    key_hash: u64,
+    /// This key's share of its key-space bucket digest.
+    contribution: u64,
+}
+
+struct PendingWrite<R> {
+    needed: usize,
+    addressed: Vec<UniqueAddress>,
+    acked: HashSet<UniqueAddress>,
+    deadline: Instant,
+    reply: R,
+}
+
+struct PendingRead<R> {
+    key: String,
+    needed: usize,
+    addressed: Vec<UniqueAddress>,
+    responders: Vec<(PeerAddr, u64)>,
+    merged: Option<ReplicatedData>,
+    deadline: Instant,
+    reply: R,
+}
+
+/// Pending local deltas above this many elements ship at once instead of waiting for the timer.
+const MAX_PENDING_DELTA_ELEMENTS: usize = 10_000;
+
+/// The replicator state machine.
+pub(crate) struct ReplicatorCore<R> {
+    self_addr: UniqueAddress,
+    ctx: WriteCtx,
+    data: BTreeMap<String, Entry>,
+    key_buckets: Vec<u64>,
+    settings: CoreSettings,
+    replicas: Vec<(PeerAddr, bool)>,
+    gossip_targets: Vec<PeerAddr>,
+    next_gossip: Option<Instant>,
+    next_delta_flush: Option<Instant>,
+    pending_deltas: BTreeMap<String, ReplicatedDelta>,
+    pending_delta_elements: usize,
+    next_op: u64,
+    writes: BTreeMap<u64, PendingWrite<R>>,
+    reads: BTreeMap<u64, PendingRead<R>>,
+    rng: StdRng,
+    stats: Arc<ReplicatorStats>,
+}
+
+fn key_hash(key: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(key.as_bytes())
+}
+
+fn contribution(key_hash: u64, value: &ReplicatedData) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&key_hash.to_le_bytes());
+    buf[8..].copy_from_slice(&value.digest().to_le_bytes());
+    xxhash_rust::xxh3::xxh3_64(&buf)
+}
+
+impl<R> ReplicatorCore<R> {
+    pub(crate) fn new(self_addr: UniqueAddress, settings: CoreSettings, stats: Arc<ReplicatorStats>) -> Self {
+        let actor = format!("{}#{}", self_addr.node_id, self_addr.generation);
+        let seed = xxhash_rust::xxh3::xxh3_64(actor.as_bytes());
+        ReplicatorCore {
+            self_addr,
+            ctx: WriteCtx { actor, clock: 0, now_ms: 0 },
+            data: BTreeMap::new(),
+            key_buckets: vec![0; KEY_BUCKETS],
+            settings,
+            replicas: Vec::new(),
+            gossip_targets: Vec::new(),
+            next_gossip: None,
+            next_delta_flush: None,
+            pending_deltas: BTreeMap::new(),
+            pending_delta_elements: 0,
+            next_op: 1,
+            writes: BTreeMap::new(),
+            reads: BTreeMap::new(),
+            rng: StdRng::seed_from_u64(seed),
+            stats,
+        }
+    }
+
+    /// Installs values loaded from the durable store (before serving anything).
+    pub(crate) fn load(&mut self, entries: Vec<(String, ReplicatedData)>) {
+        for (key, mut value) in entries {
+            value.take_delta();
+            self.put_value(&key, value);
+        }
+    }
+
+    pub(crate) fn is_durable(&self, key: &str) -> bool {
+        self.settings.durable_prefixes.iter().any(|p| key.starts_with(p.as_str()))
+    }
+
+    pub(crate) fn local_value(&self, key: &str) -> Option<&ReplicatedData> {
+        self.data.get(key).map(|e| &e.value)
+    }
+
+    fn total_replicas(&self) -> usize {
+        self.replicas.len() + 1
+    }
+
+    fn reachable_replicas(&self) -> Vec<PeerAddr> {
+        self.replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect()
+    }
+
+    /// Inserts a value under a key that has none.
+    fn put_value(&mut self, key: &str, value: ReplicatedData) {
+        let key_hash = key_hash(key);
+        let c = contribution(key_hash, &value);
+        let b = (key_hash % KEY_BUCKETS as u64) as usize;
+        if let Some(old) = self.data.insert(key.to_string(), Entry { value, key_hash, contribution: c }) {
+            self.key_buckets[b] = self.key_buckets[b].wrapping_sub(old.contribution);
+        }
+        self.key_buckets[b] = self.key_buckets[b].wrapping_add(c);
+    }
+
+    /// Recomputes a key's share of the root after its value changed; returns whether the
+    /// value's digest changed.
+    fn refresh(&mut self, key: &str) -> bool {
+        let Some(e) = self.data.get_mut(key) else { return false };
+        let c = contribution(e.key_hash, &e.value);
+        if c == e.contribution {
+            return false;
+        }
+        let b = (e.key_hash % KEY_BUCKETS as u64) as usize;
+        self.key_buckets[b] = self.key_buckets[b].wrapping_sub(e.contribution).wrapping_add(c);
+        e.contribution = c;
+        true
+    }
+
+    pub(crate) fn root_digest(&self) -> u64 {
+        self.key_buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+    }
+
+    /// Merges a full value into `key`; emits Persist/Changed only when the value changed.
+    fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<Action<R>>) -> Result<()> {
+        ReplicatorStats::inc(&self.stats.values_merged);
+        let changed = match self.data.get_mut(key) {
+            Some(entry) => {
+                entry.value.try_merge(incoming).map_err(|e| merge_error(key, e))?;
+                self.refresh(key)
+            }
+            None => {
+                self.put_value(key, incoming);
+                true
+            }
+        };
+        if changed {
+            self.emit_changed(key, out);
+        }
+        Ok(())
+    }
+
+    /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type).
+    fn merge_delta_in(&mut self, key: &str, delta: &ReplicatedDelta, out: &mut Vec<Action<R>>) -> Result<()> {
+        ReplicatorStats::inc(&self.stats.deltas_merged);
+        let changed = match self.data.get_mut(key) {
+            Some(entry) => {
+                entry.value.merge_delta(delta).map_err(|e| merge_error(key, e))?;
+                self.refresh(key)
+            }
+            None => {
+                let mut value = delta.empty_value();
+                value.merge_delta(delta).map_err(|e| merge_error(key, e))?;
+                self.put_value(key, value);
+                true
+            }
+        };
+        if changed {
+            self.emit_changed(key, out);
+        }
+        Ok(())
+    }
+
+    fn emit_changed(&self, key: &str, out: &mut Vec<Action<R>>) {
+        if self.is_durable(key) {
+            out.push(Action::Persist { key: key.to_string() });
+        }
+        out.push(Action::Changed { key: key.to_string() });
+    }
+
+    fn reject(&self, from: &PeerAddr, what: &str, e: &Error) {
+        ReplicatorStats::inc(&self.stats.rejected);
+        warn!(peer = %from.address, error = %e, "refusing {what}");
+    }
+
+    /// Handles one input at `now` (`wall_ms` feeds the LWW clock).
+    pub(crate) fn handle(&mut self, input: Input<R>, now: Instant, wall_ms: u64, out: &mut Vec<Action<R>>) {
+        match input {
+            Input::Get { key, consistency, timeout, reply } => self.on_get(key, consistency, timeout, reply, now, out),
+            Input::Update { key, consistency, timeout, modify, reply } => {
+                self.ctx.now_ms = wall_ms;
+                self.on_update(key, consistency, timeout, modify, reply, now, out)
+            }
+            Input::Remote { from, msg } => self.on_remote(from, msg, out),
+            Input::Members { replicas, gossip_targets } => {
+                self.replicas = replicas;
+                self.gossip_targets = gossip_targets;
+            }
+            Input::Tick => self.on_tick(now, out),
+        }
+    }
+
+    fn on_get(
+        &mut self,
+        key: String,
+        c: Consistency,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
+        let needed = c.needed(self.total_replicas());
+        let local = self.local_value(&key).cloned();
+        if needed <= 1 {
+            out.push(Action::ReplyGet { reply, result: Ok(local) });
+            return;
+        }
+        let reachable = self.reachable_replicas();
+        if reachable.len() + 1 < needed {
+            out.push(Action::ReplyGet {
+                reply,
+                result: Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
+            });
+            return;
+        }
+        let op = self.next_op();
+        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
+        out.push(Action::Broadcast { to: reachable, msg: ReplicatorMsg::Read { op, key: key.clone() } });
+        self.reads.insert(
+            op,
+            PendingRead {
+                key,
+                needed,
+                addressed,
+                responders: Vec::new(),
+                merged: local,
+                deadline: now + timeout,
+                reply,
+            },
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn on_update(
+        &mut self,
+        key: String,
+        c: Consistency,
+        timeout: Duration,
+        modify: Modify,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
+        let existing = self.data.get_mut(&key);
+        let had_value = existing.is_some();
+        let changed = match modify(existing.map(|e| &mut e.value), &mut self.ctx) {
+            Ok(Some(created)) if !had_value => {
+                self.put_value(&key, created);
+                true
+            }
+            Ok(_) => self.refresh(&key),
+            Err(e) => {
+                out.push(Action::ReplyUpdate { reply, result: Err(e) });
+                return;
+            }
+        };
+        if changed {
+            self.emit_changed(&key, out);
+        }
+        let delta = self.data.get_mut(&key).and_then(|e| e.value.take_delta());
+        let needed = c.needed(self.total_replicas());
+        let reachable = self.reachable_replicas();
+        if needed <= 1 || reachable.len() + 1 < needed {
+            if let Some(d) = delta {
+                self.pend_delta(key.clone(), d);
+            }
+            let result = if needed <= 1 {
+                Ok(())
+            } else {
+                Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 })
+            };
+            out.push(Action::ReplyUpdate { reply, result });
+            if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
+                self.flush_deltas(out);
+            }
+            return;
+        }
+        // Earlier local changes of the key ride along with this one.
+        let delta = match (self.take_pending(&key), delta) {
+            (Some(mut p), Some(d)) => {
+                if let Err((a, b)) = p.join(d) {
+                    warn!(%key, mine = a, theirs = b, "pending delta of another type dropped");
+                }
+                Some(p)
+            }
+            (p, d) => p.or(d),
+        };
+        let op = self.next_op();
+        let msg = match delta {
+            Some(d) => {
+                ReplicatorStats::add(&self.stats.deltas_sent, reachable.len());
+                ReplicatorMsg::WriteDelta { op, entries: vec![(key, d)] }
+            }
+            None => {
+                // Nothing changed, so there is no delta: the whole value must reach the majority.
+                ReplicatorStats::add(&self.stats.full_values_sent, reachable.len());
+                ReplicatorMsg::Write { op, value: self.data[&key].value.clone(), key }
+            }
+        };
+        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
+        out.push(Action::Broadcast { to: reachable, msg });
+        let acked = HashSet::from([self.self_addr.clone()]);
+        self.writes.insert(op, PendingWrite { needed, addressed, acked, deadline: now + timeout, reply });
+    }
+
+    fn pend_delta(&mut self, key: String, delta: ReplicatedDelta) {
+        self.pending_delta_elements += delta.len();
+        match self.pending_deltas.get_mut(&key) {
+            Some(p) => {
+                if let Err((a, b)) = p.join(delta) {
+                    warn!(%key, mine = a, theirs = b, "pending delta of another type dropped");
+                }
+            }
+            None => {
+                self.pending_deltas.insert(key, delta);
+            }
+        }
+    }
+
+    fn take_pending(&mut self, key: &str) -> Option<ReplicatedDelta> {
+        let d = self.pending_deltas.remove(key)?;
+        self.pending_delta_elements = self.pending_delta_elements.saturating_sub(d.len());
+        Some(d)
+    }
+
+    /// Ships every pending local delta to the gossip targets, in messages capped in bytes.
+    fn flush_deltas(&mut self, out: &mut Vec<Action<R>>) {
+        let pending = std::mem::take(&mut self.pending_deltas);
+        self.pending_delta_elements = 0;
+        if self.gossip_targets.is_empty() || pending.is_empty() {
+            return;
+        }
+        let mut batch: Vec<(String, ReplicatedDelta)> = Vec::new();
+        let mut bytes = 0;
+        for (key, d) in pending {
+            let size = key.len() + d.approx_bytes();
+            if !batch.is_empty() && bytes + size > self.settings.max_message_bytes {
+                self.send_deltas(std::mem::take(&mut batch), out);
+                bytes = 0;
+            }
+            bytes += size;
+            batch.push((key, d));
+        }
+        self.send_deltas(batch, out);
+    }
+
+    fn send_deltas(&mut self, entries: Vec<(String, ReplicatedDelta)>, out: &mut Vec<Action<R>>) {
+        if entries.is_empty() {
+            return;
+        }
+        ReplicatorStats::add(&self.stats.deltas_sent, entries.len() * self.gossip_targets.len());
+        out.push(Action::Broadcast {
+            to: self.gossip_targets.clone(),
+            msg: ReplicatorMsg::DeltaPropagation { entries },
+        });
+    }
+
+    fn next_op(&mut self) -> u64 {
+        let op = self.next_op;
+        self.next_op += 1;
+        op
+    }
+
+    fn on_remote(&mut self, from: PeerAddr, msg: ReplicatorMsg, out: &mut Vec<Action<R>>) {
+        match msg {
+            ReplicatorMsg::Write { op, key, value } => match self.merge_in(&key, value, out) {
+                Ok(()) => out.push(Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }),
+                Err(e) => self.reject(&from, "replicated write", &e),
+            },
+            ReplicatorMsg::WriteDelta { op, entries } => {
+                let mut ok = true;
+                for (key, delta) in &entries {
+                    if let Err(e) = self.merge_delta_in(key, delta, out) {
+                        self.reject(&from, "replicated delta", &e);
+                        ok = false;
+                    }
+                }
+                // A write with a refused key is not acknowledged: the writer must not count
+                // this replica for it.
+                if ok {
+                    out.push(Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } });
+                }
+            }
+            ReplicatorMsg::DeltaPropagation { entries } => {
+                for (key, delta) in &entries {
+                    if let Err(e) = self.merge_delta_in(key, delta, out) {
+                        self.reject(&from, "propagated delta", &e);
+                    }
+                }
+            }
+            ReplicatorMsg::WriteAck { op } => {
+                let done = match self.writes.get_mut(&op) {
+                    Some(w) if w.addressed.contains(&from.address) => {
+                        w.acked.insert(from.address);
+                        w.acked.len() >= w.needed
+                    }
+                    Some(_) => {
+                        ReplicatorStats::inc(&self.stats.rejected);
+                        false
+                    }
+                    None => false,
+                };
+                if done {
+                    let w = self.writes.remove(&op).expect("pending write");
+                    out.push(Action::ReplyUpdate { reply: w.reply, result: Ok(()) });
+                }
+            }
+            ReplicatorMsg::Read { op, key } => {
+                let value = self.local_value(&key).cloned();
+                if value.is_some() {
+                    ReplicatorStats::inc(&self.stats.full_values_sent);
+                }
+                out.push(Action::Send { to: from, msg: ReplicatorMsg::ReadResult { op, value } });
+            }
+            ReplicatorMsg::ReadResult { op, value } => self.on_read_result(op, from, value, out),
+            ReplicatorMsg::Status { root } => self.on_status(from, root, out),
+            ReplicatorMsg::KeyBuckets { digests } => self.on_key_buckets(from, digests, out),
+            ReplicatorMsg::Digests { buckets, digests } => self.on_digests(from, buckets, digests, out),
+            ReplicatorMsg::Gossip { entries, want, want_buckets, value_buckets } => {
+                self.on_gossip(from, entries, want, want_buckets, value_buckets, out)
+            }
+        }
+    }
+
+    fn on_read_result(&mut self, op: u64, from: PeerAddr, value: Option<ReplicatedData>, out: &mut Vec<Action<R>>) {
+        let Some(r) = self.reads.get_mut(&op) else { return };
+        if !r.addressed.contains(&from.address) {
+            ReplicatorStats::inc(&self.stats.rejected);
+            return;
+        }
+        if r.responders.iter().any(|(p, _)| p.address == from.address) {
+            return;
+        }
+        let digest = value.as_ref().map_or(0, ReplicatedData::digest);
+        r.responders.push((from, digest));
+        if let Some(v) = value {
+            match &mut r.merged {
+                Some(m) => {
+                    if let Err((a, b)) = m.merge(v) {
+                        warn!(key = %r.key, mine = a, theirs = b, "read result of another type ignored");
+                    }
+                }
+                None => r.merged = Some(v),
+            }
+        }
+        if r.responders.len() + 1 >= r.needed {
+            let r = self.reads.remove(&op).expect("pending read");
+            if let Some(Err(e)) = r.merged.map(|m| self.merge_in(&r.key, m, out)) {
+                out.push(Action::ReplyGet { reply: r.reply, result: Err(e) });
+                return;
+            }
+            let result = self.local_value(&r.key).cloned();
+            // Read repair: replicas that answered with an older value get the merged one.
+            let final_digest = result.as_ref().map_or(0, ReplicatedData::digest);
+            if let Some(v) = &result {
+                let stale: Vec<PeerAddr> =
+                    r.responders.into_iter().filter(|(_, d)| *d != final_digest).map(|(p, _)| p).collect();
+                if !stale.is_empty() {
+                    ReplicatorStats::add(&self.stats.full_values_sent, stale.len());
+                    let msg = ReplicatorMsg::Gossip {
+                        entries: vec![(r.key.clone(), v.clone())],
+                        want: Vec::new(),
+                        want_buckets: Vec::new(),
+                        value_buckets: Vec::new(),
+                    };
+                    out.push(Action::Broadcast { to: stale, msg });
+                }
+            }
+            out.push(Action::ReplyGet { reply: r.reply, result: Ok(result) });
+        }
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+        let expired: Vec<u64> = self.writes.iter().filter(|(_, w)| w.deadline <= now).map(|(op, _)| *op).collect();
+        for op in expired {
+            let w = self.writes.remove(&op).expect("pending write");
+            out.push(Action::ReplyUpdate {
+                reply: w.reply,
+                result: Err(Error::ConsistencyTimeout { needed: w.needed, acked: w.acked.len() }),
+            });
+        }
+        let expired: Vec<u64> = self.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(op, _)| *op).collect();
+        for op in expired {
+            let r = self.reads.remove(&op).expect("pending read");
+            out.push(Action::ReplyGet {
+                reply: r.reply,
+                result: Err(Error::ConsistencyTimeout { needed: r.needed, acked: r.responders.len() + 1 }),
+            });
+        }
+        if self.next_delta_flush.is_none_or(|t| t <= now) {
+            self.next_delta_flush = Some(now + self.settings.delta_interval);
+            self.flush_deltas(out);
+        }
+        if self.next_gossip.is_none_or(|t| t <= now) {
+            self.next_gossip = Some(now + self.settings.gossip_interval);
+            if !self.gossip_targets.is_empty() {
+                let i = self.rng.random_range(0..self.gossip_targets.len());
+                let to = self.gossip_targets[i].clone();
+                ReplicatorStats::inc(&self.stats.digest_rounds);
+                out.push(Action::Send { to, msg: ReplicatorMsg::Status { root: self.root_digest() } });
+            }
+        }
+    }
+}
+
+fn merge_error(key: &str, e: MergeError) -> Error {
+    match e {
+        MergeError::WrongType { mine, theirs } => {
+            Error::WrongDataType { key: key.to_string(), expected: mine, found: theirs }
+        }
+        MergeError::Invalid(e) => Error::Codec(format!("value of {key:?} refused: {e}")),
+    }
+}

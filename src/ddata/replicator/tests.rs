@@ -1,0 +1,546 @@
+//! Table tests of the replicator core on a fake clock.
+use super::*;
+use crate::ddata::crdt::{Crdt, GSet, OrSet};
+
+fn peer(id: &str) -> PeerAddr {
+    PeerAddr { address: UniqueAddress::new(id, 1), messaging_addr: "127.0.0.1:1".parse().unwrap() }
+}
+
+fn core(id: &str) -> ReplicatorCore<u32> {
+    ReplicatorCore::new(
+        UniqueAddress::new(id, 1),
+        CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)),
+        Arc::new(ReplicatorStats::default()),
+    )
+}
+
+fn add(member: &'static str) -> Modify {
+    Box::new(move |cur, _ctx| match cur {
+        Some(ReplicatedData::GSet(s)) => {
+            s.insert(member);
+            Ok(None)
+        }
+        Some(other) => Err(Error::WrongDataType { key: "k".into(), expected: "GSet", found: other.type_name() }),
+        None => {
+            let mut s = GSet::default();
+            s.insert(member);
+            Ok(Some(s.into_data()))
+        }
+    })
+}
+
+#[test]
+fn majority_formula_matches_akka_plus_and_min_cap() {
+    let c = Consistency::Majority { plus: 3, min_cap: 5 };
+    assert_eq!(c.needed(1), 1);
+    assert_eq!(c.needed(3), 3);
+    assert_eq!(c.needed(5), 5);
+    assert_eq!(c.needed(10), 9);
+    assert_eq!(c.needed(20), 14);
+    assert_eq!(Consistency::MAJORITY.needed(5), 3);
+    assert_eq!(Consistency::MAJORITY.needed(4), 3);
+    assert_eq!(Consistency::All.needed(4), 4);
+}
+
+#[test]
+fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
+    let mut c = core("a");
+    let peers = vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)];
+    c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let now = Instant::now();
+    let mut out = Vec::new();
+    c.handle(
+        Input::Update {
+            key: "shard-1".into(),
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(1),
+            modify: add("x"),
+            reply: 7,
+        },
+        now,
+        1,
+        &mut out,
+    );
+    // Durable key: persisted, then 4 writes.
+    assert!(matches!(out[0], Action::Persist { .. }));
+    let (op, fanout) = out
+        .iter()
+        .find_map(|a| match a {
+            Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } } => Some((*op, to.len())),
+            _ => None,
+        })
+        .unwrap();
+    assert_eq!(fanout, 4);
+    let mut out = Vec::new();
+    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(out.is_empty(), "2 of 3");
+    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(out.is_empty(), "a duplicate ack does not count");
+    c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(matches!(out[0], Action::ReplyUpdate { reply: 7, result: Ok(()) }));
+
+    let mut out = Vec::new();
+    c.handle(
+        Input::Update {
+            key: "k2".into(),
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(1),
+            modify: add("y"),
+            reply: 8,
+        },
+        now,
+        1,
+        &mut out,
+    );
+    let mut out = Vec::new();
+    c.handle(Input::Tick, now + Duration::from_secs(2), 1, &mut out);
+    assert!(out.iter().any(|a| matches!(
+        a,
+        Action::ReplyUpdate { reply: 8, result: Err(Error::ConsistencyTimeout { needed: 3, acked: 1 }) }
+    )));
+    // The local value stays updated.
+    assert!(c.local_value("k2").is_some());
+}
+
+#[test]
+fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
+    let mut c = core("a");
+    let peers = vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)];
+    c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let mut out = Vec::new();
+    c.handle(
+        Input::Update {
+            key: "k".into(),
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(1),
+            modify: add("x"),
+            reply: 1,
+        },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    assert!(out.iter().any(|a| matches!(
+        a,
+        Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 2 }), .. }
+    )));
+    assert!(c.local_value("k").is_some());
+}
+
+#[test]
+fn majority_read_merges_answers_and_repairs_stale_replicas() {
+    let mut a = core("a");
+    let mut b = core("b");
+    let peers = vec![(peer("b"), true), (peer("c"), true)];
+    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    b.handle(
+        Input::Update {
+            key: "k".into(),
+            consistency: Consistency::Local,
+            timeout: Duration::from_secs(1),
+            modify: add("from-b"),
+            reply: 0,
+        },
+        Instant::now(),
+        1,
+        &mut vec![],
+    );
+    let mut out = Vec::new();
+    a.handle(
+        Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    let op = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
+            _ => None,
+        })
+        .unwrap();
+    let value = b.local_value("k").cloned();
+    let mut out = Vec::new();
+    a.handle(
+        Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, value } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    let got = out
+        .iter()
+        .find_map(|x| match x {
+            Action::ReplyGet { reply: 5, result: Ok(v) } => Some(v.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let set = GSet::from_data(got.unwrap(), "k").unwrap();
+    assert!(set.contains("from-b"));
+}
+
+fn update(
+    c: &mut ReplicatorCore<u32>,
+    key: &str,
+    consistency: Consistency,
+    modify: Modify,
+    out: &mut Vec<Action<u32>>,
+) {
+    c.handle(
+        Input::Update { key: key.into(), consistency, timeout: Duration::from_secs(1), modify, reply: 0 },
+        Instant::now(),
+        1,
+        out,
+    );
+}
+
+fn local(c: &mut ReplicatorCore<u32>, key: &str, modify: Modify) {
+    update(c, key, Consistency::Local, modify, &mut Vec::new());
+}
+
+fn or_add(members: Vec<String>) -> Modify {
+    Box::new(move |cur, ctx| match cur {
+        Some(ReplicatedData::OrSet(s)) => {
+            s.add_all(ctx, members);
+            Ok(None)
+        }
+        Some(other) => Err(Error::WrongDataType { key: "k".into(), expected: "OrSet", found: other.type_name() }),
+        None => {
+            let mut s = OrSet::default();
+            s.add_all(ctx, members);
+            Ok(Some(s.into_data()))
+        }
+    })
+}
+
+fn map_put(entries: Vec<(String, u8)>) -> Modify {
+    Box::new(move |cur, ctx| {
+        let mut fresh = crate::ddata::LwwMap::default();
+        let m = match cur {
+            Some(ReplicatedData::LwwMap(m)) => m,
+            Some(other) => {
+                return Err(Error::WrongDataType { key: "k".into(), expected: "LwwMap", found: other.type_name() });
+            }
+            None => &mut fresh,
+        };
+        for (k, v) in entries {
+            m.put(ctx, k, vec![v]);
+        }
+        Ok(if fresh.entry_count() > 0 { Some(fresh.into_data()) } else { None })
+    })
+}
+
+/// What one anti-entropy exchange between `a` (which starts it) and `b` carried.
+#[derive(Debug, Default)]
+struct Exchange {
+    messages: Vec<&'static str>,
+    values: usize,
+    value_elements: usize,
+    persists: usize,
+    largest_message: usize,
+}
+
+fn kind(m: &ReplicatorMsg) -> &'static str {
+    match m {
+        ReplicatorMsg::Write { .. } => "Write",
+        ReplicatorMsg::WriteDelta { .. } => "WriteDelta",
+        ReplicatorMsg::WriteAck { .. } => "WriteAck",
+        ReplicatorMsg::DeltaPropagation { .. } => "DeltaPropagation",
+        ReplicatorMsg::Read { .. } => "Read",
+        ReplicatorMsg::ReadResult { .. } => "ReadResult",
+        ReplicatorMsg::Status { .. } => "Status",
+        ReplicatorMsg::KeyBuckets { .. } => "KeyBuckets",
+        ReplicatorMsg::Digests { .. } => "Digests",
+        ReplicatorMsg::Gossip { .. } => "Gossip",
+    }
+}
+
+/// Runs one anti-entropy round from `a` to `b` (a tick on `a`) and pumps until quiet.
+fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instant) -> Exchange {
+    let (pa, pb) = (peer("a"), peer("b"));
+    for (c, other) in [(&mut *a, &pb), (&mut *b, &pa)] {
+        let m = Input::Members { replicas: vec![(other.clone(), true)], gossip_targets: vec![other.clone()] };
+        c.handle(m, at, 0, &mut vec![]);
+    }
+    let mut ex = Exchange::default();
+    let mut out = Vec::new();
+    a.handle(Input::Tick, at, 1, &mut out);
+    let mut queue: std::collections::VecDeque<(bool, ReplicatorMsg)> = Default::default();
+    loop {
+        for act in out.drain(..) {
+            match act {
+                Action::Send { to, msg } => queue.push_back((to.address == pb.address, msg)),
+                Action::Broadcast { to, msg } => {
+                    for t in to {
+                        queue.push_back((t.address == pb.address, msg.clone()));
+                    }
+                }
+                Action::Persist { .. } => ex.persists += 1,
+                _ => {}
+            }
+        }
+        let Some((to_b, msg)) = queue.pop_front() else { break };
+        ex.messages.push(kind(&msg));
+        ex.largest_message = ex.largest_message.max(rmp_serde::to_vec(&msg).unwrap().len());
+        if let ReplicatorMsg::Gossip { entries, .. } = &msg {
+            ex.values += entries.len();
+            ex.value_elements += entries.iter().map(|(_, v)| v.element_count()).sum::<usize>();
+        }
+        if to_b {
+            b.handle(Input::Remote { from: pa.clone(), msg }, at, 1, &mut out);
+        } else {
+            a.handle(Input::Remote { from: pb.clone(), msg }, at, 1, &mut out);
+        }
+        assert!(ex.messages.len() < 100, "anti-entropy does not settle: {:?}", ex.messages);
+    }
+    ex
+}
+
+#[test]
+fn anti_entropy_converges_two_replicas_and_then_sends_only_a_root_digest() {
+    let mut a = core("a");
+    let mut b = core("b");
+    let now = Instant::now();
+    local(&mut a, "k", add("x"));
+    local(&mut b, "k", add("y"));
+    // Their deltas were lost: only anti-entropy can repair.
+    a.pending_deltas.clear();
+    b.pending_deltas.clear();
+    let first = exchange(&mut a, &mut b, now);
+    assert_eq!(first.messages, ["Status", "KeyBuckets", "Digests", "Gossip", "Gossip"]);
+    assert_eq!(a.local_value("k"), b.local_value("k"));
+    let again = exchange(&mut a, &mut b, now + Duration::from_secs(2));
+    assert_eq!(again.messages, ["Status"], "converged: only the root digest");
+    assert_eq!((again.values, again.persists), (0, 0));
+}
+
+#[test]
+fn or_sets_with_different_histories_converge_to_one_digest_and_a_quiet_cluster() {
+    // The bug this replaces: digests of equal OR-sets differed by memory layout, so every round
+    // shipped and re-persisted every set.
+    let mut a = core("a");
+    let mut b = core("b");
+    let now = Instant::now();
+    let ids: Vec<String> = (0..300).map(|i| format!("entity-{i}")).collect();
+    local(&mut a, "shard-t/1/0", or_add(ids[..150].to_vec()));
+    local(&mut b, "shard-t/1/0", or_add(ids[150..].to_vec()));
+    local(&mut b, "shard-t/1/0", or_add(ids[..10].to_vec()));
+    exchange(&mut a, &mut b, now);
+    assert_eq!(a.root_digest(), b.root_digest());
+    let stats_before = a.stats.values_merged.load(std::sync::atomic::Ordering::Relaxed);
+    for round in 1..=5 {
+        let ex = exchange(&mut a, &mut b, now + Duration::from_secs(2 * round));
+        assert_eq!(ex.messages, ["Status"]);
+        assert_eq!((ex.values, ex.persists), (0, 0), "a converged cluster ships and commits nothing");
+    }
+    assert_eq!(a.stats.values_merged.load(std::sync::atomic::Ordering::Relaxed), stats_before);
+}
+
+#[test]
+fn merging_a_value_equal_to_the_local_one_persists_and_notifies_nothing() {
+    let mut a = core("a");
+    local(&mut a, "shard-t/1/0", or_add(vec!["x".into(), "y".into()]));
+    let same: ReplicatedData =
+        rmp_serde::from_slice(&rmp_serde::to_vec(a.local_value("shard-t/1/0").unwrap()).unwrap()).unwrap();
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::Write { op: 1, key: "shard-t/1/0".into(), value: same };
+    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    assert!(out.iter().all(|x| matches!(x, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })), "{out:?}");
+}
+
+#[test]
+fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
+    let mut a = core("a");
+    let mut b = core("b");
+    let ids: Vec<String> = (0..1000).map(|i| format!("e{i}")).collect();
+    local(&mut a, "shard-t/1/0", or_add(ids));
+    // b starts with a's state (as after anti-entropy).
+    let full = a.local_value("shard-t/1/0").cloned().unwrap();
+    b.handle(
+        Input::Remote { from: peer("a"), msg: ReplicatorMsg::Write { op: 9, key: "shard-t/1/0".into(), value: full } },
+        Instant::now(),
+        1,
+        &mut vec![],
+    );
+    a.handle(
+        Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
+    a.pending_deltas.clear();
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::MAJORITY, or_add(vec!["new-one".into()]), &mut out);
+    let msg = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: m @ ReplicatorMsg::WriteDelta { .. }, .. } => Some(m.clone()),
+            _ => None,
+        })
+        .expect("a WriteDelta");
+    let ReplicatorMsg::WriteDelta { entries, .. } = &msg else { unreachable!() };
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].1.len(), 1, "one element, not the 1,001 of the value");
+    assert!(rmp_serde::to_vec(&msg).unwrap().len() < 200);
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })));
+    assert!(out.iter().any(|x| matches!(x, Action::Persist { .. })), "durable key persisted before the ack");
+    assert_eq!(a.local_value("shard-t/1/0"), b.local_value("shard-t/1/0"));
+}
+
+#[test]
+fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
+    let mut a = core("a");
+    let now = Instant::now();
+    a.handle(
+        Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")] },
+        now,
+        0,
+        &mut vec![],
+    );
+    a.handle(Input::Tick, now, 1, &mut vec![]);
+    for i in 0..5 {
+        local(&mut a, "k", add(["p", "q", "r", "s", "t"][i]));
+    }
+    local(&mut a, "m", map_put(vec![("x".into(), 1)]));
+    let mut out = Vec::new();
+    a.handle(Input::Tick, now + Duration::from_millis(10), 1, &mut out);
+    assert!(
+        !out.iter().any(|x| matches!(x, Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. })),
+        "not due yet"
+    );
+    let mut out = Vec::new();
+    a.handle(Input::Tick, now + Duration::from_millis(60), 1, &mut out);
+    let shipped: Vec<_> = out
+        .iter()
+        .filter_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => Some(entries.clone()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shipped.len(), 1, "one message");
+    let keys: Vec<(&str, usize)> = shipped[0].iter().map(|(k, d)| (k.as_str(), d.len())).collect();
+    assert_eq!(keys, [("k", 5), ("m", 1)]);
+    // A follower that merges it has both values.
+    let mut b = core("b");
+    b.handle(
+        Input::Remote { from: peer("a"), msg: ReplicatorMsg::DeltaPropagation { entries: shipped[0].clone() } },
+        now,
+        1,
+        &mut vec![],
+    );
+    assert_eq!(b.local_value("k"), a.local_value("k"));
+    assert_eq!(b.local_value("m"), a.local_value("m"));
+}
+
+#[test]
+fn acks_and_read_results_count_only_from_the_replicas_addressed() {
+    let mut a = core("a");
+    a.handle(
+        Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
+    let mut out = Vec::new();
+    update(&mut a, "k", Consistency::All, add("x"), &mut out);
+    let op = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+            _ => None,
+        })
+        .unwrap();
+    let mut out = Vec::new();
+    for stranger in ["mallory", "eve"] {
+        a.handle(
+            Input::Remote { from: peer(stranger), msg: ReplicatorMsg::WriteAck { op } },
+            Instant::now(),
+            1,
+            &mut out,
+        );
+    }
+    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
+    assert!(out.is_empty(), "strangers' acks do not complete the write: {out:?}");
+    assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 2);
+    a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
+    assert!(matches!(out[..], [Action::ReplyUpdate { result: Ok(()), .. }]));
+}
+
+#[test]
+fn a_delta_of_the_wrong_type_is_refused_counted_not_acknowledged_and_the_key_keeps_working() {
+    let mut a = core("a");
+    local(&mut a, "k", add("x"));
+    let mut bogus = OrSet::default();
+    bogus.add(&WriteCtx::new("mallory#1", 1), "evil");
+    let delta = bogus.take_delta().map(crate::ddata::ReplicatedDelta::OrSet).unwrap();
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::WriteDelta { op: 3, entries: vec![("k".into(), delta)] };
+    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    assert!(out.is_empty(), "no ack, no persist: {out:?}");
+    assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+    local(&mut a, "k", add("y"));
+    let set = GSet::from_data(a.local_value("k").cloned().unwrap(), "k").unwrap();
+    assert!(set.contains("x") && set.contains("y"));
+}
+
+#[test]
+fn gossip_want_is_deduplicated_and_capped() {
+    let mut a = core("a");
+    local(&mut a, "k", add("x"));
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::Gossip {
+        entries: vec![],
+        want: vec!["k".to_string(); 100_000],
+        want_buckets: vec![],
+        value_buckets: vec![],
+    };
+    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    let [Action::Send { msg: ReplicatorMsg::Gossip { entries, .. }, .. }] = &out[..] else { panic!("{out:?}") };
+    assert_eq!(entries.len(), 1);
+}
+
+#[test]
+fn a_large_map_that_differs_in_one_entry_moves_by_bucket_not_whole() {
+    let mut a = core("a");
+    let mut b = core("b");
+    let entries: Vec<(String, u8)> = (0..6400).map(|i| (format!("shard-{i}"), 1)).collect();
+    local(&mut a, "coordinator", map_put(entries));
+    let full = a.local_value("coordinator").cloned().unwrap();
+    b.handle(
+        Input::Remote { from: peer("a"), msg: ReplicatorMsg::Write { op: 1, key: "coordinator".into(), value: full } },
+        Instant::now(),
+        1,
+        &mut vec![],
+    );
+    local(&mut a, "coordinator", map_put(vec![("shard-17".into(), 2)]));
+    local(&mut b, "coordinator", map_put(vec![("shard-4242".into(), 3)]));
+    let ex = exchange(&mut a, &mut b, Instant::now());
+    assert_eq!(a.local_value("coordinator"), b.local_value("coordinator"));
+    assert!(ex.value_elements < 6400 / 64 * 4, "moved {} entries of 6,400", ex.value_elements);
+    let again = exchange(&mut a, &mut b, Instant::now() + Duration::from_secs(3));
+    assert_eq!(again.messages, ["Status"]);
+}
+
+#[test]
+fn gossip_messages_are_capped_in_bytes() {
+    let mut a = core("a");
+    a.settings.max_message_bytes = 16 * 1024;
+    let mut b = core("b");
+    b.settings.max_message_bytes = 16 * 1024;
+    for k in 0..200 {
+        let ids: Vec<String> = (0..40).map(|i| format!("entity-{k}-{i}")).collect();
+        local(&mut b, &format!("key-{k}"), or_add(ids));
+    }
+    let mut rounds = 0;
+    while a.root_digest() != b.root_digest() {
+        let ex = exchange(&mut a, &mut b, Instant::now() + Duration::from_secs(2 * rounds + 2));
+        assert!(ex.largest_message <= 2 * 16 * 1024, "{} bytes", ex.largest_message);
+        rounds += 1;
+        assert!(rounds < 200, "does not converge");
+    }
+    assert!(rounds > 1, "the budget split the transfer");
+    for k in 0..200 {
+        assert_eq!(a.local_value(&format!("key-{k}")), b.local_value(&format!("key-{k}")));
+    }
+}
