@@ -25,6 +25,7 @@ use tracing::{error, warn};
 pub use crdt::{Crdt, GSet, LwwMap, MergeError, OrSet, OrSetDelta, ReplicatedData, ReplicatedDelta, WriteCtx};
 pub use durable::DurableStore;
 use replicator::{Action, Input, ReplicatorCore};
+
 pub use replicator::{Consistency, ReplicatorMsg};
 pub use stats::ReplicatorStats;
 
@@ -86,19 +87,28 @@ impl Replicator {
         F: FnOnce(&mut T, &mut WriteCtx) + Send + 'static,
     {
         let (tx, rx) = oneshot::channel();
-        let owned_key = key.to_string();
-        let modify: replicator::Modify = Box::new(move |current, ctx| match current {
-            Some(data) => {
-                modify(T::data_mut(data, &owned_key)?, ctx);
-                Ok(None)
-            }
-            None => {
-                let mut value = T::default();
-                modify(&mut value, ctx);
-                Ok(Some(value.into_data()))
-            }
-        });
-        let input = Input::Update { key: key.to_string(), consistency, timeout, modify, reply: ReplyTx::Update(tx) };
+        let KeyUpdate { key, modify } = KeyUpdate::new::<T, F>(key, modify);
+        let input = Input::Update { key, consistency, timeout, modify, reply: ReplyTx::Update(tx) };
+        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)?
+    }
+
+    /// Updates several keys (of any types) and replicates them in one round: one message and
+    /// one acknowledgement per replica, one LMDB transaction per node. Errors as for
+    /// [`Replicator::update`]; a modify of the wrong type fails the whole call (keys updated
+    /// before it keep their local change, which spreads by gossip).
+    pub async fn update_many(
+        &self,
+        consistency: Consistency,
+        timeout: Duration,
+        updates: Vec<KeyUpdate>,
+    ) -> Result<()> {
+        if updates.is_empty() {
+            return Ok(());
+        }
+        let (tx, rx) = oneshot::channel();
+        let updates = updates.into_iter().map(|u| (u.key, u.modify)).collect();
+        let input = Input::UpdateMany { updates, consistency, timeout, reply: ReplyTx::Update(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)?
     }
@@ -112,6 +122,46 @@ impl Replicator {
             .await
             .map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)
+    }
+}
+
+/// One key's change in [`Replicator::update_many`].
+pub struct KeyUpdate {
+    key: String,
+    modify: replicator::Modify,
+}
+
+impl std::fmt::Debug for KeyUpdate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyUpdate").field("key", &self.key).finish_non_exhaustive()
+    }
+}
+
+impl KeyUpdate {
+    /// Changes `key` (starting from `T::default()` when it has no value).
+    pub fn new<T, F>(key: &str, modify: F) -> KeyUpdate
+    where
+        T: Crdt,
+        F: FnOnce(&mut T, &mut WriteCtx) + Send + 'static,
+    {
+        let owned_key = key.to_string();
+        let modify: replicator::Modify = Box::new(move |current, ctx| match current {
+            Some(data) => {
+                modify(T::data_mut(data, &owned_key)?, ctx);
+                Ok(None)
+            }
+            None => {
+                let mut value = T::default();
+                modify(&mut value, ctx);
+                Ok(Some(value.into_data()))
+            }
+        });
+        KeyUpdate { key: key.to_string(), modify }
+    }
+
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
     }
 }
 

@@ -3,11 +3,11 @@
 //! driver in [`super`] performs them; tests drive it directly with a fake clock.
 //!
 //! **Writes ship deltas.** An update takes the value's delta (what it changed) and sends that:
-//! a majority update as one acknowledged [`ReplicatorMsg::WriteDelta`], a local one into a
-//! per-key pending delta that [`ReplicatorMsg::DeltaPropagation`] ships every
-//! `delta_interval`. Deltas are δ-states, so loss, duplication and reordering are harmless; what
-//! a lost delta leaves behind, anti-entropy repairs. A full value is sent only for an update
-//! that changed nothing (so there is no delta) and by anti-entropy.
+//! a majority update (of one or several keys) as one acknowledged [`ReplicatorMsg::WriteDelta`],
+//! a local one into a per-key pending delta that [`ReplicatorMsg::DeltaPropagation`] ships
+//! every `delta_interval`. Deltas are δ-states, so loss, duplication and reordering are
+//! harmless; what a lost delta leaves behind, anti-entropy repairs. A full value is sent only
+//! for a key an update did not change (so it has no delta) and by anti-entropy.
 //!
 //! **Anti-entropy is quiet once converged.** Each value keeps a canonical digest up to date; the
 //! replicator keeps 256 key-space bucket sums of `(key, digest)` and their total (the root). A
@@ -75,22 +75,16 @@ pub(crate) const KEY_BUCKETS: usize = 256;
 /// Messages between replicators.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ReplicatorMsg {
-    /// Merge this full value; answer with [`ReplicatorMsg::WriteAck`] once it is stored.
-    Write {
-        /// Operation id of the writer.
-        op: u64,
-        /// Key.
-        key: String,
-        /// Full state.
-        value: ReplicatedData,
-    },
-    /// Merge these deltas (one or more keys); answer with one [`ReplicatorMsg::WriteAck`] once
-    /// all are stored.
+    /// Merge these deltas and values (one or more keys); answer with one
+    /// [`ReplicatorMsg::WriteAck`] once all are stored.
     WriteDelta {
         /// Operation id of the writer.
         op: u64,
         /// Key → delta.
         entries: Vec<(String, ReplicatedDelta)>,
+        /// Key → full value, for keys the update did not change (so they have no delta, but
+        /// must still reach the replicas).
+        values: Vec<(String, ReplicatedData)>,
     },
     /// The write was merged (and persisted, for durable keys).
     WriteAck {
@@ -169,6 +163,13 @@ pub(crate) enum Input<R> {
         modify: Modify,
         reply: R,
     },
+    /// Several keys updated and replicated in one round (one message and one ack per replica).
+    UpdateMany {
+        updates: Vec<(String, Modify)>,
+        consistency: Consistency,
+        timeout: Duration,
+        reply: R,
+    },
     Remote {
         from: PeerAddr,
         msg: ReplicatorMsg,
@@ -225,6 +226,7 @@ pub(crate) struct CoreSettings {
 }
 
 impl CoreSettings {
+    #[cfg(any(test, feature = "testkit"))]
     pub(crate) fn new(durable_prefixes: Vec<String>, gossip_interval: Duration) -> Self {
         CoreSettings {
             durable_prefixes,
@@ -429,7 +431,11 @@ impl<R> ReplicatorCore<R> {
             Input::Get { key, consistency, timeout, reply } => self.on_get(key, consistency, timeout, reply, now, out),
             Input::Update { key, consistency, timeout, modify, reply } => {
                 self.ctx.now_ms = wall_ms;
-                self.on_update(key, consistency, timeout, modify, reply, now, out)
+                self.on_update(vec![(key, modify)], consistency, timeout, reply, now, out)
+            }
+            Input::UpdateMany { updates, consistency, timeout, reply } => {
+                self.ctx.now_ms = wall_ms;
+                self.on_update(updates, consistency, timeout, reply, now, out)
             }
             Input::Remote { from, msg } => self.on_remote(from, msg, out),
             Input::Members { replicas, gossip_targets } => {
@@ -480,44 +486,61 @@ impl<R> ReplicatorCore<R> {
         );
     }
 
+    /// Applies one key's modify; returns its delta (None: nothing changed).
+    fn apply_modify(&mut self, key: &str, modify: Modify, out: &mut Vec<Action<R>>) -> Result<Option<ReplicatedDelta>> {
+        let existing = self.data.get_mut(key);
+        let had_value = existing.is_some();
+        let changed = match modify(existing.map(|e| &mut e.value), &mut self.ctx)? {
+            Some(created) if !had_value => {
+                self.put_value(key, created);
+                true
+            }
+            _ => self.refresh(key),
+        };
+        if changed {
+            self.emit_changed(key, out);
+        }
+        Ok(self.data.get_mut(key).and_then(|e| e.value.take_delta()))
+    }
+
+    /// One or more keys updated together and replicated in one round: one `WriteDelta` per
+    /// replica, one ack each. A key the update did not change has no delta, so its full value
+    /// goes instead (a retried write must still reach the majority). A failing modify fails the
+    /// update; keys modified before it keep their local change (it spreads as with any local
+    /// update).
     #[allow(clippy::too_many_arguments)]
     fn on_update(
         &mut self,
-        key: String,
+        updates: Vec<(String, Modify)>,
         c: Consistency,
         timeout: Duration,
-        modify: Modify,
         reply: R,
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
-        let existing = self.data.get_mut(&key);
-        let had_value = existing.is_some();
-        let changed = match modify(existing.map(|e| &mut e.value), &mut self.ctx) {
-            Ok(Some(created)) if !had_value => {
-                self.put_value(&key, created);
-                true
+        let mut deltas: Vec<(String, ReplicatedDelta)> = Vec::with_capacity(updates.len());
+        let mut unchanged: Vec<String> = Vec::new();
+        let mut failure = None;
+        for (key, modify) in updates {
+            match self.apply_modify(&key, modify, out) {
+                Ok(Some(d)) => deltas.push((key, d)),
+                Ok(None) => unchanged.push(key),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
             }
-            Ok(_) => self.refresh(&key),
-            Err(e) => {
-                out.push(Action::ReplyUpdate { reply, result: Err(e) });
-                return;
-            }
-        };
-        if changed {
-            self.emit_changed(&key, out);
         }
-        let delta = self.data.get_mut(&key).and_then(|e| e.value.take_delta());
         let needed = c.needed(self.total_replicas());
         let reachable = self.reachable_replicas();
-        if needed <= 1 || reachable.len() + 1 < needed {
-            if let Some(d) = delta {
-                self.pend_delta(key.clone(), d);
+        if failure.is_some() || needed <= 1 || reachable.len() + 1 < needed {
+            for (key, d) in deltas {
+                self.pend_delta(key, d);
             }
-            let result = if needed <= 1 {
-                Ok(())
-            } else {
-                Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 })
+            let result = match failure {
+                Some(e) => Err(e),
+                None if needed <= 1 => Ok(()),
+                None => Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
             };
             out.push(Action::ReplyUpdate { reply, result });
             if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
@@ -525,28 +548,41 @@ impl<R> ReplicatorCore<R> {
             }
             return;
         }
-        // Earlier local changes of the key ride along with this one.
-        let delta = match (self.take_pending(&key), delta) {
-            (Some(mut p), Some(d)) => {
-                if let Err((a, b)) = p.join(d) {
-                    warn!(%key, mine = a, theirs = b, "pending delta of another type dropped");
-                }
-                Some(p)
+        // Earlier local changes of these keys ride along.
+        for (key, d) in deltas.iter_mut() {
+            if let Some(p) = self.take_pending(key)
+                && let Err((a, b)) = d.join(p)
+            {
+                warn!(%key, mine = a, theirs = b, "pending delta of another type dropped");
             }
-            (p, d) => p.or(d),
-        };
+        }
+        let mut values = Vec::new();
+        for key in unchanged {
+            if let Some(p) = self.take_pending(&key) {
+                deltas.push((key, p));
+            } else if let Some(e) = self.data.get(&key) {
+                values.push((key, e.value.clone()));
+            }
+        }
         let op = self.next_op();
-        let msg = match delta {
-            Some(d) => {
-                ReplicatorStats::add(&self.stats.deltas_sent, reachable.len());
-                ReplicatorMsg::WriteDelta { op, entries: vec![(key, d)] }
-            }
-            None => {
-                // Nothing changed, so there is no delta: the whole value must reach the majority.
-                ReplicatorStats::add(&self.stats.full_values_sent, reachable.len());
-                ReplicatorMsg::Write { op, value: self.data[&key].value.clone(), key }
-            }
-        };
+        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
+        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
+        let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
+        self.start_write(op, msg, reachable, needed, timeout, reply, now, out);
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_write(
+        &mut self,
+        op: u64,
+        msg: ReplicatorMsg,
+        reachable: Vec<PeerAddr>,
+        needed: usize,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         out.push(Action::Broadcast { to: reachable, msg });
         let acked = HashSet::from([self.self_addr.clone()]);
@@ -613,15 +649,17 @@ impl<R> ReplicatorCore<R> {
 
     fn on_remote(&mut self, from: PeerAddr, msg: ReplicatorMsg, out: &mut Vec<Action<R>>) {
         match msg {
-            ReplicatorMsg::Write { op, key, value } => match self.merge_in(&key, value, out) {
-                Ok(()) => out.push(Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }),
-                Err(e) => self.reject(&from, "replicated write", &e),
-            },
-            ReplicatorMsg::WriteDelta { op, entries } => {
+            ReplicatorMsg::WriteDelta { op, entries, values } => {
                 let mut ok = true;
                 for (key, delta) in &entries {
                     if let Err(e) = self.merge_delta_in(key, delta, out) {
                         self.reject(&from, "replicated delta", &e);
+                        ok = false;
+                    }
+                }
+                for (key, value) in values {
+                    if let Err(e) = self.merge_in(&key, value, out) {
+                        self.reject(&from, "replicated value", &e);
                         ok = false;
                     }
                 }

@@ -241,7 +241,6 @@ struct Exchange {
 
 fn kind(m: &ReplicatorMsg) -> &'static str {
     match m {
-        ReplicatorMsg::Write { .. } => "Write",
         ReplicatorMsg::WriteDelta { .. } => "WriteDelta",
         ReplicatorMsg::WriteAck { .. } => "WriteAck",
         ReplicatorMsg::DeltaPropagation { .. } => "DeltaPropagation",
@@ -342,7 +341,7 @@ fn merging_a_value_equal_to_the_local_one_persists_and_notifies_nothing() {
     let same: ReplicatedData =
         rmp_serde::from_slice(&rmp_serde::to_vec(a.local_value("shard-t/1/0").unwrap()).unwrap()).unwrap();
     let mut out = Vec::new();
-    let msg = ReplicatorMsg::Write { op: 1, key: "shard-t/1/0".into(), value: same };
+    let msg = ReplicatorMsg::WriteDelta { op: 1, entries: vec![], values: vec![("shard-t/1/0".into(), same)] };
     a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
     assert!(out.iter().all(|x| matches!(x, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })), "{out:?}");
 }
@@ -356,7 +355,10 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     // b starts with a's state (as after anti-entropy).
     let full = a.local_value("shard-t/1/0").cloned().unwrap();
     b.handle(
-        Input::Remote { from: peer("a"), msg: ReplicatorMsg::Write { op: 9, key: "shard-t/1/0".into(), value: full } },
+        Input::Remote {
+            from: peer("a"),
+            msg: ReplicatorMsg::WriteDelta { op: 9, entries: vec![], values: vec![("shard-t/1/0".into(), full)] },
+        },
         Instant::now(),
         1,
         &mut vec![],
@@ -475,7 +477,7 @@ fn a_delta_of_the_wrong_type_is_refused_counted_not_acknowledged_and_the_key_kee
     bogus.add(&WriteCtx::new("mallory#1", 1), "evil");
     let delta = bogus.take_delta().map(crate::ddata::ReplicatedDelta::OrSet).unwrap();
     let mut out = Vec::new();
-    let msg = ReplicatorMsg::WriteDelta { op: 3, entries: vec![("k".into(), delta)] };
+    let msg = ReplicatorMsg::WriteDelta { op: 3, entries: vec![("k".into(), delta)], values: vec![] };
     a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
     assert!(out.is_empty(), "no ack, no persist: {out:?}");
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
@@ -508,7 +510,10 @@ fn a_large_map_that_differs_in_one_entry_moves_by_bucket_not_whole() {
     local(&mut a, "coordinator", map_put(entries));
     let full = a.local_value("coordinator").cloned().unwrap();
     b.handle(
-        Input::Remote { from: peer("a"), msg: ReplicatorMsg::Write { op: 1, key: "coordinator".into(), value: full } },
+        Input::Remote {
+            from: peer("a"),
+            msg: ReplicatorMsg::WriteDelta { op: 1, entries: vec![], values: vec![("coordinator".into(), full)] },
+        },
         Instant::now(),
         1,
         &mut vec![],
@@ -543,4 +548,44 @@ fn gossip_messages_are_capped_in_bytes() {
     for k in 0..200 {
         assert_eq!(a.local_value(&format!("key-{k}")), b.local_value(&format!("key-{k}")));
     }
+}
+
+#[test]
+fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ships_its_value() {
+    let mut a = core("a");
+    local(&mut a, "g", add("already"));
+    a.pending_deltas.clear();
+    a.handle(
+        Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
+    let mut out = Vec::new();
+    let updates: Vec<(String, Modify)> = vec![
+        ("shard-t/1/0".into(), or_add(vec!["e1".into()])),
+        ("shard-t/2/0".into(), or_add(vec!["e2".into()])),
+        // A retried insert that changes nothing locally: its value must still reach the majority.
+        ("g".into(), add("already")),
+    ];
+    a.handle(
+        Input::UpdateMany { updates, consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 4 },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    let writes: Vec<&ReplicatorMsg> = out
+        .iter()
+        .filter_map(|x| match x {
+            Action::Broadcast { msg, .. } => Some(msg),
+            _ => None,
+        })
+        .collect();
+    let [ReplicatorMsg::WriteDelta { op, entries, values }] = &writes[..] else { panic!("{writes:?}") };
+    assert_eq!(entries.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["shard-t/1/0", "shard-t/2/0"]);
+    assert_eq!(values.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["g"]);
+    assert_eq!(out.iter().filter(|x| matches!(x, Action::Persist { .. })).count(), 2, "both durable keys");
+    let mut out = Vec::new();
+    a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, Instant::now(), 1, &mut out);
+    assert!(matches!(out[..], [Action::ReplyUpdate { reply: 4, result: Ok(()) }]));
 }

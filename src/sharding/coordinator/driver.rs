@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView};
 use super::state::CoordinatorState;
 use crate::clock::{Instant, wall_ms};
-use crate::ddata::{Consistency, GSet, LwwMap, Replicator};
+use crate::ddata::{Consistency, GSet, KeyUpdate, LwwMap, Replicator};
 use crate::error::Error;
 use crate::membership::MembershipSnapshot;
 use crate::node::Node;
@@ -312,29 +312,25 @@ impl CoordinatorDriver {
         async move {
             let mut backoff = WRITE_BACKOFF.0;
             loop {
+                // The state entries and the newly remembered shards go in one round: one delta
+                // message and one ack per replica.
                 let e2 = entries.clone();
-                let mut r = replicator
-                    .update::<LwwMap, _>(&key, consistency, timeout, move |m, ctx| {
-                        for (k, v) in e2 {
-                            match v {
-                                Some(bytes) => m.put(ctx, k, bytes),
-                                None => m.remove(ctx, &k),
-                            }
+                let mut updates = vec![KeyUpdate::new::<LwwMap, _>(&key, move |m, ctx| {
+                    for (k, v) in e2 {
+                        match v {
+                            Some(bytes) => m.put(ctx, k, bytes),
+                            None => m.remove(ctx, &k),
                         }
-                    })
-                    .await;
-                if let (Ok(()), Some(shards)) = (&r, &remembered)
-                    && !shards.is_empty()
-                {
-                    let shards = shards.clone();
-                    r = replicator
-                        .update::<GSet, _>(&shards_key, consistency, timeout, move |g, _| {
-                            for s in shards {
-                                g.insert(s);
-                            }
-                        })
-                        .await;
+                    }
+                })];
+                if let Some(shards) = remembered.clone().filter(|s| !s.is_empty()) {
+                    updates.push(KeyUpdate::new::<GSet, _>(&shards_key, move |g, _| {
+                        for s in shards {
+                            g.insert(s);
+                        }
+                    }));
                 }
+                let r = replicator.update_many(consistency, timeout, updates).await;
                 match r {
                     Ok(()) => break,
                     Err(Error::ShutDown) => return,

@@ -1,6 +1,8 @@
-//! Remember-entities I/O of a shard: the majority read of its remembered ids at start, and the
-//! majority writes of the starts and stops the shard core batches. Each answers the shard with
-//! a [`ShardEvent::Store`] (or feeds recovery in batches with [`ShardEvent::Recover`]).
+//! Remember-entities I/O of a region's shards: the majority read of a shard's remembered ids at
+//! start, and one remember writer per region that group-commits the starts and stops of all its
+//! shards (one multi-key majority update, so one delta message per replica and one LMDB
+//! transaction per node, per batch). Each answers the shard with a [`ShardEvent::Store`] (or
+//! feeds recovery in batches with [`ShardEvent::Recover`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -9,7 +11,7 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::{ShardEvent, StoreResult};
-use crate::ddata::{Consistency, OrSet, Replicator};
+use crate::ddata::{Consistency, KeyUpdate, OrSet, Replicator};
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, keys};
@@ -23,7 +25,7 @@ const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
 /// update timeout each).
 const WRITE_TRIES: usize = 3;
 
-/// What the remember I/O of one region needs.
+/// What the remember I/O of one region needs. Cloning shares the region's remember writer.
 #[derive(Clone)]
 pub(crate) struct RememberIo {
     pub replicator: Replicator,
@@ -34,11 +36,24 @@ pub(crate) struct RememberIo {
     pub write_timeout: Duration,
     pub recovery_batch: usize,
     pub recovery_interval: Duration,
+    writer: mpsc::UnboundedSender<WriteRequest>,
+}
+
+/// One shard's starts and stops, and what to do with the outcome.
+struct WriteRequest {
+    shard: ShardId,
+    adds: BTreeSet<String>,
+    removes: BTreeSet<String>,
+    done: Box<dyn FnOnce(StoreResult) + Send>,
 }
 
 impl RememberIo {
+    /// Starts the region's remember writer (group commit: the starts and stops of all its
+    /// shards go out together, one multi-key majority update per batch; the next batch
+    /// accumulates while one is in flight).
     pub(crate) fn new(replicator: Replicator, spawner: Spawner, type_name: &str, s: &ShardingSettings) -> Self {
-        RememberIo {
+        let (writer, requests) = mpsc::unbounded_channel();
+        let io = RememberIo {
             replicator,
             spawner,
             type_name: type_name.to_string(),
@@ -47,6 +62,57 @@ impl RememberIo {
             write_timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
             recovery_batch: s.entity_recovery_batch,
             recovery_interval: s.entity_recovery_interval,
+            writer,
+        };
+        io.spawner.spawn_until_shutdown(io.clone().run_writer(requests));
+        io
+    }
+
+    async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
+        let mut batch = Vec::new();
+        while requests.recv_many(&mut batch, 4096).await > 0 {
+            // Slot key → (adds, removes), across every shard of the batch.
+            let mut by_key: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
+            for req in &batch {
+                for id in &req.adds {
+                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(id, self.slots));
+                    by_key.entry(key).or_default().0.push(id.clone());
+                }
+                for id in &req.removes {
+                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(id, self.slots));
+                    by_key.entry(key).or_default().1.push(id.clone());
+                }
+            }
+            let mut last = Ok(());
+            for _ in 0..WRITE_TRIES {
+                let updates = by_key
+                    .iter()
+                    .map(|(key, (adds, removes))| {
+                        let (a, r) = (adds.clone(), removes.clone());
+                        KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
+                            set.add_all(ctx, a);
+                            for id in &r {
+                                set.remove(id);
+                            }
+                        })
+                    })
+                    .collect();
+                last = self.replicator.update_many(REMEMBER_CONSISTENCY, self.write_timeout, updates).await;
+                if matches!(last, Ok(()) | Err(crate::error::Error::ShutDown)) {
+                    break;
+                }
+            }
+            let ok = match &last {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(type_name = %self.type_name, shards = batch.len(), error = %e, "recording remembered entities failed");
+                    false
+                }
+            };
+            debug!(type_name = %self.type_name, shards = batch.len(), keys = by_key.len(), "remember batch written");
+            for req in batch.drain(..) {
+                (req.done)(if ok { StoreResult::WriteDone } else { StoreResult::Failed });
+            }
         }
     }
 
@@ -87,7 +153,8 @@ impl RememberIo {
         });
     }
 
-    /// Records starts and stops of a shard's entities: one majority update per touched slot.
+    /// Records starts and stops of a shard's entities: queued to the region's remember writer,
+    /// which answers the shard with a [`ShardEvent::Store`] once its batch is written.
     pub(crate) fn write<E: Entity>(
         &self,
         shard: ShardId,
@@ -96,47 +163,12 @@ impl RememberIo {
         removes: BTreeSet<String>,
         events: mpsc::UnboundedSender<ShardEvent<E>>,
     ) {
-        let io = self.clone();
-        self.spawner.spawn_until_shutdown(async move {
-            let mut by_slot: BTreeMap<u32, (Vec<String>, Vec<String>)> = BTreeMap::new();
-            for id in adds {
-                by_slot.entry(remembered_slot(&id, io.slots)).or_default().0.push(id);
-            }
-            for id in removes {
-                by_slot.entry(remembered_slot(&id, io.slots)).or_default().1.push(id);
-            }
-            let writes = by_slot.into_iter().map(|(slot, (adds, removes))| {
-                let key = keys::remembered_entities(&io.type_name, &shard, slot);
-                let replicator = io.replicator.clone();
-                async move {
-                    let mut last = Ok(());
-                    for _ in 0..WRITE_TRIES {
-                        let (a, r) = (adds.clone(), removes.clone());
-                        last = replicator
-                            .update::<OrSet, _>(&key, REMEMBER_CONSISTENCY, io.write_timeout, move |set, ctx| {
-                                if !a.is_empty() {
-                                    set.add_all(ctx, a);
-                                }
-                                for id in &r {
-                                    set.remove(id);
-                                }
-                            })
-                            .await;
-                        if last.is_ok() {
-                            break;
-                        }
-                    }
-                    last
-                }
-            });
-            let mut result = StoreResult::WriteDone;
-            for r in futures::future::join_all(writes).await {
-                if let Err(e) = r {
-                    warn!(type_name = %io.type_name, %shard, error = %e, "recording remembered entities failed");
-                    result = StoreResult::Failed;
-                }
-            }
-            let _ = events.send(ShardEvent::Store { shard, instance, input: result });
+        let reply_shard = shard.clone();
+        let done = Box::new(move |input| {
+            let _ = events.send(ShardEvent::Store { shard: reply_shard, instance, input });
         });
+        if self.writer.send(WriteRequest { shard, adds, removes, done }).is_err() {
+            debug!(type_name = %self.type_name, "remember writer stopped (shutting down)");
+        }
     }
 }
