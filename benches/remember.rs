@@ -1,5 +1,6 @@
 //! Remember-entities costs, each beside its baseline in the same run:
-//! - new-entity start rate with remember-entities on vs off (3 nodes, majority writes, LMDB);
+//! - new-entity start rate with remember-entities on vs off (3 nodes, majority writes, LMDB),
+//!   in batches of 64 and with a sliding window of 512 always in flight;
 //! - restart time of 100k remembered entities after a full-cluster restart (printed);
 //! - memory and serialized size of one shard holding 1M remembered ids (printed).
 
@@ -41,6 +42,32 @@ async fn start_new(r: &ShardRegion<Thing>, prefix: &str, from: usize) {
         futures::future::join_all(asks).await;
     }
 }
+
+/// Sliding window: `window` asks always in flight (a new one starts as each finishes) until
+/// `total` new entities have started.
+async fn start_new_sliding(r: &ShardRegion<Thing>, prefix: &str, from: usize, total: usize, window: usize) {
+    use futures::StreamExt;
+    let mut in_flight = futures::stream::FuturesUnordered::new();
+    let ask = |i: usize| {
+        let id = format!("{prefix}-{i}");
+        let r = r.clone();
+        async move { r.ask(&id, Ping).await.unwrap() }
+    };
+    let mut next = from;
+    while next < from + total.min(window) {
+        in_flight.push(ask(next));
+        next += 1;
+    }
+    while in_flight.next().await.is_some() {
+        if next < from + total {
+            in_flight.push(ask(next));
+            next += 1;
+        }
+    }
+}
+
+const SLIDING_TOTAL: usize = 4096;
+const SLIDING_WINDOW: usize = 512;
 
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
@@ -122,6 +149,30 @@ fn bench(c: &mut Criterion) {
             })
         })
     });
+    g.finish();
+
+    // The same starts with 512 always in flight (the shape of a busy service), each beside the
+    // remember-off baseline.
+    let mut g = c.benchmark_group("new_entity_start_rate_3_nodes_sliding_512");
+    g.throughput(Throughput::Elements(SLIDING_TOTAL as u64));
+    g.sample_size(10).measurement_time(Duration::from_secs(10));
+    for (name, region, prefix) in
+        [("remember_entities_off", &off, "off-w"), ("remember_entities_on_majority_lmdb", &on, "on-w")]
+    {
+        let mut next = 0usize;
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        start_new_sliding(region, prefix, next, SLIDING_TOTAL, SLIDING_WINDOW).await;
+                        next += SLIDING_TOTAL;
+                    }
+                    t.elapsed()
+                })
+            })
+        });
+    }
     g.finish();
 
     // Restart time after a full-cluster restart: seed 100k remembered ids straight into the
