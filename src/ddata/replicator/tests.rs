@@ -589,3 +589,51 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, Instant::now(), 1, &mut out);
     assert!(matches!(out[..], [Action::ReplyUpdate { reply: 4, result: Ok(()) }]));
 }
+
+#[test]
+fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale() {
+    let mut a = core("a");
+    let mut b = core("b");
+    local(&mut b, "k", add("from-b"));
+    let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
+    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let mut out = Vec::new();
+    let get =
+        Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 };
+    a.handle(get, Instant::now(), 1, &mut out);
+    let op = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
+            _ => None,
+        })
+        .unwrap();
+    let mut out = Vec::new();
+    let fresh = b.local_value("k").cloned();
+    a.handle(
+        Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, value: fresh } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    assert!(out.is_empty(), "2 of 3 needed");
+    // c has never seen the key: it is stale and must be repaired; b is not.
+    a.handle(
+        Input::Remote { from: peer("c"), msg: ReplicatorMsg::ReadResult { op, value: None } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    let repaired: Vec<String> = out
+        .iter()
+        .filter_map(|x| match x {
+            Action::Broadcast { to, msg: ReplicatorMsg::Gossip { entries, .. } } if entries.len() == 1 => {
+                Some(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>())
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(repaired, ["c"]);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyGet { reply: 5, result: Ok(Some(_)) })));
+}
