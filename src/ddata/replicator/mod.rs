@@ -376,36 +376,45 @@ impl<R> ReplicatorCore<R> {
     /// Merges a full value into `key`; emits Persist/Changed only when the value changed.
     fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<Action<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.values_merged);
-        let changed = match self.data.get_mut(key) {
-            Some(entry) => {
-                entry.value.try_merge(incoming).map_err(|e| merge_error(key, e))?;
-                self.refresh(key)
-            }
-            None => {
-                self.put_value(key, incoming);
-                true
-            }
-        };
-        if changed {
-            self.emit_changed(key, out);
-        }
-        Ok(())
+        self.merge_with(key, out, |current| match current {
+            Some(v) => v.try_merge(incoming).map(|()| None),
+            None => Ok(Some(incoming)),
+        })
     }
 
     /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type).
     fn merge_delta_in(&mut self, key: &str, delta: &ReplicatedDelta, out: &mut Vec<Action<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.deltas_merged);
+        self.merge_with(key, out, |current| match current {
+            Some(v) => v.merge_delta(delta).map(|()| None),
+            None => {
+                let mut v = delta.empty_value();
+                v.merge_delta(delta)?;
+                Ok(Some(v))
+            }
+        })
+    }
+
+    /// Runs `merge` on the value of `key` (or, for an absent key, installs what it returns) and
+    /// emits Persist/Changed only when the digest moved.
+    fn merge_with(
+        &mut self,
+        key: &str,
+        out: &mut Vec<Action<R>>,
+        merge: impl FnOnce(Option<&mut ReplicatedData>) -> std::result::Result<Option<ReplicatedData>, MergeError>,
+    ) -> Result<()> {
         let changed = match self.data.get_mut(key) {
             Some(entry) => {
-                entry.value.merge_delta(delta).map_err(|e| merge_error(key, e))?;
+                merge(Some(&mut entry.value)).map_err(|e| merge_error(key, e))?;
                 self.refresh(key)
             }
-            None => {
-                let mut value = delta.empty_value();
-                value.merge_delta(delta).map_err(|e| merge_error(key, e))?;
-                self.put_value(key, value);
-                true
-            }
+            None => match merge(None).map_err(|e| merge_error(key, e))? {
+                Some(value) => {
+                    self.put_value(key, value);
+                    true
+                }
+                None => false,
+            },
         };
         if changed {
             self.emit_changed(key, out);

@@ -229,6 +229,18 @@ fn map_put(entries: Vec<(String, u8)>) -> Modify {
     })
 }
 
+/// Gives `to` the value `from` holds under `key` (as anti-entropy would).
+fn copy_value(from: &ReplicatorCore<u32>, to: &mut ReplicatorCore<u32>, key: &str) {
+    let value = from.local_value(key).cloned().unwrap();
+    let msg = ReplicatorMsg::Gossip {
+        entries: vec![(key.into(), value)],
+        want: vec![],
+        want_buckets: vec![],
+        value_buckets: vec![],
+    };
+    to.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut vec![]);
+}
+
 /// What one anti-entropy exchange between `a` (which starts it) and `b` carried.
 #[derive(Debug, Default)]
 struct Exchange {
@@ -353,16 +365,7 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     let ids: Vec<String> = (0..1000).map(|i| format!("e{i}")).collect();
     local(&mut a, "shard-t/1/0", or_add(ids));
     // b starts with a's state (as after anti-entropy).
-    let full = a.local_value("shard-t/1/0").cloned().unwrap();
-    b.handle(
-        Input::Remote {
-            from: peer("a"),
-            msg: ReplicatorMsg::WriteDelta { op: 9, entries: vec![], values: vec![("shard-t/1/0".into(), full)] },
-        },
-        Instant::now(),
-        1,
-        &mut vec![],
-    );
+    copy_value(&a, &mut b, "shard-t/1/0");
     a.handle(
         Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
         Instant::now(),
@@ -508,16 +511,7 @@ fn a_large_map_that_differs_in_one_entry_moves_by_bucket_not_whole() {
     let mut b = core("b");
     let entries: Vec<(String, u8)> = (0..6400).map(|i| (format!("shard-{i}"), 1)).collect();
     local(&mut a, "coordinator", map_put(entries));
-    let full = a.local_value("coordinator").cloned().unwrap();
-    b.handle(
-        Input::Remote {
-            from: peer("a"),
-            msg: ReplicatorMsg::WriteDelta { op: 1, entries: vec![], values: vec![("coordinator".into(), full)] },
-        },
-        Instant::now(),
-        1,
-        &mut vec![],
-    );
+    copy_value(&a, &mut b, "coordinator");
     local(&mut a, "coordinator", map_put(vec![("shard-17".into(), 2)]));
     local(&mut b, "coordinator", map_put(vec![("shard-4242".into(), 3)]));
     let ex = exchange(&mut a, &mut b, Instant::now());

@@ -30,8 +30,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use hashbrown::HashTable;
-use serde::de::Error as _;
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use super::crdt::{Actor, WriteCtx};
@@ -108,6 +106,13 @@ fn get_varint(bytes: &[u8], pos: &mut usize) -> Option<u64> {
         }
     }
     None
+}
+
+/// The element stored at `offset` of an arena (a length varint, then the bytes).
+fn element_in(arena: &[u8], offset: u32) -> &[u8] {
+    let mut pos = offset as usize;
+    let len = get_varint(arena, &mut pos).unwrap_or(0) as usize;
+    &arena[pos..pos + len]
 }
 
 /// The writer table of one set or delta: index ↔ name, and each name's hash (for digests).
@@ -264,9 +269,7 @@ impl OrSet {
 
     /// The highest counter of `writer` this set has seen (0 if none).
     pub fn max_counter_of(&self, writer: &str) -> u64 {
-        let Some(&w) = self.writers.by_name.get(writer) else { return 0 };
-        let cloud_max = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, MAX_COUNTER)).next_back().map(|d| d.counter());
-        cloud_max.unwrap_or(0).max(self.vv[usize::from(w)])
+        self.writers.by_name.get(writer).map_or(0, |&w| self.max_counter_of_index(w))
     }
 
     /// Takes the local changes made since the last take (None when there were none).
@@ -381,7 +384,7 @@ impl OrSet {
 
     fn max_counter_of_index(&self, w: u16) -> u64 {
         let cloud_max = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, MAX_COUNTER)).next_back().map(|d| d.counter());
-        cloud_max.unwrap_or(0).max(self.vv[usize::from(w)])
+        cloud_max.unwrap_or(0).max(self.vv.get(usize::from(w)).copied().unwrap_or(0))
     }
 
     fn context_contains(&self, d: Dot) -> bool {
@@ -444,9 +447,7 @@ impl OrSet {
     }
 
     fn element_at(&self, offset: u32) -> &[u8] {
-        let mut pos = offset as usize;
-        let len = get_varint(&self.arena, &mut pos).unwrap_or(0) as usize;
-        &self.arena[pos..pos + len]
+        element_in(&self.arena, offset)
     }
 
     fn find(&self, x: &[u8]) -> Option<Slot> {
@@ -488,11 +489,7 @@ impl OrSet {
         match (old, dots.split_first()) {
             (Some(slot), None) => {
                 let arena = &self.arena;
-                if let Ok(e) = self.index.find_entry(hash, |s| {
-                    let mut p = s.offset as usize;
-                    let len = get_varint(arena, &mut p).unwrap_or(0) as usize;
-                    &arena[p..p + len] == x
-                }) {
+                if let Ok(e) = self.index.find_entry(hash, |s| element_in(arena, s.offset) == x) {
                     e.remove();
                 }
                 self.extra.remove(&slot.offset);
@@ -501,11 +498,7 @@ impl OrSet {
             }
             (Some(slot), Some((first, rest))) => {
                 let arena = &self.arena;
-                if let Some(s) = self.index.find_mut(hash, |s| {
-                    let mut p = s.offset as usize;
-                    let len = get_varint(arena, &mut p).unwrap_or(0) as usize;
-                    &arena[p..p + len] == x
-                }) {
+                if let Some(s) = self.index.find_mut(hash, |s| element_in(arena, s.offset) == x) {
                     s.set_dot(*first);
                 }
                 if rest.is_empty() {
@@ -521,11 +514,7 @@ impl OrSet {
                 let mut slot = Slot { offset, dot: [0, 0] };
                 slot.set_dot(*first);
                 let arena = &self.arena;
-                self.index.insert_unique(hash, slot, |s| {
-                    let mut p = s.offset as usize;
-                    let len = get_varint(arena, &mut p).unwrap_or(0) as usize;
-                    xxh3_64(&arena[p..p + len])
-                });
+                self.index.insert_unique(hash, slot, |s| xxh3_64(element_in(arena, s.offset)));
                 if !rest.is_empty() {
                     self.extra.insert(offset, rest.to_vec());
                 }
@@ -615,260 +604,14 @@ impl fmt::Debug for OrSet {
     }
 }
 
-/// The encoded form: writer names, version vector, cloud, then every (element, dot) as
-/// `[len varint][bytes][writer varint][counter varint]` in one byte string (≈ id length + 5 B).
-#[derive(Serialize, Deserialize)]
-struct OrSetWire {
-    writers: Vec<Actor>,
-    vv: Vec<u64>,
-    cloud: Vec<(u16, u64)>,
-    #[serde(with = "serde_bytes")]
-    entries: Vec<u8>,
-}
+mod delta;
+mod wire;
 
-impl Serialize for OrSet {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let mut entries = Vec::with_capacity(self.arena.len() + self.len() * 5);
-        self.for_each_entry(|x, d| {
-            put_varint(&mut entries, x.len() as u64);
-            entries.extend_from_slice(x);
-            put_varint(&mut entries, u64::from(d.writer()));
-            put_varint(&mut entries, d.counter());
-        });
-        OrSetWire {
-            writers: self.writers.names.clone(),
-            vv: self.vv.clone(),
-            cloud: self.cloud.iter().map(|d| (d.writer(), d.counter())).collect(),
-            entries,
-        }
-        .serialize(s)
-    }
-}
-
-impl<'de> Deserialize<'de> for OrSet {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        OrSet::from_wire(OrSetWire::deserialize(d)?).map_err(D::Error::custom)
-    }
-}
-
-fn check_writers(names: &[Actor]) -> Result<Writers, OrSetError> {
-    if names.len() > MAX_WRITERS {
-        return Err(OrSetError::TooManyWriters);
-    }
-    let mut w = Writers::default();
-    for n in names {
-        if w.by_name.contains_key(n.as_str()) {
-            return Err(OrSetError::Malformed("duplicate writer"));
-        }
-        w.intern(n);
-    }
-    Ok(w)
-}
-
-fn check_dot(writers: &Writers, w: u64, c: u64) -> Result<Dot, OrSetError> {
-    let w = u16::try_from(w).ok().filter(|w| usize::from(*w) < writers.names.len());
-    let w = w.ok_or(OrSetError::Malformed("writer index out of range"))?;
-    if c == 0 || c > MAX_COUNTER {
-        return Err(OrSetError::Malformed("counter out of range"));
-    }
-    Ok(Dot::new(w, c))
-}
-
-fn check_element(x: &[u8]) -> Result<(), OrSetError> {
-    if x.len() > MAX_ELEMENT_LEN {
-        return Err(OrSetError::Malformed("element too long"));
-    }
-    std::str::from_utf8(x).map_err(|_| OrSetError::Malformed("element is not UTF-8"))?;
-    Ok(())
-}
-
-impl OrSet {
-    fn from_wire(wire: OrSetWire) -> Result<OrSet, OrSetError> {
-        let writers = check_writers(&wire.writers)?;
-        if wire.vv.len() != writers.names.len() {
-            return Err(OrSetError::Malformed("version vector length"));
-        }
-        if wire.vv.iter().any(|n| *n > MAX_COUNTER) {
-            return Err(OrSetError::Malformed("counter out of range"));
-        }
-        let mut set = OrSet { vv: vec![0; writers.names.len()], writers, ..OrSet::default() };
-        for (w, n) in wire.vv.iter().enumerate() {
-            set.set_vv(w as u16, *n);
-        }
-        for (w, c) in wire.cloud {
-            let d = check_dot(&set.writers, u64::from(w), c)?;
-            set.context_insert(d);
-        }
-        let bytes = &wire.entries;
-        let mut pos = 0;
-        let mut by_element: Vec<(&[u8], Dot)> = Vec::new();
-        while pos < bytes.len() {
-            let len = get_varint(bytes, &mut pos).ok_or(OrSetError::Malformed("truncated entry"))?;
-            let len = usize::try_from(len).map_err(|_| OrSetError::Malformed("element too long"))?;
-            let end =
-                pos.checked_add(len).filter(|e| *e <= bytes.len()).ok_or(OrSetError::Malformed("truncated entry"))?;
-            let x = &bytes[pos..end];
-            check_element(x)?;
-            pos = end;
-            let w = get_varint(bytes, &mut pos).ok_or(OrSetError::Malformed("truncated entry"))?;
-            let c = get_varint(bytes, &mut pos).ok_or(OrSetError::Malformed("truncated entry"))?;
-            let d = check_dot(&set.writers, w, c)?;
-            if !set.context_contains(d) {
-                return Err(OrSetError::Malformed("entry dot outside the causal context"));
-            }
-            by_element.push((x, d));
-        }
-        by_element.sort_unstable();
-        by_element.dedup();
-        set.index.reserve(by_element.len(), |_| 0);
-        let mut i = 0;
-        while i < by_element.len() {
-            let x = by_element[i].0;
-            let mut j = i;
-            while j < by_element.len() && by_element[j].0 == x {
-                j += 1;
-            }
-            let dots: Vec<Dot> = by_element[i..j].iter().map(|(_, d)| *d).collect();
-            set.set_dots(x, &dots);
-            i = j;
-        }
-        Ok(set)
-    }
-}
-
-/// The local changes of an [`OrSet`] since the last [`OrSet::take_delta`], as a δ-state: per
-/// touched element, the dots it holds in the delta and the dots the delta has seen removed.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct OrSetDelta {
-    writers: Writers,
-    entries: BTreeMap<String, DeltaEntry>,
-}
-
-#[derive(Clone, Default, PartialEq, Eq, Debug, Serialize, Deserialize)]
-struct DeltaEntry {
-    present: Vec<(u16, u64)>,
-    removed: Vec<(u16, u64)>,
-}
-
-impl PartialEq for Writers {
-    fn eq(&self, other: &Self) -> bool {
-        self.names == other.names
-    }
-}
-impl Eq for Writers {}
-
-impl fmt::Debug for OrSetDelta {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OrSetDelta").field("writers", &self.writers.names).field("entries", &self.entries).finish()
-    }
-}
-
-impl OrSetDelta {
-    /// Number of elements the delta touches.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    /// True when the delta touches nothing.
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
-    }
-
-    /// Approximate encoded size in bytes.
-    pub fn approx_bytes(&self) -> usize {
-        let dots: usize = self.entries.values().map(|e| e.present.len() + e.removed.len()).sum();
-        self.entries.keys().map(|k| k.len() + 4).sum::<usize>()
-            + dots * 10
-            + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>()
-    }
-
-    /// Records one local op on `x`: `present` dots it now holds, `removed` dots it no longer
-    /// does (both in `from`'s writer indexes).
-    fn record(&mut self, from: &Writers, x: &str, present: &[Dot], removed: &[Dot]) {
-        let mut conv = |d: &Dot| {
-            let w = self.writers.intern(from.name(d.writer())).expect("a delta has at most the set's writers");
-            (w, d.counter())
-        };
-        let present: Vec<(u16, u64)> = present.iter().map(&mut conv).collect();
-        let removed: Vec<(u16, u64)> = removed.iter().map(&mut conv).collect();
-        self.entries.insert(x.to_string(), DeltaEntry { present, removed });
-    }
-
-    /// Joins another delta into this one (both are δ-states, so this is the state join per
-    /// element).
-    pub fn join_delta(&mut self, other: OrSetDelta) {
-        let map: Vec<u16> = other
-            .writers
-            .names
-            .iter()
-            .map(|n| self.writers.intern(n).expect("a delta has at most the set's writers"))
-            .collect();
-        for (x, e) in other.entries {
-            let conv = |(w, c): &(u16, u64)| (map[usize::from(*w)], *c);
-            let p2: Vec<(u16, u64)> = e.present.iter().map(conv).collect();
-            let r2: Vec<(u16, u64)> = e.removed.iter().map(conv).collect();
-            match self.entries.get_mut(&x) {
-                None => {
-                    self.entries.insert(x, DeltaEntry { present: p2, removed: r2 });
-                }
-                Some(mine) => {
-                    let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
-                    let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
-                    let mut present: Vec<(u16, u64)> =
-                        mine.present.iter().copied().filter(|d| p2.contains(d) || !seen2.contains(d)).collect();
-                    for d in &p2 {
-                        if !mine.present.contains(d) && !seen1.contains(d) {
-                            present.push(*d);
-                        }
-                    }
-                    present.sort_unstable();
-                    let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
-                    *mine = DeltaEntry { present, removed };
-                }
-            }
-        }
-    }
-}
-
-#[derive(Serialize, Deserialize)]
-struct OrSetDeltaWire {
-    writers: Vec<Actor>,
-    entries: Vec<(String, DeltaEntry)>,
-}
-
-impl Serialize for OrSetDelta {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        OrSetDeltaWire {
-            writers: self.writers.names.clone(),
-            entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-        }
-        .serialize(s)
-    }
-}
-
-impl<'de> Deserialize<'de> for OrSetDelta {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let wire = OrSetDeltaWire::deserialize(d)?;
-        let check = || -> Result<OrSetDelta, OrSetError> {
-            let writers = check_writers(&wire.writers)?;
-            let mut entries = BTreeMap::new();
-            for (x, e) in wire.entries {
-                check_element(x.as_bytes())?;
-                for (w, c) in e.present.iter().chain(&e.removed) {
-                    check_dot(&writers, u64::from(*w), *c)?;
-                }
-                if entries.insert(x, e).is_some() {
-                    return Err(OrSetError::Malformed("duplicate element in delta"));
-                }
-            }
-            Ok(OrSetDelta { writers, entries })
-        };
-        check().map_err(D::Error::custom)
-    }
-}
+pub use delta::OrSetDelta;
 
 #[cfg(test)]
 mod tests {
+    use super::wire::OrSetWire;
     use super::*;
 
     fn ctx(actor: &str) -> WriteCtx {

@@ -1,0 +1,142 @@
+//! [`OrSetDelta`]: the local changes of an [`super::OrSet`] as a δ-state.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::de::Error as _;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::wire::{check_dot, check_element, check_writers};
+use super::{Dot, OrSetError, Writers};
+use crate::ddata::crdt::Actor;
+
+/// The local changes of an [`OrSet`] since the last [`OrSet::take_delta`], as a δ-state: per
+/// touched element, the dots it holds in the delta and the dots the delta has seen removed.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct OrSetDelta {
+    pub(super) writers: Writers,
+    pub(super) entries: BTreeMap<String, DeltaEntry>,
+}
+
+#[derive(Clone, Default, PartialEq, Eq, Debug, Serialize, Deserialize)]
+pub(super) struct DeltaEntry {
+    pub(super) present: Vec<(u16, u64)>,
+    pub(super) removed: Vec<(u16, u64)>,
+}
+
+impl PartialEq for Writers {
+    fn eq(&self, other: &Self) -> bool {
+        self.names == other.names
+    }
+}
+impl Eq for Writers {}
+
+impl fmt::Debug for OrSetDelta {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OrSetDelta").field("writers", &self.writers.names).field("entries", &self.entries).finish()
+    }
+}
+
+impl OrSetDelta {
+    /// Number of elements the delta touches.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when the delta touches nothing.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Approximate encoded size in bytes.
+    pub fn approx_bytes(&self) -> usize {
+        let dots: usize = self.entries.values().map(|e| e.present.len() + e.removed.len()).sum();
+        self.entries.keys().map(|k| k.len() + 4).sum::<usize>()
+            + dots * 10
+            + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>()
+    }
+
+    /// Records one local op on `x`: `present` dots it now holds, `removed` dots it no longer
+    /// does (both in `from`'s writer indexes).
+    pub(super) fn record(&mut self, from: &Writers, x: &str, present: &[Dot], removed: &[Dot]) {
+        let mut conv = |d: &Dot| {
+            let w = self.writers.intern(from.name(d.writer())).expect("a delta has at most the set's writers");
+            (w, d.counter())
+        };
+        let present: Vec<(u16, u64)> = present.iter().map(&mut conv).collect();
+        let removed: Vec<(u16, u64)> = removed.iter().map(&mut conv).collect();
+        self.entries.insert(x.to_string(), DeltaEntry { present, removed });
+    }
+
+    /// Joins another delta into this one (both are δ-states, so this is the state join per
+    /// element).
+    pub fn join_delta(&mut self, other: OrSetDelta) {
+        let map: Vec<u16> = other
+            .writers
+            .names
+            .iter()
+            .map(|n| self.writers.intern(n).expect("a delta has at most the set's writers"))
+            .collect();
+        for (x, e) in other.entries {
+            let conv = |(w, c): &(u16, u64)| (map[usize::from(*w)], *c);
+            let p2: Vec<(u16, u64)> = e.present.iter().map(conv).collect();
+            let r2: Vec<(u16, u64)> = e.removed.iter().map(conv).collect();
+            match self.entries.get_mut(&x) {
+                None => {
+                    self.entries.insert(x, DeltaEntry { present: p2, removed: r2 });
+                }
+                Some(mine) => {
+                    let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
+                    let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
+                    let mut present: Vec<(u16, u64)> =
+                        mine.present.iter().copied().filter(|d| p2.contains(d) || !seen2.contains(d)).collect();
+                    for d in &p2 {
+                        if !mine.present.contains(d) && !seen1.contains(d) {
+                            present.push(*d);
+                        }
+                    }
+                    present.sort_unstable();
+                    let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
+                    *mine = DeltaEntry { present, removed };
+                }
+            }
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct OrSetDeltaWire {
+    writers: Vec<Actor>,
+    entries: Vec<(String, DeltaEntry)>,
+}
+
+impl Serialize for OrSetDelta {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        OrSetDeltaWire {
+            writers: self.writers.names.clone(),
+            entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for OrSetDelta {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let wire = OrSetDeltaWire::deserialize(d)?;
+        let check = || -> Result<OrSetDelta, OrSetError> {
+            let writers = check_writers(&wire.writers)?;
+            let mut entries = BTreeMap::new();
+            for (x, e) in wire.entries {
+                check_element(x.as_bytes())?;
+                for (w, c) in e.present.iter().chain(&e.removed) {
+                    check_dot(&writers, u64::from(*w), *c)?;
+                }
+                if entries.insert(x, e).is_some() {
+                    return Err(OrSetError::Malformed("duplicate element in delta"));
+                }
+            }
+            Ok(OrSetDelta { writers, entries })
+        };
+        check().map_err(D::Error::custom)
+    }
+}
