@@ -169,8 +169,11 @@ pub struct ReplicatorSettings {
     /// Keys starting with one of these prefixes are durable: written to LMDB before an update is
     /// acknowledged and loaded before the replicator serves anything.
     pub durable_key_prefixes: Vec<String>,
-    /// Size of the LMDB memory map in bytes (virtual; the file grows as needed up to it).
+    /// Initial size of the LMDB memory map in bytes (virtual; the file grows as needed up to it).
     pub lmdb_map_size: usize,
+    /// A full map is doubled up to this size; past it, commits fail (typed error, unhealthy
+    /// store) until space is freed or the limit raised.
+    pub lmdb_max_map_size: usize,
     /// Only members with this role hold replicas (empty: every member).
     pub role: Option<String>,
 }
@@ -183,6 +186,7 @@ impl Default for ReplicatorSettings {
             max_gossip_message_bytes: 1 << 20,
             durable_key_prefixes: vec!["shard-".into(), "durable-".into()],
             lmdb_map_size: 4 << 30,
+            lmdb_max_map_size: 64 << 30,
             role: None,
         }
     }
@@ -239,6 +243,9 @@ impl NodeConfig {
         }
         if self.replicator.lmdb_map_size < 1 << 20 {
             return bad("replicator.lmdb_map_size must be at least 1 MiB".into());
+        }
+        if self.replicator.lmdb_max_map_size < self.replicator.lmdb_map_size {
+            return bad("replicator.lmdb_max_map_size must be at least replicator.lmdb_map_size".into());
         }
         self.sharding.validate()?;
         if self.replicator.durable_key_prefixes.iter().any(String::is_empty) {

@@ -3,11 +3,16 @@
 //! keys in LMDB.
 //!
 //! The protocol lives in the sans-IO [`replicator`] state machine; this module is its tokio
-//! driver: one task that owns the state machine, the inbox, the ticker and the durable store.
+//! driver: one task that owns the state machine, the inbox and the ticker, and hands store
+//! writes to the [`persist`] thread without waiting for them (the core holds acknowledgements
+//! until the thread reports the commit). The backlog of writes handed over and not yet
+//! committed is bounded in bytes: past it the loop stops taking new work until the disk
+//! catches up.
 
 pub mod crdt;
 pub mod durable;
 pub mod orset;
+pub mod persist;
 pub mod replicator;
 pub mod stats;
 
@@ -24,7 +29,10 @@ use tracing::{error, warn};
 
 pub use crdt::{Crdt, GSet, LwwMap, MergeError, OrSet, OrSetDelta, ReplicatedData, ReplicatedDelta, WriteCtx};
 pub use durable::DurableStore;
-use replicator::{Action, Input, ReplicatorCore};
+use durable::StoreOp;
+pub use persist::DurableHealth;
+use persist::{PersistJob, PersistReport, PersistThread};
+use replicator::{Action, Input, KeyLog, PersistRecord, ReplicatorCore};
 
 pub use replicator::{Consistency, ReplicatorMsg};
 pub use stats::ReplicatorStats;
@@ -54,6 +62,7 @@ enum Command {
 pub struct Replicator {
     commands: mpsc::Sender<Command>,
     stats: Arc<ReplicatorStats>,
+    health: Arc<DurableHealth>,
 }
 
 impl std::fmt::Debug for Command {
@@ -67,6 +76,12 @@ impl Replicator {
     /// rounds, refused input).
     pub fn stats(&self) -> &ReplicatorStats {
         &self.stats
+    }
+
+    /// Whether the durable store commits (false after a commit failed its retries, until one
+    /// succeeds), with the last error.
+    pub fn durable_health(&self) -> &DurableHealth {
+        &self.health
     }
 
     /// Reads `key` with the given consistency. `Ok(None)`: no replica asked has a value.
@@ -173,7 +188,13 @@ pub(crate) struct ReplicatorParams {
     pub gossip_interval: Duration,
     pub delta_interval: Duration,
     pub max_message_bytes: usize,
+    /// The LMDB map grows up to this size.
+    pub max_map_size: usize,
 }
+
+/// Store writes handed to the persist thread and not yet committed, at most (bytes); past it the
+/// loop takes no new commands or messages until commits catch up.
+const MAX_PERSIST_BACKLOG_BYTES: usize = 64 << 20;
 
 /// Loads the durable keys, then starts the replicator task. Nothing is served before the load
 /// finished; a store that cannot be read fails the start.
@@ -200,22 +221,47 @@ pub(crate) async fn start(
         ReplicatorStats::inc(&stats.rejected);
         error!(%key, %error, "durable value does not decode; skipped (other replicas repair it)");
     }
-    core.load(loaded.entries);
+    core.load(
+        loaded
+            .entries
+            .into_iter()
+            .map(|k| {
+                let log = KeyLog {
+                    last_ticket: k.last_seq,
+                    snapshot_bytes: k.snapshot_bytes,
+                    log_bytes: k.log_bytes,
+                    log_records: k.log_records,
+                };
+                (k.key, k.value, log)
+            })
+            .collect(),
+    );
+    let health = Arc::new(DurableHealth::default());
+    let persist = PersistThread::start(store, params.max_map_size, health.clone(), stats.clone())
+        .map_err(|e| Error::Config(format!("cannot start the persist thread: {e}")))?;
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);
-    let driver = Driver { core, transport, store, role: params.role, watchers: HashMap::new(), stats: stats.clone() };
+    let driver = Driver {
+        core,
+        transport,
+        role: params.role,
+        watchers: HashMap::new(),
+        stats: stats.clone(),
+        persist_backlog: 0,
+    };
     let shutdown = spawner.shutdown_token().clone();
-    spawner.spawn(driver.run(rx, inbound, members, shutdown));
-    Ok(Replicator { commands: tx, stats })
+    spawner.spawn(driver.run(rx, inbound, members, persist, shutdown));
+    Ok(Replicator { commands: tx, stats, health })
 }
 
 struct Driver {
     core: ReplicatorCore<ReplyTx>,
     transport: Transport,
-    store: DurableStore,
     role: Option<String>,
     watchers: HashMap<String, watch::Sender<Option<ReplicatedData>>>,
     stats: Arc<ReplicatorStats>,
+    /// Bytes handed to the persist thread and not yet reported.
+    persist_backlog: usize,
 }
 
 impl Driver {
@@ -224,6 +270,7 @@ impl Driver {
         mut commands: mpsc::Receiver<Command>,
         mut inbound: mpsc::Receiver<Inbound>,
         mut members: watch::Receiver<Arc<MembershipSnapshot>>,
+        mut persist: PersistThread,
         shutdown: CancellationToken,
     ) {
         let mut tick = tokio::time::interval(Duration::from_millis(25));
@@ -235,9 +282,18 @@ impl Driver {
         loop {
             let now = Instant::now();
             let wall = wall_ms();
+            let accepting = self.persist_backlog < MAX_PERSIST_BACKLOG_BYTES;
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                n = commands.recv_many(&mut cmds, 256) => {
+                report = persist.reports.recv() => {
+                    let Some(PersistReport { through, failure, bytes }) = report else {
+                        error!("persist thread ended; the replicator stops");
+                        break;
+                    };
+                    self.persist_backlog = self.persist_backlog.saturating_sub(bytes);
+                    self.core.handle(Input::Persisted { through, failure }, now, wall, &mut actions);
+                }
+                n = commands.recv_many(&mut cmds, 256), if accepting => {
                     if n == 0 { break; }
                     for c in cmds.drain(..) {
                         match c {
@@ -250,7 +306,7 @@ impl Driver {
                         }
                     }
                 }
-                n = inbound.recv_many(&mut msgs, 256) => {
+                n = inbound.recv_many(&mut msgs, 256), if accepting => {
                     if n == 0 { break; }
                     for m in msgs.drain(..) {
                         match crate::transport::wire::decode::<ReplicatorMsg>(&m.body) {
@@ -270,9 +326,12 @@ impl Driver {
                 }
             }
             if !actions.is_empty() {
-                self.perform(std::mem::take(&mut actions)).await;
+                self.perform(std::mem::take(&mut actions), &persist.jobs);
             }
         }
+        // Whatever was handed over is still committed before the node's shutdown completes
+        // (and the store is closed before it can be opened again).
+        persist.join().await;
     }
 
     fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<Action<ReplyTx>>) {
@@ -291,58 +350,35 @@ impl Driver {
         self.core.handle(Input::Members { replicas, gossip_targets }, Instant::now(), wall_ms(), out);
     }
 
-    /// Performs actions: all persists of the batch first, in one LMDB transaction, then sends,
-    /// replies and notifications. If the persist fails, acknowledgements of this batch are
-    /// withheld and local updates answer with the storage error.
-    async fn perform(&mut self, actions: Vec<Action<ReplyTx>>) {
-        let mut batch: Vec<(String, Option<Vec<u8>>)> = Vec::new();
-        let mut keys = std::collections::HashSet::new();
-        for a in &actions {
-            if let Action::Persist { key } = a {
-                if !keys.insert(key.as_str()) {
-                    continue;
-                }
-                let Some(value) = self.core.local_value(key) else { continue };
-                match rmp_serde::to_vec(value) {
-                    Ok(bytes) => batch.push((key.clone(), Some(bytes))),
-                    Err(e) => error!(%key, error = %e, "cannot encode durable value"),
-                }
-            }
-        }
-        let mut persist_error: Option<String> = None;
-        if !batch.is_empty() {
-            let store = self.store.clone();
-            let r = tokio::task::spawn_blocking(move || store.write_batch(&batch)).await;
-            match r {
-                Ok(Ok(())) => ReplicatorStats::inc(&self.stats.durable_commits),
-                Ok(Err(e)) => persist_error = Some(e.to_string()),
-                Err(e) => persist_error = Some(format!("persist task failed: {e}")),
-            }
-            if persist_error.is_some() {
-                ReplicatorStats::inc(&self.stats.durable_failures);
-            }
-            if let Some(e) = &persist_error {
-                error!(error = %e, "durable write failed; withholding acknowledgements");
-            }
-        }
+    /// Performs actions: the persists of the batch go to the persist thread as one job (the
+    /// loop does not wait for it); sends, replies and notifications go at once (the core holds
+    /// whatever must wait for the commit).
+    fn perform(&mut self, actions: Vec<Action<ReplyTx>>, jobs: &mpsc::UnboundedSender<PersistJob>) {
+        let mut ops = Vec::new();
+        let mut through = 0;
         for a in actions {
             match a {
-                Action::Persist { .. } => {}
-                Action::Send { to, msg } => {
-                    if persist_error.is_some() && matches!(msg, ReplicatorMsg::WriteAck { .. }) {
-                        continue;
+                Action::Persist { key, ticket, record } => {
+                    through = through.max(ticket);
+                    let encoded = match &record {
+                        PersistRecord::Snapshot => self.core.local_value(&key).map(rmp_serde::to_vec),
+                        PersistRecord::Delta(d) => Some(rmp_serde::to_vec(d)),
+                    };
+                    match (encoded, record) {
+                        (Some(Ok(bytes)), PersistRecord::Snapshot) => ops.push(StoreOp::Snapshot { key, bytes }),
+                        (Some(Ok(bytes)), PersistRecord::Delta(_)) => {
+                            ops.push(StoreOp::Delta { key, seq: ticket, bytes })
+                        }
+                        (Some(Err(e)), _) => error!(%key, error = %e, "cannot encode durable value"),
+                        (None, _) => {}
                     }
-                    self.send_to(std::slice::from_ref(&to), &msg);
                 }
+                Action::Send { to, msg } => self.send_to(std::slice::from_ref(&to), &msg),
                 Action::Broadcast { to, msg } => self.send_to(&to, &msg),
                 Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {
                     let _ = tx.send(result);
                 }
                 Action::ReplyUpdate { reply: ReplyTx::Update(tx), result } => {
-                    let result = match (&persist_error, result) {
-                        (Some(e), Ok(())) => Err(Error::storage(self.store.path(), e)),
-                        (_, r) => r,
-                    };
                     let _ = tx.send(result);
                 }
                 Action::ReplyGet { .. } | Action::ReplyUpdate { .. } => {
@@ -353,6 +389,12 @@ impl Driver {
                         w.send_replace(self.core.local_value(&key).cloned());
                     }
                 }
+            }
+        }
+        if through > 0 {
+            self.persist_backlog += ops.iter().map(StoreOp::len).sum::<usize>();
+            if jobs.send(PersistJob { through, ops }).is_err() {
+                error!("persist thread gone; durable writes are not acknowledged");
             }
         }
     }

@@ -16,8 +16,10 @@ pub struct ReplicatorStats {
     pub deltas_merged: AtomicU64,
     /// LMDB transactions committed.
     pub durable_commits: AtomicU64,
-    /// LMDB commits that failed.
+    /// LMDB commits that failed after their retries (their writes were not acknowledged).
     pub durable_failures: AtomicU64,
+    /// LMDB commits retried after an error.
+    pub durable_retries: AtomicU64,
     /// Anti-entropy rounds started (a root digest sent to one peer).
     pub digest_rounds: AtomicU64,
     /// Anti-entropy rounds a peer answered because its root digest differed.

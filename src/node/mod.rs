@@ -114,6 +114,7 @@ impl Node {
             gossip_interval: config.replicator.gossip_interval,
             delta_interval: config.replicator.delta_interval,
             max_message_bytes: config.replicator.max_gossip_message_bytes.min(config.transport.max_frame_size / 2),
+            max_map_size: config.replicator.lmdb_max_map_size,
         };
         let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;
         let replicator = match started {

@@ -18,6 +18,7 @@
 //!
 //! **Trust.** Acks and read results count only from the replicas the operation addressed.
 
+mod durability;
 mod gossip;
 #[cfg(test)]
 mod tests;
@@ -37,6 +38,8 @@ use crate::clock::Instant;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
 use crate::transport::PeerAddr;
+use durability::Durability;
+pub(crate) use durability::{KeyLog, PersistRecord};
 
 /// How many replicas must take part in a read or a write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -181,11 +184,19 @@ pub(crate) enum Input<R> {
         gossip_targets: Vec<PeerAddr>,
     },
     Tick,
+    /// The durable store committed every ticket up to `through` (in ticket order), or, with
+    /// `failure` (the store's path and the error), the commit holding the tickets not yet
+    /// reported failed after its retries.
+    Persisted {
+        through: u64,
+        failure: Option<(std::path::PathBuf, String)>,
+    },
 }
 
-/// Outputs; the driver performs every `Persist` of a batch before any `Send` or reply of it.
-/// `Persist` and `Changed` name only the key: the driver reads the current value when it
-/// performs them, so no value is cloned for them.
+/// Outputs. Sends and replies may be performed before the `Persist` actions of the same batch
+/// complete: whatever claims durability (acks, update replies) is held by the core until
+/// [`Input::Persisted`] covers its tickets. `Persist` of a snapshot and `Changed` name only the
+/// key: the driver reads the current value when it performs them.
 #[derive(Debug)]
 pub(crate) enum Action<R> {
     Send {
@@ -197,8 +208,12 @@ pub(crate) enum Action<R> {
         to: Vec<PeerAddr>,
         msg: ReplicatorMsg,
     },
+    /// Write `record` for `key` under `ticket` (tickets grow; the store commits them in order
+    /// and reports with [`Input::Persisted`]).
     Persist {
         key: String,
+        ticket: u64,
+        record: PersistRecord,
     },
     ReplyGet {
         reply: R,
@@ -242,9 +257,11 @@ struct Entry {
     key_hash: u64,
     /// This key's share of its key-space bucket digest.
     contribution: u64,
+    log: KeyLog,
 }
 
 struct PendingWrite<R> {
+    keys: Vec<String>,
     needed: usize,
     addressed: Vec<UniqueAddress>,
     acked: HashSet<UniqueAddress>,
@@ -283,6 +300,7 @@ pub(crate) struct ReplicatorCore<R> {
     reads: BTreeMap<u64, PendingRead<R>>,
     rng: StdRng,
     stats: Arc<ReplicatorStats>,
+    durability: Durability<R>,
 }
 
 fn key_hash(key: &str) -> u64 {
@@ -317,15 +335,27 @@ impl<R> ReplicatorCore<R> {
             reads: BTreeMap::new(),
             rng: StdRng::seed_from_u64(seed),
             stats,
+            durability: Durability::default(),
         }
     }
 
-    /// Installs values loaded from the durable store (before serving anything).
-    pub(crate) fn load(&mut self, entries: Vec<(String, ReplicatedData)>) {
-        for (key, mut value) in entries {
+    /// Installs values loaded from the durable store (before serving anything), with the
+    /// state of each key's delta log; new tickets continue above every stored one.
+    pub(crate) fn load(&mut self, entries: Vec<(String, ReplicatedData, KeyLog)>) {
+        for (key, mut value, log) in entries {
             value.take_delta();
+            self.durability.resume_after(log.last_ticket);
             self.put_value(&key, value);
+            if let Some(e) = self.data.get_mut(&key) {
+                e.log = log;
+            }
         }
+    }
+
+    /// Persist tickets not yet reported, and actions held for them (for tests and metrics).
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) fn durability_backlog(&self) -> (usize, usize) {
+        (self.durability.in_flight(), self.durability.held())
     }
 
     pub(crate) fn is_durable(&self, key: &str) -> bool {
@@ -349,8 +379,12 @@ impl<R> ReplicatorCore<R> {
         let key_hash = key_hash(key);
         let c = contribution(key_hash, &value);
         let b = (key_hash % KEY_BUCKETS as u64) as usize;
-        if let Some(old) = self.data.insert(key.to_string(), Entry { value, key_hash, contribution: c }) {
+        let log = KeyLog::default();
+        if let Some(old) = self.data.insert(key.to_string(), Entry { value, key_hash, contribution: c, log }) {
             self.key_buckets[b] = self.key_buckets[b].wrapping_sub(old.contribution);
+            if let Some(e) = self.data.get_mut(key) {
+                e.log = old.log;
+            }
         }
         self.key_buckets[b] = self.key_buckets[b].wrapping_add(c);
     }
@@ -376,7 +410,7 @@ impl<R> ReplicatorCore<R> {
     /// Merges a full value into `key`; emits Persist/Changed only when the value changed.
     fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<Action<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.values_merged);
-        self.merge_with(key, out, |current| match current {
+        self.merge_with(key, None, out, |current| match current {
             Some(v) => v.try_merge(incoming).map(|()| None),
             None => Ok(Some(incoming)),
         })
@@ -385,7 +419,7 @@ impl<R> ReplicatorCore<R> {
     /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type).
     fn merge_delta_in(&mut self, key: &str, delta: &ReplicatedDelta, out: &mut Vec<Action<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.deltas_merged);
-        self.merge_with(key, out, |current| match current {
+        self.merge_with(key, Some(delta), out, |current| match current {
             Some(v) => v.merge_delta(delta).map(|()| None),
             None => {
                 let mut v = delta.empty_value();
@@ -396,10 +430,12 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Runs `merge` on the value of `key` (or, for an absent key, installs what it returns) and
-    /// emits Persist/Changed only when the digest moved.
+    /// emits Persist/Changed only when the digest moved; `delta` is what a delta merge joined
+    /// (persisted as such when the key's log has room).
     fn merge_with(
         &mut self,
         key: &str,
+        delta: Option<&ReplicatedDelta>,
         out: &mut Vec<Action<R>>,
         merge: impl FnOnce(Option<&mut ReplicatedData>) -> std::result::Result<Option<ReplicatedData>, MergeError>,
     ) -> Result<()> {
@@ -417,14 +453,14 @@ impl<R> ReplicatorCore<R> {
             },
         };
         if changed {
-            self.emit_changed(key, out);
+            self.emit_changed(key, delta, out);
         }
         Ok(())
     }
 
-    fn emit_changed(&self, key: &str, out: &mut Vec<Action<R>>) {
+    fn emit_changed(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
         if self.is_durable(key) {
-            out.push(Action::Persist { key: key.to_string() });
+            self.persist(key, delta, out);
         }
         out.push(Action::Changed { key: key.to_string() });
     }
@@ -452,6 +488,7 @@ impl<R> ReplicatorCore<R> {
                 self.gossip_targets = gossip_targets;
             }
             Input::Tick => self.on_tick(now, out),
+            Input::Persisted { through, failure } => self.on_persisted(through, failure, out),
         }
     }
 
@@ -499,17 +536,19 @@ impl<R> ReplicatorCore<R> {
     fn apply_modify(&mut self, key: &str, modify: Modify, out: &mut Vec<Action<R>>) -> Result<Option<ReplicatedDelta>> {
         let existing = self.data.get_mut(key);
         let had_value = existing.is_some();
-        let changed = match modify(existing.map(|e| &mut e.value), &mut self.ctx)? {
+        let (changed, created) = match modify(existing.map(|e| &mut e.value), &mut self.ctx)? {
             Some(created) if !had_value => {
                 self.put_value(key, created);
-                true
+                (true, true)
             }
-            _ => self.refresh(key),
+            _ => (self.refresh(key), false),
         };
+        let delta = self.data.get_mut(key).and_then(|e| e.value.take_delta());
         if changed {
-            self.emit_changed(key, out);
+            // A new key is written whole: its first record is a snapshot.
+            self.emit_changed(key, delta.as_ref().filter(|_| !created), out);
         }
-        Ok(self.data.get_mut(key).and_then(|e| e.value.take_delta()))
+        Ok(delta)
     }
 
     /// One or more keys updated together and replicated in one round: one `WriteDelta` per
@@ -527,6 +566,7 @@ impl<R> ReplicatorCore<R> {
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
+        let keys: Vec<String> = updates.iter().map(|(k, _)| k.clone()).collect();
         let mut deltas: Vec<(String, ReplicatedDelta)> = Vec::with_capacity(updates.len());
         let mut unchanged: Vec<String> = Vec::new();
         let mut failure = None;
@@ -551,7 +591,8 @@ impl<R> ReplicatorCore<R> {
                 None if needed <= 1 => Ok(()),
                 None => Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
             };
-            out.push(Action::ReplyUpdate { reply, result });
+            let ticket = if result.is_ok() { self.ticket_of(keys.iter().map(String::as_str)) } else { 0 };
+            self.after_commit(ticket, Action::ReplyUpdate { reply, result }, out);
             if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
                 self.flush_deltas(out);
             }
@@ -577,13 +618,14 @@ impl<R> ReplicatorCore<R> {
         ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
         ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
         let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
-        self.start_write(op, msg, reachable, needed, timeout, reply, now, out);
+        self.start_write(op, keys, msg, reachable, needed, timeout, reply, now, out);
     }
 
     #[allow(clippy::too_many_arguments)]
     fn start_write(
         &mut self,
         op: u64,
+        keys: Vec<String>,
         msg: ReplicatorMsg,
         reachable: Vec<PeerAddr>,
         needed: usize,
@@ -595,7 +637,7 @@ impl<R> ReplicatorCore<R> {
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         out.push(Action::Broadcast { to: reachable, msg });
         let acked = HashSet::from([self.self_addr.clone()]);
-        self.writes.insert(op, PendingWrite { needed, addressed, acked, deadline: now + timeout, reply });
+        self.writes.insert(op, PendingWrite { keys, needed, addressed, acked, deadline: now + timeout, reply });
     }
 
     fn pend_delta(&mut self, key: String, delta: ReplicatedDelta) {
@@ -666,6 +708,7 @@ impl<R> ReplicatorCore<R> {
                         ok = false;
                     }
                 }
+                let value_keys: Vec<String> = values.iter().map(|(k, _)| k.clone()).collect();
                 for (key, value) in values {
                     if let Err(e) = self.merge_in(&key, value, out) {
                         self.reject(&from, "replicated value", &e);
@@ -673,9 +716,11 @@ impl<R> ReplicatorCore<R> {
                     }
                 }
                 // A write with a refused key is not acknowledged: the writer must not count
-                // this replica for it.
+                // this replica for it. The ack leaves once the keys are committed here.
                 if ok {
-                    out.push(Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } });
+                    let keys = entries.iter().map(|(k, _)| k.as_str()).chain(value_keys.iter().map(String::as_str));
+                    let ticket = self.ticket_of(keys);
+                    self.after_commit(ticket, Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }, out);
                 }
             }
             ReplicatorMsg::DeltaPropagation { entries } => {
@@ -699,7 +744,8 @@ impl<R> ReplicatorCore<R> {
                 };
                 if done {
                     let w = self.writes.remove(&op).expect("pending write");
-                    out.push(Action::ReplyUpdate { reply: w.reply, result: Ok(()) });
+                    let ticket = self.ticket_of(w.keys.iter().map(String::as_str));
+                    self.after_commit(ticket, Action::ReplyUpdate { reply: w.reply, result: Ok(()) }, out);
                 }
             }
             ReplicatorMsg::Read { op, key } => {

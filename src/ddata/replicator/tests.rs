@@ -29,6 +29,20 @@ fn add(member: &'static str) -> Modify {
     })
 }
 
+/// Reports every persist issued so far as committed (as the persist thread does).
+fn commit_all(c: &mut ReplicatorCore<u32>, out: &mut Vec<Action<u32>>) {
+    c.handle(Input::Persisted { through: u64::MAX, failure: None }, Instant::now(), 0, out);
+}
+
+fn fail_all(c: &mut ReplicatorCore<u32>, out: &mut Vec<Action<u32>>) {
+    let failure = Some((std::path::PathBuf::from("/data"), "disk on fire".to_string()));
+    c.handle(Input::Persisted { through: u64::MAX, failure }, Instant::now(), 0, out);
+}
+
+fn is_ack(a: &Action<u32>) -> bool {
+    matches!(a, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })
+}
+
 #[test]
 fn majority_formula_matches_akka_plus_and_min_cap() {
     let c = Consistency::Majority { plus: 3, min_cap: 5 };
@@ -77,6 +91,8 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     assert!(out.is_empty(), "a duplicate ack does not count");
     c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(out.is_empty(), "a majority of acks, but the writer's own commit is not reported yet");
+    commit_all(&mut c, &mut out);
     assert!(matches!(out[0], Action::ReplyUpdate { reply: 7, result: Ok(()) }));
 
     let mut out = Vec::new();
@@ -388,8 +404,10 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     assert!(rmp_serde::to_vec(&msg).unwrap().len() < 200);
     let mut out = Vec::new();
     b.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })));
-    assert!(out.iter().any(|x| matches!(x, Action::Persist { .. })), "durable key persisted before the ack");
+    assert!(out.iter().any(|x| matches!(x, Action::Persist { record: PersistRecord::Delta(d), .. } if d.len() == 1)));
+    assert!(!out.iter().any(is_ack), "no ack before the commit");
+    commit_all(&mut b, &mut out);
+    assert!(out.iter().any(is_ack));
     assert_eq!(a.local_value("shard-t/1/0"), b.local_value("shard-t/1/0"));
 }
 
@@ -581,6 +599,7 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     assert_eq!(out.iter().filter(|x| matches!(x, Action::Persist { .. })).count(), 2, "both durable keys");
     let mut out = Vec::new();
     a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, Instant::now(), 1, &mut out);
+    commit_all(&mut a, &mut out);
     assert!(matches!(out[..], [Action::ReplyUpdate { reply: 4, result: Ok(()) }]));
 }
 
@@ -630,4 +649,169 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
         .collect();
     assert_eq!(repaired, ["c"]);
     assert!(out.iter().any(|x| matches!(x, Action::ReplyGet { reply: 5, result: Ok(Some(_)) })));
+}
+
+fn tickets(out: &[Action<u32>]) -> Vec<(String, u64, bool)> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Persist { key, ticket, record } => {
+                Some((key.clone(), *ticket, matches!(record, PersistRecord::Snapshot)))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn delta_write(key: &str, member: &str, op: u64) -> ReplicatorMsg {
+    let mut src = core("w");
+    local(&mut src, key, or_add(vec![member.to_string()]));
+    let entries = std::mem::take(&mut src.pending_deltas).into_iter().collect();
+    ReplicatorMsg::WriteDelta { op, entries, values: vec![] }
+}
+
+#[test]
+fn a_replica_acknowledges_a_durable_write_only_after_its_commit_and_a_plain_key_at_once() {
+    let mut b = core("b");
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 1) }, Instant::now(), 1, &mut out);
+    assert_eq!(tickets(&out).len(), 1);
+    assert!(!out.iter().any(is_ack));
+    assert_eq!(b.durability_backlog(), (1, 1));
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg: delta_write("plain", "e1", 2) }, Instant::now(), 1, &mut out);
+    assert!(tickets(&out).is_empty() && out.iter().any(is_ack), "not durable: acknowledged at once");
+    let mut out = Vec::new();
+    commit_all(&mut b, &mut out);
+    assert!(matches!(&out[..], [Action::Send { msg: ReplicatorMsg::WriteAck { op: 1 }, .. }]));
+    assert_eq!(b.durability_backlog(), (0, 0));
+}
+
+#[test]
+fn a_duplicate_delta_is_acknowledged_only_once_its_first_arrival_is_committed() {
+    let mut b = core("b");
+    let mut out = Vec::new();
+    let write = delta_write("shard-t/1/0", "e1", 1);
+    let ReplicatorMsg::WriteDelta { entries, .. } = write.clone() else { unreachable!() };
+    // First as propagation (persist in flight), then as a majority write that changes nothing.
+    b.handle(
+        Input::Remote { from: peer("a"), msg: ReplicatorMsg::DeltaPropagation { entries } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    assert_eq!(tickets(&out).len(), 1);
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg: write }, Instant::now(), 1, &mut out);
+    assert!(tickets(&out).is_empty(), "nothing new to write");
+    assert!(!out.iter().any(is_ack), "but the first write is not committed yet");
+    commit_all(&mut b, &mut out);
+    assert!(out.iter().any(is_ack));
+}
+
+#[test]
+fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_of_acks() {
+    let mut a = core("a");
+    let peers = vec![(peer("b"), true), (peer("c"), true)];
+    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::MAJORITY, or_add(vec!["e1".into()]), &mut out);
+    let op = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+            _ => None,
+        })
+        .unwrap();
+    let mut out = Vec::new();
+    fail_all(&mut a, &mut out);
+    let rewrite = tickets(&out);
+    assert_eq!(rewrite.len(), 1, "the failed key is written again");
+    assert!(rewrite[0].2, "as a snapshot");
+    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
+    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })), "waits for the rewrite");
+    let mut out = Vec::new();
+    fail_all(&mut a, &mut out);
+    assert!(
+        matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::Storage { .. }), .. }, Action::Persist { .. }]),
+        "{out:?}"
+    );
+    let mut out = Vec::new();
+    commit_all(&mut a, &mut out);
+    assert!(out.is_empty(), "nothing answered twice");
+    assert_eq!(a.durability_backlog(), (0, 0));
+}
+
+#[test]
+fn a_failed_commit_withholds_the_replicas_ack() {
+    let mut b = core("b");
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 1) }, Instant::now(), 1, &mut out);
+    let mut out = Vec::new();
+    fail_all(&mut b, &mut out);
+    assert!(!out.iter().any(is_ack));
+    assert_eq!(tickets(&out).len(), 1, "written again");
+    // The writer retries; this time the commit works and the retry is acknowledged.
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 2) }, Instant::now(), 1, &mut out);
+    commit_all(&mut b, &mut out);
+    assert!(matches!(&out[..], [.., Action::Send { msg: ReplicatorMsg::WriteAck { op: 2 }, .. }]), "{out:?}");
+}
+
+#[test]
+fn a_local_update_answers_after_its_commit() {
+    let mut a = core("a");
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::Local, or_add(vec!["e1".into()]), &mut out);
+    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })));
+    commit_all(&mut a, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { result: Ok(()), .. })));
+}
+
+#[test]
+fn deltas_go_to_the_log_until_it_outgrows_half_the_snapshot_then_a_snapshot_replaces_it() {
+    let mut a = core("a");
+    let mut out = Vec::new();
+    let ids: Vec<String> = (0..2000).map(|i| format!("entity-{i:05}")).collect();
+    update(&mut a, "shard-t/1/0", Consistency::Local, or_add(ids), &mut out);
+    assert!(tickets(&out)[0].2, "a new key starts with a snapshot");
+    let mut kinds = Vec::new();
+    for i in 0..400 {
+        let mut out = Vec::new();
+        update(&mut a, "shard-t/1/0", Consistency::Local, or_add(vec![format!("more-{i:05}")]), &mut out);
+        kinds.push(tickets(&out)[0].2);
+    }
+    let first_snapshot = kinds.iter().position(|s| *s).expect("the log is compacted");
+    // ~2,000 ids of ~12 bytes make a snapshot of ~30 KB: its half holds a few hundred one-id deltas.
+    assert!(first_snapshot > 50, "compacted after {first_snapshot} deltas");
+    assert!(kinds.iter().filter(|s| **s).count() <= 2, "a snapshot per log's worth, not per write");
+}
+
+#[test]
+fn a_full_value_from_anti_entropy_is_persisted_as_a_snapshot() {
+    let mut b = core("b");
+    let mut src = core("w");
+    local(&mut src, "shard-t/1/0", or_add(vec!["e1".into()]));
+    let value = src.local_value("shard-t/1/0").unwrap().clone();
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::Gossip {
+        entries: vec![("shard-t/1/0".into(), value)],
+        want: vec![],
+        want_buckets: vec![],
+        value_buckets: vec![],
+    };
+    b.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
+    assert!(matches!(&tickets(&out)[..], [(_, _, true)]));
+}
+
+#[test]
+fn tickets_continue_above_the_highest_loaded_delta_sequence() {
+    let mut a = core("a");
+    let log = KeyLog { last_ticket: 41, snapshot_bytes: 100, log_bytes: 0, log_records: 0 };
+    a.load(vec![("shard-t/1/0".into(), GSet::default().into_data(), log)]);
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::Local, add("x"), &mut out);
+    assert_eq!(tickets(&out)[0].1, 42);
+    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })));
+    commit_all(&mut a, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { result: Ok(()), .. })));
 }

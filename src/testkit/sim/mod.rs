@@ -32,7 +32,7 @@ use crate::clock::Instant;
 use crate::ddata::LwwMap;
 use crate::ddata::crdt::ReplicatedData;
 use crate::ddata::replicator::{
-    Action as RepAction, Consistency, CoreSettings, Input as RepInput, ReplicatorCore, ReplicatorMsg,
+    Action as RepAction, Consistency, CoreSettings, Input as RepInput, PersistRecord, ReplicatorCore, ReplicatorMsg,
 };
 use crate::membership::{Member, MemberStatus, MembershipSnapshot, PeerAddr, UniqueAddress};
 use crate::sharding::allocation::LeastShardAllocation;
@@ -58,6 +58,8 @@ const MEMBERSHIP_MS: u64 = 100;
 const ASK_TIMEOUT_MS: u64 = 5_000;
 /// A failed coordinator-state write is retried after this long.
 const WRITE_RETRY_MS: u64 = 200;
+/// Time from a persist to its commit report (an LMDB fsync).
+const FSYNC_MS: u64 = 2;
 
 /// The shape of one simulated run.
 #[derive(Debug, Clone)]
@@ -143,6 +145,11 @@ enum Event {
     RetryWrite {
         node: UniqueAddress,
         write: u64,
+    },
+    /// The node's store committed its persists up to `through` (an fsync later).
+    Persisted {
+        node: UniqueAddress,
+        through: u64,
     },
     /// A client asks again after a transient, typed failure (as callers of `ask` do).
     RetryAsk {
@@ -317,7 +324,8 @@ impl Sim {
             CoreSettings::new(vec!["shard-".into()], Duration::from_millis(200)),
             std::sync::Arc::new(crate::ddata::ReplicatorStats::default()),
         );
-        replicator.load(self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone())).collect());
+        let disk = self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone(), Default::default()));
+        replicator.load(disk.collect());
         let region_settings = RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval };
         self.nodes[i] = Some(Node {
             region: RegionCore::new(addr.clone(), false, region_settings, now),
@@ -733,6 +741,15 @@ impl Sim {
                         self.start_write(i, write);
                     }
                 }
+                Event::Persisted { node, through } => {
+                    if let Some(i) = self.slot_of(&node) {
+                        let (now, wall) = (self.now(), self.wall());
+                        let mut out = Vec::new();
+                        let input = RepInput::Persisted { through, failure: None };
+                        self.nodes[i].as_mut().expect("live node").replicator.handle(input, now, wall, &mut out);
+                        self.perform_replicator(i, out);
+                    }
+                }
             }
         }
         self.now_ms = self.now_ms.max(until_ms);
@@ -773,6 +790,15 @@ impl Sim {
         for (id, a) in &self.asks {
             if let (true, Some(Err(why))) = (a.must_answer, a.outcome) {
                 self.report.violations.push(format!("after recovery, ask {id} to {} failed: {why}", a.entity_id));
+            }
+        }
+        // Every commit was reported by now, so nothing may still wait for one.
+        for node in self.nodes.iter().flatten() {
+            let (in_flight, held) = node.replicator.durability_backlog();
+            if in_flight + held > 0 {
+                self.report
+                    .violations
+                    .push(format!("{}: {in_flight} persists unreported, {held} acks or replies held", node.addr));
             }
         }
         self.report

@@ -120,13 +120,30 @@ impl Sim {
 
     pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<RepAction<RepReply>>) {
         let (now, wall) = (self.now(), self.wall());
-        // Persist first, as the driver does (one LMDB transaction before any send).
+        // The disk takes the writes at once; the commit is reported an fsync later, as the
+        // persist thread does (the core holds acks and update replies until then).
+        let mut through = 0;
         for a in &actions {
-            if let RepAction::Persist { key } = a
-                && let Some(v) = self.nodes[i].as_ref().and_then(|n| n.replicator.local_value(key)).cloned()
-            {
-                self.disks[i].insert(key.clone(), v);
+            let RepAction::Persist { key, ticket, record } = a else { continue };
+            through = through.max(*ticket);
+            let Some(node) = self.nodes[i].as_ref() else { return };
+            match record {
+                PersistRecord::Snapshot => {
+                    if let Some(v) = node.replicator.local_value(key).cloned() {
+                        self.disks[i].insert(key.clone(), v);
+                    }
+                }
+                PersistRecord::Delta(d) => {
+                    let stored = self.disks[i].entry(key.clone()).or_insert_with(|| d.empty_value());
+                    if let Err(e) = stored.merge_delta(d) {
+                        self.report.violations.push(format!("persisted delta of {key} does not join: {e:?}"));
+                    }
+                }
             }
+        }
+        if through > 0 {
+            let node = self.nodes[i].as_ref().expect("live node").addr.clone();
+            self.schedule(FSYNC_MS, Event::Persisted { node, through });
         }
         for action in actions {
             let Some(node) = self.nodes[i].as_mut() else { return };

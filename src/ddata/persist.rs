@@ -1,0 +1,253 @@
+//! The persist thread: the replicator loop hands it batches of store writes and goes on; it
+//! commits them in order (several queued batches in one LMDB transaction and one fsync),
+//! retries failures, grows a full map, and reports each commit back, so the loop never waits
+//! for the disk and acknowledgements are released only after the commit.
+//!
+//! **Retries.** A failed transaction is retried after 10 ms, 100 ms and 1 s; a full map is
+//! doubled (up to `replicator.lmdb_max_map_size`) and the transaction retried at once. What
+//! still fails is reported as a failure (the core then fails what waited on it and writes the
+//! keys again) and marks the store unhealthy until a commit succeeds.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tracing::{error, info, warn};
+
+use super::durable::{DurableStore, StoreOp};
+use super::stats::ReplicatorStats;
+
+/// Pauses before the retries of a failed transaction.
+const RETRY_BACKOFF: [Duration; 3] = [Duration::from_millis(10), Duration::from_millis(100), Duration::from_secs(1)];
+
+/// Most bytes of queued batches joined into one transaction.
+const MAX_TRANSACTION_BYTES: usize = 64 << 20;
+
+/// Whether the durable store currently commits, readable while the node runs.
+#[derive(Debug, Default)]
+pub struct DurableHealth {
+    unhealthy: AtomicBool,
+    last_error: Mutex<Option<String>>,
+}
+
+impl DurableHealth {
+    /// `true` unless the last commit failed after its retries.
+    pub fn is_healthy(&self) -> bool {
+        !self.unhealthy.load(Ordering::Relaxed)
+    }
+
+    /// The error of the last failed commit, if the store is unhealthy.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clone()
+    }
+
+    fn set(&self, error: Option<String>) {
+        self.unhealthy.store(error.is_some(), Ordering::Relaxed);
+        *self.last_error.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = error;
+    }
+}
+
+/// Writes to commit; `through` is the highest ticket among them.
+#[derive(Debug)]
+pub(crate) struct PersistJob {
+    pub through: u64,
+    pub ops: Vec<StoreOp>,
+}
+
+/// One commit's outcome: every ticket up to `through` is committed, or failed with `failure`.
+#[derive(Debug)]
+pub(crate) struct PersistReport {
+    pub through: u64,
+    pub failure: Option<(PathBuf, String)>,
+    /// Bytes of the jobs this report covers (the loop's backlog shrinks by this much).
+    pub bytes: usize,
+}
+
+/// Handle of a running persist thread. Dropping the sender ends it once the queue is drained;
+/// [`PersistThread::join`] waits for that.
+pub(crate) struct PersistThread {
+    pub jobs: mpsc::UnboundedSender<PersistJob>,
+    pub reports: mpsc::UnboundedReceiver<PersistReport>,
+    handle: std::thread::JoinHandle<()>,
+}
+
+impl PersistThread {
+    /// Starts the thread, the only user of `store` from now on.
+    pub(crate) fn start(
+        store: DurableStore,
+        max_map_size: usize,
+        health: Arc<DurableHealth>,
+        stats: Arc<ReplicatorStats>,
+    ) -> std::io::Result<PersistThread> {
+        Self::start_with(store, max_map_size, health, stats, Vec::new())
+    }
+
+    /// Starts the thread with `queued` jobs already waiting.
+    fn start_with(
+        store: DurableStore,
+        max_map_size: usize,
+        health: Arc<DurableHealth>,
+        stats: Arc<ReplicatorStats>,
+        queued: Vec<PersistJob>,
+    ) -> std::io::Result<PersistThread> {
+        let (jobs, mut rx) = mpsc::unbounded_channel::<PersistJob>();
+        for job in queued {
+            let _ = jobs.send(job);
+        }
+        let (report_tx, reports) = mpsc::unbounded_channel();
+        let handle = std::thread::Builder::new().name("ddshard-persist".into()).spawn(move || {
+            let mut writer = Writer { store, max_map_size, health, stats };
+            while let Some(first) = rx.blocking_recv() {
+                let mut through = first.through;
+                let mut ops = first.ops;
+                let mut bytes: usize = ops.iter().map(StoreOp::len).sum();
+                // Group commit: whatever queued meanwhile goes into the same transaction.
+                while bytes < MAX_TRANSACTION_BYTES {
+                    let Ok(next) = rx.try_recv() else { break };
+                    through = through.max(next.through);
+                    bytes += next.ops.iter().map(StoreOp::len).sum::<usize>();
+                    ops.extend(next.ops);
+                }
+                let failure = writer.commit(&ops).err().map(|e| (writer.store.path().to_path_buf(), e));
+                if report_tx.send(PersistReport { through, failure, bytes }).is_err() {
+                    break;
+                }
+            }
+        })?;
+        Ok(PersistThread { jobs, reports, handle })
+    }
+
+    /// Closes the queue and waits until everything queued is committed (or failed).
+    pub(crate) async fn join(self) {
+        let PersistThread { jobs, reports, handle } = self;
+        drop(jobs);
+        drop(reports);
+        if tokio::task::spawn_blocking(move || handle.join()).await.is_err() {
+            error!("persist thread panicked");
+        }
+    }
+}
+
+struct Writer {
+    store: DurableStore,
+    max_map_size: usize,
+    health: Arc<DurableHealth>,
+    stats: Arc<ReplicatorStats>,
+}
+
+impl Writer {
+    /// Commits `ops` in one transaction, with the retries and map growth of the module doc.
+    fn commit(&mut self, ops: &[StoreOp]) -> Result<(), String> {
+        let mut attempt = 0;
+        loop {
+            let error = match self.store.apply(ops) {
+                Ok(()) => {
+                    ReplicatorStats::inc(&self.stats.durable_commits);
+                    if !self.health.is_healthy() {
+                        info!(path = %self.store.path().display(), "durable store commits again");
+                    }
+                    self.health.set(None);
+                    return Ok(());
+                }
+                Err(heed::Error::Mdb(heed::MdbError::MapFull)) => match self.grow() {
+                    Ok(()) => continue,
+                    Err(e) => e,
+                },
+                Err(e) => e.to_string(),
+            };
+            let Some(pause) = RETRY_BACKOFF.get(attempt).filter(|_| !error.starts_with("map full")) else {
+                ReplicatorStats::inc(&self.stats.durable_failures);
+                error!(path = %self.store.path().display(), %error, "durable commit failed; its writes are not acknowledged");
+                self.health.set(Some(error.clone()));
+                return Err(error);
+            };
+            ReplicatorStats::inc(&self.stats.durable_retries);
+            warn!(path = %self.store.path().display(), %error, attempt = attempt + 1, "durable commit failed; retrying");
+            std::thread::sleep(*pause);
+            attempt += 1;
+        }
+    }
+
+    /// Doubles the map, up to the configured maximum.
+    fn grow(&mut self) -> Result<(), String> {
+        let current = self.store.map_size();
+        if current >= self.max_map_size {
+            return Err(format!(
+                "map full at {current} bytes, the maximum (replicator.lmdb_max_map_size); \
+                 raise it or free disk space"
+            ));
+        }
+        let next = current.saturating_mul(2).min(self.max_map_size);
+        self.store.grow_map(next).map_err(|e| format!("map full at {current} bytes and cannot grow: {e}"))?;
+        info!(path = %self.store.path().display(), from = current, to = next, "durable store map grown");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn big_ops(n: usize, each: usize) -> Vec<StoreOp> {
+        (0..n).map(|i| StoreOp::Snapshot { key: format!("k{i}"), bytes: vec![7; each] }).collect()
+    }
+
+    async fn run_one(t: &mut PersistThread, through: u64, ops: Vec<StoreOp>) -> PersistReport {
+        t.jobs.send(PersistJob { through, ops }).unwrap();
+        t.reports.recv().await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_full_map_grows_and_the_commit_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let mut t = PersistThread::start(store.clone(), 64 << 20, health.clone(), stats.clone()).unwrap();
+        let r = run_one(&mut t, 1, big_ops(8, 512 << 10)).await;
+        assert!(r.failure.is_none(), "{:?}", r.failure);
+        assert_eq!(r.through, 1);
+        assert!(store.map_size() >= 8 << 20, "grown to {}", store.map_size());
+        assert!(health.is_healthy());
+        assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1);
+        t.join().await;
+        drop(store);
+        let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(store.load_all().unwrap().corrupt.len(), 8, "all eight written (not CRDT values)");
+    }
+
+    #[tokio::test]
+    async fn a_full_map_at_its_maximum_fails_loudly_and_marks_the_store_unhealthy_until_a_commit_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let mut t = PersistThread::start(store, 2 << 20, health.clone(), stats.clone()).unwrap();
+        let r = run_one(&mut t, 5, big_ops(8, 512 << 10)).await;
+        let (_, reason) = r.failure.expect("a failure report");
+        assert!(reason.contains("lmdb_max_map_size"), "{reason}");
+        assert_eq!(r.through, 5);
+        assert!(!health.is_healthy());
+        assert!(health.last_error().unwrap().contains("map full"));
+        assert_eq!(stats.durable_failures.load(Ordering::Relaxed), 1);
+        let r = run_one(&mut t, 6, big_ops(1, 16)).await;
+        assert!(r.failure.is_none());
+        assert!(health.is_healthy() && health.last_error().is_none());
+        t.join().await;
+    }
+
+    #[tokio::test]
+    async fn batches_queued_while_a_commit_runs_share_the_next_transaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
+        let mut t = PersistThread::start_with(store.clone(), 64 << 20, health, stats.clone(), queued).unwrap();
+        let r = t.reports.recv().await.unwrap();
+        assert!(r.failure.is_none());
+        assert_eq!(r.through, 200, "one report covers every queued ticket");
+        assert_eq!(r.bytes, 200 * (2 + 64), "and every queued byte");
+        assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1, "one transaction");
+        t.join().await;
+    }
+}

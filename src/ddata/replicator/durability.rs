@@ -1,0 +1,177 @@
+//! Durability in the replicator core: persist tickets, the snapshot-or-delta choice, and the
+//! acknowledgements held until the local commit.
+//!
+//! **Rule.** Every change of a durable key gets a *ticket* (a number that only grows, also the
+//! sequence number of its delta record on disk). A `WriteAck`, and the success reply of a local
+//! or majority update, is released only when every ticket of its keys is committed locally
+//! ([`Input::Persisted`](super::Input::Persisted) reports commits in ticket order). So an
+//! acknowledged write is in this node's LMDB, and a writer counts itself only once its own
+//! commit succeeded.
+//!
+//! **Failure.** A failed commit fails what waits on its tickets (acks are withheld, update
+//! replies become storage errors) and writes the failed keys again as snapshots under new
+//! tickets, so a key is never left in memory only once the store works again.
+//!
+//! **Layout.** A change is persisted as its delta (appended to the key's delta log) while the
+//! key's log stays under half its last snapshot (at least [`LOG_FLOOR_BYTES`]) and
+//! [`MAX_LOG_RECORDS`]; otherwise as a snapshot of the whole value, which drops the log. So a
+//! write costs O(delta) amortized, and a load reads at most about 1.5 times the value.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use super::{Action, ReplicatorCore};
+use crate::ddata::crdt::ReplicatedDelta;
+use crate::error::Error;
+
+/// A key's delta log may grow to at least this many bytes before a snapshot replaces it.
+pub(crate) const LOG_FLOOR_BYTES: usize = 4096;
+/// Most delta records a key keeps before a snapshot replaces them (bounds load work).
+pub(crate) const MAX_LOG_RECORDS: u32 = 256;
+
+/// What to write for a key.
+#[derive(Debug, Clone)]
+pub(crate) enum PersistRecord {
+    /// The whole current value (the driver reads it when it performs the action); drops the
+    /// key's delta log.
+    Snapshot,
+    /// Append this delta to the key's log, under the action's ticket.
+    Delta(ReplicatedDelta),
+}
+
+/// Per-key persistence bookkeeping.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct KeyLog {
+    /// The key's latest ticket (0: nothing issued by this process and nothing loaded).
+    pub last_ticket: u64,
+    /// Approximate size of the key's last snapshot.
+    pub snapshot_bytes: usize,
+    /// Bytes and records in the key's delta log since that snapshot.
+    pub log_bytes: usize,
+    pub log_records: u32,
+}
+
+/// Tickets and held actions.
+pub(crate) struct Durability<R> {
+    /// The last ticket issued.
+    issued: u64,
+    /// Every ticket up to this one has been reported committed (or failed).
+    reported: u64,
+    /// Tickets not yet reported, with their key (for the rewrite after a failure).
+    in_flight: BTreeMap<u64, String>,
+    /// Actions waiting for a ticket.
+    held: BTreeMap<u64, Vec<Action<R>>>,
+}
+
+impl<R> Default for Durability<R> {
+    fn default() -> Self {
+        Durability { issued: 0, reported: 0, in_flight: BTreeMap::new(), held: BTreeMap::new() }
+    }
+}
+
+impl<R> Durability<R> {
+    /// Continues ticket numbers above `max_stored` (the highest delta sequence on disk).
+    pub(crate) fn resume_after(&mut self, max_stored: u64) {
+        self.issued = self.issued.max(max_stored);
+        self.reported = self.reported.max(max_stored);
+    }
+
+    /// Tickets issued but not yet reported.
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Actions held for a commit.
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) fn held(&self) -> usize {
+        self.held.values().map(Vec::len).sum()
+    }
+}
+
+impl<R> ReplicatorCore<R> {
+    /// Emits the persist of a changed durable key: its delta when the log has room, else a
+    /// snapshot. `delta: None` always snapshots.
+    pub(super) fn persist(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
+        let Some(entry) = self.data.get_mut(key) else { return };
+        self.durability.issued += 1;
+        let ticket = self.durability.issued;
+        let log = &mut entry.log;
+        log.last_ticket = ticket;
+        let record = match delta {
+            Some(d) => {
+                let size = d.approx_bytes();
+                let budget = (log.snapshot_bytes / 2).max(LOG_FLOOR_BYTES);
+                if log.log_bytes.saturating_add(size) <= budget && log.log_records < MAX_LOG_RECORDS {
+                    log.log_bytes += size;
+                    log.log_records += 1;
+                    Some(PersistRecord::Delta(d.clone()))
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        let record = record.unwrap_or_else(|| {
+            // O(value), paid once per log's worth of deltas.
+            log.snapshot_bytes = entry.value.approx_bytes();
+            log.log_bytes = 0;
+            log.log_records = 0;
+            PersistRecord::Snapshot
+        });
+        self.durability.in_flight.insert(ticket, key.to_string());
+        out.push(Action::Persist { key: key.to_string(), ticket, record });
+    }
+
+    /// The ticket the given keys' durability waits for (0: nothing pending).
+    pub(super) fn ticket_of<'a>(&self, keys: impl IntoIterator<Item = &'a str>) -> u64 {
+        keys.into_iter().filter_map(|k| self.data.get(k)).map(|e| e.log.last_ticket).max().unwrap_or(0)
+    }
+
+    /// Emits `action` once `ticket` is committed (at once if it already is).
+    pub(super) fn after_commit(&mut self, ticket: u64, action: Action<R>, out: &mut Vec<Action<R>>) {
+        if ticket <= self.durability.reported {
+            out.push(action);
+        } else {
+            self.durability.held.entry(ticket).or_default().push(action);
+        }
+    }
+
+    /// Every ticket up to `through` was committed, or (with `failure`) the commit holding
+    /// those not yet reported failed.
+    pub(super) fn on_persisted(&mut self, through: u64, failure: Option<(PathBuf, String)>, out: &mut Vec<Action<R>>) {
+        let through = through.min(self.durability.issued);
+        if through <= self.durability.reported {
+            return;
+        }
+        self.durability.reported = through;
+        let rest = self.durability.in_flight.split_off(&(through + 1));
+        let done = std::mem::replace(&mut self.durability.in_flight, rest);
+        let rest = self.durability.held.split_off(&(through + 1));
+        let released = std::mem::replace(&mut self.durability.held, rest);
+        let Some((path, reason)) = failure else {
+            out.extend(released.into_values().flatten());
+            return;
+        };
+        for action in released.into_values().flatten() {
+            match action {
+                // Not stored here, so not acknowledged: the writer must not count this replica.
+                Action::Send { msg: super::ReplicatorMsg::WriteAck { .. }, .. } => {}
+                Action::ReplyUpdate { reply, result: Ok(()) } => {
+                    let result = Err(Error::Storage { path: path.clone(), reason: reason.clone() });
+                    out.push(Action::ReplyUpdate { reply, result });
+                }
+                other => out.push(other),
+            }
+        }
+        // Write each failed key again, whole, under a new ticket.
+        let mut keys: Vec<String> = done.into_values().collect();
+        keys.sort();
+        keys.dedup();
+        for key in keys {
+            if self.is_durable(&key) {
+                self.persist(&key, None, out);
+            }
+        }
+    }
+}
