@@ -69,6 +69,56 @@ async fn start_new_sliding(r: &ShardRegion<Thing>, prefix: &str, from: usize, to
 const SLIDING_TOTAL: usize = 4096;
 const SLIDING_WINDOW: usize = 512;
 
+/// Where a remembered start spends its time: the region's remember writer (queue wait, majority
+/// round, batch size) and the replicators of all nodes (commits, merges).
+#[derive(Default)]
+struct StageCounters {
+    batches: u64,
+    requests: u64,
+    ids: u64,
+    queue_wait_us: u64,
+    round_us: u64,
+    commits: u64,
+    deltas_merged: u64,
+}
+
+impl StageCounters {
+    fn read(cluster: &TestCluster, region: &ShardRegion<Thing>) -> StageCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = region.counters();
+        let mut s = StageCounters {
+            batches: c.remember_batches.load(Relaxed),
+            requests: c.remember_requests.load(Relaxed),
+            ids: c.remember_ids_written.load(Relaxed),
+            queue_wait_us: c.remember_queue_wait_micros.load(Relaxed),
+            round_us: c.remember_round_micros.load(Relaxed),
+            ..Default::default()
+        };
+        for (_, n) in cluster.running() {
+            s.commits += n.replicator().stats().durable_commits.load(Relaxed);
+            s.deltas_merged += n.replicator().stats().deltas_merged.load(Relaxed);
+        }
+        s
+    }
+
+    fn print_since(&self, before: &StageCounters, elapsed: Duration) {
+        let batches = (self.batches - before.batches).max(1);
+        let requests = (self.requests - before.requests).max(1);
+        let secs = elapsed.as_secs_f64();
+        println!(
+            "remember stages (node 1's writer, sliding runs): {} batches of {:.0} ids ({:.1} shards) each, \
+             queue wait {:.2} ms, majority round {:.2} ms; all nodes: {:.0} LMDB commits/s, {:.0} delta merges/s",
+            batches,
+            (self.ids - before.ids) as f64 / batches as f64,
+            requests as f64 / batches as f64,
+            (self.queue_wait_us - before.queue_wait_us) as f64 / requests as f64 / 1e3,
+            (self.round_us - before.round_us) as f64 / batches as f64 / 1e3,
+            (self.commits - before.commits) as f64 / secs,
+            (self.deltas_merged - before.deltas_merged) as f64 / secs,
+        );
+    }
+}
+
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
     statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * 4096
@@ -152,7 +202,9 @@ fn bench(c: &mut Criterion) {
     g.finish();
 
     // The same starts with 512 always in flight (the shape of a busy service), each beside the
-    // remember-off baseline.
+    // remember-off baseline; stage counters of the remember-on run printed after.
+    let stage_before = StageCounters::read(&cluster, &on);
+    let stage_clock = Instant::now();
     let mut g = c.benchmark_group("new_entity_start_rate_3_nodes_sliding_512");
     g.throughput(Throughput::Elements(SLIDING_TOTAL as u64));
     g.sample_size(10).measurement_time(Duration::from_secs(10));
@@ -174,6 +226,7 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.finish();
+    StageCounters::read(&cluster, &on).print_since(&stage_before, stage_clock.elapsed());
 
     // Restart time after a full-cluster restart: seed 100k remembered ids straight into the
     // replicated sets (as the shards would have recorded them), restart every node, and time

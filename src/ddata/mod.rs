@@ -47,6 +47,7 @@ pub(crate) const TOPIC: &str = "ddata";
 
 pub(crate) enum ReplyTx {
     Get(oneshot::Sender<Result<Option<ReplicatedData>>>),
+    GetMany(oneshot::Sender<Result<Vec<Option<ReplicatedData>>>>),
     Update(oneshot::Sender<Result<()>>),
 }
 
@@ -91,6 +92,21 @@ impl Replicator {
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         let data = rx.await.map_err(|_| Error::ShutDown)??;
         data.map(|d| T::from_data(d, key)).transpose()
+    }
+
+    /// Reads several keys of one type in one round (one message per replica; the replicas split
+    /// large answers by bytes). Values come in the order of `keys`; at most 4,096 keys.
+    pub async fn get_many<T: Crdt>(
+        &self,
+        keys: Vec<String>,
+        consistency: Consistency,
+        timeout: Duration,
+    ) -> Result<Vec<Option<T>>> {
+        let (tx, rx) = oneshot::channel();
+        let input = Input::GetMany { keys: keys.clone(), consistency, timeout, reply: ReplyTx::GetMany(tx) };
+        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
+        let values = rx.await.map_err(|_| Error::ShutDown)??;
+        values.into_iter().zip(&keys).map(|(d, key)| d.map(|d| T::from_data(d, key)).transpose()).collect()
     }
 
     /// Changes `key` (starting from `T::default()` when it has no value) and replicates the new
@@ -378,10 +394,13 @@ impl Driver {
                 Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {
                     let _ = tx.send(result);
                 }
+                Action::ReplyGetMany { reply: ReplyTx::GetMany(tx), result } => {
+                    let _ = tx.send(result);
+                }
                 Action::ReplyUpdate { reply: ReplyTx::Update(tx), result } => {
                     let _ = tx.send(result);
                 }
-                Action::ReplyGet { .. } | Action::ReplyUpdate { .. } => {
+                Action::ReplyGet { .. } | Action::ReplyGetMany { .. } | Action::ReplyUpdate { .. } => {
                     error!("reply handle of the wrong kind; this is a bug");
                 }
                 Action::Changed { key } => {

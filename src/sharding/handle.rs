@@ -46,6 +46,19 @@ pub struct RegionCounters {
     pub entity_panics: AtomicU64,
     /// Shards stopped because their remembered set could not be loaded or written.
     pub shard_failures: AtomicU64,
+    /// Remember-entities: batches written by this region's remember writer (one majority
+    /// update each, covering the starts and stops of all its shards queued meanwhile).
+    pub remember_batches: AtomicU64,
+    /// Remember-entities: entity starts and stops those batches recorded.
+    pub remember_ids_written: AtomicU64,
+    /// Remember-entities: total time requests waited for their batch to leave, in microseconds
+    /// (divide by the requests for the mean).
+    pub remember_queue_wait_micros: AtomicU64,
+    /// Remember-entities: requests (one per shard and batch) the writer took.
+    pub remember_requests: AtomicU64,
+    /// Remember-entities: total time of the batches' majority rounds (with retries), in
+    /// microseconds (divide by `remember_batches` for the mean).
+    pub remember_round_micros: AtomicU64,
 }
 
 pub(crate) struct HandleInner<E: Entity> {
@@ -276,7 +289,13 @@ pub(crate) async fn start_region<E: Entity>(
     let replier = Replier::new(transport.clone(), type_name, node.watch_membership());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let shards = factory.clone().map(|factory| {
-        let remember = RememberIo::new(node.replicator().clone(), node.spawner().clone(), type_name, &settings);
+        let remember = RememberIo::new(
+            node.replicator().clone(),
+            node.spawner().clone(),
+            type_name,
+            &settings,
+            inner.counters.clone(),
+        );
         LocalShards::new(
             type_name,
             factory,

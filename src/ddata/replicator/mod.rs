@@ -20,6 +20,7 @@
 
 mod durability;
 mod gossip;
+mod reads;
 #[cfg(test)]
 mod tests;
 
@@ -40,6 +41,7 @@ use crate::membership::UniqueAddress;
 use crate::transport::PeerAddr;
 use durability::Durability;
 pub(crate) use durability::{KeyLog, PersistRecord};
+use reads::PendingRead;
 
 /// How many replicas must take part in a read or a write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -99,19 +101,19 @@ pub enum ReplicatorMsg {
         /// Key → delta.
         entries: Vec<(String, ReplicatedDelta)>,
     },
-    /// Send me your value of `key`.
+    /// Send me your values of `keys` (at most `reads::MAX_READ_KEYS`, 4,096).
     Read {
         /// Operation id of the reader.
         op: u64,
-        /// Key.
-        key: String,
+        /// Keys.
+        keys: Vec<String>,
     },
-    /// Answer to [`ReplicatorMsg::Read`].
+    /// Answer to [`ReplicatorMsg::Read`], or a part of it (a large answer is split by bytes).
     ReadResult {
         /// Operation id.
         op: u64,
-        /// The value, if any.
-        value: Option<ReplicatedData>,
+        /// Index into the read's keys → the value, if any.
+        values: Vec<(u32, Option<ReplicatedData>)>,
     },
     /// Anti-entropy probe: the root digest over all keys.
     Status {
@@ -155,6 +157,13 @@ pub(crate) type Modify =
 pub(crate) enum Input<R> {
     Get {
         key: String,
+        consistency: Consistency,
+        timeout: Duration,
+        reply: R,
+    },
+    /// Several keys read in one round (one `Read` per replica); answered with `ReplyGetMany`.
+    GetMany {
+        keys: Vec<String>,
         consistency: Consistency,
         timeout: Duration,
         reply: R,
@@ -219,6 +228,11 @@ pub(crate) enum Action<R> {
         reply: R,
         result: Result<Option<ReplicatedData>>,
     },
+    /// The values of a `GetMany`, in the order of its keys.
+    ReplyGetMany {
+        reply: R,
+        result: Result<Vec<Option<ReplicatedData>>>,
+    },
     ReplyUpdate {
         reply: R,
         result: Result<()>,
@@ -265,16 +279,6 @@ struct PendingWrite<R> {
     needed: usize,
     addressed: Vec<UniqueAddress>,
     acked: HashSet<UniqueAddress>,
-    deadline: Instant,
-    reply: R,
-}
-
-struct PendingRead<R> {
-    key: String,
-    needed: usize,
-    addressed: Vec<UniqueAddress>,
-    responders: Vec<(PeerAddr, u64)>,
-    merged: Option<ReplicatedData>,
     deadline: Instant,
     reply: R,
 }
@@ -473,7 +477,12 @@ impl<R> ReplicatorCore<R> {
     /// Handles one input at `now` (`wall_ms` feeds the LWW clock).
     pub(crate) fn handle(&mut self, input: Input<R>, now: Instant, wall_ms: u64, out: &mut Vec<Action<R>>) {
         match input {
-            Input::Get { key, consistency, timeout, reply } => self.on_get(key, consistency, timeout, reply, now, out),
+            Input::Get { key, consistency, timeout, reply } => {
+                self.on_get(vec![key], false, consistency, timeout, reply, now, out)
+            }
+            Input::GetMany { keys, consistency, timeout, reply } => {
+                self.on_get(keys, true, consistency, timeout, reply, now, out)
+            }
             Input::Update { key, consistency, timeout, modify, reply } => {
                 self.ctx.now_ms = wall_ms;
                 self.on_update(vec![(key, modify)], consistency, timeout, reply, now, out)
@@ -490,46 +499,6 @@ impl<R> ReplicatorCore<R> {
             Input::Tick => self.on_tick(now, out),
             Input::Persisted { through, failure } => self.on_persisted(through, failure, out),
         }
-    }
-
-    fn on_get(
-        &mut self,
-        key: String,
-        c: Consistency,
-        timeout: Duration,
-        reply: R,
-        now: Instant,
-        out: &mut Vec<Action<R>>,
-    ) {
-        let needed = c.needed(self.total_replicas());
-        let local = self.local_value(&key).cloned();
-        if needed <= 1 {
-            out.push(Action::ReplyGet { reply, result: Ok(local) });
-            return;
-        }
-        let reachable = self.reachable_replicas();
-        if reachable.len() + 1 < needed {
-            out.push(Action::ReplyGet {
-                reply,
-                result: Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
-            });
-            return;
-        }
-        let op = self.next_op();
-        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
-        out.push(Action::Broadcast { to: reachable, msg: ReplicatorMsg::Read { op, key: key.clone() } });
-        self.reads.insert(
-            op,
-            PendingRead {
-                key,
-                needed,
-                addressed,
-                responders: Vec::new(),
-                merged: local,
-                deadline: now + timeout,
-                reply,
-            },
-        );
     }
 
     /// Applies one key's modify; returns its delta (None: nothing changed).
@@ -748,68 +717,14 @@ impl<R> ReplicatorCore<R> {
                     self.after_commit(ticket, Action::ReplyUpdate { reply: w.reply, result: Ok(()) }, out);
                 }
             }
-            ReplicatorMsg::Read { op, key } => {
-                let value = self.local_value(&key).cloned();
-                if value.is_some() {
-                    ReplicatorStats::inc(&self.stats.full_values_sent);
-                }
-                out.push(Action::Send { to: from, msg: ReplicatorMsg::ReadResult { op, value } });
-            }
-            ReplicatorMsg::ReadResult { op, value } => self.on_read_result(op, from, value, out),
+            ReplicatorMsg::Read { op, keys } => self.on_read(from, op, keys, out),
+            ReplicatorMsg::ReadResult { op, values } => self.on_read_result(op, from, values, out),
             ReplicatorMsg::Status { root } => self.on_status(from, root, out),
             ReplicatorMsg::KeyBuckets { digests } => self.on_key_buckets(from, digests, out),
             ReplicatorMsg::Digests { buckets, digests } => self.on_digests(from, buckets, digests, out),
             ReplicatorMsg::Gossip { entries, want, want_buckets, value_buckets } => {
                 self.on_gossip(from, entries, want, want_buckets, value_buckets, out)
             }
-        }
-    }
-
-    fn on_read_result(&mut self, op: u64, from: PeerAddr, value: Option<ReplicatedData>, out: &mut Vec<Action<R>>) {
-        let Some(r) = self.reads.get_mut(&op) else { return };
-        if !r.addressed.contains(&from.address) {
-            ReplicatorStats::inc(&self.stats.rejected);
-            return;
-        }
-        if r.responders.iter().any(|(p, _)| p.address == from.address) {
-            return;
-        }
-        let digest = value.as_ref().map_or(0, ReplicatedData::digest);
-        r.responders.push((from, digest));
-        if let Some(v) = value {
-            match &mut r.merged {
-                Some(m) => {
-                    if let Err((a, b)) = m.merge(v) {
-                        warn!(key = %r.key, mine = a, theirs = b, "read result of another type ignored");
-                    }
-                }
-                None => r.merged = Some(v),
-            }
-        }
-        if r.responders.len() + 1 >= r.needed {
-            let r = self.reads.remove(&op).expect("pending read");
-            if let Some(Err(e)) = r.merged.map(|m| self.merge_in(&r.key, m, out)) {
-                out.push(Action::ReplyGet { reply: r.reply, result: Err(e) });
-                return;
-            }
-            let result = self.local_value(&r.key).cloned();
-            // Read repair: replicas that answered with an older value get the merged one.
-            let final_digest = result.as_ref().map_or(0, ReplicatedData::digest);
-            if let Some(v) = &result {
-                let stale: Vec<PeerAddr> =
-                    r.responders.into_iter().filter(|(_, d)| *d != final_digest).map(|(p, _)| p).collect();
-                if !stale.is_empty() {
-                    ReplicatorStats::add(&self.stats.full_values_sent, stale.len());
-                    let msg = ReplicatorMsg::Gossip {
-                        entries: vec![(r.key.clone(), v.clone())],
-                        want: Vec::new(),
-                        want_buckets: Vec::new(),
-                        value_buckets: Vec::new(),
-                    };
-                    out.push(Action::Broadcast { to: stale, msg });
-                }
-            }
-            out.push(Action::ReplyGet { reply: r.reply, result: Ok(result) });
         }
     }
 
@@ -822,14 +737,7 @@ impl<R> ReplicatorCore<R> {
                 result: Err(Error::ConsistencyTimeout { needed: w.needed, acked: w.acked.len() }),
             });
         }
-        let expired: Vec<u64> = self.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(op, _)| *op).collect();
-        for op in expired {
-            let r = self.reads.remove(&op).expect("pending read");
-            out.push(Action::ReplyGet {
-                reply: r.reply,
-                result: Err(Error::ConsistencyTimeout { needed: r.needed, acked: r.responders.len() + 1 }),
-            });
-        }
+        self.expire_reads(now, out);
         if self.next_delta_flush.is_none_or(|t| t <= now) {
             self.next_delta_flush = Some(now + self.settings.delta_interval);
             self.flush_deltas(out);

@@ -5,6 +5,8 @@
 //! feeds recovery in batches with [`ShardEvent::Recover`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -12,6 +14,7 @@ use tracing::{debug, warn};
 
 use super::{ShardEvent, StoreResult};
 use crate::ddata::{Consistency, KeyUpdate, OrSet, Replicator};
+use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, keys};
@@ -37,6 +40,7 @@ pub(crate) struct RememberIo {
     pub recovery_batch: usize,
     pub recovery_interval: Duration,
     writer: mpsc::UnboundedSender<WriteRequest>,
+    counters: Arc<RegionCounters>,
 }
 
 /// One shard's starts and stops, and what to do with the outcome.
@@ -45,13 +49,20 @@ struct WriteRequest {
     adds: BTreeSet<String>,
     removes: BTreeSet<String>,
     done: Box<dyn FnOnce(StoreResult) + Send>,
+    queued_at: std::time::Instant,
 }
 
 impl RememberIo {
     /// Starts the region's remember writer (group commit: the starts and stops of all its
     /// shards go out together, one multi-key majority update per batch; the next batch
     /// accumulates while one is in flight).
-    pub(crate) fn new(replicator: Replicator, spawner: Spawner, type_name: &str, s: &ShardingSettings) -> Self {
+    pub(crate) fn new(
+        replicator: Replicator,
+        spawner: Spawner,
+        type_name: &str,
+        s: &ShardingSettings,
+        counters: Arc<RegionCounters>,
+    ) -> Self {
         let (writer, requests) = mpsc::unbounded_channel();
         let io = RememberIo {
             replicator,
@@ -63,6 +74,7 @@ impl RememberIo {
             recovery_batch: s.entity_recovery_batch,
             recovery_interval: s.entity_recovery_interval,
             writer,
+            counters,
         };
         io.spawner.spawn_until_shutdown(io.clone().run_writer(requests));
         io
@@ -71,6 +83,14 @@ impl RememberIo {
     async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
         let mut batch = Vec::new();
         while requests.recv_many(&mut batch, 4096).await > 0 {
+            let started = std::time::Instant::now();
+            let waited: u128 = batch.iter().map(|r| started.duration_since(r.queued_at).as_micros()).sum();
+            add(&self.counters.remember_queue_wait_micros, waited);
+            add(&self.counters.remember_requests, batch.len());
+            add(
+                &self.counters.remember_ids_written,
+                batch.iter().map(|r| r.adds.len() + r.removes.len()).sum::<usize>(),
+            );
             // Slot key → (adds, removes), across every shard of the batch.
             let mut by_key: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
             for req in &batch {
@@ -102,6 +122,8 @@ impl RememberIo {
                     break;
                 }
             }
+            add(&self.counters.remember_round_micros, started.elapsed().as_micros());
+            add(&self.counters.remember_batches, 1u8);
             let ok = match &last {
                 Ok(()) => true,
                 Err(e) => {
@@ -116,25 +138,23 @@ impl RememberIo {
         }
     }
 
-    /// Loads the shard's remembered ids with a majority read of every slot; then, with a
+    /// Loads the shard's remembered ids with one majority read of all its slots; then, with a
     /// recovery batch set, feeds them back in batches at the configured rate.
     pub(crate) fn load<E: Entity>(&self, shard: ShardId, instance: u64, events: mpsc::UnboundedSender<ShardEvent<E>>) {
         let io = self.clone();
         self.spawner.spawn_until_shutdown(async move {
-            let reads = (0..io.slots).map(|slot| {
-                let key = keys::remembered_entities(&io.type_name, &shard, slot);
-                let replicator = io.replicator.clone();
-                async move { replicator.get::<OrSet>(&key, REMEMBER_CONSISTENCY, io.read_timeout).await }
-            });
+            let keys = (0..io.slots).map(|slot| keys::remembered_entities(&io.type_name, &shard, slot)).collect();
             let mut ids = BTreeSet::new();
-            for r in futures::future::join_all(reads).await {
-                match r {
-                    Ok(set) => ids.extend(set.map(|s| s.members()).unwrap_or_default()),
-                    Err(e) => {
-                        warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
-                        let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
-                        return;
+            match io.replicator.get_many::<OrSet>(keys, REMEMBER_CONSISTENCY, io.read_timeout).await {
+                Ok(sets) => {
+                    for set in sets.into_iter().flatten() {
+                        ids.extend(set.members());
                     }
+                }
+                Err(e) => {
+                    warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
+                    let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
+                    return;
                 }
             }
             debug!(type_name = %io.type_name, %shard, entities = ids.len(), "remembered entities loaded");
@@ -167,8 +187,13 @@ impl RememberIo {
         let done = Box::new(move |input| {
             let _ = events.send(ShardEvent::Store { shard: reply_shard, instance, input });
         });
-        if self.writer.send(WriteRequest { shard, adds, removes, done }).is_err() {
+        let queued_at = std::time::Instant::now();
+        if self.writer.send(WriteRequest { shard, adds, removes, done, queued_at }).is_err() {
             debug!(type_name = %self.type_name, "remember writer stopped (shutting down)");
         }
     }
+}
+
+fn add(counter: &AtomicU64, n: impl TryInto<u64>) {
+    counter.fetch_add(n.try_into().unwrap_or(u64::MAX), Ordering::Relaxed);
 }

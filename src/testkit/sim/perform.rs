@@ -184,7 +184,7 @@ impl Sim {
                         self.schedule(WRITE_RETRY_MS, Event::RetryWrite { node, write });
                     }
                 }
-                RepAction::ReplyGet { .. } | RepAction::ReplyUpdate { .. } => {
+                RepAction::ReplyGet { .. } | RepAction::ReplyGetMany { .. } | RepAction::ReplyUpdate { .. } => {
                     self.report.violations.push("replicator reply of the wrong kind".into());
                 }
             }
