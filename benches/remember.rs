@@ -79,6 +79,8 @@ struct StageCounters {
     queue_wait_us: u64,
     round_us: u64,
     commits: u64,
+    commit_us: u64,
+    records: u64,
     deltas_merged: u64,
 }
 
@@ -96,6 +98,8 @@ impl StageCounters {
         };
         for (_, n) in cluster.running() {
             s.commits += n.replicator().stats().durable_commits.load(Relaxed);
+            s.commit_us += n.replicator().stats().durable_commit_micros.load(Relaxed);
+            s.records += n.replicator().stats().durable_records.load(Relaxed);
             s.deltas_merged += n.replicator().stats().deltas_merged.load(Relaxed);
         }
         s
@@ -107,13 +111,16 @@ impl StageCounters {
         let secs = elapsed.as_secs_f64();
         println!(
             "remember stages (node 1's writer, sliding runs): {} batches of {:.0} ids ({:.1} shards) each, \
-             queue wait {:.2} ms, majority round {:.2} ms; all nodes: {:.0} LMDB commits/s, {:.0} delta merges/s",
+             queue wait {:.2} ms, majority round {:.2} ms; all nodes: {:.0} LMDB commits/s of {:.0} records taking \
+             {:.2} ms each, {:.0} delta merges/s",
             batches,
             (self.ids - before.ids) as f64 / batches as f64,
             requests as f64 / batches as f64,
             (self.queue_wait_us - before.queue_wait_us) as f64 / requests as f64 / 1e3,
             (self.round_us - before.round_us) as f64 / batches as f64 / 1e3,
             (self.commits - before.commits) as f64 / secs,
+            (self.records - before.records) as f64 / (self.commits - before.commits).max(1) as f64,
+            (self.commit_us - before.commit_us) as f64 / (self.commits - before.commits).max(1) as f64 / 1e3,
             (self.deltas_merged - before.deltas_merged) as f64 / secs,
         );
     }

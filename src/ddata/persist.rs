@@ -142,9 +142,13 @@ impl Writer {
     fn commit(&mut self, ops: &[StoreOp]) -> Result<(), String> {
         let mut attempt = 0;
         loop {
-            let error = match self.store.apply(ops) {
+            let started = std::time::Instant::now();
+            let applied = self.store.apply(ops);
+            ReplicatorStats::add(&self.stats.durable_commit_micros, started.elapsed().as_micros() as usize);
+            let error = match applied {
                 Ok(()) => {
                     ReplicatorStats::inc(&self.stats.durable_commits);
+                    ReplicatorStats::add(&self.stats.durable_records, ops.len());
                     if !self.health.is_healthy() {
                         info!(path = %self.store.path().display(), "durable store commits again");
                     }

@@ -20,6 +20,11 @@ pub struct ReplicatorStats {
     pub durable_failures: AtomicU64,
     /// LMDB commits retried after an error.
     pub durable_retries: AtomicU64,
+    /// Total time spent in LMDB commits (writes and fsync), in microseconds; divide by
+    /// `durable_commits` for the mean.
+    pub durable_commit_micros: AtomicU64,
+    /// Records (snapshots and deltas) written by those commits.
+    pub durable_records: AtomicU64,
     /// Anti-entropy rounds started (a root digest sent to one peer).
     pub digest_rounds: AtomicU64,
     /// Anti-entropy rounds a peer answered because its root digest differed.
