@@ -4,11 +4,14 @@
 //! in `spawn_blocking` (a heed write transaction must be created and committed on one thread).
 //! Once the replicator has loaded, its persist thread is the only user of the environment.
 //!
-//! **Layout.** A key is stored as a snapshot (database `ddata`, key → encoded value) and a
-//! delta log (database `deltas`, `u16 key length ‖ key ‖ u64 sequence` → encoded delta, both
-//! big-endian so a key's records sort together in sequence order). Loading joins each key's
-//! deltas into its snapshot (or, for a key without one, into the empty value of the delta's
-//! type); writing a snapshot drops the key's log.
+//! **Layout.** One global delta log and a snapshot per key. Database `deltas`: `u64 sequence`
+//! (big-endian) → `u16 key length ‖ key ‖ encoded delta`; sequences only grow, so every commit
+//! appends at the end of one B-tree and dirties a few pages however many keys it touches.
+//! Database `ddata`: key → `u64 sequence ‖ encoded value`, the sequence being that of the
+//! snapshot: it covers every delta of the key with a lower sequence. Loading joins each key's
+//! live deltas (above its snapshot) into its snapshot, or, for a key without one, into the
+//! empty value of the delta's type. Dead deltas are deleted by [`StoreOp::TrimLog`] once no
+//! key needs anything below a sequence.
 
 use std::path::{Path, PathBuf};
 
@@ -37,34 +40,47 @@ impl std::fmt::Debug for DurableStore {
 const GENERATION_KEY: &str = "generation";
 const FORMAT_KEY: &str = "format";
 
-/// Version of the store's layout and value encoding. 3: snapshots plus per-key delta logs.
-/// 2 (snapshots only, same value encoding) is read as is and restamped. 1 (unmarked) was
-/// `crdts::Orswot` and `crdts::GSet`, and is refused.
+/// Version of the store's layout and value encoding. 3: sequence-stamped snapshots and one
+/// global delta log. 2 (bare snapshots, same value encoding) is converted in place at load.
+/// 1 (unmarked) was `crdts::Orswot` and `crdts::GSet`, and is refused.
 pub const FORMAT_VERSION: u32 = 3;
 
-/// Formats this build reads without conversion.
-const READABLE_FORMATS: [u32; 2] = [2, 3];
+/// Format 2: snapshots without a sequence, no delta log.
+const FORMAT_BARE_SNAPSHOTS: u32 = 2;
 
 /// One key as [`DurableStore::load_all`] read it.
 #[derive(Debug)]
 pub struct StoredKey {
     /// The key.
     pub key: String,
-    /// Its snapshot joined with its delta log.
+    /// Its snapshot joined with its live deltas.
     pub value: ReplicatedData,
     /// Encoded size of the snapshot (0 if the key has only deltas).
     pub snapshot_bytes: usize,
-    /// Encoded size and number of the delta records.
+    /// Sequence of the snapshot (0 if none).
+    pub snapshot_seq: u64,
+    /// Encoded size of the live delta records.
     pub log_bytes: usize,
-    /// Number of delta records.
+    /// Number of live delta records.
     pub log_records: u32,
-    /// Highest sequence number of the key's delta records (0 if none).
-    pub last_seq: u64,
+    /// Lowest and highest sequence of the live delta records (0 if none).
+    pub first_log_seq: u64,
+    /// See `first_log_seq`.
+    pub last_log_seq: u64,
 }
 
 impl StoredKey {
-    fn new(key: &str, value: ReplicatedData, snapshot_bytes: usize) -> StoredKey {
-        StoredKey { key: key.to_string(), value, snapshot_bytes, log_bytes: 0, log_records: 0, last_seq: 0 }
+    fn new(key: &str, value: ReplicatedData, snapshot_bytes: usize, snapshot_seq: u64) -> StoredKey {
+        StoredKey {
+            key: key.to_string(),
+            value,
+            snapshot_bytes,
+            snapshot_seq,
+            log_bytes: 0,
+            log_records: 0,
+            first_log_seq: 0,
+            last_log_seq: 0,
+        }
     }
 }
 
@@ -76,19 +92,25 @@ pub struct Loaded {
     /// Keys whose stored bytes do not decode or join (left in place, skipped; other replicas
     /// repair), with the reason.
     pub corrupt: Vec<(String, String)>,
+    /// Delta records below a snapshot (dead, not yet trimmed).
+    pub dead_deltas: usize,
+    /// Highest sequence in the store (new sequences continue above it).
+    pub max_seq: u64,
 }
 
 /// One write of a [`DurableStore::apply`] transaction.
 #[derive(Debug, Clone)]
 pub enum StoreOp {
-    /// Replaces the key's snapshot and drops its delta log.
+    /// Replaces the key's snapshot; it covers the key's deltas below `seq`.
     Snapshot {
         /// The key.
         key: String,
+        /// Sequence of the snapshot.
+        seq: u64,
         /// The encoded value.
         bytes: Vec<u8>,
     },
-    /// Appends to the key's delta log.
+    /// Appends a delta of `key` to the log.
     Delta {
         /// The key.
         key: String,
@@ -97,13 +119,19 @@ pub enum StoreOp {
         /// The encoded delta.
         bytes: Vec<u8>,
     },
+    /// Deletes every delta record below `below` (all dead: covered by snapshots).
+    TrimLog {
+        /// First sequence kept.
+        below: u64,
+    },
 }
 
 impl StoreOp {
     /// Bytes this op writes.
     pub fn len(&self) -> usize {
         match self {
-            StoreOp::Snapshot { key, bytes } | StoreOp::Delta { key, bytes, .. } => key.len() + bytes.len(),
+            StoreOp::Snapshot { key, bytes, .. } | StoreOp::Delta { key, bytes, .. } => key.len() + bytes.len() + 8,
+            StoreOp::TrimLog { .. } => 8,
         }
     }
 
@@ -113,27 +141,37 @@ impl StoreOp {
     }
 }
 
-/// The delta-log key of `key`'s record `seq`; `None` for a key too long to store.
-fn delta_record_key(key: &str, seq: u64) -> Option<Vec<u8>> {
-    let mut k = delta_log_prefix(key)?;
-    k.extend_from_slice(&seq.to_be_bytes());
-    Some(k)
-}
-
-fn delta_log_prefix(key: &str) -> Option<Vec<u8>> {
+/// `u16 key length ‖ key ‖ delta`; `None` for a key too long to store.
+fn encode_delta_record(key: &str, delta: &[u8]) -> Option<Vec<u8>> {
     let len = u16::try_from(key.len()).ok()?;
-    let mut k = Vec::with_capacity(2 + key.len() + 8);
-    k.extend_from_slice(&len.to_be_bytes());
-    k.extend_from_slice(key.as_bytes());
-    Some(k)
+    let mut v = Vec::with_capacity(2 + key.len() + delta.len());
+    v.extend_from_slice(&len.to_be_bytes());
+    v.extend_from_slice(key.as_bytes());
+    v.extend_from_slice(delta);
+    Some(v)
 }
 
-/// Splits a delta-log key into key and sequence; `None` if malformed.
-fn parse_delta_record_key(raw: &[u8]) -> Option<(&str, u64)> {
+/// Splits a delta record into key and encoded delta; `None` if malformed.
+fn parse_delta_record(raw: &[u8]) -> Option<(&str, &[u8])> {
     let len = usize::from(u16::from_be_bytes(raw.get(..2)?.try_into().ok()?));
     let key = std::str::from_utf8(raw.get(2..2 + len)?).ok()?;
-    let seq = u64::from_be_bytes(raw.get(2 + len..)?.try_into().ok()?);
-    Some((key, seq))
+    Some((key, raw.get(2 + len..)?))
+}
+
+fn parse_seq(raw: &[u8]) -> Option<u64> {
+    Some(u64::from_be_bytes(raw.try_into().ok()?))
+}
+
+/// `u64 sequence ‖ value`.
+fn encode_snapshot(seq: u64, value: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8 + value.len());
+    v.extend_from_slice(&seq.to_be_bytes());
+    v.extend_from_slice(value);
+    v
+}
+
+fn parse_snapshot(raw: &[u8]) -> Option<(u64, &[u8])> {
+    Some((parse_seq(raw.get(..8)?)?, raw.get(8..)?))
 }
 
 impl DurableStore {
@@ -190,29 +228,48 @@ impl DurableStore {
         self.check_format()?;
         let rtxn = self.env.read_txn().map_err(|e| Error::storage(&self.path, e))?;
         let mut keys: std::collections::BTreeMap<String, std::result::Result<StoredKey, String>> = Default::default();
+        let mut out = Loaded::default();
         for item in self.data.iter(&rtxn).map_err(|e| Error::storage(&self.path, e))? {
-            let (key, bytes) = item.map_err(|e| Error::storage(&self.path, e))?;
-            let loaded = rmp_serde::from_slice::<ReplicatedData>(bytes)
-                .map(|value| StoredKey::new(key, value, bytes.len()))
-                .map_err(|e| format!("snapshot: {e}"));
+            let (key, raw) = item.map_err(|e| Error::storage(&self.path, e))?;
+            let loaded = match parse_snapshot(raw) {
+                None => Err("snapshot: shorter than its sequence".to_string()),
+                Some((seq, bytes)) => {
+                    out.max_seq = out.max_seq.max(seq);
+                    rmp_serde::from_slice::<ReplicatedData>(bytes)
+                        .map(|value| StoredKey::new(key, value, bytes.len(), seq))
+                        .map_err(|e| format!("snapshot: {e}"))
+                }
+            };
             keys.insert(key.to_string(), loaded);
         }
+        // In sequence order, so each key's deltas join in the order they were written.
         for item in self.deltas.iter(&rtxn).map_err(|e| Error::storage(&self.path, e))? {
-            let (raw, bytes) = item.map_err(|e| Error::storage(&self.path, e))?;
-            let Some((key, seq)) = parse_delta_record_key(raw) else {
-                return Err(Error::storage(&self.path, "malformed delta-log key"));
+            let (raw_seq, raw) = item.map_err(|e| Error::storage(&self.path, e))?;
+            let (Some(seq), Some((key, bytes))) = (parse_seq(raw_seq), parse_delta_record(raw)) else {
+                return Err(Error::storage(&self.path, "malformed delta record"));
             };
+            out.max_seq = out.max_seq.max(seq);
+            if let Some(Ok(stored)) = keys.get(key)
+                && stored.snapshot_seq >= seq
+            {
+                out.dead_deltas += 1;
+                continue;
+            }
             let joined = match rmp_serde::from_slice::<ReplicatedDelta>(bytes) {
                 Err(e) => Err(format!("delta {seq}: {e}")),
                 Ok(delta) => {
                     // Deltas without a snapshot start from the empty value of their type.
-                    let slot =
-                        keys.entry(key.to_string()).or_insert_with(|| Ok(StoredKey::new(key, delta.empty_value(), 0)));
+                    let slot = keys
+                        .entry(key.to_string())
+                        .or_insert_with(|| Ok(StoredKey::new(key, delta.empty_value(), 0, 0)));
                     let Ok(stored) = slot else { continue };
                     stored.value.merge_delta(&delta).map_err(|e| format!("delta {seq}: {e:?}")).map(|()| {
-                        stored.log_bytes = stored.log_bytes.saturating_add(raw.len() + bytes.len());
+                        stored.log_bytes = stored.log_bytes.saturating_add(raw.len() + 8);
                         stored.log_records = stored.log_records.saturating_add(1);
-                        stored.last_seq = stored.last_seq.max(seq);
+                        if stored.first_log_seq == 0 {
+                            stored.first_log_seq = seq;
+                        }
+                        stored.last_log_seq = seq;
                     })
                 }
             };
@@ -220,7 +277,6 @@ impl DurableStore {
                 keys.insert(key.to_string(), Err(reason));
             }
         }
-        let mut out = Loaded::default();
         for (key, loaded) in keys {
             match loaded {
                 Ok(stored) => out.entries.push(stored),
@@ -236,27 +292,23 @@ impl DurableStore {
         let mut wtxn = self.env.write_txn()?;
         for op in ops {
             match op {
-                StoreOp::Snapshot { key, bytes } => {
-                    self.data.put(&mut wtxn, key, bytes)?;
-                    self.drop_delta_log(&mut wtxn, key)?;
+                StoreOp::Snapshot { key, seq, bytes } => {
+                    self.data.put(&mut wtxn, key, &encode_snapshot(*seq, bytes))?;
                 }
                 StoreOp::Delta { key, seq, bytes } => {
-                    let Some(record) = delta_record_key(key, *seq) else {
+                    let Some(record) = encode_delta_record(key, bytes) else {
                         return Err(heed::Error::Encoding(format!("key of {} bytes is too long", key.len()).into()));
                     };
-                    self.deltas.put(&mut wtxn, &record, bytes)?;
+                    self.deltas.put(&mut wtxn, &seq.to_be_bytes(), &record)?;
+                }
+                StoreOp::TrimLog { below } => {
+                    let end = below.to_be_bytes();
+                    let range = (std::ops::Bound::Unbounded, std::ops::Bound::Excluded(&end[..]));
+                    self.deltas.delete_range(&mut wtxn, &range)?;
                 }
             }
         }
         wtxn.commit()
-    }
-
-    fn drop_delta_log(&self, wtxn: &mut heed::RwTxn, key: &str) -> heed::Result<()> {
-        let Some(prefix) = delta_log_prefix(key) else { return Ok(()) };
-        let mut end = prefix.clone();
-        end.extend_from_slice(&[0xff; 8]);
-        let range = (std::ops::Bound::Included(prefix.as_slice()), std::ops::Bound::Included(end.as_slice()));
-        self.deltas.delete_range(wtxn, &range).map(|_| ())
     }
 
     /// The current size of the memory map.
@@ -288,8 +340,18 @@ impl DurableStore {
         if version == Some(FORMAT_VERSION) {
             return Ok(());
         }
-        if let Some(v) = version.filter(|v| READABLE_FORMATS.contains(v)) {
-            tracing::info!(path = %self.path.display(), from = v, to = FORMAT_VERSION, "durable store restamped");
+        if version == Some(FORMAT_BARE_SNAPSHOTS) {
+            // Every snapshot gets sequence 0 (there are no deltas in this format).
+            let bare: Vec<(String, Vec<u8>)> = {
+                let iter = self.data.iter(&wtxn).map_err(|e| Error::storage(&self.path, e))?;
+                iter.map(|r| r.map(|(k, v)| (k.to_string(), encode_snapshot(0, v))))
+                    .collect::<heed::Result<_>>()
+                    .map_err(|e| Error::storage(&self.path, e))?
+            };
+            for (key, value) in &bare {
+                self.data.put(&mut wtxn, key, value).map_err(|e| Error::storage(&self.path, e))?;
+            }
+            tracing::info!(path = %self.path.display(), keys = bare.len(), "durable store converted from format 2");
             self.meta
                 .put(&mut wtxn, FORMAT_KEY, &FORMAT_VERSION.to_be_bytes())
                 .map_err(|e| Error::storage(&self.path, e))?;
@@ -314,7 +376,7 @@ impl DurableStore {
         wtxn.commit().map_err(|e| Error::storage(&self.path, e))
     }
 
-    /// Deletes every key starting with `prefix` (snapshot and delta log); returns how many keys
+    /// Deletes every key starting with `prefix` (snapshot and deltas); returns how many keys
     /// were deleted.
     pub fn delete_prefix(&self, prefix: &str) -> Result<usize> {
         let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
@@ -322,18 +384,24 @@ impl DurableStore {
             let iter = self.data.prefix_iter(&wtxn, prefix).map_err(|e| Error::storage(&self.path, e))?;
             iter.filter_map(|r| r.ok().map(|(k, _)| k.to_string())).collect()
         };
+        let mut dead_deltas: Vec<[u8; 8]> = Vec::new();
         {
             let iter = self.deltas.iter(&wtxn).map_err(|e| Error::storage(&self.path, e))?;
             for item in iter {
-                let (raw, _) = item.map_err(|e| Error::storage(&self.path, e))?;
-                if let Some((key, _)) = parse_delta_record_key(raw).filter(|(k, _)| k.starts_with(prefix)) {
+                let (seq, raw) = item.map_err(|e| Error::storage(&self.path, e))?;
+                if let (Ok(seq), Some((key, _))) = (<[u8; 8]>::try_from(seq), parse_delta_record(raw))
+                    && key.starts_with(prefix)
+                {
                     keys.insert(key.to_string());
+                    dead_deltas.push(seq);
                 }
             }
         }
         for k in &keys {
             self.data.delete(&mut wtxn, k).map_err(|e| Error::storage(&self.path, e))?;
-            self.drop_delta_log(&mut wtxn, k).map_err(|e| Error::storage(&self.path, e))?;
+        }
+        for seq in &dead_deltas {
+            self.deltas.delete(&mut wtxn, seq).map_err(|e| Error::storage(&self.path, e))?;
         }
         wtxn.commit().map_err(|e| Error::storage(&self.path, e))?;
         Ok(keys.len())
@@ -362,8 +430,8 @@ mod tests {
     use super::*;
     use crate::ddata::crdt::{Crdt, GSet, OrSet, ReplicatedData, WriteCtx};
 
-    fn snapshot(key: &str, value: &ReplicatedData) -> StoreOp {
-        StoreOp::Snapshot { key: key.into(), bytes: rmp_serde::to_vec(value).unwrap() }
+    fn snapshot(key: &str, seq: u64, value: &ReplicatedData) -> StoreOp {
+        StoreOp::Snapshot { key: key.into(), seq, bytes: rmp_serde::to_vec(value).unwrap() }
     }
 
     fn delta(key: &str, seq: u64, d: &ReplicatedDelta) -> StoreOp {
@@ -387,7 +455,7 @@ mod tests {
             let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
             let mut set = GSet::default();
             set.insert("a");
-            s.apply(&[snapshot("shard-x", &ReplicatedData::GSet(set))]).unwrap();
+            s.apply(&[snapshot("shard-x", 1, &ReplicatedData::GSet(set))]).unwrap();
             g1 = s.next_generation(1000).unwrap();
             assert_eq!(g1, 1000);
         }
@@ -402,13 +470,14 @@ mod tests {
     }
 
     #[test]
-    fn a_snapshot_joined_with_its_delta_log_loads_as_the_value_that_was_written() {
+    fn a_snapshot_joined_with_its_live_deltas_loads_as_the_value_that_was_written() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
         let ctx = WriteCtx::new("n#1", 0);
         let mut value = set_with(&["a", "b"]);
-        value.take_delta();
-        s.apply(&[snapshot("k", &value.clone().into_data())]).unwrap();
+        let early = ReplicatedDelta::OrSet(value.take_delta().unwrap());
+        // Delta 3 is below the snapshot of sequence 5: dead, covered by it.
+        s.apply(&[delta("k", 3, &early), snapshot("k", 5, &value.clone().into_data())]).unwrap();
         let mut ops = Vec::new();
         for (seq, id) in [(7, "c"), (8, "d")] {
             value.add(&ctx, id);
@@ -423,35 +492,46 @@ mod tests {
 
         let loaded = s.load_all().unwrap();
         assert!(loaded.corrupt.is_empty(), "{:?}", loaded.corrupt);
+        assert_eq!((loaded.dead_deltas, loaded.max_seq), (1, 10));
         let k = loaded.entries.iter().find(|e| e.key == "k").unwrap();
         assert_eq!(k.value.digest(), value.clone().into_data().digest());
-        assert_eq!((k.log_records, k.last_seq), (3, 9));
+        assert_eq!((k.snapshot_seq, k.log_records, k.first_log_seq, k.last_log_seq), (5, 3, 7, 9));
         assert!(k.snapshot_bytes > 0 && k.log_bytes > 0);
         let o = loaded.entries.iter().find(|e| e.key == "only-deltas").unwrap();
         assert_eq!(o.snapshot_bytes, 0);
         assert!(matches!(&o.value, ReplicatedData::OrSet(s) if s.contains("x")));
 
-        // A snapshot drops the log, and only that key's log.
-        s.apply(&[snapshot("k", &value.clone().into_data())]).unwrap();
+        // A newer snapshot covers the key's deltas; a trim deletes what no key needs.
+        s.apply(&[snapshot("k", 11, &value.clone().into_data()), StoreOp::TrimLog { below: 10 }]).unwrap();
         let loaded = s.load_all().unwrap();
         let k = loaded.entries.iter().find(|e| e.key == "k").unwrap();
-        assert_eq!((k.log_records, k.last_seq), (0, 0));
+        assert_eq!((k.log_records, k.snapshot_seq), (0, 11));
         assert_eq!(k.value.digest(), value.into_data().digest());
-        assert_eq!(loaded.entries.iter().find(|e| e.key == "only-deltas").unwrap().log_records, 1);
+        assert_eq!(loaded.dead_deltas, 0, "trimmed");
+        assert_eq!(loaded.entries.iter().find(|e| e.key == "only-deltas").unwrap().log_records, 1, "kept");
     }
 
     #[test]
-    fn a_key_that_is_a_prefix_of_another_keeps_its_own_delta_log() {
+    fn every_commit_appends_its_deltas_at_the_end_of_one_log_whatever_keys_it_touches() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
         let d = ReplicatedDelta::OrSet(set_with(&["x"]).take_delta().unwrap());
-        s.apply(&[delta("a", 1, &d), delta("ab", 2, &d), delta("a\u{0}", 3, &d)]).unwrap();
-        s.apply(&[snapshot("a", &set_with(&["y"]).into_data())]).unwrap();
-        let loaded = s.load_all().unwrap();
-        let records: Vec<(&str, u32)> = loaded.entries.iter().map(|e| (e.key.as_str(), e.log_records)).collect();
-        assert_eq!(records, vec![("a", 0), ("a\u{0}", 1), ("ab", 1)]);
+        s.apply(&[delta("zebra", 1, &d), delta("apple", 2, &d), delta("mango", 3, &d)]).unwrap();
+        let r = s.env.read_txn().unwrap();
+        let seqs: Vec<u64> = s.deltas.iter(&r).unwrap().map(|x| parse_seq(x.unwrap().0).unwrap()).collect();
+        assert_eq!(seqs, vec![1, 2, 3], "ordered by sequence, not by key");
+    }
+
+    #[test]
+    fn deleting_a_prefix_removes_snapshots_and_deltas_of_those_keys_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        let d = ReplicatedDelta::OrSet(set_with(&["x"]).take_delta().unwrap());
+        s.apply(&[delta("a/1", 1, &d), delta("ab", 2, &d), delta("b/1", 3, &d)]).unwrap();
+        s.apply(&[snapshot("a/2", 4, &set_with(&["y"]).into_data())]).unwrap();
         assert_eq!(s.delete_prefix("a").unwrap(), 3, "snapshots and delta-only keys alike");
-        assert!(s.load_all().unwrap().entries.is_empty());
+        let keys: Vec<String> = s.load_all().unwrap().entries.into_iter().map(|e| e.key).collect();
+        assert_eq!(keys, vec!["b/1".to_string()]);
     }
 
     #[test]
@@ -461,30 +541,36 @@ mod tests {
         let d = ReplicatedDelta::OrSet(set_with(&["x"]).take_delta().unwrap());
         let g = ReplicatedDelta::GSet(GSet::default());
         s.apply(&[
-            snapshot("good", &set_with(&["a"]).into_data()),
+            snapshot("good", 0, &set_with(&["a"]).into_data()),
             delta("good", 1, &d),
-            snapshot("bad-bytes", &set_with(&["a"]).into_data()),
+            snapshot("bad-bytes", 0, &set_with(&["a"]).into_data()),
             StoreOp::Delta { key: "bad-bytes".into(), seq: 2, bytes: vec![0xc1] },
-            snapshot("bad-type", &set_with(&["a"]).into_data()),
+            snapshot("bad-type", 0, &set_with(&["a"]).into_data()),
             delta("bad-type", 3, &g),
+            StoreOp::Snapshot { key: "bad-snapshot".into(), seq: 0, bytes: vec![0xc1] },
         ])
         .unwrap();
         let loaded = s.load_all().unwrap();
         let good: Vec<&str> = loaded.entries.iter().map(|e| e.key.as_str()).collect();
         let bad: Vec<&str> = loaded.corrupt.iter().map(|(k, _)| k.as_str()).collect();
         assert_eq!(good, vec!["good"]);
-        assert_eq!(bad, vec!["bad-bytes", "bad-type"]);
+        assert_eq!(bad, vec!["bad-bytes", "bad-snapshot", "bad-type"]);
     }
 
     #[test]
-    fn a_store_of_the_previous_layout_is_read_and_restamped() {
+    fn a_store_of_the_previous_layout_is_converted_and_loads_every_value() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
-        s.apply(&[snapshot("shard-kv/1/0", &set_with(&["a"]).into_data())]).unwrap();
+        // Format 2: bare encoded values.
+        let value = set_with(&["a"]).into_data();
         let mut w = s.env.write_txn().unwrap();
+        s.data.put(&mut w, "shard-kv/1/0", &rmp_serde::to_vec(&value).unwrap()).unwrap();
         s.meta.put(&mut w, FORMAT_KEY, &2u32.to_be_bytes()).unwrap();
         w.commit().unwrap();
-        assert_eq!(s.load_all().unwrap().entries.len(), 1);
+        let loaded = s.load_all().unwrap();
+        assert!(loaded.corrupt.is_empty(), "{:?}", loaded.corrupt);
+        assert_eq!(loaded.entries[0].value.digest(), value.digest());
+        assert_eq!(s.load_all().unwrap().entries.len(), 1, "and again after the conversion");
         let r = s.env.read_txn().unwrap();
         assert_eq!(s.meta.get(&r, FORMAT_KEY).unwrap(), Some(&FORMAT_VERSION.to_be_bytes()[..]));
     }
@@ -494,7 +580,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
         // Written by round 1: values but no format record.
-        s.apply(&[StoreOp::Snapshot { key: "shard-kv/1/0".into(), bytes: vec![0x91, 0x80] }]).unwrap();
+        s.apply(&[StoreOp::Snapshot { key: "shard-kv/1/0".into(), seq: 0, bytes: vec![0x91, 0x80] }]).unwrap();
         let mut w = s.env.write_txn().unwrap();
         s.meta.delete(&mut w, FORMAT_KEY).unwrap();
         w.commit().unwrap();
@@ -505,7 +591,7 @@ mod tests {
         // After the removal the store is stamped and loads.
         assert_eq!(s.delete_prefix("shard-").unwrap(), 1);
         assert!(s.load_all().unwrap().entries.is_empty());
-        s.apply(&[StoreOp::Snapshot { key: "shard-kv/1/0".into(), bytes: vec![0xc1] }]).unwrap();
+        s.apply(&[StoreOp::Snapshot { key: "shard-kv/1/0".into(), seq: 0, bytes: vec![0xc1] }]).unwrap();
         let loaded = s.load_all().unwrap();
         assert_eq!(loaded.corrupt.len(), 1, "a bad record is skipped and reported, not fatal");
         assert!(loaded.entries.is_empty());

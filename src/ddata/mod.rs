@@ -237,21 +237,20 @@ pub(crate) async fn start(
         ReplicatorStats::inc(&stats.rejected);
         error!(%key, %error, "durable value does not decode; skipped (other replicas repair it)");
     }
-    core.load(
-        loaded
-            .entries
-            .into_iter()
-            .map(|k| {
-                let log = KeyLog {
-                    last_ticket: k.last_seq,
-                    snapshot_bytes: k.snapshot_bytes,
-                    log_bytes: k.log_bytes,
-                    log_records: k.log_records,
-                };
-                (k.key, k.value, log)
-            })
-            .collect(),
-    );
+    if loaded.dead_deltas > 0 {
+        tracing::info!(dead = loaded.dead_deltas, "durable delta log has records covered by snapshots; trimmed next");
+    }
+    let entries = loaded.entries.into_iter().map(|k| {
+        let log = KeyLog {
+            last_ticket: k.snapshot_seq.max(k.last_log_seq),
+            snapshot_bytes: k.snapshot_bytes,
+            log_bytes: k.log_bytes,
+            log_records: k.log_records,
+            first_log_seq: k.first_log_seq,
+        };
+        (k.key, k.value, log)
+    });
+    core.load(entries.collect(), loaded.max_seq);
     let health = Arc::new(DurableHealth::default());
     let persist = PersistThread::start(store, params.max_map_size, health.clone(), stats.clone())
         .map_err(|e| Error::Config(format!("cannot start the persist thread: {e}")))?;
@@ -381,7 +380,9 @@ impl Driver {
                         PersistRecord::Delta(d) => Some(rmp_serde::to_vec(d)),
                     };
                     match (encoded, record) {
-                        (Some(Ok(bytes)), PersistRecord::Snapshot) => ops.push(StoreOp::Snapshot { key, bytes }),
+                        (Some(Ok(bytes)), PersistRecord::Snapshot) => {
+                            ops.push(StoreOp::Snapshot { key, seq: ticket, bytes })
+                        }
                         (Some(Ok(bytes)), PersistRecord::Delta(_)) => {
                             ops.push(StoreOp::Delta { key, seq: ticket, bytes })
                         }
@@ -389,6 +390,7 @@ impl Driver {
                         (None, _) => {}
                     }
                 }
+                Action::TrimLog { below } => ops.push(StoreOp::TrimLog { below }),
                 Action::Send { to, msg } => self.send_to(std::slice::from_ref(&to), &msg),
                 Action::Broadcast { to, msg } => self.send_to(&to, &msg),
                 Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {
@@ -410,7 +412,7 @@ impl Driver {
                 }
             }
         }
-        if through > 0 {
+        if !ops.is_empty() {
             self.persist_backlog += ops.iter().map(StoreOp::len).sum::<usize>();
             if jobs.send(PersistJob { through, ops }).is_err() {
                 error!("persist thread gone; durable writes are not acknowledged");

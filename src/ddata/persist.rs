@@ -195,7 +195,7 @@ mod tests {
     use super::*;
 
     fn big_ops(n: usize, each: usize) -> Vec<StoreOp> {
-        (0..n).map(|i| StoreOp::Snapshot { key: format!("k{i}"), bytes: vec![7; each] }).collect()
+        (0..n).map(|i| StoreOp::Snapshot { key: format!("k{i}"), seq: i as u64, bytes: vec![7; each] }).collect()
     }
 
     async fn run_one(t: &mut PersistThread, through: u64, ops: Vec<StoreOp>) -> PersistReport {
@@ -250,7 +250,7 @@ mod tests {
         let r = t.reports.recv().await.unwrap();
         assert!(r.failure.is_none());
         assert_eq!(r.through, 200, "one report covers every queued ticket");
-        assert_eq!(r.bytes, 200 * (2 + 64), "and every queued byte");
+        assert_eq!(r.bytes, 200 * (2 + 8 + 64), "and every queued byte");
         assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1, "one transaction");
         t.join().await;
     }

@@ -12,10 +12,13 @@
 //! replies become storage errors) and writes the failed keys again as snapshots under new
 //! tickets, so a key is never left in memory only once the store works again.
 //!
-//! **Layout.** A change is persisted as its delta (appended to the key's delta log) while the
-//! key's log stays under half its last snapshot (at least [`LOG_FLOOR_BYTES`]) and
-//! [`MAX_LOG_RECORDS`]; otherwise as a snapshot of the whole value, which drops the log. So a
-//! write costs O(delta) amortized, and a load reads at most about 1.5 times the value.
+//! **Layout.** A change is persisted as its delta (appended to the store's one delta log under
+//! its ticket) while the key's live deltas stay under half its last snapshot (at least
+//! [`LOG_FLOOR_BYTES`]) and [`MAX_LOG_RECORDS`]; otherwise as a snapshot of the whole value,
+//! which covers the key's older deltas. So a write costs O(delta) amortized, and a load reads
+//! at most about 1.5 times each value. The log is trimmed below the oldest live delta of any
+//! key; a key whose oldest live delta falls [`MAX_LOG_SPAN`] tickets behind is written whole,
+//! so a key written once does not keep the whole log alive.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -28,6 +31,13 @@ use crate::error::Error;
 pub(crate) const LOG_FLOOR_BYTES: usize = 4096;
 /// Most delta records a key keeps before a snapshot replaces them (bounds load work).
 pub(crate) const MAX_LOG_RECORDS: u32 = 256;
+/// A key's oldest live delta may be this many tickets behind the newest before the key is
+/// written whole (bounds the log's length).
+const MAX_LOG_SPAN: u64 = 1 << 17;
+/// The log is trimmed when its low-water mark moved by at least this many tickets.
+const TRIM_STEP: u64 = 1024;
+/// Keys written whole per persist to unpin the log (spreads a burst of them).
+const UNPINS_PER_PERSIST: usize = 8;
 
 /// What to write for a key.
 #[derive(Debug, Clone)]
@@ -35,7 +45,7 @@ pub(crate) enum PersistRecord {
     /// The whole current value (the driver reads it when it performs the action); drops the
     /// key's delta log.
     Snapshot,
-    /// Append this delta to the key's log, under the action's ticket.
+    /// Append this delta to the log, under the action's ticket.
     Delta(ReplicatedDelta),
 }
 
@@ -46,9 +56,11 @@ pub(crate) struct KeyLog {
     pub last_ticket: u64,
     /// Approximate size of the key's last snapshot.
     pub snapshot_bytes: usize,
-    /// Bytes and records in the key's delta log since that snapshot.
+    /// Bytes and records of the key's live deltas (since that snapshot).
     pub log_bytes: usize,
     pub log_records: u32,
+    /// Ticket of the key's oldest live delta (0: none).
+    pub first_log_seq: u64,
 }
 
 /// Tickets and held actions.
@@ -61,19 +73,40 @@ pub(crate) struct Durability<R> {
     in_flight: BTreeMap<u64, String>,
     /// Actions waiting for a ticket.
     held: BTreeMap<u64, Vec<Action<R>>>,
+    /// Oldest live delta ticket → its key, for every key with live deltas.
+    live_logs: BTreeMap<u64, String>,
+    /// The log was last trimmed below this ticket.
+    trimmed_below: u64,
+    /// [`MAX_LOG_SPAN`] (smaller in tests).
+    pub(super) max_log_span: u64,
 }
 
 impl<R> Default for Durability<R> {
     fn default() -> Self {
-        Durability { issued: 0, reported: 0, in_flight: BTreeMap::new(), held: BTreeMap::new() }
+        Durability {
+            issued: 0,
+            reported: 0,
+            in_flight: BTreeMap::new(),
+            held: BTreeMap::new(),
+            live_logs: BTreeMap::new(),
+            trimmed_below: 0,
+            max_log_span: MAX_LOG_SPAN,
+        }
     }
 }
 
 impl<R> Durability<R> {
-    /// Continues ticket numbers above `max_stored` (the highest delta sequence on disk).
+    /// Continues ticket numbers above `max_stored` (the highest sequence on disk).
     pub(crate) fn resume_after(&mut self, max_stored: u64) {
         self.issued = self.issued.max(max_stored);
         self.reported = self.reported.max(max_stored);
+    }
+
+    /// Registers a loaded key's live deltas.
+    pub(crate) fn loaded_log(&mut self, key: &str, log: &KeyLog) {
+        if log.first_log_seq != 0 {
+            self.live_logs.insert(log.first_log_seq, key.to_string());
+        }
     }
 
     /// Tickets issued but not yet reported.
@@ -90,37 +123,71 @@ impl<R> Durability<R> {
 }
 
 impl<R> ReplicatorCore<R> {
-    /// Emits the persist of a changed durable key: its delta when the log has room, else a
-    /// snapshot. `delta: None` always snapshots.
+    /// Emits the persist of a changed durable key: its delta when its log has room, else a
+    /// snapshot (`delta: None` always snapshots); then trims or unpins the log.
     pub(super) fn persist(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
+        self.persist_record(key, delta, out);
+        self.trim_log(out);
+    }
+
+    fn persist_record(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
         let Some(entry) = self.data.get_mut(key) else { return };
-        self.durability.issued += 1;
-        let ticket = self.durability.issued;
+        let d = &mut self.durability;
+        d.issued += 1;
+        let ticket = d.issued;
         let log = &mut entry.log;
         log.last_ticket = ticket;
-        let record = match delta {
-            Some(d) => {
-                let size = d.approx_bytes();
-                let budget = (log.snapshot_bytes / 2).max(LOG_FLOOR_BYTES);
-                if log.log_bytes.saturating_add(size) <= budget && log.log_records < MAX_LOG_RECORDS {
-                    log.log_bytes += size;
-                    log.log_records += 1;
-                    Some(PersistRecord::Delta(d.clone()))
-                } else {
-                    None
-                }
-            }
-            None => None,
-        };
-        let record = record.unwrap_or_else(|| {
-            // O(value), paid once per log's worth of deltas.
-            log.snapshot_bytes = entry.value.approx_bytes();
-            log.log_bytes = 0;
-            log.log_records = 0;
-            PersistRecord::Snapshot
+        let fits = delta.filter(|delta| {
+            let budget = (log.snapshot_bytes / 2).max(LOG_FLOOR_BYTES);
+            log.log_bytes.saturating_add(delta.approx_bytes()) <= budget && log.log_records < MAX_LOG_RECORDS
         });
-        self.durability.in_flight.insert(ticket, key.to_string());
+        let record = match fits {
+            Some(delta) => {
+                if log.log_records == 0 {
+                    log.first_log_seq = ticket;
+                    d.live_logs.insert(ticket, key.to_string());
+                }
+                log.log_bytes += delta.approx_bytes();
+                log.log_records += 1;
+                PersistRecord::Delta(delta.clone())
+            }
+            None => {
+                if log.first_log_seq != 0 {
+                    d.live_logs.remove(&log.first_log_seq);
+                }
+                // O(value), paid once per log's worth of deltas.
+                log.snapshot_bytes = entry.value.approx_bytes();
+                log.log_bytes = 0;
+                log.log_records = 0;
+                log.first_log_seq = 0;
+                PersistRecord::Snapshot
+            }
+        };
+        d.in_flight.insert(ticket, key.to_string());
         out.push(Action::Persist { key: key.to_string(), ticket, record });
+    }
+
+    /// Writes whole the keys pinning the log too far back, and trims the log below the oldest
+    /// live delta once that moved far enough.
+    fn trim_log(&mut self, out: &mut Vec<Action<R>>) {
+        for _ in 0..UNPINS_PER_PERSIST {
+            let Some((&first, key)) = self.durability.live_logs.first_key_value() else { break };
+            if self.durability.issued.saturating_sub(first) <= self.durability.max_log_span {
+                break;
+            }
+            let key = key.clone();
+            if self.data.contains_key(&key) {
+                self.persist_record(&key, None, out);
+            } else {
+                self.durability.live_logs.remove(&first);
+            }
+        }
+        let d = &mut self.durability;
+        let low = d.live_logs.first_key_value().map_or(d.issued + 1, |(first, _)| *first);
+        if low >= d.trimmed_below + TRIM_STEP {
+            d.trimmed_below = low;
+            out.push(Action::TrimLog { below: low });
+        }
     }
 
     /// The ticket the given keys' durability waits for (0: nothing pending).

@@ -224,6 +224,11 @@ pub(crate) enum Action<R> {
         ticket: u64,
         record: PersistRecord,
     },
+    /// Delete the log's records below `below` (no key needs them any more). Not acknowledged;
+    /// a failed trim is covered by the next.
+    TrimLog {
+        below: u64,
+    },
     ReplyGet {
         reply: R,
         result: Result<Option<ReplicatedData>>,
@@ -344,11 +349,14 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Installs values loaded from the durable store (before serving anything), with the
-    /// state of each key's delta log; new tickets continue above every stored one.
-    pub(crate) fn load(&mut self, entries: Vec<(String, ReplicatedData, KeyLog)>) {
+    /// state of each key's live deltas; new tickets continue above `max_seq`, the highest
+    /// sequence in the store.
+    pub(crate) fn load(&mut self, entries: Vec<(String, ReplicatedData, KeyLog)>, max_seq: u64) {
+        self.durability.resume_after(max_seq);
         for (key, mut value, log) in entries {
             value.take_delta();
             self.durability.resume_after(log.last_ticket);
+            self.durability.loaded_log(&key, &log);
             self.put_value(&key, value);
             if let Some(e) = self.data.get_mut(&key) {
                 e.log = log;

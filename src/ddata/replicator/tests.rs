@@ -806,8 +806,8 @@ fn a_full_value_from_anti_entropy_is_persisted_as_a_snapshot() {
 #[test]
 fn tickets_continue_above_the_highest_loaded_delta_sequence() {
     let mut a = core("a");
-    let log = KeyLog { last_ticket: 41, snapshot_bytes: 100, log_bytes: 0, log_records: 0 };
-    a.load(vec![("shard-t/1/0".into(), GSet::default().into_data(), log)]);
+    let log = KeyLog { last_ticket: 41, snapshot_bytes: 100, log_bytes: 0, log_records: 0, first_log_seq: 0 };
+    a.load(vec![("shard-t/1/0".into(), GSet::default().into_data(), log)], 30);
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::Local, add("x"), &mut out);
     assert_eq!(tickets(&out)[0].1, 42);
@@ -923,4 +923,54 @@ fn a_read_of_more_keys_than_the_limit_is_refused_with_a_typed_error() {
     a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::Read { op: 1, keys } }, Instant::now(), 1, &mut out);
     assert!(out.is_empty());
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
+}
+
+fn trims(out: &[Action<u32>]) -> Vec<u64> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::TrimLog { below } => Some(*below),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn the_log_is_trimmed_below_the_oldest_live_delta_and_a_key_written_once_does_not_pin_it() {
+    const MAX_LOG_SPAN: u64 = 3_000;
+    let mut a = core("a");
+    a.durability.max_log_span = MAX_LOG_SPAN;
+    // A key with one live delta (loaded), which nothing writes again.
+    let log = KeyLog { last_ticket: 5, snapshot_bytes: 10, log_bytes: 10, log_records: 1, first_log_seq: 5 };
+    a.load(vec![("shard-t/quiet/0".into(), GSet::default().into_data(), log)], 5);
+    let mut out = Vec::new();
+    let mut all_trims = Vec::new();
+    let mut quiet_rewritten = false;
+    // Hot keys: each write's delta is soon covered by the key's next snapshot.
+    for i in 0..(MAX_LOG_SPAN + 3_000) {
+        out.clear();
+        let key = format!("shard-t/hot/{}", i % 4);
+        // Toggles one member, so every write changes the value (and gets a ticket).
+        let toggle: Modify = Box::new(|cur, ctx| {
+            let Some(ReplicatedData::OrSet(s)) = cur else {
+                let mut s = OrSet::default();
+                s.add(ctx, "m");
+                return Ok(Some(s.into_data()));
+            };
+            if s.contains("m") {
+                s.remove("m")
+            } else {
+                s.add(ctx, "m")
+            }
+            Ok(None)
+        });
+        update(&mut a, &key, Consistency::Local, toggle, &mut out);
+        all_trims.extend(trims(&out));
+        quiet_rewritten |= tickets(&out).iter().any(|(k, _, snap)| k == "shard-t/quiet/0" && *snap);
+        commit_all(&mut a, &mut out);
+    }
+    assert!(quiet_rewritten, "the key pinning the log was written whole");
+    let first_past_pin = all_trims.iter().find(|b| **b > 5).copied();
+    assert!(first_past_pin.is_some(), "then the log is trimmed past it: {:?}", &all_trims[..all_trims.len().min(5)]);
+    assert!(all_trims.windows(2).all(|w| w[0] < w[1]), "trims only move forward");
+    assert!(all_trims.iter().all(|b| *b <= 5) || *all_trims.last().unwrap() > MAX_LOG_SPAN, "{all_trims:?}");
 }

@@ -325,7 +325,7 @@ impl Sim {
             std::sync::Arc::new(crate::ddata::ReplicatorStats::default()),
         );
         let disk = self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone(), Default::default()));
-        replicator.load(disk.collect());
+        replicator.load(disk.collect(), 0);
         let region_settings = RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval };
         self.nodes[i] = Some(Node {
             region: RegionCore::new(addr.clone(), false, region_settings, now),

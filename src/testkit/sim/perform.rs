@@ -149,7 +149,7 @@ impl Sim {
             let Some(node) = self.nodes[i].as_mut() else { return };
             let me = node.addr.clone();
             match action {
-                RepAction::Persist { .. } | RepAction::Changed { .. } => {}
+                RepAction::Persist { .. } | RepAction::TrimLog { .. } | RepAction::Changed { .. } => {}
                 RepAction::Send { to, msg } => self.send(&me, &to.address, Wire::Replicator(msg)),
                 RepAction::Broadcast { to, msg } => {
                     for p in to {
