@@ -73,8 +73,11 @@ pub(crate) struct Durability<R> {
     in_flight: BTreeMap<u64, String>,
     /// Actions waiting for a ticket.
     held: BTreeMap<u64, Vec<Action<R>>>,
-    /// Oldest live delta ticket → its key, for every key with live deltas.
+    /// Oldest live delta ticket → its key, for every key with live deltas on disk (a log
+    /// stays listed until the snapshot covering it is committed).
     live_logs: BTreeMap<u64, String>,
+    /// Snapshot ticket → the `live_logs` entries it covers once committed.
+    covering: BTreeMap<u64, Vec<u64>>,
     /// The log was last trimmed below this ticket.
     trimmed_below: u64,
     /// [`MAX_LOG_SPAN`] (smaller in tests).
@@ -89,6 +92,7 @@ impl<R> Default for Durability<R> {
             in_flight: BTreeMap::new(),
             held: BTreeMap::new(),
             live_logs: BTreeMap::new(),
+            covering: BTreeMap::new(),
             trimmed_below: 0,
             max_log_span: MAX_LOG_SPAN,
         }
@@ -127,7 +131,7 @@ impl<R> ReplicatorCore<R> {
     /// snapshot (`delta: None` always snapshots); then trims or unpins the log.
     pub(super) fn persist(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
         self.persist_record(key, delta, out);
-        self.trim_log(out);
+        self.unpin_log(out);
     }
 
     fn persist_record(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
@@ -153,7 +157,8 @@ impl<R> ReplicatorCore<R> {
             }
             None => {
                 if log.first_log_seq != 0 {
-                    d.live_logs.remove(&log.first_log_seq);
+                    // The old deltas stay needed until this snapshot is on disk.
+                    d.covering.entry(ticket).or_default().push(log.first_log_seq);
                 }
                 // O(value), paid once per log's worth of deltas.
                 log.snapshot_bytes = entry.value.approx_bytes();
@@ -167,23 +172,33 @@ impl<R> ReplicatorCore<R> {
         out.push(Action::Persist { key: key.to_string(), ticket, record });
     }
 
-    /// Writes whole the keys pinning the log too far back, and trims the log below the oldest
-    /// live delta once that moved far enough.
-    fn trim_log(&mut self, out: &mut Vec<Action<R>>) {
+    /// Writes whole the keys whose oldest live delta is too far back (so they do not keep the
+    /// whole log alive).
+    fn unpin_log(&mut self, out: &mut Vec<Action<R>>) {
         for _ in 0..UNPINS_PER_PERSIST {
             let Some((&first, key)) = self.durability.live_logs.first_key_value() else { break };
             if self.durability.issued.saturating_sub(first) <= self.durability.max_log_span {
                 break;
             }
-            let key = key.clone();
-            if self.data.contains_key(&key) {
-                self.persist_record(&key, None, out);
-            } else {
-                self.durability.live_logs.remove(&first);
+            match self.data.get(key).map(|e| e.log.first_log_seq) {
+                // Its covering snapshot is on its way; the entry goes when that commits.
+                Some(current) if current != first => break,
+                Some(_) => {
+                    let key = key.clone();
+                    self.persist_record(&key, None, out);
+                }
+                None => {
+                    self.durability.live_logs.remove(&first);
+                }
             }
         }
+    }
+
+    /// Trims the log below the oldest delta a key still needs, once that moved far enough.
+    /// Called only after commits, so a trim never relies on a snapshot that is not on disk.
+    fn trim_log(&mut self, out: &mut Vec<Action<R>>) {
         let d = &mut self.durability;
-        let low = d.live_logs.first_key_value().map_or(d.issued + 1, |(first, _)| *first);
+        let low = d.live_logs.first_key_value().map_or(d.reported + 1, |(first, _)| *first).min(d.reported + 1);
         if low >= d.trimmed_below + TRIM_STEP {
             d.trimmed_below = low;
             out.push(Action::TrimLog { below: low });
@@ -216,8 +231,14 @@ impl<R> ReplicatorCore<R> {
         let done = std::mem::replace(&mut self.durability.in_flight, rest);
         let rest = self.durability.held.split_off(&(through + 1));
         let released = std::mem::replace(&mut self.durability.held, rest);
+        let rest = self.durability.covering.split_off(&(through + 1));
+        let covered = std::mem::replace(&mut self.durability.covering, rest);
         let Some((path, reason)) = failure else {
+            for first in covered.into_values().flatten() {
+                self.durability.live_logs.remove(&first);
+            }
             out.extend(released.into_values().flatten());
+            self.trim_log(out);
             return;
         };
         for action in released.into_values().flatten() {
@@ -231,13 +252,18 @@ impl<R> ReplicatorCore<R> {
                 other => out.push(other),
             }
         }
-        // Write each failed key again, whole, under a new ticket.
-        let mut keys: Vec<String> = done.into_values().collect();
-        keys.sort();
-        keys.dedup();
-        for key in keys {
-            if self.is_durable(&key) {
-                self.persist(&key, None, out);
+        // Write each failed key again, whole, under a new ticket; the logs a failed snapshot
+        // was to cover wait for the new one.
+        let mut keys: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        for (ticket, key) in done {
+            let covers = keys.entry(key).or_default();
+            covers.extend(covered.get(&ticket).into_iter().flatten());
+        }
+        for (key, covers) in keys {
+            if self.is_durable(&key) && self.data.contains_key(&key) {
+                self.persist_record(&key, None, out);
+                let ticket = self.durability.issued;
+                self.durability.covering.entry(ticket).or_default().extend(covers);
             }
         }
     }

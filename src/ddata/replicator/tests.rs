@@ -964,13 +964,53 @@ fn the_log_is_trimmed_below_the_oldest_live_delta_and_a_key_written_once_does_no
             Ok(None)
         });
         update(&mut a, &key, Consistency::Local, toggle, &mut out);
-        all_trims.extend(trims(&out));
         quiet_rewritten |= tickets(&out).iter().any(|(k, _, snap)| k == "shard-t/quiet/0" && *snap);
+        assert!(trims(&out).is_empty(), "trims follow commits, never a write");
         commit_all(&mut a, &mut out);
+        all_trims.extend(trims(&out));
     }
     assert!(quiet_rewritten, "the key pinning the log was written whole");
     let first_past_pin = all_trims.iter().find(|b| **b > 5).copied();
     assert!(first_past_pin.is_some(), "then the log is trimmed past it: {:?}", &all_trims[..all_trims.len().min(5)]);
     assert!(all_trims.windows(2).all(|w| w[0] < w[1]), "trims only move forward");
     assert!(all_trims.iter().all(|b| *b <= 5) || *all_trims.last().unwrap() > MAX_LOG_SPAN, "{all_trims:?}");
+}
+
+#[test]
+fn a_failed_snapshot_keeps_the_deltas_it_was_to_cover_until_its_rewrite_commits() {
+    let mut a = core("a");
+    // A key with live deltas from ticket 5 on, and enough later traffic to trim past it.
+    let log = KeyLog { last_ticket: 5, snapshot_bytes: 10, log_bytes: 10, log_records: 1, first_log_seq: 5 };
+    a.load(vec![("shard-t/k/0".into(), GSet::default().into_data(), log)], 3_000);
+    let mut out = Vec::new();
+    // A big change: written whole (the snapshot would cover the delta of ticket 5).
+    let ids: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
+    a.handle(
+        Input::Update {
+            key: "shard-t/k/0".into(),
+            consistency: Consistency::Local,
+            timeout: Duration::from_secs(1),
+            modify: Box::new(move |cur, _| {
+                let Some(ReplicatedData::GSet(g)) = cur else { unreachable!() };
+                for id in ids {
+                    g.insert(id);
+                }
+                Ok(None)
+            }),
+            reply: 1,
+        },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    assert!(matches!(&tickets(&out)[..], [(_, 3_001, true)]), "{:?}", tickets(&out));
+    assert!(trims(&out).is_empty(), "no trim relies on a snapshot not yet on disk");
+    let mut out = Vec::new();
+    fail_all(&mut a, &mut out);
+    assert!(trims(&out).is_empty(), "nothing trimmed on a failure");
+    let rewrite = tickets(&out);
+    assert!(matches!(&rewrite[..], [(_, 3_002, true)]));
+    let mut out = Vec::new();
+    commit_all(&mut a, &mut out);
+    assert_eq!(trims(&out), vec![3_003], "the rewrite committed: the log is trimmed past ticket 5");
 }
