@@ -145,7 +145,8 @@ impl Writer {
             let started = std::time::Instant::now();
             let applied = self.store.apply(ops);
             ReplicatorStats::add(&self.stats.durable_commit_micros, started.elapsed().as_micros() as usize);
-            let error = match applied {
+            // (error, whether retrying can help)
+            let (error, retry) = match applied {
                 Ok(()) => {
                     ReplicatorStats::inc(&self.stats.durable_commits);
                     ReplicatorStats::add(&self.stats.durable_records, ops.len());
@@ -157,11 +158,11 @@ impl Writer {
                 }
                 Err(heed::Error::Mdb(heed::MdbError::MapFull)) => match self.grow() {
                     Ok(()) => continue,
-                    Err(e) => e,
+                    Err(e) => (e, false),
                 },
-                Err(e) => e.to_string(),
+                Err(e) => (e.to_string(), true),
             };
-            let Some(pause) = RETRY_BACKOFF.get(attempt).filter(|_| !error.starts_with("map full")) else {
+            let Some(pause) = RETRY_BACKOFF.get(attempt).filter(|_| retry) else {
                 ReplicatorStats::inc(&self.stats.durable_failures);
                 error!(path = %self.store.path().display(), %error, "durable commit failed; its writes are not acknowledged");
                 self.health.set(Some(error.clone()));

@@ -644,29 +644,12 @@ impl<R> ReplicatorCore<R> {
         if self.gossip_targets.is_empty() || pending.is_empty() {
             return;
         }
-        let mut batch: Vec<(String, ReplicatedDelta)> = Vec::new();
-        let mut bytes = 0;
-        for (key, d) in pending {
-            let size = key.len() + d.approx_bytes();
-            if !batch.is_empty() && bytes + size > self.settings.max_message_bytes {
-                self.send_deltas(std::mem::take(&mut batch), out);
-                bytes = 0;
-            }
-            bytes += size;
-            batch.push((key, d));
+        let parts = split_by_bytes(pending, self.settings.max_message_bytes, |(k, d)| k.len() + d.approx_bytes());
+        for entries in parts {
+            ReplicatorStats::add(&self.stats.deltas_sent, entries.len() * self.gossip_targets.len());
+            let msg = ReplicatorMsg::DeltaPropagation { entries };
+            out.push(Action::Broadcast { to: self.gossip_targets.clone(), msg });
         }
-        self.send_deltas(batch, out);
-    }
-
-    fn send_deltas(&mut self, entries: Vec<(String, ReplicatedDelta)>, out: &mut Vec<Action<R>>) {
-        if entries.is_empty() {
-            return;
-        }
-        ReplicatorStats::add(&self.stats.deltas_sent, entries.len() * self.gossip_targets.len());
-        out.push(Action::Broadcast {
-            to: self.gossip_targets.clone(),
-            msg: ReplicatorMsg::DeltaPropagation { entries },
-        });
     }
 
     fn next_op(&mut self) -> u64 {
@@ -760,6 +743,25 @@ impl<R> ReplicatorCore<R> {
             }
         }
     }
+}
+
+/// Splits `items` into parts of at most `budget` bytes by `size` (an item over the budget goes
+/// alone); never returns an empty part.
+fn split_by_bytes<T>(items: impl IntoIterator<Item = T>, budget: usize, size: impl Fn(&T) -> usize) -> Vec<Vec<T>> {
+    let mut parts: Vec<Vec<T>> = Vec::new();
+    let mut bytes = 0;
+    for item in items {
+        let n = size(&item);
+        match parts.last_mut() {
+            Some(part) if bytes + n <= budget => part.push(item),
+            _ => {
+                parts.push(vec![item]);
+                bytes = 0;
+            }
+        }
+        bytes += n;
+    }
+    parts
 }
 
 fn merge_error(key: &str, e: MergeError) -> Error {

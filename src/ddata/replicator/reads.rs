@@ -91,23 +91,17 @@ impl<R> ReplicatorCore<R> {
             ReplicatorStats::inc(&self.stats.rejected);
             return;
         }
-        let mut values = Vec::new();
-        let mut bytes = 0;
-        for (i, key) in keys.iter().enumerate() {
-            let value = self.local_value(key).cloned();
-            let size = key.len() + value.as_ref().map_or(0, ReplicatedData::approx_bytes);
-            if !values.is_empty() && bytes + size > self.settings.max_message_bytes {
-                let part = std::mem::take(&mut values);
-                out.push(Action::Send { to: from.clone(), msg: ReplicatorMsg::ReadResult { op, values: part } });
-                bytes = 0;
-            }
-            if value.is_some() {
-                ReplicatorStats::inc(&self.stats.full_values_sent);
-            }
-            bytes += size;
-            values.push((i as u32, value));
+        let values: Vec<(u32, Option<ReplicatedData>)> =
+            keys.iter().enumerate().map(|(i, key)| (i as u32, self.local_value(key).cloned())).collect();
+        ReplicatorStats::add(&self.stats.full_values_sent, values.iter().filter(|(_, v)| v.is_some()).count());
+        let size = |(_, v): &(u32, Option<ReplicatedData>)| 8 + v.as_ref().map_or(0, ReplicatedData::approx_bytes);
+        let mut parts = super::split_by_bytes(values, self.settings.max_message_bytes, size);
+        if parts.is_empty() {
+            parts.push(Vec::new()); // A read of no keys still gets its (empty) answer.
         }
-        out.push(Action::Send { to: from, msg: ReplicatorMsg::ReadResult { op, values } });
+        for values in parts {
+            out.push(Action::Send { to: from.clone(), msg: ReplicatorMsg::ReadResult { op, values } });
+        }
     }
 
     pub(super) fn on_read_result(
@@ -171,19 +165,9 @@ impl<R> ReplicatorCore<R> {
                 })
                 .collect();
             ReplicatorStats::add(&self.stats.full_values_sent, stale.len());
-            let mut part = Vec::new();
-            let mut bytes = 0;
-            for (key, value) in stale {
-                let size = key.len() + value.approx_bytes();
-                if !part.is_empty() && bytes + size > self.settings.max_message_bytes {
-                    out.push(repair(&peer, std::mem::take(&mut part)));
-                    bytes = 0;
-                }
-                bytes += size;
-                part.push((key, value));
-            }
-            if !part.is_empty() {
-                out.push(repair(&peer, part));
+            let size = |(k, v): &(String, ReplicatedData)| k.len() + v.approx_bytes();
+            for entries in super::split_by_bytes(stale, self.settings.max_message_bytes, size) {
+                out.push(repair(&peer, entries));
             }
         }
         out.push(read_reply(r.reply, r.many, Ok(results)));

@@ -741,15 +741,7 @@ impl Sim {
                         self.start_write(i, write);
                     }
                 }
-                Event::Persisted { node, through } => {
-                    if let Some(i) = self.slot_of(&node) {
-                        let (now, wall) = (self.now(), self.wall());
-                        let mut out = Vec::new();
-                        let input = RepInput::Persisted { through, failure: None };
-                        self.nodes[i].as_mut().expect("live node").replicator.handle(input, now, wall, &mut out);
-                        self.perform_replicator(i, out);
-                    }
-                }
+                Event::Persisted { node, through } => self.on_persisted(node, through),
             }
         }
         self.now_ms = self.now_ms.max(until_ms);
@@ -792,15 +784,7 @@ impl Sim {
                 self.report.violations.push(format!("after recovery, ask {id} to {} failed: {why}", a.entity_id));
             }
         }
-        // Every commit was reported by now, so nothing may still wait for one.
-        for node in self.nodes.iter().flatten() {
-            let (in_flight, held) = node.replicator.durability_backlog();
-            if in_flight + held > 0 {
-                self.report
-                    .violations
-                    .push(format!("{}: {in_flight} persists unreported, {held} acks or replies held", node.addr));
-            }
-        }
+        self.check_nothing_waits_for_a_commit();
         self.report
     }
 }

@@ -118,6 +118,28 @@ impl Sim {
         self.perform_replicator(i, out);
     }
 
+    /// The store of `node` committed its persists up to `through`.
+    pub(super) fn on_persisted(&mut self, node: UniqueAddress, through: u64) {
+        let Some(i) = self.slot_of(&node) else { return };
+        let (now, wall) = (self.now(), self.wall());
+        let mut out = Vec::new();
+        let input = RepInput::Persisted { through, failure: None };
+        self.nodes[i].as_mut().expect("live node").replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
+    }
+
+    /// At the end of a run every commit was reported, so nothing may still wait for one.
+    pub(super) fn check_nothing_waits_for_a_commit(&mut self) {
+        for node in self.nodes.iter().flatten() {
+            let (in_flight, held) = node.replicator.durability_backlog();
+            if in_flight + held > 0 {
+                self.report
+                    .violations
+                    .push(format!("{}: {in_flight} persists unreported, {held} acks or replies held", node.addr));
+            }
+        }
+    }
+
     pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<RepAction<RepReply>>) {
         let (now, wall) = (self.now(), self.wall());
         // The disk takes the writes at once; the commit is reported an fsync later, as the
