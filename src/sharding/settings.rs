@@ -82,7 +82,8 @@ pub struct ShardingSettings {
     /// How often the coordinator considers rebalancing.
     #[serde(with = "humantime_serde")]
     pub rebalance_interval: Duration,
-    /// Entities idle this long are passivated (`None`: never).
+    /// Entities idle this long are passivated (`None`: never). Idleness is checked every half
+    /// timeout, so an entity stops between one and one and a half timeouts after its last message.
     #[serde(with = "humantime_serde")]
     pub passivation_idle_timeout: Option<Duration>,
     /// Default timeout of [`super::ShardRegion::ask`] and of queries.

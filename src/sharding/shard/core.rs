@@ -134,6 +134,13 @@ pub(crate) struct ShardCore<M> {
     /// Messages that arrived before the remembered ids were loaded.
     early: VecDeque<(String, M)>,
     restart_backoff: Duration,
+    /// Entities waiting for a restart, by deadline, so a tick costs O(due) rather than a scan
+    /// of every entity (a shard may hold hundreds of thousands). An entry whose entity has
+    /// since started (or whose deadline moved) is stale and skipped.
+    restarts_due: BTreeSet<(Instant, String)>,
+    /// When idle passivation next scans the entities: every half idle timeout (as Akka does),
+    /// so an idle entity stops between one and one and a half timeouts after its last message.
+    next_idle_scan: Option<Instant>,
     failed: bool,
 }
 
@@ -149,6 +156,8 @@ impl<M> ShardCore<M> {
             remember: None,
             early: VecDeque::new(),
             restart_backoff: Duration::from_secs(10),
+            restarts_due: BTreeSet::new(),
+            next_idle_scan: None,
             failed: false,
         }
     }
@@ -374,6 +383,7 @@ impl<M> ShardCore<M> {
                 // Stopped without passivating (panic): it stays remembered and comes back.
                 let at = now + self.restart_backoff;
                 self.entities.get_mut(&entity_id).expect("entity").state = EntityState::WaitingForRestart(at);
+                self.restarts_due.insert((at, entity_id.clone()));
                 if self.buffers.get(&entity_id).is_some_and(|b| !b.is_empty()) {
                     self.start(&entity_id, now, out);
                 }
@@ -401,6 +411,7 @@ impl<M> ShardCore<M> {
             out.push(ShardAction::ForceStop { entity_id: id });
         }
         self.entities.clear();
+        self.restarts_due.clear();
         for (id, buffered) in std::mem::take(&mut self.buffers) {
             for msg in buffered {
                 out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::ShardFailed });
@@ -421,6 +432,7 @@ impl<M> ShardCore<M> {
                     out.push(ShardAction::ForceStop { entity_id: id });
                 }
                 self.entities.clear();
+                self.restarts_due.clear();
                 if let Some(r) = self.remember.as_mut() {
                     r.in_flight = None; // the new home reloads whatever was stored
                 }
@@ -428,16 +440,19 @@ impl<M> ShardCore<M> {
             }
             return;
         }
-        let due: Vec<String> = self
-            .entities
-            .iter()
-            .filter(|(_, e)| matches!(e.state, EntityState::WaitingForRestart(at) if at <= now))
-            .map(|(id, _)| id.clone())
-            .collect();
-        for id in due {
-            self.start(&id, now, out);
+        let later = match self.restarts_due.iter().find(|(at, _)| *at > now).cloned() {
+            Some(first_later) => self.restarts_due.split_off(&first_later),
+            None => BTreeSet::new(),
+        };
+        for (at, id) in std::mem::replace(&mut self.restarts_due, later) {
+            if self.entities.get(&id).is_some_and(|e| e.state == EntityState::WaitingForRestart(at)) {
+                self.start(&id, now, out);
+            }
         }
-        if let Some(idle) = self.idle_timeout {
+        if let Some(idle) = self.idle_timeout
+            && self.next_idle_scan.is_none_or(|at| now >= at)
+        {
+            self.next_idle_scan = Some(now + idle / 2);
             let mut ids: Vec<String> = self
                 .entities
                 .iter()
@@ -623,6 +638,36 @@ mod tests {
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(5)).is_empty());
         let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(10));
         assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 2 }]);
+    }
+
+    #[test]
+    fn restart_brought_forward_by_a_message_is_not_repeated_at_the_old_deadline() {
+        let mut s = remembering();
+        let t0 = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a"])), t0);
+        run(&mut s, deliver("a", 1), t0);
+        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0);
+        let out = run(&mut s, deliver("a", 2), t0 + Duration::from_secs(1));
+        assert_eq!(out[0], ShardAction::Start { entity_id: "a".into(), incarnation: 2 });
+        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(10)).is_empty(), "stale deadline skipped");
+        // A second crash gets its own deadline.
+        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 2 }, t0 + Duration::from_secs(11));
+        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(20)).is_empty());
+        let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(21));
+        assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 3 }]);
+    }
+
+    #[test]
+    fn idle_scan_runs_every_half_timeout_not_on_every_tick() {
+        let mut s = ShardCore::new(Some(Duration::from_secs(120)), Duration::from_secs(1));
+        let t0 = Instant::now();
+        run(&mut s, deliver("a", 1), t0);
+        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(100)).is_empty(), "scanned, none idle");
+        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(121)).is_empty(), "next scan at 160 s");
+        assert_eq!(
+            run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(160)),
+            vec![ShardAction::Stop { entity_id: "a".into() }]
+        );
     }
 
     #[test]
