@@ -341,7 +341,8 @@ impl Driver {
                 }
             }
             if !actions.is_empty() {
-                self.perform(std::mem::take(&mut actions), &persist.jobs);
+                // Drained, not taken: the buffer keeps its capacity across rounds.
+                self.perform(&mut actions, &persist.jobs);
             }
         }
         // Whatever was handed over is still committed before the node's shutdown completes
@@ -368,10 +369,10 @@ impl Driver {
     /// Performs actions: the persists of the batch go to the persist thread as one job (the
     /// loop does not wait for it); sends, replies and notifications go at once (the core holds
     /// whatever must wait for the commit).
-    fn perform(&mut self, actions: Vec<Action<ReplyTx>>, jobs: &mpsc::UnboundedSender<PersistJob>) {
+    fn perform(&mut self, actions: &mut Vec<Action<ReplyTx>>, jobs: &mpsc::UnboundedSender<PersistJob>) {
         let mut ops = Vec::new();
         let mut through = 0;
-        for a in actions {
+        for a in actions.drain(..) {
             match a {
                 Action::Persist { key, ticket, record } => {
                     through = through.max(ticket);

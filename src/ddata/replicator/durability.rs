@@ -20,6 +20,7 @@
 //! key; a key whose oldest live delta falls [`MAX_LOG_SPAN`] tickets behind is written whole,
 //! so a key written once does not keep the whole log alive.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -129,12 +130,12 @@ impl<R> Durability<R> {
 impl<R> ReplicatorCore<R> {
     /// Emits the persist of a changed durable key: its delta when its log has room, else a
     /// snapshot (`delta: None` always snapshots); then trims or unpins the log.
-    pub(super) fn persist(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
+    pub(super) fn persist(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
         self.persist_record(key, delta, out);
         self.unpin_log(out);
     }
 
-    fn persist_record(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
+    fn persist_record(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
         let Some(entry) = self.data.get_mut(key) else { return };
         let d = &mut self.durability;
         d.issued += 1;
@@ -153,7 +154,7 @@ impl<R> ReplicatorCore<R> {
                 }
                 log.log_bytes += delta.approx_bytes();
                 log.log_records += 1;
-                PersistRecord::Delta(delta.clone())
+                PersistRecord::Delta(delta.into_owned())
             }
             None => {
                 if log.first_log_seq != 0 {

@@ -24,6 +24,7 @@ mod reads;
 #[cfg(test)]
 mod tests;
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -422,35 +423,41 @@ impl<R> ReplicatorCore<R> {
     /// Merges a full value into `key`; emits Persist/Changed only when the value changed.
     fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<Action<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.values_merged);
-        self.merge_with(key, None, out, |current| match current {
+        let changed = self.merge_with(key, |current| match current {
             Some(v) => v.try_merge(incoming).map(|()| None),
             None => Ok(Some(incoming)),
-        })
+        })?;
+        if changed {
+            self.emit_changed(key, None, out);
+        }
+        Ok(())
     }
 
-    /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type).
-    fn merge_delta_in(&mut self, key: &str, delta: &ReplicatedDelta, out: &mut Vec<Action<R>>) -> Result<()> {
+    /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type);
+    /// the delta itself is what gets persisted when the key's log has room (moved, not cloned).
+    fn merge_delta_in(&mut self, key: &str, delta: ReplicatedDelta, out: &mut Vec<Action<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.deltas_merged);
-        self.merge_with(key, Some(delta), out, |current| match current {
-            Some(v) => v.merge_delta(delta).map(|()| None),
+        let changed = self.merge_with(key, |current| match current {
+            Some(v) => v.merge_delta(&delta).map(|()| None),
             None => {
                 let mut v = delta.empty_value();
-                v.merge_delta(delta)?;
+                v.merge_delta(&delta)?;
                 Ok(Some(v))
             }
-        })
+        })?;
+        if changed {
+            self.emit_changed(key, Some(Cow::Owned(delta)), out);
+        }
+        Ok(())
     }
 
-    /// Runs `merge` on the value of `key` (or, for an absent key, installs what it returns) and
-    /// emits Persist/Changed only when the digest moved; `delta` is what a delta merge joined
-    /// (persisted as such when the key's log has room).
+    /// Runs `merge` on the value of `key` (or, for an absent key, installs what it returns);
+    /// true when the digest moved (the caller then emits Persist/Changed).
     fn merge_with(
         &mut self,
         key: &str,
-        delta: Option<&ReplicatedDelta>,
-        out: &mut Vec<Action<R>>,
         merge: impl FnOnce(Option<&mut ReplicatedData>) -> std::result::Result<Option<ReplicatedData>, MergeError>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let changed = match self.data.get_mut(key) {
             Some(entry) => {
                 merge(Some(&mut entry.value)).map_err(|e| merge_error(key, e))?;
@@ -464,13 +471,10 @@ impl<R> ReplicatorCore<R> {
                 None => false,
             },
         };
-        if changed {
-            self.emit_changed(key, delta, out);
-        }
-        Ok(())
+        Ok(changed)
     }
 
-    fn emit_changed(&mut self, key: &str, delta: Option<&ReplicatedDelta>, out: &mut Vec<Action<R>>) {
+    fn emit_changed(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
         if self.is_durable(key) {
             self.persist(key, delta, out);
         }
@@ -523,7 +527,7 @@ impl<R> ReplicatorCore<R> {
         let delta = self.data.get_mut(key).and_then(|e| e.value.take_delta());
         if changed {
             // A new key is written whole: its first record is a snapshot.
-            self.emit_changed(key, delta.as_ref().filter(|_| !created), out);
+            self.emit_changed(key, delta.as_ref().filter(|_| !created).map(Cow::Borrowed), out);
         }
         Ok(delta)
     }
@@ -662,30 +666,31 @@ impl<R> ReplicatorCore<R> {
         match msg {
             ReplicatorMsg::WriteDelta { op, entries, values } => {
                 let mut ok = true;
-                for (key, delta) in &entries {
-                    if let Err(e) = self.merge_delta_in(key, delta, out) {
+                let mut keys = Vec::with_capacity(entries.len() + values.len());
+                for (key, delta) in entries {
+                    if let Err(e) = self.merge_delta_in(&key, delta, out) {
                         self.reject(&from, "replicated delta", &e);
                         ok = false;
                     }
+                    keys.push(key);
                 }
-                let value_keys: Vec<String> = values.iter().map(|(k, _)| k.clone()).collect();
                 for (key, value) in values {
                     if let Err(e) = self.merge_in(&key, value, out) {
                         self.reject(&from, "replicated value", &e);
                         ok = false;
                     }
+                    keys.push(key);
                 }
                 // A write with a refused key is not acknowledged: the writer must not count
                 // this replica for it. The ack leaves once the keys are committed here.
                 if ok {
-                    let keys = entries.iter().map(|(k, _)| k.as_str()).chain(value_keys.iter().map(String::as_str));
-                    let ticket = self.ticket_of(keys);
+                    let ticket = self.ticket_of(keys.iter().map(String::as_str));
                     self.after_commit(ticket, Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }, out);
                 }
             }
             ReplicatorMsg::DeltaPropagation { entries } => {
-                for (key, delta) in &entries {
-                    if let Err(e) = self.merge_delta_in(key, delta, out) {
+                for (key, delta) in entries {
+                    if let Err(e) = self.merge_delta_in(&key, delta, out) {
                         self.reject(&from, "propagated delta", &e);
                     }
                 }

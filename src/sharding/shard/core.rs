@@ -5,9 +5,14 @@
 //! With remember-entities, the shard first loads its remembered ids (and starts them), records
 //! every start and every passivation in the replicated set before acting on it — one write in
 //! flight, the starts and stops that arrive meanwhile batched into the next — and restarts an
-//! entity that stopped without passivating after `entity_restart_backoff`.
+//! entity that stopped without passivating after `entity_restart_backoff`. The entity table is
+//! the shard's only copy of the remembered ids (a loaded id not yet started is an entry in state
+//! [`EntityState::Remembered`]): an entry not in `RememberingStart` is remembered in the store.
+//!
+//! Costs: a message is O(1) (a hash lookup); a tick is O(entities due), not a scan of the table
+//! (restart deadlines are indexed; idle passivation scans every half idle timeout).
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use crate::clock::Instant;
@@ -25,6 +30,16 @@ pub(crate) enum EntityState {
     RememberingStop,
     /// Remember-entities: stopped without passivating; restarts at the deadline or on a message.
     WaitingForRestart(Instant),
+    /// Remember-entities: loaded from the store and not started yet (its recovery start or a
+    /// message starts it, without a new write).
+    Remembered,
+}
+
+impl EntityState {
+    /// Whether an entity task exists (or is about to) for an entry in this state.
+    fn has_task(self) -> bool {
+        !matches!(self, EntityState::WaitingForRestart(_) | EntityState::Remembered)
+    }
 }
 
 #[derive(Debug)]
@@ -116,7 +131,6 @@ pub(crate) enum ShardAction<M> {
 #[derive(Debug, Default)]
 struct Remember {
     loaded: bool,
-    remembered: BTreeSet<String>,
     in_flight: Option<(BTreeSet<String>, BTreeSet<String>)>,
     next_adds: BTreeSet<String>,
     next_removes: BTreeSet<String>,
@@ -124,7 +138,10 @@ struct Remember {
 
 /// One shard's entities.
 pub(crate) struct ShardCore<M> {
-    entities: BTreeMap<String, EntityEntry>,
+    /// Every entity the shard knows: running, starting, stopping, and (remember-entities) the
+    /// remembered ones not running. Iteration order is arbitrary: whatever turns it into
+    /// actions sorts first (the simulation replays actions in order).
+    entities: HashMap<String, EntityEntry>,
     buffers: BTreeMap<String, VecDeque<M>>,
     next_incarnation: u64,
     idle_timeout: Option<Duration>,
@@ -147,7 +164,7 @@ pub(crate) struct ShardCore<M> {
 impl<M> ShardCore<M> {
     pub(crate) fn new(idle_timeout: Option<Duration>, handoff_stop_timeout: Duration) -> Self {
         ShardCore {
-            entities: BTreeMap::new(),
+            entities: HashMap::new(),
             buffers: BTreeMap::new(),
             next_incarnation: 1,
             idle_timeout,
@@ -168,12 +185,17 @@ impl<M> ShardCore<M> {
         ShardCore { remember: Some(Remember::default()), restart_backoff, ..Self::new(None, handoff_stop_timeout) }
     }
 
-    /// Live entity ids (not counting those waiting for a restart).
+    /// Live entity ids, in no particular order (not counting those waiting for a restart or
+    /// remembered and not started).
     pub(crate) fn entity_ids(&self) -> impl Iterator<Item = &str> {
-        self.entities
-            .iter()
-            .filter(|(_, e)| !matches!(e.state, EntityState::WaitingForRestart(_)))
-            .map(|(id, _)| id.as_str())
+        self.entities.iter().filter(|(_, e)| e.state.has_task()).map(|(id, _)| id.as_str())
+    }
+
+    /// Ids with a task, sorted (what a forced stop must abort).
+    fn ids_with_tasks(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.entity_ids().map(String::from).collect();
+        ids.sort();
+        ids
     }
 
     pub(crate) fn entity_count(&self) -> usize {
@@ -224,14 +246,14 @@ impl<M> ShardCore<M> {
         });
         match state {
             Some(EntityState::Active) => out.push(ShardAction::Send { entity_id, msg }),
-            Some(EntityState::WaitingForRestart(_)) => {
+            Some(EntityState::WaitingForRestart(_) | EntityState::Remembered) => {
                 self.buffer(entity_id.clone(), msg);
                 self.start(&entity_id, now, out);
             }
             Some(_) => self.buffer(entity_id, msg),
             None => match self.remember.as_mut() {
-                Some(r) if !r.remembered.contains(&entity_id) => {
-                    // Record the start before creating the entity.
+                Some(r) => {
+                    // Not in the table, so not remembered: record the start before creating it.
                     r.next_adds.insert(entity_id.clone());
                     r.next_removes.remove(&entity_id);
                     self.entities.insert(
@@ -273,7 +295,13 @@ impl<M> ShardCore<M> {
             ShardInput::Loaded(ids) => {
                 let Some(r) = self.remember.as_mut() else { return };
                 r.loaded = true;
-                r.remembered = ids.iter().cloned().collect();
+                for id in &ids {
+                    self.entities.entry(id.clone()).or_insert(EntityEntry {
+                        state: EntityState::Remembered,
+                        incarnation: 0,
+                        last_activity: now,
+                    });
+                }
                 if !ids.is_empty() {
                     out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
                 }
@@ -284,10 +312,6 @@ impl<M> ShardCore<M> {
             ShardInput::WriteDone => {
                 let Some(r) = self.remember.as_mut() else { return };
                 let Some((adds, removes)) = r.in_flight.take() else { return };
-                r.remembered.extend(adds.iter().cloned());
-                for id in &removes {
-                    r.remembered.remove(id);
-                }
                 for id in adds {
                     if self.entities.get(&id).is_some_and(|e| e.state == EntityState::RememberingStart) {
                         if self.handoff_deadline.is_some() {
@@ -298,6 +322,11 @@ impl<M> ShardCore<M> {
                     }
                 }
                 for id in removes {
+                    if self.entities.get(&id).is_some_and(|e| e.state == EntityState::Remembered) {
+                        // Moved to another shard (changed extractor) and started there.
+                        self.entities.remove(&id);
+                        continue;
+                    }
                     if self.entities.get(&id).is_some_and(|e| e.state == EntityState::RememberingStop) {
                         self.entities.remove(&id);
                         if self.buffers.get(&id).is_some_and(|b| !b.is_empty()) {
@@ -333,19 +362,16 @@ impl<M> ShardCore<M> {
                 for (id, msg) in self.early.drain(..) {
                     out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::HandOff });
                 }
+                // Entries without a task leave now; running ones are told to stop (in id order).
+                self.entities.retain(|_, e| e.state.has_task());
+                self.restarts_due.clear();
                 let mut ids: Vec<String> = self.entities.keys().cloned().collect();
                 ids.sort();
                 for id in ids {
                     let e = self.entities.get_mut(&id).expect("entity");
-                    match e.state {
-                        EntityState::Active => {
-                            e.state = EntityState::Stopping;
-                            out.push(ShardAction::Stop { entity_id: id });
-                        }
-                        EntityState::WaitingForRestart(_) => {
-                            self.entities.remove(&id);
-                        }
-                        _ => {}
+                    if e.state == EntityState::Active {
+                        e.state = EntityState::Stopping;
+                        out.push(ShardAction::Stop { entity_id: id });
                     }
                 }
                 self.check_handoff_done(out);
@@ -405,9 +431,7 @@ impl<M> ShardCore<M> {
             return;
         }
         self.failed = true;
-        let mut ids: Vec<String> = self.entities.keys().cloned().collect();
-        ids.sort();
-        for id in ids {
+        for id in self.ids_with_tasks() {
             out.push(ShardAction::ForceStop { entity_id: id });
         }
         self.entities.clear();
@@ -426,9 +450,7 @@ impl<M> ShardCore<M> {
     fn on_tick(&mut self, now: Instant, out: &mut Vec<ShardAction<M>>) {
         if let Some(deadline) = self.handoff_deadline {
             if now >= deadline {
-                let mut ids: Vec<String> = self.entities.keys().cloned().collect();
-                ids.sort();
-                for id in ids {
+                for id in self.ids_with_tasks() {
                     out.push(ShardAction::ForceStop { entity_id: id });
                 }
                 self.entities.clear();
@@ -668,6 +690,52 @@ mod tests {
             run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(160)),
             vec![ShardAction::Stop { entity_id: "a".into() }]
         );
+    }
+
+    #[test]
+    fn loaded_ids_are_remembered_but_not_live_until_started() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a", "b"])), now);
+        assert_eq!(s.entity_count(), 0, "loaded, not started");
+        let out = run(&mut s, deliver("b", 1), now);
+        assert_eq!(
+            out,
+            vec![
+                ShardAction::Start { entity_id: "b".into(), incarnation: 1 },
+                ShardAction::Send { entity_id: "b".into(), msg: 1 }
+            ],
+            "a remembered id starts without a new write"
+        );
+        assert_eq!(s.entity_ids().collect::<Vec<_>>(), vec!["b"]);
+        // Hand-off: the unstarted one leaves at once, the running one is stopped.
+        let out = run(&mut s, ShardInput::HandOff, now);
+        assert_eq!(out, vec![ShardAction::Stop { entity_id: "b".into() }]);
+        let out = run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 1 }, now);
+        assert_eq!(out, vec![ShardAction::Stopped]);
+    }
+
+    #[test]
+    fn id_moved_to_another_shard_is_forgotten_once_its_removal_is_recorded() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a"])), now);
+        let out = run(&mut s, ShardInput::MovedAway { entity_id: "a".into() }, now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&[]), removes: ids(&["a"]) }]);
+        assert!(run(&mut s, ShardInput::WriteDone, now).is_empty());
+        // Should it come back here, its start is recorded again.
+        let out = run(&mut s, deliver("a", 1), now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["a"]), removes: ids(&[]) }]);
+    }
+
+    #[test]
+    fn store_failure_aborts_running_entities_only() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a", "b"])), now);
+        run(&mut s, deliver("a", 1), now);
+        let out = run(&mut s, ShardInput::StoreFailed, now);
+        assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into() }, ShardAction::Failed]);
     }
 
     #[test]
