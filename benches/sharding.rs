@@ -1,7 +1,9 @@
 //! Sharding throughput and latency, each beside a baseline measured in the same run:
 //! - local tell / ask through a region vs a raw tokio mpsc actor;
-//! - remote tell / ask (entity on another node) vs a raw transport request/response;
-//! - latency of the first message to a new shard on 3 nodes (p50/p99 printed).
+//! - remote tell / ask (entity on another node) vs a raw transport request/response, in
+//!   batches of 64 and with a sliding window of 512 always in flight (ratio printed);
+//! - latency of the first message to a new shard on 3 nodes, with 200 and with 10,000 shards
+//!   already allocated (p50/p99 printed).
 
 use std::time::{Duration, Instant};
 
@@ -34,6 +36,29 @@ impl Entity for Counter {
 
 const N: u64 = 5_000;
 const IN_FLIGHT: usize = 64;
+const SLIDING_WINDOW: usize = 512;
+const SLIDING_TOTAL: usize = 8192;
+
+/// Runs `op(0..total)` with `window` always in flight (a new one starts as each completes).
+async fn sliding<F, Fut>(total: usize, window: usize, op: F)
+where
+    F: Fn(usize) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    use futures::StreamExt;
+    let mut in_flight = futures::stream::FuturesUnordered::new();
+    let mut next = 0;
+    while next < total.min(window) {
+        in_flight.push(op(next));
+        next += 1;
+    }
+    while in_flight.next().await.is_some() {
+        if next < total {
+            in_flight.push(op(next));
+            next += 1;
+        }
+    }
+}
 
 fn settings() -> ShardingSettings {
     ShardingSettings { number_of_shards: 100_000, ..ShardingSettings::default() }
@@ -171,24 +196,93 @@ fn bench(c: &mut Criterion) {
     });
     g.finish();
 
-    // First message to a new shard: allocation (majority write) + HostShard + delivery.
-    let mut samples: Vec<Duration> = rt.block_on(async {
+    // The remote ask with 512 always in flight, beside the raw request with the same window.
+    let mut g = c.benchmark_group("remote_sliding_512");
+    g.throughput(Throughput::Elements(SLIDING_TOTAL as u64));
+    g.sample_size(10).measurement_time(Duration::from_secs(8));
+    let body = rmp_serde::to_vec(&Msg::Add(1)).unwrap();
+    let raw_request = || {
+        sliding(SLIDING_TOTAL, SLIDING_WINDOW, |_| async {
+            ta.request(&to, "bench-echo", &body, Duration::from_secs(5)).await.unwrap();
+        })
+    };
+    let region_ask = || {
+        sliding(SLIDING_TOTAL, SLIDING_WINDOW, |_| async {
+            remote_from_a.ask(&remote_id, Msg::Add(1)).await.unwrap();
+        })
+    };
+    g.bench_function("baseline_transport_request", |b| b.to_async(&rt).iter(raw_request));
+    g.bench_function("region_ask_remote", |b| b.to_async(&rt).iter(region_ask));
+    g.finish();
+    let (mut raw, mut ask) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        rt.block_on(raw_request());
+        raw.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        rt.block_on(region_ask());
+        ask.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
+    }
+    raw.sort_by(f64::total_cmp);
+    ask.sort_by(f64::total_cmp);
+    println!(
+        "remote ask, {SLIDING_WINDOW} in flight: region {:.0}/s vs raw transport request {:.0}/s ({:.2}x)",
+        ask[2],
+        raw[2],
+        ask[2] / raw[2]
+    );
+
+    // First message to a new shard: allocation (majority write) + HostShard + delivery, measured
+    // with few shards allocated and again with 10,000 (the coordinator ships deltas, so an
+    // allocation must not cost more as the map grows).
+    let first_messages = |prefix: &'static str, allocated: &std::collections::HashSet<String>| {
         let mut v = Vec::new();
-        for i in 0..200 {
-            let id = format!("first-{i}");
+        let mut i = 0;
+        while v.len() < 200 {
+            let id = format!("{prefix}-{i}");
+            i += 1;
+            if allocated.contains(remote_from_a.shard_id(&id).as_str()) {
+                continue;
+            }
             let t = Instant::now();
-            remote_from_a.ask(&id, Msg::Get).await.unwrap();
+            rt.block_on(remote_from_a.ask(&id, Msg::Get)).unwrap();
             v.push(t.elapsed());
         }
+        v.sort();
         v
-    });
-    samples.sort();
-    println!(
-        "first message to a new shard (3 nodes, 200 samples): p50 {:?}, p99 {:?}, max {:?}",
-        samples[samples.len() / 2],
-        samples[samples.len() * 99 / 100],
-        samples[samples.len() - 1]
-    );
+    };
+    let print = |label: &str, samples: &[Duration]| {
+        println!(
+            "first message to a new shard (3 nodes, {label}, 200 samples): p50 {:?}, p99 {:?}, max {:?}",
+            samples[samples.len() / 2],
+            samples[samples.len() * 99 / 100],
+            samples[samples.len() - 1]
+        )
+    };
+    let mut allocated = std::collections::HashSet::new();
+    let few = first_messages("first", &allocated);
+    print("~200 shards allocated", &few);
+    // Allocate 10,000 shards (asks with 64 in flight), then measure again.
+    let mut i = 0;
+    let mut batch = Vec::new();
+    let started = Instant::now();
+    while allocated.len() < 10_000 {
+        let id = format!("fill-{i}");
+        i += 1;
+        if allocated.insert(remote_from_a.shard_id(&id).to_string()) {
+            batch.push(id);
+        }
+        if batch.len() == 64 || allocated.len() == 10_000 {
+            let asks = batch.drain(..).map(|id| {
+                let r = remote_from_a.clone();
+                async move { r.ask(&id, Msg::Get).await.unwrap() }
+            });
+            rt.block_on(futures::future::join_all(asks));
+        }
+    }
+    println!("allocated 10,000 more shards in {:?}", started.elapsed());
+    let many = first_messages("after-10k", &allocated);
+    print("10,000 shards allocated", &many);
     let mut g = c.benchmark_group("first_message_new_shard");
     g.sample_size(30);
     let mut k = 0u64;
