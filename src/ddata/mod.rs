@@ -138,7 +138,7 @@ impl Replicator {
             return Ok(());
         }
         let (tx, rx) = oneshot::channel();
-        let updates = updates.into_iter().map(|u| (u.key, u.modify)).collect();
+        let updates = updates.into_iter().map(KeyUpdate::into_parts).collect();
         let input = Input::UpdateMany { updates, consistency, timeout, reply: ReplyTx::Update(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)?
@@ -169,6 +169,11 @@ impl std::fmt::Debug for KeyUpdate {
 }
 
 impl KeyUpdate {
+    /// The key and its boxed modify, as the replicator core takes them.
+    pub(crate) fn into_parts(self) -> (String, replicator::Modify) {
+        (self.key, self.modify)
+    }
+
     /// Changes `key` (starting from `T::default()` when it has no value).
     pub fn new<T, F>(key: &str, modify: F) -> KeyUpdate
     where

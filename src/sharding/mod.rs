@@ -23,7 +23,7 @@ pub mod allocation;
 pub(crate) mod coordinator;
 mod envelope;
 mod handle;
-mod ids;
+pub(crate) mod ids;
 pub(crate) mod keys;
 pub(crate) mod protocol;
 pub(crate) mod region;

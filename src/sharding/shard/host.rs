@@ -65,7 +65,7 @@ pub(crate) struct LocalShards<E: Entity> {
 
 /// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
 /// rest for the hand-off messages around it.
-fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
+pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
     handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1))
 }
 

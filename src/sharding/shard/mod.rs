@@ -9,7 +9,7 @@ mod remember;
 
 pub(crate) use core::ShardInput;
 pub(crate) use entity::Factory;
-pub(crate) use host::LocalShards;
+pub(crate) use host::{LocalShards, entity_stop_timeout};
 pub(crate) use remember::RememberIo;
 
 use std::collections::BTreeSet;

@@ -11,9 +11,17 @@
 //! Entities are records: a start is an activation, a message to a running entity answers its
 //! ask at once, a stop ends the activation.
 //!
+//! With `remember` on, shards record their starts in replicated OR-sets and recover them
+//! (`remember.rs`).
+//!
 //! **What is checked.** Never two live activations of one entity id (on any nodes, at any
 //! time); every ask ends (answered, or failed with a typed reason that the faults explain);
-//! after the faults heal and downed nodes restart, every entity answers again.
+//! after the faults heal and downed nodes restart, every entity answers again; nothing waits
+//! for a commit at the end; with remember-entities, no acknowledged remembered id is lost.
+//!
+//! Files: this one holds the model (nodes, network, membership, the event loop), `perform.rs`
+//! what the drivers do with each core's actions, `remember.rs` the remember I/O, `workload.rs`
+//! the asks, the random faults and the controls of scripted runs.
 //!
 //! **Replay a seed.** `DDSHARD_SIM_SEED=<seed> cargo test --test sim -- --nocapture replay`
 //! runs one seed with its trace printed. The trace lists every sharding-protocol message and
@@ -47,6 +55,8 @@ use crate::sharding::{ShardId, default_shard_id, keys};
 use crate::singleton::{SingletonAction, SingletonCore, SingletonInput};
 
 mod perform;
+mod remember;
+mod workload;
 
 /// The one entity type of the simulation.
 const TYPE: &str = "sim";
@@ -78,11 +88,23 @@ pub struct SimConfig {
     pub drop_per_mille: u32,
     /// Record the trace (off for long property runs: it is most of their cost).
     pub trace: bool,
+    /// Remember-entities on: shards record their starts in replicated OR-sets and the run
+    /// checks that no acknowledged id is lost.
+    pub remember: bool,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { nodes: 5, shards: 12, entities: 30, fault_ms: 20_000, faults: true, drop_per_mille: 5, trace: true }
+        SimConfig {
+            nodes: 5,
+            shards: 12,
+            entities: 30,
+            fault_ms: 20_000,
+            faults: true,
+            drop_per_mille: 5,
+            trace: true,
+            remember: false,
+        }
     }
 }
 
@@ -99,6 +121,8 @@ pub struct SimReport {
     pub failed: BTreeMap<&'static str, usize>,
     /// Activations of entities over the run.
     pub activations: usize,
+    /// Remember-entities: ids whose start a majority acknowledged (all checked at the end).
+    pub remembered_acked: usize,
 }
 
 /// Why an ask failed; each is a typed error in the real drivers.
@@ -156,13 +180,26 @@ enum Event {
         entity_id: String,
         attempt: u32,
     },
+    /// A remember write that failed is tried again.
+    RetryRemember {
+        node: UniqueAddress,
+        write: remember::RememberWrite,
+    },
+    /// A failed remembering shard starts again after its backoff.
+    RestartShard {
+        node: UniqueAddress,
+        shard: ShardId,
+        epoch: u64,
+    },
 }
 
 /// What a replicator reply answers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 enum RepReply {
     TakeOverRead { read: u64 },
     StateWrite { write: u64 },
+    RememberLoad { shard: ShardId, instance: u64 },
+    RememberWrite(remember::RememberWrite),
 }
 
 struct Coordinator {
@@ -175,6 +212,9 @@ struct Node {
     addr: UniqueAddress,
     region: RegionCore<Msg>,
     shards: BTreeMap<ShardId, (ShardCore<Msg>, u64)>,
+    /// Remember-entities: the current instance of each shard (a load or write answering an
+    /// older one is ignored).
+    shard_instances: BTreeMap<ShardId, u64>,
     /// Running entity instances: id → (shard, incarnation).
     entities: BTreeMap<String, (ShardId, u64)>,
     singleton: SingletonCore,
@@ -228,6 +268,8 @@ pub struct Sim {
     asks: BTreeMap<u64, Ask>,
     next_ask: u64,
     live: BTreeMap<String, Vec<(UniqueAddress, u64)>>,
+    /// Remember-entities: ids whose start write a majority acknowledged.
+    remembered_acked: BTreeSet<String>,
     dropping: bool,
     report: SimReport,
 }
@@ -269,6 +311,7 @@ impl Sim {
             asks: BTreeMap::new(),
             next_ask: 1,
             live: BTreeMap::new(),
+            remembered_acked: BTreeSet::new(),
             dropping: false,
             report: SimReport::default(),
             cfg,
@@ -330,6 +373,7 @@ impl Sim {
         self.nodes[i] = Some(Node {
             region: RegionCore::new(addr.clone(), false, region_settings, now),
             shards: BTreeMap::new(),
+            shard_instances: BTreeMap::new(),
             entities: BTreeMap::new(),
             singleton: SingletonCore::new(Duration::from_millis(200)),
             coordinator: None,
@@ -574,146 +618,6 @@ impl Sim {
         self.perform_replicator(i, rep_out);
     }
 
-    /// Asks `entity_id` through node slot `i`'s region.
-    fn ask(&mut self, i: usize, entity_id: String, must_answer: bool) {
-        self.ask_attempt(i, entity_id, must_answer, 0);
-    }
-
-    fn ask_attempt(&mut self, i: usize, entity_id: String, must_answer: bool, attempt: u32) {
-        let Some(node) = self.nodes[i].as_mut() else { return };
-        let ask = self.next_ask;
-        self.next_ask += 1;
-        let shard = default_shard_id(&entity_id, self.cfg.shards);
-        let asker = node.addr.clone();
-        let deadline = self.now_ms + ASK_TIMEOUT_MS;
-        self.asks
-            .insert(ask, Ask { entity_id: entity_id.clone(), asker, deadline, outcome: None, must_answer, attempt });
-        let mut out = Vec::new();
-        let now = self.now();
-        let node = self.nodes[i].as_mut().expect("running");
-        node.region.handle(RegionInput::Route { shard, entity_id, msg: Msg { ask: Some(ask) } }, now, &mut out);
-        self.perform_region(i, out);
-    }
-
-    fn on_ask(&mut self) {
-        let running: Vec<usize> = (0..self.nodes.len()).filter(|i| self.nodes[*i].is_some()).collect();
-        if !running.is_empty() {
-            let i = running[self.rng.random_range(0..running.len())];
-            let e = self.rng.random_range(0..self.cfg.entities);
-            self.ask(i, format!("e{e}"), false);
-        }
-        // Asks whose asker crashed end with it; the others time out.
-        let now = self.now_ms;
-        let expired: Vec<u64> =
-            self.asks.iter().filter(|(_, a)| a.outcome.is_none() && a.deadline <= now).map(|(id, _)| *id).collect();
-        for id in expired {
-            self.resolve(id, Err(TIMEOUT));
-        }
-        if self.now_ms < self.cfg.fault_ms {
-            let gap = self.rng.random_range(10..60);
-            self.schedule(gap, Event::Ask);
-        }
-    }
-
-    fn on_fault(&mut self) {
-        if self.now_ms >= self.cfg.fault_ms {
-            return;
-        }
-        let n = self.nodes.len();
-        match self.rng.random_range(0..10) {
-            0..=2 => {
-                let i = self.rng.random_range(0..n);
-                if self.nodes[i].is_some() && self.nodes.iter().filter(|x| x.is_some()).count() > n / 2 + 1 {
-                    self.crash(i, "crashes");
-                }
-            }
-            3..=4 => {
-                let i = self.rng.random_range(0..n);
-                if self.nodes[i].is_none() && self.cut.is_empty() {
-                    self.start_node(i);
-                }
-            }
-            5..=6 => {
-                if self.cut.is_empty() {
-                    let k = self.rng.random_range(1..=(n - 1) / 2);
-                    let mut slots: Vec<usize> = (0..n).collect();
-                    for j in 0..n {
-                        let r = self.rng.random_range(j..n);
-                        slots.swap(j, r);
-                    }
-                    let (minority, majority) = slots.split_at(k);
-                    for a in minority {
-                        for b in majority {
-                            self.cut.insert((*a, *b));
-                            self.cut.insert((*b, *a));
-                        }
-                    }
-                    self.trace(|| format!("partition {minority:?} | {majority:?}"));
-                }
-            }
-            _ => {
-                if !self.cut.is_empty() {
-                    self.cut.clear();
-                    self.trace(|| "heal".into());
-                }
-            }
-        }
-        if self.now_ms < self.cfg.fault_ms {
-            let gap = self.rng.random_range(500..3_000);
-            self.schedule(gap, Event::Fault);
-        }
-    }
-
-    /// Asks `entity_id` through node `i` (index from 0) and returns the ask's id.
-    pub fn ask_through(&mut self, i: usize, entity_id: &str) -> u64 {
-        let id = self.next_ask;
-        self.ask(i, entity_id.to_string(), false);
-        id
-    }
-
-    /// Whether ask `id` was answered.
-    pub fn answered(&self, id: u64) -> bool {
-        self.asks.get(&id).is_some_and(|a| a.outcome == Some(Ok(())))
-    }
-
-    /// Crashes node `i` (index from 0); its disk stays.
-    pub fn crash_node(&mut self, i: usize) {
-        self.crash(i, "crashes");
-    }
-
-    /// Starts node `i` again as a new incarnation on its disk.
-    pub fn restart_node(&mut self, i: usize) {
-        self.crash(i, "stops for a restart");
-        self.start_node(i);
-    }
-
-    /// Cuts every link between the two sets of node indexes.
-    pub fn partition(&mut self, a: &[usize], b: &[usize]) {
-        for x in a {
-            for y in b {
-                self.cut.insert((*x, *y));
-                self.cut.insert((*y, *x));
-            }
-        }
-        self.trace(|| format!("partition {a:?} | {b:?}"));
-    }
-
-    /// Restores every link.
-    pub fn heal(&mut self) {
-        self.cut.clear();
-        self.trace(|| "heal".into());
-    }
-
-    /// Virtual time in ms.
-    pub fn now_ms(&self) -> u64 {
-        self.now_ms
-    }
-
-    /// What was seen so far.
-    pub fn report(&self) -> &SimReport {
-        &self.report
-    }
-
     /// Runs events until virtual time `until_ms`.
     pub fn run_until(&mut self, until_ms: u64) {
         while let Some(Reverse((at, seq))) = self.queue.peek().copied() {
@@ -742,6 +646,12 @@ impl Sim {
                     }
                 }
                 Event::Persisted { node, through } => self.on_persisted(node, through),
+                Event::RetryRemember { node, write } => {
+                    if let Some(i) = self.slot_of(&node) {
+                        self.remember_write(i, write);
+                    }
+                }
+                Event::RestartShard { node, shard, epoch } => self.on_restart_shard(node, shard, epoch),
             }
         }
         self.now_ms = self.now_ms.max(until_ms);
@@ -785,6 +695,9 @@ impl Sim {
             }
         }
         self.check_nothing_waits_for_a_commit();
+        if self.cfg.remember {
+            self.check_no_acknowledged_id_lost();
+        }
         self.report
     }
 }

@@ -206,6 +206,12 @@ impl Sim {
                         self.schedule(WRITE_RETRY_MS, Event::RetryWrite { node, write });
                     }
                 }
+                RepAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance }, result } => {
+                    self.on_remember_loaded(i, shard, instance, result)
+                }
+                RepAction::ReplyUpdate { reply: RepReply::RememberWrite(w), result } => {
+                    self.on_remember_written(i, w, result)
+                }
                 RepAction::ReplyGet { .. } | RepAction::ReplyGetMany { .. } | RepAction::ReplyUpdate { .. } => {
                     self.report.violations.push("replicator reply of the wrong kind".into());
                 }
@@ -223,13 +229,13 @@ impl Sim {
                 RegionAction::ToCoordinator { coordinator, msg } => {
                     self.send(&me, &coordinator, Wire::ToCoordinator(msg))
                 }
-                RegionAction::StartShard { shard, epoch } => {
-                    let entry = node
-                        .shards
-                        .entry(shard)
-                        .or_insert_with(|| (ShardCore::new(None, Duration::from_secs(25)), epoch));
-                    entry.1 = epoch;
-                }
+                RegionAction::StartShard { shard, epoch } => match node.shards.get_mut(&shard) {
+                    Some(existing) => existing.1 = epoch,
+                    None if self.cfg.remember => self.start_remembering_shard(i, &shard, epoch),
+                    None => {
+                        node.shards.insert(shard, (ShardCore::new(None, Duration::from_secs(25)), epoch));
+                    }
+                },
                 RegionAction::Deliver { shard, entity_id, msg } => match node.shards.get_mut(&shard) {
                     Some((core, _)) => {
                         let mut out = Vec::new();
@@ -331,7 +337,8 @@ impl Sim {
                 };
                 self.fail(msg, why);
             }
-            ShardAction::Stopped | ShardAction::Failed => {
+            ShardAction::Failed => self.on_shard_failed(i, shard),
+            ShardAction::Stopped => {
                 node.shards.remove(shard);
                 let mut out = Vec::new();
                 node.region.handle(
@@ -341,8 +348,11 @@ impl Sim {
                 );
                 self.perform_region(i, out);
             }
-            ShardAction::Recover { .. } | ShardAction::WriteRemembered { .. } => {
-                self.report.violations.push("remember-entities action in a sim without remembered entities".into());
+            ShardAction::Recover { entity_ids } => self.recover(i, shard, entity_ids),
+            ShardAction::WriteRemembered { adds, removes } => {
+                let Some(&instance) = node.shard_instances.get(shard) else { return };
+                let w = remember::RememberWrite { shard: shard.clone(), instance, adds, removes, attempt: 0 };
+                self.remember_write(i, w);
             }
         }
     }

@@ -1,0 +1,157 @@
+//! The workload and the faults of a run: client asks (random ones during the faults, one per
+//! entity after recovery), random crashes, restarts and partitions, and the controls a test
+//! drives a scripted run with.
+
+use super::*;
+
+impl Sim {
+    /// Asks `entity_id` through node slot `i`'s region.
+    pub(super) fn ask(&mut self, i: usize, entity_id: String, must_answer: bool) {
+        self.ask_attempt(i, entity_id, must_answer, 0);
+    }
+
+    pub(super) fn ask_attempt(&mut self, i: usize, entity_id: String, must_answer: bool, attempt: u32) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let ask = self.next_ask;
+        self.next_ask += 1;
+        let shard = default_shard_id(&entity_id, self.cfg.shards);
+        let asker = node.addr.clone();
+        let deadline = self.now_ms + ASK_TIMEOUT_MS;
+        self.asks
+            .insert(ask, Ask { entity_id: entity_id.clone(), asker, deadline, outcome: None, must_answer, attempt });
+        let mut out = Vec::new();
+        let now = self.now();
+        let node = self.nodes[i].as_mut().expect("running");
+        node.region.handle(RegionInput::Route { shard, entity_id, msg: Msg { ask: Some(ask) } }, now, &mut out);
+        self.perform_region(i, out);
+    }
+
+    pub(super) fn on_ask(&mut self) {
+        let running: Vec<usize> = (0..self.nodes.len()).filter(|i| self.nodes[*i].is_some()).collect();
+        if !running.is_empty() {
+            let i = running[self.rng.random_range(0..running.len())];
+            let e = self.rng.random_range(0..self.cfg.entities);
+            self.ask(i, format!("e{e}"), false);
+        }
+        // Asks whose asker crashed end with it; the others time out.
+        let now = self.now_ms;
+        let expired: Vec<u64> =
+            self.asks.iter().filter(|(_, a)| a.outcome.is_none() && a.deadline <= now).map(|(id, _)| *id).collect();
+        for id in expired {
+            self.resolve(id, Err(TIMEOUT));
+        }
+        if self.now_ms < self.cfg.fault_ms {
+            let gap = self.rng.random_range(10..60);
+            self.schedule(gap, Event::Ask);
+        }
+    }
+
+    pub(super) fn on_fault(&mut self) {
+        if self.now_ms >= self.cfg.fault_ms {
+            return;
+        }
+        let n = self.nodes.len();
+        match self.rng.random_range(0..10) {
+            0..=2 => {
+                let i = self.rng.random_range(0..n);
+                if self.nodes[i].is_some() && self.nodes.iter().filter(|x| x.is_some()).count() > n / 2 + 1 {
+                    self.crash(i, "crashes");
+                }
+            }
+            3..=4 => {
+                let i = self.rng.random_range(0..n);
+                if self.nodes[i].is_none() && self.cut.is_empty() {
+                    self.start_node(i);
+                }
+            }
+            5..=6 => {
+                if self.cut.is_empty() {
+                    let k = self.rng.random_range(1..=(n - 1) / 2);
+                    let mut slots: Vec<usize> = (0..n).collect();
+                    for j in 0..n {
+                        let r = self.rng.random_range(j..n);
+                        slots.swap(j, r);
+                    }
+                    let (minority, majority) = slots.split_at(k);
+                    for a in minority {
+                        for b in majority {
+                            self.cut.insert((*a, *b));
+                            self.cut.insert((*b, *a));
+                        }
+                    }
+                    self.trace(|| format!("partition {minority:?} | {majority:?}"));
+                }
+            }
+            _ => {
+                if !self.cut.is_empty() {
+                    self.cut.clear();
+                    self.trace(|| "heal".into());
+                }
+            }
+        }
+        if self.now_ms < self.cfg.fault_ms {
+            let gap = self.rng.random_range(500..3_000);
+            self.schedule(gap, Event::Fault);
+        }
+    }
+
+    /// Asks `entity_id` through node `i` (index from 0) and returns the ask's id.
+    pub fn ask_through(&mut self, i: usize, entity_id: &str) -> u64 {
+        let id = self.next_ask;
+        self.ask(i, entity_id.to_string(), false);
+        id
+    }
+
+    /// Whether ask `id` was answered.
+    pub fn answered(&self, id: u64) -> bool {
+        self.asks.get(&id).is_some_and(|a| a.outcome == Some(Ok(())))
+    }
+
+    /// Crashes node `i` (index from 0); its disk stays.
+    pub fn crash_node(&mut self, i: usize) {
+        self.crash(i, "crashes");
+    }
+
+    /// Starts node `i` again as a new incarnation on its disk.
+    pub fn restart_node(&mut self, i: usize) {
+        self.crash(i, "stops for a restart");
+        self.start_node(i);
+    }
+
+    /// Cuts every link between the two sets of node indexes.
+    pub fn partition(&mut self, a: &[usize], b: &[usize]) {
+        for x in a {
+            for y in b {
+                self.cut.insert((*x, *y));
+                self.cut.insert((*y, *x));
+            }
+        }
+        self.trace(|| format!("partition {a:?} | {b:?}"));
+    }
+
+    /// Restores every link.
+    pub fn heal(&mut self) {
+        self.cut.clear();
+        self.trace(|| "heal".into());
+    }
+
+    /// Entity ids running anywhere now.
+    pub fn live_entities(&self) -> BTreeSet<String> {
+        self.live.iter().filter(|(_, on)| !on.is_empty()).map(|(id, _)| id.clone()).collect()
+    }
+
+    /// Entity ids running on node `i` (index from 0), sorted.
+    pub fn live_entities_on(&self, i: usize) -> Vec<String> {
+        self.nodes[i].as_ref().map(|n| n.entities.keys().cloned().collect()).unwrap_or_default()
+    }
+
+    /// Virtual time in ms.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// What was seen so far.
+    pub fn report(&self) -> &SimReport {
+        &self.report
+    }
+}
