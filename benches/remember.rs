@@ -7,6 +7,8 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::sliding;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ddshard::ddata::{OrSet, WriteCtx};
 use ddshard::testkit::TestCluster;
@@ -46,24 +48,11 @@ async fn start_new(r: &ShardRegion<Thing>, prefix: &str, from: usize) {
 /// Sliding window: `window` asks always in flight (a new one starts as each finishes) until
 /// `total` new entities have started.
 async fn start_new_sliding(r: &ShardRegion<Thing>, prefix: &str, from: usize, total: usize, window: usize) {
-    use futures::StreamExt;
-    let mut in_flight = futures::stream::FuturesUnordered::new();
-    let ask = |i: usize| {
-        let id = format!("{prefix}-{i}");
-        let r = r.clone();
+    sliding(total, window, |i| {
+        let id = format!("{prefix}-{}", from + i);
         async move { r.ask(&id, Ping).await.unwrap() }
-    };
-    let mut next = from;
-    while next < from + total.min(window) {
-        in_flight.push(ask(next));
-        next += 1;
-    }
-    while in_flight.next().await.is_some() {
-        if next < from + total {
-            in_flight.push(ask(next));
-            next += 1;
-        }
-    }
+    })
+    .await
 }
 
 const SLIDING_TOTAL: usize = 4096;

@@ -5,41 +5,21 @@
 
 use std::time::Duration;
 
-use std::future::Future;
 use std::time::Instant;
 
+mod common;
+use common::sliding;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use ddshard::Consistency;
 use ddshard::ddata::OrSet;
 use ddshard::testkit::TestCluster;
 use ddshard::transport::PeerAddr;
-use futures::StreamExt;
 
 const OP: Duration = Duration::from_secs(5);
 
 const SLIDING_WINDOW: usize = 512;
 const SLIDING_TOTAL: usize = 8192;
 const SLIDING_KEYS: usize = 4096;
-
-/// Runs `op(0..total)` with `window` always in flight (a new one starts as each completes).
-async fn sliding<F, Fut>(total: usize, window: usize, op: F)
-where
-    F: Fn(usize) -> Fut,
-    Fut: Future<Output = ()>,
-{
-    let mut in_flight = futures::stream::FuturesUnordered::new();
-    let mut next = 0;
-    while next < total.min(window) {
-        in_flight.push(op(next));
-        next += 1;
-    }
-    while in_flight.next().await.is_some() {
-        if next < total {
-            in_flight.push(op(next));
-            next += 1;
-        }
-    }
-}
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();

@@ -7,6 +7,8 @@
 
 use std::time::{Duration, Instant};
 
+mod common;
+use common::sliding;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use ddshard::testkit::TestCluster;
 use ddshard::transport::PeerAddr;
@@ -38,27 +40,6 @@ const N: u64 = 5_000;
 const IN_FLIGHT: usize = 64;
 const SLIDING_WINDOW: usize = 512;
 const SLIDING_TOTAL: usize = 8192;
-
-/// Runs `op(0..total)` with `window` always in flight (a new one starts as each completes).
-async fn sliding<F, Fut>(total: usize, window: usize, op: F)
-where
-    F: Fn(usize) -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    use futures::StreamExt;
-    let mut in_flight = futures::stream::FuturesUnordered::new();
-    let mut next = 0;
-    while next < total.min(window) {
-        in_flight.push(op(next));
-        next += 1;
-    }
-    while in_flight.next().await.is_some() {
-        if next < total {
-            in_flight.push(op(next));
-            next += 1;
-        }
-    }
-}
 
 fn settings() -> ShardingSettings {
     ShardingSettings { number_of_shards: 100_000, ..ShardingSettings::default() }

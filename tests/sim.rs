@@ -20,6 +20,32 @@ fn check(seed: u64, cfg: &SimConfig) -> ddshard::testkit::sim::SimReport {
     report
 }
 
+/// Runs `seeds` seeds of `cfg` on two threads (CI has two cores; each seed is still one
+/// deterministic run), each checked; returns the reports and the failures summed by kind.
+fn run_seeds(
+    seeds: u64,
+    cfg: &SimConfig,
+) -> (Vec<ddshard::testkit::sim::SimReport>, std::collections::BTreeMap<&'static str, usize>) {
+    let reports: Vec<ddshard::testkit::sim::SimReport> = std::thread::scope(|s| {
+        let halves: Vec<_> = (0..2u64)
+            .map(|t| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    (0..seeds).filter(|seed| seed % 2 == t).map(|seed| check(seed, &cfg)).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        halves.into_iter().flat_map(|h| h.join().expect("a seed failed")).collect()
+    });
+    let mut failed = std::collections::BTreeMap::new();
+    for r in &reports {
+        for (k, v) in &r.failed {
+            *failed.entry(*k).or_insert(0) += v;
+        }
+    }
+    (reports, failed)
+}
+
 #[test]
 fn the_same_seed_gives_the_same_trace_byte_for_byte() {
     let cfg = SimConfig::default();
@@ -44,26 +70,9 @@ fn random_faults_never_run_an_entity_twice_and_service_recovers() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(1000);
     let cfg = SimConfig { trace: false, ..SimConfig::default() };
     let started = std::time::Instant::now();
-    // Two threads (CI has two cores); each seed is still one deterministic run.
-    let reports: Vec<ddshard::testkit::sim::SimReport> = std::thread::scope(|s| {
-        let halves: Vec<_> = (0..2u64)
-            .map(|t| {
-                let cfg = cfg.clone();
-                s.spawn(move || {
-                    (0..seeds).filter(|seed| seed % 2 == t).map(|seed| check(seed, &cfg)).collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        halves.into_iter().flat_map(|h| h.join().expect("a seed failed")).collect()
-    });
+    let (reports, failed) = run_seeds(seeds, &cfg);
     let answered: usize = reports.iter().map(|r| r.answered).sum();
     let activations: usize = reports.iter().map(|r| r.activations).sum();
-    let mut failed = std::collections::BTreeMap::new();
-    for r in &reports {
-        for (k, v) in &r.failed {
-            *failed.entry(*k).or_insert(0) += v;
-        }
-    }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "{seeds} seeds in {secs:.1}s ({:.0} seeds/s): {answered} asks answered, {activations} activations, failed: {failed:?}",
@@ -81,25 +90,9 @@ fn random_faults_with_remembered_entities_never_lose_an_acknowledged_id() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_REMEMBER_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
     let cfg = SimConfig { trace: false, remember: true, ..SimConfig::default() };
     let started = std::time::Instant::now();
-    let reports: Vec<ddshard::testkit::sim::SimReport> = std::thread::scope(|s| {
-        let halves: Vec<_> = (0..2u64)
-            .map(|t| {
-                let cfg = cfg.clone();
-                s.spawn(move || {
-                    (0..seeds).filter(|seed| seed % 2 == t).map(|seed| check(seed, &cfg)).collect::<Vec<_>>()
-                })
-            })
-            .collect();
-        halves.into_iter().flat_map(|h| h.join().expect("a seed failed")).collect()
-    });
+    let (reports, failed) = run_seeds(seeds, &cfg);
     let acked: usize = reports.iter().map(|r| r.remembered_acked).sum();
     let answered: usize = reports.iter().map(|r| r.answered).sum();
-    let mut failed = std::collections::BTreeMap::new();
-    for r in &reports {
-        for (k, v) in &r.failed {
-            *failed.entry(*k).or_insert(0) += v;
-        }
-    }
     println!(
         "{seeds} remember seeds in {:.1}s: {acked} acknowledged remembered ids checked, {answered} answers, failed: {failed:?}",
         started.elapsed().as_secs_f64()
