@@ -12,8 +12,9 @@ use super::settings::AllocationSettings;
 pub struct RegionAllocation {
     /// The region.
     pub region: RegionId,
-    /// Its shards, oldest allocation first.
-    pub shards: Vec<ShardId>,
+    /// Its shards, oldest allocation first. Shared with the coordinator's index (building the
+    /// view costs O(regions), not O(shards)); `Arc::make_mut` gives an owned copy to edit.
+    pub shards: Arc<Vec<ShardId>>,
     /// Its node is leaving (or its region shutting down): allocate elsewhere when possible.
     pub leaving: bool,
 }
@@ -49,7 +50,7 @@ fn misplaced(
 ) -> BTreeSet<ShardId> {
     let mut out = BTreeSet::new();
     for r in regions {
-        for s in &r.shards {
+        for s in r.shards.iter() {
             if out.len() + in_progress.len() >= limit {
                 return out;
             }
@@ -336,7 +337,8 @@ mod tests {
                         n += 1;
                         format!("{n:03}")
                     })
-                    .collect(),
+                    .collect::<Vec<_>>()
+                    .into(),
                 leaving: false,
             })
             .collect()
@@ -344,11 +346,11 @@ mod tests {
 
     fn apply(regions: &mut [RegionAllocation], moved: &BTreeSet<ShardId>, s: &dyn ShardAllocationStrategy) {
         for r in regions.iter_mut() {
-            r.shards.retain(|x| !moved.contains(x));
+            Arc::make_mut(&mut r.shards).retain(|x| !moved.contains(x));
         }
         for shard in moved {
             let to = s.allocate(&regions[0].region, shard, regions);
-            regions.iter_mut().find(|r| r.region == to).unwrap().shards.push(shard.clone());
+            Arc::make_mut(&mut regions.iter_mut().find(|r| r.region == to).unwrap().shards).push(shard.clone());
         }
     }
 
@@ -417,7 +419,7 @@ mod tests {
         assert!(s.rebalance(&layout, &BTreeSet::new()).is_empty());
         layout.push(RegionAllocation {
             region: UniqueAddress::new("leaving", 1),
-            shards: vec!["1".into()],
+            shards: Arc::new(vec!["1".into()]),
             leaving: true,
         });
         assert!(s.rebalance(&layout, &BTreeSet::new()).is_empty());
@@ -483,12 +485,12 @@ mod tests {
             let r = ch.allocate(&regions[0].region, &shard, &regions);
             assert_eq!(r, ch.allocate(&regions[1].region, &shard, &regions), "independent of the requester");
             placed.insert(shard.clone(), r.clone());
-            regions.iter_mut().find(|x| x.region == r).unwrap().shards.push(shard);
+            Arc::make_mut(&mut regions.iter_mut().find(|x| x.region == r).unwrap().shards).push(shard);
         }
         assert!(regions.iter().all(|r| !r.shards.is_empty()), "spread over all regions");
         assert!(ch.rebalance(&regions, &BTreeSet::new()).is_empty(), "all on their ring position");
         // A fourth region: only shards now owned by it move.
-        regions.push(RegionAllocation { region: UniqueAddress::new("r3", 1), shards: vec![], leaving: false });
+        regions.push(RegionAllocation { region: UniqueAddress::new("r3", 1), shards: Arc::default(), leaving: false });
         let big = ConsistentHashingAllocation { rebalance_limit: 1000, ..ch.clone() };
         let moved = big.rebalance(&regions, &BTreeSet::new());
         assert!(!moved.is_empty());

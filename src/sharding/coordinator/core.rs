@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
-use super::state::{CoordinatorState, RegionRecord, ShardRecord};
+use super::state::{CoordinatorState, RegionRecord};
 use crate::clock::Instant;
 use crate::membership::MemberStatus;
 use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};
@@ -148,7 +148,7 @@ impl CoordinatorCore {
     ) -> Self {
         let next_rebalance = now + settings.rebalance_interval;
         // Any shard record (even deallocated) means a predecessor already allocated.
-        let min_members_reached = state.regions.len() >= settings.min_nr_of_members || !state.shards.is_empty();
+        let min_members_reached = state.regions.len() >= settings.min_nr_of_members || !state.shards().is_empty();
         CoordinatorCore {
             min_members_reached,
             me,
@@ -228,7 +228,7 @@ impl CoordinatorCore {
     }
 
     fn shard_entry(&self, shard: &str) -> StateEntry {
-        let rec = &self.state.shards[shard];
+        let rec = self.state.record(shard).expect("record of a shard being written");
         (keys::shard_entry(shard), Some(rmp_serde::to_vec(rec).expect("shard record encodes")))
     }
 
@@ -282,7 +282,7 @@ impl CoordinatorCore {
                 // A predecessor may have written allocations whose HostShard never left it.
                 let homes: Vec<(ShardId, RegionId, u64)> = self
                     .state
-                    .shards
+                    .shards()
                     .iter()
                     .filter_map(|(s, r)| Some((s.clone(), r.region.clone()?, r.epoch)))
                     .collect();
@@ -322,7 +322,7 @@ impl CoordinatorCore {
                     }
                 }
                 let mut effects = vec![Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() })];
-                for (shard, rec) in &self.state.shards {
+                for (shard, rec) in self.state.shards() {
                     if let (Some(home), false) = (&rec.region, self.handoffs.contains_key(shard)) {
                         effects.push(Self::send(
                             &region,
@@ -369,13 +369,8 @@ impl CoordinatorCore {
                 if self.shutting_down.insert(region.clone()) {
                     info!(%region, "region shutting down; handing off its shards");
                 }
-                let shards: Vec<ShardId> = self
-                    .state
-                    .shards
-                    .iter()
-                    .filter(|(s, r)| r.region.as_ref() == Some(&region) && !self.handoffs.contains_key(*s))
-                    .map(|(s, _)| s.clone())
-                    .collect();
+                let shards: Vec<ShardId> =
+                    self.state.shards_of(&region).iter().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
                 for s in shards {
                     self.start_handoff(s, region.clone(), now, out);
                 }
@@ -450,22 +445,27 @@ impl CoordinatorCore {
         wall_ms: u64,
         out: &mut Vec<CoordinatorAction>,
     ) -> bool {
-        let candidates = self.live_candidates();
-        if candidates.is_empty() {
-            return false;
-        }
-        let mut target = self.strategy.allocate(requester, shard, &candidates);
-        if !candidates.iter().any(|c| c.region == target) {
-            warn!(%target, %shard, "allocation strategy chose an unknown region; using the least loaded");
-            target = candidates.iter().min_by_key(|c| c.shards.len()).expect("non-empty").region.clone();
-        }
+        let target = {
+            // Dropped before the state changes: the views share the state's shard lists.
+            let candidates = self.live_candidates();
+            if candidates.is_empty() {
+                return false;
+            }
+            let target = self.strategy.allocate(requester, shard, &candidates);
+            if candidates.iter().any(|c| c.region == target) {
+                target
+            } else {
+                warn!(%target, %shard, "allocation strategy chose an unknown region; using the least loaded");
+                candidates.iter().min_by_key(|c| c.shards.len()).expect("non-empty").region.clone()
+            }
+        };
         // Epochs grow per shard and follow the wall clock, so a shard allocated by a new
         // coordinator that missed an unacknowledged allocation still gets a larger epoch.
-        let prev = self.state.shards.get(shard).map_or(0, |r| r.epoch);
+        let prev = self.state.record(shard).map_or(0, |r| r.epoch);
         let epoch = (prev + 1).max(wall_ms).max(self.last_epoch_ms + 1);
         self.last_epoch_ms = epoch;
         debug!(%shard, region = %target, epoch, "shard allocated");
-        self.state.shards.insert(shard.clone(), ShardRecord { region: Some(target.clone()), epoch });
+        self.state.set_home(shard, target.clone(), epoch);
         let entry = self.shard_entry(shard);
         let mut effects = vec![Self::send(&target, ToRegion::HostShard { shard: shard.clone(), epoch })];
         for r in self.deferred.remove(shard).unwrap_or_default() {
@@ -499,9 +499,7 @@ impl CoordinatorCore {
         let Some(h) = self.handoffs.remove(shard) else { return };
         debug!(%shard, from = %h.from, "hand-off done");
         self.unacked_host.remove(shard);
-        if let Some(rec) = self.state.shards.get_mut(shard) {
-            rec.region = None;
-        }
+        self.state.clear_home(shard);
         let dealloc = self.shard_entry(shard);
         self.commit(vec![dealloc], vec![], out);
         // Eager re-allocation: the shard has a home again before anyone asks.
@@ -519,15 +517,9 @@ impl CoordinatorCore {
         info!(%region, "region terminated");
         self.shutting_down.remove(&region);
         let mut entries = vec![(keys::region_entry(&region), None)];
-        let lost: Vec<ShardId> = self
-            .state
-            .shards
-            .iter()
-            .filter(|(_, r)| r.region.as_ref() == Some(&region))
-            .map(|(s, _)| s.clone())
-            .collect();
+        let lost: Vec<ShardId> = self.state.shards_of(&region).to_vec();
         for s in &lost {
-            self.state.shards.get_mut(s).expect("shard").region = None;
+            self.state.clear_home(s);
             self.unacked_host.remove(s);
             entries.push(self.shard_entry(s));
         }
@@ -742,7 +734,7 @@ mod tests {
         let sent = get_home(&mut c, "1", "a", now, 1);
         assert!(sent.is_empty());
         reg(&mut c, "b", now);
-        assert!(c.state().shards.is_empty());
+        assert!(c.state().shards().is_empty());
         let sent = step(&mut c, from_region(ToCoordinator::Register { region: r("c3"), proxy: false }), now, 1);
         assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
     }
@@ -770,7 +762,8 @@ mod tests {
         let mut state = CoordinatorState::default();
         state.regions.insert(r("a"));
         // Allocated once by a predecessor, deallocated since.
-        state.shards.insert("1".into(), ShardRecord { region: None, epoch: 7 });
+        state.set_home(&"1".to_string(), r("a"), 7);
+        state.clear_home("1");
         let mut c = CoordinatorCore::new(
             r("c"),
             test_settings(3),
@@ -876,7 +869,7 @@ mod tests {
             step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
         }
         let on_a: BTreeSet<ShardId> =
-            c.state().shards.iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
+            c.state().shards().iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
         let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
         let begins: BTreeSet<ShardId> = sent
             .iter()
@@ -905,7 +898,7 @@ mod tests {
                 1,
             );
         }
-        assert!(c.state().shards.values().all(|rec| rec.region == Some(r("b"))));
+        assert!(c.state().shards().values().all(|rec| rec.region == Some(r("b"))));
     }
 
     /// The id of the `HandOff` of `shard` sent to region `to`, if any.

@@ -202,7 +202,7 @@ impl CoordinatorDriver {
             }
             SingletonAction::Start(state) => {
                 let st = CoordinatorState::from_map(&state.map);
-                info!(type_name = %self.type_name, shards = st.shards.len(), regions = st.regions.len(), "coordinator started");
+                info!(type_name = %self.type_name, shards = st.shards().len(), regions = st.regions.len(), "coordinator started");
                 let cs = CoordinatorSettings {
                     min_nr_of_members: self.settings.min_nr_of_members,
                     rebalance_interval: self.settings.rebalance_interval,

@@ -2,6 +2,7 @@
 //! (`s/<shard>`: home and epoch) and one per registered region (`r/<region>`).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tracing::warn;
@@ -25,12 +26,20 @@ pub(crate) struct RegionRecord {
     pub proxy: bool,
 }
 
-/// The coordinator state as stored in the LWW-map.
+/// The coordinator state as stored in the LWW-map, with an index of each region's shards.
+///
+/// Invariant: `homes[r]` holds exactly the shards whose record says `region == Some(r)`, ordered
+/// by (epoch, shard id) — so the allocation strategy reads each region's shards in allocation
+/// order without a scan of every shard. Records change only through [`Self::set_home`] and
+/// [`Self::clear_home`], which keep the index in step in O(log n) for the usual append.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct CoordinatorState {
-    pub shards: BTreeMap<ShardId, ShardRecord>,
+    shards: BTreeMap<ShardId, ShardRecord>,
     pub regions: BTreeSet<RegionId>,
     pub proxies: BTreeSet<RegionId>,
+    /// Shared with the views handed to the strategy (copy-on-write; the views are dropped
+    /// before the next change, so appending does not copy).
+    homes: BTreeMap<RegionId, Arc<Vec<ShardId>>>,
 }
 
 impl CoordinatorState {
@@ -40,9 +49,7 @@ impl CoordinatorState {
         for (k, v) in map.iter() {
             if let Some(shard) = keys::shard_of_entry(k) {
                 match rmp_serde::from_slice::<ShardRecord>(v) {
-                    Ok(r) => {
-                        st.shards.insert(shard.to_string(), r);
-                    }
+                    Ok(r) => st.put(shard.to_string(), r),
                     Err(e) => warn!(key = k, error = %e, "undecodable shard record skipped"),
                 }
             } else if keys::is_region_entry(k) {
@@ -60,11 +67,94 @@ impl CoordinatorState {
         st
     }
 
-    /// Shards of each region ordered by allocation (epoch).
-    pub(crate) fn allocations(&self) -> BTreeMap<RegionId, Vec<ShardId>> {
-        let mut by_region: BTreeMap<RegionId, Vec<(u64, ShardId)>> =
-            self.regions.iter().map(|r| (r.clone(), Vec::new())).collect();
-        for (s, rec) in &self.shards {
+    /// Every shard record, allocated or not, by shard id.
+    pub(crate) fn shards(&self) -> &BTreeMap<ShardId, ShardRecord> {
+        &self.shards
+    }
+
+    /// The record of `shard`, if it was ever allocated.
+    pub(crate) fn record(&self, shard: &str) -> Option<&ShardRecord> {
+        self.shards.get(shard)
+    }
+
+    /// Allocates `shard` to `region` with `epoch`.
+    pub(crate) fn set_home(&mut self, shard: &ShardId, region: RegionId, epoch: u64) {
+        self.put(shard.clone(), ShardRecord { region: Some(region), epoch });
+    }
+
+    /// Deallocates `shard`, keeping its epoch so the next allocation's is larger.
+    pub(crate) fn clear_home(&mut self, shard: &str) {
+        if let Some(rec) = self.shards.get(shard) {
+            let epoch = rec.epoch;
+            self.put(shard.to_string(), ShardRecord { region: None, epoch });
+        }
+    }
+
+    /// The shards `region` hosts, oldest allocation first.
+    pub(crate) fn shards_of(&self, region: &RegionId) -> &[ShardId] {
+        self.homes.get(region).map_or(&[], |v| v.as_slice())
+    }
+
+    fn put(&mut self, shard: ShardId, rec: ShardRecord) {
+        if let Some(old) = self.shards.get(&shard) {
+            if let Some(r) = &old.region {
+                let list = self.homes.get_mut(r).expect("index holds every allocated shard");
+                let at = Self::position(&self.shards, list, old.epoch, &shard).expect("indexed shard");
+                Arc::make_mut(list).remove(at);
+                if list.is_empty() {
+                    self.homes.remove(r);
+                }
+            }
+        }
+        if let Some(r) = &rec.region {
+            let list = self.homes.entry(r.clone()).or_default();
+            // Usually the newest epoch: an append.
+            let at = Self::position(&self.shards, list, rec.epoch, &shard).unwrap_or_else(|at| at);
+            Arc::make_mut(list).insert(at, shard.clone());
+        }
+        self.shards.insert(shard, rec);
+    }
+
+    /// Binary search of `list` (ordered by epoch, then id) for (`epoch`, `shard`).
+    fn position(
+        shards: &BTreeMap<ShardId, ShardRecord>,
+        list: &[ShardId],
+        epoch: u64,
+        shard: &str,
+    ) -> Result<usize, usize> {
+        list.binary_search_by(|s| {
+            let e = shards.get(s).map_or(0, |r| r.epoch);
+            (e, s.as_str()).cmp(&(epoch, shard))
+        })
+    }
+
+    /// Every registered region (and any region still named by a shard record) with its shards
+    /// in allocation order. O(regions): the shard lists are shared, not copied.
+    pub(crate) fn allocations(&self) -> Vec<(RegionId, Arc<Vec<ShardId>>)> {
+        let mut out: BTreeMap<&RegionId, Arc<Vec<ShardId>>> =
+            self.regions.iter().map(|r| (r, Arc::default())).collect();
+        for (r, list) in &self.homes {
+            out.insert(r, list.clone());
+        }
+        out.into_iter().map(|(r, l)| (r.clone(), l)).collect()
+    }
+
+    pub(crate) fn home(&self, shard: &str) -> Option<(&RegionId, u64)> {
+        let rec = self.shards.get(shard)?;
+        Some((rec.region.as_ref()?, rec.epoch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::membership::UniqueAddress;
+    use proptest::prelude::*;
+
+    /// The index as a scan of every record would compute it.
+    fn scanned(st: &CoordinatorState) -> BTreeMap<RegionId, Vec<ShardId>> {
+        let mut by_region: BTreeMap<RegionId, Vec<(u64, ShardId)>> = BTreeMap::new();
+        for (s, rec) in st.shards() {
             if let Some(r) = &rec.region {
                 by_region.entry(r.clone()).or_default().push((rec.epoch, s.clone()));
             }
@@ -78,8 +168,42 @@ impl CoordinatorState {
             .collect()
     }
 
-    pub(crate) fn home(&self, shard: &str) -> Option<(&RegionId, u64)> {
-        let rec = self.shards.get(shard)?;
-        Some((rec.region.as_ref()?, rec.epoch))
+    proptest! {
+        /// Allocations, re-allocations with older or newer epochs and deallocations in any order
+        /// leave each region's index equal to a full scan of the records.
+        #[test]
+        fn region_index_matches_a_scan_of_every_record_after_any_changes(
+            ops in proptest::collection::vec((0u8..12, proptest::option::of(0u8..3), 0u64..20), 1..80)
+        ) {
+            let mut st = CoordinatorState::default();
+            for (shard, region, epoch) in ops {
+                let shard = format!("s{shard}");
+                match region {
+                    Some(r) => st.set_home(&shard, UniqueAddress::new(format!("r{r}"), 1), epoch),
+                    None => st.clear_home(&shard),
+                }
+                let index: BTreeMap<RegionId, Vec<ShardId>> =
+                    st.homes.iter().map(|(r, l)| (r.clone(), l.to_vec())).collect();
+                prop_assert_eq!(&index, &scanned(&st));
+                for (r, shards) in &index {
+                    prop_assert_eq!(st.shards_of(r), shards.as_slice());
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn allocations_list_registered_regions_without_shards_and_share_the_index() {
+        let (a, b) = (UniqueAddress::new("a", 1), UniqueAddress::new("b", 1));
+        let mut st = CoordinatorState::default();
+        st.regions.insert(a.clone());
+        st.regions.insert(b.clone());
+        st.set_home(&"2".to_string(), a.clone(), 5);
+        st.set_home(&"1".to_string(), a.clone(), 9);
+        let all = st.allocations();
+        assert_eq!(all.len(), 2);
+        assert_eq!((&all[0].0, all[0].1.as_slice()), (&a, ["2".to_string(), "1".to_string()].as_slice()));
+        assert_eq!((&all[1].0, all[1].1.len()), (&b, 0));
+        assert!(Arc::ptr_eq(&all[0].1, &st.homes[&a]), "a view, not a copy");
     }
 }

@@ -9,7 +9,9 @@ mod remember;
 
 pub(crate) use core::ShardInput;
 pub(crate) use entity::Factory;
-pub(crate) use host::{LocalShards, entity_stop_timeout};
+pub(crate) use host::LocalShards;
+#[cfg(feature = "testkit")]
+pub(crate) use host::entity_stop_timeout;
 pub(crate) use remember::RememberIo;
 
 use std::collections::BTreeSet;
