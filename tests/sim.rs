@@ -229,3 +229,34 @@ fn golden_remembered_entities_come_back_with_their_shard_after_a_crash() {
     assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
     golden("remembered_restart", &sim.report().trace);
 }
+
+#[test]
+fn golden_rebalance_hands_shards_off_to_a_restarted_node_without_running_an_entity_twice() {
+    use ddshard::testkit::sim::Sim;
+    let cfg =
+        SimConfig { nodes: 3, shards: 12, entities: 12, faults: false, drop_per_mille: 0, ..SimConfig::default() };
+    let mut sim = Sim::new(4, cfg);
+    sim.run_until(1_000);
+    let first: Vec<u64> = (0..12).map(|e| sim.ask_through(0, &format!("e{e}"))).collect();
+    sim.run_until(2_000);
+    assert!(first.iter().all(|a| sim.answered(*a)), "all answered before the crash");
+    // n3 crashes, is downed, and its shards move to n1 and n2.
+    sim.crash_node(2);
+    sim.run_until(9_000);
+    let moved: Vec<u64> = (0..12).map(|e| sim.ask_through(0, &format!("e{e}"))).collect();
+    sim.run_until(10_000);
+    assert!(moved.iter().all(|a| sim.answered(*a)), "the survivors host every shard");
+    assert!(sim.live_entities_on(2).is_empty());
+    // n3 comes back as a new incarnation; the rebalance rounds hand shards off to it.
+    sim.restart_node(2);
+    sim.run_until(40_000);
+    let trace = &sim.report().trace;
+    assert!(trace.iter().any(|l| l.contains("BeginHandOff")), "a rebalance started");
+    assert!(trace.iter().any(|l| l.contains("ShardStopped")), "a hand-off completed");
+    let after: Vec<u64> = (0..12).map(|e| sim.ask_through(1, &format!("e{e}"))).collect();
+    sim.run_until(42_000);
+    assert!(after.iter().all(|a| sim.answered(*a)), "every entity answers after the hand-offs");
+    assert!(!sim.live_entities_on(2).is_empty(), "the restarted node hosts shards again");
+    assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
+    golden("rebalance_after_restart", &sim.report().trace);
+}
