@@ -260,3 +260,29 @@ fn golden_rebalance_hands_shards_off_to_a_restarted_node_without_running_an_enti
     assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
     golden("rebalance_after_restart", &sim.report().trace);
 }
+
+#[test]
+fn golden_graceful_leave_hands_every_shard_off_before_the_node_stops() {
+    use ddshard::testkit::sim::Sim;
+    let cfg =
+        SimConfig { nodes: 3, shards: 12, entities: 12, faults: false, drop_per_mille: 0, ..SimConfig::default() };
+    let mut sim = Sim::new(5, cfg);
+    sim.run_until(1_000);
+    let first: Vec<u64> = (0..12).map(|e| sim.ask_through(0, &format!("e{e}"))).collect();
+    sim.run_until(2_000);
+    assert!(first.iter().all(|a| sim.answered(*a)), "all answered before the leave");
+    let leaving = sim.live_entities_on(1);
+    assert!(!leaving.is_empty(), "n2 hosts entities");
+    // n2 (not the coordinator's node) leaves: each of its shards is handed off, then it stops.
+    sim.leave_node(1);
+    sim.run_until(6_000);
+    let trace = &sim.report().trace;
+    assert!(trace.iter().any(|l| l.contains("GracefulShutdownReq")), "the region asked to hand off");
+    assert!(trace.iter().any(|l| l.contains("n2#1 region stopped; leaves the cluster")), "{trace:#?}");
+    let after: Vec<u64> = (0..12).map(|e| sim.ask_through(0, &format!("e{e}"))).collect();
+    sim.run_until(8_000);
+    assert!(after.iter().all(|a| sim.answered(*a)), "every entity answers from the other nodes");
+    assert!(sim.live_entities_on(1).is_empty());
+    assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
+    golden("graceful_leave", &sim.report().trace);
+}

@@ -278,7 +278,15 @@ impl Sim {
                         self.resolve(ask, Err(REGION_GONE));
                     }
                 }
-                RegionAction::Stopped => {}
+                RegionAction::Stopped => {
+                    // Graceful leave done: the member exits and the node stops.
+                    for m in self.members.iter_mut().filter(|m| m.addr == me) {
+                        m.status = MemberStatus::Removed;
+                    }
+                    self.crash(i, "region stopped; leaves the cluster");
+                    self.on_membership();
+                    return;
+                }
             }
         }
     }

@@ -118,6 +118,23 @@ impl Sim {
         self.start_node(i);
     }
 
+    /// Node `i` leaves gracefully: its member turns Leaving and its region asks the coordinator
+    /// to hand its shards off; once the region has stopped, the member is removed and the node
+    /// stops.
+    pub fn leave_node(&mut self, i: usize) {
+        let now = self.now();
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let addr = node.addr.clone();
+        let mut out = Vec::new();
+        node.region.handle(RegionInput::GracefulShutdown, now, &mut out);
+        for m in self.members.iter_mut().filter(|m| m.addr == addr) {
+            m.status = MemberStatus::Leaving;
+        }
+        self.trace(|| format!("{addr} leaves"));
+        self.perform_region(i, out);
+        self.on_membership();
+    }
+
     /// Cuts every link between the two sets of node indexes.
     pub fn partition(&mut self, a: &[usize], b: &[usize]) {
         for x in a {
