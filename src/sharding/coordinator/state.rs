@@ -96,14 +96,14 @@ impl CoordinatorState {
     }
 
     fn put(&mut self, shard: ShardId, rec: ShardRecord) {
-        if let Some(old) = self.shards.get(&shard) {
-            if let Some(r) = &old.region {
-                let list = self.homes.get_mut(r).expect("index holds every allocated shard");
-                let at = Self::position(&self.shards, list, old.epoch, &shard).expect("indexed shard");
-                Arc::make_mut(list).remove(at);
-                if list.is_empty() {
-                    self.homes.remove(r);
-                }
+        if let Some(old) = self.shards.get(&shard)
+            && let Some(r) = &old.region
+        {
+            let list = self.homes.get_mut(r).expect("index holds every allocated shard");
+            let at = Self::position(&self.shards, list, old.epoch, &shard).expect("indexed shard");
+            Arc::make_mut(list).remove(at);
+            if list.is_empty() {
+                self.homes.remove(r);
             }
         }
         if let Some(r) = &rec.region {
