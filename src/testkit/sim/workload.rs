@@ -1,6 +1,6 @@
 //! The workload and the faults of a run: client asks (random ones during the faults, one per
-//! entity after recovery), random crashes, restarts and partitions, and the controls a test
-//! drives a scripted run with.
+//! entity after recovery), random crashes, graceful leaves, restarts and partitions, and the
+//! controls a test drives a scripted run with.
 
 use super::*;
 
@@ -51,7 +51,13 @@ impl Sim {
             return;
         }
         let n = self.nodes.len();
-        match self.rng.random_range(0..10) {
+        match self.rng.random_range(0..11) {
+            10 => {
+                let i = self.rng.random_range(0..n);
+                if self.nodes[i].is_some() && self.nodes.iter().filter(|x| x.is_some()).count() > n / 2 + 1 {
+                    self.leave_node(i);
+                }
+            }
             0..=2 => {
                 let i = self.rng.random_range(0..n);
                 if self.nodes[i].is_some() && self.nodes.iter().filter(|x| x.is_some()).count() > n / 2 + 1 {
