@@ -168,7 +168,7 @@ mod tests {
     }
 
     #[test]
-    fn a_node_that_stopped_being_host_during_the_read_does_not_start() {
+    fn seed_20_race_a_node_that_stopped_being_host_during_its_read_never_starts() {
         // Random fault seed 20: the read took a while, the node began leaving meanwhile, and a
         // coordinator started with the read result ran beside its successor.
         let mut c = SingletonCore::new(RETRY);
