@@ -102,16 +102,15 @@ pub async fn start_counter(node: &ddshard::Node, probe: &Probe, settings: Shardi
     start_type(node, "counter", probe, settings).await
 }
 
-/// Every entity id running in these regions (from their region state; no message sent).
-pub async fn running_ids(regions: &[ShardRegion<Counter>]) -> Vec<String> {
+/// Every entity id running in these regions (from their region state; no message sent). A
+/// region that does not answer is an error, never an empty list.
+pub async fn running_ids(regions: &[ShardRegion<Counter>]) -> Result<Vec<String>, ddshard::Error> {
     let mut ids = Vec::new();
     for r in regions {
-        if let Ok(state) = r.region_state().await {
-            ids.extend(state.into_values().flatten());
-        }
+        ids.extend(r.region_state().await?.into_values().flatten());
     }
     ids.sort();
-    ids
+    Ok(ids)
 }
 
 /// Starts a counter type named `type_name`, recording every instance created.
