@@ -133,7 +133,15 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
         .map(|a| a.entity_id.as_str())
         .collect();
     assert_eq!(on_survivors.len(), ids, "every id ran on a survivor");
-    assert!(acts.len() > ids, "entities of the killed nodes started again elsewhere");
+    // Each id a killed process ran started again on another node afterwards.
+    for a in acts.iter().filter(|a| killed_at.iter().any(|(node, _)| *node == a.node)) {
+        assert!(
+            acts.iter().any(|b| b.entity_id == a.entity_id && b.node != a.node && b.start >= a.start),
+            "{} ran on killed {} and never started elsewhere afterwards",
+            a.entity_id,
+            a.node
+        );
+    }
     if let Err(v) = ddshard::activation::check_activations(&acts) {
         panic!("overlapping activations across SIGKILL fail-over: {v:#?}");
     }

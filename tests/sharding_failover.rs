@@ -2,12 +2,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use common::*;
 use ddshard::testkit::{TestCluster, eventually, fast_downing};
-use ddshard::{MemberStatus, Node};
+use ddshard::{MemberStatus, Node, ShardRegion};
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -122,6 +122,18 @@ async fn start_tracked(
         .unwrap()
 }
 
+/// Asks until `id` answers, pausing between tries; at the deadline fails with the last error.
+async fn ask_until_answered(region: &ShardRegion<Tracked>, id: &str, when: &str) {
+    let deadline = tokio::time::Instant::now() + CONVERGE;
+    loop {
+        match region.ask_with_timeout(id, Touch, Duration::from_secs(2)).await {
+            Ok(_) => return,
+            Err(e) if tokio::time::Instant::now() >= deadline => panic!("{id} never answered {when}: last error {e}"),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_two_three_minority_stops_before_majority_starts_and_no_activations_overlap() {
     let mut c = TestCluster::start_with(5, |_, cfg| fast_downing(cfg)).await.unwrap();
@@ -136,22 +148,37 @@ async fn partition_two_three_minority_stops_before_majority_starts_and_no_activa
     for id in &ids {
         regions[0].ask(id, Touch).await.unwrap();
     }
-    let on_minority = log.activations().iter().filter(|a| a.node == "n1" || a.node == "n2").count();
-    assert!(on_minority > 0, "the minority hosts some entities");
+    let on_minority: BTreeSet<String> =
+        log.activations().iter().filter(|a| a.node == "n1" || a.node == "n2").map(|a| a.entity_id.clone()).collect();
+    assert!(!on_minority.is_empty(), "the minority hosts some entities");
+    let cut_at = std::time::SystemTime::now();
     c.partition(&[0, 1], &[2, 3, 4]);
     // Keep traffic going from the majority side until every entity answers there.
     for id in &ids {
-        let deadline = tokio::time::Instant::now() + CONVERGE;
-        while regions[3].ask_with_timeout(id, Touch, Duration::from_secs(2)).await.is_err() {
-            assert!(tokio::time::Instant::now() < deadline, "{id} never answered on the majority side");
-        }
+        ask_until_answered(&regions[3], id, "on the majority side").await;
     }
     assert!(c.node(0).is_shut_down() && c.node(1).is_shut_down(), "the minority downed itself");
     if let Err(v) = log.check() {
         panic!("overlapping activations: {v:#?}");
     }
-    let moved = log.activations().iter().filter(|a| a.node != "n1" && a.node != "n2").count();
-    assert!(moved >= ids.len(), "every entity runs on the majority side");
+    // Distinct ids, not activations: every id runs on the majority, and each one the minority
+    // hosted started there again after the cut.
+    let majority = |a: &&ddshard::testkit::Activation| a.node != "n1" && a.node != "n2";
+    let on_majority: BTreeSet<String> =
+        log.activations().iter().filter(majority).map(|a| a.entity_id.clone()).collect();
+    assert_eq!(
+        on_majority,
+        ids.iter().cloned().collect::<BTreeSet<String>>(),
+        "every entity runs on the majority side"
+    );
+    let moved: BTreeSet<String> = log
+        .activations()
+        .iter()
+        .filter(majority)
+        .filter(|a| on_minority.contains(&a.entity_id) && a.start >= cut_at)
+        .map(|a| a.entity_id.clone())
+        .collect();
+    assert_eq!(moved, on_minority, "each entity of the minority started on the majority after the cut");
     c.heal();
     // The minority comes back as new incarnations and receives shards again by rebalance.
     c.restart(0).await.unwrap();
@@ -169,10 +196,7 @@ async fn partition_two_three_minority_stops_before_majority_starts_and_no_activa
     .await;
     // Touch everything again so moved entities start on their new homes.
     for id in &ids {
-        let deadline = tokio::time::Instant::now() + CONVERGE;
-        while regions[3].ask_with_timeout(id, Touch, Duration::from_secs(2)).await.is_err() {
-            assert!(tokio::time::Instant::now() < deadline, "{id} never answered after the rebalance");
-        }
+        ask_until_answered(&regions[3], id, "after the rebalance").await;
     }
     c.shutdown().await;
     if let Err(v) = log.check() {
