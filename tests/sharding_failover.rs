@@ -245,3 +245,104 @@ async fn lower_coordinator_min_cap_keeps_allocating_while_one_of_four_nodes_is_u
     assert_eq!(value(&strict_regions[0], "before").await, 0, "known shards keep answering");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_way_cuts_under_traffic_never_run_an_entity_twice_and_every_entity_answers_after_heal() {
+    let mut c = TestCluster::start_with(5, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let s = ddshard::ShardingSettings { min_nr_of_members: 5, ..settings() };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(Some(start_tracked(n, &log, s.clone()).await));
+    }
+    let ids: Vec<String> = (0..30).map(|i| format!("w{i}")).collect();
+    for id in &ids {
+        regions[0].as_ref().unwrap().ask(id, Touch).await.unwrap();
+    }
+    // Asymmetric loss: n1 cannot reach n3 and n2 cannot reach n4 (gossip and messaging), while
+    // the reverse directions work.
+    c.injector().cut_one_way("n1", "n3");
+    c.injector().cut_one_way("n2", "n4");
+    let (mut answered, mut failed) = (0, 0);
+    let until = tokio::time::Instant::now() + Duration::from_secs(6);
+    let mut k = 0;
+    while tokio::time::Instant::now() < until {
+        let live: Vec<&ShardRegion<Tracked>> = regions
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !c.node(*i).is_shut_down())
+            .filter_map(|(_, r)| r.as_ref())
+            .collect();
+        let r = live[k % live.len()];
+        match r.ask_with_timeout(&ids[k % ids.len()], Touch, Duration::from_millis(500)).await {
+            Ok(()) => answered += 1,
+            Err(_) => failed += 1,
+        }
+        k += 1;
+    }
+    println!("during the one-way cuts: {answered} answered, {failed} failed");
+    assert!(answered > 0, "the cluster kept serving during the one-way cuts");
+    c.heal();
+    // Whoever was downed comes back as a new incarnation.
+    for i in 0..5 {
+        if c.node(i).is_shut_down() {
+            c.restart(i).await.unwrap();
+            regions[i] = Some(start_tracked(c.node(i), &log, s.clone()).await);
+        }
+    }
+    c.await_converged(CONVERGE).await;
+    for id in &ids {
+        ask_until_answered(regions[4].as_ref().unwrap(), id, "after the heal").await;
+    }
+    c.shutdown().await;
+    if let Err(v) = log.check() {
+        panic!("an entity ran twice across the one-way cuts: {v:#?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_two_tie_is_won_by_the_side_with_the_lowest_address_and_no_entity_runs_twice() {
+    let mut c = TestCluster::start_with(4, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let s = ddshard::ShardingSettings { min_nr_of_members: 4, ..settings() };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_tracked(n, &log, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
+    for id in &ids {
+        regions[0].ask(id, Touch).await.unwrap();
+    }
+    let on_losers: BTreeSet<String> =
+        log.activations().iter().filter(|a| a.node == "n3" || a.node == "n4").map(|a| a.entity_id.clone()).collect();
+    assert!(!on_losers.is_empty(), "the side that will lose hosts some entities");
+    c.partition(&[0, 1], &[2, 3]);
+    for i in [2, 3] {
+        let n = c.node(i).clone();
+        eventually(CONVERGE, "n3 and n4 (without the lowest address) down themselves", || {
+            std::future::ready(n.is_shut_down().then_some(()))
+        })
+        .await;
+    }
+    for id in &ids {
+        ask_until_answered(&regions[1], id, "on the side with n1").await;
+    }
+    assert!(!c.node(0).is_shut_down() && !c.node(1).is_shut_down(), "n1 and n2 won the tie and kept running");
+    if let Err(v) = log.check() {
+        panic!("an entity ran on both sides of the tie: {v:#?}");
+    }
+    let moved: BTreeSet<String> = log
+        .activations()
+        .iter()
+        .filter(|a| (a.node == "n1" || a.node == "n2") && on_losers.contains(&a.entity_id))
+        .map(|a| a.entity_id.clone())
+        .collect();
+    assert_eq!(moved, on_losers, "every entity of the losing side runs on the winning side");
+    c.heal();
+    c.restart(2).await.unwrap();
+    c.restart(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    c.shutdown().await;
+}
