@@ -170,3 +170,42 @@ async fn panicking_start_hook_fails_the_queued_messages_at_once_without_a_restar
     assert_eq!(r.ask("good-2", Ping).await.unwrap().split(' ').next(), Some("good-2"), "the region still serves");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_entity_is_passivated_after_the_idle_timeout_while_a_busy_one_keeps_its_state() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s = ddshard::ShardingSettings {
+        min_nr_of_members: 1,
+        passivation_idle_timeout: Some(Duration::from_millis(600)),
+        ..settings()
+    };
+    let r = start_counter(c.node(0), &probe, s).await;
+    r.ask("idle", CounterMsg::Add(5)).await.unwrap();
+    let last_idle_message = tokio::time::Instant::now();
+    let mut busy_total = 0;
+    // "busy" gets a message every 100 ms; "idle" none, until it is no longer running.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        r.ask("busy", CounterMsg::Add(1)).await.unwrap();
+        busy_total += 1;
+        let running: BTreeSet<String> = r.region_state().await.unwrap().into_values().flatten().collect();
+        assert!(running.contains("busy"), "a busy entity is never passivated");
+        if !running.contains("idle") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the idle entity was never passivated");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A lower bound only (never before the timeout), so a slow machine cannot fail it.
+    let idle_for = last_idle_message.elapsed();
+    assert!(idle_for >= Duration::from_millis(600), "passivated after {idle_for:?}, before the 600 ms timeout");
+    assert!(matches!(r.ask("busy", CounterMsg::Get).await.unwrap(), CounterReply::Value(v) if v == busy_total));
+    // The next message starts a fresh instance: the passivated one's in-memory state is gone.
+    assert!(matches!(r.ask("idle", CounterMsg::Get).await.unwrap(), CounterReply::Value(0)));
+    let created = probe.created.lock().unwrap().clone();
+    assert_eq!(created.iter().filter(|(id, _)| id == "idle").count(), 2, "{created:?}");
+    assert_eq!(created.iter().filter(|(id, _)| id == "busy").count(), 1, "{created:?}");
+    c.shutdown().await;
+}
