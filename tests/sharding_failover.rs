@@ -285,10 +285,10 @@ async fn one_way_cuts_under_traffic_never_run_an_entity_twice_and_every_entity_a
     assert!(answered > 0, "the cluster kept serving during the one-way cuts");
     c.heal();
     // Whoever was downed comes back as a new incarnation.
-    for i in 0..5 {
+    for (i, region) in regions.iter_mut().enumerate() {
         if c.node(i).is_shut_down() {
             c.restart(i).await.unwrap();
-            regions[i] = Some(start_tracked(c.node(i), &log, s.clone()).await);
+            *region = Some(start_tracked(c.node(i), &log, s.clone()).await);
         }
     }
     c.await_converged(CONVERGE).await;

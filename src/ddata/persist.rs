@@ -124,8 +124,11 @@ impl PersistThread {
         let PersistThread { jobs, reports, handle } = self;
         drop(jobs);
         drop(reports);
-        if tokio::task::spawn_blocking(move || handle.join()).await.is_err() {
-            error!("persist thread panicked");
+        match tokio::task::spawn_blocking(move || handle.join()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => error!("persist thread panicked"),
+            // The runtime is shutting down: the thread still ends once its queue is closed.
+            Err(_) => tracing::debug!("persist thread not joined: the runtime is shutting down"),
         }
     }
 }

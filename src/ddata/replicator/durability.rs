@@ -10,7 +10,10 @@
 //!
 //! **Failure.** A failed commit fails what waits on its tickets (acks are withheld, update
 //! replies become storage errors) and writes the failed keys again as snapshots under new
-//! tickets, so a key is never left in memory only once the store works again.
+//! tickets, so a key is never left in memory only once the store works again. The rewrite
+//! waits [`REWRITE_BACKOFF`] (doubling while commits keep failing, back to the minimum after
+//! one succeeds): the persist thread has already retried, so what fails here fails for a
+//! while (a full map at its maximum, a broken disk), and rewriting at once would spin.
 //!
 //! **Layout.** A change is persisted as its delta (appended to the store's one delta log under
 //! its ticket) while the key's live deltas stay under half its last snapshot (at least
@@ -23,10 +26,15 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use super::{Action, ReplicatorCore};
+use crate::clock::Instant;
 use crate::ddata::crdt::ReplicatedDelta;
 use crate::error::Error;
+
+/// Delay before failed keys are written again: the first, and the cap while failures go on.
+pub(crate) const REWRITE_BACKOFF: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(30));
 
 /// A key's delta log may grow to at least this many bytes before a snapshot replaces it.
 pub(crate) const LOG_FLOOR_BYTES: usize = 4096;
@@ -83,6 +91,13 @@ pub(crate) struct Durability<R> {
     trimmed_below: u64,
     /// [`MAX_LOG_SPAN`] (smaller in tests).
     pub(super) max_log_span: u64,
+    /// Keys whose commit failed, to write again whole (with the `live_logs` entries their
+    /// failed snapshots were to cover), and when.
+    rewrite: BTreeMap<String, Vec<u64>>,
+    rewrite_at: Option<Instant>,
+    rewrite_backoff: Duration,
+    /// The last failure (what a key waiting for its rewrite answers).
+    last_failure: Option<(PathBuf, String)>,
 }
 
 impl<R> Default for Durability<R> {
@@ -96,6 +111,10 @@ impl<R> Default for Durability<R> {
             covering: BTreeMap::new(),
             trimmed_below: 0,
             max_log_span: MAX_LOG_SPAN,
+            rewrite: BTreeMap::new(),
+            rewrite_at: None,
+            rewrite_backoff: REWRITE_BACKOFF.0,
+            last_failure: None,
         }
     }
 }
@@ -140,6 +159,17 @@ impl<R> ReplicatorCore<R> {
         let d = &mut self.durability;
         d.issued += 1;
         let ticket = d.issued;
+        // A key waiting for its rewrite is written whole now: this snapshot is the rewrite.
+        let delta = match d.rewrite.remove(key) {
+            Some(covers) => {
+                d.covering.entry(ticket).or_default().extend(covers);
+                if d.rewrite.is_empty() {
+                    d.rewrite_at = None;
+                }
+                None
+            }
+            None => delta,
+        };
         let log = &mut entry.log;
         log.last_ticket = ticket;
         let fits = delta.filter(|delta| {
@@ -206,9 +236,19 @@ impl<R> ReplicatorCore<R> {
         }
     }
 
-    /// The ticket the given keys' durability waits for (0: nothing pending).
-    pub(super) fn ticket_of<'a>(&self, keys: impl IntoIterator<Item = &'a str>) -> u64 {
-        keys.into_iter().filter_map(|k| self.data.get(k)).map(|e| e.log.last_ticket).max().unwrap_or(0)
+    /// The ticket the given keys' durability waits for (0: nothing pending), or the storage
+    /// error of the last failed commit when one of them waits for its rewrite (it is not on
+    /// this node's disk, so nothing may count it as durable here).
+    pub(super) fn commit_ticket<'a>(&self, keys: impl IntoIterator<Item = &'a str>) -> Result<u64, Error> {
+        let mut ticket = 0;
+        for key in keys {
+            if self.durability.rewrite.contains_key(key) {
+                let (path, reason) = self.durability.last_failure.clone().unwrap_or_default();
+                return Err(Error::Storage { path, reason });
+            }
+            ticket = ticket.max(self.data.get(key).map_or(0, |e| e.log.last_ticket));
+        }
+        Ok(ticket)
     }
 
     /// Emits `action` once `ticket` is committed (at once if it already is).
@@ -222,7 +262,13 @@ impl<R> ReplicatorCore<R> {
 
     /// Every ticket up to `through` was committed, or (with `failure`) the commit holding
     /// those not yet reported failed.
-    pub(super) fn on_persisted(&mut self, through: u64, failure: Option<(PathBuf, String)>, out: &mut Vec<Action<R>>) {
+    pub(super) fn on_persisted(
+        &mut self,
+        through: u64,
+        failure: Option<(PathBuf, String)>,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
         let through = through.min(self.durability.issued);
         if through <= self.durability.reported {
             return;
@@ -235,6 +281,7 @@ impl<R> ReplicatorCore<R> {
         let rest = self.durability.covering.split_off(&(through + 1));
         let covered = std::mem::replace(&mut self.durability.covering, rest);
         let Some((path, reason)) = failure else {
+            self.durability.rewrite_backoff = REWRITE_BACKOFF.0;
             for first in covered.into_values().flatten() {
                 self.durability.live_logs.remove(&first);
             }
@@ -242,6 +289,7 @@ impl<R> ReplicatorCore<R> {
             self.trim_log(out);
             return;
         };
+        self.durability.last_failure = Some((path.clone(), reason.clone()));
         for action in released.into_values().flatten() {
             match action {
                 // Not stored here, so not acknowledged: the writer must not count this replica.
@@ -253,14 +301,26 @@ impl<R> ReplicatorCore<R> {
                 other => out.push(other),
             }
         }
-        // Write each failed key again, whole, under a new ticket; the logs a failed snapshot
-        // was to cover wait for the new one.
-        let mut keys: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+        // Write each failed key again, whole, after the backoff; the logs a failed snapshot was
+        // to cover wait for the new one.
         for (ticket, key) in done {
-            let covers = keys.entry(key).or_default();
+            let covers = self.durability.rewrite.entry(key).or_default();
             covers.extend(covered.get(&ticket).into_iter().flatten());
         }
-        for (key, covers) in keys {
+        let d = &mut self.durability;
+        if d.rewrite_at.is_none() {
+            d.rewrite_at = Some(now + d.rewrite_backoff);
+            d.rewrite_backoff = (d.rewrite_backoff * 2).min(REWRITE_BACKOFF.1);
+        }
+    }
+
+    /// Writes the keys of failed commits again once their backoff has passed.
+    pub(super) fn rewrite_failed(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+        if self.durability.rewrite_at.is_none_or(|at| now < at) {
+            return;
+        }
+        self.durability.rewrite_at = None;
+        for (key, covers) in std::mem::take(&mut self.durability.rewrite) {
             if self.is_durable(&key) && self.data.contains_key(&key) {
                 self.persist_record(&key, None, out);
                 let ticket = self.durability.issued;

@@ -509,7 +509,7 @@ impl<R> ReplicatorCore<R> {
                 self.gossip_targets = gossip_targets;
             }
             Input::Tick => self.on_tick(now, out),
-            Input::Persisted { through, failure } => self.on_persisted(through, failure, out),
+            Input::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
         }
     }
 
@@ -572,8 +572,10 @@ impl<R> ReplicatorCore<R> {
                 None if needed <= 1 => Ok(()),
                 None => Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
             };
-            let ticket = if result.is_ok() { self.ticket_of(keys.iter().map(String::as_str)) } else { 0 };
-            self.after_commit(ticket, Action::ReplyUpdate { reply, result }, out);
+            match result.and_then(|()| self.commit_ticket(keys.iter().map(String::as_str))) {
+                Ok(ticket) => self.after_commit(ticket, Action::ReplyUpdate { reply, result: Ok(()) }, out),
+                Err(e) => out.push(Action::ReplyUpdate { reply, result: Err(e) }),
+            }
             if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
                 self.flush_deltas(out);
             }
@@ -683,8 +685,7 @@ impl<R> ReplicatorCore<R> {
                 }
                 // A write with a refused key is not acknowledged: the writer must not count
                 // this replica for it. The ack leaves once the keys are committed here.
-                if ok {
-                    let ticket = self.ticket_of(keys.iter().map(String::as_str));
+                if ok && let Ok(ticket) = self.commit_ticket(keys.iter().map(String::as_str)) {
                     self.after_commit(ticket, Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }, out);
                 }
             }
@@ -709,8 +710,12 @@ impl<R> ReplicatorCore<R> {
                 };
                 if done {
                     let w = self.writes.remove(&op).expect("pending write");
-                    let ticket = self.ticket_of(w.keys.iter().map(String::as_str));
-                    self.after_commit(ticket, Action::ReplyUpdate { reply: w.reply, result: Ok(()) }, out);
+                    match self.commit_ticket(w.keys.iter().map(String::as_str)) {
+                        Ok(ticket) => {
+                            self.after_commit(ticket, Action::ReplyUpdate { reply: w.reply, result: Ok(()) }, out)
+                        }
+                        Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
+                    }
                 }
             }
             ReplicatorMsg::Read { op, keys } => self.on_read(from, op, keys, out),
@@ -725,6 +730,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+        self.rewrite_failed(now, out);
         let expired: Vec<u64> = self.writes.iter().filter(|(_, w)| w.deadline <= now).map(|(op, _)| *op).collect();
         for op in expired {
             let w = self.writes.remove(&op).expect("pending write");

@@ -1,6 +1,7 @@
 //! Durability in the replicator core: acks and replies held until the commit, failures,
 //! the snapshot-or-delta choice and the log's trims.
 use super::*;
+use crate::ddata::replicator::durability::REWRITE_BACKOFF;
 fn tickets(out: &[Action<u32>]) -> Vec<(String, u64, bool)> {
     out.iter()
         .filter_map(|a| match a {
@@ -68,17 +69,19 @@ fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_o
     let op = write_op(&out);
     let mut out = Vec::new();
     fail_all(&mut a, &mut out);
+    assert!(tickets(&out).is_empty(), "the rewrite waits for its backoff");
+    // A majority acknowledged, but the key is not on the writer's own disk.
+    let mut out = Vec::new();
+    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
+    assert!(
+        matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::Storage { .. }), .. }]),
+        "a storage error, not a success: {out:?}"
+    );
+    let mut out = Vec::new();
+    a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
     let rewrite = tickets(&out);
     assert_eq!(rewrite.len(), 1, "the failed key is written again");
     assert!(rewrite[0].2, "as a snapshot");
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })), "waits for the rewrite");
-    let mut out = Vec::new();
-    fail_all(&mut a, &mut out);
-    assert!(
-        matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::Storage { .. }), .. }, Action::Persist { .. }]),
-        "{out:?}"
-    );
     let mut out = Vec::new();
     commit_all(&mut a, &mut out);
     assert!(out.is_empty(), "nothing answered twice");
@@ -93,12 +96,19 @@ fn a_failed_commit_withholds_the_replicas_ack() {
     let mut out = Vec::new();
     fail_all(&mut b, &mut out);
     assert!(!out.iter().any(is_ack));
-    assert_eq!(tickets(&out).len(), 1, "written again");
-    // The writer retries; this time the commit works and the retry is acknowledged.
+    // A retry that changes nothing, while the key waits for its rewrite: still no ack.
     let mut out = Vec::new();
     b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 2) }, Instant::now(), 1, &mut out);
     commit_all(&mut b, &mut out);
-    assert!(matches!(&out[..], [.., Action::Send { msg: ReplicatorMsg::WriteAck { op: 2 }, .. }]), "{out:?}");
+    assert!(!out.iter().any(is_ack), "not on this disk yet: {out:?}");
+    let mut out = Vec::new();
+    b.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
+    assert_eq!(tickets(&out).len(), 1, "written again");
+    // The writer retries; this time the commit works and the retry is acknowledged.
+    let mut out = Vec::new();
+    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 3) }, Instant::now(), 1, &mut out);
+    commit_all(&mut b, &mut out);
+    assert!(matches!(&out[..], [.., Action::Send { msg: ReplicatorMsg::WriteAck { op: 3 }, .. }]), "{out:?}");
 }
 
 #[test]
@@ -243,9 +253,74 @@ fn a_failed_snapshot_keeps_the_deltas_it_was_to_cover_until_its_rewrite_commits(
     let mut out = Vec::new();
     fail_all(&mut a, &mut out);
     assert!(trims(&out).is_empty(), "nothing trimmed on a failure");
+    assert!(tickets(&out).is_empty(), "the rewrite waits for its backoff");
+    let mut out = Vec::new();
+    a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
     let rewrite = tickets(&out);
     assert!(matches!(&rewrite[..], [(_, 3_002, true)]));
     let mut out = Vec::new();
     commit_all(&mut a, &mut out);
     assert_eq!(trims(&out), vec![3_003], "the rewrite committed: the log is trimmed past ticket 5");
+}
+
+#[test]
+fn keys_of_a_failed_commit_are_written_again_after_a_backoff_that_doubles_while_commits_fail() {
+    let mut a = core("a");
+    let t0 = Instant::now();
+    let mut out = Vec::new();
+    let add_local = |member: &'static str| Input::Update {
+        key: "shard-t/k/0".into(),
+        consistency: Consistency::Local,
+        timeout: Duration::from_secs(1),
+        modify: add(member),
+        reply: 0,
+    };
+    a.handle(add_local("x"), t0, 1, &mut out);
+    assert_eq!(tickets(&out).len(), 1);
+    let fail = |a: &mut ReplicatorCore<u32>, at: Instant| {
+        let mut out = Vec::new();
+        let failure = Some((std::path::PathBuf::from("/data"), "map full".to_string()));
+        a.handle(Input::Persisted { through: u64::MAX, failure }, at, 0, &mut out);
+        assert!(tickets(&out).is_empty(), "no rewrite at once (it would spin on a lasting failure)");
+    };
+    let rewrites_at = |a: &mut ReplicatorCore<u32>, at: Instant| {
+        let mut out = Vec::new();
+        a.handle(Input::Tick, at, 0, &mut out);
+        tickets(&out).len()
+    };
+    fail(&mut a, t0);
+    let first = REWRITE_BACKOFF.0;
+    assert_eq!(rewrites_at(&mut a, t0 + first - Duration::from_millis(1)), 0);
+    assert_eq!(rewrites_at(&mut a, t0 + first), 1, "written again once the backoff passed");
+    // It fails again: the next rewrite waits twice as long.
+    let t1 = t0 + first;
+    fail(&mut a, t1);
+    assert_eq!(rewrites_at(&mut a, t1 + first), 0, "the backoff doubled");
+    assert_eq!(rewrites_at(&mut a, t1 + first * 2), 1);
+    // A commit that succeeds resets it.
+    let t2 = t1 + first * 2;
+    let mut out = Vec::new();
+    a.handle(Input::Persisted { through: u64::MAX, failure: None }, t2, 0, &mut out);
+    a.handle(add_local("y"), t2, 1, &mut out);
+    fail(&mut a, t2);
+    assert_eq!(rewrites_at(&mut a, t2 + first), 1, "back to the first backoff after a success");
+}
+
+#[test]
+fn a_new_change_to_a_key_waiting_for_its_rewrite_is_written_whole_and_is_the_rewrite() {
+    let mut a = core("a");
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::Local, or_add(vec!["e1".into()]), &mut out);
+    let mut out = Vec::new();
+    fail_all(&mut a, &mut out);
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::Local, or_add(vec!["e2".into()]), &mut out);
+    let written = tickets(&out);
+    assert!(matches!(&written[..], [(_, _, true)]), "a snapshot (it carries e1 too), not a delta: {written:?}");
+    let mut out = Vec::new();
+    commit_all(&mut a, &mut out);
+    assert!(matches!(&out[..], [Action::ReplyUpdate { result: Ok(()), .. }]), "{out:?}");
+    let mut out = Vec::new();
+    a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.1, 0, &mut out);
+    assert!(tickets(&out).is_empty(), "no second rewrite");
 }
