@@ -1,15 +1,18 @@
 //! Messaging: request/response between nodes, and bad input on the TCP port closing only the
 //! offending connection.
 
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ddshard::testkit::{TestCluster, eventually};
-use ddshard::transport::PeerAddr;
-use ddshard::transport::wire::{self, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
-use ddshard::{Consistency, Error, Node, UniqueAddress};
+use ddshard::transport::wire::{self, Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason, ResponseBody};
+use ddshard::transport::{Inbound, PeerAddr, Transport};
+use ddshard::{Consistency, Error, Node, TransportSettings, UniqueAddress};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -183,5 +186,307 @@ async fn messages_a_node_sends_to_itself_keep_their_order() {
         let m = tokio::time::timeout(Duration::from_secs(10), inbox.recv()).await.unwrap().unwrap();
         assert_eq!(u32::from_be_bytes(m.body[..4].try_into().unwrap()), i);
     }
+    c.shutdown().await;
+}
+
+// ---- Transport after the handshake: frame limits, malformed frames, stuck handshakes. ----
+
+/// `transport.max_frame_size` of the clusters below: small, so frames at the limit are cheap.
+const MAX_FRAME: usize = 64 * 1024;
+
+/// `transport.connect_timeout` (which bounds an inbound handshake) of the handshake test.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(1);
+
+async fn converged_cluster_with_max_frame(max_frame_size: usize) -> TestCluster {
+    let c = TestCluster::start_with(2, move |_, cfg| cfg.transport.max_frame_size = max_frame_size).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    c
+}
+
+fn rejected(n: &Node) -> u64 {
+    n.transport().stats().connections_rejected.load(Ordering::Relaxed)
+}
+
+/// Waits until node `n` has counted exactly `expected` rejected connections (the counter is
+/// bumped just after the socket is dropped, so a client may see the close first).
+async fn await_rejected(n: &Node, expected: u64) {
+    eventually(Duration::from_secs(10), &format!("{expected} rejected connections counted"), || {
+        std::future::ready((rejected(n) == expected).then_some(()))
+    })
+    .await;
+    assert_eq!(rejected(n), expected, "no more connections rejected than expected");
+}
+
+/// A hello from a process outside the cluster's membership, with the right cluster id, version
+/// and addressee; responses to its requests go to `reply_to`.
+fn outsider_hello(target: &Node, reply_to: SocketAddr) -> Hello {
+    Hello {
+        protocol_version: PROTOCOL_VERSION,
+        cluster_id: "test-cluster".into(),
+        from: UniqueAddress::new("outsider", 1),
+        from_messaging_addr: reply_to,
+        to: target.address().clone(),
+    }
+}
+
+/// A raw connection to `target` whose handshake was accepted.
+async fn accepted(target: SocketAddr, hello: &Hello) -> TcpStream {
+    let (s, reply) = handshake(target, hello).await;
+    assert!(matches!(reply, Some(HelloReply::Accept)), "handshake accepted, got {reply:?}");
+    s
+}
+
+/// Writes one length-prefixed frame in a single write.
+async fn write_frame(s: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(4 + body.len());
+    buf.extend_from_slice(&(body.len() as u32).to_be_bytes());
+    buf.extend_from_slice(body);
+    s.write_all(&buf).await
+}
+
+/// Reads one length-prefixed frame (panics after 10 s).
+async fn read_frame(s: &mut TcpStream) -> Vec<u8> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await?;
+        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut buf).await?;
+        std::io::Result::Ok(buf)
+    })
+    .await
+    .expect("a frame within 10 s")
+    .expect("reading a frame")
+}
+
+async fn next_inbound(inbox: &mut mpsc::Receiver<Inbound>) -> Inbound {
+    tokio::time::timeout(Duration::from_secs(10), inbox.recv())
+        .await
+        .expect("a message within 10 s")
+        .expect("subscription open")
+}
+
+fn message(topic: &str, body: &[u8]) -> Vec<u8> {
+    wire::encode(&Frame::Message { topic, body }).unwrap().to_vec()
+}
+
+/// The encoding of `encode(body)` that is exactly `size` bytes long, with the body's length.
+fn encoded_to_size(size: usize, encode: impl Fn(&[u8]) -> Vec<u8>) -> (Vec<u8>, usize) {
+    let mut body_len = size - 64;
+    for _ in 0..8 {
+        let encoded = encode(&vec![0x5a; body_len]);
+        if encoded.len() == size {
+            return (encoded, body_len);
+        }
+        body_len = (body_len + size).checked_sub(encoded.len()).expect("frame overhead under 64 bytes");
+    }
+    panic!("no body length encodes to exactly {size} bytes");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frame_of_exactly_max_frame_size_after_the_handshake_is_processed_and_answered() {
+    let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
+    let node = c.node(0);
+    let mut inbox = node.transport().subscribe("probe", 16);
+    // Responses travel over a connection the node dials to the hello's messaging address.
+    let reply_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hello = outsider_hello(node, reply_listener.local_addr().unwrap());
+    let mut s = accepted(node.messaging_addr(), &hello).await;
+
+    let (at_limit, at_limit_body) = encoded_to_size(MAX_FRAME, |body| {
+        wire::encode(&Frame::Request { id: 1, topic: "probe", body }).unwrap().to_vec()
+    });
+    let after = wire::encode(&Frame::Request { id: 2, topic: "probe", body: b"after" }).unwrap();
+    write_frame(&mut s, &at_limit).await.unwrap();
+    write_frame(&mut s, &after).await.unwrap();
+    let expected = [(1u64, at_limit_body), (2, b"after".len())];
+    for (id, len) in expected {
+        let m = next_inbound(&mut inbox).await;
+        assert_eq!(m.request_id, Some(id), "requests dispatched in order");
+        assert_eq!(m.body.len(), len, "request {id} delivered whole");
+        assert_eq!(m.from.address, hello.from);
+        node.transport().respond(&m.from, id, Ok(&(len as u32).to_be_bytes())).unwrap();
+    }
+
+    let (mut back, _) = tokio::time::timeout(Duration::from_secs(10), reply_listener.accept())
+        .await
+        .expect("the node dials the requester to answer")
+        .unwrap();
+    let their_hello: Hello = wire::decode(&read_frame(&mut back).await).unwrap();
+    assert_eq!(their_hello.from, *node.address());
+    assert_eq!(their_hello.to, hello.from);
+    write_frame(&mut back, &wire::encode(&HelloReply::Accept).unwrap()).await.unwrap();
+    for (id, len) in expected {
+        let f = read_frame(&mut back).await;
+        match wire::decode_borrowed::<Frame>(&f).unwrap() {
+            Frame::Response { id: got, body: ResponseBody::Ok(body) } => {
+                assert_eq!(got, id);
+                assert_eq!(body, (len as u32).to_be_bytes());
+            }
+            other => panic!("expected the response to request {id}, got {other:?}"),
+        }
+    }
+
+    // The node's own sender agrees with the receiver on the limit: a frame of exactly
+    // max_frame_size from n2 arrives, one byte more is refused before it is sent.
+    let sender = c.node(1).transport();
+    let to = peer_of(node);
+    let (_, body_len) = encoded_to_size(MAX_FRAME, |body| message("probe", body));
+    let body = vec![0x5a; body_len];
+    sender.send(&to, "probe", &body).expect("a frame of exactly max_frame_size may be sent");
+    let m = next_inbound(&mut inbox).await;
+    assert_eq!((m.body.len(), m.request_id), (body_len, None));
+    assert_eq!(m.from.address, *c.node(1).address());
+    let one_more = [&body[..], &[0]].concat();
+    assert_eq!(message("probe", &one_more).len(), MAX_FRAME + 1);
+    let err = sender.send(&to, "probe", &one_more).unwrap_err();
+    assert!(matches!(err, Error::Codec(_)), "{err}");
+
+    assert_eq!(rejected(node), 0, "a frame at the limit rejects no connection");
+    drop((s, back));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frame_one_byte_over_max_frame_size_closes_only_that_connection() {
+    let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
+    let node = c.node(0);
+    let mut inbox = node.transport().subscribe("probe", 16);
+    let hello = outsider_hello(node, "127.0.0.1:9".parse().unwrap());
+    let mut s = accepted(node.messaging_addr(), &hello).await;
+    write_frame(&mut s, &message("probe", b"before")).await.unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"before");
+
+    let (over, _) = encoded_to_size(MAX_FRAME + 1, |body| message("probe", body));
+    // The server may close while the body is still being written; the close is what counts.
+    let _ = write_frame(&mut s, &over).await;
+    assert!(closed_by_server(&mut s).await, "a frame over the limit closes the connection");
+    assert!(inbox.try_recv().is_err(), "the oversized frame is not delivered");
+    await_rejected(node, 1).await;
+
+    still_serves(&c).await;
+    let mut fresh = accepted(node.messaging_addr(), &hello).await;
+    write_frame(&mut fresh, &message("probe", b"after")).await.unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"after");
+    drop(fresh);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frame_after_the_handshake_closes_only_that_connection() {
+    let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
+    let node = c.node(0);
+    let mut inbox = node.transport().subscribe("probe", 16);
+    let hello = outsider_hello(node, "127.0.0.1:9".parse().unwrap());
+    let valid = message("probe", b"cut short");
+    let cases: [(&str, Vec<u8>); 4] = [
+        ("bytes that are not MessagePack", b"\xc1\xc1garbage!!!".to_vec()),
+        ("MessagePack that is not a frame", wire::encode(&"not a frame").unwrap().to_vec()),
+        ("a frame cut short", valid[..valid.len() - 3].to_vec()),
+        ("an empty frame", Vec::new()),
+    ];
+    for (i, (what, bad)) in cases.iter().enumerate() {
+        let mut s = accepted(node.messaging_addr(), &hello).await;
+        write_frame(&mut s, &message("probe", what.as_bytes())).await.unwrap();
+        assert_eq!(&next_inbound(&mut inbox).await.body[..], what.as_bytes(), "connection works before {what}");
+        write_frame(&mut s, bad).await.unwrap();
+        write_frame(&mut s, &message("probe", b"behind the bad frame")).await.unwrap();
+        assert!(closed_by_server(&mut s).await, "{what} closes the connection");
+        assert!(inbox.try_recv().is_err(), "nothing after {what} is delivered");
+        await_rejected(node, i as u64 + 1).await;
+    }
+
+    still_serves(&c).await;
+    let mut fresh = accepted(node.messaging_addr(), &hello).await;
+    write_frame(&mut fresh, &message("probe", b"after")).await.unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"after");
+    drop(fresh);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handshake_that_never_completes_is_closed_after_the_handshake_timeout() {
+    let mut c = TestCluster::start_with(2, |_, cfg| cfg.transport.connect_timeout = HANDSHAKE_TIMEOUT).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0);
+    let target = node.messaging_addr();
+    let mut inbox = node.transport().subscribe("probe", 16);
+    let hello = outsider_hello(node, "127.0.0.1:9".parse().unwrap());
+    let hello_bytes = wire::encode(&hello).unwrap();
+    let prefix = (hello_bytes.len() as u32).to_be_bytes();
+
+    let opened = tokio::time::Instant::now();
+    let mut stuck = Vec::new();
+    for what in ["nothing", "half a length prefix", "half a hello"] {
+        let mut s = TcpStream::connect(target).await.unwrap();
+        match what {
+            "nothing" => {}
+            "half a length prefix" => s.write_all(&prefix[..2]).await.unwrap(),
+            _ => {
+                s.write_all(&prefix).await.unwrap();
+                s.write_all(&hello_bytes[..hello_bytes.len() / 2]).await.unwrap();
+            }
+        }
+        // Watch each connection from now on, so an early close would be seen when it happens.
+        stuck.push((what, tokio::spawn(async move { closed_by_server(&mut s).await.then(tokio::time::Instant::now) })));
+    }
+    // Hanging handshakes hold up neither the listener nor the node's peers.
+    let mut good = accepted(target, &hello).await;
+    still_serves(&c).await;
+
+    for (what, watch) in stuck {
+        let closed_at = watch.await.unwrap();
+        let closed_at = closed_at.unwrap_or_else(|| panic!("a connection that sent {what} is closed by the server"));
+        assert!(
+            closed_at - opened >= HANDSHAKE_TIMEOUT,
+            "a connection that sent {what} is not closed before the handshake timeout ({:?})",
+            closed_at - opened
+        );
+    }
+    await_rejected(node, 3).await;
+
+    // The timeout bounds the handshake only: the accepted connection, idle for longer, still
+    // delivers.
+    write_frame(&mut good, &message("probe", b"still open")).await.unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"still open");
+    assert_eq!(rejected(node), 3);
+    drop(good);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sending_to_a_peer_of_another_cluster_is_refused_by_it_and_reported_to_the_sender() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let stop = CancellationToken::new();
+    let bind = |id: &str, cluster: &str| {
+        Transport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            UniqueAddress::new(id, 1),
+            cluster.into(),
+            TransportSettings::default(),
+            stop.clone(),
+        )
+    };
+    let alien = bind("alien", "other-cluster").await.unwrap();
+    let friend = bind("friend", "test-cluster").await.unwrap();
+    let mut alien_inbox = alien.subscribe("probe", 16);
+    let mut friend_inbox = friend.subscribe("probe", 16);
+    let sender = c.node(0).transport();
+
+    // Control: the same kind of peer with our cluster id gets the message.
+    sender.send(friend.local(), "probe", b"hi").unwrap();
+    assert_eq!(&next_inbound(&mut friend_inbox).await.body[..], b"hi");
+
+    let err = eventually(Duration::from_secs(10), "the sender learns that the peer refused it", || {
+        std::future::ready(sender.send(alien.local(), "probe", b"hi").err())
+    })
+    .await;
+    assert!(matches!(err, Error::PeerUnavailable { .. }), "{err}");
+    assert!(alien_inbox.try_recv().is_err(), "nothing reaches a node of another cluster");
+    assert_eq!(alien.stats().frames_received.load(Ordering::Relaxed), 0);
+    assert!(alien.stats().connections_rejected.load(Ordering::Relaxed) >= 1);
+    assert_eq!(friend.stats().connections_rejected.load(Ordering::Relaxed), 0);
+    still_serves(&c).await;
+    stop.cancel();
     c.shutdown().await;
 }
