@@ -127,7 +127,8 @@ fn bench(c: &mut Criterion) {
     let mut sets: Vec<OrSet> = (0..slots).map(|_| OrSet::default()).collect();
     let ctx = WriteCtx::new("n1#1", 1);
     let mut per_slot: Vec<Vec<String>> = vec![Vec::new(); slots as usize];
-    for i in 0..1_000_000u32 {
+    let total_ids = common::sized(1_000_000, 10_000) as u32;
+    for i in 0..total_ids {
         let id = format!("{:08x}-entity", i.wrapping_mul(2_654_435_761));
         per_slot[(xxhash_rust::xxh3::xxh3_64(id.as_bytes()) % u64::from(slots)) as usize].push(id);
     }
@@ -146,11 +147,11 @@ fn bench(c: &mut Criterion) {
         sets.iter().map(|s| rmp_serde::to_vec(&ddshard::ddata::ReplicatedData::OrSet(s.clone())).unwrap().len()).sum();
     let largest = sets.iter().map(|s| rmp_serde::to_vec(s).unwrap().len()).max().unwrap();
     println!(
-        "1M remembered ids in {slots} slots: built in {built:?}, serialized {:.1} MB (largest slot {:.0} KB), \
-         set storage {:.1} B/id, RSS +{:.0} MB",
+        "{total_ids} remembered ids in {slots} slots: built in {built:?}, serialized {:.1} MB (largest slot {:.0} \
+         KB), set storage {:.1} B/id, RSS +{:.0} MB",
         bytes as f64 / 1e6,
         largest as f64 / 1e3,
-        heap as f64 / 1e6,
+        heap as f64 / f64::from(total_ids),
         rss_bytes().saturating_sub(before) as f64 / 1e6
     );
     drop(sets);
@@ -223,16 +224,32 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
     StageCounters::read(&cluster, &on).print_since(&stage_before, stage_clock.elapsed());
+    // The ratio, from interleaved timed passes (median of 3).
+    let (mut on_rates, mut off_rates) = (Vec::new(), Vec::new());
+    let mut next = 1usize << 40;
+    for _ in 0..common::sized(3, 1) {
+        for (rates, region, prefix) in [(&mut off_rates, &off, "off-r"), (&mut on_rates, &on, "on-r")] {
+            let t = Instant::now();
+            rt.block_on(start_new_sliding(region, prefix, next, SLIDING_TOTAL, SLIDING_WINDOW));
+            rates.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
+        }
+        next += SLIDING_TOTAL;
+    }
+    common::print_ratio(
+        "remembered_starts_sliding_512_vs_remember_off",
+        common::median(&mut on_rates),
+        common::median(&mut off_rates),
+    );
 
     // Restart time after a full-cluster restart: seed 100k remembered ids straight into the
     // replicated sets (as the shards would have recorded them), restart every node, and time
     // until all of them run again.
-    const N: usize = 100_000;
+    let n = common::sized(100_000, 2_000);
     rt.block_on(async {
         let s = ShardingSettings { remember_entities_slots: 16, ..settings(true) };
         let r = cluster.node(0).replicator().clone();
         let mut by_key: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-        for i in 0..N {
+        for i in 0..n {
             let id = format!("r-{i}");
             let shard = ddshard::sharding::default_shard_id(&id, s.number_of_shards);
             let slot =
@@ -277,14 +294,14 @@ fn bench(c: &mut Criterion) {
             for r in &regions {
                 running += r.region_stats().await.unwrap().values().sum::<usize>();
             }
-            if running >= N {
+            if running >= n {
                 println!(
-                    "full-cluster restart: {N} remembered entities running again {:?} after the restart began",
+                    "full-cluster restart: {n} remembered entities running again {:?} after the restart began",
                     t.elapsed()
                 );
                 break;
             }
-            assert!(Instant::now() < deadline, "only {running} of {N} running after 300 s");
+            assert!(Instant::now() < deadline, "only {running} of {n} running after 300 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         cluster.shutdown().await;

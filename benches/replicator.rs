@@ -133,18 +133,16 @@ fn bench(c: &mut Criterion) {
     g.finish();
     // The ratios, from interleaved timed passes (median of 5 each).
     let mut rates: Vec<Vec<f64>> = vec![Vec::new(); SLIDING.len()];
-    for _ in 0..5 {
+    for _ in 0..common::sized(5, 1) {
         for (i, name) in SLIDING.iter().enumerate() {
             let t = Instant::now();
             rt.block_on(run(name));
             rates[i].push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let medians: Vec<f64> = rates.iter_mut().map(median).collect();
+    let medians: Vec<f64> = rates.iter_mut().map(|v| common::median(v)).collect();
+    common::print_ratio("majority_memory_update_vs_raw_request", medians[2], medians[0]);
+    common::print_ratio("majority_durable_update_vs_raw_request", medians[3], medians[0]);
     println!(
         "sliding window of {SLIDING_WINDOW} (3 nodes): raw transport request {:.0}/s; local update {:.0}/s; \
          majority memory {:.0}/s ({:.2}x raw); majority durable LMDB {:.0}/s ({:.2}x raw)",

@@ -196,7 +196,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("region_ask_remote", |b| b.to_async(&rt).iter(region_ask));
     g.finish();
     let (mut raw, mut ask) = (Vec::new(), Vec::new());
-    for _ in 0..5 {
+    for _ in 0..common::sized(5, 1) {
         let t = Instant::now();
         rt.block_on(raw_request());
         raw.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
@@ -204,13 +204,11 @@ fn bench(c: &mut Criterion) {
         rt.block_on(region_ask());
         ask.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
     }
-    raw.sort_by(f64::total_cmp);
-    ask.sort_by(f64::total_cmp);
+    let (raw, ask) = (common::median(&mut raw), common::median(&mut ask));
+    common::print_ratio("remote_ask_sliding_512_vs_raw_request", ask, raw);
     println!(
-        "remote ask, {SLIDING_WINDOW} in flight: region {:.0}/s vs raw transport request {:.0}/s ({:.2}x)",
-        ask[2],
-        raw[2],
-        ask[2] / raw[2]
+        "remote ask, {SLIDING_WINDOW} in flight: region {ask:.0}/s vs raw transport request {raw:.0}/s ({:.2}x)",
+        ask / raw
     );
 
     // First message to a new shard: allocation (majority write) + HostShard + delivery, measured
@@ -219,7 +217,7 @@ fn bench(c: &mut Criterion) {
     let first_messages = |prefix: &'static str, allocated: &std::collections::HashSet<String>| {
         let mut v = Vec::new();
         let mut i = 0;
-        while v.len() < 200 {
+        while v.len() < common::sized(200, 20) {
             let id = format!("{prefix}-{i}");
             i += 1;
             if allocated.contains(remote_from_a.shard_id(&id).as_str()) {
@@ -234,7 +232,8 @@ fn bench(c: &mut Criterion) {
     };
     let print = |label: &str, samples: &[Duration]| {
         println!(
-            "first message to a new shard (3 nodes, {label}, 200 samples): p50 {:?}, p99 {:?}, max {:?}",
+            "first message to a new shard (3 nodes, {label}, {} samples): p50 {:?}, p99 {:?}, max {:?}",
+            samples.len(),
             samples[samples.len() / 2],
             samples[samples.len() * 99 / 100],
             samples[samples.len() - 1]
@@ -244,16 +243,17 @@ fn bench(c: &mut Criterion) {
     let few = first_messages("first", &allocated);
     print("~200 shards allocated", &few);
     // Allocate 10,000 shards (asks with 64 in flight), then measure again.
+    let target = common::sized(10_000, 500);
     let mut i = 0;
     let mut batch = Vec::new();
     let started = Instant::now();
-    while allocated.len() < 10_000 {
+    while allocated.len() < target {
         let id = format!("fill-{i}");
         i += 1;
         if allocated.insert(remote_from_a.shard_id(&id).to_string()) {
             batch.push(id);
         }
-        if batch.len() == 64 || allocated.len() == 10_000 {
+        if batch.len() == 64 || allocated.len() == target {
             let asks = batch.drain(..).map(|id| {
                 let r = remote_from_a.clone();
                 async move { r.ask(&id, Msg::Get).await.unwrap() }
@@ -261,9 +261,9 @@ fn bench(c: &mut Criterion) {
             rt.block_on(futures::future::join_all(asks));
         }
     }
-    println!("allocated 10,000 more shards in {:?}", started.elapsed());
+    println!("allocated {target} more shards in {:?}", started.elapsed());
     let many = first_messages("after-10k", &allocated);
-    print("10,000 shards allocated", &many);
+    print(&format!("{target} shards allocated"), &many);
     let mut g = c.benchmark_group("first_message_new_shard");
     g.sample_size(30);
     let mut k = 0u64;

@@ -24,3 +24,25 @@ where
         }
     }
 }
+
+/// Smoke mode for CI (`DDSHARD_BENCH_QUICK=1 cargo bench -- --test`): every bench path and its
+/// asserts run once, with small sizes; the figures it prints mean nothing.
+pub fn quick() -> bool {
+    std::env::var_os("DDSHARD_BENCH_QUICK").is_some()
+}
+
+/// `full`, or `small` in smoke mode.
+pub fn sized(full: usize, small: usize) -> usize {
+    if quick() { small } else { full }
+}
+
+/// The median of timed passes (sorts `v`).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Prints a machine-readable `ratio=` line: `value` against its same-run `baseline`.
+pub fn print_ratio(label: &str, value: f64, baseline: f64) {
+    println!("ratio={label} {:.3} ({value:.0}/s vs baseline {baseline:.0}/s)", value / baseline);
+}
