@@ -1,4 +1,6 @@
-//! Crashes: the coordinator's node is killed; keep-majority downing lets the cluster move on.
+//! Crashes and hand-offs under traffic: the coordinator's node killed (also in the middle of a
+//! hand-off), partitions and one-way cuts, a 2|2 tie, asks in flight while shards move;
+//! keep-majority downing lets the cluster move on, and no entity ever runs twice.
 
 mod common;
 
@@ -98,14 +100,21 @@ struct Tracked {
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
-struct Touch;
+enum Touch {
+    Now,
+    /// Keeps the entity busy this long (a hand-off of its shard waits for it).
+    BusyMs(u64),
+}
 
 impl ddshard::Entity for Tracked {
     type Message = Touch;
     type Reply = ();
-    async fn handle(&mut self, _msg: Touch, ctx: &mut ddshard::EntityContext) {
+    async fn handle(&mut self, msg: Touch, ctx: &mut ddshard::EntityContext) {
         if self.guard.is_none() {
             self.guard = Some(self.log.started(ctx.entity_id(), &self.node, ctx.epoch()));
+        }
+        if let Touch::BusyMs(ms) = msg {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
         }
     }
 }
@@ -126,7 +135,7 @@ async fn start_tracked(
 async fn ask_until_answered(region: &ShardRegion<Tracked>, id: &str, when: &str) {
     let deadline = tokio::time::Instant::now() + CONVERGE;
     loop {
-        match region.ask_with_timeout(id, Touch, Duration::from_secs(2)).await {
+        match region.ask_with_timeout(id, Touch::Now, Duration::from_secs(2)).await {
             Ok(_) => return,
             Err(e) if tokio::time::Instant::now() >= deadline => panic!("{id} never answered {when}: last error {e}"),
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
@@ -146,7 +155,7 @@ async fn partition_two_three_minority_stops_before_majority_starts_and_no_activa
     }
     let ids: Vec<String> = (0..50).map(|i| format!("t{i}")).collect();
     for id in &ids {
-        regions[0].ask(id, Touch).await.unwrap();
+        regions[0].ask(id, Touch::Now).await.unwrap();
     }
     let on_minority: BTreeSet<String> =
         log.activations().iter().filter(|a| a.node == "n1" || a.node == "n2").map(|a| a.entity_id.clone()).collect();
@@ -258,7 +267,7 @@ async fn one_way_cuts_under_traffic_never_run_an_entity_twice_and_every_entity_a
     }
     let ids: Vec<String> = (0..30).map(|i| format!("w{i}")).collect();
     for id in &ids {
-        regions[0].as_ref().unwrap().ask(id, Touch).await.unwrap();
+        regions[0].as_ref().unwrap().ask(id, Touch::Now).await.unwrap();
     }
     // Asymmetric loss: n1 cannot reach n3 and n2 cannot reach n4 (gossip and messaging), while
     // the reverse directions work.
@@ -275,7 +284,7 @@ async fn one_way_cuts_under_traffic_never_run_an_entity_twice_and_every_entity_a
             .filter_map(|(_, r)| r.as_ref())
             .collect();
         let r = live[k % live.len()];
-        match r.ask_with_timeout(&ids[k % ids.len()], Touch, Duration::from_millis(500)).await {
+        match r.ask_with_timeout(&ids[k % ids.len()], Touch::Now, Duration::from_millis(500)).await {
             Ok(()) => answered += 1,
             Err(_) => failed += 1,
         }
@@ -313,7 +322,7 @@ async fn two_two_tie_is_won_by_the_side_with_the_lowest_address_and_no_entity_ru
     }
     let ids: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
     for id in &ids {
-        regions[0].ask(id, Touch).await.unwrap();
+        regions[0].ask(id, Touch::Now).await.unwrap();
     }
     let on_losers: BTreeSet<String> =
         log.activations().iter().filter(|a| a.node == "n3" || a.node == "n4").map(|a| a.entity_id.clone()).collect();
@@ -345,4 +354,160 @@ async fn two_two_tie_is_won_by_the_side_with_the_lowest_address_and_no_entity_ru
     c.restart(3).await.unwrap();
     c.await_converged(CONVERGE).await;
     c.shutdown().await;
+}
+
+/// Asks kinds a crash of the coordinator's node during a hand-off explains.
+fn explained(e: &ddshard::Error) -> bool {
+    use ddshard::Error as E;
+    matches!(e, E::AskTimeout { .. } | E::BufferFull { .. } | E::NotDelivered { .. })
+        && !matches!(e, E::NotDelivered { reason, .. } if reason.contains("panicked") || reason.contains("decode"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coordinator_killed_during_a_rebalance_hand_off_every_ask_ends_typed_and_no_entity_runs_twice() {
+    let mut c = TestCluster::start_with(3, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let s = ddshard::ShardingSettings {
+        number_of_shards: 12,
+        min_nr_of_members: 3,
+        rebalance_interval: Duration::from_millis(300),
+        ..settings()
+    };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_tracked(n, &log, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..36).map(|i| format!("h{i}")).collect();
+    for id in &ids {
+        regions[1].ask(id, Touch::Now).await.unwrap();
+    }
+    // A fourth node: rebalance rounds start handing shards off to it. Every entity is busy for
+    // 3 s, so each hand-off stays open (its shard waits for its entities to stop).
+    c.add_node().await.unwrap();
+    c.await_converged(CONVERGE).await;
+    regions.push(start_tracked(c.node(3), &log, s.clone()).await);
+    for id in &ids {
+        regions[1].tell(id, Touch::BusyMs(3_000)).unwrap();
+    }
+    let in_progress = |regions: &[ShardRegion<Tracked>]| {
+        regions.iter().any(|r| {
+            let k = r.counters();
+            k.handoffs_started.load(std::sync::atomic::Ordering::Relaxed)
+                > k.handoffs_completed.load(std::sync::atomic::Ordering::Relaxed)
+        })
+    };
+    let deadline = tokio::time::Instant::now() + CONVERGE;
+    while !in_progress(&regions) {
+        assert!(tokio::time::Instant::now() < deadline, "no hand-off started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // n1 is the oldest member: the coordinator dies in the middle of the hand-off.
+    c.kill(0).await;
+    // Traffic through the survivors: every ask is answered or fails with a typed error.
+    let (mut answered, mut failed) = (0, std::collections::BTreeMap::<String, u32>::new());
+    let until = tokio::time::Instant::now() + Duration::from_secs(8);
+    let mut k = 0;
+    while tokio::time::Instant::now() < until {
+        let r = &regions[1 + k % 3];
+        match r.ask_with_timeout(&ids[k % ids.len()], Touch::Now, Duration::from_secs(1)).await {
+            Ok(()) => answered += 1,
+            Err(e) => {
+                assert!(explained(&e), "an ask failed with an error the crash does not explain: {e}");
+                let kind = format!("{e:?}").split([' ', '{', '(']).next().unwrap_or_default().to_string();
+                *failed.entry(kind).or_default() += 1;
+            }
+        }
+        k += 1;
+    }
+    println!("after the coordinator died mid-hand-off: {answered} answered; failed by kind {failed:?}");
+    for id in &ids {
+        ask_until_answered(&regions[3], id, "after the take-over").await;
+    }
+    c.shutdown().await;
+    if let Err(v) = log.check() {
+        panic!("an entity ran twice across the coordinator's crash during a hand-off: {v:#?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_in_flight_during_rebalance_and_leave_hand_offs_are_answered_or_fail_typed() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let s = ddshard::ShardingSettings {
+        number_of_shards: 12,
+        min_nr_of_members: 3,
+        rebalance_interval: Duration::from_millis(300),
+        ..settings()
+    };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_tracked(n, &log, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..36).map(|i| format!("f{i}")).collect();
+    for id in &ids {
+        regions[0].ask(id, Touch::Now).await.unwrap();
+    }
+    // 16 asks always in flight through n1 while shards move: to a new fourth node by
+    // rebalance, then away from n3, which leaves.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (r, ids, stop) = (regions[0].clone(), ids.clone(), stop.clone());
+        tokio::spawn(async move {
+            let (mut answered, mut failed) = (0u32, BTreeMap::<String, (u32, Duration)>::new());
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            let one = |k: usize| {
+                let (r, id) = (r.clone(), ids[k % ids.len()].clone());
+                async move {
+                    let t = tokio::time::Instant::now();
+                    (r.ask_with_timeout(&id, Touch::Now, Duration::from_secs(5)).await, t.elapsed())
+                }
+            };
+            let mut in_flight: futures::stream::FuturesUnordered<_> =
+                (0..16).map(|_| one(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))).collect();
+            use futures::StreamExt;
+            while let Some((result, took)) = in_flight.next().await {
+                match result {
+                    Ok(()) => answered += 1,
+                    Err(e) => {
+                        assert!(explained(&e), "an ask failed with an error no hand-off explains: {e}");
+                        let kind = format!("{e:?}").split([' ', '{', '(']).next().unwrap_or_default().to_string();
+                        let entry = failed.entry(kind).or_default();
+                        entry.0 += 1;
+                        entry.1 = entry.1.max(took);
+                    }
+                }
+                if !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    in_flight.push(one(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+                }
+            }
+            (answered, failed)
+        })
+    };
+    c.add_node().await.unwrap();
+    c.await_converged(CONVERGE).await;
+    regions.push(start_tracked(c.node(3), &log, s.clone()).await);
+    let n4 = regions[3].clone();
+    eventually(CONVERGE, "the new node received shards by rebalance", || {
+        let n4 = n4.clone();
+        async move { (n4.region_state().await.ok()?.len() >= 2).then_some(()) }
+    })
+    .await;
+    let n3 = c.node(2).clone();
+    tokio::time::timeout(CONVERGE, n3.leave()).await.expect("n3 left in time").unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (answered, failed) = traffic.await.unwrap();
+    println!("asks during the hand-offs: {answered} answered; failed (count, slowest) by kind {failed:?}");
+    assert!(answered > 0);
+    let handed_off: u64 =
+        regions.iter().map(|r| r.counters().handoffs_completed.load(std::sync::atomic::Ordering::Relaxed)).sum();
+    assert!(handed_off >= 2, "shards were handed off under traffic ({handed_off})");
+    for id in &ids {
+        ask_until_answered(&regions[0], id, "after the hand-offs").await;
+    }
+    c.shutdown().await;
+    if let Err(v) = log.check() {
+        panic!("an entity ran twice across the hand-offs: {v:#?}");
+    }
 }

@@ -46,6 +46,10 @@ pub struct RegionCounters {
     pub entity_panics: AtomicU64,
     /// Shards stopped because their remembered set could not be loaded or written.
     pub shard_failures: AtomicU64,
+    /// Hand-offs of a local shard the coordinator started (rebalance, shutdown, leave).
+    pub handoffs_started: AtomicU64,
+    /// Of those, the shards whose entities have all stopped.
+    pub handoffs_completed: AtomicU64,
     /// Remember-entities: batches written by this region's remember writer (one majority
     /// update each, covering the starts and stops of all its shards queued meanwhile).
     pub remember_batches: AtomicU64,

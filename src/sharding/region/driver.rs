@@ -291,7 +291,10 @@ impl<E: Entity> RegionTask<E> {
                 self.work.push_back(Work::Shard(shard, ShardInput::Deliver { entity_id, msg }))
             }
             RegionAction::Forward { region, shard, entity_id, msg } => self.forward(region, shard, entity_id, msg),
-            RegionAction::HandOffShard { shard } => self.work.push_back(Work::Shard(shard, ShardInput::HandOff)),
+            RegionAction::HandOffShard { shard } => {
+                self.counters.handoffs_started.fetch_add(1, Ordering::Relaxed);
+                self.work.push_back(Work::Shard(shard, ShardInput::HandOff));
+            }
             RegionAction::Drop { entity_id, msg, reason } => {
                 let why = match reason {
                     RegionDrop::BufferFull => {

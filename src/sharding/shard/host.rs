@@ -337,6 +337,7 @@ impl<E: Entity> LocalShards<E> {
                 });
             }
             ShardAction::Stopped => {
+                self.counters.handoffs_completed.fetch_add(1, Ordering::Relaxed);
                 self.fail_orphans(shard_id);
                 let Some(s) = self.shards.remove(shard_id) else {
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
