@@ -490,3 +490,49 @@ async fn sending_to_a_peer_of_another_cluster_is_refused_by_it_and_reported_to_t
     stop.cancel();
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stops_reading_fills_its_send_queue_and_sends_fail_with_send_queue_full() {
+    let mut c = TestCluster::start_with(2, |_, cfg| cfg.transport.send_queue_capacity = 64).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    // A peer that completes the handshake and then never reads again.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow = PeerAddr { address: UniqueAddress::new("slow", 1), messaging_addr: listener.local_addr().unwrap() };
+    let accept = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let _hello: Hello = wire::decode(&read_frame(&mut s).await).unwrap();
+        write_frame(&mut s, &wire::encode(&HelloReply::Accept).unwrap()).await.unwrap();
+        s
+    });
+    // The first frame makes the node dial; the connection is up before the flood.
+    node.transport().send(&slow, "probe", b"first").unwrap();
+    let mut s = tokio::time::timeout(CONVERGE, accept).await.expect("the node dials the peer").unwrap();
+    let body = vec![7u8; 64 << 10];
+    let mut sent = 0usize;
+    let full = loop {
+        match node.transport().send(&slow, "probe", &body) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        assert!(sent < 100_000, "6 GiB queued for a peer that reads nothing: the queue is unbounded");
+        if sent % 64 == 0 {
+            tokio::task::yield_now().await; // let the writer fill the socket
+        }
+    };
+    assert!(matches!(full, Error::SendQueueFull { ref peer } if peer == "slow"), "{full:?}");
+    println!("SendQueueFull after {sent} frames of 64 KiB to a peer that stopped reading");
+    // The other peers are not held up by it.
+    still_serves(&c).await;
+    // Once the peer reads again, the queue drains and sends succeed.
+    let drain = tokio::spawn(async move {
+        let mut buf = vec![0u8; 1 << 20];
+        while s.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+    });
+    eventually(CONVERGE, "sends succeed again once the peer reads", || {
+        std::future::ready(node.transport().send(&slow, "probe", b"again").ok())
+    })
+    .await;
+    drain.abort();
+    c.shutdown().await;
+}
