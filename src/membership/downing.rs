@@ -171,6 +171,18 @@ mod tests {
     }
 
     #[test]
+    fn a_majority_without_the_lowest_address_still_wins_and_downs_the_minority_holding_it() {
+        // 3 reachable against 2 unreachable that include the lowest address: counts decide,
+        // the address only breaks ties.
+        let t0 = Instant::now();
+        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true), ("e", true)]);
+        k.decide(&s, t0);
+        let d = k.decide(&s, t0 + Duration::from_secs(5));
+        assert_eq!(d, Decision::DownOthers([UniqueAddress::new("a", 1), UniqueAddress::new("b", 1)].into()));
+    }
+
+    #[test]
     fn tie_is_won_by_the_side_with_the_lowest_address() {
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(10);
