@@ -511,3 +511,77 @@ async fn asks_in_flight_during_rebalance_and_leave_hand_offs_are_answered_or_fai
         panic!("an entity ran twice across the hand-offs: {v:#?}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_change_of_the_shard_id_extractor_refuses_the_new_nodes_until_the_old_ones_left_and_no_entity_runs_twice()
+ {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let s = ddshard::ShardingSettings { number_of_shards: 20, min_nr_of_members: 1, ..settings() };
+    let mut old = Vec::new();
+    for (_, n) in c.running() {
+        old.push(start_tracked(n, &log, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..30).map(|i| format!("x{i}")).collect();
+    for id in &ids {
+        old[0].ask(id, Touch::Now).await.unwrap();
+    }
+    // A fourth node runs the new extractor (the same ids into other shards) beside the old ones.
+    c.add_node().await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let new_extractor: ddshard::sharding::ShardIdExtractor =
+        std::sync::Arc::new(|id: &str| ddshard::sharding::default_shard_id(&format!("v2-{id}"), 20));
+    let start_new = |n: &Node| {
+        let (log, node, opts) = (
+            log.clone(),
+            n.node_id().to_string(),
+            ddshard::sharding::StartOptions { shard_id_extractor: Some(new_extractor.clone()), ..Default::default() },
+        );
+        let n = n.clone();
+        let s = s.clone();
+        async move {
+            n.sharding()
+                .start_with(
+                    "tracked",
+                    move |_: &str| Tracked { log: log.clone(), node: node.clone(), guard: None },
+                    s,
+                    opts,
+                )
+                .await
+                .unwrap()
+        }
+    };
+    let new = start_new(c.node(3)).await;
+    // Its asks fail fast with a typed error naming the cause; the old nodes keep serving.
+    let err = eventually(CONVERGE, "the coordinator refuses the new node's region", || {
+        let new = new.clone();
+        async move {
+            new.ask_with_timeout("x1", Touch::Now, Duration::from_secs(2))
+                .await
+                .err()
+                .filter(|e| e.to_string().contains("extractor"))
+        }
+    })
+    .await;
+    assert!(matches!(err, ddshard::Error::NotDelivered { .. }), "{err:?}");
+    assert!(new.counters().dropped_refused.load(std::sync::atomic::Ordering::Relaxed) > 0);
+    for id in &ids {
+        old[1].ask(id, Touch::Now).await.unwrap();
+    }
+    assert!(log.activations().iter().all(|a| a.node != "n4"), "nothing ran on the refused node");
+    // The old nodes leave one by one; with the last, the coordinator moves to the new node,
+    // which accepts its own extractor, and every id answers there.
+    for i in 0..3 {
+        let n = c.node(i).clone();
+        tokio::time::timeout(CONVERGE, n.leave()).await.expect("left in time").unwrap();
+        c.kill(i).await;
+    }
+    for id in &ids {
+        ask_until_answered(&new, id, "once only the new extractor is left").await;
+    }
+    c.shutdown().await;
+    if let Err(v) = log.check() {
+        panic!("an entity ran twice during the rolling extractor change: {v:#?}");
+    }
+}

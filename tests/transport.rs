@@ -516,7 +516,7 @@ async fn a_peer_that_stops_reading_fills_its_send_queue_and_sends_fail_with_send
             Err(e) => break e,
         }
         assert!(sent < 100_000, "6 GiB queued for a peer that reads nothing: the queue is unbounded");
-        if sent % 64 == 0 {
+        if sent.is_multiple_of(64) {
             tokio::task::yield_now().await; // let the writer fill the socket
         }
     };

@@ -46,6 +46,9 @@ pub struct RegionCounters {
     pub entity_panics: AtomicU64,
     /// Shards stopped because their remembered set could not be loaded or written.
     pub shard_failures: AtomicU64,
+    /// Messages refused because the coordinator refused this region (its shard-id extractor
+    /// differs from the coordinator's node: an entity could otherwise run in two shards).
+    pub dropped_refused: AtomicU64,
     /// Hand-offs of a local shard the coordinator started (rebalance, shutdown, leave).
     pub handoffs_started: AtomicU64,
     /// Of those, the shards whose entities have all stopped.
@@ -312,7 +315,12 @@ pub(crate) async fn start_region<E: Entity>(
             node.spawner().clone(),
         )
     });
-    let region_settings = RegionSettings { buffer_size: settings.buffer_size, retry_interval: settings.retry_interval };
+    let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
+    let region_settings = RegionSettings {
+        buffer_size: settings.buffer_size,
+        retry_interval: settings.retry_interval,
+        extractor_fingerprint: fingerprint,
+    };
     let task = RegionTask {
         type_name: type_name.to_string(),
         me: me.clone(),
@@ -332,7 +340,7 @@ pub(crate) async fn start_region<E: Entity>(
     };
     node.spawner().spawn(task.run(node.clone(), rx, events_rx));
     if !proxy {
-        coordinator::start_singleton(node, type_name, settings, options.allocation_strategy);
+        coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint);
     }
     Ok(ShardRegion { inner })
 }

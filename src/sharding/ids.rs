@@ -28,6 +28,19 @@ pub(crate) fn remembered_slot(entity_id: &str, slots: u32) -> u32 {
 
 /// Entity type names: non-empty and without `/` (keys and topics are built with `/`, so one
 /// type's keys never prefix another's).
+/// A fingerprint of what `extractor` does: the hash of the shards it gives 64 fixed probe ids.
+/// Two nodes whose extractors differ (a changed function, another `number_of_shards`) almost
+/// surely differ here; the coordinator refuses regions whose fingerprint is not its own, since
+/// the same entity id would live in two shards at once.
+pub(crate) fn extractor_fingerprint(extractor: &ShardIdExtractor) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for i in 0..64 {
+        h.update(extractor(&format!("ddshard-extractor-probe-{i}")).as_bytes());
+        h.update(&[0]);
+    }
+    h.digest()
+}
+
 pub(crate) fn valid_type_name(type_name: &str) -> bool {
     !type_name.is_empty() && !type_name.contains('/')
 }

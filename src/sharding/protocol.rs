@@ -11,8 +11,8 @@ use crate::error::Error;
 /// Region → coordinator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ToCoordinator {
-    /// A region (or proxy) announces itself.
-    Register { region: RegionId, proxy: bool },
+    /// A region (or proxy) announces itself, with its shard-id extractor's fingerprint.
+    Register { region: RegionId, proxy: bool, extractor: u64 },
     /// Where does this shard live?
     GetShardHome { shard: ShardId, region: RegionId },
     /// The region started the shard it was asked to host.
@@ -48,6 +48,8 @@ impl ToCoordinator {
 pub enum ToRegion {
     /// Registration accepted.
     RegisterAck { coordinator: RegionId },
+    /// Registration refused: the region's shard-id extractor is not the coordinator's.
+    RegisterRefused { coordinator: RegionId },
     /// The shard lives at `region`, allocated with `epoch`.
     ShardHome { shard: ShardId, region: RegionId, epoch: u64 },
     /// Start hosting the shard (re-sent until `ShardStarted`).

@@ -31,6 +31,8 @@ pub(crate) struct CoordinatorSettings {
     pub shard_start_timeout: Duration,
     /// Re-allocate shards of terminated regions at once (remember-entities) instead of on demand.
     pub eager_reallocation: bool,
+    /// This node's shard-id extractor fingerprint; regions with another one are refused.
+    pub extractor_fingerprint: u64,
 }
 
 /// What the coordinator knows of the membership: the status of every listed member and
@@ -298,7 +300,15 @@ impl CoordinatorCore {
 
     fn on_region_msg(&mut self, msg: ToCoordinator, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
         match msg {
-            ToCoordinator::Register { region, proxy } => {
+            ToCoordinator::Register { region, proxy, extractor } => {
+                if extractor != self.settings.extractor_fingerprint {
+                    // The same entity id would map to two shards: the region must not route.
+                    warn!(%region, "registration refused: its shard-id extractor differs from this node's");
+                    self.rejected += 1;
+                    let refused = ToRegion::RegisterRefused { coordinator: self.me.clone() };
+                    self.commit(vec![], vec![Self::send(&region, refused)], out);
+                    return;
+                }
                 if !self.members.status(&region).is_some_and(MemberStatus::is_up_or_leaving) {
                     // A joining member retries; a Down or gone one must not come back.
                     debug!(%region, "registration from a member that is not up; ignored");
@@ -630,6 +640,7 @@ mod tests {
 
     fn test_settings(min: usize) -> CoordinatorSettings {
         CoordinatorSettings {
+            extractor_fingerprint: 7,
             min_nr_of_members: min,
             rebalance_interval: Duration::from_secs(10),
             handoff_timeout: Duration::from_secs(5),
@@ -702,7 +713,22 @@ mod tests {
     }
 
     fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
-        step(c, from_region(ToCoordinator::Register { region: r(n), proxy: false }), now, 1);
+        step(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), now, 1);
+    }
+
+    #[test]
+    fn a_region_with_another_shard_id_extractor_is_refused_registers_nothing_and_is_counted() {
+        let mut c = core(1);
+        let now = Instant::now();
+        let sent =
+            step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 8 }), now, 1);
+        assert_eq!(sent, vec![(r("b"), ToRegion::RegisterRefused { coordinator: r("c") })]);
+        assert!(c.regions().next().is_none(), "not registered");
+        assert_eq!(c.rejected_messages(), 1);
+        // The same region with the cluster's extractor (after a restart with it) is accepted.
+        let sent =
+            step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7 }), now, 1);
+        assert!(matches!(&sent[..], [(_, ToRegion::RegisterAck { .. })]), "{sent:?}");
     }
 
     #[test]
@@ -711,7 +737,7 @@ mod tests {
         c.members.statuses.insert(r("a"), MemberStatus::Up);
         let now = Instant::now();
         let mut out = Vec::new();
-        c.handle(from_region(ToCoordinator::Register { region: r("a"), proxy: false }), now, 1, &mut out);
+        c.handle(from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 7 }), now, 1, &mut out);
         assert!(matches!(out.as_slice(), [CoordinatorAction::Write(_)]), "only the write: {out:?}");
         let mut out2 = Vec::new();
         c.handle(from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1, &mut out2);
@@ -735,7 +761,8 @@ mod tests {
         assert!(sent.is_empty());
         reg(&mut c, "b", now);
         assert!(c.state().shards().is_empty());
-        let sent = step(&mut c, from_region(ToCoordinator::Register { region: r("c3"), proxy: false }), now, 1);
+        let sent =
+            step(&mut c, from_region(ToCoordinator::Register { region: r("c3"), proxy: false, extractor: 7 }), now, 1);
         assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
     }
 
@@ -746,7 +773,8 @@ mod tests {
         let shards: BTreeSet<ShardId> = ["3".to_string(), "9".to_string()].into();
         assert!(step(&mut c, CoordinatorInput::RememberedShards(shards), now, 1).is_empty(), "waits for regions");
         reg(&mut c, "a", now);
-        let sent = step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false }), now, 1);
+        let sent =
+            step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7 }), now, 1);
         let hosted: BTreeSet<ShardId> = sent
             .iter()
             .filter_map(|(_, m)| match m {
@@ -805,7 +833,7 @@ mod tests {
             terminate(&mut c, home.clone(), now, 5);
             assert!(c.state().home("7").is_none());
             let again = UniqueAddress::new(home.node_id.clone(), home.generation + 1);
-            step(&mut c, from_region(ToCoordinator::Register { region: again, proxy: false }), now, 5);
+            step(&mut c, from_region(ToCoordinator::Register { region: again, proxy: false, extractor: 7 }), now, 5);
         }
     }
 
@@ -995,7 +1023,12 @@ mod tests {
             }
             let rejected = c.rejected_messages();
             let mut out = Vec::new();
-            c.handle(from_region(ToCoordinator::Register { region: region.clone(), proxy: false }), now, 1, &mut out);
+            c.handle(
+                from_region(ToCoordinator::Register { region: region.clone(), proxy: false, extractor: 7 }),
+                now,
+                1,
+                &mut out,
+            );
             assert_eq!(c.regions().any(|x| *x == region), accepted, "{status:?}");
             assert_eq!(c.rejected_messages() == rejected, accepted, "{status:?}");
         }

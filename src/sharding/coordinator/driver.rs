@@ -55,6 +55,7 @@ pub(crate) fn start_singleton(
     type_name: &str,
     settings: ShardingSettings,
     custom: Option<Arc<dyn ShardAllocationStrategy>>,
+    extractor_fingerprint: u64,
 ) {
     let table: Arc<RwLock<BTreeMap<ShardId, String>>> = Arc::default();
     if custom.is_none() && matches!(settings.allocation, AllocationSettings::External { .. }) {
@@ -62,7 +63,13 @@ pub(crate) fn start_singleton(
     }
     let strategy = custom.unwrap_or_else(|| strategy_for(&settings.allocation, table));
     let strategy: Arc<dyn ShardAllocationStrategy> = Arc::new(PanicGuardedStrategy(strategy));
-    let driver = CoordinatorDriver { node: node.clone(), type_name: type_name.to_string(), settings, strategy };
+    let driver = CoordinatorDriver {
+        node: node.clone(),
+        type_name: type_name.to_string(),
+        settings,
+        strategy,
+        extractor_fingerprint,
+    };
     node.spawner().spawn(driver.run());
 }
 
@@ -89,6 +96,7 @@ struct CoordinatorDriver {
     type_name: String,
     settings: ShardingSettings,
     strategy: Arc<dyn ShardAllocationStrategy>,
+    extractor_fingerprint: u64,
 }
 
 /// The coordinator while it runs here.
@@ -209,6 +217,7 @@ impl CoordinatorDriver {
                     handoff_timeout: self.settings.handoff_timeout,
                     shard_start_timeout: self.settings.shard_start_timeout,
                     eager_reallocation: self.settings.remember_entities,
+                    extractor_fingerprint: self.extractor_fingerprint,
                 };
                 let now = Instant::now();
                 let me = self.node.address().clone();

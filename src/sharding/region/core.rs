@@ -16,6 +16,9 @@ pub(crate) enum RegionDrop {
     BufferFull,
     /// Buffered for a shard that was then handed off (delivering it later could reorder).
     HandOff,
+    /// The coordinator refused this region: its shard-id extractor differs from the
+    /// coordinator's, so routing by it could run an entity in two shards at once.
+    Refused,
 }
 
 #[derive(Debug)]
@@ -85,6 +88,8 @@ pub(crate) enum RegionAction<M> {
 pub(crate) struct RegionSettings {
     pub buffer_size: usize,
     pub retry_interval: Duration,
+    /// [`crate::sharding::ids::extractor_fingerprint`] of this region's extractor.
+    pub extractor_fingerprint: u64,
 }
 
 /// Routing and hand-off state of one region (or proxy).
@@ -96,6 +101,9 @@ pub(crate) struct RegionCore<M> {
     /// Regions messages can be sent to (from the latest membership view).
     routable: BTreeSet<RegionId>,
     registered: bool,
+    /// The coordinator refused the registration (another extractor): nothing is routed until
+    /// a coordinator accepts it.
+    refused: bool,
     register_backoff: Duration,
     next_register: Instant,
     homes: BTreeMap<ShardId, (RegionId, u64)>,
@@ -125,6 +133,7 @@ impl<M> RegionCore<M> {
             coordinator: None,
             routable: BTreeSet::new(),
             registered: false,
+            refused: false,
             next_register: now,
             homes: BTreeMap::new(),
             hosted: BTreeMap::new(),
@@ -160,6 +169,10 @@ impl<M> RegionCore<M> {
     }
 
     fn route(&mut self, shard: ShardId, entity_id: String, msg: M, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        if self.refused {
+            out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::Refused });
+            return;
+        }
         match self.homes.get(&shard).cloned() {
             Some((home, epoch)) if home == self.me => {
                 if !self.hosted.contains_key(&shard) {
@@ -252,6 +265,7 @@ impl<M> RegionCore<M> {
             ToRegion::RegisterAck { coordinator } => {
                 self.coordinator = Some(coordinator);
                 self.registered = true;
+                self.refused = false;
                 self.requested.clear();
                 let shards: Vec<ShardId> = self.buffers.keys().cloned().collect();
                 for s in shards {
@@ -259,6 +273,16 @@ impl<M> RegionCore<M> {
                 }
                 if self.shutting_down {
                     self.to_coordinator(ToCoordinator::GracefulShutdownReq { region: self.me.clone() }, out);
+                }
+            }
+            ToRegion::RegisterRefused { .. } => {
+                // Retried with the backoff: a coordinator elsewhere may accept it later.
+                self.refused = true;
+                self.homes.clear();
+                self.requested.clear();
+                self.buffered = 0;
+                for (entity_id, msg) in std::mem::take(&mut self.buffers).into_values().flatten() {
+                    out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::Refused });
                 }
             }
             ToRegion::ShardHome { shard, region, epoch } => {
@@ -311,7 +335,8 @@ impl<M> RegionCore<M> {
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<RegionAction<M>>) {
         if !self.registered && self.coordinator.is_some() && now >= self.next_register {
-            self.to_coordinator(ToCoordinator::Register { region: self.me.clone(), proxy: self.proxy }, out);
+            let extractor = self.settings.extractor_fingerprint;
+            self.to_coordinator(ToCoordinator::Register { region: self.me.clone(), proxy: self.proxy, extractor }, out);
             self.next_register = now + self.register_backoff;
             self.register_backoff = (self.register_backoff * 2).min(self.settings.retry_interval);
         }
@@ -342,11 +367,37 @@ mod tests {
         UniqueAddress::new(n, 1)
     }
 
+    #[test]
+    fn a_refused_region_fails_what_it_buffered_routes_nothing_and_routes_again_once_accepted() {
+        let mut c = RegionCore::new(
+            r("me"),
+            false,
+            RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2), extractor_fingerprint: 8 },
+            Instant::now(),
+        );
+        let mut out = Vec::new();
+        c.handle(members(&["me", "coord", "other"], Some("coord")), Instant::now(), &mut out);
+        assert!(matches!(
+            &out[..],
+            [RegionAction::ToCoordinator { msg: ToCoordinator::Register { extractor: 8, .. }, .. }]
+        ));
+        assert!(run(&mut c, route("1", 1)).is_empty(), "buffered until registered");
+        let out = run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord") }));
+        assert!(matches!(&out[..], [RegionAction::Drop { msg: 1, reason: RegionDrop::Refused, .. }]), "{out:?}");
+        assert_eq!(c.buffered(), 0);
+        let out = run(&mut c, route("1", 2));
+        assert!(matches!(&out[..], [RegionAction::Drop { msg: 2, reason: RegionDrop::Refused, .. }]), "{out:?}");
+        // A coordinator that accepts it (the cluster now runs this extractor) lifts the refusal.
+        run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
+        let out = run(&mut c, route("1", 3));
+        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]));
+    }
+
     fn region(buffer_size: usize) -> RegionCore<u32> {
         let mut c = RegionCore::new(
             r("me"),
             false,
-            RegionSettings { buffer_size, retry_interval: Duration::from_secs(2) },
+            RegionSettings { buffer_size, retry_interval: Duration::from_secs(2), extractor_fingerprint: 7 },
             Instant::now(),
         );
         let mut out = Vec::new();
@@ -466,7 +517,7 @@ mod tests {
         let mut c: RegionCore<u32> = RegionCore::new(
             r("me"),
             true,
-            RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2) },
+            RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2), extractor_fingerprint: 7 },
             t0,
         );
         let mut out = Vec::new();

@@ -307,6 +307,16 @@ impl<E: Entity> RegionTask<E> {
                         self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
                         "dropped during shard hand-off"
                     }
+                    RegionDrop::Refused => {
+                        if self.counters.dropped_refused.fetch_add(1, Ordering::Relaxed) == 0 {
+                            warn!(
+                                type_name = %self.type_name,
+                                "the coordinator refused this region: its shard-id extractor differs from the \
+                                 coordinator's node (change extractors with a full cluster restart)"
+                            );
+                        }
+                        "the coordinator refused this region: its shard-id extractor differs from the cluster's"
+                    }
                 };
                 self.replier.fail(msg, &entity_id, why);
             }

@@ -132,6 +132,10 @@ const SHARD_FAILED: &str = "NotDelivered(shard failed)";
 const REGION_GONE: &str = "NotDelivered(region gone)";
 const NOT_HOSTED: &str = "NotDelivered(not hosted)";
 const TIMEOUT: &str = "AskTimeout";
+const REFUSED: &str = "NotDelivered(region refused)";
+
+/// The shard-id extractor fingerprint every simulated node has (one extractor per run).
+const EXTRACTOR: u64 = 0x5eed;
 
 /// The message an entity gets: the client ask it answers, if any.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -369,7 +373,8 @@ impl Sim {
         );
         let disk = self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone(), Default::default()));
         replicator.load(disk.collect(), 0);
-        let region_settings = RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval };
+        let region_settings =
+            RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval, extractor_fingerprint: EXTRACTOR };
         self.nodes[i] = Some(Node {
             region: RegionCore::new(addr.clone(), false, region_settings, now),
             shards: BTreeMap::new(),

@@ -33,6 +33,7 @@ impl Sim {
                         handoff_timeout: s.handoff_timeout,
                         shard_start_timeout: s.shard_start_timeout,
                         eager_reallocation: false,
+                        extractor_fingerprint: EXTRACTOR,
                     };
                     let strategy = Arc::new(LeastShardAllocation::default());
                     let mut core =
@@ -265,6 +266,10 @@ impl Sim {
                     let why = match reason {
                         crate::sharding::region::core::RegionDrop::BufferFull => BUFFER_FULL,
                         crate::sharding::region::core::RegionDrop::HandOff => HAND_OFF,
+                        crate::sharding::region::core::RegionDrop::Refused => {
+                            self.report.violations.push(format!("{me} refused although every node has one extractor"));
+                            REFUSED
+                        }
                     };
                     self.fail(msg, why);
                 }
