@@ -70,11 +70,13 @@ impl KeepMajority {
             return Decision::Wait;
         }
         let reachable = counted.len() - self.unreachable.len();
-        let keep = if reachable != self.unreachable.len() {
-            reachable > self.unreachable.len()
-        } else {
-            let lowest = counted.iter().map(|m| m.address()).min();
-            lowest.is_some_and(|l| !self.unreachable.contains(l))
+        let keep = match reachable.cmp(&self.unreachable.len()) {
+            std::cmp::Ordering::Greater => true,
+            std::cmp::Ordering::Less => false,
+            std::cmp::Ordering::Equal => {
+                let lowest = counted.iter().map(|m| m.address()).min();
+                lowest.is_some_and(|l| !self.unreachable.contains(l))
+            }
         };
         if keep {
             self.not_losing(now);

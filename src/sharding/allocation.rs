@@ -497,6 +497,15 @@ mod tests {
         for s in &moved {
             assert_eq!(big.ring_owner(s, &regions).unwrap().node_id.as_ref(), "r3");
         }
+        // The limit counts moves already in progress: with 2 of a limit of 5 under way, a round
+        // adds 3 (none of them the ones in progress).
+        assert!(moved.len() > 5, "enough misplaced shards for the limit to matter");
+        let in_progress: BTreeSet<ShardId> = moved.iter().take(2).cloned().collect();
+        let limited = ConsistentHashingAllocation { rebalance_limit: 5, ..ch.clone() };
+        let next = limited.rebalance(&regions, &in_progress);
+        assert_eq!(next.len(), 3, "{next:?}");
+        assert!(next.is_disjoint(&in_progress) && next.is_subset(&moved));
+        assert!(limited.rebalance(&regions, &moved.iter().take(5).cloned().collect()).is_empty(), "at the limit");
     }
 
     #[test]
