@@ -1,8 +1,11 @@
 //! Remember-entities costs, each beside its baseline in the same run:
 //! - new-entity start rate with remember-entities on vs off (3 nodes, majority writes, LMDB),
 //!   in batches of 64 and with a sliding window of 512 always in flight;
-//! - restart time of 100k remembered entities after a full-cluster restart (printed);
-//! - memory and serialized size of one shard holding 1M remembered ids (printed).
+//! - restart time of 100k remembered entities after a full-cluster restart, beside a raw
+//!   LMDB baseline (the same ids in the same keys read back from one environment and a task
+//!   started per id);
+//! - memory and serialized size of one shard holding 1M remembered ids, beside the raw ids
+//!   (the bytes of the id strings themselves).
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -142,6 +145,7 @@ fn bench(c: &mut Criterion) {
         }
     }
     let built = t.elapsed();
+    let raw_id_bytes: usize = sets.iter().flat_map(|s| s.members()).map(|id| id.len()).sum();
     let heap: usize = sets.iter().map(OrSet::heap_bytes).sum();
     let bytes: usize =
         sets.iter().map(|s| rmp_serde::to_vec(&ddshard::ddata::ReplicatedData::OrSet(s.clone())).unwrap().len()).sum();
@@ -154,6 +158,8 @@ fn bench(c: &mut Criterion) {
         heap as f64 / f64::from(total_ids),
         rss_bytes().saturating_sub(before) as f64 / 1e6
     );
+    common::print_ratio_of("orset_heap_vs_raw_id_bytes", heap as f64, raw_id_bytes as f64);
+    common::print_ratio_of("orset_serialized_vs_raw_id_bytes", bytes as f64, raw_id_bytes as f64);
     drop(sets);
 
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -256,6 +262,7 @@ fn bench(c: &mut Criterion) {
                 xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember_entities_slots);
             by_key.entry(format!("shard-restart/{shard}/{slot}")).or_default().push(id);
         }
+        let baseline = raw_lmdb_restart(&by_key).await;
         for (key, ids) in by_key {
             r.update::<OrSet, _>(&key, ddshard::Consistency::All, Duration::from_secs(10), move |set, ctx| {
                 set.add_all(ctx, ids)
@@ -295,10 +302,13 @@ fn bench(c: &mut Criterion) {
                 running += r.region_stats().await.unwrap().values().sum::<usize>();
             }
             if running >= n {
+                let took = t.elapsed();
                 println!(
-                    "full-cluster restart: {n} remembered entities running again {:?} after the restart began",
-                    t.elapsed()
+                    "full-cluster restart: {n} remembered entities running again {took:?} after the restart began \
+                     (raw LMDB read + one task per id: {baseline:?})"
                 );
+                let ms = |d: Duration| d.as_secs_f64() * 1e3;
+                common::print_ratio_of("restart_ms_vs_raw_lmdb_read_and_tasks_ms", ms(took), ms(baseline));
                 break;
             }
             assert!(Instant::now() < deadline, "only {running} of {n} running after 300 s");
@@ -306,6 +316,53 @@ fn bench(c: &mut Criterion) {
         }
         cluster.shutdown().await;
     });
+}
+
+/// The restart's floor on one node: the same ids in the same keys, written to a fresh LMDB
+/// environment and fsynced, then (timed) the environment opened, every key read and decoded,
+/// and one tokio task started per id, until all of them ran.
+async fn raw_lmdb_restart(by_key: &std::collections::BTreeMap<String, Vec<String>>) -> Duration {
+    use heed::types::{Bytes, Str};
+    let dir = tempfile::tempdir().unwrap();
+    let open = |dir: &std::path::Path| {
+        // SAFETY: one environment per directory in this process, opened once at a time.
+        let env = unsafe { heed::EnvOpenOptions::new().map_size(1 << 30).max_dbs(1).open(dir) }.unwrap();
+        let wtxn = env.write_txn().unwrap();
+        let db = env
+            .create_databases_and_commit(wtxn, |dbo, w| -> heed::Result<_> {
+                Ok(heed::CommitOrAbort::<_, ()>::Commit(dbo.create_database::<Str, Bytes>(w, Some("ids"))?))
+            })
+            .unwrap()
+            .unwrap_commit();
+        (env, db)
+    };
+    {
+        let (env, db) = open(dir.path());
+        let mut wtxn = env.write_txn().unwrap();
+        for (key, ids) in by_key {
+            db.put(&mut wtxn, key, &rmp_serde::to_vec(ids).unwrap()).unwrap();
+        }
+        wtxn.commit().unwrap();
+        env.prepare_for_closing().wait();
+    }
+    let t = Instant::now();
+    let (env, db) = open(dir.path());
+    let rtxn = env.read_txn().unwrap();
+    let done = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let mut n = 0u32;
+    for entry in db.iter(&rtxn).unwrap() {
+        let (_, bytes) = entry.unwrap();
+        for id in rmp_serde::from_slice::<Vec<String>>(bytes).unwrap() {
+            let done = done.clone();
+            tokio::spawn(async move {
+                std::hint::black_box(id);
+                done.add_permits(1);
+            });
+            n += 1;
+        }
+    }
+    let _all = done.acquire_many(n).await.unwrap();
+    t.elapsed()
 }
 
 criterion_group!(benches, bench);

@@ -1,4 +1,5 @@
-//! What the benches share.
+//! What the benches share. Each bench compiles this module on its own and uses part of it.
+#![allow(dead_code)]
 
 use std::future::Future;
 
@@ -45,4 +46,9 @@ pub fn median(v: &mut [f64]) -> f64 {
 /// Prints a machine-readable `ratio=` line: `value` against its same-run `baseline`.
 pub fn print_ratio(label: &str, value: f64, baseline: f64) {
     println!("ratio={label} {:.3} ({value:.0}/s vs baseline {baseline:.0}/s)", value / baseline);
+}
+
+/// Prints a `ratio=` line for figures other than rates (bytes, seconds): `value ÷ baseline`.
+pub fn print_ratio_of(label: &str, value: f64, baseline: f64) {
+    println!("ratio={label} {:.3} ({value:.0} vs baseline {baseline:.0})", value / baseline);
 }
