@@ -307,6 +307,21 @@ impl CoordinatorCore {
                     self.rejected += 1;
                     let refused = ToRegion::RegisterRefused { coordinator: self.me.clone() };
                     self.commit(vec![], vec![Self::send(&region, refused)], out);
+                    // A region the state lists (registered with a predecessor that ran its
+                    // extractor) still hosts shards: they move off it by hand-off, its entities
+                    // stopping first, as when it shuts down.
+                    if self.state.regions.contains(&region) && self.shutting_down.insert(region.clone()) {
+                        let shards: Vec<ShardId> = self
+                            .state
+                            .shards_of(&region)
+                            .iter()
+                            .filter(|s| !self.handoffs.contains_key(*s))
+                            .cloned()
+                            .collect();
+                        for s in shards {
+                            self.start_handoff(s, region.clone(), now, out);
+                        }
+                    }
                     return;
                 }
                 if !self.members.status(&region).is_some_and(MemberStatus::is_up_or_leaving) {
@@ -725,10 +740,38 @@ mod tests {
         assert_eq!(sent, vec![(r("b"), ToRegion::RegisterRefused { coordinator: r("c") })]);
         assert!(c.regions().next().is_none(), "not registered");
         assert_eq!(c.rejected_messages(), 1);
-        // The same region with the cluster's extractor (after a restart with it) is accepted.
+        // The same region with the cluster's extractor is accepted.
         let sent =
             step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7 }), now, 1);
         assert!(matches!(&sent[..], [(_, ToRegion::RegisterAck { .. })]), "{sent:?}");
+    }
+
+    #[test]
+    fn a_registered_region_that_comes_back_with_another_extractor_has_its_shards_handed_off_and_gets_none() {
+        let mut c = core(1);
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        reg(&mut c, "b", now);
+        for s in 0..6 {
+            let who = if s % 2 == 0 { "a" } else { "b" };
+            step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
+        }
+        let on_a: BTreeSet<ShardId> = c.state().shards_of(&r("a")).iter().cloned().collect();
+        assert!(!on_a.is_empty());
+        let sent =
+            step(&mut c, from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8 }), now, 1);
+        assert!(sent.contains(&(r("a"), ToRegion::RegisterRefused { coordinator: r("c") })));
+        let begins: BTreeSet<ShardId> = sent
+            .iter()
+            .filter_map(|(_, m)| match m {
+                ToRegion::BeginHandOff { shard } => Some(shard.clone()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(begins, on_a, "its shards leave it by hand-off (entities stop before they start elsewhere)");
+        // A new shard never goes to it.
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "new".into(), region: r("b") }), now, 1);
+        assert_eq!(c.state().home("new").map(|(h, _)| h.clone()), Some(r("b")));
     }
 
     #[test]
