@@ -451,6 +451,13 @@ mod tests {
         assert!(guarded.rebalance(&layout, &BTreeSet::new()).is_empty());
         let guarded = PanicGuardedStrategy(Arc::new(Stranger));
         assert_eq!(guarded.allocate(&layout[0].region, &"new".into(), &layout), layout[1].region);
+        // A strategy that works passes through the guard unchanged.
+        let guarded = PanicGuardedStrategy(Arc::new(UNLIMITED));
+        let unbalanced = self::layout(&[4, 0]);
+        let moved = guarded.rebalance(&unbalanced, &BTreeSet::new());
+        assert_eq!(moved, UNLIMITED.rebalance(&unbalanced, &BTreeSet::new()));
+        assert!(!moved.is_empty());
+        assert_eq!(guarded.allocate(&unbalanced[0].region, &"new".into(), &unbalanced), unbalanced[1].region);
     }
 
     #[test]
