@@ -30,6 +30,8 @@ async fn coordinator_node_killed_known_shards_keep_answering_and_new_shards_allo
         regions[1].ask(id, CounterMsg::Add(1)).await.unwrap();
         homes.insert(id.clone(), where_is(&regions[1], id).await);
     }
+    let on_n1 = homes.values().filter(|h| *h == "n1").count();
+    assert!(on_n1 > 0 && on_n1 < ids.len(), "n1 hosts some ids and not all: {on_n1}");
     // n1 runs the coordinator; kill it.
     c.kill(0).await;
     // Shards with known homes elsewhere keep answering throughout, with their state.
