@@ -215,8 +215,9 @@ impl NodeConfig {
         if self.node_id.contains(['/', '#', ',']) || self.node_id.chars().any(char::is_whitespace) {
             return bad(format!("node_id {:?} must not contain '/', '#', ',' or white space", self.node_id));
         }
-        if self.cluster_id.is_empty() {
-            return bad("cluster_id must not be empty".into());
+        if self.cluster_id.is_empty() || self.cluster_id.len() > 200 {
+            // Bounded so a handshake always fits in the transport's small first-frame limit.
+            return bad("cluster_id must be 1 to 200 characters".into());
         }
         if self.roles.iter().any(|r| r.is_empty() || r.contains(',')) {
             return bad("roles must be non-empty and must not contain ','".into());
@@ -276,6 +277,7 @@ mod tests {
             (NodeConfig { node_id: String::new(), ..ok.clone() }, "node_id"),
             (NodeConfig { node_id: "a b".into(), ..ok.clone() }, "node_id"),
             (NodeConfig { cluster_id: String::new(), ..ok.clone() }, "cluster_id"),
+            (NodeConfig { cluster_id: "c".repeat(201), ..ok.clone() }, "cluster_id"),
             (NodeConfig { roles: vec!["a,b".into()], ..ok.clone() }, "roles"),
         ] {
             match cfg.validate() {

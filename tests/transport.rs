@@ -97,6 +97,22 @@ async fn four_gib_length_prefix_closes_the_connection_without_allocating() {
     c.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_frame_over_the_handshake_limit_closes_the_connection_before_any_bytes_are_buffered() {
+    // A long handshake timeout: only the size limit can close this connection in time.
+    let mut c =
+        TestCluster::start_with(2, |_, cfg| cfg.transport.connect_timeout = Duration::from_secs(120)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let mut s = TcpStream::connect(c.node(0).messaging_addr()).await.unwrap();
+    // Announces a 1 MiB hello (well under max_frame_size) and sends none of it: an outsider
+    // must not make the node reserve a frame-sized buffer before it is authenticated.
+    s.write_all(&(1u32 << 20).to_be_bytes()).await.unwrap();
+    assert!(closed_by_server(&mut s).await, "closed for its announced size, not after the handshake timeout");
+    await_rejected(c.node(0), 1).await;
+    still_serves(&c).await;
+    c.shutdown().await;
+}
+
 async fn handshake(target: std::net::SocketAddr, hello: &Hello) -> (TcpStream, Option<HelloReply>) {
     let mut s = TcpStream::connect(target).await.unwrap();
     let body = wire::encode(hello).unwrap();

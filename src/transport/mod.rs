@@ -108,6 +108,12 @@ fn codec(max_frame: usize) -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().max_frame_length(max_frame).new_codec()
 }
 
+/// Largest handshake frame (`Hello` or `HelloReply`; ids and cluster id are at most 200 bytes
+/// each, so a real one is under 1 KiB). Until the handshake is done the codec allows only this
+/// much, so a connection that has not introduced itself cannot make the node buffer more;
+/// afterwards `max_frame_size` applies.
+const MAX_HANDSHAKE_FRAME: usize = 4096;
+
 impl Transport {
     /// Binds the listener and starts accepting, outside any node (its tasks end when
     /// `shutdown` fires). `bind` may use port 0.
@@ -365,7 +371,7 @@ enum DialError {
 async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Framed<TcpStream, LengthDelimitedCodec>, DialError> {
     let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
     stream.set_nodelay(true).map_err(DialError::Io)?;
-    let mut framed = Framed::new(stream, codec(inner.settings.max_frame_size));
+    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     let hello = Hello {
         protocol_version: PROTOCOL_VERSION,
         cluster_id: inner.cluster_id.clone(),
@@ -377,7 +383,10 @@ async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Framed<TcpStream, Length
     framed.send(hello).await.map_err(DialError::Io)?;
     match framed.next().await {
         Some(Ok(bytes)) => match wire::decode::<HelloReply>(&bytes) {
-            Ok(HelloReply::Accept) => Ok(framed),
+            Ok(HelloReply::Accept) => {
+                framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
+                Ok(framed)
+            }
             Ok(HelloReply::Reject(r)) => Err(DialError::Refused(r.to_string())),
             Err(e) => Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
         },
@@ -449,7 +458,7 @@ async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAdd
 }
 
 async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), InboundError> {
-    let mut framed = Framed::new(stream, codec(inner.settings.max_frame_size));
+    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     let first = match tokio::time::timeout(inner.settings.connect_timeout, framed.next()).await {
         Err(_) => return Err(InboundError::HandshakeTimeout),
         Ok(None) => return Ok(()),
@@ -474,6 +483,7 @@ async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), I
     }
     let reply = wire::encode(&HelloReply::Accept).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
     framed.send(reply).await.map_err(InboundError::BadFrame)?;
+    framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
     let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
     info!(peer = %from.address, "inbound connection accepted");
     let mut topic_cache = HashMap::new();
