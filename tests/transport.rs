@@ -552,3 +552,64 @@ async fn a_peer_that_stops_reading_fills_its_send_queue_and_sends_fail_with_send
     drain.abort();
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_request_leaves_no_pending_entry_behind() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let _silent = c.node(1).transport().subscribe("silent", 16); // receives, never answers
+    let t = c.node(0).transport().clone();
+    let to = peer_of(c.node(1));
+    for _ in 0..10 {
+        // The caller gives up first (a select!, a dropped task): the request future is dropped.
+        let r =
+            tokio::time::timeout(Duration::from_millis(50), t.request(&to, "silent", b"?", Duration::from_secs(60)));
+        assert!(r.await.is_err());
+    }
+    assert_eq!(t.pending_requests(), 0, "a dropped request removes its pending entry");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_to_a_peer_that_refuses_the_handshake_fails_with_peer_unavailable_not_a_timeout() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let stop = CancellationToken::new();
+    let alien = Transport::bind(
+        "127.0.0.1:0".parse().unwrap(),
+        UniqueAddress::new("alien", 1),
+        "other-cluster".into(),
+        TransportSettings::default(),
+        stop.clone(),
+    )
+    .await
+    .unwrap();
+    let _inbox = alien.subscribe("probe", 16);
+    let r = c.node(0).transport().request(alien.local(), "probe", b"?", Duration::from_secs(30)).await;
+    assert!(matches!(r, Err(Error::PeerUnavailable { .. })), "{r:?}");
+    assert_eq!(c.node(0).transport().pending_requests(), 0);
+    stop.cancel();
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_from_another_peer_does_not_complete_a_request() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    let _silent = c.node(1).transport().subscribe("silent", 16);
+    let pending = {
+        let (t, to) = (node.transport().clone(), peer_of(c.node(1)));
+        tokio::spawn(async move { t.request(&to, "silent", b"?", Duration::from_secs(3)).await })
+    };
+    // An outsider (a valid handshake as "n9") answers every plausible request id.
+    let reply_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut s = accepted(node.messaging_addr(), &outsider_hello(&node, reply_listener.local_addr().unwrap())).await;
+    for id in 0..1000u64 {
+        let forged = wire::encode(&Frame::Response { id, body: ResponseBody::Ok(b"forged") }).unwrap();
+        write_frame(&mut s, &forged).await.unwrap();
+    }
+    let r = pending.await.unwrap();
+    assert!(matches!(r, Err(Error::RequestTimeout { .. })), "only n2 may answer a request sent to n2: {r:?}");
+    c.shutdown().await;
+}

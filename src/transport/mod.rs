@@ -82,7 +82,7 @@ struct Inner {
     settings: TransportSettings,
     writers: Mutex<HashMap<UniqueAddress, Arc<PeerQueue>>>,
     topics: Mutex<HashMap<String, mpsc::Sender<Inbound>>>,
-    pending: Mutex<HashMap<u64, oneshot::Sender<Result<Bytes>>>>,
+    pending: Mutex<HashMap<u64, PendingRequest>>,
     next_request_id: AtomicU64,
     stats: TransportStats,
     shutdown: CancellationToken,
@@ -90,6 +90,25 @@ struct Inner {
     loopback: mpsc::UnboundedSender<Bytes>,
     link_filter: Option<Arc<dyn LinkFilter>>,
     spawner: Spawner,
+}
+
+/// A request waiting for its response: only the incarnation it was sent to may answer it.
+struct PendingRequest {
+    peer: UniqueAddress,
+    reply: oneshot::Sender<Result<Bytes>>,
+}
+
+/// Removes a request's pending entry however its future ends (answered, timed out, or dropped
+/// by a caller that gave up).
+struct PendingGuard<'a> {
+    inner: &'a Inner,
+    id: u64,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.inner.pending.lock().expect("pending lock").remove(&self.id);
+    }
 }
 
 /// Handle to the messaging layer of one node; cheap to clone.
@@ -196,18 +215,21 @@ impl Transport {
     /// Sends a request and waits for its response (or the timeout).
     pub async fn request(&self, to: &PeerAddr, topic: &str, body: &[u8], timeout: Duration) -> Result<Bytes> {
         let id = self.inner.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = oneshot::channel();
-        self.inner.pending.lock().expect("pending lock").insert(id, tx);
-        let result = match self.enqueue(to, &Frame::Request { id, topic, body }) {
-            Ok(()) => match tokio::time::timeout(timeout, rx).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(_)) => Err(Error::ShutDown),
-                Err(_) => Err(Error::RequestTimeout { peer: to.address.node_id.to_string() }),
-            },
-            Err(e) => Err(e),
-        };
-        self.inner.pending.lock().expect("pending lock").remove(&id);
-        result
+        let (reply, rx) = oneshot::channel();
+        self.inner.pending.lock().expect("pending lock").insert(id, PendingRequest { peer: to.address.clone(), reply });
+        let _pending = PendingGuard { inner: &self.inner, id };
+        self.enqueue(to, &Frame::Request { id, topic, body })?;
+        match tokio::time::timeout(timeout, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(Error::ShutDown),
+            Err(_) => Err(Error::RequestTimeout { peer: to.address.node_id.to_string() }),
+        }
+    }
+
+    /// Requests sent and not yet answered, failed or given up (a gauge for operators; it
+    /// returns to zero when nothing is in flight).
+    pub fn pending_requests(&self) -> usize {
+        self.inner.pending.lock().expect("pending lock").len()
     }
 
     /// Answers a request received as [`Inbound`] with `request_id`.
@@ -314,10 +336,22 @@ async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
             }
             Ok(Err(DialError::Refused(reason))) => {
                 warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
-                let mut q = queue.state.lock().expect("queue lock");
-                q.closed = true;
-                q.buf.clear();
-                q.frames = 0;
+                {
+                    let mut q = queue.state.lock().expect("queue lock");
+                    q.closed = true;
+                    q.buf.clear();
+                    q.frames = 0;
+                }
+                // Requests to it will get no answer: fail them now, not at their timeout.
+                let mut pending = inner.pending.lock().expect("pending lock");
+                let refused: Vec<u64> =
+                    pending.iter().filter(|(_, r)| r.peer == peer.address).map(|(id, _)| *id).collect();
+                for id in refused {
+                    if let Some(r) = pending.remove(&id) {
+                        let peer = peer.address.node_id.to_string();
+                        let _ = r.reply.send(Err(Error::PeerUnavailable { peer, reason: reason.clone() }));
+                    }
+                }
                 return;
             }
             Ok(Err(DialError::Io(e))) => {
@@ -512,8 +546,17 @@ async fn dispatch(
 ) {
     let (topic, body, request_id) = match frame {
         Frame::Response { id, body } => {
-            if let Some(tx) = inner.pending.lock().expect("pending lock").remove(&id) {
-                let _ = tx.send(match body {
+            let mut pending = inner.pending.lock().expect("pending lock");
+            let Some(request) = pending.get(&id) else { return };
+            if request.peer != from.address {
+                // Only the incarnation a request went to may answer it.
+                drop(pending);
+                inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                debug!(peer = %from.address, id, "response to a request sent to another peer; dropped");
+                return;
+            }
+            if let Some(request) = pending.remove(&id) {
+                let _ = request.reply.send(match body {
                     ResponseBody::Ok(b) => Ok(buf.slice_ref(b)),
                     ResponseBody::Err(reason) => {
                         Err(Error::PeerUnavailable { peer: from.address.node_id.to_string(), reason })
