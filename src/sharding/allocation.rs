@@ -480,6 +480,33 @@ mod tests {
         assert_eq!(t3.rebalance(&layout(&[10, 1]), &BTreeSet::new()).len(), 2);
         let busy: BTreeSet<ShardId> = ["001".to_string(), "002".to_string()].into();
         assert!(t3.rebalance(&layout(&[10, 1]), &busy).is_empty(), "max simultaneous reached");
+        let over: BTreeSet<ShardId> = ["001".to_string(), "002".to_string(), "003".to_string()].into();
+        assert!(t3.rebalance(&layout(&[10, 1]), &over).is_empty(), "more in progress than allowed moves none");
+        // diff 5 > 3: min(5 - 3, 3, 5) = 2 — the surplus over the threshold binds.
+        let t3m5 = LegacyLeastShardAllocation { threshold: 3, max_simultaneous: 5 };
+        assert_eq!(t3m5.rebalance(&layout(&[6, 1]), &BTreeSet::new()).len(), 2);
+        // One move elsewhere in progress: min(6, 3, 3 - 1) = 2 — the free slots bind.
+        let t3m3 = LegacyLeastShardAllocation { threshold: 3, max_simultaneous: 3 };
+        let elsewhere: BTreeSet<ShardId> = ["zzz".to_string()].into();
+        assert_eq!(t3m3.rebalance(&layout(&[10, 1]), &elsewhere).len(), 2);
+    }
+
+    #[test]
+    fn consistent_hashing_never_picks_a_leaving_region_and_a_shard_on_a_ring_point_belongs_to_it() {
+        let ch = ConsistentHashingAllocation::default();
+        let mut regions = layout(&[0, 0, 0]);
+        regions[1].leaving = true;
+        for i in 0..200 {
+            assert_ne!(ch.ring_owner(&format!("s{i}"), &regions), Some(regions[1].region.clone()));
+        }
+        // A shard whose hash is exactly a ring point ("<node>-<v>") belongs to that point's region.
+        let regions = layout(&[0, 0, 0]);
+        for r in &regions {
+            for v in 0..ch.virtual_nodes {
+                let point = format!("{}-{v}", r.region.node_id);
+                assert_eq!(ch.ring_owner(&point, &regions), Some(r.region.clone()), "{point}");
+            }
+        }
     }
 
     #[test]
