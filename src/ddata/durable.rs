@@ -38,6 +38,9 @@ impl std::fmt::Debug for DurableStore {
 }
 
 const GENERATION_KEY: &str = "generation";
+
+/// Largest record sequence a store may hold (2^62: billions of years of writes).
+const MAX_SEQUENCE: u64 = 1 << 62;
 const FORMAT_KEY: &str = "format";
 
 /// Version of the store's layout and value encoding. 3: sequence-stamped snapshots and one
@@ -283,6 +286,11 @@ impl DurableStore {
                 Err(reason) => out.corrupt.push((key, reason)),
             }
         }
+        // Sequences only grow by one per write; one this high is a corrupt record, and tickets
+        // continuing above it would overflow.
+        if out.max_seq > MAX_SEQUENCE {
+            return Err(Error::storage(&self.path, format!("sequence {} is beyond any real store", out.max_seq)));
+        }
         Ok(out)
     }
 
@@ -416,7 +424,10 @@ impl DurableStore {
             Some(_) => return Err(Error::storage(&self.path, "corrupt generation record")),
             None => 0,
         };
-        let generation = now_ms.max(last + 1);
+        let Some(next) = last.checked_add(1) else {
+            return Err(Error::storage(&self.path, "generation record at its maximum"));
+        };
+        let generation = now_ms.max(next);
         self.meta
             .put(&mut wtxn, GENERATION_KEY, &generation.to_be_bytes())
             .map_err(|e| Error::storage(&self.path, e))?;
@@ -467,6 +478,26 @@ mod tests {
         assert_eq!(s.next_generation(5).unwrap(), g1 + 1);
         assert_eq!(s.delete_prefix("shard-").unwrap(), 1);
         assert!(s.load_all().unwrap().entries.is_empty());
+    }
+
+    #[test]
+    fn a_generation_record_at_its_maximum_is_a_typed_error_not_an_overflow() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        assert_eq!(s.next_generation(u64::MAX).unwrap(), u64::MAX);
+        let err = s.next_generation(5).unwrap_err();
+        assert!(matches!(&err, Error::Storage { .. }) && err.to_string().contains("maximum"), "{err}");
+    }
+
+    #[test]
+    fn a_record_sequence_beyond_any_real_store_refuses_the_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        let mut set = GSet::default();
+        set.insert("a");
+        s.apply(&[snapshot("shard-x", u64::MAX - 1, &ReplicatedData::GSet(set))]).unwrap();
+        let err = s.load_all().unwrap_err();
+        assert!(matches!(&err, Error::Storage { .. }) && err.to_string().contains("sequence"), "{err}");
     }
 
     #[test]

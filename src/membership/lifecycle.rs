@@ -92,7 +92,8 @@ impl LifecycleCore {
         out: &mut Vec<LifecycleAction>,
     ) -> Option<MembershipSnapshot> {
         if self.status == MemberStatus::Joining && self.ready_to_be_up(nodes, now) {
-            let up = highest_up_number(nodes) + 1;
+            // Saturating: the highest up-number comes from gossip.
+            let up = highest_up_number(nodes).saturating_add(1);
             info!(node = %self.address, up_number = up, "member is up");
             self.status = MemberStatus::Up;
             out.push(LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(up) });
@@ -220,6 +221,17 @@ mod tests {
         assert!(out.is_empty(), "still joining: {out:?}");
         assert!(c.on_gossip(&nodes, t0 + GOSSIP * 2, &mut out).is_none());
         assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(8) }]);
+    }
+
+    #[test]
+    fn a_gossiped_up_number_at_its_maximum_does_not_overflow_the_joiner() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(true, false, None), t0);
+        let nodes = [node("a", "up", Some(u64::MAX), true), node("me", "joining", None, true)];
+        let mut out = Vec::new();
+        c.on_gossip(&nodes, t0, &mut out);
+        c.on_gossip(&nodes, t0 + GOSSIP * 2, &mut out);
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(u64::MAX) }]);
     }
 
     #[test]

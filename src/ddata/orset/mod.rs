@@ -437,8 +437,10 @@ impl OrSet {
 
     fn absorb_cloud(&mut self, w: u16) {
         loop {
-            let next = Dot::new(w, self.vv[usize::from(w)] + 1);
-            if next.counter() > MAX_COUNTER || !self.cloud.remove(&next) {
+            // Checked before the dot is built: a peer's state may put the entry at the maximum.
+            let Some(c) = self.vv[usize::from(w)].checked_add(1).filter(|c| *c <= MAX_COUNTER) else { return };
+            let next = Dot::new(w, c);
+            if !self.cloud.remove(&next) {
                 return;
             }
             self.context_digest = self.context_digest.wrapping_sub(self.cloud_hash(next));
@@ -723,6 +725,27 @@ mod tests {
         assert!(bad(wire(vec!["a"], vec![1], vec![9, b'x'])), "truncated");
         assert!(bad(wire(vec!["a"], vec![1], vec![1, 0xff, 0, 1])), "not utf-8");
         assert!(!bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 1])), "valid");
+    }
+
+    #[test]
+    fn a_peer_state_at_the_largest_counter_merges_without_overflow_and_our_next_add_is_refused_not_corrupt() {
+        // A valid state (counter = MAX_COUNTER) naming our own writer, as a hostile or very
+        // old peer might send.
+        let encoded = rmp_serde::to_vec(&OrSetWire {
+            writers: vec!["a#1".into()],
+            vv: vec![MAX_COUNTER],
+            cloud: vec![],
+            entries: vec![1, b'x', 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f],
+        })
+        .unwrap();
+        let peer: OrSet = rmp_serde::from_slice(&encoded).expect("valid state");
+        let mut s = OrSet::default();
+        s.add(&ctx("a#1"), "mine");
+        s.merge(peer);
+        assert!(s.contains("x"));
+        s.add(&ctx("a#1"), "next");
+        assert!(!s.contains("next"), "no dot left for this writer: the add is refused");
+        assert_eq!(roundtrip(&s), s, "the set stays valid");
     }
 
     #[test]

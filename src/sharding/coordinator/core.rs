@@ -487,7 +487,8 @@ impl CoordinatorCore {
         // Epochs grow per shard and follow the wall clock, so a shard allocated by a new
         // coordinator that missed an unacknowledged allocation still gets a larger epoch.
         let prev = self.state.record(shard).map_or(0, |r| r.epoch);
-        let epoch = (prev + 1).max(wall_ms).max(self.last_epoch_ms + 1);
+        // Saturating: `prev` comes from the replicated state (another node wrote it).
+        let epoch = prev.saturating_add(1).max(wall_ms).max(self.last_epoch_ms.saturating_add(1));
         self.last_epoch_ms = epoch;
         debug!(%shard, region = %target, epoch, "shard allocated");
         self.state.set_home(shard, target.clone(), epoch);
@@ -858,6 +859,24 @@ mod tests {
         terminate(&mut c, r("b"), now, 1);
         let sent = get_home(&mut c, "2", "a", now, 1);
         assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::ShardHome { .. })), "one region is enough now");
+    }
+
+    #[test]
+    fn a_shard_record_at_the_largest_epoch_from_the_replicated_state_does_not_overflow() {
+        let mut state = CoordinatorState::default();
+        state.set_home(&"1".to_string(), r("a"), u64::MAX);
+        state.clear_home("1");
+        let mut c = CoordinatorCore::new(
+            r("c"),
+            test_settings(1),
+            Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+            state,
+            Instant::now(),
+        );
+        let now = Instant::now();
+        reg(&mut c, "a", now);
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
+        assert_eq!(c.state().home("1"), Some((&r("a"), u64::MAX)));
     }
 
     #[test]
