@@ -110,6 +110,16 @@ pub enum Error {
         buffer_size: usize,
     },
 
+    /// The entity's mailbox already holds `entity_mailbox_capacity` messages it has not taken
+    /// yet (it is slower than its senders); the message was dropped (counted).
+    #[error("mailbox of entity {entity_id:?} is full ({capacity} messages); message dropped")]
+    MailboxFull {
+        /// The entity.
+        entity_id: String,
+        /// The configured `entity_mailbox_capacity`.
+        capacity: usize,
+    },
+
     /// No reply within the ask timeout.
     #[error("ask to entity {entity_id:?} timed out after {timeout:?}")]
     AskTimeout {

@@ -209,3 +209,39 @@ async fn idle_entity_is_passivated_after_the_idle_timeout_while_a_busy_one_keeps
     assert_eq!(created.iter().filter(|(id, _)| id == "busy").count(), 1, "{created:?}");
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_to_one_slow_entity_beyond_its_mailbox_capacity_fails_with_mailbox_full() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s = ddshard::ShardingSettings { min_nr_of_members: 1, entity_mailbox_capacity: 10, ..settings() };
+    let r = start_counter(c.node(0), &probe, s).await;
+    r.ask("slow", CounterMsg::Get).await.unwrap(); // running
+    let busy = {
+        let r = r.clone();
+        tokio::spawn(async move { r.ask("slow", CounterMsg::SleepMs(1_500)).await })
+    };
+    // The entity has taken the sleep (its handler counted it): it is busy now.
+    eventually(CONVERGE, "the entity is busy", || {
+        std::future::ready((probe.handled.load(Ordering::SeqCst) == 2).then_some(()))
+    })
+    .await;
+    let asks = (0..40).map(|_| {
+        let r = r.clone();
+        async move { r.ask("slow", CounterMsg::Get).await }
+    });
+    let results = futures::future::join_all(asks).await;
+    let ok = results.iter().filter(|r| r.is_ok()).count();
+    let full = results
+        .iter()
+        .filter(|r| matches!(r, Err(Error::MailboxFull { entity_id, capacity: 10 }) if entity_id == "slow"))
+        .count();
+    assert_eq!(ok + full, 40, "every ask answered or refused with MailboxFull: {results:?}");
+    assert!(ok <= 10 && full >= 30, "at most the capacity queued: {ok} answered, {full} refused");
+    assert_eq!(r.counters().dropped_mailbox_full.load(Ordering::Relaxed), full as u64);
+    busy.await.unwrap().unwrap();
+    // The entity is fine afterwards.
+    r.ask("slow", CounterMsg::Get).await.unwrap();
+    c.shutdown().await;
+}

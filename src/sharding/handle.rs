@@ -46,6 +46,8 @@ pub struct RegionCounters {
     pub entity_panics: AtomicU64,
     /// Shards stopped because their remembered set could not be loaded or written.
     pub shard_failures: AtomicU64,
+    /// Messages dropped because their entity's mailbox was full (`entity_mailbox_capacity`).
+    pub dropped_mailbox_full: AtomicU64,
     /// Messages refused because the coordinator refused this region (its shard-id extractor
     /// differs from the coordinator's node: an entity could otherwise run in two shards).
     pub dropped_refused: AtomicU64,

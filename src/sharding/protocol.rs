@@ -86,6 +86,7 @@ pub(crate) enum DeliveryFailure {
     EmptyEntityId,
     AskTimeout { timeout_ms: u64 },
     NotDelivered { reason: String },
+    MailboxFull { capacity: u64 },
 }
 
 impl DeliveryFailure {
@@ -101,6 +102,7 @@ impl DeliveryFailure {
                 DeliveryFailure::AskTimeout { timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX) }
             }
             Error::NotDelivered { reason, .. } => DeliveryFailure::NotDelivered { reason: reason.clone() },
+            Error::MailboxFull { capacity, .. } => DeliveryFailure::MailboxFull { capacity: *capacity as u64 },
             other => DeliveryFailure::NotDelivered { reason: other.to_string() },
         }
     }
@@ -117,6 +119,10 @@ impl DeliveryFailure {
             DeliveryFailure::NotDelivered { reason } => {
                 Error::NotDelivered { entity_id: entity_id.to_string(), reason }
             }
+            DeliveryFailure::MailboxFull { capacity } => Error::MailboxFull {
+                entity_id: entity_id.to_string(),
+                capacity: usize::try_from(capacity).unwrap_or(usize::MAX),
+            },
         }
     }
 }
@@ -162,6 +168,7 @@ mod tests {
             Error::EmptyEntityId,
             Error::AskTimeout { entity_id: "remote-side".into(), timeout: std::time::Duration::from_millis(1500) },
             Error::NotDelivered { entity_id: "remote-side".into(), reason: "entity stopped".into() },
+            Error::MailboxFull { entity_id: "remote-side".into(), capacity: 9 },
         ];
         for e in cases {
             let wire = crate::transport::wire::encode(&DeliveryFailure::of(&e)).unwrap();
@@ -176,6 +183,9 @@ mod tests {
                 }
                 (Error::NotDelivered { .. }, Error::NotDelivered { entity_id, reason }) => {
                     assert_eq!((entity_id.as_str(), reason.as_str()), ("cart-1", "entity stopped"))
+                }
+                (Error::MailboxFull { .. }, Error::MailboxFull { entity_id, capacity }) => {
+                    assert_eq!((entity_id.as_str(), *capacity), ("cart-1", 9))
                 }
                 _ => panic!("{e:?} came back as {back:?}"),
             }

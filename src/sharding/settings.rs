@@ -76,6 +76,10 @@ pub struct ShardingSettings {
     /// Messages a region buffers while shard homes are unknown; beyond it `tell` fails with
     /// [`Error::BufferFull`].
     pub buffer_size: usize,
+    /// Messages an entity's mailbox holds before it takes them; beyond it a message is dropped
+    /// and its ask fails with [`Error::MailboxFull`] (a slow entity cannot grow memory without
+    /// bound).
+    pub entity_mailbox_capacity: usize,
     /// One timeout for a whole hand-off (acks, stopping the entities).
     #[serde(with = "humantime_serde")]
     pub handoff_timeout: Duration,
@@ -131,6 +135,7 @@ impl Default for ShardingSettings {
             entity_recovery_batch: 0,
             entity_recovery_interval: Duration::from_millis(100),
             buffer_size: 100_000,
+            entity_mailbox_capacity: 10_000,
             handoff_timeout: Duration::from_secs(30),
             rebalance_interval: Duration::from_secs(10),
             passivation_idle_timeout: Some(Duration::from_secs(120)),
@@ -157,6 +162,9 @@ impl ShardingSettings {
         }
         if self.buffer_size == 0 {
             return bad("buffer_size must be > 0");
+        }
+        if self.entity_mailbox_capacity == 0 {
+            return bad("entity_mailbox_capacity must be > 0");
         }
         if self.min_nr_of_members == 0 {
             return bad("min_nr_of_members must be >= 1");

@@ -38,6 +38,8 @@ pub enum CounterMsg {
     Panic,
     Epoch,
     WhereAreYou,
+    /// Keeps the entity busy this long, then answers its value.
+    SleepMs(u64),
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -81,6 +83,10 @@ impl Entity for Counter {
             CounterMsg::Panic => panic!("asked to panic"),
             CounterMsg::Epoch => CounterReply::Epoch(ctx.epoch()),
             CounterMsg::WhereAreYou => CounterReply::Node(self.probe.node.clone()),
+            CounterMsg::SleepMs(ms) => {
+                tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                CounterReply::Value(self.value)
+            }
         }
     }
 }

@@ -33,6 +33,8 @@ pub(crate) struct EntityRunner<E: Entity> {
     pub replier: Replier,
     pub type_name: Arc<str>,
     pub counters: Arc<RegionCounters>,
+    /// Messages sent to this incarnation and not yet taken (the host bounds it).
+    pub queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<E: Entity> EntityRunner<E> {
@@ -88,6 +90,7 @@ impl<E: Entity> EntityRunner<E> {
                 EntityCmd::Stop => break,
                 EntityCmd::Msg(env) => env,
             };
+            self.queued.fetch_sub(1, Ordering::Relaxed);
             let Some(msg) = env.msg else {
                 self.respond(env.reply, Ok(None));
                 continue;

@@ -9,7 +9,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -21,6 +21,7 @@ use super::core::{DropReason, ShardAction, ShardCore, ShardInput};
 use super::entity::{EntityCmd, EntityRunner, Factory};
 use super::remember::RememberIo;
 use super::{ShardEvent, StoreResult, Work};
+use crate::error::Error;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, ShardIdExtractor};
@@ -31,6 +32,9 @@ use crate::spawn::Spawner;
 
 struct EntityHandle<E: Entity> {
     tx: mpsc::UnboundedSender<EntityCmd<E>>,
+    /// Messages sent and not yet taken by the entity (the mailbox bound; `Stop` is never
+    /// refused, so the channel itself stays unbounded).
+    queued: Arc<AtomicUsize>,
     task: JoinHandle<()>,
     incarnation: u64,
 }
@@ -252,6 +256,7 @@ impl<E: Entity> LocalShards<E> {
     fn spawn_entity(&mut self, shard_id: &ShardId, entity_id: String, incarnation: u64) {
         let Some(shard) = self.shards.get_mut(shard_id) else { return };
         let (tx, rx) = mpsc::unbounded_channel();
+        let queued = Arc::new(AtomicUsize::new(0));
         let ctx = EntityContext {
             entity_id: entity_id.clone(),
             shard_id: shard_id.clone(),
@@ -265,10 +270,11 @@ impl<E: Entity> LocalShards<E> {
             replier: self.replier.clone(),
             type_name: self.type_name.clone(),
             counters: self.counters.clone(),
+            queued: queued.clone(),
         };
         let run = runner.run(self.factory.clone(), rx);
         let task = self.spawner.spawn(self.entity_tasks.track_future(shard.tasks.track_future(run)));
-        shard.entities.insert(entity_id, EntityHandle { tx, task, incarnation });
+        shard.entities.insert(entity_id, EntityHandle { tx, queued, task, incarnation });
     }
 
     fn perform(&mut self, shard_id: &ShardId, action: ShardAction<Envelope<E>>, work: &mut VecDeque<Work<E>>) {
@@ -277,6 +283,21 @@ impl<E: Entity> LocalShards<E> {
             ShardAction::Send { entity_id, msg } => {
                 match self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) {
                     Some(h) => {
+                        let capacity = self.settings.entity_mailbox_capacity;
+                        if h.queued.load(Ordering::Relaxed) >= capacity {
+                            if self.counters.dropped_mailbox_full.fetch_add(1, Ordering::Relaxed) == 0 {
+                                warn!(type_name = %self.type_name, %entity_id, capacity, "entity mailbox full; dropping messages");
+                            }
+                            if let Some(r) = msg.reply {
+                                self.replier.reply::<E>(
+                                    r,
+                                    &entity_id,
+                                    Err(Error::MailboxFull { entity_id: entity_id.clone(), capacity }),
+                                );
+                            }
+                            return;
+                        }
+                        h.queued.fetch_add(1, Ordering::Relaxed);
                         if let Err(mpsc::error::SendError(EntityCmd::Msg(env))) = h.tx.send(EntityCmd::Msg(msg)) {
                             // The task already ended; its Terminated event is on the way. The
                             // message goes to the next incarnation after it (not back into this
