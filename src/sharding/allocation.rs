@@ -551,6 +551,9 @@ mod tests {
         assert_eq!(ext.allocate(&regions[1].region, &"b".into(), &regions).node_id.as_ref(), "r1", "requester");
         table.write().unwrap().insert("001".into(), "r1".into());
         assert_eq!(ext.rebalance(&regions, &BTreeSet::new()), BTreeSet::from(["001".to_string()]));
+        // A requester that cannot host (a proxy) gets the least loaded region, not itself.
+        let proxy = UniqueAddress::new("proxy", 1);
+        assert_eq!(ext.allocate(&proxy, &"unlisted".into(), &regions).node_id.as_ref(), "r1");
         // The table it exposes is the one it follows.
         assert!(Arc::ptr_eq(ext.locations(), &table));
         ext.locations().write().unwrap().insert("c".into(), "r2".into());

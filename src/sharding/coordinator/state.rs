@@ -193,6 +193,38 @@ mod tests {
     }
 
     #[test]
+    fn the_state_reads_back_from_the_map_the_coordinator_wrote_skipping_undecodable_entries() {
+        let (a, p) = (UniqueAddress::new("a", 1), UniqueAddress::new("p", 1));
+        let mut ctx = crate::ddata::WriteCtx::new("c#1", 1);
+        let mut map = LwwMap::default();
+        let put = |map: &mut LwwMap, ctx: &mut crate::ddata::WriteCtx, k: String, v: Vec<u8>| map.put(ctx, k, v);
+        put(
+            &mut map,
+            &mut ctx,
+            keys::region_entry(&a),
+            rmp_serde::to_vec(&RegionRecord { region: a.clone(), proxy: false }).unwrap(),
+        );
+        put(
+            &mut map,
+            &mut ctx,
+            keys::region_entry(&p),
+            rmp_serde::to_vec(&RegionRecord { region: p.clone(), proxy: true }).unwrap(),
+        );
+        let home = ShardRecord { region: Some(a.clone()), epoch: 9 };
+        put(&mut map, &mut ctx, keys::shard_entry("1"), rmp_serde::to_vec(&home).unwrap());
+        let away = ShardRecord { region: None, epoch: 4 };
+        put(&mut map, &mut ctx, keys::shard_entry("2"), rmp_serde::to_vec(&away).unwrap());
+        put(&mut map, &mut ctx, keys::shard_entry("3"), vec![0xc1]);
+        let st = CoordinatorState::from_map(&map);
+        assert_eq!(st.regions, BTreeSet::from([a.clone()]));
+        assert_eq!(st.proxies, BTreeSet::from([p]));
+        assert_eq!(st.record("1"), Some(&home));
+        assert_eq!(st.record("2"), Some(&away));
+        assert_eq!(st.record("3"), None, "undecodable: skipped");
+        assert_eq!(st.shards_of(&a), ["1".to_string()]);
+    }
+
+    #[test]
     fn allocations_list_registered_regions_without_shards_and_share_the_index() {
         let (a, b) = (UniqueAddress::new("a", 1), UniqueAddress::new("b", 1));
         let mut st = CoordinatorState::default();
