@@ -438,6 +438,25 @@ mod tests {
     }
 
     #[test]
+    fn an_unanswered_home_request_is_repeated_once_the_retry_interval_has_passed() {
+        let mut c = region(10);
+        let t0 = Instant::now();
+        let asks = |out: &[RegionAction<u32>]| {
+            out.iter()
+                .filter(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }))
+                .count()
+        };
+        let mut out = Vec::new();
+        c.handle(route("1", 1), t0, &mut out);
+        assert_eq!(asks(&out), 1);
+        let mut out = Vec::new();
+        c.handle(RegionInput::Tick, t0 + Duration::from_secs(2) - Duration::from_millis(1), &mut out);
+        assert_eq!(asks(&out), 0, "not before the interval");
+        c.handle(RegionInput::Tick, t0 + Duration::from_secs(2), &mut out);
+        assert_eq!(asks(&out), 1, "again once it has passed");
+    }
+
+    #[test]
     fn unknown_shard_is_buffered_asked_once_and_flushed_in_order_when_its_home_arrives() {
         let mut c = region(10);
         let out = run(&mut c, route("1", 1));
