@@ -438,6 +438,21 @@ mod tests {
     }
 
     #[test]
+    fn a_shard_homed_here_that_stopped_locally_is_started_again_by_its_next_message_once() {
+        let mut c = region(10);
+        let out = run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 5 }));
+        assert!(out.contains(&RegionAction::StartShard { shard: "1".into(), epoch: 5 }), "{out:?}");
+        run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        let out = run(&mut c, route("1", 1));
+        assert!(
+            matches!(&out[..], [RegionAction::StartShard { epoch: 5, .. }, RegionAction::Deliver { msg: 1, .. }]),
+            "{out:?}"
+        );
+        let out = run(&mut c, route("1", 2));
+        assert!(matches!(&out[..], [RegionAction::Deliver { msg: 2, .. }]), "started once: {out:?}");
+    }
+
+    #[test]
     fn an_unanswered_home_request_is_repeated_once_the_retry_interval_has_passed() {
         let mut c = region(10);
         let t0 = Instant::now();
