@@ -453,6 +453,23 @@ mod tests {
     }
 
     #[test]
+    fn a_region_that_leaves_the_view_loses_its_homes_and_only_those() {
+        let mut c = region(10);
+        run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 1 }));
+        run(&mut c, coord(ToRegion::ShardHome { shard: "2".into(), region: r("third"), epoch: 1 }));
+        let out = run(&mut c, members(&["me", "coord", "other"], Some("coord")));
+        assert_eq!(out, vec![RegionAction::RegionGone(r("third"))]);
+        let out = run(&mut c, route("1", 1));
+        assert!(matches!(&out[..], [RegionAction::Forward { region, msg: 1, .. }] if *region == r("other")), "{out:?}");
+        let out = run(&mut c, route("2", 2));
+        assert!(
+            matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]),
+            "the gone region's shard is asked for again: {out:?}"
+        );
+    }
+
+    #[test]
     fn an_unanswered_home_request_is_repeated_once_the_retry_interval_has_passed() {
         let mut c = region(10);
         let t0 = Instant::now();
