@@ -469,6 +469,47 @@ mod tests {
         );
     }
 
+    fn asks_home(out: &[RegionAction<u32>]) -> bool {
+        out.iter().any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }))
+    }
+
+    #[test]
+    fn a_home_answer_lifts_the_request_throttle_so_a_lost_home_is_asked_for_at_once() {
+        // A reachable region's home, then that region leaves the view.
+        let mut c = region(10);
+        run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
+        assert!(asks_home(&run(&mut c, route("2", 1))));
+        run(&mut c, coord(ToRegion::ShardHome { shard: "2".into(), region: r("third"), epoch: 1 }));
+        run(&mut c, members(&["me", "coord", "other"], Some("coord")));
+        assert!(asks_home(&run(&mut c, route("2", 2))), "asked again at once, not after the retry interval");
+        // A home here (this node not in its own routable view), then handed off.
+        let mut c = region(10);
+        run(&mut c, members(&["coord", "other"], Some("coord")));
+        assert!(asks_home(&run(&mut c, route("1", 1))));
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 1 }));
+        run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 3 }));
+        assert!(asks_home(&run(&mut c, route("1", 2))), "asked again at once after the hand-off");
+    }
+
+    #[test]
+    fn a_hand_off_drops_the_shards_buffered_messages_and_frees_their_buffer_space() {
+        let mut c = region(3);
+        for m in 1..=3 {
+            run(&mut c, route("1", m));
+        }
+        assert_eq!(c.buffered(), 3);
+        let out = run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 1 }));
+        assert_eq!(
+            out.iter().filter(|a| matches!(a, RegionAction::Drop { reason: RegionDrop::HandOff, .. })).count(),
+            3
+        );
+        assert_eq!(c.buffered(), 0);
+        assert!(!matches!(
+            &run(&mut c, route("2", 4))[..],
+            [RegionAction::Drop { reason: RegionDrop::BufferFull, .. }]
+        ));
+    }
+
     #[test]
     fn an_unanswered_home_request_is_repeated_once_the_retry_interval_has_passed() {
         let mut c = region(10);
