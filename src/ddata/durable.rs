@@ -236,6 +236,9 @@ impl DurableStore {
             let (key, raw) = item.map_err(|e| Error::storage(&self.path, e))?;
             let loaded = match parse_snapshot(raw) {
                 None => Err("snapshot: shorter than its sequence".to_string()),
+                // Sequences grow by one per write: one this high is corrupt (and tickets
+                // continuing above it would overflow).
+                Some((seq, _)) if seq > MAX_SEQUENCE => Err(format!("snapshot: sequence {seq} beyond any real store")),
                 Some((seq, bytes)) => {
                     out.max_seq = out.max_seq.max(seq);
                     rmp_serde::from_slice::<ReplicatedData>(bytes)
@@ -251,6 +254,10 @@ impl DurableStore {
             let (Some(seq), Some((key, bytes))) = (parse_seq(raw_seq), parse_delta_record(raw)) else {
                 return Err(Error::storage(&self.path, "malformed delta record"));
             };
+            if seq > MAX_SEQUENCE {
+                keys.insert(key.to_string(), Err(format!("delta: sequence {seq} beyond any real store")));
+                continue;
+            }
             out.max_seq = out.max_seq.max(seq);
             if let Some(Ok(stored)) = keys.get(key)
                 && stored.snapshot_seq >= seq
@@ -285,11 +292,6 @@ impl DurableStore {
                 Ok(stored) => out.entries.push(stored),
                 Err(reason) => out.corrupt.push((key, reason)),
             }
-        }
-        // Sequences only grow by one per write; one this high is a corrupt record, and tickets
-        // continuing above it would overflow.
-        if out.max_seq > MAX_SEQUENCE {
-            return Err(Error::storage(&self.path, format!("sequence {} is beyond any real store", out.max_seq)));
         }
         Ok(out)
     }
@@ -490,14 +492,18 @@ mod tests {
     }
 
     #[test]
-    fn a_record_sequence_beyond_any_real_store_refuses_the_load() {
+    fn a_record_sequence_beyond_any_real_store_costs_its_key_only_and_tickets_stay_low() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
         let mut set = GSet::default();
         set.insert("a");
-        s.apply(&[snapshot("shard-x", u64::MAX - 1, &ReplicatedData::GSet(set))]).unwrap();
-        let err = s.load_all().unwrap_err();
-        assert!(matches!(&err, Error::Storage { .. }) && err.to_string().contains("sequence"), "{err}");
+        let value = ReplicatedData::GSet(set);
+        s.apply(&[snapshot("shard-x", u64::MAX - 1, &value), snapshot("shard-y", 3, &value)]).unwrap();
+        let loaded = s.load_all().unwrap();
+        assert_eq!(loaded.corrupt.len(), 1, "{:?}", loaded.corrupt);
+        assert!(loaded.corrupt[0].0 == "shard-x" && loaded.corrupt[0].1.contains("sequence"));
+        assert_eq!(loaded.entries.len(), 1);
+        assert_eq!(loaded.max_seq, 3, "tickets continue above the valid records only");
     }
 
     #[test]
