@@ -184,6 +184,10 @@ fn error_kind(e: &ddshard::Error) -> (String, bool) {
                 "shard is not hosted here",
                 "the shard's home is not routable",
                 "the entity's node ",
+                "dropped during shard hand-off",
+                "region buffer full",
+                // Remember-entities: a remember write that found no majority during a partition.
+                "its shard failed and restarts after shard_failure_backoff",
                 // A restarted node receives a forwarded message before its region started.
                 "this node does not host entities of this type",
             ];
