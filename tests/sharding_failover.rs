@@ -133,6 +133,44 @@ async fn start_tracked(
         .unwrap()
 }
 
+/// `nodes` in-process nodes (keep-majority downing when `downing`), a tracked region on each,
+/// and ids `<prefix>0..count`, each started by one message through n1.
+async fn tracked_cluster(
+    nodes: usize,
+    downing: bool,
+    s: &ddshard::ShardingSettings,
+    prefix: &str,
+    count: usize,
+) -> (TestCluster, ddshard::testkit::ActivationLog, Vec<ShardRegion<Tracked>>, Vec<String>) {
+    let c = if downing {
+        TestCluster::start_with(nodes, |_, cfg| fast_downing(cfg)).await
+    } else {
+        TestCluster::start(nodes).await
+    };
+    let c = c.unwrap();
+    c.await_converged(CONVERGE).await;
+    let log = ddshard::testkit::ActivationLog::new();
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_tracked(n, &log, s.clone()).await);
+    }
+    let ids: Vec<String> = (0..count).map(|i| format!("{prefix}{i}")).collect();
+    for id in &ids {
+        regions[0].ask(id, Touch::Now).await.unwrap();
+    }
+    (c, log, regions, ids)
+}
+
+/// Distinct ids that ran on any of `nodes`.
+fn ids_on(log: &ddshard::testkit::ActivationLog, nodes: &[&str]) -> BTreeSet<String> {
+    log.activations().iter().filter(|a| nodes.contains(&a.node.as_str())).map(|a| a.entity_id.clone()).collect()
+}
+
+/// An error's variant name, for counting failures by kind.
+fn kind(e: &ddshard::Error) -> String {
+    format!("{e:?}").split([' ', '{', '(']).next().unwrap_or_default().to_string()
+}
+
 /// Asks until `id` answers, pausing between tries; at the deadline fails with the last error.
 async fn ask_until_answered(region: &ShardRegion<Tracked>, id: &str, when: &str) {
     let deadline = tokio::time::Instant::now() + CONVERGE;
@@ -147,20 +185,9 @@ async fn ask_until_answered(region: &ShardRegion<Tracked>, id: &str, when: &str)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partition_two_three_minority_stops_before_majority_starts_and_no_activations_overlap() {
-    let mut c = TestCluster::start_with(5, |_, cfg| fast_downing(cfg)).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let log = ddshard::testkit::ActivationLog::new();
     let s = ddshard::ShardingSettings { min_nr_of_members: 5, ..settings() };
-    let mut regions = Vec::new();
-    for (_, n) in c.running() {
-        regions.push(start_tracked(n, &log, s.clone()).await);
-    }
-    let ids: Vec<String> = (0..50).map(|i| format!("t{i}")).collect();
-    for id in &ids {
-        regions[0].ask(id, Touch::Now).await.unwrap();
-    }
-    let on_minority: BTreeSet<String> =
-        log.activations().iter().filter(|a| a.node == "n1" || a.node == "n2").map(|a| a.entity_id.clone()).collect();
+    let (mut c, log, regions, ids) = tracked_cluster(5, true, &s, "t", 50).await;
+    let on_minority = ids_on(&log, &["n1", "n2"]);
     assert!(!on_minority.is_empty(), "the minority hosts some entities");
     let cut_at = std::time::SystemTime::now();
     c.partition(&[0, 1], &[2, 3, 4]);
@@ -175,8 +202,7 @@ async fn partition_two_three_minority_stops_before_majority_starts_and_no_activa
     // Distinct ids, not activations: every id runs on the majority, and each one the minority
     // hosted started there again after the cut.
     let majority = |a: &&ddshard::testkit::Activation| a.node != "n1" && a.node != "n2";
-    let on_majority: BTreeSet<String> =
-        log.activations().iter().filter(majority).map(|a| a.entity_id.clone()).collect();
+    let on_majority = ids_on(&log, &["n3", "n4", "n5"]);
     assert_eq!(
         on_majority,
         ids.iter().cloned().collect::<BTreeSet<String>>(),
@@ -259,18 +285,9 @@ async fn lower_coordinator_min_cap_keeps_allocating_while_one_of_four_nodes_is_u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_way_cuts_under_traffic_never_run_an_entity_twice_and_every_entity_answers_after_heal() {
-    let mut c = TestCluster::start_with(5, |_, cfg| fast_downing(cfg)).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let log = ddshard::testkit::ActivationLog::new();
     let s = ddshard::ShardingSettings { min_nr_of_members: 5, ..settings() };
-    let mut regions = Vec::new();
-    for (_, n) in c.running() {
-        regions.push(Some(start_tracked(n, &log, s.clone()).await));
-    }
-    let ids: Vec<String> = (0..30).map(|i| format!("w{i}")).collect();
-    for id in &ids {
-        regions[0].as_ref().unwrap().ask(id, Touch::Now).await.unwrap();
-    }
+    let (mut c, log, regions, ids) = tracked_cluster(5, true, &s, "w", 30).await;
+    let mut regions: Vec<Option<ShardRegion<Tracked>>> = regions.into_iter().map(Some).collect();
     // Asymmetric loss: n1 cannot reach n3 and n2 cannot reach n4 (gossip and messaging), while
     // the reverse directions work.
     c.injector().cut_one_way("n1", "n3");
@@ -314,20 +331,9 @@ async fn one_way_cuts_under_traffic_never_run_an_entity_twice_and_every_entity_a
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_two_tie_is_won_by_the_side_with_the_lowest_address_and_no_entity_runs_twice() {
-    let mut c = TestCluster::start_with(4, |_, cfg| fast_downing(cfg)).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let log = ddshard::testkit::ActivationLog::new();
     let s = ddshard::ShardingSettings { min_nr_of_members: 4, ..settings() };
-    let mut regions = Vec::new();
-    for (_, n) in c.running() {
-        regions.push(start_tracked(n, &log, s.clone()).await);
-    }
-    let ids: Vec<String> = (0..40).map(|i| format!("t{i}")).collect();
-    for id in &ids {
-        regions[0].ask(id, Touch::Now).await.unwrap();
-    }
-    let on_losers: BTreeSet<String> =
-        log.activations().iter().filter(|a| a.node == "n3" || a.node == "n4").map(|a| a.entity_id.clone()).collect();
+    let (mut c, log, regions, ids) = tracked_cluster(4, true, &s, "t", 40).await;
+    let on_losers = ids_on(&log, &["n3", "n4"]);
     assert!(!on_losers.is_empty(), "the side that will lose hosts some entities");
     c.partition(&[0, 1], &[2, 3]);
     for i in [2, 3] {
@@ -367,23 +373,13 @@ fn explained(e: &ddshard::Error) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn coordinator_killed_during_a_rebalance_hand_off_every_ask_ends_typed_and_no_entity_runs_twice() {
-    let mut c = TestCluster::start_with(3, |_, cfg| fast_downing(cfg)).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let log = ddshard::testkit::ActivationLog::new();
     let s = ddshard::ShardingSettings {
         number_of_shards: 12,
         min_nr_of_members: 3,
         rebalance_interval: Duration::from_millis(300),
         ..settings()
     };
-    let mut regions = Vec::new();
-    for (_, n) in c.running() {
-        regions.push(start_tracked(n, &log, s.clone()).await);
-    }
-    let ids: Vec<String> = (0..36).map(|i| format!("h{i}")).collect();
-    for id in &ids {
-        regions[1].ask(id, Touch::Now).await.unwrap();
-    }
+    let (mut c, log, mut regions, ids) = tracked_cluster(3, true, &s, "h", 36).await;
     // A fourth node: rebalance rounds start handing shards off to it. Every entity is busy for
     // 3 s, so each hand-off stays open (its shard waits for its entities to stop).
     c.add_node().await.unwrap();
@@ -416,8 +412,7 @@ async fn coordinator_killed_during_a_rebalance_hand_off_every_ask_ends_typed_and
             Ok(()) => answered += 1,
             Err(e) => {
                 assert!(explained(&e), "an ask failed with an error the crash does not explain: {e}");
-                let kind = format!("{e:?}").split([' ', '{', '(']).next().unwrap_or_default().to_string();
-                *failed.entry(kind).or_default() += 1;
+                *failed.entry(kind(&e)).or_default() += 1;
             }
         }
         k += 1;
@@ -434,23 +429,13 @@ async fn coordinator_killed_during_a_rebalance_hand_off_every_ask_ends_typed_and
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn asks_in_flight_during_rebalance_and_leave_hand_offs_are_answered_or_fail_typed() {
-    let mut c = TestCluster::start(3).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let log = ddshard::testkit::ActivationLog::new();
     let s = ddshard::ShardingSettings {
         number_of_shards: 12,
         min_nr_of_members: 3,
         rebalance_interval: Duration::from_millis(300),
         ..settings()
     };
-    let mut regions = Vec::new();
-    for (_, n) in c.running() {
-        regions.push(start_tracked(n, &log, s.clone()).await);
-    }
-    let ids: Vec<String> = (0..36).map(|i| format!("f{i}")).collect();
-    for id in &ids {
-        regions[0].ask(id, Touch::Now).await.unwrap();
-    }
+    let (mut c, log, mut regions, ids) = tracked_cluster(3, false, &s, "f", 36).await;
     // 16 asks always in flight through n1 while shards move: to a new fourth node by
     // rebalance, then away from n3, which leaves.
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -474,8 +459,7 @@ async fn asks_in_flight_during_rebalance_and_leave_hand_offs_are_answered_or_fai
                     Ok(()) => answered += 1,
                     Err(e) => {
                         assert!(explained(&e), "an ask failed with an error no hand-off explains: {e}");
-                        let kind = format!("{e:?}").split([' ', '{', '(']).next().unwrap_or_default().to_string();
-                        let entry = failed.entry(kind).or_default();
+                        let entry = failed.entry(kind(&e)).or_default();
                         entry.0 += 1;
                         entry.1 = entry.1.max(took);
                     }
@@ -517,18 +501,8 @@ async fn asks_in_flight_during_rebalance_and_leave_hand_offs_are_answered_or_fai
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolling_change_of_the_shard_id_extractor_refuses_the_new_nodes_until_the_old_ones_left_and_no_entity_runs_twice()
  {
-    let mut c = TestCluster::start(3).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let log = ddshard::testkit::ActivationLog::new();
     let s = ddshard::ShardingSettings { number_of_shards: 20, min_nr_of_members: 1, ..settings() };
-    let mut old = Vec::new();
-    for (_, n) in c.running() {
-        old.push(start_tracked(n, &log, s.clone()).await);
-    }
-    let ids: Vec<String> = (0..30).map(|i| format!("x{i}")).collect();
-    for id in &ids {
-        old[0].ask(id, Touch::Now).await.unwrap();
-    }
+    let (mut c, log, old, ids) = tracked_cluster(3, false, &s, "x", 30).await;
     // A fourth node runs the new extractor (the same ids into other shards) beside the old ones.
     c.add_node().await.unwrap();
     c.await_converged(CONVERGE).await;
