@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::secret::ClusterSecret;
 
 /// Everything a node needs to start. Build it with struct-update syntax over
 /// [`NodeConfig::default`], or load it from TOML with [`NodeConfig::from_toml_str`].
@@ -18,6 +19,14 @@ pub struct NodeConfig {
     pub node_id: String,
     /// Nodes with another cluster id are never admitted (gossip and messaging both check it).
     pub cluster_id: String,
+    /// The secret every member shares: gossip datagrams carry a MAC keyed by it and messaging
+    /// connections authenticate with it (Noise, pre-shared key) and are encrypted. Also read
+    /// from the environment variable `DDSHARD_CLUSTER_SECRET` by [`NodeConfig::apply_env`].
+    /// Without one a node may bind only loopback addresses unless `insecure` is set.
+    pub cluster_secret: Option<ClusterSecret>,
+    /// Allows binding non-loopback addresses without a `cluster_secret`: anyone who can reach
+    /// the ports can then join and speak as a member. Logged loudly at start.
+    pub insecure: bool,
     /// UDP address for gossip (chitchat). Port 0 picks a free port; [`crate::Node::gossip_addr`]
     /// reports the bound one.
     pub gossip_addr: SocketAddr,
@@ -46,6 +55,8 @@ impl Default for NodeConfig {
         NodeConfig {
             node_id: String::new(),
             cluster_id: "ddshard".into(),
+            cluster_secret: None,
+            insecure: false,
             gossip_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             messaging_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             seeds: Vec::new(),
@@ -138,6 +149,14 @@ pub struct TransportSettings {
     /// Largest reconnect delay.
     #[serde(with = "humantime_serde")]
     pub reconnect_backoff_max: Duration,
+    /// A peer that accepts no byte of a pending write for this long is disconnected (its queued
+    /// frames are lost, as on any broken connection) and dialed again.
+    #[serde(with = "humantime_serde")]
+    pub write_timeout: Duration,
+    /// TCP keepalive: an idle connection is probed after this long (then every third of it,
+    /// three times), so a vanished peer's connection is closed instead of kept forever.
+    #[serde(with = "humantime_serde")]
+    pub keepalive: Duration,
 }
 
 impl Default for TransportSettings {
@@ -148,6 +167,8 @@ impl Default for TransportSettings {
             connect_timeout: Duration::from_secs(3),
             reconnect_backoff_min: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_secs(2),
+            write_timeout: Duration::from_secs(10),
+            keepalive: Duration::from_secs(15),
         }
     }
 }
@@ -206,6 +227,32 @@ impl NodeConfig {
         Self::from_toml_str(&text)
     }
 
+    /// Name of the environment variable [`NodeConfig::apply_env`] reads the secret from.
+    pub const SECRET_ENV: &'static str = "DDSHARD_CLUSTER_SECRET";
+
+    /// Takes `cluster_secret` from the environment variable `DDSHARD_CLUSTER_SECRET` when it is
+    /// set (it wins over the file, so the secret need not be written into one). `ddshard node`
+    /// calls this; a library user calls it if they want the same.
+    pub fn apply_env(&mut self) -> Result<()> {
+        match std::env::var(Self::SECRET_ENV) {
+            Ok(s) => {
+                self.cluster_secret = Some(ClusterSecret::new(s)?);
+                Ok(())
+            }
+            Err(std::env::VarError::NotPresent) => Ok(()),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(Error::Config(format!("{} is not valid UTF-8", Self::SECRET_ENV)))
+            }
+        }
+    }
+
+    /// Whether this node binds an address another host could reach without a cluster secret
+    /// (allowed only with `insecure = true`).
+    pub fn is_exposed_without_secret(&self) -> bool {
+        self.cluster_secret.is_none()
+            && !(self.gossip_addr.ip().is_loopback() && self.messaging_addr.ip().is_loopback())
+    }
+
     /// Checks every setting; [`crate::Node::start`] calls it first.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
@@ -218,6 +265,13 @@ impl NodeConfig {
         if self.cluster_id.is_empty() || self.cluster_id.len() > 200 {
             // Bounded so a handshake always fits in the transport's small first-frame limit.
             return bad("cluster_id must be 1 to 200 characters".into());
+        }
+        if self.is_exposed_without_secret() && !self.insecure {
+            return bad(format!(
+                "gossip_addr {} / messaging_addr {}: a node that binds a non-loopback address needs a \
+                 cluster_secret (or DDSHARD_CLUSTER_SECRET); set insecure = true to run an open cluster anyway",
+                self.gossip_addr, self.messaging_addr
+            ));
         }
         if self.roles.iter().any(|r| r.is_empty() || r.contains(',')) {
             return bad("roles must be non-empty and must not contain ','".into());
@@ -238,6 +292,9 @@ impl NodeConfig {
         }
         if t.reconnect_backoff_min.is_zero() || t.reconnect_backoff_max < t.reconnect_backoff_min {
             return bad("transport.reconnect_backoff_min must be > 0 and <= reconnect_backoff_max".into());
+        }
+        if t.write_timeout < Duration::from_millis(100) || t.keepalive < Duration::from_secs(1) {
+            return bad("transport.write_timeout must be >= 100ms and transport.keepalive >= 1s".into());
         }
         if self.replicator.gossip_interval.is_zero() {
             return bad("replicator.gossip_interval must be > 0".into());
@@ -279,6 +336,8 @@ mod tests {
             (NodeConfig { cluster_id: String::new(), ..ok.clone() }, "cluster_id"),
             (NodeConfig { cluster_id: "c".repeat(201), ..ok.clone() }, "cluster_id"),
             (NodeConfig { roles: vec!["a,b".into()], ..ok.clone() }, "roles"),
+            (NodeConfig { messaging_addr: "10.1.2.3:0".parse().unwrap(), ..ok.clone() }, "cluster_secret"),
+            (NodeConfig { gossip_addr: "0.0.0.0:7000".parse().unwrap(), ..ok.clone() }, "cluster_secret"),
         ] {
             match cfg.validate() {
                 Err(Error::Config(m)) => assert!(m.contains(what), "{m}"),
@@ -290,5 +349,26 @@ mod tests {
         assert!(matches!(t.validate(), Err(Error::Config(_))));
         assert!(matches!(NodeConfig::from_toml_str("no_such_setting = 1"), Err(Error::Config(_))));
         assert!(matches!(NodeConfig::from_toml_str("[membership]\ngossip_interval = \"soon\""), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn non_loopback_addresses_need_a_secret_or_an_explicit_insecure() {
+        let exposed = NodeConfig {
+            node_id: "n1".into(),
+            gossip_addr: "10.1.2.3:7000".parse().unwrap(),
+            messaging_addr: "10.1.2.3:7001".parse().unwrap(),
+            ..NodeConfig::default()
+        };
+        assert!(matches!(exposed.validate(), Err(Error::Config(_))));
+        let with_secret = NodeConfig { cluster_secret: Some(ClusterSecret::generate()), ..exposed.clone() };
+        assert!(with_secret.validate().is_ok());
+        assert!(!with_secret.is_exposed_without_secret());
+        let insecure = NodeConfig { insecure: true, ..exposed.clone() };
+        assert!(insecure.validate().is_ok());
+        assert!(insecure.is_exposed_without_secret());
+        let file = format!("node_id = \"n1\"\ncluster_secret = \"{}\"\n", "s".repeat(40));
+        let parsed = NodeConfig::from_toml_str(&file).unwrap();
+        assert_eq!(parsed.cluster_secret.unwrap().expose(), "s".repeat(40));
+        assert!(matches!(NodeConfig::from_toml_str("cluster_secret = \"too short\""), Err(Error::Config(_))));
     }
 }

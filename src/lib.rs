@@ -9,6 +9,7 @@
 //! - [`ddata`]: a replicator of CRDTs (LWW-map, OR-set, G-set) with majority reads and writes,
 //!   anti-entropy and LMDB durability;
 //! - [`Node`]: wires them together;
+//! - [`secret`]: the cluster secret that authenticates gossip and messaging;
 //! - [`activation`]: an activation log and the checker of "at most one live incarnation".
 //!
 //! With the `testkit` feature, `testkit` starts in-process clusters with fault injection.
@@ -22,6 +23,7 @@ pub mod ddata;
 pub mod error;
 pub mod membership;
 mod node;
+pub mod secret;
 #[cfg(feature = "cli")]
 pub mod service;
 pub mod sharding;
@@ -37,4 +39,5 @@ pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};
 pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
 pub use node::{Node, NodeBuilder};
+pub use secret::ClusterSecret;
 pub use sharding::{Entity, EntityContext, ShardRegion, Sharding, ShardingSettings};

@@ -159,7 +159,7 @@ async fn handshake_with_foreign_cluster_id_or_version_or_old_incarnation_is_reje
         assert!(closed_by_server(&mut s).await);
     }
     let (_s, reply) = handshake(target.messaging_addr(), &good).await;
-    assert!(matches!(reply, Some(HelloReply::Accept)), "a correct handshake is accepted");
+    assert!(matches!(reply, Some(HelloReply::Accept { .. })), "a correct handshake is accepted");
     still_serves(&c).await;
     let rejected = c.node(0).transport().stats().connections_rejected.load(Ordering::Relaxed);
     assert_eq!(rejected, 3);
@@ -248,7 +248,7 @@ fn outsider_hello(target: &Node, reply_to: SocketAddr) -> Hello {
 /// A raw connection to `target` whose handshake was accepted.
 async fn accepted(target: SocketAddr, hello: &Hello) -> TcpStream {
     let (s, reply) = handshake(target, hello).await;
-    assert!(matches!(reply, Some(HelloReply::Accept)), "handshake accepted, got {reply:?}");
+    assert!(matches!(reply, Some(HelloReply::Accept { .. })), "handshake accepted, got {reply:?}");
     s
 }
 
@@ -330,7 +330,8 @@ async fn frame_of_exactly_max_frame_size_after_the_handshake_is_processed_and_an
     let their_hello: Hello = wire::decode(&read_frame(&mut back).await).unwrap();
     assert_eq!(their_hello.from, *node.address());
     assert_eq!(their_hello.to, hello.from);
-    write_frame(&mut back, &wire::encode(&HelloReply::Accept).unwrap()).await.unwrap();
+    let accept = HelloReply::Accept { address: their_hello.to.clone() };
+    write_frame(&mut back, &wire::encode(&accept).unwrap()).await.unwrap();
     for (id, len) in expected {
         let f = read_frame(&mut back).await;
         match wire::decode_borrowed::<Frame>(&f).unwrap() {
@@ -479,6 +480,7 @@ async fn sending_to_a_peer_of_another_cluster_is_refused_by_it_and_reported_to_t
             "127.0.0.1:0".parse().unwrap(),
             UniqueAddress::new(id, 1),
             cluster.into(),
+            None,
             TransportSettings::default(),
             stop.clone(),
         )
@@ -517,8 +519,8 @@ async fn a_peer_that_stops_reading_fills_its_send_queue_and_sends_fail_with_send
     let slow = PeerAddr { address: UniqueAddress::new("slow", 1), messaging_addr: listener.local_addr().unwrap() };
     let accept = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
-        let _hello: Hello = wire::decode(&read_frame(&mut s).await).unwrap();
-        write_frame(&mut s, &wire::encode(&HelloReply::Accept).unwrap()).await.unwrap();
+        let hello: Hello = wire::decode(&read_frame(&mut s).await).unwrap();
+        write_frame(&mut s, &wire::encode(&HelloReply::Accept { address: hello.to }).unwrap()).await.unwrap();
         s
     });
     // The first frame makes the node dial; the connection is up before the flood.
@@ -579,6 +581,7 @@ async fn a_request_to_a_peer_that_refuses_the_handshake_fails_with_peer_unavaila
         "127.0.0.1:0".parse().unwrap(),
         UniqueAddress::new("alien", 1),
         "other-cluster".into(),
+        None,
         TransportSettings::default(),
         stop.clone(),
     )
@@ -611,5 +614,29 @@ async fn a_response_from_another_peer_does_not_complete_a_request() {
     }
     let r = pending.await.unwrap();
     assert!(matches!(r, Err(Error::RequestTimeout { .. })), "only n2 may answer a request sent to n2: {r:?}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_that_accepts_as_another_incarnation_is_refused_by_the_dialer() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    // Whoever listens at this address accepts any handshake, but names another incarnation.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let wanted = PeerAddr { address: UniqueAddress::new("wanted", 7), messaging_addr: listener.local_addr().unwrap() };
+    let impostor = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let _hello: Hello = wire::decode(&read_frame(&mut s).await).unwrap();
+        let accept = HelloReply::Accept { address: UniqueAddress::new("impostor", 1) };
+        write_frame(&mut s, &wire::encode(&accept).unwrap()).await.unwrap();
+        let mut rest = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+        rest
+    });
+    let r = node.transport().request(&wanted, "probe", b"secret payload", Duration::from_secs(30)).await;
+    assert!(matches!(r, Err(Error::PeerUnavailable { ref reason, .. }) if reason.contains("impostor")), "{r:?}");
+    let leaked = impostor.await.unwrap();
+    assert!(leaked.is_empty(), "{} bytes sent to a peer that is not the addressed incarnation", leaked.len());
     c.shutdown().await;
 }

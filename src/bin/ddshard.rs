@@ -42,6 +42,9 @@ enum Command {
         #[arg(long)]
         activation_log: Option<std::path::PathBuf>,
     },
+    /// Print a fresh random cluster secret (64 hex digits) for `cluster_secret` or
+    /// DDSHARD_CLUSTER_SECRET.
+    Secret,
     /// Send one request to a node's client address and print the answer (see `ddshard::service`).
     Call {
         /// The node's client address.
@@ -100,6 +103,10 @@ async fn main() {
     let result = match cli.command {
         Command::Demo { counters, increments } => demo(counters, increments).await,
         Command::RemoveInternalData { data_dir, types } => remove_internal_data(&data_dir, &types),
+        Command::Secret => {
+            println!("{}", ddshard::ClusterSecret::generate().expose());
+            Ok(())
+        }
         Command::Node { config, client_addr, activation_log } => {
             run_node(&config, client_addr, activation_log.as_deref()).await
         }
@@ -124,7 +131,8 @@ async fn run_node(
     client_addr: std::net::SocketAddr,
     activation_log: Option<&std::path::Path>,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let cfg = NodeConfig::from_toml_file(config)?;
+    let mut cfg = NodeConfig::from_toml_file(config)?;
+    cfg.apply_env()?;
     let settings = cfg.sharding.clone();
     let log = activation_log.map(ddshard::activation::ActivationLog::with_file).transpose()?;
     let node = Node::start(cfg).await?;
@@ -203,12 +211,16 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     let n = 3;
     println!("ddshard demo: {n} nodes on loopback, data under {}", root.path().display());
     println!("(embedded defaults; the demo only shortens downing timers to 2 s so the crash is handled quickly)");
+    // Members prove they hold this secret: gossip is MAC'd, messaging authenticated and encrypted.
+    let secret = ddshard::ClusterSecret::generate();
+    println!("cluster secret generated for this run (gossip authenticated, messaging encrypted)");
     let mut nodes: Vec<Node> = Vec::new();
     for i in 0..n {
         let mut cfg = NodeConfig {
             node_id: format!("node-{}", i + 1),
             data_dir: root.path().join(format!("node-{}", i + 1)),
             seeds: nodes.iter().map(Node::gossip_addr).collect(),
+            cluster_secret: Some(secret.clone()),
             ..base.clone()
         };
         cfg.membership.stable_after = Duration::from_secs(2);

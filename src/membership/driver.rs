@@ -14,6 +14,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use super::gossip_auth::{AuthenticatedSocket, GossipStats};
 use super::lifecycle::{LifecycleAction, LifecycleCore, LifecycleSettings};
 use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
@@ -31,6 +32,7 @@ pub(crate) struct MembershipHandle {
     events: broadcast::Sender<MemberEvent>,
     commands: mpsc::UnboundedSender<Command>,
     gossip_addr: SocketAddr,
+    stats: Arc<GossipStats>,
 }
 
 impl MembershipHandle {
@@ -45,6 +47,9 @@ impl MembershipHandle {
     }
     pub(crate) fn gossip_addr(&self) -> SocketAddr {
         self.gossip_addr
+    }
+    pub(crate) fn stats(&self) -> &Arc<GossipStats> {
+        &self.stats
     }
     /// Publishes a new status of this node in gossip; returns once it is set locally.
     pub(crate) async fn set_status(&self, status: MemberStatus) -> Result<()> {
@@ -92,14 +97,22 @@ impl MembershipDriver {
         messaging_addr: SocketAddr,
         wrap_socket: Option<&GossipSocketWrapper>,
     ) -> Result<(MembershipHandle, MembershipDriver)> {
-        let socket = chitchat::transport::UdpSocket::open(cfg.gossip_addr)
-            .await
-            .map_err(|e| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr)))?;
+        let stats = Arc::new(GossipStats::default());
+        let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
+        // With a secret every datagram is authenticated; without one, chitchat's plain socket
+        // (config validation allowed that only on loopback or with `insecure`).
+        let socket: Box<dyn Socket> = match &cfg.cluster_secret {
+            Some(secret) => Box::new(
+                AuthenticatedSocket::bind(cfg.gossip_addr, secret.gossip_mac_key(), stats.clone())
+                    .await
+                    .map_err(|e| binding(&e))?,
+            ),
+            None => Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?),
+        };
         let gossip_addr = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
         if gossip_addr.ip().is_unspecified() {
             return Err(Error::BadAddress(gossip_addr));
         }
-        let socket: Box<dyn Socket> = Box::new(socket);
         let socket = match wrap_socket {
             Some(wrap) => wrap(socket, &address, gossip_addr),
             None => socket,
@@ -136,7 +149,8 @@ impl MembershipDriver {
         let (snapshot_tx, snapshot_rx) = watch::channel(empty);
         let (events, _) = broadcast::channel(1024);
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-        let handle = MembershipHandle { snapshot: snapshot_rx, events: events.clone(), commands: cmd_tx, gossip_addr };
+        let handle =
+            MembershipHandle { snapshot: snapshot_rx, events: events.clone(), commands: cmd_tx, gossip_addr, stats };
         let lifecycle = LifecycleSettings {
             has_seeds: !seeds.is_empty(),
             self_is_first_seed: cfg.seeds.first() == Some(&gossip_addr),

@@ -13,6 +13,7 @@
 
 pub(crate) mod downing;
 mod driver;
+mod gossip_auth;
 mod lifecycle;
 mod view;
 
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use driver::{GossipSocketWrapper, MembershipDriver, MembershipHandle};
+pub use gossip_auth::GossipStats;
 pub use view::compute_members;
 
 /// A node incarnation: its stable id plus the generation it started with. A restarted node has

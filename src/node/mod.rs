@@ -70,6 +70,14 @@ impl Node {
     async fn start_built(b: NodeBuilder) -> Result<Node> {
         let config = b.config;
         config.validate()?;
+        if config.is_exposed_without_secret() {
+            tracing::warn!(
+                gossip_addr = %config.gossip_addr,
+                messaging_addr = %config.messaging_addr,
+                "INSECURE: no cluster_secret and a non-loopback address; anyone who can reach these \
+                 ports can join this cluster and speak as any member"
+            );
+        }
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
         let dir = config.data_dir.join("ddata");
         let map_size = config.replicator.lmdb_map_size;
@@ -87,6 +95,7 @@ impl Node {
             config.messaging_addr,
             address.clone(),
             config.cluster_id.clone(),
+            config.cluster_secret.as_ref(),
             config.transport.clone(),
             spawner.clone(),
             b.link_filter,
@@ -152,6 +161,11 @@ impl Node {
     /// The bound gossip (UDP) address.
     pub fn gossip_addr(&self) -> SocketAddr {
         self.inner.membership.gossip_addr()
+    }
+    /// Counters of the gossip socket (datagrams dropped as unauthenticated, malformed or
+    /// oversized).
+    pub fn gossip_stats(&self) -> &crate::membership::GossipStats {
+        self.inner.membership.stats()
     }
     /// The bound messaging (TCP) address.
     pub fn messaging_addr(&self) -> SocketAddr {

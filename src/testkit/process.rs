@@ -33,7 +33,14 @@ pub struct ProcessOptions {
     pub wrapper: Vec<String>,
     /// `--activation-log` file, if any.
     pub activation_log: Option<PathBuf>,
+    /// Handed to the process in `DDSHARD_CLUSTER_SECRET` (not written to its config file).
+    /// [`ProcessOptions::new`] sets [`TEST_PROCESS_SECRET`], so processes of one test are one
+    /// authenticated cluster; `None` runs an open cluster (loopback only).
+    pub cluster_secret: Option<String>,
 }
+
+/// The cluster secret [`ProcessOptions::new`] gives every test process.
+pub const TEST_PROCESS_SECRET: &str = "ddshard-testkit-process-secret-not-for-production";
 
 impl ProcessOptions {
     /// A node on loopback with default settings.
@@ -48,6 +55,7 @@ impl ProcessOptions {
             sharding_toml: String::new(),
             wrapper: Vec::new(),
             activation_log: None,
+            cluster_secret: Some(TEST_PROCESS_SECRET.to_string()),
         }
     }
 
@@ -110,7 +118,12 @@ impl NodeProcess {
         }
         let stderr =
             if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") { Stdio::inherit() } else { Stdio::null() };
-        let mut child = Command::new(&args[0])
+        let mut command = Command::new(&args[0]);
+        match &opts.cluster_secret {
+            Some(secret) => command.env(crate::NodeConfig::SECRET_ENV, secret),
+            None => command.env_remove(crate::NodeConfig::SECRET_ENV),
+        };
+        let mut child = command
             .args(&args[1..])
             .stdout(Stdio::piped())
             .stderr(stderr)

@@ -7,10 +7,16 @@
 //! responses are matched by correlation id; the response comes back over the responder's own
 //! outbound connection.
 //!
-//! Bad input (oversized frames, garbage, a foreign cluster id, another protocol version) closes
-//! only that connection with a logged, typed reason and bumps a counter.
+//! With a cluster secret every connection authenticates both ends and is encrypted (see
+//! [`noise`]); without one the handshake is a plain `Hello` (allowed only on loopback or with
+//! `insecure`).
+//!
+//! Bad input (oversized frames, garbage, a foreign cluster id, another protocol version, a
+//! handshake not keyed by the secret) closes only that connection with a logged, typed reason
+//! and bumps a counter.
 
 mod link;
+mod noise;
 pub mod wire;
 
 pub use link::LinkFilter;
@@ -32,6 +38,7 @@ use tracing::{debug, info, warn};
 use crate::config::TransportSettings;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
+use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
 use wire::{Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason, ResponseBody};
 
@@ -74,13 +81,19 @@ struct QueueState {
     buf: bytes::BytesMut,
     frames: usize,
     closed: bool,
+    /// Why the peer refused our handshake, for the errors of later sends.
+    refused: Option<String>,
 }
 
 struct Inner {
     local: PeerAddr,
     cluster_id: String,
+    /// The Noise pre-shared key derived from the cluster secret; `None`: plain handshakes.
+    psk: Option<[u8; 32]>,
     settings: TransportSettings,
-    writers: Mutex<HashMap<UniqueAddress, Arc<PeerQueue>>>,
+    /// One writer per peer incarnation *and* the address it is reached at, so a connection that
+    /// claims an incarnation with another address can never redirect traffic meant for it.
+    writers: Mutex<HashMap<PeerAddr, Arc<PeerQueue>>>,
     topics: Mutex<HashMap<String, mpsc::Sender<Inbound>>>,
     pending: Mutex<HashMap<u64, PendingRequest>>,
     next_request_id: AtomicU64,
@@ -135,16 +148,18 @@ const MAX_HANDSHAKE_FRAME: usize = 4096;
 
 impl Transport {
     /// Binds the listener and starts accepting, outside any node (its tasks end when
-    /// `shutdown` fires). `bind` may use port 0.
+    /// `shutdown` fires). `bind` may use port 0. With `secret`, every connection is
+    /// authenticated and encrypted and only peers holding the same secret are heard.
     pub async fn bind(
         bind: SocketAddr,
         local: UniqueAddress,
         cluster_id: String,
+        secret: Option<&ClusterSecret>,
         settings: TransportSettings,
         shutdown: CancellationToken,
     ) -> Result<Transport> {
         let spawner = Spawner::new(tracing::Span::current(), shutdown);
-        Self::bind_with(bind, local, cluster_id, settings, spawner, None).await
+        Self::bind_with(bind, local, cluster_id, secret, settings, spawner, None).await
     }
 
     /// Binds the listener and starts accepting; every task goes through `spawner`, and the
@@ -153,6 +168,7 @@ impl Transport {
         bind: SocketAddr,
         local: UniqueAddress,
         cluster_id: String,
+        secret: Option<&ClusterSecret>,
         settings: TransportSettings,
         spawner: Spawner,
         link_filter: Option<Arc<dyn LinkFilter>>,
@@ -168,6 +184,7 @@ impl Transport {
         let inner = Arc::new(Inner {
             local: PeerAddr { address: local, messaging_addr },
             cluster_id,
+            psk: secret.map(ClusterSecret::transport_psk),
             settings,
             writers: Mutex::default(),
             topics: Mutex::default(),
@@ -241,12 +258,18 @@ impl Transport {
         self.enqueue(to, &Frame::Response { id: request_id, body })
     }
 
-    /// Stops the writer of a peer incarnation (it left or was replaced); queued frames are dropped.
+    /// Stops the writers of a peer incarnation (it left or was replaced); queued frames are
+    /// dropped.
     pub fn forget_peer(&self, peer: &UniqueAddress) {
-        if let Some(q) = self.inner.writers.lock().expect("writers lock").remove(peer) {
+        let mut writers = self.inner.writers.lock().expect("writers lock");
+        writers.retain(|to, q| {
+            if to.address != *peer {
+                return true;
+            }
             q.state.lock().expect("queue lock").closed = true;
             q.wake.notify_one();
-        }
+            false
+        });
     }
 
     fn enqueue(&self, to: &PeerAddr, frame: &Frame<'_>) -> Result<()> {
@@ -268,7 +291,7 @@ impl Transport {
         let queue = {
             let mut writers = inner.writers.lock().expect("writers lock");
             writers
-                .entry(to.address.clone())
+                .entry(to.clone())
                 .or_insert_with(|| {
                     let q = Arc::new(PeerQueue::default());
                     inner.spawner.spawn(writer_task(inner.clone(), to.clone(), q.clone()));
@@ -278,16 +301,14 @@ impl Transport {
         };
         let mut q = queue.state.lock().expect("queue lock");
         if q.closed {
+            let reason = q.refused.clone().unwrap_or_else(|| "this incarnation was forgotten".into());
             drop(q);
             let mut writers = inner.writers.lock().expect("writers lock");
-            if writers.get(&to.address).is_some_and(|w| Arc::ptr_eq(w, &queue)) {
+            if writers.get(to).is_some_and(|w| Arc::ptr_eq(w, &queue)) {
                 // This incarnation refused us; the next send dials anew.
-                writers.remove(&to.address);
+                writers.remove(to);
             }
-            return Err(Error::PeerUnavailable {
-                peer: to.address.node_id.to_string(),
-                reason: "connection to this incarnation was refused".into(),
-            });
+            return Err(Error::PeerUnavailable { peer: to.address.node_id.to_string(), reason });
         }
         if q.frames >= inner.settings.send_queue_capacity {
             return Err(Error::SendQueueFull { peer: to.address.node_id.to_string() });
@@ -321,7 +342,6 @@ fn cut(inner: &Inner, from: &str, to: &str) -> bool {
 /// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
 /// reconnects with backoff. Frames in a failed write are lost (delivery is at most once).
 async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
-    use tokio::io::AsyncWriteExt;
     let s = &inner.settings;
     let mut backoff = s.reconnect_backoff_min;
     'reconnect: loop {
@@ -329,16 +349,17 @@ async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
             _ = inner.shutdown.cancelled() => return,
             r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer)) => r,
         };
-        let mut stream = match conn {
-            Ok(Ok(f)) => {
+        let mut link = match conn {
+            Ok(Ok(link)) => {
                 backoff = s.reconnect_backoff_min;
-                f.into_inner()
+                link
             }
             Ok(Err(DialError::Refused(reason))) => {
                 warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
                 {
                     let mut q = queue.state.lock().expect("queue lock");
                     q.closed = true;
+                    q.refused = Some(format!("it refused our handshake: {reason}"));
                     q.buf.clear();
                     q.frames = 0;
                 }
@@ -369,6 +390,7 @@ async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
                 continue 'reconnect;
             }
         };
+        let mut sealed = bytes::BytesMut::new();
         loop {
             let (chunk, n) = {
                 let mut q = queue.state.lock().expect("queue lock");
@@ -388,7 +410,18 @@ async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
                 inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
                 continue;
             }
-            if let Err(e) = stream.write_all(&chunk).await {
+            let bytes: &[u8] = match &mut link.cipher {
+                Some(cipher) => {
+                    sealed.clear();
+                    if let Err(e) = noise::seal(cipher, &chunk, &mut sealed) {
+                        warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
+                        continue 'reconnect;
+                    }
+                    &sealed
+                }
+                None => &chunk,
+            };
+            if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
                 debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
                 continue 'reconnect;
             }
@@ -397,14 +430,52 @@ async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
     }
 }
 
+/// Writes all of `buf`, failing if the peer accepts no byte for `stall` (a peer that stopped
+/// reading, or a dead path TCP would retransmit into for many minutes).
+async fn write_making_progress(stream: &mut TcpStream, mut buf: &[u8], stall: Duration) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    while !buf.is_empty() {
+        match tokio::time::timeout(stall, stream.write(buf)).await {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => buf = &buf[n..],
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "peer accepted no byte within write_timeout",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// No Nagle delay, and TCP keepalive so a peer that vanished (power cut, dropped route) is
+/// noticed on an idle connection instead of never.
+fn configure_socket(stream: &TcpStream, settings: &TransportSettings) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let probe_every = (settings.keepalive / 3).max(Duration::from_secs(1));
+    let keepalive = socket2::TcpKeepalive::new().with_time(settings.keepalive).with_interval(probe_every);
+    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
+    let keepalive = keepalive.with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
+}
+
+/// An established outbound connection: the socket and, with a secret, its sending cipher.
+struct Link {
+    stream: TcpStream,
+    cipher: Option<snow::TransportState>,
+}
+
 enum DialError {
     Io(std::io::Error),
     Refused(String),
 }
 
-async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Framed<TcpStream, LengthDelimitedCodec>, DialError> {
+async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Link, DialError> {
+    use tokio::io::AsyncWriteExt;
     let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
-    stream.set_nodelay(true).map_err(DialError::Io)?;
+    configure_socket(&stream, &inner.settings).map_err(DialError::Io)?;
     let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     let hello = Hello {
         protocol_version: PROTOCOL_VERSION,
@@ -414,19 +485,53 @@ async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Framed<TcpStream, Length
         to: peer.address.clone(),
     };
     let hello = wire::encode(&hello).map_err(|e| DialError::Refused(e.to_string()))?;
-    framed.send(hello).await.map_err(DialError::Io)?;
-    match framed.next().await {
-        Some(Ok(bytes)) => match wire::decode::<HelloReply>(&bytes) {
-            Ok(HelloReply::Accept) => {
-                framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
-                Ok(framed)
+    let mut handshake = inner.psk.as_ref().map(|psk| noise::initiator(psk, peer.messaging_addr));
+    let first = match &mut handshake {
+        Some(hs) => Bytes::from(noise::write_handshake(hs, &hello).map_err(|e| DialError::Refused(e.to_string()))?),
+        None => hello,
+    };
+    framed.send(first).await.map_err(DialError::Io)?;
+    let reply = match framed.next().await {
+        Some(Ok(bytes)) => bytes,
+        Some(Err(e)) => return Err(DialError::Io(e)),
+        None => return Err(DialError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+    };
+    let reply = match &mut handshake {
+        Some(hs) => match noise::read_handshake(hs, &reply) {
+            Ok(payload) => payload,
+            // A peer that could not authenticate us says so in plain text (it has no key to
+            // seal with); anything else is not this cluster's secret either.
+            Err(e) => {
+                return Err(DialError::Refused(match wire::decode::<HelloReply>(&reply) {
+                    Ok(HelloReply::Reject(r)) => r.to_string(),
+                    _ => format!("handshake reply {e}"),
+                }));
             }
-            Ok(HelloReply::Reject(r)) => Err(DialError::Refused(r.to_string())),
-            Err(e) => Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
         },
-        Some(Err(e)) => Err(DialError::Io(e)),
-        None => Err(DialError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+        None => reply.to_vec(),
+    };
+    match wire::decode::<HelloReply>(&reply) {
+        Ok(HelloReply::Accept { address }) if address == peer.address => {}
+        Ok(HelloReply::Accept { address }) => {
+            return Err(DialError::Refused(format!("{} answered as {address}", peer.messaging_addr)));
+        }
+        Ok(HelloReply::Reject(r)) => return Err(DialError::Refused(r.to_string())),
+        Err(e) => return Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
     }
+    // The acceptor writes nothing after its reply, so no read bytes are left behind here.
+    let mut stream = framed.into_inner();
+    let cipher = match handshake {
+        Some(hs) => {
+            let mut cipher = hs.into_transport_mode().map_err(|e| DialError::Refused(e.to_string()))?;
+            let mut confirmation = bytes::BytesMut::new();
+            noise::seal_frame(&mut cipher, noise::KEY_CONFIRMATION, &mut confirmation)
+                .map_err(|e| DialError::Refused(e.to_string()))?;
+            stream.write_all(&confirmation).await.map_err(DialError::Io)?;
+            Some(cipher)
+        }
+        None => None,
+    };
+    Ok(Link { stream, cipher })
 }
 
 async fn loopback_loop(inner: Arc<Inner>, mut frames: mpsc::UnboundedReceiver<Bytes>) {
@@ -454,7 +559,7 @@ async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
         };
         match accepted {
             Ok((stream, remote)) => {
-                let _ = stream.set_nodelay(true);
+                let _ = configure_socket(&stream, &inner.settings);
                 inner.spawner.spawn(read_connection(inner.clone(), stream, remote));
             }
             Err(e) => {
@@ -472,12 +577,43 @@ enum InboundError {
     Rejected(RejectReason),
     #[error("malformed handshake: {0}")]
     MalformedHandshake(String),
-    #[error("no handshake within the connect timeout")]
+    #[error("handshake not authenticated by the cluster secret: {0}")]
+    Unauthenticated(String),
+    #[error("no key confirmation after the handshake")]
+    NoKeyConfirmation,
+    #[error("handshake not completed within the connect timeout")]
     HandshakeTimeout,
-    #[error("bad frame (oversized or truncated): {0}")]
+    #[error("bad frame (oversized, truncated or not authentic): {0}")]
     BadFrame(std::io::Error),
     #[error("malformed frame: {0}")]
     MalformedFrame(String),
+}
+
+/// Frames of an accepted connection: plain, or opened from sealed records.
+enum InboundCodec {
+    Plain(LengthDelimitedCodec),
+    Secure(Box<noise::SecureFrameCodec>),
+}
+
+impl InboundCodec {
+    fn set_max_frame_length(&mut self, max: usize) {
+        match self {
+            InboundCodec::Plain(c) => c.set_max_frame_length(max),
+            InboundCodec::Secure(c) => c.set_max_frame_length(max),
+        }
+    }
+}
+
+impl tokio_util::codec::Decoder for InboundCodec {
+    type Item = bytes::BytesMut;
+    type Error = std::io::Error;
+
+    fn decode(&mut self, src: &mut bytes::BytesMut) -> std::io::Result<Option<bytes::BytesMut>> {
+        match self {
+            InboundCodec::Plain(c) => c.decode(src),
+            InboundCodec::Secure(c) => c.decode(src),
+        }
+    }
 }
 
 async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr) {
@@ -492,33 +628,14 @@ async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAdd
 }
 
 async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), InboundError> {
-    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
-    let first = match tokio::time::timeout(inner.settings.connect_timeout, framed.next()).await {
-        Err(_) => return Err(InboundError::HandshakeTimeout),
-        Ok(None) => return Ok(()),
-        Ok(Some(Err(e))) => return Err(InboundError::BadFrame(e)),
-        Ok(Some(Ok(b))) => b,
-    };
-    let hello: Hello = wire::decode(&first).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
-    let reject = if hello.protocol_version != PROTOCOL_VERSION {
-        Some(RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: PROTOCOL_VERSION })
-    } else if hello.cluster_id != inner.cluster_id {
-        Some(RejectReason::ForeignCluster(hello.cluster_id.clone()))
-    } else if hello.to != inner.local.address {
-        Some(RejectReason::WrongAddressee(hello.to.clone()))
-    } else {
-        None
-    };
-    if let Some(reason) = reject {
-        if let Ok(b) = wire::encode(&HelloReply::Reject(reason.clone())) {
-            let _ = framed.send(b).await;
-        }
-        return Err(InboundError::Rejected(reason));
-    }
-    let reply = wire::encode(&HelloReply::Accept).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
-    framed.send(reply).await.map_err(InboundError::BadFrame)?;
+    let (from, mut framed) =
+        match tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream)).await {
+            Err(_) => return Err(InboundError::HandshakeTimeout),
+            Ok(Ok(Some(accepted))) => accepted,
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+        };
     framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
-    let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
     info!(peer = %from.address, "inbound connection accepted");
     let mut topic_cache = HashMap::new();
     while let Some(item) = framed.next().await {
@@ -532,6 +649,77 @@ async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), I
         dispatch(inner, &from, &bytes, frame, &mut topic_cache).await;
     }
     Ok(())
+}
+
+/// The acceptor's side of the handshake (the caller bounds it by the connect timeout); `None`
+/// when the peer closed before saying anything.
+async fn accept_handshake(
+    inner: &Arc<Inner>,
+    stream: TcpStream,
+) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>)>, InboundError> {
+    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
+    let first = match framed.next().await {
+        None => return Ok(None),
+        Some(Err(e)) => return Err(InboundError::BadFrame(e)),
+        Some(Ok(b)) => b,
+    };
+    let mut handshake = inner.psk.as_ref().map(|psk| noise::responder(psk, inner.local.messaging_addr));
+    let hello = match &mut handshake {
+        Some(hs) => match noise::read_handshake(hs, &first) {
+            Ok(payload) => payload,
+            Err(e) => {
+                // Said in plain text: we hold no key this peer shares.
+                if let Ok(b) = wire::encode(&HelloReply::Reject(RejectReason::Unauthenticated)) {
+                    let _ = framed.send(b).await;
+                }
+                return Err(InboundError::Unauthenticated(e.to_string()));
+            }
+        },
+        None => first.to_vec(),
+    };
+    let hello: Hello = wire::decode(&hello).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
+    let reject = if hello.protocol_version != PROTOCOL_VERSION {
+        Some(RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: PROTOCOL_VERSION })
+    } else if hello.cluster_id != inner.cluster_id {
+        Some(RejectReason::ForeignCluster(hello.cluster_id.clone()))
+    } else if hello.to != inner.local.address {
+        Some(RejectReason::WrongAddressee(hello.to.clone()))
+    } else {
+        None
+    };
+    let reply = match &reject {
+        Some(reason) => HelloReply::Reject(reason.clone()),
+        None => HelloReply::Accept { address: inner.local.address.clone() },
+    };
+    let reply = wire::encode(&reply).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
+    let reply = match &mut handshake {
+        Some(hs) => {
+            Bytes::from(noise::write_handshake(hs, &reply).map_err(|e| InboundError::Unauthenticated(e.to_string()))?)
+        }
+        None => reply,
+    };
+    let sent = framed.send(reply).await;
+    if let Some(reason) = reject {
+        return Err(InboundError::Rejected(reason));
+    }
+    sent.map_err(InboundError::BadFrame)?;
+    let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
+    let framed = match handshake {
+        None => framed.map_codec(InboundCodec::Plain),
+        Some(hs) => {
+            let cipher = hs.into_transport_mode().map_err(|e| InboundError::Unauthenticated(e.to_string()))?;
+            let mut framed =
+                framed.map_codec(|plain| InboundCodec::Secure(Box::new(noise::SecureFrameCodec::new(cipher, plain))));
+            // Nothing counts until the dialer proves it holds this session's keys.
+            match framed.next().await {
+                Some(Ok(b)) if &b[..] == noise::KEY_CONFIRMATION => {}
+                Some(Err(e)) => return Err(InboundError::Unauthenticated(e.to_string())),
+                _ => return Err(InboundError::NoKeyConfirmation),
+            }
+            framed
+        }
+    };
+    Ok(Some((from, framed)))
 }
 
 /// Delivers one frame: responses complete their pending request; messages and requests go to

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
 
 /// Bumped on any incompatible change of the frames below.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// First frame of a connection, from the dialing node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -30,8 +30,12 @@ pub struct Hello {
 /// The listener's answer to [`Hello`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum HelloReply {
-    /// Accepted; frames may follow.
-    Accept,
+    /// Accepted; frames may follow. Names the listener's incarnation, which the dialer checks
+    /// against the one it meant to reach.
+    Accept {
+        /// The listener's incarnation.
+        address: UniqueAddress,
+    },
     /// Refused; the connection closes.
     Reject(RejectReason),
 }
@@ -53,6 +57,9 @@ pub enum RejectReason {
     /// The dialer wanted another node or an older incarnation of this one.
     #[error("addressed to {0}, which is not this node incarnation")]
     WrongAddressee(UniqueAddress),
+    /// The handshake was not keyed by this cluster's secret (another secret, or none).
+    #[error("handshake not authenticated by this cluster's secret")]
+    Unauthenticated,
 }
 
 /// A message after the handshake. Borrowed from the frame buffer when decoded, so bodies are

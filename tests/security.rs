@@ -1,0 +1,256 @@
+//! A cluster with a secret lets no one in: nodes and clients without the secret are never
+//! members, their gossip changes nothing and their connections deliver nothing; members form,
+//! replicate and serve entities over authenticated, encrypted links.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use ddshard::testkit::{TestCluster, eventually};
+use ddshard::transport::PeerAddr;
+use ddshard::transport::wire::{self, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
+use ddshard::{ClusterSecret, Consistency, Error, Node, NodeConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const CONVERGE: Duration = Duration::from_secs(30);
+
+fn secret(tag: char) -> ClusterSecret {
+    ClusterSecret::new(tag.to_string().repeat(48)).unwrap()
+}
+
+fn peer_of(n: &Node) -> PeerAddr {
+    PeerAddr { address: n.address().clone(), messaging_addr: n.messaging_addr() }
+}
+
+fn member_ids(n: &Node) -> Vec<String> {
+    let mut ids: Vec<String> = n.members().iter().map(|m| m.node_id().to_string()).collect();
+    ids.sort();
+    ids
+}
+
+/// Members `0..members` share secret 'a'; any further node gets `outsider(i)`'s secret.
+async fn cluster_with_outsider(
+    members: usize,
+    outsider: impl Fn(usize) -> Option<ClusterSecret> + Send + Sync + 'static,
+) -> TestCluster {
+    let c = TestCluster::start_with(members, move |i, cfg: &mut NodeConfig| {
+        cfg.cluster_secret = if i < members { Some(secret('a')) } else { outsider(i) };
+    })
+    .await
+    .unwrap();
+    c.await_converged(CONVERGE).await;
+    c
+}
+
+/// Watches the members while `outsider`'s gossip keeps arriving, until each member dropped at
+/// least `datagrams` of it as unauthenticated; membership must never change meanwhile.
+async fn outsider_stays_out(c: &TestCluster, members: usize, outsider: &Node, datagrams: u64) {
+    let expected: Vec<String> = (0..members).map(TestCluster::node_id).collect();
+    eventually(CONVERGE, "members dropped the outsider's gossip as unauthenticated", || {
+        for i in 0..members {
+            assert_eq!(member_ids(c.node(i)), expected, "the outsider (or a change) appeared in n{}'s members", i + 1);
+        }
+        assert!(
+            !member_ids(outsider).iter().any(|id| expected.contains(id)),
+            "the outsider learned the members: {:?}",
+            member_ids(outsider)
+        );
+        let dropped = (0..members)
+            .map(|i| c.node(i).gossip_stats().datagrams_unauthenticated.load(Ordering::Relaxed))
+            .min()
+            .unwrap();
+        std::future::ready((dropped >= datagrams).then_some(()))
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_with_a_secret_forms_replicates_and_serves_entities_over_encrypted_links() {
+    let mut c = cluster_with_outsider(3, |_| None).await;
+    let probe = common::Probe::default();
+    let mut regions = Vec::new();
+    for i in 0..3 {
+        regions.push(common::start_counter(c.node(i), &probe, common::settings()).await);
+    }
+    for k in 0..30 {
+        let id = format!("e{k}");
+        let r = regions[k % 3].ask(&id, common::CounterMsg::Add(1)).await.unwrap();
+        assert_eq!(r, common::CounterReply::Value(1));
+    }
+    let nodes: std::collections::BTreeSet<String> = probe.nodes_seen.lock().unwrap().values().cloned().collect();
+    assert!(nodes.len() > 1, "entities ran on one node only: {nodes:?}; messaging between members is not exercised");
+    c.node(0)
+        .replicator()
+        .update::<ddshard::ddata::GSet, _>("secure", Consistency::All, Duration::from_secs(10), |s, _| s.insert("x"))
+        .await
+        .expect("a write to every replica over authenticated links");
+    for i in 0..3 {
+        let s = c.node(i).gossip_stats();
+        assert_eq!(s.datagrams_unauthenticated.load(Ordering::Relaxed), 0, "members' gossip is authentic");
+        assert_eq!(c.node(i).transport().stats().connections_rejected.load(Ordering::Relaxed), 0);
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_another_secret_never_becomes_a_member_and_cannot_deliver_a_frame() {
+    let mut c = cluster_with_outsider(2, |_| Some(secret('b'))).await;
+    let outsider_index = c.add_node().await.unwrap();
+    let outsider = c.node(outsider_index).clone();
+    outsider_stays_out(&c, 2, &outsider, 10).await;
+
+    // Its messaging connections are refused at the handshake: nothing reaches the topic.
+    let mut inbox = c.node(0).transport().subscribe("probe", 16);
+    let to = peer_of(c.node(0));
+    let err = eventually(CONVERGE, "the outsider learns that the member refused it", || {
+        std::future::ready(outsider.transport().send(&to, "probe", b"let me in").err())
+    })
+    .await;
+    assert!(matches!(err, Error::PeerUnavailable { ref reason, .. } if reason.contains("secret")), "{err}");
+    let r = outsider.transport().request(&to, "probe", b"?", Duration::from_secs(10)).await;
+    assert!(matches!(r, Err(Error::PeerUnavailable { .. })), "{r:?}");
+    assert!(inbox.try_recv().is_err(), "a frame from a node without the secret was delivered");
+    assert!(c.node(0).transport().stats().connections_rejected.load(Ordering::Relaxed) >= 1);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_any_secret_is_not_heard_by_a_cluster_that_has_one() {
+    let mut c = cluster_with_outsider(2, |_| None).await;
+    let outsider_index = c.add_node().await.unwrap();
+    let outsider = c.node(outsider_index).clone();
+    outsider_stays_out(&c, 2, &outsider, 10).await;
+    c.shutdown().await;
+}
+
+async fn write_frame(s: &mut TcpStream, body: &[u8]) {
+    let mut buf = (body.len() as u32).to_be_bytes().to_vec();
+    buf.extend_from_slice(body);
+    s.write_all(&buf).await.unwrap();
+}
+
+/// The next frame, or `None` once the server closed the connection.
+async fn read_frame(s: &mut TcpStream) -> Option<Vec<u8>> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).await.ok()?;
+        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+        s.read_exact(&mut buf).await.ok()?;
+        Some(buf)
+    })
+    .await
+    .expect("the server answers or closes within 10 s")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_speaking_the_plain_handshake_is_refused_and_delivers_nothing() {
+    let mut c = cluster_with_outsider(2, |_| None).await;
+    let node = c.node(0).clone();
+    let mut inbox = node.transport().subscribe("probe", 16);
+    let rejected_before = node.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    // A client that knows the cluster id and a member's exact incarnation, but not the secret.
+    let mut s = TcpStream::connect(node.messaging_addr()).await.unwrap();
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        cluster_id: "test-cluster".into(),
+        from: c.node(1).address().clone(),
+        from_messaging_addr: c.node(1).messaging_addr(),
+        to: node.address().clone(),
+    };
+    write_frame(&mut s, &wire::encode(&hello).unwrap()).await;
+    let reply = read_frame(&mut s).await.expect("a plain-text refusal");
+    let reply: HelloReply = wire::decode(&reply).unwrap();
+    assert!(matches!(reply, HelloReply::Reject(RejectReason::Unauthenticated)), "{reply:?}");
+    // Frames sent anyway go nowhere, and the connection is closed.
+    let frame = wire::encode(&wire::Frame::Message { topic: "probe", body: b"forged" }).unwrap();
+    let _ = s.write_all(&[&(frame.len() as u32).to_be_bytes()[..], &frame].concat()).await;
+    assert!(read_frame(&mut s).await.is_none(), "the connection stays open");
+    assert!(inbox.try_recv().is_err());
+    assert_eq!(node.transport().stats().connections_rejected.load(Ordering::Relaxed), rejected_before + 1);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_never_finishes_the_secure_handshake_is_closed_at_the_deadline() {
+    let mut c = TestCluster::start_with(1, |_, cfg| {
+        cfg.cluster_secret = Some(secret('a'));
+        cfg.transport.connect_timeout = Duration::from_millis(500);
+    })
+    .await
+    .unwrap();
+    let node = c.node(0).clone();
+    // Garbage of a plausible first-frame size, then silence.
+    let mut s = TcpStream::connect(node.messaging_addr()).await.unwrap();
+    write_frame(&mut s, &[0x42; 48]).await;
+    let mut silent = TcpStream::connect(node.messaging_addr()).await.unwrap();
+    let reply = read_frame(&mut s).await.map(|f| wire::decode::<HelloReply>(&f));
+    assert!(matches!(reply, Some(Ok(HelloReply::Reject(RejectReason::Unauthenticated)))), "{reply:?}");
+    assert!(read_frame(&mut s).await.is_none(), "closed after the refusal");
+    assert!(read_frame(&mut silent).await.is_none(), "a silent connection is closed at the handshake deadline");
+    eventually(CONVERGE, "both connections counted as rejected", || {
+        std::future::ready((node.transport().stats().connections_rejected.load(Ordering::Relaxed) >= 2).then_some(()))
+    })
+    .await;
+    c.shutdown().await;
+}
+
+/// What chitchat's own socket sends with no secret: a real member's gossip, forged by an
+/// outsider who runs chitchat with keys of its choosing.
+async fn forged_gossip(
+    seed: std::net::SocketAddr,
+    node_id: &str,
+    generation: u64,
+    keys: Vec<(String, String)>,
+) -> chitchat::ChitchatHandle {
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = socket.local_addr().unwrap();
+    drop(socket);
+    let config = chitchat::ChitchatConfig {
+        chitchat_id: chitchat::ChitchatId::new(node_id, generation, addr),
+        cluster_id: "test-cluster".into(),
+        gossip_interval: Duration::from_millis(50),
+        listen_addr: addr,
+        seed_nodes: vec![seed.to_string()],
+        failure_detector_config: chitchat::FailureDetectorConfig::default(),
+        marked_for_deletion_grace_period: Duration::from_secs(3600),
+        catchup_callback: None,
+        extra_liveness_predicate: None,
+        protocol_version: chitchat::ProtocolVersion::V0,
+    };
+    chitchat::spawn_chitchat(config, keys, &chitchat::transport::UdpTransport).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_gossip_with_down_marks_fake_members_and_a_max_generation_changes_nothing() {
+    let mut c = cluster_with_outsider(3, |_| None).await;
+    let before: Vec<_> = c.node(0).members().iter().map(|m| (m.address().clone(), m.status())).collect();
+    let seed = c.node(0).gossip_addr();
+    let n2 = c.node(1).address().clone();
+    let kv = |k: &str, v: &str| (k.to_string(), v.to_string());
+    let _superseding =
+        forged_gossip(seed, "n2", u64::MAX, vec![kv("status", "up"), kv("up", "0"), kv("msg", "127.0.0.1:9")]).await;
+    let _downer = forged_gossip(
+        seed,
+        "ghost",
+        1,
+        vec![kv("status", "up"), kv("up", "0"), kv("msg", "127.0.0.1:9"), kv(&format!("down:{n2}"), "1")],
+    )
+    .await;
+    let mut silent_up = Vec::new();
+    for k in 0..10 {
+        silent_up.push(forged_gossip(seed, &format!("fake-{k}"), 1, vec![kv("status", "up"), kv("up", "0")]).await);
+    }
+    eventually(CONVERGE, "the forged gossip reached the members and was dropped", || {
+        for i in 0..3 {
+            let now: Vec<_> = c.node(i).members().iter().map(|m| (m.address().clone(), m.status())).collect();
+            assert_eq!(now, before, "n{}'s membership changed under forged gossip", i + 1);
+            assert!(!c.node(i).is_shut_down(), "n{} stopped under forged gossip", i + 1);
+        }
+        let dropped = c.node(0).gossip_stats().datagrams_unauthenticated.load(Ordering::Relaxed);
+        std::future::ready((dropped >= 50).then_some(()))
+    })
+    .await;
+    c.shutdown().await;
+}
