@@ -140,6 +140,19 @@ pub struct TransportSettings {
     pub max_frame_size: usize,
     /// Frames queued per peer before sends fail with [`Error::SendQueueFull`].
     pub send_queue_capacity: usize,
+    /// Bytes queued per peer before sends fail with [`Error::SendQueueFull`] (whichever of the
+    /// two limits is reached first).
+    pub send_queue_max_bytes: usize,
+    /// A peer that could not be dialed for this long loses its writer: queued frames are
+    /// dropped, its requests fail with `PeerUnavailable`, and the next send dials anew.
+    #[serde(with = "humantime_serde")]
+    pub unreachable_give_up: Duration,
+    /// Inbound connections held at once (handshaking or established); beyond it a new
+    /// connection is closed at once and counted.
+    pub max_inbound_connections: usize,
+    /// Connections from one IP address that may be in their handshake at once; beyond it a new
+    /// one is closed at once and counted.
+    pub max_handshakes_per_ip: usize,
     /// Time allowed for a TCP connect plus handshake.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -164,6 +177,10 @@ impl Default for TransportSettings {
         TransportSettings {
             max_frame_size: 8 * 1024 * 1024,
             send_queue_capacity: 65_536,
+            send_queue_max_bytes: 64 << 20,
+            unreachable_give_up: Duration::from_secs(30),
+            max_inbound_connections: 1024,
+            max_handshakes_per_ip: 32,
             connect_timeout: Duration::from_secs(3),
             reconnect_backoff_min: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_secs(2),
@@ -290,6 +307,15 @@ impl NodeConfig {
         if t.send_queue_capacity == 0 {
             return bad("transport.send_queue_capacity must be > 0".into());
         }
+        if t.send_queue_max_bytes < t.max_frame_size + 4 {
+            return bad("transport.send_queue_max_bytes must hold at least one frame of max_frame_size".into());
+        }
+        if t.max_inbound_connections == 0 || t.max_handshakes_per_ip == 0 {
+            return bad("transport.max_inbound_connections and max_handshakes_per_ip must be > 0".into());
+        }
+        if t.unreachable_give_up < t.connect_timeout {
+            return bad("transport.unreachable_give_up must be at least transport.connect_timeout".into());
+        }
         if t.reconnect_backoff_min.is_zero() || t.reconnect_backoff_max < t.reconnect_backoff_min {
             return bad("transport.reconnect_backoff_min must be > 0 and <= reconnect_backoff_max".into());
         }
@@ -347,6 +373,18 @@ mod tests {
         let mut t = ok.clone();
         t.transport.max_frame_size = 10;
         assert!(matches!(t.validate(), Err(Error::Config(_))));
+        let mut t = ok.clone();
+        t.transport.send_queue_max_bytes = t.transport.max_frame_size;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("send_queue_max_bytes")));
+        let mut t = ok.clone();
+        t.transport.unreachable_give_up = t.transport.connect_timeout / 2;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("unreachable_give_up")));
+        let mut t = ok.clone();
+        t.transport.max_handshakes_per_ip = 0;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("max_handshakes_per_ip")));
+        let mut t = ok.clone();
+        t.transport.write_timeout = Duration::ZERO;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("write_timeout")));
         assert!(matches!(NodeConfig::from_toml_str("no_such_setting = 1"), Err(Error::Config(_))));
         assert!(matches!(NodeConfig::from_toml_str("[membership]\ngossip_interval = \"soon\""), Err(Error::Config(_))));
     }

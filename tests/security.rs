@@ -254,3 +254,124 @@ async fn forged_gossip_with_down_marks_fake_members_and_a_max_generation_changes
     .await;
     c.shutdown().await;
 }
+
+/// Raises this process's open-file limit to its hard limit; the flood tests need thousands of
+/// sockets. Panics (never skips) if the hard limit is too low, naming it.
+fn allow_open_files(needed: u64) {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to a local rlimit.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = lim.rlim_max;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+    }
+    assert!(
+        lim.rlim_cur >= needed,
+        "this test needs {needed} open files; the hard limit (ulimit -Hn) is {}",
+        lim.rlim_cur
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_idle_connections_and_an_8_mib_length_prefix_leave_the_node_serving() {
+    allow_open_files(6_000);
+    // A handshake deadline far beyond this test: every early close is the limits' doing.
+    let mut c = TestCluster::start_with(2, |_, cfg| {
+        cfg.cluster_secret = Some(secret('a'));
+        cfg.transport.connect_timeout = Duration::from_secs(120);
+        cfg.transport.unreachable_give_up = Duration::from_secs(120);
+    })
+    .await
+    .unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    let probe = common::Probe::default();
+    let regions = [
+        common::start_counter(c.node(0), &probe, common::settings()).await,
+        common::start_counter(c.node(1), &probe, common::settings()).await,
+    ];
+    let rejected_before = node.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    let mut idle = Vec::new();
+    for _ in 0..2_000 {
+        idle.push(TcpStream::connect(node.messaging_addr()).await.unwrap());
+    }
+    let mut huge = TcpStream::connect(node.messaging_addr()).await.unwrap();
+    huge.write_all(&(8u32 << 20).to_be_bytes()).await.unwrap();
+    // All but a handful from this one address are closed at once; the rest at the deadline.
+    eventually(Duration::from_secs(20), "connections over the per-address handshake limit closed at once", || {
+        let rejected = node.transport().stats().connections_rejected.load(Ordering::Relaxed) - rejected_before;
+        std::future::ready((rejected >= 2_000 - 32).then_some(()))
+    })
+    .await;
+    // Members keep being served meanwhile: entities on both nodes answer, replication works.
+    for k in 0..20 {
+        let r = regions[k % 2].ask(&format!("e{k}"), common::CounterMsg::Add(1)).await;
+        assert_eq!(r.unwrap(), common::CounterReply::Value(1));
+    }
+    node.replicator()
+        .update::<ddshard::ddata::GSet, _>("alive", Consistency::All, Duration::from_secs(10), |s, _| s.insert("yes"))
+        .await
+        .expect("the node keeps replicating to its peers");
+    assert!(read_frame(&mut huge).await.is_none(), "the 8 MiB length prefix closes its connection");
+    drop(idle);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_stays_unreachable_loses_its_writer_and_its_requests_fail_fast() {
+    let mut c = TestCluster::start_with(1, |_, cfg| {
+        cfg.transport.connect_timeout = Duration::from_millis(300);
+        cfg.transport.unreachable_give_up = Duration::from_secs(1);
+    })
+    .await
+    .unwrap();
+    let node = c.node(0).clone();
+    // An address nothing listens on (bound, then released).
+    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let to = PeerAddr { address: ddshard::UniqueAddress::new("vanished", 3), messaging_addr: gone };
+    let before = node.transport().peer_writers();
+    let r = node.transport().request(&to, "probe", b"?", Duration::from_secs(60)).await;
+    assert!(matches!(r, Err(Error::PeerUnavailable { ref reason, .. }) if reason.contains("not reachable")), "{r:?}");
+    assert_eq!(node.transport().peer_writers(), before, "the writer of the unreachable peer is gone");
+    assert_eq!(node.transport().pending_requests(), 0);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_queue_is_bounded_in_bytes_not_only_in_frames() {
+    let mut c = TestCluster::start_with(1, |_, cfg| {
+        cfg.transport.max_frame_size = 1 << 20;
+        cfg.transport.send_queue_max_bytes = (1 << 20) + 4;
+    })
+    .await
+    .unwrap();
+    let node = c.node(0).clone();
+    // A peer that completes the handshake and then never reads.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow =
+        PeerAddr { address: ddshard::UniqueAddress::new("slow", 1), messaging_addr: listener.local_addr().unwrap() };
+    let accept = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let hello: Hello = wire::decode(&read_frame(&mut s).await.unwrap()).unwrap();
+        write_frame(&mut s, &wire::encode(&HelloReply::Accept { address: hello.to }).unwrap()).await;
+        s
+    });
+    node.transport().send(&slow, "probe", b"first").unwrap();
+    let _s = tokio::time::timeout(CONVERGE, accept).await.expect("the node dials the peer").unwrap();
+    let body = vec![7u8; 64 << 10];
+    let mut sent = 0usize;
+    let full = loop {
+        match node.transport().send(&slow, "probe", &body) {
+            Ok(()) => sent += 1,
+            Err(e) => break e,
+        }
+        // 65,536 frames are allowed: only the byte bound can stop this before 64 MiB.
+        assert!(sent < 1_000, "64 MiB queued with a 1 MiB byte bound");
+        if sent.is_multiple_of(16) {
+            tokio::task::yield_now().await;
+        }
+    };
+    assert!(matches!(full, Error::SendQueueFull { .. }), "{full:?}");
+    println!("SendQueueFull after {sent} frames of 64 KiB (1 MiB queue bound plus socket buffers)");
+    c.shutdown().await;
+}

@@ -100,8 +100,12 @@ async fn four_gib_length_prefix_closes_the_connection_without_allocating() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_frame_over_the_handshake_limit_closes_the_connection_before_any_bytes_are_buffered() {
     // A long handshake timeout: only the size limit can close this connection in time.
-    let mut c =
-        TestCluster::start_with(2, |_, cfg| cfg.transport.connect_timeout = Duration::from_secs(120)).await.unwrap();
+    let mut c = TestCluster::start_with(2, |_, cfg| {
+        cfg.transport.connect_timeout = Duration::from_secs(120);
+        cfg.transport.unreachable_give_up = Duration::from_secs(120);
+    })
+    .await
+    .unwrap();
     c.await_converged(CONVERGE).await;
     let mut s = TcpStream::connect(c.node(0).messaging_addr()).await.unwrap();
     // Announces a 1 MiB hello (well under max_frame_size) and sends none of it: an outsider

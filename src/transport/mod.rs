@@ -15,8 +15,10 @@
 //! handshake not keyed by the secret) closes only that connection with a logged, typed reason
 //! and bumps a counter.
 
+mod inbound;
 mod link;
 mod noise;
+mod outbound;
 pub mod wire;
 
 pub use link::LinkFilter;
@@ -28,19 +30,20 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{SinkExt, StreamExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
-use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tokio_util::codec::LengthDelimitedCodec;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::config::TransportSettings;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
 use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
-use wire::{Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason, ResponseBody};
+use inbound::accept_loop;
+use outbound::writer_task;
+use wire::{Frame, ResponseBody};
 
 pub use crate::membership::PeerAddr;
 
@@ -249,6 +252,12 @@ impl Transport {
         self.inner.pending.lock().expect("pending lock").len()
     }
 
+    /// Peer incarnations this node currently keeps a writer (and its queue) for: one per peer
+    /// sent to, until it is forgotten, refuses us or stays unreachable (a gauge for operators).
+    pub fn peer_writers(&self) -> usize {
+        self.inner.writers.lock().expect("writers lock").len()
+    }
+
     /// Answers a request received as [`Inbound`] with `request_id`.
     pub fn respond(&self, to: &PeerAddr, request_id: u64, body: Result<&[u8], String>) -> Result<()> {
         let body = match &body {
@@ -310,8 +319,9 @@ impl Transport {
             }
             return Err(Error::PeerUnavailable { peer: to.address.node_id.to_string(), reason });
         }
+        let full = || Error::SendQueueFull { peer: to.address.node_id.to_string() };
         if q.frames >= inner.settings.send_queue_capacity {
-            return Err(Error::SendQueueFull { peer: to.address.node_id.to_string() });
+            return Err(full());
         }
         use bytes::BufMut;
         let start = q.buf.len();
@@ -326,6 +336,10 @@ impl Transport {
             q.buf.truncate(start);
             return Err(too_large(len));
         }
+        if q.buf.len() > inner.settings.send_queue_max_bytes {
+            q.buf.truncate(start);
+            return Err(full());
+        }
         q.buf[start..start + 4].copy_from_slice(&(len as u32).to_be_bytes());
         q.frames += 1;
         drop(q);
@@ -337,201 +351,6 @@ impl Transport {
 /// Whether the link filter (if any) cuts messages from `from` to `to`.
 fn cut(inner: &Inner, from: &str, to: &str) -> bool {
     inner.link_filter.as_ref().is_some_and(|f| !f.allows(from, to))
-}
-
-/// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
-/// reconnects with backoff. Frames in a failed write are lost (delivery is at most once).
-async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
-    let s = &inner.settings;
-    let mut backoff = s.reconnect_backoff_min;
-    'reconnect: loop {
-        let conn = tokio::select! {
-            _ = inner.shutdown.cancelled() => return,
-            r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer)) => r,
-        };
-        let mut link = match conn {
-            Ok(Ok(link)) => {
-                backoff = s.reconnect_backoff_min;
-                link
-            }
-            Ok(Err(DialError::Refused(reason))) => {
-                warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
-                {
-                    let mut q = queue.state.lock().expect("queue lock");
-                    q.closed = true;
-                    q.refused = Some(format!("it refused our handshake: {reason}"));
-                    q.buf.clear();
-                    q.frames = 0;
-                }
-                // Requests to it will get no answer: fail them now, not at their timeout.
-                let mut pending = inner.pending.lock().expect("pending lock");
-                let refused: Vec<u64> =
-                    pending.iter().filter(|(_, r)| r.peer == peer.address).map(|(id, _)| *id).collect();
-                for id in refused {
-                    if let Some(r) = pending.remove(&id) {
-                        let peer = peer.address.node_id.to_string();
-                        let _ = r.reply.send(Err(Error::PeerUnavailable { peer, reason: reason.clone() }));
-                    }
-                }
-                return;
-            }
-            Ok(Err(DialError::Io(e))) => {
-                debug!(peer = %peer.address, error = %e, "connect failed; retrying");
-                tokio::select! {
-                    _ = inner.shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(s.reconnect_backoff_max);
-                continue 'reconnect;
-            }
-            Err(_) => {
-                debug!(peer = %peer.address, "connect timed out; retrying");
-                backoff = (backoff * 2).min(s.reconnect_backoff_max);
-                continue 'reconnect;
-            }
-        };
-        let mut sealed = bytes::BytesMut::new();
-        loop {
-            let (chunk, n) = {
-                let mut q = queue.state.lock().expect("queue lock");
-                if q.closed {
-                    return; // forgotten peer
-                }
-                let n = std::mem::take(&mut q.frames);
-                (q.buf.split().freeze(), n)
-            };
-            if n == 0 {
-                tokio::select! {
-                    _ = inner.shutdown.cancelled() => return,
-                    _ = queue.wake.notified() => continue,
-                }
-            }
-            if cut(&inner, &inner.local.address.node_id, &peer.address.node_id) {
-                inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
-                continue;
-            }
-            let bytes: &[u8] = match &mut link.cipher {
-                Some(cipher) => {
-                    sealed.clear();
-                    if let Err(e) = noise::seal(cipher, &chunk, &mut sealed) {
-                        warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
-                        continue 'reconnect;
-                    }
-                    &sealed
-                }
-                None => &chunk,
-            };
-            if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
-                debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
-                continue 'reconnect;
-            }
-            inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
-        }
-    }
-}
-
-/// Writes all of `buf`, failing if the peer accepts no byte for `stall` (a peer that stopped
-/// reading, or a dead path TCP would retransmit into for many minutes).
-async fn write_making_progress(stream: &mut TcpStream, mut buf: &[u8], stall: Duration) -> std::io::Result<()> {
-    use tokio::io::AsyncWriteExt;
-    while !buf.is_empty() {
-        match tokio::time::timeout(stall, stream.write(buf)).await {
-            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(Ok(n)) => buf = &buf[n..],
-            Ok(Err(e)) => return Err(e),
-            Err(_) => {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "peer accepted no byte within write_timeout",
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// No Nagle delay, and TCP keepalive so a peer that vanished (power cut, dropped route) is
-/// noticed on an idle connection instead of never.
-fn configure_socket(stream: &TcpStream, settings: &TransportSettings) -> std::io::Result<()> {
-    stream.set_nodelay(true)?;
-    let probe_every = (settings.keepalive / 3).max(Duration::from_secs(1));
-    let keepalive = socket2::TcpKeepalive::new().with_time(settings.keepalive).with_interval(probe_every);
-    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
-    let keepalive = keepalive.with_retries(3);
-    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
-}
-
-/// An established outbound connection: the socket and, with a secret, its sending cipher.
-struct Link {
-    stream: TcpStream,
-    cipher: Option<snow::TransportState>,
-}
-
-enum DialError {
-    Io(std::io::Error),
-    Refused(String),
-}
-
-async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Link, DialError> {
-    use tokio::io::AsyncWriteExt;
-    let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
-    configure_socket(&stream, &inner.settings).map_err(DialError::Io)?;
-    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
-    let hello = Hello {
-        protocol_version: PROTOCOL_VERSION,
-        cluster_id: inner.cluster_id.clone(),
-        from: inner.local.address.clone(),
-        from_messaging_addr: inner.local.messaging_addr,
-        to: peer.address.clone(),
-    };
-    let hello = wire::encode(&hello).map_err(|e| DialError::Refused(e.to_string()))?;
-    let mut handshake = inner.psk.as_ref().map(|psk| noise::initiator(psk, peer.messaging_addr));
-    let first = match &mut handshake {
-        Some(hs) => Bytes::from(noise::write_handshake(hs, &hello).map_err(|e| DialError::Refused(e.to_string()))?),
-        None => hello,
-    };
-    framed.send(first).await.map_err(DialError::Io)?;
-    let reply = match framed.next().await {
-        Some(Ok(bytes)) => bytes,
-        Some(Err(e)) => return Err(DialError::Io(e)),
-        None => return Err(DialError::Io(std::io::ErrorKind::UnexpectedEof.into())),
-    };
-    let reply = match &mut handshake {
-        Some(hs) => match noise::read_handshake(hs, &reply) {
-            Ok(payload) => payload,
-            // A peer that could not authenticate us says so in plain text (it has no key to
-            // seal with); anything else is not this cluster's secret either.
-            Err(e) => {
-                return Err(DialError::Refused(match wire::decode::<HelloReply>(&reply) {
-                    Ok(HelloReply::Reject(r)) => r.to_string(),
-                    _ => format!("handshake reply {e}"),
-                }));
-            }
-        },
-        None => reply.to_vec(),
-    };
-    match wire::decode::<HelloReply>(&reply) {
-        Ok(HelloReply::Accept { address }) if address == peer.address => {}
-        Ok(HelloReply::Accept { address }) => {
-            return Err(DialError::Refused(format!("{} answered as {address}", peer.messaging_addr)));
-        }
-        Ok(HelloReply::Reject(r)) => return Err(DialError::Refused(r.to_string())),
-        Err(e) => return Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
-    }
-    // The acceptor writes nothing after its reply, so no read bytes are left behind here.
-    let mut stream = framed.into_inner();
-    let cipher = match handshake {
-        Some(hs) => {
-            let mut cipher = hs.into_transport_mode().map_err(|e| DialError::Refused(e.to_string()))?;
-            let mut confirmation = bytes::BytesMut::new();
-            noise::seal_frame(&mut cipher, noise::KEY_CONFIRMATION, &mut confirmation)
-                .map_err(|e| DialError::Refused(e.to_string()))?;
-            stream.write_all(&confirmation).await.map_err(DialError::Io)?;
-            Some(cipher)
-        }
-        None => None,
-    };
-    Ok(Link { stream, cipher })
 }
 
 async fn loopback_loop(inner: Arc<Inner>, mut frames: mpsc::UnboundedReceiver<Bytes>) {
@@ -549,177 +368,6 @@ async fn loopback_loop(inner: Arc<Inner>, mut frames: mpsc::UnboundedReceiver<By
             dispatch(&inner, &from, &bytes, f, &mut cache).await;
         }
     }
-}
-
-async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
-    loop {
-        let accepted = tokio::select! {
-            _ = inner.shutdown.cancelled() => return,
-            a = listener.accept() => a,
-        };
-        match accepted {
-            Ok((stream, remote)) => {
-                let _ = configure_socket(&stream, &inner.settings);
-                inner.spawner.spawn(read_connection(inner.clone(), stream, remote));
-            }
-            Err(e) => {
-                warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-}
-
-/// Why an inbound connection was closed by us.
-#[derive(Debug, thiserror::Error)]
-enum InboundError {
-    #[error("handshake refused: {0}")]
-    Rejected(RejectReason),
-    #[error("malformed handshake: {0}")]
-    MalformedHandshake(String),
-    #[error("handshake not authenticated by the cluster secret: {0}")]
-    Unauthenticated(String),
-    #[error("no key confirmation after the handshake")]
-    NoKeyConfirmation,
-    #[error("handshake not completed within the connect timeout")]
-    HandshakeTimeout,
-    #[error("bad frame (oversized, truncated or not authentic): {0}")]
-    BadFrame(std::io::Error),
-    #[error("malformed frame: {0}")]
-    MalformedFrame(String),
-}
-
-/// Frames of an accepted connection: plain, or opened from sealed records.
-enum InboundCodec {
-    Plain(LengthDelimitedCodec),
-    Secure(Box<noise::SecureFrameCodec>),
-}
-
-impl InboundCodec {
-    fn set_max_frame_length(&mut self, max: usize) {
-        match self {
-            InboundCodec::Plain(c) => c.set_max_frame_length(max),
-            InboundCodec::Secure(c) => c.set_max_frame_length(max),
-        }
-    }
-}
-
-impl tokio_util::codec::Decoder for InboundCodec {
-    type Item = bytes::BytesMut;
-    type Error = std::io::Error;
-
-    fn decode(&mut self, src: &mut bytes::BytesMut) -> std::io::Result<Option<bytes::BytesMut>> {
-        match self {
-            InboundCodec::Plain(c) => c.decode(src),
-            InboundCodec::Secure(c) => c.decode(src),
-        }
-    }
-}
-
-async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr) {
-    let result = tokio::select! {
-        _ = inner.shutdown.cancelled() => Ok(()),
-        r = serve_connection(&inner, stream) => r,
-    };
-    if let Err(e) = result {
-        inner.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
-        warn!(%remote, reason = %e, "closing inbound connection");
-    }
-}
-
-async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), InboundError> {
-    let (from, mut framed) =
-        match tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream)).await {
-            Err(_) => return Err(InboundError::HandshakeTimeout),
-            Ok(Ok(Some(accepted))) => accepted,
-            Ok(Ok(None)) => return Ok(()),
-            Ok(Err(e)) => return Err(e),
-        };
-    framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
-    info!(peer = %from.address, "inbound connection accepted");
-    let mut topic_cache = HashMap::new();
-    while let Some(item) = framed.next().await {
-        let bytes = item.map_err(InboundError::BadFrame)?.freeze();
-        inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
-        let frame: Frame = wire::decode_borrowed(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
-        if cut(inner, &from.address.node_id, &inner.local.address.node_id) {
-            inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
-            continue;
-        }
-        dispatch(inner, &from, &bytes, frame, &mut topic_cache).await;
-    }
-    Ok(())
-}
-
-/// The acceptor's side of the handshake (the caller bounds it by the connect timeout); `None`
-/// when the peer closed before saying anything.
-async fn accept_handshake(
-    inner: &Arc<Inner>,
-    stream: TcpStream,
-) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>)>, InboundError> {
-    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
-    let first = match framed.next().await {
-        None => return Ok(None),
-        Some(Err(e)) => return Err(InboundError::BadFrame(e)),
-        Some(Ok(b)) => b,
-    };
-    let mut handshake = inner.psk.as_ref().map(|psk| noise::responder(psk, inner.local.messaging_addr));
-    let hello = match &mut handshake {
-        Some(hs) => match noise::read_handshake(hs, &first) {
-            Ok(payload) => payload,
-            Err(e) => {
-                // Said in plain text: we hold no key this peer shares.
-                if let Ok(b) = wire::encode(&HelloReply::Reject(RejectReason::Unauthenticated)) {
-                    let _ = framed.send(b).await;
-                }
-                return Err(InboundError::Unauthenticated(e.to_string()));
-            }
-        },
-        None => first.to_vec(),
-    };
-    let hello: Hello = wire::decode(&hello).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
-    let reject = if hello.protocol_version != PROTOCOL_VERSION {
-        Some(RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: PROTOCOL_VERSION })
-    } else if hello.cluster_id != inner.cluster_id {
-        Some(RejectReason::ForeignCluster(hello.cluster_id.clone()))
-    } else if hello.to != inner.local.address {
-        Some(RejectReason::WrongAddressee(hello.to.clone()))
-    } else {
-        None
-    };
-    let reply = match &reject {
-        Some(reason) => HelloReply::Reject(reason.clone()),
-        None => HelloReply::Accept { address: inner.local.address.clone() },
-    };
-    let reply = wire::encode(&reply).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
-    let reply = match &mut handshake {
-        Some(hs) => {
-            Bytes::from(noise::write_handshake(hs, &reply).map_err(|e| InboundError::Unauthenticated(e.to_string()))?)
-        }
-        None => reply,
-    };
-    let sent = framed.send(reply).await;
-    if let Some(reason) = reject {
-        return Err(InboundError::Rejected(reason));
-    }
-    sent.map_err(InboundError::BadFrame)?;
-    let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
-    let framed = match handshake {
-        None => framed.map_codec(InboundCodec::Plain),
-        Some(hs) => {
-            let cipher = hs.into_transport_mode().map_err(|e| InboundError::Unauthenticated(e.to_string()))?;
-            let mut framed =
-                framed.map_codec(|plain| InboundCodec::Secure(Box::new(noise::SecureFrameCodec::new(cipher, plain))));
-            // Nothing counts until the dialer proves it holds this session's keys.
-            match framed.next().await {
-                Some(Ok(b)) if &b[..] == noise::KEY_CONFIRMATION => {}
-                Some(Err(e)) => return Err(InboundError::Unauthenticated(e.to_string())),
-                _ => return Err(InboundError::NoKeyConfirmation),
-            }
-            framed
-        }
-    };
-    Ok(Some((from, framed)))
 }
 
 /// Delivers one frame: responses complete their pending request; messages and requests go to

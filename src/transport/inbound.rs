@@ -1,0 +1,253 @@
+//! The receiving side: admission limits, the acceptor's handshake (plain or Noise with key
+//! confirmation), and the read loop that hands frames to `dispatch`.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::codec::{Framed, LengthDelimitedCodec};
+use tracing::{debug, info, warn};
+
+use super::outbound::configure_socket;
+use super::wire::{self, Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
+use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, codec, cut, dispatch, noise};
+
+/// Admission of inbound connections: at most `max_inbound_connections` at once, and at most
+/// `max_handshakes_per_ip` of them from one IP still in their handshake, so neither a flood of
+/// idle connections nor one address opening many can take a node's memory or every slot.
+struct InboundLimits {
+    connections: Arc<tokio::sync::Semaphore>,
+    handshaking: Mutex<HashMap<std::net::IpAddr, usize>>,
+    per_ip: usize,
+}
+
+/// One admitted inbound connection: holds its slot, and its handshake slot until released.
+struct InboundPermit {
+    _connection: tokio::sync::OwnedSemaphorePermit,
+    handshake: Option<(Arc<InboundLimits>, std::net::IpAddr)>,
+}
+
+impl InboundPermit {
+    fn handshake_done(&mut self) {
+        if let Some((limits, ip)) = self.handshake.take() {
+            let mut h = limits.handshaking.lock().expect("handshaking lock");
+            if let Some(n) = h.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    h.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for InboundPermit {
+    fn drop(&mut self) {
+        self.handshake_done();
+    }
+}
+
+impl InboundLimits {
+    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<InboundPermit> {
+        let connection = self.connections.clone().try_acquire_owned().ok()?;
+        let mut h = self.handshaking.lock().expect("handshaking lock");
+        let n = h.entry(ip).or_insert(0);
+        if *n >= self.per_ip {
+            return None;
+        }
+        *n += 1;
+        Some(InboundPermit { _connection: connection, handshake: Some((self.clone(), ip)) })
+    }
+}
+
+pub(super) async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
+    let limits = Arc::new(InboundLimits {
+        connections: Arc::new(tokio::sync::Semaphore::new(inner.settings.max_inbound_connections)),
+        handshaking: Mutex::default(),
+        per_ip: inner.settings.max_handshakes_per_ip,
+    });
+    loop {
+        let accepted = tokio::select! {
+            _ = inner.shutdown.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, remote)) => {
+                let Some(permit) = limits.admit(remote.ip()) else {
+                    // Closed at once: no task, no buffer for a connection over the limits.
+                    inner.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
+                    debug!(%remote, "inbound connection over the limits; closed");
+                    continue;
+                };
+                let _ = configure_socket(&stream, &inner.settings);
+                inner.spawner.spawn(read_connection(inner.clone(), stream, remote, permit));
+            }
+            Err(e) => {
+                warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// Why an inbound connection was closed by us.
+#[derive(Debug, thiserror::Error)]
+enum InboundError {
+    #[error("handshake refused: {0}")]
+    Rejected(RejectReason),
+    #[error("malformed handshake: {0}")]
+    MalformedHandshake(String),
+    #[error("handshake not authenticated by the cluster secret: {0}")]
+    Unauthenticated(String),
+    #[error("no key confirmation after the handshake")]
+    NoKeyConfirmation,
+    #[error("handshake not completed within the connect timeout")]
+    HandshakeTimeout,
+    #[error("bad frame (oversized, truncated or not authentic): {0}")]
+    BadFrame(std::io::Error),
+    #[error("malformed frame: {0}")]
+    MalformedFrame(String),
+}
+
+/// Frames of an accepted connection: plain, or opened from sealed records.
+enum InboundCodec {
+    Plain(LengthDelimitedCodec),
+    Secure(Box<noise::SecureFrameCodec>),
+}
+
+impl InboundCodec {
+    fn set_max_frame_length(&mut self, max: usize) {
+        match self {
+            InboundCodec::Plain(c) => c.set_max_frame_length(max),
+            InboundCodec::Secure(c) => c.set_max_frame_length(max),
+        }
+    }
+}
+
+impl tokio_util::codec::Decoder for InboundCodec {
+    type Item = bytes::BytesMut;
+    type Error = std::io::Error;
+
+    fn decode(&mut self, src: &mut bytes::BytesMut) -> std::io::Result<Option<bytes::BytesMut>> {
+        match self {
+            InboundCodec::Plain(c) => c.decode(src),
+            InboundCodec::Secure(c) => c.decode(src),
+        }
+    }
+}
+
+async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr, mut permit: InboundPermit) {
+    let result = tokio::select! {
+        _ = inner.shutdown.cancelled() => Ok(()),
+        r = serve_connection(&inner, stream, &mut permit) => r,
+    };
+    if let Err(e) = result {
+        inner.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
+        warn!(%remote, reason = %e, "closing inbound connection");
+    }
+}
+
+async fn serve_connection(
+    inner: &Arc<Inner>,
+    stream: TcpStream,
+    permit: &mut InboundPermit,
+) -> Result<(), InboundError> {
+    let (from, mut framed) =
+        match tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream)).await {
+            Err(_) => return Err(InboundError::HandshakeTimeout),
+            Ok(Ok(Some(accepted))) => accepted,
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+        };
+    permit.handshake_done();
+    framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
+    info!(peer = %from.address, "inbound connection accepted");
+    let mut topic_cache = HashMap::new();
+    while let Some(item) = framed.next().await {
+        let bytes = item.map_err(InboundError::BadFrame)?.freeze();
+        inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+        let frame: Frame = wire::decode_borrowed(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
+        if cut(inner, &from.address.node_id, &inner.local.address.node_id) {
+            inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        dispatch(inner, &from, &bytes, frame, &mut topic_cache).await;
+    }
+    Ok(())
+}
+
+/// The acceptor's side of the handshake (the caller bounds it by the connect timeout); `None`
+/// when the peer closed before saying anything.
+async fn accept_handshake(
+    inner: &Arc<Inner>,
+    stream: TcpStream,
+) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>)>, InboundError> {
+    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
+    let first = match framed.next().await {
+        None => return Ok(None),
+        Some(Err(e)) => return Err(InboundError::BadFrame(e)),
+        Some(Ok(b)) => b,
+    };
+    let mut handshake = inner.psk.as_ref().map(|psk| noise::responder(psk, inner.local.messaging_addr));
+    let hello = match &mut handshake {
+        Some(hs) => match noise::read_handshake(hs, &first) {
+            Ok(payload) => payload,
+            Err(e) => {
+                // Said in plain text: we hold no key this peer shares.
+                if let Ok(b) = wire::encode(&HelloReply::Reject(RejectReason::Unauthenticated)) {
+                    let _ = framed.send(b).await;
+                }
+                return Err(InboundError::Unauthenticated(e.to_string()));
+            }
+        },
+        None => first.to_vec(),
+    };
+    let hello: Hello = wire::decode(&hello).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
+    let reject = if hello.protocol_version != PROTOCOL_VERSION {
+        Some(RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: PROTOCOL_VERSION })
+    } else if hello.cluster_id != inner.cluster_id {
+        Some(RejectReason::ForeignCluster(hello.cluster_id.clone()))
+    } else if hello.to != inner.local.address {
+        Some(RejectReason::WrongAddressee(hello.to.clone()))
+    } else {
+        None
+    };
+    let reply = match &reject {
+        Some(reason) => HelloReply::Reject(reason.clone()),
+        None => HelloReply::Accept { address: inner.local.address.clone() },
+    };
+    let reply = wire::encode(&reply).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
+    let reply = match &mut handshake {
+        Some(hs) => {
+            Bytes::from(noise::write_handshake(hs, &reply).map_err(|e| InboundError::Unauthenticated(e.to_string()))?)
+        }
+        None => reply,
+    };
+    let sent = framed.send(reply).await;
+    if let Some(reason) = reject {
+        return Err(InboundError::Rejected(reason));
+    }
+    sent.map_err(InboundError::BadFrame)?;
+    let from = PeerAddr { address: hello.from, messaging_addr: hello.from_messaging_addr };
+    let framed = match handshake {
+        None => framed.map_codec(InboundCodec::Plain),
+        Some(hs) => {
+            let cipher = hs.into_transport_mode().map_err(|e| InboundError::Unauthenticated(e.to_string()))?;
+            let mut framed =
+                framed.map_codec(|plain| InboundCodec::Secure(Box::new(noise::SecureFrameCodec::new(cipher, plain))));
+            // Nothing counts until the dialer proves it holds this session's keys.
+            match framed.next().await {
+                Some(Ok(b)) if &b[..] == noise::KEY_CONFIRMATION => {}
+                Some(Err(e)) => return Err(InboundError::Unauthenticated(e.to_string())),
+                _ => return Err(InboundError::NoKeyConfirmation),
+            }
+            framed
+        }
+    };
+    Ok(Some((from, framed)))
+}

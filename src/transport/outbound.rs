@@ -1,0 +1,235 @@
+//! The sending side: one writer task per peer incarnation dials, handshakes (plain or Noise),
+//! then writes whatever has queued up, sealing it when the link is encrypted.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use tokio::net::TcpStream;
+use tokio_util::codec::Framed;
+use tracing::{debug, warn};
+
+use super::wire::{self, Hello, HelloReply, PROTOCOL_VERSION};
+use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, PeerQueue, codec, cut, noise};
+use crate::config::TransportSettings;
+use crate::error::Error;
+
+/// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
+/// reconnects with backoff. Frames in a failed write are lost (delivery is at most once).
+pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
+    let s = &inner.settings;
+    let mut backoff = s.reconnect_backoff_min;
+    // When dialing started failing; a peer unreachable for `unreachable_give_up` loses its writer.
+    let mut unreachable_since: Option<tokio::time::Instant> = None;
+    'reconnect: loop {
+        let conn = tokio::select! {
+            _ = inner.shutdown.cancelled() => return,
+            r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer)) => {
+                r.unwrap_or(Err(DialError::TimedOut))
+            }
+        };
+        let mut link = match conn {
+            Ok(link) => {
+                backoff = s.reconnect_backoff_min;
+                link
+            }
+            Err(DialError::Refused(reason)) => {
+                warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
+                // Kept in the writers map, closed, so the next send fails with the reason.
+                close_writer(&inner, &peer, &queue, &format!("it refused our handshake: {reason}"), false);
+                return;
+            }
+            Err(e) => {
+                let failing = *unreachable_since.get_or_insert_with(tokio::time::Instant::now);
+                if failing.elapsed() >= s.unreachable_give_up {
+                    let reason = format!("not reachable for {:?}", s.unreachable_give_up);
+                    debug!(peer = %peer.address, %reason, "giving up on the peer; dropping its queue");
+                    close_writer(&inner, &peer, &queue, &reason, true);
+                    return;
+                }
+                match e {
+                    DialError::Io(e) => debug!(peer = %peer.address, error = %e, "connect failed; retrying"),
+                    _ => debug!(peer = %peer.address, "connect timed out; retrying"),
+                }
+                tokio::select! {
+                    _ = inner.shutdown.cancelled() => return,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(s.reconnect_backoff_max);
+                continue 'reconnect;
+            }
+        };
+        unreachable_since = None;
+        let mut sealed = bytes::BytesMut::new();
+        loop {
+            let (chunk, n) = {
+                let mut q = queue.state.lock().expect("queue lock");
+                if q.closed {
+                    return; // forgotten peer
+                }
+                let n = std::mem::take(&mut q.frames);
+                (q.buf.split().freeze(), n)
+            };
+            if n == 0 {
+                tokio::select! {
+                    _ = inner.shutdown.cancelled() => return,
+                    _ = queue.wake.notified() => continue,
+                }
+            }
+            if cut(&inner, &inner.local.address.node_id, &peer.address.node_id) {
+                inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
+                continue;
+            }
+            let bytes: &[u8] = match &mut link.cipher {
+                Some(cipher) => {
+                    sealed.clear();
+                    if let Err(e) = noise::seal(cipher, &chunk, &mut sealed) {
+                        warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
+                        continue 'reconnect;
+                    }
+                    &sealed
+                }
+                None => &chunk,
+            };
+            if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
+                debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
+                continue 'reconnect;
+            }
+            inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Writes all of `buf`, failing if the peer accepts no byte for `stall` (a peer that stopped
+/// reading, or a dead path TCP would retransmit into for many minutes).
+async fn write_making_progress(stream: &mut TcpStream, mut buf: &[u8], stall: Duration) -> std::io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    while !buf.is_empty() {
+        match tokio::time::timeout(stall, stream.write(buf)).await {
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => buf = &buf[n..],
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "peer accepted no byte within write_timeout",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// No Nagle delay, and TCP keepalive so a peer that vanished (power cut, dropped route) is
+/// noticed on an idle connection instead of never.
+pub(super) fn configure_socket(stream: &TcpStream, settings: &TransportSettings) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    let probe_every = (settings.keepalive / 3).max(Duration::from_secs(1));
+    let keepalive = socket2::TcpKeepalive::new().with_time(settings.keepalive).with_interval(probe_every);
+    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
+    let keepalive = keepalive.with_retries(3);
+    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
+}
+
+/// An established outbound connection: the socket and, with a secret, its sending cipher.
+struct Link {
+    stream: TcpStream,
+    cipher: Option<snow::TransportState>,
+}
+
+enum DialError {
+    Io(std::io::Error),
+    TimedOut,
+    Refused(String),
+}
+
+/// Ends a writer: drops its queued frames and fails the requests waiting on the peer now, not
+/// at their timeouts. With `forget`, the writer also leaves the map (the next send dials anew);
+/// without, the closed queue stays so the next send fails with `reason` first.
+fn close_writer(inner: &Inner, peer: &PeerAddr, queue: &Arc<PeerQueue>, reason: &str, forget: bool) {
+    {
+        let mut q = queue.state.lock().expect("queue lock");
+        q.closed = true;
+        q.refused = Some(reason.to_string());
+        q.buf = bytes::BytesMut::new();
+        q.frames = 0;
+    }
+    if forget {
+        let mut writers = inner.writers.lock().expect("writers lock");
+        if writers.get(peer).is_some_and(|w| Arc::ptr_eq(w, queue)) {
+            writers.remove(peer);
+        }
+    }
+    let mut pending = inner.pending.lock().expect("pending lock");
+    let waiting: Vec<u64> = pending.iter().filter(|(_, r)| r.peer == peer.address).map(|(id, _)| *id).collect();
+    for id in waiting {
+        if let Some(r) = pending.remove(&id) {
+            let peer = peer.address.node_id.to_string();
+            let _ = r.reply.send(Err(Error::PeerUnavailable { peer, reason: reason.to_string() }));
+        }
+    }
+}
+
+async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Link, DialError> {
+    use tokio::io::AsyncWriteExt;
+    let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
+    configure_socket(&stream, &inner.settings).map_err(DialError::Io)?;
+    let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
+    let hello = Hello {
+        protocol_version: PROTOCOL_VERSION,
+        cluster_id: inner.cluster_id.clone(),
+        from: inner.local.address.clone(),
+        from_messaging_addr: inner.local.messaging_addr,
+        to: peer.address.clone(),
+    };
+    let hello = wire::encode(&hello).map_err(|e| DialError::Refused(e.to_string()))?;
+    let mut handshake = inner.psk.as_ref().map(|psk| noise::initiator(psk, peer.messaging_addr));
+    let first = match &mut handshake {
+        Some(hs) => Bytes::from(noise::write_handshake(hs, &hello).map_err(|e| DialError::Refused(e.to_string()))?),
+        None => hello,
+    };
+    framed.send(first).await.map_err(DialError::Io)?;
+    let reply = match framed.next().await {
+        Some(Ok(bytes)) => bytes,
+        Some(Err(e)) => return Err(DialError::Io(e)),
+        None => return Err(DialError::Io(std::io::ErrorKind::UnexpectedEof.into())),
+    };
+    let reply = match &mut handshake {
+        Some(hs) => match noise::read_handshake(hs, &reply) {
+            Ok(payload) => payload,
+            // A peer that could not authenticate us says so in plain text (it has no key to
+            // seal with); anything else is not this cluster's secret either.
+            Err(e) => {
+                return Err(DialError::Refused(match wire::decode::<HelloReply>(&reply) {
+                    Ok(HelloReply::Reject(r)) => r.to_string(),
+                    _ => format!("handshake reply {e}"),
+                }));
+            }
+        },
+        None => reply.to_vec(),
+    };
+    match wire::decode::<HelloReply>(&reply) {
+        Ok(HelloReply::Accept { address }) if address == peer.address => {}
+        Ok(HelloReply::Accept { address }) => {
+            return Err(DialError::Refused(format!("{} answered as {address}", peer.messaging_addr)));
+        }
+        Ok(HelloReply::Reject(r)) => return Err(DialError::Refused(r.to_string())),
+        Err(e) => return Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
+    }
+    // The acceptor writes nothing after its reply, so no read bytes are left behind here.
+    let mut stream = framed.into_inner();
+    let cipher = match handshake {
+        Some(hs) => {
+            let mut cipher = hs.into_transport_mode().map_err(|e| DialError::Refused(e.to_string()))?;
+            let mut confirmation = bytes::BytesMut::new();
+            noise::seal_frame(&mut cipher, noise::KEY_CONFIRMATION, &mut confirmation)
+                .map_err(|e| DialError::Refused(e.to_string()))?;
+            stream.write_all(&confirmation).await.map_err(DialError::Io)?;
+            Some(cipher)
+        }
+        None => None,
+    };
+    Ok(Link { stream, cipher })
+}
