@@ -133,3 +133,36 @@ async fn restarted_node_is_a_new_incarnation_and_the_youngest() {
     }
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_id_started_again_elsewhere_stops_the_older_incarnation_with_the_reason() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let old = c.node(1).clone();
+    assert_eq!(old.stop_reason(), None);
+    // The same node id from another data dir (a restarted VM, a copied config): a newer
+    // incarnation. The old one must not keep acting as n2 beside it.
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = test_config("n2", dir.path(), "test-cluster");
+    cfg.seeds = vec![c.node(0).gossip_addr()];
+    let newer = Node::start(cfg).await.unwrap();
+    assert!(newer.address().generation > old.address().generation);
+    eventually(CONVERGE, "the older incarnation stops by itself", || {
+        std::future::ready(old.is_shut_down().then_some(()))
+    })
+    .await;
+    let reason = old.stop_reason().unwrap();
+    assert!(reason.contains("superseded") && reason.contains(&newer.address().to_string()), "{reason}");
+    assert_eq!(newer.stop_reason(), None, "the newer incarnation keeps running");
+    let n1 = c.node(0).clone();
+    eventually(CONVERGE, "n1 lists the newer n2 as Up and not the older", || {
+        let m = n1.members();
+        let n2: Vec<_> = m.iter().filter(|m| m.node_id() == "n2").collect();
+        std::future::ready(
+            (n2.len() == 1 && n2[0].address() == newer.address() && n2[0].status() == MemberStatus::Up).then_some(()),
+        )
+    })
+    .await;
+    newer.shutdown().await;
+    c.shutdown().await;
+}

@@ -160,7 +160,8 @@ async fn run_node(
             stop.cancel();
             // Every entity is gone (and logged as stopped) before the process exits.
             node.shutdown().await;
-            return Err("the node was downed (or stopped); restart it to rejoin as a new incarnation".into());
+            let why = node.stop_reason().unwrap_or_else(|| "it stopped".into());
+            return Err(format!("the node stopped by itself ({why}); restart it to rejoin as a new incarnation").into());
         }
     }
     stop.cancel();

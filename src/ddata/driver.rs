@@ -88,7 +88,7 @@ pub(crate) async fn start(
         persist_backlog: 0,
     };
     let shutdown = spawner.shutdown_token().clone();
-    spawner.spawn(driver.run(rx, inbound, members, persist, shutdown));
+    spawner.spawn_essential("replicator", driver.run(rx, inbound, members, persist, shutdown));
     Ok(Replicator { commands: tx, stats, health })
 }
 

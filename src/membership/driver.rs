@@ -11,7 +11,6 @@ use async_trait::async_trait;
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig, spawn_chitchat};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::gossip_auth::{AuthenticatedSocket, GossipStats};
@@ -20,6 +19,7 @@ use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
 use crate::config::{DowningStrategy, NodeConfig};
 use crate::error::{Error, Result};
+use crate::spawn::Spawner;
 
 enum Command {
     SetStatus(MemberStatus, oneshot::Sender<()>),
@@ -87,6 +87,8 @@ pub(crate) struct MembershipDriver {
     snapshot_tx: watch::Sender<Arc<MembershipSnapshot>>,
     events: broadcast::Sender<MemberEvent>,
     commands: mpsc::UnboundedReceiver<Command>,
+    /// The node's spawner, to stop the node (set when it runs).
+    spawner: Option<Spawner>,
 }
 
 impl MembershipDriver {
@@ -167,12 +169,16 @@ impl MembershipDriver {
             snapshot_tx,
             events,
             commands: cmd_rx,
+            spawner: None,
         };
         Ok((handle, driver))
     }
 
-    /// Runs until `shutdown` fires, then stops gossip.
-    pub(crate) async fn run(mut self, shutdown: CancellationToken) {
+    /// Runs until the node shuts down, then stops gossip. Stops the node itself when a newer
+    /// incarnation of its node id appears.
+    pub(crate) async fn run(mut self, spawner: Spawner) {
+        let shutdown = spawner.shutdown_token().clone();
+        self.spawner = Some(spawner);
         let mut tick = tokio::time::interval(self.gossip_interval / 2);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -231,6 +237,12 @@ impl MembershipDriver {
         for action in actions {
             match action {
                 LifecycleAction::PublishStatus { status, up_number } => self.publish_status(status, up_number).await,
+                LifecycleAction::Superseded(newer) => {
+                    tracing::warn!(%newer, "a newer incarnation of this node id joined; this one stops");
+                    if let Some(spawner) = &self.spawner {
+                        spawner.stop(format!("superseded by the newer incarnation {newer} of this node id"));
+                    }
+                }
                 LifecycleAction::PublishDowns(victims) => {
                     self.chitchat
                         .with_chitchat(|c| {

@@ -30,6 +30,9 @@ pub(crate) enum LifecycleAction {
     PublishStatus { status: MemberStatus, up_number: Option<u64> },
     /// Publish down marks for these members.
     PublishDowns(Vec<UniqueAddress>),
+    /// A newer incarnation of this node id is in gossip: this one is superseded and stops
+    /// (emitted once).
+    Superseded(UniqueAddress),
 }
 
 /// Settings of the life cycle.
@@ -56,6 +59,7 @@ pub(crate) struct LifecycleCore {
     downing: Option<KeepMajority>,
     down_seen: HashMap<UniqueAddress, Instant>,
     downs_published: HashSet<UniqueAddress>,
+    superseded: bool,
 }
 
 impl LifecycleCore {
@@ -69,6 +73,7 @@ impl LifecycleCore {
             up_member_seen_at: None,
             down_seen: HashMap::new(),
             downs_published: HashSet::new(),
+            superseded: false,
         }
     }
 
@@ -91,6 +96,16 @@ impl LifecycleCore {
         now: Instant,
         out: &mut Vec<LifecycleAction>,
     ) -> Option<MembershipSnapshot> {
+        // Two incarnations of one node id must not both act as it (two hosts of its shards and
+        // singletons): the older one yields, whether or not the newer one is still alive, since
+        // the cluster may already have moved this one's work to it.
+        let me = &self.address;
+        let newer = nodes.iter().find(|n| n.address.node_id == me.node_id && n.address.generation > me.generation);
+        if let (Some(newer), false) = (newer, self.superseded) {
+            warn!(node = %me, newer = %newer.address, "superseded by a newer incarnation of this node id");
+            self.superseded = true;
+            out.push(LifecycleAction::Superseded(newer.address.clone()));
+        }
         if self.status == MemberStatus::Joining && self.ready_to_be_up(nodes, now) {
             // Saturating: the highest up-number comes from gossip.
             let up = highest_up_number(nodes).saturating_add(1);
@@ -198,6 +213,28 @@ mod tests {
 
     fn me() -> UniqueAddress {
         UniqueAddress::new("me", 1)
+    }
+
+    #[test]
+    fn a_newer_incarnation_of_this_node_id_supersedes_it_once_even_if_no_longer_live() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(false, false, None), t0);
+        let mut out = Vec::new();
+        c.on_gossip(&[node("me", "up", Some(1), true)], t0, &mut out);
+        out.clear();
+        // Older or other-id incarnations change nothing.
+        let mut older = node("me", "up", Some(1), true);
+        older.address = UniqueAddress::new("me", 0);
+        let other = node("other", "up", Some(2), true);
+        c.on_gossip(&[node("me", "up", Some(1), true), older, other], t0, &mut out);
+        assert!(out.is_empty(), "{out:?}");
+        let mut newer = node("me", "joining", None, false);
+        newer.address = UniqueAddress::new("me", 2);
+        c.on_gossip(&[node("me", "up", Some(1), true), newer.clone()], t0, &mut out);
+        assert_eq!(out, vec![LifecycleAction::Superseded(UniqueAddress::new("me", 2))]);
+        out.clear();
+        c.on_gossip(&[node("me", "up", Some(1), true), newer], t0, &mut out);
+        assert!(out.is_empty(), "emitted once: {out:?}");
     }
 
     #[test]

@@ -115,7 +115,7 @@ impl Node {
                 return Err(e);
             }
         };
-        spawner.spawn(driver.run(shutdown.clone()));
+        spawner.spawn_essential("membership", driver.run(spawner.clone()));
         let params = ReplicatorParams {
             self_addr: address.clone(),
             role: config.replicator.role.clone(),
@@ -133,8 +133,11 @@ impl Node {
                 return Err(e);
             }
         };
-        spawner.spawn(forget_removed_peers(membership.events(), transport.clone(), shutdown.clone()));
-        spawner.spawn(stop_when_downed(membership.watch(), shutdown.clone()));
+        spawner.spawn_essential(
+            "forget removed peers",
+            forget_removed_peers(membership.events(), transport.clone(), shutdown.clone()),
+        );
+        spawner.spawn_essential("stop when downed", stop_when_downed(membership.watch(), spawner.clone()));
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
         Ok(Node {
             inner: Arc::new(NodeInner {
@@ -243,21 +246,30 @@ impl Node {
         self.inner.data_dir_lock.lock().expect("lock slot").take();
     }
 
-    /// Whether [`Node::shutdown`] (or leave) was called.
+    /// Whether the node stopped: [`Node::shutdown`] or leave was called, or it stopped by
+    /// itself (see [`Node::stop_reason`]).
     pub fn is_shut_down(&self) -> bool {
         self.inner.spawner.shutdown_token().is_cancelled()
+    }
+
+    /// Why the node stopped by itself, if it did: it was downed, a newer incarnation of its
+    /// node id joined, or an essential task panicked. `None` while running or after a requested
+    /// shutdown or leave.
+    pub fn stop_reason(&self) -> Option<String> {
+        self.inner.spawner.stop_reason()
     }
 }
 
 /// A node that is downed (by the other side, or by itself on the minority side) stops at once,
 /// like a crash: its regions and singletons end before the others move them (they wait the
 /// down-removal margin). It must restart as a new incarnation to rejoin.
-async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>, shutdown: CancellationToken) {
+async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>, spawner: Spawner) {
+    let shutdown = spawner.shutdown_token().clone();
     loop {
         let downed = members.borrow_and_update().self_member().is_some_and(|m| m.status() == MemberStatus::Down);
         if downed {
             tracing::warn!("this node was downed; stopping");
-            shutdown.cancel();
+            spawner.stop("this node was downed".into());
             return;
         }
         tokio::select! {

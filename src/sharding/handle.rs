@@ -340,7 +340,7 @@ pub(crate) async fn start_region<E: Entity>(
         shutdown_deadline: None,
         work: Default::default(),
     };
-    node.spawner().spawn(task.run(node.clone(), rx, events_rx));
+    node.spawner().spawn_essential("shard region", task.run(node.clone(), rx, events_rx));
     if !proxy {
         coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint);
     }

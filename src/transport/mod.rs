@@ -199,8 +199,8 @@ impl Transport {
             link_filter,
             spawner,
         });
-        inner.spawner.spawn(accept_loop(listener, inner.clone()));
-        inner.spawner.spawn(loopback_loop(inner.clone(), loopback_rx));
+        inner.spawner.spawn_essential("transport accept loop", accept_loop(listener, inner.clone()));
+        inner.spawner.spawn_essential("transport loopback", loopback_loop(inner.clone(), loopback_rx));
         Ok(Transport { inner })
     }
 

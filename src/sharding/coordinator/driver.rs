@@ -70,7 +70,7 @@ pub(crate) fn start_singleton(
         strategy,
         extractor_fingerprint,
     };
-    node.spawner().spawn(driver.run());
+    node.spawner().spawn_essential("shard coordinator", driver.run());
 }
 
 /// Keeps the External strategy's table equal to the replicated map of desired locations.
