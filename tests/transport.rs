@@ -136,13 +136,8 @@ async fn handshake_with_foreign_cluster_id_or_version_or_old_incarnation_is_reje
     let mut c = TestCluster::start(2).await.unwrap();
     c.await_converged(CONVERGE).await;
     let target = c.node(0);
-    let good = Hello {
-        protocol_version: PROTOCOL_VERSION,
-        cluster_id: "test-cluster".into(),
-        from: UniqueAddress::new("outsider", 1),
-        from_messaging_addr: "127.0.0.1:9".parse().unwrap(),
-        to: target.address().clone(),
-    };
+    let good = member_hello(c.node(1), target, "127.0.0.1:9".parse().unwrap());
+    let older_n2 = UniqueAddress::new("n2", c.node(1).address().generation - 1);
     let cases = [
         (Hello { cluster_id: "evil".into(), ..good.clone() }, RejectReason::ForeignCluster("evil".into())),
         (
@@ -152,6 +147,15 @@ async fn handshake_with_foreign_cluster_id_or_version_or_old_incarnation_is_reje
         (
             Hello { to: UniqueAddress::new("n1", target.address().generation - 1), ..good.clone() },
             RejectReason::WrongAddressee(UniqueAddress::new("n1", target.address().generation - 1)),
+        ),
+        // Only members may connect: a stranger, or an incarnation a newer one replaced.
+        (
+            Hello { from: UniqueAddress::new("outsider", 1), ..good.clone() },
+            RejectReason::NotAMember("not a member here".into()),
+        ),
+        (
+            Hello { from: older_n2, ..good.clone() },
+            RejectReason::NotAMember("a newer incarnation of it is a member".into()),
         ),
     ];
     for (hello, expected) in cases {
@@ -166,7 +170,7 @@ async fn handshake_with_foreign_cluster_id_or_version_or_old_incarnation_is_reje
     assert!(matches!(reply, Some(HelloReply::Accept { .. })), "a correct handshake is accepted");
     still_serves(&c).await;
     let rejected = c.node(0).transport().stats().connections_rejected.load(Ordering::Relaxed);
-    assert_eq!(rejected, 3);
+    assert_eq!(rejected, 5);
     c.shutdown().await;
 }
 
@@ -237,13 +241,15 @@ async fn await_rejected(n: &Node, expected: u64) {
     assert_eq!(rejected(n), expected, "no more connections rejected than expected");
 }
 
-/// A hello from a process outside the cluster's membership, with the right cluster id, version
-/// and addressee; responses to its requests go to `reply_to`.
-fn outsider_hello(target: &Node, reply_to: SocketAddr) -> Hello {
+/// A hello from a raw client that speaks as member `as_member` (only members are accepted;
+/// with no cluster secret nothing proves the claim), with the right cluster id, version and
+/// addressee; responses to its requests go to `reply_to` (writers are keyed by incarnation and
+/// address, so they reach the raw client, not the real member).
+fn member_hello(as_member: &Node, target: &Node, reply_to: SocketAddr) -> Hello {
     Hello {
         protocol_version: PROTOCOL_VERSION,
         cluster_id: "test-cluster".into(),
-        from: UniqueAddress::new("outsider", 1),
+        from: as_member.address().clone(),
         from_messaging_addr: reply_to,
         to: target.address().clone(),
     }
@@ -309,7 +315,7 @@ async fn frame_of_exactly_max_frame_size_after_the_handshake_is_processed_and_an
     let mut inbox = node.transport().subscribe("probe", 16);
     // Responses travel over a connection the node dials to the hello's messaging address.
     let reply_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let hello = outsider_hello(node, reply_listener.local_addr().unwrap());
+    let hello = member_hello(c.node(1), node, reply_listener.local_addr().unwrap());
     let mut s = accepted(node.messaging_addr(), &hello).await;
 
     let (at_limit, at_limit_body) = encoded_to_size(MAX_FRAME, |body| {
@@ -372,7 +378,7 @@ async fn frame_one_byte_over_max_frame_size_closes_only_that_connection() {
     let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
     let node = c.node(0);
     let mut inbox = node.transport().subscribe("probe", 16);
-    let hello = outsider_hello(node, "127.0.0.1:9".parse().unwrap());
+    let hello = member_hello(c.node(1), node, "127.0.0.1:9".parse().unwrap());
     let mut s = accepted(node.messaging_addr(), &hello).await;
     write_frame(&mut s, &message("probe", b"before")).await.unwrap();
     assert_eq!(&next_inbound(&mut inbox).await.body[..], b"before");
@@ -397,7 +403,7 @@ async fn malformed_frame_after_the_handshake_closes_only_that_connection() {
     let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
     let node = c.node(0);
     let mut inbox = node.transport().subscribe("probe", 16);
-    let hello = outsider_hello(node, "127.0.0.1:9".parse().unwrap());
+    let hello = member_hello(c.node(1), node, "127.0.0.1:9".parse().unwrap());
     let valid = message("probe", b"cut short");
     let cases: [(&str, Vec<u8>); 4] = [
         ("bytes that are not MessagePack", b"\xc1\xc1garbage!!!".to_vec()),
@@ -431,7 +437,7 @@ async fn handshake_that_never_completes_is_closed_after_the_handshake_timeout() 
     let node = c.node(0);
     let target = node.messaging_addr();
     let mut inbox = node.transport().subscribe("probe", 16);
-    let hello = outsider_hello(node, "127.0.0.1:9".parse().unwrap());
+    let hello = member_hello(c.node(1), node, "127.0.0.1:9".parse().unwrap());
     let hello_bytes = wire::encode(&hello).unwrap();
     let prefix = (hello_bytes.len() as u32).to_be_bytes();
 
@@ -601,7 +607,7 @@ async fn a_request_to_a_peer_that_refuses_the_handshake_fails_with_peer_unavaila
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_from_another_peer_does_not_complete_a_request() {
-    let mut c = TestCluster::start(2).await.unwrap();
+    let mut c = TestCluster::start(3).await.unwrap();
     c.await_converged(CONVERGE).await;
     let node = c.node(0).clone();
     let _silent = c.node(1).transport().subscribe("silent", 16);
@@ -609,9 +615,11 @@ async fn a_response_from_another_peer_does_not_complete_a_request() {
         let (t, to) = (node.transport().clone(), peer_of(c.node(1)));
         tokio::spawn(async move { t.request(&to, "silent", b"?", Duration::from_secs(3)).await })
     };
-    // An outsider (a valid handshake as "n9") answers every plausible request id.
+    // A raw client speaking as member n3 (a valid handshake, from its own address) answers
+    // every plausible request id of the request that went to n2.
     let reply_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut s = accepted(node.messaging_addr(), &outsider_hello(&node, reply_listener.local_addr().unwrap())).await;
+    let mut s =
+        accepted(node.messaging_addr(), &member_hello(c.node(2), &node, reply_listener.local_addr().unwrap())).await;
     for id in 0..1000u64 {
         let forged = wire::encode(&Frame::Response { id, body: ResponseBody::Ok(b"forged") }).unwrap();
         write_frame(&mut s, &forged).await.unwrap();
@@ -642,5 +650,20 @@ async fn a_listener_that_accepts_as_another_incarnation_is_refused_by_the_dialer
     assert!(matches!(r, Err(Error::PeerUnavailable { ref reason, .. }) if reason.contains("impostor")), "{r:?}");
     let leaked = impostor.await.unwrap();
     assert!(leaked.is_empty(), "{} bytes sent to a peer that is not the addressed incarnation", leaked.len());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_left_has_its_connections_closed_and_cannot_connect_again() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    let as_n3 = member_hello(c.node(2), &node, "127.0.0.1:9".parse().unwrap());
+    let mut s = accepted(node.messaging_addr(), &as_n3).await;
+    c.node(2).leave().await.unwrap();
+    assert!(closed_by_server(&mut s).await, "the connection of a removed member is closed");
+    let (_s, reply) = handshake(node.messaging_addr(), &as_n3).await;
+    assert!(matches!(reply, Some(HelloReply::Reject(RejectReason::NotAMember(_)))), "{reply:?}");
+    still_serves(&c).await;
     c.shutdown().await;
 }

@@ -59,6 +59,17 @@ pub struct PeerAddr {
     pub messaging_addr: SocketAddr,
 }
 
+/// Whether an incarnation may send this node frames ([`MembershipSnapshot::standing_of`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerStanding {
+    /// A listed member that is not Down or Removed.
+    Member,
+    /// Not listed (yet: gossip may not have brought it here).
+    Unknown,
+    /// Never again: downed, removed, or superseded by a newer incarnation.
+    Gone(&'static str),
+}
+
 /// Life-cycle status of a member (as in Akka, without WeaklyUp).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub enum MemberStatus {
@@ -212,6 +223,21 @@ impl MembershipSnapshot {
     /// ([`MemberStatus::is_routable`]).
     pub fn peer(&self, address: &UniqueAddress) -> Option<PeerAddr> {
         self.get(address).filter(|m| m.status.is_routable()).map(Member::peer)
+    }
+
+    /// Whether this incarnation may send this node frames: the one rule the transport applies
+    /// at every inbound handshake.
+    pub fn standing_of(&self, address: &UniqueAddress) -> PeerStanding {
+        if let Some(m) = self.get(address) {
+            return match m.status {
+                MemberStatus::Down | MemberStatus::Removed => PeerStanding::Gone("it is downed or removed"),
+                _ => PeerStanding::Member,
+            };
+        }
+        if self.members.iter().any(|m| m.node_id() == &*address.node_id && m.address.generation > address.generation) {
+            return PeerStanding::Gone("a newer incarnation of it is a member");
+        }
+        PeerStanding::Unknown
     }
 
     /// Whether the incarnation is listed and routable ([`MemberStatus::is_routable`]).

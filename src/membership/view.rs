@@ -127,6 +127,26 @@ mod tests {
     }
 
     #[test]
+    fn only_listed_live_incarnations_may_send_frames() {
+        use crate::membership::PeerStanding;
+        let me = UniqueAddress::new("a", 1);
+        let nodes = vec![
+            node("a", 1, "up", Some(1), true),
+            node("b", 5, "up", Some(2), true),
+            node("c", 3, "joining", None, true),
+            node("d", 4, "down", Some(3), true),
+        ];
+        let s = compute_members(&me, &nodes);
+        assert_eq!(s.standing_of(&UniqueAddress::new("b", 5)), PeerStanding::Member);
+        assert_eq!(s.standing_of(&UniqueAddress::new("c", 3)), PeerStanding::Member, "a joining member talks too");
+        assert_eq!(s.standing_of(&me), PeerStanding::Member);
+        assert!(matches!(s.standing_of(&UniqueAddress::new("d", 4)), PeerStanding::Gone(_)), "downed");
+        assert!(matches!(s.standing_of(&UniqueAddress::new("b", 4)), PeerStanding::Gone(_)), "superseded");
+        assert_eq!(s.standing_of(&UniqueAddress::new("b", 6)), PeerStanding::Unknown, "a newer one not yet gossiped");
+        assert_eq!(s.standing_of(&UniqueAddress::new("z", 1)), PeerStanding::Unknown);
+    }
+
+    #[test]
     fn newer_generation_supersedes_older_incarnation() {
         let me = UniqueAddress::new("a", 1);
         let nodes = vec![node("b", 1, "up", Some(1), false), node("b", 2, "up", Some(3), true)];

@@ -116,6 +116,7 @@ impl Node {
             }
         };
         spawner.spawn_essential("membership", driver.run(spawner.clone()));
+        transport.admit_only_members(membership.watch());
         let params = ReplicatorParams {
             self_addr: address.clone(),
             role: config.replicator.role.clone(),

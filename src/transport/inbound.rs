@@ -16,6 +16,8 @@ use tracing::{debug, info, warn};
 use super::outbound::configure_socket;
 use super::wire::{self, Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
 use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, codec, cut, dispatch, noise};
+use crate::membership::{PeerStanding, UniqueAddress};
+use tokio_util::sync::CancellationToken;
 
 /// Admission of inbound connections: at most `max_inbound_connections` at once, and at most
 /// `max_handshakes_per_ip` of them from one IP still in their handshake, so neither a flood of
@@ -167,8 +169,16 @@ async fn serve_connection(
     permit.handshake_done();
     framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
     info!(peer = %from.address, "inbound connection accepted");
+    let registration = InboundRegistration::new(inner, &from.address);
     let mut topic_cache = HashMap::new();
-    while let Some(item) = framed.next().await {
+    loop {
+        let item = tokio::select! {
+            _ = registration.token.cancelled() => return Ok(()), // the peer was forgotten
+            item = framed.next() => match item {
+                Some(item) => item,
+                None => break,
+            },
+        };
         let bytes = item.map_err(InboundError::BadFrame)?.freeze();
         inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
         let frame: Frame = wire::decode_borrowed(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
@@ -215,7 +225,7 @@ async fn accept_handshake(
     } else if hello.to != inner.local.address {
         Some(RejectReason::WrongAddressee(hello.to.clone()))
     } else {
-        None
+        not_a_member(inner, &hello.from).await
     };
     let reply = match &reject {
         Some(reason) => HelloReply::Reject(reason.clone()),
@@ -250,4 +260,52 @@ async fn accept_handshake(
         }
     };
     Ok(Some((from, framed)))
+}
+
+/// Why `peer` may not send frames here, or `None` if it may: a current member, or any peer when
+/// the transport runs outside a node. A peer gossip has not brought here yet gets half the
+/// connect timeout to appear.
+async fn not_a_member(inner: &Inner, peer: &UniqueAddress) -> Option<RejectReason> {
+    let mut members = inner.members.get()?.clone();
+    let deadline = tokio::time::Instant::now() + inner.settings.connect_timeout / 2;
+    loop {
+        let standing = members.borrow_and_update().standing_of(peer);
+        match standing {
+            PeerStanding::Member => return None,
+            PeerStanding::Gone(why) => return Some(RejectReason::NotAMember(why.to_string())),
+            PeerStanding::Unknown => match tokio::time::timeout_at(deadline, members.changed()).await {
+                Ok(Ok(())) => continue,
+                _ => return Some(RejectReason::NotAMember("not a member here".to_string())),
+            },
+        }
+    }
+}
+
+/// An established inbound connection in the transport's registry, removed when it ends.
+struct InboundRegistration<'a> {
+    inner: &'a Inner,
+    peer: UniqueAddress,
+    token: CancellationToken,
+}
+
+impl<'a> InboundRegistration<'a> {
+    fn new(inner: &'a Inner, peer: &UniqueAddress) -> Self {
+        let token = CancellationToken::new();
+        inner.inbound.lock().expect("inbound lock").entry(peer.clone()).or_default().push(token.clone());
+        InboundRegistration { inner, peer: peer.clone(), token }
+    }
+}
+
+impl Drop for InboundRegistration<'_> {
+    fn drop(&mut self) {
+        // Cancelled tokens are those of ended connections (this one included from here on).
+        self.token.cancel();
+        let mut inbound = self.inner.inbound.lock().expect("inbound lock");
+        if let Some(conns) = inbound.get_mut(&self.peer) {
+            conns.retain(|t| !t.is_cancelled());
+            if conns.is_empty() {
+                inbound.remove(&self.peer);
+            }
+        }
+    }
 }

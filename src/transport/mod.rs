@@ -106,6 +106,11 @@ struct Inner {
     loopback: mpsc::UnboundedSender<Bytes>,
     link_filter: Option<Arc<dyn LinkFilter>>,
     spawner: Spawner,
+    /// The node's membership: once set, only current members' incarnations are accepted.
+    members: std::sync::OnceLock<tokio::sync::watch::Receiver<Arc<crate::membership::MembershipSnapshot>>>,
+    /// Established inbound connections by the incarnation that opened them, so forgetting a
+    /// peer closes them too.
+    inbound: Mutex<HashMap<UniqueAddress, Vec<CancellationToken>>>,
 }
 
 /// A request waiting for its response: only the incarnation it was sent to may answer it.
@@ -198,6 +203,8 @@ impl Transport {
             loopback: loopback_tx,
             link_filter,
             spawner,
+            members: std::sync::OnceLock::new(),
+            inbound: Mutex::default(),
         });
         inner.spawner.spawn_essential("transport accept loop", accept_loop(listener, inner.clone()));
         inner.spawner.spawn_essential("transport loopback", loopback_loop(inner.clone(), loopback_rx));
@@ -267,9 +274,22 @@ impl Transport {
         self.enqueue(to, &Frame::Response { id: request_id, body })
     }
 
-    /// Stops the writers of a peer incarnation (it left or was replaced); queued frames are
-    /// dropped.
+    /// From now on, accept connections only from incarnations that are members in `members`
+    /// ([`crate::membership::MembershipSnapshot::standing_of`]); one not yet listed is given
+    /// until half the connect timeout to appear.
+    pub(crate) fn admit_only_members(
+        &self,
+        members: tokio::sync::watch::Receiver<Arc<crate::membership::MembershipSnapshot>>,
+    ) {
+        let _ = self.inner.members.set(members);
+    }
+
+    /// Stops the writers of a peer incarnation (it left or was replaced) and closes the
+    /// connections it opened to us; queued frames are dropped.
     pub fn forget_peer(&self, peer: &UniqueAddress) {
+        for conn in self.inner.inbound.lock().expect("inbound lock").remove(peer).unwrap_or_default() {
+            conn.cancel();
+        }
         let mut writers = self.inner.writers.lock().expect("writers lock");
         writers.retain(|to, q| {
             if to.address != *peer {

@@ -57,6 +57,9 @@ pub enum RejectReason {
     /// The dialer wanted another node or an older incarnation of this one.
     #[error("addressed to {0}, which is not this node incarnation")]
     WrongAddressee(UniqueAddress),
+    /// The dialer is not (or no longer) a member of the listener's cluster.
+    #[error("not a member: {0}")]
+    NotAMember(String),
     /// The handshake was not keyed by this cluster's secret (another secret, or none).
     #[error("handshake not authenticated by this cluster's secret")]
     Unauthenticated,
