@@ -409,4 +409,20 @@ mod tests {
         assert_eq!(parsed.cluster_secret.unwrap().expose(), "s".repeat(40));
         assert!(matches!(NodeConfig::from_toml_str("cluster_secret = \"too short\""), Err(Error::Config(_))));
     }
+
+    #[test]
+    fn fuzz_config_parser() {
+        let seeds = vec![
+            include_str!("../config/default.toml").as_bytes().to_vec(),
+            b"node_id = \"n1\"\n[transport]\nmax_frame_size = 1024\nconnect_timeout = \"1s\"\n".to_vec(),
+            b"[sharding.allocation]\nstrategy = \"consistent-hashing\"\nvirtual_nodes = 0\n".to_vec(),
+            b"[membership]\nphi_threshold = 1e308\ngossip_interval = \"18446744073709551615s\"\n".to_vec(),
+        ];
+        bolero::check!().with_iterations(crate::fuzzing::QUICK_ITERATIONS).for_each(|input: &[u8]| {
+            let bytes = crate::fuzzing::mutate(&seeds, input);
+            if let Ok(cfg) = NodeConfig::from_toml_str(&String::from_utf8_lossy(&bytes)) {
+                let _ = cfg.validate();
+            }
+        });
+    }
 }

@@ -21,6 +21,8 @@ pub mod clock;
 pub mod config;
 pub mod ddata;
 pub mod error;
+#[cfg(test)]
+mod fuzzing;
 pub mod membership;
 mod node;
 pub mod secret;

@@ -252,7 +252,10 @@ impl DurableStore {
         for item in self.deltas.iter(&rtxn).map_err(|e| Error::storage(&self.path, e))? {
             let (raw_seq, raw) = item.map_err(|e| Error::storage(&self.path, e))?;
             let (Some(seq), Some((key, bytes))) = (parse_seq(raw_seq), parse_delta_record(raw)) else {
-                return Err(Error::storage(&self.path, "malformed delta record"));
+                // Its key cannot be told, so it cannot cost that key only: skipped and reported;
+                // the key it belonged to is repaired from the other replicas like any stale one.
+                out.corrupt.push((format!("(delta record {raw_seq:02x?})"), "malformed delta record".into()));
+                continue;
             };
             if seq > MAX_SEQUENCE {
                 keys.insert(key.to_string(), Err(format!("delta: sequence {seq} beyond any real store")));
@@ -507,6 +510,26 @@ mod tests {
     }
 
     #[test]
+    fn a_malformed_delta_record_is_skipped_and_reported_not_a_failed_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        let value = ReplicatedData::OrSet(set_with(&["a"]));
+        s.apply(&[snapshot("shard-ok", 1, &value)]).unwrap();
+        {
+            let mut w = s.env.write_txn().unwrap();
+            // A key length past the record, and a sequence key of the wrong size.
+            s.deltas.put(&mut w, &2u64.to_be_bytes(), &[0xff, 0xff, b'k']).unwrap();
+            s.deltas.put(&mut w, &[1, 2, 3], &[0, 1, b'k']).unwrap();
+            w.commit().unwrap();
+        }
+        let loaded = s.load_all().expect("one bad record does not fail the whole store");
+        assert_eq!(loaded.corrupt.len(), 2, "{:?}", loaded.corrupt);
+        assert!(loaded.corrupt.iter().all(|(_, why)| why.contains("malformed")));
+        assert_eq!(loaded.entries.len(), 1);
+        assert_eq!(loaded.entries[0].key, "shard-ok");
+    }
+
+    #[test]
     fn a_snapshot_joined_with_its_live_deltas_loads_as_the_value_that_was_written() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
@@ -640,5 +663,32 @@ mod tests {
         std::fs::write(dir.path().join("data.mdb"), vec![0xAB; 64 * 1024]).unwrap();
         let err = DurableStore::open(dir.path(), 1 << 24).unwrap_err();
         assert!(matches!(err, Error::Storage { .. }), "{err}");
+    }
+
+    #[test]
+    fn fuzz_durable_records() {
+        let value = ReplicatedData::OrSet(set_with(&["a", "b", "c"]));
+        let mut with_delta = ReplicatedData::OrSet(set_with(&["a"]));
+        let delta = with_delta.take_delta().unwrap();
+        let seeds = vec![
+            encode_snapshot(42, &rmp_serde::to_vec(&value).unwrap()),
+            encode_delta_record("shard-kv-1-0", &rmp_serde::to_vec(&delta).unwrap()).unwrap(),
+            encode_snapshot(MAX_SEQUENCE, &rmp_serde::to_vec(&ReplicatedData::GSet(GSet::default())).unwrap()),
+        ];
+        bolero::check!().with_iterations(crate::fuzzing::QUICK_ITERATIONS).for_each(|input: &[u8]| {
+            let bytes = crate::fuzzing::mutate(&seeds, input);
+            let _ = parse_seq(&bytes);
+            if let Some((_, body)) = parse_snapshot(&bytes) {
+                let _ = rmp_serde::from_slice::<ReplicatedData>(body);
+            }
+            if let Some((_, body)) = parse_delta_record(&bytes)
+                && let Ok(delta) = rmp_serde::from_slice::<ReplicatedDelta>(body)
+            {
+                let mut v = delta.empty_value();
+                let _ = v.merge_delta(&delta);
+                let mut v = value.clone();
+                let _ = v.merge_delta(&delta);
+            }
+        });
     }
 }

@@ -314,4 +314,32 @@ mod tests {
         d[tag_at..].copy_from_slice(&tag[..TAG_LEN]);
         assert!(matches!(s.open(&d), Err(DatagramError::Malformed(_))));
     }
+
+    #[test]
+    fn fuzz_gossip_datagrams() {
+        let s = sealer(9);
+        let big: Vec<u8> = (0..MAX_DATAGRAM).map(|i| b"gossip"[i % 6]).collect();
+        let seeds = vec![s.seal(b"a small envelope").unwrap(), s.seal(&big).unwrap()];
+        bolero::check!().with_iterations(crate::fuzzing::QUICK_ITERATIONS).for_each(|input: &[u8]| {
+            let bytes = crate::fuzzing::mutate(&seeds, input);
+            // As received: only the seeds themselves are authentic.
+            if let Ok(envelope) = s.open(&bytes) {
+                assert!(seeds.contains(&bytes), "a datagram nobody sealed opened");
+                assert!(envelope.len() <= MAX_DATAGRAM);
+            }
+            // As a member could send it (tag valid, body anything): typed errors, bounded output.
+            let mut signed = bytes.clone();
+            if signed.len() < 1 + TAG_LEN {
+                signed.resize(1 + TAG_LEN, 0);
+            }
+            let tag_at = signed.len() - TAG_LEN;
+            let mut mac = s.mac();
+            mac.update(&signed[..tag_at]);
+            let tag = mac.finalize().into_bytes();
+            signed[tag_at..].copy_from_slice(&tag[..TAG_LEN]);
+            if let Ok(envelope) = s.open(&signed) {
+                assert!(envelope.len() <= MAX_DATAGRAM, "decompressed past one datagram");
+            }
+        });
+    }
 }

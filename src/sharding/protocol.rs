@@ -193,4 +193,55 @@ mod tests {
         let other = DeliveryFailure::of(&Error::ShutDown).into_error("cart-2");
         assert!(matches!(other, Error::NotDelivered { ref entity_id, .. } if entity_id == "cart-2"), "{other:?}");
     }
+
+    #[test]
+    fn fuzz_sharding_messages_and_coordinator_records() {
+        use crate::sharding::coordinator::state::{RegionRecord, ShardRecord};
+        let region: RegionId = crate::membership::UniqueAddress::new("n1", 5);
+        use crate::transport::wire;
+        let seeds: Vec<Vec<u8>> = vec![
+            wire::encode(&ToCoordinator::Register { region: region.clone(), proxy: false, extractor: 77 })
+                .unwrap()
+                .to_vec(),
+            wire::encode(&ToCoordinator::ShardStopped { shard: "12".into(), region: region.clone(), handoff: 3 })
+                .unwrap()
+                .to_vec(),
+            wire::encode(&RegionInbound::Coordinator(ToRegion::ShardHome {
+                shard: "1".into(),
+                region: region.clone(),
+                epoch: 9,
+            }))
+            .unwrap()
+            .to_vec(),
+            wire::encode(&RegionInbound::Region(RegionToRegion::Deliver {
+                shard: "1".into(),
+                entity_id: "cart-1".into(),
+                payload: vec![1, 2, 3],
+                reply_to: Some((region.clone(), 4)),
+            }))
+            .unwrap()
+            .to_vec(),
+            wire::encode(&RegionInbound::Region(RegionToRegion::AskReply {
+                ask_id: 4,
+                result: Err(DeliveryFailure::MailboxFull { capacity: 10 }),
+            }))
+            .unwrap()
+            .to_vec(),
+            rmp_serde::to_vec(&ShardRecord { region: Some(region.clone()), epoch: 2 }).unwrap(),
+            rmp_serde::to_vec(&RegionRecord { region, proxy: true }).unwrap(),
+        ];
+        bolero::check!().with_iterations(crate::fuzzing::QUICK_ITERATIONS).for_each(|input: &[u8]| {
+            let bytes = crate::fuzzing::mutate(&seeds, input);
+            let _ = wire::decode::<ToCoordinator>(&bytes);
+            let _ = wire::decode::<CoordinatorQuery>(&bytes);
+            let _ = wire::decode::<RegionQuery>(&bytes);
+            if let Ok(RegionInbound::Region(RegionToRegion::AskReply { result: Err(f), .. })) =
+                wire::decode::<RegionInbound>(&bytes)
+            {
+                let _ = f.into_error("e");
+            }
+            let _ = rmp_serde::from_slice::<ShardRecord>(&bytes);
+            let _ = rmp_serde::from_slice::<RegionRecord>(&bytes);
+        });
+    }
 }

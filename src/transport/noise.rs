@@ -287,4 +287,43 @@ mod tests {
             SecureFrameCodec::new(acceptor, LengthDelimitedCodec::builder().max_frame_length(4096).new_codec());
         assert!(frames_of(&wire, &mut codec).is_err());
     }
+
+    #[test]
+    fn fuzz_noise_handshake_and_sealed_records() {
+        let addr = ADDR.parse().unwrap();
+        let psk = [5; 32];
+        let mut i = initiator(&psk, addr);
+        let m1 = write_handshake(&mut i, b"hello payload").unwrap();
+        let (mut dialer, acceptor) = handshake(psk, psk).unwrap();
+        let mut records = BytesMut::new();
+        seal_frame(&mut dialer, KEY_CONFIRMATION, &mut records).unwrap();
+        seal_frame(&mut dialer, &[7; 70_000], &mut records).unwrap();
+        let seeds = vec![m1, records.to_vec()];
+        // One session, rewound to its first record for every input (a handshake per input
+        // would spend the run on key exchanges).
+        let codec = std::sync::Mutex::new(SecureFrameCodec::new(
+            acceptor,
+            LengthDelimitedCodec::builder().max_frame_length(1 << 20).new_codec(),
+        ));
+        bolero::check!().with_iterations(crate::fuzzing::QUICK_ITERATIONS).for_each(|input: &[u8]| {
+            let bytes = crate::fuzzing::mutate(&seeds, input);
+            // An acceptor reading a first message: authentic (a seed) or refused, never a panic.
+            let mut r = responder(&psk, addr);
+            if read_handshake(&mut r, &bytes).is_ok() {
+                assert_eq!(bytes, seeds[0], "a first message nobody wrote was accepted");
+            }
+            // A reader of sealed records: only the untouched seed opens, in full.
+            let mut codec = codec.lock().unwrap_or_else(|e| e.into_inner());
+            codec.transport.set_receiving_nonce(0);
+            codec.plain.clear();
+            // Whatever opens is what the dialer sealed, in order (records open one by one).
+            let sealed: [&[u8]; 2] = [KEY_CONFIRMATION, &[7; 70_000]];
+            let mut src = BytesMut::from(&bytes[..]);
+            let mut frames = 0;
+            while let Ok(Some(frame)) = codec.decode(&mut src) {
+                assert!(frames < 2 && frame[..] == *sealed[frames], "a frame nobody sealed opened");
+                frames += 1;
+            }
+        });
+    }
 }

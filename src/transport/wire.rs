@@ -122,3 +122,46 @@ pub fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T> {
 pub fn decode_borrowed<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T> {
     rmp_serde::from_slice(bytes).map_err(|e| Error::Codec(e.to_string()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fuzz_frame_and_handshake_decoders() {
+        use tokio_util::codec::Decoder;
+        let to = UniqueAddress::new("n2", 7);
+        let hello = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            cluster_id: "c".into(),
+            from: UniqueAddress::new("n1", 3),
+            from_messaging_addr: "127.0.0.1:4000".parse().unwrap(),
+            to: to.clone(),
+        };
+        let mut seeds = vec![
+            encode(&Frame::Message { topic: "region/kv", body: b"payload" }).unwrap().to_vec(),
+            encode(&Frame::Request { id: 9, topic: "replicator", body: &[0x92, 1, 2] }).unwrap().to_vec(),
+            encode(&Frame::Response { id: 9, body: ResponseBody::Ok(b"ok") }).unwrap().to_vec(),
+            encode(&Frame::Response { id: u64::MAX, body: ResponseBody::Err("no".into()) }).unwrap().to_vec(),
+            encode(&hello).unwrap().to_vec(),
+            encode(&HelloReply::Accept { address: to.clone() }).unwrap().to_vec(),
+            encode(&HelloReply::Reject(RejectReason::WrongAddressee(to))).unwrap().to_vec(),
+            encode(&HelloReply::Reject(RejectReason::NotAMember("x".into()))).unwrap().to_vec(),
+        ];
+        // Length-prefixed, as they arrive on a socket.
+        let framed: Vec<Vec<u8>> = seeds.iter().map(|s| [&(s.len() as u32).to_be_bytes()[..], s].concat()).collect();
+        seeds.extend(framed);
+        bolero::check!().with_iterations(crate::fuzzing::QUICK_ITERATIONS).for_each(|input: &[u8]| {
+            let bytes = crate::fuzzing::mutate(&seeds, input);
+            let _ = decode_borrowed::<Frame>(&bytes);
+            let _ = decode::<Hello>(&bytes);
+            let _ = decode::<HelloReply>(&bytes);
+            let mut codec = tokio_util::codec::LengthDelimitedCodec::builder().max_frame_length(4096).new_codec();
+            let mut buf = bytes::BytesMut::from(&bytes[..]);
+            while let Ok(Some(frame)) = codec.decode(&mut buf) {
+                assert!(frame.len() <= 4096, "a frame over the limit was produced");
+                let _ = decode_borrowed::<Frame>(&frame);
+            }
+        });
+    }
+}
