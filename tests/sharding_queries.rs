@@ -158,15 +158,19 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
     sender.transport().send(&target, "region/counter", &deliver("victim", vec![0xc1, 0xc1, 0xc1])).unwrap();
     // An empty entity id.
     let get = wire::encode(&CounterMsg::Get).unwrap().to_vec();
-    sender.transport().send(&target, "region/counter", &deliver("", get)).unwrap();
+    sender.transport().send(&target, "region/counter", &deliver("", get.clone())).unwrap();
+    // A well-formed message for a shard this node's extractor does not give the id (a node with
+    // another number_of_shards, or a forger): starting it could run the id in two shards.
+    let wrong_shard = if regions[1].shard_id("victim-2") == "0" { "1" } else { "0" };
+    sender.transport().send(&target, "region/counter", &forged_deliver(wrong_shard, "victim-2", get)).unwrap();
     // A type this node does not run, and garbage on the region topic.
     let dropped_before = c.node(1).transport().stats().frames_dropped.load(Ordering::Relaxed);
     sender.transport().send(&target, "region/no-such-type", &deliver("x", vec![1])).unwrap();
     sender.transport().send(&target, "region/counter", b"garbage").unwrap();
     let r2 = regions[1].clone();
     let t2 = c.node(1).transport().clone();
-    eventually(CONVERGE, "all four bad messages counted", || {
-        let ok = r2.counters().dropped_invalid.load(Ordering::Relaxed) == 3
+    eventually(CONVERGE, "all five bad messages counted", || {
+        let ok = r2.counters().dropped_invalid.load(Ordering::Relaxed) == 4
             && t2.stats().frames_dropped.load(Ordering::Relaxed) > dropped_before;
         std::future::ready(ok.then_some(()))
     })
@@ -176,6 +180,10 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
         assert_eq!(value(&regions[0], &format!("ok{i}")).await, 0);
     }
     assert_eq!(probe.handled.load(Ordering::SeqCst), 20);
+    assert!(
+        !probe.created.lock().unwrap().iter().any(|(id, _)| id == "victim-2"),
+        "an entity was started from a Deliver naming the wrong shard"
+    );
     c.shutdown().await;
 }
 

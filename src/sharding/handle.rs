@@ -40,7 +40,8 @@ pub struct RegionCounters {
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.
     pub dropped_handoff: AtomicU64,
-    /// Messages from other nodes that did not decode or had an empty entity id.
+    /// Messages from other nodes that did not decode, had an empty entity id, or named another
+    /// shard than this node's extractor gives for the id.
     pub dropped_invalid: AtomicU64,
     /// Entity handlers that panicked.
     pub entity_panics: AtomicU64,
@@ -339,10 +340,16 @@ pub(crate) async fn start_region<E: Entity>(
         shutdown_waiters: Vec::new(),
         shutdown_deadline: None,
         work: Default::default(),
+        extractor: inner.extractor.clone(),
     };
     node.spawner().spawn_essential("shard region", task.run(node.clone(), rx, events_rx));
     if !proxy {
-        coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint);
+        let shard_ids = if options.shard_id_extractor.is_some() {
+            crate::sharding::ids::ShardIdRule::Custom
+        } else {
+            crate::sharding::ids::ShardIdRule::Numbered(n)
+        };
+        coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint, shard_ids);
     }
     Ok(ShardRegion { inner })
 }

@@ -5,6 +5,29 @@ use std::sync::Arc;
 
 use crate::membership::UniqueAddress;
 
+/// Longest shard id a coordinator accepts from a custom extractor (its state holds every one).
+pub(crate) const MAX_SHARD_ID_LEN: usize = 256;
+
+/// Which shard ids a type's extractor can produce, so the coordinator allocates no other (a
+/// member with a bug, or a forger, cannot fill its state with shards no entity can live in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShardIdRule {
+    /// The default extractor: `"0"` to `"n-1"`, written without leading zeros.
+    Numbered(u32),
+    /// A custom extractor: any non-empty id of at most [`MAX_SHARD_ID_LEN`] bytes.
+    Custom,
+}
+
+impl ShardIdRule {
+    /// Whether the extractor could have produced `shard`.
+    pub(crate) fn allows(self, shard: &str) -> bool {
+        match self {
+            ShardIdRule::Numbered(n) => shard.parse::<u32>().is_ok_and(|k| k < n && k.to_string() == shard),
+            ShardIdRule::Custom => !shard.is_empty() && shard.len() <= MAX_SHARD_ID_LEN,
+        }
+    }
+}
+
 /// A region (one node incarnation hosting one entity type).
 pub type RegionId = UniqueAddress;
 /// A shard id.

@@ -15,7 +15,7 @@ use super::state::{CoordinatorState, RegionRecord};
 use crate::clock::Instant;
 use crate::membership::MemberStatus;
 use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};
-use crate::sharding::ids::{RegionId, ShardId};
+use crate::sharding::ids::{RegionId, ShardId, ShardIdRule};
 use crate::sharding::keys;
 use crate::sharding::protocol::{ToCoordinator, ToRegion};
 
@@ -33,6 +33,8 @@ pub(crate) struct CoordinatorSettings {
     pub eager_reallocation: bool,
     /// This node's shard-id extractor fingerprint; regions with another one are refused.
     pub extractor_fingerprint: u64,
+    /// The shard ids the extractor can produce; requests for others are ignored.
+    pub shard_ids: ShardIdRule,
 }
 
 /// What the coordinator knows of the membership: the status of every listed member and
@@ -422,6 +424,11 @@ impl CoordinatorCore {
         wall_ms: u64,
         out: &mut Vec<CoordinatorAction>,
     ) {
+        if !self.settings.shard_ids.allows(&shard) {
+            self.rejected += 1;
+            warn!(%requester, shard = %shard.chars().take(64).collect::<String>(), "home asked for a shard id the extractor cannot produce; ignored");
+            return;
+        }
         if self.handoffs.contains_key(&shard) {
             self.deferred.entry(shard).or_default().insert(requester);
             return;

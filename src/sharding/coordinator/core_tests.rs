@@ -16,6 +16,7 @@ fn test_settings(min: usize) -> CoordinatorSettings {
         handoff_timeout: Duration::from_secs(5),
         shard_start_timeout: Duration::from_secs(2),
         eager_reallocation: false,
+        shard_ids: ShardIdRule::Custom,
     }
 }
 
@@ -78,6 +79,42 @@ fn step(c: &mut CoordinatorCore, input: CoordinatorInput, now: Instant, wall: u6
 
 fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
     step(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), now, 1);
+}
+
+#[test]
+fn home_requests_for_shard_ids_the_extractor_cannot_produce_allocate_nothing_and_are_counted() {
+    let mut c = CoordinatorCore::new(
+        r("c"),
+        CoordinatorSettings { shard_ids: ShardIdRule::Numbered(100), ..test_settings(1) },
+        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+        CoordinatorState::default(),
+        Instant::now(),
+    );
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    for bogus in ["100", "007", "-1", "abc", "", "4294967296"] {
+        assert!(get_home(&mut c, bogus, "a", now, 1).is_empty(), "{bogus:?} was answered");
+    }
+    assert_eq!(c.rejected_messages(), 6);
+    assert!(c.state.shards().is_empty(), "nothing allocated");
+    let sent = get_home(&mut c, "99", "a", now, 1);
+    assert!(
+        matches!(&sent[..], [(_, ToRegion::HostShard { .. }), ..] | [(_, ToRegion::ShardHome { .. }), ..]),
+        "{sent:?}"
+    );
+}
+
+#[test]
+fn shard_id_rules_match_what_extractors_produce() {
+    for k in [0u32, 7, 999] {
+        assert!(ShardIdRule::Numbered(1000).allows(&crate::sharding::ids::default_shard_id(&format!("id-{k}"), 1000)));
+        assert!(ShardIdRule::Numbered(1000).allows(&k.to_string()));
+    }
+    assert!(!ShardIdRule::Numbered(1000).allows("1000"));
+    assert!(!ShardIdRule::Numbered(1000).allows("+5"));
+    assert!(ShardIdRule::Custom.allows(&"s".repeat(crate::sharding::ids::MAX_SHARD_ID_LEN)));
+    assert!(!ShardIdRule::Custom.allows(&"s".repeat(crate::sharding::ids::MAX_SHARD_ID_LEN + 1)));
+    assert!(!ShardIdRule::Custom.allows(""));
 }
 
 #[test]

@@ -56,6 +56,7 @@ pub(crate) fn start_singleton(
     settings: ShardingSettings,
     custom: Option<Arc<dyn ShardAllocationStrategy>>,
     extractor_fingerprint: u64,
+    shard_ids: crate::sharding::ids::ShardIdRule,
 ) {
     let table: Arc<RwLock<BTreeMap<ShardId, String>>> = Arc::default();
     if custom.is_none() && matches!(settings.allocation, AllocationSettings::External { .. }) {
@@ -69,6 +70,7 @@ pub(crate) fn start_singleton(
         settings,
         strategy,
         extractor_fingerprint,
+        shard_ids,
     };
     node.spawner().spawn_essential("shard coordinator", driver.run());
 }
@@ -97,6 +99,7 @@ struct CoordinatorDriver {
     settings: ShardingSettings,
     strategy: Arc<dyn ShardAllocationStrategy>,
     extractor_fingerprint: u64,
+    shard_ids: crate::sharding::ids::ShardIdRule,
 }
 
 /// The coordinator while it runs here.
@@ -218,6 +221,7 @@ impl CoordinatorDriver {
                     shard_start_timeout: self.settings.shard_start_timeout,
                     eager_reallocation: self.settings.remember_entities,
                     extractor_fingerprint: self.extractor_fingerprint,
+                    shard_ids: self.shard_ids,
                 };
                 let now = Instant::now();
                 let me = self.node.address().clone();

@@ -83,6 +83,9 @@ pub(crate) struct RegionTask<E: Entity> {
     pub shutdown_waiters: Vec<oneshot::Sender<()>>,
     pub shutdown_deadline: Option<Instant>,
     pub work: VecDeque<Work<E>>,
+    /// The type's shard-id extractor: a `Deliver` naming another shard than it gives is refused
+    /// (two nodes that disagree on the shard of an id could otherwise both start it).
+    pub extractor: crate::sharding::ids::ShardIdExtractor,
 }
 
 impl<E: Entity> RegionTask<E> {
@@ -215,7 +218,15 @@ impl<E: Entity> RegionTask<E> {
                 let failure = match (&msg, entity_id.is_empty()) {
                     (_, true) => Some(crate::error::Error::EmptyEntityId),
                     (Err(e), _) => Some(not_delivered(&entity_id, format!("payload does not decode: {e}"))),
-                    _ => None,
+                    _ => {
+                        let own = (self.extractor)(&entity_id);
+                        (own != shard).then(|| {
+                            not_delivered(
+                                &entity_id,
+                                format!("sent for shard {shard:?}, but this node's extractor gives {own:?}"),
+                            )
+                        })
+                    }
                 };
                 if let Some(err) = failure {
                     self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);

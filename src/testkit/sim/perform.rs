@@ -34,6 +34,7 @@ impl Sim {
                         shard_start_timeout: s.shard_start_timeout,
                         eager_reallocation: false,
                         extractor_fingerprint: EXTRACTOR,
+                        shard_ids: crate::sharding::ids::ShardIdRule::Custom,
                     };
                     let strategy = Arc::new(LeastShardAllocation::default());
                     let mut core =
