@@ -18,7 +18,7 @@ pub enum ToCoordinator {
     /// The region started the shard it was asked to host.
     ShardStarted { shard: ShardId, region: RegionId },
     /// The region stopped routing to the shard's old home.
-    BeginHandOffAck { shard: ShardId, region: RegionId },
+    BeginHandOffAck { shard: ShardId, region: RegionId, handoff: u64 },
     /// The old home stopped the shard's entities, answering the `HandOff` with this id (a late
     /// answer to an earlier, timed-out hand-off must not complete a later one).
     ShardStopped { shard: ShardId, region: RegionId, handoff: u64 },
@@ -55,7 +55,7 @@ pub enum ToRegion {
     /// Start hosting the shard (re-sent until `ShardStarted`).
     HostShard { shard: ShardId, epoch: u64 },
     /// Stop routing to the shard's current home; buffer its messages; acknowledge.
-    BeginHandOff { shard: ShardId },
+    BeginHandOff { shard: ShardId, handoff: u64 },
     /// Drop the shard's buffered messages, stop its entities, answer `ShardStopped` with the
     /// same hand-off id.
     HandOff { shard: ShardId, handoff: u64 },

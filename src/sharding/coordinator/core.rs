@@ -368,8 +368,10 @@ impl CoordinatorCore {
                     self.unacked_host.remove(&shard);
                 }
             }
-            ToCoordinator::BeginHandOffAck { shard, region } => {
-                let Some(h) = self.handoffs.get_mut(&shard) else { return };
+            ToCoordinator::BeginHandOffAck { shard, region, handoff } => {
+                // Only an ack of this hand-off counts: a late ack of an earlier one of the same
+                // shard must not release the hand-off before every region stopped routing.
+                let Some(h) = self.handoffs.get_mut(&shard).filter(|h| h.id == handoff) else { return };
                 if let HandoffPhase::WaitingForAcks(pending) = &mut h.phase {
                     pending.remove(&region);
                     if pending.is_empty() {
@@ -511,10 +513,13 @@ impl CoordinatorCore {
 
     fn start_handoff(&mut self, shard: ShardId, from: RegionId, now: Instant, out: &mut Vec<CoordinatorAction>) {
         let everyone: BTreeSet<RegionId> = self.all_regions().cloned().collect();
-        let effects = everyone.iter().map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone() })).collect();
         debug!(%shard, %from, "hand-off started");
         let id = (self.last_handoff_id + 1).max(self.wall_ms << 16);
         self.last_handoff_id = id;
+        let effects = everyone
+            .iter()
+            .map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone(), handoff: id }))
+            .collect();
         self.handoffs.insert(
             shard,
             Handoff {
@@ -602,8 +607,11 @@ impl CoordinatorCore {
         {
             h.sent_at = now;
             match &h.phase {
-                HandoffPhase::WaitingForAcks(pending) => resend
-                    .extend(pending.iter().map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone() }))),
+                HandoffPhase::WaitingForAcks(pending) => resend.extend(
+                    pending
+                        .iter()
+                        .map(|r| Self::send(r, ToRegion::BeginHandOff { shard: shard.clone(), handoff: h.id })),
+                ),
                 HandoffPhase::Stopping => {
                     resend.push(Self::send(&h.from, ToRegion::HandOff { shard: shard.clone(), handoff: h.id }))
                 }

@@ -77,6 +77,12 @@ fn step(c: &mut CoordinatorCore, input: CoordinatorInput, now: Instant, wall: u6
     sent
 }
 
+/// Region `region` acks the current hand-off of `shard` (with its id); returns the messages sent.
+fn ack(c: &mut CoordinatorCore, shard: &str, region: RegionId, now: Instant, wall: u64) -> Vec<(RegionId, ToRegion)> {
+    let handoff = c.handoffs.get(shard).map_or(0, |h| h.id);
+    step(c, from_region(ToCoordinator::BeginHandOffAck { shard: shard.into(), region, handoff }), now, wall)
+}
+
 fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
     step(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), now, 1);
 }
@@ -150,7 +156,7 @@ fn a_registered_region_that_comes_back_with_another_extractor_has_its_shards_han
     let begins: BTreeSet<ShardId> = sent
         .iter()
         .filter_map(|(_, m)| match m {
-            ToRegion::BeginHandOff { shard } => Some(shard.clone()),
+            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
             _ => None,
         })
         .collect();
@@ -300,19 +306,14 @@ fn rebalance_hands_off_after_all_acks_and_a_terminated_region_counts_as_acked() 
     let begins: BTreeSet<ShardId> = sent
         .iter()
         .filter_map(|(_, m)| match m {
-            ToRegion::BeginHandOff { shard } => Some(shard.clone()),
+            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
             _ => None,
         })
         .collect();
     assert!(!begins.is_empty());
     let shard = begins.iter().next().unwrap().clone();
     for who in ["a", "b"] {
-        let sent = step(
-            &mut c,
-            from_region(ToCoordinator::BeginHandOffAck { shard: shard.clone(), region: r(who) }),
-            later,
-            2,
-        );
+        let sent = ack(&mut c, &shard, r(who), later, 2);
         assert!(sent.is_empty(), "still waiting for x");
     }
     let sent = terminate(&mut c, r("x"), later, 2);
@@ -349,7 +350,7 @@ fn graceful_shutdown_moves_every_shard_of_the_region_and_only_those() {
     let begins: BTreeSet<ShardId> = sent
         .iter()
         .filter_map(|(_, m)| match m {
-            ToRegion::BeginHandOff { shard } => Some(shard.clone()),
+            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
             _ => None,
         })
         .collect();
@@ -357,8 +358,7 @@ fn graceful_shutdown_moves_every_shard_of_the_region_and_only_those() {
     for s in &on_a {
         let mut handoff = None;
         for who in ["a", "b"] {
-            let sent =
-                step(&mut c, from_region(ToCoordinator::BeginHandOffAck { shard: s.clone(), region: r(who) }), now, 1);
+            let sent = ack(&mut c, s, r(who), now, 1);
             handoff = handoff.or(handoff_id(&sent, "a", s));
         }
         let handoff = handoff.expect("HandOff sent once every region acked");
@@ -394,8 +394,7 @@ fn a_late_shard_stopped_of_a_timed_out_hand_off_does_not_complete_the_next_one()
         step(c, from_region(ToCoordinator::GracefulShutdownReq { region: home.clone() }), at, 1);
         let mut id = None;
         for who in ["a", "b"] {
-            let sent =
-                step(c, from_region(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r(who) }), at, 1);
+            let sent = ack(c, "1", r(who), at, 1);
             id = id.or(handoff_id(&sent, &home_name, "1"));
         }
         id.expect("HandOff sent")
@@ -502,6 +501,31 @@ fn a_down_member_keeps_its_shards_until_removed_but_gets_no_new_ones() {
 }
 
 #[test]
+fn a_late_begin_hand_off_ack_of_an_earlier_hand_off_does_not_release_the_next_one() {
+    let mut c = core(1);
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    get_home(&mut c, "1", "a", now, 1);
+    step(&mut c, from_region(ToCoordinator::ShardStarted { shard: "1".into(), region: r("a") }), now, 1);
+    reg(&mut c, "b", now);
+    step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 2);
+    let current = c.handoffs["1"].id;
+    // Acks that name another hand-off of the same shard (a delayed one from an earlier round,
+    // or a forger's) are not counted.
+    for who in ["a", "b"] {
+        let late = ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r(who), handoff: current - 1 };
+        let sent = step(&mut c, from_region(late), now, 2);
+        assert!(sent.is_empty(), "a stale ack released the hand-off: {sent:?}");
+    }
+    ack(&mut c, "1", r("a"), now, 2);
+    let sent = ack(&mut c, "1", r("b"), now, 2);
+    assert!(
+        sent.iter()
+            .any(|(to, m)| *to == r("a") && matches!(m, ToRegion::HandOff { handoff, .. } if *handoff == current))
+    );
+}
+
+#[test]
 fn unanswered_hand_off_messages_are_sent_again_after_the_shard_start_timeout() {
     let mut c = core(1);
     let now = Instant::now();
@@ -512,16 +536,17 @@ fn unanswered_hand_off_messages_are_sent_again_after_the_shard_start_timeout() {
     let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 2);
     assert!(sent.iter().any(|(to, m)| *to == r("b") && matches!(m, ToRegion::BeginHandOff { .. })));
     // b's ack is lost; a acks.
-    step(&mut c, from_region(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r("a") }), now, 2);
+    ack(&mut c, "1", r("a"), now, 2);
     let early = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(1), 2);
     assert!(early.is_empty(), "not before the shard start timeout: {early:?}");
     let again = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(2), 2);
+    let id = c.handoffs["1"].id;
     assert_eq!(
         again,
-        vec![(r("b"), ToRegion::BeginHandOff { shard: "1".into() })],
-        "only to the region that did not ack"
+        vec![(r("b"), ToRegion::BeginHandOff { shard: "1".into(), handoff: id })],
+        "only to the region that did not ack, with the same hand-off id"
     );
-    let sent = step(&mut c, from_region(ToCoordinator::BeginHandOffAck { shard: "1".into(), region: r("b") }), now, 2);
+    let sent = ack(&mut c, "1", r("b"), now, 2);
     let Some(ToRegion::HandOff { handoff, .. }) =
         sent.iter().map(|(_, m)| m.clone()).find(|m| matches!(m, ToRegion::HandOff { .. }))
     else {

@@ -306,10 +306,10 @@ impl<M> RegionCore<M> {
                 self.host(shard.clone(), epoch, now, out);
                 self.to_coordinator(ToCoordinator::ShardStarted { shard, region: self.me.clone() }, out);
             }
-            ToRegion::BeginHandOff { shard } => {
+            ToRegion::BeginHandOff { shard, handoff } => {
                 self.homes.remove(&shard);
                 self.requested.remove(&shard);
-                self.to_coordinator(ToCoordinator::BeginHandOffAck { shard, region: self.me.clone() }, out);
+                self.to_coordinator(ToCoordinator::BeginHandOffAck { shard, region: self.me.clone(), handoff }, out);
             }
             ToRegion::HandOff { shard, handoff } => {
                 // Messages buffered for the shard are dropped: sent on after the hand-off they
@@ -573,8 +573,11 @@ mod tests {
     fn hand_off_buffers_after_begin_drops_buffer_on_hand_off_and_reports_stopped() {
         let mut c = region(10);
         run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
-        let out = run(&mut c, coord(ToRegion::BeginHandOff { shard: "1".into() }));
-        assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::BeginHandOffAck { .. }, .. }]));
+        let out = run(&mut c, coord(ToRegion::BeginHandOff { shard: "1".into(), handoff: 9 }));
+        assert!(matches!(
+            &out[..],
+            [RegionAction::ToCoordinator { msg: ToCoordinator::BeginHandOffAck { handoff: 9, .. }, .. }]
+        ));
         run(&mut c, route("1", 5));
         assert_eq!(c.buffered(), 1);
         let out = run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 7 }));
