@@ -286,6 +286,21 @@ impl<M> RegionCore<M> {
                 }
             }
             ToRegion::ShardHome { shard, region, epoch } => {
+                // Epochs never go backwards: a home older than one known here is a late message.
+                let known = self.homes.get(&shard).map(|(_, e)| *e).max(self.hosted.get(&shard).copied());
+                if known.is_some_and(|k| epoch < k) {
+                    return;
+                }
+                // Placed elsewhere with a newer epoch while running here (the coordinator's state
+                // lost it, or it took this region for gone): stop the local one, so the id never
+                // runs in two places.
+                if region != self.me
+                    && self.hosted.get(&shard).is_some_and(|hosted| *hosted < epoch)
+                    && !self.handing_off.contains_key(&shard)
+                {
+                    self.handing_off.insert(shard.clone(), 0);
+                    out.push(RegionAction::HandOffShard { shard: shard.clone() });
+                }
                 if region == self.me || self.routable.contains(&region) {
                     // Otherwise the request stays throttled: asking again at once for a home
                     // this region cannot reach yet would loop with the coordinator.
@@ -415,6 +430,32 @@ mod tests {
     /// A message from the coordinator the test region follows.
     fn coord(msg: ToRegion) -> RegionInput<u32> {
         RegionInput::Coordinator { from: r("coord"), msg }
+    }
+
+    #[test]
+    fn a_shard_home_older_than_the_one_known_is_ignored() {
+        let mut c = region(10);
+        run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 5 }));
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("third"), epoch: 4 }));
+        let out = run(&mut c, route("1", 1));
+        assert!(
+            matches!(&out[..], [RegionAction::Forward { region, .. }] if *region == r("other")),
+            "routed by the newest home: {out:?}"
+        );
+        // An older HostShard-as-ShardHome for this region does not start anything either.
+        assert!(run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 2 })).is_empty());
+    }
+
+    #[test]
+    fn a_newer_home_elsewhere_for_a_shard_running_here_stops_the_local_one() {
+        let mut c = region(10);
+        run(&mut c, members(&["me", "coord", "other"], Some("coord")));
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 2 }));
+        let out = run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
+        assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }), "{out:?}");
+        let again = run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
+        assert!(!again.contains(&RegionAction::HandOffShard { shard: "1".into() }), "stopped once: {again:?}");
     }
 
     #[test]
