@@ -9,6 +9,18 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::secret::ClusterSecret;
 
+/// Longest duration any setting may have: beyond it a setting is a typo (and adding it to a
+/// clock reading could overflow).
+pub const MAX_SETTING_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// A config error naming the first of `durations` longer than [`MAX_SETTING_DURATION`].
+pub(crate) fn check_durations(durations: &[(&str, Duration)]) -> Result<()> {
+    match durations.iter().find(|(_, d)| *d > MAX_SETTING_DURATION) {
+        Some((name, d)) => Err(Error::Config(format!("{name} = {d:?} is longer than the 30 days any duration may be"))),
+        None => Ok(()),
+    }
+}
+
 /// Everything a node needs to start. Build it with struct-update syntax over
 /// [`NodeConfig::default`], or load it from TOML with [`NodeConfig::from_toml_str`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -293,14 +305,30 @@ impl NodeConfig {
         if self.roles.iter().any(|r| r.is_empty() || r.contains(',')) {
             return bad("roles must be non-empty and must not contain ','".into());
         }
-        let m = &self.membership;
+        let (m, t, r) = (&self.membership, &self.transport, &self.replicator);
+        check_durations(&[
+            ("membership.gossip_interval", m.gossip_interval),
+            ("membership.initial_interval", m.initial_interval),
+            ("membership.dead_node_grace_period", m.dead_node_grace_period),
+            ("membership.seed_node_timeout", m.seed_node_timeout),
+            ("membership.leave_linger", m.leave_linger),
+            ("membership.stable_after", m.stable_after),
+            ("membership.down_removal_margin", m.down_removal_margin),
+            ("transport.connect_timeout", t.connect_timeout),
+            ("transport.reconnect_backoff_min", t.reconnect_backoff_min),
+            ("transport.reconnect_backoff_max", t.reconnect_backoff_max),
+            ("transport.write_timeout", t.write_timeout),
+            ("transport.keepalive", t.keepalive),
+            ("transport.unreachable_give_up", t.unreachable_give_up),
+            ("replicator.gossip_interval", r.gossip_interval),
+            ("replicator.delta_interval", r.delta_interval),
+        ])?;
         if m.gossip_interval.is_zero() || m.initial_interval.is_zero() {
             return bad("membership.gossip_interval and initial_interval must be > 0".into());
         }
         if !(m.phi_threshold.is_finite() && m.phi_threshold > 1.0) {
             return bad("membership.phi_threshold must be > 1".into());
         }
-        let t = &self.transport;
         if !(1024..=1 << 30).contains(&t.max_frame_size) {
             return bad("transport.max_frame_size must be between 1 KiB and 1 GiB".into());
         }
@@ -382,6 +410,12 @@ mod tests {
         let mut t = ok.clone();
         t.transport.max_handshakes_per_ip = 0;
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("max_handshakes_per_ip")));
+        let mut t = ok.clone();
+        t.membership.dead_node_grace_period = Duration::from_secs(u64::MAX);
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("dead_node_grace_period")));
+        let mut t = ok.clone();
+        t.sharding.ask_timeout = MAX_SETTING_DURATION + Duration::from_secs(1);
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("ask_timeout")));
         let mut t = ok.clone();
         t.transport.write_timeout = Duration::ZERO;
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("write_timeout")));

@@ -157,6 +157,19 @@ impl ShardingSettings {
     /// Checks the settings.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Config(format!("sharding: {m}")));
+        crate::config::check_durations(&[
+            ("sharding.entity_restart_backoff", self.entity_restart_backoff),
+            ("sharding.shard_failure_backoff", self.shard_failure_backoff),
+            ("sharding.entity_recovery_interval", self.entity_recovery_interval),
+            ("sharding.handoff_timeout", self.handoff_timeout),
+            ("sharding.rebalance_interval", self.rebalance_interval),
+            ("sharding.passivation_idle_timeout", self.passivation_idle_timeout.unwrap_or_default()),
+            ("sharding.ask_timeout", self.ask_timeout),
+            ("sharding.retry_interval", self.retry_interval),
+            ("sharding.shard_start_timeout", self.shard_start_timeout),
+            ("sharding.updating_state_timeout", self.updating_state_timeout),
+            ("sharding.waiting_for_state_timeout", self.waiting_for_state_timeout),
+        ])?;
         if self.number_of_shards == 0 {
             return bad("number_of_shards must be > 0");
         }
