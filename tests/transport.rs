@@ -667,3 +667,34 @@ async fn a_member_that_left_has_its_connections_closed_and_cannot_connect_again(
     still_serves(&c).await;
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_claiming_a_member_from_another_address_does_not_redirect_traffic_meant_for_it() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    let mut real_inbox = c.node(1).transport().subscribe("probe", 16);
+    let mut node_inbox = node.transport().subscribe("probe", 16);
+    // No writer from n1 to n2 right now: the next one is made by whoever asks first.
+    node.transport().forget_peer(c.node(1).address());
+    // A raw client claims to be n2, listening at its own address, and sends a request.
+    let impostor = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hello = member_hello(c.node(1), &node, impostor.local_addr().unwrap());
+    let mut s = accepted(node.messaging_addr(), &hello).await;
+    let req = wire::encode(&Frame::Request { id: 1, topic: "probe", body: b"?" }).unwrap();
+    write_frame(&mut s, &req).await.unwrap();
+    let m = next_inbound(&mut node_inbox).await;
+    node.transport().respond(&m.from, m.request_id.unwrap(), Ok(b"answer")).unwrap();
+    // Traffic for the real n2, sent to the address membership gives for it, reaches n2.
+    node.transport().send(&peer_of(c.node(1)), "probe", b"for the real n2").unwrap();
+    assert_eq!(&next_inbound(&mut real_inbox).await.body[..], b"for the real n2");
+    // The impostor got its own answer (first on its connection, before anything else).
+    let (mut back, _) = tokio::time::timeout(CONVERGE, impostor.accept()).await.unwrap().unwrap();
+    let their_hello: Hello = wire::decode(&read_frame(&mut back).await).unwrap();
+    write_frame(&mut back, &wire::encode(&HelloReply::Accept { address: their_hello.to }).unwrap()).await.unwrap();
+    match wire::decode_borrowed::<Frame>(&read_frame(&mut back).await).unwrap() {
+        Frame::Response { id: 1, body: ResponseBody::Ok(b) } => assert_eq!(b, b"answer"),
+        other => panic!("expected only the response, got {other:?}"),
+    }
+    c.shutdown().await;
+}
