@@ -35,6 +35,9 @@ pub(crate) struct CoordinatorSettings {
     pub extractor_fingerprint: u64,
     /// The shard ids the extractor can produce; requests for others are ignored.
     pub shard_ids: ShardIdRule,
+    /// Largest the encoded state may grow (one replicator message): a new shard that would
+    /// take it past this is refused, since a successor could never read the state back.
+    pub max_state_bytes: usize,
 }
 
 /// What the coordinator knows of the membership: the status of every listed member and
@@ -429,6 +432,14 @@ impl CoordinatorCore {
         if !self.settings.shard_ids.allows(&shard) {
             self.rejected += 1;
             warn!(%requester, shard = %shard.chars().take(64).collect::<String>(), "home asked for a shard id the extractor cannot produce; ignored");
+            return;
+        }
+        if self.state.record(&shard).is_none()
+            && self.state.approx_encoded_bytes_with(&shard) > self.settings.max_state_bytes
+        {
+            self.rejected += 1;
+            warn!(%requester, shards = self.state.shards().len(), max_state_bytes = self.settings.max_state_bytes,
+                "coordinator state is full; a new shard is refused (use fewer shards or raise transport.max_frame_size)");
             return;
         }
         if self.handoffs.contains_key(&shard) {

@@ -17,6 +17,7 @@ fn test_settings(min: usize) -> CoordinatorSettings {
         shard_start_timeout: Duration::from_secs(2),
         eager_reallocation: false,
         shard_ids: ShardIdRule::Custom,
+        max_state_bytes: 1 << 20,
     }
 }
 
@@ -773,4 +774,54 @@ fn no_rebalance_starts_while_a_region_shuts_down_gracefully() {
     step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("x") }), now, 2);
     let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(10), 2);
     assert_eq!(begins(&sent), 0, "{sent:?}");
+}
+
+#[test]
+fn a_new_shard_that_would_take_the_state_past_one_message_is_refused_and_known_ones_still_answer() {
+    let mut c = CoordinatorCore::new(
+        r("c"),
+        CoordinatorSettings { max_state_bytes: 4_000, ..test_settings(1) },
+        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+        CoordinatorState::default(),
+        Instant::now(),
+    );
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    let mut allocated = 0;
+    for k in 0..100 {
+        if !get_home(&mut c, &format!("shard-{k}"), "a", now, 1).is_empty() {
+            allocated += 1;
+        }
+    }
+    assert!((10..100).contains(&allocated), "{allocated} of 100 allocated under a 4 KB budget");
+    assert!(c.state().approx_encoded_bytes() <= 4_000);
+    assert_eq!(c.rejected_messages(), 100 - allocated as u64);
+    let known = get_home(&mut c, "shard-0", "a", now, 1);
+    assert!(matches!(&known[..], [(_, ToRegion::ShardHome { .. })]), "a known shard is still answered: {known:?}");
+}
+
+#[test]
+fn the_state_size_estimate_is_never_below_the_real_encoding() {
+    let mut c = core(1);
+    let now = Instant::now();
+    let mut map = crate::ddata::LwwMap::default();
+    for n in ["a-node-with-a-long-id-0123456789", "b"] {
+        c.members.statuses.insert(r(n), MemberStatus::Up);
+        step_into_map(
+            &mut c,
+            from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }),
+            &mut map,
+            now,
+        );
+    }
+    for k in 0..500 {
+        let shard = format!("{k}-{}", "x".repeat(k % 40));
+        let region = if k % 2 == 0 { r("b") } else { r("a-node-with-a-long-id-0123456789") };
+        step_into_map(&mut c, from_region(ToCoordinator::GetShardHome { shard, region }), &mut map, now);
+    }
+    // As the replicator ships it (named rmp), so the larger of the two encodings.
+    let real = crate::transport::wire::encode(&map).unwrap().len().max(rmp_serde::to_vec(&map).unwrap().len());
+    let estimate = c.state().approx_encoded_bytes();
+    assert!(estimate >= real, "estimate {estimate} below the real {real} bytes");
+    assert!(estimate <= real * 2, "estimate {estimate} far above the real {real} bytes");
 }

@@ -222,6 +222,8 @@ impl CoordinatorDriver {
                     eager_reallocation: self.settings.remember_entities,
                     extractor_fingerprint: self.extractor_fingerprint,
                     shard_ids: self.shard_ids,
+                    // A value over the message budget still travels alone in one frame.
+                    max_state_bytes: self.node.config().transport.max_frame_size / 2,
                 };
                 let now = Instant::now();
                 let me = self.node.address().clone();

@@ -40,6 +40,17 @@ pub(crate) struct CoordinatorState {
     /// Shared with the views handed to the strategy (copy-on-write; the views are dropped
     /// before the next change, so appending does not copy).
     homes: BTreeMap<RegionId, Arc<Vec<ShardId>>>,
+    /// Estimated encoded size of every shard record (for [`Self::approx_encoded_bytes`]).
+    shard_entry_bytes: usize,
+}
+
+/// Upper estimate of one entry's encoded size in the replicated map beyond its shard id and
+/// region node id: key prefix, field names, generation, epoch and the LWW marker (writer,
+/// clock). Checked against the real encoding in a test.
+const ENTRY_OVERHEAD: usize = 96;
+
+fn shard_entry_bytes(shard: &str, rec: &ShardRecord) -> usize {
+    shard.len() + rec.region.as_ref().map_or(0, |r| r.node_id.len()) + ENTRY_OVERHEAD
 }
 
 impl CoordinatorState {
@@ -112,7 +123,22 @@ impl CoordinatorState {
             let at = Self::position(&self.shards, list, rec.epoch, &shard).unwrap_or_else(|at| at);
             Arc::make_mut(list).insert(at, shard.clone());
         }
+        let old = self.shards.get(&shard).map_or(0, |old| shard_entry_bytes(&shard, old));
+        self.shard_entry_bytes = self.shard_entry_bytes - old + shard_entry_bytes(&shard, &rec);
         self.shards.insert(shard, rec);
+    }
+
+    /// About how many bytes the state takes encoded as the replicated map (at least that
+    /// many): it must fit one replicator message, or a successor could never read it.
+    pub(crate) fn approx_encoded_bytes(&self) -> usize {
+        let regions: usize = self.regions.iter().chain(&self.proxies).map(|r| r.node_id.len() + ENTRY_OVERHEAD).sum();
+        self.shard_entry_bytes + regions
+    }
+
+    /// [`Self::approx_encoded_bytes`] after adding a record for a new shard `shard`.
+    pub(crate) fn approx_encoded_bytes_with(&self, shard: &str) -> usize {
+        // The region is not chosen yet: count the longest node id there may be.
+        self.approx_encoded_bytes() + shard.len() + 200 + ENTRY_OVERHEAD
     }
 
     /// Binary search of `list` (ordered by epoch, then id) for (`epoch`, `shard`).

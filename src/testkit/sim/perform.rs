@@ -35,6 +35,7 @@ impl Sim {
                         eager_reallocation: false,
                         extractor_fingerprint: EXTRACTOR,
                         shard_ids: crate::sharding::ids::ShardIdRule::Custom,
+                        max_state_bytes: 1 << 20,
                     };
                     let strategy = Arc::new(LeastShardAllocation::default());
                     let mut core =
