@@ -271,3 +271,21 @@ fn the_state_size_estimate_is_never_below_the_real_encoding() {
     assert!(estimate >= real, "estimate {estimate} below the real {real} bytes");
     assert!(estimate <= real * 2, "estimate {estimate} far above the real {real} bytes");
 }
+
+#[test]
+fn a_terminated_proxy_is_removed_from_the_state_a_successor_reads() {
+    let mut c = core(1);
+    let now = Instant::now();
+    let mut map = crate::ddata::LwwMap::default();
+    c.members.statuses.insert(r("p"), MemberStatus::Up);
+    step_into_map(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("p"), proxy: true, extractor: 7 }),
+        &mut map,
+        now,
+    );
+    assert!(CoordinatorState::from_map(&map).proxies.contains(&r("p")));
+    let stopped = CoordinatorInput::FromRegion { from: r("p"), msg: ToCoordinator::RegionStopped { region: r("p") } };
+    step_into_map(&mut c, stopped, &mut map, now);
+    assert!(!CoordinatorState::from_map(&map).proxies.contains(&r("p")), "a successor would see a proxy that is gone");
+}
