@@ -289,3 +289,36 @@ fn a_terminated_proxy_is_removed_from_the_state_a_successor_reads() {
     step_into_map(&mut c, stopped, &mut map, now);
     assert!(!CoordinatorState::from_map(&map).proxies.contains(&r("p")), "a successor would see a proxy that is gone");
 }
+
+/// Asks to move every shard, every round.
+struct MovesEverything;
+impl ShardAllocationStrategy for MovesEverything {
+    fn allocate(&self, _: &RegionId, _: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        regions[0].region.clone()
+    }
+    fn rebalance(&self, regions: &[RegionAllocation], _: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        regions.iter().flat_map(|r| r.shards.iter().cloned()).collect()
+    }
+}
+
+#[test]
+fn with_a_single_region_nothing_is_rebalanced_whatever_the_strategy_asks() {
+    let mut c = CoordinatorCore::new(
+        r("c"),
+        test_settings(1),
+        Arc::new(MovesEverything),
+        CoordinatorState::default(),
+        Instant::now(),
+    );
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    get_home(&mut c, "1", "a", now, 1);
+    step(&mut c, from_region(ToCoordinator::ShardStarted { shard: "1".into(), region: r("a") }), now, 1);
+    settle(&mut c);
+    let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(10), 2);
+    assert_eq!(begins(&sent), 0, "nowhere to move to: {sent:?}");
+    reg(&mut c, "b", now);
+    settle(&mut c);
+    let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(20), 2);
+    assert!(begins(&sent) > 0, "with two regions the strategy is followed: {sent:?}");
+}

@@ -585,7 +585,9 @@ mod tests {
             vec![ShardAction::Drop { entity_id: "c".into(), msg: 1, reason: DropReason::HandOff }]
         );
         assert!(run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 2 }, now).is_empty());
-        let out = run(&mut s, ShardInput::Tick, now + Duration::from_secs(3));
+        assert_eq!(s.entity_count(), 1, "a still runs");
+        assert!(run(&mut s, ShardInput::Tick, now + Duration::from_millis(1900)).is_empty(), "not before the deadline");
+        let out = run(&mut s, ShardInput::Tick, now + Duration::from_secs(2));
         assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into() }, ShardAction::Stopped]);
     }
 
@@ -659,6 +661,18 @@ mod tests {
         assert!(run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0).is_empty());
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(5)).is_empty());
         let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(10));
+        assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 2 }]);
+    }
+
+    #[test]
+    fn the_configured_restart_backoff_is_the_one_used() {
+        let mut s = ShardCore::<u32>::remembering(Duration::from_secs(2), Duration::from_secs(3));
+        let t0 = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a"])), t0);
+        run(&mut s, deliver("a", 1), t0);
+        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0);
+        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_millis(2900)).is_empty());
+        let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(3));
         assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 2 }]);
     }
 
