@@ -9,6 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::secret::ClusterSecret;
 
+/// Longest `node_id` or `cluster_id`, in bytes (so a handshake always fits its small first frame).
+pub const MAX_ID_LEN: usize = 200;
+
 /// Longest duration any setting may have: beyond it a setting is a typo (and adding it to a
 /// clock reading could overflow).
 pub const MAX_SETTING_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -285,13 +288,13 @@ impl NodeConfig {
     /// Checks every setting; [`crate::Node::start`] calls it first.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
-        if self.node_id.is_empty() || self.node_id.len() > 200 {
+        if self.node_id.is_empty() || self.node_id.len() > MAX_ID_LEN {
             return bad("node_id must be 1 to 200 characters".into());
         }
         if self.node_id.contains(['/', '#', ',']) || self.node_id.chars().any(char::is_whitespace) {
             return bad(format!("node_id {:?} must not contain '/', '#', ',' or white space", self.node_id));
         }
-        if self.cluster_id.is_empty() || self.cluster_id.len() > 200 {
+        if self.cluster_id.is_empty() || self.cluster_id.len() > MAX_ID_LEN {
             // Bounded so a handshake always fits in the transport's small first-frame limit.
             return bad("cluster_id must be 1 to 200 characters".into());
         }

@@ -103,13 +103,7 @@ impl ShardAllocationStrategy for AllocatesToAGhost {
 
 #[test]
 fn a_strategy_that_answers_a_region_outside_the_candidates_is_overruled() {
-    let mut c = CoordinatorCore::new(
-        r("c"),
-        test_settings(1),
-        Arc::new(AllocatesToAGhost),
-        CoordinatorState::default(),
-        Instant::now(),
-    );
+    let mut c = core_from(test_settings(1), Arc::new(AllocatesToAGhost), CoordinatorState::default());
     let now = Instant::now();
     reg(&mut c, "a", now);
     let sent = get_home(&mut c, "1", "a", now, 1);
@@ -147,12 +141,10 @@ fn a_region_stopped_by_itself_loses_its_shards_to_reallocation() {
 
 #[test]
 fn with_remember_entities_a_terminated_regions_shards_are_reallocated_at_once() {
-    let mut c = CoordinatorCore::new(
-        r("c"),
+    let mut c = core_from(
         CoordinatorSettings { eager_reallocation: true, ..test_settings(1) },
-        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+        least_shard(),
         CoordinatorState::default(),
-        Instant::now(),
     );
     let now = Instant::now();
     reg(&mut c, "a", now);
@@ -224,12 +216,10 @@ fn no_rebalance_starts_while_a_region_shuts_down_gracefully() {
 
 #[test]
 fn a_new_shard_that_would_take_the_state_past_one_message_is_refused_and_known_ones_still_answer() {
-    let mut c = CoordinatorCore::new(
-        r("c"),
+    let mut c = core_from(
         CoordinatorSettings { max_state_bytes: 4_000, ..test_settings(1) },
-        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+        least_shard(),
         CoordinatorState::default(),
-        Instant::now(),
     );
     let now = Instant::now();
     reg(&mut c, "a", now);
@@ -303,13 +293,7 @@ impl ShardAllocationStrategy for MovesEverything {
 
 #[test]
 fn with_a_single_region_nothing_is_rebalanced_whatever_the_strategy_asks() {
-    let mut c = CoordinatorCore::new(
-        r("c"),
-        test_settings(1),
-        Arc::new(MovesEverything),
-        CoordinatorState::default(),
-        Instant::now(),
-    );
+    let mut c = core_from(test_settings(1), Arc::new(MovesEverything), CoordinatorState::default());
     let now = Instant::now();
     reg(&mut c, "a", now);
     get_home(&mut c, "1", "a", now, 1);

@@ -21,14 +21,30 @@ fn test_settings(min: usize) -> CoordinatorSettings {
     }
 }
 
+fn least_shard() -> Arc<dyn ShardAllocationStrategy> {
+    Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 })
+}
+
+fn core_from(
+    settings: CoordinatorSettings,
+    strategy: Arc<dyn ShardAllocationStrategy>,
+    state: CoordinatorState,
+) -> CoordinatorCore {
+    CoordinatorCore::new(r("c"), settings, strategy, state, Instant::now())
+}
+
 fn core(min: usize) -> CoordinatorCore {
-    CoordinatorCore::new(
-        r("c"),
-        test_settings(min),
-        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
-        CoordinatorState::default(),
-        Instant::now(),
-    )
+    core_from(test_settings(min), least_shard(), CoordinatorState::default())
+}
+
+/// The shards a batch of messages starts handing off.
+fn begun_shards(sent: &[(RegionId, ToRegion)]) -> BTreeSet<ShardId> {
+    sent.iter()
+        .filter_map(|(_, m)| match m {
+            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
+            _ => None,
+        })
+        .collect()
 }
 
 /// A message from the region it names.
@@ -90,12 +106,10 @@ fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
 
 #[test]
 fn home_requests_for_shard_ids_the_extractor_cannot_produce_allocate_nothing_and_are_counted() {
-    let mut c = CoordinatorCore::new(
-        r("c"),
+    let mut c = core_from(
         CoordinatorSettings { shard_ids: ShardIdRule::Numbered(100), ..test_settings(1) },
-        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
+        least_shard(),
         CoordinatorState::default(),
-        Instant::now(),
     );
     let now = Instant::now();
     reg(&mut c, "a", now);
@@ -154,13 +168,7 @@ fn a_registered_region_that_comes_back_with_another_extractor_has_its_shards_han
     let sent =
         step(&mut c, from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8 }), now, 1);
     assert!(sent.contains(&(r("a"), ToRegion::RegisterRefused { coordinator: r("c") })));
-    let begins: BTreeSet<ShardId> = sent
-        .iter()
-        .filter_map(|(_, m)| match m {
-            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
-            _ => None,
-        })
-        .collect();
+    let begins = begun_shards(&sent);
     assert_eq!(begins, on_a, "its shards leave it by hand-off (entities stop before they start elsewhere)");
     // A new shard never goes to it.
     step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "new".into(), region: r("b") }), now, 1);
@@ -228,13 +236,7 @@ fn a_successor_coordinator_does_not_wait_for_min_nr_of_members_again() {
     // Allocated once by a predecessor, deallocated since.
     state.set_home(&"1".to_string(), r("a"), 7);
     state.clear_home("1");
-    let mut c = CoordinatorCore::new(
-        r("c"),
-        test_settings(3),
-        Arc::new(LeastShardAllocation::default()),
-        state,
-        Instant::now(),
-    );
+    let mut c = core_from(test_settings(3), Arc::new(LeastShardAllocation::default()), state);
     c.members.statuses.insert(r("a"), MemberStatus::Up);
     let get = ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") };
     let sent = step(&mut c, from_region(get), Instant::now(), 1);
@@ -258,13 +260,7 @@ fn a_shard_record_at_the_largest_epoch_from_the_replicated_state_does_not_overfl
     let mut state = CoordinatorState::default();
     state.set_home(&"1".to_string(), r("a"), u64::MAX);
     state.clear_home("1");
-    let mut c = CoordinatorCore::new(
-        r("c"),
-        test_settings(1),
-        Arc::new(LeastShardAllocation { absolute_limit: 100, relative_limit: 1.0 }),
-        state,
-        Instant::now(),
-    );
+    let mut c = core_from(test_settings(1), least_shard(), state);
     let now = Instant::now();
     reg(&mut c, "a", now);
     step(&mut c, from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1);
@@ -304,13 +300,7 @@ fn rebalance_hands_off_after_all_acks_and_a_terminated_region_counts_as_acked() 
     settle(&mut c);
     let later = now + Duration::from_secs(11);
     let sent = step(&mut c, CoordinatorInput::Tick, later, 2);
-    let begins: BTreeSet<ShardId> = sent
-        .iter()
-        .filter_map(|(_, m)| match m {
-            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
-            _ => None,
-        })
-        .collect();
+    let begins = begun_shards(&sent);
     assert!(!begins.is_empty());
     let shard = begins.iter().next().unwrap().clone();
     for who in ["a", "b"] {
@@ -348,13 +338,7 @@ fn graceful_shutdown_moves_every_shard_of_the_region_and_only_those() {
     let on_a: BTreeSet<ShardId> =
         c.state().shards().iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
     let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
-    let begins: BTreeSet<ShardId> = sent
-        .iter()
-        .filter_map(|(_, m)| match m {
-            ToRegion::BeginHandOff { shard, .. } => Some(shard.clone()),
-            _ => None,
-        })
-        .collect();
+    let begins = begun_shards(&sent);
     assert_eq!(begins, on_a);
     for s in &on_a {
         let mut handoff = None;

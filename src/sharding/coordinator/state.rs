@@ -138,7 +138,7 @@ impl CoordinatorState {
     /// [`Self::approx_encoded_bytes`] after adding a record for a new shard `shard`.
     pub(crate) fn approx_encoded_bytes_with(&self, shard: &str) -> usize {
         // The region is not chosen yet: count the longest node id there may be.
-        self.approx_encoded_bytes() + shard.len() + 200 + ENTRY_OVERHEAD
+        self.approx_encoded_bytes() + shard.len() + crate::config::MAX_ID_LEN + ENTRY_OVERHEAD
     }
 
     /// Binary search of `list` (ordered by epoch, then id) for (`epoch`, `shard`).
