@@ -204,13 +204,13 @@ async fn external_allocation_places_and_moves_shards_where_the_operator_says() {
     let r0 = regions[0].clone();
     eventually(CONVERGE, "ext-1 allocated on n2", || {
         let r0 = r0.clone();
-        async move { (where_is(&r0, "ext-1").await == "n2").then_some(()) }
+        async move { (where_is_if_answered(&r0, "ext-1").await.as_deref() == Some("n2")).then_some(()) }
     })
     .await;
     regions[1].set_external_shard_location(&shard, "n1").await.unwrap();
     eventually(CONVERGE, "ext-1 moved to n1 by rebalance", || {
         let r0 = r0.clone();
-        async move { (where_is(&r0, "ext-1").await == "n1").then_some(()) }
+        async move { (where_is_if_answered(&r0, "ext-1").await.as_deref() == Some("n1")).then_some(()) }
     })
     .await;
     c.shutdown().await;

@@ -164,6 +164,17 @@ pub async fn where_is(r: &ShardRegion<Counter>, id: &str) -> String {
     }
 }
 
+/// Where `id` runs, or `None` when the ask was not answered: a message that reaches a shard
+/// while it is handed off is dropped (at-most-once, as documented), so a poll that spans a
+/// rebalance reads such a drop as "not yet".
+pub async fn where_is_if_answered(r: &ShardRegion<Counter>, id: &str) -> Option<String> {
+    match r.ask(id, CounterMsg::WhereAreYou).await {
+        Ok(CounterReply::Node(n)) => Some(n),
+        Ok(other) => panic!("unexpected {other:?}"),
+        Err(_) => None,
+    }
+}
+
 /// Asks until an answer comes (a message in flight to a node that crashed is lost, as in any
 /// at-most-once system; a client retries). Panics after `within`.
 pub async fn ask_retry(r: &ShardRegion<Counter>, id: &str, msg: CounterMsg, within: Duration) -> CounterReply {
