@@ -743,3 +743,7 @@ mod tests {
         });
     }
 }
+
+#[cfg(test)]
+#[path = "crdt_tests.rs"]
+mod api_tests;
