@@ -237,7 +237,7 @@ impl Driver {
             }
         }
         if !ops.is_empty() {
-            self.persist_backlog += ops.iter().map(StoreOp::len).sum::<usize>();
+            self.persist_backlog += ops.iter().map(StoreOp::bytes_written).sum::<usize>();
             if jobs.send(PersistJob { through, ops }).is_err() {
                 error!("persist thread gone; durable writes are not acknowledged");
             }

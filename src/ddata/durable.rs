@@ -130,17 +130,12 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
-    /// Bytes this op writes.
-    pub fn len(&self) -> usize {
+    /// Bytes this op writes (what the persist queue's byte bound counts).
+    pub fn bytes_written(&self) -> usize {
         match self {
             StoreOp::Snapshot { key, bytes, .. } | StoreOp::Delta { key, bytes, .. } => key.len() + bytes.len() + 8,
             StoreOp::TrimLog { .. } => 8,
         }
-    }
-
-    /// Whether the op writes nothing.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -507,6 +502,29 @@ mod tests {
         assert!(loaded.corrupt[0].0 == "shard-x" && loaded.corrupt[0].1.contains("sequence"));
         assert_eq!(loaded.entries.len(), 1);
         assert_eq!(loaded.max_seq, 3, "tickets continue above the valid records only");
+    }
+
+    #[test]
+    fn records_at_the_highest_valid_sequence_load_and_one_above_it_cost_their_key_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        let mut set = GSet::default();
+        set.insert("a");
+        let value = ReplicatedData::GSet(set.clone());
+        let d = ReplicatedDelta::GSet(set);
+        s.apply(&[
+            snapshot("snap-at-max", MAX_SEQUENCE, &value),
+            snapshot("snap-over", MAX_SEQUENCE + 1, &value),
+            delta("delta-at-max", MAX_SEQUENCE, &d),
+            delta("delta-over", MAX_SEQUENCE + 1, &d),
+        ])
+        .unwrap();
+        let loaded = s.load_all().unwrap();
+        let ok: Vec<&str> = loaded.entries.iter().map(|e| e.key.as_str()).collect();
+        assert_eq!(ok, ["delta-at-max", "snap-at-max"]);
+        let bad: Vec<&str> = loaded.corrupt.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(bad, ["delta-over", "snap-over"], "{:?}", loaded.corrupt);
+        assert_eq!(loaded.max_seq, MAX_SEQUENCE);
     }
 
     #[test]

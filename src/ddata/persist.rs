@@ -102,12 +102,12 @@ impl PersistThread {
             while let Some(first) = rx.blocking_recv() {
                 let mut through = first.through;
                 let mut ops = first.ops;
-                let mut bytes: usize = ops.iter().map(StoreOp::len).sum();
+                let mut bytes: usize = ops.iter().map(StoreOp::bytes_written).sum();
                 // Group commit: whatever queued meanwhile goes into the same transaction.
                 while bytes < MAX_TRANSACTION_BYTES {
                     let Ok(next) = rx.try_recv() else { break };
                     through = through.max(next.through);
-                    bytes += next.ops.iter().map(StoreOp::len).sum::<usize>();
+                    bytes += next.ops.iter().map(StoreOp::bytes_written).sum::<usize>();
                     ops.extend(next.ops);
                 }
                 let failure = writer.commit(&ops).err().map(|e| (writer.store.path().to_path_buf(), e));
