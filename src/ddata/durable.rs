@@ -555,7 +555,10 @@ mod tests {
         let mut value = set_with(&["a", "b"]);
         let early = ReplicatedDelta::OrSet(value.take_delta().unwrap());
         // Delta 3 is below the snapshot of sequence 5: dead, covered by it.
-        s.apply(&[delta("k", 3, &early), snapshot("k", 5, &value.clone().into_data())]).unwrap();
+        let snap = snapshot("k", 5, &value.clone().into_data());
+        let StoreOp::Snapshot { bytes: ref snap_bytes, .. } = snap else { unreachable!() };
+        let snap_len = snap_bytes.len();
+        s.apply(&[delta("k", 3, &early), snap]).unwrap();
         let mut ops = Vec::new();
         for (seq, id) in [(7, "c"), (8, "d")] {
             value.add(&ctx, id);
@@ -574,7 +577,15 @@ mod tests {
         let k = loaded.entries.iter().find(|e| e.key == "k").unwrap();
         assert_eq!(k.value.digest(), value.clone().into_data().digest());
         assert_eq!((k.snapshot_seq, k.log_records, k.first_log_seq, k.last_log_seq), (5, 3, 7, 9));
-        assert!(k.snapshot_bytes > 0 && k.log_bytes > 0);
+        // A delta record is `u16 key length ‖ key ‖ delta` under an 8-byte sequence.
+        let live_log: usize = ops
+            .iter()
+            .map(|o| match o {
+                StoreOp::Delta { key, bytes, .. } => 2 + key.len() + bytes.len() + 8,
+                _ => 0,
+            })
+            .sum();
+        assert_eq!((k.snapshot_bytes, k.log_bytes), (snap_len, live_log));
         let o = loaded.entries.iter().find(|e| e.key == "only-deltas").unwrap();
         assert_eq!(o.snapshot_bytes, 0);
         assert!(matches!(&o.value, ReplicatedData::OrSet(s) if s.contains("x")));
