@@ -541,6 +541,19 @@ mod tests {
     }
 
     #[test]
+    fn a_generation_record_of_the_wrong_size_is_a_typed_error_not_a_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        {
+            let mut w = s.env.write_txn().unwrap();
+            s.meta.put(&mut w, GENERATION_KEY, &[1, 2, 3]).unwrap();
+            w.commit().unwrap();
+        }
+        let err = s.next_generation(1_000).unwrap_err();
+        assert!(matches!(&err, Error::Storage { .. }) && err.to_string().contains("corrupt generation"), "{err}");
+    }
+
+    #[test]
     fn a_malformed_delta_record_is_skipped_and_reported_not_a_failed_load() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 24).unwrap();

@@ -81,16 +81,18 @@ impl PersistThread {
         health: Arc<DurableHealth>,
         stats: Arc<ReplicatorStats>,
     ) -> std::io::Result<PersistThread> {
-        Self::start_with(store, max_map_size, health, stats, Vec::new())
+        Self::start_with(store, max_map_size, health, stats, Vec::new(), MAX_TRANSACTION_BYTES)
     }
 
-    /// Starts the thread with `queued` jobs already waiting.
+    /// Starts the thread with `queued` jobs already waiting; a transaction takes more queued
+    /// jobs while it holds fewer than `max_transaction_bytes`.
     fn start_with(
         store: DurableStore,
         max_map_size: usize,
         health: Arc<DurableHealth>,
         stats: Arc<ReplicatorStats>,
         queued: Vec<PersistJob>,
+        max_transaction_bytes: usize,
     ) -> std::io::Result<PersistThread> {
         let (jobs, mut rx) = mpsc::unbounded_channel::<PersistJob>();
         for job in queued {
@@ -104,7 +106,7 @@ impl PersistThread {
                 let mut ops = first.ops;
                 let mut bytes: usize = ops.iter().map(StoreOp::bytes_written).sum();
                 // Group commit: whatever queued meanwhile goes into the same transaction.
-                while bytes < MAX_TRANSACTION_BYTES {
+                while bytes < max_transaction_bytes {
                     let Ok(next) = rx.try_recv() else { break };
                     through = through.max(next.through);
                     bytes += next.ops.iter().map(StoreOp::bytes_written).sum::<usize>();
@@ -250,12 +252,30 @@ mod tests {
         let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
         let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
-        let mut t = PersistThread::start_with(store.clone(), 64 << 20, health, stats.clone(), queued).unwrap();
+        let mut t =
+            PersistThread::start_with(store.clone(), 64 << 20, health, stats.clone(), queued, MAX_TRANSACTION_BYTES)
+                .unwrap();
         let r = t.reports.recv().await.unwrap();
         assert!(r.failure.is_none());
         assert_eq!(r.through, 200, "one report covers every queued ticket");
         assert_eq!(r.bytes, 200 * (2 + 8 + 64), "and every queued byte");
         assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1, "one transaction");
+        t.join().await;
+    }
+
+    #[tokio::test]
+    async fn a_transaction_stops_taking_queued_jobs_once_it_holds_the_byte_cap() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        // Each job writes 2 + 8 + 64 = 74 bytes; a cap of two jobs exactly.
+        let queued = (1..=3u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
+        let mut t = PersistThread::start_with(store, 64 << 20, health, stats.clone(), queued, 2 * 74).unwrap();
+        let first = t.reports.recv().await.unwrap();
+        assert_eq!((first.through, first.bytes), (2, 148), "the cap is reached: the third job waits");
+        let second = t.reports.recv().await.unwrap();
+        assert_eq!((second.through, second.bytes), (3, 74));
+        assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 2);
         t.join().await;
     }
 }
