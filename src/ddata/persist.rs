@@ -81,18 +81,17 @@ impl PersistThread {
         health: Arc<DurableHealth>,
         stats: Arc<ReplicatorStats>,
     ) -> std::io::Result<PersistThread> {
-        Self::start_with(store, max_map_size, health, stats, Vec::new(), MAX_TRANSACTION_BYTES)
+        Self::start_with(store, max_map_size, health, stats, Vec::new(), Limits::PRODUCTION)
     }
 
-    /// Starts the thread with `queued` jobs already waiting; a transaction takes more queued
-    /// jobs while it holds fewer than `max_transaction_bytes`.
+    /// Starts the thread with `queued` jobs already waiting.
     fn start_with(
         store: DurableStore,
         max_map_size: usize,
         health: Arc<DurableHealth>,
         stats: Arc<ReplicatorStats>,
         queued: Vec<PersistJob>,
-        max_transaction_bytes: usize,
+        limits: Limits,
     ) -> std::io::Result<PersistThread> {
         let (jobs, mut rx) = mpsc::unbounded_channel::<PersistJob>();
         for job in queued {
@@ -100,13 +99,13 @@ impl PersistThread {
         }
         let (report_tx, reports) = mpsc::unbounded_channel();
         let handle = std::thread::Builder::new().name("ddshard-persist".into()).spawn(move || {
-            let mut writer = Writer { store, max_map_size, health, stats };
+            let mut writer = Writer { store, max_map_size, health, stats, retry_backoff: limits.retry_backoff };
             while let Some(first) = rx.blocking_recv() {
                 let mut through = first.through;
                 let mut ops = first.ops;
                 let mut bytes: usize = ops.iter().map(StoreOp::bytes_written).sum();
                 // Group commit: whatever queued meanwhile goes into the same transaction.
-                while bytes < max_transaction_bytes {
+                while bytes < limits.max_transaction_bytes {
                     let Ok(next) = rx.try_recv() else { break };
                     through = through.max(next.through);
                     bytes += next.ops.iter().map(StoreOp::bytes_written).sum::<usize>();
@@ -135,11 +134,25 @@ impl PersistThread {
     }
 }
 
+/// The thread's fixed limits (tests shrink them to reach their edges quickly).
+#[derive(Clone, Copy)]
+struct Limits {
+    /// A transaction takes more queued jobs while it holds fewer bytes than this.
+    max_transaction_bytes: usize,
+    /// Pauses between the tries of a failed commit.
+    retry_backoff: &'static [Duration],
+}
+
+impl Limits {
+    const PRODUCTION: Limits = Limits { max_transaction_bytes: MAX_TRANSACTION_BYTES, retry_backoff: &RETRY_BACKOFF };
+}
+
 struct Writer {
     store: DurableStore,
     max_map_size: usize,
     health: Arc<DurableHealth>,
     stats: Arc<ReplicatorStats>,
+    retry_backoff: &'static [Duration],
 }
 
 impl Writer {
@@ -167,7 +180,7 @@ impl Writer {
                 },
                 Err(e) => (e.to_string(), true),
             };
-            let Some(pause) = RETRY_BACKOFF.get(attempt).filter(|_| retry) else {
+            let Some(pause) = self.retry_backoff.get(attempt).filter(|_| retry) else {
                 ReplicatorStats::inc(&self.stats.durable_failures);
                 error!(path = %self.store.path().display(), %error, "durable commit failed; its writes are not acknowledged");
                 self.health.set(Some(error.clone()));
@@ -253,7 +266,7 @@ mod tests {
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
         let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
         let mut t =
-            PersistThread::start_with(store.clone(), 64 << 20, health, stats.clone(), queued, MAX_TRANSACTION_BYTES)
+            PersistThread::start_with(store.clone(), 64 << 20, health, stats.clone(), queued, Limits::PRODUCTION)
                 .unwrap();
         let r = t.reports.recv().await.unwrap();
         assert!(r.failure.is_none());
@@ -270,12 +283,33 @@ mod tests {
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
         // Each job writes 2 + 8 + 64 = 74 bytes; a cap of two jobs exactly.
         let queued = (1..=3u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
-        let mut t = PersistThread::start_with(store, 64 << 20, health, stats.clone(), queued, 2 * 74).unwrap();
+        let limits = Limits { max_transaction_bytes: 2 * 74, ..Limits::PRODUCTION };
+        let mut t = PersistThread::start_with(store, 64 << 20, health, stats.clone(), queued, limits).unwrap();
         let first = t.reports.recv().await.unwrap();
         assert_eq!((first.through, first.bytes), (2, 148), "the cap is reached: the third job waits");
         let second = t.reports.recv().await.unwrap();
         assert_eq!((second.through, second.bytes), (3, 74));
         assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 2);
+        t.join().await;
+    }
+
+    #[tokio::test]
+    async fn a_commit_that_keeps_failing_is_tried_once_per_backoff_step_then_reported_and_unhealthy() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        const BACKOFF: [Duration; 2] = [Duration::from_millis(1), Duration::from_millis(1)];
+        let limits = Limits { retry_backoff: &BACKOFF, ..Limits::PRODUCTION };
+        let mut t = PersistThread::start_with(store, 64 << 20, health.clone(), stats.clone(), Vec::new(), limits).unwrap();
+        // A delta record's key length is a u16: this one can never be stored.
+        let unstorable = StoreOp::Delta { key: "k".repeat(70_000), seq: 1, bytes: vec![1] };
+        let r = run_one(&mut t, 9, vec![unstorable]).await;
+        assert_eq!(r.through, 9);
+        assert!(r.failure.is_some());
+        assert_eq!(stats.durable_retries.load(Ordering::Relaxed), 2, "one retry per backoff step");
+        assert_eq!(stats.durable_failures.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 0);
+        assert!(!health.is_healthy());
         t.join().await;
     }
 }
