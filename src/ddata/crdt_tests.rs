@@ -162,6 +162,10 @@ fn gset_delta_round_trip_and_bucket_subsets_carry_exactly_their_members() {
     let sub = g.buckets_subset(&[bucket_of(&k1)]);
     assert!(sub.contains(&k1) && !sub.contains(&k2));
     assert_eq!(sub.bucket_digests()[bucket_of(&k1)], g.bucket_digests()[bucket_of(&k1)]);
+    let nonzero: Vec<usize> = (0..BUCKETS).filter(|b| g.bucket_digests()[*b] != 0).collect();
+    let mut expected = vec![bucket_of(&k1), bucket_of(&k2)];
+    expected.sort();
+    assert_eq!(nonzero, expected, "only the buckets holding members have a digest");
     let back: GSet = rmp_serde::from_slice(&rmp_serde::to_vec(&g).unwrap()).unwrap();
     assert_eq!(back, g);
     assert_eq!(back.digest(), g.digest());
