@@ -300,7 +300,8 @@ mod tests {
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
         const BACKOFF: [Duration; 2] = [Duration::from_millis(1), Duration::from_millis(1)];
         let limits = Limits { retry_backoff: &BACKOFF, ..Limits::PRODUCTION };
-        let mut t = PersistThread::start_with(store, 64 << 20, health.clone(), stats.clone(), Vec::new(), limits).unwrap();
+        let mut t =
+            PersistThread::start_with(store, 64 << 20, health.clone(), stats.clone(), Vec::new(), limits).unwrap();
         // A delta record's key length is a u16: this one can never be stored.
         let unstorable = StoreOp::Delta { key: "k".repeat(70_000), seq: 1, bytes: vec![1] };
         let r = run_one(&mut t, 9, vec![unstorable]).await;
