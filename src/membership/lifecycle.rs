@@ -299,14 +299,15 @@ mod tests {
         let t0 = Instant::now();
         let mut c = LifecycleCore::new(me(), settings(false, false, None), t0);
         c.status_published(MemberStatus::Up);
-        let nodes = [node("a", "down", Some(1), true), node("me", "up", Some(2), true)];
+        let nodes = [node("a", "down", Some(1), true), node("b", "up", Some(3), true), node("me", "up", Some(2), true)];
         let listed = |c: &mut LifecycleCore, at| {
             let snap = c.on_gossip(&nodes, at, &mut Vec::new()).unwrap();
-            snap.members.iter().any(|m| m.node_id() == "a")
+            ["a", "b"].map(|id| snap.members.iter().any(|m| m.node_id() == id))
         };
-        assert!(listed(&mut c, t0 + Duration::from_secs(10)), "first seen down now");
-        assert!(listed(&mut c, t0 + Duration::from_millis(11_900)));
-        assert!(!listed(&mut c, t0 + Duration::from_secs(12)), "removed after the margin");
+        assert_eq!(listed(&mut c, t0 + Duration::from_secs(10)), [true, true], "a first seen down now");
+        assert_eq!(listed(&mut c, t0 + Duration::from_millis(11_900)), [true, true]);
+        assert_eq!(listed(&mut c, t0 + Duration::from_secs(12)), [false, true], "a removed after the margin, b stays");
+        assert_eq!(listed(&mut c, t0 + Duration::from_secs(60)), [false, true], "an up member is never removed");
     }
 
     #[test]
