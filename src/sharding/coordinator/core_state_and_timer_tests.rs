@@ -53,20 +53,20 @@ fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut cra
     }
 }
 
+/// Marks each region's member Up and registers it, writing the state into `map`.
+fn register_up_into_map(c: &mut CoordinatorCore, names: &[&str], map: &mut crate::ddata::LwwMap, now: Instant) {
+    for n in names {
+        c.members.statuses.insert(r(n), MemberStatus::Up);
+        step_into_map(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), map, now);
+    }
+}
+
 #[test]
 fn the_state_a_successor_reads_back_holds_every_allocation_and_region_written() {
     let mut c = core(1);
     let now = Instant::now();
     let mut map = crate::ddata::LwwMap::default();
-    for n in ["a", "b"] {
-        c.members.statuses.insert(r(n), MemberStatus::Up);
-        step_into_map(
-            &mut c,
-            from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }),
-            &mut map,
-            now,
-        );
-    }
+    register_up_into_map(&mut c, &["a", "b"], &mut map, now);
     for s in ["1", "2", "3"] {
         step_into_map(
             &mut c,
@@ -241,15 +241,7 @@ fn the_state_size_estimate_is_never_below_the_real_encoding() {
     let mut c = core(1);
     let now = Instant::now();
     let mut map = crate::ddata::LwwMap::default();
-    for n in ["a-node-with-a-long-id-0123456789", "b"] {
-        c.members.statuses.insert(r(n), MemberStatus::Up);
-        step_into_map(
-            &mut c,
-            from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }),
-            &mut map,
-            now,
-        );
-    }
+    register_up_into_map(&mut c, &["a-node-with-a-long-id-0123456789", "b"], &mut map, now);
     for k in 0..500 {
         let shard = format!("{k}-{}", "x".repeat(k % 40));
         let region = if k % 2 == 0 { r("b") } else { r("a-node-with-a-long-id-0123456789") };
