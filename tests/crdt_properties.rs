@@ -131,6 +131,12 @@ enum SetStep {
     Deliver(usize, usize),
     /// Full-state anti-entropy from one replica to another.
     FullSync(usize, usize),
+    /// Replica commits its state to its disk.
+    Commit(usize),
+    /// Replica crashes and restarts from its disk (what it had not committed is lost, though
+    /// deltas it already shipped may still be delivered); its writer's next add jumps to the
+    /// floor its store reserved.
+    Restart(usize),
 }
 
 fn set_step() -> impl Strategy<Value = SetStep> {
@@ -140,22 +146,30 @@ fn set_step() -> impl Strategy<Value = SetStep> {
         2 => (r.clone(), 0u8..6).prop_map(|(r, x)| SetStep::Remove(r, x)),
         2 => r.clone().prop_map(SetStep::TakeDelta),
         3 => (any::<usize>(), r.clone()).prop_map(|(i, to)| SetStep::Deliver(i, to)),
-        1 => (r.clone(), r).prop_map(|(a, b)| SetStep::FullSync(a, b)),
+        1 => (r.clone(), r.clone()).prop_map(|(a, b)| SetStep::FullSync(a, b)),
+        2 => r.clone().prop_map(SetStep::Commit),
+        1 => r.prop_map(SetStep::Restart),
     ]
 }
 
-/// One event of the specification: (element, the dot it added if any, the dots it killed).
-type SpecEvent = (String, Option<(usize, u64)>, Vec<(usize, u64)>);
+/// One event of the specification: (element, the dot it added if any, the dots it killed, the
+/// counter range its writer claimed with it).
+type SpecEvent = (String, Option<(usize, u64)>, Vec<(usize, u64)>, Option<(u64, u64)>);
+
+/// Counters a store reserves per process in these runs.
+const SPAN: u64 = 1_000;
 
 /// The OR-set specification: an element is present at a replica when the replica knows an add
 /// of it whose dot no known event has killed (a remove kills the dots it observed; an add kills
-/// the older dots of its element).
+/// the older dots of its element; a writer's first add after a restart also kills every dot of
+/// it in the range it claims: adds its crashed process sent and never committed).
 #[derive(Default)]
 struct Spec {
     events: Vec<SpecEvent>,
     known: [std::collections::BTreeSet<usize>; 3],
     unshipped: [Vec<usize>; 3],
-    counters: [u64; 3],
+    committed: [std::collections::BTreeSet<usize>; 3],
+    floors: [u64; 3],
 }
 
 impl Spec {
@@ -165,7 +179,7 @@ impl Spec {
         self.known[r]
             .iter()
             .filter_map(|e| {
-                let (el, dot, _) = &self.events[*e];
+                let (el, dot, _, _) = &self.events[*e];
                 dot.filter(|d| el == x && !killed.contains(d))
             })
             .collect()
@@ -173,16 +187,41 @@ impl Spec {
     fn present(&self, r: usize) -> std::collections::BTreeSet<String> {
         (0..6).map(|x| format!("m{x}")).filter(|x| !self.live_dots(r, x).is_empty()).collect()
     }
+    /// The highest counter of writer `r` in replica `r`'s causal context.
+    fn context_max(&self, r: usize) -> u64 {
+        let mut max = 0;
+        for e in &self.known[r] {
+            let (_, dot, killed, claim) = &self.events[*e];
+            for (w, c) in dot.iter().chain(killed) {
+                if *w == r {
+                    max = max.max(*c);
+                }
+            }
+            if let (Some((_, hi)), Some((w, _))) = (claim, dot)
+                && *w == r
+            {
+                max = max.max(*hi);
+            }
+        }
+        max
+    }
     fn event(&mut self, r: usize, x: String, add: bool) {
-        let killed = self.live_dots(r, &x);
+        let mut killed = self.live_dots(r, &x);
+        let mut claim = None;
         let dot = add.then(|| {
-            self.counters[r] += 1;
-            (r, self.counters[r])
+            let max = self.context_max(r);
+            let next = (max + 1).max(self.floors[r]);
+            if next - 1 > max {
+                claim = Some((max + 1, next - 1));
+                let lost = self.events.iter().filter_map(|e| e.1).filter(|(w, c)| *w == r && *c > max && *c < next);
+                killed.extend(lost);
+            }
+            (r, next)
         });
         if !add && killed.is_empty() {
             return;
         }
-        self.events.push((x, dot, killed));
+        self.events.push((x, dot, killed, claim));
         let e = self.events.len() - 1;
         self.known[r].insert(e);
         self.unshipped[r].push(e);
@@ -242,11 +281,15 @@ proptest! {
     /// events it knows; once everything is delivered, all replicas are equal with equal digests,
     /// whatever the order they learnt things in, and so are their decoded copies.
     #[test]
-    fn or_set_deltas_lost_duplicated_or_reordered_match_the_specification(
+    fn or_set_deltas_lost_duplicated_or_reordered_or_from_crashed_writers_match_the_specification(
         steps in prop::collection::vec(set_step(), 1..80),
     ) {
-        let ctxs: Vec<WriteCtx> = (0..3).map(|i| WriteCtx::new(format!("n{i}#1"), 1)).collect();
+        let store_ctx = |r: usize, floor: u64| {
+            WriteCtx::new(format!("n{r}#1"), 1).with_set_writer(format!("n{r}#store"), floor, floor + SPAN)
+        };
+        let mut ctxs: Vec<WriteCtx> = (0..3).map(|r| store_ctx(r, 0)).collect();
         let mut ours: Vec<OrSet> = vec![OrSet::default(); 3];
+        let mut disks: Vec<OrSet> = vec![OrSet::default(); 3];
         let mut spec = Spec::default();
         let mut pool: Vec<(ddshard::ddata::OrSetDelta, Vec<usize>)> = Vec::new();
         for step in steps {
@@ -278,6 +321,20 @@ proptest! {
                     ours[b].merge(from);
                     let known = spec.known[a].clone();
                     spec.known[b].extend(known);
+                }
+                SetStep::Commit(r) => {
+                    disks[r] = ours[r].clone();
+                    spec.committed[r] = spec.known[r].clone();
+                }
+                SetStep::Restart(r) => {
+                    ours[r] = disks[r].clone();
+                    // A loaded value has no local changes to ship: what it committed spreads
+                    // by anti-entropy.
+                    ours[r].take_delta();
+                    spec.known[r] = spec.committed[r].clone();
+                    spec.unshipped[r].clear();
+                    spec.floors[r] += SPAN;
+                    ctxs[r] = store_ctx(r, spec.floors[r]);
                 }
             }
             for (r, set) in ours.iter().enumerate() {

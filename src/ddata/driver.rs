@@ -11,7 +11,7 @@ use tracing::{error, warn};
 
 use super::durable::{DurableStore, StoreOp};
 use super::persist::{DurableHealth, PersistJob, PersistReport, PersistThread};
-use super::replicator::{self, Action, Input, KeyLog, PersistRecord, ReplicatorCore};
+use super::replicator::{self, Action, Input, KeyLog, PersistRecord, RESERVATION_SPAN, ReplicatorCore, StoreWriter};
 use super::{Command, ReplicatedData, Replicator, ReplicatorMsg, ReplicatorStats, ReplyTx, TOPIC};
 use crate::clock::{Instant, wall_ms};
 use crate::error::{Error, Result};
@@ -45,9 +45,11 @@ pub(crate) async fn start(
     spawner: Spawner,
 ) -> Result<Replicator> {
     let loader = store.clone();
-    let loaded = tokio::task::spawn_blocking(move || loader.load_all())
-        .await
-        .map_err(|e| Error::storage(store.path(), format!("load task failed: {e}")))??;
+    let (loaded, reservation) = tokio::task::spawn_blocking(move || {
+        Ok::<_, Error>((loader.load_all()?, loader.reserve_counters(RESERVATION_SPAN)?))
+    })
+    .await
+    .map_err(|e| Error::storage(store.path(), format!("load task failed: {e}")))??;
     let settings = replicator::CoreSettings {
         durable_prefixes: params.durable_prefixes,
         gossip_interval: params.gossip_interval,
@@ -55,7 +57,8 @@ pub(crate) async fn start(
         max_message_bytes: params.max_message_bytes,
     };
     let stats = Arc::new(ReplicatorStats::default());
-    let mut core = ReplicatorCore::new(params.self_addr.clone(), settings, stats.clone());
+    let writer = StoreWriter::new(&params.self_addr.node_id, reservation);
+    let mut core = ReplicatorCore::new(params.self_addr.clone(), writer, settings, stats.clone());
     for (key, error) in &loaded.corrupt {
         ReplicatorStats::inc(&stats.rejected);
         error!(%key, %error, "durable value does not decode; skipped (other replicas repair it)");
@@ -215,6 +218,10 @@ impl Driver {
                     }
                 }
                 Action::TrimLog { below } => ops.push(StoreOp::TrimLog { below }),
+                Action::ReserveCounters { ticket, ceiling } => {
+                    through = through.max(ticket);
+                    ops.push(StoreOp::CounterCeiling { ceiling });
+                }
                 Action::Send { to, msg } => self.send_to(std::slice::from_ref(&to), &msg),
                 Action::Broadcast { to, msg } => self.send_to(&to, &msg),
                 Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {

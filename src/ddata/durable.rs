@@ -38,6 +38,22 @@ impl std::fmt::Debug for DurableStore {
 }
 
 const GENERATION_KEY: &str = "generation";
+/// The store's random id (8 bytes): with the node id, the OR-set writer of its durable keys.
+const STORE_ID_KEY: &str = "store-id";
+/// OR-set counters of the store writer below this (8 bytes) may have been used.
+const COUNTER_CEILING_KEY: &str = "counter-ceiling";
+
+/// The store's OR-set writer and the counters one process of it may use: `[floor, ceiling)`.
+/// Every counter an earlier process could have used (and sent) is below `floor`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CounterReservation {
+    /// The store's random id, fixed when the store was first reserved from.
+    pub store_id: u64,
+    /// Lowest counter of this process: the ceiling the previous one had reserved.
+    pub floor: u64,
+    /// Counters from here up are not reserved (yet): see [`StoreOp::CounterCeiling`].
+    pub ceiling: u64,
+}
 
 /// Largest record sequence a store may hold (2^62: billions of years of writes).
 const MAX_SEQUENCE: u64 = 1 << 62;
@@ -127,6 +143,12 @@ pub enum StoreOp {
         /// First sequence kept.
         below: u64,
     },
+    /// Reserves the store writer's OR-set counters below `ceiling` (never lowers the stored
+    /// ceiling).
+    CounterCeiling {
+        /// The new ceiling.
+        ceiling: u64,
+    },
 }
 
 impl StoreOp {
@@ -134,7 +156,7 @@ impl StoreOp {
     pub fn bytes_written(&self) -> usize {
         match self {
             StoreOp::Snapshot { key, bytes, .. } | StoreOp::Delta { key, bytes, .. } => key.len() + bytes.len() + 8,
-            StoreOp::TrimLog { .. } => 8,
+            StoreOp::TrimLog { .. } | StoreOp::CounterCeiling { .. } => 8,
         }
     }
 }
@@ -314,6 +336,13 @@ impl DurableStore {
                     let range = (std::ops::Bound::Unbounded, std::ops::Bound::Excluded(&end[..]));
                     self.deltas.delete_range(&mut wtxn, &range)?;
                 }
+                StoreOp::CounterCeiling { ceiling } => {
+                    let stored = self.meta.get(&wtxn, COUNTER_CEILING_KEY)?.and_then(|b| b.try_into().ok());
+                    let stored = stored.map_or(0, u64::from_be_bytes);
+                    if *ceiling > stored {
+                        self.meta.put(&mut wtxn, COUNTER_CEILING_KEY, &ceiling.to_be_bytes())?;
+                    }
+                }
             }
         }
         wtxn.commit()
@@ -413,6 +442,38 @@ impl DurableStore {
         }
         wtxn.commit().map_err(|e| Error::storage(&self.path, e))?;
         Ok(keys.len())
+    }
+
+    /// Reserves `span` OR-set counters for this process, durably, before any is used: the
+    /// floor is the ceiling stored by the previous process (0 for a new store), the new
+    /// ceiling `floor + span`. Creates the store id on first use.
+    pub fn reserve_counters(&self, span: u64) -> Result<CounterReservation> {
+        let corrupt = |what: &str| Error::storage(&self.path, format!("corrupt {what} record"));
+        let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
+        let read = |key: &str| -> Result<Option<u64>> {
+            match self.meta.get(&wtxn, key).map_err(|e| Error::storage(&self.path, e))? {
+                Some(b) => b.try_into().map(|b| Some(u64::from_be_bytes(b))).map_err(|_| corrupt(key)),
+                None => Ok(None),
+            }
+        };
+        let stored_id = read(STORE_ID_KEY)?;
+        let floor = read(COUNTER_CEILING_KEY)?.unwrap_or(0);
+        let Some(ceiling) = floor.checked_add(span).filter(|c| *c <= crate::ddata::orset::MAX_COUNTER) else {
+            return Err(Error::storage(&self.path, "OR-set counters of this store are exhausted"));
+        };
+        let store_id = match stored_id {
+            Some(id) => id,
+            None => {
+                let id = rand::random::<u64>();
+                self.meta.put(&mut wtxn, STORE_ID_KEY, &id.to_be_bytes()).map_err(|e| Error::storage(&self.path, e))?;
+                id
+            }
+        };
+        self.meta
+            .put(&mut wtxn, COUNTER_CEILING_KEY, &ceiling.to_be_bytes())
+            .map_err(|e| Error::storage(&self.path, e))?;
+        wtxn.commit().map_err(|e| Error::storage(&self.path, e))?;
+        Ok(CounterReservation { store_id, floor, ceiling })
     }
 
     /// Picks this start's generation: `max(now_ms, last + 1)`, stored before it is used, so a

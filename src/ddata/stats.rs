@@ -32,6 +32,9 @@ pub struct ReplicatorStats {
     /// Messages, values or deltas refused: undecodable, of the wrong type for their key, over a
     /// limit, or from a peer that was not asked.
     pub rejected: AtomicU64,
+    /// OR-set adds refused because no durably reserved counter was left (their updates failed
+    /// with a storage error).
+    pub refused_adds: AtomicU64,
 }
 
 impl ReplicatorStats {

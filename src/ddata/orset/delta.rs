@@ -8,14 +8,22 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::wire::{check_dot, check_element, check_writers};
 use super::{Dot, OrSetError, Writers};
+
+/// Most claims one delta may carry (one per writer restart it joins; a peer's list is capped so
+/// that the linear checks stay cheap).
+const MAX_CLAIMS: usize = 1024;
 use crate::ddata::crdt::Actor;
 
 /// The local changes of an [`OrSet`] since the last [`OrSet::take_delta`], as a δ-state: per
-/// touched element, the dots it holds in the delta and the dots the delta has seen removed.
+/// touched element, the dots it holds in the delta and the dots the delta has seen removed;
+/// and the counter ranges a store writer skipped at its first add in a process (*claims*):
+/// every dot of that writer in such a range counts as seen, and no element holds it.
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct OrSetDelta {
     pub(super) writers: Writers,
     pub(super) entries: BTreeMap<String, DeltaEntry>,
+    /// `(writer index, first, last)`: the writer's dots `first..=last` are seen and dead.
+    pub(super) claims: Vec<(u16, u64, u64)>,
 }
 
 #[derive(Clone, Default, PartialEq, Eq, Debug, Serialize, Deserialize)]
@@ -33,7 +41,11 @@ impl Eq for Writers {}
 
 impl fmt::Debug for OrSetDelta {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OrSetDelta").field("writers", &self.writers.names).field("entries", &self.entries).finish()
+        f.debug_struct("OrSetDelta")
+            .field("writers", &self.writers.names)
+            .field("entries", &self.entries)
+            .field("claims", &self.claims)
+            .finish()
     }
 }
 
@@ -45,7 +57,7 @@ impl OrSetDelta {
 
     /// True when the delta touches nothing.
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.entries.is_empty() && self.claims.is_empty()
     }
 
     /// Approximate encoded size in bytes.
@@ -53,6 +65,7 @@ impl OrSetDelta {
         let dots: usize = self.entries.values().map(|e| e.present.len() + e.removed.len()).sum();
         self.entries.keys().map(|k| k.len() + 4).sum::<usize>()
             + dots * 10
+            + self.claims.len() * 14
             + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>()
     }
 
@@ -68,8 +81,21 @@ impl OrSetDelta {
         self.entries.insert(x.to_string(), DeltaEntry { present, removed });
     }
 
-    /// Joins another delta into this one (both are δ-states, so this is the state join per
-    /// element).
+    /// Records that the dots `lo..=hi` of `w` (in `from`'s writer indexes) are seen and dead.
+    pub(super) fn record_claim(&mut self, from: &Writers, w: u16, lo: u64, hi: u64) {
+        let w = self.writers.intern(from.name(w)).expect("a delta has at most the set's writers");
+        if !self.claims.contains(&(w, lo, hi)) {
+            self.claims.push((w, lo, hi));
+        }
+    }
+
+    /// Whether a claim covers the dot `(w, c)`.
+    pub(super) fn claimed(claims: &[(u16, u64, u64)], (w, c): (u16, u64)) -> bool {
+        claims.iter().any(|&(cw, lo, hi)| cw == w && lo <= c && c <= hi)
+    }
+
+    /// Joins another delta into this one (both are δ-states, so this is the state join: per
+    /// element, a dot stays present unless the other side has seen it without holding it).
     pub fn join_delta(&mut self, other: OrSetDelta) {
         let map: Vec<u16> = other
             .writers
@@ -77,37 +103,54 @@ impl OrSetDelta {
             .iter()
             .map(|n| self.writers.intern(n).expect("a delta has at most the set's writers"))
             .collect();
+        let claims2: Vec<(u16, u64, u64)> =
+            other.claims.iter().map(|&(w, lo, hi)| (map[usize::from(w)], lo, hi)).collect();
+        if !claims2.is_empty() {
+            // The other side's claims cover dots of elements it does not name.
+            for (x, mine) in self.entries.iter_mut() {
+                if !other.entries.contains_key(x) {
+                    let (gone, kept): (Vec<_>, Vec<_>) =
+                        mine.present.iter().partition(|d| Self::claimed(&claims2, **d));
+                    mine.present = kept;
+                    mine.removed.extend(gone);
+                }
+            }
+        }
         for (x, e) in other.entries {
             let conv = |(w, c): &(u16, u64)| (map[usize::from(*w)], *c);
             let p2: Vec<(u16, u64)> = e.present.iter().map(conv).collect();
             let r2: Vec<(u16, u64)> = e.removed.iter().map(conv).collect();
-            match self.entries.get_mut(&x) {
-                None => {
-                    self.entries.insert(x, DeltaEntry { present: p2, removed: r2 });
+            let mine = self.entries.entry(x).or_default();
+            let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
+            let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
+            let seen_by_1 = |d: &(u16, u64)| seen1.contains(d) || Self::claimed(&self.claims, *d);
+            let seen_by_2 = |d: &(u16, u64)| seen2.contains(d) || Self::claimed(&claims2, *d);
+            let mut present: Vec<(u16, u64)> =
+                mine.present.iter().copied().filter(|d| p2.contains(d) || !seen_by_2(d)).collect();
+            for d in &p2 {
+                if !mine.present.contains(d) && !seen_by_1(d) {
+                    present.push(*d);
                 }
-                Some(mine) => {
-                    let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
-                    let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
-                    let mut present: Vec<(u16, u64)> =
-                        mine.present.iter().copied().filter(|d| p2.contains(d) || !seen2.contains(d)).collect();
-                    for d in &p2 {
-                        if !mine.present.contains(d) && !seen1.contains(d) {
-                            present.push(*d);
-                        }
-                    }
-                    present.sort_unstable();
-                    let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
-                    *mine = DeltaEntry { present, removed };
-                }
+            }
+            present.sort_unstable();
+            let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
+            *mine = DeltaEntry { present, removed };
+        }
+        for c in claims2 {
+            if !self.claims.contains(&c) {
+                self.claims.push(c);
             }
         }
     }
 }
 
 #[derive(Serialize, Deserialize)]
-struct OrSetDeltaWire {
-    writers: Vec<Actor>,
-    entries: Vec<(String, DeltaEntry)>,
+pub(super) struct OrSetDeltaWire {
+    pub(super) writers: Vec<Actor>,
+    pub(super) entries: Vec<(String, DeltaEntry)>,
+    /// Absent in deltas written before claims existed.
+    #[serde(default)]
+    pub(super) claims: Vec<(u16, u64, u64)>,
 }
 
 impl Serialize for OrSetDelta {
@@ -115,6 +158,7 @@ impl Serialize for OrSetDelta {
         OrSetDeltaWire {
             writers: self.writers.names.clone(),
             entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            claims: self.claims.clone(),
         }
         .serialize(s)
     }
@@ -135,7 +179,17 @@ impl<'de> Deserialize<'de> for OrSetDelta {
                     return Err(OrSetError::Malformed("duplicate element in delta"));
                 }
             }
-            Ok(OrSetDelta { writers, entries })
+            if wire.claims.len() > MAX_CLAIMS {
+                return Err(OrSetError::Malformed("too many claims in delta"));
+            }
+            for &(w, lo, hi) in &wire.claims {
+                check_dot(&writers, u64::from(w), lo)?;
+                check_dot(&writers, u64::from(w), hi)?;
+                if hi < lo {
+                    return Err(OrSetError::Malformed("empty claim in delta"));
+                }
+            }
+            Ok(OrSetDelta { writers, entries, claims: wire.claims })
         };
         check().map_err(D::Error::custom)
     }

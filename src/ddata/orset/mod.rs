@@ -163,8 +163,9 @@ pub struct OrSet {
     writers: Writers,
     /// Per writer index: every counter `1..=vv[w]` has been seen.
     vv: Vec<u64>,
-    /// Seen dots above the version vector.
-    cloud: BTreeSet<Dot>,
+    /// Seen dots above the version vector, as disjoint, non-adjacent intervals per writer,
+    /// none touching the vector: first dot of the interval → its last counter.
+    cloud: BTreeMap<Dot, u64>,
     arena: Vec<u8>,
     /// Arena bytes of removed elements, reclaimed by compaction.
     garbage: usize,
@@ -178,23 +179,47 @@ pub struct OrSet {
 }
 
 impl OrSet {
-    /// Adds a member (with a fresh dot of `ctx`'s writer; older dots of it are superseded).
+    /// Adds a member (with a fresh dot of `ctx`'s OR-set writer; older dots of it are
+    /// superseded). An add that finds no counter left in the writer's reserved range, or no room
+    /// for a new writer, is refused: the set is unchanged and `ctx` counts it.
     pub fn add(&mut self, ctx: &WriteCtx, member: impl Into<String>) {
         let member = member.into();
-        let Some(w) = self.writers.intern(&ctx.actor) else {
-            tracing::error!(writers = MAX_WRITERS, "OR-set writer table full; add dropped");
+        let Some((dot, claim)) = self.reserve_dot(ctx) else {
+            ctx.refused_adds.set(ctx.refused_adds.get() + 1);
             return;
         };
-        let Some(dot) = self.next_dot(w) else {
-            tracing::error!("OR-set counter exhausted for this writer; add dropped");
-            return;
-        };
+        let w = dot.writer();
+        if let Some((lo, hi)) = claim {
+            self.context_insert_range(w, lo, hi);
+        }
         let old = self.dots_of(member.as_bytes());
         self.set_dots(member.as_bytes(), &[dot]);
         self.context_insert(dot);
         let mut d = OrSetDelta::default();
         d.record(&self.writers, &member, &[dot], &old);
+        if let Some((lo, hi)) = claim {
+            d.record_claim(&self.writers, w, lo, hi);
+        }
         self.push_delta(d);
+    }
+
+    /// The dot of `ctx`'s next add, and, when it is the writer's first add above its floor, the
+    /// counters it skips: claimed seen and dead (an earlier process of the writer may have sent
+    /// adds with them that it never committed).
+    fn reserve_dot(&mut self, ctx: &WriteCtx) -> Option<(Dot, Option<(u64, u64)>)> {
+        let Some(w) = self.writers.intern(&ctx.set_actor) else {
+            tracing::error!(writers = MAX_WRITERS, "OR-set writer table full; add refused");
+            return None;
+        };
+        self.vv.resize(self.writers.names.len(), 0);
+        let max = self.max_counter_of_index(w);
+        let next = max.checked_add(1)?.max(ctx.counter_floor);
+        if next > MAX_COUNTER || next >= ctx.counter_ceiling {
+            tracing::error!(writer = %ctx.set_actor, next, ceiling = ctx.counter_ceiling, "no reserved OR-set counter left; add refused");
+            return None;
+        }
+        let claim = (next - 1 > max).then_some((max + 1, next - 1));
+        Some((Dot::new(w, next), claim))
     }
 
     /// Adds several members, each with its own dot.
@@ -254,7 +279,7 @@ impl OrSet {
         self.arena.capacity()
             + self.index.capacity() * (std::mem::size_of::<Slot>() + 1)
             + self.extra.capacity() * 40
-            + self.cloud.len() * 16
+            + self.cloud.len() * 40
             + self.vv.capacity() * 8
             + self.writers.names.iter().map(|n| n.capacity() * 2 + 48).sum::<usize>()
     }
@@ -264,7 +289,19 @@ impl OrSet {
         self.arena.len().saturating_sub(self.garbage)
             + (self.len() + self.extra.values().map(Vec::len).sum::<usize>()) * 6
             + self.writers.names.iter().map(|n| n.len() + 10).sum::<usize>()
-            + self.cloud.len() * 10
+            + self.cloud.len() * 14
+    }
+
+    /// The writers this set has seen, in the order it met them (each costs context space for
+    /// good: see `DESIGN.md` on store writers).
+    pub fn writers(&self) -> impl Iterator<Item = &str> {
+        self.writers.names.iter().map(String::as_str)
+    }
+
+    /// Intervals of dots seen out of order (0 once every delta arrived or anti-entropy closed
+    /// the gaps); a number that stays high means deltas are being lost.
+    pub fn cloud_intervals(&self) -> usize {
+        self.cloud.len()
     }
 
     /// The highest counter of `writer` this set has seen (0 if none).
@@ -318,29 +355,52 @@ impl OrSet {
         for (w, &n) in other.vv.iter().enumerate() {
             self.context_raise(map[w], n);
         }
-        for d in &other.cloud {
-            self.context_insert(theirs(*d));
+        for (d, hi) in &other.cloud {
+            let d = theirs(*d);
+            self.context_insert_range(d.writer(), d.counter(), *hi);
         }
         Ok(())
     }
 
-    /// Merges a delta: O(delta).
+    /// Merges a delta: O(delta), plus one pass over the elements for a claim that covers dots
+    /// this replica has seen (the rare case of adds a crashed process sent and never committed).
     pub fn merge_delta(&mut self, delta: &OrSetDelta) -> Result<(), OrSetError> {
         let map = self.map_writers(&delta.writers)?;
         let theirs = |(w, c): (u16, u64)| Dot::new(map[usize::from(w)], c);
+        let claims: Vec<(u16, u64, u64)> =
+            delta.claims.iter().map(|&(w, lo, hi)| (map[usize::from(w)], lo, hi)).collect();
+        let claimed = |d: Dot| OrSetDelta::claimed(&claims, (d.writer(), d.counter()));
         for (x, e) in &delta.entries {
             let present: Vec<Dot> = e.present.iter().copied().map(theirs).collect();
             let seen: BTreeSet<Dot> = e.present.iter().chain(&e.removed).copied().map(theirs).collect();
             let mine = self.dots_of(x.as_bytes());
-            let result = self.join_dots(&mine, &present, |d| seen.contains(&d));
+            let result = self.join_dots(&mine, &present, |d| seen.contains(&d) || claimed(d));
             if result != mine {
                 self.set_dots(x.as_bytes(), &result);
+            }
+        }
+        if claims.iter().any(|&(w, lo, _)| self.max_counter_of_index(w) >= lo) {
+            let mut changes: Vec<(Vec<u8>, Vec<Dot>)> = Vec::new();
+            for slot in self.index.iter() {
+                let x = self.element_at(slot.offset);
+                let mine = self.slot_dots(*slot);
+                if mine.iter().any(|d| claimed(*d))
+                    && std::str::from_utf8(x).is_ok_and(|x| !delta.entries.contains_key(x))
+                {
+                    changes.push((x.to_vec(), mine.into_iter().filter(|d| !claimed(*d)).collect()));
+                }
+            }
+            for (x, dots) in changes {
+                self.set_dots(&x, &dots);
             }
         }
         for e in delta.entries.values() {
             for d in e.present.iter().chain(&e.removed) {
                 self.context_insert(theirs(*d));
             }
+        }
+        for (w, lo, hi) in claims {
+            self.context_insert_range(w, lo, hi);
         }
         Ok(())
     }
@@ -376,27 +436,29 @@ impl OrSet {
         }
     }
 
-    fn next_dot(&mut self, w: u16) -> Option<Dot> {
-        self.vv.resize(self.writers.names.len(), 0);
-        let next = self.max_counter_of_index(w).checked_add(1).filter(|c| *c <= MAX_COUNTER)?;
-        Some(Dot::new(w, next))
-    }
-
     fn max_counter_of_index(&self, w: u16) -> u64 {
-        let cloud_max = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, MAX_COUNTER)).next_back().map(|d| d.counter());
+        let cloud_max = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, MAX_COUNTER)).next_back().map(|(_, hi)| *hi);
         cloud_max.unwrap_or(0).max(self.vv.get(usize::from(w)).copied().unwrap_or(0))
     }
 
     fn context_contains(&self, d: Dot) -> bool {
-        self.vv.get(usize::from(d.writer())).is_some_and(|&n| d.counter() <= n) || self.cloud.contains(&d)
+        self.vv.get(usize::from(d.writer())).is_some_and(|&n| d.counter() <= n)
+            || self
+                .cloud
+                .range(..=d)
+                .next_back()
+                .is_some_and(|(lo, hi)| lo.writer() == d.writer() && d.counter() <= *hi)
     }
 
     fn vv_hash(&self, w: u16, n: u64) -> u64 {
         if n == 0 { 0 } else { mix(self.writers.hash(w) ^ TAG_VV, n) }
     }
 
-    fn cloud_hash(&self, d: Dot) -> u64 {
-        mix(self.writers.hash(d.writer()) ^ TAG_CLOUD, d.counter())
+    /// Hash of the cloud interval `[lo, hi]` of writer `w` (one canonical form per interval:
+    /// the cloud is kept normalized).
+    fn cloud_hash(&self, w: u16, lo: u64, hi: u64) -> u64 {
+        let start = mix(self.writers.hash(w) ^ TAG_CLOUD, lo);
+        if lo == hi { start } else { mix(start, hi) }
     }
 
     fn set_vv(&mut self, w: u16, n: u64) {
@@ -405,47 +467,51 @@ impl OrSet {
         self.vv[usize::from(w)] = n;
     }
 
-    /// Adds one dot to the context, keeping it compact (no cloud dot at or just above the
-    /// version vector).
+    /// Adds one dot to the context.
     fn context_insert(&mut self, d: Dot) {
-        let w = d.writer();
-        let n = self.vv[usize::from(w)];
-        if d.counter() <= n {
-            return;
-        }
-        if d.counter() == n + 1 {
-            self.set_vv(w, d.counter());
-            self.absorb_cloud(w);
-        } else if self.cloud.insert(d) {
-            self.context_digest = self.context_digest.wrapping_add(self.cloud_hash(d));
-        }
+        self.context_insert_range(d.writer(), d.counter(), d.counter());
     }
 
     /// Raises writer `w`'s version vector entry to at least `n`.
     fn context_raise(&mut self, w: u16, n: u64) {
-        if n <= self.vv[usize::from(w)] {
-            return;
+        if n > 0 {
+            self.context_insert_range(w, 1, n);
         }
-        let covered: Vec<Dot> = self.cloud.range(Dot::new(w, 0)..=Dot::new(w, n)).copied().collect();
-        for d in covered {
-            self.cloud.remove(&d);
-            self.context_digest = self.context_digest.wrapping_sub(self.cloud_hash(d));
-        }
-        self.set_vv(w, n);
-        self.absorb_cloud(w);
     }
 
-    fn absorb_cloud(&mut self, w: u16) {
-        loop {
-            // Checked before the dot is built: a peer's state may put the entry at the maximum.
-            let Some(c) = self.vv[usize::from(w)].checked_add(1).filter(|c| *c <= MAX_COUNTER) else { return };
-            let next = Dot::new(w, c);
-            if !self.cloud.remove(&next) {
-                return;
-            }
-            self.context_digest = self.context_digest.wrapping_sub(self.cloud_hash(next));
-            self.set_vv(w, next.counter());
+    /// Adds the dots `lo..=hi` of writer `w` to the context, keeping it normalized: the
+    /// interval absorbs every cloud interval it overlaps or touches, and joins the version
+    /// vector when it starts right above it. O(log cloud + intervals absorbed).
+    fn context_insert_range(&mut self, w: u16, lo: u64, hi: u64) {
+        let n = self.vv[usize::from(w)];
+        if hi <= n || lo > hi {
+            return;
         }
+        let (mut lo, mut hi) = (lo.max(n + 1), hi.min(MAX_COUNTER));
+        if let Some((&start, &end)) = self.cloud.range(Dot::new(w, 0)..Dot::new(w, lo)).next_back()
+            && end.saturating_add(1) >= lo
+        {
+            self.cloud_remove(start, end);
+            lo = start.counter();
+            hi = hi.max(end);
+        }
+        let reach = hi.saturating_add(1).min(MAX_COUNTER);
+        while let Some((&start, &end)) = self.cloud.range(Dot::new(w, lo)..=Dot::new(w, reach)).next() {
+            self.cloud_remove(start, end);
+            hi = hi.max(end);
+        }
+        if lo == n + 1 {
+            self.set_vv(w, hi);
+        } else {
+            self.cloud.insert(Dot::new(w, lo), hi);
+            self.context_digest = self.context_digest.wrapping_add(self.cloud_hash(w, lo, hi));
+        }
+    }
+
+    fn cloud_remove(&mut self, start: Dot, end: u64) {
+        self.cloud.remove(&start);
+        let h = self.cloud_hash(start.writer(), start.counter(), end);
+        self.context_digest = self.context_digest.wrapping_sub(h);
     }
 
     fn element_at(&self, offset: u32) -> &[u8] {
@@ -574,7 +640,7 @@ impl OrSet {
             .filter(|(_, n)| **n > 0)
             .map(|(w, n)| (self.writers.name(w as u16), *n))
             .collect();
-        let cloud = self.cloud.iter().map(|d| (self.writers.name(d.writer()), d.counter())).collect();
+        let cloud = self.cloud.iter().map(|(d, hi)| (self.writers.name(d.writer()), d.counter(), *hi)).collect();
         let mut entries = BTreeSet::new();
         self.for_each_entry(|x, d| {
             entries.insert((x, self.writers.name(d.writer()), d.counter()));
@@ -583,8 +649,8 @@ impl OrSet {
     }
 }
 
-/// Version vector, cloud and (element, writer, counter) entries, by writer name.
-type CanonicalView<'a> = (BTreeMap<&'a str, u64>, BTreeSet<(&'a str, u64)>, BTreeSet<(&'a [u8], &'a str, u64)>);
+/// Version vector, cloud intervals and (element, writer, counter) entries, by writer name.
+type CanonicalView<'a> = (BTreeMap<&'a str, u64>, BTreeSet<(&'a str, u64, u64)>, BTreeSet<(&'a [u8], &'a str, u64)>);
 
 impl PartialEq for OrSet {
     fn eq(&self, other: &Self) -> bool {
@@ -612,165 +678,4 @@ mod wire;
 pub use delta::OrSetDelta;
 
 #[cfg(test)]
-mod tests {
-    use super::wire::OrSetWire;
-    use super::*;
-
-    fn ctx(actor: &str) -> WriteCtx {
-        WriteCtx::new(actor, 1)
-    }
-
-    fn roundtrip(s: &OrSet) -> OrSet {
-        rmp_serde::from_slice(&rmp_serde::to_vec(s).unwrap()).unwrap()
-    }
-
-    #[test]
-    fn equal_sets_built_in_different_orders_have_equal_digests_and_encodings_decode_equal() {
-        let mut a = OrSet::default();
-        let mut b = OrSet::default();
-        let ids: Vec<String> = (0..200).map(|i| format!("id-{i}")).collect();
-        for id in &ids {
-            a.add(&ctx("n1#1"), id.clone());
-        }
-        let mut from_a = a.clone();
-        // b learns the same adds by merge, then by delta, in reverse order.
-        b.merge(from_a.clone());
-        assert_eq!(a.digest(), b.digest());
-        let d = from_a.take_delta().unwrap();
-        let mut c = OrSet::default();
-        c.merge_delta(&d).unwrap();
-        assert_eq!(c, a);
-        assert_eq!(c.digest(), a.digest());
-        let r = roundtrip(&a);
-        assert_eq!(r, a);
-        assert_eq!(r.digest(), a.digest());
-    }
-
-    #[test]
-    fn concurrent_add_survives_a_remove_that_did_not_see_it() {
-        let mut a = OrSet::default();
-        a.add(&ctx("a#1"), "x");
-        let mut b = a.clone();
-        b.remove("x");
-        a.add(&ctx("a#1"), "x");
-        let mut m = a.clone();
-        m.merge(b.clone());
-        assert!(m.contains("x"));
-        let mut n = b.clone();
-        n.merge(a.clone());
-        assert_eq!(m, n);
-    }
-
-    #[test]
-    fn a_remove_delta_that_arrives_before_the_add_still_removes_it() {
-        let mut a = OrSet::default();
-        a.add(&ctx("a#1"), "x");
-        let add = a.take_delta().unwrap();
-        a.remove("x");
-        let rm = a.take_delta().unwrap();
-        let mut b = OrSet::default();
-        b.merge_delta(&rm).unwrap();
-        b.merge_delta(&add).unwrap();
-        b.merge_delta(&rm).unwrap();
-        assert!(!b.contains("x"));
-        assert_eq!(b, a);
-    }
-
-    #[test]
-    fn a_lost_delta_leaves_a_cloud_that_a_full_merge_closes() {
-        let mut a = OrSet::default();
-        a.add(&ctx("a#1"), "x");
-        let _lost = a.take_delta().unwrap();
-        a.add(&ctx("a#1"), "y");
-        let second = a.take_delta().unwrap();
-        let mut b = OrSet::default();
-        b.merge_delta(&second).unwrap();
-        assert!(b.contains("y") && !b.contains("x"));
-        assert_eq!(b.cloud.len(), 1, "dot 2 seen without dot 1");
-        b.merge(a.clone());
-        assert!(b.cloud.is_empty());
-        assert_eq!(b, a);
-    }
-
-    #[test]
-    fn removing_most_elements_compacts_the_arena_and_keeps_the_rest() {
-        let mut s = OrSet::default();
-        for i in 0..10_000 {
-            s.add(&ctx("a#1"), format!("entity-{i:06}"));
-        }
-        let full = s.arena.len();
-        for i in 0..9_000 {
-            s.remove(&format!("entity-{i:06}"));
-        }
-        assert!(s.arena.len() < full / 2, "{} of {full}", s.arena.len());
-        assert_eq!(s.len(), 1_000);
-        assert!(s.contains("entity-009999") && !s.contains("entity-000001"));
-        assert_eq!(roundtrip(&s), s);
-    }
-
-    #[test]
-    fn malformed_encodings_are_typed_errors() {
-        let bad = |w: OrSetWire| rmp_serde::from_slice::<OrSet>(&rmp_serde::to_vec(&w).unwrap()).is_err();
-        let wire = |writers: Vec<&str>, vv: Vec<u64>, entries: Vec<u8>| OrSetWire {
-            writers: writers.into_iter().map(String::from).collect(),
-            vv,
-            cloud: vec![],
-            entries,
-        };
-        assert!(bad(wire(vec!["a", "a"], vec![1, 1], vec![])), "duplicate writer");
-        assert!(bad(wire(vec!["a"], vec![], vec![])), "vv length");
-        assert!(bad(wire(vec!["a"], vec![MAX_COUNTER + 1], vec![])), "counter");
-        assert!(bad(wire(vec!["a"], vec![1], vec![1, b'x', 5, 1])), "writer index");
-        assert!(bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 2])), "dot outside context");
-        assert!(bad(wire(vec!["a"], vec![1], vec![9, b'x'])), "truncated");
-        assert!(bad(wire(vec!["a"], vec![1], vec![1, 0xff, 0, 1])), "not utf-8");
-        assert!(!bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 1])), "valid");
-    }
-
-    #[test]
-    fn a_peer_state_at_the_largest_counter_merges_without_overflow_and_our_next_add_is_refused_not_corrupt() {
-        // A valid state (counter = MAX_COUNTER) naming our own writer, as a hostile or very
-        // old peer might send.
-        let encoded = rmp_serde::to_vec(&OrSetWire {
-            writers: vec!["a#1".into()],
-            vv: vec![MAX_COUNTER],
-            cloud: vec![],
-            entries: vec![1, b'x', 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f],
-        })
-        .unwrap();
-        let peer: OrSet = rmp_serde::from_slice(&encoded).expect("valid state");
-        let mut s = OrSet::default();
-        s.add(&ctx("a#1"), "mine");
-        s.merge(peer);
-        assert!(s.contains("x"));
-        s.add(&ctx("a#1"), "next");
-        assert!(!s.contains("next"), "no dot left for this writer: the add is refused");
-        assert_eq!(roundtrip(&s), s, "the set stays valid");
-    }
-
-    #[test]
-    fn merging_past_the_writer_limit_is_refused_and_changes_nothing() {
-        let mut big = OrSet { vv: vec![0; MAX_WRITERS], ..OrSet::default() };
-        for i in 0..MAX_WRITERS {
-            big.writers.intern(&format!("w{i}"));
-        }
-        let mut other = OrSet::default();
-        other.add(&ctx("newcomer#1"), "x");
-        let before = big.digest();
-        assert_eq!(big.try_merge(&other), Err(OrSetError::TooManyWriters));
-        assert_eq!(big.digest(), before);
-        assert!(!big.contains("x"));
-    }
-
-    #[test]
-    fn a_writer_continues_above_the_highest_counter_it_ever_saw_of_itself() {
-        let mut a = OrSet::default();
-        a.add(&ctx("a#1"), "x");
-        let mut b = OrSet::default();
-        b.merge(a.clone());
-        b.add(&ctx("a#1"), "y"); // same writer on another replica: never happens, but stays safe
-        assert_eq!(b.max_counter_of("a#1"), 2);
-        assert_eq!(a.max_counter_of("a#1"), 1);
-        assert_eq!(a.max_counter_of("nobody"), 0);
-    }
-}
+mod tests;

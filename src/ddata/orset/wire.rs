@@ -16,6 +16,10 @@ pub(super) struct OrSetWire {
     pub(super) cloud: Vec<(u16, u64)>,
     #[serde(with = "serde_bytes")]
     pub(super) entries: Vec<u8>,
+    /// Cloud intervals of more than one dot: `(writer, first, last)`. Absent in values written
+    /// before intervals existed.
+    #[serde(default)]
+    pub(super) cloud_ranges: Vec<(u16, u64, u64)>,
 }
 
 impl Serialize for OrSet {
@@ -30,8 +34,19 @@ impl Serialize for OrSet {
         OrSetWire {
             writers: self.writers.names.clone(),
             vv: self.vv.clone(),
-            cloud: self.cloud.iter().map(|d| (d.writer(), d.counter())).collect(),
+            cloud: self
+                .cloud
+                .iter()
+                .filter(|(d, hi)| d.counter() == **hi)
+                .map(|(d, _)| (d.writer(), d.counter()))
+                .collect(),
             entries,
+            cloud_ranges: self
+                .cloud
+                .iter()
+                .filter(|(d, hi)| d.counter() != **hi)
+                .map(|(d, hi)| (d.writer(), d.counter(), *hi))
+                .collect(),
         }
         .serialize(s)
     }
@@ -90,6 +105,14 @@ impl OrSet {
         for (w, c) in wire.cloud {
             let d = check_dot(&set.writers, u64::from(w), c)?;
             set.context_insert(d);
+        }
+        for (w, lo, hi) in wire.cloud_ranges {
+            let d = check_dot(&set.writers, u64::from(w), lo)?;
+            check_dot(&set.writers, u64::from(w), hi)?;
+            if hi < lo {
+                return Err(OrSetError::Malformed("empty cloud interval"));
+            }
+            set.context_insert_range(d.writer(), lo, hi);
         }
         let bytes = &wire.entries;
         let mut pos = 0;

@@ -126,6 +126,12 @@ impl<R> Durability<R> {
         self.reported = self.reported.max(max_stored);
     }
 
+    /// A ticket for a record that belongs to no key (reported in order with the rest).
+    pub(super) fn issue_unkeyed(&mut self) -> u64 {
+        self.issued += 1;
+        self.issued
+    }
+
     /// Registers a loaded key's live deltas.
     pub(crate) fn loaded_log(&mut self, key: &str, log: &KeyLog) {
         if log.first_log_seq != 0 {
@@ -274,6 +280,7 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         self.durability.reported = through;
+        self.on_reservation_persisted(through, failure.is_some());
         let rest = self.durability.in_flight.split_off(&(through + 1));
         let done = std::mem::replace(&mut self.durability.in_flight, rest);
         let rest = self.durability.held.split_off(&(through + 1));

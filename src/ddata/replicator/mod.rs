@@ -23,6 +23,7 @@ mod gossip;
 mod reads;
 #[cfg(test)]
 mod tests;
+mod writer;
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
@@ -43,6 +44,7 @@ use crate::transport::PeerAddr;
 use durability::Durability;
 pub(crate) use durability::{KeyLog, PersistRecord};
 use reads::PendingRead;
+pub(crate) use writer::{RESERVATION_SPAN, StoreWriter};
 
 /// How many replicas must take part in a read or a write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -246,6 +248,12 @@ pub(crate) enum Action<R> {
     Changed {
         key: String,
     },
+    /// Reserve the store writer's OR-set counters below `ceiling`, under `ticket` (reported
+    /// with [`Input::Persisted`] like a persist; see [`writer`]).
+    ReserveCounters {
+        ticket: u64,
+        ceiling: u64,
+    },
 }
 
 /// Settings of the core.
@@ -296,6 +304,7 @@ const MAX_PENDING_DELTA_ELEMENTS: usize = 10_000;
 pub(crate) struct ReplicatorCore<R> {
     self_addr: UniqueAddress,
     ctx: WriteCtx,
+    writer: StoreWriter,
     data: BTreeMap<String, Entry>,
     key_buckets: Vec<u64>,
     settings: CoreSettings,
@@ -325,12 +334,19 @@ fn contribution(key_hash: u64, value: &ReplicatedData) -> u64 {
 }
 
 impl<R> ReplicatorCore<R> {
-    pub(crate) fn new(self_addr: UniqueAddress, settings: CoreSettings, stats: Arc<ReplicatorStats>) -> Self {
+    /// A core for incarnation `self_addr`, whose durable OR-set adds are written by `writer`.
+    pub(crate) fn new(
+        self_addr: UniqueAddress,
+        writer: StoreWriter,
+        settings: CoreSettings,
+        stats: Arc<ReplicatorStats>,
+    ) -> Self {
         let actor = format!("{}#{}", self_addr.node_id, self_addr.generation);
         let seed = xxhash_rust::xxh3::xxh3_64(actor.as_bytes());
         ReplicatorCore {
             self_addr,
-            ctx: WriteCtx { actor, clock: 0, now_ms: 0 },
+            ctx: WriteCtx::new(actor, 0),
+            writer,
             data: BTreeMap::new(),
             key_buckets: vec![0; KEY_BUCKETS],
             settings,
@@ -514,10 +530,16 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Applies one key's modify; returns its delta (None: nothing changed).
+    /// An OR-set add the modify made that found no reserved counter fails the update (with a
+    /// storage error: the reservation is a commit that has not happened); the rest of the
+    /// modify stays applied and spreads as a local update.
     fn apply_modify(&mut self, key: &str, modify: Modify, out: &mut Vec<Action<R>>) -> Result<Option<ReplicatedDelta>> {
+        self.select_set_writer(key);
         let existing = self.data.get_mut(key);
         let had_value = existing.is_some();
-        let (changed, created) = match modify(existing.map(|e| &mut e.value), &mut self.ctx)? {
+        let result = modify(existing.map(|e| &mut e.value), &mut self.ctx);
+        let refused = self.ctx.refused_adds.replace(0);
+        let (changed, created) = match result? {
             Some(created) if !had_value => {
                 self.put_value(key, created);
                 (true, true)
@@ -528,6 +550,17 @@ impl<R> ReplicatorCore<R> {
         if changed {
             // A new key is written whole: its first record is a snapshot.
             self.emit_changed(key, delta.as_ref().filter(|_| !created).map(Cow::Borrowed), out);
+        }
+        self.reserve_ahead(key, out);
+        if refused > 0 {
+            ReplicatorStats::add(&self.stats.refused_adds, refused as usize);
+            if let Some(d) = delta {
+                self.pend_delta(key.to_string(), d);
+            }
+            return Err(Error::Storage {
+                path: Default::default(),
+                reason: format!("{refused} OR-set adds to {key} refused: no durably reserved counter left yet"),
+            });
         }
         Ok(delta)
     }

@@ -267,6 +267,8 @@ pub struct Sim {
     generations: Vec<u64>,
     /// Durable replicator state per node slot (what LMDB would hold).
     disks: Vec<BTreeMap<String, ReplicatedData>>,
+    /// Per disk, the OR-set counter ceiling its store writer reserved.
+    counter_ceilings: Vec<u64>,
     members: Vec<MemberRow>,
     cut: BTreeSet<(usize, usize)>,
     asks: BTreeMap<u64, Ask>,
@@ -310,6 +312,7 @@ impl Sim {
             nodes: Vec::new(),
             generations: vec![0; cfg.nodes],
             disks: vec![BTreeMap::new(); cfg.nodes],
+            counter_ceilings: vec![0; cfg.nodes],
             members: Vec::new(),
             cut: BTreeSet::new(),
             asks: BTreeMap::new(),
@@ -366,8 +369,17 @@ impl Sim {
         self.members.push(MemberRow { addr: addr.clone(), status: MemberStatus::Up, up_number });
         let now = self.now();
         let s = settings();
+        // The disk survives the restart, and with it the store writer and its reservation.
+        let floor = self.counter_ceilings[i];
+        self.counter_ceilings[i] = floor + crate::ddata::replicator::RESERVATION_SPAN;
+        let reservation = crate::ddata::durable::CounterReservation {
+            store_id: i as u64 + 1,
+            floor,
+            ceiling: self.counter_ceilings[i],
+        };
         let mut replicator = ReplicatorCore::new(
             addr.clone(),
+            crate::ddata::replicator::StoreWriter::new(&addr.node_id, reservation),
             CoreSettings::new(vec!["shard-".into()], Duration::from_millis(200)),
             std::sync::Arc::new(crate::ddata::ReplicatorStats::default()),
         );

@@ -149,6 +149,11 @@ impl Sim {
         // persist thread does (the core holds acks and update replies until then).
         let mut through = 0;
         for a in &actions {
+            if let RepAction::ReserveCounters { ticket, ceiling } = a {
+                through = through.max(*ticket);
+                self.counter_ceilings[i] = self.counter_ceilings[i].max(*ceiling);
+                continue;
+            }
             let RepAction::Persist { key, ticket, record } = a else { continue };
             through = through.max(*ticket);
             let Some(node) = self.nodes[i].as_ref() else { return };
@@ -174,7 +179,10 @@ impl Sim {
             let Some(node) = self.nodes[i].as_mut() else { return };
             let me = node.addr.clone();
             match action {
-                RepAction::Persist { .. } | RepAction::TrimLog { .. } | RepAction::Changed { .. } => {}
+                RepAction::Persist { .. }
+                | RepAction::TrimLog { .. }
+                | RepAction::Changed { .. }
+                | RepAction::ReserveCounters { .. } => {}
                 RepAction::Send { to, msg } => self.send(&me, &to.address, Wire::Replicator(msg)),
                 RepAction::Broadcast { to, msg } => {
                     for p in to {

@@ -6,9 +6,16 @@ fn peer(id: &str) -> PeerAddr {
     PeerAddr { address: UniqueAddress::new(id, 1), messaging_addr: "127.0.0.1:1".parse().unwrap() }
 }
 
+/// A fresh store's writer (nothing reserved before).
+fn fresh_store(id: &str) -> StoreWriter {
+    let reservation = crate::ddata::durable::CounterReservation { store_id: 7, floor: 0, ceiling: RESERVATION_SPAN };
+    StoreWriter::new(id, reservation)
+}
+
 fn core(id: &str) -> ReplicatorCore<u32> {
     ReplicatorCore::new(
         UniqueAddress::new(id, 1),
+        fresh_store(id),
         CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)),
         Arc::new(ReplicatorStats::default()),
     )
@@ -653,3 +660,4 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
 
 mod durability;
 mod reads;
+mod writer;

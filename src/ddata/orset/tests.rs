@@ -1,0 +1,283 @@
+//! Unit tests of the OR-set: encoding, merges, deltas, limits and store writers.
+use super::wire::OrSetWire;
+use super::*;
+
+fn ctx(actor: &str) -> WriteCtx {
+    WriteCtx::new(actor, 1)
+}
+
+fn roundtrip(s: &OrSet) -> OrSet {
+    rmp_serde::from_slice(&rmp_serde::to_vec(s).unwrap()).unwrap()
+}
+
+#[test]
+fn equal_sets_built_in_different_orders_have_equal_digests_and_encodings_decode_equal() {
+    let mut a = OrSet::default();
+    let mut b = OrSet::default();
+    let ids: Vec<String> = (0..200).map(|i| format!("id-{i}")).collect();
+    for id in &ids {
+        a.add(&ctx("n1#1"), id.clone());
+    }
+    let mut from_a = a.clone();
+    // b learns the same adds by merge, then by delta, in reverse order.
+    b.merge(from_a.clone());
+    assert_eq!(a.digest(), b.digest());
+    let d = from_a.take_delta().unwrap();
+    let mut c = OrSet::default();
+    c.merge_delta(&d).unwrap();
+    assert_eq!(c, a);
+    assert_eq!(c.digest(), a.digest());
+    let r = roundtrip(&a);
+    assert_eq!(r, a);
+    assert_eq!(r.digest(), a.digest());
+}
+
+#[test]
+fn concurrent_add_survives_a_remove_that_did_not_see_it() {
+    let mut a = OrSet::default();
+    a.add(&ctx("a#1"), "x");
+    let mut b = a.clone();
+    b.remove("x");
+    a.add(&ctx("a#1"), "x");
+    let mut m = a.clone();
+    m.merge(b.clone());
+    assert!(m.contains("x"));
+    let mut n = b.clone();
+    n.merge(a.clone());
+    assert_eq!(m, n);
+}
+
+#[test]
+fn a_remove_delta_that_arrives_before_the_add_still_removes_it() {
+    let mut a = OrSet::default();
+    a.add(&ctx("a#1"), "x");
+    let add = a.take_delta().unwrap();
+    a.remove("x");
+    let rm = a.take_delta().unwrap();
+    let mut b = OrSet::default();
+    b.merge_delta(&rm).unwrap();
+    b.merge_delta(&add).unwrap();
+    b.merge_delta(&rm).unwrap();
+    assert!(!b.contains("x"));
+    assert_eq!(b, a);
+}
+
+#[test]
+fn a_lost_delta_leaves_a_cloud_that_a_full_merge_closes() {
+    let mut a = OrSet::default();
+    a.add(&ctx("a#1"), "x");
+    let _lost = a.take_delta().unwrap();
+    a.add(&ctx("a#1"), "y");
+    let second = a.take_delta().unwrap();
+    let mut b = OrSet::default();
+    b.merge_delta(&second).unwrap();
+    assert!(b.contains("y") && !b.contains("x"));
+    assert_eq!(b.cloud.len(), 1, "dot 2 seen without dot 1");
+    b.merge(a.clone());
+    assert!(b.cloud.is_empty());
+    assert_eq!(b, a);
+}
+
+#[test]
+fn removing_most_elements_compacts_the_arena_and_keeps_the_rest() {
+    let mut s = OrSet::default();
+    for i in 0..10_000 {
+        s.add(&ctx("a#1"), format!("entity-{i:06}"));
+    }
+    let full = s.arena.len();
+    for i in 0..9_000 {
+        s.remove(&format!("entity-{i:06}"));
+    }
+    assert!(s.arena.len() < full / 2, "{} of {full}", s.arena.len());
+    assert_eq!(s.len(), 1_000);
+    assert!(s.contains("entity-009999") && !s.contains("entity-000001"));
+    assert_eq!(roundtrip(&s), s);
+}
+
+#[test]
+fn malformed_encodings_are_typed_errors() {
+    let bad = |w: OrSetWire| rmp_serde::from_slice::<OrSet>(&rmp_serde::to_vec(&w).unwrap()).is_err();
+    let wire = |writers: Vec<&str>, vv: Vec<u64>, entries: Vec<u8>| OrSetWire {
+        writers: writers.into_iter().map(String::from).collect(),
+        vv,
+        cloud: vec![],
+        cloud_ranges: vec![],
+        entries,
+    };
+    assert!(bad(wire(vec!["a", "a"], vec![1, 1], vec![])), "duplicate writer");
+    assert!(bad(wire(vec!["a"], vec![], vec![])), "vv length");
+    assert!(bad(wire(vec!["a"], vec![MAX_COUNTER + 1], vec![])), "counter");
+    assert!(bad(wire(vec!["a"], vec![1], vec![1, b'x', 5, 1])), "writer index");
+    assert!(bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 2])), "dot outside context");
+    assert!(bad(wire(vec!["a"], vec![1], vec![9, b'x'])), "truncated");
+    assert!(bad(wire(vec!["a"], vec![1], vec![1, 0xff, 0, 1])), "not utf-8");
+    assert!(!bad(wire(vec!["a"], vec![1], vec![1, b'x', 0, 1])), "valid");
+}
+
+#[test]
+fn a_peer_state_at_the_largest_counter_merges_without_overflow_and_our_next_add_is_refused_not_corrupt() {
+    // A valid state (counter = MAX_COUNTER) naming our own writer, as a hostile or very
+    // old peer might send.
+    let encoded = rmp_serde::to_vec(&OrSetWire {
+        writers: vec!["a#1".into()],
+        vv: vec![MAX_COUNTER],
+        cloud: vec![],
+        cloud_ranges: vec![],
+        entries: vec![1, b'x', 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f],
+    })
+    .unwrap();
+    let peer: OrSet = rmp_serde::from_slice(&encoded).expect("valid state");
+    let mut s = OrSet::default();
+    s.add(&ctx("a#1"), "mine");
+    s.merge(peer);
+    assert!(s.contains("x"));
+    s.add(&ctx("a#1"), "next");
+    assert!(!s.contains("next"), "no dot left for this writer: the add is refused");
+    assert_eq!(roundtrip(&s), s, "the set stays valid");
+}
+
+#[test]
+fn merging_past_the_writer_limit_is_refused_and_changes_nothing() {
+    let mut big = OrSet { vv: vec![0; MAX_WRITERS], ..OrSet::default() };
+    for i in 0..MAX_WRITERS {
+        big.writers.intern(&format!("w{i}"));
+    }
+    let mut other = OrSet::default();
+    other.add(&ctx("newcomer#1"), "x");
+    let before = big.digest();
+    assert_eq!(big.try_merge(&other), Err(OrSetError::TooManyWriters));
+    assert_eq!(big.digest(), before);
+    assert!(!big.contains("x"));
+}
+
+#[test]
+fn a_writer_continues_above_the_highest_counter_it_ever_saw_of_itself() {
+    let mut a = OrSet::default();
+    a.add(&ctx("a#1"), "x");
+    let mut b = OrSet::default();
+    b.merge(a.clone());
+    b.add(&ctx("a#1"), "y"); // same writer on another replica: never happens, but stays safe
+    assert_eq!(b.max_counter_of("a#1"), 2);
+    assert_eq!(a.max_counter_of("a#1"), 1);
+    assert_eq!(a.max_counter_of("nobody"), 0);
+}
+
+/// The store writer `s` of a process whose reserved counters start at `floor`.
+fn store_ctx(floor: u64) -> WriteCtx {
+    WriteCtx::new("s#1", 1).with_set_writer("s#store", floor, floor + 1_000)
+}
+
+#[test]
+fn an_add_sent_but_never_committed_before_a_crash_does_not_swallow_the_next_processes_add() {
+    let mut writer = OrSet::default();
+    writer.add(&store_ctx(0), "kept");
+    let disk = writer.clone();
+    let mut peer = writer.clone();
+    // Sent to the peer, never committed: the crash loses it on the writer.
+    writer.add(&store_ctx(0), "lost");
+    peer.merge_delta(&writer.take_delta().unwrap()).unwrap();
+    assert!(peer.contains("lost"));
+
+    // Without a floor, the restarted writer reuses the lost add's counter and the peer, which
+    // has seen that dot, drops the new add: the hazard the reservation exists for.
+    let mut reused = disk.clone();
+    reused.take_delta();
+    reused.add(&store_ctx(0), "after");
+    let mut stale_peer = peer.clone();
+    stale_peer.merge_delta(&reused.take_delta().unwrap()).unwrap();
+    assert!(!stale_peer.contains("after"), "the dot was taken");
+
+    // With the floor, the new add has a fresh counter and claims the skipped ones dead.
+    let mut restarted = disk.clone();
+    restarted.take_delta();
+    restarted.add(&store_ctx(1_000), "after");
+    let delta = restarted.take_delta().unwrap();
+    assert_eq!(delta.claims, vec![(0, 2, 999)]);
+    peer.merge_delta(&delta).unwrap();
+    assert!(peer.contains("after") && peer.contains("kept"));
+    assert!(!peer.contains("lost"), "the claim kills the add that was never committed");
+    assert_eq!(peer, restarted);
+    assert_eq!(peer.digest(), restarted.digest());
+    assert_eq!((peer.cloud_intervals(), restarted.cloud_intervals()), (0, 0), "one counter per writer");
+}
+
+#[test]
+fn a_peer_behind_the_writer_keeps_a_claim_as_one_interval_until_the_gap_fills() {
+    let mut writer = OrSet::default();
+    writer.add(&store_ctx(0), "a");
+    writer.add(&store_ctx(0), "b");
+    let mut behind = OrSet::default();
+    let first = writer.clone();
+    writer.take_delta();
+    let mut restarted = writer.clone();
+    restarted.add(&store_ctx(1_000_000), "c");
+    behind.merge_delta(&restarted.take_delta().unwrap()).unwrap();
+    assert!(behind.contains("c") && !behind.contains("a"));
+    assert_eq!(behind.cloud_intervals(), 1, "counters 3..=1_000_000 as one interval, not a million dots");
+    assert!(behind.approx_bytes() < 100);
+    assert_eq!(roundtrip(&behind), behind, "intervals survive the encoding");
+    behind.merge(first);
+    assert_eq!(behind.cloud_intervals(), 0, "the gap filled: the interval joins the version vector");
+    assert_eq!(behind, restarted);
+    assert_eq!(behind.digest(), restarted.digest());
+}
+
+#[test]
+fn an_add_at_the_reserved_ceiling_is_refused_counted_and_changes_nothing() {
+    let ctx = WriteCtx::new("s#1", 1).with_set_writer("s#store", 0, 3);
+    let mut s = OrSet::default();
+    s.add(&ctx, "a");
+    s.add(&ctx, "b");
+    let before = s.clone();
+    s.add(&ctx, "c");
+    assert_eq!(ctx.refused_adds(), 1);
+    assert!(!s.contains("c"));
+    assert_eq!(s, before);
+    assert_eq!(s.digest(), before.digest());
+}
+
+#[test]
+fn claims_and_cloud_intervals_survive_encoding_and_older_encodings_still_decode() {
+    let mut s = OrSet::default();
+    s.add(&store_ctx(0), "a");
+    s.take_delta();
+    s.add(&store_ctx(500), "b");
+    let d = s.take_delta().unwrap();
+    let back: OrSetDelta = rmp_serde::from_slice(&rmp_serde::to_vec(&d).unwrap()).unwrap();
+    assert_eq!(back, d);
+    // A delta written before claims existed: writers and entries only.
+    let old = rmp_serde::to_vec(&(vec!["w#1"], vec![("x", (vec![(0u16, 1u64)], Vec::<(u16, u64)>::new()))])).unwrap();
+    let old: OrSetDelta = rmp_serde::from_slice(&old).expect("decodes without claims");
+    assert_eq!(old.len(), 1);
+    assert!(old.claims.is_empty());
+    // A set written before intervals existed: no cloud_ranges field.
+    let old_set =
+        rmp_serde::to_vec(&(vec!["w#1"], vec![1u64], vec![(0u16, 3u64)], serde_bytes::Bytes::new(&[1, b'x', 0, 1])))
+            .unwrap();
+    let old_set: OrSet = rmp_serde::from_slice(&old_set).expect("decodes without intervals");
+    assert!(old_set.contains("x"));
+    assert_eq!(old_set.cloud_intervals(), 1);
+}
+
+#[test]
+fn malformed_claims_and_cloud_intervals_are_typed_errors() {
+    let delta = |claims: Vec<(u16, u64, u64)>| {
+        let wire = super::delta::OrSetDeltaWire { writers: vec!["w#1".into()], entries: vec![], claims };
+        rmp_serde::from_slice::<OrSetDelta>(&rmp_serde::to_vec(&wire).unwrap())
+    };
+    assert!(delta(vec![(0, 5, 4)]).is_err(), "empty range");
+    assert!(delta(vec![(1, 1, 4)]).is_err(), "writer index");
+    assert!(delta(vec![(0, 0, 4)]).is_err(), "counter 0");
+    assert!(delta(vec![(0, 1, MAX_COUNTER + 1)]).is_err(), "counter above the maximum");
+    assert!(delta(vec![(0, 1, 4); 1025]).is_err(), "too many claims");
+    assert!(delta(vec![(0, 1, 4)]).is_ok());
+    let set = |cloud_ranges: Vec<(u16, u64, u64)>| {
+        let wire = OrSetWire { writers: vec!["w#1".into()], vv: vec![0], cloud: vec![], entries: vec![], cloud_ranges };
+        rmp_serde::from_slice::<OrSet>(&rmp_serde::to_vec(&wire).unwrap())
+    };
+    assert!(set(vec![(0, 9, 3)]).is_err(), "empty interval");
+    assert!(set(vec![(2, 3, 9)]).is_err(), "writer index");
+    assert!(set(vec![(0, 3, MAX_COUNTER + 1)]).is_err(), "counter above the maximum");
+    let ok = set(vec![(0, 3, 9), (0, 5, 12), (0, 13, 20)]).expect("overlapping and touching intervals normalize");
+    assert_eq!(ok.cloud_intervals(), 1);
+}
