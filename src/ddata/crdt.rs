@@ -70,11 +70,6 @@ impl WriteCtx {
         self
     }
 
-    /// The OR-set writer identity.
-    pub fn set_actor(&self) -> &str {
-        &self.set_actor
-    }
-
     /// OR-set adds refused so far (no reserved counter was left).
     pub fn refused_adds(&self) -> u64 {
         self.refused_adds.get()

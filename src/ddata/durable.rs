@@ -520,6 +520,37 @@ mod tests {
     }
 
     #[test]
+    fn every_open_reserves_counters_above_all_earlier_ones_and_an_extension_never_lowers_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 20).unwrap();
+        let first = s.reserve_counters(100).unwrap();
+        assert_eq!((first.floor, first.ceiling), (0, 100), "a new store starts at 0");
+        s.apply(&[StoreOp::CounterCeiling { ceiling: 250 }]).unwrap();
+        s.apply(&[StoreOp::CounterCeiling { ceiling: 120 }]).unwrap();
+        s.apply(&[StoreOp::CounterCeiling { ceiling: 250 }]).unwrap();
+        drop(s);
+        let s = DurableStore::open(dir.path(), 1 << 20).unwrap();
+        let second = s.reserve_counters(100).unwrap();
+        assert_eq!((second.floor, second.ceiling), (250, 350), "the highest ceiling ever stored is the floor");
+        assert_eq!(second.store_id, first.store_id, "the store keeps its writer id");
+        let other = DurableStore::open(tempfile::tempdir().unwrap().path(), 1 << 20).unwrap();
+        assert_ne!(other.reserve_counters(100).unwrap().store_id, first.store_id, "another store, another writer");
+    }
+
+    #[test]
+    fn a_counter_reservation_past_the_largest_counter_or_a_corrupt_record_is_a_typed_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 20).unwrap();
+        s.apply(&[StoreOp::CounterCeiling { ceiling: crate::ddata::orset::MAX_COUNTER - 10 }]).unwrap();
+        assert!(matches!(s.reserve_counters(10), Ok(r) if r.ceiling == crate::ddata::orset::MAX_COUNTER));
+        assert!(matches!(s.reserve_counters(1), Err(Error::Storage { .. })), "exhausted");
+        let mut w = s.env.write_txn().unwrap();
+        s.meta.put(&mut w, COUNTER_CEILING_KEY, &[1, 2, 3]).unwrap();
+        w.commit().unwrap();
+        assert!(matches!(s.reserve_counters(1), Err(Error::Storage { .. })), "corrupt");
+    }
+
+    #[test]
     fn values_survive_reopen_and_generations_always_grow() {
         let dir = tempfile::tempdir().unwrap();
         let g1;

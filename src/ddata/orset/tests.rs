@@ -230,8 +230,9 @@ fn an_add_at_the_reserved_ceiling_is_refused_counted_and_changes_nothing() {
     s.add(&ctx, "b");
     let before = s.clone();
     s.add(&ctx, "c");
-    assert_eq!(ctx.refused_adds(), 1);
-    assert!(!s.contains("c"));
+    s.add(&ctx, "d");
+    assert_eq!(ctx.refused_adds(), 2);
+    assert!(!s.contains("c") && !s.contains("d"));
     assert_eq!(s, before);
     assert_eq!(s.digest(), before.digest());
 }
