@@ -69,8 +69,9 @@ impl OrSetDelta {
             + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>()
     }
 
-    /// Records one local op on `x`: `present` dots it now holds, `removed` dots it no longer
-    /// does (both in `from`'s writer indexes).
+    /// Joins one local op on `x` into this delta: `present` dots `x` now holds, `removed` dots
+    /// it no longer does (both in `from`'s writer indexes). The same as joining the op's own
+    /// δ-state, without building one.
     pub(super) fn record(&mut self, from: &Writers, x: &str, present: &[Dot], removed: &[Dot]) {
         let mut conv = |d: &Dot| {
             let w = self.writers.intern(from.name(d.writer())).expect("a delta has at most the set's writers");
@@ -78,7 +79,12 @@ impl OrSetDelta {
         };
         let present: Vec<(u16, u64)> = present.iter().map(&mut conv).collect();
         let removed: Vec<(u16, u64)> = removed.iter().map(&mut conv).collect();
-        self.entries.insert(x.to_string(), DeltaEntry { present, removed });
+        match self.entries.get_mut(x) {
+            None => {
+                self.entries.insert(x.to_string(), DeltaEntry { present, removed });
+            }
+            Some(mine) => join_entry(mine, present, removed, &self.claims, &[]),
+        }
     }
 
     /// Records that the dots `lo..=hi` of `w` (in `from`'s writer indexes) are seen and dead.
@@ -121,20 +127,7 @@ impl OrSetDelta {
             let p2: Vec<(u16, u64)> = e.present.iter().map(conv).collect();
             let r2: Vec<(u16, u64)> = e.removed.iter().map(conv).collect();
             let mine = self.entries.entry(x).or_default();
-            let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
-            let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
-            let seen_by_1 = |d: &(u16, u64)| seen1.contains(d) || Self::claimed(&self.claims, *d);
-            let seen_by_2 = |d: &(u16, u64)| seen2.contains(d) || Self::claimed(&claims2, *d);
-            let mut present: Vec<(u16, u64)> =
-                mine.present.iter().copied().filter(|d| p2.contains(d) || !seen_by_2(d)).collect();
-            for d in &p2 {
-                if !mine.present.contains(d) && !seen_by_1(d) {
-                    present.push(*d);
-                }
-            }
-            present.sort_unstable();
-            let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
-            *mine = DeltaEntry { present, removed };
+            join_entry(mine, p2, r2, &self.claims, &claims2);
         }
         for c in claims2 {
             if !self.claims.contains(&c) {
@@ -142,6 +135,32 @@ impl OrSetDelta {
             }
         }
     }
+}
+
+/// The δ-state join of one element: `mine` (whose delta has `claims1`) with the element's
+/// `present` and `removed` dots from a delta with `claims2`. A dot stays present unless the
+/// other side has seen it without holding it.
+fn join_entry(
+    mine: &mut DeltaEntry,
+    p2: Vec<(u16, u64)>,
+    r2: Vec<(u16, u64)>,
+    claims1: &[(u16, u64, u64)],
+    claims2: &[(u16, u64, u64)],
+) {
+    let seen1: BTreeSet<(u16, u64)> = mine.present.iter().chain(&mine.removed).copied().collect();
+    let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
+    let seen_by_1 = |d: &(u16, u64)| seen1.contains(d) || OrSetDelta::claimed(claims1, *d);
+    let seen_by_2 = |d: &(u16, u64)| seen2.contains(d) || OrSetDelta::claimed(claims2, *d);
+    let mut present: Vec<(u16, u64)> =
+        mine.present.iter().copied().filter(|d| p2.contains(d) || !seen_by_2(d)).collect();
+    for d in &p2 {
+        if !mine.present.contains(d) && !seen_by_1(d) {
+            present.push(*d);
+        }
+    }
+    present.sort_unstable();
+    let removed = seen1.union(&seen2).copied().filter(|d| !present.contains(d)).collect();
+    *mine = DeltaEntry { present, removed };
 }
 
 #[derive(Serialize, Deserialize)]

@@ -95,6 +95,22 @@ fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     out.push(v as u8);
 }
 
+/// Bytes of `v` as a varint.
+fn varint_len(v: u64) -> usize {
+    (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
+}
+
+/// Bytes of `v` as a MessagePack unsigned integer.
+fn rmp_uint_len(v: u64) -> usize {
+    match v {
+        0..=127 => 1,
+        128..=255 => 2,
+        256..=65_535 => 3,
+        65_536..=0xffff_ffff => 5,
+        _ => 9,
+    }
+}
+
 fn get_varint(bytes: &[u8], pos: &mut usize) -> Option<u64> {
     let mut v = 0u64;
     for shift in (0..64).step_by(7) {
@@ -116,6 +132,8 @@ fn element_in(arena: &[u8], offset: u32) -> &[u8] {
 }
 
 /// The writer table of one set or delta: index ↔ name, and each name's hash (for digests).
+/// Sets have a handful of writers (one per store that wrote them), so a name is found by a
+/// scan; the name → index map is built only past [`SCANNED_WRITERS`].
 #[derive(Clone, Default)]
 struct Writers {
     names: Vec<Actor>,
@@ -123,10 +141,20 @@ struct Writers {
     by_name: HashMap<Actor, u16>,
 }
 
+/// Writer tables up to this size are searched by a scan (no map, no hashing of the name).
+const SCANNED_WRITERS: usize = 16;
+
 impl Writers {
+    fn index_of(&self, name: &str) -> Option<u16> {
+        if self.names.len() <= SCANNED_WRITERS {
+            self.names.iter().position(|n| n == name).map(|i| i as u16)
+        } else {
+            self.by_name.get(name).copied()
+        }
+    }
     fn intern(&mut self, name: &str) -> Option<u16> {
-        if let Some(i) = self.by_name.get(name) {
-            return Some(*i);
+        if let Some(i) = self.index_of(name) {
+            return Some(i);
         }
         if self.names.len() >= MAX_WRITERS {
             return None;
@@ -134,7 +162,13 @@ impl Writers {
         let i = self.names.len() as u16;
         self.names.push(name.to_string());
         self.hashes.push(xxh3_64(name.as_bytes()));
-        self.by_name.insert(name.to_string(), i);
+        if self.names.len() > SCANNED_WRITERS {
+            if self.by_name.is_empty() {
+                self.by_name = self.names.iter().enumerate().map(|(j, n)| (n.clone(), j as u16)).collect();
+            } else {
+                self.by_name.insert(name.to_string(), i);
+            }
+        }
         Some(i)
     }
     fn name(&self, i: u16) -> &str {
@@ -182,8 +216,8 @@ impl OrSet {
     /// Adds a member (with a fresh dot of `ctx`'s OR-set writer; older dots of it are
     /// superseded). An add that finds no counter left in the writer's reserved range, or no room
     /// for a new writer, is refused: the set is unchanged and `ctx` counts it.
-    pub fn add(&mut self, ctx: &WriteCtx, member: impl Into<String>) {
-        let member = member.into();
+    pub fn add(&mut self, ctx: &WriteCtx, member: impl AsRef<str>) {
+        let member = member.as_ref();
         let Some((dot, claim)) = self.reserve_dot(ctx) else {
             ctx.refused_adds.set(ctx.refused_adds.get() + 1);
             return;
@@ -195,12 +229,14 @@ impl OrSet {
         let old = self.dots_of(member.as_bytes());
         self.set_dots(member.as_bytes(), &[dot]);
         self.context_insert(dot);
-        let mut d = OrSetDelta::default();
-        d.record(&self.writers, &member, &[dot], &old);
+        let acc = self.delta.get_or_insert_default();
+        // The claim first: the op's dot lies above it, and its dots of older elements are
+        // dead in the accumulated delta too (none can be there: they lie above every counter
+        // this set knew).
         if let Some((lo, hi)) = claim {
-            d.record_claim(&self.writers, w, lo, hi);
+            acc.record_claim(&self.writers, w, lo, hi);
         }
-        self.push_delta(d);
+        acc.record(&self.writers, member, &[dot], &old);
     }
 
     /// The dot of `ctx`'s next add, and, when it is the writer's first add above its floor, the
@@ -223,7 +259,7 @@ impl OrSet {
     }
 
     /// Adds several members, each with its own dot.
-    pub fn add_all<I: IntoIterator<Item = String>>(&mut self, ctx: &WriteCtx, members: I) {
+    pub fn add_all<I: IntoIterator<Item = S>, S: AsRef<str>>(&mut self, ctx: &WriteCtx, members: I) {
         for m in members {
             self.add(ctx, m);
         }
@@ -236,9 +272,7 @@ impl OrSet {
             return;
         }
         self.set_dots(member.as_bytes(), &[]);
-        let mut d = OrSetDelta::default();
-        d.record(&self.writers, member, &[], &old);
-        self.push_delta(d);
+        self.delta.get_or_insert_default().record(&self.writers, member, &[], &old);
     }
 
     /// Whether `member` is in the set.
@@ -281,15 +315,25 @@ impl OrSet {
             + self.extra.capacity() * 40
             + self.cloud.len() * 40
             + self.vv.capacity() * 8
-            + self.writers.names.iter().map(|n| n.capacity() * 2 + 48).sum::<usize>()
+            + self.writers.names.iter().map(|n| n.capacity() + 32).sum::<usize>()
+            + self.writers.by_name.keys().map(|n| n.capacity() + 40).sum::<usize>()
     }
 
-    /// Approximate encoded size in bytes (for message budgets; never encodes).
+    /// Approximate encoded size in bytes (for message budgets; never encodes): the live arena,
+    /// a writer index and a counter per dot (sized by the largest counter), the writer names
+    /// and version vector, and each cloud interval.
     pub fn approx_bytes(&self) -> usize {
+        let largest = self.vv.iter().copied().max().unwrap_or(0);
+        let dots = self.len() + self.extra.values().map(Vec::len).sum::<usize>();
+        let cloud: usize = self
+            .cloud
+            .iter()
+            .map(|(lo, hi)| if lo.counter() == *hi { 2 + rmp_uint_len(*hi) } else { 2 + 2 * rmp_uint_len(*hi) })
+            .sum();
         self.arena.len().saturating_sub(self.garbage)
-            + (self.len() + self.extra.values().map(Vec::len).sum::<usize>()) * 6
-            + self.writers.names.iter().map(|n| n.len() + 10).sum::<usize>()
-            + self.cloud.len() * 14
+            + dots * (1 + varint_len(largest))
+            + self.writers.names.iter().map(|n| n.len() + 2 + rmp_uint_len(largest)).sum::<usize>()
+            + cloud
     }
 
     /// The writers this set has seen, in the order it met them (each costs context space for
@@ -306,7 +350,7 @@ impl OrSet {
 
     /// The highest counter of `writer` this set has seen (0 if none).
     pub fn max_counter_of(&self, writer: &str) -> u64 {
-        self.writers.by_name.get(writer).map_or(0, |&w| self.max_counter_of_index(w))
+        self.writers.index_of(writer).map_or(0, |w| self.max_counter_of_index(w))
     }
 
     /// Takes the local changes made since the last take (None when there were none).
@@ -419,7 +463,7 @@ impl OrSet {
     }
 
     fn map_writers(&mut self, other: &Writers) -> Result<Vec<u16>, OrSetError> {
-        let new = other.names.iter().filter(|n| !self.writers.by_name.contains_key(n.as_str())).count();
+        let new = other.names.iter().filter(|n| self.writers.index_of(n).is_none()).count();
         if self.writers.names.len() + new > MAX_WRITERS {
             return Err(OrSetError::TooManyWriters);
         }
@@ -430,8 +474,8 @@ impl OrSet {
 
     /// Whether this set's context holds `d`, given in `their` writer indexes' namespace.
     fn context_contains_mapped(&self, d: Dot, their: &Writers) -> bool {
-        match self.writers.by_name.get(their.name(d.writer())) {
-            Some(&w) => self.context_contains(Dot::new(w, d.counter())),
+        match self.writers.index_of(their.name(d.writer())) {
+            Some(w) => self.context_contains(Dot::new(w, d.counter())),
             None => false,
         }
     }
@@ -612,13 +656,6 @@ impl OrSet {
         self.arena = arena;
         self.extra = extra;
         self.garbage = 0;
-    }
-
-    fn push_delta(&mut self, d: OrSetDelta) {
-        match &mut self.delta {
-            Some(acc) => acc.join_delta(d),
-            None => self.delta = Some(Box::new(d)),
-        }
     }
 
     /// Every (element, dot) pair, for encoding and comparison.

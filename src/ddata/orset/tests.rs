@@ -282,3 +282,79 @@ fn malformed_claims_and_cloud_intervals_are_typed_errors() {
     let ok = set(vec![(0, 3, 9), (0, 5, 12), (0, 13, 20)]).expect("overlapping and touching intervals normalize");
     assert_eq!(ok.cloud_intervals(), 1);
 }
+
+#[test]
+fn a_writer_may_use_the_largest_counter_itself_and_nothing_above_it() {
+    let encoded = rmp_serde::to_vec(&OrSetWire {
+        writers: vec!["a#1".into()],
+        vv: vec![MAX_COUNTER - 1],
+        cloud: vec![],
+        entries: vec![],
+        cloud_ranges: vec![],
+    })
+    .unwrap();
+    let mut s: OrSet = rmp_serde::from_slice(&encoded).unwrap();
+    s.add(&ctx("a#1"), "last");
+    assert!(s.contains("last"), "counter 2^48-1 is a valid dot");
+    assert_eq!(s.max_counter_of("a#1"), MAX_COUNTER);
+    s.add(&ctx("a#1"), "beyond");
+    assert!(!s.contains("beyond"));
+}
+
+#[test]
+fn heap_bytes_stay_under_64_per_id_and_count_the_cloud_the_writers_and_extra_dots() {
+    let mut s = OrSet::default();
+    for i in 0..10_000u32 {
+        s.add(&ctx("a#1"), format!("{:08x}-entity", i.wrapping_mul(2_654_435_761)));
+    }
+    let per_id = s.heap_bytes() as f64 / 10_000.0;
+    assert!((15.0..=64.0).contains(&per_id), "{per_id} B/id: at least the 15-byte ids, at most the goal");
+    assert!(s.heap_bytes() >= s.arena.capacity() + s.index.capacity() * std::mem::size_of::<Slot>());
+
+    let before = (s.heap_bytes(), s.approx_bytes());
+    for k in 0..100 {
+        s.context_insert_range(0, 20_000 + 3 * k, 20_001 + 3 * k);
+    }
+    assert_eq!(s.cloud_intervals(), 100);
+    let grew = (s.heap_bytes() - before.0, s.approx_bytes() - before.1);
+    assert!(grew.0 >= 100 * 40 && grew.0 < 100 * 100, "cloud in memory: {grew:?}");
+    assert!(grew.1 >= 100 * 6 && grew.1 < 100 * 20, "cloud encoded: {grew:?}");
+
+    let before = (s.heap_bytes(), s.approx_bytes());
+    for w in 0..20 {
+        // Twenty concurrent adds of one element: twenty writers, and x holds twenty dots.
+        let mut other = OrSet::default();
+        other.add(&ctx(&format!("{w:0>100}")), "x");
+        s.merge(other);
+    }
+    assert_eq!(s.extra.len(), 1);
+    let grew = (s.heap_bytes() - before.0, s.approx_bytes() - before.1);
+    assert!(grew.0 >= 20 * 100 * 2 + 40, "writer names, in the table and its map, and x's extra dots: {grew:?}");
+    assert!(grew.1 >= 20 * 100 + 20 * 2, "writer names and x's dots encoded: {grew:?}");
+}
+
+#[test]
+fn approx_bytes_stays_within_a_quarter_of_the_encoded_size() {
+    let mut ids = OrSet::default();
+    for i in 0..2_000 {
+        ids.add(&ctx("n1#store-0123456789abcdef"), format!("device-{i}"));
+    }
+    let mut gappy = OrSet::default();
+    let mut writer = OrSet::default();
+    for i in 0..400 {
+        writer.add(&ctx("w#1"), format!("e{i}"));
+        let d = writer.take_delta().unwrap();
+        if i % 2 == 0 {
+            gappy.merge_delta(&d).unwrap();
+        }
+    }
+    let mut many_writers = OrSet::default();
+    for w in 0..50 {
+        many_writers.add(&ctx(&format!("node-{w}#store-{w:016x}")), format!("id-{w}"));
+    }
+    for (name, s) in [("ids", &ids), ("gappy", &gappy), ("many writers", &many_writers)] {
+        let encoded = rmp_serde::to_vec(s).unwrap().len() as f64;
+        let ratio = s.approx_bytes() as f64 / encoded;
+        assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", s.approx_bytes());
+    }
+}

@@ -64,7 +64,7 @@ pub(super) fn check_writers(names: &[Actor]) -> Result<Writers, OrSetError> {
     }
     let mut w = Writers::default();
     for n in names {
-        if w.by_name.contains_key(n.as_str()) {
+        if w.index_of(n).is_some() {
             return Err(OrSetError::Malformed("duplicate writer"));
         }
         w.intern(n);

@@ -91,27 +91,30 @@ impl RememberIo {
                 &self.counters.remember_ids_written,
                 batch.iter().map(|r| r.adds.len() + r.removes.len()).sum::<usize>(),
             );
-            // Slot key → (adds, removes), across every shard of the batch.
+            // Slot key → (adds, removes), across every shard of the batch; the ids move out of
+            // the requests and are shared by the tries (the set copies each into its arena).
             let mut by_key: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
-            for req in &batch {
-                for id in &req.adds {
-                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(id, self.slots));
-                    by_key.entry(key).or_default().0.push(id.clone());
+            for req in &mut batch {
+                for id in std::mem::take(&mut req.adds) {
+                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
+                    by_key.entry(key).or_default().0.push(id);
                 }
-                for id in &req.removes {
-                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(id, self.slots));
-                    by_key.entry(key).or_default().1.push(id.clone());
+                for id in std::mem::take(&mut req.removes) {
+                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
+                    by_key.entry(key).or_default().1.push(id);
                 }
             }
+            let by_key: Vec<(String, Arc<(Vec<String>, Vec<String>)>)> =
+                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids))).collect();
             let mut last = Ok(());
             for _ in 0..WRITE_TRIES {
                 let updates = by_key
                     .iter()
-                    .map(|(key, (adds, removes))| {
-                        let (a, r) = (adds.clone(), removes.clone());
+                    .map(|(key, ids)| {
+                        let ids = Arc::clone(ids);
                         KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
-                            set.add_all(ctx, a);
-                            for id in &r {
+                            set.add_all(ctx, &ids.0);
+                            for id in &ids.1 {
                                 set.remove(id);
                             }
                         })
