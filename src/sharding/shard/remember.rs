@@ -43,6 +43,9 @@ pub(crate) struct RememberIo {
     counters: Arc<RegionCounters>,
 }
 
+/// The ids one batch adds to and removes from one slot key.
+type SlotChanges = (Vec<String>, Vec<String>);
+
 /// One shard's starts and stops, and what to do with the outcome.
 struct WriteRequest {
     shard: ShardId,
@@ -93,7 +96,7 @@ impl RememberIo {
             );
             // Slot key → (adds, removes), across every shard of the batch; the ids move out of
             // the requests and are shared by the tries (the set copies each into its arena).
-            let mut by_key: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
+            let mut by_key: BTreeMap<String, SlotChanges> = BTreeMap::new();
             for req in &mut batch {
                 for id in std::mem::take(&mut req.adds) {
                     let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
@@ -104,7 +107,7 @@ impl RememberIo {
                     by_key.entry(key).or_default().1.push(id);
                 }
             }
-            let by_key: Vec<(String, Arc<(Vec<String>, Vec<String>)>)> =
+            let by_key: Vec<(String, Arc<SlotChanges>)> =
                 by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids))).collect();
             let mut last = Ok(());
             for _ in 0..WRITE_TRIES {
