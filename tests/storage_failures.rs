@@ -43,9 +43,19 @@ async fn undecodable_value_in_a_valid_store_costs_its_key_only_and_the_node_star
     assert!(r.get::<OrSet>("shard-a-0", Consistency::Local, OP).await.unwrap().is_none(), "the bad key is skipped");
     // The key works again: a new write goes through and is durable.
     r.update::<OrSet, _>("shard-a-0", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "z")).await.unwrap();
+    // The store lost adds of its writer in the skipped key, so it writes under a new identity
+    // (it cannot claim its skipped counters dead where it no longer knows its own dots).
+    r.update::<OrSet, _>("shard-b-0", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "y2")).await.unwrap();
+    let writers = |s: Option<OrSet>| s.map(|s| s.writers().map(str::to_string).collect::<Vec<_>>()).unwrap_or_default();
+    let b = writers(r.get::<OrSet>("shard-b-0", Consistency::Local, OP).await.unwrap());
+    assert_eq!(b.len(), 2, "the old and the renewed store writer: {b:?}");
     c.restart(0).await.unwrap();
-    let a = c.node(0).replicator().get::<OrSet>("shard-a-0", Consistency::Local, OP).await.unwrap();
+    let r = c.node(0).replicator().clone();
+    let a = r.get::<OrSet>("shard-a-0", Consistency::Local, OP).await.unwrap();
     assert_eq!(members(a), BTreeSet::from(["z".to_string()]));
+    r.update::<OrSet, _>("shard-b-0", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "y3")).await.unwrap();
+    let after = writers(r.get::<OrSet>("shard-b-0", Consistency::Local, OP).await.unwrap());
+    assert_eq!(after, b, "a clean restart keeps the writer");
     c.shutdown().await;
 }
 

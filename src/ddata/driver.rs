@@ -46,7 +46,11 @@ pub(crate) async fn start(
 ) -> Result<Replicator> {
     let loader = store.clone();
     let (loaded, reservation) = tokio::task::spawn_blocking(move || {
-        Ok::<_, Error>((loader.load_all()?, loader.reserve_counters(RESERVATION_SPAN)?))
+        let loaded = loader.load_all()?;
+        // A key skipped as corrupt may hold adds of the store's writer that no other record
+        // has: the writer cannot claim its skipped counters there, so it takes a new identity.
+        let reservation = loader.reserve_counters(RESERVATION_SPAN, !loaded.corrupt.is_empty())?;
+        Ok::<_, Error>((loaded, reservation))
     })
     .await
     .map_err(|e| Error::storage(store.path(), format!("load task failed: {e}")))??;

@@ -440,6 +440,11 @@ impl DurableStore {
         for seq in &dead_deltas {
             self.deltas.delete(&mut wtxn, seq).map_err(|e| Error::storage(&self.path, e))?;
         }
+        if !keys.is_empty() {
+            // The store no longer knows everything its writer wrote in these keys (other
+            // replicas may still hold them): the next process writes under a new identity.
+            self.meta.delete(&mut wtxn, STORE_ID_KEY).map_err(|e| Error::storage(&self.path, e))?;
+        }
         wtxn.commit().map_err(|e| Error::storage(&self.path, e))?;
         Ok(keys.len())
     }
@@ -447,7 +452,12 @@ impl DurableStore {
     /// Reserves `span` OR-set counters for this process, durably, before any is used: the
     /// floor is the ceiling stored by the previous process (0 for a new store), the new
     /// ceiling `floor + span`. Creates the store id on first use.
-    pub fn reserve_counters(&self, span: u64) -> Result<CounterReservation> {
+    ///
+    /// `new_identity` gives the store a new writer id (and so its sets a new writer): the caller
+    /// asks for it when the store lost data its writer wrote (a record that no longer decodes),
+    /// since a writer claims the counters it skipped as dead and must know every dot it wrote in
+    /// a set to do so (see `replicator::writer`).
+    pub fn reserve_counters(&self, span: u64, new_identity: bool) -> Result<CounterReservation> {
         let corrupt = |what: &str| Error::storage(&self.path, format!("corrupt {what} record"));
         let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
         let read = |key: &str| -> Result<Option<u64>> {
@@ -462,8 +472,8 @@ impl DurableStore {
             return Err(Error::storage(&self.path, "OR-set counters of this store are exhausted"));
         };
         let store_id = match stored_id {
-            Some(id) => id,
-            None => {
+            Some(id) if !new_identity => id,
+            _ => {
                 let id = rand::random::<u64>();
                 self.meta.put(&mut wtxn, STORE_ID_KEY, &id.to_be_bytes()).map_err(|e| Error::storage(&self.path, e))?;
                 id
@@ -523,18 +533,29 @@ mod tests {
     fn every_open_reserves_counters_above_all_earlier_ones_and_an_extension_never_lowers_them() {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 20).unwrap();
-        let first = s.reserve_counters(100).unwrap();
+        let first = s.reserve_counters(100, false).unwrap();
         assert_eq!((first.floor, first.ceiling), (0, 100), "a new store starts at 0");
         s.apply(&[StoreOp::CounterCeiling { ceiling: 250 }]).unwrap();
         s.apply(&[StoreOp::CounterCeiling { ceiling: 120 }]).unwrap();
         s.apply(&[StoreOp::CounterCeiling { ceiling: 250 }]).unwrap();
         drop(s);
         let s = DurableStore::open(dir.path(), 1 << 20).unwrap();
-        let second = s.reserve_counters(100).unwrap();
+        let second = s.reserve_counters(100, false).unwrap();
         assert_eq!((second.floor, second.ceiling), (250, 350), "the highest ceiling ever stored is the floor");
         assert_eq!(second.store_id, first.store_id, "the store keeps its writer id");
+        let renewed = s.reserve_counters(100, true).unwrap();
+        assert_ne!(renewed.store_id, first.store_id, "a store that lost data gets a new writer");
+        assert_eq!(renewed.floor, 350, "its counters still continue");
+        assert_eq!(s.reserve_counters(100, false).unwrap().store_id, renewed.store_id, "and keeps it");
+        s.apply(&[StoreOp::Snapshot { key: "shard-t/1/0".into(), seq: 1, bytes: vec![0xc0] }]).unwrap();
+        assert_eq!(s.delete_prefix("shard-t/").unwrap(), 1);
+        assert_ne!(s.reserve_counters(100, false).unwrap().store_id, renewed.store_id, "deleted data: new writer");
         let other = DurableStore::open(tempfile::tempdir().unwrap().path(), 1 << 20).unwrap();
-        assert_ne!(other.reserve_counters(100).unwrap().store_id, first.store_id, "another store, another writer");
+        assert_ne!(
+            other.reserve_counters(100, false).unwrap().store_id,
+            first.store_id,
+            "another store, another writer"
+        );
     }
 
     #[test]
@@ -542,12 +563,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let s = DurableStore::open(dir.path(), 1 << 20).unwrap();
         s.apply(&[StoreOp::CounterCeiling { ceiling: crate::ddata::orset::MAX_COUNTER - 10 }]).unwrap();
-        assert!(matches!(s.reserve_counters(10), Ok(r) if r.ceiling == crate::ddata::orset::MAX_COUNTER));
-        assert!(matches!(s.reserve_counters(1), Err(Error::Storage { .. })), "exhausted");
+        assert!(matches!(s.reserve_counters(10, false), Ok(r) if r.ceiling == crate::ddata::orset::MAX_COUNTER));
+        assert!(matches!(s.reserve_counters(1, false), Err(Error::Storage { .. })), "exhausted");
         let mut w = s.env.write_txn().unwrap();
         s.meta.put(&mut w, COUNTER_CEILING_KEY, &[1, 2, 3]).unwrap();
         w.commit().unwrap();
-        assert!(matches!(s.reserve_counters(1), Err(Error::Storage { .. })), "corrupt");
+        assert!(matches!(s.reserve_counters(1, false), Err(Error::Storage { .. })), "corrupt");
     }
 
     #[test]

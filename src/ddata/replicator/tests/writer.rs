@@ -71,7 +71,7 @@ fn fifty_restarts_with_their_disk_leave_one_writer_per_node_in_a_durable_set() {
     for restart in 0..50u64 {
         let store = DurableStore::open(dir.path(), 1 << 24).unwrap();
         let loaded = store.load_all().unwrap();
-        let reserved = store.reserve_counters(RESERVATION_SPAN).unwrap();
+        let reserved = store.reserve_counters(RESERVATION_SPAN, false).unwrap();
         assert_eq!(reserved.floor, restart * RESERVATION_SPAN, "each process starts where the last reserved");
         store_ids.insert(reserved.store_id);
         let mut c = ReplicatorCore::new(
