@@ -428,9 +428,9 @@ impl OrSet {
             for slot in self.index.iter() {
                 let x = self.element_at(slot.offset);
                 let mine = self.slot_dots(*slot);
-                if mine.iter().any(|d| claimed(*d))
-                    && std::str::from_utf8(x).is_ok_and(|x| !delta.entries.contains_key(x))
-                {
+                // Elements of the delta were joined above: none holds a claimed dot any more
+                // (a writer's new dots lie above its claims).
+                if mine.iter().any(|d| claimed(*d)) {
                     changes.push((x.to_vec(), mine.into_iter().filter(|d| !claimed(*d)).collect()));
                 }
             }
