@@ -518,9 +518,7 @@ impl OrSet {
 
     /// Raises writer `w`'s version vector entry to at least `n`.
     fn context_raise(&mut self, w: u16, n: u64) {
-        if n > 0 {
-            self.context_insert_range(w, 1, n);
-        }
+        self.context_insert_range(w, 1, n);
     }
 
     /// Adds the dots `lo..=hi` of writer `w` to the context, keeping it normalized: the

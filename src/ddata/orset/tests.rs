@@ -358,3 +358,32 @@ fn approx_bytes_stays_within_a_quarter_of_the_encoded_size() {
         assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", s.approx_bytes());
     }
 }
+
+#[test]
+fn sets_that_differ_only_in_their_cloud_have_different_digests() {
+    // Anti-entropy finds a difference only through the digest, so every part of the context
+    // must move it.
+    let with_cloud = |writer: &str, ranges: &[(u64, u64)]| {
+        let mut s = OrSet::default();
+        s.add(&ctx(writer), "x");
+        for &(lo, hi) in ranges {
+            s.context_insert_range(0, lo, hi);
+        }
+        s
+    };
+    let variants = [
+        with_cloud("a#1", &[]),
+        with_cloud("a#1", &[(5, 5)]),
+        with_cloud("a#1", &[(6, 6)]),
+        with_cloud("a#1", &[(5, 7)]),
+        with_cloud("a#1", &[(5, 8)]),
+        with_cloud("a#1", &[(4, 4), (7, 7)]),
+        with_cloud("b#1", &[(5, 5)]),
+    ];
+    for (i, a) in variants.iter().enumerate() {
+        for b in &variants[i + 1..] {
+            assert_ne!(a.digest(), b.digest(), "{a:?} and {b:?}");
+        }
+    }
+    assert_eq!(with_cloud("a#1", &[(5, 6), (7, 8)]).digest(), variants[4].digest(), "touching intervals are one");
+}
