@@ -9,8 +9,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
-use futures::stream::FuturesUnordered;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
@@ -29,10 +27,6 @@ const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
 /// Tries of each remembered-entity write (Akka's policy: a few tries with a quarter of the
 /// update timeout each).
 const WRITE_TRIES: usize = 3;
-
-/// Batches one region's remember writer has in flight at once: while one waits for its
-/// majority, the next is already on its way (each replicator round is mostly waiting).
-const BATCHES_IN_FLIGHT: usize = 2;
 
 /// What the remember I/O of one region needs. Cloning shares the region's remember writer.
 #[derive(Clone)]
@@ -89,79 +83,64 @@ impl RememberIo {
         io
     }
 
-    /// Takes whatever requests are queued as one batch while fewer than
-    /// [`BATCHES_IN_FLIGHT`] batches are being written. Batches in flight never share a slot
-    /// key: a shard sends its next request only once its previous one is answered.
     async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
-        let mut in_flight = FuturesUnordered::new();
-        loop {
-            let mut batch = Vec::new();
-            tokio::select! {
-                n = requests.recv_many(&mut batch, 4096), if in_flight.len() < BATCHES_IN_FLIGHT => {
-                    if n == 0 {
-                        break;
-                    }
-                    in_flight.push(self.clone().write_batch(batch));
+        let mut batch = Vec::new();
+        while requests.recv_many(&mut batch, 4096).await > 0 {
+            let started = std::time::Instant::now();
+            let waited: u128 = batch.iter().map(|r| started.duration_since(r.queued_at).as_micros()).sum();
+            add(&self.counters.remember_queue_wait_micros, waited);
+            add(&self.counters.remember_requests, batch.len());
+            add(
+                &self.counters.remember_ids_written,
+                batch.iter().map(|r| r.adds.len() + r.removes.len()).sum::<usize>(),
+            );
+            // Slot key → (adds, removes), across every shard of the batch; the ids move out of
+            // the requests and are shared by the tries (the set copies each into its arena).
+            let mut by_key: BTreeMap<String, SlotChanges> = BTreeMap::new();
+            for req in &mut batch {
+                for id in std::mem::take(&mut req.adds) {
+                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
+                    by_key.entry(key).or_default().0.push(id);
                 }
-                Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
+                for id in std::mem::take(&mut req.removes) {
+                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
+                    by_key.entry(key).or_default().1.push(id);
+                }
             }
-        }
-        while in_flight.next().await.is_some() {}
-    }
-
-    /// Writes one batch (with retries) and answers each of its requests.
-    async fn write_batch(self, mut batch: Vec<WriteRequest>) {
-        let started = std::time::Instant::now();
-        let waited: u128 = batch.iter().map(|r| started.duration_since(r.queued_at).as_micros()).sum();
-        add(&self.counters.remember_queue_wait_micros, waited);
-        add(&self.counters.remember_requests, batch.len());
-        add(&self.counters.remember_ids_written, batch.iter().map(|r| r.adds.len() + r.removes.len()).sum::<usize>());
-        // Slot key → (adds, removes), across every shard of the batch; the ids move out of
-        // the requests and are shared by the tries (the set copies each into its arena).
-        let mut by_key: BTreeMap<String, SlotChanges> = BTreeMap::new();
-        for req in &mut batch {
-            for id in std::mem::take(&mut req.adds) {
-                let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
-                by_key.entry(key).or_default().0.push(id);
-            }
-            for id in std::mem::take(&mut req.removes) {
-                let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
-                by_key.entry(key).or_default().1.push(id);
-            }
-        }
-        let by_key: Vec<(String, Arc<SlotChanges>)> =
-            by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids))).collect();
-        let mut last = Ok(());
-        for _ in 0..WRITE_TRIES {
-            let updates = by_key
-                .iter()
-                .map(|(key, ids)| {
-                    let ids = Arc::clone(ids);
-                    KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
-                        set.add_all(ctx, &ids.0);
-                        for id in &ids.1 {
-                            set.remove(id);
-                        }
+            let by_key: Vec<(String, Arc<SlotChanges>)> =
+                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids))).collect();
+            let mut last = Ok(());
+            for _ in 0..WRITE_TRIES {
+                let updates = by_key
+                    .iter()
+                    .map(|(key, ids)| {
+                        let ids = Arc::clone(ids);
+                        KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
+                            set.add_all(ctx, &ids.0);
+                            for id in &ids.1 {
+                                set.remove(id);
+                            }
+                        })
                     })
-                })
-                .collect();
-            last = self.replicator.update_many(REMEMBER_CONSISTENCY, self.write_timeout, updates).await;
-            if matches!(last, Ok(()) | Err(crate::error::Error::ShutDown)) {
-                break;
+                    .collect();
+                last = self.replicator.update_many(REMEMBER_CONSISTENCY, self.write_timeout, updates).await;
+                if matches!(last, Ok(()) | Err(crate::error::Error::ShutDown)) {
+                    break;
+                }
             }
-        }
-        add(&self.counters.remember_round_micros, started.elapsed().as_micros());
-        add(&self.counters.remember_batches, 1u8);
-        let ok = match &last {
-            Ok(()) => true,
-            Err(e) => {
-                warn!(type_name = %self.type_name, shards = batch.len(), error = %e, "recording remembered entities failed");
-                false
+            add(&self.counters.remember_round_micros, started.elapsed().as_micros());
+            add(&self.counters.remember_batches, 1u8);
+            let ok = match &last {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(type_name = %self.type_name, shards = batch.len(), error = %e, "recording remembered entities failed");
+                    false
+                }
+            };
+            debug!(type_name = %self.type_name, shards = batch.len(), keys = by_key.len(), "remember batch written");
+            for req in batch.drain(..) {
+                (req.done)(if ok { StoreResult::WriteDone } else { StoreResult::Failed });
             }
-        };
-        debug!(type_name = %self.type_name, shards = batch.len(), keys = by_key.len(), "remember batch written");
-        for req in batch.drain(..) {
-            (req.done)(if ok { StoreResult::WriteDone } else { StoreResult::Failed });
         }
     }
 
