@@ -71,6 +71,23 @@ const WRITE_RETRY_MS: u64 = 200;
 /// Time from a persist to its commit report (an LMDB fsync).
 const FSYNC_MS: u64 = 2;
 
+/// A write a node's store takes: committed to its disk when the commit is reported.
+#[derive(Clone)]
+enum DiskWrite {
+    Snapshot(ReplicatedData),
+    Delta(crate::ddata::ReplicatedDelta),
+    Ceiling(u64),
+}
+
+/// A store write and its key (empty for a counter reservation).
+type KeyedWrite = (String, DiskWrite);
+
+impl DiskWrite {
+    fn keyed(self, key: &str) -> KeyedWrite {
+        (key.to_string(), self)
+    }
+}
+
 /// The shape of one simulated run.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -269,6 +286,8 @@ pub struct Sim {
     disks: Vec<BTreeMap<String, ReplicatedData>>,
     /// Per disk, the OR-set counter ceiling its store writer reserved.
     counter_ceilings: Vec<u64>,
+    /// Per node slot, writes handed to its store and not yet committed (ticket, write).
+    unsynced: Vec<Vec<(u64, KeyedWrite)>>,
     members: Vec<MemberRow>,
     cut: BTreeSet<(usize, usize)>,
     asks: BTreeMap<u64, Ask>,
@@ -313,6 +332,7 @@ impl Sim {
             generations: vec![0; cfg.nodes],
             disks: vec![BTreeMap::new(); cfg.nodes],
             counter_ceilings: vec![0; cfg.nodes],
+            unsynced: vec![Vec::new(); cfg.nodes],
             members: Vec::new(),
             cut: BTreeSet::new(),
             asks: BTreeMap::new(),
@@ -408,6 +428,8 @@ impl Sim {
     /// Crashes node slot `i`: its state is gone (its disk stays); its entities end now.
     fn crash(&mut self, i: usize, why: &str) {
         let Some(node) = self.nodes[i].take() else { return };
+        // What its store had not committed is lost.
+        self.unsynced[i].clear();
         self.trace(|| format!("{} {why}", node.addr));
         for (entity_id, _) in node.entities {
             self.end_activation(&entity_id, &node.addr);

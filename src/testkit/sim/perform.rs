@@ -121,9 +121,15 @@ impl Sim {
         self.perform_replicator(i, out);
     }
 
-    /// The store of `node` committed its persists up to `through`.
+    /// The store of `node` committed its persists up to `through`: they are on its disk now.
     pub(super) fn on_persisted(&mut self, node: UniqueAddress, through: u64) {
         let Some(i) = self.slot_of(&node) else { return };
+        let pending = std::mem::take(&mut self.unsynced[i]);
+        let (done, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(ticket, _)| *ticket <= through);
+        self.unsynced[i] = rest;
+        for (_, write) in done {
+            self.sync(i, write);
+        }
         let (now, wall) = (self.now(), self.wall());
         let mut out = Vec::new();
         let input = RepInput::Persisted { through, failure: None };
@@ -143,32 +149,43 @@ impl Sim {
         }
     }
 
+    /// Applies one committed write to node slot `i`'s disk.
+    fn sync(&mut self, i: usize, write: KeyedWrite) {
+        match write {
+            (_, DiskWrite::Ceiling(c)) => self.counter_ceilings[i] = self.counter_ceilings[i].max(c),
+            (key, DiskWrite::Snapshot(v)) => {
+                self.disks[i].insert(key, v);
+            }
+            (key, DiskWrite::Delta(d)) => {
+                let stored = self.disks[i].entry(key.clone()).or_insert_with(|| d.empty_value());
+                if let Err(e) = stored.merge_delta(&d) {
+                    self.report.violations.push(format!("persisted delta of {key} does not join: {e:?}"));
+                }
+            }
+        }
+    }
+
     pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<RepAction<RepReply>>) {
         let (now, wall) = (self.now(), self.wall());
-        // The disk takes the writes at once; the commit is reported an fsync later, as the
-        // persist thread does (the core holds acks and update replies until then).
+        // The writes reach the disk when their commit is reported, an fsync later, as with the
+        // persist thread (the core holds acks and update replies until then); a crash before
+        // that loses them, though their deltas may already have left.
         let mut through = 0;
         for a in &actions {
             if let RepAction::ReserveCounters { ticket, ceiling } = a {
                 through = through.max(*ticket);
-                self.counter_ceilings[i] = self.counter_ceilings[i].max(*ceiling);
+                self.unsynced[i].push((*ticket, DiskWrite::Ceiling(*ceiling).keyed("")));
                 continue;
             }
             let RepAction::Persist { key, ticket, record } = a else { continue };
             through = through.max(*ticket);
             let Some(node) = self.nodes[i].as_ref() else { return };
-            match record {
-                PersistRecord::Snapshot => {
-                    if let Some(v) = node.replicator.local_value(key).cloned() {
-                        self.disks[i].insert(key.clone(), v);
-                    }
-                }
-                PersistRecord::Delta(d) => {
-                    let stored = self.disks[i].entry(key.clone()).or_insert_with(|| d.empty_value());
-                    if let Err(e) = stored.merge_delta(d) {
-                        self.report.violations.push(format!("persisted delta of {key} does not join: {e:?}"));
-                    }
-                }
+            let write = match record {
+                PersistRecord::Snapshot => node.replicator.local_value(key).cloned().map(DiskWrite::Snapshot),
+                PersistRecord::Delta(d) => Some(DiskWrite::Delta(d.clone())),
+            };
+            if let Some(write) = write {
+                self.unsynced[i].push((*ticket, write.keyed(key)));
             }
         }
         if through > 0 {
