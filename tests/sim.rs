@@ -114,6 +114,15 @@ fn random_faults_with_remembered_entities_never_lose_an_acknowledged_id() {
     }
 }
 
+/// Found by a 1,000-seed run: a remembering shard whose load failed waited out its backoff
+/// while the coordinator handed it off; the hand-off reached no running shard and was never
+/// answered, the shard restarted anyway, and its entities stayed unreachable for good.
+#[test]
+fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped() {
+    let report = check(502, &SimConfig { remember: true, ..SimConfig::default() });
+    assert!(report.trace.iter().any(|l| l.contains("shard 8 failed; restarts after the backoff")), "the scenario");
+}
+
 #[test]
 fn replay() {
     let Some(seed) = std::env::var("DDSHARD_SIM_SEED").ok().and_then(|s| s.parse().ok()) else { return };

@@ -42,8 +42,14 @@ pub(crate) enum RegionInput<M> {
         routable: BTreeSet<RegionId>,
         coordinator: Option<RegionId>,
     },
-    /// A local shard finished its hand-off.
+    /// A local shard finished its hand-off (or, having failed, was not running when asked).
     LocalShardStopped(ShardId),
+    /// A local shard that failed has waited out its backoff: it starts again only if this
+    /// region still hosts it at `epoch` and is not handing it off or shutting down.
+    RestartFailedShard {
+        shard: ShardId,
+        epoch: u64,
+    },
     GracefulShutdown,
     Tick,
 }
@@ -250,6 +256,14 @@ impl<M> RegionCore<M> {
                     self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
                 self.check_stopped(out);
+            }
+            RegionInput::RestartFailedShard { shard, epoch } => {
+                if self.hosted.get(&shard) == Some(&epoch)
+                    && !self.handing_off.contains_key(&shard)
+                    && !self.shutting_down
+                {
+                    out.push(RegionAction::StartShard { shard, epoch });
+                }
             }
             RegionInput::GracefulShutdown => {
                 self.shutting_down = true;
@@ -631,6 +645,37 @@ mod tests {
                 [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { handoff: 7, .. }, .. }]
             ),
             "answers with the id of the HandOff: {out:?}"
+        );
+    }
+
+    #[test]
+    fn a_failed_shard_restarts_after_its_backoff_only_if_still_hosted_at_its_epoch_and_not_handed_off() {
+        let mut c = region(10);
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 4 }));
+        let restart = |epoch| RegionInput::RestartFailedShard { shard: "1".into(), epoch };
+        assert_eq!(run(&mut c, restart(4)), vec![RegionAction::StartShard { shard: "1".into(), epoch: 4 }]);
+        assert!(run(&mut c, restart(3)).is_empty(), "an older epoch's backoff ended: hosted anew since");
+        // The coordinator hands it off while it waits out its backoff (nothing runs): the driver
+        // answers at once, and the backoff's end starts nothing.
+        let out = run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 8 }));
+        assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }));
+        let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        assert!(matches!(
+            &out[..],
+            [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { handoff: 8, .. }, .. }]
+        ));
+        assert!(run(&mut c, restart(4)).is_empty(), "handed off: not restarted here");
+        run(&mut c, coord(ToRegion::HostShard { shard: "2".into(), epoch: 1 }));
+        run(&mut c, coord(ToRegion::HandOff { shard: "2".into(), handoff: 9 }));
+        assert!(
+            run(&mut c, RegionInput::RestartFailedShard { shard: "2".into(), epoch: 1 }).is_empty(),
+            "a hand-off on its way: not restarted"
+        );
+        run(&mut c, coord(ToRegion::HostShard { shard: "3".into(), epoch: 1 }));
+        run(&mut c, RegionInput::GracefulShutdown);
+        assert!(
+            run(&mut c, RegionInput::RestartFailedShard { shard: "3".into(), epoch: 1 }).is_empty(),
+            "shutting down: not restarted"
         );
     }
 

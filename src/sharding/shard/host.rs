@@ -155,8 +155,13 @@ impl<E: Entity> LocalShards<E> {
         work: &mut VecDeque<Work<E>>,
     ) {
         let Some(s) = self.shards.get_mut(&shard) else {
-            if let ShardInput::Deliver { entity_id, msg } = input {
-                self.replier.fail(msg, &entity_id, "shard is not hosted here");
+            match input {
+                ShardInput::Deliver { entity_id, msg } => {
+                    self.replier.fail(msg, &entity_id, "shard is not hosted here")
+                }
+                // A failed shard waiting out its backoff runs nothing: it is stopped already.
+                ShardInput::HandOff => work.push_back(Work::Region(RegionInput::LocalShardStopped(shard))),
+                _ => {}
             }
             return;
         };
@@ -210,8 +215,8 @@ impl<E: Entity> LocalShards<E> {
             }
             ShardEvent::RestartShard { shard, epoch } => {
                 if !self.shards.contains_key(&shard) && !shutting_down {
-                    info!(type_name = %self.type_name, %shard, "restarting shard after failure backoff");
-                    self.start(shard, epoch);
+                    info!(type_name = %self.type_name, %shard, "failure backoff over; restarting the shard if still hosted here");
+                    work.push_back(Work::Region(RegionInput::RestartFailedShard { shard, epoch }));
                 }
             }
         }

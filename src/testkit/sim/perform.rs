@@ -287,6 +287,11 @@ impl Sim {
                         for a in out {
                             self.perform_shard(i, &shard, a);
                         }
+                    } else {
+                        // A failed shard waiting out its backoff runs nothing: stopped already.
+                        let mut out = Vec::new();
+                        node.region.handle(RegionInput::LocalShardStopped(shard), now, &mut out);
+                        self.perform_region(i, out);
                     }
                 }
                 RegionAction::Drop { msg, reason, .. } => {

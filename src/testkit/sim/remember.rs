@@ -164,8 +164,12 @@ impl Sim {
 
     pub(super) fn on_restart_shard(&mut self, node: UniqueAddress, shard: ShardId, epoch: u64) {
         let Some(i) = self.slot_of(&node) else { return };
-        if !self.nodes[i].as_ref().expect("running").shards.contains_key(shard.as_str()) {
-            self.start_remembering_shard(i, &shard, epoch);
+        let now = self.now();
+        let node = self.nodes[i].as_mut().expect("running");
+        if !node.shards.contains_key(shard.as_str()) {
+            let mut out = Vec::new();
+            node.region.handle(RegionInput::RestartFailedShard { shard, epoch }, now, &mut out);
+            self.perform_region(i, out);
         }
     }
 
