@@ -7,7 +7,7 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::wire::{check_dot, check_element, check_writers};
-use super::{Dot, OrSetError, Writers};
+use super::{Dot, OrSetError, Writers, rmp_uint_len};
 
 /// Most claims one delta may carry (one per writer restart it joins; a peer's list is capped so
 /// that the linear checks stay cheap).
@@ -60,13 +60,17 @@ impl OrSetDelta {
         self.entries.is_empty() && self.claims.is_empty()
     }
 
-    /// Approximate encoded size in bytes.
+    /// Approximate encoded size in bytes (O(delta), never encodes): per element its bytes and
+    /// headers, per dot a pair of a writer index and a counter sized by its value.
     pub fn approx_bytes(&self) -> usize {
-        let dots: usize = self.entries.values().map(|e| e.present.len() + e.removed.len()).sum();
-        self.entries.keys().map(|k| k.len() + 4).sum::<usize>()
-            + dots * 10
-            + self.claims.len() * 14
-            + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>()
+        let dot = |(w, c): &(u16, u64)| 1 + rmp_uint_len(u64::from(*w)) + rmp_uint_len(*c);
+        let entries: usize = self
+            .entries
+            .iter()
+            .map(|(k, e)| k.len() + 6 + e.present.iter().chain(&e.removed).map(dot).sum::<usize>())
+            .sum();
+        let claims: usize = self.claims.iter().map(|(_, lo, hi)| 3 + rmp_uint_len(*lo) + rmp_uint_len(*hi)).sum();
+        entries + claims + self.writers.names.iter().map(|n| n.len() + 2).sum::<usize>() + 4
     }
 
     /// Joins one local op on `x` into this delta: `present` dots `x` now holds, `removed` dots

@@ -387,3 +387,59 @@ fn sets_that_differ_only_in_their_cloud_have_different_digests() {
     }
     assert_eq!(with_cloud("a#1", &[(5, 6), (7, 8)]).digest(), variants[4].digest(), "touching intervals are one");
 }
+
+#[test]
+fn a_delta_is_empty_only_without_elements_and_claims() {
+    assert!(OrSetDelta::default().is_empty());
+    let mut s = OrSet::default();
+    s.add(&ctx("a#1"), "x");
+    assert!(!s.take_delta().unwrap().is_empty());
+    let claims_only =
+        super::delta::OrSetDeltaWire { writers: vec!["w#1".into()], entries: vec![], claims: vec![(0, 1, 9)] };
+    let d: OrSetDelta = rmp_serde::from_slice(&rmp_serde::to_vec(&claims_only).unwrap()).unwrap();
+    assert!(!d.is_empty(), "a claim alone still says something");
+    assert_eq!(d.len(), 0, "and touches no element");
+}
+
+#[test]
+fn deltas_of_different_writers_are_not_equal_even_with_the_same_indexes() {
+    let delta_of = |writer: &str| {
+        let mut s = OrSet::default();
+        s.add(&ctx(writer), "x");
+        s.take_delta().unwrap()
+    };
+    assert_eq!(delta_of("a#1"), delta_of("a#1"));
+    assert_ne!(delta_of("a#1"), delta_of("b#1"));
+}
+
+#[test]
+fn delta_approx_bytes_stays_within_a_quarter_of_the_encoded_size() {
+    let mut small = OrSet::default();
+    small.add(&ctx("n1#1"), "x");
+    let mut many = OrSet::default();
+    for i in 0..500 {
+        many.add(&store_ctx(0), format!("device-{i:05}"));
+    }
+    many.take_delta();
+    for i in 0..500 {
+        many.remove(&format!("device-{i:05}"));
+        many.add(&store_ctx(1 << 30), format!("device-{i:05}"));
+    }
+    let mut writers = OrSet::default();
+    for w in 0..40 {
+        let mut other = OrSet::default();
+        other.add(&ctx(&format!("node-{w}#store-{w:016x}")), "shared");
+        writers.merge(other);
+    }
+    writers.remove("shared");
+    for (name, d) in [
+        ("one add", small.take_delta()),
+        ("re-adds with a claim", many.take_delta()),
+        ("many writers", writers.take_delta()),
+    ] {
+        let d = d.unwrap();
+        let encoded = rmp_serde::to_vec(&d).unwrap().len() as f64;
+        let ratio = d.approx_bytes() as f64 / encoded;
+        assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", d.approx_bytes());
+    }
+}
