@@ -432,10 +432,28 @@ fn delta_approx_bytes_stays_within_a_quarter_of_the_encoded_size() {
         writers.merge(other);
     }
     writers.remove("shared");
+    // Forty store writers, each restarted twice far along its counters: the delta of the
+    // second restart is mostly claims whose both ends are large numbers.
+    let mut claims: Option<OrSetDelta> = None;
+    for w in 0..40u64 {
+        let restarted = |floor: u64| WriteCtx::new("c#1", 1).with_set_writer(format!("c{w}"), floor, floor + 1_000);
+        let mut s = OrSet::default();
+        s.add(&restarted(1 << 40), "x");
+        s.take_delta();
+        s.add(&restarted((1 << 41) + w), "x");
+        let d = s.take_delta().unwrap();
+        assert!(d.claims.iter().all(|&(_, lo, _)| lo > 1 << 32), "{:?}", d.claims);
+        match claims.as_mut() {
+            Some(all) => all.join_delta(d),
+            None => claims = Some(d),
+        }
+    }
+    assert_eq!(claims.as_ref().unwrap().claims.len(), 40);
     for (name, d) in [
         ("one add", small.take_delta()),
         ("re-adds with a claim", many.take_delta()),
         ("many writers", writers.take_delta()),
+        ("mostly claims", claims),
     ] {
         let d = d.unwrap();
         let encoded = rmp_serde::to_vec(&d).unwrap().len() as f64;
