@@ -96,6 +96,18 @@ pub enum Error {
         found: &'static str,
     },
 
+    /// A write under `epoch` was refused because a newer allocation (epoch `fence`) has
+    /// claimed the state it writes: this writer is a stale incarnation and must stop.
+    #[error("write to {key:?} under epoch {epoch} refused: epoch {fence} has claimed it")]
+    Fenced {
+        /// What was written (a replicator key, or the entity's type and id).
+        key: String,
+        /// The writer's epoch.
+        epoch: u64,
+        /// The epoch that claimed the state.
+        fence: u64,
+    },
+
     /// Entity ids must not be empty.
     #[error("entity id must not be empty")]
     EmptyEntityId,

@@ -43,6 +43,8 @@ pub struct WriteCtx {
     /// OR-set adds refused (counters exhausted or not reserved); the replicator fails the
     /// update when this moved.
     pub(crate) refused_adds: std::cell::Cell<u64>,
+    /// A fenced-map write of this update refused by its fence (see [`WriteCtx::refuse`]).
+    pub(crate) fenced: Option<super::fenced::Fenced>,
 }
 
 impl WriteCtx {
@@ -58,6 +60,7 @@ impl WriteCtx {
             counter_floor: 0,
             counter_ceiling: u64::MAX,
             refused_adds: std::cell::Cell::new(0),
+            fenced: None,
         }
     }
 
@@ -73,6 +76,13 @@ impl WriteCtx {
     /// OR-set adds refused so far (no reserved counter was left).
     pub fn refused_adds(&self) -> u64 {
         self.refused_adds.get()
+    }
+
+    /// Reports that this update's write to a [`FencedMap`] was refused by the map's fence:
+    /// the replicator then fails the key with [`Error::Fenced`] (the other keys of the update
+    /// go on).
+    pub fn refuse(&mut self, fenced: super::fenced::Fenced) {
+        self.fenced = Some(fenced);
     }
 
     /// The writer identity.
@@ -96,7 +106,7 @@ pub const BUCKETS: usize = 64;
 
 /// One digest per bucket (boxed: 512 bytes).
 #[derive(Clone)]
-struct Buckets(Box<[u64; BUCKETS]>);
+pub(crate) struct Buckets(Box<[u64; BUCKETS]>);
 
 impl Default for Buckets {
     fn default() -> Self {
@@ -117,7 +127,7 @@ impl std::ops::DerefMut for Buckets {
     }
 }
 
-fn bucket_of(key: &str) -> usize {
+pub(crate) fn bucket_of(key: &str) -> usize {
     (xxh3_64(key.as_bytes()) % BUCKETS as u64) as usize
 }
 
@@ -313,6 +323,7 @@ impl LwwMap {
     }
 }
 
+pub use super::fenced::{Fenced, FencedMap};
 pub use super::orset::{OrSet, OrSetDelta, OrSetError};
 
 /// A grow-only set of strings. Digest: a sum of one hash per member, per bucket; delta: the
@@ -450,6 +461,8 @@ pub enum ReplicatedData {
     OrSet(OrSet),
     /// G-set.
     GSet(GSet),
+    /// LWW-map fenced by epoch (durable entity state).
+    FencedMap(FencedMap),
 }
 
 /// A change of one value: itself a state of the same type (a δ-state), so deltas merge in any
@@ -462,6 +475,8 @@ pub enum ReplicatedDelta {
     OrSet(OrSetDelta),
     /// Members added to a G-set.
     GSet(GSet),
+    /// Entries written to a fenced map (and its fence) since the last take.
+    FencedMap(FencedMap),
 }
 
 impl ReplicatedDelta {
@@ -471,6 +486,7 @@ impl ReplicatedDelta {
             ReplicatedDelta::LwwMap(_) => LwwMap::NAME,
             ReplicatedDelta::OrSet(_) => OrSet::NAME,
             ReplicatedDelta::GSet(_) => GSet::NAME,
+            ReplicatedDelta::FencedMap(_) => FencedMap::NAME,
         }
     }
 
@@ -480,6 +496,7 @@ impl ReplicatedDelta {
             ReplicatedDelta::LwwMap(m) => m.entry_count(),
             ReplicatedDelta::OrSet(d) => d.len(),
             ReplicatedDelta::GSet(g) => g.len(),
+            ReplicatedDelta::FencedMap(m) => m.entry_count(),
         }
     }
 
@@ -494,6 +511,7 @@ impl ReplicatedDelta {
             ReplicatedDelta::LwwMap(m) => m.approx_bytes(),
             ReplicatedDelta::OrSet(d) => d.approx_bytes(),
             ReplicatedDelta::GSet(g) => g.approx_bytes(),
+            ReplicatedDelta::FencedMap(m) => m.approx_bytes(),
         }
     }
 
@@ -503,9 +521,18 @@ impl ReplicatedDelta {
             (ReplicatedDelta::LwwMap(a), ReplicatedDelta::LwwMap(b)) => a.merge(b),
             (ReplicatedDelta::OrSet(a), ReplicatedDelta::OrSet(b)) => a.join_delta(b),
             (ReplicatedDelta::GSet(a), ReplicatedDelta::GSet(b)) => a.merge(b),
+            (ReplicatedDelta::FencedMap(a), ReplicatedDelta::FencedMap(b)) => a.merge(b),
             (a, b) => return Err((a.type_name(), b.type_name())),
         }
         Ok(())
+    }
+
+    /// The writer's fence carried by a fenced map's delta; `None` for other types.
+    pub fn fence(&self) -> Option<u64> {
+        match self {
+            ReplicatedDelta::FencedMap(m) => Some(m.fence()),
+            _ => None,
+        }
     }
 
     /// The empty value of the delta's type (what a replica without the key merges it into).
@@ -514,6 +541,7 @@ impl ReplicatedDelta {
             ReplicatedDelta::LwwMap(_) => ReplicatedData::LwwMap(LwwMap::default()),
             ReplicatedDelta::OrSet(_) => ReplicatedData::OrSet(OrSet::default()),
             ReplicatedDelta::GSet(_) => ReplicatedData::GSet(GSet::default()),
+            ReplicatedDelta::FencedMap(_) => ReplicatedData::FencedMap(FencedMap::default()),
         }
     }
 }
@@ -539,6 +567,7 @@ impl ReplicatedData {
             ReplicatedData::LwwMap(_) => LwwMap::NAME,
             ReplicatedData::OrSet(_) => OrSet::NAME,
             ReplicatedData::GSet(_) => GSet::NAME,
+            ReplicatedData::FencedMap(_) => FencedMap::NAME,
         }
     }
 
@@ -560,6 +589,7 @@ impl ReplicatedData {
             (ReplicatedData::LwwMap(a), ReplicatedData::LwwMap(b)) => a.merge(b),
             (ReplicatedData::OrSet(a), ReplicatedData::OrSet(b)) => a.try_merge(&b).map_err(MergeError::Invalid)?,
             (ReplicatedData::GSet(a), ReplicatedData::GSet(b)) => a.merge(b),
+            (ReplicatedData::FencedMap(a), ReplicatedData::FencedMap(b)) => a.merge(b),
             (a, b) => return Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() }),
         }
         Ok(())
@@ -571,6 +601,7 @@ impl ReplicatedData {
             (ReplicatedData::LwwMap(a), ReplicatedDelta::LwwMap(b)) => a.merge(b.clone()),
             (ReplicatedData::OrSet(a), ReplicatedDelta::OrSet(b)) => a.merge_delta(b).map_err(MergeError::Invalid)?,
             (ReplicatedData::GSet(a), ReplicatedDelta::GSet(b)) => a.merge(b.clone()),
+            (ReplicatedData::FencedMap(a), ReplicatedDelta::FencedMap(b)) => a.merge(b.clone()),
             (a, b) => return Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() }),
         }
         Ok(())
@@ -582,6 +613,7 @@ impl ReplicatedData {
             ReplicatedData::LwwMap(m) => m.take_delta().map(ReplicatedDelta::LwwMap),
             ReplicatedData::OrSet(s) => s.take_delta().map(ReplicatedDelta::OrSet),
             ReplicatedData::GSet(g) => g.take_delta().map(ReplicatedDelta::GSet),
+            ReplicatedData::FencedMap(m) => m.take_delta().map(ReplicatedDelta::FencedMap),
         }
     }
 
@@ -591,6 +623,7 @@ impl ReplicatedData {
             ReplicatedData::LwwMap(m) => (1u64, m.digest()),
             ReplicatedData::OrSet(s) => (2, s.digest()),
             ReplicatedData::GSet(g) => (3, g.digest()),
+            ReplicatedData::FencedMap(m) => (4, m.digest()),
         };
         d.wrapping_add(tag.wrapping_mul(0x9E37_79B9_7F4A_7C15))
     }
@@ -600,6 +633,7 @@ impl ReplicatedData {
         match self {
             ReplicatedData::LwwMap(m) => Some(m.bucket_digests()),
             ReplicatedData::GSet(g) => Some(g.bucket_digests()),
+            ReplicatedData::FencedMap(m) => Some(m.bucket_digests()),
             ReplicatedData::OrSet(_) => None,
         }
     }
@@ -610,6 +644,7 @@ impl ReplicatedData {
         match self {
             ReplicatedData::LwwMap(m) => ReplicatedData::LwwMap(m.buckets_subset(buckets)),
             ReplicatedData::GSet(g) => ReplicatedData::GSet(g.buckets_subset(buckets)),
+            ReplicatedData::FencedMap(m) => ReplicatedData::FencedMap(m.buckets_subset(buckets)),
             ReplicatedData::OrSet(_) => self.clone(),
         }
     }
@@ -620,6 +655,7 @@ impl ReplicatedData {
             ReplicatedData::LwwMap(m) => m.approx_bytes(),
             ReplicatedData::OrSet(s) => s.approx_bytes(),
             ReplicatedData::GSet(g) => g.approx_bytes(),
+            ReplicatedData::FencedMap(m) => m.approx_bytes(),
         }
     }
 
@@ -629,6 +665,16 @@ impl ReplicatedData {
             ReplicatedData::LwwMap(m) => m.entry_count(),
             ReplicatedData::OrSet(s) => s.len(),
             ReplicatedData::GSet(g) => g.len(),
+            ReplicatedData::FencedMap(m) => m.entry_count(),
+        }
+    }
+
+    /// The fence of a fenced map (what a replica judges a replicated write by); `None` for
+    /// types without one.
+    pub fn fence(&self) -> Option<u64> {
+        match self {
+            ReplicatedData::FencedMap(m) => Some(m.fence()),
+            _ => None,
         }
     }
 }
@@ -674,6 +720,7 @@ macro_rules! impl_crdt {
 impl_crdt!(LwwMap, "LwwMap");
 impl_crdt!(OrSet, "OrSet");
 impl_crdt!(GSet, "GSet");
+impl_crdt!(FencedMap, "FencedMap");
 
 #[cfg(test)]
 mod tests {

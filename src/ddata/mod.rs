@@ -12,6 +12,7 @@
 pub mod crdt;
 mod driver;
 pub mod durable;
+pub mod fenced;
 pub mod orset;
 pub mod persist;
 pub mod replicator;
@@ -22,7 +23,9 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, watch};
 
-pub use crdt::{Crdt, GSet, LwwMap, MergeError, OrSet, OrSetDelta, ReplicatedData, ReplicatedDelta, WriteCtx};
+pub use crdt::{
+    Crdt, Fenced, FencedMap, GSet, LwwMap, MergeError, OrSet, OrSetDelta, ReplicatedData, ReplicatedDelta, WriteCtx,
+};
 pub use durable::DurableStore;
 pub use persist::DurableHealth;
 use replicator::Input;
@@ -40,7 +43,8 @@ pub(crate) const TOPIC: &str = "ddata";
 pub(crate) enum ReplyTx {
     Get(oneshot::Sender<Result<Option<ReplicatedData>>>),
     GetMany(oneshot::Sender<Result<Vec<Option<ReplicatedData>>>>),
-    Update(oneshot::Sender<Result<()>>),
+    /// The keys refused by their fence, if any (see [`replicator::Action::ReplyUpdate`]).
+    Update(oneshot::Sender<Result<Vec<(String, Fenced)>>>),
 }
 
 // Short-lived: moved through the command channel once.
@@ -113,7 +117,7 @@ impl Replicator {
         let KeyUpdate { key, modify } = KeyUpdate::new::<T, F>(key, modify);
         let input = Input::Update { key, consistency, timeout, modify, reply: ReplyTx::Update(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
-        rx.await.map_err(|_| Error::ShutDown)?
+        first_fenced(rx.await.map_err(|_| Error::ShutDown)??)
     }
 
     /// Updates several keys (of any types) and replicates them in one round: one message and
@@ -126,14 +130,49 @@ impl Replicator {
         timeout: Duration,
         updates: Vec<KeyUpdate>,
     ) -> Result<()> {
+        first_fenced(self.update_each(consistency, timeout, updates).await?)
+    }
+
+    /// [`Replicator::update_many`] where a key refused by its fence (a [`FencedMap`] write that
+    /// reports [`WriteCtx::refuse`], or one a replica refused because a newer epoch claimed
+    /// the key there) does not fail the others: returns the refused keys, and every other key
+    /// is written at `consistency`.
+    pub async fn update_each(
+        &self,
+        consistency: Consistency,
+        timeout: Duration,
+        updates: Vec<KeyUpdate>,
+    ) -> Result<Vec<(String, Fenced)>> {
         if updates.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let (tx, rx) = oneshot::channel();
         let updates = updates.into_iter().map(KeyUpdate::into_parts).collect();
         let input = Input::UpdateMany { updates, consistency, timeout, reply: ReplyTx::Update(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)?
+    }
+
+    /// Applies `updates` here, then reads their keys at `consistency` from replicas that merge
+    /// and store the same updates *before* they answer, so every answer counted holds the
+    /// write. This is how a new allocation claims its state ([`FencedMap::claim`]): once the
+    /// read returns, none of the replicas it counted takes a write of an older epoch, and the
+    /// values hold every older write a majority acknowledged. Values come in the order of
+    /// `updates`; at most 4,096 keys; a key refused by its fence fails the call with
+    /// [`Error::Fenced`].
+    pub async fn update_and_get_many<T: Crdt>(
+        &self,
+        consistency: Consistency,
+        timeout: Duration,
+        updates: Vec<KeyUpdate>,
+    ) -> Result<Vec<Option<T>>> {
+        let keys: Vec<String> = updates.iter().map(|u| u.key.clone()).collect();
+        let (tx, rx) = oneshot::channel();
+        let updates = updates.into_iter().map(KeyUpdate::into_parts).collect();
+        let input = Input::UpdateAndGetMany { updates, consistency, timeout, reply: ReplyTx::GetMany(tx) };
+        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
+        let values = rx.await.map_err(|_| Error::ShutDown)??;
+        values.into_iter().zip(&keys).map(|(d, key)| d.map(|d| T::from_data(d, key)).transpose()).collect()
     }
 
     /// Watches the local value of `key`: the receiver holds the current value and is notified on
@@ -145,6 +184,14 @@ impl Replicator {
             .await
             .map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)
+    }
+}
+
+/// An update's outcome as one result: the first key refused by its fence is the error.
+fn first_fenced(fenced: Vec<(String, Fenced)>) -> Result<()> {
+    match fenced.into_iter().next() {
+        Some((key, Fenced { epoch, fence })) => Err(Error::Fenced { key, epoch, fence }),
+        None => Ok(()),
     }
 }
 

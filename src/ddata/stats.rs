@@ -35,6 +35,9 @@ pub struct ReplicatorStats {
     /// OR-set adds refused because no durably reserved counter was left (their updates failed
     /// with a storage error).
     pub refused_adds: AtomicU64,
+    /// Writes to fenced maps refused because a newer epoch had claimed the key, here or at a
+    /// replica (per key and write).
+    pub fenced_writes: AtomicU64,
 }
 
 impl ReplicatorStats {

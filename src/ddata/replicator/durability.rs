@@ -299,11 +299,19 @@ impl<R> ReplicatorCore<R> {
         self.durability.last_failure = Some((path.clone(), reason.clone()));
         for action in released.into_values().flatten() {
             match action {
-                // Not stored here, so not acknowledged: the writer must not count this replica.
-                Action::Send { msg: super::ReplicatorMsg::WriteAck { .. }, .. } => {}
-                Action::ReplyUpdate { reply, result: Ok(()) } => {
+                // Not stored here, so not acknowledged: the writer (or the reader after a
+                // write) must not count this replica.
+                Action::Send {
+                    msg: super::ReplicatorMsg::WriteAck { .. } | super::ReplicatorMsg::ReadResult { .. },
+                    ..
+                } => {}
+                Action::ReplyUpdate { reply, result: Ok(_) } => {
                     let result = Err(Error::Storage { path: path.clone(), reason: reason.clone() });
                     out.push(Action::ReplyUpdate { reply, result });
+                }
+                Action::ReplyGetMany { reply, result: Ok(_) } => {
+                    let result = Err(Error::Storage { path: path.clone(), reason: reason.clone() });
+                    out.push(Action::ReplyGetMany { reply, result });
                 }
                 other => out.push(other),
             }

@@ -36,6 +36,7 @@ use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use super::crdt::{MergeError, ReplicatedData, ReplicatedDelta, WriteCtx};
+use super::fenced::Fenced;
 use super::stats::ReplicatorStats;
 use crate::clock::Instant;
 use crate::error::{Error, Result};
@@ -146,6 +147,27 @@ pub enum ReplicatorMsg {
         /// Value-bucket digests of large differing values, for the receiver to compare.
         value_buckets: Vec<(String, Vec<u64>)>,
     },
+    /// Some keys of a [`ReplicatorMsg::WriteDelta`] were refused: a newer epoch has claimed
+    /// them here (sent before the `WriteAck` for the rest).
+    WriteFenced {
+        /// Operation id.
+        op: u64,
+        /// Key → the writer's fence and this replica's.
+        keys: Vec<(String, Fenced)>,
+    },
+    /// Merge these deltas and values, store them (durable keys: commit), then answer like a
+    /// [`ReplicatorMsg::Read`] of `keys`: a read whose every answer already holds the write
+    /// (a new allocation's claim, which the answer must not predate).
+    MergeThenRead {
+        /// Operation id of the reader.
+        op: u64,
+        /// Keys to answer (at most `reads::MAX_READ_KEYS`).
+        keys: Vec<String>,
+        /// Key → delta to merge first.
+        entries: Vec<(String, ReplicatedDelta)>,
+        /// Key → full value to merge first.
+        values: Vec<(String, ReplicatedData)>,
+    },
 }
 
 /// A boxed update of one key's value: changes an existing value in place (returning `None`) or,
@@ -180,6 +202,14 @@ pub(crate) enum Input<R> {
     },
     /// Several keys updated and replicated in one round (one message and one ack per replica).
     UpdateMany {
+        updates: Vec<(String, Modify)>,
+        consistency: Consistency,
+        timeout: Duration,
+        reply: R,
+    },
+    /// Updates applied here, then merged and stored by the replicas before they answer with
+    /// their values of the same keys (answered with `ReplyGetMany`).
+    UpdateAndGetMany {
         updates: Vec<(String, Modify)>,
         consistency: Consistency,
         timeout: Duration,
@@ -241,9 +271,11 @@ pub(crate) enum Action<R> {
         reply: R,
         result: Result<Vec<Option<ReplicatedData>>>,
     },
+    /// The update's outcome: the keys refused by their fence (with the writer's and the
+    /// refusing fence); every other key is written at the consistency asked.
     ReplyUpdate {
         reply: R,
-        result: Result<()>,
+        result: Result<Vec<(String, Fenced)>>,
     },
     Changed {
         key: String,
@@ -290,11 +322,31 @@ struct Entry {
 
 struct PendingWrite<R> {
     keys: Vec<String>,
+    /// Keys refused by a fence, here or at a replica.
+    fenced: Vec<(String, Fenced)>,
     needed: usize,
     addressed: Vec<UniqueAddress>,
     acked: HashSet<UniqueAddress>,
     deadline: Instant,
     reply: R,
+}
+
+/// Deltas by key, as a write carries them.
+type KeyedDeltas = Vec<(String, ReplicatedDelta)>;
+/// Full values by key, as a write carries them.
+type KeyedValues = Vec<(String, ReplicatedData)>;
+
+/// An update's modifies applied locally.
+struct Applied {
+    /// Keys written (not refused).
+    keys: Vec<String>,
+    deltas: Vec<(String, ReplicatedDelta)>,
+    /// Keys the modify left unchanged.
+    unchanged: Vec<String>,
+    /// Keys refused by their fence.
+    fenced: Vec<(String, Fenced)>,
+    /// The first other failure (the modifies after it did not run).
+    failure: Option<Error>,
 }
 
 /// Pending local deltas above this many elements ship at once instead of waiting for the timer.
@@ -497,6 +549,14 @@ impl<R> ReplicatorCore<R> {
         out.push(Action::Changed { key: key.to_string() });
     }
 
+    /// Why a replicated write to `key` from a writer whose fence is `writer_fence` must be
+    /// refused: the key is a fenced map here that a newer epoch has claimed.
+    fn refusal(&self, key: &str, writer_fence: Option<u64>) -> Option<Fenced> {
+        let writer_fence = writer_fence?;
+        let fence = self.local_value(key)?.fence()?;
+        (writer_fence < fence).then_some(Fenced { epoch: writer_fence, fence })
+    }
+
     fn reject(&self, from: &PeerAddr, what: &str, e: &Error) {
         ReplicatorStats::inc(&self.stats.rejected);
         warn!(peer = %from.address, error = %e, "refusing {what}");
@@ -519,6 +579,10 @@ impl<R> ReplicatorCore<R> {
                 self.ctx.now_ms = wall_ms;
                 self.on_update(updates, consistency, timeout, reply, now, out)
             }
+            Input::UpdateAndGetMany { updates, consistency, timeout, reply } => {
+                self.ctx.now_ms = wall_ms;
+                self.on_update_and_get(updates, consistency, timeout, reply, now, out)
+            }
             Input::Remote { from, msg } => self.on_remote(from, msg, out),
             Input::Members { replicas, gossip_targets } => {
                 self.replicas = replicas;
@@ -539,6 +603,13 @@ impl<R> ReplicatorCore<R> {
         let had_value = existing.is_some();
         let result = modify(existing.map(|e| &mut e.value), &mut self.ctx);
         let refused = self.ctx.refused_adds.replace(0);
+        if let Some(Fenced { epoch, fence }) = self.ctx.fenced.take() {
+            // The map refused the write and changed nothing; earlier local changes of the key
+            // stay pending and spread as usual.
+            result?;
+            ReplicatorStats::inc(&self.stats.fenced_writes);
+            return Err(Error::Fenced { key: key.to_string(), epoch, fence });
+        }
         let (changed, created) = match result? {
             Some(created) if !had_value => {
                 self.put_value(key, created);
@@ -580,33 +651,20 @@ impl<R> ReplicatorCore<R> {
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
-        let keys: Vec<String> = updates.iter().map(|(k, _)| k.clone()).collect();
-        let mut deltas: Vec<(String, ReplicatedDelta)> = Vec::with_capacity(updates.len());
-        let mut unchanged: Vec<String> = Vec::new();
-        let mut failure = None;
-        for (key, modify) in updates {
-            match self.apply_modify(&key, modify, out) {
-                Ok(Some(d)) => deltas.push((key, d)),
-                Ok(None) => unchanged.push(key),
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
+        let Applied { keys, deltas, unchanged, fenced, failure } = self.apply_all(updates, out);
         let needed = c.needed(self.total_replicas());
         let reachable = self.reachable_replicas();
-        if failure.is_some() || needed <= 1 || reachable.len() + 1 < needed {
+        if failure.is_some() || needed <= 1 || reachable.len() + 1 < needed || keys.is_empty() {
             for (key, d) in deltas {
                 self.pend_delta(key, d);
             }
             let result = match failure {
                 Some(e) => Err(e),
-                None if needed <= 1 => Ok(()),
+                None if needed <= 1 || keys.is_empty() => Ok(()),
                 None => Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
             };
             match result.and_then(|()| self.commit_ticket(keys.iter().map(String::as_str))) {
-                Ok(ticket) => self.after_commit(ticket, Action::ReplyUpdate { reply, result: Ok(()) }, out),
+                Ok(ticket) => self.after_commit(ticket, Action::ReplyUpdate { reply, result: Ok(fenced) }, out),
                 Err(e) => out.push(Action::ReplyUpdate { reply, result: Err(e) }),
             }
             if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
@@ -615,6 +673,53 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         // Earlier local changes of these keys ride along.
+        let (deltas, values) = self.outgoing(deltas, unchanged);
+        let op = self.next_op();
+        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
+        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
+        let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
+        self.start_write(op, keys, fenced, msg, reachable, needed, timeout, reply, now, out);
+    }
+
+    /// Applies the modifies of an update in order. A key refused by its fence is set aside and
+    /// the others go on; any other failure stops there (keys modified before it keep their
+    /// local change, which spreads as with any local update).
+    fn apply_all(&mut self, updates: Vec<(String, Modify)>, out: &mut Vec<Action<R>>) -> Applied {
+        let mut applied = Applied {
+            keys: Vec::with_capacity(updates.len()),
+            deltas: Vec::with_capacity(updates.len()),
+            unchanged: Vec::new(),
+            fenced: Vec::new(),
+            failure: None,
+        };
+        for (key, modify) in updates {
+            match self.apply_modify(&key, modify, out) {
+                Ok(Some(d)) => {
+                    applied.keys.push(key.clone());
+                    applied.deltas.push((key, d));
+                }
+                Ok(None) => {
+                    applied.keys.push(key.clone());
+                    applied.unchanged.push(key);
+                }
+                Err(Error::Fenced { key, epoch, fence }) => applied.fenced.push((key, Fenced { epoch, fence })),
+                Err(e) => {
+                    applied.failure = Some(e);
+                    break;
+                }
+            }
+        }
+        applied
+    }
+
+    /// The deltas of an update with the earlier local changes of its keys joined in, and the
+    /// full values of the keys it did not change (a retried write must still reach the
+    /// replicas).
+    fn outgoing(
+        &mut self,
+        mut deltas: Vec<(String, ReplicatedDelta)>,
+        unchanged: Vec<String>,
+    ) -> (KeyedDeltas, KeyedValues) {
         for (key, d) in deltas.iter_mut() {
             if let Some(p) = self.take_pending(key)
                 && let Err((a, b)) = d.join(p)
@@ -630,11 +735,7 @@ impl<R> ReplicatorCore<R> {
                 values.push((key, e.value.clone()));
             }
         }
-        let op = self.next_op();
-        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
-        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
-        let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
-        self.start_write(op, keys, msg, reachable, needed, timeout, reply, now, out);
+        (deltas, values)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -642,6 +743,7 @@ impl<R> ReplicatorCore<R> {
         &mut self,
         op: u64,
         keys: Vec<String>,
+        fenced: Vec<(String, Fenced)>,
         msg: ReplicatorMsg,
         reachable: Vec<PeerAddr>,
         needed: usize,
@@ -653,7 +755,8 @@ impl<R> ReplicatorCore<R> {
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         out.push(Action::Broadcast { to: reachable, msg });
         let acked = HashSet::from([self.self_addr.clone()]);
-        self.writes.insert(op, PendingWrite { keys, needed, addressed, acked, deadline: now + timeout, reply });
+        let deadline = now + timeout;
+        self.writes.insert(op, PendingWrite { keys, fenced, needed, addressed, acked, deadline, reply });
     }
 
     fn pend_delta(&mut self, key: String, delta: ReplicatedDelta) {
@@ -702,7 +805,12 @@ impl<R> ReplicatorCore<R> {
             ReplicatorMsg::WriteDelta { op, entries, values } => {
                 let mut ok = true;
                 let mut keys = Vec::with_capacity(entries.len() + values.len());
+                let mut fenced = Vec::new();
                 for (key, delta) in entries {
+                    if let Some(refusal) = self.refusal(&key, delta.fence()) {
+                        fenced.push((key, refusal));
+                        continue;
+                    }
                     if let Err(e) = self.merge_delta_in(&key, delta, out) {
                         self.reject(&from, "replicated delta", &e);
                         ok = false;
@@ -710,11 +818,19 @@ impl<R> ReplicatorCore<R> {
                     keys.push(key);
                 }
                 for (key, value) in values {
+                    if let Some(refusal) = self.refusal(&key, value.fence()) {
+                        fenced.push((key, refusal));
+                        continue;
+                    }
                     if let Err(e) = self.merge_in(&key, value, out) {
                         self.reject(&from, "replicated value", &e);
                         ok = false;
                     }
                     keys.push(key);
+                }
+                if !fenced.is_empty() {
+                    ReplicatorStats::add(&self.stats.fenced_writes, fenced.len());
+                    out.push(Action::Send { to: from.clone(), msg: ReplicatorMsg::WriteFenced { op, keys: fenced } });
                 }
                 // A write with a refused key is not acknowledged: the writer must not count
                 // this replica for it. The ack leaves once the keys are committed here.
@@ -745,11 +861,28 @@ impl<R> ReplicatorCore<R> {
                     let w = self.writes.remove(&op).expect("pending write");
                     match self.commit_ticket(w.keys.iter().map(String::as_str)) {
                         Ok(ticket) => {
-                            self.after_commit(ticket, Action::ReplyUpdate { reply: w.reply, result: Ok(()) }, out)
+                            let reply = Action::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
+                            self.after_commit(ticket, reply, out)
                         }
                         Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
                     }
                 }
+            }
+            ReplicatorMsg::WriteFenced { op, keys } => match self.writes.get_mut(&op) {
+                Some(w) if w.addressed.contains(&from.address) => {
+                    // Only keys of this write, each once: a peer cannot grow the list.
+                    for (key, refusal) in keys {
+                        if let Some(i) = w.keys.iter().position(|k| *k == key) {
+                            let key = w.keys.swap_remove(i);
+                            w.fenced.push((key, refusal));
+                        }
+                    }
+                }
+                Some(_) => ReplicatorStats::inc(&self.stats.rejected),
+                None => {}
+            },
+            ReplicatorMsg::MergeThenRead { op, keys, entries, values } => {
+                self.on_merge_then_read(from, op, keys, entries, values, out)
             }
             ReplicatorMsg::Read { op, keys } => self.on_read(from, op, keys, out),
             ReplicatorMsg::ReadResult { op, values } => self.on_read_result(op, from, values, out),

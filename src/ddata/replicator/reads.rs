@@ -9,7 +9,8 @@ use tracing::warn;
 
 use super::{Action, Consistency, ReplicatorCore, ReplicatorMsg};
 use crate::clock::Instant;
-use crate::ddata::crdt::ReplicatedData;
+use crate::ddata::crdt::{ReplicatedData, ReplicatedDelta};
+use crate::ddata::fenced::Fenced;
 use crate::ddata::stats::ReplicatorStats;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
@@ -22,6 +23,9 @@ pub(super) struct PendingRead<R> {
     keys: Vec<String>,
     /// One reply for the whole read (`ReplyGetMany`) rather than for one key (`ReplyGet`).
     many: bool,
+    /// A read after a local write (`UpdateAndGetMany`): the reply also waits for the write's
+    /// local commit.
+    after_write: bool,
     needed: usize,
     addressed: Vec<UniqueAddress>,
     /// Per replica that answered: the digest of each key it has answered so far.
@@ -53,14 +57,7 @@ impl<R> ReplicatorCore<R> {
     ) {
         let needed = c.needed(self.total_replicas());
         let reachable = self.reachable_replicas();
-        let refusal = if keys.len() > MAX_READ_KEYS {
-            Some(Error::Codec(format!("a read of {} keys is over the limit of {MAX_READ_KEYS}", keys.len())))
-        } else if needed > 1 && reachable.len() + 1 < needed {
-            Some(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 })
-        } else {
-            None
-        };
-        if let Some(e) = refusal {
+        if let Some(e) = read_refusal(keys.len(), needed, reachable.len()) {
             out.push(read_reply(reply, many, Err(e)));
             return;
         }
@@ -75,6 +72,7 @@ impl<R> ReplicatorCore<R> {
         let read = PendingRead {
             keys,
             many,
+            after_write: false,
             needed,
             addressed,
             responders: BTreeMap::new(),
@@ -85,12 +83,128 @@ impl<R> ReplicatorCore<R> {
         self.reads.insert(op, read);
     }
 
+    /// Applies `updates` here, then reads their keys at `c` from replicas that merge and store
+    /// the same updates before they answer: every answer counted already holds the write. A
+    /// new allocation's claim uses it, so that no replica it read from can still take a write
+    /// of an older epoch afterwards. Answered with `ReplyGetMany` once the local write is
+    /// committed too.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn on_update_and_get(
+        &mut self,
+        updates: Vec<(String, super::Modify)>,
+        c: Consistency,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
+        let needed = c.needed(self.total_replicas());
+        let reachable = self.reachable_replicas();
+        if let Some(e) = read_refusal(updates.len(), needed, reachable.len()) {
+            out.push(read_reply(reply, true, Err(e)));
+            return;
+        }
+        let all_keys: Vec<String> = updates.iter().map(|(k, _)| k.clone()).collect();
+        let applied = self.apply_all(updates, out);
+        if let Some(e) = applied.failure {
+            out.push(read_reply(reply, true, Err(e)));
+            return;
+        }
+        if let Some((key, Fenced { epoch, fence })) = applied.fenced.into_iter().next() {
+            out.push(read_reply(reply, true, Err(Error::Fenced { key, epoch, fence })));
+            return;
+        }
+        let local: Vec<Option<ReplicatedData>> = all_keys.iter().map(|k| self.local_value(k).cloned()).collect();
+        if needed <= 1 {
+            for (key, d) in applied.deltas {
+                self.pend_delta(key, d);
+            }
+            match self.commit_ticket(all_keys.iter().map(String::as_str)) {
+                Ok(ticket) => self.after_commit(ticket, read_reply(reply, true, Ok(local)), out),
+                Err(e) => out.push(read_reply(reply, true, Err(e))),
+            }
+            return;
+        }
+        let (entries, values) = self.outgoing(applied.deltas, applied.unchanged);
+        let op = self.next_op();
+        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * entries.len());
+        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
+        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
+        let msg = ReplicatorMsg::MergeThenRead { op, keys: all_keys.clone(), entries, values };
+        out.push(Action::Broadcast { to: reachable, msg });
+        let read = PendingRead {
+            keys: all_keys,
+            many: true,
+            after_write: true,
+            needed,
+            addressed,
+            responders: BTreeMap::new(),
+            merged: local,
+            deadline: now + timeout,
+            reply,
+        };
+        self.reads.insert(op, read);
+    }
+
+    /// A peer's [`ReplicatorMsg::MergeThenRead`]: merges its write, then answers the read once
+    /// the write is committed here (a failed commit answers nothing: the reader must not count
+    /// a replica that may lose the write).
+    pub(super) fn on_merge_then_read(
+        &mut self,
+        from: PeerAddr,
+        op: u64,
+        keys: Vec<String>,
+        entries: Vec<(String, ReplicatedDelta)>,
+        values: Vec<(String, ReplicatedData)>,
+        out: &mut Vec<Action<R>>,
+    ) {
+        if keys.len() > MAX_READ_KEYS || entries.len() + values.len() > keys.len() {
+            ReplicatorStats::inc(&self.stats.rejected);
+            return;
+        }
+        // Only the keys that are read may be written: a peer cannot write more than it reads.
+        let mut written = Vec::with_capacity(entries.len() + values.len());
+        for (key, delta) in entries {
+            if !keys.contains(&key) {
+                ReplicatorStats::inc(&self.stats.rejected);
+                return;
+            }
+            if let Err(e) = self.merge_delta_in(&key, delta, out) {
+                self.reject(&from, "delta of a read after a write", &e);
+                return;
+            }
+            written.push(key);
+        }
+        for (key, value) in values {
+            if !keys.contains(&key) {
+                ReplicatorStats::inc(&self.stats.rejected);
+                return;
+            }
+            if let Err(e) = self.merge_in(&key, value, out) {
+                self.reject(&from, "value of a read after a write", &e);
+                return;
+            }
+            written.push(key);
+        }
+        let Ok(ticket) = self.commit_ticket(written.iter().map(String::as_str)) else { return };
+        for msg in self.read_results(op, &keys) {
+            self.after_commit(ticket, Action::Send { to: from.clone(), msg }, out);
+        }
+    }
+
     /// Answers a peer's read with this node's values, in messages capped in bytes.
     pub(super) fn on_read(&mut self, from: PeerAddr, op: u64, keys: Vec<String>, out: &mut Vec<Action<R>>) {
         if keys.len() > MAX_READ_KEYS {
             ReplicatorStats::inc(&self.stats.rejected);
             return;
         }
+        for msg in self.read_results(op, &keys) {
+            out.push(Action::Send { to: from.clone(), msg });
+        }
+    }
+
+    /// This node's values of `keys` as `ReadResult` messages capped in bytes.
+    fn read_results(&self, op: u64, keys: &[String]) -> Vec<ReplicatorMsg> {
         let values: Vec<(u32, Option<ReplicatedData>)> =
             keys.iter().enumerate().map(|(i, key)| (i as u32, self.local_value(key).cloned())).collect();
         ReplicatorStats::add(&self.stats.full_values_sent, values.iter().filter(|(_, v)| v.is_some()).count());
@@ -99,9 +213,7 @@ impl<R> ReplicatorCore<R> {
         if parts.is_empty() {
             parts.push(Vec::new()); // A read of no keys still gets its (empty) answer.
         }
-        for values in parts {
-            out.push(Action::Send { to: from.clone(), msg: ReplicatorMsg::ReadResult { op, values } });
-        }
+        parts.into_iter().map(|values| ReplicatorMsg::ReadResult { op, values }).collect()
     }
 
     pub(super) fn on_read_result(
@@ -170,7 +282,16 @@ impl<R> ReplicatorCore<R> {
                 out.push(repair(&peer, entries));
             }
         }
-        out.push(read_reply(r.reply, r.many, Ok(results)));
+        let reply = read_reply(r.reply, r.many, Ok(results));
+        if r.after_write {
+            // The local write (and what the answers merged here) must be committed first.
+            match self.commit_ticket(r.keys.iter().map(String::as_str)) {
+                Ok(ticket) => self.after_commit(ticket, reply, out),
+                Err(e) => out.push(read_reply_of(reply, Err(e))),
+            }
+        } else {
+            out.push(reply);
+        }
     }
 
     /// Fails the reads past their deadline.
@@ -187,6 +308,27 @@ impl<R> ReplicatorCore<R> {
 fn repair<R>(to: &PeerAddr, entries: Vec<(String, ReplicatedData)>) -> Action<R> {
     let msg = ReplicatorMsg::Gossip { entries, want: Vec::new(), want_buckets: Vec::new(), value_buckets: Vec::new() };
     Action::Send { to: to.clone(), msg }
+}
+
+/// Why a read of `keys` keys that needs `needed` replicas (this node included) cannot start
+/// with `reachable` other replicas reachable.
+fn read_refusal(keys: usize, needed: usize, reachable: usize) -> Option<Error> {
+    if keys > MAX_READ_KEYS {
+        Some(Error::Codec(format!("a read of {keys} keys is over the limit of {MAX_READ_KEYS}")))
+    } else if needed > 1 && reachable + 1 < needed {
+        Some(Error::NotEnoughReplicas { needed, reachable: reachable + 1 })
+    } else {
+        None
+    }
+}
+
+/// The same reply handle with another result.
+fn read_reply_of<R>(action: Action<R>, result: Result<Vec<Option<ReplicatedData>>>) -> Action<R> {
+    match action {
+        Action::ReplyGetMany { reply, .. } => read_reply(reply, true, result),
+        Action::ReplyGet { reply, .. } => read_reply(reply, false, result),
+        other => other,
+    }
 }
 
 fn read_reply<R>(reply: R, many: bool, result: Result<Vec<Option<ReplicatedData>>>) -> Action<R> {

@@ -238,7 +238,8 @@ impl Sim {
                     self.on_remember_loaded(i, shard, instance, result)
                 }
                 RepAction::ReplyUpdate { reply: RepReply::RememberWrite(w), result } => {
-                    self.on_remember_written(i, w, result)
+                    // Remembered-id sets have no fence: nothing is refused.
+                    self.on_remember_written(i, w, result.map(|_| ()))
                 }
                 RepAction::ReplyGet { .. } | RepAction::ReplyGetMany { .. } | RepAction::ReplyUpdate { .. } => {
                     self.report.violations.push("replicator reply of the wrong kind".into());

@@ -119,7 +119,7 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     assert!(out.is_empty(), "a majority of acks, but the writer's own commit is not reported yet");
     commit_all(&mut c, &mut out);
-    assert!(matches!(out[0], Action::ReplyUpdate { reply: 7, result: Ok(()) }));
+    assert!(matches!(&out[0], Action::ReplyUpdate { reply: 7, result: Ok(f) } if f.is_empty()));
 
     let mut out = Vec::new();
     c.handle(
@@ -298,6 +298,8 @@ fn kind(m: &ReplicatorMsg) -> &'static str {
         ReplicatorMsg::KeyBuckets { .. } => "KeyBuckets",
         ReplicatorMsg::Digests { .. } => "Digests",
         ReplicatorMsg::Gossip { .. } => "Gossip",
+        ReplicatorMsg::WriteFenced { .. } => "WriteFenced",
+        ReplicatorMsg::MergeThenRead { .. } => "MergeThenRead",
     }
 }
 
@@ -501,7 +503,7 @@ fn acks_and_read_results_count_only_from_the_replicas_addressed() {
     assert!(out.is_empty(), "strangers' acks do not complete the write: {out:?}");
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 2);
     a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
-    assert!(matches!(out[..], [Action::ReplyUpdate { result: Ok(()), .. }]));
+    assert!(matches!(&out[..], [Action::ReplyUpdate { result: Ok(f), .. }] if f.is_empty()));
 }
 
 #[test]
@@ -614,7 +616,7 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     let mut out = Vec::new();
     a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, Instant::now(), 1, &mut out);
     commit_all(&mut a, &mut out);
-    assert!(matches!(out[..], [Action::ReplyUpdate { reply: 4, result: Ok(()) }]));
+    assert!(matches!(&out[..], [Action::ReplyUpdate { reply: 4, result: Ok(f) }] if f.is_empty()));
 }
 
 #[test]
@@ -659,5 +661,6 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
 }
 
 mod durability;
+mod fencing;
 mod reads;
 mod writer;

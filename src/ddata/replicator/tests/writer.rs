@@ -18,9 +18,9 @@ fn core_with(writer: StoreWriter) -> ReplicatorCore<u32> {
     )
 }
 
-fn reply(out: &[Action<u32>]) -> Option<&Result<()>> {
+fn reply(out: &[Action<u32>]) -> Option<Result<(), &Error>> {
     out.iter().find_map(|a| match a {
-        Action::ReplyUpdate { result, .. } => Some(result),
+        Action::ReplyUpdate { result, .. } => Some(result.as_ref().map(|fenced| assert!(fenced.is_empty()))),
         _ => None,
     })
 }

@@ -1,0 +1,646 @@
+//! A last-writer-wins map fenced by epoch: the replicated home of durable entity state.
+//!
+//! **Order.** Each register is `(epoch, clock, value)` and the greater one wins a merge. The
+//! epoch is the writer's fencing token (a shard's allocation epoch), so a write under a newer
+//! allocation beats every write of an older one, whatever the wall clocks say; the clock orders
+//! the writes of one epoch (the next write of a key under the same epoch counts on from the
+//! last, so it needs no wall clock); the value only breaks a tie that a single writer per epoch
+//! never makes, so that merges stay commutative even if that assumption is broken.
+//!
+//! **Fence.** The map carries the highest epoch that has *claimed* it (or written to it), merged
+//! by max. A local write under an epoch below the fence is refused ([`Fenced`]), and a replica
+//! refuses a replicated write whose writer's fence is below its own
+//! ([`FencedMap::admits_write_from`]). A new allocation claims the map on the replicas it reads
+//! from before it reads (see `ReplicatorMsg::MergeThenRead`), so an older incarnation can no
+//! longer have a write acknowledged by a majority once the newer one has loaded the state.
+//!
+//! **Digest.** Like the LWW-map: one hash per entry summed per bucket of keys, so anti-entropy
+//! ships only the buckets that differ; the fence is folded into bucket 0, so a map that differs
+//! only in its fence still differs in a bucket, and every subset or delta carries the fence.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_bytes::ByteBuf;
+use xxhash_rust::xxh3::{Xxh3, xxh3_64};
+
+use super::crdt::{BUCKETS, Buckets, bucket_of};
+
+/// A write refused because a newer allocation (epoch `fence`) has claimed the map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("write under epoch {epoch} refused: epoch {fence} has claimed this state")]
+pub struct Fenced {
+    /// The writer's epoch.
+    pub epoch: u64,
+    /// The map's fence.
+    pub fence: u64,
+}
+
+/// One register: epoch, clock within the epoch, value (`None`: deleted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct FencedReg(u64, u64, Option<ByteBuf>);
+
+impl FencedReg {
+    fn wins_over(&self, other: &FencedReg) -> bool {
+        (self.0, self.1, &self.2) > (other.0, other.1, &other.2)
+    }
+
+    fn hash(&self, key: &str) -> u64 {
+        let mut h = Xxh3::new();
+        h.update(&(key.len() as u64).to_le_bytes());
+        h.update(key.as_bytes());
+        h.update(&self.0.to_le_bytes());
+        h.update(&self.1.to_le_bytes());
+        match &self.2 {
+            Some(v) => {
+                h.update(&[1]);
+                h.update(v);
+            }
+            None => h.update(&[0]),
+        }
+        h.digest()
+    }
+}
+
+/// Hash of a fence, folded into bucket 0 (0 for no fence, so an empty map digests to 0).
+fn fence_hash(fence: u64) -> u64 {
+    if fence == 0 { 0 } else { xxh3_64(&fence.to_le_bytes()) }
+}
+
+/// Size of an rmp unsigned integer.
+fn uint_len(v: u64) -> usize {
+    match v {
+        0..=0x7f => 1,
+        0x80..=0xff => 2,
+        0x100..=0xffff => 3,
+        0x1_0000..=0xffff_ffff => 5,
+        _ => 9,
+    }
+}
+
+/// An LWW-map whose registers are ordered by writer epoch first, with a fence; see the module
+/// documentation.
+#[derive(Clone, Default)]
+pub struct FencedMap {
+    fence: u64,
+    entries: BTreeMap<String, FencedReg>,
+    buckets: Buckets,
+    /// Local writes since the last take, and whether the fence moved locally (a claim).
+    delta: BTreeMap<String, FencedReg>,
+    claimed: bool,
+}
+
+#[derive(Serialize, Deserialize)]
+struct FencedMapWire {
+    fence: u64,
+    entries: BTreeMap<String, FencedReg>,
+}
+
+impl Serialize for FencedMap {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            fence: u64,
+            entries: &'a BTreeMap<String, FencedReg>,
+        }
+        Borrowed { fence: self.fence, entries: &self.entries }.serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for FencedMap {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let wire = FencedMapWire::deserialize(d)?;
+        let mut m = FencedMap::default();
+        // The fence is at least every entry's epoch (every write raises it); a peer's value
+        // that says otherwise is read as if it did.
+        let newest = wire.entries.values().map(|r| r.0).max().unwrap_or(0);
+        m.raise_fence(wire.fence.max(newest));
+        for (k, reg) in wire.entries {
+            m.set(k, reg);
+        }
+        Ok(m)
+    }
+}
+
+impl PartialEq for FencedMap {
+    fn eq(&self, other: &Self) -> bool {
+        self.fence == other.fence && self.entries == other.entries
+    }
+}
+impl Eq for FencedMap {}
+
+impl std::fmt::Debug for FencedMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FencedMap").field("fence", &self.fence).field("entries", &self.entries).finish()
+    }
+}
+
+impl FencedMap {
+    /// The highest epoch that claimed or wrote this map (0: none).
+    pub fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    /// Claims the map for `epoch`: from now on writes under older epochs are refused. A claim
+    /// under an epoch below the fence changes nothing and is refused.
+    pub fn claim(&mut self, epoch: u64) -> Result<(), Fenced> {
+        if epoch < self.fence {
+            return Err(Fenced { epoch, fence: self.fence });
+        }
+        if epoch > self.fence {
+            self.raise_fence(epoch);
+            self.claimed = true;
+        }
+        Ok(())
+    }
+
+    /// Sets `key` to `value` under `epoch`.
+    pub fn put(&mut self, key: impl Into<String>, epoch: u64, value: Vec<u8>) -> Result<(), Fenced> {
+        self.write(key.into(), epoch, Some(ByteBuf::from(value)))
+    }
+
+    /// Deletes `key` under `epoch` (a tombstone, so the deletion wins over older writes).
+    pub fn delete(&mut self, key: &str, epoch: u64) -> Result<(), Fenced> {
+        if epoch < self.fence {
+            return Err(Fenced { epoch, fence: self.fence });
+        }
+        if self.entries.get(key).is_none_or(|r| r.2.is_none()) {
+            return Ok(());
+        }
+        self.write(key.to_string(), epoch, None)
+    }
+
+    fn write(&mut self, key: String, epoch: u64, value: Option<ByteBuf>) -> Result<(), Fenced> {
+        if epoch < self.fence {
+            return Err(Fenced { epoch, fence: self.fence });
+        }
+        let clock = match self.entries.get(&key) {
+            Some(r) if r.0 == epoch => r.1.saturating_add(1),
+            // An entry from a newer epoch is impossible below the fence (every write raises it).
+            _ => 1,
+        };
+        if epoch > self.fence {
+            self.raise_fence(epoch);
+            self.claimed = true;
+        }
+        let reg = FencedReg(epoch, clock, value);
+        self.delta.insert(key.clone(), reg.clone());
+        self.set(key, reg);
+        Ok(())
+    }
+
+    fn raise_fence(&mut self, fence: u64) {
+        if fence > self.fence {
+            self.buckets[0] = self.buckets[0].wrapping_sub(fence_hash(self.fence)).wrapping_add(fence_hash(fence));
+            self.fence = fence;
+        }
+    }
+
+    /// Installs `reg` under `key`, keeping the bucket digest in step.
+    fn set(&mut self, key: String, reg: FencedReg) {
+        let b = bucket_of(&key);
+        let added = reg.hash(&key);
+        let removed = self.entries.get(&key).map_or(0, |old| old.hash(&key));
+        self.buckets[b] = self.buckets[b].wrapping_sub(removed).wrapping_add(added);
+        self.entries.insert(key, reg);
+    }
+
+    /// The value under `key`, unless absent or deleted.
+    pub fn get(&self, key: &str) -> Option<&[u8]> {
+        self.entries.get(key)?.2.as_deref().map(|b| b.as_slice())
+    }
+
+    /// The epoch of the write that set (or deleted) `key`.
+    pub fn epoch_of(&self, key: &str) -> Option<u64> {
+        self.entries.get(key).map(|r| r.0)
+    }
+
+    /// Live entries in key order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.entries.iter().filter_map(|(k, r)| Some((k.as_str(), r.2.as_deref()?.as_slice())))
+    }
+
+    /// Number of live entries.
+    pub fn len(&self) -> usize {
+        self.iter().count()
+    }
+
+    /// True when no live entry exists.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Number of entries, tombstones included.
+    pub fn entry_count(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether a replicated write from a writer whose map had fence `writer_fence` may be
+    /// applied here: not when a newer epoch has claimed this replica.
+    pub fn admits_write_from(&self, writer_fence: u64) -> bool {
+        writer_fence >= self.fence
+    }
+
+    /// Merges another replica's state, a delta or a bucket subset: the greater register wins
+    /// per key, the fence is the greater one.
+    pub fn merge(&mut self, other: FencedMap) {
+        self.raise_fence(other.fence);
+        for (k, reg) in other.entries {
+            if self.entries.get(&k).is_none_or(|mine| reg.wins_over(mine)) {
+                self.set(k, reg);
+            }
+        }
+    }
+
+    /// Canonical digest (the sum of the bucket digests).
+    pub fn digest(&self) -> u64 {
+        self.buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b))
+    }
+
+    /// Per-bucket digests (the fence is part of bucket 0's).
+    pub fn bucket_digests(&self) -> &[u64; BUCKETS] {
+        &self.buckets
+    }
+
+    /// The entries of the given buckets, with the fence.
+    pub fn buckets_subset(&self, buckets: &[usize]) -> FencedMap {
+        let mut m = FencedMap::default();
+        m.raise_fence(self.fence);
+        for (k, reg) in &self.entries {
+            if buckets.contains(&bucket_of(k)) {
+                m.set(k.clone(), reg.clone());
+            }
+        }
+        m
+    }
+
+    /// Takes the local writes and claim since the last take, as a map that carries the current
+    /// fence (what replicas judge the write by).
+    pub fn take_delta(&mut self) -> Option<FencedMap> {
+        if self.delta.is_empty() && !std::mem::take(&mut self.claimed) {
+            return None;
+        }
+        self.claimed = false;
+        let mut m = FencedMap::default();
+        m.raise_fence(self.fence);
+        for (k, reg) in std::mem::take(&mut self.delta) {
+            m.set(k, reg);
+        }
+        Some(m)
+    }
+
+    /// Approximate encoded size in bytes (never encodes).
+    pub fn approx_bytes(&self) -> usize {
+        let entries: usize = self
+            .entries
+            .iter()
+            .map(|(k, r)| k.len() + 3 + uint_len(r.0) + uint_len(r.1) + r.2.as_ref().map_or(1, |v| v.len() + 5))
+            .sum();
+        entries + uint_len(self.fence) + 24
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value(m: &FencedMap, k: &str) -> Option<Vec<u8>> {
+        m.get(k).map(<[u8]>::to_vec)
+    }
+
+    #[test]
+    fn a_write_under_a_newer_epoch_wins_whatever_the_order_of_merges() {
+        let mut old = FencedMap::default();
+        old.put("cart-1", 5, b"old".to_vec()).unwrap();
+        for _ in 0..10 {
+            old.put("cart-1", 5, b"old-later".to_vec()).unwrap();
+        }
+        let mut new = FencedMap::default();
+        new.put("cart-1", 6, b"new".to_vec()).unwrap();
+        let mut a = old.clone();
+        a.merge(new.clone());
+        let mut b = new.clone();
+        b.merge(old.clone());
+        assert_eq!(a, b);
+        assert_eq!(value(&a, "cart-1"), Some(b"new".to_vec()));
+        assert_eq!(a.epoch_of("cart-1"), Some(6));
+        assert_eq!(a.fence(), 6);
+    }
+
+    #[test]
+    fn writes_of_one_epoch_are_ordered_by_their_clock() {
+        let mut m = FencedMap::default();
+        m.put("k", 3, b"first".to_vec()).unwrap();
+        let first = m.clone();
+        m.put("k", 3, b"second".to_vec()).unwrap();
+        let mut merged = m.clone();
+        merged.merge(first.clone());
+        assert_eq!(value(&merged, "k"), Some(b"second".to_vec()));
+        let mut other_way = first;
+        other_way.merge(m);
+        assert_eq!(value(&other_way, "k"), Some(b"second".to_vec()));
+    }
+
+    #[test]
+    fn a_claim_refuses_later_writes_and_claims_of_older_epochs() {
+        let mut m = FencedMap::default();
+        m.put("k", 4, b"v".to_vec()).unwrap();
+        m.claim(7).unwrap();
+        assert_eq!(m.put("k", 4, b"stale".to_vec()), Err(Fenced { epoch: 4, fence: 7 }));
+        assert_eq!(m.delete("k", 6), Err(Fenced { epoch: 6, fence: 7 }));
+        assert_eq!(m.claim(5), Err(Fenced { epoch: 5, fence: 7 }));
+        assert_eq!(value(&m, "k"), Some(b"v".to_vec()), "a refused write changes nothing");
+        m.claim(7).unwrap();
+        m.put("k", 7, b"new".to_vec()).unwrap();
+        assert_eq!(value(&m, "k"), Some(b"new".to_vec()));
+        assert_eq!(m.fence(), 7);
+    }
+
+    #[test]
+    fn a_replica_admits_writes_only_from_writers_at_or_above_its_fence() {
+        let mut replica = FencedMap::default();
+        assert!(replica.admits_write_from(0));
+        replica.claim(9).unwrap();
+        assert!(!replica.admits_write_from(8));
+        assert!(replica.admits_write_from(9));
+        assert!(replica.admits_write_from(10));
+    }
+
+    #[test]
+    fn a_delete_is_a_tombstone_that_beats_the_older_value_everywhere() {
+        let mut m = FencedMap::default();
+        m.put("k", 2, b"v".to_vec()).unwrap();
+        let before = m.clone();
+        m.delete("k", 2).unwrap();
+        assert_eq!(m.get("k"), None);
+        assert_eq!((m.len(), m.entry_count(), m.is_empty()), (0, 1, true));
+        let mut merged = before;
+        merged.merge(m.clone());
+        assert_eq!(merged.get("k"), None);
+        assert_eq!(merged, m);
+        // Deleting what is absent or already deleted writes nothing.
+        let mut fresh = FencedMap::default();
+        fresh.delete("absent", 1).unwrap();
+        assert_eq!(fresh.take_delta(), None);
+        m.take_delta();
+        m.delete("k", 2).unwrap();
+        assert_eq!(m.take_delta(), None);
+    }
+
+    #[test]
+    fn a_delta_carries_the_local_writes_and_the_current_fence() {
+        let mut m = FencedMap::default();
+        m.put("a", 3, b"1".to_vec()).unwrap();
+        m.put("b", 3, b"2".to_vec()).unwrap();
+        let d = m.take_delta().unwrap();
+        assert_eq!((d.len(), d.fence()), (2, 3));
+        assert_eq!(m.take_delta(), None, "nothing written since");
+        // A merge is not a local change.
+        let mut other = FencedMap::default();
+        other.put("c", 4, b"3".to_vec()).unwrap();
+        m.merge(other);
+        assert_eq!(m.take_delta(), None);
+        // A claim alone is a delta of no entries that carries the fence.
+        m.claim(8).unwrap();
+        let d = m.take_delta().unwrap();
+        assert_eq!((d.entry_count(), d.fence()), (0, 8));
+        assert_eq!(m.take_delta(), None);
+        // A delta merged anywhere gives what the writer has.
+        let mut replica = FencedMap::default();
+        let mut writer = m.clone();
+        writer.put("a", 8, b"new".to_vec()).unwrap();
+        replica.merge(m.clone());
+        replica.merge(writer.take_delta().unwrap());
+        assert_eq!(replica, writer);
+    }
+
+    #[test]
+    fn a_map_that_differs_only_in_its_fence_differs_in_a_bucket_and_its_subsets_carry_the_fence() {
+        let mut a = FencedMap::default();
+        a.put("k", 1, b"v".to_vec()).unwrap();
+        let mut b = a.clone();
+        b.claim(2).unwrap();
+        assert_ne!(a.digest(), b.digest());
+        let differing: Vec<usize> = (0..BUCKETS).filter(|&i| a.bucket_digests()[i] != b.bucket_digests()[i]).collect();
+        assert_eq!(differing, vec![0]);
+        let subset = b.buckets_subset(&differing);
+        assert_eq!(subset.fence(), 2);
+        a.merge(subset);
+        assert_eq!(a.digest(), b.digest());
+        assert_eq!(a, b);
+        assert_eq!(FencedMap::default().digest(), 0);
+    }
+
+    #[test]
+    fn the_digest_follows_every_change_and_equals_a_fresh_computation() {
+        let mut m = FencedMap::default();
+        let mut digests = vec![m.digest()];
+        m.put("a", 1, b"x".to_vec()).unwrap();
+        digests.push(m.digest());
+        m.put("a", 1, b"y".to_vec()).unwrap();
+        digests.push(m.digest());
+        m.delete("a", 1).unwrap();
+        digests.push(m.digest());
+        m.claim(4).unwrap();
+        digests.push(m.digest());
+        let mut unique = digests.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), digests.len(), "{digests:?}");
+        let decoded: FencedMap = rmp_serde::from_slice(&rmp_serde::to_vec_named(&m).unwrap()).unwrap();
+        assert_eq!(decoded.digest(), m.digest());
+        assert_eq!(decoded.bucket_digests(), m.bucket_digests());
+        assert_eq!(decoded, m);
+    }
+
+    #[test]
+    fn equal_epochs_and_clocks_from_two_writers_still_merge_the_same_both_ways() {
+        let mut a = FencedMap::default();
+        a.put("k", 5, b"from-a".to_vec()).unwrap();
+        let mut b = FencedMap::default();
+        b.put("k", 5, b"from-b".to_vec()).unwrap();
+        let mut ab = a.clone();
+        ab.merge(b.clone());
+        let mut ba = b;
+        ba.merge(a);
+        assert_eq!(ab, ba);
+        assert_eq!(value(&ab, "k"), Some(b"from-b".to_vec()));
+    }
+
+    #[test]
+    fn a_peer_clock_at_its_maximum_does_not_panic_the_next_write() {
+        let mut m: FencedMap = rmp_serde::from_slice(
+            &rmp_serde::to_vec_named(&FencedMapWire {
+                fence: 3,
+                entries: BTreeMap::from([("k".to_string(), FencedReg(3, u64::MAX, None))]),
+            })
+            .unwrap(),
+        )
+        .unwrap();
+        m.put("k", 3, b"v".to_vec()).unwrap();
+        assert_eq!(m.fence(), 3);
+        m.put("k", 4, b"w".to_vec()).unwrap();
+        assert_eq!(value(&m, "k"), Some(b"w".to_vec()));
+    }
+
+    #[test]
+    fn the_size_estimate_stays_within_a_quarter_of_the_encoded_size() {
+        let mut small = FencedMap::default();
+        small.put("cart-1", 1_763_900_000_000, b"apples".to_vec()).unwrap();
+        let mut many = FencedMap::default();
+        for i in 0..1_000 {
+            many.put(format!("device-{i:06}"), 42, vec![7u8; 100]).unwrap();
+        }
+        for i in 0..200 {
+            many.delete(&format!("device-{i:06}"), 42).unwrap();
+        }
+        for (name, m) in [("one entry", small), ("many entries and tombstones", many)] {
+            let encoded = rmp_serde::to_vec_named(&m).unwrap().len() as f64;
+            let ratio = m.approx_bytes() as f64 / encoded;
+            assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", m.approx_bytes());
+        }
+    }
+
+    /// Two incarnations of one shard: a stale one (epoch 1, on replica 0) keeps writing while a
+    /// new one (epoch 2, on replica 2) claims and loads the state from a majority, then writes.
+    /// Messages arrive in any order. Every write the stale one got acknowledged by a majority
+    /// without a refusal is in what the new one loaded, and after gossip every key the new one
+    /// wrote holds its last write.
+    mod interleavings {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Step {
+            StaleWrite(u8),
+            Deliver(usize, usize),
+            Claim(usize),
+            NewWrite(u8),
+            Gossip(usize, usize),
+        }
+
+        fn step() -> impl Strategy<Value = Step> {
+            prop_oneof![
+                3 => (0u8..4).prop_map(Step::StaleWrite),
+                4 => (0usize..64, 1usize..3).prop_map(|(w, r)| Step::Deliver(w, r)),
+                2 => (0usize..3).prop_map(Step::Claim),
+                2 => (0u8..4).prop_map(Step::NewWrite),
+                1 => (0usize..3, 0usize..3).prop_map(|(a, b)| Step::Gossip(a, b)),
+            ]
+        }
+
+        struct StaleWrite {
+            key: String,
+            value: Vec<u8>,
+            delta: FencedMap,
+            delivered: [bool; 3],
+            acks: usize,
+            refused: bool,
+            acked: bool,
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2_000))]
+            #[test]
+            fn a_stale_incarnation_never_has_a_write_acknowledged_that_the_new_one_did_not_load(
+                steps in prop::collection::vec(step(), 0..60),
+            ) {
+                const STALE: u64 = 1;
+                const NEW: u64 = 2;
+                let mut replicas = vec![FencedMap::default(); 3];
+                let mut writes: Vec<StaleWrite> = Vec::new();
+                let mut answers: Vec<FencedMap> = Vec::new();
+                let mut claimed = [false; 3];
+                let mut loaded: Option<FencedMap> = None;
+                let mut new_writes: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+                let mut serial = 0u8;
+                for step in steps {
+                    match step {
+                        Step::StaleWrite(k) => {
+                            serial = serial.wrapping_add(1);
+                            let key = format!("e{k}");
+                            let value = vec![serial];
+                            // Written on its own replica first; refused there once claimed.
+                            if replicas[0].put(key.clone(), STALE, value.clone()).is_ok() {
+                                let delta = replicas[0].take_delta().unwrap();
+                                writes.push(StaleWrite {
+                                    key, value, delta, delivered: [true, false, false], acks: 1,
+                                    refused: false, acked: false,
+                                });
+                            }
+                        }
+                        Step::Deliver(w, r) => {
+                            let Some(write) = writes.get_mut(w) else { continue };
+                            if write.delivered[r] {
+                                continue;
+                            }
+                            write.delivered[r] = true;
+                            if replicas[r].admits_write_from(write.delta.fence()) {
+                                replicas[r].merge(write.delta.clone());
+                                write.acks += 1;
+                                // Acknowledged at its majority unless a refusal came first
+                                // (it may still complete after the load: if so, the load saw it).
+                                if write.acks >= 2 && !write.refused {
+                                    write.acked = true;
+                                }
+                            } else {
+                                write.refused = true;
+                            }
+                        }
+                        Step::Claim(r) => {
+                            if claimed[r] || loaded.is_some() {
+                                continue;
+                            }
+                            claimed[r] = true;
+                            // The claim is merged, then the replica answers with its value.
+                            let mut claim = FencedMap::default();
+                            claim.claim(NEW).unwrap();
+                            replicas[r].merge(claim);
+                            answers.push(replicas[r].clone());
+                            if answers.len() >= 2 {
+                                let mut view = FencedMap::default();
+                                for a in answers.drain(..) {
+                                    view.merge(a);
+                                }
+                                replicas[2].merge(view.clone());
+                                loaded = Some(view);
+                            }
+                        }
+                        Step::NewWrite(k) => {
+                            if loaded.is_none() {
+                                continue;
+                            }
+                            serial = serial.wrapping_add(1);
+                            let key = format!("e{k}");
+                            replicas[2].put(key.clone(), NEW, vec![serial]).unwrap();
+                            replicas[2].take_delta();
+                            new_writes.insert(key, vec![serial]);
+                        }
+                        Step::Gossip(a, b) => {
+                            let from = replicas[a].clone();
+                            replicas[b].merge(from);
+                        }
+                    }
+                }
+                if let Some(view) = &loaded {
+                    for w in writes.iter().filter(|w| w.acked) {
+                        // The loaded value is this write or a later write of the same key.
+                        let later = writes.iter().skip_while(|x| !std::ptr::eq(*x, w)).filter(|x| x.key == w.key);
+                        let found = view.get(&w.key).map(<[u8]>::to_vec);
+                        prop_assert!(
+                            later.clone().any(|x| Some(&x.value) == found.as_ref()),
+                            "acknowledged {:?}={:?} missing from the load ({found:?})", w.key, w.value
+                        );
+                    }
+                }
+                let mut all = FencedMap::default();
+                for r in &replicas {
+                    all.merge(r.clone());
+                }
+                for (key, value) in &new_writes {
+                    prop_assert_eq!(all.get(key), Some(&value[..]), "the new incarnation's write of {} was overwritten", key);
+                }
+            }
+        }
+    }
+}
