@@ -132,6 +132,41 @@ pub enum Error {
         capacity: usize,
     },
 
+    /// A durable entity's state is over `max_state_bytes` once encoded: nothing was written,
+    /// and the entity restarts from its stored state.
+    #[error("state of entity {entity_id:?} is {bytes} bytes encoded, over max_state_bytes = {max}; not written")]
+    StateTooLarge {
+        /// The entity.
+        entity_id: String,
+        /// Its encoded size.
+        bytes: usize,
+        /// The configured `max_state_bytes`.
+        max: usize,
+    },
+
+    /// A durable entity's stored state does not decode as its `State` type (the type changed
+    /// incompatibly): the entity answers this instead of starting from `Default`.
+    #[error("stored state of {type_name} entity {entity_id:?} does not decode: {reason}")]
+    StateUndecodable {
+        /// The entity type.
+        type_name: String,
+        /// The entity.
+        entity_id: String,
+        /// The decoder's message.
+        reason: String,
+    },
+
+    /// A durable entity's state write was not acknowledged (not enough replicas, a timeout, a
+    /// storage failure): its outcome is unknown (the write may still spread from the replicas
+    /// it reached) and the entity restarts from what its node's replica holds.
+    #[error("state of entity {entity_id:?} not persisted: {reason}")]
+    StateNotPersisted {
+        /// The entity.
+        entity_id: String,
+        /// Why.
+        reason: String,
+    },
+
     /// No reply within the ask timeout.
     #[error("ask to entity {entity_id:?} timed out after {timeout:?}")]
     AskTimeout {

@@ -42,4 +42,4 @@ pub use error::{Error, Result};
 pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
 pub use node::{Node, NodeBuilder};
 pub use secret::ClusterSecret;
-pub use sharding::{Entity, EntityContext, ShardRegion, Sharding, ShardingSettings};
+pub use sharding::{Durable, DurableEntity, Entity, EntityContext, ShardRegion, Sharding, ShardingSettings};

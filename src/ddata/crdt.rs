@@ -689,6 +689,8 @@ pub trait Crdt: Clone + Default + Send + 'static {
     fn from_data(data: ReplicatedData, key: &str) -> Result<Self>;
     /// Borrows a value of this type mutably.
     fn data_mut<'a>(data: &'a mut ReplicatedData, key: &str) -> Result<&'a mut Self>;
+    /// Borrows a value of this type.
+    fn data_ref<'a>(data: &'a ReplicatedData, key: &str) -> Result<&'a Self>;
 }
 
 macro_rules! impl_crdt {
@@ -707,6 +709,14 @@ macro_rules! impl_crdt {
                 }
             }
             fn data_mut<'a>(data: &'a mut ReplicatedData, key: &str) -> Result<&'a mut Self> {
+                match data {
+                    ReplicatedData::$t(v) => Ok(v),
+                    other => {
+                        Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() })
+                    }
+                }
+            }
+            fn data_ref<'a>(data: &'a ReplicatedData, key: &str) -> Result<&'a Self> {
                 match data {
                     ReplicatedData::$t(v) => Ok(v),
                     other => {

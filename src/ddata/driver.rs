@@ -143,6 +143,7 @@ impl Driver {
                     for c in cmds.drain(..) {
                         match c {
                             Command::Op(input) => self.core.handle(input, now, wall, &mut actions),
+                            Command::Inspect { key, inspect } => inspect(self.core.local_value(&key)),
                             Command::Subscribe { key, reply } => {
                                 let current = self.core.local_value(&key).cloned();
                                 let w = self.watchers.entry(key).or_insert_with(|| watch::channel(current).0);

@@ -51,8 +51,20 @@ pub(crate) enum ReplyTx {
 #[allow(clippy::large_enum_variant)]
 enum Command {
     Op(Input<ReplyTx>),
-    Subscribe { key: String, reply: oneshot::Sender<watch::Receiver<Option<ReplicatedData>>> },
+    Subscribe {
+        key: String,
+        reply: oneshot::Sender<watch::Receiver<Option<ReplicatedData>>>,
+    },
+    /// Runs a closure on the local value of `key` in the replicator's task (a projection of a
+    /// large value without copying it).
+    Inspect {
+        key: String,
+        inspect: Inspection,
+    },
 }
+
+/// A closure run on a key's local value in the replicator's task.
+type Inspection = Box<dyn FnOnce(Option<&ReplicatedData>) + Send>;
 
 /// Handle to the node's replicator; cheap to clone.
 #[derive(Clone, Debug)]
@@ -173,6 +185,24 @@ impl Replicator {
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         let values = rx.await.map_err(|_| Error::ShutDown)??;
         values.into_iter().zip(&keys).map(|(d, key)| d.map(|d| T::from_data(d, key)).transpose()).collect()
+    }
+
+    /// Reads a projection of this node's value of `key` (`Ok(None)`: no value here), computed
+    /// in the replicator's task so that a large value is not copied: `f` should be quick.
+    pub async fn read_local_with<T, U, F>(&self, key: &str, f: F) -> Result<Option<U>>
+    where
+        T: Crdt,
+        U: Send + 'static,
+        F: FnOnce(&T) -> U + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel();
+        let owned = key.to_string();
+        let inspect = Box::new(move |data: Option<&ReplicatedData>| {
+            let result = data.map(|d| T::data_ref(d, &owned).map(f)).transpose();
+            let _ = tx.send(result);
+        });
+        self.commands.send(Command::Inspect { key: key.to_string(), inspect }).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)?
     }
 
     /// Watches the local value of `key`: the receiver holds the current value and is notified on

@@ -15,7 +15,7 @@ use super::ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id, valid_ty
 use super::protocol::{CoordinatorQuery, RegionQuery, RegionStatsReply};
 use super::region::{AskTable, RegionCmd, RegionCore, RegionSettings, RegionTask};
 use super::settings::ShardingSettings;
-use super::shard::{Factory, LocalShards, RememberIo};
+use super::shard::{Factory, LocalShards, RememberIo, StateIo};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
 use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
@@ -69,6 +69,18 @@ pub struct RegionCounters {
     /// Remember-entities: total time of the batches' majority rounds (with retries), in
     /// microseconds (divide by `remember_batches` for the mean).
     pub remember_round_micros: AtomicU64,
+    /// Durable entities: state writes acknowledged (persist and delete).
+    pub state_writes: AtomicU64,
+    /// Durable entities: batches written by this region's state writer (one majority update
+    /// each, for the writes of all its entities queued meanwhile).
+    pub state_batches: AtomicU64,
+    /// Durable entities: state writes that failed (not acknowledged, refused by a fence, or over
+    /// `max_state_bytes`).
+    pub state_write_failures: AtomicU64,
+    /// Durable entities: writes refused because a newer allocation claimed the shard's state.
+    pub state_fenced: AtomicU64,
+    /// Durable entities: stored states that did not decode as the entity's `State`.
+    pub state_undecodable: AtomicU64,
 }
 
 pub(crate) struct HandleInner<E: Entity> {
@@ -275,6 +287,18 @@ pub(crate) async fn start_region<E: Entity>(
     settings: ShardingSettings,
     options: StartOptions,
 ) -> Result<ShardRegion<E>> {
+    start_region_of(node, type_name, factory, settings, options, false).await
+}
+
+/// Starts a region; `durable`: its entities keep state in the replicated store.
+pub(crate) async fn start_region_of<E: Entity>(
+    node: &Node,
+    type_name: &str,
+    factory: Option<Factory<E>>,
+    settings: ShardingSettings,
+    options: StartOptions,
+    durable: bool,
+) -> Result<ShardRegion<E>> {
     if !valid_type_name(type_name) {
         return Err(Error::Config(format!("entity type name {type_name:?} must be non-empty and without '/'")));
     }
@@ -306,6 +330,15 @@ pub(crate) async fn start_region<E: Entity>(
             &settings,
             inner.counters.clone(),
         );
+        let state = durable.then(|| {
+            StateIo::new(
+                node.replicator().clone(),
+                node.spawner().clone(),
+                type_name,
+                &settings,
+                inner.counters.clone(),
+            )
+        });
         LocalShards::new(
             type_name,
             factory,
@@ -315,6 +348,7 @@ pub(crate) async fn start_region<E: Entity>(
             replier.clone(),
             inner.counters.clone(),
             remember,
+            state,
             node.spawner().clone(),
         )
     });

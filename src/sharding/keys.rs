@@ -17,6 +17,11 @@ pub(crate) fn remembered_entities(type_name: &str, shard: &str, slot: u32) -> St
     format!("shard-{type_name}/{shard}/{slot}")
 }
 
+/// Replicator key of one slot of a shard's durable entity states (a fenced map).
+pub(crate) fn entity_states(type_name: &str, shard: &str, slot: u32) -> String {
+    format!("shard-{type_name}/{shard}/state-{slot}")
+}
+
 /// Replicator key of the durable set of a type's shards (for a full-cluster restart).
 pub(crate) fn remembered_shards(type_name: &str) -> String {
     format!("shard-{type_name}/all")
@@ -80,6 +85,8 @@ mod tests {
         assert_eq!(external_locations("cart"), "shard-cart/external-locations");
         assert_eq!(durable_key_prefix("cart"), "shard-cart/");
         assert!(remembered_entities("cart", "1", 0).starts_with(&durable_key_prefix("cart")));
+        assert_eq!(entity_states("cart", "17", 3), "shard-cart/17/state-3");
+        assert!(entity_states("cart", "1", 0).starts_with(&durable_key_prefix("cart")));
     }
 
     #[test]

@@ -21,6 +21,7 @@
 
 pub mod allocation;
 pub(crate) mod coordinator;
+mod durable;
 mod envelope;
 mod handle;
 pub(crate) mod ids;
@@ -40,6 +41,7 @@ pub use allocation::{
     ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation,
     RegionAllocation, ShardAllocationStrategy,
 };
+pub use durable::{Durable, DurableEntity};
 pub use handle::{RegionCounters, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
@@ -61,6 +63,18 @@ pub trait Entity: Send + 'static {
     /// Handles one message.
     fn handle(&mut self, msg: Self::Message, ctx: &mut EntityContext) -> impl Future<Output = Self::Reply> + Send;
 
+    /// What the entity runner calls: [`Entity::handle`], except for entities whose handling
+    /// can fail with a typed error after the handler ran ([`Durable`]: a state write that was
+    /// refused or not acknowledged). Not meant to be overridden.
+    #[doc(hidden)]
+    fn handle_or_fail(
+        &mut self,
+        msg: Self::Message,
+        ctx: &mut EntityContext,
+    ) -> impl Future<Output = Result<Self::Reply>> + Send {
+        async move { Ok(self.handle(msg, ctx).await) }
+    }
+
     /// Runs once when this incarnation starts, before its first message — also when a
     /// remembered entity is restarted without any message. `ctx.epoch()` is the fencing token
     /// of this activation: the place to load state or to claim external resources. A panic here
@@ -79,6 +93,30 @@ pub struct EntityContext {
     pub(crate) shard_id: ShardId,
     pub(crate) epoch: u64,
     pub(crate) passivate: bool,
+    /// Durable entities: what the handler asked to do with the stored state.
+    pub(crate) state_change: Option<StateChange>,
+    /// Durable entities: the incarnation must end after this message.
+    pub(crate) end: Option<EndIncarnation>,
+    /// Durable entities: the region's state store.
+    pub(crate) state_io: Option<shard::StateIo>,
+}
+
+/// A change of a durable entity's stored state, asked by its handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StateChange {
+    Persist,
+    Delete,
+}
+
+/// Why an incarnation ends after the message it handled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EndIncarnation {
+    /// Its state write failed: the next incarnation starts from the stored state, and the
+    /// messages queued go to it.
+    Restart,
+    /// A newer allocation of the shard (epoch `fence`) claimed the state: this incarnation is
+    /// stale, and so is its shard here.
+    Fenced { fence: u64 },
 }
 
 impl EntityContext {
@@ -99,6 +137,26 @@ impl EntityContext {
     /// delivered to its next incarnation.
     pub fn passivate(&mut self) {
         self.passivate = true;
+    }
+
+    /// Durable entities ([`Sharding::start_durable`]): write the state after this message. The
+    /// write is acknowledged by a majority of replicas, each with it in LMDB, before the reply
+    /// leaves and before the next message is handled. No effect for entities started with
+    /// [`Sharding::start`].
+    pub fn persist(&mut self) {
+        self.state_change = Some(StateChange::Persist);
+    }
+
+    /// Durable entities: delete the stored state after this message (the same guarantees as
+    /// [`EntityContext::persist`]); the entity's state is `Default` again. No effect for entities
+    /// started with [`Sharding::start`].
+    pub fn delete_state(&mut self) {
+        self.state_change = Some(StateChange::Delete);
+    }
+
+    /// A context for entity `entity_id` of `shard_id` at `epoch`.
+    pub(crate) fn new(entity_id: String, shard_id: ShardId, epoch: u64, state_io: Option<shard::StateIo>) -> Self {
+        EntityContext { entity_id, shard_id, epoch, passivate: false, state_change: None, end: None, state_io }
     }
 }
 
@@ -177,6 +235,41 @@ impl Sharding {
         let has_role = settings.role.as_deref().is_none_or(|r| self.node.config().roles.iter().any(|x| x == r));
         let factory: Option<shard::Factory<E>> = if has_role { Some(Arc::new(factory)) } else { None };
         handle::start_region(&self.node, type_name, factory, settings, options).await
+    }
+
+    /// Starts hosting durable entity type `type_name`: like [`Sharding::start`], and each
+    /// entity's state is loaded before its first message and written when its handler calls
+    /// [`EntityContext::persist`] (see [`DurableEntity`] for what is promised).
+    pub async fn start_durable<D, F>(
+        &self,
+        type_name: &str,
+        factory: F,
+        settings: ShardingSettings,
+    ) -> Result<ShardRegion<Durable<D>>>
+    where
+        D: DurableEntity,
+        F: Fn(&str) -> D + Send + Sync + 'static,
+    {
+        self.start_durable_with(type_name, factory, settings, StartOptions::default()).await
+    }
+
+    /// [`Sharding::start_durable`] with a custom shard-id extractor and/or allocation strategy.
+    pub async fn start_durable_with<D, F>(
+        &self,
+        type_name: &str,
+        factory: F,
+        settings: ShardingSettings,
+        options: StartOptions,
+    ) -> Result<ShardRegion<Durable<D>>>
+    where
+        D: DurableEntity,
+        F: Fn(&str) -> D + Send + Sync + 'static,
+    {
+        settings.validate()?;
+        let has_role = settings.role.as_deref().is_none_or(|r| self.node.config().roles.iter().any(|x| x == r));
+        let factory: Option<shard::Factory<Durable<D>>> =
+            if has_role { Some(Arc::new(move |id: &str| Durable::new(factory(id)))) } else { None };
+        handle::start_region_of(&self.node, type_name, factory, settings, options, true).await
     }
 
     /// Starts a proxy: routes to the type's entities without hosting any.

@@ -87,6 +87,10 @@ pub(crate) enum DeliveryFailure {
     AskTimeout { timeout_ms: u64 },
     NotDelivered { reason: String },
     MailboxFull { capacity: u64 },
+    Fenced { key: String, epoch: u64, fence: u64 },
+    StateTooLarge { bytes: u64, max: u64 },
+    StateUndecodable { type_name: String, reason: String },
+    StateNotPersisted { reason: String },
 }
 
 impl DeliveryFailure {
@@ -103,6 +107,16 @@ impl DeliveryFailure {
             }
             Error::NotDelivered { reason, .. } => DeliveryFailure::NotDelivered { reason: reason.clone() },
             Error::MailboxFull { capacity, .. } => DeliveryFailure::MailboxFull { capacity: *capacity as u64 },
+            Error::Fenced { key, epoch, fence } => {
+                DeliveryFailure::Fenced { key: key.clone(), epoch: *epoch, fence: *fence }
+            }
+            Error::StateTooLarge { bytes, max, .. } => {
+                DeliveryFailure::StateTooLarge { bytes: *bytes as u64, max: *max as u64 }
+            }
+            Error::StateUndecodable { type_name, reason, .. } => {
+                DeliveryFailure::StateUndecodable { type_name: type_name.clone(), reason: reason.clone() }
+            }
+            Error::StateNotPersisted { reason, .. } => DeliveryFailure::StateNotPersisted { reason: reason.clone() },
             other => DeliveryFailure::NotDelivered { reason: other.to_string() },
         }
     }
@@ -123,6 +137,18 @@ impl DeliveryFailure {
                 entity_id: entity_id.to_string(),
                 capacity: usize::try_from(capacity).unwrap_or(usize::MAX),
             },
+            DeliveryFailure::Fenced { key, epoch, fence } => Error::Fenced { key, epoch, fence },
+            DeliveryFailure::StateTooLarge { bytes, max } => Error::StateTooLarge {
+                entity_id: entity_id.to_string(),
+                bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
+                max: usize::try_from(max).unwrap_or(usize::MAX),
+            },
+            DeliveryFailure::StateUndecodable { type_name, reason } => {
+                Error::StateUndecodable { type_name, entity_id: entity_id.to_string(), reason }
+            }
+            DeliveryFailure::StateNotPersisted { reason } => {
+                Error::StateNotPersisted { entity_id: entity_id.to_string(), reason }
+            }
         }
     }
 }
@@ -169,6 +195,10 @@ mod tests {
             Error::AskTimeout { entity_id: "remote-side".into(), timeout: std::time::Duration::from_millis(1500) },
             Error::NotDelivered { entity_id: "remote-side".into(), reason: "entity stopped".into() },
             Error::MailboxFull { entity_id: "remote-side".into(), capacity: 9 },
+            Error::Fenced { key: "cart/cart-1".into(), epoch: 4, fence: 6 },
+            Error::StateTooLarge { entity_id: "remote-side".into(), bytes: 70_000, max: 65_536 },
+            Error::StateUndecodable { type_name: "cart".into(), entity_id: "remote-side".into(), reason: "bad".into() },
+            Error::StateNotPersisted { entity_id: "remote-side".into(), reason: "timed out".into() },
         ];
         for e in cases {
             let wire = crate::transport::wire::encode(&DeliveryFailure::of(&e)).unwrap();
@@ -186,6 +216,18 @@ mod tests {
                 }
                 (Error::MailboxFull { .. }, Error::MailboxFull { entity_id, capacity }) => {
                     assert_eq!((entity_id.as_str(), *capacity), ("cart-1", 9))
+                }
+                (Error::Fenced { .. }, Error::Fenced { key, epoch, fence }) => {
+                    assert_eq!((key.as_str(), *epoch, *fence), ("cart/cart-1", 4, 6))
+                }
+                (Error::StateTooLarge { .. }, Error::StateTooLarge { entity_id, bytes, max }) => {
+                    assert_eq!((entity_id.as_str(), *bytes, *max), ("cart-1", 70_000, 65_536))
+                }
+                (Error::StateUndecodable { .. }, Error::StateUndecodable { type_name, entity_id, reason }) => {
+                    assert_eq!((type_name.as_str(), entity_id.as_str(), reason.as_str()), ("cart", "cart-1", "bad"))
+                }
+                (Error::StateNotPersisted { .. }, Error::StateNotPersisted { entity_id, reason }) => {
+                    assert_eq!((entity_id.as_str(), reason.as_str()), ("cart-1", "timed out"))
                 }
                 _ => panic!("{e:?} came back as {back:?}"),
             }

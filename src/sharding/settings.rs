@@ -119,6 +119,26 @@ pub struct ShardingSettings {
     /// member for each allocation, so one unreachable node holds new allocations back until it
     /// is downed; lower it (say to 3) to keep allocating in small clusters with one node out.
     pub coordinator_majority_min_cap: usize,
+    /// Durable entities ([`super::Sharding::start_durable`]): replicated keys per shard that
+    /// hold its entities' states (entities spread by id hash). More slots keep each replicated
+    /// value small: a value travels whole in a read, so keep states per slot × state size well
+    /// under `transport.max_frame_size`. Keep it stable for the life of the data.
+    pub state_slots: u32,
+    /// Durable entities: largest encoded state; a bigger one fails its write with
+    /// [`Error::StateTooLarge`] and nothing is written.
+    pub max_state_bytes: usize,
+    /// Durable entities: state writes wait for a majority plus this many more replicas (each
+    /// with the write in LMDB).
+    pub state_write_majority_plus: usize,
+    /// Durable entities: a shard's start claims and reads its states from a majority plus this
+    /// many more replicas. With writes at a plain majority, the 1 here keeps every
+    /// acknowledged state readable across one membership change (a node leaves, another
+    /// joins) between the write and the next load: write + read quorums exceed the members
+    /// plus one.
+    pub state_read_majority_plus: usize,
+    /// Durable entities: lower bound on those write and read replica counts (capped at the
+    /// cluster size).
+    pub state_majority_min_cap: usize,
     /// Shard allocation strategy.
     pub allocation: AllocationSettings,
 }
@@ -148,6 +168,11 @@ impl Default for ShardingSettings {
             coordinator_write_majority_plus: 3,
             coordinator_read_majority_plus: 5,
             coordinator_majority_min_cap: 5,
+            state_slots: 16,
+            max_state_bytes: 64 * 1024,
+            state_write_majority_plus: 0,
+            state_read_majority_plus: 1,
+            state_majority_min_cap: 0,
             allocation: AllocationSettings::default(),
         }
     }
@@ -190,6 +215,12 @@ impl ShardingSettings {
         }
         if !(1..=4096).contains(&self.remember_entities_slots) {
             return bad("remember_entities_slots must be between 1 and 4096");
+        }
+        if !(1..=4096).contains(&self.state_slots) {
+            return bad("state_slots must be between 1 and 4096");
+        }
+        if !(1..=1 << 30).contains(&self.max_state_bytes) {
+            return bad("max_state_bytes must be between 1 byte and 1 GiB");
         }
         if self.entity_recovery_batch > 0 && self.entity_recovery_interval.is_zero() {
             return bad("entity_recovery_interval must be > 0 when entity_recovery_batch is set");

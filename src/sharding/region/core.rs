@@ -50,6 +50,13 @@ pub(crate) enum RegionInput<M> {
         shard: ShardId,
         epoch: u64,
     },
+    /// Durable entities: a newer allocation of `shard` claimed its state while this region
+    /// hosts it at `epoch`. The local shard stops (as after a newer home elsewhere) and the
+    /// home is asked anew; messages wait meanwhile.
+    LocalShardFenced {
+        shard: ShardId,
+        epoch: u64,
+    },
     GracefulShutdown,
     Tick,
 }
@@ -264,6 +271,20 @@ impl<M> RegionCore<M> {
                 {
                     out.push(RegionAction::StartShard { shard, epoch });
                 }
+            }
+            RegionInput::LocalShardFenced { shard, epoch } => {
+                if self.hosted.get(&shard) != Some(&epoch) {
+                    return;
+                }
+                if self.homes.get(&shard).is_some_and(|(home, e)| *home == self.me && *e <= epoch) {
+                    self.homes.remove(&shard);
+                }
+                if !self.handing_off.contains_key(&shard) {
+                    self.handing_off.insert(shard.clone(), 0);
+                    out.push(RegionAction::HandOffShard { shard: shard.clone() });
+                }
+                self.requested.remove(&shard);
+                self.request_home(&shard, now, out);
             }
             RegionInput::GracefulShutdown => {
                 self.shutting_down = true;

@@ -130,7 +130,6 @@ pub(crate) enum ShardAction<M> {
 
 #[derive(Debug, Default)]
 struct Remember {
-    loaded: bool,
     in_flight: Option<(BTreeSet<String>, BTreeSet<String>)>,
     next_adds: BTreeSet<String>,
     next_removes: BTreeSet<String>,
@@ -148,7 +147,10 @@ pub(crate) struct ShardCore<M> {
     handoff_deadline: Option<Instant>,
     handoff_stop_timeout: Duration,
     remember: Option<Remember>,
-    /// Messages that arrived before the remembered ids were loaded.
+    /// Whether the shard's stored data (remembered ids, durable entity states) has loaded;
+    /// until then messages wait in `early`.
+    loaded: bool,
+    /// Messages that arrived before the load.
     early: VecDeque<(String, M)>,
     restart_backoff: Duration,
     /// Entities waiting for a restart, by deadline, so a tick costs O(due) rather than a scan
@@ -171,6 +173,7 @@ impl<M> ShardCore<M> {
             handoff_deadline: None,
             handoff_stop_timeout,
             remember: None,
+            loaded: true,
             early: VecDeque::new(),
             restart_backoff: Duration::from_secs(10),
             restarts_due: BTreeSet::new(),
@@ -182,7 +185,18 @@ impl<M> ShardCore<M> {
     /// A shard that remembers its entities: it waits for `Loaded` before serving. Idle
     /// passivation is off (remembered entities are meant to stay up).
     pub(crate) fn remembering(handoff_stop_timeout: Duration, restart_backoff: Duration) -> Self {
-        ShardCore { remember: Some(Remember::default()), restart_backoff, ..Self::new(None, handoff_stop_timeout) }
+        ShardCore {
+            remember: Some(Remember::default()),
+            loaded: false,
+            restart_backoff,
+            ..Self::new(None, handoff_stop_timeout)
+        }
+    }
+
+    /// A shard whose entities keep durable state: like [`ShardCore::new`], but it waits for
+    /// `Loaded` (the state claimed and read) before serving.
+    pub(crate) fn loading(idle_timeout: Option<Duration>, handoff_stop_timeout: Duration) -> Self {
+        ShardCore { loaded: false, ..Self::new(idle_timeout, handoff_stop_timeout) }
     }
 
     /// Live entity ids, in no particular order (not counting those waiting for a restart or
@@ -236,7 +250,7 @@ impl<M> ShardCore<M> {
             out.push(ShardAction::Drop { entity_id, msg, reason });
             return;
         }
-        if self.remember.as_ref().is_some_and(|r| !r.loaded) {
+        if !self.loaded {
             self.early.push_back((entity_id, msg));
             return;
         }
@@ -293,16 +307,18 @@ impl<M> ShardCore<M> {
             }
             ShardInput::Terminated { entity_id, incarnation } => self.on_terminated(entity_id, incarnation, now, out),
             ShardInput::Loaded(ids) => {
-                let Some(r) = self.remember.as_mut() else { return };
-                r.loaded = true;
-                for id in &ids {
+                if self.loaded {
+                    return;
+                }
+                self.loaded = true;
+                for id in ids.iter().filter(|_| self.remember.is_some()) {
                     self.entities.entry(id.clone()).or_insert(EntityEntry {
                         state: EntityState::Remembered,
                         incarnation: 0,
                         last_activity: now,
                     });
                 }
-                if !ids.is_empty() {
+                if !ids.is_empty() && self.remember.is_some() {
                     out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
                 }
                 for (id, msg) in std::mem::take(&mut self.early) {

@@ -14,7 +14,7 @@ use super::ShardEvent;
 use crate::error::Result;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo, not_delivered};
 use crate::sharding::handle::RegionCounters;
-use crate::sharding::{Entity, EntityContext};
+use crate::sharding::{EndIncarnation, Entity, EntityContext};
 
 /// Creates the entity of an id.
 pub(crate) type Factory<E> = Arc<dyn Fn(&str) -> E + Send + Sync>;
@@ -95,9 +95,9 @@ impl<E: Entity> EntityRunner<E> {
                 self.respond(env.reply, Ok(None));
                 continue;
             };
-            let outcome = AssertUnwindSafe(entity.handle(msg, &mut self.ctx)).catch_unwind().await;
+            let outcome = AssertUnwindSafe(entity.handle_or_fail(msg, &mut self.ctx)).catch_unwind().await;
             match outcome {
-                Ok(reply) => self.respond(env.reply, Ok(Some(reply))),
+                Ok(result) => self.respond(env.reply, result.map(Some)),
                 Err(panic) => {
                     self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
                     let what = panic_text(&*panic);
@@ -113,6 +113,34 @@ impl<E: Entity> EntityRunner<E> {
                         }
                     }
                     self.terminated(leftovers);
+                    return;
+                }
+            }
+            match self.ctx.end.take() {
+                None => {}
+                Some(EndIncarnation::Restart) => {
+                    // A durable entity whose state write failed: the next incarnation starts
+                    // from the stored state and takes the messages queued for this one.
+                    drop(entity);
+                    inbox.close();
+                    let mut leftovers = Vec::new();
+                    while let Ok(cmd) = inbox.try_recv() {
+                        if let EntityCmd::Msg(env) = cmd {
+                            leftovers.push(env);
+                        }
+                    }
+                    self.terminated(leftovers);
+                    return;
+                }
+                Some(EndIncarnation::Fenced { fence }) => {
+                    // A newer allocation owns the shard's state: nothing here may run it.
+                    drop(entity);
+                    let _ = self.events.send(ShardEvent::Fenced {
+                        shard: self.ctx.shard_id.clone(),
+                        epoch: self.ctx.epoch,
+                        fence,
+                    });
+                    self.fail_queued_and_end(&mut inbox, "a newer allocation of its shard claimed its state");
                     return;
                 }
             }

@@ -20,6 +20,7 @@ use tracing::{debug, info, warn};
 use super::core::{DropReason, ShardAction, ShardCore, ShardInput};
 use super::entity::{EntityCmd, EntityRunner, Factory};
 use super::remember::RememberIo;
+use super::state::StateIo;
 use super::{ShardEvent, StoreResult, Work};
 use crate::error::Error;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo};
@@ -62,6 +63,8 @@ pub(crate) struct LocalShards<E: Entity> {
     replier: Replier,
     counters: Arc<RegionCounters>,
     remember: RememberIo,
+    /// Durable entities: the region's state store.
+    state: Option<StateIo>,
     spawner: Spawner,
     /// Every entity task of the region: the region waits for them before it ends.
     entity_tasks: TaskTracker,
@@ -84,6 +87,7 @@ impl<E: Entity> LocalShards<E> {
         replier: Replier,
         counters: Arc<RegionCounters>,
         remember: RememberIo,
+        state: Option<StateIo>,
         spawner: Spawner,
     ) -> Self {
         LocalShards {
@@ -98,6 +102,7 @@ impl<E: Entity> LocalShards<E> {
             replier,
             counters,
             remember,
+            state,
             spawner,
             entity_tasks: TaskTracker::new(),
         }
@@ -136,14 +141,47 @@ impl<E: Entity> LocalShards<E> {
         self.next_instance += 1;
         let core = if s.remember_entities {
             ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
+        } else if self.state.is_some() {
+            ShardCore::loading(s.passivation_idle_timeout, stop_timeout)
         } else {
             ShardCore::new(s.passivation_idle_timeout, stop_timeout)
         };
         let entities = HashMap::new();
         self.shards.insert(shard.clone(), LocalShard { core, epoch, entities, instance, tasks: TaskTracker::new() });
-        if s.remember_entities {
-            self.remember.load(shard, instance, self.events.clone());
+        if s.remember_entities || self.state.is_some() {
+            self.load(shard, instance, epoch);
         }
+    }
+
+    /// Loads what a shard instance needs before it serves: with durable entities, it claims
+    /// and loads their states (so a stale instance elsewhere is fenced off first); with
+    /// remember-entities, it reads the remembered ids and recovers them.
+    fn load(&self, shard: ShardId, instance: u64, epoch: u64) {
+        let (state, events, type_name) = (self.state.clone(), self.events.clone(), self.type_name.clone());
+        let remember = self.settings.remember_entities.then(|| self.remember.clone());
+        self.spawner.spawn_until_shutdown(async move {
+            if let Some(state) = state {
+                match state.claim_and_load(&shard, epoch).await {
+                    Ok(states) => debug!(%type_name, %shard, epoch, states, "entity states claimed and loaded"),
+                    Err(Error::Fenced { fence, .. }) => {
+                        let _ = events.send(ShardEvent::Fenced { shard, epoch, fence });
+                        return;
+                    }
+                    Err(e) => {
+                        warn!(%type_name, %shard, error = %e, "claiming and loading entity states failed");
+                        let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
+                        return;
+                    }
+                }
+            }
+            match remember {
+                Some(remember) => remember.load(shard, instance, events).await,
+                None => {
+                    let input = StoreResult::Loaded(Default::default());
+                    let _ = events.send(ShardEvent::Store { shard, instance, input });
+                }
+            }
+        });
     }
 
     /// Feeds a shard core; a message for a shard not hosted (handed off) fails.
@@ -213,6 +251,12 @@ impl<E: Entity> LocalShards<E> {
                     self.recover(&shard, instance, entity_ids, work);
                 }
             }
+            ShardEvent::Fenced { shard, epoch, fence } => {
+                if self.shards.get(&shard).is_some_and(|s| s.epoch == epoch) {
+                    warn!(type_name = %self.type_name, %shard, epoch, fence, "a newer allocation claimed the shard's state; stopping it here");
+                    work.push_back(Work::Region(RegionInput::LocalShardFenced { shard, epoch }));
+                }
+            }
             ShardEvent::RestartShard { shard, epoch } => {
                 if !self.shards.contains_key(&shard) && !shutting_down {
                     info!(type_name = %self.type_name, %shard, "failure backoff over; restarting the shard if still hosted here");
@@ -262,12 +306,7 @@ impl<E: Entity> LocalShards<E> {
         let Some(shard) = self.shards.get_mut(shard_id) else { return };
         let (tx, rx) = mpsc::unbounded_channel();
         let queued = Arc::new(AtomicUsize::new(0));
-        let ctx = EntityContext {
-            entity_id: entity_id.clone(),
-            shard_id: shard_id.clone(),
-            epoch: shard.epoch,
-            passivate: false,
-        };
+        let ctx = EntityContext::new(entity_id.clone(), shard_id.clone(), shard.epoch, self.state.clone());
         let runner = EntityRunner {
             ctx,
             incarnation,

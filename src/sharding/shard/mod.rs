@@ -1,11 +1,12 @@
 //! The shards a region hosts: [`core`] is the life cycle of one shard's entities, [`host`]
-//! performs it for every hosted shard, [`entity`] runs one entity, and [`remember`] reads and
-//! writes remembered entity ids.
+//! performs it for every hosted shard, [`entity`] runs one entity, [`remember`] reads and
+//! writes remembered entity ids, and [`state`] claims, reads and writes durable entity states.
 
 pub(crate) mod core;
 mod entity;
 mod host;
 mod remember;
+mod state;
 
 pub(crate) use core::ShardInput;
 pub(crate) use entity::Factory;
@@ -13,6 +14,7 @@ pub(crate) use host::LocalShards;
 #[cfg(feature = "testkit")]
 pub(crate) use host::entity_stop_timeout;
 pub(crate) use remember::RememberIo;
+pub(crate) use state::StateIo;
 
 use std::collections::BTreeSet;
 
@@ -50,6 +52,13 @@ pub(crate) enum ShardEvent<E: Entity> {
     /// Every entity task of a stopped shard has ended: it may be reported stopped.
     ShardTasksEnded {
         shard: ShardId,
+    },
+    /// Durable entities: a write under `epoch` was refused because a newer allocation (epoch
+    /// `fence`) claimed the shard's state: the shard is stale here.
+    Fenced {
+        shard: ShardId,
+        epoch: u64,
+        fence: u64,
     },
     /// A failed shard's backoff is over: start it again.
     RestartShard {

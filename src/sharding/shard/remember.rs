@@ -146,9 +146,14 @@ impl RememberIo {
 
     /// Loads the shard's remembered ids with one majority read of all its slots; then, with a
     /// recovery batch set, feeds them back in batches at the configured rate.
-    pub(crate) fn load<E: Entity>(&self, shard: ShardId, instance: u64, events: mpsc::UnboundedSender<ShardEvent<E>>) {
-        let io = self.clone();
-        self.spawner.spawn_until_shutdown(async move {
+    pub(crate) async fn load<E: Entity>(
+        self,
+        shard: ShardId,
+        instance: u64,
+        events: mpsc::UnboundedSender<ShardEvent<E>>,
+    ) {
+        let io = self;
+        {
             let keys = (0..io.slots).map(|slot| keys::remembered_entities(&io.type_name, &shard, slot)).collect();
             let mut ids = BTreeSet::new();
             match io.replicator.get_many::<OrSet>(keys, REMEMBER_CONSISTENCY, io.read_timeout).await {
@@ -176,7 +181,7 @@ impl RememberIo {
                     }
                 }
             }
-        });
+        }
     }
 
     /// Records starts and stops of a shard's entities: queued to the region's remember writer,

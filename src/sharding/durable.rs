@@ -1,0 +1,176 @@
+//! Durable entities: entity state kept in the cluster's replicated, LMDB-durable store, so it
+//! survives hand-off, passivation, crashes and full-cluster restarts with no external
+//! datastore.
+//!
+//! # What is promised
+//! - **Persist, then reply.** A handler that calls [`EntityContext::persist`] has its state
+//!   written to a majority of replicas (each with it in LMDB) before its reply leaves and
+//!   before the entity's next message is handled; an acknowledged state is what every later
+//!   incarnation, on any node, starts from.
+//! - **Fenced by epoch.** Every write carries its shard's allocation epoch as the most
+//!   significant part of its order, and a shard's new allocation claims the state on the
+//!   replicas it loads from: a stale incarnation (a partitioned old home, a superseded node)
+//!   never overwrites state of a newer allocation and can no longer get a write acknowledged;
+//!   its write fails with [`Error::Fenced`] and its shard stops here.
+//! - **Typed failures.** A write not acknowledged fails the ask with
+//!   [`Error::StateNotPersisted`] (its outcome is unknown: it may still spread from the
+//!   replicas it reached), a state over `max_state_bytes` with [`Error::StateTooLarge`] (nothing
+//!   written); either way the entity restarts from what its node's replica holds. A stored state
+//!   that does not decode answers [`Error::StateUndecodable`] for every message, never a silent
+//!   `Default`.
+//!
+//! # What is not promised
+//! No event history (the state is a snapshot, last write wins per epoch), and no transactions
+//! across entities.
+
+use std::future::Future;
+use std::sync::atomic::Ordering;
+
+use serde::{Serialize, de::DeserializeOwned};
+use tracing::warn;
+
+use super::{EndIncarnation, Entity, EntityContext, StateChange};
+use crate::error::{Error, Result};
+use crate::transport::wire;
+
+/// A sharded entity whose state is durable in the cluster (see [`super::Sharding::start_durable`]
+/// and the promises in this module).
+pub trait DurableEntity: Send + 'static {
+    /// Messages the entity handles.
+    type Message: Serialize + DeserializeOwned + Send + 'static;
+    /// What `handle` answers.
+    type Reply: Serialize + DeserializeOwned + Send + 'static;
+    /// The durable state: loaded before the first message of every incarnation (`Default`
+    /// when none is stored), written when the handler calls [`EntityContext::persist`].
+    type State: Serialize + DeserializeOwned + Default + Send + 'static;
+
+    /// Handles one message with the entity's state.
+    fn handle(
+        &mut self,
+        state: &mut Self::State,
+        msg: Self::Message,
+        ctx: &mut EntityContext,
+    ) -> impl Future<Output = Self::Reply> + Send;
+}
+
+/// A [`DurableEntity`] as its region runs it: the entity and its loaded state.
+pub struct Durable<D: DurableEntity> {
+    entity: D,
+    state: D::State,
+    /// Why the stored state could not be loaded (answered to every message).
+    broken: Option<Error>,
+}
+
+impl<D: DurableEntity> Durable<D> {
+    pub(crate) fn new(entity: D) -> Self {
+        Durable { entity, state: D::State::default(), broken: None }
+    }
+
+    /// Writes the state change the handler asked for; on failure, says how the incarnation
+    /// ends.
+    async fn write(&mut self, change: StateChange, ctx: &mut EntityContext) -> Result<()> {
+        let Some(io) = ctx.state_io.clone() else { return Ok(()) };
+        let value = match change {
+            StateChange::Delete => None,
+            StateChange::Persist => {
+                let bytes = match wire::encode(&self.state) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
+                        ctx.end = Some(EndIncarnation::Restart);
+                        let reason = format!("the state does not encode: {e}");
+                        return Err(Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason });
+                    }
+                };
+                if bytes.len() > io.max_state_bytes() {
+                    io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
+                    ctx.end = Some(EndIncarnation::Restart);
+                    return Err(Error::StateTooLarge {
+                        entity_id: ctx.entity_id.clone(),
+                        bytes: bytes.len(),
+                        max: io.max_state_bytes(),
+                    });
+                }
+                Some(bytes.to_vec())
+            }
+        };
+        match io.write(&ctx.shard_id, ctx.epoch, &ctx.entity_id, value).await {
+            Ok(()) => {
+                if change == StateChange::Delete {
+                    self.state = D::State::default();
+                }
+                Ok(())
+            }
+            Err(Error::Fenced { fence, .. }) => {
+                io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
+                ctx.end = Some(EndIncarnation::Fenced { fence });
+                let key = format!("{}/{}", io.type_name(), ctx.entity_id);
+                Err(Error::Fenced { key, epoch: ctx.epoch, fence })
+            }
+            Err(e) => {
+                io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
+                ctx.end = Some(EndIncarnation::Restart);
+                Err(match e {
+                    e @ Error::StateNotPersisted { .. } => e,
+                    other => Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason: other.to_string() },
+                })
+            }
+        }
+    }
+}
+
+impl<D: DurableEntity> Entity for Durable<D> {
+    type Message = D::Message;
+    type Reply = D::Reply;
+
+    /// Never called: the entity runner calls [`Entity::handle_or_fail`], which can answer the
+    /// failures a durable entity has and a plain reply cannot carry.
+    async fn handle(&mut self, msg: D::Message, ctx: &mut EntityContext) -> D::Reply {
+        match self.handle_or_fail(msg, ctx).await {
+            Ok(reply) => reply,
+            Err(e) => panic!("a durable entity's failure reached Entity::handle: {e}"),
+        }
+    }
+
+    async fn handle_or_fail(&mut self, msg: D::Message, ctx: &mut EntityContext) -> Result<D::Reply> {
+        if let Some(e) = &self.broken {
+            return Err(match e {
+                Error::StateUndecodable { type_name, entity_id, reason } => Error::StateUndecodable {
+                    type_name: type_name.clone(),
+                    entity_id: entity_id.clone(),
+                    reason: reason.clone(),
+                },
+                other => Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason: other.to_string() },
+            });
+        }
+        ctx.state_change = None;
+        let reply = self.entity.handle(&mut self.state, msg, ctx).await;
+        match ctx.state_change.take() {
+            None => Ok(reply),
+            Some(change) => self.write(change, ctx).await.map(|()| reply),
+        }
+    }
+
+    async fn started(&mut self, ctx: &EntityContext) {
+        let Some(io) = &ctx.state_io else { return };
+        match io.read(&ctx.shard_id, &ctx.entity_id).await {
+            Ok(None) => {}
+            Ok(Some(bytes)) => match wire::decode::<D::State>(&bytes) {
+                Ok(state) => self.state = state,
+                Err(e) => {
+                    io.counters().state_undecodable.fetch_add(1, Ordering::Relaxed);
+                    warn!(type_name = %io.type_name(), entity_id = %ctx.entity_id, error = %e, "stored entity state does not decode; the entity answers errors");
+                    self.broken = Some(Error::StateUndecodable {
+                        type_name: io.type_name().to_string(),
+                        entity_id: ctx.entity_id.clone(),
+                        reason: e.to_string(),
+                    });
+                }
+            },
+            Err(e) => {
+                warn!(type_name = %io.type_name(), entity_id = %ctx.entity_id, error = %e, "reading the entity's state failed");
+                self.broken = Some(e);
+            }
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! Durable entity state I/O of a region: the claim-and-load of a shard's states when the shard
+//! starts, the read of one entity's state when it starts, and one state writer per region that
+//! group-commits the writes of all its entities (one multi-key majority update per batch, so
+//! one delta message per replica and one LMDB transaction per node).
+//!
+//! **Storage.** A shard's states live in `state_slots` fenced maps (entity id → encoded state,
+//! spread by id hash), durable on every replica. Every write carries the shard's allocation
+//! epoch, the most significant part of its order, so a write under a newer allocation wins
+//! whatever the clocks say.
+//!
+//! **Claim.** A shard instance starting under epoch `e` first claims every slot at `e` on a
+//! majority-plus of replicas, which store the claim before they answer with their values (see
+//! [`Replicator::update_and_get_many`]). From then on none of those replicas takes a write of
+//! an older epoch (it answers the writer that it is fenced), so an older incarnation still
+//! running elsewhere cannot get a write acknowledged that this one did not load; and every
+//! write it got acknowledged before is in what this one read. The values the claim read are
+//! merged into this node's replica, so an entity's state is then read locally.
+//!
+//! **Quorums.** Writes at a majority (plus `state_write_majority_plus`), claims and loads at a
+//! majority plus `state_read_majority_plus` (1 by default): write and read sets then share a
+//! replica even after one membership change (a node leaves, another joins) between an
+//! acknowledged write and the next load, and gossip copies every write to every replica
+//! within seconds besides.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, warn};
+
+use crate::ddata::{Consistency, FencedMap, KeyUpdate, Replicator};
+use crate::error::{Error, Result};
+use crate::sharding::handle::RegionCounters;
+use crate::sharding::ids::{ShardId, remembered_slot};
+use crate::sharding::keys;
+use crate::sharding::settings::ShardingSettings;
+use crate::spawn::Spawner;
+
+/// Tries of each state write batch (each with a quarter of `updating_state_timeout`, at least
+/// 100 ms), as for remembered entities.
+const WRITE_TRIES: usize = 3;
+
+/// Most writes one batch takes (the rest wait for the next).
+const MAX_BATCH: usize = 4096;
+
+/// The state store of one region's durable entities; cheap to clone.
+#[derive(Clone)]
+pub(crate) struct StateIo {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    replicator: Replicator,
+    type_name: String,
+    slots: u32,
+    max_state_bytes: usize,
+    write_consistency: Consistency,
+    read_consistency: Consistency,
+    write_timeout: Duration,
+    read_timeout: Duration,
+    writer: mpsc::UnboundedSender<WriteRequest>,
+    counters: Arc<RegionCounters>,
+}
+
+impl std::fmt::Debug for StateIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateIo").field("type_name", &self.inner.type_name).finish_non_exhaustive()
+    }
+}
+
+/// The entity id → new encoded state (`None`: delete) writes of one slot key.
+type KeyWrites = Vec<(String, Option<Vec<u8>>)>;
+
+/// One entity's write: its new encoded state (`None`: delete), under the shard's epoch.
+struct WriteRequest {
+    shard: ShardId,
+    epoch: u64,
+    entity_id: String,
+    value: Option<Vec<u8>>,
+    done: oneshot::Sender<Result<()>>,
+}
+
+impl StateIo {
+    /// Starts the region's state writer.
+    pub(crate) fn new(
+        replicator: Replicator,
+        spawner: Spawner,
+        type_name: &str,
+        s: &ShardingSettings,
+        counters: Arc<RegionCounters>,
+    ) -> Self {
+        let (writer, requests) = mpsc::unbounded_channel();
+        let io = StateIo {
+            inner: Arc::new(Inner {
+                replicator,
+                type_name: type_name.to_string(),
+                slots: s.state_slots,
+                max_state_bytes: s.max_state_bytes,
+                write_consistency: Consistency::Majority {
+                    plus: s.state_write_majority_plus,
+                    min_cap: s.state_majority_min_cap,
+                },
+                read_consistency: Consistency::Majority {
+                    plus: s.state_read_majority_plus,
+                    min_cap: s.state_majority_min_cap,
+                },
+                write_timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
+                read_timeout: s.waiting_for_state_timeout,
+                writer,
+                counters,
+            }),
+        };
+        spawner.spawn_until_shutdown(io.clone().run_writer(requests));
+        io
+    }
+
+    /// The entity type.
+    pub(crate) fn type_name(&self) -> &str {
+        &self.inner.type_name
+    }
+
+    /// Largest encoded state.
+    pub(crate) fn max_state_bytes(&self) -> usize {
+        self.inner.max_state_bytes
+    }
+
+    /// The counters of the region.
+    pub(crate) fn counters(&self) -> &RegionCounters {
+        &self.inner.counters
+    }
+
+    fn key(&self, shard: &str, entity_id: &str) -> String {
+        keys::entity_states(&self.inner.type_name, shard, remembered_slot(entity_id, self.inner.slots))
+    }
+
+    /// Claims the shard's states for `epoch` and loads them into this node's replica (see the
+    /// module documentation). [`Error::Fenced`] when a newer epoch has claimed them already.
+    pub(crate) async fn claim_and_load(&self, shard: &str, epoch: u64) -> Result<usize> {
+        let io = &self.inner;
+        let updates = (0..io.slots)
+            .map(|slot| {
+                KeyUpdate::new::<FencedMap, _>(&keys::entity_states(&io.type_name, shard, slot), move |m, ctx| {
+                    if let Err(f) = m.claim(epoch) {
+                        ctx.refuse(f);
+                    }
+                })
+            })
+            .collect();
+        let values =
+            io.replicator.update_and_get_many::<FencedMap>(io.read_consistency, io.read_timeout, updates).await?;
+        let mut states = 0;
+        for (slot, map) in values.iter().enumerate() {
+            let Some(map) = map else { continue };
+            // A replica had a newer claim: this allocation is stale already.
+            if map.fence() > epoch {
+                let key = keys::entity_states(&io.type_name, shard, slot as u32);
+                return Err(Error::Fenced { key, epoch, fence: map.fence() });
+            }
+            states += map.len();
+        }
+        Ok(states)
+    }
+
+    /// The stored state of one entity, from this node's replica (which its shard's claim
+    /// brought up to date).
+    pub(crate) async fn read(&self, shard: &str, entity_id: &str) -> Result<Option<Vec<u8>>> {
+        let (id, key) = (entity_id.to_string(), self.key(shard, entity_id));
+        let value =
+            self.inner.replicator.read_local_with::<FencedMap, _, _>(&key, move |m| m.get(&id).map(<[u8]>::to_vec));
+        Ok(value.await?.flatten())
+    }
+
+    /// Writes one entity's state (`None`: deletes it) under `epoch`: queued to the region's
+    /// state writer, answered once its batch is acknowledged at the write consistency.
+    pub(crate) async fn write(&self, shard: &str, epoch: u64, entity_id: &str, value: Option<Vec<u8>>) -> Result<()> {
+        let (done, result) = oneshot::channel();
+        let req = WriteRequest { shard: shard.to_string(), epoch, entity_id: entity_id.to_string(), value, done };
+        self.inner.writer.send(req).map_err(|_| Error::ShutDown)?;
+        result.await.map_err(|_| Error::ShutDown)?
+    }
+
+    async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
+        let mut batch = Vec::new();
+        while requests.recv_many(&mut batch, MAX_BATCH).await > 0 {
+            self.write_batch(std::mem::take(&mut batch)).await;
+        }
+    }
+
+    /// Writes one batch: per slot key, the writes of its newest epoch in one fenced-map update
+    /// (writes of an older epoch of the same shard, queued before its newer instance started
+    /// here, are fenced at once).
+    async fn write_batch(&self, batch: Vec<WriteRequest>) {
+        let io = &self.inner;
+        add(&io.counters.state_batches, 1);
+        let mut by_key: BTreeMap<String, Vec<WriteRequest>> = BTreeMap::new();
+        for req in batch {
+            by_key.entry(self.key(&req.shard, &req.entity_id)).or_default().push(req);
+        }
+        let mut pending: BTreeMap<String, (u64, Vec<WriteRequest>)> = BTreeMap::new();
+        for (key, reqs) in by_key {
+            let epoch = reqs.iter().map(|r| r.epoch).max().unwrap_or_default();
+            let (current, stale): (Vec<_>, Vec<_>) = reqs.into_iter().partition(|r| r.epoch == epoch);
+            for r in stale {
+                add(&io.counters.state_fenced, 1);
+                let _ = r.done.send(Err(Error::Fenced { key: key.clone(), epoch: r.epoch, fence: epoch }));
+            }
+            pending.insert(key, (epoch, current));
+        }
+        let writes: Vec<(String, u64, Arc<KeyWrites>)> = pending
+            .iter()
+            .map(|(key, (epoch, reqs))| {
+                let entries = reqs.iter().map(|r| (r.entity_id.clone(), r.value.clone())).collect();
+                (key.clone(), *epoch, Arc::new(entries))
+            })
+            .collect();
+        let mut last = Ok(Vec::new());
+        for _ in 0..WRITE_TRIES {
+            let updates = writes
+                .iter()
+                .map(|(key, epoch, entries)| {
+                    let (epoch, entries) = (*epoch, Arc::clone(entries));
+                    KeyUpdate::new::<FencedMap, _>(key, move |m, ctx| {
+                        for (id, value) in entries.iter() {
+                            let written = match value {
+                                Some(bytes) => m.put(id.clone(), epoch, bytes.clone()),
+                                None => m.delete(id, epoch),
+                            };
+                            if let Err(f) = written {
+                                // One shard, one epoch per key: the first refusal is every one's.
+                                ctx.refuse(f);
+                                return;
+                            }
+                        }
+                    })
+                })
+                .collect();
+            last = io.replicator.update_each(io.write_consistency, io.write_timeout, updates).await;
+            if matches!(last, Ok(_) | Err(Error::ShutDown)) {
+                break;
+            }
+        }
+        match last {
+            Ok(fenced) => {
+                let fenced: BTreeMap<String, u64> = fenced.into_iter().map(|(k, f)| (k, f.fence)).collect();
+                for (key, (epoch, reqs)) in pending {
+                    let refused = fenced.get(&key).copied();
+                    for r in reqs {
+                        let result = match refused {
+                            Some(fence) => {
+                                add(&io.counters.state_fenced, 1);
+                                Err(Error::Fenced { key: key.clone(), epoch, fence })
+                            }
+                            None => {
+                                add(&io.counters.state_writes, 1);
+                                Ok(())
+                            }
+                        };
+                        let _ = r.done.send(result);
+                    }
+                }
+            }
+            Err(e) => {
+                warn!(type_name = %io.type_name, keys = pending.len(), error = %e, "writing entity states failed");
+                for (_, (_, reqs)) in pending {
+                    for r in reqs {
+                        let reason = e.to_string();
+                        let _ = r.done.send(Err(Error::StateNotPersisted { entity_id: r.entity_id, reason }));
+                    }
+                }
+            }
+        }
+        debug!(type_name = %io.type_name, "state batch written");
+    }
+}
+
+fn add(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
+}
