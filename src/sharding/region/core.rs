@@ -494,6 +494,36 @@ mod tests {
     }
 
     #[test]
+    fn a_fenced_local_shard_is_stopped_forgotten_and_its_home_asked_anew_while_messages_wait() {
+        let mut c = region(10);
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 2 }));
+        // A report for another epoch (an older instance) changes nothing.
+        assert!(run(&mut c, RegionInput::LocalShardFenced { shard: "1".into(), epoch: 1 }).is_empty());
+        let out = run(&mut c, RegionInput::LocalShardFenced { shard: "1".into(), epoch: 2 });
+        assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }), "{out:?}");
+        assert!(
+            out.iter().any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { shard, .. }, .. } if shard == "1")),
+            "{out:?}"
+        );
+        // Stopped once, and nothing is delivered here meanwhile.
+        let again = run(&mut c, RegionInput::LocalShardFenced { shard: "1".into(), epoch: 2 });
+        assert!(!again.contains(&RegionAction::HandOffShard { shard: "1".into() }), "{again:?}");
+        run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        let out = run(&mut c, route("1", 7));
+        assert!(
+            !out.iter().any(|a| matches!(a, RegionAction::Deliver { .. } | RegionAction::StartShard { .. })),
+            "{out:?}"
+        );
+        assert_eq!(c.buffered(), 1);
+        // The coordinator names the new home: the message goes there.
+        let out = run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 3 }));
+        assert!(
+            out.iter().any(|a| matches!(a, RegionAction::Forward { region, msg: 7, .. } if *region == r("other"))),
+            "{out:?}"
+        );
+    }
+
+    #[test]
     fn messages_from_a_coordinator_the_region_does_not_follow_are_ignored() {
         let mut c = region(10);
         let stale =

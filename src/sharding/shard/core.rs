@@ -631,6 +631,44 @@ mod tests {
     }
 
     #[test]
+    fn a_durable_shard_holds_messages_until_its_states_are_loaded_then_serves_without_remembering() {
+        let mut s = ShardCore::loading(Some(Duration::from_secs(60)), Duration::from_secs(2));
+        let now = Instant::now();
+        assert!(run(&mut s, deliver("x", 1), now).is_empty(), "held until loaded");
+        assert!(run(&mut s, deliver("y", 2), now).is_empty());
+        let out = run(&mut s, ShardInput::Loaded(ids(&["ignored"])), now);
+        assert_eq!(
+            out,
+            vec![
+                ShardAction::Start { entity_id: "x".into(), incarnation: 1 },
+                ShardAction::Send { entity_id: "x".into(), msg: 1 },
+                ShardAction::Start { entity_id: "y".into(), incarnation: 2 },
+                ShardAction::Send { entity_id: "y".into(), msg: 2 },
+            ],
+            "the held messages in order, no recovery and no remember write"
+        );
+        assert_eq!(s.entity_count(), 2, "a loaded id of a shard that does not remember is not an entity");
+        assert!(run(&mut s, ShardInput::Loaded(ids(&["z"])), now).is_empty(), "a second load changes nothing");
+        // It passivates on idleness like any shard that does not remember.
+        let later = now + Duration::from_secs(200);
+        let out = run(&mut s, ShardInput::Tick, later);
+        assert!(out.iter().any(|a| matches!(a, ShardAction::Stop { .. })), "{out:?}");
+    }
+
+    #[test]
+    fn a_durable_shard_whose_load_failed_fails_its_held_messages() {
+        let mut s = ShardCore::loading(None, Duration::from_secs(2));
+        let now = Instant::now();
+        run(&mut s, deliver("x", 1), now);
+        let out = run(&mut s, ShardInput::StoreFailed, now);
+        assert!(out.contains(&ShardAction::Failed), "{out:?}");
+        assert!(
+            out.iter().any(|a| matches!(a, ShardAction::Drop { msg: 1, reason: DropReason::ShardFailed, .. })),
+            "{out:?}"
+        );
+    }
+
+    #[test]
     fn starts_are_recorded_before_the_entity_runs_and_batched_one_write_at_a_time() {
         let mut s = remembering();
         let now = Instant::now();
