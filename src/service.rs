@@ -7,9 +7,9 @@
 //!
 //! | request | answer |
 //! |---|---|
-//! | `PUT <id> <value…>` | `OK <node> <epoch>` |
+//! | `PUT <id> <value…>` | `OK <node> <epoch>` (the value is durable before the answer) |
 //! | `GET <id>` | `VALUE <node> <epoch> <value…>` or `NONE <node> <epoch>` |
-//! | `DEL <id>` | `OK <node> <epoch>` (the entity passivates; remembered types forget it) |
+//! | `DEL <id>` | `OK <node> <epoch>` (the value is deleted and the entity passivates) |
 //! | `STATS` | `STATS <node>=<entities>… FAILED <node>…` |
 //! | `MEMBERS` | `MEMBERS <node>:<status>[:unreachable]…` |
 //!
@@ -28,12 +28,12 @@ use tracing::{debug, warn};
 use crate::activation::{ActivationGuard, ActivationLog};
 use crate::error::{Error, Result};
 use crate::node::Node;
-use crate::sharding::{Entity, EntityContext, ShardRegion};
+use crate::sharding::{Durable, DurableEntity, EntityContext, ShardRegion};
 
-/// The sample entity: one string value per id.
+/// The sample entity: one string value per id, durable (it survives rebalances, leaves,
+/// crashes and full-cluster restarts).
 #[derive(Debug, Default)]
 pub struct KvEntity {
-    value: Option<String>,
     node: String,
     log: Option<ActivationLog>,
     activation: Option<ActivationGuard>,
@@ -42,7 +42,7 @@ pub struct KvEntity {
 impl KvEntity {
     /// An empty entry hosted on `node`.
     pub fn new(node: &str) -> Self {
-        KvEntity { value: None, node: node.to_string(), log: None, activation: None }
+        KvEntity { node: node.to_string(), log: None, activation: None }
     }
 
     /// An empty entry hosted on `node` that records its activation (start, epoch, stop) in
@@ -59,8 +59,15 @@ pub enum KvMsg {
     Put(String),
     /// Reads the value.
     Get,
-    /// Passivates the entity (its value is gone).
+    /// Deletes the value and passivates the entity.
     Delete,
+}
+
+/// The stored state of [`KvEntity`].
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct KvState {
+    /// The value, if set.
+    pub value: Option<String>,
 }
 
 /// Reply of [`KvEntity`]: the value and where / with which epoch it was served.
@@ -74,33 +81,41 @@ pub struct KvReply {
     pub epoch: u64,
 }
 
-impl Entity for KvEntity {
+impl DurableEntity for KvEntity {
     type Message = KvMsg;
     type Reply = KvReply;
+    type State = KvState;
 
-    async fn started(&mut self, ctx: &EntityContext) {
+    async fn started(&mut self, _state: &KvState, ctx: &EntityContext) {
         if let Some(log) = &self.log {
             self.activation = Some(log.started(ctx.entity_id(), &self.node, ctx.epoch()));
         }
     }
 
-    async fn handle(&mut self, msg: KvMsg, ctx: &mut EntityContext) -> KvReply {
+    async fn handle(&mut self, state: &mut KvState, msg: KvMsg, ctx: &mut EntityContext) -> KvReply {
         match msg {
-            KvMsg::Put(v) => self.value = Some(v),
+            KvMsg::Put(v) => {
+                state.value = Some(v);
+                ctx.persist();
+            }
             KvMsg::Get => {}
             KvMsg::Delete => {
-                self.value = None;
+                state.value = None;
+                ctx.delete_state();
                 ctx.passivate();
             }
         }
-        KvReply { value: self.value.clone(), node: self.node.clone(), epoch: ctx.epoch() }
+        KvReply { value: state.value.clone(), node: self.node.clone(), epoch: ctx.epoch() }
     }
 }
+
+/// The region of the sample type.
+pub type KvRegion = ShardRegion<Durable<KvEntity>>;
 
 const MAX_LINE: usize = 64 * 1024;
 
 /// Answers one request line.
-pub async fn answer(node: &Node, region: &ShardRegion<KvEntity>, line: &str) -> String {
+pub async fn answer(node: &Node, region: &KvRegion, line: &str) -> String {
     let mut words = line.split_whitespace();
     let cmd = words.next().unwrap_or("").to_ascii_uppercase();
     let result: Result<String> = async {
@@ -150,7 +165,7 @@ pub async fn answer(node: &Node, region: &ShardRegion<KvEntity>, line: &str) -> 
 }
 
 /// Serves the line protocol on `listener` until `shutdown`.
-pub async fn serve(node: Node, region: ShardRegion<KvEntity>, listener: TcpListener, shutdown: CancellationToken) {
+pub async fn serve(node: Node, region: KvRegion, listener: TcpListener, shutdown: CancellationToken) {
     loop {
         let (stream, peer) = tokio::select! {
             _ = shutdown.cancelled() => return,

@@ -51,6 +51,14 @@ pub trait DurableEntity: Send + 'static {
         msg: Self::Message,
         ctx: &mut EntityContext,
     ) -> impl Future<Output = Self::Reply> + Send;
+
+    /// Runs once when this incarnation starts, after its state is loaded and before its first
+    /// message (as [`Entity::started`]; not called when the stored state did not load). Does
+    /// nothing by default.
+    fn started(&mut self, state: &Self::State, ctx: &EntityContext) -> impl Future<Output = ()> + Send {
+        let _ = (state, ctx);
+        async {}
+    }
 }
 
 /// A [`DurableEntity`] as its region runs it: the entity and its loaded state.
@@ -152,6 +160,16 @@ impl<D: DurableEntity> Entity for Durable<D> {
     }
 
     async fn started(&mut self, ctx: &EntityContext) {
+        self.load(ctx).await;
+        if self.broken.is_none() {
+            self.entity.started(&self.state, ctx).await;
+        }
+    }
+}
+
+impl<D: DurableEntity> Durable<D> {
+    /// Loads the stored state from this node's replica (see [`EntityContext`]'s shard claim).
+    async fn load(&mut self, ctx: &EntityContext) {
         let Some(io) = &ctx.state_io else { return };
         match io.read(&ctx.shard_id, &ctx.entity_id).await {
             Ok(None) => {}

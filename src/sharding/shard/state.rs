@@ -42,6 +42,9 @@ use crate::spawn::Spawner;
 /// 100 ms), as for remembered entities.
 const WRITE_TRIES: usize = 3;
 
+/// Tries of a shard's claim-and-load, each with `waiting_for_state_timeout`.
+const LOAD_TRIES: usize = 3;
+
 /// Most writes one batch takes (the rest wait for the next).
 const MAX_BATCH: usize = 4096;
 
@@ -138,6 +141,21 @@ impl StateIo {
     /// Claims the shard's states for `epoch` and loads them into this node's replica (see the
     /// module documentation). [`Error::Fenced`] when a newer epoch has claimed them already.
     pub(crate) async fn claim_and_load(&self, shard: &str, epoch: u64) -> Result<usize> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match self.claim_and_load_once(shard, epoch).await {
+                // Every replica has to answer for the load (a majority plus one by default): a
+                // slow one is asked again before the shard fails and waits out its backoff.
+                Err(Error::ConsistencyTimeout { needed, acked }) if tries < LOAD_TRIES => {
+                    debug!(type_name = %self.inner.type_name, %shard, needed, acked, "claiming the states timed out; again");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn claim_and_load_once(&self, shard: &str, epoch: u64) -> Result<usize> {
         let io = &self.inner;
         let updates = (0..io.slots)
             .map(|slot| {
