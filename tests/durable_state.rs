@@ -290,3 +290,57 @@ async fn a_persist_after_a_newer_epoch_claimed_the_state_fails_fenced_and_the_sh
     assert_eq!(items.items, vec!["apples"]);
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remembered_durable_entities_come_back_after_a_full_restart_with_their_state_and_without_a_message() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let s = ShardingSettings { remember_entities: true, min_nr_of_members: 2, ..durable_settings() };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_carts(n, s.clone()).await);
+    }
+    let expected = fill(&regions[0], 12).await;
+    drop(regions);
+    c.shutdown().await;
+    for i in 0..2 {
+        c.restart(i).await.unwrap();
+    }
+    c.await_converged(CONVERGE).await;
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_carts(n, s.clone()).await);
+    }
+    let all = regions.clone();
+    eventually(CONVERGE, "every remembered cart runs again without a message", || {
+        let all = all.clone();
+        async move {
+            let mut running = Vec::new();
+            for r in &all {
+                running.extend(r.region_state().await.ok()?.into_values().flatten());
+            }
+            running.sort();
+            (running.len() == 12).then_some(())
+        }
+    })
+    .await;
+    check_all(&regions[0], &expected, "remembered and restarted").await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_internal_data_removes_a_types_states_too() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let r = start_carts(c.node(0), durable_settings()).await;
+    r.ask("c1", CartMsg::Add("apples".into())).await.unwrap();
+    drop(r);
+    c.kill(0).await;
+    let removed = ddshard::sharding::remove_internal_data(c.data_dir(0), &["cart".to_string()]).unwrap();
+    assert!(removed[0].1 >= 1, "{removed:?}");
+    c.restart(0).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let r = start_carts(c.node(0), durable_settings()).await;
+    assert!(ask(&r, "c1", CartMsg::Get, CONVERGE).await.is_empty(), "the state went with the type's data");
+    c.shutdown().await;
+}

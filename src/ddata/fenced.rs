@@ -25,6 +25,7 @@ use serde_bytes::ByteBuf;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use super::crdt::{BUCKETS, Buckets, bucket_of};
+use super::orset::rmp_uint_len;
 
 /// A write refused because a newer allocation (epoch `fence`) has claimed the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -65,17 +66,6 @@ impl FencedReg {
 /// Hash of a fence, folded into bucket 0 (0 for no fence, so an empty map digests to 0).
 fn fence_hash(fence: u64) -> u64 {
     if fence == 0 { 0 } else { xxh3_64(&fence.to_le_bytes()) }
-}
-
-/// Size of an rmp unsigned integer.
-fn uint_len(v: u64) -> usize {
-    match v {
-        0..=0x7f => 1,
-        0x80..=0xff => 2,
-        0x100..=0xffff => 3,
-        0x1_0000..=0xffff_ffff => 5,
-        _ => 9,
-    }
 }
 
 /// An LWW-map whose registers are ordered by writer epoch first, with a fence; see the module
@@ -291,12 +281,18 @@ impl FencedMap {
 
     /// Approximate encoded size in bytes (never encodes).
     pub fn approx_bytes(&self) -> usize {
+        // Per entry: the key and its header, the register's array header, epoch, clock, and
+        // the value with its header (or nil).
         let entries: usize = self
             .entries
             .iter()
-            .map(|(k, r)| k.len() + 3 + uint_len(r.0) + uint_len(r.1) + r.2.as_ref().map_or(1, |v| v.len() + 5))
+            .map(|(k, r)| {
+                let value = r.2.as_ref().map_or(1, |v| v.len() + rmp_uint_len(v.len() as u64) + 1);
+                k.len() + 2 + rmp_uint_len(r.0) + rmp_uint_len(r.1) + value
+            })
             .sum();
-        entries + uint_len(self.fence) + 24
+        // The two named fields and the map headers.
+        entries + rmp_uint_len(self.fence) + 18
     }
 }
 
@@ -454,6 +450,22 @@ mod tests {
     }
 
     #[test]
+    fn maps_are_equal_only_with_the_same_fence_and_the_same_registers() {
+        let mut a = FencedMap::default();
+        a.put("k", 1, b"v".to_vec()).unwrap();
+        let mut b = a.clone();
+        b.take_delta();
+        assert_eq!(a, b, "local bookkeeping (the pending delta) is not part of the value");
+        let mut claimed = a.clone();
+        claimed.claim(2).unwrap();
+        assert_ne!(a, claimed, "another fence");
+        let mut other_value = FencedMap::default();
+        other_value.put("k", 1, b"w".to_vec()).unwrap();
+        assert_ne!(a, other_value, "another register");
+        assert_eq!(a.fence(), other_value.fence());
+    }
+
+    #[test]
     fn equal_epochs_and_clocks_from_two_writers_still_merge_the_same_both_ways() {
         let mut a = FencedMap::default();
         a.put("k", 5, b"from-a".to_vec()).unwrap();
@@ -494,7 +506,14 @@ mod tests {
         for i in 0..200 {
             many.delete(&format!("device-{i:06}"), 42).unwrap();
         }
-        for (name, m) in [("one entry", small), ("many entries and tombstones", many)] {
+        // Epochs and clocks of every encoded width.
+        let mut widths = FencedMap::default();
+        for (i, epoch) in [5u64, 200, 60_000, 4_000_000_000, 1 << 40].into_iter().enumerate() {
+            for _ in 0..=i * 50 {
+                widths.put(format!("w{i}"), epoch, vec![1; 3]).unwrap();
+            }
+        }
+        for (name, m) in [("one entry", small), ("many entries and tombstones", many), ("every width", widths)] {
             let encoded = rmp_serde::to_vec_named(&m).unwrap().len() as f64;
             let ratio = m.approx_bytes() as f64 / encoded;
             assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", m.approx_bytes());

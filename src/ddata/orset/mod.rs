@@ -101,7 +101,7 @@ fn varint_len(v: u64) -> usize {
 }
 
 /// Bytes of `v` as a MessagePack unsigned integer.
-fn rmp_uint_len(v: u64) -> usize {
+pub(crate) fn rmp_uint_len(v: u64) -> usize {
     match v {
         0..=127 => 1,
         128..=255 => 2,
