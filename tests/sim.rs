@@ -1,11 +1,13 @@
 //! The deterministic simulation of the sharding cores (`ddshard::testkit::sim`): seeded runs
 //! with crashes, restarts, partitions and dropped messages, checked for at most one live
 //! activation per entity, every ask ending, full service after recovery and (with
-//! remember-entities) no acknowledged remembered id lost; and the same seed giving the same
+//! remember-entities) no acknowledged remembered id lost, (with durable state) no acknowledged
+//! write lost and none accepted from a fenced epoch; and the same seed giving the same
 //! trace byte for byte.
 //!
 //! Replay one seed with its trace: `DDSHARD_SIM_SEED=42 cargo test --test sim replay -- --nocapture`
-//! (add `DDSHARD_SIM_REMEMBER=1` for a remember-entities seed).
+//! (add `DDSHARD_SIM_REMEMBER=1` for a remember-entities seed, `DDSHARD_SIM_DURABLE=1` for a
+//! durable-state seed).
 
 use ddshard::testkit::sim::{SimConfig, run_seed};
 
@@ -13,9 +15,11 @@ fn check(seed: u64, cfg: &SimConfig) -> ddshard::testkit::sim::SimReport {
     let report = run_seed(seed, cfg);
     assert!(
         report.violations.is_empty(),
-        "seed {seed}: {} violations, first: {:?}\nreplay: DDSHARD_SIM_SEED={seed} cargo test --test sim replay -- --nocapture",
+        "seed {seed}: {} violations, first: {:?}\nreplay: DDSHARD_SIM_SEED={seed} DDSHARD_SIM_REMEMBER={} DDSHARD_SIM_DURABLE={} cargo test --test sim replay -- --nocapture",
         report.violations.len(),
-        &report.violations[..report.violations.len().min(5)]
+        &report.violations[..report.violations.len().min(5)],
+        u8::from(cfg.remember),
+        u8::from(cfg.durable),
     );
     report
 }
@@ -114,6 +118,63 @@ fn random_faults_with_remembered_entities_never_lose_an_acknowledged_id() {
     }
 }
 
+#[test]
+fn random_faults_with_durable_state_never_lose_an_acknowledged_write_nor_accept_a_fenced_one() {
+    let seeds: u64 = std::env::var("DDSHARD_SIM_DURABLE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
+    for remember in [false, true] {
+        let cfg = SimConfig { trace: false, durable: true, remember, ..SimConfig::default() };
+        let started = std::time::Instant::now();
+        let seeds = if remember { seeds / 3 } else { seeds };
+        let (reports, failed) = run_seeds(seeds, &cfg);
+        let acked: usize = reports.iter().map(|r| r.states_acked).sum();
+        let answered: usize = reports.iter().map(|r| r.answered).sum();
+        let zombies: usize = reports.iter().map(|r| r.zombie_overlaps).sum();
+        let unheld: usize = reports.iter().map(|r| r.states_lost_with_every_holder_unreachable).sum();
+        println!(
+            "{seeds} durable seeds (remember {remember}) in {:.1}s: {acked} acknowledged state writes checked, {answered} answers, {zombies} activations beside a paused zombie, {unheld} acknowledged values no reachable replica held at a claim, failed: {failed:?}",
+            started.elapsed().as_secs_f64()
+        );
+        // The residual risk (every holder of a write downed or crashed before a survivor
+        // claims) stays rare: one seed in 3,000 hit it when it was measured.
+        assert!(unheld * 1000 <= acked, "{unheld} of {acked} acknowledged values lost with every holder unreachable");
+        // Pauses long enough for the peers to down the node leave zombies that resume and try
+        // to write: the fence must refuse them (and the checks above prove nothing they wrote
+        // was acknowledged).
+        assert!(zombies > 0, "the runs paused nodes past their downing");
+        if seeds >= 100 {
+            assert!(failed.contains_key("Fenced"), "a zombie's write was refused by the fence: {failed:?}");
+        }
+        // Every answer is an acknowledged write (a few more are acknowledged after their
+        // asker gave up).
+        assert!(acked >= answered, "{acked} acknowledged writes for {answered} answers");
+        assert!(answered > seeds as usize * 100, "service under faults: {answered} answers over {seeds} seeds");
+        let explained = [
+            "AskTimeout",
+            "NotDelivered(region gone)",
+            "NotDelivered(hand-off)",
+            "NotDelivered(not hosted)",
+            "NotDelivered(shard failed)",
+            "Fenced",
+            "StateNotPersisted",
+        ];
+        for kind in failed.keys() {
+            assert!(explained.contains(kind), "a failure the faults cannot explain: {kind} ({failed:?})");
+        }
+    }
+}
+
+/// Seeds where a claim at a majority plus one (not every reachable replica) misses a value a
+/// reachable replica held: the state an entity starts from is older than an acknowledged
+/// write. Found with `Consistency::Majority` in the claim (seed 2 first, then 246 and 807 of
+/// 1,000); they pass only while claims read every reachable replica.
+#[test]
+fn a_claim_reads_every_reachable_replica_so_no_acknowledged_state_is_missed_after_peers_return_with_old_disks() {
+    for seed in [246, 807] {
+        let report = check(seed, &SimConfig { remember: true, durable: true, ..SimConfig::default() });
+        assert!(report.states_acked > 100, "seed {seed}: the scenario writes state");
+    }
+}
+
 /// Found by a 1,000-seed run: a remembering shard whose load failed waited out its backoff
 /// while the coordinator handed it off; the hand-off reached no running shard and was never
 /// answered, the shard restarted anyway, and its entities stayed unreachable for good.
@@ -127,7 +188,12 @@ fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped
 fn replay() {
     let Some(seed) = std::env::var("DDSHARD_SIM_SEED").ok().and_then(|s| s.parse().ok()) else { return };
     let remember = std::env::var("DDSHARD_SIM_REMEMBER").as_deref() == Ok("1");
-    let report = run_seed(seed, &SimConfig { remember, ..SimConfig::default() });
+    let durable = std::env::var("DDSHARD_SIM_DURABLE").as_deref() == Ok("1");
+    // The cores' own logs, printed as they run (before the trace), with RUST_LOG set.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
+    }
+    let report = run_seed(seed, &SimConfig { remember, durable, ..SimConfig::default() });
     for line in &report.trace {
         println!("{line}");
     }

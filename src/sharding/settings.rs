@@ -130,11 +130,11 @@ pub struct ShardingSettings {
     /// Durable entities: state writes wait for a majority plus this many more replicas (each
     /// with the write in LMDB).
     pub state_write_majority_plus: usize,
-    /// Durable entities: a shard's start claims and reads its states from a majority plus this
-    /// many more replicas. With writes at a plain majority, the 1 here keeps every
-    /// acknowledged state readable across one membership change (a node leaves, another
-    /// joins) between the write and the next load: write + read quorums exceed the members
-    /// plus one.
+    /// Durable entities: a shard's start claims and reads its states from every reachable
+    /// replica, and from no fewer than a majority plus this many: with writes at a plain
+    /// majority, the 1 here keeps write + read quorums above the members plus one, so an
+    /// acknowledged state stays readable across a leave and a join even when a holder is
+    /// unreachable at the claim.
     pub state_read_majority_plus: usize,
     /// Durable entities: lower bound on those write and read replica counts (capped at the
     /// cluster size).

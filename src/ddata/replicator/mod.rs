@@ -62,18 +62,40 @@ pub enum Consistency {
     },
     /// Every replica.
     All,
+    /// Every replica reachable when the operation starts, and never fewer than
+    /// `Majority { plus, min_cap }` needs. For rare reads that must see what a majority of an
+    /// earlier, smaller membership acknowledged: replicas that joined since (or came back with
+    /// an old disk) can make up a majority of their own, but the older holders are still
+    /// reachable. A durable shard's claim reads this way.
+    AllReachable {
+        /// Extra replicas on top of a plain majority, as the floor.
+        plus: usize,
+        /// Lower bound on the number of replicas.
+        min_cap: usize,
+    },
 }
 
 impl Consistency {
     /// A plain majority.
     pub const MAJORITY: Consistency = Consistency::Majority { plus: 0, min_cap: 0 };
 
-    /// Replicas needed out of `n`.
+    /// Replicas needed out of `n` (for [`Consistency::AllReachable`], its majority floor; see
+    /// [`Consistency::needed_of`]).
     pub fn needed(self, n: usize) -> usize {
         match self {
             Consistency::Local => 1,
-            Consistency::Majority { plus, min_cap } => n.min((n / 2 + 1 + plus).max(min_cap)),
+            Consistency::Majority { plus, min_cap } | Consistency::AllReachable { plus, min_cap } => {
+                n.min((n / 2 + 1 + plus).max(min_cap))
+            }
             Consistency::All => n,
+        }
+    }
+
+    /// Replicas needed out of `n`, `reachable` of which (this node included) can answer now.
+    pub fn needed_of(self, n: usize, reachable: usize) -> usize {
+        match self {
+            Consistency::AllReachable { .. } => self.needed(n).max(reachable.min(n)),
+            other => other.needed(n),
         }
     }
 }
@@ -652,8 +674,8 @@ impl<R> ReplicatorCore<R> {
         out: &mut Vec<Action<R>>,
     ) {
         let Applied { keys, deltas, unchanged, fenced, failure } = self.apply_all(updates, out);
-        let needed = c.needed(self.total_replicas());
         let reachable = self.reachable_replicas();
+        let needed = c.needed_of(self.total_replicas(), reachable.len() + 1);
         if failure.is_some() || needed <= 1 || reachable.len() + 1 < needed || keys.is_empty() {
             for (key, d) in deltas {
                 self.pend_delta(key, d);

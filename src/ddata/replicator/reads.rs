@@ -55,8 +55,8 @@ impl<R> ReplicatorCore<R> {
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
-        let needed = c.needed(self.total_replicas());
         let reachable = self.reachable_replicas();
+        let needed = c.needed_of(self.total_replicas(), reachable.len() + 1);
         if let Some(e) = read_refusal(keys.len(), needed, reachable.len()) {
             out.push(read_reply(reply, many, Err(e)));
             return;
@@ -98,8 +98,8 @@ impl<R> ReplicatorCore<R> {
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
-        let needed = c.needed(self.total_replicas());
         let reachable = self.reachable_replicas();
+        let needed = c.needed_of(self.total_replicas(), reachable.len() + 1);
         if let Some(e) = read_refusal(updates.len(), needed, reachable.len()) {
             out.push(read_reply(reply, true, Err(e)));
             return;

@@ -126,6 +126,11 @@ pub(crate) struct RegionCore<M> {
     buffers: BTreeMap<ShardId, VecDeque<(String, M)>>,
     buffered: usize,
     requested: BTreeMap<ShardId, Instant>,
+    /// Durable entities: per shard, the newest epoch this region hosted it at whose claim a
+    /// newer allocation's fence refused. A home at that epoch or older is stale (the coordinator
+    /// that names it has not seen the newer allocation, or is itself a paused zombie) and is
+    /// not started again: starting it would be fenced at once, in a loop with that coordinator.
+    superseded: BTreeMap<ShardId, u64>,
     shutting_down: bool,
     stopped: bool,
 }
@@ -154,6 +159,7 @@ impl<M> RegionCore<M> {
             buffers: BTreeMap::new(),
             buffered: 0,
             requested: BTreeMap::new(),
+            superseded: BTreeMap::new(),
             shutting_down: false,
             stopped: false,
         }
@@ -276,6 +282,8 @@ impl<M> RegionCore<M> {
                 if self.hosted.get(&shard) != Some(&epoch) {
                     return;
                 }
+                let newest = self.superseded.entry(shard.clone()).or_insert(epoch);
+                *newest = (*newest).max(epoch);
                 if self.homes.get(&shard).is_some_and(|(home, e)| *home == self.me && *e <= epoch) {
                     self.homes.remove(&shard);
                 }
@@ -321,6 +329,11 @@ impl<M> RegionCore<M> {
                 }
             }
             ToRegion::ShardHome { shard, region, epoch } => {
+                if self.is_superseded(&shard, epoch) {
+                    // Asked again after the retry interval (messages wait), by when the
+                    // coordinator has read the newer allocation or its node learnt it was downed.
+                    return;
+                }
                 // Epochs never go backwards: a home older than one known here is a late message.
                 let known = self.homes.get(&shard).map(|(_, e)| *e).max(self.hosted.get(&shard).copied());
                 if known.is_some_and(|k| epoch < k) {
@@ -349,7 +362,7 @@ impl<M> RegionCore<M> {
                 }
             }
             ToRegion::HostShard { shard, epoch } => {
-                if self.proxy || self.shutting_down {
+                if self.proxy || self.shutting_down || self.is_superseded(&shard, epoch) {
                     return; // the coordinator re-sends elsewhere after shard_start_timeout
                 }
                 self.requested.remove(&shard);
@@ -380,6 +393,19 @@ impl<M> RegionCore<M> {
                     self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
             }
+        }
+    }
+
+    /// Whether a home of `shard` at `epoch` is known to be superseded (see `superseded`); a
+    /// newer one forgets the record.
+    fn is_superseded(&mut self, shard: &ShardId, epoch: u64) -> bool {
+        match self.superseded.get(shard) {
+            Some(fenced) if epoch <= *fenced => true,
+            Some(_) => {
+                self.superseded.remove(shard);
+                false
+            }
+            None => false,
         }
     }
 
@@ -531,6 +557,42 @@ mod tests {
         assert!(run(&mut c, stale).is_empty(), "no shard started for a stale coordinator");
         let out = run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 4 }));
         assert!(out.contains(&RegionAction::StartShard { shard: "1".into(), epoch: 4 }));
+    }
+
+    /// Found by the durable simulation (seed 13): a paused coordinator's node woke up, still
+    /// named its own region as the home of a shard a newer allocation had claimed, and the
+    /// region restarted the shard, was fenced at once, asked again and so on, without end.
+    #[test]
+    fn a_home_at_an_epoch_already_fenced_is_not_started_again_and_is_asked_after_the_retry_interval() {
+        let mut c = region(10);
+        let t0 = Instant::now();
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 2 }));
+        run(&mut c, RegionInput::LocalShardFenced { shard: "1".into(), epoch: 2 });
+        run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        run(&mut c, route("1", 7));
+        let asks_home = |out: &[RegionAction<u32>]| {
+            out.iter().any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }))
+        };
+        for stale in [
+            ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 2 },
+            ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 1 },
+            ToRegion::HostShard { shard: "1".into(), epoch: 2 },
+        ] {
+            let out = run(&mut c, coord(stale));
+            assert!(out.is_empty(), "a superseded home starts nothing and asks nothing at once: {out:?}");
+        }
+        assert_eq!(c.buffered(), 1, "the message waits");
+        let mut out = Vec::new();
+        c.handle(RegionInput::Tick, t0 + Duration::from_secs(1), &mut out);
+        assert!(!asks_home(&out), "not before the retry interval: {out:?}");
+        c.handle(RegionInput::Tick, t0 + Duration::from_secs(3), &mut out);
+        assert!(asks_home(&out), "asked again after it: {out:?}");
+        // A newer allocation here starts and gets the message.
+        let out = run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 5 }));
+        assert!(out.contains(&RegionAction::StartShard { shard: "1".into(), epoch: 5 }), "{out:?}");
+        assert!(out.iter().any(|a| matches!(a, RegionAction::Deliver { .. })), "{out:?}");
+        // And the record is gone: a later allocation at any newer epoch is not held back.
+        assert!(c.superseded.is_empty());
     }
 
     fn run(c: &mut RegionCore<u32>, input: RegionInput<u32>) -> Vec<RegionAction<u32>> {

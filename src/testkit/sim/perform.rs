@@ -237,6 +237,12 @@ impl Sim {
                 RepAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance }, result } => {
                     self.on_remember_loaded(i, shard, instance, result)
                 }
+                RepAction::ReplyGetMany { reply: RepReply::StateClaim(claim), result } => {
+                    self.on_states_claimed(i, claim, result)
+                }
+                RepAction::ReplyUpdate { reply: RepReply::EntityWrite(w), result } => {
+                    self.on_state_written(i, w, result)
+                }
                 RepAction::ReplyUpdate { reply: RepReply::RememberWrite(w), result } => {
                     // Remembered-id sets have no fence: nothing is refused.
                     self.on_remember_written(i, w, result.map(|_| ()))
@@ -260,6 +266,7 @@ impl Sim {
                 }
                 RegionAction::StartShard { shard, epoch } => match node.shards.get_mut(&shard) {
                     Some(existing) => existing.1 = epoch,
+                    None if self.cfg.durable => self.start_durable_shard(i, &shard, epoch),
                     None if self.cfg.remember => self.start_remembering_shard(i, &shard, epoch),
                     None => {
                         node.shards.insert(shard, (ShardCore::new(None, Duration::from_secs(25)), epoch));
@@ -335,6 +342,17 @@ impl Sim {
         }
     }
 
+    /// Whether `node` was paused and its peers have downed (or removed) it since: a zombie
+    /// until it learns so.
+    fn is_downed_zombie(&self, node: &UniqueAddress) -> bool {
+        self.was_paused.contains(node)
+            && self
+                .members
+                .iter()
+                .find(|m| m.addr == *node)
+                .is_none_or(|m| matches!(m.status, MemberStatus::Down | MemberStatus::Removed))
+    }
+
     pub(super) fn perform_shard(&mut self, i: usize, shard: &ShardId, action: ShardAction<Msg>) {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let me = node.addr.clone();
@@ -344,20 +362,38 @@ impl Sim {
                 node.entities.insert(entity_id.clone(), (shard.clone(), incarnation));
                 self.report.activations += 1;
                 self.trace(|| format!("{me} starts {entity_id} (shard {shard}, epoch {epoch})"));
-                let others: Vec<String> = self
+                // An activation on a node that was paused is a zombie once its peers downed it:
+                // nothing can stop a frozen process from running again before it learns that
+                // (no lease), so with durable state the promise is that it commits nothing (the
+                // fence; checked on every acknowledged write), not that it never runs. That
+                // covers both sides: a zombie's old activation beside the new one, and a zombie
+                // starting one from a stale allocation it handles on waking.
+                let me_zombie = self.is_downed_zombie(&me);
+                let (zombies, others): (Vec<&UniqueAddress>, Vec<&UniqueAddress>) = self
                     .live
                     .get(&entity_id)
-                    .map(|v| v.iter().filter(|(n, _)| *n != me).map(|(n, _)| n.to_string()).collect())
-                    .unwrap_or_default();
+                    .map(|v| v.iter().filter(|(n, _)| *n != me).map(|(n, _)| n).collect::<Vec<_>>())
+                    .unwrap_or_default()
+                    .into_iter()
+                    .partition(|n| me_zombie || self.is_downed_zombie(n));
+                let others: Vec<String> = others.into_iter().map(ToString::to_string).collect();
+                self.report.zombie_overlaps += zombies.len();
                 if !others.is_empty() {
                     let v = format!("t={} {entity_id} started on {me} while live on {others:?}", self.now_ms);
                     self.report.violations.push(v);
                 }
-                self.live.entry(entity_id).or_default().push((me, incarnation));
+                self.live.entry(entity_id.clone()).or_default().push((me, incarnation));
+                if self.cfg.durable {
+                    self.start_durable_entity(i, shard, &entity_id, incarnation);
+                }
             }
             ShardAction::Send { entity_id, msg } => {
                 if !node.entities.contains_key(&entity_id) {
                     self.fail(msg, NOT_HOSTED);
+                    return;
+                }
+                if self.cfg.durable {
+                    self.deliver_durable(i, &entity_id, msg);
                     return;
                 }
                 if let Some(ask) = msg.ask
@@ -366,6 +402,7 @@ impl Sim {
                     self.send(&me, &asker, Wire::AskReply { ask });
                 }
             }
+            ShardAction::Stop { entity_id } if self.cfg.durable => self.stop_durable(i, &entity_id),
             ShardAction::Stop { entity_id } => {
                 if let Some((_, incarnation)) = node.entities.get(&entity_id).cloned() {
                     let ev = Event::Terminated { node: me, shard: shard.clone(), entity_id, incarnation };
@@ -374,6 +411,9 @@ impl Sim {
             }
             ShardAction::ForceStop { entity_id } => {
                 node.entities.remove(&entity_id);
+                // An aborted durable entity answers nothing more (a write in flight may still
+                // be acknowledged by the replicas).
+                node.states.remove(&entity_id);
                 self.end_activation(&entity_id, &me);
             }
             ShardAction::Drop { msg, reason, .. } => {
@@ -416,6 +456,7 @@ impl Sim {
         let n = self.nodes[i].as_mut().expect("running");
         if n.entities.get(&entity_id).is_some_and(|(_, inc)| *inc == incarnation) {
             n.entities.remove(&entity_id);
+            n.states.remove(&entity_id);
             self.end_activation(&entity_id, &node);
         }
         let n = self.nodes[i].as_mut().expect("running");

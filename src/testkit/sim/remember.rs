@@ -38,7 +38,6 @@ pub(super) struct RememberWrite {
 impl Sim {
     /// A new remembering shard on node `i`: the core, then the load of its slots.
     pub(super) fn start_remembering_shard(&mut self, i: usize, shard: &ShardId, epoch: u64) {
-        let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings();
         let stop_timeout = crate::sharding::shard::entity_stop_timeout(s.handoff_timeout);
@@ -47,6 +46,14 @@ impl Sim {
         node.next_write += 1;
         let instance = node.next_write;
         node.shard_instances.insert(shard.clone(), instance);
+        self.load_remembered(i, shard, instance);
+    }
+
+    /// The remembered-id load of a shard instance: one majority read of its slots.
+    pub(super) fn load_remembered(&mut self, i: usize, shard: &ShardId, instance: u64) {
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let s = settings();
         let keys = (0..SLOTS).map(|slot| keys::remembered_entities(TYPE, shard, slot)).collect();
         let input = RepInput::GetMany {
             keys,
@@ -59,7 +66,7 @@ impl Sim {
         self.perform_replicator(i, out);
     }
 
-    fn is_current(&self, i: usize, shard: &ShardId, instance: u64) -> bool {
+    pub(super) fn is_current(&self, i: usize, shard: &ShardId, instance: u64) -> bool {
         self.nodes[i]
             .as_ref()
             .is_some_and(|n| n.shard_instances.get(shard) == Some(&instance) && n.shards.contains_key(shard.as_str()))

@@ -27,7 +27,8 @@ impl Sim {
     }
 
     pub(super) fn on_ask(&mut self) {
-        let running: Vec<usize> = (0..self.nodes.len()).filter(|i| self.nodes[*i].is_some()).collect();
+        let running: Vec<usize> =
+            (0..self.nodes.len()).filter(|i| self.nodes[*i].is_some() && !self.is_paused(*i)).collect();
         if !running.is_empty() {
             let i = running[self.rng.random_range(0..running.len())];
             let e = self.rng.random_range(0..self.cfg.entities);
@@ -51,7 +52,28 @@ impl Sim {
             return;
         }
         let n = self.nodes.len();
-        match self.rng.random_range(0..11) {
+        let serving = (0..n).filter(|i| self.nodes[*i].is_some() && !self.is_paused(*i)).count();
+        // Pauses exist in durable runs only; the other modes keep the fault stream (and so the
+        // seeds pinned by tests) they had before.
+        let kinds = if self.cfg.durable { 12 } else { 11 };
+        match self.rng.random_range(0..kinds) {
+            11 => {
+                // A pause long enough, at times, for its peers to down the node and move its
+                // shards: on resume it handles what it missed before it learns it was downed.
+                let i = self.rng.random_range(0..n);
+                // Durable state only: the fence is what makes a zombie harmless there. Not the
+                // coordinator's node: a zombie coordinator's writes to the coordinator state are
+                // not fenced yet (DESIGN.md, "Zombies"), and the simulation found it can then
+                // start a shard twice (seed 53 with the coordinator paused).
+                let hosts_coordinator = self.nodes[i].as_ref().is_some_and(|n| n.coordinator.is_some());
+                if self.nodes[i].is_some() && !hosts_coordinator && !self.is_paused(i) && serving > n / 2 + 1 {
+                    let ms = self.rng.random_range(500..6_000);
+                    self.paused_until[i] = self.now_ms + ms;
+                    let addr = self.nodes[i].as_ref().expect("running").addr.clone();
+                    self.was_paused.insert(addr);
+                    self.trace(|| format!("n{} pauses for {ms} ms", i + 1));
+                }
+            }
             10 => {
                 let i = self.rng.random_range(0..n);
                 if self.nodes[i].is_some() && self.nodes.iter().filter(|x| x.is_some()).count() > n / 2 + 1 {
@@ -129,13 +151,21 @@ impl Sim {
     /// stops.
     pub fn leave_node(&mut self, i: usize) {
         let now = self.now();
+        // A paused process starts nothing; a member already Down never turns Leaving (Down is
+        // final: overwriting it would let its peers' coordinator keep, then lose, its shards
+        // while it still runs them).
+        if self.is_paused(i) {
+            return;
+        }
         let Some(node) = self.nodes[i].as_mut() else { return };
         let addr = node.addr.clone();
+        let Some(row) = self.members.iter_mut().find(|m| m.addr == addr) else { return };
+        if matches!(row.status, MemberStatus::Down | MemberStatus::Removed) {
+            return;
+        }
+        row.status = MemberStatus::Leaving;
         let mut out = Vec::new();
         node.region.handle(RegionInput::GracefulShutdown, now, &mut out);
-        for m in self.members.iter_mut().filter(|m| m.addr == addr) {
-            m.status = MemberStatus::Leaving;
-        }
         self.trace(|| format!("{addr} leaves"));
         self.perform_region(i, out);
         self.on_membership();

@@ -364,3 +364,73 @@ fn a_read_of_exactly_the_key_limit_is_served() {
     a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::Read { op: 1, keys } }, Instant::now(), 1, &mut out);
     assert!(!out.is_empty());
 }
+
+/// Claims `epoch` from "a" among replicas b–e (`e_reachable` says whether "e" is), e holding
+/// an acknowledged write b–d lack; b, c and d answer first. Returns whether "a" answered after
+/// those three, and the value of e1 it finally answered with.
+fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Option<Vec<u8>>) {
+    let mut reader = core("a");
+    let replicas =
+        [("b", true), ("c", true), ("d", true), ("e", e_reachable)].iter().map(|(id, up)| (peer(id), *up)).collect();
+    reader.handle(Input::Members { replicas, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let mut holder = core("e");
+    local(&mut holder, "shard-t/1/s", put("e1", 8, 7));
+    commit_all(&mut holder, &mut vec![]);
+
+    let mut out = Vec::new();
+    let input = Input::UpdateAndGetMany {
+        updates: vec![("shard-t/1/s".into(), claim(9))],
+        consistency,
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
+    reader.handle(input, Instant::now(), 1, &mut out);
+    let msg = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, .. } => Some(m.clone()),
+            _ => None,
+        })
+        .expect("a MergeThenRead");
+    let answer_of = |replica: &mut ReplicatorCore<u32>| {
+        let mut answered = deliver(replica, "a", msg.clone());
+        commit_all(replica, &mut answered);
+        sent(&answered)
+    };
+    let mut replies = Vec::new();
+    for id in ["b", "c", "d"] {
+        for m in answer_of(&mut core(id)) {
+            replies.extend(deliver(&mut reader, id, m));
+        }
+    }
+    commit_all(&mut reader, &mut replies);
+    let value_of = |out: &[Action<u32>]| {
+        out.iter().find_map(|x| match x {
+            Action::ReplyGetMany { reply: 5, result: Ok(v) } => {
+                let map = FencedMap::from_data(v[0].clone().unwrap(), "k").unwrap();
+                Some(map.get("e1").map(<[u8]>::to_vec))
+            }
+            _ => None,
+        })
+    };
+    if let Some(v) = value_of(&replies) {
+        return (true, v);
+    }
+    for m in answer_of(&mut holder) {
+        replies.extend(deliver(&mut reader, "e", m));
+    }
+    commit_all(&mut reader, &mut replies);
+    (false, value_of(&replies).expect("a reply once every reachable replica answered"))
+}
+
+#[test]
+fn a_claim_at_all_reachable_waits_for_every_reachable_replica_and_so_reads_a_write_a_majority_plus_one_misses() {
+    let plus_one = Consistency::Majority { plus: 1, min_cap: 0 };
+    let all_reachable = Consistency::AllReachable { plus: 1, min_cap: 0 };
+    // A majority plus one of five (a, b, c, d) answers without the only holder: the write is lost.
+    assert_eq!(claim_among_five(plus_one, true), (true, None));
+    // Every reachable replica: the reader waits for e and loads its write.
+    assert_eq!(claim_among_five(all_reachable, true), (false, Some(vec![7])));
+    // With e unreachable the floor (a majority plus one) is enough; the claim does not hang.
+    assert_eq!(claim_among_five(all_reachable, false), (true, None));
+}

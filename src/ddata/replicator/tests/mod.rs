@@ -83,6 +83,22 @@ fn majority_formula_matches_akka_plus_and_min_cap() {
 }
 
 #[test]
+fn all_reachable_needs_every_reachable_replica_but_never_fewer_than_its_majority_floor() {
+    let c = Consistency::AllReachable { plus: 1, min_cap: 0 };
+    // (members, reachable including this node) -> needed
+    for (n, reachable, needed) in [(5, 5, 5), (5, 4, 4), (5, 2, 4), (5, 7, 5), (1, 1, 1), (3, 3, 3), (3, 1, 3)] {
+        assert_eq!(c.needed_of(n, reachable), needed, "{n} members, {reachable} reachable");
+    }
+    assert_eq!(c.needed(5), 4, "alone it is its floor");
+    let floor = Consistency::AllReachable { plus: 0, min_cap: 6 };
+    assert_eq!(floor.needed_of(9, 2), 6);
+    // Other levels ignore reachability.
+    assert_eq!(Consistency::MAJORITY.needed_of(5, 5), 3);
+    assert_eq!(Consistency::All.needed_of(5, 2), 5);
+    assert_eq!(Consistency::Local.needed_of(5, 5), 1);
+}
+
+#[test]
 fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)];

@@ -1,0 +1,481 @@
+//! Durable entity state in the simulation, performed as the region's state I/O does
+//! (`sharding/shard/state.rs`): a new shard claims its state slots at its allocation epoch with
+//! one read whose replicas store the claim before they answer (tried 3 times, then the shard
+//! fails and restarts after its backoff; a newer fence stops the shard and asks for its home
+//! again); an entity reads its state from this node's replica when it starts; each message
+//! increments the entity's counter and writes it under the shard's epoch at a majority before
+//! the ask is answered (tried 3 times; then the incarnation ends and the next one reads the
+//! stored state; a write refused by a fence stops the shard).
+//!
+//! The properties it adds, over every write a majority acknowledged (whether or not its reply
+//! still reached the asker):
+//! - **no acknowledged write is lost**: no counter value is acknowledged twice (a second
+//!   incarnation would have to start from a state older than an acknowledged write), an entity
+//!   starting after a claim reads at least every value acknowledged before that claim began,
+//!   and the last value answered after recovery is the largest ever acknowledged;
+//! - **a fenced epoch never writes**: no write of epoch `e` issued after a claim of a newer
+//!   epoch of its shard completed is acknowledged.
+
+use super::*;
+use crate::ddata::FencedMap;
+use crate::sharding::ids::remembered_slot;
+
+/// State slots per shard (`state_slots`; small, so slots hold several entities).
+const SLOTS: u32 = 4;
+/// Tries of a claim and of a write, as the state I/O makes them.
+const TRIES: u32 = 3;
+/// Why an ask to a durable entity failed; typed errors in the real drivers.
+pub(super) const FENCED: &str = "Fenced";
+pub(super) const NOT_PERSISTED: &str = "StateNotPersisted";
+
+fn state_key(shard: &str, entity_id: &str) -> String {
+    keys::entity_states(TYPE, shard, remembered_slot(entity_id, SLOTS))
+}
+
+fn write_consistency() -> Consistency {
+    let s = settings();
+    Consistency::Majority { plus: s.state_write_majority_plus, min_cap: s.state_majority_min_cap }
+}
+
+fn read_consistency() -> Consistency {
+    let s = settings();
+    Consistency::AllReachable { plus: s.state_read_majority_plus, min_cap: s.state_majority_min_cap }
+}
+
+/// One running durable entity: its counter and the message it is writing for.
+#[derive(Debug)]
+pub(super) struct Activation {
+    shard: ShardId,
+    incarnation: u64,
+    /// The shard's epoch when the entity started: its writes carry it.
+    epoch: u64,
+    value: u64,
+    /// The message whose write is in flight.
+    writing: Option<Msg>,
+    queue: VecDeque<Msg>,
+    /// Told to stop: it ends once its queue is written.
+    stopping: bool,
+}
+
+/// A claim in flight: the shard instance, its epoch and its try.
+#[derive(Debug, Clone)]
+pub(super) struct Claim {
+    pub shard: ShardId,
+    pub instance: u64,
+    pub epoch: u64,
+    pub attempt: u32,
+    started_ms: u64,
+    /// Entities of the shard with a value acknowledged before this try began that no replica
+    /// the try reads (this node and every reachable replica in its view) holds: what the
+    /// claim cannot load, the documented residual risk (entity → the largest such value).
+    unheld: BTreeMap<String, u64>,
+}
+
+/// One entity write in flight.
+#[derive(Debug, Clone)]
+pub(super) struct EntityWrite {
+    entity_id: String,
+    incarnation: u64,
+    epoch: u64,
+    value: u64,
+    attempt: u32,
+    issued_ms: u64,
+}
+
+/// The run's record of durable writes.
+#[derive(Debug, Default)]
+pub(super) struct StateLedger {
+    /// Entity → acknowledged value → when its ack came.
+    acked: BTreeMap<String, BTreeMap<u64, u64>>,
+    /// Shard → (when, epoch) of every completed claim.
+    claims: BTreeMap<ShardId, Vec<(u64, u64)>>,
+    /// Entity → the value answered to its ask after recovery.
+    final_values: BTreeMap<String, u64>,
+}
+
+impl Sim {
+    /// A new durable shard on node `i`: the core (waiting for its load), then the claim.
+    pub(super) fn start_durable_shard(&mut self, i: usize, shard: &ShardId, epoch: u64) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let s = settings();
+        let stop_timeout = crate::sharding::shard::entity_stop_timeout(s.handoff_timeout);
+        let core = if self.cfg.remember {
+            ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
+        } else {
+            ShardCore::loading(None, stop_timeout)
+        };
+        node.shards.insert(shard.clone(), (core, epoch));
+        node.next_write += 1;
+        let instance = node.next_write;
+        node.shard_instances.insert(shard.clone(), instance);
+        let claim = Claim {
+            shard: shard.clone(),
+            instance,
+            epoch,
+            attempt: 0,
+            started_ms: self.now_ms,
+            unheld: BTreeMap::new(),
+        };
+        self.claim_states(i, claim);
+    }
+
+    fn claim_states(&mut self, i: usize, mut claim: Claim) {
+        claim.unheld = self.acked_but_unheld(i, &claim.shard);
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let epoch = claim.epoch;
+        let updates = (0..SLOTS)
+            .map(|slot| {
+                crate::ddata::KeyUpdate::new::<FencedMap, _>(
+                    &keys::entity_states(TYPE, &claim.shard, slot),
+                    move |m, ctx| {
+                        if let Err(f) = m.claim(epoch) {
+                            ctx.refuse(f);
+                        }
+                    },
+                )
+                .into_parts()
+            })
+            .collect();
+        let input = RepInput::UpdateAndGetMany {
+            updates,
+            consistency: read_consistency(),
+            timeout: settings().waiting_for_state_timeout,
+            reply: RepReply::StateClaim(claim),
+        };
+        let mut out = Vec::new();
+        node.replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
+    }
+
+    pub(super) fn on_states_claimed(
+        &mut self,
+        i: usize,
+        claim: Claim,
+        result: crate::Result<Vec<Option<ReplicatedData>>>,
+    ) {
+        if !self.is_current(i, &claim.shard, claim.instance) {
+            return;
+        }
+        let fence = match &result {
+            Ok(values) => values
+                .iter()
+                .flatten()
+                .map(|v| match v {
+                    ReplicatedData::FencedMap(m) => m.fence(),
+                    _ => 0,
+                })
+                .max()
+                .filter(|f| *f > claim.epoch),
+            Err(crate::Error::Fenced { fence, .. }) => Some(*fence),
+            Err(_) => None,
+        };
+        let me = self.nodes[i].as_ref().expect("running").addr.clone();
+        if let Some(fence) = fence {
+            self.trace(|| format!("{me} shard {} epoch {} fenced by {fence} at its claim", claim.shard, claim.epoch));
+            self.shard_fenced(i, &claim.shard, claim.epoch);
+            return;
+        }
+        match result {
+            Ok(_) => {
+                self.trace(|| format!("{me} shard {} claims its states at epoch {}", claim.shard, claim.epoch));
+                self.ledger.claims.entry(claim.shard.clone()).or_default().push((self.now_ms, claim.epoch));
+                self.node_claims_started(i).insert(claim.shard.clone(), claim.started_ms);
+                let node = self.nodes[i].as_mut().expect("running");
+                node.unheld_at_claim.insert(claim.shard.clone(), claim.unheld.clone());
+                if self.cfg.remember {
+                    self.load_remembered(i, &claim.shard, claim.instance);
+                } else {
+                    self.shard_input(i, &claim.shard, ShardInput::Loaded(BTreeSet::new()));
+                }
+            }
+            Err(crate::Error::ConsistencyTimeout { .. }) if claim.attempt + 1 < TRIES => {
+                self.claim_states(i, Claim { attempt: claim.attempt + 1, ..claim });
+            }
+            Err(_) => self.shard_input(i, &claim.shard, ShardInput::StoreFailed),
+        }
+    }
+
+    /// The entities of `shard` with an acknowledged value that neither node `i` nor any replica
+    /// reachable in its view holds (entity → that value): every holder is unreachable, crashed
+    /// or downed, so no claim from here can read it.
+    fn acked_but_unheld(&self, i: usize, shard: &ShardId) -> BTreeMap<String, u64> {
+        let Some(node) = self.nodes[i].as_ref() else { return BTreeMap::new() };
+        let readable: Vec<usize> = match &node.last_view {
+            Some(view) => view
+                .up_members(None)
+                .filter(|m| m.reachable)
+                .filter_map(|m| self.slot_of(&m.address))
+                .chain(std::iter::once(i))
+                .collect(),
+            None => vec![i],
+        };
+        let held = |j: usize, entity_id: &str| -> u64 {
+            let Some(n) = self.nodes[j].as_ref() else { return 0 };
+            match n.replicator.local_value(&state_key(shard, entity_id)) {
+                Some(ReplicatedData::FencedMap(m)) => {
+                    m.get(entity_id).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
+                }
+                _ => 0,
+            }
+        };
+        let mut unheld = BTreeMap::new();
+        for (entity_id, acks) in &self.ledger.acked {
+            if default_shard_id(entity_id, self.cfg.shards) != *shard {
+                continue;
+            }
+            let Some(largest) = acks.keys().next_back().copied() else { continue };
+            if readable.iter().all(|j| held(*j, entity_id) < largest) {
+                unheld.insert(entity_id.clone(), largest);
+            }
+        }
+        unheld
+    }
+
+    fn node_claims_started(&mut self, i: usize) -> &mut BTreeMap<ShardId, u64> {
+        &mut self.nodes[i].as_mut().expect("running").claims_started
+    }
+
+    /// A newer allocation owns the shard's states: the region stops the shard and asks for its
+    /// home again.
+    fn shard_fenced(&mut self, i: usize, shard: &ShardId, epoch: u64) {
+        let now = self.now();
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let mut out = Vec::new();
+        node.region.handle(RegionInput::LocalShardFenced { shard: shard.clone(), epoch }, now, &mut out);
+        self.perform_region(i, out);
+    }
+
+    /// A durable entity starts: its state is read from this node's replica.
+    pub(super) fn start_durable_entity(&mut self, i: usize, shard: &ShardId, entity_id: &str, incarnation: u64) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let epoch = node.shards.get(shard).map_or(0, |(_, e)| *e);
+        let stored = match node.replicator.local_value(&state_key(shard, entity_id)) {
+            Some(ReplicatedData::FencedMap(m)) => m.get(entity_id).map(<[u8]>::to_vec),
+            _ => None,
+        };
+        let value = match stored.as_deref().map(<[u8; 8]>::try_from) {
+            None => 0,
+            Some(Ok(bytes)) => u64::from_le_bytes(bytes),
+            Some(Err(_)) => {
+                self.report.violations.push(format!("{entity_id}: a stored state of the wrong size"));
+                0
+            }
+        };
+        let claimed_ms = node.claims_started.get(shard).copied();
+        let unheld = node.unheld_at_claim.get_mut(shard).and_then(|u| u.remove(entity_id));
+        let activation = Activation {
+            shard: shard.clone(),
+            incarnation,
+            epoch,
+            value,
+            writing: None,
+            queue: VecDeque::new(),
+            stopping: false,
+        };
+        node.states.insert(entity_id.to_string(), activation);
+        // Every value acknowledged before this shard's claim began is in what it read.
+        if let Some(claimed_ms) = claimed_ms {
+            let before = self
+                .ledger
+                .acked
+                .get(entity_id)
+                .and_then(|acks| acks.iter().filter(|(_, at)| **at < claimed_ms).map(|(v, _)| *v).max());
+            if let Some(acked) = before.filter(|acked| *acked > value) {
+                if unheld.is_some_and(|u| u >= acked) {
+                    // Every holder of those values was out of the claim's reach (the residual
+                    // risk in DESIGN.md): counted, and the entity's history goes on from here.
+                    let acks = self.ledger.acked.get_mut(entity_id).expect("acked");
+                    let lost: Vec<u64> = acks.range(value + 1..).map(|(v, _)| *v).collect();
+                    for v in &lost {
+                        acks.remove(v);
+                    }
+                    self.report.states_lost_with_every_holder_unreachable += lost.len();
+                    self.trace(|| format!("{entity_id} starts from {value}: values {lost:?} had no reachable holder"));
+                    return;
+                }
+                let v = format!(
+                    "t={} {entity_id} started with {value} though {acked} was acknowledged before its shard's claim",
+                    self.now_ms
+                );
+                self.report.violations.push(v);
+            }
+        }
+    }
+
+    /// A message for a running durable entity: handled in order, one write at a time.
+    pub(super) fn deliver_durable(&mut self, i: usize, entity_id: &str, msg: Msg) {
+        let Some(a) = self.nodes[i].as_mut().and_then(|n| n.states.get_mut(entity_id)) else {
+            self.fail(msg, NOT_HOSTED);
+            return;
+        };
+        if msg.ask.is_none() {
+            return; // a start-only message (remembered recovery): the start was all it asked
+        }
+        a.queue.push_back(msg);
+        self.pump(i, entity_id);
+    }
+
+    /// Handles the entity's next queued message unless a write is in flight; ends a stopping
+    /// entity whose queue is done.
+    fn pump(&mut self, i: usize, entity_id: &str) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let me = node.addr.clone();
+        let Some(a) = node.states.get_mut(entity_id) else { return };
+        if a.writing.is_some() {
+            return;
+        }
+        let Some(msg) = a.queue.pop_front() else {
+            if a.stopping {
+                let (shard, incarnation) = (a.shard.clone(), a.incarnation);
+                let entity_id = entity_id.to_string();
+                self.schedule(1, Event::Terminated { node: me, shard, entity_id, incarnation });
+            }
+            return;
+        };
+        a.value += 1;
+        a.writing = Some(msg);
+        let w = EntityWrite {
+            entity_id: entity_id.to_string(),
+            incarnation: a.incarnation,
+            epoch: a.epoch,
+            value: a.value,
+            attempt: 0,
+            issued_ms: self.now_ms,
+        };
+        let shard = a.shard.clone();
+        self.write_state(i, &shard, w);
+    }
+
+    fn write_state(&mut self, i: usize, shard: &ShardId, w: EntityWrite) {
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let (id, epoch, bytes) = (w.entity_id.clone(), w.epoch, w.value.to_le_bytes().to_vec());
+        let update = crate::ddata::KeyUpdate::new::<FencedMap, _>(&state_key(shard, &w.entity_id), move |m, ctx| {
+            if let Err(f) = m.put(id, epoch, bytes) {
+                ctx.refuse(f);
+            }
+        });
+        let s = settings();
+        let input = RepInput::UpdateMany {
+            updates: vec![update.into_parts()],
+            consistency: write_consistency(),
+            timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
+            reply: RepReply::EntityWrite(w),
+        };
+        let mut out = Vec::new();
+        node.replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
+    }
+
+    pub(super) fn on_state_written(
+        &mut self,
+        i: usize,
+        w: EntityWrite,
+        result: crate::Result<Vec<(String, crate::ddata::Fenced)>>,
+    ) {
+        let refused = matches!(&result, Ok(fenced) if !fenced.is_empty());
+        if result.is_ok() && !refused {
+            self.record_ack(&w);
+        }
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let Some(a) = node.states.get_mut(&w.entity_id).filter(|a| a.incarnation == w.incarnation) else { return };
+        let shard = a.shard.clone();
+        match result {
+            Ok(_) if !refused => {
+                let msg = a.writing.take();
+                let me = node.addr.clone();
+                if let Some(ask) = msg.and_then(|m| m.ask) {
+                    if self.asks.get(&ask).is_some_and(|a| a.must_answer) {
+                        self.ledger.final_values.insert(w.entity_id.clone(), w.value);
+                    }
+                    if let Some(asker) = self.asks.get(&ask).map(|a| a.asker.clone()) {
+                        self.send(&me, &asker, Wire::AskReply { ask });
+                    }
+                }
+                self.pump(i, &w.entity_id);
+            }
+            Ok(_) => {
+                // A newer allocation claimed the state: this incarnation ends, and its shard
+                // stops here.
+                let epoch = w.epoch;
+                self.end_durable(i, &w.entity_id, FENCED);
+                self.shard_fenced(i, &shard, epoch);
+            }
+            Err(_) if w.attempt + 1 < TRIES => {
+                let retry = EntityWrite { attempt: w.attempt + 1, ..w };
+                self.write_state(i, &shard, retry);
+            }
+            Err(_) => self.end_durable(i, &w.entity_id, NOT_PERSISTED),
+        }
+    }
+
+    fn record_ack(&mut self, w: &EntityWrite) {
+        let now = self.now_ms;
+        // A claim of a newer epoch that completed before this write was issued fenced a
+        // majority plus one: the write cannot have been accepted by a majority.
+        let shard = default_shard_id(&w.entity_id, self.cfg.shards);
+        if let Some((at, epoch)) = self
+            .ledger
+            .claims
+            .get(&shard)
+            .and_then(|c| c.iter().find(|(at, epoch)| *epoch > w.epoch && *at < w.issued_ms))
+        {
+            let v = format!(
+                "t={now} {}: a write of epoch {} issued at {} was acknowledged after epoch {epoch} claimed its shard at {at}",
+                w.entity_id, w.epoch, w.issued_ms
+            );
+            self.report.violations.push(v);
+        }
+        let acks = self.ledger.acked.entry(w.entity_id.clone()).or_default();
+        if acks.insert(w.value, now).is_some() {
+            let v = format!(
+                "t={now} {}: value {} acknowledged twice (an acknowledged write was lost)",
+                w.entity_id, w.value
+            );
+            self.report.violations.push(v);
+        }
+        self.report.states_acked += 1;
+    }
+
+    /// The incarnation ends after a failed or fenced write: its message and the queued ones
+    /// fail (fenced), or the queued ones go to the next incarnation (not persisted).
+    fn end_durable(&mut self, i: usize, entity_id: &str, why: &'static str) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let me = node.addr.clone();
+        let Some(a) = node.states.remove(entity_id) else { return };
+        node.entities.remove(entity_id);
+        self.end_activation(entity_id, &me);
+        if let Some(msg) = a.writing {
+            self.fail(msg, why);
+        }
+        let input = ShardInput::Terminated { entity_id: entity_id.to_string(), incarnation: a.incarnation };
+        self.shard_input(i, &a.shard, input);
+        for msg in a.queue {
+            if why == FENCED {
+                self.fail(msg, why);
+            } else {
+                self.shard_input(i, &a.shard, ShardInput::Deliver { entity_id: entity_id.to_string(), msg });
+            }
+        }
+    }
+
+    /// The shard asks the entity to stop: it finishes its queue first.
+    pub(super) fn stop_durable(&mut self, i: usize, entity_id: &str) {
+        if let Some(a) = self.nodes[i].as_mut().and_then(|n| n.states.get_mut(entity_id)) {
+            a.stopping = true;
+            self.pump(i, entity_id);
+        }
+    }
+
+    /// After recovery, the value each entity answered is the largest ever acknowledged.
+    pub(super) fn check_no_acknowledged_state_lost(&mut self) {
+        for (entity_id, value) in &self.ledger.final_values {
+            let largest = self.ledger.acked.get(entity_id).and_then(|a| a.keys().next_back().copied()).unwrap_or(0);
+            if *value < largest {
+                let v = format!("{entity_id} answered {value} after recovery though {largest} was acknowledged");
+                self.report.violations.push(v);
+            }
+        }
+    }
+}
