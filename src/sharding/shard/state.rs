@@ -97,6 +97,11 @@ impl StateIo {
         s: &ShardingSettings,
         counters: Arc<RegionCounters>,
     ) -> Self {
+        // Unbounded in type, bounded in effect: every request is one entity's persist (or
+        // delete), and an entity sends the next only after this one answered, so the queue
+        // holds at most one state (≤ max_state_bytes) per live entity, which the region's
+        // entity count already bounds. A bounded channel would make a full queue block the
+        // entity, with nothing gained.
         let (writer, requests) = mpsc::unbounded_channel();
         let io = StateIo {
             inner: Arc::new(Inner {

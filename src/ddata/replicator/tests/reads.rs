@@ -101,3 +101,68 @@ fn a_read_of_more_keys_than_the_limit_is_refused_with_a_typed_error() {
     assert!(out.is_empty());
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
+
+/// A read among five replicas (a majority is 3) whose peers never answer but `answering`;
+/// returns the replies "a" gives on ticks at `start + timeout / 2` and `start + timeout`.
+fn read_until_timeout(after_write: bool, answering: &[&str]) -> (Vec<Action<u32>>, Vec<Action<u32>>) {
+    let mut a = core("a");
+    let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
+    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let start = Instant::now();
+    let timeout = Duration::from_secs(4);
+    let mut out = Vec::new();
+    let keys = vec!["k".to_string()];
+    let input = if after_write {
+        Input::UpdateAndGetMany {
+            updates: vec![("k".into(), add("x"))],
+            consistency: Consistency::MAJORITY,
+            timeout,
+            reply: 3,
+        }
+    } else {
+        Input::GetMany { keys: keys.clone(), consistency: Consistency::MAJORITY, timeout, reply: 3 }
+    };
+    a.handle(input, start, 1, &mut out);
+    commit_all(&mut a, &mut out);
+    let msg = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg, .. } => Some(msg.clone()),
+            _ => None,
+        })
+        .expect("a read to the replicas");
+    for p in answering {
+        let mut replica = core(p);
+        let mut answer = Vec::new();
+        replica.handle(Input::Remote { from: peer("a"), msg: msg.clone() }, start, 1, &mut answer);
+        commit_all(&mut replica, &mut answer);
+        for x in answer {
+            if let Action::Send { msg, .. } = x {
+                a.handle(Input::Remote { from: peer(p), msg }, start, 1, &mut vec![]);
+            }
+        }
+    }
+    let mut early = Vec::new();
+    a.handle(Input::Tick, start + timeout / 2, 1, &mut early);
+    let mut late = Vec::new();
+    a.handle(Input::Tick, start + timeout, 1, &mut late);
+    (early, late)
+}
+
+fn timed_out(out: &[Action<u32>]) -> Option<(usize, usize)> {
+    out.iter().find_map(|x| match x {
+        Action::ReplyGetMany { reply: 3, result: Err(Error::ConsistencyTimeout { needed, acked }) } => {
+            Some((*needed, *acked))
+        }
+        _ => None,
+    })
+}
+
+#[test]
+fn a_read_short_of_its_quorum_waits_out_its_timeout_then_names_this_node_and_every_full_answer() {
+    for after_write in [false, true] {
+        let (early, late) = read_until_timeout(after_write, &["b"]);
+        assert_eq!(timed_out(&early), None, "not before its deadline (after_write {after_write}): {early:?}");
+        assert_eq!(timed_out(&late), Some((3, 2)), "this node and b (after_write {after_write}): {late:?}");
+    }
+}

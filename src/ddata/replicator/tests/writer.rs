@@ -1,5 +1,6 @@
 //! The store writer of durable OR-sets: one writer per store across restarts, counters used
 //! only below a durably reserved ceiling.
+use super::super::writer::RESERVE_AHEAD;
 use super::*;
 use crate::ddata::durable::{CounterReservation, DurableStore, StoreOp};
 
@@ -158,4 +159,16 @@ fn a_reservation_whose_commit_failed_is_asked_for_again_by_the_next_update() {
 /// Reports every ticket below `ticket` committed (the reservation's stays in flight).
 fn commit_ticket_below(c: &mut ReplicatorCore<u32>, ticket: u64) {
     c.handle(Input::Persisted { through: ticket - 1, failure: None }, Instant::now(), 0, &mut Vec::new());
+}
+
+#[test]
+fn an_extension_is_asked_for_exactly_when_the_used_counter_comes_within_the_margin_of_the_ceiling() {
+    // The first add uses the floor, 1_000.
+    for (ceiling, asked) in [(1_000 + RESERVE_AHEAD + 1, false), (1_000 + RESERVE_AHEAD, true)] {
+        let mut c = core_with(writer_with(1_000, ceiling));
+        let mut out = Vec::new();
+        update(&mut c, KEY, Consistency::Local, or_add(ids(0, 1)), &mut out);
+        assert_eq!(set_of(&c, KEY).max_counter_of("a#store-0000000000000007"), 1_000);
+        assert_eq!(reservation(&out).is_some(), asked, "ceiling {ceiling}: {out:?}");
+    }
 }
