@@ -536,6 +536,19 @@ mod tests {
     }
 
     #[test]
+    fn a_node_whose_phi_reaches_the_threshold_exactly_is_unreachable() {
+        let mut core = HeartbeatCore::new(a("n00"), FailureDetectorSettings { monitored_by: 1, ..Default::default() });
+        let t0 = Instant::now();
+        core.handle(HeartbeatInput::Members(ring(3)), t0, &mut Vec::new());
+        let at = t0 + Duration::from_millis(1_200);
+        let s = core.settings.clone();
+        core.settings.threshold = core.observed[&a("n01")].detector.phi(at, s.acceptable_pause, s.min_std_deviation);
+        let mut out = Vec::new();
+        core.handle(HeartbeatInput::Tick, at, &mut out);
+        assert!(out.contains(&HeartbeatAction::Verdict { subject: a("n01"), reachable: false }), "{out:?}");
+    }
+
+    #[test]
     fn a_membership_change_starts_and_stops_observing_by_the_ring() {
         let mut core = HeartbeatCore::new(a("n00"), FailureDetectorSettings { monitored_by: 2, ..Default::default() });
         let t0 = Instant::now();
