@@ -56,6 +56,8 @@ pub struct NodeConfig {
     pub data_dir: PathBuf,
     /// Gossip membership and failure detection.
     pub membership: MembershipSettings,
+    /// Heartbeats over the message path and the phi-accrual detector that judges them.
+    pub failure_detector: crate::membership::FailureDetectorSettings,
     /// Node-to-node messaging.
     pub transport: TransportSettings,
     /// The distributed-data replicator.
@@ -78,6 +80,7 @@ impl Default for NodeConfig {
             roles: Vec::new(),
             data_dir: PathBuf::from("ddshard-data"),
             membership: MembershipSettings::default(),
+            failure_detector: crate::membership::FailureDetectorSettings::default(),
             transport: TransportSettings::default(),
             replicator: ReplicatorSettings::default(),
             sharding: crate::sharding::settings::ShardingSettings::default(),
@@ -111,9 +114,14 @@ pub struct MembershipSettings {
     pub leave_linger: Duration,
     /// Automatic downing of unreachable members.
     pub downing: DowningStrategy,
-    /// Keep-majority decides once the set of unreachable members has not changed for this long.
+    /// The resolver decides once the set of unreachable members (and the reachability table)
+    /// has not changed for this long.
     #[serde(with = "humantime_serde")]
     pub stable_after: Duration,
+    /// When reachability keeps changing so no decision is made within `stable_after` plus this
+    /// long of the first change (a flapping link), every member is downed. `"on"`:
+    /// `stable_after` × 3/4, at least 4 s; `"off"`; or a duration.
+    pub down_all_when_unstable: DownAllWhenUnstable,
     /// A downed member stays listed (as Down) this long before it is removed: its shards and
     /// singletons move only then, giving the losing side time to stop its own.
     #[serde(with = "humantime_serde")]
@@ -131,6 +139,54 @@ pub enum DowningStrategy {
     Off,
 }
 
+/// When the resolver gives up on a reachability picture that never settles
+/// ([`MembershipSettings::down_all_when_unstable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DownAllWhenUnstable {
+    /// After `stable_after` × 3/4 more, at least 4 s (Akka's default: the detectors of a
+    /// clean partition report over a second or two, and each report restarts the clock).
+    On,
+    /// Never: a flapping link can hold decisions off indefinitely.
+    Off,
+    /// After this much more than `stable_after`.
+    After(Duration),
+}
+
+impl DownAllWhenUnstable {
+    /// The time past `stable_after` after which everyone is downed, if ever.
+    pub fn after(self, stable_after: Duration) -> Option<Duration> {
+        match self {
+            DownAllWhenUnstable::On => Some((stable_after * 3 / 4).max(Duration::from_secs(4))),
+            DownAllWhenUnstable::Off => None,
+            DownAllWhenUnstable::After(d) => Some(d),
+        }
+    }
+}
+
+impl TryFrom<String> for DownAllWhenUnstable {
+    type Error = String;
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        match s.as_str() {
+            "on" => Ok(DownAllWhenUnstable::On),
+            "off" => Ok(DownAllWhenUnstable::Off),
+            d => humantime_serde::re::humantime::parse_duration(d)
+                .map(DownAllWhenUnstable::After)
+                .map_err(|e| format!("down_all_when_unstable must be \"on\", \"off\" or a duration: {e}")),
+        }
+    }
+}
+
+impl From<DownAllWhenUnstable> for String {
+    fn from(d: DownAllWhenUnstable) -> String {
+        match d {
+            DownAllWhenUnstable::On => "on".into(),
+            DownAllWhenUnstable::Off => "off".into(),
+            DownAllWhenUnstable::After(d) => humantime_serde::re::humantime::format_duration(d).to_string(),
+        }
+    }
+}
+
 impl Default for MembershipSettings {
     fn default() -> Self {
         MembershipSettings {
@@ -142,6 +198,7 @@ impl Default for MembershipSettings {
             leave_linger: Duration::from_millis(1000),
             downing: DowningStrategy::KeepMajority,
             stable_after: Duration::from_secs(5),
+            down_all_when_unstable: DownAllWhenUnstable::On,
             down_removal_margin: Duration::from_secs(5),
         }
     }
@@ -317,6 +374,10 @@ impl NodeConfig {
             ("membership.leave_linger", m.leave_linger),
             ("membership.stable_after", m.stable_after),
             ("membership.down_removal_margin", m.down_removal_margin),
+            ("membership.down_all_when_unstable", m.down_all_when_unstable.after(m.stable_after).unwrap_or_default()),
+            ("failure_detector.heartbeat_interval", self.failure_detector.heartbeat_interval),
+            ("failure_detector.acceptable_pause", self.failure_detector.acceptable_pause),
+            ("failure_detector.min_std_deviation", self.failure_detector.min_std_deviation),
             ("transport.connect_timeout", t.connect_timeout),
             ("transport.reconnect_backoff_min", t.reconnect_backoff_min),
             ("transport.reconnect_backoff_max", t.reconnect_backoff_max),
@@ -332,6 +393,7 @@ impl NodeConfig {
         if !(m.phi_threshold.is_finite() && m.phi_threshold > 1.0) {
             return bad("membership.phi_threshold must be > 1".into());
         }
+        self.failure_detector.validate()?;
         if !(1024..=1 << 30).contains(&t.max_frame_size) {
             return bad("transport.max_frame_size must be between 1 KiB and 1 GiB".into());
         }
@@ -373,6 +435,7 @@ impl NodeConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::membership::FailureDetectorSettings;
 
     /// `config/default.toml` documents every setting; it must parse to exactly the defaults.
     #[test]
@@ -424,6 +487,51 @@ mod tests {
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("write_timeout")));
         assert!(matches!(NodeConfig::from_toml_str("no_such_setting = 1"), Err(Error::Config(_))));
         assert!(matches!(NodeConfig::from_toml_str("[membership]\ngossip_interval = \"soon\""), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn failure_detector_settings_out_of_range_are_config_errors_naming_the_setting() {
+        let ok = NodeConfig { node_id: "n1".into(), ..NodeConfig::default() };
+        type Spoil = fn(&mut FailureDetectorSettings);
+        let bad: [(Spoil, &str); 6] = [
+            (|f| f.monitored_by = 0, "monitored_by"),
+            (|f| f.monitored_by = 65, "monitored_by"),
+            (|f| f.heartbeat_interval = Duration::from_millis(1), "heartbeat_interval"),
+            (|f| f.threshold = f64::NAN, "threshold"),
+            (|f| f.min_std_deviation = Duration::ZERO, "min_std_deviation"),
+            (|f| f.max_sample_size = 1, "max_sample_size"),
+        ];
+        for (spoil, what) in bad {
+            let mut c = ok.clone();
+            spoil(&mut c.failure_detector);
+            assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains(what)), "{what}");
+        }
+        let mut c = ok.clone();
+        c.failure_detector.acceptable_pause = MAX_SETTING_DURATION * 2;
+        assert!(matches!(c.validate(), Err(Error::Config(m)) if m.contains("acceptable_pause")));
+    }
+
+    #[test]
+    fn down_all_when_unstable_reads_on_off_or_a_duration() {
+        let read = |v: &str| {
+            NodeConfig::from_toml_str(&format!("[membership]\ndown_all_when_unstable = \"{v}\""))
+                .map(|c| c.membership.down_all_when_unstable)
+        };
+        assert_eq!(read("on").unwrap(), DownAllWhenUnstable::On);
+        assert_eq!(read("off").unwrap(), DownAllWhenUnstable::Off);
+        assert_eq!(read("2s 500ms").unwrap(), DownAllWhenUnstable::After(Duration::from_millis(2_500)));
+        assert!(matches!(read("sometimes"), Err(Error::Config(m)) if m.contains("down_all_when_unstable")));
+        let stable = Duration::from_secs(8);
+        assert_eq!(DownAllWhenUnstable::On.after(stable), Some(Duration::from_secs(6)));
+        assert_eq!(DownAllWhenUnstable::On.after(Duration::from_secs(2)), Some(Duration::from_secs(4)), "floor");
+        assert_eq!(DownAllWhenUnstable::Off.after(stable), None);
+        assert_eq!(DownAllWhenUnstable::After(Duration::from_secs(1)).after(stable), Some(Duration::from_secs(1)));
+        let round_trip = toml::to_string(&MembershipSettings {
+            down_all_when_unstable: DownAllWhenUnstable::After(Duration::from_millis(2_500)),
+            ..MembershipSettings::default()
+        })
+        .unwrap();
+        assert!(round_trip.contains("down_all_when_unstable = \"2s 500ms\""), "{round_trip}");
     }
 
     #[test]

@@ -36,10 +36,12 @@ pub mod transport;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use config::{DowningStrategy, MembershipSettings, NodeConfig, ReplicatorSettings, TransportSettings};
+pub use config::{
+    DownAllWhenUnstable, DowningStrategy, MembershipSettings, NodeConfig, ReplicatorSettings, TransportSettings,
+};
 pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};
-pub use membership::{Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
-pub use node::{Node, NodeBuilder};
+pub use membership::{FailureDetectorSettings, Member, MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress};
+pub use node::{FailureDetectorStats, Node, NodeBuilder};
 pub use secret::ClusterSecret;
 pub use sharding::{Durable, DurableEntity, Entity, EntityContext, ShardRegion, Sharding, ShardingSettings};

@@ -96,6 +96,7 @@ impl DurableEntity for Counter {
 async fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into()))
+        .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let result = match cli.command {

@@ -1,108 +1,271 @@
-//! Keep-majority split-brain resolver as a pure decision function: when the set of unreachable
-//! members has not changed for `stable_after`, the side with more members downs the other; on a
-//! tie the side holding the lowest address wins. A node on the losing side downs itself.
+//! The split-brain resolver as a pure decision function over one node's membership view: who
+//! is unreachable, by gossip or by the reachability table of message-path heartbeats, and who
+//! must therefore be downed. Every node runs it; they agree because they decide from the same
+//! gossiped table once it has been stable for `stable_after`.
+//!
+//! **The picture.** The members that count (Joining, Up, Leaving) that gossip has lost
+//! (*silent*), and the table's records: observer → subject, "my heartbeats to it go
+//! unanswered", from observers alive in gossip. Any change of the picture restarts the
+//! `stable_after` clock.
+//!
+//! **Indirectly connected members.** A member that both reports and is reported is part of a
+//! broken link between members gossip still connects: a one-way cut, a bad firewall rule, a
+//! messaging-only failure. Akka downs every such member; here only the fewest that cover every
+//! record among them are downed (greedy: the one on most broken links first, ties: the youngest,
+//! so the oldest members keep their singletons). A node whose outbound link is broken is on a
+//! broken link with every observer, so it alone goes, where Akka's rule would down its observers
+//! too (Akka's verdicts travel the broken path; ours travel by gossip and arrive). In a clean
+//! partition the other side's records do not arrive, nobody on this side is reported by this
+//! side, and the set is empty: the rule never picks a side of a partition.
+//!
+//! **Keep-majority over the rest.** Without the covered members, a member is unreachable when
+//! gossip lost it or an observer outside the cover reports it. When that set has been stable
+//! for `stable_after`, the side with more members (tie: the side holding the lowest address)
+//! downs the other, with the covered members; a node on the losing side, or in the cover,
+//! downs itself.
 //!
 //! The two sides time their decisions differently on purpose. The winning side waits until its
-//! unreachable set has been stable for `stable_after` (any change restarts the clock: that only
-//! delays downing others, which is safe). The losing side downs itself once it has been losing
-//! for `stable_after`, even if its unreachable set changed meanwhile (say a peer on its own side
-//! crashed): restarting its clock there would let it outlive the moment the winners, who saw no
-//! change, start its shards elsewhere. For the same reason a brief spell of not losing (one
-//! heartbeat that got through a flapping link, seen by the loser only) does not restart the
-//! clock: only `stable_after` without losing does.
+//! picture has been stable for `stable_after` (any change restarts the clock: that only delays
+//! downing others, which is safe). The losing side downs itself once it has been losing for
+//! `stable_after`, even if its picture changed meanwhile (say a peer on its own side crashed):
+//! restarting its clock there would let it outlive the moment the winners, who saw no change,
+//! start its shards elsewhere. For the same reason a brief spell of not losing (one heartbeat
+//! that got through a flapping link, seen by the loser only) does not restart the clock: only
+//! `stable_after` without losing does.
+//!
+//! **Down all when unstable.** When the picture has not been stable long enough for any
+//! decision within `stable_after + down_all_when_unstable` of its first change (a flapping
+//! link), every member is downed, this node included: a cluster held in limbo by a link that
+//! never settles is worse than a restart. The window closes after `stable_after` with an empty
+//! picture, or with a decision.
 //!
 //! What remains is the assumption every keep-majority resolver makes: the two sides detect the
 //! split within `down_removal_margin` of each other, so the losers are gone before the winners
 //! move their shards. Keep the margin at least as long as the failure detector's spread.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::clock::Instant;
 
-use super::{MembershipSnapshot, UniqueAddress};
+use super::{Member, MembershipSnapshot, UniqueAddress};
 
 /// What the resolver decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Decision {
     /// Nothing (yet).
     Wait,
-    /// This node is on the winning side: down these members.
+    /// This node is on the winning side: down these members (never this node).
     DownOthers(BTreeSet<UniqueAddress>),
-    /// This node is on the losing side: it must stop and leave.
+    /// This node is on the losing side or indirectly connected: it must stop and leave.
     DownMyself,
+    /// Reachability never settled: down every member, this node included.
+    DownAll,
 }
 
-/// Keep-majority state: the unreachable set and since when it is stable.
+/// What the resolver sees: members gossip lost, and the table's records (observer, subject).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Picture {
+    silent: BTreeSet<UniqueAddress>,
+    records: BTreeSet<(UniqueAddress, UniqueAddress)>,
+}
+
+impl Picture {
+    fn is_empty(&self) -> bool {
+        self.silent.is_empty() && self.records.is_empty()
+    }
+}
+
+/// The resolver's state: the picture, since when it is stable, and the losing and unstable
+/// clocks.
 #[derive(Debug)]
-pub(crate) struct KeepMajority {
+pub(crate) struct Resolver {
     stable_after: Duration,
-    unreachable: BTreeSet<UniqueAddress>,
+    down_all_when_unstable: Option<Duration>,
+    picture: Picture,
     stable_since: Instant,
+    /// Since when the picture has been non-empty without a decision.
+    unstable_since: Option<Instant>,
     /// Since when this node has been on the losing side (without a break of `stable_after`).
     losing_since: Option<Instant>,
     /// Since when it has not been losing, while `losing_since` is still set.
     not_losing_since: Option<Instant>,
+    /// The members the last decision covered as indirectly connected (for the explanation).
+    indirectly_connected: BTreeSet<UniqueAddress>,
 }
 
-impl KeepMajority {
-    pub(crate) fn new(stable_after: Duration, now: Instant) -> Self {
-        KeepMajority {
+impl Resolver {
+    /// A resolver that decides once the picture is stable for `stable_after` and, with
+    /// `down_all_when_unstable`, downs everyone when it is not within that much more.
+    pub(crate) fn new(stable_after: Duration, down_all_when_unstable: Option<Duration>, now: Instant) -> Self {
+        Resolver {
             stable_after,
-            unreachable: BTreeSet::new(),
+            down_all_when_unstable,
+            picture: Picture::default(),
             stable_since: now,
+            unstable_since: None,
             losing_since: None,
             not_losing_since: None,
+            indirectly_connected: BTreeSet::new(),
         }
     }
 
-    /// Feeds the current view; returns the decision once the view is stable long enough.
+    /// Feeds the current view; returns the decision once the picture is stable long enough.
     pub(crate) fn decide(&mut self, snap: &MembershipSnapshot, now: Instant) -> Decision {
-        let counted: Vec<&super::Member> = snap.members.iter().filter(|m| m.status().counts_for_downing()).collect();
-        let unreachable: BTreeSet<UniqueAddress> =
-            counted.iter().filter(|m| !m.is_reachable()).map(|m| m.address().clone()).collect();
-        if unreachable != self.unreachable {
-            self.unreachable = unreachable;
+        let me = &snap.self_address;
+        let counted: BTreeMap<&UniqueAddress, &Member> =
+            snap.members.iter().filter(|m| m.status().counts_for_downing()).map(|m| (m.address(), m)).collect();
+        let live = |m: &Member| m.address() == me || m.gossip_live;
+        // Records about members gossip already lost change no decision (they are unreachable
+        // either way and their own records do not count): leaving them out keeps the picture
+        // from changing again as each observer's verdict arrives after the silence.
+        let picture = Picture {
+            silent: counted.values().filter(|m| !live(m)).map(|m| m.address().clone()).collect(),
+            records: counted
+                .values()
+                .filter(|s| live(s))
+                .flat_map(|s| {
+                    s.unreachable_by
+                        .iter()
+                        .filter(|o| counted.get(o).is_some_and(|o| live(o)))
+                        .map(|o| (o.clone(), s.address().clone()))
+                })
+                .collect(),
+        };
+        if picture != self.picture {
+            self.picture = picture;
             self.stable_since = now;
+            if !self.picture.is_empty() && self.unstable_since.is_none() {
+                self.unstable_since = Some(now);
+            }
         }
-        if self.unreachable.is_empty() {
+        let stable = now.saturating_duration_since(self.stable_since) >= self.stable_after;
+        if self.picture.is_empty() {
             self.not_losing(now);
+            if stable {
+                self.unstable_since = None;
+            }
             return Decision::Wait;
         }
-        let reachable = counted.len() - self.unreachable.len();
-        let keep = match reachable.cmp(&self.unreachable.len()) {
+        let decision = self.decide_on_picture(me, &counted, stable, now);
+        if decision != Decision::Wait {
+            self.unstable_since = None;
+            return decision;
+        }
+        let limit = self.down_all_when_unstable.map(|d| self.stable_after + d);
+        match (limit, self.unstable_since) {
+            (Some(limit), Some(since)) if now.saturating_duration_since(since) >= limit => Decision::DownAll,
+            _ => Decision::Wait,
+        }
+    }
+
+    fn decide_on_picture(
+        &mut self,
+        me: &UniqueAddress,
+        counted: &BTreeMap<&UniqueAddress, &Member>,
+        stable: bool,
+        now: Instant,
+    ) -> Decision {
+        let records = &self.picture.records;
+        let observers: BTreeSet<&UniqueAddress> = records.iter().map(|(o, _)| o).collect();
+        let indirect: BTreeSet<&UniqueAddress> =
+            records.iter().map(|(_, s)| s).filter(|s| observers.contains(s)).collect();
+        let cover: BTreeSet<UniqueAddress> =
+            cover_of_broken_links(records, &indirect, counted).into_iter().cloned().collect();
+        let unreachable: BTreeSet<UniqueAddress> = counted
+            .keys()
+            .filter(|m| !cover.contains(**m))
+            .filter(|m| {
+                self.picture.silent.contains(**m) || records.iter().any(|(o, s)| s == **m && !cover.contains(o))
+            })
+            .map(|m| (*m).clone())
+            .collect();
+        self.indirectly_connected = cover.clone();
+        if cover.contains(me) {
+            self.not_losing(now);
+            return if stable { Decision::DownMyself } else { Decision::Wait };
+        }
+        let rest = counted.len() - cover.len();
+        let reachable_side = rest - unreachable.len();
+        let reachable_side_wins = match reachable_side.cmp(&unreachable.len()) {
             std::cmp::Ordering::Greater => true,
             std::cmp::Ordering::Less => false,
             std::cmp::Ordering::Equal => {
-                let lowest = counted.iter().map(|m| m.address()).min();
-                lowest.is_some_and(|l| !self.unreachable.contains(l))
+                let lowest = counted.keys().copied().filter(|m| !cover.contains(*m)).min();
+                lowest.is_some_and(|l| !unreachable.contains(l))
             }
         };
-        if keep {
+        let on_reachable_side = !unreachable.contains(me);
+        if reachable_side_wins == on_reachable_side {
             self.not_losing(now);
-            if now.duration_since(self.stable_since) < self.stable_after {
+            if !stable || !on_reachable_side {
+                // Reported myself, yet on the larger side: those who see my side lose act.
                 return Decision::Wait;
             }
-            Decision::DownOthers(self.unreachable.clone())
-        } else {
-            self.not_losing_since = None;
-            let since = *self.losing_since.get_or_insert(now);
-            if now.duration_since(since) < self.stable_after {
-                return Decision::Wait;
-            }
-            Decision::DownMyself
+            let victims: BTreeSet<UniqueAddress> = unreachable.into_iter().chain(cover).filter(|m| m != me).collect();
+            return if victims.is_empty() { Decision::Wait } else { Decision::DownOthers(victims) };
         }
+        self.not_losing_since = None;
+        let since = *self.losing_since.get_or_insert(now);
+        if now.saturating_duration_since(since) < self.stable_after {
+            return Decision::Wait;
+        }
+        Decision::DownMyself
     }
 
     fn not_losing(&mut self, now: Instant) {
         if self.losing_since.is_some() {
             let since = *self.not_losing_since.get_or_insert(now);
-            if now.duration_since(since) >= self.stable_after {
+            if now.saturating_duration_since(since) >= self.stable_after {
                 self.losing_since = None;
                 self.not_losing_since = None;
             }
         }
     }
+
+    /// The picture the last decision was made from, for the log line that records it.
+    pub(crate) fn explain(&self) -> String {
+        let mut s = String::new();
+        let silent: Vec<String> = self.picture.silent.iter().map(ToString::to_string).collect();
+        let _ =
+            write!(s, "silent in gossip: [{}]; unreachable by heartbeats (observer -> subject): [", silent.join(", "));
+        let records: Vec<String> = self.picture.records.iter().map(|(o, x)| format!("{o} -> {x}")).collect();
+        let cover: Vec<String> = self.indirectly_connected.iter().map(ToString::to_string).collect();
+        let _ = write!(s, "{}]; indirectly connected, downed: [{}]", records.join(", "), cover.join(", "));
+        s
+    }
+}
+
+/// The fewest members (greedily) that touch every record between two indirectly connected
+/// members: the one on most such links first, ties to the youngest.
+fn cover_of_broken_links<'a>(
+    records: &'a BTreeSet<(UniqueAddress, UniqueAddress)>,
+    indirect: &BTreeSet<&'a UniqueAddress>,
+    counted: &BTreeMap<&UniqueAddress, &Member>,
+) -> BTreeSet<&'a UniqueAddress> {
+    let mut links: BTreeSet<(&UniqueAddress, &UniqueAddress)> = records
+        .iter()
+        .filter(|(o, s)| indirect.contains(o) && indirect.contains(s))
+        .map(|(o, s)| if o < s { (o, s) } else { (s, o) })
+        .collect();
+    let mut cover = BTreeSet::new();
+    while !links.is_empty() {
+        let mut degree: BTreeMap<&UniqueAddress, usize> = BTreeMap::new();
+        for (a, b) in &links {
+            *degree.entry(a).or_default() += 1;
+            *degree.entry(b).or_default() += 1;
+        }
+        let age = |m: &UniqueAddress| counted.get(m).map(|m| m.age_key());
+        let Some(pick) =
+            degree.into_iter().max_by(|(a, da), (b, db)| da.cmp(db).then_with(|| age(a).cmp(&age(b)))).map(|(m, _)| m)
+        else {
+            break;
+        };
+        links.retain(|(a, b)| *a != pick && *b != pick);
+        cover.insert(pick);
+    }
+    cover
 }
 
 #[cfg(test)]
@@ -112,6 +275,12 @@ mod tests {
     use std::collections::BTreeMap;
 
     fn snap(me: &str, members: &[(&str, bool)]) -> MembershipSnapshot {
+        table(me, members, &[])
+    }
+
+    /// `me`'s view: members in age order (oldest first) with gossip liveness, and the
+    /// reachability table's records (observer, subject) as gossiped by the observers.
+    fn table(me: &str, members: &[(&str, bool)], records: &[(&str, &str)]) -> MembershipSnapshot {
         let nodes: Vec<GossipNode> = members
             .iter()
             .enumerate()
@@ -120,6 +289,9 @@ mod tests {
                 keys.insert("status".to_string(), "up".to_string());
                 keys.insert("up".to_string(), (i + 1).to_string());
                 keys.insert("msg".to_string(), "127.0.0.1:1".to_string());
+                let verdicts: Vec<String> =
+                    records.iter().filter(|(o, _)| o == id).map(|(_, s)| format!("{s}#1")).collect();
+                keys.insert("unreachable".to_string(), verdicts.join(","));
                 GossipNode {
                     address: UniqueAddress::new(*id, 1),
                     gossip_addr: "127.0.0.1:2".parse().unwrap(),
@@ -144,7 +316,7 @@ mod tests {
     #[test]
     fn majority_side_downs_the_unreachable_minority_after_stable_after() {
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let s = snap("a", &[("a", true), ("b", true), ("c", true), ("d", false), ("e", false)]);
         assert_eq!(k.decide(&s, t0), Decision::Wait);
         assert_eq!(k.decide(&s, t0 + Duration::from_secs(4)), Decision::Wait);
@@ -155,7 +327,7 @@ mod tests {
     #[test]
     fn minority_side_downs_itself() {
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let s = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
         k.decide(&s, t0);
         assert_eq!(k.decide(&s, t0 + Duration::from_secs(6)), Decision::DownMyself);
@@ -164,7 +336,7 @@ mod tests {
     #[test]
     fn a_change_in_the_unreachable_set_restarts_the_clock() {
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         k.decide(&snap("a", &[("a", true), ("b", true), ("c", false)]), t0);
         let later = snap("a", &[("a", true), ("b", false), ("c", false), ("d", true), ("e", true)]);
         assert_eq!(k.decide(&later, t0 + Duration::from_secs(4)), Decision::Wait);
@@ -177,7 +349,7 @@ mod tests {
         // 3 reachable against 2 unreachable that include the lowest address: counts decide,
         // the address only breaks ties.
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true), ("e", true)]);
         k.decide(&s, t0);
         let d = k.decide(&s, t0 + Duration::from_secs(5));
@@ -188,11 +360,11 @@ mod tests {
     fn tie_is_won_by_the_side_with_the_lowest_address() {
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(10);
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let s = snap("a", &[("a", true), ("b", true), ("c", false), ("d", false)]);
         k.decide(&s, t0);
         assert!(matches!(k.decide(&s, later), Decision::DownOthers(_)));
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true)]);
         k.decide(&s, t0);
         assert_eq!(k.decide(&s, later), Decision::DownMyself);
@@ -204,7 +376,7 @@ mod tests {
         // changes, but d has been losing all along and must down itself on the original
         // schedule, when the majority (which saw no change) downs d and e.
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let cut = cut_seen_by_d();
         assert_eq!(k.decide(&cut, t0), Decision::Wait);
         let crashed = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", false)]);
@@ -215,7 +387,7 @@ mod tests {
     #[test]
     fn a_brief_flap_seen_only_by_the_loser_does_not_restart_its_clock() {
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let cut = cut_seen_by_d();
         k.decide(&cut, t0);
         let healed = healed_seen_by_d();
@@ -227,7 +399,7 @@ mod tests {
     #[test]
     fn losing_clock_restarts_after_stable_after_without_losing() {
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(5), t0);
+        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
         let cut = cut_seen_by_d();
         k.decide(&cut, t0);
         let healed = healed_seen_by_d();
@@ -241,10 +413,208 @@ mod tests {
     #[test]
     fn healed_partition_decides_nothing() {
         let t0 = Instant::now();
-        let mut k = KeepMajority::new(Duration::from_secs(1), t0);
+        let mut k = Resolver::new(Duration::from_secs(1), None, t0);
         k.decide(&snap("a", &[("a", true), ("b", false), ("c", true)]), t0);
         let healed = snap("a", &[("a", true), ("b", true), ("c", true)]);
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(5)), Decision::Wait);
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(9)), Decision::Wait);
+    }
+
+    fn a(id: &str) -> UniqueAddress {
+        UniqueAddress::new(id, 1)
+    }
+
+    const ALL_LIVE: [(&str, bool); 5] = [("c", true), ("p", true), ("q", true), ("x", true), ("y", true)];
+
+    /// Messages from c (the oldest) to x and y are lost, the other direction flows: each
+    /// heartbeat round trip between them fails, so both ends report each other.
+    const ONE_WAY_CUT: [(&str, &str); 4] = [("c", "x"), ("c", "y"), ("x", "c"), ("y", "c")];
+
+    fn decide_after(me: &str, records: &[(&str, &str)], stable: Duration) -> Decision {
+        let t0 = Instant::now();
+        let mut r = Resolver::new(stable, None, t0);
+        let view = table(me, &ALL_LIVE, records);
+        assert_eq!(r.decide(&view, t0), Decision::Wait, "nothing before stable_after");
+        assert_eq!(r.decide(&view, t0 + stable - Duration::from_millis(1)), Decision::Wait);
+        r.decide(&view, t0 + stable)
+    }
+
+    #[test]
+    fn a_one_way_cut_from_the_oldest_to_two_members_downs_only_the_oldest() {
+        let stable = Duration::from_secs(5);
+        for me in ["p", "q", "x", "y"] {
+            assert_eq!(decide_after(me, &ONE_WAY_CUT, stable), Decision::DownOthers([a("c")].into()), "seen by {me}");
+        }
+        assert_eq!(decide_after("c", &ONE_WAY_CUT, stable), Decision::DownMyself);
+    }
+
+    #[test]
+    fn the_table_row_names_every_observer_that_reports_a_member() {
+        let view = table("p", &ALL_LIVE, &ONE_WAY_CUT);
+        assert_eq!(view.observed_unreachable_by(&a("c")), [a("x"), a("y")]);
+        assert_eq!(view.observed_unreachable_by(&a("x")), [a("c")]);
+        assert!(view.observed_unreachable_by(&a("p")).is_empty());
+        assert!(!view.get(&a("c")).unwrap().is_reachable(), "reported by an observer");
+        assert!(view.get(&a("c")).unwrap().is_alive_in_gossip(), "yet alive in gossip");
+        assert!(view.get(&a("p")).unwrap().is_reachable());
+    }
+
+    #[test]
+    fn a_member_whose_outbound_messages_are_all_lost_is_downed_alone_not_its_observers() {
+        // x's answers and requests never leave it: x reports everyone and everyone reports x.
+        let mut records = Vec::new();
+        for o in ["c", "p", "q", "y"] {
+            records.push((o, "x"));
+            records.push(("x", o));
+        }
+        for me in ["c", "p", "q", "y"] {
+            assert_eq!(decide_after(me, &records, Duration::from_secs(1)), Decision::DownOthers([a("x")].into()));
+        }
+        assert_eq!(decide_after("x", &records, Duration::from_secs(1)), Decision::DownMyself);
+    }
+
+    #[test]
+    fn a_messaging_only_cut_between_two_members_downs_the_younger_of_the_two() {
+        // c is older than y (age order is the member order given to `table`).
+        let records = [("c", "y"), ("y", "c")];
+        assert_eq!(decide_after("p", &records, Duration::from_secs(1)), Decision::DownOthers([a("y")].into()));
+        assert_eq!(decide_after("c", &records, Duration::from_secs(1)), Decision::DownOthers([a("y")].into()));
+        assert_eq!(decide_after("y", &records, Duration::from_secs(1)), Decision::DownMyself);
+    }
+
+    #[test]
+    fn a_member_reported_by_one_observer_it_does_not_report_back_is_unreachable_for_keep_majority() {
+        // Only c watches x (a ring in a larger cluster): no cycle, x is simply unreachable and the
+        // majority downs it.
+        assert_eq!(decide_after("p", &[("c", "x")], Duration::from_secs(1)), Decision::DownOthers([a("x")].into()));
+        assert_eq!(decide_after("x", &[("c", "x")], Duration::from_secs(1)), Decision::DownMyself);
+    }
+
+    #[test]
+    fn in_a_clean_partition_this_sides_reports_mark_nobody_indirectly_connected() {
+        // {c, p, q} | {x, y}: gossip lost x and y too; c, p, q's heartbeats report them.
+        let t0 = Instant::now();
+        let stable = Duration::from_secs(1);
+        let members = [("c", true), ("p", true), ("q", true), ("x", false), ("y", false)];
+        let records = [("c", "x"), ("p", "x"), ("q", "y"), ("c", "y")];
+        let mut r = Resolver::new(stable, None, t0);
+        let view = table("p", &members, &records);
+        r.decide(&view, t0);
+        assert_eq!(r.decide(&view, t0 + stable), Decision::DownOthers([a("x"), a("y")].into()));
+        assert!(r.explain().contains("indirectly connected, downed: []"), "{}", r.explain());
+        // x's side: its own reports of c, p, q arrive only on its side; gossip lost them.
+        let members = [("c", false), ("p", false), ("q", false), ("x", true), ("y", true)];
+        let records = [("x", "c"), ("x", "p"), ("y", "q")];
+        let mut r = Resolver::new(stable, None, t0);
+        let view = table("x", &members, &records);
+        r.decide(&view, t0);
+        assert_eq!(r.decide(&view, t0 + stable), Decision::DownMyself);
+    }
+
+    #[test]
+    fn reports_by_observers_gossip_lost_do_not_count() {
+        // c reported x, then crashed: its stale verdict must not keep x unreachable.
+        let members = [("c", false), ("p", true), ("q", true), ("x", true), ("y", true)];
+        let view = table("p", &members, &[("c", "x")]);
+        assert!(view.get(&a("x")).unwrap().is_reachable());
+        assert!(view.observed_unreachable_by(&a("x")).is_empty());
+        let t0 = Instant::now();
+        let mut r = Resolver::new(Duration::from_secs(1), None, t0);
+        r.decide(&view, t0);
+        assert_eq!(r.decide(&view, t0 + Duration::from_secs(1)), Decision::DownOthers([a("c")].into()));
+    }
+
+    #[test]
+    fn a_change_in_the_table_restarts_the_clock() {
+        let t0 = Instant::now();
+        let stable = Duration::from_secs(5);
+        let mut r = Resolver::new(stable, None, t0);
+        r.decide(&table("p", &ALL_LIVE, &[("c", "x"), ("x", "c")]), t0);
+        let more = table("p", &ALL_LIVE, &ONE_WAY_CUT);
+        assert_eq!(r.decide(&more, t0 + Duration::from_secs(3)), Decision::Wait);
+        assert_eq!(r.decide(&more, t0 + Duration::from_secs(7)), Decision::Wait);
+        assert_eq!(r.decide(&more, t0 + Duration::from_secs(8)), Decision::DownOthers([a("c")].into()));
+    }
+
+    /// A picture that changes every second (a flapping link seen by heartbeats).
+    fn flapping(i: u64) -> MembershipSnapshot {
+        if i.is_multiple_of(2) {
+            table("p", &ALL_LIVE, &[("c", "x"), ("x", "c")])
+        } else {
+            table("p", &ALL_LIVE, &ONE_WAY_CUT)
+        }
+    }
+
+    #[test]
+    fn reachability_that_never_settles_downs_everyone_after_stable_after_plus_the_unstable_margin() {
+        let t0 = Instant::now();
+        let (stable, extra) = (Duration::from_secs(5), Duration::from_millis(3_750));
+        let mut r = Resolver::new(stable, Some(extra), t0);
+        for i in 0..=8 {
+            assert_eq!(r.decide(&flapping(i), t0 + Duration::from_secs(i)), Decision::Wait, "at {i} s");
+        }
+        assert_eq!(r.decide(&flapping(8), t0 + Duration::from_millis(8_749)), Decision::Wait);
+        assert_eq!(r.decide(&flapping(8), t0 + Duration::from_millis(8_750)), Decision::DownAll);
+        // Without the setting, it waits for ever.
+        let mut r = Resolver::new(stable, None, t0);
+        for i in 0..60 {
+            assert_eq!(r.decide(&flapping(i), t0 + Duration::from_secs(i)), Decision::Wait, "at {i} s");
+        }
+    }
+
+    #[test]
+    fn a_settled_empty_picture_closes_the_unstable_window_but_a_brief_one_does_not() {
+        let t0 = Instant::now();
+        let (stable, extra) = (Duration::from_secs(5), Duration::from_secs(3));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let healed = table("p", &ALL_LIVE, &[]);
+        // Unsettled from 0 s; healed for 4 s only (less than stable_after): the window stays open.
+        let mut r = Resolver::new(stable, Some(extra), t0);
+        r.decide(&flapping(0), at(0));
+        r.decide(&flapping(1), at(1));
+        r.decide(&healed, at(2));
+        r.decide(&healed, at(6));
+        r.decide(&flapping(0), at(6));
+        assert_eq!(r.decide(&flapping(1), at(8)), Decision::DownAll, "8 s after the first change");
+        // Healed for stable_after: a new problem later gets a fresh window.
+        let mut r = Resolver::new(stable, Some(extra), t0);
+        r.decide(&flapping(0), at(0));
+        r.decide(&healed, at(2));
+        r.decide(&healed, at(7));
+        r.decide(&flapping(0), at(7));
+        assert_eq!(r.decide(&flapping(1), at(10)), Decision::Wait, "3 s into the new window");
+        assert_eq!(r.decide(&flapping(0), at(15)), Decision::DownAll, "8 s into it");
+    }
+
+    #[test]
+    fn a_decision_closes_the_unstable_window() {
+        let t0 = Instant::now();
+        let (stable, extra) = (Duration::from_secs(5), Duration::from_secs(1));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let mut r = Resolver::new(stable, Some(extra), t0);
+        let cut = table("p", &ALL_LIVE, &ONE_WAY_CUT);
+        r.decide(&cut, at(0));
+        assert_eq!(r.decide(&cut, at(5)), Decision::DownOthers([a("c")].into()));
+        // The victim's records change as it goes; the clock for giving up starts anew.
+        let next = table("p", &ALL_LIVE, &[("c", "x"), ("x", "c")]);
+        assert_eq!(r.decide(&next, at(6)), Decision::Wait);
+        assert_eq!(r.decide(&next, at(11)), Decision::DownOthers([a("x")].into()), "stable again: decides");
+    }
+
+    #[test]
+    fn the_explanation_names_the_silent_members_the_records_and_the_indirectly_connected() {
+        let t0 = Instant::now();
+        let mut r = Resolver::new(Duration::from_secs(1), None, t0);
+        let members = [("c", true), ("p", true), ("q", false), ("x", true), ("y", true)];
+        let mut records = ONE_WAY_CUT.to_vec();
+        records.push(("p", "q"));
+        let view = table("p", &members, &records);
+        r.decide(&view, t0);
+        r.decide(&view, t0 + Duration::from_secs(1));
+        let e = r.explain();
+        assert!(e.contains("silent in gossip: [q#1]"), "{e}");
+        assert!(e.contains("c#1 -> x#1") && e.contains("y#1 -> c#1"), "{e}");
+        assert!(e.contains("indirectly connected, downed: [c#1]"), "{e}");
+        assert!(!e.contains("-> q#1"), "records about a member gossip lost are left out: {e}");
     }
 }

@@ -23,6 +23,9 @@ use crate::spawn::Spawner;
 
 enum Command {
     SetStatus(MemberStatus, oneshot::Sender<()>),
+    /// This node's heartbeats find these members unreachable (the whole list, replacing the
+    /// last one).
+    PublishUnreachable(Vec<UniqueAddress>),
 }
 
 /// Cheap, cloneable access to the membership of a running node.
@@ -51,6 +54,12 @@ impl MembershipHandle {
     pub(crate) fn stats(&self) -> &Arc<GossipStats> {
         &self.stats
     }
+    /// Publishes this node's verdicts, the members its heartbeats find unreachable, in gossip
+    /// (the whole list; an empty one withdraws every earlier verdict).
+    pub(crate) fn publish_unreachable(&self, subjects: Vec<UniqueAddress>) -> Result<()> {
+        self.commands.send(Command::PublishUnreachable(subjects)).map_err(|_| Error::ShutDown)
+    }
+
     /// Publishes a new status of this node in gossip; returns once it is set locally.
     pub(crate) async fn set_status(&self, status: MemberStatus) -> Result<()> {
         let (tx, rx) = oneshot::channel();
@@ -160,6 +169,7 @@ impl MembershipDriver {
             seed_node_timeout: m.seed_node_timeout,
             down_removal_margin: m.down_removal_margin,
             downing_stable_after: (m.downing == DowningStrategy::KeepMajority).then_some(m.stable_after),
+            down_all_when_unstable: m.down_all_when_unstable.after(m.stable_after),
         };
         let driver = MembershipDriver {
             chitchat,
@@ -191,6 +201,11 @@ impl MembershipDriver {
                         self.publish_status(status, None).await;
                         self.refresh().await;
                         let _ = done.send(());
+                    }
+                    Some(Command::PublishUnreachable(subjects)) => {
+                        let value = super::view::encode_unreachable(&subjects);
+                        self.chitchat.with_chitchat(|c| c.self_node_state().set(keys::UNREACHABLE, &value)).await;
+                        self.refresh().await;
                     }
                     None => break,
                 },

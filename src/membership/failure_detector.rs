@@ -31,21 +31,54 @@ use std::time::Duration;
 use crate::clock::Instant;
 use crate::membership::UniqueAddress;
 
-/// Settings of the detector and the heartbeat core.
-#[derive(Debug, Clone, PartialEq)]
+/// Settings of the message-path failure detector (`[failure_detector]` in the config file).
+///
+/// With the defaults a crashed node is flagged by its observers about 1.5 s after its last
+/// answer (the usual interval plus `acceptable_pause`, plus a few deviations), within 3 s of
+/// the crash; raising `acceptable_pause` or `threshold` trades slower detection for fewer
+/// false suspicions of a node that is only busy (long GC pauses, saturated links).
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct FailureDetectorSettings {
     /// How often each observer sends a heartbeat request to each node it observes.
+    #[serde(with = "humantime_serde")]
     pub heartbeat_interval: Duration,
     /// Phi above which a node is unreachable (8 ≈ one false suspicion in 10^8 under the model).
     pub threshold: f64,
     /// Silence tolerated on top of the usual interval before phi rises steeply.
+    #[serde(with = "humantime_serde")]
     pub acceptable_pause: Duration,
     /// Floor of the standard deviation of the intervals.
+    #[serde(with = "humantime_serde")]
     pub min_std_deviation: Duration,
     /// Intervals kept per observed node.
     pub max_sample_size: usize,
-    /// Observers per node.
+    /// Observers per node: each node watches this many others (a ring by address), so the
+    /// heartbeat traffic per node does not grow with the cluster.
     pub monitored_by: usize,
+}
+
+impl FailureDetectorSettings {
+    /// Checks the settings (called by [`crate::NodeConfig::validate`]).
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |m: &str| Err(crate::Error::Config(format!("failure_detector.{m}")));
+        if self.heartbeat_interval < Duration::from_millis(10) {
+            return bad("heartbeat_interval must be at least 10ms");
+        }
+        if !(self.threshold.is_finite() && self.threshold > 0.0) {
+            return bad("threshold must be a finite number > 0");
+        }
+        if self.min_std_deviation.is_zero() {
+            return bad("min_std_deviation must be > 0");
+        }
+        if !(2..=10_000).contains(&self.max_sample_size) {
+            return bad("max_sample_size must be between 2 and 10000");
+        }
+        if !(1..=super::view::MAX_VERDICTS_PER_OBSERVER).contains(&self.monitored_by) {
+            return bad("monitored_by must be between 1 and 64");
+        }
+        Ok(())
+    }
 }
 
 impl Default for FailureDetectorSettings {
@@ -155,6 +188,7 @@ pub(crate) fn observed_by(me: &UniqueAddress, members: &BTreeSet<UniqueAddress>,
 }
 
 /// The members that observe `subject` (the inverse of [`observed_by`]).
+#[cfg(test)]
 pub(crate) fn observers_of(subject: &UniqueAddress, members: &BTreeSet<UniqueAddress>, k: usize) -> Vec<UniqueAddress> {
     let before = members.range(..subject).rev();
     let after = members.range((std::ops::Bound::Excluded(subject), std::ops::Bound::Unbounded)).rev();
@@ -216,8 +250,15 @@ impl HeartbeatCore {
     }
 
     /// The nodes this one observes now.
+    #[cfg(test)]
     pub(crate) fn observing(&self) -> impl Iterator<Item = &UniqueAddress> {
         self.observed.keys()
+    }
+
+    /// The observed nodes this one's verdict is "unreachable" for, in address order: what it
+    /// publishes in gossip.
+    pub(crate) fn unreachable(&self) -> impl Iterator<Item = &UniqueAddress> {
+        self.observed.iter().filter(|(_, o)| !o.reachable).map(|(m, _)| m)
     }
 
     pub(crate) fn handle(&mut self, input: HeartbeatInput, now: Instant, out: &mut Vec<HeartbeatAction>) {

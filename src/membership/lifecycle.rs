@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use super::downing::{Decision, KeepMajority};
+use super::downing::{Decision, Resolver};
 use super::view::{GossipNode, compute_members, highest_up_number, keys};
 use super::{MemberStatus, MembershipSnapshot, UniqueAddress};
 use crate::clock::Instant;
@@ -46,6 +46,9 @@ pub(crate) struct LifecycleSettings {
     pub down_removal_margin: Duration,
     /// Keep-majority's `stable_after`, or `None` with downing off.
     pub downing_stable_after: Option<Duration>,
+    /// How much longer than `stable_after` an unsettled picture may last before every member
+    /// is downed (`None`: never).
+    pub down_all_when_unstable: Option<Duration>,
 }
 
 /// The life cycle of this node's membership.
@@ -56,7 +59,9 @@ pub(crate) struct LifecycleCore {
     status: MemberStatus,
     started: Instant,
     up_member_seen_at: Option<Instant>,
-    downing: Option<KeepMajority>,
+    downing: Option<Resolver>,
+    /// Whether this node already published that it downs everyone.
+    downed_all: bool,
     down_seen: HashMap<UniqueAddress, Instant>,
     downs_published: HashSet<UniqueAddress>,
     superseded: bool,
@@ -66,7 +71,8 @@ impl LifecycleCore {
     pub(crate) fn new(address: UniqueAddress, settings: LifecycleSettings, now: Instant) -> Self {
         LifecycleCore {
             address,
-            downing: settings.downing_stable_after.map(|s| KeepMajority::new(s, now)),
+            downing: settings.downing_stable_after.map(|s| Resolver::new(s, settings.down_all_when_unstable, now)),
+            downed_all: false,
             settings,
             status: MemberStatus::Joining,
             started: now,
@@ -139,23 +145,40 @@ impl LifecycleCore {
         if !self.status.is_up_or_leaving() {
             return;
         }
-        let Some(k) = self.downing.as_mut() else { return };
-        match k.decide(snap, now) {
+        let Some(resolver) = self.downing.as_mut() else { return };
+        match resolver.decide(snap, now) {
             Decision::Wait => {}
             Decision::DownOthers(victims) => {
                 let new: Vec<UniqueAddress> =
                     victims.into_iter().filter(|v| !self.downs_published.contains(v)).collect();
                 if !new.is_empty() {
-                    warn!(node = %self.address, downed = ?new.iter().map(ToString::to_string).collect::<Vec<_>>(), "keep-majority: downing unreachable members");
+                    warn!(node = %self.address, downed = ?new.iter().map(ToString::to_string).collect::<Vec<_>>(), picture = %resolver.explain(), "split-brain resolver: downing unreachable or indirectly connected members");
                     self.downs_published.extend(new.iter().cloned());
                     out.push(LifecycleAction::PublishDowns(new));
                 }
             }
             Decision::DownMyself => {
-                warn!(node = %self.address, "keep-majority: this node is on the minority side; downing itself");
+                warn!(node = %self.address, picture = %resolver.explain(), "split-brain resolver: this node is on the losing side or indirectly connected; downing itself");
                 self.status = MemberStatus::Down;
                 out.push(LifecycleAction::PublishStatus { status: MemberStatus::Down, up_number: None });
             }
+            Decision::DownAll if !self.downed_all => {
+                self.downed_all = true;
+                let others: Vec<UniqueAddress> = snap
+                    .members
+                    .iter()
+                    .filter(|m| m.address != self.address && m.status.counts_for_downing())
+                    .map(|m| m.address.clone())
+                    .filter(|a| self.downs_published.insert(a.clone()))
+                    .collect();
+                warn!(node = %self.address, picture = %resolver.explain(), "split-brain resolver: reachability did not settle within stable_after + down_all_when_unstable; downing every member, this one included");
+                if !others.is_empty() {
+                    out.push(LifecycleAction::PublishDowns(others));
+                }
+                self.status = MemberStatus::Down;
+                out.push(LifecycleAction::PublishStatus { status: MemberStatus::Down, up_number: None });
+            }
+            Decision::DownAll => {}
         }
     }
 
@@ -198,6 +221,7 @@ mod tests {
             seed_node_timeout: Duration::from_secs(5),
             down_removal_margin: Duration::from_secs(2),
             downing_stable_after: downing,
+            down_all_when_unstable: None,
         }
     }
 
@@ -343,5 +367,38 @@ mod tests {
         c.on_gossip(&view, t0, &mut out);
         c.on_gossip(&view, t0 + Duration::from_secs(10), &mut out);
         assert!(out.is_empty(), "{out:?}");
+    }
+
+    #[test]
+    fn reachability_that_never_settles_downs_every_member_and_this_node_once() {
+        let stable = Duration::from_secs(1);
+        let t0 = Instant::now();
+        let mut s = settings(false, false, Some(stable));
+        s.down_all_when_unstable = Some(Duration::from_millis(500));
+        let mut c = LifecycleCore::new(UniqueAddress::new("a", 1), s, t0);
+        c.status_published(MemberStatus::Up);
+        let mut b_reports_c = node("b", "up", Some(2), true);
+        b_reports_c.keys.insert(keys::UNREACHABLE.into(), "c#1".into());
+        let flaps = [
+            vec![node("a", "up", Some(1), true), node("b", "up", Some(2), true), node("c", "up", Some(3), false)],
+            vec![node("a", "up", Some(1), true), b_reports_c, node("c", "up", Some(3), true)],
+        ];
+        let mut out = Vec::new();
+        for i in 0..6u32 {
+            c.on_gossip(&flaps[i as usize % 2], t0 + Duration::from_millis(250) * i, &mut out);
+        }
+        assert!(out.is_empty(), "1.25 s: inside stable_after + 500 ms: {out:?}");
+        c.on_gossip(&flaps[0], t0 + Duration::from_millis(1_500), &mut out);
+        assert_eq!(
+            out,
+            vec![
+                LifecycleAction::PublishDowns(vec![UniqueAddress::new("b", 1), UniqueAddress::new("c", 1)]),
+                LifecycleAction::PublishStatus { status: MemberStatus::Down, up_number: None },
+            ]
+        );
+        assert_eq!(c.status(), MemberStatus::Down);
+        out.clear();
+        c.on_gossip(&flaps[1], t0 + Duration::from_secs(3), &mut out);
+        assert!(out.is_empty(), "once: {out:?}");
     }
 }

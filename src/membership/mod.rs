@@ -12,9 +12,7 @@
 //! for a moment; coordinator state is guarded by majority reads and writes, not by this order.
 
 pub(crate) mod downing;
-// The heartbeat core is wired into the membership driver in the next step of issue 19.
 mod driver;
-#[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod failure_detector;
 mod gossip_auth;
 mod lifecycle;
@@ -27,6 +25,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub(crate) use driver::{GossipSocketWrapper, MembershipDriver, MembershipHandle};
+pub use failure_detector::FailureDetectorSettings;
 pub use gossip_auth::GossipStats;
 pub use view::compute_members;
 
@@ -152,7 +151,13 @@ pub struct Member {
     pub(crate) status: MemberStatus,
     pub(crate) up_number: Option<u64>,
     pub(crate) roles: Vec<String>,
+    /// Gossip says it is alive and no counted observer sees it unreachable.
     pub(crate) reachable: bool,
+    /// Its gossip heartbeat reaches this node (directly or through others).
+    pub(crate) gossip_live: bool,
+    /// The observers (Up or Leaving, alive in gossip) whose heartbeats over the message path
+    /// say it is unreachable, in address order.
+    pub(crate) unreachable_by: Vec<UniqueAddress>,
     pub(crate) messaging_addr: SocketAddr,
     pub(crate) gossip_addr: SocketAddr,
 }
@@ -182,9 +187,20 @@ impl Member {
     pub fn up_number(&self) -> Option<u64> {
         self.up_number
     }
-    /// False while the failure detector considers it dead.
+    /// False while gossip considers it dead or an observer's heartbeats over the message path
+    /// say it is unreachable ([`Self::observed_unreachable_by`]).
     pub fn is_reachable(&self) -> bool {
         self.reachable
+    }
+    /// Whether its gossip heartbeat reaches this node, directly or through other members (a
+    /// member can be alive in gossip and still unreachable on the message path).
+    pub fn is_alive_in_gossip(&self) -> bool {
+        self.gossip_live
+    }
+    /// The members whose heartbeats say this one is unreachable on the message path (only
+    /// observers that are Up or Leaving and alive in gossip count), in address order.
+    pub fn observed_unreachable_by(&self) -> &[UniqueAddress] {
+        &self.unreachable_by
     }
     /// TCP address of its messaging endpoint.
     pub fn messaging_addr(&self) -> SocketAddr {
@@ -264,6 +280,12 @@ impl MembershipSnapshot {
         self.singleton_host(role).is_some_and(|m| m.address == self.self_address)
     }
 
+    /// The observers that see this incarnation unreachable on the message path (empty when it
+    /// is not listed or every observer hears it): the reachability table's row for it.
+    pub fn observed_unreachable_by(&self, member: &UniqueAddress) -> &[UniqueAddress] {
+        self.get(member).map_or(&[], |m| &m.unreachable_by)
+    }
+
     /// Every member reachable and none joining: a good time to move shards.
     pub fn is_settled(&self) -> bool {
         self.members.iter().all(|m| m.reachable && m.status != MemberStatus::Joining)
@@ -307,8 +329,11 @@ pub enum MemberEvent {
     Downed(Member),
     /// A member is gone from the list.
     Removed(UniqueAddress),
-    /// The failure detector lost a member.
+    /// A member became unreachable: gossip lost it, or an observer's heartbeats did (the
+    /// member carries who: [`Member::observed_unreachable_by`]).
     Unreachable(Member),
+    /// The observers that see an unreachable member so changed while it stayed unreachable.
+    ObserversChanged(Member),
     /// A member that was unreachable is back.
     Reachable(Member),
 }
@@ -335,6 +360,8 @@ pub fn diff_snapshots(before: &MembershipSnapshot, after: &MembershipSnapshot) -
                     events.push(MemberEvent::Unreachable(m.clone()));
                 } else if !b.reachable && m.reachable {
                     events.push(MemberEvent::Reachable(m.clone()));
+                } else if !m.reachable && b.unreachable_by != m.unreachable_by {
+                    events.push(MemberEvent::ObserversChanged(m.clone()));
                 }
             }
         }

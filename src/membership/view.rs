@@ -14,6 +14,29 @@ pub(crate) mod keys {
     pub const MESSAGING: &str = "msg";
     /// `down:<node_id>#<generation>`: the publishing node downed that incarnation.
     pub const DOWN_PREFIX: &str = "down:";
+    /// The members the publishing node's heartbeats find unreachable: `node#generation`
+    /// entries separated by commas (node ids contain neither), empty when it hears everyone.
+    pub const UNREACHABLE: &str = "unreachable";
+}
+
+/// Entries of one observer's [`keys::UNREACHABLE`] list that are read; the rest is ignored (an
+/// observer watches `failure_detector.monitored_by` members, at most this many).
+pub(crate) const MAX_VERDICTS_PER_OBSERVER: usize = 64;
+
+/// Encodes an observer's unreachable list for gossip.
+pub(crate) fn encode_unreachable<'a>(subjects: impl IntoIterator<Item = &'a UniqueAddress>) -> String {
+    subjects.into_iter().take(MAX_VERDICTS_PER_OBSERVER).map(ToString::to_string).collect::<Vec<_>>().join(",")
+}
+
+/// Parses an observer's unreachable list: malformed entries are skipped and at most
+/// [`MAX_VERDICTS_PER_OBSERVER`] are read (gossip is authenticated, but a bug or a hostile
+/// member must not make every node parse an unbounded list).
+pub(crate) fn decode_unreachable(value: &str) -> impl Iterator<Item = UniqueAddress> + '_ {
+    value.split(',').take(MAX_VERDICTS_PER_OBSERVER).filter_map(|e| {
+        let (node, generation) = e.split_once('#')?;
+        let generation = generation.parse().ok()?;
+        (!node.is_empty()).then(|| UniqueAddress::new(node, generation))
+    })
 }
 
 /// What gossip knows about one node incarnation.
@@ -76,13 +99,40 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
                 up_number: if status == MemberStatus::Joining { None } else { up_number },
                 roles,
                 reachable: live,
+                gossip_live: live,
+                unreachable_by: Vec::new(),
                 messaging_addr,
                 gossip_addr: n.gossip_addr,
             })
         })
         .collect();
+    apply_reachability_table(&mut members, &newest);
     members.sort_by(|a, b| a.age_key().cmp(&b.age_key()));
     MembershipSnapshot { self_address: self_address.clone(), members }
+}
+
+/// Merges the observers' verdicts into the members: a member is unreachable when gossip lost it
+/// or when any observer that is Up or Leaving and alive in gossip says so. Observers that are
+/// not alive do not count: a crashed observer's last verdicts are stale, and counting them
+/// would let one dead node make its subjects unreachable for ever.
+fn apply_reachability_table(members: &mut [Member], newest: &BTreeMap<&str, &GossipNode>) {
+    let counted: Vec<UniqueAddress> =
+        members.iter().filter(|m| m.gossip_live && m.status.is_up_or_leaving()).map(|m| m.address.clone()).collect();
+    for observer in counted {
+        let Some(list) = newest.get(&*observer.node_id).and_then(|n| n.keys.get(keys::UNREACHABLE)) else {
+            continue;
+        };
+        for subject in decode_unreachable(list) {
+            if let Some(m) = members.iter_mut().find(|m| m.address == subject && m.address != observer) {
+                m.unreachable_by.push(observer.clone());
+            }
+        }
+    }
+    for m in members {
+        m.unreachable_by.sort();
+        m.unreachable_by.dedup();
+        m.reachable = m.gossip_live && m.unreachable_by.is_empty();
+    }
 }
 
 /// The highest up-number in gossip, over every node and generation (live or dead).
@@ -181,5 +231,71 @@ mod tests {
         assert_eq!(s.members.len(), 1);
         assert_eq!(s.members[0].node_id(), "d");
         assert!(!s.members[0].is_reachable());
+    }
+
+    #[test]
+    fn only_up_or_leaving_observers_alive_in_gossip_count_and_nobody_reports_itself() {
+        let me = UniqueAddress::new("a", 1);
+        let reporter = |id: &str, status: &str, live: bool, list: &str| {
+            let mut n = node(id, 1, status, Some(1), live);
+            n.keys.insert(keys::UNREACHABLE.into(), list.into());
+            n
+        };
+        let nodes = vec![
+            reporter("a", "up", true, ""),
+            reporter("b", "leaving", true, "e#1"),
+            reporter("c", "joining", true, "e#1,f#1"),
+            reporter("d", "down", true, "f#1"),
+            reporter("e", "up", true, "e#1"),
+            reporter("f", "up", true, "g#1"),
+            node("g", 1, "up", Some(1), true),
+        ];
+        let s = compute_members(&me, &nodes);
+        assert_eq!(s.observed_unreachable_by(&UniqueAddress::new("e", 1)), [UniqueAddress::new("b", 1)]);
+        assert!(s.observed_unreachable_by(&UniqueAddress::new("f", 1)).is_empty(), "joining and down observers");
+        assert!(!s.member("g").unwrap().is_reachable(), "f is up and alive: its report counts");
+        assert!(s.member("f").unwrap().is_reachable());
+    }
+
+    #[test]
+    fn an_unreachable_list_is_read_up_to_its_cap_and_malformed_entries_are_skipped() {
+        let subjects: Vec<UniqueAddress> = (0..100).map(|i| UniqueAddress::new(format!("n{i}"), 7)).collect();
+        let encoded = encode_unreachable(&subjects);
+        let decoded: Vec<UniqueAddress> = decode_unreachable(&encoded).collect();
+        assert_eq!(decoded, subjects[..MAX_VERDICTS_PER_OBSERVER]);
+        let odd: Vec<UniqueAddress> = decode_unreachable("a#1,#2,b#x,,c,d#18446744073709551615,e#1#2").collect();
+        assert_eq!(odd, [UniqueAddress::new("a", 1), UniqueAddress::new("d", u64::MAX)]);
+        let long = "x#1,".repeat(1_000_000);
+        assert_eq!(decode_unreachable(&long).count(), MAX_VERDICTS_PER_OBSERVER, "a huge list costs the cap");
+        assert_eq!(decode_unreachable("").count(), 0);
+    }
+
+    #[test]
+    fn a_new_observer_of_an_unreachable_member_is_an_event_and_the_member_carries_its_observers() {
+        use crate::membership::{MemberEvent, diff_snapshots};
+        let me = UniqueAddress::new("a", 1);
+        let with = |reporters: &[&str]| {
+            let mut nodes: Vec<GossipNode> =
+                ["a", "b", "c"].iter().map(|id| node(id, 1, "up", Some(1), true)).collect();
+            for n in &mut nodes {
+                if reporters.contains(&&*n.address.node_id) {
+                    n.keys.insert(keys::UNREACHABLE.into(), "d#1".into());
+                }
+            }
+            nodes.push(node("d", 1, "up", Some(2), true));
+            compute_members(&me, &nodes)
+        };
+        let (none, one, two) = (with(&[]), with(&["b"]), with(&["b", "c"]));
+        let ev = diff_snapshots(&none, &one);
+        assert!(
+            matches!(&ev[..], [MemberEvent::Unreachable(m)] if m.observed_unreachable_by() == [UniqueAddress::new("b", 1)]),
+            "{ev:?}"
+        );
+        let ev = diff_snapshots(&one, &two);
+        assert!(
+            matches!(&ev[..], [MemberEvent::ObserversChanged(m)] if m.observed_unreachable_by().len() == 2),
+            "{ev:?}"
+        );
+        assert!(matches!(&diff_snapshots(&two, &none)[..], [MemberEvent::Reachable(_)]));
     }
 }

@@ -2,6 +2,7 @@
 
 mod builder;
 mod data_dir;
+mod heartbeat;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -12,6 +13,7 @@ use tracing::{info, info_span};
 
 pub use builder::NodeBuilder;
 pub(crate) use data_dir::lock_data_dir;
+pub use heartbeat::FailureDetectorStats;
 
 use crate::clock::wall_ms;
 use crate::config::NodeConfig;
@@ -40,6 +42,7 @@ struct NodeInner {
     transport: Transport,
     replicator: Replicator,
     spawner: Spawner,
+    failure_detector: Arc<FailureDetectorStats>,
 }
 
 /// A running cluster node. Cheap to clone; every clone is the same node.
@@ -117,6 +120,17 @@ impl Node {
         };
         spawner.spawn_essential("membership", driver.run(spawner.clone()));
         transport.admit_only_members(membership.watch());
+        let failure_detector = Arc::new(FailureDetectorStats::default());
+        spawner.spawn_essential(
+            "heartbeats",
+            heartbeat::run_heartbeats(
+                transport.clone(),
+                membership.clone(),
+                config.failure_detector.clone(),
+                failure_detector.clone(),
+                shutdown.clone(),
+            ),
+        );
         let params = ReplicatorParams {
             self_addr: address.clone(),
             role: config.replicator.role.clone(),
@@ -150,6 +164,7 @@ impl Node {
                 transport,
                 replicator,
                 spawner,
+                failure_detector,
             }),
         })
     }
@@ -199,6 +214,10 @@ impl Node {
     /// The distributed-data replicator.
     pub fn replicator(&self) -> &Replicator {
         &self.inner.replicator
+    }
+    /// Counters of the heartbeats over the message path.
+    pub fn failure_detector_stats(&self) -> &FailureDetectorStats {
+        &self.inner.failure_detector
     }
     /// The messaging layer.
     pub fn transport(&self) -> &Transport {

@@ -13,6 +13,8 @@ fn members_view_of_a_snapshot_keeps_every_status_and_whether_the_cluster_is_sett
         up_number: Some(1),
         roles: Vec::new(),
         reachable,
+        gossip_live: reachable,
+        unreachable_by: Vec::new(),
         messaging_addr: "127.0.0.1:1".parse().unwrap(),
         gossip_addr: "127.0.0.1:2".parse().unwrap(),
     };

@@ -266,7 +266,7 @@ struct Node {
     replicator: ReplicatorCore<RepReply>,
     /// Asks forwarded from here, by ask id → region they went to.
     forwarded: BTreeMap<u64, UniqueAddress>,
-    downing: crate::membership::downing::KeepMajority,
+    downing: crate::membership::downing::Resolver,
     down_seen: BTreeMap<UniqueAddress, u64>,
     last_view: Option<MembershipSnapshot>,
     next_write: u64,
@@ -456,7 +456,7 @@ impl Sim {
             coordinator: None,
             replicator,
             forwarded: BTreeMap::new(),
-            downing: crate::membership::downing::KeepMajority::new(Duration::from_millis(1_500), now),
+            downing: crate::membership::downing::Resolver::new(Duration::from_millis(1_500), None, now),
             down_seen: BTreeMap::new(),
             last_view: None,
             next_write: 1,
@@ -532,6 +532,8 @@ impl Sim {
                 up_number: Some(up),
                 roles: Vec::new(),
                 reachable,
+                gossip_live: reachable,
+                unreachable_by: Vec::new(),
                 messaging_addr: SocketAddr::from(([127, 0, 0, 1], 1)),
                 gossip_addr: SocketAddr::from(([127, 0, 0, 1], 2)),
             });
@@ -562,6 +564,15 @@ impl Sim {
                         m.status = MemberStatus::Down;
                     }
                     self.crash(i, "downs itself (minority side)");
+                    continue;
+                }
+                crate::membership::downing::Decision::DownAll => {
+                    for m in self.members.iter_mut() {
+                        if m.status != MemberStatus::Removed {
+                            m.status = MemberStatus::Down;
+                        }
+                    }
+                    self.crash(i, "downs everyone (reachability never settled)");
                     continue;
                 }
                 crate::membership::downing::Decision::Wait => {}
