@@ -15,11 +15,12 @@ fn check(seed: u64, cfg: &SimConfig) -> ddshard::testkit::sim::SimReport {
     let report = run_seed(seed, cfg);
     assert!(
         report.violations.is_empty(),
-        "seed {seed}: {} violations, first: {:?}\nreplay: DDSHARD_SIM_SEED={seed} DDSHARD_SIM_REMEMBER={} DDSHARD_SIM_DURABLE={} cargo test --test sim replay -- --nocapture",
+        "seed {seed}: {} violations, first: {:?}\nreplay: DDSHARD_SIM_SEED={seed} DDSHARD_SIM_REMEMBER={} DDSHARD_SIM_DURABLE={} DDSHARD_SIM_MESSAGE_PATH={} cargo test --test sim replay -- --nocapture",
         report.violations.len(),
         &report.violations[..report.violations.len().min(5)],
         u8::from(cfg.remember),
         u8::from(cfg.durable),
+        u8::from(cfg.message_path),
     );
     report
 }
@@ -185,15 +186,92 @@ fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped
 }
 
 #[test]
+fn random_faults_with_one_way_and_messaging_only_cuts_never_run_an_entity_twice_and_service_recovers() {
+    let seeds: u64 = std::env::var("DDSHARD_SIM_MESSAGE_PATH_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
+    for (remember, durable) in [(false, false), (true, true)] {
+        let cfg = SimConfig { trace: false, message_path: true, remember, durable, ..SimConfig::default() };
+        let seeds = if durable { seeds / 3 } else { seeds };
+        let started = std::time::Instant::now();
+        let (reports, failed) = run_seeds(seeds, &cfg);
+        let answered: usize = reports.iter().map(|r| r.answered).sum();
+        let downed: usize = reports.iter().map(|r| r.downed.len()).sum();
+        println!(
+            "{seeds} message-path seeds (remember {remember}, durable {durable}) in {:.1}s: {answered} answers, {downed} members downed by the resolver, failed: {failed:?}",
+            started.elapsed().as_secs_f64()
+        );
+        assert!(answered > seeds as usize * 100, "service under faults: {answered} answers over {seeds} seeds");
+        assert!(downed > 0, "the cuts led the resolver to down members");
+    }
+}
+
+/// What a one-way cut from the coordinator's node looks like to the resolver: the heartbeats
+/// of both ends of each cut link fail, gossip still connects everyone, and the fewest members
+/// that cover the broken links (the coordinator's node alone) are downed.
+#[test]
+fn a_one_way_cut_from_the_coordinators_node_to_two_others_downs_only_that_node_in_the_simulation() {
+    use ddshard::testkit::sim::Sim;
+    let cfg = SimConfig {
+        nodes: 5,
+        shards: 10,
+        entities: 10,
+        faults: false,
+        drop_per_mille: 0,
+        message_path: true,
+        ..SimConfig::default()
+    };
+    let mut sim = Sim::new(3, cfg);
+    sim.run_until(1_000);
+    // n1 is the oldest member: it hosts the coordinator.
+    sim.cut_one_way(0, 1);
+    sim.cut_one_way(0, 2);
+    sim.run_until(12_000);
+    assert_eq!(sim.report().downed.len(), 1, "{:?}", sim.report().downed);
+    assert!(sim.report().downed[0].starts_with("n1#"), "{:?}", sim.report().downed);
+    let asks: Vec<u64> = (0..10).map(|e| sim.ask_through(1 + e % 4, &format!("e{e}"))).collect();
+    sim.run_until(18_000);
+    assert!(asks.iter().all(|a| sim.answered(*a)), "the four others serve every entity");
+    assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
+}
+
+/// Heartbeats cost each node O(k) frames, not O(N): every node watches `monitored_by` (5)
+/// others and answers as many, so its frames per second are the same at 25 and 100 nodes.
+#[test]
+fn heartbeat_frames_per_node_stay_flat_as_the_simulated_cluster_grows_to_100_nodes() {
+    let mut per_node = Vec::new();
+    for nodes in [5, 25, 100] {
+        let cfg = SimConfig {
+            nodes,
+            faults: false,
+            drop_per_mille: 0,
+            fault_ms: 10_000,
+            trace: false,
+            message_path: true,
+            ..SimConfig::default()
+        };
+        let r = run_seed(1, &cfg);
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+        let rate = r.heartbeat_frames as f64 / nodes as f64 / (r.virtual_ms as f64 / 1_000.0);
+        println!("{nodes} simulated nodes: {rate:.1} heartbeat frames per node per second");
+        per_node.push(rate);
+    }
+    // 5 nodes: 4 watched each (everyone else); from 6 on, 5 requests and 5 answers per 500 ms.
+    assert!(per_node[0] <= 16.5, "{per_node:?}");
+    for rate in &per_node[1..] {
+        assert!((19.0..=20.5).contains(rate), "O(k) per node, not O(N): {per_node:?}");
+    }
+}
+
+#[test]
 fn replay() {
     let Some(seed) = std::env::var("DDSHARD_SIM_SEED").ok().and_then(|s| s.parse().ok()) else { return };
     let remember = std::env::var("DDSHARD_SIM_REMEMBER").as_deref() == Ok("1");
     let durable = std::env::var("DDSHARD_SIM_DURABLE").as_deref() == Ok("1");
+    let message_path = std::env::var("DDSHARD_SIM_MESSAGE_PATH").as_deref() == Ok("1");
     // The cores' own logs, printed as they run (before the trace), with RUST_LOG set.
     if std::env::var_os("RUST_LOG").is_some() {
         let _ = tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).try_init();
     }
-    let report = run_seed(seed, &SimConfig { remember, durable, ..SimConfig::default() });
+    let report = run_seed(seed, &SimConfig { remember, durable, message_path, ..SimConfig::default() });
     for line in &report.trace {
         println!("{line}");
     }

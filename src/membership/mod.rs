@@ -16,7 +16,7 @@ mod driver;
 pub(crate) mod failure_detector;
 mod gossip_auth;
 mod lifecycle;
-mod view;
+pub(crate) mod view;
 
 use std::fmt;
 use std::net::SocketAddr;

@@ -106,7 +106,10 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
             })
         })
         .collect();
-    apply_reachability_table(&mut members, &newest);
+    apply_reachability_table(&mut members, |observer| {
+        let node = newest.get(&*observer.node_id).filter(|n| n.address == *observer)?;
+        Some(decode_unreachable(node.keys.get(keys::UNREACHABLE)?))
+    });
     members.sort_by(|a, b| a.age_key().cmp(&b.age_key()));
     MembershipSnapshot { self_address: self_address.clone(), members }
 }
@@ -114,15 +117,18 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
 /// Merges the observers' verdicts into the members: a member is unreachable when gossip lost it
 /// or when any observer that is Up or Leaving and alive in gossip says so. Observers that are
 /// not alive do not count: a crashed observer's last verdicts are stale, and counting them
-/// would let one dead node make its subjects unreachable for ever.
-fn apply_reachability_table(members: &mut [Member], newest: &BTreeMap<&str, &GossipNode>) {
+/// would let one dead node make its subjects unreachable for ever. `verdicts_of(observer)` is
+/// the list the observer published (the rule is the same wherever the lists come from: gossip
+/// here, the simulation's model of it in the test kit).
+pub(crate) fn apply_reachability_table<I: IntoIterator<Item = UniqueAddress>>(
+    members: &mut [Member],
+    verdicts_of: impl Fn(&UniqueAddress) -> Option<I>,
+) {
     let counted: Vec<UniqueAddress> =
         members.iter().filter(|m| m.gossip_live && m.status.is_up_or_leaving()).map(|m| m.address.clone()).collect();
     for observer in counted {
-        let Some(list) = newest.get(&*observer.node_id).and_then(|n| n.keys.get(keys::UNREACHABLE)) else {
-            continue;
-        };
-        for subject in decode_unreachable(list) {
+        let Some(list) = verdicts_of(&observer) else { continue };
+        for subject in list {
             if let Some(m) = members.iter_mut().find(|m| m.address == subject && m.address != observer) {
                 m.unreachable_by.push(observer.clone());
             }

@@ -119,6 +119,13 @@ pub struct SimConfig {
     /// Durable entity state on: each entity's counter is claimed, read and written through
     /// fenced maps, and the run checks that no acknowledged write is lost.
     pub durable: bool,
+    /// Reachability as the message path sees it: every node runs the heartbeat core over the
+    /// simulated network, its verdicts are merged by the production rule, gossip liveness
+    /// travels only over links that work both ways (as chitchat's push-pull needs), the
+    /// resolver downs indirectly connected members and downs all when unstable, and the
+    /// faults add one-way and messaging-only cuts. Off: each node sees a peer unreachable
+    /// exactly while its own link to it is cut (an instant, direct detector).
+    pub message_path: bool,
 }
 
 impl Default for SimConfig {
@@ -133,6 +140,7 @@ impl Default for SimConfig {
             trace: true,
             remember: false,
             durable: false,
+            message_path: false,
         }
     }
 }
@@ -161,6 +169,12 @@ pub struct SimReport {
     /// them was unreachable, crashed or downed at the claim (DESIGN.md's residual risk; each is
     /// checked to be exactly that, any other loss is a violation).
     pub states_lost_with_every_holder_unreachable: usize,
+    /// Message path: heartbeat frames sent (requests and responses) over the run.
+    pub heartbeat_frames: u64,
+    /// Virtual time the run lasted, in ms.
+    pub virtual_ms: u64,
+    /// Message path: members downed by the resolver, by node incarnation, in order.
+    pub downed: Vec<String>,
 }
 
 /// Why an ask failed; each is a typed error in the real drivers.
@@ -186,9 +200,20 @@ struct Msg {
 enum Wire {
     ToCoordinator(ToCoordinator),
     ToRegion(ToRegion),
-    Deliver { shard: ShardId, entity_id: String, msg: Msg },
-    AskReply { ask: u64 },
+    Deliver {
+        shard: ShardId,
+        entity_id: String,
+        msg: Msg,
+    },
+    AskReply {
+        ask: u64,
+    },
     Replicator(ReplicatorMsg),
+    /// A heartbeat request (`response` false) or its answer.
+    Heartbeat {
+        response: bool,
+        seq: u64,
+    },
 }
 
 #[allow(clippy::large_enum_variant)]
@@ -267,6 +292,8 @@ struct Node {
     /// Asks forwarded from here, by ask id → region they went to.
     forwarded: BTreeMap<u64, UniqueAddress>,
     downing: crate::membership::downing::Resolver,
+    /// Message path: the heartbeat core.
+    heartbeat: Option<crate::membership::failure_detector::HeartbeatCore>,
     down_seen: BTreeMap<UniqueAddress, u64>,
     last_view: Option<MembershipSnapshot>,
     next_write: u64,
@@ -319,6 +346,11 @@ pub struct Sim {
     unsynced: Vec<Vec<(u64, KeyedWrite)>>,
     members: Vec<MemberRow>,
     cut: BTreeSet<(usize, usize)>,
+    /// Links that lose node-to-node messages while gossip flows (message path only).
+    messaging_cut: BTreeSet<(usize, usize)>,
+    /// Message path: each observer's published verdicts (what gossip carries; the model
+    /// spreads them at once, and a view counts only observers alive in it, as production does).
+    verdicts: BTreeMap<UniqueAddress, Vec<UniqueAddress>>,
     /// Per node slot, the virtual time its pause (a GC pause, a frozen VM) ends: until then it
     /// handles nothing, its peers see it unreachable, and what is sent to it waits (as in its
     /// socket buffers).
@@ -351,6 +383,7 @@ fn wire_name(w: &Wire) -> String {
         Wire::Deliver { entity_id, .. } => format!("Deliver({entity_id})"),
         Wire::AskReply { ask } => format!("AskReply({ask})"),
         Wire::Replicator(_) => "Replicator".into(),
+        Wire::Heartbeat { .. } => "Heartbeat".into(),
     }
 }
 
@@ -372,6 +405,8 @@ impl Sim {
             unsynced: vec![Vec::new(); cfg.nodes],
             members: Vec::new(),
             cut: BTreeSet::new(),
+            messaging_cut: BTreeSet::new(),
+            verdicts: BTreeMap::new(),
             paused_until: vec![0; cfg.nodes],
             was_paused: BTreeSet::new(),
             asks: BTreeMap::new(),
@@ -456,7 +491,16 @@ impl Sim {
             coordinator: None,
             replicator,
             forwarded: BTreeMap::new(),
-            downing: crate::membership::downing::Resolver::new(Duration::from_millis(1_500), None, now),
+            downing: crate::membership::downing::Resolver::new(
+                Duration::from_millis(1_500),
+                // "on": stable_after × 3/4, at least 4 s.
+                self.cfg.message_path.then_some(Duration::from_secs(4)),
+                now,
+            ),
+            heartbeat: self
+                .cfg
+                .message_path
+                .then(|| crate::membership::failure_detector::HeartbeatCore::new(addr.clone(), Default::default())),
             down_seen: BTreeMap::new(),
             last_view: None,
             next_write: 1,
@@ -514,6 +558,7 @@ impl Sim {
             .map(|m| (m.addr.clone(), m.status, m.up_number))
             .collect();
         let me = self.nodes[i].as_ref().expect("running").addr.clone();
+        let gossip_reaches = self.gossip_reaches(i);
         let mut members = Vec::new();
         for (addr, status, up) in rows {
             let slot = addr.node_id[1..].parse::<usize>().expect("n<i>") - 1;
@@ -525,7 +570,8 @@ impl Sim {
                 }
             }
             let current = self.nodes[slot].as_ref().is_some_and(|n| n.addr == addr);
-            let reachable = addr == me || (current && self.reachable(i, slot));
+            let reachable = addr == me
+                || (current && if self.cfg.message_path { gossip_reaches[slot] } else { self.reachable(i, slot) });
             members.push(Member {
                 address: addr,
                 status,
@@ -538,7 +584,57 @@ impl Sim {
                 gossip_addr: SocketAddr::from(([127, 0, 0, 1], 2)),
             });
         }
+        if self.cfg.message_path {
+            crate::membership::view::apply_reachability_table(&mut members, |o| self.verdicts.get(o).cloned());
+        }
         MembershipSnapshot { self_address: me, members }
+    }
+
+    /// Which node slots' gossip reaches node `i`: chitchat's exchanges are round trips, so
+    /// gossip crosses only links that work both ways, and travels on through others; a paused
+    /// or stopped node gossips nothing.
+    fn gossip_reaches(&self, i: usize) -> Vec<bool> {
+        let n = self.nodes.len();
+        let up = |j: usize| self.nodes[j].is_some() && !self.is_paused(j);
+        let mut seen = vec![false; n];
+        let mut stack = vec![i];
+        seen[i] = true;
+        while let Some(a) = stack.pop() {
+            let next: Vec<usize> = (0..n)
+                .filter(|b| !seen[*b] && up(*b) && !self.cut.contains(&(a, *b)) && !self.cut.contains(&(*b, a)))
+                .collect();
+            for b in next {
+                seen[b] = true;
+                stack.push(b);
+            }
+        }
+        seen
+    }
+
+    /// Performs the heartbeat core's sends and publishes its verdicts.
+    fn perform_heartbeat(&mut self, i: usize, actions: Vec<crate::membership::failure_detector::HeartbeatAction>) {
+        use crate::membership::failure_detector::HeartbeatAction;
+        let Some(node) = self.nodes[i].as_ref() else { return };
+        let me = node.addr.clone();
+        let verdicts: Vec<UniqueAddress> = node.heartbeat.iter().flat_map(|h| h.unreachable().cloned()).collect();
+        for a in actions {
+            let (to, response, seq) = match a {
+                HeartbeatAction::SendRequest { to, seq } => (to, false, seq),
+                HeartbeatAction::SendResponse { to, seq } => (to, true, seq),
+                HeartbeatAction::Verdict { subject, reachable } => {
+                    self.trace(|| {
+                        format!(
+                            "{me} heartbeats find {subject} {}",
+                            if reachable { "reachable" } else { "unreachable" }
+                        )
+                    });
+                    continue;
+                }
+            };
+            self.report.heartbeat_frames += 1;
+            self.send(&me, &to, Wire::Heartbeat { response, seq });
+        }
+        self.verdicts.insert(me, verdicts);
     }
 
     fn on_membership(&mut self) {
@@ -555,6 +651,7 @@ impl Sim {
                     for m in self.members.iter_mut().filter(|m| victims.contains(&m.addr)) {
                         if m.status != MemberStatus::Down && m.status != MemberStatus::Removed {
                             m.status = MemberStatus::Down;
+                            self.report.downed.push(m.addr.to_string());
                         }
                     }
                 }
@@ -563,13 +660,15 @@ impl Sim {
                     for m in self.members.iter_mut().filter(|m| m.addr == me) {
                         m.status = MemberStatus::Down;
                     }
+                    self.report.downed.push(me.to_string());
                     self.crash(i, "downs itself (minority side)");
                     continue;
                 }
                 crate::membership::downing::Decision::DownAll => {
                     for m in self.members.iter_mut() {
-                        if m.status != MemberStatus::Removed {
+                        if !matches!(m.status, MemberStatus::Removed | MemberStatus::Down) {
                             m.status = MemberStatus::Down;
+                            self.report.downed.push(m.addr.to_string());
                         }
                     }
                     self.crash(i, "downs everyone (reachability never settled)");
@@ -586,6 +685,16 @@ impl Sim {
             }
             node.last_view = Some(view.clone());
             let me = node.addr.clone();
+            let mut beats = Vec::new();
+            if let Some(h) = node.heartbeat.as_mut() {
+                let ring = view
+                    .members
+                    .iter()
+                    .filter(|m| m.status.is_routable() || m.address == me)
+                    .map(|m| m.address.clone())
+                    .collect();
+                h.handle(crate::membership::failure_detector::HeartbeatInput::Members(ring), now, &mut beats);
+            }
             let mut single = Vec::new();
             node.singleton.handle(SingletonInput::Host(view.hosts_singleton(None)), now, &mut single);
             let routable = view.members.iter().filter(|m| m.status.is_routable()).map(|m| m.address.clone()).collect();
@@ -610,6 +719,7 @@ impl Sim {
             self.perform_region(i, region_out);
             self.perform_coordinator(i, coord_out);
             self.perform_replicator(i, rep_out);
+            self.perform_heartbeat(i, beats);
         }
         self.schedule(MEMBERSHIP_MS, Event::Membership);
     }
@@ -620,6 +730,7 @@ impl Sim {
         };
         if a != b
             && (self.cut.contains(&(a, b))
+                || self.messaging_cut.contains(&(a, b))
                 || (self.dropping && self.rng.random_range(0..1000) < self.cfg.drop_per_mille))
         {
             return;
@@ -637,11 +748,12 @@ impl Sim {
         let Some(i) = self.slot_of(&to) else { return };
         if let Some(a) = self.slot_of(&from).or_else(|| from.node_id[1..].parse::<usize>().ok().map(|n| n - 1))
             && a != i
-            && self.cut.contains(&(a, i))
+            && (self.cut.contains(&(a, i)) || self.messaging_cut.contains(&(a, i)))
         {
             return;
         }
-        if !matches!(wire, Wire::Replicator(_) | Wire::Deliver { .. } | Wire::AskReply { .. }) {
+        if !matches!(wire, Wire::Replicator(_) | Wire::Deliver { .. } | Wire::AskReply { .. } | Wire::Heartbeat { .. })
+        {
             self.trace(|| format!("{from} -> {to} {}", wire_name(&wire)));
         }
         let (now, wall) = (self.now(), self.wall());
@@ -672,6 +784,19 @@ impl Sim {
                 let mut out = Vec::new();
                 node.replicator.handle(RepInput::Remote { from: peer_of(&from), msg }, now, wall, &mut out);
                 self.perform_replicator(i, out);
+            }
+            Wire::Heartbeat { response, seq } => {
+                use crate::membership::failure_detector::HeartbeatInput;
+                let mut out = Vec::new();
+                if let Some(h) = node.heartbeat.as_mut() {
+                    let input = if response {
+                        HeartbeatInput::Response { from, seq }
+                    } else {
+                        HeartbeatInput::Request { from, seq }
+                    };
+                    h.handle(input, now, &mut out);
+                }
+                self.perform_heartbeat(i, out);
             }
         }
     }
@@ -721,6 +846,11 @@ impl Sim {
         }
         let mut rep_out = Vec::new();
         node.replicator.handle(RepInput::Tick, now, wall, &mut rep_out);
+        let mut beats = Vec::new();
+        if let Some(h) = node.heartbeat.as_mut() {
+            h.handle(crate::membership::failure_detector::HeartbeatInput::Tick, now, &mut beats);
+        }
+        self.perform_heartbeat(i, beats);
         self.perform_singleton(i, single);
         self.perform_region(i, region_out);
         for (shard, a) in shard_out {
@@ -798,6 +928,7 @@ impl Sim {
         self.run_until(self.cfg.fault_ms);
         self.dropping = false;
         self.cut.clear();
+        self.messaging_cut.clear();
         // Pauses end (what a paused node missed is handled first, as on a real resume).
         let resumed = self.paused_until.iter().copied().max().unwrap_or(0);
         if resumed > self.now_ms {
@@ -838,6 +969,7 @@ impl Sim {
             self.run_until(self.now_ms + 5 * FSYNC_MS);
         }
         self.check_nothing_waits_for_a_commit();
+        self.report.virtual_ms = self.now_ms;
         if self.cfg.remember {
             self.check_no_acknowledged_id_lost();
         }

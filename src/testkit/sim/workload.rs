@@ -55,8 +55,25 @@ impl Sim {
         let serving = (0..n).filter(|i| self.nodes[*i].is_some() && !self.is_paused(*i)).count();
         // Pauses exist in durable runs only; the other modes keep the fault stream (and so the
         // seeds pinned by tests) they had before.
-        let kinds = if self.cfg.durable { 12 } else { 11 };
-        match self.rng.random_range(0..kinds) {
+        // Message-path runs add one-way and messaging-only cuts (kinds 12 and 13).
+        let kinds = 11 + i32::from(self.cfg.durable) + 2 * i32::from(self.cfg.message_path);
+        let mut kind = self.rng.random_range(0..kinds);
+        if !self.cfg.durable && kind >= 11 {
+            kind += 1;
+        }
+        match kind {
+            12 | 13 => {
+                let a = self.rng.random_range(0..n);
+                let b = (a + self.rng.random_range(1..n)) % n;
+                if kind == 12 {
+                    self.cut.insert((a, b));
+                    self.trace(|| format!("one-way cut n{} -> n{}", a + 1, b + 1));
+                } else {
+                    self.messaging_cut.insert((a, b));
+                    self.messaging_cut.insert((b, a));
+                    self.trace(|| format!("messaging-only cut n{} <-> n{}", a + 1, b + 1));
+                }
+            }
             11 => {
                 // A pause long enough, at times, for its peers to down the node and move its
                 // shards: on resume it handles what it missed before it learns it was downed.
@@ -111,8 +128,9 @@ impl Sim {
                 }
             }
             _ => {
-                if !self.cut.is_empty() {
+                if !self.cut.is_empty() || !self.messaging_cut.is_empty() {
                     self.cut.clear();
+                    self.messaging_cut.clear();
                     self.trace(|| "heal".into());
                 }
             }
@@ -182,9 +200,23 @@ impl Sim {
         self.trace(|| format!("partition {a:?} | {b:?}"));
     }
 
+    /// Cuts messages from node `from` to node `to` only (gossip and messaging; indexes from 0).
+    pub fn cut_one_way(&mut self, from: usize, to: usize) {
+        self.cut.insert((from, to));
+        self.trace(|| format!("one-way cut n{} -> n{}", from + 1, to + 1));
+    }
+
+    /// Cuts node-to-node messages between two nodes, both ways, while gossip flows.
+    pub fn cut_messaging(&mut self, a: usize, b: usize) {
+        self.messaging_cut.insert((a, b));
+        self.messaging_cut.insert((b, a));
+        self.trace(|| format!("messaging-only cut n{} <-> n{}", a + 1, b + 1));
+    }
+
     /// Restores every link.
     pub fn heal(&mut self) {
         self.cut.clear();
+        self.messaging_cut.clear();
         self.trace(|| "heal".into());
     }
 
