@@ -6,10 +6,12 @@
 
 use super::ids::RegionId;
 
-/// Replicator key of the coordinator state (an LWW-map; not durable: a full restart starts
-/// with no allocations, and remembered shards come from [`remembered_shards`]).
+/// Replicator key of the coordinator state (a map fenced by coordinator term; not durable: a
+/// full restart starts with no allocations, and remembered shards come from
+/// [`remembered_shards`]). Round 1 kept a plain LWW-map under `sharding-coordinator-<type>`;
+/// the new name keeps a node of either kind from reading the other's value as its own type.
 pub(crate) fn coordinator_state(type_name: &str) -> String {
-    format!("sharding-coordinator-{type_name}")
+    format!("sharding-coordinator-fenced-{type_name}")
 }
 
 /// Replicator key of one slot of a shard's remembered entity ids.
@@ -79,7 +81,7 @@ mod tests {
     #[test]
     fn stored_key_formats_are_pinned() {
         // These strings live in LMDB and in replicated state: changing one orphans data.
-        assert_eq!(coordinator_state("cart"), "sharding-coordinator-cart");
+        assert_eq!(coordinator_state("cart"), "sharding-coordinator-fenced-cart");
         assert_eq!(remembered_entities("cart", "17", 3), "shard-cart/17/3");
         assert_eq!(remembered_shards("cart"), "shard-cart/all");
         assert_eq!(external_locations("cart"), "shard-cart/external-locations");

@@ -15,6 +15,11 @@
 //!   next membership change, both acting (found by random fault seed 20: two coordinators
 //!   allocated the same shards, and entities ran twice).
 //! - **Stop.** Losing the host role stops a running singleton at once.
+//! - **Fenced.** A running singleton whose write was refused because a newer instance claimed
+//!   its state (the singleton's term is older: this node was paused past its downing and has
+//!   not learnt it yet, or views disagree on the host) stops, and reads again only after
+//!   `retry_interval` if it is still the host then. Reading at once would claim the state back
+//!   and fence the newer instance; the pause gives this node time to learn it is gone.
 //! - **Stale reads.** Each read has an id; a result for any read but the latest is ignored.
 //!
 //! What remains is the assumption of every oldest-member singleton: two views may briefly
@@ -39,6 +44,8 @@ pub(crate) enum SingletonInput<S> {
         result: Result<S, String>,
     },
     Tick,
+    /// The running singleton's write was refused: a newer instance claimed the state.
+    Fenced,
 }
 
 /// Actions of [`SingletonCore`].
@@ -126,6 +133,12 @@ impl SingletonCore {
                         self.failed_reads += 1;
                         self.phase = Phase::RetryAt(now + self.retry_interval);
                     }
+                }
+            }
+            SingletonInput::Fenced => {
+                if self.phase == Phase::Running {
+                    self.phase = if self.host { Phase::RetryAt(now + self.retry_interval) } else { Phase::Idle };
+                    out.push(SingletonAction::Stop);
                 }
             }
             SingletonInput::Tick => {
@@ -227,5 +240,34 @@ mod tests {
         assert_eq!(run(&mut c, SingletonInput::Host(false), now), vec![SingletonAction::Stop]);
         assert!(run(&mut c, SingletonInput::Host(false), now).is_empty());
         assert!(!c.is_running());
+    }
+
+    #[test]
+    fn a_fenced_singleton_stops_and_claims_again_only_after_the_retry_interval_if_still_host() {
+        let mut c = SingletonCore::new(RETRY);
+        let now = Instant::now();
+        run(&mut c, SingletonInput::Host(true), now);
+        run(&mut c, SingletonInput::ReadDone { read: 1, result: Ok("s") }, now);
+        assert_eq!(run(&mut c, SingletonInput::Fenced, now), vec![SingletonAction::Stop]);
+        assert!(!c.is_running());
+        assert!(run(&mut c, SingletonInput::Fenced, now).is_empty(), "stopped once");
+        assert!(run(&mut c, SingletonInput::Tick, now + RETRY / 2).is_empty(), "no claim before the interval");
+        assert!(run(&mut c, SingletonInput::Host(true), now + RETRY / 2).is_empty(), "nor on a repeated view");
+        assert_eq!(run(&mut c, SingletonInput::Tick, now + RETRY), vec![SingletonAction::Read { read: 2 }]);
+        // A fenced singleton that learns it is no longer the host never reads again.
+        let mut c = SingletonCore::new(RETRY);
+        run(&mut c, SingletonInput::Host(true), now);
+        run(&mut c, SingletonInput::ReadDone { read: 1, result: Ok("s") }, now);
+        run(&mut c, SingletonInput::Fenced, now);
+        run(&mut c, SingletonInput::Host(false), now);
+        assert!(run(&mut c, SingletonInput::Tick, now + RETRY * 5).is_empty());
+        // A report for a singleton that is not running changes nothing.
+        let mut c = SingletonCore::new(RETRY);
+        run(&mut c, SingletonInput::Host(true), now);
+        assert!(run(&mut c, SingletonInput::Fenced, now).is_empty());
+        assert_eq!(
+            run(&mut c, SingletonInput::ReadDone { read: 1, result: Ok("s") }, now),
+            vec![SingletonAction::Start("s")]
+        );
     }
 }

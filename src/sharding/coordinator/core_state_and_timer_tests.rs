@@ -34,8 +34,7 @@ fn members_view_of_a_snapshot_keeps_every_status_and_whether_the_cluster_is_sett
 }
 
 /// Applies every state write of `input` to `map` (as the replicator would).
-fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut crate::ddata::LwwMap, now: Instant) {
-    let mut ctx = crate::ddata::WriteCtx::new("c#1", 1);
+fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut crate::ddata::FencedMap, now: Instant) {
     let mut out = Vec::new();
     c.handle(input, now, 1, &mut out);
     while !out.is_empty() {
@@ -44,8 +43,8 @@ fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut cra
             if let CoordinatorAction::Write(entries) = a {
                 for (key, value) in entries {
                     match value {
-                        Some(v) => map.put(&mut ctx, key, v),
-                        None => map.remove(&mut ctx, &key),
+                        Some(v) => map.put(key, 1, v).unwrap(),
+                        None => map.delete(&key, 1).unwrap(),
                     }
                 }
                 c.handle(CoordinatorInput::WriteDone, now, 1, &mut next);
@@ -56,7 +55,7 @@ fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut cra
 }
 
 /// Marks each region's member Up and registers it, writing the state into `map`.
-fn register_up_into_map(c: &mut CoordinatorCore, names: &[&str], map: &mut crate::ddata::LwwMap, now: Instant) {
+fn register_up_into_map(c: &mut CoordinatorCore, names: &[&str], map: &mut crate::ddata::FencedMap, now: Instant) {
     for n in names {
         c.members.statuses.insert(r(n), MemberStatus::Up);
         step_into_map(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), map, now);
@@ -67,7 +66,7 @@ fn register_up_into_map(c: &mut CoordinatorCore, names: &[&str], map: &mut crate
 fn the_state_a_successor_reads_back_holds_every_allocation_and_region_written() {
     let mut c = core(1);
     let now = Instant::now();
-    let mut map = crate::ddata::LwwMap::default();
+    let mut map = crate::ddata::FencedMap::default();
     register_up_into_map(&mut c, &["a", "b"], &mut map, now);
     for s in ["1", "2", "3"] {
         step_into_map(
@@ -242,7 +241,7 @@ fn a_new_shard_that_would_take_the_state_past_one_message_is_refused_and_known_o
 fn the_state_size_estimate_is_never_below_the_real_encoding() {
     let mut c = core(1);
     let now = Instant::now();
-    let mut map = crate::ddata::LwwMap::default();
+    let mut map = crate::ddata::FencedMap::default();
     register_up_into_map(&mut c, &["a-node-with-a-long-id-0123456789", "b"], &mut map, now);
     for k in 0..500 {
         let shard = format!("{k}-{}", "x".repeat(k % 40));
@@ -260,7 +259,7 @@ fn the_state_size_estimate_is_never_below_the_real_encoding() {
 fn a_terminated_proxy_is_removed_from_the_state_a_successor_reads() {
     let mut c = core(1);
     let now = Instant::now();
-    let mut map = crate::ddata::LwwMap::default();
+    let mut map = crate::ddata::FencedMap::default();
     c.members.statuses.insert(r("p"), MemberStatus::Up);
     step_into_map(
         &mut c,

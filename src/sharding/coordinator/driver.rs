@@ -1,6 +1,16 @@
 //! The coordinator's driver: a [`SingletonCore`] decides when the coordinator of a type runs on
 //! this node (and with which state); while it runs, a [`CoordinatorCore`] gets the coordinator
 //! topic, membership and ticks, and its actions are performed here (sends, majority writes).
+//!
+//! **Terms.** The coordinator state is a [`FencedMap`] fenced by coordinator term. The
+//! take-over read claims the state under a new term (above every term this node has seen, and
+//! at least the wall clock) on the replicas it reads from, and every write of the coordinator
+//! is under its term. A coordinator that was paused past its downing and wakes up still
+//! believing it runs (a zombie) therefore cannot have a write acknowledged once its successor
+//! has claimed the state: a majority of replicas refuse it, the allocation it held back is
+//! never announced, and the coordinator stops (`SingletonInput::Fenced`). Without the fence its
+//! write overwrote its successor's placement: a shard homed on a region that was gone, or
+//! started on a second region (found by the simulation with the coordinator's node paused).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, RwLock};
@@ -13,7 +23,7 @@ use tracing::{debug, info, warn};
 use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView};
 use super::state::CoordinatorState;
 use crate::clock::{Instant, wall_ms};
-use crate::ddata::{Consistency, GSet, KeyUpdate, LwwMap, Replicator};
+use crate::ddata::{Consistency, FencedMap, GSet, KeyUpdate, Replicator};
 use crate::error::Error;
 use crate::membership::MembershipSnapshot;
 use crate::node::Node;
@@ -35,8 +45,20 @@ const WRITE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duratio
 /// What the take-over read finds: the coordinator state and, with remember-entities, every
 /// shard the type ever had.
 pub(crate) struct TakeOverState {
-    map: LwwMap,
+    map: FencedMap,
+    /// The term this coordinator claimed the state under: every write of it carries it.
+    term: u64,
     remembered_shards: Option<BTreeSet<ShardId>>,
+}
+
+/// How a state write ended.
+enum WriteOutcome {
+    Acknowledged,
+    /// A newer coordinator term claimed the state: this coordinator is stale.
+    Fenced {
+        term: u64,
+        fence: u64,
+    },
 }
 
 /// Consistency of coordinator state writes (Akka's WriteMajorityPlus, 3 and min-cap 5 by default).
@@ -105,6 +127,7 @@ struct CoordinatorDriver {
 /// The coordinator while it runs here.
 struct Running {
     core: CoordinatorCore,
+    term: u64,
     inbound: mpsc::Receiver<Inbound>,
     /// The state write in flight (aborted when the coordinator stops: a write still retrying
     /// must not land after a successor took over).
@@ -126,7 +149,7 @@ impl CoordinatorDriver {
         let mut singleton = SingletonCore::new(TAKE_OVER_RETRY);
         let mut running: Option<Running> = None;
         let (reads_tx, mut reads_rx) = mpsc::unbounded_channel();
-        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<()>();
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<WriteOutcome>();
         let mut tick = tokio::time::interval(COORDINATOR_TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snap = members.borrow_and_update().clone();
@@ -159,13 +182,21 @@ impl CoordinatorDriver {
                         self.on_inbound(&mut r.core, m, &mut out);
                     }
                 }
-                Some(()) = done_rx.recv() => {
-                    if let Some(r) = running.as_mut() {
-                        debug!(type_name = %self.type_name, "coordinator state write acknowledged");
-                        r.write = None;
-                        r.core.handle(CoordinatorInput::WriteDone, now, wall, &mut out);
+                Some(outcome) = done_rx.recv() => match outcome {
+                    WriteOutcome::Acknowledged => {
+                        if let Some(r) = running.as_mut() {
+                            debug!(type_name = %self.type_name, "coordinator state write acknowledged");
+                            r.write = None;
+                            r.core.handle(CoordinatorInput::WriteDone, now, wall, &mut out);
+                        }
                     }
-                }
+                    WriteOutcome::Fenced { term, fence } => {
+                        if running.as_ref().is_some_and(|r| r.term == term) {
+                            warn!(type_name = %self.type_name, term, fence, "a newer coordinator claimed the state; this one stops");
+                            singleton.handle(SingletonInput::Fenced, now, &mut single);
+                        }
+                    }
+                },
                 _ = tick.tick() => {
                     // Also checked without a membership change: a change consumed while this
                     // driver was busy must not leave a coordinator running.
@@ -235,7 +266,7 @@ impl CoordinatorDriver {
                     info!(type_name = %self.type_name, shards = shards.len(), "allocating remembered shards");
                     core.handle(CoordinatorInput::RememberedShards(shards), now, wall_ms(), out);
                 }
-                *running = Some(Running { core, inbound, write: None });
+                *running = Some(Running { core, term: state.term, inbound, write: None });
             }
             SingletonAction::Stop => {
                 info!(type_name = %self.type_name, "no longer the coordinator's host; coordinator stops");
@@ -283,7 +314,7 @@ impl CoordinatorDriver {
         running: &mut Running,
         out: &mut Vec<CoordinatorAction>,
         snap: &MembershipSnapshot,
-        done: &mpsc::UnboundedSender<()>,
+        done: &mpsc::UnboundedSender<WriteOutcome>,
     ) {
         let topic = keys::region_topic(&self.type_name);
         for action in out.drain(..) {
@@ -298,7 +329,7 @@ impl CoordinatorDriver {
                 }
                 CoordinatorAction::Write(entries) => {
                     debug!(type_name = %self.type_name, entries = entries.len(), "coordinator state write started");
-                    let write = self.write_state(entries, done.clone());
+                    let write = self.write_state(entries, running.term, done.clone());
                     running.write = Some(self.node.spawner().spawn_until_shutdown(write));
                 }
             }
@@ -310,7 +341,8 @@ impl CoordinatorDriver {
     fn write_state(
         &self,
         entries: Vec<super::core::StateEntry>,
-        done: mpsc::UnboundedSender<()>,
+        term: u64,
+        done: mpsc::UnboundedSender<WriteOutcome>,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let replicator = self.node.replicator().clone();
         let key = keys::coordinator_state(&self.type_name);
@@ -330,11 +362,15 @@ impl CoordinatorDriver {
                 // The state entries and the newly remembered shards go in one round: one delta
                 // message and one ack per replica.
                 let e2 = entries.clone();
-                let mut updates = vec![KeyUpdate::new::<LwwMap, _>(&key, move |m, ctx| {
+                let mut updates = vec![KeyUpdate::new::<FencedMap, _>(&key, move |m, ctx| {
                     for (k, v) in e2 {
-                        match v {
-                            Some(bytes) => m.put(ctx, k, bytes),
-                            None => m.remove(ctx, &k),
+                        let written = match v {
+                            Some(bytes) => m.put(k, term, bytes),
+                            None => m.delete(&k, term),
+                        };
+                        if let Err(f) = written {
+                            ctx.refuse(f);
+                            return;
                         }
                     }
                 })];
@@ -349,6 +385,11 @@ impl CoordinatorDriver {
                 match r {
                     Ok(()) => break,
                     Err(Error::ShutDown) => return,
+                    Err(Error::Fenced { fence, .. }) => {
+                        // Retrying cannot help: the term is stale for good.
+                        let _ = done.send(WriteOutcome::Fenced { term, fence });
+                        return;
+                    }
                     Err(e) => {
                         warn!(%type_name, error = %e, "coordinator state write failed; retrying");
                         tokio::time::sleep(backoff).await;
@@ -356,24 +397,53 @@ impl CoordinatorDriver {
                     }
                 }
             }
-            let _ = done.send(());
+            let _ = done.send(WriteOutcome::Acknowledged);
         }
     }
 }
 
-/// The take-over read: the coordinator state (majority plus), then, with remember-entities, the
-/// durable set of shards. Either failing fails the read (it is retried).
+/// Claims of the state under a higher term, when a replica turns out to hold a newer one,
+/// before the take-over read fails (and is retried by the singleton core).
+const CLAIM_TRIES: usize = 3;
+
+/// The take-over read: claims the coordinator state under a new term and reads it (majority
+/// plus; the replicas store the claim before they answer), then, with remember-entities, reads
+/// the durable set of shards. Either failing fails the read (it is retried).
 async fn take_over_read(
     replicator: &Replicator,
     type_name: &str,
     settings: &ShardingSettings,
 ) -> Result<TakeOverState, String> {
     let (consistency, timeout) = (state_read(settings), settings.waiting_for_state_timeout);
-    let map = replicator
-        .get::<LwwMap>(&keys::coordinator_state(type_name), consistency, timeout)
-        .await
-        .map_err(|e| e.to_string())?
-        .unwrap_or_default();
+    let key = keys::coordinator_state(type_name);
+    let local_fence = replicator.read_local_with::<FencedMap, _, _>(&key, FencedMap::fence).await;
+    let mut term = wall_ms().max(local_fence.map_err(|e| e.to_string())?.unwrap_or(0).saturating_add(1));
+    let mut claimed = None;
+    for _ in 0..CLAIM_TRIES {
+        let claim = KeyUpdate::new::<FencedMap, _>(&key, move |m, ctx| {
+            if let Err(f) = m.claim(term) {
+                ctx.refuse(f);
+            }
+        });
+        match replicator.update_and_get_many::<FencedMap>(consistency, timeout, vec![claim]).await {
+            Ok(values) => {
+                let map = values.into_iter().next().flatten().unwrap_or_default();
+                // A replica holds a newer term: claim above it (the other claimant is either
+                // a predecessor or a node that will stop when it sees it is not the host).
+                if map.fence() > term {
+                    term = map.fence().saturating_add(1);
+                    continue;
+                }
+                claimed = Some(map);
+                break;
+            }
+            Err(Error::Fenced { fence, .. }) => term = fence.saturating_add(1),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let Some(map) = claimed else {
+        return Err(format!("newer coordinator terms kept appearing while claiming the state (last tried {term})"));
+    };
     let remembered_shards = if settings.remember_entities {
         let set = replicator
             .get::<GSet>(&keys::remembered_shards(type_name), consistency, timeout)
@@ -383,5 +453,5 @@ async fn take_over_read(
     } else {
         None
     };
-    Ok(TakeOverState { map, remembered_shards })
+    Ok(TakeOverState { map, term, remembered_shards })
 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use crate::ddata::LwwMap;
+use crate::ddata::FencedMap;
 use crate::sharding::ids::{RegionId, ShardId};
 use crate::sharding::keys;
 
@@ -45,17 +45,18 @@ pub(crate) struct CoordinatorState {
 }
 
 /// Upper estimate of one entry's encoded size in the replicated map beyond its shard id and
-/// region node id: key prefix, field names, generation, epoch and the LWW marker (writer,
-/// clock). Checked against the real encoding in a test.
-const ENTRY_OVERHEAD: usize = 96;
+/// region node id: key prefix, field names, generation, epoch and the register's term and
+/// clock. Checked against the real encoding in a test.
+const ENTRY_OVERHEAD: usize = 48;
 
 fn shard_entry_bytes(shard: &str, rec: &ShardRecord) -> usize {
     shard.len() + rec.region.as_ref().map_or(0, |r| r.node_id.len()) + ENTRY_OVERHEAD
 }
 
 impl CoordinatorState {
-    /// Reads the state from the replicated map; undecodable entries are skipped with a warning.
-    pub(crate) fn from_map(map: &LwwMap) -> Self {
+    /// Reads the state from the replicated map (fenced by coordinator term); undecodable
+    /// entries are skipped with a warning.
+    pub(crate) fn from_map(map: &FencedMap) -> Self {
         let mut st = CoordinatorState::default();
         for (k, v) in map.iter() {
             if let Some(shard) = keys::shard_of_entry(k) {
@@ -221,26 +222,23 @@ mod tests {
     #[test]
     fn the_state_reads_back_from_the_map_the_coordinator_wrote_skipping_undecodable_entries() {
         let (a, p) = (UniqueAddress::new("a", 1), UniqueAddress::new("p", 1));
-        let mut ctx = crate::ddata::WriteCtx::new("c#1", 1);
-        let mut map = LwwMap::default();
-        let put = |map: &mut LwwMap, ctx: &mut crate::ddata::WriteCtx, k: String, v: Vec<u8>| map.put(ctx, k, v);
+        let mut map = FencedMap::default();
+        let put = |map: &mut FencedMap, k: String, v: Vec<u8>| map.put(k, 3, v).unwrap();
         put(
             &mut map,
-            &mut ctx,
             keys::region_entry(&a),
             rmp_serde::to_vec(&RegionRecord { region: a.clone(), proxy: false }).unwrap(),
         );
         put(
             &mut map,
-            &mut ctx,
             keys::region_entry(&p),
             rmp_serde::to_vec(&RegionRecord { region: p.clone(), proxy: true }).unwrap(),
         );
         let home = ShardRecord { region: Some(a.clone()), epoch: 9 };
-        put(&mut map, &mut ctx, keys::shard_entry("1"), rmp_serde::to_vec(&home).unwrap());
+        put(&mut map, keys::shard_entry("1"), rmp_serde::to_vec(&home).unwrap());
         let away = ShardRecord { region: None, epoch: 4 };
-        put(&mut map, &mut ctx, keys::shard_entry("2"), rmp_serde::to_vec(&away).unwrap());
-        put(&mut map, &mut ctx, keys::shard_entry("3"), vec![0xc1]);
+        put(&mut map, keys::shard_entry("2"), rmp_serde::to_vec(&away).unwrap());
+        put(&mut map, keys::shard_entry("3"), vec![0xc1]);
         let st = CoordinatorState::from_map(&map);
         assert_eq!(st.regions, BTreeSet::from([a.clone()]));
         assert_eq!(st.proxies, BTreeSet::from([p]));

@@ -40,7 +40,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use crate::clock::Instant;
-use crate::ddata::LwwMap;
+use crate::ddata::FencedMap;
 use crate::ddata::crdt::ReplicatedData;
 use crate::ddata::replicator::{
     Action as RepAction, Consistency, CoreSettings, Input as RepInput, PersistRecord, ReplicatorCore, ReplicatorMsg,
@@ -169,6 +169,9 @@ pub struct SimReport {
     /// them was unreachable, crashed or downed at the claim (DESIGN.md's residual risk; each is
     /// checked to be exactly that, any other loss is a violation).
     pub states_lost_with_every_holder_unreachable: usize,
+    /// Coordinator writes refused because a newer coordinator term claimed the state: each is
+    /// a zombie coordinator (its node paused past its downing) that stopped instead of acting.
+    pub coordinators_fenced: usize,
     /// Message path: heartbeat frames sent (requests and responses) over the run.
     pub heartbeat_frames: u64,
     /// Virtual time the run lasted, in ms.
@@ -263,7 +266,7 @@ enum Event {
 /// What a replicator reply answers.
 #[derive(Debug)]
 enum RepReply {
-    TakeOverRead { read: u64 },
+    TakeOverRead { read: u64, term: u64, attempt: u32 },
     StateWrite { write: u64 },
     RememberLoad { shard: ShardId, instance: u64 },
     RememberWrite(remember::RememberWrite),
@@ -273,6 +276,8 @@ enum RepReply {
 
 struct Coordinator {
     core: CoordinatorCore,
+    /// The term it claimed the coordinator state under.
+    term: u64,
     /// The write in flight (id and entries, for a retry).
     write: Option<(u64, Vec<crate::sharding::coordinator::core::StateEntry>)>,
 }

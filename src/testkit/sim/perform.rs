@@ -4,28 +4,21 @@
 use super::*;
 
 impl Sim {
-    pub(super) fn perform_singleton(&mut self, i: usize, actions: Vec<SingletonAction<LwwMap>>) {
+    pub(super) fn perform_singleton(&mut self, i: usize, actions: Vec<SingletonAction<(FencedMap, u64)>>) {
         let (now, wall) = (self.now(), self.wall());
         for action in actions {
             let Some(node) = self.nodes[i].as_mut() else { return };
             match action {
                 SingletonAction::Read { read } => {
-                    let s = settings();
-                    let consistency = Consistency::Majority {
-                        plus: s.coordinator_read_majority_plus,
-                        min_cap: s.coordinator_majority_min_cap,
+                    // As the driver: a term above every one this node has seen, at least the
+                    // wall clock.
+                    let local_fence = match node.replicator.local_value(&keys::coordinator_state(TYPE)) {
+                        Some(ReplicatedData::FencedMap(m)) => m.fence(),
+                        _ => 0,
                     };
-                    let input = RepInput::Get {
-                        key: keys::coordinator_state(TYPE),
-                        consistency,
-                        timeout: s.waiting_for_state_timeout,
-                        reply: RepReply::TakeOverRead { read },
-                    };
-                    let mut out = Vec::new();
-                    node.replicator.handle(input, now, wall, &mut out);
-                    self.perform_replicator(i, out);
+                    self.claim_coordinator_state(i, read, wall.max(local_fence + 1), 0);
                 }
-                SingletonAction::Start(map) => {
+                SingletonAction::Start((map, term)) => {
                     let s = settings();
                     let cs = CoordinatorSettings {
                         min_nr_of_members: 1,
@@ -45,9 +38,9 @@ impl Sim {
                         core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut out);
                     }
                     core.handle(CoordinatorInput::TakeOver, now, wall, &mut out);
-                    node.coordinator = Some(Coordinator { core, write: None });
+                    node.coordinator = Some(Coordinator { core, term, write: None });
                     let addr = node.addr.clone();
-                    self.trace(|| format!("{addr} coordinator starts"));
+                    self.trace(|| format!("{addr} coordinator starts (term {term})"));
                     self.perform_coordinator(i, out);
                 }
                 SingletonAction::Stop => {
@@ -57,6 +50,65 @@ impl Sim {
                 }
             }
         }
+    }
+
+    /// The take-over read as the driver does it: claim the coordinator state under `term` on a
+    /// majority plus and read it; a replica with a newer term makes it claim above that.
+    fn claim_coordinator_state(&mut self, i: usize, read: u64, term: u64, attempt: u32) {
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let s = settings();
+        let consistency =
+            Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap };
+        let claim = crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(TYPE), move |m, ctx| {
+            if let Err(f) = m.claim(term) {
+                ctx.refuse(f);
+            }
+        })
+        .into_parts();
+        let input = RepInput::UpdateAndGetMany {
+            updates: vec![claim],
+            consistency,
+            timeout: s.waiting_for_state_timeout,
+            reply: RepReply::TakeOverRead { read, term, attempt },
+        };
+        let mut out = Vec::new();
+        node.replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
+    }
+
+    fn on_coordinator_state_claimed(
+        &mut self,
+        i: usize,
+        (read, term, attempt): (u64, u64, u32),
+        result: crate::Result<Vec<Option<ReplicatedData>>>,
+    ) {
+        let newer = match &result {
+            Ok(values) => match values.first() {
+                Some(Some(ReplicatedData::FencedMap(m))) if m.fence() > term => Some(m.fence()),
+                _ => None,
+            },
+            Err(crate::Error::Fenced { fence, .. }) => Some(*fence),
+            Err(_) => None,
+        };
+        if let Some(fence) = newer.filter(|_| attempt + 1 < 3) {
+            self.claim_coordinator_state(i, read, fence + 1, attempt + 1);
+            return;
+        }
+        let result = match result {
+            Ok(_) if newer.is_some() => Err("newer coordinator terms kept appearing".to_string()),
+            Ok(mut values) => match values.pop().flatten() {
+                Some(ReplicatedData::FencedMap(m)) => Ok((m, term)),
+                None => Ok((FencedMap::default(), term)),
+                Some(other) => Err(format!("not a fenced map: {}", other.type_name())),
+            },
+            Err(e) => Err(e.to_string()),
+        };
+        let now = self.now();
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let mut single = Vec::new();
+        node.singleton.handle(SingletonInput::ReadDone { read, result }, now, &mut single);
+        self.perform_singleton(i, single);
     }
 
     pub(super) fn perform_coordinator(&mut self, i: usize, actions: Vec<CoordinatorAction>) {
@@ -80,40 +132,33 @@ impl Sim {
     pub(super) fn start_write(&mut self, i: usize, write: u64) {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let Some((_, entries)) = node.coordinator.as_ref().and_then(|c| c.write.clone()).filter(|(w, _)| *w == write)
+        let Some((term, (_, entries))) = node
+            .coordinator
+            .as_ref()
+            .and_then(|c| c.write.clone().map(|w| (c.term, w)))
+            .filter(|(_, (w, _))| *w == write)
         else {
             return;
         };
         let s = settings();
         let consistency =
             Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap };
-        let modify: crate::ddata::replicator::Modify = Box::new(move |current, ctx| {
-            let apply = |m: &mut LwwMap, ctx: &mut crate::ddata::WriteCtx| {
-                for (k, v) in entries {
-                    match v {
-                        Some(bytes) => m.put(ctx, k, bytes),
-                        None => m.remove(ctx, &k),
-                    }
-                }
-            };
-            match current {
-                Some(ReplicatedData::LwwMap(m)) => {
-                    apply(m, ctx);
-                    Ok(None)
-                }
-                Some(other) => Err(crate::Error::Codec(format!("not a map: {}", other.type_name()))),
-                None => {
-                    let mut m = LwwMap::default();
-                    apply(&mut m, ctx);
-                    Ok(Some(ReplicatedData::LwwMap(m)))
+        let update = crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(TYPE), move |m, ctx| {
+            for (k, v) in entries {
+                let written = match v {
+                    Some(bytes) => m.put(k, term, bytes),
+                    None => m.delete(&k, term),
+                };
+                if let Err(f) = written {
+                    ctx.refuse(f);
+                    return;
                 }
             }
         });
-        let input = RepInput::Update {
-            key: keys::coordinator_state(TYPE),
+        let input = RepInput::UpdateMany {
+            updates: vec![update.into_parts()],
             consistency,
             timeout: s.updating_state_timeout,
-            modify,
             reply: RepReply::StateWrite { write },
         };
         let mut out = Vec::new();
@@ -206,16 +251,8 @@ impl Sim {
                         self.send(&me, &p.address, Wire::Replicator(msg.clone()));
                     }
                 }
-                RepAction::ReplyGet { reply: RepReply::TakeOverRead { read }, result } => {
-                    let result = match result {
-                        Ok(Some(ReplicatedData::LwwMap(m))) => Ok(m),
-                        Ok(None) => Ok(LwwMap::default()),
-                        Ok(Some(other)) => Err(format!("not a map: {}", other.type_name())),
-                        Err(e) => Err(e.to_string()),
-                    };
-                    let mut single = Vec::new();
-                    node.singleton.handle(SingletonInput::ReadDone { read, result }, now, &mut single);
-                    self.perform_singleton(i, single);
+                RepAction::ReplyGetMany { reply: RepReply::TakeOverRead { read, term, attempt }, result } => {
+                    self.on_coordinator_state_claimed(i, (read, term, attempt), result)
                 }
                 RepAction::ReplyUpdate { reply: RepReply::StateWrite { write }, result } => {
                     let current =
@@ -223,7 +260,21 @@ impl Sim {
                     if !current {
                         continue;
                     }
-                    if result.is_ok() {
+                    let fenced = match &result {
+                        Ok(refused) => refused.first().map(|(_, f)| f.fence),
+                        Err(crate::Error::Fenced { fence, .. }) => Some(*fence),
+                        Err(_) => None,
+                    };
+                    if let Some(fence) = fenced {
+                        // A newer term claimed the state: this coordinator is a zombie.
+                        self.report.coordinators_fenced += 1;
+                        let addr = me.clone();
+                        self.trace(|| format!("{addr} coordinator write fenced by term {fence}; it stops"));
+                        let node = self.nodes[i].as_mut().expect("running");
+                        let mut single = Vec::new();
+                        node.singleton.handle(SingletonInput::Fenced, now, &mut single);
+                        self.perform_singleton(i, single);
+                    } else if result.is_ok() {
                         let c = node.coordinator.as_mut().expect("coordinator");
                         c.write = None;
                         let mut out = Vec::new();

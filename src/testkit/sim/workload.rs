@@ -78,17 +78,12 @@ impl Sim {
                 // A pause long enough, at times, for its peers to down the node and move its
                 // shards: on resume it handles what it missed before it learns it was downed.
                 let i = self.rng.random_range(0..n);
-                // Durable state only: the fence is what makes a zombie harmless there. Not the
-                // coordinator's node: a zombie coordinator's writes to the coordinator state are
-                // not fenced yet (DESIGN.md, "Zombies"), and the simulation found it can then
-                // start a shard twice (seed 53 with the coordinator paused).
-                let hosts_coordinator = self.nodes[i].as_ref().is_some_and(|n| n.coordinator.is_some());
-                if self.nodes[i].is_some() && !hosts_coordinator && !self.is_paused(i) && serving > n / 2 + 1 {
+                // Durable state only: the fence is what makes a zombie harmless there, and the
+                // coordinator's term what makes a zombie coordinator harmless (seeds 13, 53 and
+                // 922 paused the coordinator's node before its state was fenced).
+                if self.nodes[i].is_some() && !self.is_paused(i) && serving > n / 2 + 1 {
                     let ms = self.rng.random_range(500..6_000);
-                    self.paused_until[i] = self.now_ms + ms;
-                    let addr = self.nodes[i].as_ref().expect("running").addr.clone();
-                    self.was_paused.insert(addr);
-                    self.trace(|| format!("n{} pauses for {ms} ms", i + 1));
+                    self.pause_node(i, ms);
                 }
             }
             10 => {
@@ -187,6 +182,17 @@ impl Sim {
         self.trace(|| format!("{addr} leaves"));
         self.perform_region(i, out);
         self.on_membership();
+    }
+
+    /// Pauses node `i` (index from 0) for `ms` of virtual time, like a stop-the-world pause or
+    /// a suspended VM: it handles nothing meanwhile, then everything it missed, in order,
+    /// before it learns what its peers decided about it.
+    pub fn pause_node(&mut self, i: usize, ms: u64) {
+        let Some(node) = self.nodes[i].as_ref() else { return };
+        let addr = node.addr.clone();
+        self.paused_until[i] = self.now_ms + ms;
+        self.was_paused.insert(addr);
+        self.trace(|| format!("n{} pauses for {ms} ms", i + 1));
     }
 
     /// Cuts every link between the two sets of node indexes.
