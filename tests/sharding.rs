@@ -245,3 +245,142 @@ async fn a_flood_to_one_slow_entity_beyond_its_mailbox_capacity_fails_with_mailb
     r.ask("slow", CounterMsg::Get).await.unwrap();
     c.shutdown().await;
 }
+
+/// Records, per sender, whether its numbers arrived in order; counts its own drops.
+struct Sequencer {
+    last: std::collections::BTreeMap<u32, u64>,
+    out_of_order: u64,
+    handled: u64,
+    drops: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Drop for Sequencer {
+    fn drop(&mut self) {
+        self.drops.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+enum SeqMsg {
+    Next {
+        sender: u32,
+        n: u64,
+    },
+    /// (messages handled, out of order) by this instance.
+    Check,
+    /// Keeps the handler busy this long.
+    WorkMs(u64),
+}
+
+impl ddshard::Entity for Sequencer {
+    type Message = SeqMsg;
+    type Reply = (u64, u64);
+    async fn handle(&mut self, msg: SeqMsg, _ctx: &mut ddshard::EntityContext) -> (u64, u64) {
+        match msg {
+            SeqMsg::Next { sender, n } => {
+                self.handled += 1;
+                let last = self.last.entry(sender).or_insert(0);
+                if n != *last + 1 {
+                    self.out_of_order += 1;
+                }
+                *last = n;
+            }
+            SeqMsg::Check => {}
+            SeqMsg::WorkMs(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+        }
+        (self.handled, self.out_of_order)
+    }
+}
+
+async fn start_sequencer(
+    node: &ddshard::Node,
+    settings: ddshard::ShardingSettings,
+) -> (ddshard::ShardRegion<Sequencer>, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+    let drops = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let d = drops.clone();
+    let make = move |_: &str| Sequencer { last: Default::default(), out_of_order: 0, handled: 0, drops: d.clone() };
+    (node.sharding().start("sequencer", make, settings).await.unwrap(), drops)
+}
+
+/// An entity runs on a task only while it has work and is parked between messages: four
+/// senders whose tells keep finding it idle, busy and idle again must see every message
+/// handled, each sender's in order, by one and the same instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entity_parked_between_bursts_keeps_its_instance_and_each_senders_order() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let s = ddshard::ShardingSettings { min_nr_of_members: 1, ..settings() };
+    let (r, drops) = start_sequencer(c.node(0), s).await;
+    const PER_SENDER: u64 = 2_000;
+    let senders = (0..4u32).map(|sender| {
+        let r = r.clone();
+        tokio::spawn(async move {
+            for n in 1..=PER_SENDER {
+                r.tell("seq", SeqMsg::Next { sender, n }).unwrap();
+                // Bursts of varying length, then a pause long enough for the entity to park.
+                if n % (u64::from(sender) * 7 + 3) == 0 {
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+            }
+        })
+    });
+    for s in futures::future::join_all(senders).await {
+        s.unwrap();
+    }
+    let (handled, out_of_order) = eventually(CONVERGE, "every tell handled", || {
+        let r = r.clone();
+        async move { r.ask("seq", SeqMsg::Check).await.ok().filter(|(h, _)| *h == 4 * PER_SENDER) }
+    })
+    .await;
+    assert_eq!(handled, 4 * PER_SENDER, "one instance handled them all (its count is not reset)");
+    assert_eq!(out_of_order, 0, "each sender's messages in order");
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "the instance was parked, never dropped");
+    c.shutdown().await;
+}
+
+/// An entity busy in a handler that outlasts the hand-off's stop timeout is aborted when its
+/// shard stops: it is dropped (not leaked with its task), the asks queued behind it fail
+/// rather than hang, and the region finishes its graceful shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_entity_past_the_hand_off_stop_timeout_is_dropped_and_the_asks_behind_it_fail() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    // Stop timeout: max(hand-off timeout - 5 s, 1 s) = 1 s.
+    let s = ddshard::ShardingSettings { min_nr_of_members: 2, handoff_timeout: Duration::from_secs(3), ..settings() };
+    let (r0, drops) = start_sequencer(c.node(0), s.clone()).await;
+    let (_r1, _) = start_sequencer(c.node(1), s).await;
+    // An id hosted on node 0.
+    let mut id = None;
+    for i in 0.. {
+        let candidate = format!("busy{i}");
+        r0.ask(&candidate, SeqMsg::Check).await.unwrap();
+        if r0.region_state().await.unwrap().values().flatten().any(|e| *e == candidate) {
+            id = Some(candidate);
+            break;
+        }
+    }
+    let id = id.unwrap();
+    let busy = {
+        let (r, id) = (r0.clone(), id.clone());
+        tokio::spawn(async move { r.ask(&id, SeqMsg::WorkMs(120_000)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let behind = {
+        let (r, id) = (r0.clone(), id.clone());
+        tokio::spawn(async move { r.ask(&id, SeqMsg::Check).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let drops_before = drops.load(Ordering::SeqCst);
+    tokio::time::timeout(Duration::from_secs(20), r0.graceful_shutdown())
+        .await
+        .expect("the region's graceful shutdown finishes although an entity never yields its handler");
+    eventually(CONVERGE, "the busy instance is dropped", || {
+        std::future::ready((drops.load(Ordering::SeqCst) > drops_before).then_some(()))
+    })
+    .await;
+    let busy = tokio::time::timeout(Duration::from_secs(10), busy).await.expect("the busy ask ends").unwrap();
+    assert!(busy.is_err(), "its handler never finished: {busy:?}");
+    let behind = tokio::time::timeout(Duration::from_secs(10), behind).await.expect("the queued ask ends").unwrap();
+    assert!(behind.is_err(), "the ask queued behind it fails rather than hangs: {behind:?}");
+    c.shutdown().await;
+}

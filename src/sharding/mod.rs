@@ -52,8 +52,10 @@ use crate::node::Node;
 
 /// A sharded entity: one instance per entity id, living on one node at a time.
 ///
-/// Each entity runs in its own task and handles one message at a time. A handler that panics
-/// stops only that entity; the next message starts a fresh instance.
+/// An entity handles one message at a time, in the order its messages arrived, on a task
+/// that exists only while it has work: between messages the instance is parked in its mailbox
+/// (no task, no channel), so an idle entity costs little more than its own size. A handler
+/// that panics stops only that entity; the next message starts a fresh instance.
 pub trait Entity: Send + 'static {
     /// Messages the entity handles.
     type Message: Serialize + DeserializeOwned + Send + 'static;

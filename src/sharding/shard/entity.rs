@@ -1,12 +1,29 @@
-//! The entity runner: one task per running entity. It creates the entity, runs its start
-//! hook, handles its mailbox one message at a time and isolates panics (a panicking handler
-//! stops only that incarnation; the messages still queued go to the next one).
+//! The entity runner. Each running entity has a [`Mailbox`]: a queue and, while it has no work,
+//! the entity itself, parked. A task runs the entity only while its queue has work: the region
+//! schedules one when a message arrives at an idle entity, the task handles messages one at a
+//! time and parks the entity again once the queue is empty. An idle entity therefore costs its
+//! own size, a small mailbox and its map entries, not a task and a channel (issue 13: ≈ 3.4 KB
+//! each before, so a million idle entities needed ≈ 3.4 GB).
+//!
+//! Invariants, each held under the mailbox lock:
+//! - at most one task runs an entity (the region schedules one only when it takes the entity
+//!   out of `Parked`, or creates it from `New`, and marks the mailbox `Running`);
+//! - a task parks the entity only when the queue is empty, so a message pushed while it runs
+//!   is handled by it, and one pushed after it parked schedules a new task: nothing is left
+//!   in a queue without a task to handle it, and messages are handled in the order pushed;
+//! - an `Ended` mailbox takes nothing: what the region sends then is redelivered to the next
+//!   incarnation after its `Terminated` event.
+//!
+//! Panics are isolated: a panicking handler stops only that incarnation; the messages still
+//! queued go to the next one.
 
+use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::FutureExt;
+use futures::future::{AbortHandle, AbortRegistration, Abortable};
 use tokio::sync::mpsc;
 use tracing::error;
 
@@ -19,33 +36,201 @@ use crate::sharding::{EndIncarnation, Entity, EntityContext};
 /// Creates the entity of an id.
 pub(crate) type Factory<E> = Arc<dyn Fn(&str) -> E + Send + Sync>;
 
-/// What the region sends an entity task.
+/// What the region sends an entity.
 pub(crate) enum EntityCmd<E: Entity> {
     Msg(Envelope<E>),
     Stop,
 }
 
-/// Runs one entity: creates it, handles its mailbox one message at a time, isolates panics.
-pub(crate) struct EntityRunner<E: Entity> {
-    pub ctx: EntityContext,
-    pub incarnation: u64,
+/// Where the entity of a mailbox is.
+enum Phase<E> {
+    /// Not created yet: the first task creates it and runs its start hook.
+    New,
+    /// Between messages: no task runs it.
+    Parked(E),
+    /// A task holds and runs it; the handle aborts that task. (Not tokio's `JoinHandle` or
+    /// `AbortHandle`: either keeps the finished task's memory, about 1 KB, allocated for as
+    /// long as it is held.)
+    Running(AbortHandle),
+    /// Stopped, panicked or aborted: the mailbox takes nothing more.
+    Ended,
+}
+
+struct MailboxInner<E: Entity> {
+    queue: VecDeque<EntityCmd<E>>,
+    phase: Phase<E>,
+}
+
+impl<E: Entity> MailboxInner<E> {
+    /// Messages queued (a `Stop`, at most one and always last, is not one).
+    fn messages_queued(&self) -> usize {
+        self.queue.len() - usize::from(matches!(self.queue.back(), Some(EntityCmd::Stop)))
+    }
+}
+
+/// One entity's queue and, while it is idle, the entity.
+pub(crate) struct Mailbox<E: Entity> {
+    inner: Mutex<MailboxInner<E>>,
+}
+
+/// What [`Mailbox::push`] did with a message.
+pub(crate) enum Pushed<E: Entity> {
+    /// Queued for the task that runs the entity.
+    Queued,
+    /// Queued; no task runs the entity: run `Scheduled` on a new task.
+    Schedule(Scheduled<E>),
+    /// The queue holds `capacity` messages already: refused.
+    Full(Envelope<E>),
+    /// The incarnation ended: the message waits for the next one.
+    Ended(Envelope<E>),
+}
+
+/// A run of an entity, taken out of its mailbox by the region: the entity (or nothing, when the
+/// task must create it) for the task to own until it parks.
+pub(crate) struct Scheduled<E> {
+    entity: Option<E>,
+    abort: AbortRegistration,
+}
+
+/// Marks `phase` running and returns what the new run owns, with the entity it took out.
+fn start_run<E>(phase: &mut Phase<E>) -> Option<Scheduled<E>> {
+    let (handle, abort) = AbortHandle::new_pair();
+    match std::mem::replace(phase, Phase::Running(handle)) {
+        Phase::New => Some(Scheduled { entity: None, abort }),
+        Phase::Parked(e) => Some(Scheduled { entity: Some(e), abort }),
+        other => {
+            *phase = other;
+            None
+        }
+    }
+}
+
+impl<E: Entity> Mailbox<E> {
+    pub(crate) fn new() -> Self {
+        Mailbox { inner: Mutex::new(MailboxInner { queue: VecDeque::new(), phase: Phase::New }) }
+    }
+
+    /// The lock; a poisoned one is still consistent (no code panics while holding it).
+    fn lock(&self) -> MutexGuard<'_, MailboxInner<E>> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues `cmd` (a message is refused past `capacity` queued messages; `Stop` never is).
+    pub(crate) fn push(&self, cmd: EntityCmd<E>, capacity: usize) -> Pushed<E> {
+        let mut m = self.lock();
+        match cmd {
+            EntityCmd::Msg(env) if matches!(m.phase, Phase::Ended) => return Pushed::Ended(env),
+            EntityCmd::Msg(env) if m.messages_queued() >= capacity => return Pushed::Full(env),
+            EntityCmd::Stop if matches!(m.phase, Phase::Ended) => return Pushed::Queued,
+            cmd => m.queue.push_back(cmd),
+        }
+        match start_run(&mut m.phase) {
+            Some(scheduled) => Pushed::Schedule(scheduled),
+            None => Pushed::Queued,
+        }
+    }
+
+    /// Schedules the first run of a new incarnation (its start hook runs without waiting for a
+    /// message).
+    pub(crate) fn schedule_new(&self) -> Option<Scheduled<E>> {
+        let mut m = self.lock();
+        if !matches!(m.phase, Phase::New) {
+            return None;
+        }
+        start_run(&mut m.phase)
+    }
+
+    /// Ends the mailbox at once (hand-off timeout, shard stop): the parked entity, if any, is
+    /// dropped here; a running task is aborted and drops its own at its next await. Returns
+    /// the messages still queued.
+    pub(crate) fn end(&self) -> Vec<Envelope<E>> {
+        let (previous, queued) = {
+            let mut m = self.lock();
+            let previous = std::mem::replace(&mut m.phase, Phase::Ended);
+            (previous, std::mem::take(&mut m.queue))
+        };
+        // Outside the lock: an entity's Drop is user code.
+        if let Phase::Running(task) = &previous {
+            task.abort();
+        }
+        drop(previous);
+        queued
+            .into_iter()
+            .filter_map(|c| match c {
+                EntityCmd::Msg(env) => Some(env),
+                EntityCmd::Stop => None,
+            })
+            .collect()
+    }
+
+    /// Messages queued and not yet taken by the entity.
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> usize {
+        self.lock().messages_queued()
+    }
+
+    /// The next command for the running task, or `None` once the entity is parked (the queue
+    /// was empty) or dropped (the mailbox was ended meanwhile).
+    fn next_or_park(&self, entity: &mut Option<E>) -> Option<EntityCmd<E>> {
+        let mut m = self.lock();
+        if matches!(m.phase, Phase::Ended) {
+            drop(m);
+            drop(entity.take());
+            return None;
+        }
+        if let Some(cmd) = m.queue.pop_front() {
+            return Some(cmd);
+        }
+        if let Some(e) = entity.take() {
+            m.phase = Phase::Parked(e);
+        }
+        None
+    }
+
+    /// Ends the incarnation from its task; returns the messages it had not handled.
+    fn end_from_task(&self) -> Vec<Envelope<E>> {
+        let queued = {
+            let mut m = self.lock();
+            m.phase = Phase::Ended;
+            std::mem::take(&mut m.queue)
+        };
+        queued
+            .into_iter()
+            .filter_map(|c| match c {
+                EntityCmd::Msg(env) => Some(env),
+                EntityCmd::Stop => None,
+            })
+            .collect()
+    }
+}
+
+/// What every run of a region's entities shares.
+pub(crate) struct RunnerShared<E: Entity> {
+    pub factory: Factory<E>,
     pub events: mpsc::UnboundedSender<ShardEvent<E>>,
     pub replier: Replier,
     pub type_name: Arc<str>,
     pub counters: Arc<RegionCounters>,
-    /// Messages sent to this incarnation and not yet taken (the host bounds it).
-    pub queued: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-impl<E: Entity> EntityRunner<E> {
+/// One run of an entity: from the message that found it idle (or new) until its queue is
+/// empty, or it ends.
+pub(crate) struct EntityRun<E: Entity> {
+    pub shared: Arc<RunnerShared<E>>,
+    pub mailbox: Arc<Mailbox<E>>,
+    pub ctx: EntityContext,
+    pub incarnation: u64,
+}
+
+impl<E: Entity> EntityRun<E> {
     fn respond(&self, reply: Option<ReplyTo<E>>, result: Result<Option<E::Reply>>) {
         if let Some(r) = reply {
-            self.replier.reply::<E>(r, &self.ctx.entity_id, result);
+            self.shared.replier.reply::<E>(r, &self.ctx.entity_id, result);
         }
     }
 
     fn terminated(&self, leftovers: Vec<Envelope<E>>) {
-        let _ = self.events.send(ShardEvent::Terminated {
+        let _ = self.shared.events.send(ShardEvent::Terminated {
             shard: self.ctx.shard_id.clone(),
             entity_id: self.ctx.entity_id.clone(),
             incarnation: self.incarnation,
@@ -54,64 +239,84 @@ impl<E: Entity> EntityRunner<E> {
     }
 
     /// Fails every queued message with `reason` and reports the incarnation ended.
-    fn fail_queued_and_end(&self, inbox: &mut mpsc::UnboundedReceiver<EntityCmd<E>>, reason: &str) {
-        inbox.close();
-        while let Ok(cmd) = inbox.try_recv() {
-            if let EntityCmd::Msg(env) = cmd {
-                self.respond(env.reply, Err(not_delivered(&self.ctx.entity_id, reason)));
-            }
+    fn fail_queued_and_end(&self, reason: &str) {
+        for env in self.mailbox.end_from_task() {
+            self.respond(env.reply, Err(not_delivered(&self.ctx.entity_id, reason)));
         }
         self.terminated(Vec::new());
     }
 
-    pub(crate) async fn run(mut self, factory: Factory<E>, mut inbox: mpsc::UnboundedReceiver<EntityCmd<E>>) {
-        let id = self.ctx.entity_id.clone();
-        let mut entity = match std::panic::catch_unwind(AssertUnwindSafe(|| factory(&id))) {
+    /// Creates the entity and runs its start hook; `None` when either panicked (the
+    /// incarnation has ended then).
+    async fn create(&mut self) -> Option<E> {
+        let (shared, id) = (self.shared.clone(), self.ctx.entity_id.clone());
+        let mut entity = match std::panic::catch_unwind(AssertUnwindSafe(|| (shared.factory)(&id))) {
             Ok(e) => e,
             Err(_) => {
-                self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
-                error!(type_name = %self.type_name, entity_id = %id, "entity factory panicked; failing its messages");
-                self.fail_queued_and_end(&mut inbox, "entity factory panicked");
-                return;
+                shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
+                error!(type_name = %shared.type_name, entity_id = %id, "entity factory panicked; failing its messages");
+                self.fail_queued_and_end("entity factory panicked");
+                return None;
             }
         };
         if let Err(panic) = AssertUnwindSafe(entity.started(&self.ctx)).catch_unwind().await {
-            self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
+            shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
             let what = panic_text(&*panic);
-            error!(type_name = %self.type_name, entity_id = %id, panic = %what, "entity start hook panicked; entity stopped");
+            error!(type_name = %shared.type_name, entity_id = %id, panic = %what, "entity start hook panicked; entity stopped");
             drop(entity);
             // Its queued messages fail (as after a panicking factory): handing them to a fresh
             // instance would spin if the hook always panics, since no message gets consumed.
-            self.fail_queued_and_end(&mut inbox, &format!("entity start hook panicked: {what}"));
-            return;
+            self.fail_queued_and_end(&format!("entity start hook panicked: {what}"));
+            return None;
         }
-        while let Some(cmd) = inbox.recv().await {
+        Some(entity)
+    }
+
+    /// Runs the entity until its queue is empty or it ends; ends early, dropping the entity,
+    /// when its mailbox is ended meanwhile.
+    pub(crate) async fn run(self, scheduled: Scheduled<E>) {
+        let Scheduled { entity, abort } = scheduled;
+        let _ = Abortable::new(self.run_until_parked(entity), abort).await;
+    }
+
+    async fn run_until_parked(mut self, entity: Option<E>) {
+        let mut entity = match entity {
+            Some(e) => Some(e),
+            None => match self.create().await {
+                Some(e) => Some(e),
+                None => return,
+            },
+        };
+        let id = self.ctx.entity_id.clone();
+        while let Some(cmd) = self.mailbox.next_or_park(&mut entity) {
             let env = match cmd {
-                EntityCmd::Stop => break,
+                EntityCmd::Stop => {
+                    // Gone before anyone hears it terminated: the next incarnation may start
+                    // elsewhere. Nothing is sent after a Stop (the shard holds the messages
+                    // of a stopping entity); anything that was goes to the next incarnation.
+                    drop(entity.take());
+                    let leftovers = self.mailbox.end_from_task();
+                    self.terminated(leftovers);
+                    return;
+                }
                 EntityCmd::Msg(env) => env,
             };
-            self.queued.fetch_sub(1, Ordering::Relaxed);
             let Some(msg) = env.msg else {
                 self.respond(env.reply, Ok(None));
                 continue;
             };
-            let outcome = AssertUnwindSafe(entity.handle_or_fail(msg, &mut self.ctx)).catch_unwind().await;
+            let running = entity.as_mut().expect("a task that took a command holds its entity");
+            let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind().await;
             match outcome {
                 Ok(result) => self.respond(env.reply, result.map(Some)),
                 Err(panic) => {
-                    self.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
+                    self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
                     let what = panic_text(&*panic);
-                    drop(entity);
-                    error!(type_name = %self.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
+                    drop(entity.take());
+                    error!(type_name = %self.shared.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
                     self.respond(env.reply, Err(not_delivered(&id, format!("entity handler panicked: {what}"))));
                     // Messages still queued go to a fresh instance.
-                    inbox.close();
-                    let mut leftovers = Vec::new();
-                    while let Ok(cmd) = inbox.try_recv() {
-                        if let EntityCmd::Msg(env) = cmd {
-                            leftovers.push(env);
-                        }
-                    }
+                    let leftovers = self.mailbox.end_from_task();
                     self.terminated(leftovers);
                     return;
                 }
@@ -121,40 +326,31 @@ impl<E: Entity> EntityRunner<E> {
                 Some(EndIncarnation::Restart) => {
                     // A durable entity whose state write failed: the next incarnation starts
                     // from the stored state and takes the messages queued for this one.
-                    drop(entity);
-                    inbox.close();
-                    let mut leftovers = Vec::new();
-                    while let Ok(cmd) = inbox.try_recv() {
-                        if let EntityCmd::Msg(env) = cmd {
-                            leftovers.push(env);
-                        }
-                    }
+                    drop(entity.take());
+                    let leftovers = self.mailbox.end_from_task();
                     self.terminated(leftovers);
                     return;
                 }
                 Some(EndIncarnation::Fenced { fence }) => {
                     // A newer allocation owns the shard's state: nothing here may run it.
-                    drop(entity);
-                    let _ = self.events.send(ShardEvent::Fenced {
+                    drop(entity.take());
+                    let _ = self.shared.events.send(ShardEvent::Fenced {
                         shard: self.ctx.shard_id.clone(),
                         epoch: self.ctx.epoch,
                         fence,
                     });
-                    self.fail_queued_and_end(&mut inbox, "a newer allocation of its shard claimed its state");
+                    self.fail_queued_and_end("a newer allocation of its shard claimed its state");
                     return;
                 }
             }
             if std::mem::take(&mut self.ctx.passivate) {
-                let _ = self.events.send(ShardEvent::Passivate {
+                let _ = self.shared.events.send(ShardEvent::Passivate {
                     shard: self.ctx.shard_id.clone(),
                     entity_id: id.clone(),
                     incarnation: self.incarnation,
                 });
             }
         }
-        // Gone before anyone hears it terminated: the next incarnation may start elsewhere.
-        drop(entity);
-        self.terminated(Vec::new());
     }
 }
 
@@ -165,4 +361,133 @@ fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use serde::{Deserialize, Serialize};
+
+    use super::*;
+
+    /// Counts its drops, to see where an entity is dropped.
+    struct Probe(Arc<AtomicUsize>);
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    #[derive(Serialize, Deserialize)]
+    struct Ping(u32);
+
+    impl Entity for Probe {
+        type Message = Ping;
+        type Reply = u32;
+        async fn handle(&mut self, msg: Ping, _ctx: &mut EntityContext) -> u32 {
+            msg.0
+        }
+    }
+
+    fn msg(n: u32) -> EntityCmd<Probe> {
+        EntityCmd::Msg(Envelope { msg: Some(Ping(n)), reply: None })
+    }
+
+    fn scheduled(p: Pushed<Probe>) -> Scheduled<Probe> {
+        match p {
+            Pushed::Schedule(s) => s,
+            _ => panic!("expected a new run"),
+        }
+    }
+
+    fn next(m: &Mailbox<Probe>, entity: &mut Option<Probe>) -> Option<u32> {
+        match m.next_or_park(entity) {
+            Some(EntityCmd::Msg(env)) => env.msg.map(|p| p.0),
+            Some(EntityCmd::Stop) => Some(u32::MAX),
+            None => None,
+        }
+    }
+
+    #[test]
+    fn a_message_to_a_running_entity_is_queued_for_its_task_and_one_to_a_parked_entity_starts_a_run_with_it() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let m = Mailbox::<Probe>::new();
+        let first = m.schedule_new().expect("a new mailbox runs its start hook at once");
+        assert!(first.entity.is_none(), "the first run creates the entity");
+        assert!(m.schedule_new().is_none(), "never two runs");
+        // While the first run holds the entity, messages queue for it: no second task.
+        assert!(matches!(m.push(msg(1), 10), Pushed::Queued));
+        assert!(matches!(m.push(msg(2), 10), Pushed::Queued));
+        let mut entity = Some(Probe(drops.clone()));
+        assert_eq!(next(&m, &mut entity), Some(1));
+        assert_eq!(next(&m, &mut entity), Some(2));
+        // Empty queue: the run parks the entity (it is not dropped).
+        assert_eq!(next(&m, &mut entity), None);
+        assert!(entity.is_none() && drops.load(Ordering::SeqCst) == 0, "parked, not dropped");
+        assert_eq!(m.queued(), 0);
+        // The next message schedules a run that owns the same instance.
+        let run = scheduled(m.push(msg(3), 10));
+        assert!(run.entity.is_some(), "the parked instance goes to the new run");
+        assert!(matches!(m.push(msg(4), 10), Pushed::Queued), "one run at a time");
+        let mut entity = run.entity;
+        assert_eq!(next(&m, &mut entity), Some(3));
+        assert_eq!(next(&m, &mut entity), Some(4));
+        assert_eq!(next(&m, &mut entity), None);
+        assert_eq!(drops.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_full_queue_refuses_messages_but_never_a_stop() {
+        let m = Mailbox::<Probe>::new();
+        let _run = m.schedule_new();
+        assert!(matches!(m.push(msg(1), 2), Pushed::Queued));
+        assert!(matches!(m.push(msg(2), 2), Pushed::Queued));
+        assert!(matches!(m.push(msg(3), 2), Pushed::Full(_)), "the capacity counts queued messages");
+        assert!(matches!(m.push(EntityCmd::Stop, 2), Pushed::Queued), "a stop is never refused");
+        assert_eq!(m.queued(), 2, "a stop is not a message");
+        let mut entity = Some(Probe(Arc::default()));
+        assert_eq!(next(&m, &mut entity), Some(1));
+        assert!(matches!(m.push(msg(5), 2), Pushed::Queued), "room again once one is taken");
+    }
+
+    #[test]
+    fn ending_a_mailbox_drops_a_parked_entity_at_once_returns_its_queue_and_refuses_later_messages() {
+        let drops = Arc::new(AtomicUsize::new(0));
+        let m = Mailbox::<Probe>::new();
+        let _run = m.schedule_new();
+        let mut entity = Some(Probe(drops.clone()));
+        assert_eq!(next(&m, &mut entity), None, "parked");
+        assert_eq!(m.end().len(), 0);
+        assert_eq!(drops.load(Ordering::SeqCst), 1, "a parked entity is dropped by end() itself");
+        assert!(matches!(m.push(msg(1), 10), Pushed::Ended(_)), "an ended mailbox takes nothing");
+        assert!(matches!(m.push(EntityCmd::Stop, 10), Pushed::Queued), "a stop to it does nothing");
+        assert_eq!(m.queued(), 0);
+
+        // Running: end() aborts the run; the run drops its entity at its next check.
+        let drops = Arc::new(AtomicUsize::new(0));
+        let m = Mailbox::<Probe>::new();
+        let run = m.schedule_new().expect("run");
+        assert!(matches!(m.push(msg(1), 10), Pushed::Queued));
+        assert!(matches!(m.push(msg(2), 10), Pushed::Queued));
+        let queued = m.end();
+        assert_eq!(queued.len(), 2, "the messages not taken are returned, to be failed");
+        let aborted = futures::executor::block_on(Abortable::new(std::future::pending::<()>(), run.abort));
+        assert!(aborted.is_err(), "the running task is aborted");
+        let mut entity = Some(Probe(drops.clone()));
+        assert_eq!(next(&m, &mut entity), None);
+        assert!(entity.is_none() && drops.load(Ordering::SeqCst) == 1, "dropped, not parked");
+    }
+
+    #[test]
+    fn a_task_that_ends_its_incarnation_takes_the_queue_with_it_and_later_messages_wait_for_the_next() {
+        let m = Mailbox::<Probe>::new();
+        let _run = m.schedule_new();
+        assert!(matches!(m.push(msg(1), 10), Pushed::Queued));
+        assert!(matches!(m.push(msg(2), 10), Pushed::Queued));
+        let leftovers = m.end_from_task();
+        assert_eq!(leftovers.len(), 2);
+        assert!(matches!(m.push(msg(3), 10), Pushed::Ended(_)));
+    }
 }

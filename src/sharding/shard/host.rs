@@ -9,16 +9,15 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::core::{DropReason, ShardAction, ShardCore, ShardInput};
-use super::entity::{EntityCmd, EntityRunner, Factory};
+use super::entity::{EntityCmd, EntityRun, Factory, Mailbox, Pushed, RunnerShared, Scheduled};
 use super::remember::RememberIo;
 use super::state::StateIo;
 use super::{ShardEvent, StoreResult, Work};
@@ -31,13 +30,13 @@ use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, EntityContext};
 use crate::spawn::Spawner;
 
+/// A running entity as its region sees it: its mailbox (which aborts the task running it, if
+/// any, when ended).
 struct EntityHandle<E: Entity> {
-    tx: mpsc::UnboundedSender<EntityCmd<E>>,
-    /// Messages sent and not yet taken by the entity (the mailbox bound; `Stop` is never
-    /// refused, so the channel itself stays unbounded).
-    queued: Arc<AtomicUsize>,
-    task: JoinHandle<()>,
+    mailbox: Arc<Mailbox<E>>,
     incarnation: u64,
+    /// The epoch this incarnation started under (its writes are fenced by it).
+    epoch: u64,
 }
 
 struct LocalShard<E: Entity> {
@@ -51,7 +50,8 @@ struct LocalShard<E: Entity> {
 /// The shards of one region and their entity tasks.
 pub(crate) struct LocalShards<E: Entity> {
     type_name: Arc<str>,
-    factory: Factory<E>,
+    /// What every entity run shares (factory, event channel, replier, counters).
+    runner: Arc<RunnerShared<E>>,
     settings: ShardingSettings,
     extractor: ShardIdExtractor,
     shards: HashMap<ShardId, LocalShard<E>>,
@@ -90,9 +90,17 @@ impl<E: Entity> LocalShards<E> {
         state: Option<StateIo>,
         spawner: Spawner,
     ) -> Self {
-        LocalShards {
-            type_name: type_name.into(),
+        let type_name: Arc<str> = type_name.into();
+        let runner = Arc::new(RunnerShared {
             factory,
+            events: events.clone(),
+            replier: replier.clone(),
+            type_name: type_name.clone(),
+            counters: counters.clone(),
+        });
+        LocalShards {
+            type_name,
+            runner,
             settings,
             extractor,
             shards: HashMap::new(),
@@ -304,63 +312,67 @@ impl<E: Entity> LocalShards<E> {
 
     fn spawn_entity(&mut self, shard_id: &ShardId, entity_id: String, incarnation: u64) {
         let Some(shard) = self.shards.get_mut(shard_id) else { return };
-        let (tx, rx) = mpsc::unbounded_channel();
-        let queued = Arc::new(AtomicUsize::new(0));
-        let ctx = EntityContext::new(entity_id.clone(), shard_id.clone(), shard.epoch, self.state.clone());
-        let runner = EntityRunner {
-            ctx,
-            incarnation,
-            events: self.events.clone(),
-            replier: self.replier.clone(),
-            type_name: self.type_name.clone(),
-            counters: self.counters.clone(),
-            queued: queued.clone(),
-        };
-        let run = runner.run(self.factory.clone(), rx);
-        let task = self.spawner.spawn(self.entity_tasks.track_future(shard.tasks.track_future(run)));
-        shard.entities.insert(entity_id, EntityHandle { tx, queued, task, incarnation });
+        let mailbox = Arc::new(Mailbox::new());
+        let first = mailbox.schedule_new().expect("a new mailbox");
+        let handle = EntityHandle { mailbox, incarnation, epoch: shard.epoch };
+        shard.entities.insert(entity_id.clone(), handle);
+        self.schedule(shard_id, &entity_id, first);
+    }
+
+    /// Runs entity `entity_id` on a new task until its queue is empty (or it ends).
+    fn schedule(&mut self, shard_id: &ShardId, entity_id: &str, scheduled: Scheduled<E>) {
+        let Some(shard) = self.shards.get_mut(shard_id) else { return };
+        let Some(h) = shard.entities.get(entity_id) else { return };
+        let ctx = EntityContext::new(entity_id.to_string(), shard_id.clone(), h.epoch, self.state.clone());
+        let run =
+            EntityRun { shared: self.runner.clone(), mailbox: h.mailbox.clone(), ctx, incarnation: h.incarnation };
+        // Detached: a held JoinHandle would keep the finished task's memory.
+        drop(self.spawner.spawn(self.entity_tasks.track_future(shard.tasks.track_future(run.run(scheduled)))));
     }
 
     fn perform(&mut self, shard_id: &ShardId, action: ShardAction<Envelope<E>>, work: &mut VecDeque<Work<E>>) {
         match action {
             ShardAction::Start { entity_id, incarnation } => self.spawn_entity(shard_id, entity_id, incarnation),
             ShardAction::Send { entity_id, msg } => {
-                match self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) {
-                    Some(h) => {
-                        let capacity = self.settings.entity_mailbox_capacity;
-                        if h.queued.load(Ordering::Relaxed) >= capacity {
-                            if self.counters.dropped_mailbox_full.fetch_add(1, Ordering::Relaxed) == 0 {
-                                warn!(type_name = %self.type_name, %entity_id, capacity, "entity mailbox full; dropping messages");
-                            }
-                            if let Some(r) = msg.reply {
-                                self.replier.reply::<E>(
-                                    r,
-                                    &entity_id,
-                                    Err(Error::MailboxFull { entity_id: entity_id.clone(), capacity }),
-                                );
-                            }
-                            return;
+                let Some(h) = self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) else {
+                    self.replier.fail(msg, &entity_id, "entity is not running");
+                    return;
+                };
+                let capacity = self.settings.entity_mailbox_capacity;
+                match h.mailbox.push(EntityCmd::Msg(msg), capacity) {
+                    Pushed::Queued => {}
+                    Pushed::Schedule(scheduled) => self.schedule(shard_id, &entity_id, scheduled),
+                    Pushed::Full(msg) => {
+                        if self.counters.dropped_mailbox_full.fetch_add(1, Ordering::Relaxed) == 0 {
+                            warn!(type_name = %self.type_name, %entity_id, capacity, "entity mailbox full; dropping messages");
                         }
-                        h.queued.fetch_add(1, Ordering::Relaxed);
-                        if let Err(mpsc::error::SendError(EntityCmd::Msg(env))) = h.tx.send(EntityCmd::Msg(msg)) {
-                            // The task already ended; its Terminated event is on the way. The
-                            // message goes to the next incarnation after it (not back into this
-                            // loop, which would spin until the event is read).
-                            self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
+                        if let Some(r) = msg.reply {
+                            self.replier.reply::<E>(
+                                r,
+                                &entity_id,
+                                Err(Error::MailboxFull { entity_id: entity_id.clone(), capacity }),
+                            );
                         }
                     }
-                    None => self.replier.fail(msg, &entity_id, "entity is not running"),
+                    Pushed::Ended(env) => {
+                        // The incarnation already ended; its Terminated event is on the way.
+                        // The message goes to the next incarnation after it (not back into
+                        // this loop, which would spin until the event is read).
+                        self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
+                    }
                 }
             }
             ShardAction::Stop { entity_id } => {
-                if let Some(h) = self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) {
-                    let _ = h.tx.send(EntityCmd::Stop);
+                if let Some(h) = self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id))
+                    && let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX)
+                {
+                    self.schedule(shard_id, &entity_id, scheduled);
                 }
             }
             ShardAction::ForceStop { entity_id } => {
                 if let Some(h) = self.shards.get_mut(shard_id).and_then(|s| s.entities.remove(&entity_id)) {
                     warn!(type_name = %self.type_name, %entity_id, "entity did not stop within the hand-off timeout; aborted");
-                    h.task.abort();
+                    self.end_entity(&entity_id, h, "the entity was aborted");
                 }
             }
             ShardAction::Drop { entity_id, msg, reason } => {
@@ -390,7 +402,7 @@ impl<E: Entity> LocalShards<E> {
             ShardAction::Failed => {
                 self.fail_orphans(shard_id);
                 let Some(s) = self.shards.remove(shard_id) else { return };
-                abort_entities(&s);
+                self.abort_entities(s.entities, &s.tasks);
                 self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
                 let backoff = self.settings.shard_failure_backoff;
                 warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
@@ -408,7 +420,7 @@ impl<E: Entity> LocalShards<E> {
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
                     return;
                 };
-                abort_entities(&s);
+                self.abort_entities(s.entities, &s.tasks);
                 if s.tasks.is_empty() {
                     debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
@@ -425,10 +437,26 @@ impl<E: Entity> LocalShards<E> {
         }
     }
 
+    /// Ends an entity at once: a parked entity is dropped here, a running task is aborted (it
+    /// drops its entity at its next await), and the messages it had not taken fail.
+    fn end_entity(&self, entity_id: &str, h: EntityHandle<E>, why: &str) {
+        for env in h.mailbox.end() {
+            self.replier.fail(env, entity_id, why);
+        }
+    }
+
+    /// Ends every entity of a shard and closes its tracker (so waiting for it can end).
+    fn abort_entities(&self, entities: HashMap<String, EntityHandle<E>>, tasks: &TaskTracker) {
+        for (id, h) in entities {
+            self.end_entity(&id, h, "its shard stopped");
+        }
+        tasks.close();
+    }
+
     /// Aborts every entity (the region is ending); then waits, up to `timeout`, for their tasks.
     pub(crate) async fn stop_all(&mut self, timeout: Duration) {
-        for (_, shard) in self.shards.drain() {
-            abort_entities(&shard);
+        for (_, shard) in std::mem::take(&mut self.shards) {
+            self.abort_entities(shard.entities, &shard.tasks);
         }
         // Nobody hears that this region stopped before its entities are gone. `abort` takes
         // effect at an entity's next await; one that never yields cannot be stopped.
@@ -441,12 +469,4 @@ impl<E: Entity> LocalShards<E> {
             );
         }
     }
-}
-
-/// Aborts a shard's entity tasks and closes its tracker (so waiting for it can end).
-fn abort_entities<E: Entity>(shard: &LocalShard<E>) {
-    for e in shard.entities.values() {
-        e.task.abort();
-    }
-    shard.tasks.close();
 }
