@@ -38,13 +38,6 @@ fn rss_bytes() -> u64 {
     statm.split_whitespace().nth(1).and_then(|p| p.parse::<u64>().ok()).unwrap_or(0) * 4096
 }
 
-/// Bytes the allocator has handed out and not had back (glibc's `mallinfo2`): the live heap,
-/// without the freed memory RSS may still hold.
-fn heap_in_use() -> u64 {
-    // SAFETY: mallinfo2 only reads the allocator's counters.
-    unsafe { libc::mallinfo2() }.uordblks as u64
-}
-
 fn id(i: usize) -> String {
     format!("device-{i:07}")
 }
@@ -71,7 +64,7 @@ fn main() {
         .await;
         r
     });
-    let (before, heap_before) = (rss_bytes(), heap_in_use());
+    let before = rss_bytes();
     let started = Instant::now();
     rt.block_on(sliding(total, WINDOW, |i| {
         let r = region.clone();
@@ -82,11 +75,10 @@ fn main() {
     let start_time = started.elapsed();
     // Idle: every entity handled its message; let the tasks settle.
     std::thread::sleep(Duration::from_millis(500));
-    let (after, heap_after) = (rss_bytes(), heap_in_use());
+    let after = rss_bytes();
     let running: usize = rt.block_on(region.region_stats()).unwrap().values().sum();
     assert_eq!(running, total + 1_000, "every entity is running");
     let per_entity = after.saturating_sub(before) as f64 / total as f64;
-    let heap_per_entity = heap_after.saturating_sub(heap_before) as f64 / total as f64;
 
     // The floor: the same ids mapped to the same values, nothing else.
     let floor_before = rss_bytes();
@@ -97,7 +89,7 @@ fn main() {
 
     println!(
         "{total} idle entities (size_of entity {} B, id {} B): started in {start_time:.2?} ({:.0}/s), \
-         RSS +{:.0} MB = {per_entity:.0} B per entity (live heap {heap_per_entity:.0} B); floor (HashMap<String, entity>) {floor_per_entity:.0} B per entity",
+         RSS +{:.0} MB = {per_entity:.0} B per entity; floor (HashMap<String, entity>) {floor_per_entity:.0} B per entity",
         std::mem::size_of::<Device>(),
         id(0).len(),
         total as f64 / start_time.as_secs_f64(),

@@ -43,10 +43,20 @@ impl EntityState {
 }
 
 #[derive(Debug)]
-struct EntityEntry {
+struct EntityEntry<S> {
     state: EntityState,
     incarnation: u64,
     last_activity: Instant,
+    /// The host's handle on the running incarnation (its mailbox), attached after `Start`;
+    /// dropped with the entry or when the incarnation terminates. Kept here rather than in a
+    /// second map of the host: an idle entity then costs one table entry and one id.
+    slot: Option<S>,
+}
+
+impl<S> EntityEntry<S> {
+    fn new(state: EntityState, incarnation: u64, last_activity: Instant) -> Self {
+        EntityEntry { state, incarnation, last_activity, slot: None }
+    }
 }
 
 /// Why a message was not delivered.
@@ -89,7 +99,7 @@ pub(crate) enum ShardInput<M> {
 }
 
 #[derive(Debug, PartialEq)]
-pub(crate) enum ShardAction<M> {
+pub(crate) enum ShardAction<M, S = ()> {
     /// Spawn entity `entity_id` as `incarnation`.
     Start {
         entity_id: String,
@@ -104,9 +114,10 @@ pub(crate) enum ShardAction<M> {
     Stop {
         entity_id: String,
     },
-    /// Abort the entity task now.
+    /// Abort the entity task now; `slot` is the host's handle on it (the entry is gone).
     ForceStop {
         entity_id: String,
+        slot: Option<S>,
     },
     Drop {
         entity_id: String,
@@ -135,12 +146,12 @@ struct Remember {
     next_removes: BTreeSet<String>,
 }
 
-/// One shard's entities.
-pub(crate) struct ShardCore<M> {
+/// One shard's entities; `S` is what the host attaches to a running incarnation.
+pub(crate) struct ShardCore<M, S = ()> {
     /// Every entity the shard knows: running, starting, stopping, and (remember-entities) the
     /// remembered ones not running. Iteration order is arbitrary: whatever turns it into
     /// actions sorts first (the simulation replays actions in order).
-    entities: HashMap<String, EntityEntry>,
+    entities: HashMap<String, EntityEntry<S>>,
     buffers: BTreeMap<String, VecDeque<M>>,
     next_incarnation: u64,
     idle_timeout: Option<Duration>,
@@ -163,7 +174,7 @@ pub(crate) struct ShardCore<M> {
     failed: bool,
 }
 
-impl<M> ShardCore<M> {
+impl<M, S> ShardCore<M, S> {
     pub(crate) fn new(idle_timeout: Option<Duration>, handoff_stop_timeout: Duration) -> Self {
         ShardCore {
             entities: HashMap::new(),
@@ -205,22 +216,51 @@ impl<M> ShardCore<M> {
         self.entities.iter().filter(|(_, e)| e.state.has_task()).map(|(id, _)| id.as_str())
     }
 
-    /// Ids with a task, sorted (what a forced stop must abort).
-    fn ids_with_tasks(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self.entity_ids().map(String::from).collect();
-        ids.sort();
-        ids
+    /// Forced stops of every entity with a task, in id order, each with its slot (the entries
+    /// are cleared next).
+    fn force_stop_all(&mut self, out: &mut Vec<ShardAction<M, S>>) {
+        let mut stops: Vec<(String, Option<S>)> = self
+            .entities
+            .iter_mut()
+            .filter(|(_, e)| e.state.has_task())
+            .map(|(id, e)| (id.clone(), e.slot.take()))
+            .collect();
+        stops.sort_by(|a, b| a.0.cmp(&b.0));
+        for (entity_id, slot) in stops {
+            out.push(ShardAction::ForceStop { entity_id, slot });
+        }
+    }
+
+    /// Attaches the host's handle to the running `incarnation` of `entity_id` (after `Start`);
+    /// false when that incarnation is not the entity's current one.
+    pub(crate) fn attach(&mut self, entity_id: &str, incarnation: u64, slot: S) -> bool {
+        match self.entities.get_mut(entity_id) {
+            Some(e) if e.incarnation == incarnation && e.state.has_task() => {
+                e.slot = Some(slot);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The host's handle on the running incarnation of `entity_id`, with that incarnation.
+    pub(crate) fn slot(&self, entity_id: &str) -> Option<(&S, u64)> {
+        self.entities.get(entity_id).and_then(|e| e.slot.as_ref().map(|s| (s, e.incarnation)))
+    }
+
+    /// Takes every attached handle out (the shard is being dropped).
+    pub(crate) fn take_slots(&mut self) -> Vec<(String, S)> {
+        self.entities.iter_mut().filter_map(|(id, e)| e.slot.take().map(|s| (id.clone(), s))).collect()
     }
 
     pub(crate) fn entity_count(&self) -> usize {
         self.entity_ids().count()
     }
 
-    fn start(&mut self, entity_id: &str, now: Instant, out: &mut Vec<ShardAction<M>>) {
+    fn start(&mut self, entity_id: &str, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         let incarnation = self.next_incarnation;
         self.next_incarnation += 1;
-        self.entities
-            .insert(entity_id.to_string(), EntityEntry { state: EntityState::Active, incarnation, last_activity: now });
+        self.entities.insert(entity_id.to_string(), EntityEntry::new(EntityState::Active, incarnation, now));
         out.push(ShardAction::Start { entity_id: entity_id.to_string(), incarnation });
         if let Some(buffered) = self.buffers.remove(entity_id) {
             for msg in buffered {
@@ -233,7 +273,7 @@ impl<M> ShardCore<M> {
         self.buffers.entry(entity_id).or_default().push_back(msg);
     }
 
-    fn maybe_write(&mut self, out: &mut Vec<ShardAction<M>>) {
+    fn maybe_write(&mut self, out: &mut Vec<ShardAction<M, S>>) {
         let Some(r) = self.remember.as_mut() else { return };
         if r.in_flight.is_some() || (r.next_adds.is_empty() && r.next_removes.is_empty()) {
             return;
@@ -244,7 +284,7 @@ impl<M> ShardCore<M> {
         out.push(ShardAction::WriteRemembered { adds, removes });
     }
 
-    fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M>>) {
+    fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         if self.handoff_deadline.is_some() || self.failed {
             let reason = if self.failed { DropReason::ShardFailed } else { DropReason::HandOff };
             out.push(ShardAction::Drop { entity_id, msg, reason });
@@ -270,10 +310,7 @@ impl<M> ShardCore<M> {
                     // Not in the table, so not remembered: record the start before creating it.
                     r.next_adds.insert(entity_id.clone());
                     r.next_removes.remove(&entity_id);
-                    self.entities.insert(
-                        entity_id.clone(),
-                        EntityEntry { state: EntityState::RememberingStart, incarnation: 0, last_activity: now },
-                    );
+                    self.entities.insert(entity_id.clone(), EntityEntry::new(EntityState::RememberingStart, 0, now));
                     self.buffer(entity_id, msg);
                     self.maybe_write(out);
                 }
@@ -285,7 +322,7 @@ impl<M> ShardCore<M> {
         }
     }
 
-    fn check_handoff_done(&mut self, out: &mut Vec<ShardAction<M>>) {
+    fn check_handoff_done(&mut self, out: &mut Vec<ShardAction<M, S>>) {
         let writing = self.remember.as_ref().is_some_and(|r| r.in_flight.is_some());
         if self.handoff_deadline.is_some() && self.entities.is_empty() && !writing {
             self.handoff_deadline = None;
@@ -293,7 +330,7 @@ impl<M> ShardCore<M> {
         }
     }
 
-    pub(crate) fn handle(&mut self, input: ShardInput<M>, now: Instant, out: &mut Vec<ShardAction<M>>) {
+    pub(crate) fn handle(&mut self, input: ShardInput<M>, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         match input {
             ShardInput::Deliver { entity_id, msg } => self.deliver(entity_id, msg, now, out),
             ShardInput::Passivate { entity_id, incarnation } => {
@@ -312,11 +349,7 @@ impl<M> ShardCore<M> {
                 }
                 self.loaded = true;
                 for id in ids.iter().filter(|_| self.remember.is_some()) {
-                    self.entities.entry(id.clone()).or_insert(EntityEntry {
-                        state: EntityState::Remembered,
-                        incarnation: 0,
-                        last_activity: now,
-                    });
+                    self.entities.entry(id.clone()).or_insert(EntityEntry::new(EntityState::Remembered, 0, now));
                 }
                 if !ids.is_empty() && self.remember.is_some() {
                     out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
@@ -396,11 +429,13 @@ impl<M> ShardCore<M> {
         }
     }
 
-    fn on_terminated(&mut self, entity_id: String, incarnation: u64, now: Instant, out: &mut Vec<ShardAction<M>>) {
-        let Some(e) = self.entities.get(&entity_id) else { return };
+    fn on_terminated(&mut self, entity_id: String, incarnation: u64, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
+        let Some(e) = self.entities.get_mut(&entity_id) else { return };
         if e.incarnation != incarnation {
             return;
         }
+        // The incarnation's task has ended: the host's handle on it is done.
+        e.slot = None;
         let state = e.state;
         if self.handoff_deadline.is_some() {
             self.entities.remove(&entity_id);
@@ -442,14 +477,12 @@ impl<M> ShardCore<M> {
         }
     }
 
-    fn fail(&mut self, out: &mut Vec<ShardAction<M>>) {
+    fn fail(&mut self, out: &mut Vec<ShardAction<M, S>>) {
         if self.failed {
             return;
         }
         self.failed = true;
-        for id in self.ids_with_tasks() {
-            out.push(ShardAction::ForceStop { entity_id: id });
-        }
+        self.force_stop_all(out);
         self.entities.clear();
         self.restarts_due.clear();
         for (id, buffered) in std::mem::take(&mut self.buffers) {
@@ -463,12 +496,10 @@ impl<M> ShardCore<M> {
         out.push(ShardAction::Failed);
     }
 
-    fn on_tick(&mut self, now: Instant, out: &mut Vec<ShardAction<M>>) {
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         if let Some(deadline) = self.handoff_deadline {
             if now >= deadline {
-                for id in self.ids_with_tasks() {
-                    out.push(ShardAction::ForceStop { entity_id: id });
-                }
+                self.force_stop_all(out);
                 self.entities.clear();
                 self.restarts_due.clear();
                 if let Some(r) = self.remember.as_mut() {
@@ -604,7 +635,48 @@ mod tests {
         assert_eq!(s.entity_count(), 1, "a still runs");
         assert!(run(&mut s, ShardInput::Tick, now + Duration::from_millis(1900)).is_empty(), "not before the deadline");
         let out = run(&mut s, ShardInput::Tick, now + Duration::from_secs(2));
-        assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into() }, ShardAction::Stopped]);
+        assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into(), slot: None }, ShardAction::Stopped]);
+    }
+
+    #[test]
+    fn the_hosts_handle_lives_with_the_running_incarnation_and_a_forced_stop_hands_it_back() {
+        let mut s: ShardCore<u32, &'static str> = ShardCore::new(None, Duration::from_secs(2));
+        let now = Instant::now();
+        let mut out = Vec::new();
+        s.handle(deliver("a", 1), now, &mut out);
+        assert!(matches!(out[0], ShardAction::Start { incarnation: 1, .. }));
+        assert!(!s.attach("a", 2, "stale"), "only the current incarnation takes a handle");
+        assert!(!s.attach("b", 1, "unknown"), "nor an entity the shard does not know");
+        assert!(s.slot("a").is_none());
+        assert!(s.attach("a", 1, "mailbox a#1"));
+        assert_eq!(s.slot("a"), Some((&"mailbox a#1", 1)));
+        // A stale Terminated leaves it; the incarnation's own drops it.
+        s.handle(ShardInput::Terminated { entity_id: "a".into(), incarnation: 7 }, now, &mut Vec::new());
+        assert_eq!(s.slot("a"), Some((&"mailbox a#1", 1)));
+        s.handle(ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, now, &mut Vec::new());
+        assert!(s.slot("a").is_none());
+        // A forced stop at the hand-off deadline carries the handle out with it, since the
+        // entries are gone once the action is performed.
+        let mut out = Vec::new();
+        s.handle(deliver("b", 1), now, &mut out);
+        assert!(s.attach("b", 2, "mailbox b#2"));
+        s.handle(ShardInput::HandOff, now, &mut Vec::new());
+        let mut out = Vec::new();
+        s.handle(ShardInput::Tick, now + Duration::from_secs(2), &mut out);
+        assert_eq!(
+            out,
+            vec![ShardAction::ForceStop { entity_id: "b".into(), slot: Some("mailbox b#2") }, ShardAction::Stopped]
+        );
+        assert!(s.take_slots().is_empty());
+        // Dropping a shard takes every handle still attached.
+        let mut s: ShardCore<u32, &'static str> = ShardCore::new(None, Duration::from_secs(2));
+        s.handle(deliver("c", 1), now, &mut Vec::new());
+        s.handle(deliver("d", 1), now, &mut Vec::new());
+        assert!(s.attach("c", 1, "c") && s.attach("d", 2, "d"));
+        let mut taken = s.take_slots();
+        taken.sort();
+        assert_eq!(taken, vec![("c".to_string(), "c"), ("d".to_string(), "d")]);
+        assert!(s.slot("c").is_none());
     }
 
     #[test]
@@ -803,7 +875,7 @@ mod tests {
         run(&mut s, ShardInput::Loaded(ids(&["a", "b"])), now);
         run(&mut s, deliver("a", 1), now);
         let out = run(&mut s, ShardInput::StoreFailed, now);
-        assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into() }, ShardAction::Failed]);
+        assert_eq!(out, vec![ShardAction::ForceStop { entity_id: "a".into(), slot: None }, ShardAction::Failed]);
     }
 
     #[test]

@@ -30,19 +30,17 @@ use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, EntityContext};
 use crate::spawn::Spawner;
 
-/// A running entity as its region sees it: its mailbox (which aborts the task running it, if
-/// any, when ended).
+/// A running entity as its region sees it, attached to its entry in the shard core: its
+/// mailbox (which aborts the task running it, if any, when ended).
 struct EntityHandle<E: Entity> {
     mailbox: Arc<Mailbox<E>>,
-    incarnation: u64,
     /// The epoch this incarnation started under (its writes are fenced by it).
     epoch: u64,
 }
 
 struct LocalShard<E: Entity> {
-    core: ShardCore<Envelope<E>>,
+    core: ShardCore<Envelope<E>, EntityHandle<E>>,
     epoch: u64,
-    entities: HashMap<String, EntityHandle<E>>,
     instance: u64,
     tasks: TaskTracker,
 }
@@ -154,8 +152,7 @@ impl<E: Entity> LocalShards<E> {
         } else {
             ShardCore::new(s.passivation_idle_timeout, stop_timeout)
         };
-        let entities = HashMap::new();
-        self.shards.insert(shard.clone(), LocalShard { core, epoch, entities, instance, tasks: TaskTracker::new() });
+        self.shards.insert(shard.clone(), LocalShard { core, epoch, instance, tasks: TaskTracker::new() });
         if s.remember_entities || self.state.is_some() {
             self.load(shard, instance, epoch);
         }
@@ -229,11 +226,7 @@ impl<E: Entity> LocalShards<E> {
                 work.push_back(Work::Region(RegionInput::LocalShardStopped(shard)));
             }
             ShardEvent::Terminated { shard, entity_id, incarnation, leftovers } => {
-                if let Some(s) = self.shards.get_mut(&shard)
-                    && s.entities.get(&entity_id).is_some_and(|h| h.incarnation == incarnation)
-                {
-                    s.entities.remove(&entity_id);
-                }
+                // The core drops its handle on the incarnation when it takes this input.
                 let input = ShardInput::Terminated { entity_id: entity_id.clone(), incarnation };
                 work.push_back(Work::Shard(shard.clone(), input));
                 let orphans = self.orphans.remove(&(shard.clone(), entity_id.clone())).unwrap_or_default();
@@ -314,27 +307,32 @@ impl<E: Entity> LocalShards<E> {
         let Some(shard) = self.shards.get_mut(shard_id) else { return };
         let mailbox = Arc::new(Mailbox::new());
         let first = mailbox.schedule_new().expect("a new mailbox");
-        let handle = EntityHandle { mailbox, incarnation, epoch: shard.epoch };
-        shard.entities.insert(entity_id.clone(), handle);
-        self.schedule(shard_id, &entity_id, first);
+        let handle = EntityHandle { mailbox, epoch: shard.epoch };
+        if shard.core.attach(&entity_id, incarnation, handle) {
+            self.schedule(shard_id, &entity_id, first);
+        }
     }
 
     /// Runs entity `entity_id` on a new task until its queue is empty (or it ends).
-    fn schedule(&mut self, shard_id: &ShardId, entity_id: &str, scheduled: Scheduled<E>) {
-        let Some(shard) = self.shards.get_mut(shard_id) else { return };
-        let Some(h) = shard.entities.get(entity_id) else { return };
+    fn schedule(&self, shard_id: &ShardId, entity_id: &str, scheduled: Scheduled<E>) {
+        let Some(shard) = self.shards.get(shard_id) else { return };
+        let Some((h, incarnation)) = shard.core.slot(entity_id) else { return };
         let ctx = EntityContext::new(entity_id.to_string(), shard_id.clone(), h.epoch, self.state.clone());
-        let run =
-            EntityRun { shared: self.runner.clone(), mailbox: h.mailbox.clone(), ctx, incarnation: h.incarnation };
+        let run = EntityRun { shared: self.runner.clone(), mailbox: h.mailbox.clone(), ctx, incarnation };
         // Detached: a held JoinHandle would keep the finished task's memory.
         drop(self.spawner.spawn(self.entity_tasks.track_future(shard.tasks.track_future(run.run(scheduled)))));
     }
 
-    fn perform(&mut self, shard_id: &ShardId, action: ShardAction<Envelope<E>>, work: &mut VecDeque<Work<E>>) {
+    fn perform(
+        &mut self,
+        shard_id: &ShardId,
+        action: ShardAction<Envelope<E>, EntityHandle<E>>,
+        work: &mut VecDeque<Work<E>>,
+    ) {
         match action {
             ShardAction::Start { entity_id, incarnation } => self.spawn_entity(shard_id, entity_id, incarnation),
             ShardAction::Send { entity_id, msg } => {
-                let Some(h) = self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id)) else {
+                let Some((h, _)) = self.shards.get(shard_id).and_then(|s| s.core.slot(&entity_id)) else {
                     self.replier.fail(msg, &entity_id, "entity is not running");
                     return;
                 };
@@ -363,14 +361,14 @@ impl<E: Entity> LocalShards<E> {
                 }
             }
             ShardAction::Stop { entity_id } => {
-                if let Some(h) = self.shards.get(shard_id).and_then(|s| s.entities.get(&entity_id))
+                if let Some((h, _)) = self.shards.get(shard_id).and_then(|s| s.core.slot(&entity_id))
                     && let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX)
                 {
                     self.schedule(shard_id, &entity_id, scheduled);
                 }
             }
-            ShardAction::ForceStop { entity_id } => {
-                if let Some(h) = self.shards.get_mut(shard_id).and_then(|s| s.entities.remove(&entity_id)) {
+            ShardAction::ForceStop { entity_id, slot } => {
+                if let Some(h) = slot {
                     warn!(type_name = %self.type_name, %entity_id, "entity did not stop within the hand-off timeout; aborted");
                     self.end_entity(&entity_id, h, "the entity was aborted");
                 }
@@ -401,8 +399,8 @@ impl<E: Entity> LocalShards<E> {
             }
             ShardAction::Failed => {
                 self.fail_orphans(shard_id);
-                let Some(s) = self.shards.remove(shard_id) else { return };
-                self.abort_entities(s.entities, &s.tasks);
+                let Some(mut s) = self.shards.remove(shard_id) else { return };
+                self.abort_entities(&mut s);
                 self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
                 let backoff = self.settings.shard_failure_backoff;
                 warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
@@ -416,11 +414,11 @@ impl<E: Entity> LocalShards<E> {
             ShardAction::Stopped => {
                 self.counters.handoffs_completed.fetch_add(1, Ordering::Relaxed);
                 self.fail_orphans(shard_id);
-                let Some(s) = self.shards.remove(shard_id) else {
+                let Some(mut s) = self.shards.remove(shard_id) else {
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
                     return;
                 };
-                self.abort_entities(s.entities, &s.tasks);
+                self.abort_entities(&mut s);
                 if s.tasks.is_empty() {
                     debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
@@ -446,17 +444,17 @@ impl<E: Entity> LocalShards<E> {
     }
 
     /// Ends every entity of a shard and closes its tracker (so waiting for it can end).
-    fn abort_entities(&self, entities: HashMap<String, EntityHandle<E>>, tasks: &TaskTracker) {
-        for (id, h) in entities {
+    fn abort_entities(&self, shard: &mut LocalShard<E>) {
+        for (id, h) in shard.core.take_slots() {
             self.end_entity(&id, h, "its shard stopped");
         }
-        tasks.close();
+        shard.tasks.close();
     }
 
     /// Aborts every entity (the region is ending); then waits, up to `timeout`, for their tasks.
     pub(crate) async fn stop_all(&mut self, timeout: Duration) {
-        for (_, shard) in std::mem::take(&mut self.shards) {
-            self.abort_entities(shard.entities, &shard.tasks);
+        for (_, mut shard) in std::mem::take(&mut self.shards) {
+            self.abort_entities(&mut shard);
         }
         // Nobody hears that this region stopped before its entities are gone. `abort` takes
         // effect at an entity's next await; one that never yields cannot be stopped.

@@ -460,7 +460,7 @@ impl Sim {
                     self.schedule(1, ev);
                 }
             }
-            ShardAction::ForceStop { entity_id } => {
+            ShardAction::ForceStop { entity_id, .. } => {
                 node.entities.remove(&entity_id);
                 // An aborted durable entity answers nothing more (a write in flight may still
                 // be acknowledged by the replicas).
