@@ -73,7 +73,9 @@ struct Counter;
 
 #[derive(Serialize, Deserialize)]
 enum CounterMsg {
-    Add(i64),
+    /// The increment that takes the counter from `to - 1` to `to`; idempotent, so a client may
+    /// send it again after an error whose outcome is unknown (`StateNotPersisted`, a timeout).
+    IncrementTo(i64),
     Get,
 }
 
@@ -84,8 +86,10 @@ impl DurableEntity for Counter {
     type Reply = i64;
     type State = i64;
     async fn handle(&mut self, value: &mut i64, msg: CounterMsg, ctx: &mut EntityContext) -> i64 {
-        if let CounterMsg::Add(n) = msg {
-            *value += n;
+        if let CounterMsg::IncrementTo(to) = msg
+            && *value == to - 1
+        {
+            *value = to;
             ctx.persist();
         }
         *value
@@ -227,8 +231,13 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
         cfg.membership.down_removal_margin = Duration::from_secs(2);
         nodes.push(Node::start(cfg).await?);
     }
-    wait_for("all members up", Duration::from_secs(30), || {
-        nodes.iter().all(|x| x.members().len() == n && x.members().iter().all(|m| m.status() == MemberStatus::Up))
+    // Up and reachable in every view: a durable write needs a majority of reachable replicas,
+    // and right after joining a member may still wait for its first heartbeats (a loaded CI
+    // machine failed the first increments with StateNotPersisted before this waited for it).
+    wait_for("all members up and reachable", Duration::from_secs(30), || {
+        nodes.iter().all(|x| {
+            x.members().len() == n && x.members().iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
+        })
     })
     .await?;
     println!(
@@ -247,23 +256,24 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} increments ({per_sec})")?);
     let started = Instant::now();
+    let mut retried = 0u32;
     for round in 0..increments {
         let mut asks = Vec::with_capacity(ids.len());
         for (k, id) in ids.iter().enumerate() {
             // Every node sends: routing is location-transparent.
             let r = regions[(k + round as usize) % n].clone();
             let id = id.clone();
-            asks.push(tokio::spawn(async move { r.ask(&id, CounterMsg::Add(1)).await }));
+            asks.push(tokio::spawn(async move { increment(&r, &id, round + 1).await }));
         }
         for a in asks {
-            a.await??;
+            retried += a.await??;
             bar.inc(1);
         }
     }
     bar.finish_and_clear();
     let elapsed = started.elapsed();
     println!(
-        "\n{total} increments of {counters} counters in {:.2?} ({:.0} asks/s)",
+        "\n{total} increments of {counters} counters in {:.2?} ({:.0} asks/s; {retried} sent again after a transient error)",
         elapsed,
         total as f64 / elapsed.as_secs_f64()
     );
@@ -294,6 +304,24 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     println!("all {counters} counters answer with their value (node-3's restarted from their durable state)");
     nodes[0].shutdown().await;
     Ok(())
+}
+
+/// Takes counter `id` to `to`; an error whose outcome is unknown (a state write a majority did
+/// not acknowledge, a shard restarting, a timeout) is sent again, as a client would, which the
+/// idempotent increment makes safe. Returns how many times it was sent again.
+async fn increment(region: &ShardRegion<Durable<Counter>>, id: &str, to: i64) -> Result<u32, ddshard::Error> {
+    let mut tries = 0;
+    loop {
+        match region.ask(id, CounterMsg::IncrementTo(to)).await {
+            Ok(_) => return Ok(tries),
+            Err(e) if tries < 20 => {
+                tries += 1;
+                tracing::debug!(%id, error = %e, "sending the increment again");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Every counter answers `expected` (a message lost with a node that just left or died is

@@ -471,6 +471,23 @@ mod tests {
     }
 
     #[test]
+    fn a_stop_reaches_a_parked_entity_through_a_new_run_and_a_running_one_through_its_queue() {
+        let m = Mailbox::<Probe>::new();
+        let _first = m.schedule_new();
+        let mut entity = Some(Probe(Arc::default()));
+        assert!(matches!(m.push(EntityCmd::Stop, 10), Pushed::Queued), "running: queued for its task");
+        assert_eq!(next(&m, &mut entity), Some(u32::MAX), "the task takes the stop");
+        let m = Mailbox::<Probe>::new();
+        let _first = m.schedule_new();
+        let mut entity = Some(Probe(Arc::default()));
+        assert_eq!(next(&m, &mut entity), None, "parked");
+        let run = scheduled(m.push(EntityCmd::Stop, 10));
+        let mut entity = run.entity;
+        assert!(entity.is_some(), "the new run owns the parked instance, to drop it");
+        assert_eq!(next(&m, &mut entity), Some(u32::MAX));
+    }
+
+    #[test]
     fn a_full_queue_refuses_messages_but_never_a_stop() {
         let m = Mailbox::<Probe>::new();
         let _run = m.schedule_new();
@@ -496,6 +513,7 @@ mod tests {
         assert!(matches!(m.push(msg(1), 10), Pushed::Ended(_)), "an ended mailbox takes nothing");
         assert!(matches!(m.push(EntityCmd::Stop, 10), Pushed::Queued), "a stop to it does nothing");
         assert_eq!(m.queued(), 0);
+        assert_eq!(m.queue_capacity(), 0, "not even queued");
 
         // Running: end() aborts the run; the run drops its entity at its next check.
         let drops = Arc::new(AtomicUsize::new(0));
