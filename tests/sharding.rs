@@ -252,6 +252,8 @@ struct Sequencer {
     out_of_order: u64,
     handled: u64,
     drops: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Handlers that have started to work (`WorkMs`), over every instance.
+    working: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Drop for Sequencer {
@@ -286,20 +288,32 @@ impl ddshard::Entity for Sequencer {
                 *last = n;
             }
             SeqMsg::Check => {}
-            SeqMsg::WorkMs(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            SeqMsg::WorkMs(ms) => {
+                self.working.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(ms)).await
+            }
         }
         (self.handled, self.out_of_order)
     }
 }
 
+type Counted = std::sync::Arc<std::sync::atomic::AtomicU64>;
+
+/// The region, the count of instances dropped and the count of `WorkMs` handlers started.
 async fn start_sequencer(
     node: &ddshard::Node,
     settings: ddshard::ShardingSettings,
-) -> (ddshard::ShardRegion<Sequencer>, std::sync::Arc<std::sync::atomic::AtomicU64>) {
-    let drops = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let d = drops.clone();
-    let make = move |_: &str| Sequencer { last: Default::default(), out_of_order: 0, handled: 0, drops: d.clone() };
-    (node.sharding().start("sequencer", make, settings).await.unwrap(), drops)
+) -> (ddshard::ShardRegion<Sequencer>, Counted, Counted) {
+    let (drops, working) = (Counted::default(), Counted::default());
+    let (d, w) = (drops.clone(), working.clone());
+    let make = move |_: &str| Sequencer {
+        last: Default::default(),
+        out_of_order: 0,
+        handled: 0,
+        drops: d.clone(),
+        working: w.clone(),
+    };
+    (node.sharding().start("sequencer", make, settings).await.unwrap(), drops, working)
 }
 
 /// An entity runs on a task only while it has work and is parked between messages: four
@@ -310,7 +324,7 @@ async fn an_entity_parked_between_bursts_keeps_its_instance_and_each_senders_ord
     let mut c = TestCluster::start(1).await.unwrap();
     c.await_converged(CONVERGE).await;
     let s = ddshard::ShardingSettings { min_nr_of_members: 1, ..settings() };
-    let (r, drops) = start_sequencer(c.node(0), s).await;
+    let (r, drops, _) = start_sequencer(c.node(0), s).await;
     const PER_SENDER: u64 = 2_000;
     let senders = (0..4u32).map(|sender| {
         let r = r.clone();
@@ -347,8 +361,8 @@ async fn a_busy_entity_past_the_hand_off_stop_timeout_is_dropped_and_the_asks_be
     c.await_converged(CONVERGE).await;
     // Stop timeout: max(hand-off timeout - 5 s, 1 s) = 1 s.
     let s = ddshard::ShardingSettings { min_nr_of_members: 2, handoff_timeout: Duration::from_secs(3), ..settings() };
-    let (r0, drops) = start_sequencer(c.node(0), s.clone()).await;
-    let (_r1, _) = start_sequencer(c.node(1), s).await;
+    let (r0, drops, working) = start_sequencer(c.node(0), s.clone()).await;
+    let (_r1, _, _) = start_sequencer(c.node(1), s).await;
     // An id hosted on node 0.
     let mut id = None;
     for i in 0.. {
@@ -364,11 +378,16 @@ async fn a_busy_entity_past_the_hand_off_stop_timeout_is_dropped_and_the_asks_be
         let (r, id) = (r0.clone(), id.clone());
         tokio::spawn(async move { r.ask(&id, SeqMsg::WorkMs(120_000)).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    eventually(CONVERGE, "the entity is busy in its handler", || {
+        std::future::ready((working.load(Ordering::SeqCst) == 1).then_some(()))
+    })
+    .await;
     let behind = {
         let (r, id) = (r0.clone(), id.clone());
         tokio::spawn(async move { r.ask(&id, SeqMsg::Check).await })
     };
+    // Not observable from outside: time for the ask to reach the entity's mailbox. A local
+    // ask takes two channel hops (microseconds); 200 ms is a wide margin, not a state wait.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let drops_before = drops.load(Ordering::SeqCst);
     tokio::time::timeout(Duration::from_secs(20), r0.graceful_shutdown())

@@ -345,7 +345,6 @@ impl CoordinatorDriver {
         done: mpsc::UnboundedSender<WriteOutcome>,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let replicator = self.node.replicator().clone();
-        let key = keys::coordinator_state(&self.type_name);
         let shards_key = keys::remembered_shards(&self.type_name);
         let (timeout, consistency) = (self.settings.updating_state_timeout, state_write(&self.settings));
         let type_name = self.type_name.clone();
@@ -361,19 +360,7 @@ impl CoordinatorDriver {
             loop {
                 // The state entries and the newly remembered shards go in one round: one delta
                 // message and one ack per replica.
-                let e2 = entries.clone();
-                let mut updates = vec![KeyUpdate::new::<FencedMap, _>(&key, move |m, ctx| {
-                    for (k, v) in e2 {
-                        let written = match v {
-                            Some(bytes) => m.put(k, term, bytes),
-                            None => m.delete(&k, term),
-                        };
-                        if let Err(f) = written {
-                            ctx.refuse(f);
-                            return;
-                        }
-                    }
-                })];
+                let mut updates = vec![super::state::write_update(&type_name, entries.clone(), term)];
                 if let Some(shards) = remembered.clone().filter(|s| !s.is_empty()) {
                     updates.push(KeyUpdate::new::<GSet, _>(&shards_key, move |g, _| {
                         for s in shards {
@@ -420,11 +407,7 @@ async fn take_over_read(
     let mut term = wall_ms().max(local_fence.map_err(|e| e.to_string())?.unwrap_or(0).saturating_add(1));
     let mut claimed = None;
     for _ in 0..CLAIM_TRIES {
-        let claim = KeyUpdate::new::<FencedMap, _>(&key, move |m, ctx| {
-            if let Err(f) = m.claim(term) {
-                ctx.refuse(f);
-            }
-        });
+        let claim = super::state::claim_update(type_name, term);
         match replicator.update_and_get_many::<FencedMap>(consistency, timeout, vec![claim]).await {
             Ok(values) => {
                 let map = values.into_iter().next().flatten().unwrap_or_default();

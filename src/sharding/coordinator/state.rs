@@ -1,5 +1,6 @@
-//! The coordinator state as it is stored in the replicated LWW-map: one entry per shard
-//! (`s/<shard>`: home and epoch) and one per registered region (`r/<region>`).
+//! The coordinator state as it is stored in the replicated fenced map: one entry per shard
+//! (`s/<shard>`: home and epoch) and one per registered region (`r/<region>`), fenced by
+//! coordinator term.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -10,6 +11,36 @@ use tracing::warn;
 use crate::ddata::FencedMap;
 use crate::sharding::ids::{RegionId, ShardId};
 use crate::sharding::keys;
+
+/// The take-over's claim of the coordinator state under `term` (refused below the fence).
+pub(crate) fn claim_update(type_name: &str, term: u64) -> crate::ddata::KeyUpdate {
+    crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(type_name), move |m, ctx| {
+        if let Err(f) = m.claim(term) {
+            ctx.refuse(f);
+        }
+    })
+}
+
+/// A coordinator write of `entries` (`None`: delete) under its `term`; the whole update is
+/// refused once a newer term has claimed the state.
+pub(crate) fn write_update(
+    type_name: &str,
+    entries: Vec<super::core::StateEntry>,
+    term: u64,
+) -> crate::ddata::KeyUpdate {
+    crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(type_name), move |m, ctx| {
+        for (k, v) in entries {
+            let written = match v {
+                Some(bytes) => m.put(k, term, bytes),
+                None => m.delete(&k, term),
+            };
+            if let Err(f) = written {
+                ctx.refuse(f);
+                return;
+            }
+        }
+    })
+}
 
 /// Persisted record of a shard: its home (none while unallocated) and the epoch of its latest
 /// allocation, kept across deallocation so epochs only grow.

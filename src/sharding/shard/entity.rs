@@ -154,13 +154,7 @@ impl<E: Entity> Mailbox<E> {
             task.abort();
         }
         drop(previous);
-        queued
-            .into_iter()
-            .filter_map(|c| match c {
-                EntityCmd::Msg(env) => Some(env),
-                EntityCmd::Stop => None,
-            })
-            .collect()
+        messages(queued)
     }
 
     /// Messages queued and not yet taken by the entity.
@@ -212,14 +206,19 @@ impl<E: Entity> Mailbox<E> {
             m.phase = Phase::Ended;
             std::mem::take(&mut m.queue)
         };
-        queued
-            .into_iter()
-            .filter_map(|c| match c {
-                EntityCmd::Msg(env) => Some(env),
-                EntityCmd::Stop => None,
-            })
-            .collect()
+        messages(queued)
     }
+}
+
+/// The messages among queued commands (a stop is not one).
+fn messages<E: Entity>(queued: VecDeque<EntityCmd<E>>) -> Vec<Envelope<E>> {
+    queued
+        .into_iter()
+        .filter_map(|c| match c {
+            EntityCmd::Msg(env) => Some(env),
+            EntityCmd::Stop => None,
+        })
+        .collect()
 }
 
 /// What every run of a region's entities shares.

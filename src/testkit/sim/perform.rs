@@ -60,12 +60,7 @@ impl Sim {
         let s = settings();
         let consistency =
             Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap };
-        let claim = crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(TYPE), move |m, ctx| {
-            if let Err(f) = m.claim(term) {
-                ctx.refuse(f);
-            }
-        })
-        .into_parts();
+        let claim = crate::sharding::coordinator::state::claim_update(TYPE, term).into_parts();
         let input = RepInput::UpdateAndGetMany {
             updates: vec![claim],
             consistency,
@@ -143,18 +138,7 @@ impl Sim {
         let s = settings();
         let consistency =
             Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap };
-        let update = crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(TYPE), move |m, ctx| {
-            for (k, v) in entries {
-                let written = match v {
-                    Some(bytes) => m.put(k, term, bytes),
-                    None => m.delete(&k, term),
-                };
-                if let Err(f) = written {
-                    ctx.refuse(f);
-                    return;
-                }
-            }
-        });
+        let update = crate::sharding::coordinator::state::write_update(TYPE, entries, term);
         let input = RepInput::UpdateMany {
             updates: vec![update.into_parts()],
             consistency,
