@@ -21,14 +21,19 @@ use tracing::{Instrument, Span};
 #[derive(Clone, Debug)]
 pub(crate) struct Spawner {
     tracker: TaskTracker,
+    /// The runtime the node started on: tasks go there even when spawned from a thread
+    /// outside it (a `tell` from synchronous code that starts an entity's run).
+    runtime: tokio::runtime::Handle,
     span: Span,
     shutdown: CancellationToken,
     stop_reason: Arc<OnceLock<String>>,
 }
 
 impl Spawner {
+    /// A spawner on the current runtime (panics outside one, like `tokio::spawn`).
     pub(crate) fn new(span: Span, shutdown: CancellationToken) -> Self {
-        Spawner { tracker: TaskTracker::new(), span, shutdown, stop_reason: Arc::default() }
+        let runtime = tokio::runtime::Handle::current();
+        Spawner { tracker: TaskTracker::new(), runtime, span, shutdown, stop_reason: Arc::default() }
     }
 
     /// Spawns a task the node cannot run without: a panic in it stops the node.
@@ -67,7 +72,7 @@ impl Spawner {
         F: Future + Send + 'static,
         F::Output: Send + 'static,
     {
-        self.tracker.spawn(task.instrument(self.span.clone()))
+        self.tracker.spawn_on(task.instrument(self.span.clone()), &self.runtime)
     }
 
     /// Spawns a task that is dropped when the node shuts down (a timer, a retrying write).
@@ -121,8 +126,8 @@ mod tests {
         assert_eq!(spawner.stop_reason(), None);
     }
 
-    #[test]
-    fn the_first_stop_reason_is_kept() {
+    #[tokio::test]
+    async fn the_first_stop_reason_is_kept() {
         let spawner = Spawner::new(Span::none(), CancellationToken::new());
         spawner.stop("downed".into());
         spawner.stop("later".into());

@@ -2,6 +2,7 @@
 //! another node (by ask id), or a `start_entity` caller.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::{oneshot, watch};
 use tracing::debug;
@@ -29,12 +30,96 @@ pub(crate) enum ReplyTo<E: Entity> {
 pub(crate) struct Envelope<E: Entity> {
     pub msg: Option<E::Message>,
     pub reply: Option<ReplyTo<E>>,
+    /// Which path a message of the local handle took, for ordering (see [`RoutedInFlight`]).
+    pub lane: Lane,
+}
+
+/// The path a message of this node's handle is on (see [`RoutedInFlight`]).
+pub(crate) enum Lane {
+    /// Not from the local handle (another node, a recovery start): no ordering to keep with
+    /// the direct path.
+    Elsewhere,
+    /// Put straight into a running entity's mailbox; `usize` is its id's stripe.
+    Direct(usize),
+    /// On the routed path, counted until the envelope is dropped: once the entity has taken
+    /// the message, or it was forwarded, failed or dropped.
+    Routed { _ticket: RoutedTicket },
 }
 
 impl<E: Entity> Envelope<E> {
+    pub(crate) fn new(msg: Option<E::Message>, reply: Option<ReplyTo<E>>) -> Self {
+        Envelope { msg, reply, lane: Lane::Elsewhere }
+    }
+
     /// An envelope that only starts the entity, answering nobody.
     pub(crate) fn start_only() -> Self {
-        Envelope { msg: None, reply: None }
+        Envelope::new(None, None)
+    }
+
+    /// A message that went straight into a mailbox is back on the routed path (its
+    /// incarnation ended before taking it): counted there from now on.
+    pub(crate) fn back_on_routed_path(&mut self, gate: &Arc<RoutedInFlight>) {
+        if let Lane::Direct(stripe) = self.lane {
+            self.lane = Lane::Routed { _ticket: gate.ticket(stripe) };
+        }
+    }
+}
+
+/// Stripes of entity ids the routed-path counts are kept by (a power of two).
+const ROUTED_STRIPES: usize = 256;
+
+/// Messages of one region handle on the *routed* path (through the region task), counted per
+/// stripe of entity ids. The handle sends a message on the *direct* path (straight into a
+/// running local entity's mailbox) only while its id's stripe counts none, checked under the
+/// shard's lock: an earlier message to the same entity still on the routed path would
+/// otherwise be overtaken. A direct message whose incarnation ends before taking it (a panic,
+/// a restart) goes back on the routed path, counted from the moment the incarnation ends.
+/// That keeps the promise that one handle's messages to one entity are handled in the order
+/// sent, across starts, passivation, panics, hand-offs and restarts, without a map per id;
+/// the price is that an id shares its stripe with others, and takes the routed path while one
+/// of them has a message there.
+pub(crate) struct RoutedInFlight {
+    stripes: Box<[AtomicUsize]>,
+}
+
+impl RoutedInFlight {
+    pub(crate) fn new() -> Arc<Self> {
+        Arc::new(RoutedInFlight { stripes: (0..ROUTED_STRIPES).map(|_| AtomicUsize::new(0)).collect() })
+    }
+
+    /// The stripe of `entity_id`.
+    pub(crate) fn stripe(entity_id: &str) -> usize {
+        (xxhash_rust::xxh3::xxh3_64_with_seed(entity_id.as_bytes(), 0x0D1E) as usize) & (ROUTED_STRIPES - 1)
+    }
+
+    /// Whether no message of `stripe` is on the routed path. Acquire: pairs with the release of
+    /// the last ticket, so whatever the entity did with that message happened before.
+    pub(crate) fn is_clear(&self, stripe: usize) -> bool {
+        self.stripes[stripe].load(Ordering::Acquire) == 0
+    }
+
+    /// Counts a message of `stripe` onto the routed path until the ticket drops.
+    pub(crate) fn ticket(self: &Arc<Self>, stripe: usize) -> RoutedTicket {
+        self.stripes[stripe].fetch_add(1, Ordering::AcqRel);
+        RoutedTicket { gate: self.clone(), stripe }
+    }
+
+    /// Messages of `stripe` on the routed path.
+    #[cfg(test)]
+    pub(crate) fn count(&self, stripe: usize) -> usize {
+        self.stripes[stripe].load(Ordering::Acquire)
+    }
+}
+
+/// One message counted on the routed path; see [`RoutedInFlight`].
+pub(crate) struct RoutedTicket {
+    gate: Arc<RoutedInFlight>,
+    stripe: usize,
+}
+
+impl Drop for RoutedTicket {
+    fn drop(&mut self) {
+        self.gate.stripes[self.stripe].fetch_sub(1, Ordering::Release);
     }
 }
 

@@ -3,19 +3,19 @@
 //! the coordinator, the coordinator's singleton driver.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
-use super::envelope::{Envelope, Replier, ReplyTo, not_delivered};
+use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use super::ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id, valid_type_name};
 use super::protocol::{CoordinatorQuery, RegionQuery, RegionStatsReply};
 use super::region::{AskTable, RegionCmd, RegionCore, RegionSettings, RegionTask};
 use super::settings::ShardingSettings;
-use super::shard::{Factory, LocalShards, RememberIo, StateIo};
+use super::shard::{Factory, LocalShards, RememberIo, ShardDirectory, StateIo};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
 use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
@@ -36,6 +36,10 @@ async fn await_answer<T>(entity_id: &str, rx: oneshot::Receiver<Result<T>>, time
 /// Counters of one region.
 #[derive(Debug, Default)]
 pub struct RegionCounters {
+    /// Messages from this node's handle that took the routed path (through the region task:
+    /// the entity was not running here, was starting or stopping, or an earlier message to it
+    /// was still on that path) rather than going straight into a running entity's mailbox.
+    pub local_routed: AtomicU64,
     /// Messages dropped because the buffer was full.
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.
@@ -92,6 +96,11 @@ pub(crate) struct HandleInner<E: Entity> {
     buffered: Arc<AtomicUsize>,
     counters: Arc<RegionCounters>,
     proxy: bool,
+    /// The shards hosted here, for the direct path (unset for a proxy).
+    direct: OnceLock<Arc<ShardDirectory<E>>>,
+    /// This handle's messages on the routed path, by stripe of entity id (ordering between
+    /// the direct and the routed path).
+    routed: Arc<RoutedInFlight>,
 }
 
 /// Handle to the region (or proxy) of one entity type on this node; cheap to clone.
@@ -132,18 +141,32 @@ impl<E: Entity> ShardRegion<E> {
         &self.inner.counters
     }
 
-    fn submit(&self, entity_id: &str, env: Envelope<E>) -> Result<()> {
+    /// Sends `env` on its way: straight into the entity's mailbox when it runs here and no
+    /// earlier message of this handle to it is still on the routed path; through the region
+    /// task otherwise.
+    fn submit(&self, entity_id: &str, mut env: Envelope<E>) -> Result<()> {
         if entity_id.is_empty() {
             return Err(Error::EmptyEntityId);
         }
         let i = &self.inner;
+        let shard = (i.extractor)(entity_id);
+        let stripe = RoutedInFlight::stripe(entity_id);
+        if let Some(direct) = i.direct.get()
+            && i.routed.is_clear(stripe)
+        {
+            match direct.deliver(&shard, entity_id, stripe, env) {
+                Ok(()) => return Ok(()),
+                Err(back) => env = back,
+            }
+        }
         if i.buffered.load(Ordering::Relaxed) >= i.settings.buffer_size {
             if i.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed) == 0 {
                 warn!(type_name = %i.type_name, "region buffer full; dropping messages");
             }
             return Err(Error::BufferFull { type_name: i.type_name.clone(), buffer_size: i.settings.buffer_size });
         }
-        let shard = (i.extractor)(entity_id);
+        i.counters.local_routed.fetch_add(1, Ordering::Relaxed);
+        env.lane = Lane::Routed { _ticket: i.routed.ticket(stripe) };
         i.commands
             .send(RegionCmd::Deliver { shard, entity_id: entity_id.to_string(), env })
             .map_err(|_| Error::ShutDown)
@@ -152,7 +175,7 @@ impl<E: Entity> ShardRegion<E> {
     /// Sends a message to entity `entity_id`, wherever it lives; no reply. Messages from this
     /// region to one entity arrive in the order sent.
     pub fn tell(&self, entity_id: &str, msg: E::Message) -> Result<()> {
-        self.submit(entity_id, Envelope { msg: Some(msg), reply: None })
+        self.submit(entity_id, Envelope::new(Some(msg), None))
     }
 
     /// Sends a message and waits for the entity's reply, up to the settings' `ask_timeout`.
@@ -163,14 +186,14 @@ impl<E: Entity> ShardRegion<E> {
     /// [`ShardRegion::ask`] with an explicit timeout.
     pub async fn ask_with_timeout(&self, entity_id: &str, msg: E::Message, timeout: Duration) -> Result<E::Reply> {
         let (tx, rx) = oneshot::channel();
-        self.submit(entity_id, Envelope { msg: Some(msg), reply: Some(ReplyTo::Local(tx)) })?;
+        self.submit(entity_id, Envelope::new(Some(msg), Some(ReplyTo::Local(tx))))?;
         await_answer(entity_id, rx, timeout).await
     }
 
     /// Starts entity `entity_id` without a message; returns once it runs.
     pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();
-        self.submit(entity_id, Envelope { msg: None, reply: Some(ReplyTo::Started(tx)) })?;
+        self.submit(entity_id, Envelope::new(None, Some(ReplyTo::Started(tx))))?;
         await_answer(entity_id, rx, self.inner.settings.ask_timeout).await
     }
 
@@ -307,6 +330,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         options.shard_id_extractor.clone().unwrap_or_else(|| Arc::new(move |id: &str| default_shard_id(id, n)));
     let (tx, rx) = mpsc::unbounded_channel();
     let proxy = factory.is_none();
+    let routed = RoutedInFlight::new();
     let inner = Arc::new(HandleInner {
         type_name: type_name.to_string(),
         node: node.clone(),
@@ -316,6 +340,8 @@ pub(crate) async fn start_region_of<E: Entity>(
         buffered: Arc::new(AtomicUsize::new(0)),
         counters: Arc::new(RegionCounters::default()),
         proxy,
+        direct: OnceLock::new(),
+        routed: routed.clone(),
     });
     node.register_region(inner.clone())?;
     let me = node.address().clone();
@@ -350,8 +376,12 @@ pub(crate) async fn start_region_of<E: Entity>(
             remember,
             state,
             node.spawner().clone(),
+            routed.clone(),
         )
     });
+    if let Some(shards) = &shards {
+        let _ = inner.direct.set(shards.directory().clone());
+    }
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
     let region_settings = RegionSettings {
         buffer_size: settings.buffer_size,

@@ -72,6 +72,11 @@ pub enum RegionToRegion {
         payload: Vec<u8>,
         /// Set for asks: who waits, and the ask id there.
         reply_to: Option<(RegionId, u64)>,
+        /// The epoch of the home the sender sent it to (0 from nodes that predate it): tells a
+        /// message that arrived before its shard started here from one whose shard has moved
+        /// on since.
+        #[serde(default)]
+        epoch: u64,
     },
     /// The answer to an ask (rmp-encoded `Entity::Reply`), or why there is none.
     AskReply { ask_id: u64, result: Result<serde_bytes::ByteBuf, DeliveryFailure> },
@@ -188,6 +193,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_deliver_from_a_node_that_predates_the_home_epoch_decodes_with_epoch_zero() {
+        // The Deliver as such a node encodes it: no `epoch` field.
+        #[derive(Serialize)]
+        enum OldRegionInbound {
+            #[allow(dead_code)]
+            Coordinator(()),
+            Region(OldRegionToRegion),
+        }
+        #[derive(Serialize)]
+        enum OldRegionToRegion {
+            Deliver { shard: ShardId, entity_id: String, payload: Vec<u8>, reply_to: Option<(RegionId, u64)> },
+        }
+        let old = OldRegionInbound::Region(OldRegionToRegion::Deliver {
+            shard: "3".into(),
+            entity_id: "cart-9".into(),
+            payload: vec![7],
+            reply_to: None,
+        });
+        use crate::transport::wire;
+        let decoded: RegionInbound = wire::decode(&wire::encode(&old).unwrap()).unwrap();
+        assert!(matches!(
+            decoded,
+            RegionInbound::Region(RegionToRegion::Deliver { epoch: 0, ref shard, .. }) if shard == "3"
+        ));
+    }
+
+    #[test]
     fn delivery_failures_cross_the_wire_as_the_same_typed_errors_with_the_entity_id() {
         let cases = [
             Error::BufferFull { type_name: "cart".into(), buffer_size: 7 },
@@ -260,6 +292,7 @@ mod tests {
                 entity_id: "cart-1".into(),
                 payload: vec![1, 2, 3],
                 reply_to: Some((region.clone(), 4)),
+                epoch: 7,
             }))
             .unwrap()
             .to_vec(),

@@ -80,6 +80,12 @@ pub struct ShardingSettings {
     /// and its ask fails with [`Error::MailboxFull`] (a slow entity cannot grow memory without
     /// bound).
     pub entity_mailbox_capacity: usize,
+    /// How long the task running an entity waits for another message once its mailbox is
+    /// empty, before it parks the entity and ends. A busy entity then keeps its task (a message
+    /// only wakes it; starting a task per message costs several times more); an entity idle
+    /// longer costs no task, only its parked value. Zero parks at once.
+    #[serde(with = "humantime_serde")]
+    pub entity_linger: Duration,
     /// One timeout for a whole hand-off (acks, stopping the entities).
     #[serde(with = "humantime_serde")]
     pub handoff_timeout: Duration,
@@ -156,6 +162,7 @@ impl Default for ShardingSettings {
             entity_recovery_interval: Duration::from_millis(100),
             buffer_size: 100_000,
             entity_mailbox_capacity: 10_000,
+            entity_linger: Duration::from_millis(100),
             handoff_timeout: Duration::from_secs(30),
             rebalance_interval: Duration::from_secs(10),
             passivation_idle_timeout: Some(Duration::from_secs(120)),

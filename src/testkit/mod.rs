@@ -165,6 +165,7 @@ pub fn forged_deliver(shard: &str, entity_id: &str, payload: Vec<u8>) -> Vec<u8>
         entity_id: entity_id.into(),
         payload,
         reply_to: None,
+        epoch: 0,
     });
     crate::transport::wire::encode(&msg).expect("a Deliver encodes").to_vec()
 }

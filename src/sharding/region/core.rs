@@ -19,12 +19,28 @@ pub(crate) enum RegionDrop {
     /// The coordinator refused this region: its shard-id extractor differs from the
     /// coordinator's, so routing by it could run an entity in two shards at once.
     Refused,
+    /// Sent on by another region to a shard this region no longer hosts (it moved on while
+    /// the message travelled). Sending it on once more could let it overtake that region's
+    /// later messages to the entity, which go straight to the new home.
+    MovedOn,
 }
 
 #[derive(Debug)]
 pub(crate) enum RegionInput<M> {
     Route {
         shard: ShardId,
+        entity_id: String,
+        msg: M,
+    },
+    /// A message another region sent on to this one as the shard's home at `epoch` (0: not
+    /// known). Delivered if the shard is hosted here (or about to be); held, and the home asked
+    /// for, if it arrived before this region learnt of that home; dropped
+    /// ([`RegionDrop::MovedOn`]) if this region knows the shard at that epoch or a newer one
+    /// and does not host it: sent on a second hop it could overtake the sender's later
+    /// messages, which go straight to the new home.
+    Forwarded {
+        shard: ShardId,
+        epoch: u64,
         entity_id: String,
         msg: M,
     },
@@ -79,6 +95,8 @@ pub(crate) enum RegionAction<M> {
     Forward {
         region: RegionId,
         shard: ShardId,
+        /// The epoch of that home.
+        epoch: u64,
         entity_id: String,
         msg: M,
     },
@@ -121,6 +139,9 @@ pub(crate) struct RegionCore<M> {
     next_register: Instant,
     homes: BTreeMap<ShardId, (RegionId, u64)>,
     hosted: BTreeMap<ShardId, u64>,
+    /// Per shard, the newest epoch this region hosted it at (kept after it stopped), so a
+    /// message forwarded for that epoch or an older one is known to have missed its shard.
+    hosted_before: BTreeMap<ShardId, u64>,
     /// Shards being handed off, with the id of the `HandOff` to answer.
     handing_off: BTreeMap<ShardId, u64>,
     buffers: BTreeMap<ShardId, VecDeque<(String, M)>>,
@@ -155,6 +176,7 @@ impl<M> RegionCore<M> {
             next_register: now,
             homes: BTreeMap::new(),
             hosted: BTreeMap::new(),
+            hosted_before: BTreeMap::new(),
             handing_off: BTreeMap::new(),
             buffers: BTreeMap::new(),
             buffered: 0,
@@ -163,6 +185,12 @@ impl<M> RegionCore<M> {
             shutting_down: false,
             stopped: false,
         }
+    }
+
+    /// Whether the coordinator refused this region: nothing is routed (not even to the
+    /// entities of shards still hosted here) until one accepts it.
+    pub(crate) fn refused(&self) -> bool {
+        self.refused
     }
 
     /// Messages waiting for a shard home.
@@ -200,8 +228,8 @@ impl<M> RegionCore<M> {
                 }
                 out.push(RegionAction::Deliver { shard, entity_id, msg });
             }
-            Some((home, _)) if self.routable.contains(&home) => {
-                out.push(RegionAction::Forward { region: home, shard, entity_id, msg })
+            Some((home, epoch)) if self.routable.contains(&home) => {
+                out.push(RegionAction::Forward { region: home, shard, epoch, entity_id, msg })
             }
             home => {
                 if home.is_some() {
@@ -217,6 +245,47 @@ impl<M> RegionCore<M> {
                 self.request_home(&shard, now, out);
             }
         }
+    }
+
+    fn forwarded(
+        &mut self,
+        shard: ShardId,
+        epoch: u64,
+        entity_id: String,
+        msg: M,
+        now: Instant,
+        out: &mut Vec<RegionAction<M>>,
+    ) {
+        if self.refused {
+            out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::Refused });
+            return;
+        }
+        let home = self.homes.get(&shard).cloned();
+        if home.as_ref().is_some_and(|(home, _)| *home == self.me) {
+            return self.route(shard, entity_id, msg, now, out);
+        }
+        if self.hosted.contains_key(&shard) {
+            // Hosted here, its hand-off begun: the shard still runs its entities (the new home
+            // starts only once it has stopped), so the message reaches the entity before it
+            // stops, or the shard drops it.
+            out.push(RegionAction::Deliver { shard, entity_id, msg });
+            return;
+        }
+        let known = home.as_ref().map(|(_, e)| *e).max(self.hosted_before.get(&shard).copied());
+        if epoch > 0 && known.is_some_and(|k| k >= epoch) {
+            out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::MovedOn });
+            if home.is_none() {
+                self.request_home(&shard, now, out);
+            }
+            return;
+        }
+        // Sent for a home this region has not heard of yet (the coordinator answers others
+        // before its HostShard reaches here): held until it does. A home elsewhere known here
+        // is older than the sender's, so it is forgotten rather than forwarded to.
+        if home.is_some() {
+            self.homes.remove(&shard);
+        }
+        self.route(shard, entity_id, msg, now, out);
     }
 
     fn flush(&mut self, shard: &ShardId, now: Instant, out: &mut Vec<RegionAction<M>>) {
@@ -240,6 +309,9 @@ impl<M> RegionCore<M> {
     pub(crate) fn handle(&mut self, input: RegionInput<M>, now: Instant, out: &mut Vec<RegionAction<M>>) {
         match input {
             RegionInput::Route { shard, entity_id, msg } => self.route(shard, entity_id, msg, now, out),
+            RegionInput::Forwarded { shard, epoch, entity_id, msg } => {
+                self.forwarded(shard, epoch, entity_id, msg, now, out)
+            }
             RegionInput::Coordinator { from, msg } => {
                 // Only the coordinator this region follows (the oldest member in its view) may
                 // place shards here: a stale one elsewhere (its node stopped being the oldest)
@@ -264,7 +336,10 @@ impl<M> RegionCore<M> {
                 }
             }
             RegionInput::LocalShardStopped(shard) => {
-                self.hosted.remove(&shard);
+                if let Some(epoch) = self.hosted.remove(&shard) {
+                    let before = self.hosted_before.entry(shard.clone()).or_insert(epoch);
+                    *before = (*before).max(epoch);
+                }
                 if let Some(handoff) = self.handing_off.remove(&shard) {
                     self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
@@ -657,6 +732,48 @@ mod tests {
         run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("me"), epoch: 1 }));
         run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 3 }));
         assert!(asks_home(&run(&mut c, route("1", 2))), "asked again at once after the hand-off");
+    }
+
+    fn forwarded(shard: &str, epoch: u64, msg: u32) -> RegionInput<u32> {
+        RegionInput::Forwarded { shard: shard.into(), epoch, entity_id: format!("e{msg}"), msg }
+    }
+
+    #[test]
+    fn a_message_forwarded_by_another_region_is_delivered_only_where_its_shard_is_hosted_and_never_sent_on() {
+        let mut c = region(10);
+        run(&mut c, members(&["me", "coord", "other"], Some("coord")));
+        run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
+        // Sent for a home here the coordinator has not told this region of yet: held, the home
+        // asked for, and delivered once it is known.
+        let out = run(&mut c, forwarded("1", 1, 1));
+        assert!(asks_home(&out) && !out.iter().any(|a| matches!(a, RegionAction::Drop { .. })), "{out:?}");
+        let out = run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
+        assert!(out.iter().any(|a| matches!(a, RegionAction::Deliver { msg: 1, .. })), "{out:?}");
+        // Homed here: delivered.
+        let out = run(&mut c, forwarded("1", 1, 2));
+        assert!(matches!(&out[..], [RegionAction::Deliver { msg: 2, .. }]), "{out:?}");
+        // Hand-off begun here: the shard still runs it until it stops.
+        run(&mut c, coord(ToRegion::BeginHandOff { shard: "1".into(), handoff: 1 }));
+        let out = run(&mut c, forwarded("1", 1, 3));
+        assert!(matches!(&out[..], [RegionAction::Deliver { msg: 3, .. }]), "{out:?}");
+        // Handed off, homed elsewhere since: dropped, not forwarded a second time (it could
+        // overtake the sender's later messages, which go straight to the new home).
+        run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 1 }));
+        run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        let out = run(&mut c, forwarded("1", 1, 4));
+        assert!(matches!(&out[0], RegionAction::Drop { msg: 4, reason: RegionDrop::MovedOn, .. }), "{out:?}");
+        assert!(asks_home(&out), "no home known: asked for: {out:?}");
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 2 }));
+        let out = run(&mut c, forwarded("1", 1, 5));
+        assert_eq!(out, vec![RegionAction::Drop { entity_id: "e5".into(), msg: 5, reason: RegionDrop::MovedOn }]);
+        // A sender that knows a newer home (here, at epoch 3) than this region: held for it.
+        let out = run(&mut c, forwarded("1", 3, 6));
+        assert!(!out.iter().any(|a| matches!(a, RegionAction::Drop { .. } | RegionAction::Forward { .. })), "{out:?}");
+        assert_eq!(c.buffered(), 1);
+        // A local message still goes on to a home elsewhere.
+        run(&mut c, coord(ToRegion::ShardHome { shard: "2".into(), region: r("other"), epoch: 1 }));
+        let out = run(&mut c, route("2", 7));
+        assert!(matches!(&out[..], [RegionAction::Forward { msg: 7, epoch: 1, .. }]), "{out:?}");
     }
 
     #[test]

@@ -212,7 +212,7 @@ impl<E: Entity> RegionTask<E> {
             Ok(RegionInbound::Coordinator(msg)) => {
                 self.work.push_back(Work::Region(RegionInput::Coordinator { from: m.from.address, msg }))
             }
-            Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to })) => {
+            Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })) => {
                 let reply = reply_to.map(|(region, ask_id)| ReplyTo::Remote { region, ask_id });
                 let msg = if payload.is_empty() { Ok(None) } else { wire::decode::<E::Message>(&payload).map(Some) };
                 let failure = match (&msg, entity_id.is_empty()) {
@@ -236,8 +236,8 @@ impl<E: Entity> RegionTask<E> {
                     }
                     return;
                 }
-                let env = Envelope { msg: msg.ok().flatten(), reply };
-                self.work.push_back(Work::Region(RegionInput::Route { shard, entity_id, msg: env }));
+                let env = Envelope::new(msg.ok().flatten(), reply);
+                self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
             Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
                 let Some((entity_id, pending)) = self.asks.take(ask_id) else { return };
@@ -265,6 +265,10 @@ impl<E: Entity> RegionTask<E> {
                 Work::Region(input) => {
                     let mut out = Vec::new();
                     self.core.handle(input, now, &mut out);
+                    if let Some(shards) = &self.shards {
+                        // The direct path delivers only what this region would route.
+                        shards.directory().set_open(!self.core.refused());
+                    }
                     for a in out {
                         self.perform(a);
                     }
@@ -301,7 +305,9 @@ impl<E: Entity> RegionTask<E> {
             RegionAction::Deliver { shard, entity_id, msg } => {
                 self.work.push_back(Work::Shard(shard, ShardInput::Deliver { entity_id, msg }))
             }
-            RegionAction::Forward { region, shard, entity_id, msg } => self.forward(region, shard, entity_id, msg),
+            RegionAction::Forward { region, shard, epoch, entity_id, msg } => {
+                self.forward(region, shard, epoch, entity_id, msg)
+            }
             RegionAction::HandOffShard { shard } => {
                 self.counters.handoffs_started.fetch_add(1, Ordering::Relaxed);
                 self.work.push_back(Work::Shard(shard, ShardInput::HandOff));
@@ -317,6 +323,10 @@ impl<E: Entity> RegionTask<E> {
                     RegionDrop::HandOff => {
                         self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
                         "dropped during shard hand-off"
+                    }
+                    RegionDrop::MovedOn => {
+                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                        "its shard moved on from the node it was sent to (hand-off)"
                     }
                     RegionDrop::Refused => {
                         if self.counters.dropped_refused.fetch_add(1, Ordering::Relaxed) == 0 {
@@ -344,7 +354,7 @@ impl<E: Entity> RegionTask<E> {
         }
     }
 
-    fn forward(&mut self, region: RegionId, shard: ShardId, entity_id: String, env: Envelope<E>) {
+    fn forward(&mut self, region: RegionId, shard: ShardId, epoch: u64, entity_id: String, env: Envelope<E>) {
         let Some(peer) = self.members.peer(&region) else {
             // The core forwards only to routable regions of the same view; never reached.
             self.replier.fail(env, &entity_id, "the shard's home is not routable");
@@ -365,8 +375,13 @@ impl<E: Entity> RegionTask<E> {
         };
         let ask_id = pending.map(|p| self.asks.insert(region.clone(), entity_id.clone(), p));
         let reply_to = reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id)));
-        let msg =
-            RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id: entity_id.clone(), payload, reply_to });
+        let msg = RegionInbound::Region(RegionToRegion::Deliver {
+            shard,
+            entity_id: entity_id.clone(),
+            payload,
+            reply_to,
+            epoch,
+        });
         let sent =
             wire::encode(&msg).and_then(|b| self.transport.send(&peer, &keys::region_topic(&self.type_name), &b));
         if let Err(e) = sent {

@@ -79,10 +79,14 @@ pub(crate) enum ShardInput<M> {
         entity_id: String,
         incarnation: u64,
     },
-    /// The entity task ended (after a stop, a panic or a forced abort).
+    /// The entity task ended (after a stop, a panic or a forced abort). `leftovers` are the
+    /// messages sent to the incarnation that it did not take, oldest first: they go to the next
+    /// incarnation ahead of anything the shard held for the entity meanwhile (those arrived
+    /// later: the shard holds a message only once it stopped sending to the incarnation).
     Terminated {
         entity_id: String,
         incarnation: u64,
+        leftovers: Vec<M>,
     },
     /// Remember-entities: the remembered ids were loaded.
     Loaded(BTreeSet<String>),
@@ -284,6 +288,30 @@ impl<M, S> ShardCore<M, S> {
         out.push(ShardAction::WriteRemembered { adds, removes });
     }
 
+    /// Whether the shard serves messages now: loaded, not failed, not handing off.
+    fn serving(&self) -> bool {
+        self.loaded && !self.failed && self.handoff_deadline.is_none()
+    }
+
+    /// The direct path's decision, the same as [`ShardInput::Deliver`] would make: when a
+    /// message for `entity_id` would be sent straight to its running incarnation (the shard
+    /// serves and the entity is `Active`), its activity is marked (idle passivation) as a
+    /// delivery does, and the host's handle on that incarnation is returned to put the message
+    /// in. `None` (and nothing changed) when the message must take the routed path: the entity
+    /// is starting, stopping, not running, not attached yet, or the shard is not serving.
+    pub(crate) fn direct_slot(&mut self, entity_id: &str, now: Instant) -> Option<(&S, u64)> {
+        if !self.serving() {
+            return None;
+        }
+        let e = self.entities.get_mut(entity_id)?;
+        if e.state != EntityState::Active {
+            return None;
+        }
+        let slot = e.slot.as_ref()?;
+        e.last_activity = now;
+        Some((slot, e.incarnation))
+    }
+
     fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         if self.handoff_deadline.is_some() || self.failed {
             let reason = if self.failed { DropReason::ShardFailed } else { DropReason::HandOff };
@@ -342,7 +370,9 @@ impl<M, S> ShardCore<M, S> {
                     out.push(ShardAction::Stop { entity_id });
                 }
             }
-            ShardInput::Terminated { entity_id, incarnation } => self.on_terminated(entity_id, incarnation, now, out),
+            ShardInput::Terminated { entity_id, incarnation, leftovers } => {
+                self.on_terminated(entity_id, incarnation, leftovers, now, out)
+            }
             ShardInput::Loaded(ids) => {
                 if self.loaded {
                     return;
@@ -429,13 +459,33 @@ impl<M, S> ShardCore<M, S> {
         }
     }
 
-    fn on_terminated(&mut self, entity_id: String, incarnation: u64, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
-        let Some(e) = self.entities.get_mut(&entity_id) else { return };
-        if e.incarnation != incarnation {
+    fn on_terminated(
+        &mut self,
+        entity_id: String,
+        incarnation: u64,
+        leftovers: Vec<M>,
+        now: Instant,
+        out: &mut Vec<ShardAction<M, S>>,
+    ) {
+        let current = self.entities.get(&entity_id).is_some_and(|e| e.incarnation == incarnation);
+        if !current {
+            // Not the running incarnation (already replaced or forgotten): what it left goes
+            // the usual way.
+            for msg in leftovers {
+                self.deliver(entity_id.clone(), msg, now, out);
+            }
             return;
         }
+        let e = self.entities.get_mut(&entity_id).expect("current entity");
         // The incarnation's task has ended: the host's handle on it is done.
         e.slot = None;
+        if !leftovers.is_empty() {
+            // Ahead of what the shard held meanwhile, which arrived after them.
+            let held = self.buffers.entry(entity_id.clone()).or_default();
+            for msg in leftovers.into_iter().rev() {
+                held.push_front(msg);
+            }
+        }
         let state = e.state;
         if self.handoff_deadline.is_some() {
             self.entities.remove(&entity_id);
@@ -582,8 +632,11 @@ mod tests {
         assert!(run(&mut s, deliver("a", 2), now).is_empty());
         assert!(run(&mut s, deliver("a", 3), now).is_empty());
         // A stale termination of an older incarnation is ignored.
-        assert!(run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 0 }, now).is_empty());
-        let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, now);
+        assert!(
+            run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 0, leftovers: vec![] }, now)
+                .is_empty()
+        );
+        let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, now);
         assert_eq!(
             out,
             vec![
@@ -595,12 +648,73 @@ mod tests {
     }
 
     #[test]
+    fn leftovers_of_an_incarnation_that_panicked_while_passivating_go_ahead_of_what_the_shard_held_meanwhile() {
+        // Found by tests/message_order.rs: the held (newer) messages reached the next
+        // incarnation before the leftovers (older), which were redelivered after them.
+        let mut s = ShardCore::new(None, Duration::from_secs(1));
+        let now = Instant::now();
+        run(&mut s, deliver("a", 1), now);
+        run(&mut s, deliver("a", 2), now);
+        run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
+        assert!(run(&mut s, deliver("a", 4), now).is_empty(), "held while it stops");
+        // It panicked on 1 with 2 and 3 (sent to it, never taken) left over.
+        let out =
+            run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![2, 3] }, now);
+        let sent: Vec<u32> = out
+            .iter()
+            .filter_map(|a| match a {
+                ShardAction::Send { msg, .. } => Some(*msg),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(sent, vec![2, 3, 4], "{out:?}");
+        // Leftovers of an incarnation that is not the current one go the usual way.
+        let out =
+            run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![5] }, now);
+        assert_eq!(out, vec![ShardAction::Send { entity_id: "a".into(), msg: 5 }]);
+    }
+
+    #[test]
+    fn the_direct_path_is_open_only_to_an_active_attached_entity_of_a_serving_shard_and_marks_its_activity() {
+        let t0 = Instant::now();
+        let mut s: ShardCore<u32, &str> = ShardCore::new(Some(Duration::from_secs(10)), Duration::from_secs(1));
+        let mut out = Vec::new();
+        s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
+        assert!(s.direct_slot("a", t0).is_none(), "not attached yet");
+        assert!(s.attach("a", 1, "handle"));
+        assert_eq!(s.direct_slot("a", t0), Some((&"handle", 1)));
+        assert!(s.direct_slot("b", t0).is_none(), "not running");
+        // A message on the direct path counts as activity: no passivation a timeout after t0.
+        let later = t0 + Duration::from_secs(8);
+        assert!(s.direct_slot("a", later).is_some());
+        let mut out = Vec::new();
+        s.handle(ShardInput::Tick, t0 + Duration::from_secs(12), &mut out);
+        assert!(out.is_empty(), "activity at 8 s keeps it past 12 s: {out:?}");
+        // Stopping (passivation) closes it.
+        s.handle(ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, later, &mut out);
+        assert!(s.direct_slot("a", later).is_none(), "stopping");
+        // So does a hand-off, for every entity.
+        let mut s: ShardCore<u32, &str> = ShardCore::new(None, Duration::from_secs(1));
+        s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
+        assert!(s.attach("a", 1, "handle"));
+        s.handle(ShardInput::HandOff, t0, &mut out);
+        assert!(s.direct_slot("a", t0).is_none(), "handing off");
+        // And a shard still loading its stored data.
+        let mut s: ShardCore<u32, &str> = ShardCore::loading(None, Duration::from_secs(1));
+        s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
+        assert!(s.direct_slot("a", t0).is_none(), "loading");
+    }
+
+    #[test]
     fn passivated_entity_without_new_messages_stays_stopped() {
         let mut s = ShardCore::new(None, Duration::from_secs(1));
         let now = Instant::now();
         run(&mut s, deliver("a", 1), now);
         run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
-        assert!(run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, now).is_empty());
+        assert!(
+            run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, now)
+                .is_empty()
+        );
         assert_eq!(s.entity_count(), 0);
     }
 
@@ -631,7 +745,10 @@ mod tests {
             run(&mut s, deliver("c", 1), now),
             vec![ShardAction::Drop { entity_id: "c".into(), msg: 1, reason: DropReason::HandOff }]
         );
-        assert!(run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 2 }, now).is_empty());
+        assert!(
+            run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 2, leftovers: vec![] }, now)
+                .is_empty()
+        );
         assert_eq!(s.entity_count(), 1, "a still runs");
         assert!(run(&mut s, ShardInput::Tick, now + Duration::from_millis(1900)).is_empty(), "not before the deadline");
         let out = run(&mut s, ShardInput::Tick, now + Duration::from_secs(2));
@@ -651,9 +768,17 @@ mod tests {
         assert!(s.attach("a", 1, "mailbox a#1"));
         assert_eq!(s.slot("a"), Some((&"mailbox a#1", 1)));
         // A stale Terminated leaves it; the incarnation's own drops it.
-        s.handle(ShardInput::Terminated { entity_id: "a".into(), incarnation: 7 }, now, &mut Vec::new());
+        s.handle(
+            ShardInput::Terminated { entity_id: "a".into(), incarnation: 7, leftovers: vec![] },
+            now,
+            &mut Vec::new(),
+        );
         assert_eq!(s.slot("a"), Some((&"mailbox a#1", 1)));
-        s.handle(ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, now, &mut Vec::new());
+        s.handle(
+            ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] },
+            now,
+            &mut Vec::new(),
+        );
         assert!(s.slot("a").is_none());
         // A forced stop at the hand-off deadline carries the handle out with it, since the
         // entries are gone once the action is performed.
@@ -769,7 +894,7 @@ mod tests {
         run(&mut s, ShardInput::Loaded(ids(&["a"])), now);
         run(&mut s, deliver("a", 1), now);
         run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
-        let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, now);
+        let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&[]), removes: ids(&["a"]) }]);
         assert!(run(&mut s, deliver("a", 2), now).is_empty());
         let out = run(&mut s, ShardInput::WriteDone, now);
@@ -784,7 +909,10 @@ mod tests {
         let t0 = Instant::now();
         run(&mut s, ShardInput::Loaded(ids(&["a"])), t0);
         run(&mut s, deliver("a", 1), t0);
-        assert!(run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0).is_empty());
+        assert!(
+            run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, t0)
+                .is_empty()
+        );
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(5)).is_empty());
         let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(10));
         assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 2 }]);
@@ -796,7 +924,7 @@ mod tests {
         let t0 = Instant::now();
         run(&mut s, ShardInput::Loaded(ids(&["a"])), t0);
         run(&mut s, deliver("a", 1), t0);
-        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0);
+        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, t0);
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_millis(2900)).is_empty());
         let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(3));
         assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 2 }]);
@@ -808,12 +936,16 @@ mod tests {
         let t0 = Instant::now();
         run(&mut s, ShardInput::Loaded(ids(&["a"])), t0);
         run(&mut s, deliver("a", 1), t0);
-        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1 }, t0);
+        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, t0);
         let out = run(&mut s, deliver("a", 2), t0 + Duration::from_secs(1));
         assert_eq!(out[0], ShardAction::Start { entity_id: "a".into(), incarnation: 2 });
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(10)).is_empty(), "stale deadline skipped");
         // A second crash gets its own deadline.
-        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 2 }, t0 + Duration::from_secs(11));
+        run(
+            &mut s,
+            ShardInput::Terminated { entity_id: "a".into(), incarnation: 2, leftovers: vec![] },
+            t0 + Duration::from_secs(11),
+        );
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(20)).is_empty());
         let out = run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(21));
         assert_eq!(out, vec![ShardAction::Start { entity_id: "a".into(), incarnation: 3 }]);
@@ -851,7 +983,7 @@ mod tests {
         // Hand-off: the unstarted one leaves at once, the running one is stopped.
         let out = run(&mut s, ShardInput::HandOff, now);
         assert_eq!(out, vec![ShardAction::Stop { entity_id: "b".into() }]);
-        let out = run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 1 }, now);
+        let out = run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 1, leftovers: vec![] }, now);
         assert_eq!(out, vec![ShardAction::Stopped]);
     }
 

@@ -18,18 +18,23 @@
 //! queued go to the next one.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
 
 use futures::FutureExt;
 use futures::future::{AbortHandle, AbortRegistration, Abortable};
 use tokio::sync::mpsc;
+use tokio::time::Sleep;
 use tracing::error;
 
 use super::ShardEvent;
 use crate::error::Result;
-use crate::sharding::envelope::{Envelope, Replier, ReplyTo, not_delivered};
+use crate::sharding::envelope::{Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::{EndIncarnation, Entity, EntityContext};
 
@@ -59,6 +64,8 @@ enum Phase<E> {
 struct MailboxInner<E: Entity> {
     queue: VecDeque<EntityCmd<E>>,
     phase: Phase<E>,
+    /// The running task while it lingers on an empty queue: the next push wakes it.
+    waiter: Option<Waker>,
 }
 
 impl<E: Entity> MailboxInner<E> {
@@ -94,20 +101,19 @@ pub(crate) struct Scheduled<E> {
 
 /// Marks `phase` running and returns what the new run owns, with the entity it took out.
 fn start_run<E>(phase: &mut Phase<E>) -> Option<Scheduled<E>> {
+    if !matches!(phase, Phase::New | Phase::Parked(_)) {
+        return None;
+    }
     let (handle, abort) = AbortHandle::new_pair();
     match std::mem::replace(phase, Phase::Running(handle)) {
-        Phase::New => Some(Scheduled { entity: None, abort }),
         Phase::Parked(e) => Some(Scheduled { entity: Some(e), abort }),
-        other => {
-            *phase = other;
-            None
-        }
+        _ => Some(Scheduled { entity: None, abort }),
     }
 }
 
 impl<E: Entity> Mailbox<E> {
     pub(crate) fn new() -> Self {
-        Mailbox { inner: Mutex::new(MailboxInner { queue: VecDeque::new(), phase: Phase::New }) }
+        Mailbox { inner: Mutex::new(MailboxInner { queue: VecDeque::new(), phase: Phase::New, waiter: None }) }
     }
 
     /// The lock; a poisoned one is still consistent (no code panics while holding it).
@@ -126,7 +132,14 @@ impl<E: Entity> Mailbox<E> {
         }
         match start_run(&mut m.phase) {
             Some(scheduled) => Pushed::Schedule(scheduled),
-            None => Pushed::Queued,
+            None => {
+                let waiter = m.waiter.take();
+                drop(m);
+                if let Some(task) = waiter {
+                    task.wake();
+                }
+                Pushed::Queued
+            }
         }
     }
 
@@ -170,14 +183,9 @@ impl<E: Entity> Mailbox<E> {
     }
 
     /// The next command for the running task, or `None` once the entity is parked (the queue
-    /// was empty) or dropped (the mailbox was ended meanwhile).
+    /// was empty) or dropped (the mailbox was ended meanwhile): `poll_next` without lingering.
+    #[cfg(test)]
     fn next_or_park(&self, entity: &mut Option<E>) -> Option<EntityCmd<E>> {
-        self.next(entity, true)
-    }
-
-    /// The next command; with `park` false an empty queue returns `None` and the task keeps
-    /// its entity (to look again after yielding once).
-    fn next(&self, entity: &mut Option<E>, park: bool) -> Option<EntityCmd<E>> {
         let mut m = self.lock();
         if matches!(m.phase, Phase::Ended) {
             drop(m);
@@ -187,27 +195,76 @@ impl<E: Entity> Mailbox<E> {
         if let Some(cmd) = m.queue.pop_front() {
             return Some(cmd);
         }
-        if !park {
-            return None;
-        }
-        if let Some(e) = entity.take() {
-            m.phase = Phase::Parked(e);
-        }
-        // A parked entity keeps no queue buffer: an emptied VecDeque keeps its capacity (at
-        // least four envelopes, ≈ 300 B), which an idle entity would carry for good.
-        m.queue = VecDeque::new();
+        park(&mut m, entity);
         None
     }
 
-    /// Ends the incarnation from its task; returns the messages it had not handled.
-    fn end_from_task(&self) -> Vec<Envelope<E>> {
-        let queued = {
-            let mut m = self.lock();
-            m.phase = Phase::Ended;
-            std::mem::take(&mut m.queue)
-        };
-        messages(queued)
+    /// The next command for the running task; with the queue empty the task *lingers*: it keeps
+    /// its entity and waits, woken by the next push, until it has been idle for `linger`
+    /// (`idle_since` is when its queue went empty, `sleep` its timer). Then it parks the entity
+    /// and gets `None`, as it does once the mailbox is ended.
+    fn poll_next(
+        &self,
+        cx: &mut Context<'_>,
+        entity: &mut Option<E>,
+        linger: Duration,
+        idle_since: &mut Option<tokio::time::Instant>,
+        mut sleep: Pin<&mut Sleep>,
+    ) -> Poll<Option<EntityCmd<E>>> {
+        let mut m = self.lock();
+        if matches!(m.phase, Phase::Ended) {
+            drop(m);
+            drop(entity.take());
+            return Poll::Ready(None);
+        }
+        if let Some(cmd) = m.queue.pop_front() {
+            *idle_since = None;
+            m.waiter = None;
+            return Poll::Ready(Some(cmd));
+        }
+        let now = tokio::time::Instant::now();
+        let due = *idle_since.get_or_insert(now) + linger;
+        // The timer is set once per linger period, not per message: it fires at an earlier
+        // idle period's end (never later than `due`) and is moved on then.
+        let expired = now >= due
+            || (sleep.as_mut().poll(cx).is_ready() && {
+                sleep.as_mut().reset(due);
+                sleep.as_mut().poll(cx).is_ready()
+            });
+        if expired {
+            park(&mut m, entity);
+            return Poll::Ready(None);
+        }
+        if !m.waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            m.waiter = Some(cx.waker().clone());
+        }
+        Poll::Pending
     }
+
+    /// Ends the incarnation from its task; returns the messages it had not handled, those the
+    /// local handle put here directly counted back on its routed path (`gate`) before the lock
+    /// is released, so none of its later messages to the entity can overtake them.
+    fn end_from_task(&self, gate: &Arc<RoutedInFlight>) -> Vec<Envelope<E>> {
+        let mut m = self.lock();
+        m.phase = Phase::Ended;
+        m.waiter = None;
+        let mut leftovers = messages(std::mem::take(&mut m.queue));
+        for env in &mut leftovers {
+            env.back_on_routed_path(gate);
+        }
+        leftovers
+    }
+}
+
+/// Parks the task's entity (if it still holds it) in the mailbox; the task ends next.
+fn park<E: Entity>(m: &mut MailboxInner<E>, entity: &mut Option<E>) {
+    if let Some(e) = entity.take() {
+        m.phase = Phase::Parked(e);
+    }
+    m.waiter = None;
+    // A parked entity keeps no queue buffer: an emptied VecDeque keeps its capacity (at least
+    // four envelopes, ≈ 300 B), which an idle entity would carry for good.
+    m.queue = VecDeque::new();
 }
 
 /// The messages among queued commands (a stop is not one).
@@ -228,6 +285,11 @@ pub(crate) struct RunnerShared<E: Entity> {
     pub replier: Replier,
     pub type_name: Arc<str>,
     pub counters: Arc<RegionCounters>,
+    /// `entity_linger`: how long a run waits on an empty queue before it parks its entity.
+    pub linger: Duration,
+    /// The local handle's routed-path counts: messages it put straight into a mailbox go back
+    /// on the routed path, counted, when their incarnation ends before taking them.
+    pub routed: Arc<RoutedInFlight>,
 }
 
 /// One run of an entity: from the message that found it idle (or new) until its queue is
@@ -257,7 +319,7 @@ impl<E: Entity> EntityRun<E> {
 
     /// Fails every queued message with `reason` and reports the incarnation ended.
     fn fail_queued_and_end(&self, reason: &str) {
-        for env in self.mailbox.end_from_task() {
+        for env in self.mailbox.end_from_task(&self.shared.routed) {
             self.respond(env.reply, Err(not_delivered(&self.ctx.entity_id, reason)));
         }
         self.terminated(Vec::new());
@@ -305,27 +367,21 @@ impl<E: Entity> EntityRun<E> {
             },
         };
         let id = self.ctx.entity_id.clone();
+        let (linger, mut idle_since) = (self.shared.linger, None);
+        let sleep = tokio::time::sleep(linger);
+        tokio::pin!(sleep);
         loop {
-            // An empty queue parks the entity only after one yield: a sender in a loop has
-            // usually pushed the next message by then, which saves a task per message.
-            let cmd = match self.mailbox.next(&mut entity, false) {
-                Some(cmd) => cmd,
-                None if entity.is_none() => return,
-                None => {
-                    tokio::task::yield_now().await;
-                    match self.mailbox.next_or_park(&mut entity) {
-                        Some(cmd) => cmd,
-                        None => return,
-                    }
-                }
-            };
+            let next = std::future::poll_fn(|cx| {
+                self.mailbox.poll_next(cx, &mut entity, linger, &mut idle_since, sleep.as_mut())
+            });
+            let Some(cmd) = next.await else { return };
             let env = match cmd {
                 EntityCmd::Stop => {
                     // Gone before anyone hears it terminated: the next incarnation may start
                     // elsewhere. Nothing is sent after a Stop (the shard holds the messages
                     // of a stopping entity); anything that was goes to the next incarnation.
                     drop(entity.take());
-                    let leftovers = self.mailbox.end_from_task();
+                    let leftovers = self.mailbox.end_from_task(&self.shared.routed);
                     self.terminated(leftovers);
                     return;
                 }
@@ -346,7 +402,7 @@ impl<E: Entity> EntityRun<E> {
                     error!(type_name = %self.shared.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
                     self.respond(env.reply, Err(not_delivered(&id, format!("entity handler panicked: {what}"))));
                     // Messages still queued go to a fresh instance.
-                    let leftovers = self.mailbox.end_from_task();
+                    let leftovers = self.mailbox.end_from_task(&self.shared.routed);
                     self.terminated(leftovers);
                     return;
                 }
@@ -357,7 +413,7 @@ impl<E: Entity> EntityRun<E> {
                     // A durable entity whose state write failed: the next incarnation starts
                     // from the stored state and takes the messages queued for this one.
                     drop(entity.take());
-                    let leftovers = self.mailbox.end_from_task();
+                    let leftovers = self.mailbox.end_from_task(&self.shared.routed);
                     self.terminated(leftovers);
                     return;
                 }
@@ -422,7 +478,7 @@ mod tests {
     }
 
     fn msg(n: u32) -> EntityCmd<Probe> {
-        EntityCmd::Msg(Envelope { msg: Some(Ping(n)), reply: None })
+        EntityCmd::Msg(Envelope::new(Some(Ping(n)), None))
     }
 
     fn scheduled(p: Pushed<Probe>) -> Scheduled<Probe> {
@@ -535,8 +591,16 @@ mod tests {
         let _run = m.schedule_new();
         assert!(matches!(m.push(msg(1), 10), Pushed::Queued));
         assert!(matches!(m.push(msg(2), 10), Pushed::Queued));
-        let leftovers = m.end_from_task();
-        assert_eq!(leftovers.len(), 2);
-        assert!(matches!(m.push(msg(3), 10), Pushed::Ended(_)));
+        let gate = RoutedInFlight::new();
+        let stripe = RoutedInFlight::stripe("e");
+        let mut direct = Envelope::new(Some(Ping(3)), None);
+        direct.lane = crate::sharding::envelope::Lane::Direct(stripe);
+        assert!(matches!(m.push(EntityCmd::Msg(direct), 10), Pushed::Queued));
+        let leftovers = m.end_from_task(&gate);
+        assert_eq!(leftovers.len(), 3);
+        assert_eq!(gate.count(stripe), 1, "the direct message is counted on the routed path again");
+        drop(leftovers);
+        assert_eq!(gate.count(stripe), 0, "until it is dropped");
+        assert!(matches!(m.push(msg(4), 10), Pushed::Ended(_)));
     }
 }

@@ -2,14 +2,21 @@
 //! the shard cores' actions (spawn, mailbox, stop, remember I/O) and turns what the tasks report
 //! back ([`ShardEvent`]) into inputs of the cores.
 //!
+//! Each hosted shard sits in a [`ShardCell`] (its core under a lock) that the region task and
+//! the region's handle share through the [`ShardDirectory`]: a message from the local handle
+//! to an entity that is running here goes straight into its mailbox (the *direct path*, one
+//! lock and no task hop), decided by the same core ([`ShardCore::direct_slot`]); everything
+//! else takes the *routed* path through the region task. Ordering between the two paths is
+//! kept by [`crate::sharding::envelope::RoutedInFlight`].
+//!
 //! A shard is reported stopped or restarted only once every entity task it started has ended
 //! (per-shard task trackers), so no entity outlives its shard's hand-over. Each hosted shard is
 //! an *instance* with an id: results of remember I/O for an earlier, failed instance of the same
 //! shard are dropped.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -22,7 +29,7 @@ use super::remember::RememberIo;
 use super::state::StateIo;
 use super::{ShardEvent, StoreResult, Work};
 use crate::error::Error;
-use crate::sharding::envelope::{Envelope, Replier, ReplyTo};
+use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, ShardIdExtractor};
 use crate::sharding::region::RegionInput;
@@ -45,14 +52,146 @@ struct LocalShard<E: Entity> {
     tasks: TaskTracker,
 }
 
+/// One hosted shard, shared by the region task and the direct path of the region's handle.
+pub(crate) struct ShardCell<E: Entity> {
+    shard: Mutex<LocalShard<E>>,
+}
+
+impl<E: Entity> ShardCell<E> {
+    /// The lock; a poisoned one is still consistent (a panic under it stops the region task,
+    /// an essential task, and with it the node).
+    fn lock(&self) -> MutexGuard<'_, LocalShard<E>> {
+        self.shard.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Starts runs of entities: what the region task and the direct path both need to.
+struct Launcher<E: Entity> {
+    runner: Arc<RunnerShared<E>>,
+    spawner: Spawner,
+    /// Every entity task of the region: the region waits for them before it ends.
+    entity_tasks: TaskTracker,
+    state: Option<StateIo>,
+    mailbox_capacity: usize,
+}
+
+impl<E: Entity> Launcher<E> {
+    /// Runs an entity on a new task until its queue is empty (or it ends).
+    fn launch(&self, shard_id: &ShardId, entity_id: &str, run: RunOf<E>, scheduled: Scheduled<E>) {
+        let ctx = EntityContext::new(entity_id.to_string(), shard_id.clone(), run.epoch, self.state.clone());
+        let task = EntityRun { shared: self.runner.clone(), mailbox: run.mailbox, ctx, incarnation: run.incarnation };
+        // Detached: a held JoinHandle would keep the finished task's memory.
+        drop(self.spawner.spawn(self.entity_tasks.track_future(run.shard_tasks.track_future(task.run(scheduled)))));
+    }
+
+    /// Puts a message in a running entity's mailbox; `Err` with the envelope when the
+    /// incarnation has ended (its `Terminated` event is on the way).
+    fn push(
+        &self,
+        shard_id: &ShardId,
+        entity_id: &str,
+        shard: MutexGuard<'_, LocalShard<E>>,
+        env: Envelope<E>,
+    ) -> Result<(), Envelope<E>> {
+        let Some((h, incarnation)) = shard.core.slot(entity_id) else { return Err(env) };
+        let capacity = self.mailbox_capacity;
+        match h.mailbox.push(EntityCmd::Msg(env), capacity) {
+            Pushed::Queued => Ok(()),
+            Pushed::Schedule(scheduled) => {
+                let run =
+                    RunOf { mailbox: h.mailbox.clone(), epoch: h.epoch, incarnation, shard_tasks: shard.tasks.clone() };
+                drop(shard);
+                self.launch(shard_id, entity_id, run, scheduled);
+                Ok(())
+            }
+            Pushed::Full(env) => {
+                drop(shard);
+                let counters = &self.runner.counters;
+                if counters.dropped_mailbox_full.fetch_add(1, Ordering::Relaxed) == 0 {
+                    warn!(type_name = %self.runner.type_name, %entity_id, capacity, "entity mailbox full; dropping messages");
+                }
+                if let Some(r) = env.reply {
+                    let error = Error::MailboxFull { entity_id: entity_id.to_string(), capacity };
+                    self.runner.replier.reply::<E>(r, entity_id, Err(error));
+                }
+                Ok(())
+            }
+            Pushed::Ended(env) => Err(env),
+        }
+    }
+}
+
+/// What a new run of an entity needs from its shard.
+struct RunOf<E: Entity> {
+    mailbox: Arc<Mailbox<E>>,
+    epoch: u64,
+    incarnation: u64,
+    shard_tasks: TaskTracker,
+}
+
+/// The shards hosted here, as the region's handle sees them for the direct path.
+pub(crate) struct ShardDirectory<E: Entity> {
+    shards: RwLock<HashMap<ShardId, Arc<ShardCell<E>>>>,
+    /// Closed while the coordinator refuses this region: the region routes nothing then.
+    open: AtomicBool,
+    launcher: Arc<Launcher<E>>,
+}
+
+impl<E: Entity> ShardDirectory<E> {
+    /// The direct path: puts `env` straight into the mailbox of `entity_id` when the entity
+    /// runs here, its shard's core would send it there anyway, and no earlier message of the
+    /// handle to an id of `stripe` is on the routed path (checked under the shard's lock, which
+    /// every redelivery to a new incarnation takes too). `Err` with the envelope when it must
+    /// take the routed path instead.
+    pub(crate) fn deliver(
+        &self,
+        shard_id: &str,
+        entity_id: &str,
+        stripe: usize,
+        mut env: Envelope<E>,
+    ) -> Result<(), Envelope<E>> {
+        if !self.open.load(Ordering::Acquire) {
+            return Err(env);
+        }
+        let shards = self.shards.read().unwrap_or_else(|p| p.into_inner());
+        let Some((shard_id, cell)) = shards.get_key_value(shard_id) else { return Err(env) };
+        let mut shard = cell.lock();
+        if !self.launcher.runner.routed.is_clear(stripe)
+            || shard.core.direct_slot(entity_id, crate::clock::Instant::now()).is_none()
+        {
+            return Err(env);
+        }
+        env.lane = Lane::Direct(stripe);
+        self.launcher.push(shard_id, entity_id, shard, env)
+    }
+
+    fn insert(&self, shard: ShardId, cell: Arc<ShardCell<E>>) {
+        self.shards.write().unwrap_or_else(|p| p.into_inner()).insert(shard, cell);
+    }
+
+    fn remove(&self, shard: &ShardId) {
+        self.shards.write().unwrap_or_else(|p| p.into_inner()).remove(shard);
+    }
+
+    fn clear(&self) {
+        self.shards.write().unwrap_or_else(|p| p.into_inner()).clear();
+    }
+
+    /// Opens or closes the direct path (the region's routing is open or refused).
+    pub(crate) fn set_open(&self, open: bool) {
+        self.open.store(open, Ordering::Release);
+    }
+}
+
 /// The shards of one region and their entity tasks.
 pub(crate) struct LocalShards<E: Entity> {
     type_name: Arc<str>,
-    /// What every entity run shares (factory, event channel, replier, counters).
-    runner: Arc<RunnerShared<E>>,
     settings: ShardingSettings,
     extractor: ShardIdExtractor,
-    shards: HashMap<ShardId, LocalShard<E>>,
+    shards: HashMap<ShardId, Arc<ShardCell<E>>>,
+    /// The same shards, for the handle's direct path.
+    directory: Arc<ShardDirectory<E>>,
+    launcher: Arc<Launcher<E>>,
     next_instance: u64,
     /// Messages sent to an entity task that had already ended, redelivered after its
     /// Terminated event.
@@ -64,8 +203,6 @@ pub(crate) struct LocalShards<E: Entity> {
     /// Durable entities: the region's state store.
     state: Option<StateIo>,
     spawner: Spawner,
-    /// Every entity task of the region: the region waits for them before it ends.
-    entity_tasks: TaskTracker,
 }
 
 /// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
@@ -87,6 +224,7 @@ impl<E: Entity> LocalShards<E> {
         remember: RememberIo,
         state: Option<StateIo>,
         spawner: Spawner,
+        routed: Arc<RoutedInFlight>,
     ) -> Self {
         let type_name: Arc<str> = type_name.into();
         let runner = Arc::new(RunnerShared {
@@ -95,13 +233,28 @@ impl<E: Entity> LocalShards<E> {
             replier: replier.clone(),
             type_name: type_name.clone(),
             counters: counters.clone(),
+            linger: settings.entity_linger,
+            routed,
+        });
+        let launcher = Arc::new(Launcher {
+            runner,
+            spawner: spawner.clone(),
+            entity_tasks: TaskTracker::new(),
+            state: state.clone(),
+            mailbox_capacity: settings.entity_mailbox_capacity,
+        });
+        let directory = Arc::new(ShardDirectory {
+            shards: RwLock::new(HashMap::new()),
+            open: AtomicBool::new(true),
+            launcher: launcher.clone(),
         });
         LocalShards {
             type_name,
-            runner,
             settings,
             extractor,
             shards: HashMap::new(),
+            directory,
+            launcher,
             next_instance: 1,
             orphans: HashMap::new(),
             events,
@@ -110,8 +263,12 @@ impl<E: Entity> LocalShards<E> {
             remember,
             state,
             spawner,
-            entity_tasks: TaskTracker::new(),
         }
+    }
+
+    /// The hosted shards for the region handle's direct path.
+    pub(crate) fn directory(&self) -> &Arc<ShardDirectory<E>> {
+        &self.directory
     }
 
     pub(crate) fn ids(&self) -> Vec<ShardId> {
@@ -122,8 +279,8 @@ impl<E: Entity> LocalShards<E> {
     pub(crate) fn state(&self) -> std::collections::BTreeMap<ShardId, Vec<String>> {
         self.shards
             .iter()
-            .map(|(s, sh)| {
-                let mut ids: Vec<String> = sh.core.entity_ids().map(String::from).collect();
+            .map(|(s, cell)| {
+                let mut ids: Vec<String> = cell.lock().core.entity_ids().map(String::from).collect();
                 ids.sort();
                 (s.clone(), ids)
             })
@@ -132,13 +289,13 @@ impl<E: Entity> LocalShards<E> {
 
     /// Shard → live entity count.
     pub(crate) fn stats(&self) -> std::collections::BTreeMap<ShardId, usize> {
-        self.shards.iter().map(|(s, sh)| (s.clone(), sh.core.entity_count())).collect()
+        self.shards.iter().map(|(s, cell)| (s.clone(), cell.lock().core.entity_count())).collect()
     }
 
     /// Starts hosting `shard` (or only updates its epoch if hosted).
     pub(crate) fn start(&mut self, shard: ShardId, epoch: u64) {
-        if let Some(existing) = self.shards.get_mut(&shard) {
-            existing.epoch = epoch;
+        if let Some(existing) = self.shards.get(&shard) {
+            existing.lock().epoch = epoch;
             return;
         }
         let s = &self.settings;
@@ -152,7 +309,10 @@ impl<E: Entity> LocalShards<E> {
         } else {
             ShardCore::new(s.passivation_idle_timeout, stop_timeout)
         };
-        self.shards.insert(shard.clone(), LocalShard { core, epoch, instance, tasks: TaskTracker::new() });
+        let cell =
+            Arc::new(ShardCell { shard: Mutex::new(LocalShard { core, epoch, instance, tasks: TaskTracker::new() }) });
+        self.shards.insert(shard.clone(), cell.clone());
+        self.directory.insert(shard.clone(), cell);
         if s.remember_entities || self.state.is_some() {
             self.load(shard, instance, epoch);
         }
@@ -197,7 +357,7 @@ impl<E: Entity> LocalShards<E> {
         now: crate::clock::Instant,
         work: &mut VecDeque<Work<E>>,
     ) {
-        let Some(s) = self.shards.get_mut(&shard) else {
+        let Some(cell) = self.shards.get(&shard).cloned() else {
             match input {
                 ShardInput::Deliver { entity_id, msg } => {
                     self.replier.fail(msg, &entity_id, "shard is not hosted here")
@@ -209,7 +369,7 @@ impl<E: Entity> LocalShards<E> {
             return;
         };
         let mut out = Vec::new();
-        s.core.handle(input, now, &mut out);
+        cell.lock().core.handle(input, now, &mut out);
         for a in out {
             self.perform(&shard, a, work);
         }
@@ -225,15 +385,13 @@ impl<E: Entity> LocalShards<E> {
                 debug!(type_name = %self.type_name, %shard, "shard stopped (its aborted entities have ended)");
                 work.push_back(Work::Region(RegionInput::LocalShardStopped(shard)));
             }
-            ShardEvent::Terminated { shard, entity_id, incarnation, leftovers } => {
-                // The core drops its handle on the incarnation when it takes this input.
-                let input = ShardInput::Terminated { entity_id: entity_id.clone(), incarnation };
-                work.push_back(Work::Shard(shard.clone(), input));
-                let orphans = self.orphans.remove(&(shard.clone(), entity_id.clone())).unwrap_or_default();
-                for env in leftovers.into_iter().chain(orphans) {
-                    let input = ShardInput::Deliver { entity_id: entity_id.clone(), msg: env };
-                    work.push_back(Work::Shard(shard.clone(), input));
-                }
+            ShardEvent::Terminated { shard, entity_id, incarnation, mut leftovers } => {
+                // What the incarnation did not take, then what was sent to it after it had
+                // ended: the core puts both ahead of what it held for the entity meanwhile. It
+                // drops its handle on the incarnation when it takes this input.
+                leftovers.extend(self.orphans.remove(&(shard.clone(), entity_id.clone())).unwrap_or_default());
+                let input = ShardInput::Terminated { entity_id, incarnation, leftovers };
+                work.push_back(Work::Shard(shard, input));
             }
             ShardEvent::Store { shard, instance, input } => {
                 if !self.is_instance(&shard, instance) {
@@ -253,7 +411,7 @@ impl<E: Entity> LocalShards<E> {
                 }
             }
             ShardEvent::Fenced { shard, epoch, fence } => {
-                if self.shards.get(&shard).is_some_and(|s| s.epoch == epoch) {
+                if self.shards.get(&shard).is_some_and(|s| s.lock().epoch == epoch) {
                     warn!(type_name = %self.type_name, %shard, epoch, fence, "a newer allocation claimed the shard's state; stopping it here");
                     work.push_back(Work::Region(RegionInput::LocalShardFenced { shard, epoch }));
                 }
@@ -268,7 +426,7 @@ impl<E: Entity> LocalShards<E> {
     }
 
     fn is_instance(&self, shard: &ShardId, instance: u64) -> bool {
-        self.shards.get(shard).is_some_and(|s| s.instance == instance)
+        self.shards.get(shard).is_some_and(|s| s.lock().instance == instance)
     }
 
     /// Starts remembered entities: those still in this shard directly, the others (the
@@ -282,7 +440,7 @@ impl<E: Entity> LocalShards<E> {
                 continue;
             }
             let (tx, rx) = oneshot::channel();
-            let env = Envelope { msg: None, reply: Some(ReplyTo::Started(tx)) };
+            let env = Envelope::new(None, Some(ReplyTo::Started(tx)));
             work.push_back(Work::Region(RegionInput::Route { shard: target, entity_id: id.clone(), msg: env }));
             let (events, origin) = (self.events.clone(), shard.clone());
             self.spawner.spawn_until_shutdown(async move {
@@ -304,23 +462,16 @@ impl<E: Entity> LocalShards<E> {
     }
 
     fn spawn_entity(&mut self, shard_id: &ShardId, entity_id: String, incarnation: u64) {
-        let Some(shard) = self.shards.get_mut(shard_id) else { return };
+        let Some(cell) = self.shards.get(shard_id) else { return };
         let mailbox = Arc::new(Mailbox::new());
         let first = mailbox.schedule_new().expect("a new mailbox");
+        let mut shard = cell.lock();
+        let run = RunOf { mailbox: mailbox.clone(), epoch: shard.epoch, incarnation, shard_tasks: shard.tasks.clone() };
         let handle = EntityHandle { mailbox, epoch: shard.epoch };
         if shard.core.attach(&entity_id, incarnation, handle) {
-            self.schedule(shard_id, &entity_id, first);
+            drop(shard);
+            self.launcher.launch(shard_id, &entity_id, run, first);
         }
-    }
-
-    /// Runs entity `entity_id` on a new task until its queue is empty (or it ends).
-    fn schedule(&self, shard_id: &ShardId, entity_id: &str, scheduled: Scheduled<E>) {
-        let Some(shard) = self.shards.get(shard_id) else { return };
-        let Some((h, incarnation)) = shard.core.slot(entity_id) else { return };
-        let ctx = EntityContext::new(entity_id.to_string(), shard_id.clone(), h.epoch, self.state.clone());
-        let run = EntityRun { shared: self.runner.clone(), mailbox: h.mailbox.clone(), ctx, incarnation };
-        // Detached: a held JoinHandle would keep the finished task's memory.
-        drop(self.spawner.spawn(self.entity_tasks.track_future(shard.tasks.track_future(run.run(scheduled)))));
     }
 
     fn perform(
@@ -332,39 +483,36 @@ impl<E: Entity> LocalShards<E> {
         match action {
             ShardAction::Start { entity_id, incarnation } => self.spawn_entity(shard_id, entity_id, incarnation),
             ShardAction::Send { entity_id, msg } => {
-                let Some((h, _)) = self.shards.get(shard_id).and_then(|s| s.core.slot(&entity_id)) else {
+                let Some(cell) = self.shards.get(shard_id) else {
                     self.replier.fail(msg, &entity_id, "entity is not running");
                     return;
                 };
-                let capacity = self.settings.entity_mailbox_capacity;
-                match h.mailbox.push(EntityCmd::Msg(msg), capacity) {
-                    Pushed::Queued => {}
-                    Pushed::Schedule(scheduled) => self.schedule(shard_id, &entity_id, scheduled),
-                    Pushed::Full(msg) => {
-                        if self.counters.dropped_mailbox_full.fetch_add(1, Ordering::Relaxed) == 0 {
-                            warn!(type_name = %self.type_name, %entity_id, capacity, "entity mailbox full; dropping messages");
-                        }
-                        if let Some(r) = msg.reply {
-                            self.replier.reply::<E>(
-                                r,
-                                &entity_id,
-                                Err(Error::MailboxFull { entity_id: entity_id.clone(), capacity }),
-                            );
-                        }
-                    }
-                    Pushed::Ended(env) => {
-                        // The incarnation already ended; its Terminated event is on the way.
-                        // The message goes to the next incarnation after it (not back into
-                        // this loop, which would spin until the event is read).
-                        self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
-                    }
+                let shard = cell.lock();
+                if shard.core.slot(&entity_id).is_none() {
+                    drop(shard);
+                    self.replier.fail(msg, &entity_id, "entity is not running");
+                    return;
+                }
+                if let Err(env) = self.launcher.push(shard_id, &entity_id, shard, msg) {
+                    // The incarnation already ended; its Terminated event is on the way. The
+                    // message goes to the next incarnation after it (not back into this loop,
+                    // which would spin until the event is read).
+                    self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
                 }
             }
             ShardAction::Stop { entity_id } => {
-                if let Some((h, _)) = self.shards.get(shard_id).and_then(|s| s.core.slot(&entity_id))
-                    && let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX)
-                {
-                    self.schedule(shard_id, &entity_id, scheduled);
+                let Some(cell) = self.shards.get(shard_id) else { return };
+                let shard = cell.lock();
+                let Some((h, incarnation)) = shard.core.slot(&entity_id) else { return };
+                if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX) {
+                    let run = RunOf {
+                        mailbox: h.mailbox.clone(),
+                        epoch: h.epoch,
+                        incarnation,
+                        shard_tasks: shard.tasks.clone(),
+                    };
+                    drop(shard);
+                    self.launcher.launch(shard_id, &entity_id, run, scheduled);
                 }
             }
             ShardAction::ForceStop { entity_id, slot } => {
@@ -388,19 +536,20 @@ impl<E: Entity> LocalShards<E> {
                 if let Some(s) = self.shards.get(shard_id)
                     && self.settings.entity_recovery_batch == 0
                 {
-                    let instance = s.instance;
+                    let instance = s.lock().instance;
                     self.recover(shard_id, instance, entity_ids, work);
                 }
             }
             ShardAction::WriteRemembered { adds, removes } => {
                 if let Some(s) = self.shards.get(shard_id) {
-                    self.remember.write(shard_id.clone(), s.instance, adds, removes, self.events.clone());
+                    let instance = s.lock().instance;
+                    self.remember.write(shard_id.clone(), instance, adds, removes, self.events.clone());
                 }
             }
             ShardAction::Failed => {
                 self.fail_orphans(shard_id);
-                let Some(mut s) = self.shards.remove(shard_id) else { return };
-                self.abort_entities(&mut s);
+                let Some(s) = self.remove_shard(shard_id) else { return };
+                let s = self.abort_entities(&s);
                 self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
                 let backoff = self.settings.shard_failure_backoff;
                 warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
@@ -414,11 +563,11 @@ impl<E: Entity> LocalShards<E> {
             ShardAction::Stopped => {
                 self.counters.handoffs_completed.fetch_add(1, Ordering::Relaxed);
                 self.fail_orphans(shard_id);
-                let Some(mut s) = self.shards.remove(shard_id) else {
+                let Some(s) = self.remove_shard(shard_id) else {
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
                     return;
                 };
-                self.abort_entities(&mut s);
+                let s = self.abort_entities(&s);
                 if s.tasks.is_empty() {
                     debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
@@ -443,28 +592,49 @@ impl<E: Entity> LocalShards<E> {
         }
     }
 
-    /// Ends every entity of a shard and closes its tracker (so waiting for it can end).
-    fn abort_entities(&self, shard: &mut LocalShard<E>) {
-        for (id, h) in shard.core.take_slots() {
+    /// Stops hosting `shard_id`: out of the directory first, so the direct path sends nothing
+    /// more to its entities.
+    fn remove_shard(&mut self, shard_id: &ShardId) -> Option<Arc<ShardCell<E>>> {
+        self.directory.remove(shard_id);
+        self.shards.remove(shard_id)
+    }
+
+    /// Ends every entity of a shard and closes its tracker (so waiting for it can end); returns
+    /// what the shard's end still needs (its epoch and tracker).
+    fn abort_entities(&self, cell: &ShardCell<E>) -> EndedShard {
+        let (slots, ended) = {
+            let mut shard = cell.lock();
+            shard.tasks.close();
+            (shard.core.take_slots(), EndedShard { epoch: shard.epoch, tasks: shard.tasks.clone() })
+        };
+        for (id, h) in slots {
             self.end_entity(&id, h, "its shard stopped");
         }
-        shard.tasks.close();
+        ended
     }
 
     /// Aborts every entity (the region is ending); then waits, up to `timeout`, for their tasks.
     pub(crate) async fn stop_all(&mut self, timeout: Duration) {
-        for (_, mut shard) in std::mem::take(&mut self.shards) {
-            self.abort_entities(&mut shard);
+        self.directory.clear();
+        for (_, cell) in std::mem::take(&mut self.shards) {
+            self.abort_entities(&cell);
         }
         // Nobody hears that this region stopped before its entities are gone. `abort` takes
         // effect at an entity's next await; one that never yields cannot be stopped.
-        self.entity_tasks.close();
-        if tokio::time::timeout(timeout, self.entity_tasks.wait()).await.is_err() {
+        let tasks = &self.launcher.entity_tasks;
+        tasks.close();
+        if tokio::time::timeout(timeout, tasks.wait()).await.is_err() {
             tracing::error!(
                 type_name = %self.type_name,
-                still_running = self.entity_tasks.len(),
+                still_running = tasks.len(),
                 "entity tasks did not end within the hand-off timeout after being aborted (a handler that never yields?)"
             );
         }
     }
+}
+
+/// What is left of a shard once it stopped hosting: what its restart or its stop report waits on.
+struct EndedShard {
+    epoch: u64,
+    tasks: TaskTracker,
 }

@@ -10,9 +10,9 @@ mod state;
 
 pub(crate) use core::ShardInput;
 pub(crate) use entity::Factory;
-pub(crate) use host::LocalShards;
 #[cfg(feature = "testkit")]
 pub(crate) use host::entity_stop_timeout;
+pub(crate) use host::{LocalShards, ShardDirectory};
 pub(crate) use remember::RememberIo;
 pub(crate) use state::StateIo;
 

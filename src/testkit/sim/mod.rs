@@ -205,6 +205,7 @@ enum Wire {
     ToRegion(ToRegion),
     Deliver {
         shard: ShardId,
+        epoch: u64,
         entity_id: String,
         msg: Msg,
     },
@@ -776,9 +777,9 @@ impl Sim {
                 node.region.handle(RegionInput::Coordinator { from, msg }, now, &mut out);
                 self.perform_region(i, out);
             }
-            Wire::Deliver { shard, entity_id, msg } => {
+            Wire::Deliver { shard, epoch, entity_id, msg } => {
                 let mut out = Vec::new();
-                node.region.handle(RegionInput::Route { shard, entity_id, msg }, now, &mut out);
+                node.region.handle(RegionInput::Forwarded { shard, epoch, entity_id, msg }, now, &mut out);
                 self.perform_region(i, out);
             }
             Wire::AskReply { ask } => {

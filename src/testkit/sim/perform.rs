@@ -317,11 +317,11 @@ impl Sim {
                     }
                     None => self.fail(msg, NOT_HOSTED),
                 },
-                RegionAction::Forward { region, shard, entity_id, msg } => {
+                RegionAction::Forward { region, shard, epoch, entity_id, msg } => {
                     if let Some(ask) = msg.ask {
                         node.forwarded.insert(ask, region.clone());
                     }
-                    self.send(&me, &region, Wire::Deliver { shard, entity_id, msg });
+                    self.send(&me, &region, Wire::Deliver { shard, epoch, entity_id, msg });
                 }
                 RegionAction::HandOffShard { shard } => {
                     if let Some((core, _)) = node.shards.get_mut(&shard) {
@@ -340,7 +340,8 @@ impl Sim {
                 RegionAction::Drop { msg, reason, .. } => {
                     let why = match reason {
                         crate::sharding::region::core::RegionDrop::BufferFull => BUFFER_FULL,
-                        crate::sharding::region::core::RegionDrop::HandOff => HAND_OFF,
+                        crate::sharding::region::core::RegionDrop::HandOff
+                        | crate::sharding::region::core::RegionDrop::MovedOn => HAND_OFF,
                         crate::sharding::region::core::RegionDrop::Refused => {
                             self.report.violations.push(format!("{me} refused although every node has one extractor"));
                             REFUSED
@@ -497,7 +498,7 @@ impl Sim {
         let n = self.nodes[i].as_mut().expect("running");
         if let Some((core, _)) = n.shards.get_mut(&shard) {
             let mut out = Vec::new();
-            core.handle(ShardInput::Terminated { entity_id, incarnation }, now, &mut out);
+            core.handle(ShardInput::Terminated { entity_id, incarnation, leftovers: vec![] }, now, &mut out);
             for a in out {
                 self.perform_shard(i, &shard, a);
             }

@@ -449,7 +449,8 @@ impl Sim {
         if let Some(msg) = a.writing {
             self.fail(msg, why);
         }
-        let input = ShardInput::Terminated { entity_id: entity_id.to_string(), incarnation: a.incarnation };
+        let input =
+            ShardInput::Terminated { entity_id: entity_id.to_string(), incarnation: a.incarnation, leftovers: vec![] };
         self.shard_input(i, &a.shard, input);
         for msg in a.queue {
             if why == FENCED {
