@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use ddshard::transport::{Inbound, PeerAddr, Transport};
+use ddshard::transport::{Inbound, PeerSender, Transport};
 use ddshard::{ClusterSecret, TransportSettings, UniqueAddress};
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
@@ -96,11 +96,11 @@ impl Pipe for RawPipe {
 }
 
 struct TransportPipe {
-    from: Transport,
-    to: PeerAddr,
+    /// A hot caller's handle on the peer (`Transport::sender`), as the regions use.
+    from: PeerSender,
     done: mpsc::Receiver<()>,
     batch: std::sync::Arc<std::sync::atomic::AtomicUsize>,
-    _receiver: Transport,
+    _receivers: (Transport, Transport),
 }
 
 impl TransportPipe {
@@ -133,7 +133,7 @@ impl TransportPipe {
                 }
             }
         });
-        TransportPipe { to: b.local().clone(), from: a, done, batch, _receiver: b }
+        TransportPipe { from: a.sender(b.local()), done, batch, _receivers: (a, b) }
     }
 }
 
@@ -145,7 +145,7 @@ impl Pipe for TransportPipe {
             let mut i = 0;
             while i < batch {
                 let body = encoded(i as u64, payload);
-                match self.from.send(&self.to, "bench", &body) {
+                match self.from.send("bench", &body) {
                     Ok(()) => i += 1,
                     // Queue full: the writer is behind; let it run.
                     Err(ddshard::Error::SendQueueFull { .. }) => tokio::task::yield_now().await,

@@ -164,7 +164,7 @@ async fn a_client_speaking_the_plain_handshake_is_refused_and_delivers_nothing()
     let reply: HelloReply = wire::decode(&reply).unwrap();
     assert!(matches!(reply, HelloReply::Reject(RejectReason::Unauthenticated)), "{reply:?}");
     // Frames sent anyway go nowhere, and the connection is closed.
-    let frame = wire::encode(&wire::Frame::Message { topic: "probe", body: b"forged" }).unwrap();
+    let frame = wire::Frame::Message { topic: "probe", body: b"forged" }.encode().unwrap();
     let _ = s.write_all(&[&(frame.len() as u32).to_be_bytes()[..], &frame].concat()).await;
     assert!(read_frame(&mut s).await.is_none(), "the connection stays open");
     assert!(inbox.try_recv().is_err());

@@ -38,6 +38,9 @@ struct FaultState {
 #[derive(Debug, Clone, Default)]
 pub struct FaultInjector {
     state: Arc<RwLock<FaultState>>,
+    /// Whether any link is cut: checked first, so a cluster with every link up pays one atomic
+    /// load per check instead of a lock and two `String`s (this filter runs on every batch).
+    any_cut: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl FaultInjector {
@@ -67,17 +70,20 @@ impl FaultInjector {
     /// Cuts every link between a node of `a` and a node of `b`, both directions.
     pub fn cut(&self, a: &[&str], b: &[&str]) {
         cut_both_ways(&mut self.state.write().expect("fault state").cut, a, b);
+        self.any_cut.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Cuts node-to-node messaging (TCP) only, both directions, while gossip keeps flowing:
     /// peers stay "reachable" but messages are lost, as on a half-broken network.
     pub fn cut_messaging(&self, a: &[&str], b: &[&str]) {
         cut_both_ways(&mut self.state.write().expect("fault state").messaging_cut, a, b);
+        self.any_cut.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Cuts traffic from `from` to `to` only.
     pub fn cut_one_way(&self, from: &str, to: &str) {
         self.state.write().expect("fault state").cut.insert((from.to_string(), to.to_string()));
+        self.any_cut.store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Restores every link.
@@ -85,10 +91,15 @@ impl FaultInjector {
         let mut s = self.state.write().expect("fault state");
         s.cut.clear();
         s.messaging_cut.clear();
+        // Under the write lock: a concurrent cut sets it again after this.
+        self.any_cut.store(false, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether messaging from `from` to `to` is cut.
     pub fn is_messaging_cut(&self, from: &str, to: &str) -> bool {
+        if !self.any_cut.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
         let s = self.state.read().expect("fault state");
         let link = (from.to_string(), to.to_string());
         s.cut.contains(&link) || s.messaging_cut.contains(&link)

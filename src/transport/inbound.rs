@@ -8,14 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{SinkExt, StreamExt};
+use futures::{FutureExt, SinkExt, StreamExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tracing::{debug, info, warn};
 
 use super::outbound::configure_socket;
-use super::wire::{self, Frame, Hello, HelloReply, PROTOCOL_VERSION, RejectReason};
-use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, codec, cut, dispatch, noise};
+use super::wire::{self, Frame, Hello, HelloReply, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RejectReason};
+use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, RouteCache, codec, cut, dispatch, noise};
 use crate::membership::{PeerStanding, UniqueAddress};
 use tokio_util::sync::CancellationToken;
 
@@ -159,7 +159,7 @@ async fn serve_connection(
     stream: TcpStream,
     permit: &mut InboundPermit,
 ) -> Result<(), InboundError> {
-    let (from, mut framed) =
+    let (from, mut framed, version) =
         match tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream)).await {
             Err(_) => return Err(InboundError::HandshakeTimeout),
             Ok(Ok(Some(accepted))) => accepted,
@@ -168,9 +168,10 @@ async fn serve_connection(
         };
     permit.handshake_done();
     framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
-    info!(peer = %from.address, "inbound connection accepted");
+    info!(peer = %from.address, version, "inbound connection accepted");
     let registration = InboundRegistration::new(inner, &from.address);
-    let mut topic_cache = HashMap::new();
+    let mut routes = RouteCache::default();
+    let mut batch = Vec::with_capacity(RECEIVE_BATCH);
     loop {
         let item = tokio::select! {
             _ = registration.token.cancelled() => return Ok(()), // the peer was forgotten
@@ -179,24 +180,39 @@ async fn serve_connection(
                 None => break,
             },
         };
-        let bytes = item.map_err(InboundError::BadFrame)?.freeze();
-        inner.stats.frames_received.fetch_add(1, Ordering::Relaxed);
-        let frame: Frame = wire::decode_borrowed(&bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
-        if cut(inner, &from.address.node_id, &inner.local.address.node_id) {
-            inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
-            continue;
+        // Every frame already read: one wake and one filter check for all of them.
+        batch.push(item);
+        while batch.len() < RECEIVE_BATCH {
+            match framed.next().now_or_never() {
+                Some(Some(item)) => batch.push(item),
+                _ => break,
+            }
         }
-        dispatch(inner, &from, &bytes, frame, &mut topic_cache).await;
+        inner.stats.frames_received.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        let is_cut = cut(inner, &from.address.node_id, &inner.local.address.node_id);
+        for item in batch.drain(..) {
+            let bytes = item.map_err(InboundError::BadFrame)?.freeze();
+            let frame = Frame::decode_at(version, &bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
+            if is_cut {
+                inner.stats.frames_dropped.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            dispatch(inner, &from, &bytes, frame, &mut routes).await;
+        }
     }
     Ok(())
 }
 
-/// The acceptor's side of the handshake (the caller bounds it by the connect timeout); `None`
-/// when the peer closed before saying anything.
+/// Frames a reader takes from its buffer before it dispatches them.
+const RECEIVE_BATCH: usize = 256;
+
+/// The acceptor's side of the handshake (the caller bounds it by the connect timeout): the
+/// dialer, the connection and the protocol version its frames use; `None` when the peer closed
+/// before saying anything.
 async fn accept_handshake(
     inner: &Arc<Inner>,
     stream: TcpStream,
-) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>)>, InboundError> {
+) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>, u32)>, InboundError> {
     let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     let first = match framed.next().await {
         None => return Ok(None),
@@ -218,7 +234,7 @@ async fn accept_handshake(
         None => first.to_vec(),
     };
     let hello: Hello = wire::decode(&hello).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
-    let reject = if hello.protocol_version != PROTOCOL_VERSION {
+    let reject = if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.protocol_version) {
         Some(RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: PROTOCOL_VERSION })
     } else if hello.cluster_id != inner.cluster_id {
         Some(RejectReason::ForeignCluster(hello.cluster_id.clone()))
@@ -259,7 +275,7 @@ async fn accept_handshake(
             framed
         }
     };
-    Ok(Some((from, framed)))
+    Ok(Some((from, framed, hello.protocol_version)))
 }
 
 /// Why `peer` may not send frames here, or `None` if it may: a current member, or any peer when

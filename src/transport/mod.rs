@@ -43,7 +43,7 @@ use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
 use inbound::accept_loop;
 use outbound::writer_task;
-use wire::{Frame, ResponseBody};
+use wire::{Frame, Header, ResponseBody};
 
 pub use crate::membership::PeerAddr;
 
@@ -56,6 +56,45 @@ pub struct Inbound {
     pub body: Bytes,
     /// Correlation id when the sender waits for a response ([`Transport::respond`]).
     pub request_id: Option<u64>,
+    /// What a topic handler attached before passing the message on ([`Inbound::hold`]).
+    held: Held,
+}
+
+/// A value riding along with an [`Inbound`] from its topic handler to its subscriber.
+#[derive(Default)]
+struct Held(Option<Box<dyn std::any::Any + Send>>);
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Held(..)" } else { "Held(None)" })
+    }
+}
+
+impl Inbound {
+    /// A message as a subscriber receives it.
+    pub fn new(from: PeerAddr, body: Bytes, request_id: Option<u64>) -> Self {
+        Inbound { from, body, request_id, held: Held::default() }
+    }
+
+    /// Attaches a value that travels with the message to the subscriber, and is dropped with
+    /// the message if it never gets there: a topic handler ([`Transport::subscribe_with`]) that
+    /// passes a message on can so hand the subscriber a guard (an in-flight count, say) whose
+    /// release cannot be lost.
+    pub fn hold(&mut self, value: impl std::any::Any + Send) {
+        self.held = Held(Some(Box::new(value)));
+    }
+
+    /// Takes the attached value if it is a `T`.
+    pub fn take_held<T: std::any::Any>(&mut self) -> Option<T> {
+        let held = self.held.0.take()?;
+        match held.downcast::<T>() {
+            Ok(v) => Some(*v),
+            Err(other) => {
+                self.held.0 = Some(other);
+                None
+            }
+        }
+    }
 }
 
 /// Counters of the transport, for logs, tests and operators.
@@ -97,7 +136,7 @@ struct Inner {
     /// One writer per peer incarnation *and* the address it is reached at, so a connection that
     /// claims an incarnation with another address can never redirect traffic meant for it.
     writers: Mutex<HashMap<PeerAddr, Arc<PeerQueue>>>,
-    topics: Mutex<HashMap<String, mpsc::Sender<Inbound>>>,
+    topics: Mutex<HashMap<String, Route>>,
     pending: Mutex<HashMap<u64, PendingRequest>>,
     next_request_id: AtomicU64,
     stats: TransportStats,
@@ -111,6 +150,42 @@ struct Inner {
     /// Established inbound connections by the incarnation that opened them, so forgetting a
     /// peer closes them too.
     inbound: Mutex<HashMap<UniqueAddress, Vec<CancellationToken>>>,
+}
+
+/// A topic subscriber's handler run on the reading task ([`Transport::subscribe_with`]).
+type InboundHandler = Arc<dyn Fn(Inbound) -> Option<Inbound> + Send + Sync>;
+
+/// Where frames of one topic go: the handler (if any) first, then the subscriber's channel.
+#[derive(Clone)]
+struct Route {
+    handler: Option<InboundHandler>,
+    tx: mpsc::Sender<Inbound>,
+}
+
+/// The routes one reading task has looked up, by topic: a connection carries few topics, so a
+/// short list compared byte-wise beats hashing the topic of every frame.
+#[derive(Default)]
+pub(crate) struct RouteCache {
+    routes: Vec<(Box<str>, Route)>,
+}
+
+impl RouteCache {
+    fn get(&mut self, inner: &Inner, topic: &str, fresh: bool) -> Option<Route> {
+        let at = self.routes.iter().position(|(t, _)| &**t == topic);
+        if let (Some(i), false) = (at, fresh) {
+            return Some(self.routes[i].1.clone());
+        }
+        let route = inner.topics.lock().expect("topics lock").get(topic).cloned();
+        match (at, &route) {
+            (Some(i), Some(r)) => self.routes[i].1 = r.clone(),
+            (Some(i), None) => {
+                self.routes.swap_remove(i);
+            }
+            (None, Some(r)) => self.routes.push((topic.into(), r.clone())),
+            (None, None) => {}
+        }
+        route
+    }
 }
 
 /// A request waiting for its response: only the incarnation it was sent to may answer it.
@@ -224,8 +299,26 @@ impl Transport {
     /// Subscribes to a topic; messages and requests for it arrive on the returned channel.
     /// A second subscription replaces the first.
     pub fn subscribe(&self, topic: &str, capacity: usize) -> mpsc::Receiver<Inbound> {
+        self.route(topic, capacity, None)
+    }
+
+    /// Subscribes to a topic with a handler that sees each message first, on the task reading
+    /// the connection (no task hop): it returns `None` when it dealt with the message and
+    /// `Some` to pass it on to the returned channel. It must never block; ordering between what
+    /// it handles and what it passes on is its own concern. A second subscription replaces the
+    /// first.
+    pub fn subscribe_with(
+        &self,
+        topic: &str,
+        capacity: usize,
+        handler: impl Fn(Inbound) -> Option<Inbound> + Send + Sync + 'static,
+    ) -> mpsc::Receiver<Inbound> {
+        self.route(topic, capacity, Some(Arc::new(handler)))
+    }
+
+    fn route(&self, topic: &str, capacity: usize, handler: Option<InboundHandler>) -> mpsc::Receiver<Inbound> {
         let (tx, rx) = mpsc::channel(capacity);
-        self.inner.topics.lock().expect("topics lock").insert(topic.to_string(), tx);
+        self.inner.topics.lock().expect("topics lock").insert(topic.to_string(), Route { handler, tx });
         rx
     }
 
@@ -236,7 +329,15 @@ impl Transport {
 
     /// Sends a one-way message. Delivery is at most once and in order per peer.
     pub fn send(&self, to: &PeerAddr, topic: &str, body: &[u8]) -> Result<()> {
-        self.enqueue(to, &Frame::Message { topic, body })
+        self.push(to, None, &Header::Message { topic }, put_body(body))
+    }
+
+    /// A sender for one peer incarnation, for callers that send to it often: it holds the
+    /// peer's queue, so a send takes no transport-wide lock and no lookup. Messages sent through
+    /// it and through [`Transport::send`] share one order.
+    pub fn sender(&self, to: &PeerAddr) -> PeerSender {
+        let queue = (to.address != self.inner.local.address).then(|| self.queue_of(to));
+        PeerSender { transport: self.clone(), to: to.clone(), queue }
     }
 
     /// Sends a request and waits for its response (or the timeout).
@@ -245,7 +346,7 @@ impl Transport {
         let (reply, rx) = oneshot::channel();
         self.inner.pending.lock().expect("pending lock").insert(id, PendingRequest { peer: to.address.clone(), reply });
         let _pending = PendingGuard { inner: &self.inner, id };
-        self.enqueue(to, &Frame::Request { id, topic, body })?;
+        self.push(to, None, &Header::Request { id, topic }, put_body(body))?;
         match tokio::time::timeout(timeout, rx).await {
             Ok(Ok(r)) => r,
             Ok(Err(_)) => Err(Error::ShutDown),
@@ -267,11 +368,10 @@ impl Transport {
 
     /// Answers a request received as [`Inbound`] with `request_id`.
     pub fn respond(&self, to: &PeerAddr, request_id: u64, body: Result<&[u8], String>) -> Result<()> {
-        let body = match &body {
-            Ok(b) => ResponseBody::Ok(b),
-            Err(e) => ResponseBody::Err(e.clone()),
-        };
-        self.enqueue(to, &Frame::Response { id: request_id, body })
+        match &body {
+            Ok(b) => self.push(to, None, &Header::ResponseOk { id: request_id }, put_body(b)),
+            Err(e) => self.push(to, None, &Header::ResponseErr { id: request_id }, put_body(e.as_bytes())),
+        }
     }
 
     /// From now on, accept connections only from incarnations that are members in `members`
@@ -301,70 +401,161 @@ impl Transport {
         });
     }
 
-    fn enqueue(&self, to: &PeerAddr, frame: &Frame<'_>) -> Result<()> {
+    /// The queue of `to`'s writer, started on first use.
+    fn queue_of(&self, to: &PeerAddr) -> Arc<PeerQueue> {
+        let inner = &self.inner;
+        let mut writers = inner.writers.lock().expect("writers lock");
+        writers
+            .entry(to.clone())
+            .or_insert_with(|| {
+                let q = Arc::new(PeerQueue::default());
+                inner.spawner.spawn(writer_task(inner.clone(), to.clone(), q.clone()));
+                q
+            })
+            .clone()
+    }
+
+    /// Queues one frame for `to`: `header`, then whatever `body` appends. `cached` is a
+    /// [`PeerSender`]'s queue; a closed one falls back to the writers map (which dials anew or
+    /// reports why the peer refused us).
+    fn push<F>(&self, to: &PeerAddr, cached: Option<&Arc<PeerQueue>>, header: &Header<'_>, body: F) -> Result<()>
+    where
+        F: FnOnce(&mut bytes::BytesMut) -> Result<()>,
+    {
         let inner = &self.inner;
         if inner.shutdown.is_cancelled() {
             return Err(Error::ShutDown);
         }
-        let max = inner.settings.max_frame_size;
-        let too_large = |len: usize| Error::Codec(format!("frame of {len} bytes exceeds max_frame_size {max}"));
         if to.address == inner.local.address {
             // Loopback without a socket: decode and dispatch directly, same semantics.
-            let bytes = wire::encode(frame)?;
-            if bytes.len() > max {
-                return Err(too_large(bytes.len()));
+            let mut frame = bytes::BytesMut::new();
+            header.put(&mut frame)?;
+            body(&mut frame)?;
+            let max = inner.settings.max_frame_size;
+            if frame.len() > max {
+                return Err(Error::Codec(format!("frame of {} bytes exceeds max_frame_size {max}", frame.len())));
             }
             // One task delivers loopback frames in order, like a connection would.
-            return inner.loopback.send(bytes).map_err(|_| Error::ShutDown);
+            return inner.loopback.send(frame.freeze()).map_err(|_| Error::ShutDown);
         }
-        let queue = {
-            let mut writers = inner.writers.lock().expect("writers lock");
-            writers
-                .entry(to.clone())
-                .or_insert_with(|| {
-                    let q = Arc::new(PeerQueue::default());
-                    inner.spawner.spawn(writer_task(inner.clone(), to.clone(), q.clone()));
-                    q
-                })
-                .clone()
+        let body = match cached {
+            Some(queue) => match self.push_to(to, queue, header, body)? {
+                Pushed::Done => return Ok(()),
+                Pushed::Closed(body) => body,
+            },
+            None => body,
         };
+        let queue = self.queue_of(to);
+        match self.push_to(to, &queue, header, body)? {
+            Pushed::Done => Ok(()),
+            Pushed::Closed(_) => {
+                let reason = {
+                    let q = queue.state.lock().expect("queue lock");
+                    q.refused.clone().unwrap_or_else(|| "this incarnation was forgotten".into())
+                };
+                let mut writers = inner.writers.lock().expect("writers lock");
+                if writers.get(to).is_some_and(|w| Arc::ptr_eq(w, &queue)) {
+                    // This incarnation refused us; the next send dials anew.
+                    writers.remove(to);
+                }
+                Err(Error::PeerUnavailable { peer: to.address.node_id.to_string(), reason })
+            }
+        }
+    }
+
+    /// Appends one length-prefixed frame to `queue`, waking its writer only when the queue was
+    /// empty (a writer that has frames to take is awake or about to be).
+    fn push_to<F>(&self, to: &PeerAddr, queue: &PeerQueue, header: &Header<'_>, body: F) -> Result<Pushed<F>>
+    where
+        F: FnOnce(&mut bytes::BytesMut) -> Result<()>,
+    {
+        let settings = &self.inner.settings;
         let mut q = queue.state.lock().expect("queue lock");
         if q.closed {
-            let reason = q.refused.clone().unwrap_or_else(|| "this incarnation was forgotten".into());
-            drop(q);
-            let mut writers = inner.writers.lock().expect("writers lock");
-            if writers.get(to).is_some_and(|w| Arc::ptr_eq(w, &queue)) {
-                // This incarnation refused us; the next send dials anew.
-                writers.remove(to);
-            }
-            return Err(Error::PeerUnavailable { peer: to.address.node_id.to_string(), reason });
+            return Ok(Pushed::Closed(body));
         }
         let full = || Error::SendQueueFull { peer: to.address.node_id.to_string() };
-        if q.frames >= inner.settings.send_queue_capacity {
+        if q.frames >= settings.send_queue_capacity {
             return Err(full());
         }
         use bytes::BufMut;
         let start = q.buf.len();
         q.buf.put_u32(0);
-        let encoded = rmp_serde::encode::write_named(&mut (&mut q.buf).writer(), frame);
+        let written = header.put(&mut q.buf).and_then(|()| body(&mut q.buf));
         let len = q.buf.len() - start - 4;
-        if let Err(e) = encoded {
-            q.buf.truncate(start);
-            return Err(Error::Codec(e.to_string()));
-        }
-        if len > max {
-            q.buf.truncate(start);
-            return Err(too_large(len));
-        }
-        if q.buf.len() > inner.settings.send_queue_max_bytes {
-            q.buf.truncate(start);
-            return Err(full());
-        }
-        q.buf[start..start + 4].copy_from_slice(&(len as u32).to_be_bytes());
+        let checked = written.and_then(|()| {
+            let max = settings.max_frame_size;
+            if len > max {
+                return Err(Error::Codec(format!("frame of {len} bytes exceeds max_frame_size {max}")));
+            }
+            if q.buf.len() > settings.send_queue_max_bytes {
+                return Err(full());
+            }
+            u32::try_from(len).map_err(|_| Error::Codec(format!("frame of {len} bytes")))
+        });
+        let len = match checked {
+            Ok(len) => len,
+            Err(e) => {
+                q.buf.truncate(start);
+                return Err(e);
+            }
+        };
+        q.buf[start..start + 4].copy_from_slice(&len.to_be_bytes());
+        let was_empty = q.frames == 0;
         q.frames += 1;
         drop(q);
-        queue.wake.notify_one();
+        if was_empty {
+            queue.wake.notify_one();
+        }
+        Ok(Pushed::Done)
+    }
+}
+
+/// What [`Transport::push_to`] did with a frame: queued it, or found the queue closed (and
+/// hands the body writer back for another queue).
+enum Pushed<F> {
+    Done,
+    Closed(F),
+}
+
+/// A body writer that appends `body`.
+fn put_body(body: &[u8]) -> impl FnOnce(&mut bytes::BytesMut) -> Result<()> + '_ {
+    move |buf| {
+        buf.extend_from_slice(body);
         Ok(())
+    }
+}
+
+/// A sender for one peer incarnation ([`Transport::sender`]); cheap to clone.
+#[derive(Clone)]
+pub struct PeerSender {
+    transport: Transport,
+    to: PeerAddr,
+    /// `None` for this node itself (loopback).
+    queue: Option<Arc<PeerQueue>>,
+}
+
+impl std::fmt::Debug for PeerSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSender").field("to", &self.to).finish()
+    }
+}
+
+impl PeerSender {
+    /// The peer incarnation this sender sends to.
+    pub fn peer(&self) -> &PeerAddr {
+        &self.to
+    }
+
+    /// Sends a one-way message, as [`Transport::send`] does.
+    pub fn send(&self, topic: &str, body: &[u8]) -> Result<()> {
+        self.send_with(topic, put_body(body))
+    }
+
+    /// Sends a one-way message whose body `body` appends straight into the peer's queue (no
+    /// intermediate buffer). An error from `body` leaves the queue as it was.
+    pub fn send_with(&self, topic: &str, body: impl FnOnce(&mut bytes::BytesMut) -> Result<()>) -> Result<()> {
+        self.transport.push(&self.to, self.queue.as_ref(), &Header::Message { topic }, body)
     }
 }
 
@@ -375,7 +566,7 @@ fn cut(inner: &Inner, from: &str, to: &str) -> bool {
 
 async fn loopback_loop(inner: Arc<Inner>, mut frames: mpsc::UnboundedReceiver<Bytes>) {
     let from = inner.local.clone();
-    let mut cache = HashMap::new();
+    let mut cache = RouteCache::default();
     loop {
         let bytes = tokio::select! {
             _ = inner.shutdown.cancelled() => return,
@@ -384,22 +575,16 @@ async fn loopback_loop(inner: Arc<Inner>, mut frames: mpsc::UnboundedReceiver<By
                 None => return,
             },
         };
-        if let Ok(f) = wire::decode_borrowed::<Frame>(&bytes) {
+        if let Ok(f) = Frame::decode(&bytes) {
             dispatch(&inner, &from, &bytes, f, &mut cache).await;
         }
     }
 }
 
 /// Delivers one frame: responses complete their pending request; messages and requests go to
-/// the topic's subscriber (looked up once per connection and topic). `buf` is the frame's
-/// buffer; bodies are slices of it, not copies.
-async fn dispatch(
-    inner: &Arc<Inner>,
-    from: &PeerAddr,
-    buf: &Bytes,
-    frame: Frame<'_>,
-    cache: &mut HashMap<String, mpsc::Sender<Inbound>>,
-) {
+/// the topic's handler and subscriber. `buf` is the frame's buffer; bodies are slices of it,
+/// not copies.
+async fn dispatch(inner: &Arc<Inner>, from: &PeerAddr, buf: &Bytes, frame: Frame<'_>, cache: &mut RouteCache) {
     let (topic, body, request_id) = match frame {
         Frame::Response { id, body } => {
             let mut pending = inner.pending.lock().expect("pending lock");
@@ -424,25 +609,30 @@ async fn dispatch(
         Frame::Message { topic, body } => (topic, body, None),
         Frame::Request { id, topic, body } => (topic, body, Some(id)),
     };
-    let mut inbound = Inbound { from: from.clone(), body: buf.slice_ref(body), request_id };
+    let mut inbound = Inbound::new(from.clone(), buf.slice_ref(body), request_id);
     let mut delivered = false;
-    // A cached sender may belong to a replaced subscription: on failure look up once more.
+    // A cached route may belong to a replaced subscription: on failure look up once more.
     for attempt in 0..2 {
-        if attempt == 1 || !cache.contains_key(topic) {
-            match inner.topics.lock().expect("topics lock").get(topic) {
-                Some(tx) => cache.insert(topic.to_string(), tx.clone()),
-                None => break,
-            };
+        let Some(route) = cache.get(inner, topic, attempt == 1) else { break };
+        // A handler sees a message once, even when its channel turns out to be replaced.
+        if let (Some(handler), 0) = (&route.handler, attempt) {
+            match handler(inbound) {
+                None => return,
+                Some(back) => inbound = back,
+            }
         }
-        match cache[topic].send(inbound).await {
+        // Most frames find room: no await machinery for them.
+        let sent = match route.tx.try_send(inbound) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(back)) => route.tx.send(back).await.map_err(|e| e.0),
+            Err(mpsc::error::TrySendError::Closed(back)) => Err(back),
+        };
+        match sent {
             Ok(()) => {
                 delivered = true;
                 break;
             }
-            Err(mpsc::error::SendError(back)) => {
-                cache.remove(topic);
-                inbound = back;
-            }
+            Err(back) => inbound = back,
         }
     }
     if !delivered {

@@ -11,7 +11,7 @@ use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 use tracing::{debug, warn};
 
-use super::wire::{self, Hello, HelloReply, PROTOCOL_VERSION};
+use super::wire::{self, BINARY_FRAMES, Hello, HelloReply, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RejectReason};
 use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, PeerQueue, codec, cut, noise};
 use crate::config::TransportSettings;
 use crate::error::Error;
@@ -23,10 +23,12 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
     let mut backoff = s.reconnect_backoff_min;
     // When dialing started failing; a peer unreachable for `unreachable_give_up` loses its writer.
     let mut unreachable_since: Option<tokio::time::Instant> = None;
+    // Lowered once if the peer is an older node that refuses this version.
+    let mut version = PROTOCOL_VERSION;
     'reconnect: loop {
         let conn = tokio::select! {
             _ = inner.shutdown.cancelled() => return,
-            r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer)) => {
+            r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer, version)) => {
                 r.unwrap_or(Err(DialError::TimedOut))
             }
         };
@@ -34,6 +36,11 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
             Ok(link) => {
                 backoff = s.reconnect_backoff_min;
                 link
+            }
+            Err(DialError::OlderVersion(theirs)) => {
+                debug!(peer = %peer.address, version = theirs, "peer speaks an older protocol version; dialing at it");
+                version = theirs;
+                continue 'reconnect;
             }
             Err(DialError::Refused(reason)) => {
                 warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
@@ -63,6 +70,7 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
         };
         unreachable_since = None;
         let mut sealed = bytes::BytesMut::new();
+        let mut older = bytes::BytesMut::new();
         loop {
             let (chunk, n) = {
                 let mut q = queue.state.lock().expect("queue lock");
@@ -82,16 +90,26 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
                 inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
                 continue;
             }
+            let chunk: &[u8] = if version < BINARY_FRAMES {
+                older.clear();
+                if let Err(e) = wire::binary_frames_to_v2(&chunk, &mut older) {
+                    warn!(peer = %peer.address, error = %e, "frames not rewritten for an older peer; dropped");
+                    continue;
+                }
+                &older
+            } else {
+                &chunk
+            };
             let bytes: &[u8] = match &mut link.cipher {
                 Some(cipher) => {
                     sealed.clear();
-                    if let Err(e) = noise::seal(cipher, &chunk, &mut sealed) {
+                    if let Err(e) = noise::seal(cipher, chunk, &mut sealed) {
                         warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
                         continue 'reconnect;
                     }
                     &sealed
                 }
-                None => &chunk,
+                None => chunk,
             };
             if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
                 debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
@@ -143,6 +161,8 @@ enum DialError {
     Io(std::io::Error),
     TimedOut,
     Refused(String),
+    /// The peer speaks only this older version, which this node still speaks too.
+    OlderVersion(u32),
 }
 
 /// Ends a writer: drops its queued frames and fails the requests waiting on the peer now, not
@@ -172,13 +192,13 @@ fn close_writer(inner: &Inner, peer: &PeerAddr, queue: &Arc<PeerQueue>, reason: 
     }
 }
 
-async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Link, DialError> {
+async fn dial(inner: &Inner, peer: &PeerAddr, version: u32) -> Result<Link, DialError> {
     use tokio::io::AsyncWriteExt;
     let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
     configure_socket(&stream, &inner.settings).map_err(DialError::Io)?;
     let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     let hello = Hello {
-        protocol_version: PROTOCOL_VERSION,
+        protocol_version: version,
         cluster_id: inner.cluster_id.clone(),
         from: inner.local.address.clone(),
         from_messaging_addr: inner.local.messaging_addr,
@@ -214,6 +234,11 @@ async fn dial(inner: &Inner, peer: &PeerAddr) -> Result<Link, DialError> {
         Ok(HelloReply::Accept { address }) if address == peer.address => {}
         Ok(HelloReply::Accept { address }) => {
             return Err(DialError::Refused(format!("{} answered as {address}", peer.messaging_addr)));
+        }
+        Ok(HelloReply::Reject(RejectReason::ProtocolVersion { ours, .. }))
+            if (MIN_PROTOCOL_VERSION..version).contains(&ours) =>
+        {
+            return Err(DialError::OlderVersion(ours));
         }
         Ok(HelloReply::Reject(r)) => return Err(DialError::Refused(r.to_string())),
         Err(e) => return Err(DialError::Refused(format!("malformed handshake reply: {e}"))),
