@@ -403,3 +403,30 @@ async fn a_busy_entity_past_the_hand_off_stop_timeout_is_dropped_and_the_asks_be
     assert!(behind.is_err(), "the ask queued behind it fails rather than hangs: {behind:?}");
     c.shutdown().await;
 }
+
+/// Once a shard's home is known on both sides, messages between a proxy and the hosting node
+/// skip both region tasks: the proxy's handle sends straight to the home's queue and the
+/// host's connection reader puts them straight into the running entity's mailbox (its answer
+/// completes the ask from the proxy's reader). Every message is still handled once, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_between_a_proxy_and_a_running_entity_skip_both_region_tasks_once_the_home_is_known() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let host = start_counter(c.node(0), &probe, settings()).await;
+    let proxy = c.node(1).sharding().start_proxy::<Counter>("counter", settings()).await.unwrap();
+    assert_eq!(value(&proxy, "fast-1").await, 0, "the first ask learns the home and starts the entity");
+    let (sent_before, received_before) = (
+        proxy.counters().remote_sent_direct.load(Ordering::Relaxed),
+        host.counters().remote_direct.load(Ordering::Relaxed),
+    );
+    for i in 1..=200 {
+        proxy.tell("fast-1", CounterMsg::Add(i)).unwrap();
+    }
+    assert_eq!(value(&proxy, "fast-1").await, (1..=200).sum::<i64>(), "every tell handled once");
+    let sent = proxy.counters().remote_sent_direct.load(Ordering::Relaxed) - sent_before;
+    let received = host.counters().remote_direct.load(Ordering::Relaxed) - received_before;
+    assert_eq!(sent, 201, "every tell and the ask left the proxy without its region task");
+    assert_eq!(received, 201, "and reached the entity without the host's region task");
+    c.shutdown().await;
+}

@@ -13,7 +13,7 @@ use super::keys;
 use super::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::error::{Error, Result};
 use crate::membership::MembershipSnapshot;
-use crate::transport::{Transport, wire};
+use crate::transport::{PeerSender, Transport, wire};
 
 /// Where the answer to a message goes.
 pub(crate) enum ReplyTo<E: Entity> {
@@ -21,6 +21,9 @@ pub(crate) enum ReplyTo<E: Entity> {
     Remote {
         region: RegionId,
         ask_id: u64,
+        /// The link to the asker's node, when the message came straight from it (no lookup
+        /// in the membership per reply).
+        via: Option<PeerSender>,
     },
     /// `start_entity`: answered once the entity runs.
     Started(oneshot::Sender<Result<()>>),
@@ -161,19 +164,26 @@ impl Replier {
             ReplyTo::Started(tx) => {
                 let _ = tx.send(result.map(|_| ()));
             }
-            ReplyTo::Remote { region, ask_id } => {
+            ReplyTo::Remote { region, ask_id, via } => {
                 let result = match result {
-                    Ok(Some(r)) => wire::encode(&r)
-                        .map(|b| serde_bytes::ByteBuf::from(b.to_vec()))
-                        .map_err(|e| DeliveryFailure::of(&e)),
+                    Ok(Some(r)) => rmp_serde::to_vec_named(&r)
+                        .map(serde_bytes::ByteBuf::from)
+                        .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string()))),
                     Ok(None) => Ok(serde_bytes::ByteBuf::new()),
                     Err(e) => Err(DeliveryFailure::of(&e)),
                 };
                 let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result });
-                let peer = self.members.borrow().peer(&region);
-                if let (Some(peer), Ok(bytes)) = (peer, wire::encode(&msg))
-                    && let Err(e) = self.transport.send(&peer, &self.topic, &bytes)
-                {
+                let sent = match via {
+                    Some(via) => via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)),
+                    None => {
+                        let peer = self.members.borrow().peer(&region);
+                        match peer {
+                            Some(peer) => wire::encode(&msg).and_then(|b| self.transport.send(&peer, &self.topic, &b)),
+                            None => Ok(()), // the asker's node is gone; its ask fails there
+                        }
+                    }
+                };
+                if let Err(e) = sent {
                     debug!(%region, error = %e, "ask reply not sent");
                 }
             }

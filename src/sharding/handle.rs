@@ -13,7 +13,9 @@ use tracing::warn;
 use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use super::ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id, valid_type_name};
 use super::protocol::{CoordinatorQuery, RegionQuery, RegionStatsReply};
-use super::region::{AskTable, RegionCmd, RegionCore, RegionSettings, RegionTask};
+use super::region::{
+    AskTable, Direct, FastPath, PeerSenders, RegionCmd, RegionCore, RegionSettings, RegionTask, RemoteHomes,
+};
 use super::settings::ShardingSettings;
 use super::shard::{Factory, LocalShards, RememberIo, ShardDirectory, StateIo};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
@@ -40,6 +42,12 @@ pub struct RegionCounters {
     /// the entity was not running here, was starting or stopping, or an earlier message to it
     /// was still on that path) rather than going straight into a running entity's mailbox.
     pub local_routed: AtomicU64,
+    /// Messages from other nodes that went from the connection straight into a running
+    /// entity's mailbox, without a hop through the region task.
+    pub remote_direct: AtomicU64,
+    /// Messages from this node's handle sent straight to their shard's home on another node,
+    /// without a hop through the region task.
+    pub remote_sent_direct: AtomicU64,
     /// Messages dropped because the buffer was full.
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.
@@ -101,6 +109,8 @@ pub(crate) struct HandleInner<E: Entity> {
     /// This handle's messages on the routed path, by stripe of entity id (ordering between
     /// the direct and the routed path).
     routed: Arc<RoutedInFlight>,
+    /// The region's fast paths, for sending straight to a shard's remote home.
+    fast: OnceLock<Arc<FastPath<E>>>,
 }
 
 /// Handle to the region (or proxy) of one entity type on this node; cheap to clone.
@@ -157,6 +167,12 @@ impl<E: Entity> ShardRegion<E> {
             match direct.deliver(&shard, entity_id, stripe, env) {
                 Ok(()) => return Ok(()),
                 Err(back) => env = back,
+            }
+        }
+        if let Some(fast) = i.fast.get() {
+            match fast.send_direct(&shard, entity_id, stripe, env) {
+                Direct::Sent(sent) => return sent,
+                Direct::Routed(back) => env = back,
             }
         }
         if i.buffered.load(Ordering::Relaxed) >= i.settings.buffer_size {
@@ -342,6 +358,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         proxy,
         direct: OnceLock::new(),
         routed: routed.clone(),
+        fast: OnceLock::new(),
     });
     node.register_region(inner.clone())?;
     let me = node.address().clone();
@@ -388,15 +405,28 @@ pub(crate) async fn start_region_of<E: Entity>(
         retry_interval: settings.retry_interval,
         extractor_fingerprint: fingerprint,
     };
+    let fast = Arc::new(FastPath {
+        me: me.clone(),
+        topic: keys::region_topic(type_name).into(),
+        remote: RemoteHomes::default(),
+        direct: shards.as_ref().map(|s| s.directory().clone()),
+        routed: routed.clone(),
+        extractor: inner.extractor.clone(),
+        counters: inner.counters.clone(),
+        asks: Arc::new(std::sync::Mutex::new(AskTable::default())),
+        senders: Arc::new(PeerSenders::new(transport.clone())),
+    });
+    let _ = inner.fast.set(fast.clone());
     let task = RegionTask {
         type_name: type_name.to_string(),
+        topic: keys::region_topic(type_name),
         me: me.clone(),
         role: settings.role.clone(),
         transport,
         core: RegionCore::new(me, proxy, region_settings, Instant::now()),
         shards,
         settings: settings.clone(),
-        asks: AskTable::default(),
+        fast,
         buffered: inner.buffered.clone(),
         counters: inner.counters.clone(),
         replier,

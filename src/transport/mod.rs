@@ -337,7 +337,7 @@ impl Transport {
     /// it and through [`Transport::send`] share one order.
     pub fn sender(&self, to: &PeerAddr) -> PeerSender {
         let queue = (to.address != self.inner.local.address).then(|| self.queue_of(to));
-        PeerSender { transport: self.clone(), to: to.clone(), queue }
+        PeerSender(Arc::new(SenderOf { transport: self.clone(), to: to.clone(), queue }))
     }
 
     /// Sends a request and waits for its response (or the timeout).
@@ -526,9 +526,11 @@ fn put_body(body: &[u8]) -> impl FnOnce(&mut bytes::BytesMut) -> Result<()> + '_
     }
 }
 
-/// A sender for one peer incarnation ([`Transport::sender`]); cheap to clone.
+/// A sender for one peer incarnation ([`Transport::sender`]); cheap to clone (one pointer).
 #[derive(Clone)]
-pub struct PeerSender {
+pub struct PeerSender(Arc<SenderOf>);
+
+struct SenderOf {
     transport: Transport,
     to: PeerAddr,
     /// `None` for this node itself (loopback).
@@ -537,14 +539,14 @@ pub struct PeerSender {
 
 impl std::fmt::Debug for PeerSender {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PeerSender").field("to", &self.to).finish()
+        f.debug_struct("PeerSender").field("to", &self.0.to).finish()
     }
 }
 
 impl PeerSender {
     /// The peer incarnation this sender sends to.
     pub fn peer(&self) -> &PeerAddr {
-        &self.to
+        &self.0.to
     }
 
     /// Sends a one-way message, as [`Transport::send`] does.
@@ -555,7 +557,8 @@ impl PeerSender {
     /// Sends a one-way message whose body `body` appends straight into the peer's queue (no
     /// intermediate buffer). An error from `body` leaves the queue as it was.
     pub fn send_with(&self, topic: &str, body: impl FnOnce(&mut bytes::BytesMut) -> Result<()>) -> Result<()> {
-        self.transport.push(&self.to, self.queue.as_ref(), &Header::Message { topic }, body)
+        let s = &self.0;
+        s.transport.push(&s.to, s.queue.as_ref(), &Header::Message { topic }, body)
     }
 }
 

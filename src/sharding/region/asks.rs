@@ -12,6 +12,17 @@ struct Pending<P> {
     handle: P,
 }
 
+/// What [`AskTable::take_from`] found.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Taken<P> {
+    /// The ask, with its entity id.
+    Answered(String, P),
+    /// No such ask waits (answered before, given up, or never sent).
+    NotPending,
+    /// It waits for another region.
+    WrongRegion,
+}
+
 /// Pending remote asks by ask id; `P` is the asker's handle.
 pub(crate) struct AskTable<P> {
     next_id: u64,
@@ -36,6 +47,16 @@ impl<P> AskTable<P> {
     /// The ask answered by an `AskReply` with this id, with its entity id.
     pub(crate) fn take(&mut self, id: u64) -> Option<(String, P)> {
         self.asks.remove(&id).map(|p| (p.entity_id, p.handle))
+    }
+
+    /// The ask with this id, answered by `from`: only the region it was sent to may answer it
+    /// (`WrongRegion` leaves it waiting).
+    pub(crate) fn take_from(&mut self, id: u64, from: &RegionId) -> Taken<P> {
+        match self.asks.get(&id) {
+            None => Taken::NotPending,
+            Some(p) if p.target != *from => Taken::WrongRegion,
+            Some(_) => self.take(id).map_or(Taken::NotPending, |(e, p)| Taken::Answered(e, p)),
+        }
     }
 
     /// Every ask sent to `region`, oldest first (the region is gone: they fail now).
@@ -72,6 +93,16 @@ mod tests {
         assert_eq!(t.take(id), Some(("e1".to_string(), 10)));
         assert_eq!(t.take(id), None, "a duplicate answer finds nothing");
         assert_eq!(t.take(999), None);
+    }
+
+    #[test]
+    fn only_the_region_an_ask_went_to_may_answer_it() {
+        let mut t = AskTable::default();
+        let id = t.insert(r("b"), "e1".into(), 10u32);
+        assert_eq!(t.take_from(id, &r("c")), Taken::WrongRegion, "another region's answer");
+        assert_eq!(t.take_from(id, &RegionId::new("b", 2)), Taken::WrongRegion, "another incarnation's answer");
+        assert_eq!(t.take_from(id, &r("b")), Taken::Answered("e1".to_string(), 10));
+        assert_eq!(t.take_from(id, &r("b")), Taken::NotPending, "answered once");
     }
 
     #[test]

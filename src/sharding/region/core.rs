@@ -137,7 +137,7 @@ pub(crate) struct RegionCore<M> {
     refused: bool,
     register_backoff: Duration,
     next_register: Instant,
-    homes: BTreeMap<ShardId, (RegionId, u64)>,
+    homes: Homes,
     hosted: BTreeMap<ShardId, u64>,
     /// Per shard, the newest epoch this region hosted it at (kept after it stopped), so a
     /// message forwarded for that epoch or an older one is known to have missed its shard.
@@ -154,6 +154,41 @@ pub(crate) struct RegionCore<M> {
     superseded: BTreeMap<ShardId, u64>,
     shutting_down: bool,
     stopped: bool,
+}
+
+/// The shard homes a region knows, and a generation that grows with every change to them or
+/// to anything else a forward depends on (the routable regions, a refusal): a copy of a
+/// forward decision taken at one generation holds while the generation is unchanged.
+#[derive(Default)]
+struct Homes {
+    map: BTreeMap<ShardId, (RegionId, u64)>,
+    generation: u64,
+}
+
+impl Homes {
+    fn get(&self, shard: &ShardId) -> Option<&(RegionId, u64)> {
+        self.map.get(shard)
+    }
+
+    fn insert(&mut self, shard: ShardId, home: (RegionId, u64)) {
+        self.generation += 1;
+        self.map.insert(shard, home);
+    }
+
+    fn remove(&mut self, shard: &ShardId) {
+        self.generation += 1;
+        self.map.remove(shard);
+    }
+
+    fn retain(&mut self, keep: impl FnMut(&ShardId, &mut (RegionId, u64)) -> bool) {
+        self.generation += 1;
+        self.map.retain(keep);
+    }
+
+    fn clear(&mut self) {
+        self.generation += 1;
+        self.map.clear();
+    }
 }
 
 /// Registration retries start at an eighth of the retry interval (at least 100 ms) and double
@@ -174,7 +209,7 @@ impl<M> RegionCore<M> {
             registered: false,
             refused: false,
             next_register: now,
-            homes: BTreeMap::new(),
+            homes: Homes::default(),
             hosted: BTreeMap::new(),
             hosted_before: BTreeMap::new(),
             handing_off: BTreeMap::new(),
@@ -196,6 +231,13 @@ impl<M> RegionCore<M> {
     /// Messages waiting for a shard home.
     pub(crate) fn buffered(&self) -> usize {
         self.buffered
+    }
+
+    /// Grows with every change that can change where a message is routed (a home learnt or
+    /// forgotten, a region no longer routable, a refusal): a [`RegionAction::Forward`] decided
+    /// at one generation is the decision for every message to that shard until it changes.
+    pub(crate) fn routing_generation(&self) -> u64 {
+        self.homes.generation
     }
 
     fn to_coordinator(&self, msg: ToCoordinator, out: &mut Vec<RegionAction<M>>) {
@@ -326,6 +368,9 @@ impl<M> RegionCore<M> {
                     self.homes.retain(|_, (r, _)| r != gone);
                     out.push(RegionAction::RegionGone(gone.clone()));
                 }
+                if routable != self.routable {
+                    self.homes.generation += 1;
+                }
                 self.routable = routable;
                 if coordinator != self.coordinator {
                     self.coordinator = coordinator;
@@ -384,6 +429,7 @@ impl<M> RegionCore<M> {
                 self.coordinator = Some(coordinator);
                 self.registered = true;
                 self.refused = false;
+                self.homes.generation += 1;
                 self.requested.clear();
                 let shards: Vec<ShardId> = self.buffers.keys().cloned().collect();
                 for s in shards {
@@ -566,6 +612,42 @@ mod tests {
     /// A message from the coordinator the test region follows.
     fn coord(msg: ToRegion) -> RegionInput<u32> {
         RegionInput::Coordinator { from: r("coord"), msg }
+    }
+
+    #[test]
+    fn the_routing_generation_moves_with_every_change_a_forward_depends_on_and_only_then() {
+        let mut c = region(10);
+        run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
+        let mut seen = c.routing_generation();
+        let mut moved = |c: &RegionCore<u32>, what: &str, expected: bool| {
+            let now = c.routing_generation();
+            assert_eq!(now != seen, expected, "{what}: generation {seen} -> {now}");
+            assert!(now >= seen, "{what}: the generation never goes back");
+            seen = now;
+        };
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("other"), epoch: 5 }));
+        moved(&c, "a home learnt", true);
+        let out = run(&mut c, route("1", 1));
+        assert!(matches!(&out[..], [RegionAction::Forward { epoch: 5, .. }]), "{out:?}");
+        run(&mut c, RegionInput::Tick);
+        run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
+        moved(&c, "a forward, a tick and the same routable regions", false);
+        run(&mut c, coord(ToRegion::BeginHandOff { shard: "1".into(), handoff: 1 }));
+        moved(&c, "a hand-off begun (the home forgotten)", true);
+        run(&mut c, coord(ToRegion::ShardHome { shard: "1".into(), region: r("third"), epoch: 6 }));
+        moved(&c, "a new home", true);
+        run(&mut c, coord(ToRegion::HandOff { shard: "2".into(), handoff: 2 }));
+        moved(&c, "a hand-off of a shard not hosted here", true);
+        run(&mut c, members(&["me", "coord", "other"], Some("coord")));
+        moved(&c, "a region no longer routable", true);
+        run(&mut c, coord(ToRegion::HostShard { shard: "3".into(), epoch: 1 }));
+        moved(&c, "a shard hosted here", true);
+        run(&mut c, RegionInput::LocalShardFenced { shard: "3".into(), epoch: 1 });
+        moved(&c, "a local shard fenced (its home forgotten)", true);
+        run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord") }));
+        moved(&c, "the registration refused", true);
+        run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
+        moved(&c, "the registration accepted again", true);
     }
 
     #[test]

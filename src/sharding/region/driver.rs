@@ -10,13 +10,13 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
 
-use super::asks::AskTable;
 use super::core::{RegionAction, RegionCore, RegionDrop, RegionInput};
+use super::fast::{FastPath, complete_ask};
 use crate::clock::Instant;
 use crate::error::Result;
 use crate::membership::MembershipSnapshot;
 use crate::node::Node;
-use crate::sharding::envelope::{Envelope, Replier, ReplyTo, not_delivered};
+use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedTicket, not_delivered};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{RegionId, ShardId};
 use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion};
@@ -53,7 +53,7 @@ impl<R> PendingAsk<R> {
         }
     }
 
-    fn fail(self, error: crate::error::Error) {
+    pub(crate) fn fail(self, error: crate::error::Error) {
         match self {
             PendingAsk::Reply(tx) => {
                 let _ = tx.send(Err(error));
@@ -68,6 +68,8 @@ impl<R> PendingAsk<R> {
 /// The region task of one entity type on one node.
 pub(crate) struct RegionTask<E: Entity> {
     pub type_name: String,
+    /// This type's region topic.
+    pub topic: String,
     pub me: RegionId,
     pub role: Option<String>,
     pub transport: Transport,
@@ -75,7 +77,9 @@ pub(crate) struct RegionTask<E: Entity> {
     /// `None` for a proxy.
     pub shards: Option<LocalShards<E>>,
     pub settings: ShardingSettings,
-    pub asks: AskTable<PendingAsk<E::Reply>>,
+    /// What the region topic's fast path shares with this task: the asks sent elsewhere, the
+    /// peer senders, the shard directory.
+    pub fast: Arc<FastPath<E>>,
     pub buffered: Arc<AtomicUsize>,
     pub counters: Arc<RegionCounters>,
     pub replier: Replier,
@@ -95,8 +99,9 @@ impl<E: Entity> RegionTask<E> {
         mut commands: mpsc::UnboundedReceiver<RegionCmd<E>>,
         mut events: mpsc::UnboundedReceiver<ShardEvent<E>>,
     ) {
-        let topic = keys::region_topic(&self.type_name);
-        let mut inbound = self.transport.subscribe(&topic, 65_536);
+        let topic = self.topic.clone();
+        let fast = self.fast.clone();
+        let mut inbound = self.transport.subscribe_with(&topic, 65_536, move |m| fast.handle(m));
         let mut members = node.watch_membership();
         let shutdown = node.shutdown_token();
         let mut tick = tokio::time::interval(REGION_TICK);
@@ -130,7 +135,7 @@ impl<E: Entity> RegionTask<E> {
                     for s in self.shards.as_ref().map(LocalShards::ids).unwrap_or_default() {
                         self.work.push_back(Work::Shard(s, ShardInput::Tick));
                     }
-                    self.asks.retain_waiting(PendingAsk::is_waiting);
+                    self.fast.asks.lock().expect("asks lock").retain_waiting(PendingAsk::is_waiting);
                     if self.shutdown_deadline.is_some_and(|d| Instant::now() >= d) {
                         warn!(type_name = %self.type_name, "graceful shutdown timed out; stopping the remaining shards");
                         break;
@@ -143,6 +148,7 @@ impl<E: Entity> RegionTask<E> {
                 break; // graceful shutdown finished
             }
         }
+        self.fast.remote.clear();
         self.transport.unsubscribe(&topic);
         if let Some(shards) = self.shards.as_mut() {
             shards.stop_all(self.settings.handoff_timeout).await;
@@ -194,7 +200,7 @@ impl<E: Entity> RegionTask<E> {
         self.work.push_back(Work::Region(RegionInput::Members { routable, coordinator }));
     }
 
-    fn on_inbound(&mut self, m: Inbound) {
+    fn on_inbound(&mut self, mut m: Inbound) {
         if let Some(id) = m.request_id {
             let reply = match wire::decode::<RegionQuery>(&m.body) {
                 Ok(RegionQuery::Stats) => wire::encode(&self.stats_reply()),
@@ -213,7 +219,10 @@ impl<E: Entity> RegionTask<E> {
                 self.work.push_back(Work::Region(RegionInput::Coordinator { from: m.from.address, msg }))
             }
             Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })) => {
-                let reply = reply_to.map(|(region, ask_id)| ReplyTo::Remote { region, ask_id });
+                let reply = reply_to.map(|(region, ask_id)| {
+                    let via = (region == m.from.address).then(|| self.fast.senders.get(&m.from));
+                    ReplyTo::Remote { region, ask_id, via }
+                });
                 let msg = if payload.is_empty() { Ok(None) } else { wire::decode::<E::Message>(&payload).map(Some) };
                 let failure = match (&msg, entity_id.is_empty()) {
                     (_, true) => Some(crate::error::Error::EmptyEntityId),
@@ -236,20 +245,15 @@ impl<E: Entity> RegionTask<E> {
                     }
                     return;
                 }
-                let env = Envelope::new(msg.ok().flatten(), reply);
+                let mut env = Envelope::new(msg.ok().flatten(), reply);
+                // Counted on the routed path by the fast path that passed it on (see `fast`).
+                if let Some(ticket) = m.take_held::<RoutedTicket>() {
+                    env.lane = Lane::Routed { _ticket: ticket };
+                }
                 self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
             Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
-                let Some((entity_id, pending)) = self.asks.take(ask_id) else { return };
-                match (pending, result) {
-                    (PendingAsk::Reply(tx), Ok(b)) => {
-                        let _ = tx.send(wire::decode::<E::Reply>(&b));
-                    }
-                    (PendingAsk::Started(tx), Ok(_)) => {
-                        let _ = tx.send(Ok(()));
-                    }
-                    (p, Err(failure)) => p.fail(failure.into_error(&entity_id)),
-                }
+                complete_ask::<E>(&self.fast.asks, &self.counters, &m.from.address, ask_id, result);
             }
             Err(e) => {
                 self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
@@ -265,6 +269,8 @@ impl<E: Entity> RegionTask<E> {
                 Work::Region(input) => {
                     let mut out = Vec::new();
                     self.core.handle(input, now, &mut out);
+                    // Before any of its decisions is acted on (see `RemoteHomes`).
+                    self.fast.remote.advance(self.core.routing_generation());
                     if let Some(shards) = &self.shards {
                         // The direct path delivers only what this region would route.
                         shards.directory().set_open(!self.core.refused());
@@ -342,7 +348,8 @@ impl<E: Entity> RegionTask<E> {
                 self.replier.fail(msg, &entity_id, why);
             }
             RegionAction::RegionGone(region) => {
-                for (entity_id, pending) in self.asks.take_region(&region) {
+                let gone = self.fast.asks.lock().expect("asks lock").take_region(&region);
+                for (entity_id, pending) in gone {
                     let reason = format!("the entity's node {region} left or went down before answering");
                     pending.fail(not_delivered(&entity_id, reason));
                 }
@@ -360,8 +367,8 @@ impl<E: Entity> RegionTask<E> {
             self.replier.fail(env, &entity_id, "the shard's home is not routable");
             return;
         };
-        let payload = match env.msg.as_ref().map(wire::encode).transpose() {
-            Ok(p) => p.map(|b| b.to_vec()).unwrap_or_default(),
+        let payload = match env.msg.as_ref().map(rmp_serde::to_vec_named).transpose() {
+            Ok(p) => p.unwrap_or_default(),
             Err(e) => {
                 self.replier.fail(env, &entity_id, &format!("message does not encode: {e}"));
                 return;
@@ -369,12 +376,15 @@ impl<E: Entity> RegionTask<E> {
         };
         let (reply_to, pending) = match env.reply {
             None => (None, None),
-            Some(ReplyTo::Remote { region, ask_id }) => (Some((region, ask_id)), None),
+            Some(ReplyTo::Remote { region, ask_id, .. }) => (Some((region, ask_id)), None),
             Some(ReplyTo::Local(tx)) => (None, Some(PendingAsk::Reply(tx))),
             Some(ReplyTo::Started(tx)) => (None, Some(PendingAsk::Started(tx))),
         };
-        let ask_id = pending.map(|p| self.asks.insert(region.clone(), entity_id.clone(), p));
+        let ask_id =
+            pending.map(|p| self.fast.asks.lock().expect("asks lock").insert(region.clone(), entity_id.clone(), p));
         let reply_to = reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id)));
+        let sender = self.fast.senders.get(&peer);
+        self.fast.remote.publish(&shard, &region, epoch, &sender);
         let msg = RegionInbound::Region(RegionToRegion::Deliver {
             shard,
             entity_id: entity_id.clone(),
@@ -382,10 +392,10 @@ impl<E: Entity> RegionTask<E> {
             reply_to,
             epoch,
         });
-        let sent =
-            wire::encode(&msg).and_then(|b| self.transport.send(&peer, &keys::region_topic(&self.type_name), &b));
+        let sent = sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg));
         if let Err(e) = sent {
-            match ask_id.and_then(|id| self.asks.take(id)) {
+            let failed = ask_id.and_then(|id| self.fast.asks.lock().expect("asks lock").take(id));
+            match failed {
                 Some((_, p)) => p.fail(not_delivered(&entity_id, format!("not sent to {region}: {e}"))),
                 None => debug!(%region, error = %e, "message not forwarded"),
             }

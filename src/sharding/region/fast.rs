@@ -1,0 +1,269 @@
+//! The region topic's fast path: run by the transport on the task reading a connection
+//! ([`crate::transport::Transport::subscribe_with`]), it takes the two common messages without
+//! a hop through the region task:
+//! - a `Deliver` for an entity that runs here goes straight into its mailbox (the same rule as
+//!   the local direct path: [`ShardDirectory::deliver`]);
+//! - an `AskReply` completes its waiting ask.
+//!
+//! Everything else (coordinator messages, a `Deliver` for an entity not running here, anything
+//! malformed) is passed on to the region task unchanged, which decides as before.
+//!
+//! The sending side has a fast path too: the region task publishes each forward decision of
+//! its core ([`RemoteHomes`]) with the core's routing generation, and the region's handle sends
+//! a message for a shard whose published home is still current straight into that node's
+//! queue ([`FastPath::send_direct`]) instead of through the region task.
+//!
+//! **Order.** Messages of one sender to one entity arrive in the order sent over one connection.
+//! A `Deliver` passed on to the region task is counted on the routed path of its id's stripe
+//! ([`RoutedInFlight`]) until the region task is done with it (the count rides with the
+//! message, [`Inbound::hold`], so it is released even if the message is dropped on the way); a
+//! later `Deliver` of that stripe takes the fast path only when the count is zero, so it never
+//! overtakes one passed on before it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use tracing::debug;
+
+use super::asks::{AskTable, Taken};
+use super::driver::PendingAsk;
+use crate::error::{Error, Result};
+use crate::sharding::Entity;
+use crate::sharding::envelope::{Envelope, ReplyTo, RoutedInFlight};
+use crate::sharding::handle::RegionCounters;
+use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
+use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
+use crate::sharding::shard::ShardDirectory;
+use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
+
+/// Asks this region sent to other regions, shared by the region task (which sends them and
+/// fails them when their region is gone) and the fast path (which completes them).
+pub(crate) type SharedAsks<R> = Arc<Mutex<AskTable<PendingAsk<R>>>>;
+
+/// Completes the ask `ask_id` with `result` if `from` is the region it was sent to; a reply
+/// from anyone else leaves it waiting (and is counted as invalid). The one rule for answers to
+/// forwarded asks, used by the fast path and the region task alike.
+pub(crate) fn complete_ask<E: Entity>(
+    asks: &SharedAsks<E::Reply>,
+    counters: &RegionCounters,
+    from: &RegionId,
+    ask_id: u64,
+    result: Result<serde_bytes::ByteBuf, DeliveryFailure>,
+) {
+    let taken = asks.lock().expect("asks lock").take_from(ask_id, from);
+    let (entity_id, pending) = match taken {
+        Taken::Answered(entity_id, pending) => (entity_id, pending),
+        Taken::NotPending => return, // answered already, or its asker gave up
+        Taken::WrongRegion => {
+            counters.dropped_invalid.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            debug!(%from, ask_id, "ask reply from a region the ask was not sent to; dropped");
+            return;
+        }
+    };
+    match (pending, result) {
+        (PendingAsk::Reply(tx), Ok(b)) => {
+            let _ = tx.send(wire::decode::<E::Reply>(&b));
+        }
+        (PendingAsk::Started(tx), Ok(_)) => {
+            let _ = tx.send(Ok(()));
+        }
+        (p, Err(failure)) => p.fail(failure.into_error(&entity_id)),
+    }
+}
+
+/// Senders to the peers this region talks to, kept so a reply or a forward takes no
+/// transport-wide lock. A region talks to few peers; the list is dropped when it grows past
+/// [`PeerSenders::MAX`] (peers come and go over a long life).
+pub(crate) struct PeerSenders {
+    transport: Transport,
+    cache: Mutex<Vec<PeerSender>>,
+}
+
+impl PeerSenders {
+    const MAX: usize = 256;
+
+    pub(crate) fn new(transport: Transport) -> Self {
+        PeerSenders { transport, cache: Mutex::new(Vec::new()) }
+    }
+
+    /// The sender for `to`.
+    pub(crate) fn get(&self, to: &PeerAddr) -> PeerSender {
+        let mut cache = self.cache.lock().expect("senders lock");
+        if let Some(s) = cache.iter().find(|s| s.peer() == to) {
+            return s.clone();
+        }
+        if cache.len() >= Self::MAX {
+            cache.clear();
+        }
+        let s = self.transport.sender(to);
+        cache.push(s.clone());
+        s
+    }
+}
+
+/// The forward decisions of the region core, as the region task last published them: a home
+/// counts only while the core's routing generation is the one it was decided at.
+///
+/// **Why a direct send is as good as the region task's forward.** The region task publishes a
+/// new generation under the write lock *before* it performs anything its core decided at that
+/// generation; the handle checks the generation and queues its message under the read lock. So
+/// a direct send is either in the peer's queue before the region task acts on a change (a
+/// hand-off begun, a region gone, a refusal), or it sees the change and takes the routed path,
+/// where the core buffers, forwards or drops as it decides.
+#[derive(Default)]
+pub(crate) struct RemoteHomes {
+    state: RwLock<HomesState>,
+}
+
+#[derive(Default)]
+struct HomesState {
+    generation: u64,
+    homes: HashMap<ShardId, RemoteHome>,
+}
+
+struct RemoteHome {
+    generation: u64,
+    epoch: u64,
+    region: RegionId,
+    sender: PeerSender,
+}
+
+impl RemoteHomes {
+    /// The core's routing generation moved on: every home published before is stale. Called
+    /// before any action of the step that moved it is performed.
+    pub(crate) fn advance(&self, generation: u64) {
+        let mut s = self.state.write().expect("homes lock");
+        if s.generation != generation {
+            s.generation = generation;
+        }
+    }
+
+    /// The core forwarded a message of `shard` to `region` at `epoch`, at the current generation.
+    pub(crate) fn publish(&self, shard: &ShardId, region: &RegionId, epoch: u64, sender: &PeerSender) {
+        let mut s = self.state.write().expect("homes lock");
+        let generation = s.generation;
+        match s.homes.get_mut(shard) {
+            Some(h) if h.generation == generation && h.epoch == epoch && h.region == *region => {}
+            Some(h) => *h = RemoteHome { generation, epoch, region: region.clone(), sender: sender.clone() },
+            None => {
+                let home = RemoteHome { generation, epoch, region: region.clone(), sender: sender.clone() };
+                s.homes.insert(shard.clone(), home);
+            }
+        }
+    }
+
+    /// Forgets every published home (the region task stops).
+    pub(crate) fn clear(&self) {
+        let mut s = self.state.write().expect("homes lock");
+        s.generation = u64::MAX;
+        s.homes.clear();
+    }
+}
+
+/// What [`FastPath::send_direct`] did.
+pub(crate) enum Direct<E: Entity> {
+    /// Queued for the shard's home, or failed sending there (the error is the caller's).
+    Sent(Result<()>),
+    /// Not for the fast path: take the routed path.
+    Routed(Envelope<E>),
+}
+
+/// What the fast path shares with the region task.
+pub(crate) struct FastPath<E: Entity> {
+    pub me: RegionId,
+    /// This type's region topic.
+    pub topic: Arc<str>,
+    pub remote: RemoteHomes,
+    /// The shards hosted here (`None` for a proxy: it hosts nothing).
+    pub direct: Option<Arc<ShardDirectory<E>>>,
+    pub routed: Arc<RoutedInFlight>,
+    pub extractor: ShardIdExtractor,
+    pub counters: Arc<RegionCounters>,
+    pub asks: SharedAsks<E::Reply>,
+    pub senders: Arc<PeerSenders>,
+}
+
+impl<E: Entity> FastPath<E> {
+    /// Sends a message of this node's handle straight to the shard's remote home when the
+    /// region core's latest forward decision for the shard is still current and no earlier
+    /// message of its id's stripe is on the routed path (see [`RemoteHomes`]).
+    pub(crate) fn send_direct(&self, shard: &str, entity_id: &str, stripe: usize, env: Envelope<E>) -> Direct<E> {
+        let state = self.remote.state.read().expect("homes lock");
+        let Some(home) = state.homes.get(shard).filter(|h| h.generation == state.generation) else {
+            return Direct::Routed(env);
+        };
+        if !self.routed.is_clear(stripe) || matches!(env.reply, Some(ReplyTo::Remote { .. })) {
+            return Direct::Routed(env);
+        }
+        let payload = match env.msg.as_ref().map(rmp_serde::to_vec_named).transpose() {
+            Ok(p) => p.unwrap_or_default(),
+            Err(e) => return Direct::Sent(Err(Error::Codec(format!("message does not encode: {e}")))),
+        };
+        let pending = match env.reply {
+            Some(ReplyTo::Local(tx)) => Some(PendingAsk::Reply(tx)),
+            Some(ReplyTo::Started(tx)) => Some(PendingAsk::Started(tx)),
+            _ => None,
+        };
+        let ask_id =
+            pending.map(|p| self.asks.lock().expect("asks lock").insert(home.region.clone(), entity_id.to_string(), p));
+        let msg = RegionInbound::Region(RegionToRegion::Deliver {
+            shard: shard.to_string(),
+            entity_id: entity_id.to_string(),
+            payload,
+            reply_to: ask_id.map(|id| (self.me.clone(), id)),
+            epoch: home.epoch,
+        });
+        let sent = home.sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg));
+        match (&sent, ask_id) {
+            (Ok(()), _) => {
+                self.counters.remote_sent_direct.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            (Err(_), Some(id)) => {
+                self.asks.lock().expect("asks lock").take(id);
+            }
+            (Err(_), None) => {}
+        }
+        Direct::Sent(sent)
+    }
+
+    /// Takes `m` if it can (`None`), or hands it back for the region task.
+    pub(crate) fn handle(&self, mut m: Inbound) -> Option<Inbound> {
+        if m.request_id.is_some() {
+            return Some(m); // queries
+        }
+        match wire::decode::<RegionInbound>(&m.body) {
+            Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
+                complete_ask::<E>(&self.asks, &self.counters, &m.from.address, ask_id, result);
+                None
+            }
+            Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, .. })) => {
+                let direct = self.direct.as_ref()?;
+                let stripe = RoutedInFlight::stripe(&entity_id);
+                // Anything the region task would refuse goes there, for one definition of why.
+                let valid = !entity_id.is_empty() && (self.extractor)(&entity_id) == shard;
+                let msg = match (valid, payload.is_empty()) {
+                    (false, _) => return Some(m),
+                    (true, true) => None,
+                    (true, false) => match wire::decode::<E::Message>(&payload) {
+                        Ok(msg) => Some(msg),
+                        Err(_) => return Some(m),
+                    },
+                };
+                if self.routed.is_clear(stripe) {
+                    let reply = reply_to.map(|(region, ask_id)| {
+                        // The asker's region is on the sending node: answer over its link.
+                        let via = (region == m.from.address).then(|| self.senders.get(&m.from));
+                        ReplyTo::Remote { region, ask_id, via }
+                    });
+                    if direct.deliver(&shard, &entity_id, stripe, Envelope::new(msg, reply)).is_ok() {
+                        self.counters.remote_direct.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        return None;
+                    }
+                }
+                m.hold(self.routed.ticket(stripe));
+                Some(m)
+            }
+            _ => Some(m),
+        }
+    }
+}
