@@ -8,7 +8,8 @@
 //!   flight) at 90 % of the ask throughput just measured, each timed from its start; p50/p99
 //!   for the region and for the baseline at the same rate.
 //!
-//! `cargo bench --bench local_paths` (`DDSHARD_BENCH_QUICK=1`: small sizes, figures meaningless).
+//! `cargo bench --bench local_paths` (`DDSHARD_BENCH_QUICK=1`: small sizes, figures meaningless;
+//! `DDSHARD_BENCH_ONLY=tell` or `ask`: one part, for a profile).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -176,15 +177,21 @@ fn main() {
     let passes = common::sized(5, 1);
 
     // Tell, 1,000 receivers.
-    let tell_total = common::sized(1_000_000, 10_000);
-    let (mut raw, mut ours) = (Vec::new(), Vec::new());
-    for _ in 0..passes {
-        raw.push(rt.block_on(tells(tell_total, |i| actors[i].send((Add(1), None)).unwrap())));
-        ours.push(rt.block_on(tells(tell_total, |i| region.tell(&ids[i], Add(1)).unwrap())));
+    if common::part("tell") {
+        let tell_total = common::sized(1_000_000, 10_000);
+        let (mut raw, mut ours) = (Vec::new(), Vec::new());
+        for _ in 0..passes {
+            raw.push(rt.block_on(tells(tell_total, |i| actors[i].send((Add(1), None)).unwrap())));
+            ours.push(rt.block_on(tells(tell_total, |i| region.tell(&ids[i], Add(1)).unwrap())));
+        }
+        let (raw, ours) = (common::median(&mut raw), common::median(&mut ours));
+        println!("local tell, {ENTITIES} entities: region {ours:.0}/s vs mpsc {raw:.0}/s ({:.2}x)", ours / raw);
+        common::print_ratio("local_tell_1000_entities_vs_mpsc", ours, raw);
     }
-    let (raw, ours) = (common::median(&mut raw), common::median(&mut ours));
-    println!("local tell, {ENTITIES} entities: region {ours:.0}/s vs mpsc {raw:.0}/s ({:.2}x)", ours / raw);
-    common::print_ratio("local_tell_1000_entities_vs_mpsc", ours, raw);
+    if !common::part("ask") {
+        rt.block_on(cluster.shutdown());
+        return;
+    }
 
     // Ask, 64 askers.
     let per_asker = common::sized(20_000, 200);

@@ -32,6 +32,12 @@ pub fn quick() -> bool {
     std::env::var_os("DDSHARD_BENCH_QUICK").is_some()
 }
 
+/// Whether the part `name` of a bench runs: all of them, or only those listed in
+/// `DDSHARD_BENCH_ONLY` (comma-separated), to profile one part at a time.
+pub fn part(name: &str) -> bool {
+    std::env::var("DDSHARD_BENCH_ONLY").map_or(true, |only| only.split(',').any(|p| p.trim() == name))
+}
+
 /// `full`, or `small` in smoke mode.
 pub fn sized(full: usize, small: usize) -> usize {
     if quick() { small } else { full }

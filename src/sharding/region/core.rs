@@ -156,9 +156,10 @@ pub(crate) struct RegionCore<M> {
     stopped: bool,
 }
 
-/// The shard homes a region knows, and a generation that grows with every change to them or
-/// to anything else a forward depends on (the routable regions, a refusal): a copy of a
-/// forward decision taken at one generation holds while the generation is unchanged.
+/// The shard homes a region knows, and a generation that grows with every change to them: a
+/// forward goes to a home in this map whose region is routable, and a region that stops being
+/// routable, or a refusal, takes its homes out of the map; so a copy of a forward decision taken
+/// at one generation holds while the generation is unchanged.
 #[derive(Default)]
 struct Homes {
     map: BTreeMap<ShardId, (RegionId, u64)>,
@@ -181,8 +182,11 @@ impl Homes {
     }
 
     fn retain(&mut self, keep: impl FnMut(&ShardId, &mut (RegionId, u64)) -> bool) {
-        self.generation += 1;
+        let before = self.map.len();
         self.map.retain(keep);
+        if self.map.len() != before {
+            self.generation += 1;
+        }
     }
 
     fn clear(&mut self) {
@@ -368,9 +372,8 @@ impl<M> RegionCore<M> {
                     self.homes.retain(|_, (r, _)| r != gone);
                     out.push(RegionAction::RegionGone(gone.clone()));
                 }
-                if routable != self.routable {
-                    self.homes.generation += 1;
-                }
+                // A region that became routable changes no forward already decided; one that
+                // left takes its homes with it (the retain above moved the generation).
                 self.routable = routable;
                 if coordinator != self.coordinator {
                     self.coordinator = coordinator;
@@ -429,7 +432,6 @@ impl<M> RegionCore<M> {
                 self.coordinator = Some(coordinator);
                 self.registered = true;
                 self.refused = false;
-                self.homes.generation += 1;
                 self.requested.clear();
                 let shards: Vec<ShardId> = self.buffers.keys().cloned().collect();
                 for s in shards {
@@ -615,7 +617,7 @@ mod tests {
     }
 
     #[test]
-    fn the_routing_generation_moves_with_every_change_a_forward_depends_on_and_only_then() {
+    fn the_routing_generation_moves_with_every_change_of_the_homes_a_forward_goes_to_and_only_then() {
         let mut c = region(10);
         run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
         let mut seen = c.routing_generation();
@@ -639,7 +641,16 @@ mod tests {
         run(&mut c, coord(ToRegion::HandOff { shard: "2".into(), handoff: 2 }));
         moved(&c, "a hand-off of a shard not hosted here", true);
         run(&mut c, members(&["me", "coord", "other"], Some("coord")));
-        moved(&c, "a region no longer routable", true);
+        moved(&c, "a region with a home no longer routable", true);
+        run(&mut c, members(&["me", "coord"], Some("coord")));
+        moved(&c, "a region without homes no longer routable", false);
+        run(&mut c, members(&["me", "coord", "other", "third"], Some("coord")));
+        moved(&c, "regions routable again (no home is known on them)", false);
+        let out = run(&mut c, route("1", 2));
+        assert!(
+            !out.iter().any(|a| matches!(a, RegionAction::Forward { .. })),
+            "the home on a region that left was forgotten, not reused when it came back: {out:?}"
+        );
         run(&mut c, coord(ToRegion::HostShard { shard: "3".into(), epoch: 1 }));
         moved(&c, "a shard hosted here", true);
         run(&mut c, RegionInput::LocalShardFenced { shard: "3".into(), epoch: 1 });
@@ -647,7 +658,7 @@ mod tests {
         run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord") }));
         moved(&c, "the registration refused", true);
         run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
-        moved(&c, "the registration accepted again", true);
+        moved(&c, "the registration accepted again (no home known yet)", false);
     }
 
     #[test]
