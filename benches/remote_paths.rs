@@ -8,7 +8,8 @@
 //! - tell: one sender, one-way messages round robin over the 1,000 entities until every one is
 //!   handled, vs raw frames decoded by the server and handed to the 1,000 tasks.
 //!
-//! `cargo bench --bench remote_paths` (`DDSHARD_BENCH_QUICK=1`: small sizes, figures meaningless).
+//! `cargo bench --bench remote_paths` (`DDSHARD_BENCH_QUICK=1`: small sizes, figures meaningless;
+//! `DDSHARD_BENCH_ONLY=ask` or `tell`: one part, for a profile).
 
 mod common;
 
@@ -18,8 +19,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use common::{Add, CountingEntity};
 use ddshard::testkit::TestCluster;
-use ddshard::{Entity, EntityContext, ShardRegion, ShardingSettings};
+use ddshard::{ShardRegion, ShardingSettings};
 use futures::{SinkExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
@@ -28,25 +30,6 @@ use tokio_util::codec::{Framed, LengthDelimitedCodec};
 
 const ENTITIES: usize = 1_000;
 const WINDOW: usize = 256;
-
-/// Messages handled, by the entities and by the baseline's tasks.
-static HANDLED: AtomicU64 = AtomicU64::new(0);
-
-#[derive(Default)]
-struct Counter(u64);
-
-#[derive(Serialize, Deserialize)]
-struct Add(u64);
-
-impl Entity for Counter {
-    type Message = Add;
-    type Reply = u64;
-    async fn handle(&mut self, msg: Add, _ctx: &mut EntityContext) -> u64 {
-        self.0 += msg.0;
-        HANDLED.fetch_add(1, Ordering::Relaxed);
-        self.0
-    }
-}
 
 /// A raw request: correlation id, entity index, the message (rmp).
 #[derive(Serialize, Deserialize)]
@@ -69,6 +52,24 @@ fn codec() -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().max_frame_length(8 << 20).new_codec()
 }
 
+/// A writer task for one side of the baseline's connection: it writes whatever has queued up
+/// and flushes once per wake-up, as the transport's writer does.
+fn spawn_writer(
+    mut sink: futures::stream::SplitSink<Framed<TcpStream, LengthDelimitedCodec>, Bytes>,
+) -> mpsc::UnboundedSender<Bytes> {
+    let (out, mut rx) = mpsc::unbounded_channel::<Bytes>();
+    tokio::spawn(async move {
+        while let Some(first) = rx.recv().await {
+            sink.feed(first).await.unwrap();
+            while let Ok(more) = rx.try_recv() {
+                sink.feed(more).await.unwrap();
+            }
+            sink.flush().await.unwrap();
+        }
+    });
+    out
+}
+
 /// The baseline's client: frames go out through one writer task that flushes what has queued
 /// (as the transport's writer does), answers come back on the same connection.
 struct RawClient {
@@ -84,17 +85,8 @@ impl RawClient {
         tokio::spawn(raw_server(listener));
         let stream = TcpStream::connect(addr).await.unwrap();
         stream.set_nodelay(true).unwrap();
-        let (mut sink, mut source) = Framed::new(stream, codec()).split();
-        let (out, mut rx) = mpsc::unbounded_channel::<Bytes>();
-        tokio::spawn(async move {
-            while let Some(first) = rx.recv().await {
-                sink.feed(first).await.unwrap();
-                while let Ok(more) = rx.try_recv() {
-                    sink.feed(more).await.unwrap();
-                }
-                sink.flush().await.unwrap();
-            }
-        });
+        let (sink, mut source) = Framed::new(stream, codec()).split();
+        let out = spawn_writer(sink);
         let pending: Arc<Mutex<HashMap<u64, oneshot::Sender<u64>>>> = Arc::default();
         let p = pending.clone();
         tokio::spawn(async move {
@@ -132,26 +124,17 @@ impl RawClient {
 async fn raw_server(listener: TcpListener) {
     let (stream, _) = listener.accept().await.unwrap();
     stream.set_nodelay(true).unwrap();
-    let (mut sink, mut source) = Framed::new(stream, codec()).split();
-    let (out, mut rx) = mpsc::unbounded_channel::<Bytes>();
-    tokio::spawn(async move {
-        while let Some(first) = rx.recv().await {
-            sink.feed(first).await.unwrap();
-            while let Ok(more) = rx.try_recv() {
-                sink.feed(more).await.unwrap();
-            }
-            sink.flush().await.unwrap();
-        }
-    });
+    let (sink, mut source) = Framed::new(stream, codec()).split();
+    let out = spawn_writer(sink);
     let entities: Vec<mpsc::UnboundedSender<(Add, Option<u64>)>> = (0..ENTITIES)
         .map(|_| {
             let (tx, mut rx) = mpsc::unbounded_channel::<(Add, Option<u64>)>();
             let out = out.clone();
             tokio::spawn(async move {
-                let mut c = Counter::default();
+                let mut c = CountingEntity::default();
                 while let Some((m, reply)) = rx.recv().await {
                     c.0 += m.0;
-                    HANDLED.fetch_add(1, Ordering::Relaxed);
+                    common::HANDLED.fetch_add(1, Ordering::Relaxed);
                     if let Some(id) = reply {
                         let reply = rmp_serde::to_vec_named(&c.0).unwrap();
                         let _ = out.send(Bytes::from(rmp_serde::to_vec_named(&RawReply { id, reply }).unwrap()));
@@ -168,22 +151,15 @@ async fn raw_server(listener: TcpListener) {
     }
 }
 
-/// Waits until `HANDLED` reaches `target`.
-async fn handled(target: u64) {
-    while HANDLED.load(Ordering::Relaxed) < target {
-        tokio::task::yield_now().await;
-    }
-}
-
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     let (mut cluster, proxy, ids) = rt.block_on(async {
         let c = TestCluster::start(2).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;
         let settings = ShardingSettings { number_of_shards: 100, ..ShardingSettings::default() };
-        let host: ShardRegion<Counter> =
-            c.node(0).sharding().start("counter", |_: &str| Counter::default(), settings.clone()).await.unwrap();
-        let proxy: ShardRegion<Counter> = c.node(1).sharding().start_proxy("counter", settings).await.unwrap();
+        let host: ShardRegion<CountingEntity> =
+            c.node(0).sharding().start("counter", |_: &str| CountingEntity::default(), settings.clone()).await.unwrap();
+        let proxy: ShardRegion<CountingEntity> = c.node(1).sharding().start_proxy("counter", settings).await.unwrap();
         let ids: Arc<Vec<String>> = Arc::new((0..ENTITIES).map(|i| format!("c{i}")).collect());
         // Every entity runs and every shard's home is known on both sides.
         for id in ids.iter() {
@@ -196,75 +172,79 @@ fn main() {
     let passes = common::sized(5, 1);
 
     // Ask, 256 always in flight.
-    let total = common::sized(400_000, 2_000);
-    let (mut raw_rates, mut ours) = (Vec::new(), Vec::new());
-    for _ in 0..passes {
-        let r = raw.clone();
-        raw_rates.push(rt.block_on(async move {
-            let t = Instant::now();
-            common::sliding(total, WINDOW, |i| {
-                let r = r.clone();
-                async move {
-                    r.ask(i % ENTITIES).await;
-                }
-            })
-            .await;
-            total as f64 / t.elapsed().as_secs_f64()
-        }));
-        let (p, ids) = (proxy.clone(), ids.clone());
-        ours.push(rt.block_on(async move {
-            let t = Instant::now();
-            common::sliding(total, WINDOW, |i| {
-                let (p, ids) = (p.clone(), ids.clone());
-                async move {
-                    p.ask(&ids[i % ENTITIES], Add(1)).await.unwrap();
-                }
-            })
-            .await;
-            total as f64 / t.elapsed().as_secs_f64()
-        }));
+    if common::part("ask") {
+        let total = common::sized(400_000, 2_000);
+        let (mut raw_rates, mut ours) = (Vec::new(), Vec::new());
+        for _ in 0..passes {
+            let r = raw.clone();
+            raw_rates.push(rt.block_on(async move {
+                let t = Instant::now();
+                common::sliding(total, WINDOW, |i| {
+                    let r = r.clone();
+                    async move {
+                        r.ask(i % ENTITIES).await;
+                    }
+                })
+                .await;
+                total as f64 / t.elapsed().as_secs_f64()
+            }));
+            let (p, ids) = (proxy.clone(), ids.clone());
+            ours.push(rt.block_on(async move {
+                let t = Instant::now();
+                common::sliding(total, WINDOW, |i| {
+                    let (p, ids) = (p.clone(), ids.clone());
+                    async move {
+                        p.ask(&ids[i % ENTITIES], Add(1)).await.unwrap();
+                    }
+                })
+                .await;
+                total as f64 / t.elapsed().as_secs_f64()
+            }));
+        }
+        let (raw_ask, ask) = (common::median(&mut raw_rates), common::median(&mut ours));
+        println!(
+            "remote ask, proxy -> host, {WINDOW} in flight over {ENTITIES} entities: region {ask:.0}/s vs raw framed TCP {raw_ask:.0}/s ({:.2}x)",
+            ask / raw_ask
+        );
+        common::print_ratio("remote_ask_window_256_vs_raw_tcp", ask, raw_ask);
     }
-    let (raw_ask, ask) = (common::median(&mut raw_rates), common::median(&mut ours));
-    println!(
-        "remote ask, proxy -> host, {WINDOW} in flight over {ENTITIES} entities: region {ask:.0}/s vs raw framed TCP {raw_ask:.0}/s ({:.2}x)",
-        ask / raw_ask
-    );
-    common::print_ratio("remote_ask_window_256_vs_raw_tcp", ask, raw_ask);
 
     // Tell, one sender, until every message is handled.
-    let total = common::sized(1_000_000, 5_000);
-    let (mut raw_rates, mut ours) = (Vec::new(), Vec::new());
-    for _ in 0..passes {
-        raw_rates.push(rt.block_on(async {
-            let target = HANDLED.load(Ordering::Relaxed) + total as u64;
-            let t = Instant::now();
-            for i in 0..total {
-                raw.send(i % ENTITIES, None);
-            }
-            handled(target).await;
-            total as f64 / t.elapsed().as_secs_f64()
-        }));
-        ours.push(rt.block_on(async {
-            let target = HANDLED.load(Ordering::Relaxed) + total as u64;
-            let t = Instant::now();
-            let mut i = 0;
-            while i < total {
-                match proxy.tell(&ids[i % ENTITIES], Add(1)) {
-                    Ok(()) => i += 1,
-                    // The peer's send queue is full: the writer is behind; let it run.
-                    Err(ddshard::Error::SendQueueFull { .. }) => tokio::task::yield_now().await,
-                    Err(e) => panic!("{e}"),
+    if common::part("tell") {
+        let total = common::sized(1_000_000, 5_000);
+        let (mut raw_rates, mut ours) = (Vec::new(), Vec::new());
+        for _ in 0..passes {
+            raw_rates.push(rt.block_on(async {
+                let target = common::HANDLED.load(Ordering::Relaxed) + total as u64;
+                let t = Instant::now();
+                for i in 0..total {
+                    raw.send(i % ENTITIES, None);
                 }
-            }
-            handled(target).await;
-            total as f64 / t.elapsed().as_secs_f64()
-        }));
+                common::handled(target).await;
+                total as f64 / t.elapsed().as_secs_f64()
+            }));
+            ours.push(rt.block_on(async {
+                let target = common::HANDLED.load(Ordering::Relaxed) + total as u64;
+                let t = Instant::now();
+                let mut i = 0;
+                while i < total {
+                    match proxy.tell(&ids[i % ENTITIES], Add(1)) {
+                        Ok(()) => i += 1,
+                        // The peer's send queue is full: the writer is behind; let it run.
+                        Err(ddshard::Error::SendQueueFull { .. }) => tokio::task::yield_now().await,
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                common::handled(target).await;
+                total as f64 / t.elapsed().as_secs_f64()
+            }));
+        }
+        let (raw_tell, tell) = (common::median(&mut raw_rates), common::median(&mut ours));
+        println!(
+            "remote tell, proxy -> host, {ENTITIES} entities: region {tell:.0}/s vs raw framed TCP {raw_tell:.0}/s ({:.2}x)",
+            tell / raw_tell
+        );
+        common::print_ratio("remote_tell_vs_raw_tcp", tell, raw_tell);
     }
-    let (raw_tell, tell) = (common::median(&mut raw_rates), common::median(&mut ours));
-    println!(
-        "remote tell, proxy -> host, {ENTITIES} entities: region {tell:.0}/s vs raw framed TCP {raw_tell:.0}/s ({:.2}x)",
-        tell / raw_tell
-    );
-    common::print_ratio("remote_tell_vs_raw_tcp", tell, raw_tell);
     rt.block_on(cluster.shutdown());
 }

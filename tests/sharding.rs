@@ -430,3 +430,38 @@ async fn messages_between_a_proxy_and_a_running_entity_skip_both_region_tasks_on
     assert_eq!(received, 201, "and reached the entity without the host's region task");
     c.shutdown().await;
 }
+
+/// A region that stops fails the asks it still waits for from other nodes at once, rather than
+/// leaving their askers to their timeouts (the table of such asks outlives the region task: the
+/// handle and the connection's fast path share it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asks_a_stopping_proxy_still_waits_for_fail_at_once_not_at_their_timeout() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let _host = start_counter(c.node(0), &probe, settings()).await;
+    let proxy = c.node(1).sharding().start_proxy::<Counter>("counter", settings()).await.unwrap();
+    assert_eq!(value(&proxy, "slow-1").await, 0, "the home is known and the entity runs");
+    let sent_before = proxy.counters().remote_sent_direct.load(Ordering::Relaxed);
+    let asking = {
+        let p = proxy.clone();
+        tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let r = p.ask_with_timeout("slow-1", CounterMsg::SleepMs(30_000), Duration::from_secs(60)).await;
+            (r, started.elapsed())
+        })
+    };
+    eventually(CONVERGE, "the ask sent and waiting", || {
+        let sent = proxy.counters().remote_sent_direct.load(Ordering::Relaxed);
+        std::future::ready((sent > sent_before).then_some(()))
+    })
+    .await;
+    proxy.graceful_shutdown().await;
+    let (r, took) = tokio::time::timeout(Duration::from_secs(10), asking)
+        .await
+        .expect("the ask ends within 10 s of the stop, not at its 60 s timeout")
+        .unwrap();
+    assert!(matches!(r, Err(Error::ShutDown)), "{r:?}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    c.shutdown().await;
+}

@@ -2,8 +2,39 @@
 #![allow(dead_code)]
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use futures::StreamExt;
+
+/// Messages handled by every [`CountingEntity`] of a bench and by its baseline's tasks (which
+/// bump it too, so both sides wait for the same thing).
+pub static HANDLED: AtomicU64 = AtomicU64::new(0);
+
+/// An entity that adds what it is sent and counts what it handled in [`HANDLED`]: the cheapest
+/// real handler, so a bench measures the path to it.
+#[derive(Default)]
+pub struct CountingEntity(pub u64);
+
+/// The message of [`CountingEntity`].
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct Add(pub u64);
+
+impl ddshard::Entity for CountingEntity {
+    type Message = Add;
+    type Reply = u64;
+    async fn handle(&mut self, msg: Add, _ctx: &mut ddshard::EntityContext) -> u64 {
+        self.0 += msg.0;
+        HANDLED.fetch_add(1, Ordering::Relaxed);
+        self.0
+    }
+}
+
+/// Waits until [`HANDLED`] reaches `target`.
+pub async fn handled(target: u64) {
+    while HANDLED.load(Ordering::Relaxed) < target {
+        tokio::task::yield_now().await;
+    }
+}
 
 /// Runs `op(0..total)` with `window` always in flight (a new one starts as each completes):
 /// the sliding-window shape of a busy service, rather than batch-then-wait.

@@ -173,7 +173,9 @@ impl Replier {
                     Err(e) => Err(DeliveryFailure::of(&e)),
                 };
                 let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result });
-                let sent = match via {
+                // A closed link means the asker's node refused us or was forgotten: membership
+                // says whether it is still there (no writer is dialed to a departed asker).
+                let sent = match via.filter(PeerSender::is_open) {
                     Some(via) => via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)),
                     None => {
                         let peer = self.members.borrow().peer(&region);

@@ -180,17 +180,26 @@ async fn serve_connection(
                 None => break,
             },
         };
-        // Every frame already read: one wake and one filter check for all of them.
+        // Every frame already read, up to a count and a byte budget (the reader does not run
+        // far ahead of what it dispatches): one wake and one filter check for all of them.
+        let size = |item: &std::io::Result<bytes::BytesMut>| item.as_ref().map_or(0, |b| b.len());
+        let mut bytes_read = size(&item);
         batch.push(item);
-        while batch.len() < RECEIVE_BATCH {
+        while batch.len() < RECEIVE_BATCH && bytes_read < RECEIVE_BATCH_BYTES {
             match framed.next().now_or_never() {
-                Some(Some(item)) => batch.push(item),
+                Some(Some(item)) => {
+                    bytes_read += size(&item);
+                    batch.push(item);
+                }
                 _ => break,
             }
         }
         inner.stats.frames_received.fetch_add(batch.len() as u64, Ordering::Relaxed);
         let is_cut = cut(inner, &from.address.node_id, &inner.local.address.node_id);
         for item in batch.drain(..) {
+            if registration.token.is_cancelled() {
+                return Ok(()); // the peer was forgotten: nothing more of it is heard
+            }
             let bytes = item.map_err(InboundError::BadFrame)?.freeze();
             let frame = Frame::decode_at(version, &bytes).map_err(|e| InboundError::MalformedFrame(e.to_string()))?;
             if is_cut {
@@ -205,6 +214,10 @@ async fn serve_connection(
 
 /// Frames a reader takes from its buffer before it dispatches them.
 const RECEIVE_BATCH: usize = 256;
+
+/// Bytes after which a reader stops taking frames and dispatches what it has (at least one
+/// frame is always taken, whatever its size).
+const RECEIVE_BATCH_BYTES: usize = 256 * 1024;
 
 /// The acceptor's side of the handshake (the caller bounds it by the connect timeout): the
 /// dialer, the connection and the protocol version its frames use; `None` when the peer closed

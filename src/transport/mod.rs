@@ -549,6 +549,12 @@ impl PeerSender {
         &self.0.to
     }
 
+    /// Whether the peer's queue still takes frames: `false` once the peer refused us, stayed
+    /// unreachable or was forgotten (a send then goes through the transport's writers map).
+    pub fn is_open(&self) -> bool {
+        self.0.queue.as_ref().is_none_or(|q| !q.state.lock().expect("queue lock").closed)
+    }
+
     /// Sends a one-way message, as [`Transport::send`] does.
     pub fn send(&self, topic: &str, body: &[u8]) -> Result<()> {
         self.send_with(topic, put_body(body))

@@ -92,9 +92,17 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
             }
             let chunk: &[u8] = if version < BINARY_FRAMES {
                 older.clear();
-                if let Err(e) = wire::binary_frames_to_v2(&chunk, &mut older) {
-                    warn!(peer = %peer.address, error = %e, "frames not rewritten for an older peer; dropped");
-                    continue;
+                match wire::binary_frames_to_v2(&chunk, &mut older, s.max_frame_size) {
+                    Ok(0) => {}
+                    Ok(left_out) => {
+                        inner.stats.frames_dropped.fetch_add(left_out as u64, Ordering::Relaxed);
+                        warn!(peer = %peer.address, left_out, "frames too large for an older peer's layout; dropped");
+                    }
+                    Err(e) => {
+                        inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
+                        warn!(peer = %peer.address, error = %e, "frames not rewritten for an older peer; dropped");
+                        continue;
+                    }
                 }
                 &older
             } else {

@@ -245,10 +245,13 @@ impl<'a> Frame<'a> {
 }
 
 /// Rewrites a buffer of length-prefixed binary frames as the same frames in the rmp layout of
-/// protocol version 2, for a link to a peer that has not been upgraded yet.
-pub(crate) fn binary_frames_to_v2(chunk: &[u8], out: &mut bytes::BytesMut) -> Result<()> {
+/// protocol version 2, for a link to a peer that has not been upgraded yet. A frame that grows
+/// past `max_frame` in the older layout (it is a few dozen bytes longer) is left out rather than
+/// sent to a peer that would close the link over it; returns how many were left out.
+pub(crate) fn binary_frames_to_v2(chunk: &[u8], out: &mut bytes::BytesMut, max_frame: usize) -> Result<usize> {
     use bytes::BufMut;
     let mut rest = chunk;
+    let mut left_out = 0;
     while !rest.is_empty() {
         let (len, tail) = rest.split_first_chunk::<4>().ok_or_else(|| Error::Codec("truncated frame".into()))?;
         let len = u32::from_be_bytes(*len) as usize;
@@ -260,11 +263,17 @@ pub(crate) fn binary_frames_to_v2(chunk: &[u8], out: &mut bytes::BytesMut) -> Re
         out.put_u32(0);
         rmp_serde::encode::write_named(&mut (&mut *out).writer(), &Frame::decode(frame)?)
             .map_err(|e| Error::Codec(e.to_string()))?;
-        let n = u32::try_from(out.len() - start - 4).map_err(|_| Error::Codec("frame too large".into()))?;
-        out[start..start + 4].copy_from_slice(&n.to_be_bytes());
+        let n = out.len() - start - 4;
+        match u32::try_from(n) {
+            Ok(n32) if n <= max_frame => out[start..start + 4].copy_from_slice(&n32.to_be_bytes()),
+            _ => {
+                out.truncate(start);
+                left_out += 1;
+            }
+        }
         rest = tail;
     }
-    Ok(())
+    Ok(left_out)
 }
 
 /// Encodes any serde value as rmp (named fields, so added fields stay compatible).
@@ -363,6 +372,33 @@ mod tests {
     }
 
     #[test]
+    fn a_connection_reads_frames_in_the_layout_of_its_dialers_version() {
+        let f = Frame::Request { id: 3, topic: "replicator", body: b"body" };
+        let (binary, named) = (f.encode().unwrap(), encode(&f).unwrap());
+        for version in [BINARY_FRAMES, PROTOCOL_VERSION] {
+            assert!(same(&Frame::decode_at(version, &binary).unwrap(), &f), "version {version}");
+            assert!(Frame::decode_at(version, &named).is_err(), "an rmp frame is not read at version {version}");
+        }
+        assert!(same(&Frame::decode_at(MIN_PROTOCOL_VERSION, &named).unwrap(), &f));
+        assert!(Frame::decode_at(MIN_PROTOCOL_VERSION, &binary).is_err(), "a binary frame is not read at version 2");
+    }
+
+    #[test]
+    fn a_value_encoded_into_a_buffer_is_appended_as_encode_writes_it() {
+        let value = Hello {
+            protocol_version: PROTOCOL_VERSION,
+            cluster_id: "c".into(),
+            from: UniqueAddress::new("n1", 3),
+            from_messaging_addr: "127.0.0.1:4000".parse().unwrap(),
+            to: UniqueAddress::new("n2", 7),
+        };
+        let mut buf = bytes::BytesMut::from(&b"head"[..]);
+        encode_into(&mut buf, &value).unwrap();
+        assert_eq!(&buf[..4], b"head", "appended, not overwritten");
+        assert_eq!(&buf[4..], &encode(&value).unwrap()[..]);
+    }
+
+    #[test]
     fn a_binary_message_costs_three_bytes_plus_its_topic_and_body() {
         let bytes = Frame::Message { topic: "region/kv", body: &[7; 100] }.encode().unwrap();
         assert_eq!(bytes.len(), 1 + 2 + 9 + 100);
@@ -396,7 +432,7 @@ mod tests {
             chunk[start..start + 4].copy_from_slice(&n.to_be_bytes());
         }
         let mut old = bytes::BytesMut::new();
-        binary_frames_to_v2(&chunk, &mut old).unwrap();
+        assert_eq!(binary_frames_to_v2(&chunk, &mut old, 1 << 20).unwrap(), 0);
         let mut codec = tokio_util::codec::LengthDelimitedCodec::new();
         for f in frames() {
             use tokio_util::codec::Decoder;
@@ -404,6 +440,39 @@ mod tests {
             assert!(same(&decode_borrowed::<Frame>(&frame).unwrap(), &f), "{f:?}");
         }
         assert!(old.is_empty());
-        assert!(binary_frames_to_v2(&chunk[..chunk.len() - 1], &mut bytes::BytesMut::new()).is_err());
+        assert!(binary_frames_to_v2(&chunk[..chunk.len() - 1], &mut bytes::BytesMut::new(), 1 << 20).is_err());
+    }
+
+    #[test]
+    fn a_frame_that_outgrows_the_limit_in_the_version_2_layout_is_left_out_alone() {
+        let max = 100;
+        let mut chunk = bytes::BytesMut::new();
+        for body in [&[1u8; 10][..], &[2u8; 90][..], &[3u8; 10][..]] {
+            let f = Frame::Message { topic: "t", body };
+            let start = chunk.len();
+            chunk.extend_from_slice(&[0; 4]);
+            f.put(&mut chunk).unwrap();
+            let n = (chunk.len() - start - 4) as u32;
+            assert!(n as usize <= max, "every binary frame fits the limit");
+            chunk[start..start + 4].copy_from_slice(&n.to_be_bytes());
+        }
+        let mut old = bytes::BytesMut::new();
+        assert_eq!(binary_frames_to_v2(&chunk, &mut old, max).unwrap(), 1, "the 90-byte body no longer fits");
+        let mut codec = tokio_util::codec::LengthDelimitedCodec::new();
+        use tokio_util::codec::Decoder;
+        for first in [1u8, 3] {
+            let frame = codec.decode(&mut old).unwrap().unwrap();
+            assert!(frame.len() <= max);
+            match decode_borrowed::<Frame>(&frame).unwrap() {
+                Frame::Message { body, .. } => assert_eq!(body[0], first),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(old.is_empty(), "nothing else written");
+        // A frame exactly at the limit in the older layout is kept.
+        let at_limit = encode(&Frame::Message { topic: "t", body: &[2u8; 90] }).unwrap().len();
+        let mut old = bytes::BytesMut::new();
+        assert_eq!(binary_frames_to_v2(&chunk, &mut old, at_limit).unwrap(), 0, "{at_limit} bytes fit {at_limit}");
+        assert_eq!(binary_frames_to_v2(&chunk, &mut bytes::BytesMut::new(), at_limit - 1).unwrap(), 1);
     }
 }

@@ -12,17 +12,6 @@ struct Pending<P> {
     handle: P,
 }
 
-/// What [`AskTable::take_from`] found.
-#[derive(Debug, PartialEq)]
-pub(crate) enum Taken<P> {
-    /// The ask, with its entity id.
-    Answered(String, P),
-    /// No such ask waits (answered before, given up, or never sent).
-    NotPending,
-    /// It waits for another region.
-    WrongRegion,
-}
-
 /// Pending remote asks by ask id; `P` is the asker's handle.
 pub(crate) struct AskTable<P> {
     next_id: u64,
@@ -49,21 +38,18 @@ impl<P> AskTable<P> {
         self.asks.remove(&id).map(|p| (p.entity_id, p.handle))
     }
 
-    /// The ask with this id, answered by `from`: only the region it was sent to may answer it
-    /// (`WrongRegion` leaves it waiting).
-    pub(crate) fn take_from(&mut self, id: u64, from: &RegionId) -> Taken<P> {
-        match self.asks.get(&id) {
-            None => Taken::NotPending,
-            Some(p) if p.target != *from => Taken::WrongRegion,
-            Some(_) => self.take(id).map_or(Taken::NotPending, |(e, p)| Taken::Answered(e, p)),
-        }
-    }
-
     /// Every ask sent to `region`, oldest first (the region is gone: they fail now).
     pub(crate) fn take_region(&mut self, region: &RegionId) -> Vec<(String, P)> {
         let mut ids: Vec<u64> = self.asks.iter().filter(|(_, p)| p.target == *region).map(|(id, _)| *id).collect();
         ids.sort_unstable();
         ids.into_iter().filter_map(|id| self.take(id)).collect()
+    }
+
+    /// Every ask, oldest first (the region stops: they fail now).
+    pub(crate) fn take_all(&mut self) -> Vec<(String, P)> {
+        let mut all: Vec<(u64, Pending<P>)> = self.asks.drain().collect();
+        all.sort_unstable_by_key(|(id, _)| *id);
+        all.into_iter().map(|(_, p)| (p.entity_id, p.handle)).collect()
     }
 
     /// Forgets asks whose asker stopped waiting (timed out).
@@ -96,16 +82,6 @@ mod tests {
     }
 
     #[test]
-    fn only_the_region_an_ask_went_to_may_answer_it() {
-        let mut t = AskTable::default();
-        let id = t.insert(r("b"), "e1".into(), 10u32);
-        assert_eq!(t.take_from(id, &r("c")), Taken::WrongRegion, "another region's answer");
-        assert_eq!(t.take_from(id, &RegionId::new("b", 2)), Taken::WrongRegion, "another incarnation's answer");
-        assert_eq!(t.take_from(id, &r("b")), Taken::Answered("e1".to_string(), 10));
-        assert_eq!(t.take_from(id, &r("b")), Taken::NotPending, "answered once");
-    }
-
-    #[test]
     fn ask_ids_are_never_reused() {
         let mut t = AskTable::default();
         let a = t.insert(r("b"), "e1".into(), 1u32);
@@ -123,6 +99,17 @@ mod tests {
         assert_eq!(t.take_region(&r("b")), vec![("e1".to_string(), 1), ("e3".to_string(), 3)]);
         assert_eq!(t.len(), 1);
         assert!(t.take_region(&r("b")).is_empty());
+    }
+
+    #[test]
+    fn a_stopping_region_takes_every_ask_oldest_first() {
+        let mut t = AskTable::default();
+        t.insert(r("b"), "e1".into(), 1u32);
+        t.insert(r("c"), "e2".into(), 2u32);
+        t.insert(r("b"), "e3".into(), 3u32);
+        let all = t.take_all();
+        assert_eq!(all, vec![("e1".to_string(), 1), ("e2".to_string(), 2), ("e3".to_string(), 3)]);
+        assert_eq!(t.len(), 0);
     }
 
     #[test]

@@ -150,6 +150,13 @@ impl<E: Entity> RegionTask<E> {
         }
         self.fast.remote.clear();
         self.transport.unsubscribe(&topic);
+        // The table outlives this task (the handle and the topic handler share it): its asks
+        // fail now rather than at their timeouts.
+        // `ShutDown`, as every other ask of a region that stopped gets.
+        let waiting = self.fast.asks.lock().expect("asks lock").take_all();
+        for (_, pending) in waiting {
+            pending.fail(crate::error::Error::ShutDown);
+        }
         if let Some(shards) = self.shards.as_mut() {
             shards.stop_all(self.settings.handoff_timeout).await;
         }
@@ -253,7 +260,7 @@ impl<E: Entity> RegionTask<E> {
                 self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
             Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
-                complete_ask::<E>(&self.fast.asks, &self.counters, &m.from.address, ask_id, result);
+                complete_ask::<E>(&self.fast.asks, &m.from.address, ask_id, result);
             }
             Err(e) => {
                 self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);

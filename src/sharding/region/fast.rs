@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use tracing::debug;
 
-use super::asks::{AskTable, Taken};
+use super::asks::AskTable;
 use super::driver::PendingAsk;
 use crate::error::{Error, Result};
 use crate::sharding::Entity;
@@ -40,25 +40,21 @@ use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
 /// fails them when their region is gone) and the fast path (which completes them).
 pub(crate) type SharedAsks<R> = Arc<Mutex<AskTable<PendingAsk<R>>>>;
 
-/// Completes the ask `ask_id` with `result` if `from` is the region it was sent to; a reply
-/// from anyone else leaves it waiting (and is counted as invalid). The one rule for answers to
-/// forwarded asks, used by the fast path and the region task alike.
+/// Completes the ask `ask_id` with `result`. The one rule for answers to forwarded asks, used
+/// by the fast path and the region task alike. The answer may come from another region than
+/// the one the ask was sent to: a region that held the message until it learnt the shard's
+/// newer home relays it there with the asker's reply address (members are trusted; see the
+/// README's threat model).
 pub(crate) fn complete_ask<E: Entity>(
     asks: &SharedAsks<E::Reply>,
-    counters: &RegionCounters,
     from: &RegionId,
     ask_id: u64,
     result: Result<serde_bytes::ByteBuf, DeliveryFailure>,
 ) {
-    let taken = asks.lock().expect("asks lock").take_from(ask_id, from);
-    let (entity_id, pending) = match taken {
-        Taken::Answered(entity_id, pending) => (entity_id, pending),
-        Taken::NotPending => return, // answered already, or its asker gave up
-        Taken::WrongRegion => {
-            counters.dropped_invalid.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            debug!(%from, ask_id, "ask reply from a region the ask was not sent to; dropped");
-            return;
-        }
+    let taken = asks.lock().expect("asks lock").take(ask_id);
+    let Some((entity_id, pending)) = taken else {
+        debug!(%from, ask_id, "answer to an ask that no longer waits (answered, timed out or failed)");
+        return;
     };
     match (pending, result) {
         (PendingAsk::Reply(tx), Ok(b)) => {
@@ -233,11 +229,12 @@ impl<E: Entity> FastPath<E> {
         }
         match wire::decode::<RegionInbound>(&m.body) {
             Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
-                complete_ask::<E>(&self.asks, &self.counters, &m.from.address, ask_id, result);
+                complete_ask::<E>(&self.asks, &m.from.address, ask_id, result);
                 None
             }
             Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, .. })) => {
-                let direct = self.direct.as_ref()?;
+                // A proxy hosts nothing: the region task decides (it holds, forwards or fails it).
+                let Some(direct) = self.direct.as_ref() else { return Some(m) };
                 let stripe = RoutedInFlight::stripe(&entity_id);
                 // Anything the region task would refuse goes there, for one definition of why.
                 let valid = !entity_id.is_empty() && (self.extractor)(&entity_id) == shard;
