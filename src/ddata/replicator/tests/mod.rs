@@ -729,3 +729,55 @@ fn reads_and_writes_at_all_reachable_wait_for_every_reachable_replica() {
     assert!(replies_after_three_then_four(get(Consistency::MAJORITY)).0);
     assert!(replies_after_three_then_four(put(Consistency::MAJORITY)).0);
 }
+
+/// A `Digests` answer to `KeyBuckets` lists the keys of the differing buckets, whole buckets at
+/// a time, while they fit `max_message_bytes` (each key counts its length plus 10 bytes); the
+/// first bucket is always listed, so a bucket larger than the budget still converges.
+#[test]
+fn a_digests_reply_lists_whole_buckets_within_the_message_budget_and_always_the_first() {
+    let mut a = core("a");
+    for i in 0..300 {
+        local(&mut a, &format!("key-{i:04}"), add("x"));
+    }
+    let theirs = vec![0u64; KEY_BUCKETS]; // an empty replica: every bucket with a key differs
+    let mut keys_of: BTreeMap<usize, Vec<String>> = BTreeMap::new();
+    for (k, e) in &a.data {
+        keys_of.entry(e.key_hash as usize % KEY_BUCKETS).or_default().push(k.clone());
+    }
+    let size_of = |b: &usize| keys_of[b].iter().map(|k| k.len() + 10).sum::<usize>();
+    let first_size = size_of(keys_of.keys().next().unwrap());
+    // Exactly the first two buckets: the second fits to the byte.
+    let two = first_size + size_of(keys_of.keys().nth(1).unwrap());
+    for budget in [1, first_size, first_size + 1, two - 1, two, 500, 2_000, 1 << 20] {
+        a.settings.max_message_bytes = budget;
+        let mut out = Vec::new();
+        let msg = ReplicatorMsg::KeyBuckets { digests: theirs.clone() };
+        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        let (buckets, digests) = out
+            .iter()
+            .find_map(|x| match x {
+                Action::Send { msg: ReplicatorMsg::Digests { buckets, digests }, .. } => {
+                    Some((buckets.clone(), digests.clone()))
+                }
+                _ => None,
+            })
+            .expect("a Digests reply");
+        let listed: Vec<usize> = buckets.iter().map(|b| usize::from(*b)).collect();
+        let expected: Vec<usize> = keys_of.keys().copied().take(listed.len()).collect();
+        assert_eq!(listed, expected, "budget {budget}: buckets in order, none skipped");
+        assert!(!listed.is_empty(), "budget {budget}: at least the first bucket");
+        let mut expected_keys: Vec<String> = listed.iter().flat_map(|b| keys_of[b].clone()).collect();
+        let mut got: Vec<String> = digests.iter().map(|(k, _)| k.clone()).collect();
+        expected_keys.sort();
+        got.sort();
+        assert_eq!(got, expected_keys, "budget {budget}: every key of each listed bucket, nothing else");
+        for (k, d) in &digests {
+            assert_eq!(*d, a.data[k].value.digest(), "budget {budget}: {k}'s own digest");
+        }
+        let used: usize = listed.iter().map(size_of).sum();
+        assert!(used <= budget || listed.len() == 1, "budget {budget}: {used} bytes listed");
+        if let Some(next) = keys_of.keys().nth(listed.len()) {
+            assert!(used + size_of(next) > budget, "budget {budget}: the next bucket would have fit ({used} bytes)");
+        }
+    }
+}
