@@ -17,7 +17,7 @@ use super::region::{
     AskTable, Direct, FastPath, PeerSenders, RegionCmd, RegionCore, RegionSettings, RegionTask, RemoteHomes,
 };
 use super::settings::ShardingSettings;
-use super::shard::{Factory, LocalShards, RememberIo, ShardDirectory, StateIo};
+use super::shard::{Factory, LocalShards, RememberIo, StateIo};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
 use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
@@ -104,12 +104,11 @@ pub(crate) struct HandleInner<E: Entity> {
     buffered: Arc<AtomicUsize>,
     counters: Arc<RegionCounters>,
     proxy: bool,
-    /// The shards hosted here, for the direct path (unset for a proxy).
-    direct: OnceLock<Arc<ShardDirectory<E>>>,
     /// This handle's messages on the routed path, by stripe of entity id (ordering between
     /// the direct and the routed path).
     routed: Arc<RoutedInFlight>,
-    /// The region's fast paths, for sending straight to a shard's remote home.
+    /// The region's fast paths: the shards hosted here (none for a proxy) for the local direct
+    /// path, and the published remote homes; set before the handle is handed out.
     fast: OnceLock<Arc<FastPath<E>>>,
 }
 
@@ -161,7 +160,7 @@ impl<E: Entity> ShardRegion<E> {
         let i = &self.inner;
         let shard = (i.extractor)(entity_id);
         let stripe = RoutedInFlight::stripe(entity_id);
-        if let Some(direct) = i.direct.get()
+        if let Some(direct) = i.fast.get().and_then(|f| f.direct.as_ref())
             && i.routed.is_clear(stripe)
         {
             match direct.deliver(&shard, entity_id, stripe, env) {
@@ -356,7 +355,6 @@ pub(crate) async fn start_region_of<E: Entity>(
         buffered: Arc::new(AtomicUsize::new(0)),
         counters: Arc::new(RegionCounters::default()),
         proxy,
-        direct: OnceLock::new(),
         routed: routed.clone(),
         fast: OnceLock::new(),
     });
@@ -396,9 +394,6 @@ pub(crate) async fn start_region_of<E: Entity>(
             routed.clone(),
         )
     });
-    if let Some(shards) = &shards {
-        let _ = inner.direct.set(shards.directory().clone());
-    }
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
     let region_settings = RegionSettings {
         buffer_size: settings.buffer_size,
@@ -419,8 +414,6 @@ pub(crate) async fn start_region_of<E: Entity>(
     let _ = inner.fast.set(fast.clone());
     let task = RegionTask {
         type_name: type_name.to_string(),
-        topic: keys::region_topic(type_name),
-        me: me.clone(),
         role: settings.role.clone(),
         transport,
         core: RegionCore::new(me, proxy, region_settings, Instant::now()),

@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
 
 use super::core::{RegionAction, RegionCore, RegionDrop, RegionInput};
-use super::fast::{FastPath, complete_ask};
+use super::fast::{FastPath, NotSent, complete_ask};
 use crate::clock::Instant;
 use crate::error::Result;
 use crate::membership::MembershipSnapshot;
@@ -68,9 +68,6 @@ impl<R> PendingAsk<R> {
 /// The region task of one entity type on one node.
 pub(crate) struct RegionTask<E: Entity> {
     pub type_name: String,
-    /// This type's region topic.
-    pub topic: String,
-    pub me: RegionId,
     pub role: Option<String>,
     pub transport: Transport,
     pub core: RegionCore<Envelope<E>>,
@@ -99,7 +96,7 @@ impl<E: Entity> RegionTask<E> {
         mut commands: mpsc::UnboundedReceiver<RegionCmd<E>>,
         mut events: mpsc::UnboundedReceiver<ShardEvent<E>>,
     ) {
-        let topic = self.topic.clone();
+        let topic = self.fast.topic.clone();
         let fast = self.fast.clone();
         let mut inbound = self.transport.subscribe_with(&topic, 65_536, move |m| fast.handle(m));
         let mut members = node.watch_membership();
@@ -374,37 +371,14 @@ impl<E: Entity> RegionTask<E> {
             self.replier.fail(env, &entity_id, "the shard's home is not routable");
             return;
         };
-        let payload = match env.msg.as_ref().map(rmp_serde::to_vec_named).transpose() {
-            Ok(p) => p.unwrap_or_default(),
-            Err(e) => {
-                self.replier.fail(env, &entity_id, &format!("message does not encode: {e}"));
-                return;
-            }
-        };
-        let (reply_to, pending) = match env.reply {
-            None => (None, None),
-            Some(ReplyTo::Remote { region, ask_id, .. }) => (Some((region, ask_id)), None),
-            Some(ReplyTo::Local(tx)) => (None, Some(PendingAsk::Reply(tx))),
-            Some(ReplyTo::Started(tx)) => (None, Some(PendingAsk::Started(tx))),
-        };
-        let ask_id =
-            pending.map(|p| self.fast.asks.lock().expect("asks lock").insert(region.clone(), entity_id.clone(), p));
-        let reply_to = reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id)));
         let sender = self.fast.senders.get(&peer);
         self.fast.remote.publish(&shard, &region, epoch, &sender);
-        let msg = RegionInbound::Region(RegionToRegion::Deliver {
-            shard,
-            entity_id: entity_id.clone(),
-            payload,
-            reply_to,
-            epoch,
-        });
-        let sent = sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg));
-        if let Err(e) = sent {
-            let failed = ask_id.and_then(|id| self.fast.asks.lock().expect("asks lock").take(id));
-            match failed {
-                Some((_, p)) => p.fail(not_delivered(&entity_id, format!("not sent to {region}: {e}"))),
-                None => debug!(%region, error = %e, "message not forwarded"),
+        if let Err(NotSent { error, pending }) =
+            self.fast.send_deliver(&sender, &region, &shard, epoch, &entity_id, env)
+        {
+            match pending {
+                Some(p) => p.fail(not_delivered(&entity_id, format!("not sent to {region}: {error}"))),
+                None => debug!(%region, %error, "message not forwarded"),
             }
         }
     }

@@ -109,6 +109,9 @@ impl PeerSenders {
 #[derive(Default)]
 pub(crate) struct RemoteHomes {
     state: RwLock<HomesState>,
+    /// The generation last published, readable without the lock: the region task checks it
+    /// after every step and takes the write lock only when its core's generation moved.
+    published: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
@@ -128,10 +131,13 @@ impl RemoteHomes {
     /// The core's routing generation moved on: every home published before is stale. Called
     /// before any action of the step that moved it is performed.
     pub(crate) fn advance(&self, generation: u64) {
-        let mut s = self.state.write().expect("homes lock");
-        if s.generation != generation {
-            s.generation = generation;
+        use std::sync::atomic::Ordering;
+        // Only the region task writes `published`, so reading it needs no lock.
+        if self.published.load(Ordering::Relaxed) == generation {
+            return;
         }
+        self.state.write().expect("homes lock").generation = generation;
+        self.published.store(generation, Ordering::Relaxed);
     }
 
     /// The core forwarded a message of `shard` to `region` at `epoch`, at the current generation.
@@ -153,7 +159,14 @@ impl RemoteHomes {
         let mut s = self.state.write().expect("homes lock");
         s.generation = u64::MAX;
         s.homes.clear();
+        self.published.store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
     }
+}
+
+/// A `Deliver` that could not be queued: why, and the local ask it carried (out of the table).
+pub(crate) struct NotSent<R> {
+    pub error: Error,
+    pub pending: Option<PendingAsk<R>>,
 }
 
 /// What [`FastPath::send_direct`] did.
@@ -191,35 +204,54 @@ impl<E: Entity> FastPath<E> {
         if !self.routed.is_clear(stripe) || matches!(env.reply, Some(ReplyTo::Remote { .. })) {
             return Direct::Routed(env);
         }
+        // Queued under the read lock (see `RemoteHomes`): `state` lives to the end.
+        match self.send_deliver(&home.sender, &home.region, shard, home.epoch, entity_id, env) {
+            Ok(()) => {
+                self.counters.remote_sent_direct.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Direct::Sent(Ok(()))
+            }
+            // The asker hears the error from the call itself.
+            Err(NotSent { error, .. }) => Direct::Sent(Err(error)),
+        }
+    }
+
+    /// Sends `env` for `entity_id` to the home of `shard` on `region` (at `epoch`) through
+    /// `sender`: a local asker waits in the ask table for the answer; a remote asker's reply
+    /// address is passed on. The one encoding of a `Deliver`, for the region task's forwards
+    /// and the handle's direct sends alike. On failure the ask (if any) is out of the table
+    /// again and handed back with the error.
+    pub(crate) fn send_deliver(
+        &self,
+        sender: &PeerSender,
+        region: &RegionId,
+        shard: &str,
+        epoch: u64,
+        entity_id: &str,
+        env: Envelope<E>,
+    ) -> std::result::Result<(), NotSent<E::Reply>> {
+        let (reply_to, pending) = match env.reply {
+            None => (None, None),
+            Some(ReplyTo::Remote { region, ask_id, .. }) => (Some((region, ask_id)), None),
+            Some(ReplyTo::Local(tx)) => (None, Some(PendingAsk::Reply(tx))),
+            Some(ReplyTo::Started(tx)) => (None, Some(PendingAsk::Started(tx))),
+        };
         let payload = match env.msg.as_ref().map(rmp_serde::to_vec_named).transpose() {
             Ok(p) => p.unwrap_or_default(),
-            Err(e) => return Direct::Sent(Err(Error::Codec(format!("message does not encode: {e}")))),
-        };
-        let pending = match env.reply {
-            Some(ReplyTo::Local(tx)) => Some(PendingAsk::Reply(tx)),
-            Some(ReplyTo::Started(tx)) => Some(PendingAsk::Started(tx)),
-            _ => None,
+            Err(e) => return Err(NotSent { error: Error::Codec(format!("message does not encode: {e}")), pending }),
         };
         let ask_id =
-            pending.map(|p| self.asks.lock().expect("asks lock").insert(home.region.clone(), entity_id.to_string(), p));
+            pending.map(|p| self.asks.lock().expect("asks lock").insert(region.clone(), entity_id.to_string(), p));
         let msg = RegionInbound::Region(RegionToRegion::Deliver {
             shard: shard.to_string(),
             entity_id: entity_id.to_string(),
             payload,
-            reply_to: ask_id.map(|id| (self.me.clone(), id)),
-            epoch: home.epoch,
+            reply_to: reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id))),
+            epoch,
         });
-        let sent = home.sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg));
-        match (&sent, ask_id) {
-            (Ok(()), _) => {
-                self.counters.remote_sent_direct.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            (Err(_), Some(id)) => {
-                self.asks.lock().expect("asks lock").take(id);
-            }
-            (Err(_), None) => {}
-        }
-        Direct::Sent(sent)
+        sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)).map_err(|error| {
+            let pending = ask_id.and_then(|id| self.asks.lock().expect("asks lock").take(id)).map(|(_, p)| p);
+            NotSent { error, pending }
+        })
     }
 
     /// Takes `m` if it can (`None`), or hands it back for the region task.
