@@ -20,6 +20,7 @@ pub mod activation;
 pub mod clock;
 pub mod config;
 pub mod ddata;
+mod deadline;
 pub mod error;
 #[cfg(test)]
 mod fuzzing;

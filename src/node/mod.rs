@@ -18,6 +18,7 @@ pub use heartbeat::FailureDetectorStats;
 use crate::clock::wall_ms;
 use crate::config::NodeConfig;
 use crate::ddata::{self, DurableStore, Replicator, ReplicatorParams};
+use crate::deadline::DeadlineSweep;
 use crate::error::{Error, Result};
 use crate::membership::{
     Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress,
@@ -43,6 +44,8 @@ struct NodeInner {
     replicator: Replicator,
     spawner: Spawner,
     failure_detector: Arc<FailureDetectorStats>,
+    /// Every ask's timeout (one sweeper, not a runtime timer per ask).
+    deadlines: DeadlineSweep,
 }
 
 /// A running cluster node. Cheap to clone; every clone is the same node.
@@ -153,6 +156,8 @@ impl Node {
             forget_removed_peers(membership.events(), transport.clone(), shutdown.clone()),
         );
         spawner.spawn_essential("stop when downed", stop_when_downed(membership.watch(), spawner.clone()));
+        let deadlines = DeadlineSweep::new();
+        spawner.spawn_essential("ask deadlines", deadlines.clone().run(shutdown.clone()));
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
         Ok(Node {
             inner: Arc::new(NodeInner {
@@ -165,6 +170,7 @@ impl Node {
                 replicator,
                 spawner,
                 failure_detector,
+                deadlines,
             }),
         })
     }
@@ -231,6 +237,11 @@ impl Node {
         }
         regions.push(region);
         Ok(())
+    }
+
+    /// The deadlines every ask of this node waits under.
+    pub(crate) fn deadlines(&self) -> &DeadlineSweep {
+        &self.inner.deadlines
     }
 
     pub(crate) fn shutdown_token(&self) -> CancellationToken {

@@ -21,14 +21,21 @@ use super::shard::{Factory, LocalShards, RememberIo, StateIo};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
 use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
+use crate::deadline::DeadlineSweep;
 use crate::error::{Error, Result};
 use crate::membership::PeerAddr;
 use crate::node::{Node, RegionControl};
 use crate::transport::wire;
 
-/// Waits for an entity's answer up to `timeout`.
-async fn await_answer<T>(entity_id: &str, rx: oneshot::Receiver<Result<T>>, timeout: Duration) -> Result<T> {
-    match tokio::time::timeout(timeout, rx).await {
+/// Waits for an entity's answer up to `timeout` (the node's deadline sweep: it times out no
+/// earlier than `timeout`, and less than `deadline::RESOLUTION` later).
+async fn await_answer<T>(
+    deadlines: &DeadlineSweep,
+    entity_id: &str,
+    rx: oneshot::Receiver<Result<T>>,
+    timeout: Duration,
+) -> Result<T> {
+    match deadlines.within(timeout, rx).await {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => Err(not_delivered(entity_id, "entity stopped")),
         Err(_) => Err(Error::AskTimeout { entity_id: entity_id.to_string(), timeout }),
@@ -193,7 +200,9 @@ impl<E: Entity> ShardRegion<E> {
         self.submit(entity_id, Envelope::new(Some(msg), None))
     }
 
-    /// Sends a message and waits for the entity's reply, up to the settings' `ask_timeout`.
+    /// Sends a message and waits for the entity's reply, up to the settings' `ask_timeout`:
+    /// [`Error::AskTimeout`] never comes before it, and less than 5 ms (plus scheduling delay)
+    /// after it.
     pub async fn ask(&self, entity_id: &str, msg: E::Message) -> Result<E::Reply> {
         self.ask_with_timeout(entity_id, msg, self.inner.settings.ask_timeout).await
     }
@@ -202,14 +211,14 @@ impl<E: Entity> ShardRegion<E> {
     pub async fn ask_with_timeout(&self, entity_id: &str, msg: E::Message, timeout: Duration) -> Result<E::Reply> {
         let (tx, rx) = oneshot::channel();
         self.submit(entity_id, Envelope::new(Some(msg), Some(ReplyTo::Local(tx))))?;
-        await_answer(entity_id, rx, timeout).await
+        await_answer(self.inner.node.deadlines(), entity_id, rx, timeout).await
     }
 
     /// Starts entity `entity_id` without a message; returns once it runs.
     pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         self.submit(entity_id, Envelope::new(None, Some(ReplyTo::Started(tx))))?;
-        await_answer(entity_id, rx, self.inner.settings.ask_timeout).await
+        await_answer(self.inner.node.deadlines(), entity_id, rx, self.inner.settings.ask_timeout).await
     }
 
     /// Shards hosted by this region with their live entity ids.
