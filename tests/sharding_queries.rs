@@ -215,3 +215,175 @@ async fn external_allocation_places_and_moves_shards_where_the_operator_says() {
     .await;
     c.shutdown().await;
 }
+
+/// Reads every page of a region's entity ids, `per_page` at a time.
+async fn all_entity_pages(region: &ddshard::sharding::RegionRef, per_page: usize) -> Vec<(String, String)> {
+    let mut all = Vec::new();
+    let mut after = None;
+    for _ in 0..10_000 {
+        let page = region.entity_ids(after, per_page).await.unwrap();
+        assert!(page.entities.len() <= per_page);
+        all.extend(page.entities.iter().cloned());
+        match page.next {
+            Some(next) => {
+                assert_eq!(Some(&next), page.entities.last(), "a page goes on after its last entity");
+                after = Some(next);
+            }
+            None => return all,
+        }
+    }
+    panic!("the pages never end: `after` is not honoured");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operators_see_types_regions_pages_of_entities_allocation_and_why_each_shard_is_where_it_is() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s = ShardingSettings { min_nr_of_members: 3, rebalance_interval: Duration::from_secs(3600), ..settings() };
+    let regions = start_everywhere(&c, &probe, s).await;
+    let ids: Vec<String> = (0..60).map(|i| format!("q{i}")).collect();
+    for id in &ids {
+        regions[0].ask(id, CounterMsg::Add(1)).await.unwrap();
+    }
+    let mut listed = Vec::new();
+    for (_, node) in c.running() {
+        assert_eq!(node.sharding().type_names(), vec!["counter".to_string()]);
+        assert!(node.sharding().region("nope").is_none());
+        let region = node.sharding().region("counter").expect("started here");
+        assert!(!region.is_proxy());
+        let info = region.info().await.unwrap();
+        assert!(info.registered && !info.refused, "{info:?}");
+        assert_eq!(info.region, node.address().to_string());
+        assert_eq!(info.entities, info.shards.iter().map(|s| s.entities).sum::<usize>());
+        // Pages of 7: every running entity once, in (shard, id) order, each in its own shard.
+        let pages = all_entity_pages(&region, 7).await;
+        assert_eq!(pages.len(), info.entities, "{}", node.node_id());
+        assert!(pages.windows(2).all(|w| w[0] < w[1]), "ordered without repeats: {pages:?}");
+        for (shard, id) in &pages {
+            assert_eq!(&region.shard_of(id), shard);
+        }
+        listed.extend(pages.into_iter().map(|(_, id)| id));
+    }
+    listed.sort();
+    let mut expected = ids.clone();
+    expected.sort();
+    assert_eq!(listed, expected, "the pages of all regions list every entity once");
+
+    // The coordinator's table, asked from the newest node, agrees with where entities run.
+    let region = c.node(2).sharding().region("counter").unwrap();
+    let table = region.allocation().await.unwrap();
+    assert_eq!(table.type_name, "counter");
+    assert_eq!(table.coordinator, c.node(0).address().to_string(), "the oldest hosts the coordinator");
+    assert_eq!(table.regions.len(), 3);
+    assert_eq!(table.regions.iter().map(|r| r.shards).sum::<usize>(), table.shards.len());
+    for id in ids.iter().take(10) {
+        let host = where_is(&regions[0], id).await;
+        let located = region.locate(id).await.unwrap();
+        assert_eq!(located.shard, regions[0].shard_id(id));
+        let home = located.home.expect("a home");
+        assert!(home.starts_with(&format!("{host}#")), "{id}: located on {home}, runs on {host}");
+        let row = table.shards.iter().find(|s| s.shard == located.shard).expect("in the table");
+        assert_eq!((row.region.as_deref(), row.epoch), (Some(home.as_str()), located.epoch));
+        let explained = region.explain(&located.shard).await.unwrap().expect("an allowed shard id");
+        assert_eq!(explained.home.as_deref(), Some(home.as_str()));
+        let allocated = explained.history.iter().find(|e| e.kind == "allocated").expect("its allocation");
+        assert_eq!(allocated.region, home);
+        assert!(allocated.reason.contains("requested by region"), "{allocated:?}");
+        assert_eq!(explained.regions.iter().filter(|r| r.eligible).count(), 3);
+    }
+    assert!(region.explain("not-a-shard").await.unwrap().is_none(), "the default extractor numbers shards");
+    assert!(matches!(region.locate("").await, Err(ddshard::Error::EmptyEntityId)));
+    let nodes: Vec<ddshard::Node> = c.running().map(|(_, n)| n.clone()).collect();
+    eventually(CONVERGE, "every node ready", || {
+        let nodes = nodes.clone();
+        async move {
+            for n in &nodes {
+                if !n.readiness().await.ready {
+                    return None;
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_dry_run_names_what_the_rebalance_that_follows_moves_and_where() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    // No periodic rounds during the test: only the one asked for.
+    let s = ShardingSettings { rebalance_interval: Duration::from_secs(3600), ..settings() };
+    let first = start_counter(c.node(0), &probe, s.clone()).await;
+    for i in 0..40 {
+        first.ask(&format!("d{i}"), CounterMsg::Add(1)).await.unwrap();
+    }
+    let _second = start_counter(c.node(1), &probe, s).await;
+    let region = c.node(1).sharding().region("counter").unwrap();
+    let plan = eventually(CONVERGE, "a dry run with moves", || {
+        let region = region.clone();
+        async move {
+            let p = region.rebalance_plan().await.ok()?;
+            (p.allowed && !p.moves.is_empty()).then_some(p)
+        }
+    })
+    .await;
+    assert!(!plan.executed);
+    let n1 = c.node(0).address().to_string();
+    let n2 = c.node(1).address().to_string();
+    assert!(plan.moves.iter().all(|m| m.from == n1 && m.expected_to == n2), "{plan:?}");
+    let done = region.rebalance().await.unwrap();
+    assert!(done.executed);
+    assert_eq!(done.moves, plan.moves, "the round did what the dry run said");
+    let moved: BTreeSet<String> = plan.moves.iter().map(|m| m.shard.clone()).collect();
+    eventually(CONVERGE, "every moved shard at its expected home", || {
+        let (region, moved, n2) = (region.clone(), moved.clone(), n2.clone());
+        async move {
+            let table = region.allocation().await.ok()?;
+            let landed =
+                table.shards.iter().filter(|s| moved.contains(&s.shard) && s.region.as_deref() == Some(&n2)).count();
+            (landed == moved.len()).then_some(())
+        }
+    })
+    .await;
+    let explained = region.explain(moved.iter().next().unwrap()).await.unwrap().unwrap();
+    let kinds: Vec<&str> = explained.history.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds, ["allocated", "hand-off-started", "hand-off-done", "allocated"], "{explained:?}");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_names_a_region_its_coordinator_refused() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let _first = start_counter(c.node(0), &probe, settings()).await;
+    let other: ddshard::sharding::ShardIdExtractor = std::sync::Arc::new(|id: &str| format!("x{}", id.len()));
+    let opts = ddshard::sharding::StartOptions { shard_id_extractor: Some(other), ..Default::default() };
+    let _refused: ddshard::ShardRegion<Counter> = c
+        .node(1)
+        .sharding()
+        .start_with("counter", |_: &str| Counter::new(Probe::default()), settings(), opts)
+        .await
+        .unwrap();
+    let node = c.node(1).clone();
+    let why = eventually(CONVERGE, "n2 not ready, naming the refusal", || {
+        let node = node.clone();
+        async move {
+            let r = node.readiness().await;
+            (!r.ready && r.not_ready_because.iter().any(|w| w.contains("refused"))).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(why.not_ready_because.len(), 1, "{why:?}");
+    let node = c.node(0).clone();
+    eventually(CONVERGE, "n1 ready", || {
+        let node = node.clone();
+        async move { node.readiness().await.ready.then_some(()) }
+    })
+    .await;
+    c.shutdown().await;
+}

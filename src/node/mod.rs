@@ -26,11 +26,27 @@ use crate::membership::{
 use crate::spawn::Spawner;
 use crate::transport::Transport;
 
-/// What `Node::leave` needs from a running region.
+/// What the node and tools need from a running region, whatever its entity type.
 pub(crate) trait RegionControl: Send + Sync {
     fn type_name(&self) -> &str;
     /// Hands off every shard, then stops the region.
     fn graceful_shutdown(&self) -> futures::future::BoxFuture<'_, ()>;
+    /// A proxy routes but hosts nothing.
+    fn is_proxy(&self) -> bool;
+    /// The role of the nodes that host the type (and its coordinator).
+    fn role(&self) -> Option<&str>;
+    /// The type's ask timeout (also bounds queries to its coordinator).
+    fn ask_timeout(&self) -> std::time::Duration;
+    /// The shard of an entity id (the type's extractor on this node).
+    fn shard_of(&self, entity_id: &str) -> crate::sharding::ShardId;
+    /// The region's own view of itself.
+    fn info(&self) -> futures::future::BoxFuture<'_, Result<crate::sharding::query::RegionInfo>>;
+    /// A page of the entity ids it runs.
+    fn entity_ids(
+        &self,
+        after: Option<(crate::sharding::ShardId, String)>,
+        limit: usize,
+    ) -> futures::future::BoxFuture<'_, Result<crate::sharding::query::EntityIdPage>>;
 }
 
 struct NodeInner {
@@ -237,6 +253,44 @@ impl Node {
         }
         regions.push(region);
         Ok(())
+    }
+
+    /// The regions started on this node, in start order.
+    pub(crate) fn regions(&self) -> Vec<Arc<dyn RegionControl>> {
+        self.inner.regions.lock().expect("regions lock").clone()
+    }
+
+    /// Whether this node is ready to serve, and what is missing when it is not: it is Up,
+    /// and every region started here (proxies too) is registered with its type's
+    /// coordinator. Durable data (LMDB) is loaded before [`Node::start`] returns, so a running
+    /// node always has it.
+    pub async fn readiness(&self) -> crate::sharding::query::Readiness {
+        let mut missing = Vec::new();
+        if let Some(reason) = self.stop_reason() {
+            missing.push(format!("the node stopped: {reason}"));
+        } else if self.is_shut_down() {
+            missing.push("the node is shut down".to_string());
+        }
+        let snap = self.membership();
+        match snap.members.iter().find(|m| m.address() == &self.inner.address).map(|m| m.status()) {
+            Some(MemberStatus::Up) => {}
+            Some(status) => missing.push(format!("this member is {}, not up", status.as_key())),
+            None => missing.push("this member is not in the membership yet".to_string()),
+        }
+        for region in self.regions() {
+            match region.info().await {
+                Ok(info) if info.refused => missing.push(format!(
+                    "region {} was refused by its coordinator (its shard-id extractor differs)",
+                    info.type_name
+                )),
+                Ok(info) if !info.registered => {
+                    missing.push(format!("region {} is not registered with its coordinator yet", info.type_name))
+                }
+                Ok(_) => {}
+                Err(e) => missing.push(format!("region {} does not answer: {e}", region.type_name())),
+            }
+        }
+        crate::sharding::query::Readiness { ready: missing.is_empty(), not_ready_because: missing }
     }
 
     /// The deadlines every ask of this node waits under.

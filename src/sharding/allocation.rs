@@ -30,6 +30,38 @@ pub trait ShardAllocationStrategy: Send + Sync + 'static {
     /// Shards to hand off now (the coordinator then re-allocates them with [`Self::allocate`]).
     /// `in_progress` are shards already being moved.
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId>;
+
+    /// Why [`Self::allocate`] chose `chosen` for `shard`, for operators (the coordinator's
+    /// shard explanation and its history). Called once per allocation and per query.
+    fn allocation_reason(&self, shard: &ShardId, regions: &[RegionAllocation], chosen: &RegionId) -> String {
+        let _ = (shard, regions, chosen);
+        "chosen by a custom allocation strategy".into()
+    }
+
+    /// Why [`Self::rebalance`] moves `shard`, for operators (the rebalance plan).
+    fn rebalance_reason(&self, shard: &ShardId, regions: &[RegionAllocation]) -> String {
+        let _ = (shard, regions);
+        "moved by a custom allocation strategy's rebalance".into()
+    }
+}
+
+/// The shards `region` holds in `regions` (0 when it is not listed).
+fn shard_count(regions: &[RegionAllocation], region: &RegionId) -> usize {
+    regions.iter().find(|r| r.region == *region).map_or(0, |r| r.shards.len())
+}
+
+/// The region holding `shard` in `regions`, with its shard count.
+fn holder<'a>(regions: &'a [RegionAllocation], shard: &str) -> Option<&'a RegionAllocation> {
+    regions.iter().find(|r| r.shards.iter().any(|s| s == shard))
+}
+
+/// The reason of the least-loaded choice.
+fn least_loaded_reason(regions: &[RegionAllocation], chosen: &RegionId) -> String {
+    format!(
+        "fewest shards ({}) of the {} regions that take shards (ties go to the lowest address)",
+        shard_count(regions, chosen),
+        regions.len()
+    )
 }
 
 /// Regions ordered by suitability for a new shard: not leaving first, then fewest shards, then
@@ -97,6 +129,22 @@ impl ShardAllocationStrategy for PanicGuardedStrategy {
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
         self.contain("rebalance", || self.0.rebalance(regions, in_progress), BTreeSet::new)
     }
+
+    fn allocation_reason(&self, shard: &ShardId, regions: &[RegionAllocation], chosen: &RegionId) -> String {
+        self.contain(
+            "allocation_reason",
+            || self.0.allocation_reason(shard, regions, chosen),
+            || "the strategy panicked explaining its choice".into(),
+        )
+    }
+
+    fn rebalance_reason(&self, shard: &ShardId, regions: &[RegionAllocation]) -> String {
+        self.contain(
+            "rebalance_reason",
+            || self.0.rebalance_reason(shard, regions),
+            || "the strategy panicked explaining its move".into(),
+        )
+    }
 }
 
 /// Least-shard allocation with Akka's newer rebalance algorithm: balanced within one or two
@@ -119,6 +167,27 @@ impl Default for LeastShardAllocation {
 impl ShardAllocationStrategy for LeastShardAllocation {
     fn allocate(&self, _requester: &RegionId, _shard: &ShardId, regions: &[RegionAllocation]) -> RegionId {
         least_loaded(regions)
+    }
+
+    fn allocation_reason(&self, _shard: &ShardId, regions: &[RegionAllocation], chosen: &RegionId) -> String {
+        least_loaded_reason(regions, chosen)
+    }
+
+    fn rebalance_reason(&self, shard: &ShardId, regions: &[RegionAllocation]) -> String {
+        let active: Vec<&RegionAllocation> = regions.iter().filter(|r| !r.leaving).collect();
+        let total: usize = active.iter().map(|r| r.shards.len()).sum();
+        let optimal = total.div_ceil(active.len().max(1));
+        let held = holder(regions, shard).map_or(0, |r| r.shards.len());
+        if held > optimal {
+            format!(
+                "its region holds {held} shards, more than the {optimal} per region of an even spread (oldest move first)"
+            )
+        } else {
+            format!(
+                "its region holds {held} shards while another holds fewer than {}: one moves to fill it",
+                optimal.saturating_sub(1)
+            )
+        }
     }
 
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
@@ -189,6 +258,16 @@ impl ShardAllocationStrategy for LegacyLeastShardAllocation {
         least_loaded(regions)
     }
 
+    fn allocation_reason(&self, _shard: &ShardId, regions: &[RegionAllocation], chosen: &RegionId) -> String {
+        least_loaded_reason(regions, chosen)
+    }
+
+    fn rebalance_reason(&self, shard: &ShardId, regions: &[RegionAllocation]) -> String {
+        let held = holder(regions, shard).map_or(0, |r| r.shards.len());
+        let least = regions.iter().map(|r| r.shards.len()).min().unwrap_or(0);
+        format!("its region holds {held} shards, more than {} over the least loaded region's {least}", self.threshold)
+    }
+
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
         if in_progress.len() >= self.max_simultaneous || regions.is_empty() {
             return BTreeSet::new();
@@ -255,6 +334,22 @@ impl ShardAllocationStrategy for ConsistentHashingAllocation {
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
         misplaced(regions, in_progress, self.rebalance_limit, |s| self.ring_owner(s, regions))
     }
+
+    fn allocation_reason(&self, shard: &ShardId, regions: &[RegionAllocation], chosen: &RegionId) -> String {
+        match self.ring_owner(shard, regions) {
+            Some(owner) if owner == *chosen => {
+                format!("owner of the shard's point on the hash ring ({} points per region)", self.virtual_nodes)
+            }
+            _ => "no ring owner among the regions: the requesting region".into(),
+        }
+    }
+
+    fn rebalance_reason(&self, shard: &ShardId, regions: &[RegionAllocation]) -> String {
+        match self.ring_owner(shard, regions) {
+            Some(owner) => format!("the hash ring places it on {owner}"),
+            None => "the hash ring places it elsewhere".into(),
+        }
+    }
 }
 
 /// The strategy the settings name. `external_locations` is the table the External strategy
@@ -317,6 +412,23 @@ impl ShardAllocationStrategy for ExternalAllocation {
 
     fn rebalance(&self, regions: &[RegionAllocation], in_progress: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
         misplaced(regions, in_progress, self.rebalance_limit, |s| self.desired(s, regions))
+    }
+
+    fn allocation_reason(&self, shard: &ShardId, regions: &[RegionAllocation], chosen: &RegionId) -> String {
+        let desired = self.locations.read().expect("locations lock").get(shard).cloned();
+        match desired {
+            Some(node) if *chosen.node_id == *node => format!("its desired location is node {node}"),
+            Some(node) => format!(
+                "its desired node {node} hosts none of the {} regions that take shards: the requesting region (or the least loaded)",
+                regions.len()
+            ),
+            None => "no desired location set: the requesting region (or the least loaded)".into(),
+        }
+    }
+
+    fn rebalance_reason(&self, shard: &ShardId, _regions: &[RegionAllocation]) -> String {
+        let desired = self.locations.read().expect("locations lock").get(shard).cloned();
+        format!("its desired location is node {}", desired.unwrap_or_default())
     }
 }
 
@@ -558,5 +670,91 @@ mod tests {
         assert!(Arc::ptr_eq(ext.locations(), &table));
         ext.locations().write().unwrap().insert("c".into(), "r2".into());
         assert_eq!(ext.allocate(&regions[0].region, &"c".into(), &regions).node_id.as_ref(), "r2");
+    }
+
+    #[test]
+    fn each_built_in_strategy_explains_its_choice_and_its_moves() {
+        // r0 holds 001..=006, r1 none, r2 holds 007.
+        let regions = layout(&[6, 0, 1]);
+        let least = LeastShardAllocation::default();
+        let chosen = least.allocate(&regions[0].region, &"x".into(), &regions);
+        assert_eq!(chosen, regions[1].region);
+        assert_eq!(
+            least.allocation_reason(&"x".into(), &regions, &chosen),
+            "fewest shards (0) of the 3 regions that take shards (ties go to the lowest address)"
+        );
+        assert!(
+            least.rebalance_reason(&"001".into(), &regions).starts_with("its region holds 6 shards, more than the 3 ")
+        );
+        assert!(
+            least.rebalance_reason(&"007".into(), &regions).contains("holds 1 shards while another holds fewer than 2")
+        );
+
+        let legacy = LegacyLeastShardAllocation::default();
+        assert_eq!(
+            legacy.rebalance_reason(&"001".into(), &regions),
+            "its region holds 6 shards, more than 1 over the least loaded region's 0"
+        );
+        assert!(legacy.allocation_reason(&"x".into(), &regions, &regions[1].region).starts_with("fewest shards (0)"));
+
+        let ring = ConsistentHashingAllocation::default();
+        let owner = ring.ring_owner("001", &regions).expect("an owner");
+        assert!(ring.allocation_reason(&"001".into(), &regions, &owner).starts_with("owner of the shard's point"));
+        let other = regions.iter().find(|r| r.region != owner).expect("another").region.clone();
+        assert!(ring.allocation_reason(&"001".into(), &regions, &other).starts_with("no ring owner"));
+        assert_eq!(ring.rebalance_reason(&"001".into(), &regions), format!("the hash ring places it on {owner}"));
+
+        let ext = ExternalAllocation::default();
+        ext.locations().write().unwrap().insert("001".into(), "r2".into());
+        ext.locations().write().unwrap().insert("002".into(), "gone".into());
+        assert_eq!(
+            ext.allocation_reason(&"001".into(), &regions, &regions[2].region),
+            "its desired location is node r2"
+        );
+        assert!(
+            ext.allocation_reason(&"002".into(), &regions, &regions[0].region)
+                .starts_with("its desired node gone hosts none")
+        );
+        assert!(ext.allocation_reason(&"003".into(), &regions, &regions[0].region).starts_with("no desired location"));
+        assert_eq!(ext.rebalance_reason(&"001".into(), &regions), "its desired location is node r2");
+    }
+
+    #[test]
+    fn a_strategy_that_panics_explaining_gets_a_fallback_reason() {
+        struct PanicsExplaining;
+        impl ShardAllocationStrategy for PanicsExplaining {
+            fn allocate(&self, r: &RegionId, _: &ShardId, _: &[RegionAllocation]) -> RegionId {
+                r.clone()
+            }
+            fn rebalance(&self, _: &[RegionAllocation], _: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+                BTreeSet::new()
+            }
+            fn allocation_reason(&self, _: &ShardId, _: &[RegionAllocation], _: &RegionId) -> String {
+                panic!("explaining")
+            }
+            fn rebalance_reason(&self, _: &ShardId, _: &[RegionAllocation]) -> String {
+                panic!("explaining")
+            }
+        }
+        let regions = layout(&[1, 1]);
+        let guarded = PanicGuardedStrategy(Arc::new(PanicsExplaining));
+        assert!(guarded.allocation_reason(&"x".into(), &regions, &regions[0].region).contains("panicked"));
+        assert!(guarded.rebalance_reason(&"001".into(), &regions).contains("panicked"));
+        // A custom strategy that explains nothing gets the default words.
+        struct Silent;
+        impl ShardAllocationStrategy for Silent {
+            fn allocate(&self, r: &RegionId, _: &ShardId, _: &[RegionAllocation]) -> RegionId {
+                r.clone()
+            }
+            fn rebalance(&self, _: &[RegionAllocation], _: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+                BTreeSet::new()
+            }
+        }
+        let silent = PanicGuardedStrategy(Arc::new(Silent));
+        assert_eq!(
+            silent.allocation_reason(&"x".into(), &regions, &regions[0].region),
+            "chosen by a custom allocation strategy"
+        );
+        assert_eq!(silent.rebalance_reason(&"x".into(), &regions), "moved by a custom allocation strategy's rebalance");
     }
 }

@@ -12,10 +12,12 @@ use tracing::warn;
 
 use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use super::ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id, valid_type_name};
-use super::protocol::{CoordinatorQuery, RegionQuery, RegionStatsReply};
+use super::protocol::CoordinatorQuery;
+use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
     AskTable, Direct, FastPath, PeerSenders, RegionCmd, RegionCore, RegionSettings, RegionTask, RemoteHomes,
 };
+use super::region_ref::{RegionRef, coordinator_request};
 use super::settings::ShardingSettings;
 use super::shard::{Factory, LocalShards, RememberIo, StateIo};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
@@ -23,9 +25,7 @@ use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
 use crate::deadline::DeadlineSweep;
 use crate::error::{Error, Result};
-use crate::membership::PeerAddr;
 use crate::node::{Node, RegionControl};
-use crate::transport::wire;
 
 /// Waits for an entity's answer up to `timeout` (the node's deadline sweep: it times out no
 /// earlier than `timeout`, and less than `deadline::RESOLUTION` later).
@@ -235,58 +235,20 @@ impl<E: Entity> ShardRegion<E> {
         rx.await.map_err(|_| Error::ShutDown)
     }
 
-    fn coordinator_peer(&self) -> Result<PeerAddr> {
-        let snap = self.inner.node.membership();
-        let m = snap
-            .singleton_host(self.inner.settings.role.as_deref())
-            .ok_or_else(|| Error::CoordinatorUnavailable(self.inner.type_name.clone()))?;
-        Ok(m.peer())
-    }
-
     /// Every region of this type in the cluster (from the coordinator).
     pub async fn current_regions(&self) -> Result<BTreeSet<RegionId>> {
-        let peer = self.coordinator_peer()?;
-        let body = wire::encode(&CoordinatorQuery::CurrentRegions)?;
-        let topic = keys::coordinator_topic(&self.inner.type_name);
-        let reply = self
-            .inner
-            .node
-            .transport()
-            .request(&peer, &topic, &body, self.inner.settings.ask_timeout)
-            .await
-            .map_err(|_| Error::CoordinatorUnavailable(self.inner.type_name.clone()))?;
-        wire::decode(&reply)
+        coordinator_request(&*self.inner, &self.inner.node, &CoordinatorQuery::CurrentRegions).await
+    }
+
+    /// This region without its entity type: what tools query (see [`RegionRef`]).
+    pub fn erased(&self) -> RegionRef {
+        RegionRef::new(self.inner.clone(), self.inner.node.clone())
     }
 
     /// Entity counts of every region; regions that do not answer within `timeout` are listed in
     /// `failed` instead of failing the whole query.
     pub async fn cluster_stats(&self, timeout: Duration) -> Result<ClusterShardingStats> {
-        let regions = self.current_regions().await?;
-        let snap = self.inner.node.membership();
-        let topic = keys::region_topic(&self.inner.type_name);
-        let body = wire::encode(&RegionQuery::Stats)?;
-        let transport = self.inner.node.transport().clone();
-        let asks = regions.into_iter().map(|region| {
-            let peer = snap.peer(&region);
-            let (transport, topic, body) = (transport.clone(), topic.clone(), body.clone());
-            async move {
-                let Some(peer) = peer else { return (region, None) };
-                let r = transport.request(&peer, &topic, &body, timeout).await.ok();
-                (region, r.and_then(|b| wire::decode::<RegionStatsReply>(&b).ok()))
-            }
-        });
-        let mut stats = ClusterShardingStats::default();
-        for (region, answer) in futures::future::join_all(asks).await {
-            match answer {
-                Some(s) => {
-                    stats.regions.insert(region, s);
-                }
-                None => {
-                    stats.failed.insert(region);
-                }
-            }
-        }
-        Ok(stats)
+        self.erased().cluster_stats(timeout).await
     }
 
     /// External allocation: asks for `shard` to live on node `node_id` (majority write to the
@@ -314,6 +276,36 @@ impl<E: Entity> ShardRegion<E> {
 impl<E: Entity> RegionControl for HandleInner<E> {
     fn type_name(&self) -> &str {
         &self.type_name
+    }
+    fn is_proxy(&self) -> bool {
+        self.proxy
+    }
+    fn role(&self) -> Option<&str> {
+        self.settings.role.as_deref()
+    }
+    fn ask_timeout(&self) -> Duration {
+        self.settings.ask_timeout
+    }
+    fn shard_of(&self, entity_id: &str) -> ShardId {
+        (self.extractor)(entity_id)
+    }
+    fn info(&self) -> futures::future::BoxFuture<'_, Result<RegionInfo>> {
+        Box::pin(async move {
+            let (tx, rx) = oneshot::channel();
+            self.commands.send(RegionCmd::Info(tx)).map_err(|_| Error::ShutDown)?;
+            rx.await.map_err(|_| Error::ShutDown)
+        })
+    }
+    fn entity_ids(
+        &self,
+        after: Option<(ShardId, String)>,
+        limit: usize,
+    ) -> futures::future::BoxFuture<'_, Result<EntityIdPage>> {
+        Box::pin(async move {
+            let (reply, rx) = oneshot::channel();
+            self.commands.send(RegionCmd::EntityIds { after, limit, reply }).map_err(|_| Error::ShutDown)?;
+            rx.await.map_err(|_| Error::ShutDown)
+        })
     }
     fn graceful_shutdown(&self) -> futures::future::BoxFuture<'_, ()> {
         Box::pin(async move {

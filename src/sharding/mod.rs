@@ -27,7 +27,9 @@ mod handle;
 pub(crate) mod ids;
 pub(crate) mod keys;
 pub(crate) mod protocol;
+pub mod query;
 pub(crate) mod region;
+mod region_ref;
 pub mod settings;
 pub(crate) mod shard;
 
@@ -45,6 +47,7 @@ pub use durable::{Durable, DurableEntity};
 pub use handle::{RegionCounters, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
+pub use region_ref::RegionRef;
 pub use settings::{AllocationSettings, ShardingSettings};
 
 use crate::error::{Error, Result};
@@ -211,6 +214,18 @@ impl Node {
 }
 
 impl Sharding {
+    /// The entity types started on this node (regions and proxies), in start order.
+    pub fn type_names(&self) -> Vec<String> {
+        self.node.regions().iter().map(|r| r.type_name().to_string()).collect()
+    }
+
+    /// The region of `type_name` on this node, without its entity type (for tools); `None`
+    /// when the type was not started here.
+    pub fn region(&self, type_name: &str) -> Option<RegionRef> {
+        let control = self.node.regions().into_iter().find(|r| r.type_name() == type_name)?;
+        Some(RegionRef::new(control, self.node.clone()))
+    }
+
     /// Starts hosting entity type `type_name` here (or a proxy if this node lacks the role),
     /// creating entities with `factory(entity_id)`.
     pub async fn start<E, F>(&self, type_name: &str, factory: F, settings: ShardingSettings) -> Result<ShardRegion<E>>

@@ -172,6 +172,15 @@ pub enum RegionInbound {
 pub enum CoordinatorQuery {
     /// Registered regions.
     CurrentRegions,
+    /// The allocation table ([`crate::sharding::query::AllocationTable`]).
+    Allocation,
+    /// Why a shard is where it is (`Option<`[`crate::sharding::query::ShardExplanation`]`>`;
+    /// `None` for a shard id the extractor cannot produce).
+    Explain { shard: ShardId },
+    /// What a rebalance round would do now ([`crate::sharding::query::RebalancePlan`]).
+    RebalancePlan,
+    /// Run a rebalance round now; answered with the plan it carried out.
+    Rebalance,
 }
 
 /// Requests answered on a region topic.

@@ -5,7 +5,7 @@
 //! that reveal a change (HostShard, ShardHome, RegisterAck) are held until the write holding
 //! it is acknowledged, so no region ever learns an allocation a new coordinator could miss.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,6 +18,13 @@ use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdRule};
 use crate::sharding::keys;
 use crate::sharding::protocol::{ToCoordinator, ToRegion};
+use crate::sharding::query::{
+    AllocationChoice, AllocationTable, HandOffProgress, PlannedMove, RebalancePlan, RebalanceStatus, RegionSummary,
+    RegionVerdict, ShardAllocation, ShardEvent, ShardExplanation,
+};
+
+/// Events kept per shard for its explanation.
+pub(crate) const HISTORY_PER_SHARD: usize = 16;
 
 /// One entry to write: key and new value (`None` removes it).
 pub(crate) type StateEntry = (String, Option<Vec<u8>>);
@@ -83,6 +90,9 @@ pub(crate) enum CoordinatorInput {
     /// allocated at once so their entities start without a message.
     RememberedShards(BTreeSet<ShardId>),
     Tick,
+    /// An operator asked for a rebalance round now (the periodic schedule is unchanged); the
+    /// round's outcome is kept for [`CoordinatorCore::take_requested_round`].
+    RebalanceNow,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -143,6 +153,10 @@ pub(crate) struct CoordinatorCore {
     min_members_reached: bool,
     members: MembersView,
     rejected: u64,
+    /// Each shard's latest events (at most [`HISTORY_PER_SHARD`]), for operators.
+    history: BTreeMap<ShardId, VecDeque<ShardEvent>>,
+    /// The outcome of the latest `RebalanceNow`: its moves, or why it could not run.
+    requested_round: Option<Result<Vec<PlannedMove>, String>>,
 }
 
 impl CoordinatorCore {
@@ -175,6 +189,8 @@ impl CoordinatorCore {
             last_handoff_id: 0,
             members: MembersView::default(),
             rejected: 0,
+            history: BTreeMap::new(),
+            requested_round: None,
         }
     }
 
@@ -277,6 +293,10 @@ impl CoordinatorCore {
                 self.start_write(out);
             }
             CoordinatorInput::Tick => self.on_tick(now, out),
+            CoordinatorInput::RebalanceNow => {
+                let round = self.rebalance_round(now, out);
+                self.requested_round = Some(round);
+            }
             CoordinatorInput::RememberedShards(shards) => {
                 for shard in shards {
                     if self.state.home(&shard).is_none() && !self.handoffs.contains_key(&shard) {
@@ -324,7 +344,8 @@ impl CoordinatorCore {
                             .cloned()
                             .collect();
                         for s in shards {
-                            self.start_handoff(s, region.clone(), now, out);
+                            let why = "its region's shard-id extractor differs from the coordinator's".to_string();
+                            self.start_handoff(s, region.clone(), why, now, out);
                         }
                     }
                     return;
@@ -404,7 +425,13 @@ impl CoordinatorCore {
                 let shards: Vec<ShardId> =
                     self.state.shards_of(&region).iter().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
                 for s in shards {
-                    self.start_handoff(s, region.clone(), now, out);
+                    self.start_handoff(
+                        s,
+                        region.clone(),
+                        "its region is shutting down (leave or stop)".into(),
+                        now,
+                        out,
+                    );
                 }
             }
         }
@@ -474,35 +501,62 @@ impl CoordinatorCore {
                 self.commit(vec![], effects, out);
                 continue;
             }
-            let requester = self.deferred[&shard].iter().next().cloned().unwrap_or_else(|| self.me.clone());
-            if !self.allocate(&shard, &requester, now, wall_ms, out) {
+            let (requester, cause) = match self.deferred[&shard].iter().next() {
+                Some(r) => (r.clone(), format!("requested by region {r}")),
+                None => (
+                    self.me.clone(),
+                    "allocated without a request (remembered entities, or a lost home re-allocated at once)"
+                        .to_string(),
+                ),
+            };
+            if !self.allocate(&shard, &requester, &cause, now, wall_ms, out) {
                 return; // no region can take shards now
             }
         }
     }
 
-    /// Allocates `shard` through the strategy; returns false when no region is available.
+    /// The strategy's region for `shard` among `candidates` (not empty); a region it names
+    /// that is not a candidate is replaced by the least loaded.
+    fn choose(&self, requester: &RegionId, shard: &ShardId, candidates: &[RegionAllocation]) -> RegionId {
+        let target = self.strategy.allocate(requester, shard, candidates);
+        if candidates.iter().any(|c| c.region == target) {
+            target
+        } else {
+            warn!(%target, %shard, "allocation strategy chose an unknown region; using the least loaded");
+            candidates.iter().min_by_key(|c| c.shards.len()).expect("non-empty").region.clone()
+        }
+    }
+
+    /// Keeps an event of `shard` for operators (the latest [`HISTORY_PER_SHARD`]).
+    fn record(&mut self, shard: &ShardId, kind: &str, region: &RegionId, epoch: u64, reason: String) {
+        let events = self.history.entry(shard.clone()).or_default();
+        if events.len() == HISTORY_PER_SHARD {
+            events.pop_front();
+        }
+        let region = region.to_string();
+        events.push_back(ShardEvent { at_ms: self.wall_ms, kind: kind.into(), region, epoch, reason });
+    }
+
+    /// Allocates `shard` through the strategy (`cause`: why it needs a home, for its history);
+    /// returns false when no region is available.
     fn allocate(
         &mut self,
         shard: &ShardId,
         requester: &RegionId,
+        cause: &str,
         now: Instant,
         wall_ms: u64,
         out: &mut Vec<CoordinatorAction>,
     ) -> bool {
-        let target = {
+        let (target, why) = {
             // Dropped before the state changes: the views share the state's shard lists.
             let candidates = self.live_candidates();
             if candidates.is_empty() {
                 return false;
             }
-            let target = self.strategy.allocate(requester, shard, &candidates);
-            if candidates.iter().any(|c| c.region == target) {
-                target
-            } else {
-                warn!(%target, %shard, "allocation strategy chose an unknown region; using the least loaded");
-                candidates.iter().min_by_key(|c| c.shards.len()).expect("non-empty").region.clone()
-            }
+            let target = self.choose(requester, shard, &candidates);
+            let why = self.strategy.allocation_reason(shard, &candidates, &target);
+            (target, why)
         };
         // Epochs grow per shard and follow the wall clock, so a shard allocated by a new
         // coordinator that missed an unacknowledged allocation still gets a larger epoch.
@@ -511,6 +565,7 @@ impl CoordinatorCore {
         let epoch = prev.saturating_add(1).max(wall_ms).max(self.last_epoch_ms.saturating_add(1));
         self.last_epoch_ms = epoch;
         debug!(%shard, region = %target, epoch, "shard allocated");
+        self.record(shard, "allocated", &target, epoch, format!("{cause}; {why}"));
         self.state.set_home(shard, target.clone(), epoch);
         let entry = self.shard_entry(shard);
         let mut effects = vec![Self::send(&target, ToRegion::HostShard { shard: shard.clone(), epoch })];
@@ -522,9 +577,17 @@ impl CoordinatorCore {
         true
     }
 
-    fn start_handoff(&mut self, shard: ShardId, from: RegionId, now: Instant, out: &mut Vec<CoordinatorAction>) {
+    fn start_handoff(
+        &mut self,
+        shard: ShardId,
+        from: RegionId,
+        reason: String,
+        now: Instant,
+        out: &mut Vec<CoordinatorAction>,
+    ) {
         let everyone: BTreeSet<RegionId> = self.all_regions().cloned().collect();
         debug!(%shard, %from, "hand-off started");
+        self.record(&shard, "hand-off-started", &from, 0, reason);
         let id = (self.last_handoff_id + 1).max(self.wall_ms << 16);
         self.last_handoff_id = id;
         let effects = everyone
@@ -547,6 +610,7 @@ impl CoordinatorCore {
     fn finish_handoff(&mut self, shard: &ShardId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
         let Some(h) = self.handoffs.remove(shard) else { return };
         debug!(%shard, from = %h.from, "hand-off done");
+        self.record(shard, "hand-off-done", &h.from, 0, "every entity stopped on the old home".into());
         self.unacked_host.remove(shard);
         self.state.clear_home(shard);
         let dealloc = self.shard_entry(shard);
@@ -554,7 +618,8 @@ impl CoordinatorCore {
         // Eager re-allocation: the shard has a home again before anyone asks.
         let requester =
             self.deferred.get(shard).and_then(|d| d.iter().next().cloned()).unwrap_or_else(|| h.from.clone());
-        self.allocate(shard, &requester, now, wall_ms, out);
+        let cause = format!("re-allocated after its hand-off from {}", h.from);
+        self.allocate(shard, &requester, &cause, now, wall_ms, out);
     }
 
     fn on_region_terminated(&mut self, region: RegionId, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
@@ -568,6 +633,7 @@ impl CoordinatorCore {
         let mut entries = vec![(keys::region_entry(&region), None)];
         let lost: Vec<ShardId> = self.state.shards_of(&region).to_vec();
         for s in &lost {
+            self.record(s, "home-lost", &region, 0, "its region terminated (left, downed, stopped or refused)".into());
             self.state.clear_home(s);
             self.unacked_host.remove(s);
             entries.push(self.shard_entry(s));
@@ -579,7 +645,8 @@ impl CoordinatorCore {
             let h = self.handoffs.get_mut(&shard).expect("handoff");
             if h.from == region {
                 self.handoffs.remove(&shard);
-                self.allocate(&shard, &self.me.clone(), now, wall_ms, out);
+                let cause = format!("its hand-off's old home {region} terminated");
+                self.allocate(&shard, &self.me.clone(), &cause, now, wall_ms, out);
                 continue;
             }
             if let HandoffPhase::WaitingForAcks(pending) = &mut h.phase {
@@ -637,6 +704,12 @@ impl CoordinatorCore {
         for shard in expired {
             let h = self.handoffs.remove(&shard).expect("handoff");
             warn!(%shard, from = %h.from, phase = ?h.phase, "hand-off timed out; shard stays where it was");
+            let why = format!(
+                "not done within the hand-off timeout ({:?}, {}); the shard stays",
+                self.settings.handoff_timeout,
+                phase_name(&h.phase)
+            );
+            self.record(&shard, "hand-off-timed-out", &h.from, 0, why);
             if let Some((home, epoch)) = self.state.home(&shard).map(|(h, e)| (h.clone(), e)) {
                 let requesters = self.deferred.remove(&shard).unwrap_or_default();
                 let mut effects: Vec<CoordinatorAction> = requesters
@@ -653,22 +726,80 @@ impl CoordinatorCore {
         }
         if now >= self.next_rebalance {
             self.next_rebalance = now + self.settings.rebalance_interval;
-            if self.rebalance_allowed && self.shutting_down.is_empty() {
-                let in_progress: BTreeSet<ShardId> = self.handoffs.keys().cloned().collect();
-                let candidates = self.live_candidates();
-                if candidates.len() > 1 {
-                    for shard in self.strategy.rebalance(&candidates, &in_progress) {
-                        let from = self.state.home(&shard).map(|(h, _)| h.clone());
-                        if let Some(from) = from.filter(|_| !self.handoffs.contains_key(&shard)) {
-                            info!(%shard, %from, "rebalancing shard");
-                            self.start_handoff(shard, from, now, out);
-                        }
-                    }
-                }
-            }
+            let _ = self.rebalance_round(now, out);
         }
     }
+
+    /// Why a rebalance round may not move shards now, when it may not (`candidates`: regions
+    /// that take shards).
+    fn rebalance_blocked_by(&self, candidates: usize) -> Option<String> {
+        if !self.rebalance_allowed {
+            Some("membership is not settled (a member is joining, leaving or unreachable)".into())
+        } else if !self.shutting_down.is_empty() {
+            let regions: Vec<String> = self.shutting_down.iter().map(ToString::to_string).collect();
+            Some(format!("regions are handing off everything: {}", regions.join(", ")))
+        } else if candidates < 2 {
+            Some(format!("{candidates} region(s) take shards; a rebalance needs two"))
+        } else {
+            None
+        }
+    }
+
+    /// The hand-offs a rebalance round starts now, or why it cannot run. Each move's
+    /// destination is the strategy's choice once the moves before it are done (in order).
+    fn plan_rebalance(&self) -> Result<Vec<PlannedMove>, String> {
+        let candidates = self.live_candidates();
+        if let Some(why) = self.rebalance_blocked_by(candidates.len()) {
+            return Err(why);
+        }
+        let in_progress: BTreeSet<ShardId> = self.handoffs.keys().cloned().collect();
+        let mut after = candidates.clone();
+        let mut moves = Vec::new();
+        for shard in self.strategy.rebalance(&candidates, &in_progress) {
+            let Some(from) = self.state.home(&shard).map(|(h, _)| h.clone()) else { continue };
+            if self.handoffs.contains_key(&shard) {
+                continue;
+            }
+            let reason = self.strategy.rebalance_reason(&shard, &candidates);
+            if let Some(r) = after.iter_mut().find(|r| r.region == from) {
+                Arc::make_mut(&mut r.shards).retain(|s| *s != shard);
+            }
+            let to = self.choose(&from, &shard, &after);
+            if let Some(r) = after.iter_mut().find(|r| r.region == to) {
+                Arc::make_mut(&mut r.shards).push(shard.clone());
+            }
+            moves.push(PlannedMove { shard, from: from.to_string(), expected_to: to.to_string(), reason });
+        }
+        Ok(moves)
+    }
+
+    /// Runs a rebalance round: starts the planned hand-offs.
+    fn rebalance_round(&mut self, now: Instant, out: &mut Vec<CoordinatorAction>) -> Result<Vec<PlannedMove>, String> {
+        let plan = self.plan_rebalance();
+        for m in plan.iter().flatten() {
+            let from = self.state.home(&m.shard).map(|(h, _)| h.clone()).expect("a planned shard has a home");
+            info!(shard = %m.shard, %from, "rebalancing shard");
+            self.start_handoff(m.shard.clone(), from, format!("rebalance: {}", m.reason), now, out);
+        }
+        plan
+    }
+
+    /// The outcome of the latest [`CoordinatorInput::RebalanceNow`], once.
+    pub(crate) fn take_requested_round(&mut self) -> Option<Result<Vec<PlannedMove>, String>> {
+        self.requested_round.take()
+    }
 }
+
+fn phase_name(phase: &HandoffPhase) -> &'static str {
+    match phase {
+        HandoffPhase::WaitingForAcks(_) => "waiting-for-acks",
+        HandoffPhase::Stopping => "stopping",
+    }
+}
+
+#[path = "core_queries.rs"]
+mod queries;
+pub(crate) use queries::plan_dto;
 
 #[cfg(test)]
 #[path = "core_tests.rs"]

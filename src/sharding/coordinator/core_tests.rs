@@ -544,3 +544,6 @@ fn unanswered_hand_off_messages_are_sent_again_after_the_shard_start_timeout() {
 
 #[path = "core_state_and_timer_tests.rs"]
 mod state_and_timers;
+
+#[path = "core_query_tests.rs"]
+mod queries;

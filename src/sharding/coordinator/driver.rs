@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView};
+use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView, plan_dto};
 use super::state::CoordinatorState;
 use crate::clock::{Instant, wall_ms};
 use crate::ddata::{Consistency, FencedMap, GSet, KeyUpdate, Replicator};
@@ -286,9 +286,21 @@ impl CoordinatorDriver {
 
     fn on_inbound(&self, core: &mut CoordinatorCore, m: Inbound, out: &mut Vec<CoordinatorAction>) {
         if let Some(id) = m.request_id {
+            let type_name = &self.type_name;
             let reply = match wire::decode::<CoordinatorQuery>(&m.body) {
                 Ok(CoordinatorQuery::CurrentRegions) => {
                     wire::encode(&core.regions().cloned().collect::<BTreeSet<crate::sharding::RegionId>>())
+                }
+                Ok(CoordinatorQuery::Allocation) => wire::encode(&core.allocation_table(type_name, Instant::now())),
+                Ok(CoordinatorQuery::Explain { shard }) => {
+                    wire::encode(&core.explain(type_name, &shard, Instant::now()))
+                }
+                Ok(CoordinatorQuery::RebalancePlan) => wire::encode(&core.rebalance_plan(type_name)),
+                Ok(CoordinatorQuery::Rebalance) => {
+                    let in_progress = core.in_progress();
+                    core.handle(CoordinatorInput::RebalanceNow, Instant::now(), wall_ms(), out);
+                    let round = core.take_requested_round().unwrap_or_else(|| Err("the round did not run".into()));
+                    wire::encode(&plan_dto(type_name, round, in_progress, true))
                 }
                 Err(e) => Err(e),
             };

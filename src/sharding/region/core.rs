@@ -232,6 +232,21 @@ impl<M> RegionCore<M> {
         self.refused
     }
 
+    /// The coordinator acknowledged this region's registration.
+    pub(crate) fn registered(&self) -> bool {
+        self.registered
+    }
+
+    /// This region.
+    pub(crate) fn me(&self) -> &RegionId {
+        &self.me
+    }
+
+    /// The coordinator this region registers with, when one is known.
+    pub(crate) fn coordinator(&self) -> Option<&RegionId> {
+        self.coordinator.as_ref()
+    }
+
     /// Messages waiting for a shard home.
     pub(crate) fn buffered(&self) -> usize {
         self.buffered

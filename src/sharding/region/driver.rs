@@ -20,6 +20,7 @@ use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedTicket, 
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{RegionId, ShardId};
 use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion};
+use crate::sharding::query::{EntityIdPage, RegionInfo, ShardCount};
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::shard::{LocalShards, ShardEvent, ShardInput, Work};
 use crate::sharding::{Entity, keys};
@@ -36,6 +37,8 @@ pub(crate) enum RegionCmd<E: Entity> {
     Deliver { shard: ShardId, entity_id: String, env: Envelope<E> },
     State(oneshot::Sender<crate::sharding::protocol::RegionStateReply>),
     Stats(oneshot::Sender<crate::sharding::protocol::RegionStatsReply>),
+    Info(oneshot::Sender<RegionInfo>),
+    EntityIds { after: Option<(ShardId, String)>, limit: usize, reply: oneshot::Sender<EntityIdPage> },
     GracefulShutdown(oneshot::Sender<()>),
 }
 
@@ -170,6 +173,22 @@ impl<E: Entity> RegionTask<E> {
         self.shards.as_ref().map(LocalShards::state).unwrap_or_default()
     }
 
+    fn info(&self) -> RegionInfo {
+        let shards: Vec<ShardCount> =
+            self.stats_reply().into_iter().map(|(shard, entities)| ShardCount { shard, entities }).collect();
+        RegionInfo {
+            type_name: self.type_name.clone(),
+            region: self.core.me().to_string(),
+            proxy: self.shards.is_none(),
+            registered: self.core.registered(),
+            refused: self.core.refused(),
+            coordinator: self.core.coordinator().map(ToString::to_string),
+            buffered: self.core.buffered(),
+            entities: shards.iter().map(|s| s.entities).sum(),
+            shards,
+        }
+    }
+
     fn stats_reply(&self) -> crate::sharding::protocol::RegionStatsReply {
         self.shards.as_ref().map(LocalShards::stats).unwrap_or_default()
     }
@@ -184,6 +203,16 @@ impl<E: Entity> RegionTask<E> {
             }
             RegionCmd::Stats(tx) => {
                 let _ = tx.send(self.stats_reply());
+            }
+            RegionCmd::Info(tx) => {
+                let _ = tx.send(self.info());
+            }
+            RegionCmd::EntityIds { after, limit, reply } => {
+                let page = match &self.shards {
+                    Some(shards) => shards.entity_page(after.as_ref(), limit),
+                    None => EntityIdPage { entities: Vec::new(), next: None },
+                };
+                let _ = reply.send(page);
             }
             RegionCmd::GracefulShutdown(tx) => {
                 self.shutdown_waiters.push(tx);

@@ -32,6 +32,7 @@ use crate::error::Error;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, ShardIdExtractor};
+use crate::sharding::query::EntityIdPage;
 use crate::sharding::region::RegionInput;
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, EntityContext};
@@ -205,6 +206,9 @@ pub(crate) struct LocalShards<E: Entity> {
     spawner: Spawner,
 }
 
+/// Most entity ids in one page of [`LocalShards::entity_page`].
+pub(crate) const MAX_ENTITY_PAGE: usize = 10_000;
+
 /// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
 /// rest for the hand-off messages around it.
 pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
@@ -285,6 +289,35 @@ impl<E: Entity> LocalShards<E> {
                 (s.clone(), ids)
             })
             .collect()
+    }
+
+    /// Up to `limit` (1 ..= [`MAX_ENTITY_PAGE`]) running entities after `after`, ordered by
+    /// (shard, entity id). Sorts only the shards the page reads, not every entity.
+    pub(crate) fn entity_page(&self, after: Option<&(ShardId, String)>, limit: usize) -> EntityIdPage {
+        let limit = limit.clamp(1, MAX_ENTITY_PAGE);
+        let mut shards: Vec<&ShardId> =
+            self.shards.keys().filter(|s| after.is_none_or(|(from, _)| s.as_str() >= from.as_str())).collect();
+        shards.sort_unstable();
+        let mut entities: Vec<(ShardId, String)> = Vec::new();
+        for shard in shards {
+            let mut ids: Vec<String> = {
+                let cell = self.shards[shard].lock();
+                cell.core
+                    .entity_ids()
+                    .filter(|id| !matches!(after, Some((s, last)) if s == shard && *id <= last.as_str()))
+                    .map(String::from)
+                    .collect()
+            };
+            ids.sort_unstable();
+            for id in ids {
+                if entities.len() == limit {
+                    let next = entities.last().cloned();
+                    return EntityIdPage { entities, next };
+                }
+                entities.push((shard.clone(), id));
+            }
+        }
+        EntityIdPage { entities, next: None }
     }
 
     /// Shard → live entity count.
