@@ -152,6 +152,11 @@ thread_local! {
     };
 }
 
+/// The stripe of the thread numbered `thread` among `stripes`: threads take turns.
+fn stripe_of(thread: usize, stripes: usize) -> usize {
+    thread % stripes
+}
+
 impl Shared {
     fn stripe(&self, index: usize) -> MutexGuard<'_, Stripe> {
         // A panic while a stripe is held leaves its lists consistent (no step in between
@@ -305,9 +310,11 @@ impl<F: Future + Unpin> Future for Within<'_, F> {
                 }
             }
             None => {
+                // A deadline past the clock's range never comes: filed under IDLE, it only
+                // times out at shutdown and never wakes the sweeper.
                 let deadline = Instant::now().checked_add(this.timeout);
-                let tick = deadline.map_or(IDLE - 1, |d| shared.tick_at_or_after(d));
-                let stripe = THREAD_STRIPE.with(|n| *n) % shared.stripes.len();
+                let tick = deadline.map_or(IDLE, |d| shared.tick_at_or_after(d));
+                let stripe = stripe_of(THREAD_STRIPE.with(|n| *n), shared.stripes.len());
                 let key = shared.stripe(stripe).file(tick, cx.waker().clone());
                 this.filed = Some((stripe, key));
                 // After filing (see `Shared::sweep`): either the sweeper's scan sees this
@@ -474,6 +481,57 @@ mod tests {
         assert_eq!(sh.sweep(sh.origin + RESOLUTION * 9), None, "nothing left");
         assert_eq!(sh.next_wake.load(Ordering::SeqCst), IDLE);
         assert_eq!(later.0.load(Ordering::SeqCst), 1);
+    }
+
+    /// Polls a fresh deadline of `timeout` once (filing it) with `next_wake` set to
+    /// `published`; returns whether the sweeper was notified.
+    fn files_and_notifies(published: u64, timeout: Duration) -> bool {
+        use futures::FutureExt;
+        let sweep = DeadlineSweep::new();
+        sweep.shared.next_wake.store(published, Ordering::SeqCst);
+        let (_tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        let mut within = sweep.within(timeout, rx);
+        let (_, waker) = waker();
+        let polled = Pin::new(&mut within).poll(&mut Context::from_waker(&waker));
+        assert!(polled.is_pending());
+        sweep.shared.notify.notified().now_or_never().is_some()
+    }
+
+    #[test]
+    fn a_deadline_wakes_the_sweeper_only_when_it_would_otherwise_sleep_past_it() {
+        let hour = Duration::from_secs(3600);
+        assert!(files_and_notifies(IDLE, hour), "an idle sweeper is woken");
+        assert!(files_and_notifies(SCANNING, hour), "a scan in progress may have missed it: woken");
+        assert!(files_and_notifies(IDLE - 1, hour), "it sleeps until later than this deadline: woken");
+        assert!(!files_and_notifies(1, hour), "it wakes before this deadline anyway: not woken");
+    }
+
+    #[test]
+    fn a_deadline_past_the_clocks_range_does_not_wake_an_idle_sweeper() {
+        assert!(!files_and_notifies(IDLE, Duration::MAX));
+    }
+
+    #[test]
+    fn threads_take_the_stripes_in_turn() {
+        let got: Vec<usize> = (0..10).map(|t| stripe_of(t, 4)).collect();
+        assert_eq!(got, [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]);
+    }
+
+    #[test]
+    fn a_deadline_wakes_the_waker_of_its_latest_poll() {
+        let sweep = DeadlineSweep::new();
+        let (_tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        let mut within = sweep.within(Duration::ZERO, rx);
+        let (first, w1) = waker();
+        let (second, w2) = waker();
+        assert!(Pin::new(&mut within).poll(&mut Context::from_waker(&w1)).is_pending());
+        // The ask's task moved (another waker): the expiry must wake that one.
+        assert!(Pin::new(&mut within).poll(&mut Context::from_waker(&w2)).is_pending());
+        sweep.shared.sweep(Instant::now() + RESOLUTION * 2);
+        assert_eq!(first.0.load(Ordering::SeqCst), 0);
+        assert_eq!(second.0.load(Ordering::SeqCst), 1);
+        let out = Pin::new(&mut within).poll(&mut Context::from_waker(&w2));
+        assert!(matches!(out, Poll::Ready(Err(Elapsed))));
     }
 
     /// Runs a sweeper for the test; stops it when dropped.

@@ -781,3 +781,124 @@ fn a_digests_reply_lists_whole_buckets_within_the_message_budget_and_always_the_
         }
     }
 }
+
+/// Keys and values a `Gossip` carries.
+type GossipEntries = Vec<(String, ReplicatedData)>;
+
+/// The `Gossip` a core sent: its entries and the keys it wants.
+fn gossip_sent(out: &[Action<u32>]) -> Option<(GossipEntries, Vec<String>)> {
+    out.iter().find_map(|x| match x {
+        Action::Send { msg: ReplicatorMsg::Gossip { entries, want, .. }, .. } => Some((entries.clone(), want.clone())),
+        _ => None,
+    })
+}
+
+/// Checks that `entries` are a greedy fill of `candidates` (in order) under `budget`: at least
+/// one, within the budget unless only one, each an exact copy of `core`'s value, and every
+/// candidate left out would have taken the message past the budget.
+fn assert_greedy_fill(
+    core: &ReplicatorCore<u32>,
+    candidates: &[String],
+    entries: &[(String, ReplicatedData)],
+    budget: usize,
+) {
+    let size = |k: &str| k.len() + core.data[k].value.approx_bytes();
+    assert!(!entries.is_empty(), "budget {budget}: at least one value");
+    let sent: Vec<&String> = entries.iter().map(|(k, _)| k).collect();
+    let in_order: Vec<&String> = candidates.iter().filter(|k| sent.contains(k)).collect();
+    assert_eq!(sent, in_order, "budget {budget}: candidates in order, none twice");
+    for (k, v) in entries {
+        assert_eq!(v, &core.data[k].value, "budget {budget}: {k} as stored");
+    }
+    let used: usize = sent.iter().map(|k| size(k)).sum();
+    assert!(used <= budget || entries.len() == 1, "budget {budget}: {used} bytes sent");
+    for k in candidates.iter().filter(|k| !sent.contains(k)) {
+        assert!(used + size(k) > budget, "budget {budget}: {k} would have fit ({used} bytes sent)");
+    }
+}
+
+/// Message budgets around the edges of a greedy fill of `candidates`: below, at and above the
+/// first value's size, at and below the first two's, and roomy ones.
+fn budget_edges(core: &ReplicatorCore<u32>, candidates: &[String]) -> [usize; 8] {
+    let size = |k: &str| k.len() + core.data[k].value.approx_bytes();
+    let first = size(&candidates[0]);
+    let two = first + size(&candidates[1]);
+    [1, first, first + 1, two - 1, two, 700, 5_000, 1 << 20]
+}
+
+/// A replica holding `key-0000` … `key-0119`, and its keys in order.
+fn replica_with_120_keys() -> (ReplicatorCore<u32>, Vec<String>) {
+    let mut a = core("a");
+    for i in 0..120 {
+        local(&mut a, &format!("key-{i:04}"), add("x"));
+    }
+    let keys = a.data.keys().cloned().collect();
+    (a, keys)
+}
+
+/// A `Gossip` answer to `Digests` carries the values that differ while they fit
+/// `max_message_bytes` (key length + the value's size), always at least one; it wants every key
+/// the peer listed that this replica lacks and every key changed on both sides, up to 1,024.
+#[test]
+fn a_gossip_answer_to_digests_carries_values_within_the_message_budget_and_wants_what_it_lacks() {
+    let (mut a, mine) = replica_with_120_keys();
+    let changed = "key-0007".to_string();
+    let all_buckets: Vec<u16> = (0..KEY_BUCKETS as u16).collect();
+    let mut digests: Vec<(String, u64)> = vec![(changed.clone(), a.data[&changed].value.digest() ^ 1)];
+    digests.extend((0..3).map(|i| (format!("only-b-{i}"), 5)));
+    // The keys b lists as equal are not sent.
+    digests.push(("key-0001".into(), a.data["key-0001"].value.digest()));
+    let candidates: Vec<String> = mine.iter().filter(|k| *k != "key-0001").cloned().collect();
+    for budget in budget_edges(&a, &candidates) {
+        a.settings.max_message_bytes = budget;
+        let mut out = Vec::new();
+        let msg = ReplicatorMsg::Digests { buckets: all_buckets.clone(), digests: digests.clone() };
+        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        let (entries, mut want) = gossip_sent(&out).expect("a Gossip answer");
+        assert_greedy_fill(&a, &candidates, &entries, budget);
+        want.sort();
+        assert_eq!(want, [changed.clone(), "only-b-0".into(), "only-b-1".into(), "only-b-2".into()], "budget {budget}");
+    }
+    // More unknown keys than a message may want: the first 1,024 are wanted.
+    let many: Vec<(String, u64)> = (0..1_100).map(|i| (format!("zz-{i:05}"), 1)).collect();
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::Digests { buckets: all_buckets, digests: many };
+    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+    let (_, want) = gossip_sent(&out).expect("a Gossip answer");
+    assert_eq!(want.len(), 1_024);
+}
+
+/// Values a peer wants go back while they fit `max_message_bytes`, always at least one, each
+/// key once whatever the peer repeats; more than 1,024 wanted keys are cut and counted.
+#[test]
+fn values_a_peer_wants_go_back_within_the_message_budget_once_each_and_capped() {
+    let (mut a, mine) = replica_with_120_keys();
+    let mut want: Vec<String> = mine.iter().rev().cloned().collect();
+    want.extend(mine.iter().take(5).cloned()); // repeated
+    want.push("unknown".into());
+    for budget in budget_edges(&a, &mine) {
+        a.settings.max_message_bytes = budget;
+        let mut out = Vec::new();
+        let msg = ReplicatorMsg::Gossip {
+            entries: Vec::new(),
+            want: want.clone(),
+            want_buckets: Vec::new(),
+            value_buckets: Vec::new(),
+        };
+        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        let (entries, _) = gossip_sent(&out).expect("the wanted values");
+        // Wanted keys are answered in key order.
+        assert_greedy_fill(&a, &mine, &entries, budget);
+    }
+    let rejected = a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed);
+    let too_many: Vec<String> = (0..1_100).map(|i| format!("zz-{i:05}")).collect();
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::Gossip {
+        entries: Vec::new(),
+        want: too_many,
+        want_buckets: Vec::new(),
+        value_buckets: Vec::new(),
+    };
+    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+    assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), rejected + 1, "the cut is counted");
+}
