@@ -13,8 +13,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
-use ddshard::service::call;
-use ddshard::testkit::process::{NodeProcess, ProcessOptions, stats_total};
+use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions, kv_get_at};
 
 const NODES: usize = 3;
 const IDS: usize = 60;
@@ -43,34 +42,31 @@ async fn one_run(victim: usize) -> Duration {
         let p = spawn(dir.path(), i, &seeds);
         nodes.push(p);
     }
-    nodes[1].until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == NODES).await;
+    nodes[1].until_up(NODES, Duration::from_secs(30), |_| true).await;
     let victim_id = format!("n{}", victim + 1);
     for k in 0..IDS {
-        let a = nodes[k % NODES].call(&format!("PUT e{k} v"), Duration::from_secs(10)).await.unwrap();
-        assert!(a.starts_with("OK "), "{a}");
+        nodes[k % NODES].kv_put(&format!("e{k}"), "v").await.unwrap();
     }
-    nodes[1].until("STATS", Duration::from_secs(30), |a| stats_total(a) == Some(IDS)).await;
+    let stats = async |n: &NodeProcess| n.kv_stats().await;
+    nodes[1].until("all entities counted", Duration::from_secs(30), stats, |s: &KvStats| s.total() == Some(IDS)).await;
     // Where each entity is now (not where the PUT found it: a rebalance may have moved it).
     let mut on_victim = Vec::new();
     for k in 0..IDS {
-        let a = nodes[1].call(&format!("GET e{k}"), Duration::from_secs(10)).await.unwrap();
-        if a.split_whitespace().nth(1) == Some(victim_id.as_str()) {
+        if nodes[1].kv_get(&format!("e{k}")).await.unwrap().node == victim_id {
             on_victim.push(format!("e{k}"));
         }
     }
     assert!(!on_victim.is_empty(), "{victim_id} hosts entities");
-    let survivor = nodes[if victim == 1 { 2 } else { 1 }].client;
+    let survivor = nodes[if victim == 1 { 2 } else { 1 }].admin;
     let killed = Instant::now();
     nodes[victim].kill();
     let mut waits = Vec::new();
     for id in on_victim {
         let victim_id = victim_id.clone();
         waits.push(tokio::spawn(async move {
-            let request = format!("GET {id}");
             loop {
-                let a = call(survivor, &request, Duration::from_secs(2)).await.unwrap_or_default();
-                let answered = a.starts_with("VALUE ") || a.starts_with("NONE ");
-                if answered && a.split_whitespace().nth(1) != Some(victim_id.as_str()) {
+                let a = kv_get_at(survivor, &id).await;
+                if a.as_ref().is_ok_and(|a| a.node != victim_id) {
                     return;
                 }
                 assert!(killed.elapsed() < Duration::from_secs(60), "{id} never answered again: {a:?}");

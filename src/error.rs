@@ -190,6 +190,10 @@ pub enum Error {
     #[error("entity type {0:?} is already started on this node")]
     TypeAlreadyStarted(String),
 
+    /// No member of the cluster has this node id.
+    #[error("no member {0:?} in the cluster")]
+    UnknownMember(String),
+
     /// The coordinator could not be reached for a query.
     #[error("coordinator of {0:?} is not available")]
     CoordinatorUnavailable(String),

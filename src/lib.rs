@@ -17,6 +17,8 @@
 #![warn(missing_docs)]
 
 pub mod activation;
+#[cfg(feature = "admin")]
+pub mod admin;
 pub mod clock;
 pub mod config;
 pub mod ddata;
@@ -25,6 +27,7 @@ pub mod error;
 #[cfg(test)]
 mod fuzzing;
 pub mod membership;
+pub mod metrics;
 mod node;
 pub mod secret;
 #[cfg(feature = "cli")]

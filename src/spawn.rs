@@ -36,6 +36,11 @@ impl Spawner {
         Spawner { tracker: TaskTracker::new(), runtime, span, shutdown, stop_reason: Arc::default() }
     }
 
+    /// The runtime the node started on (for the rare task the node must not track).
+    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
+    }
+
     /// Spawns a task the node cannot run without: a panic in it stops the node.
     pub(crate) fn spawn_essential<F>(&self, name: &'static str, task: F) -> JoinHandle<()>
     where

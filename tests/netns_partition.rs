@@ -17,7 +17,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ddshard::activation::{ActivationLog, check_activations};
-use ddshard::testkit::process::{NodeProcess, ProcessOptions, stats_by_node, stats_total};
+use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions};
 
 const NODES: usize = 5;
 const IDS: usize = 40;
@@ -233,15 +233,14 @@ async fn netns_partition_two_three_minority_stops_first_no_overlap_and_rejoins_b
     for i in 1..NODES {
         c.start(i, &[0]);
     }
-    c.node(2).until("MEMBERS", SETTLE, |a| a.matches(":Up").count() == NODES).await;
+    c.node(2).until_up(NODES, SETTLE, |_| true).await;
     for k in 0..IDS {
-        let a = c.node(k % NODES).call(&format!("PUT e{k} v"), Duration::from_secs(10)).await.unwrap();
-        assert!(a.starts_with("OK "), "{a}");
+        c.node(k % NODES).kv_put(&format!("e{k}"), "v").await.unwrap();
     }
-    let before = c.node(2).until("STATS", SETTLE, |a| stats_total(a) == Some(IDS)).await;
-    let on_minority: usize =
-        stats_by_node(&before).iter().filter(|(n, _)| n == "n1" || n == "n2").map(|(_, c)| c).sum();
-    assert!(on_minority > 0, "the minority hosts some entities: {before}");
+    let stats = async |n: &NodeProcess| n.kv_stats().await;
+    let before = c.node(2).until("all entities counted", SETTLE, stats, |s: &KvStats| s.total() == Some(IDS)).await;
+    let on_minority: usize = before.by_node().iter().filter(|(n, _)| *n == "n1" || *n == "n2").map(|(_, c)| c).sum();
+    assert!(on_minority > 0, "the minority hosts some entities: {before:?}");
 
     let (minority, majority) = ([0, 1], [2, 3, 4]);
     let cut_at = Instant::now();
@@ -255,9 +254,12 @@ async fn netns_partition_two_three_minority_stops_first_no_overlap_and_rejoins_b
     }
     let moved = c
         .node(2)
-        .until("STATS", SETTLE, |a| stats_total(a) == Some(IDS) && !a.contains(" n1=") && !a.contains(" n2="))
+        .until("every entity on the majority", SETTLE, stats, |s: &KvStats| {
+            let by_node = s.by_node();
+            s.total() == Some(IDS) && !by_node.contains_key("n1") && !by_node.contains_key("n2")
+        })
         .await;
-    println!("all {IDS} remembered entities run on the majority {:?} after the cut: {moved}", cut_at.elapsed());
+    println!("all {IDS} remembered entities run on the majority {:?} after the cut: {moved:?}", cut_at.elapsed());
     let acts = ActivationLog::load(&c.logs).unwrap();
     if let Err(v) = check_activations(&acts) {
         panic!("overlapping activations across the partition: {v:#?}");
@@ -288,14 +290,14 @@ async fn netns_partition_two_three_minority_stops_first_no_overlap_and_rejoins_b
         c.procs[i] = None;
         c.start(i, &majority);
     }
-    c.node(2).until("MEMBERS", SETTLE, |a| a.matches(":Up").count() == NODES && !a.contains("Down")).await;
+    c.node(2).until_up(NODES, SETTLE, |m| m.iter().all(|m| m.status != "down")).await;
     let rebalanced = c
         .node(0)
-        .until("STATS", SETTLE, |a| {
-            stats_total(a) == Some(IDS) && stats_by_node(a).iter().any(|(n, c)| (n == "n1" || n == "n2") && *c > 0)
+        .until("entities back on the minority", SETTLE, stats, |s: &KvStats| {
+            s.total() == Some(IDS) && s.by_node().iter().any(|(n, c)| (n == "n1" || n == "n2") && *c > 0)
         })
         .await;
-    println!("after healing and restarting the minority: {rebalanced}");
+    println!("after healing and restarting the minority: {rebalanced:?}");
     for i in 0..NODES {
         c.procs[i] = None; // SIGKILL: the last activations simply end
     }

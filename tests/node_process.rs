@@ -1,4 +1,4 @@
-//! `ddshard node` as real processes: the client line protocol, SIGKILL of nodes (the
+//! `ddshard node` as real processes: the admin HTTP API, SIGKILL of nodes (the
 //! coordinator's host first) with remembered entities running again without a message,
 //! SIGTERM leaving gracefully, and the sample `kv` type's durable values across rebalance,
 //! leave, SIGKILL and a full-cluster restart.
@@ -6,7 +6,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use ddshard::testkit::process::{NodeProcess, ProcessOptions, stats_by_node, stats_total};
+use ddshard::service::KvReply;
+use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions};
 
 /// Failure detection (phi 10 at 150 ms gossip: about 1 s), then the test's downing timers.
 const DETECTION: Duration = Duration::from_millis(1000);
@@ -23,14 +24,19 @@ fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str) -> NodePr
     NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
 }
 
-async fn ask(n: &NodeProcess, request: &str) -> String {
-    n.call(request, Duration::from_secs(10)).await.unwrap()
+/// The member listed first (oldest first): the coordinator's host.
+async fn oldest(n: &NodeProcess) -> String {
+    n.members().await.unwrap()[0].node_id.clone()
 }
 
-/// The member listed first by `MEMBERS` (oldest first): the coordinator's host.
-async fn oldest(n: &NodeProcess) -> String {
-    let a = ask(n, "MEMBERS").await;
-    a.split_whitespace().nth(1).and_then(|m| m.split(':').next()).unwrap_or_else(|| panic!("{a}")).to_string()
+/// Asks `n` for `kv` entity `id` until `check` accepts the answer, within `deadline`.
+async fn until_kv(n: &NodeProcess, id: &str, deadline: Duration, check: impl Fn(&KvReply) -> bool) -> KvReply {
+    n.until(&format!("GET /kv/{id}"), deadline, async |n: &NodeProcess| n.kv_get(id).await, check).await
+}
+
+/// Asks `n` for the `kv` type's entity counts until `check` accepts them, within `deadline`.
+async fn until_stats(n: &NodeProcess, deadline: Duration, check: impl Fn(&KvStats) -> bool) -> KvStats {
+    n.until("kv entity counts", deadline, async |n: &NodeProcess| n.kv_stats().await, check).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,28 +44,43 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
     let dir = tempfile::tempdir().unwrap();
     let mut n1 = spawn(dir.path(), "n1", &[], "");
     let mut n2 = spawn(dir.path(), "n2", &[&n1], "");
-    n1.until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == 2).await;
-    assert!(ask(&n1, "BOGUS").await.starts_with("ERR"));
-    assert!(ask(&n1, "GET").await.starts_with("ERR"), "a missing id is a typed error");
+    n1.until_up(2, Duration::from_secs(30), |_| true).await;
+    assert_eq!(n1.admin_request("GET", "/bogus", "").await.unwrap().0, 404);
+    assert_eq!(n1.admin_request("GET", "/kv/", "").await.unwrap().0, 404, "a missing id is refused");
     for i in 0..20 {
-        assert!(ask(&n2, &format!("PUT k{i} v{i}")).await.starts_with("OK "));
+        n2.kv_put(&format!("k{i}"), &format!("v{i}")).await.unwrap();
     }
     let mut on_n2 = 0;
     for i in 0..20 {
-        let a = ask(&n1, &format!("GET k{i}")).await;
-        assert!(a.starts_with("VALUE ") && a.ends_with(&format!(" v{i}")), "{a}");
-        on_n2 += usize::from(a.split_whitespace().nth(1) == Some("n2"));
+        let a = n1.kv_get(&format!("k{i}")).await.unwrap();
+        assert_eq!(a.value, Some(format!("v{i}")), "{a:?}");
+        on_n2 += usize::from(a.node == "n2");
     }
     assert!(on_n2 > 0, "n2 hosts some entities");
+    // The admin HTTP API of a real process: readiness, members, the kv routes, metrics, and a
+    // mutating route refused without a configured token.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while n1.admin_request("GET", "/ready", "").await.unwrap().0 != 200 {
+        assert!(Instant::now() < deadline, "n1 never ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (status, members) = n1.admin_request("GET", "/cluster/members", "").await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(members.matches(r#""status":"up""#).count(), 2, "{members}");
+    assert_eq!(n2.admin_request("PUT", "/kv/http-1", "over http").await.unwrap().0, 200);
+    let (status, value) = n1.admin_request("GET", "/kv/http-1", "").await.unwrap();
+    assert!(status == 200 && value.contains(r#""value":"over http""#), "{status} {value}");
+    let (status, metrics) = n1.admin_request("GET", "/metrics", "").await.unwrap();
+    assert!(status == 200 && metrics.contains(r#"ddshard_region_entities{node="n1",type="kv"}"#), "{metrics}");
+    let leave = r#"{"operation": "leave"}"#;
+    assert_eq!(n1.admin_request("PUT", "/cluster/members/n2", leave).await.unwrap().0, 403, "no token configured");
     let killed = Instant::now();
     n2.kill();
     let bound = DETECTION + STABLE_AFTER + MARGIN + SLACK;
     for i in 0..20 {
         // The value is durable: it comes back with the entity (kv keeps its state).
-        n1.until(&format!("GET k{i}"), bound.saturating_sub(killed.elapsed()), |a| {
-            a.starts_with("VALUE n1") && a.ends_with(&format!(" v{i}"))
-        })
-        .await;
+        let left = bound.saturating_sub(killed.elapsed());
+        until_kv(&n1, &format!("k{i}"), left, |a| a.node == "n1" && a.value == Some(format!("v{i}"))).await;
     }
     println!("all 20 entities answered from n1 {:?} after SIGKILL of n2", killed.elapsed());
     let status = n1.terminate(Duration::from_secs(30)).await.unwrap();
@@ -78,13 +99,12 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
         let p = spawn(dir.path(), &format!("n{}", i + 1), &seeds, &remember);
         nodes.push(p);
     }
-    nodes[1].until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == n).await;
+    nodes[1].until_up(n, Duration::from_secs(30), |_| true).await;
     let ids = 10 * n;
     for i in 0..ids {
-        let a = ask(&nodes[i % n], &format!("PUT r{i} v")).await;
-        assert!(a.starts_with("OK "), "{a}");
+        nodes[i % n].kv_put(&format!("r{i}"), "v").await.unwrap();
     }
-    assert_eq!(stats_total(&ask(&nodes[1], "STATS").await), Some(ids));
+    assert_eq!(nodes[1].kv_stats().await.unwrap().total(), Some(ids));
     let bound = DETECTION + STABLE_AFTER + MARGIN + SLACK;
 
     // First the coordinator's host, then the youngest (never the coordinator).
@@ -95,17 +115,13 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
     let mut killed_at = Vec::new();
     for (round, victim) in [first, second].into_iter().enumerate() {
         let victim_id = nodes[victim].node_id.clone();
-        let hosted = stats_by_node(&ask(&nodes[victim], "STATS").await)
-            .into_iter()
-            .find(|(node, _)| *node == victim_id)
-            .map_or(0, |(_, c)| c);
+        let hosted = nodes[victim].kv_stats().await.unwrap().by_node().get(&victim_id).copied().unwrap_or(0);
         assert!(hosted > 0, "{victim_id} hosts entities before it is killed");
         let killed = Instant::now();
         nodes[victim].kill();
         killed_at.push((victim_id.clone(), std::time::SystemTime::now()));
         let watcher = (0..n).find(|i| *i != first && *i != victim).unwrap();
-        let gone = format!(" {victim_id}=");
-        nodes[watcher].until("STATS", bound, |a| stats_total(a) == Some(ids) && !a.contains(&gone)).await;
+        until_stats(&nodes[watcher], bound, |s| s.total() == Some(ids) && !s.by_node().contains_key(&victim_id)).await;
         let running = killed.elapsed();
         println!(
             "{n} processes, SIGKILL of {victim_id}{}: its {hosted} remembered entities running again on the \
@@ -115,9 +131,7 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
         assert!(running <= bound, "took {running:?}, bound {bound:?}");
         for i in 0..ids {
             // The value was in memory on the killed node; only the id is remembered.
-            nodes[watcher]
-                .until(&format!("GET r{i}"), bound, |a| a.starts_with("VALUE ") || a.starts_with("NONE "))
-                .await;
+            until_kv(&nodes[watcher], &format!("r{i}"), bound, |_| true).await;
         }
     }
     // The activation logs of all processes: a killed process's activations ended when it was
@@ -164,9 +178,9 @@ async fn five_processes_sigkill_the_coordinator_host_then_another_and_remembered
 async fn all_values_answer(n: &NodeProcess, keys: usize, within: Duration, when: &str) -> Vec<String> {
     let mut hosts = Vec::new();
     for i in 0..keys {
-        let a = n.until(&format!("GET k{i}"), within, |a| a.starts_with("VALUE ")).await;
-        assert!(a.ends_with(&format!(" v{i}")), "{when}: k{i} answered {a:?}, expected v{i}");
-        hosts.push(a.split_whitespace().nth(1).unwrap_or_default().to_string());
+        let a = until_kv(n, &format!("k{i}"), within, |a| a.value.is_some()).await;
+        assert_eq!(a.value, Some(format!("v{i}")), "{when}: k{i} answered {a:?}");
+        hosts.push(a.node);
     }
     hosts
 }
@@ -177,15 +191,15 @@ async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_r
     let keys = 30;
     let within = DETECTION + STABLE_AFTER + MARGIN + SLACK + Duration::from_secs(20);
     let mut n1 = spawn(dir.path(), "n1", &[], "");
-    n1.until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == 1).await;
+    n1.until_up(1, Duration::from_secs(30), |_| true).await;
     for i in 0..keys {
-        assert!(ask(&n1, &format!("PUT k{i} v{i}")).await.starts_with("OK n1 "));
+        assert_eq!(n1.kv_put(&format!("k{i}"), &format!("v{i}")).await.unwrap().node, "n1");
     }
 
     // Rebalance: two more nodes join and take shards over; each loads the states it gets.
     let mut n2 = spawn(dir.path(), "n2", &[&n1], "");
     let mut n3 = spawn(dir.path(), "n3", &[&n1], "");
-    n1.until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == 3).await;
+    n1.until_up(3, Duration::from_secs(30), |_| true).await;
     let deadline = Instant::now() + within;
     loop {
         let hosts = all_values_answer(&n1, keys, within, "after the rebalance").await;
@@ -198,7 +212,7 @@ async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_r
 
     // Graceful leave of n2: its shards are handed off with their states.
     assert!(n2.terminate(Duration::from_secs(30)).await.unwrap().success());
-    n1.until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == 2 && !a.contains("n2:")).await;
+    n1.until_up(2, Duration::from_secs(30), |m| m.iter().all(|m| m.node_id != "n2")).await;
     all_values_answer(&n1, keys, within, "after n2 left").await;
 
     // SIGKILL of n3: downed, its shards start on n1 from the states on disk and in n1's replica.
@@ -212,7 +226,7 @@ async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_r
     let n1 = spawn(dir.path(), "n1", &[], "");
     let n2 = spawn(dir.path(), "n2", &[&n1], "");
     let n3 = spawn(dir.path(), "n3", &[&n1], "");
-    n1.until("MEMBERS", Duration::from_secs(30), |a| a.matches(":Up").count() == 3).await;
+    n1.until_up(3, Duration::from_secs(30), |_| true).await;
     all_values_answer(&n2, keys, within, "after a full-cluster restart").await;
     drop(n3);
 }

@@ -27,31 +27,36 @@ enum Command {
         increments: i64,
     },
     /// Run a real node from a config file (TOML, as config/default.toml) hosting the sample
-    /// key-value type `kv`, with the line protocol of `ddshard::service` on --client-addr.
-    /// Prints one `READY …` line with the bound addresses; SIGTERM or Ctrl-C leaves gracefully.
+    /// key-value type `kv`, with the admin HTTP API (and `/kv/{id}`) on --admin-addr. Prints
+    /// one `READY …` line with the bound addresses; SIGTERM or Ctrl-C leaves gracefully.
     Node {
         /// Node configuration (TOML).
         #[arg(long)]
         config: std::path::PathBuf,
-        /// Address of the client line protocol (port 0: any free port).
-        #[arg(long, default_value = "127.0.0.1:0")]
-        client_addr: std::net::SocketAddr,
         /// Append every activation of a `kv` entity (id, node, epoch, start, stop) to this file,
         /// for `ddshard::activation::check_activations` (see `ddshard::activation`).
         #[arg(long)]
         activation_log: Option<std::path::PathBuf>,
+        /// Address of the admin HTTP API (`ddshard::admin`, plus `/kv/{id}`); port 0: any free
+        /// port. Mutating routes take the bearer token of DDSHARD_ADMIN_TOKEN (at least 32
+        /// characters, e.g. from `ddshard secret`); without it they answer 403.
+        #[arg(long, default_value = "127.0.0.1:0")]
+        admin_addr: std::net::SocketAddr,
     },
     /// Print a fresh random cluster secret (64 hex digits) for `cluster_secret` or
     /// DDSHARD_CLUSTER_SECRET.
     Secret,
-    /// Send one request to a node's client address and print the answer (see `ddshard::service`).
-    Call {
-        /// The node's client address.
+    /// Query or steer a running node through its admin HTTP API (`--admin-addr` of
+    /// `ddshard node`). Mutating commands send the bearer token of DDSHARD_ADMIN_TOKEN.
+    Admin {
+        /// The node's admin API.
+        #[arg(long, default_value = "http://127.0.0.1:8558")]
+        url: String,
+        /// Print the API's JSON instead of a table.
         #[arg(long)]
-        addr: std::net::SocketAddr,
-        /// The request, e.g. `PUT cart-1 apples` or `STATS`.
-        #[arg(required = true)]
-        request: Vec<String>,
+        json: bool,
+        #[command(subcommand)]
+        command: ddshard::admin::cli::AdminCommand,
     },
     /// Delete the sharding data (remembered entities and shards) of entity types from a stopped
     /// node's data dir (Akka's RemoveInternalClusterShardingData). Refuses while a node runs on it.
@@ -104,23 +109,22 @@ async fn main() {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Admin { url, json, command } => {
+            let client = ddshard::admin::cli::AdminClient {
+                url,
+                token: std::env::var(ADMIN_TOKEN_ENV).ok(),
+                timeout: Duration::from_secs(30),
+            };
+            client.run(&command, json).map(|out| println!("{out}")).map_err(Into::into)
+        }
         Command::Demo { counters, increments } => demo(counters, increments).await,
         Command::RemoveInternalData { data_dir, types } => remove_internal_data(&data_dir, &types),
         Command::Secret => {
             println!("{}", ddshard::ClusterSecret::generate().expose());
             Ok(())
         }
-        Command::Node { config, client_addr, activation_log } => {
-            run_node(&config, client_addr, activation_log.as_deref()).await
-        }
-        Command::Call { addr, request } => {
-            match ddshard::service::call(addr, &request.join(" "), Duration::from_secs(10)).await {
-                Ok(line) => {
-                    println!("{line}");
-                    if line.starts_with("ERR") { Err("the node answered with an error".into()) } else { Ok(()) }
-                }
-                Err(e) => Err(e.into()),
-            }
+        Command::Node { config, activation_log, admin_addr } => {
+            run_node(&config, activation_log.as_deref(), admin_addr).await
         }
     };
     if let Err(e) = result {
@@ -129,13 +133,27 @@ async fn main() {
     }
 }
 
+/// Where `ddshard node` reads the admin API's bearer token from.
+const ADMIN_TOKEN_ENV: &str = "DDSHARD_ADMIN_TOKEN";
+
 async fn run_node(
     config: &std::path::Path,
-    client_addr: std::net::SocketAddr,
     activation_log: Option<&std::path::Path>,
+    admin_addr: std::net::SocketAddr,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = NodeConfig::from_toml_file(config)?;
     cfg.apply_env()?;
+    let admin_token = match std::env::var(ADMIN_TOKEN_ENV) {
+        Ok(t) if t.chars().count() >= ddshard::secret::MIN_SECRET_LEN => Some(t),
+        Ok(_) => {
+            let min = ddshard::secret::MIN_SECRET_LEN;
+            return Err(
+                format!("{ADMIN_TOKEN_ENV} must have at least {min} characters (`ddshard secret` prints one)").into()
+            );
+        }
+        Err(_) => None,
+    };
+    let prometheus = ddshard::metrics::install_prometheus()?;
     let settings = cfg.sharding.clone();
     let log = activation_log.map(ddshard::activation::ActivationLog::with_file).transpose()?;
     let node = Node::start(cfg).await?;
@@ -145,30 +163,27 @@ async fn run_node(
         None => ddshard::service::KvEntity::new(&me),
     };
     let region = node.sharding().start_durable("kv", factory, settings).await?;
-    let listener = tokio::net::TcpListener::bind(client_addr).await?;
-    let client = listener.local_addr()?;
+    let settings =
+        ddshard::admin::AdminSettings { token: admin_token, prometheus: Some(prometheus), ..Default::default() };
+    let app = ddshard::admin::router(node.clone(), settings).merge(ddshard::service::kv_routes(region.clone()));
+    let admin = ddshard::admin::serve(&node, admin_addr, app).await?.local_addr;
     println!(
-        "READY node={} gossip={} messaging={} client={client}",
+        "READY node={} gossip={} messaging={} admin={admin}",
         node.node_id(),
         node.gossip_addr(),
         node.messaging_addr()
     );
-    let stop = tokio_util::sync::CancellationToken::new();
-    let server = tokio::spawn(ddshard::service::serve(node.clone(), region, listener, stop.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
         _ = wait_until_stopped(&node) => {
-            stop.cancel();
             // Every entity is gone (and logged as stopped) before the process exits.
             node.shutdown().await;
             let why = node.stop_reason().unwrap_or_else(|| "it stopped".into());
             return Err(format!("the node stopped by itself ({why}); restart it to rejoin as a new incarnation").into());
         }
     }
-    stop.cancel();
-    let _ = server.await;
     node.leave().await?;
     Ok(())
 }

@@ -82,7 +82,8 @@ pub(crate) async fn start(
     });
     core.load(entries.collect(), loaded.max_seq);
     let health = Arc::new(DurableHealth::default());
-    let persist = PersistThread::start(store, params.max_map_size, health.clone(), stats.clone())
+    let commit_timer = crate::metrics::CommitTimer::new(&params.self_addr.node_id);
+    let persist = PersistThread::start(store, params.max_map_size, health.clone(), stats.clone(), commit_timer)
         .map_err(|e| Error::Config(format!("cannot start the persist thread: {e}")))?;
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);

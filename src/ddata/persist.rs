@@ -18,6 +18,7 @@ use tracing::{error, info, warn};
 
 use super::durable::{DurableStore, StoreOp};
 use super::stats::ReplicatorStats;
+use crate::metrics::CommitTimer;
 
 /// Pauses before the retries of a failed transaction.
 const RETRY_BACKOFF: [Duration; 3] = [Duration::from_millis(10), Duration::from_millis(100), Duration::from_secs(1)];
@@ -80,8 +81,9 @@ impl PersistThread {
         max_map_size: usize,
         health: Arc<DurableHealth>,
         stats: Arc<ReplicatorStats>,
+        commit_timer: CommitTimer,
     ) -> std::io::Result<PersistThread> {
-        Self::start_with(store, max_map_size, health, stats, Vec::new(), Limits::PRODUCTION)
+        Self::start_with(store, max_map_size, health, stats, commit_timer, Vec::new(), Limits::PRODUCTION)
     }
 
     /// Starts the thread with `queued` jobs already waiting.
@@ -90,6 +92,7 @@ impl PersistThread {
         max_map_size: usize,
         health: Arc<DurableHealth>,
         stats: Arc<ReplicatorStats>,
+        commit_timer: CommitTimer,
         queued: Vec<PersistJob>,
         limits: Limits,
     ) -> std::io::Result<PersistThread> {
@@ -99,7 +102,8 @@ impl PersistThread {
         }
         let (report_tx, reports) = mpsc::unbounded_channel();
         let handle = std::thread::Builder::new().name("ddshard-persist".into()).spawn(move || {
-            let mut writer = Writer { store, max_map_size, health, stats, retry_backoff: limits.retry_backoff };
+            let mut writer =
+                Writer { store, max_map_size, health, stats, commit_timer, retry_backoff: limits.retry_backoff };
             while let Some(first) = rx.blocking_recv() {
                 let mut through = first.through;
                 let mut ops = first.ops;
@@ -152,6 +156,7 @@ struct Writer {
     max_map_size: usize,
     health: Arc<DurableHealth>,
     stats: Arc<ReplicatorStats>,
+    commit_timer: CommitTimer,
     retry_backoff: &'static [Duration],
 }
 
@@ -162,7 +167,9 @@ impl Writer {
         loop {
             let started = std::time::Instant::now();
             let applied = self.store.apply(ops);
-            ReplicatorStats::add(&self.stats.durable_commit_micros, started.elapsed().as_micros() as usize);
+            let took = started.elapsed();
+            ReplicatorStats::add(&self.stats.durable_commit_micros, took.as_micros() as usize);
+            self.commit_timer.record(took);
             // (error, whether retrying can help)
             let (error, retry) = match applied {
                 Ok(()) => {
@@ -227,7 +234,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
-        let mut t = PersistThread::start(store.clone(), 64 << 20, health.clone(), stats.clone()).unwrap();
+        let mut t = PersistThread::start(store.clone(), 64 << 20, health.clone(), stats.clone(), CommitTimer::new("n"))
+            .unwrap();
         let r = run_one(&mut t, 1, big_ops(8, 512 << 10)).await;
         assert!(r.failure.is_none(), "{:?}", r.failure);
         assert_eq!(r.through, 1);
@@ -245,7 +253,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
-        let mut t = PersistThread::start(store, 2 << 20, health.clone(), stats.clone()).unwrap();
+        let mut t = PersistThread::start(store, 2 << 20, health.clone(), stats.clone(), CommitTimer::new("n")).unwrap();
         let r = run_one(&mut t, 5, big_ops(8, 512 << 10)).await;
         let (_, reason) = r.failure.expect("a failure report");
         assert!(reason.contains("lmdb_max_map_size"), "{reason}");
@@ -265,9 +273,16 @@ mod tests {
         let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
         let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
-        let mut t =
-            PersistThread::start_with(store.clone(), 64 << 20, health, stats.clone(), queued, Limits::PRODUCTION)
-                .unwrap();
+        let mut t = PersistThread::start_with(
+            store.clone(),
+            64 << 20,
+            health,
+            stats.clone(),
+            CommitTimer::new("n"),
+            queued,
+            Limits::PRODUCTION,
+        )
+        .unwrap();
         let r = t.reports.recv().await.unwrap();
         assert!(r.failure.is_none());
         assert_eq!(r.through, 200, "one report covers every queued ticket");
@@ -284,7 +299,9 @@ mod tests {
         // Each job writes 2 + 8 + 64 = 74 bytes; a cap of two jobs exactly.
         let queued = (1..=3u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
         let limits = Limits { max_transaction_bytes: 2 * 74, ..Limits::PRODUCTION };
-        let mut t = PersistThread::start_with(store, 64 << 20, health, stats.clone(), queued, limits).unwrap();
+        let mut t =
+            PersistThread::start_with(store, 64 << 20, health, stats.clone(), CommitTimer::new("n"), queued, limits)
+                .unwrap();
         let first = t.reports.recv().await.unwrap();
         assert_eq!((first.through, first.bytes), (2, 148), "the cap is reached: the third job waits");
         let second = t.reports.recv().await.unwrap();
@@ -300,8 +317,16 @@ mod tests {
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
         const BACKOFF: [Duration; 2] = [Duration::from_millis(1), Duration::from_millis(1)];
         let limits = Limits { retry_backoff: &BACKOFF, ..Limits::PRODUCTION };
-        let mut t =
-            PersistThread::start_with(store, 64 << 20, health.clone(), stats.clone(), Vec::new(), limits).unwrap();
+        let mut t = PersistThread::start_with(
+            store,
+            64 << 20,
+            health.clone(),
+            stats.clone(),
+            CommitTimer::new("n"),
+            Vec::new(),
+            limits,
+        )
+        .unwrap();
         // A delta record's key length is a u16: this one can never be stored.
         let unstorable = StoreOp::Delta { key: "k".repeat(70_000), seq: 1, bytes: vec![1] };
         let r = run_one(&mut t, 9, vec![unstorable]).await;

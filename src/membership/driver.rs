@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig, spawn_chitchat};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::gossip_auth::{AuthenticatedSocket, GossipStats};
 use super::lifecycle::{LifecycleAction, LifecycleCore, LifecycleSettings};
@@ -23,6 +23,9 @@ use crate::spawn::Spawner;
 
 enum Command {
     SetStatus(MemberStatus, oneshot::Sender<()>),
+    /// An operator downs these members: their down marks go into gossip as a downing
+    /// decision's would.
+    Down(Vec<UniqueAddress>, oneshot::Sender<()>),
     /// This node's heartbeats find these members unreachable (the whole list, replacing the
     /// last one).
     PublishUnreachable(Vec<UniqueAddress>),
@@ -58,6 +61,14 @@ impl MembershipHandle {
     /// (the whole list; an empty one withdraws every earlier verdict).
     pub(crate) fn publish_unreachable(&self, subjects: Vec<UniqueAddress>) -> Result<()> {
         self.commands.send(Command::PublishUnreachable(subjects)).map_err(|_| Error::ShutDown)
+    }
+
+    /// Publishes down marks for `victims` (an operator's decision); returns once they are
+    /// in this node's gossip state.
+    pub(crate) async fn down(&self, victims: Vec<UniqueAddress>) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::Down(victims, tx)).map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)
     }
 
     /// Publishes a new status of this node in gossip; returns once it is set locally.
@@ -101,6 +112,17 @@ pub(crate) struct MembershipDriver {
 }
 
 impl MembershipDriver {
+    /// Puts down marks for `victims` into this node's gossip state.
+    async fn publish_down_marks(&self, victims: &[UniqueAddress]) {
+        self.chitchat
+            .with_chitchat(|c| {
+                for v in victims {
+                    c.self_node_state().set(format!("{}{v}", keys::DOWN_PREFIX), "1");
+                }
+            })
+            .await;
+    }
+
     /// Binds the gossip socket, starts chitchat and returns the handle plus the task to spawn.
     pub(crate) async fn start(
         cfg: &NodeConfig,
@@ -202,6 +224,12 @@ impl MembershipDriver {
                         self.refresh().await;
                         let _ = done.send(());
                     }
+                    Some(Command::Down(victims, done)) => {
+                        warn!(?victims, "members downed by an operator");
+                        self.publish_down_marks(&victims).await;
+                        self.refresh().await;
+                        let _ = done.send(());
+                    }
                     Some(Command::PublishUnreachable(subjects)) => {
                         let value = super::view::encode_unreachable(&subjects);
                         self.chitchat.with_chitchat(|c| c.self_node_state().set(keys::UNREACHABLE, &value)).await;
@@ -258,15 +286,7 @@ impl MembershipDriver {
                         spawner.stop(format!("superseded by the newer incarnation {newer} of this node id"));
                     }
                 }
-                LifecycleAction::PublishDowns(victims) => {
-                    self.chitchat
-                        .with_chitchat(|c| {
-                            for v in &victims {
-                                c.self_node_state().set(format!("{}{v}", keys::DOWN_PREFIX), "1");
-                            }
-                        })
-                        .await;
-                }
+                LifecycleAction::PublishDowns(victims) => self.publish_down_marks(&victims).await,
             }
         }
         let Some(next) = next else {

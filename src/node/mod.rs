@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{broadcast, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, info_span};
+use tracing::{info, info_span, warn};
 
 pub use builder::NodeBuilder;
 pub(crate) use data_dir::lock_data_dir;
@@ -39,6 +39,8 @@ pub(crate) trait RegionControl: Send + Sync {
     fn ask_timeout(&self) -> std::time::Duration;
     /// The shard of an entity id (the type's extractor on this node).
     fn shard_of(&self, entity_id: &str) -> crate::sharding::ShardId;
+    /// The region's counters.
+    fn counters(&self) -> &crate::sharding::RegionCounters;
     /// The region's own view of itself.
     fn info(&self) -> futures::future::BoxFuture<'_, Result<crate::sharding::query::RegionInfo>>;
     /// A page of the entity ids it runs.
@@ -175,7 +177,7 @@ impl Node {
         let deadlines = DeadlineSweep::new();
         spawner.spawn_essential("ask deadlines", deadlines.clone().run(shutdown.clone()));
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
-        Ok(Node {
+        let node = Node {
             inner: Arc::new(NodeInner {
                 data_dir_lock: Mutex::new(Some(data_dir_lock)),
                 config,
@@ -188,7 +190,22 @@ impl Node {
                 failure_detector,
                 deadlines,
             }),
-        })
+        };
+        let leave_requests = node.inner.transport.subscribe(LEAVE_TOPIC, 16);
+        node.inner.spawner.spawn_until_shutdown(serve_leave_requests(node.clone(), leave_requests));
+        #[cfg(feature = "metrics")]
+        {
+            let sampled = node.clone();
+            node.inner.spawner.spawn_until_shutdown(async move {
+                let mut every = tokio::time::interval(crate::metrics::SAMPLE_INTERVAL);
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    sampled.sample_metrics().await;
+                }
+            });
+        }
+        Ok(node)
     }
 
     /// The stable node id.
@@ -293,6 +310,13 @@ impl Node {
         crate::sharding::query::Readiness { ready: missing.is_empty(), not_ready_because: missing }
     }
 
+    /// Copies this node's counters and state into the `metrics` facade now (a sampler also
+    /// does it every second); call it before rendering a scrape.
+    #[cfg(feature = "metrics")]
+    pub async fn sample_metrics(&self) {
+        crate::metrics::sample(self).await
+    }
+
     /// The deadlines every ask of this node waits under.
     pub(crate) fn deadlines(&self) -> &DeadlineSweep {
         &self.inner.deadlines
@@ -324,6 +348,30 @@ impl Node {
         Ok(())
     }
 
+    /// Downs the member `node_id` (an operator's decision, as a split-brain resolver's
+    /// would be): its down mark goes into gossip, every member removes it after the down-removal
+    /// margin, and its shards and singletons move. Use it for a node known to be dead; a live
+    /// downed node stops itself. [`Error::UnknownMember`] when no member has that id.
+    pub async fn down(&self, node_id: &str) -> Result<()> {
+        let victim = self.membership().member(node_id).map(|m| m.address().clone());
+        let victim = victim.ok_or_else(|| Error::UnknownMember(node_id.to_string()))?;
+        self.inner.membership.down(vec![victim]).await
+    }
+
+    /// Asks the member `node_id` to leave gracefully (this node too): it hands off its shards,
+    /// leaves and stops. Returns once that member has started leaving (a request answered
+    /// within `timeout`), not when it is gone; [`Error::UnknownMember`] when no member has that
+    /// id.
+    pub async fn leave_member(&self, node_id: &str, timeout: std::time::Duration) -> Result<()> {
+        let member = self.membership().member(node_id).cloned();
+        let member = member.ok_or_else(|| Error::UnknownMember(node_id.to_string()))?;
+        if member.address() == &self.inner.address {
+            leave_in_background(self.clone());
+            return Ok(());
+        }
+        self.inner.transport.request(&member.peer(), LEAVE_TOPIC, &[], timeout).await.map(|_| ())
+    }
+
     /// Stops at once, without hand-off or goodbye (as a crash would, for the others). Returns
     /// when every task of the node has ended and its store is closed.
     pub async fn shutdown(&self) {
@@ -348,6 +396,31 @@ impl Node {
 /// A node that is downed (by the other side, or by itself on the minority side) stops at once,
 /// like a crash: its regions and singletons end before the others move them (they wait the
 /// down-removal margin). It must restart as a new incarnation to rejoin.
+/// Where members ask this node to leave ([`Node::leave_member`]).
+const LEAVE_TOPIC: &str = "node/leave";
+
+/// Answers leave requests from other members (only members reach the transport) and leaves.
+async fn serve_leave_requests(node: Node, mut requests: tokio::sync::mpsc::Receiver<crate::transport::Inbound>) {
+    while let Some(m) = requests.recv().await {
+        let Some(id) = m.request_id else { continue };
+        info!(from = %m.from.address, "asked to leave by a member");
+        let _ = node.inner.transport.respond(&m.from, id, Ok(&[]));
+        leave_in_background(node);
+        return;
+    }
+}
+
+/// Leaves on a task the node does not track: `leave` ends with `shutdown`, which waits for
+/// every tracked task, so a tracked one could never finish it.
+fn leave_in_background(node: Node) {
+    let runtime = node.inner.spawner.runtime().clone();
+    runtime.spawn(async move {
+        if let Err(e) = node.leave().await {
+            warn!(error = %e, "leaving on request failed");
+        }
+    });
+}
+
 async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>, spawner: Spawner) {
     let shutdown = spawner.shutdown_token().clone();
     loop {

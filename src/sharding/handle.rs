@@ -25,6 +25,7 @@ use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
 use crate::deadline::DeadlineSweep;
 use crate::error::{Error, Result};
+use crate::metrics::{TypeMetrics, start_timer};
 use crate::node::{Node, RegionControl};
 
 /// Waits for an entity's answer up to `timeout` (the node's deadline sweep: it times out no
@@ -117,6 +118,8 @@ pub(crate) struct HandleInner<E: Entity> {
     /// The region's fast paths: the shards hosted here (none for a proxy) for the local direct
     /// path, and the published remote homes; set before the handle is handed out.
     fast: OnceLock<Arc<FastPath<E>>>,
+    /// Ask latencies by outcome (feature `metrics`; nothing without it).
+    metrics: TypeMetrics,
 }
 
 /// Handle to the region (or proxy) of one entity type on this node; cheap to clone.
@@ -209,9 +212,14 @@ impl<E: Entity> ShardRegion<E> {
 
     /// [`ShardRegion::ask`] with an explicit timeout.
     pub async fn ask_with_timeout(&self, entity_id: &str, msg: E::Message, timeout: Duration) -> Result<E::Reply> {
+        let started = start_timer();
         let (tx, rx) = oneshot::channel();
-        self.submit(entity_id, Envelope::new(Some(msg), Some(ReplyTo::Local(tx))))?;
-        await_answer(self.inner.node.deadlines(), entity_id, rx, timeout).await
+        let result = match self.submit(entity_id, Envelope::new(Some(msg), Some(ReplyTo::Local(tx)))) {
+            Ok(()) => await_answer(self.inner.node.deadlines(), entity_id, rx, timeout).await,
+            Err(e) => Err(e),
+        };
+        self.inner.metrics.ask_done(started, &result);
+        result
     }
 
     /// Starts entity `entity_id` without a message; returns once it runs.
@@ -289,6 +297,9 @@ impl<E: Entity> RegionControl for HandleInner<E> {
     fn shard_of(&self, entity_id: &str) -> ShardId {
         (self.extractor)(entity_id)
     }
+    fn counters(&self) -> &RegionCounters {
+        &self.counters
+    }
     fn info(&self) -> futures::future::BoxFuture<'_, Result<RegionInfo>> {
         Box::pin(async move {
             let (tx, rx) = oneshot::channel();
@@ -358,6 +369,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         proxy,
         routed: routed.clone(),
         fast: OnceLock::new(),
+        metrics: TypeMetrics::new(node.node_id(), type_name),
     });
     node.register_region(inner.clone())?;
     let me = node.address().clone();

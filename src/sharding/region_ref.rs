@@ -60,6 +60,11 @@ impl RegionRef {
         self.control.is_proxy()
     }
 
+    /// The region's counters (messages by path, drops by reason, hand-offs, …).
+    pub fn counters(&self) -> &super::RegionCounters {
+        self.control.counters()
+    }
+
     /// The shard of `entity_id` (this node's extractor).
     pub fn shard_of(&self, entity_id: &str) -> ShardId {
         self.control.shard_of(entity_id)

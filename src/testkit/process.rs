@@ -1,16 +1,19 @@
 //! `ddshard node` as real OS processes: spawn with a generated config, read the `READY` line,
-//! talk the client line protocol ([`crate::service`]), SIGKILL or SIGTERM.
+//! talk to its admin HTTP API ([`crate::admin`]), SIGKILL or SIGTERM.
 //!
 //! Used by the multi-process tests, the network-namespace partition test and the fail-over
 //! bench; `binary` is the `ddshard` executable (`env!("CARGO_BIN_EXE_ddshard")` there).
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::admin::{MemberInfo, TypeStats};
 use crate::error::{Error, Result};
+use crate::service::KvReply;
 
 /// How to start one node process.
 #[derive(Debug, Clone)]
@@ -85,8 +88,8 @@ pub struct NodeProcess {
     pub node_id: String,
     /// Bound gossip address (seed for others).
     pub gossip: SocketAddr,
-    /// Bound client line-protocol address.
-    pub client: SocketAddr,
+    /// Bound admin HTTP API address.
+    pub admin: SocketAddr,
 }
 
 impl Drop for NodeProcess {
@@ -112,7 +115,7 @@ impl NodeProcess {
         let mut args: Vec<String> = opts.wrapper.clone();
         args.push(binary.display().to_string());
         args.extend(["node".into(), "--config".into(), config.display().to_string()]);
-        args.extend(["--client-addr".into(), SocketAddr::new(opts.bind_ip, 0).to_string()]);
+        args.extend(["--admin-addr".into(), SocketAddr::new(opts.bind_ip, 0).to_string()]);
         if let Some(log) = &opts.activation_log {
             args.extend(["--activation-log".into(), log.display().to_string()]);
         }
@@ -148,10 +151,15 @@ impl NodeProcess {
             Ok(Err(e)) => return fail(&mut child, e.to_string()),
             Err(_) => return fail(&mut child, format!("no READY line within {startup_timeout:?}")),
         };
-        let (Some(gossip), Some(client)) = (field(&line, "gossip"), field(&line, "client")) else {
+        let (Some(gossip), Some(admin)) = (field(&line, "gossip"), field(&line, "admin")) else {
             return fail(&mut child, format!("unexpected first line {line:?}"));
         };
-        Ok(NodeProcess { child, _stdout: reader, node_id: opts.node_id.clone(), gossip, client })
+        Ok(NodeProcess { child, _stdout: reader, node_id: opts.node_id.clone(), gossip, admin })
+    }
+
+    /// One request to its admin HTTP API: the status and the body.
+    pub async fn admin_request(&self, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+        admin_request_to(self.admin, method, path, body).await
     }
 
     /// OS process id.
@@ -194,50 +202,119 @@ impl NodeProcess {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
-    /// One request line; the answer line.
-    pub async fn call(&self, request: &str, timeout: Duration) -> Result<String> {
-        crate::service::call(self.client, request, timeout).await
+    /// The admin API's answer to `GET path` as `T`; an error for any other status.
+    pub async fn admin_get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T> {
+        let (status, body) = self.admin_request("GET", path, "").await?;
+        if status != 200 {
+            return Err(Error::Config(format!("{}: GET {path}: {status} {body}", self.node_id)));
+        }
+        serde_json::from_str(&body).map_err(|e| Error::Codec(format!("{}: GET {path}: {e}: {body}", self.node_id)))
     }
 
-    /// Repeats `request` until `check` accepts the answer; panics with the last answer after
-    /// `deadline`. Errors count as answers `ERR …`.
-    pub async fn until(&self, request: &str, deadline: Duration, check: impl Fn(&str) -> bool) -> String {
+    /// Members as this node sees them, oldest first.
+    pub async fn members(&self) -> Result<Vec<MemberInfo>> {
+        self.admin_get("/cluster/members").await
+    }
+
+    /// Cluster-wide entity counts of the sample `kv` type.
+    pub async fn kv_stats(&self) -> Result<KvStats> {
+        self.admin_get::<TypeStats>("/cluster/shards/kv").await.map(KvStats)
+    }
+
+    /// Reads `kv` entity `id`.
+    pub async fn kv_get(&self, id: &str) -> Result<KvReply> {
+        kv_get_at(self.admin, id).await
+    }
+
+    /// Writes `value` into `kv` entity `id`.
+    pub async fn kv_put(&self, id: &str, value: &str) -> Result<KvReply> {
+        let (status, body) = self.admin_request("PUT", &format!("/kv/{id}"), value).await?;
+        if status != 200 {
+            return Err(Error::Config(format!("{}: PUT /kv/{id}: {status} {body}", self.node_id)));
+        }
+        serde_json::from_str(&body).map_err(|e| Error::Codec(format!("PUT /kv/{id}: {e}: {body}")))
+    }
+
+    /// Asks `fetch` until `check` accepts its answer; panics with the last answer (or error)
+    /// after `deadline`.
+    pub async fn until<T: std::fmt::Debug>(
+        &self,
+        what: &str,
+        deadline: Duration,
+        fetch: impl AsyncFn(&NodeProcess) -> Result<T>,
+        check: impl Fn(&T) -> bool,
+    ) -> T {
         let end = Instant::now() + deadline;
         loop {
-            let answer = self.call(request, Duration::from_secs(2)).await.unwrap_or_else(|e| format!("ERR {e}"));
-            if check(&answer) {
-                return answer;
+            let answer = fetch(self).await;
+            if let Ok(a) = &answer
+                && check(a)
+            {
+                return answer.expect("checked");
             }
-            assert!(
-                Instant::now() < end,
-                "{}: {request} never satisfied the check within {deadline:?}; last answer {answer:?}",
-                self.node_id
-            );
+            assert!(Instant::now() < end, "{}: {what} not within {deadline:?}; last answer {answer:?}", self.node_id);
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-}
 
-/// Sum of entity counts in a `STATS` answer, or `None` if it is not one or a region failed to
-/// answer.
-pub fn stats_total(answer: &str) -> Option<usize> {
-    let body = answer.strip_prefix("STATS")?;
-    let (regions, failed) = body.split_once("FAILED")?;
-    if !failed.trim().is_empty() {
-        return None;
+    /// Waits until this node sees `up` Up members and `accept` holds for the list.
+    pub async fn until_up(
+        &self,
+        up: usize,
+        deadline: Duration,
+        accept: impl Fn(&[MemberInfo]) -> bool,
+    ) -> Vec<MemberInfo> {
+        let what = format!("{up} members up");
+        let up_and_accepted = |m: &Vec<MemberInfo>| m.iter().filter(|m| m.status == "up").count() == up && accept(m);
+        self.until(&what, deadline, async |n: &NodeProcess| n.members().await, up_and_accepted).await
     }
-    Some(regions.split_whitespace().filter_map(|r| r.split_once('=')?.1.parse::<usize>().ok()).sum())
 }
 
-/// Entity count per node in a `STATS` answer.
-pub fn stats_by_node(answer: &str) -> Vec<(String, usize)> {
-    let body = answer.strip_prefix("STATS").unwrap_or("");
-    let regions = body.split_once("FAILED").map_or(body, |(r, _)| r);
-    regions
-        .split_whitespace()
-        .filter_map(|r| {
-            let (n, c) = r.split_once('=')?;
-            Some((n.to_string(), c.parse().ok()?))
-        })
-        .collect()
+/// One request to the admin HTTP API at `admin` (HTTP/1.1, `Connection: close`): the status
+/// and the body.
+pub async fn admin_request_to(admin: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = |e| Error::io(format!("admin request {method} {path}"), e);
+    let mut sock = tokio::net::TcpStream::connect(admin).await.map_err(io)?;
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sock.write_all(request.as_bytes()).await.map_err(io)?;
+    let mut answer = String::new();
+    sock.read_to_string(&mut answer).await.map_err(io)?;
+    let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok());
+    let status = status.ok_or_else(|| Error::Config(format!("not an HTTP answer: {answer:?}")))?;
+    let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    Ok((status, body))
+}
+
+/// Reads `kv` entity `id` through the admin API at `admin`.
+pub async fn kv_get_at(admin: SocketAddr, id: &str) -> Result<KvReply> {
+    let (status, body) = admin_request_to(admin, "GET", &format!("/kv/{id}"), "").await?;
+    if status != 200 {
+        return Err(Error::Config(format!("GET /kv/{id}: {status} {body}")));
+    }
+    serde_json::from_str(&body).map_err(|e| Error::Codec(format!("GET /kv/{id}: {e}: {body}")))
+}
+
+/// Cluster-wide entity counts of the `kv` type ([`NodeProcess::kv_stats`]).
+#[derive(Debug, Clone)]
+pub struct KvStats(pub TypeStats);
+
+impl KvStats {
+    /// Entities over all regions, or `None` when a region did not answer.
+    pub fn total(&self) -> Option<usize> {
+        self.0.failed.is_empty().then(|| self.0.regions.values().flat_map(|s| s.values()).sum())
+    }
+
+    /// Entities per node id.
+    pub fn by_node(&self) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for (region, shards) in &self.0.regions {
+            let node = region.split('#').next().unwrap_or(region).to_string();
+            *out.entry(node).or_insert(0) += shards.values().sum::<usize>();
+        }
+        out
+    }
 }

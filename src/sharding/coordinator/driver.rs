@@ -26,6 +26,7 @@ use crate::clock::{Instant, wall_ms};
 use crate::ddata::{Consistency, FencedMap, GSet, KeyUpdate, Replicator};
 use crate::error::Error;
 use crate::membership::MembershipSnapshot;
+use crate::metrics::TypeMetrics;
 use crate::node::Node;
 use crate::sharding::allocation::{PanicGuardedStrategy, ShardAllocationStrategy, strategy_for};
 use crate::sharding::ids::ShardId;
@@ -87,6 +88,7 @@ pub(crate) fn start_singleton(
     let strategy = custom.unwrap_or_else(|| strategy_for(&settings.allocation, table));
     let strategy: Arc<dyn ShardAllocationStrategy> = Arc::new(PanicGuardedStrategy(strategy));
     let driver = CoordinatorDriver {
+        metrics: Arc::new(TypeMetrics::new(node.node_id(), type_name)),
         node: node.clone(),
         type_name: type_name.to_string(),
         settings,
@@ -116,6 +118,8 @@ async fn follow_external_locations(node: Node, type_name: String, table: Arc<RwL
 }
 
 struct CoordinatorDriver {
+    /// Whether it runs here, and its state writes (feature `metrics`).
+    metrics: Arc<TypeMetrics>,
     node: Node,
     type_name: String,
     settings: ShardingSettings,
@@ -267,6 +271,7 @@ impl CoordinatorDriver {
                     core.handle(CoordinatorInput::RememberedShards(shards), now, wall_ms(), out);
                 }
                 *running = Some(Running { core, term: state.term, inbound, write: None });
+                self.metrics.coordinator_active(true);
             }
             SingletonAction::Stop => {
                 info!(type_name = %self.type_name, "no longer the coordinator's host; coordinator stops");
@@ -278,6 +283,7 @@ impl CoordinatorDriver {
     }
 
     fn stop(&self, r: Running) {
+        self.metrics.coordinator_active(false);
         self.node.transport().unsubscribe(&keys::coordinator_topic(&self.type_name));
         if let Some(w) = r.write {
             w.abort();
@@ -360,6 +366,7 @@ impl CoordinatorDriver {
         let shards_key = keys::remembered_shards(&self.type_name);
         let (timeout, consistency) = (self.settings.updating_state_timeout, state_write(&self.settings));
         let type_name = self.type_name.clone();
+        let metrics = self.metrics.clone();
         let remembered: Option<BTreeSet<ShardId>> = self.settings.remember_entities.then(|| {
             entries
                 .iter()
@@ -368,6 +375,7 @@ impl CoordinatorDriver {
                 .collect()
         });
         async move {
+            let started = Instant::now();
             let mut backoff = WRITE_BACKOFF.0;
             loop {
                 // The state entries and the newly remembered shards go in one round: one delta
@@ -390,12 +398,14 @@ impl CoordinatorDriver {
                         return;
                     }
                     Err(e) => {
+                        metrics.state_write_failed();
                         warn!(%type_name, error = %e, "coordinator state write failed; retrying");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(WRITE_BACKOFF.1);
                     }
                 }
             }
+            metrics.state_written(started);
             let _ = done.send(WriteOutcome::Acknowledged);
         }
     }

@@ -1,0 +1,418 @@
+//! The admin HTTP API (feature `admin`): [`router`] gives an axum `Router` users merge into
+//! their own server; [`serve`] runs one on its own listener. JSON everywhere except
+//! `/metrics`. `ddshard node` serves it on `--admin-addr` (loopback by default) with the token
+//! of `DDSHARD_ADMIN_TOKEN`, plus `GET/PUT/DELETE /kv/{id}` for its sample type.
+//!
+//! | route | answers |
+//! |---|---|
+//! | `GET /` | the dashboard: members, per type shards and entities per region, the allocation table, a shard's explanation on click, recent events, live rates |
+//! | `GET /alive` | 200 while the process serves |
+//! | `GET /ready` | 200 when [`Node::readiness`] holds, else 503 with the reasons |
+//! | `GET /metrics` | Prometheus text (with a [`PrometheusHandle`] in the settings; else 404) |
+//! | `GET /cluster/members`, `GET /cluster/members/{node}` | members as this node sees them |
+//! | `PUT /cluster/members/{node}` `{"operation": "leave" \| "down"}` | token; 202 |
+//! | `GET /cluster/events` | membership events, Server-Sent Events |
+//! | `GET /cluster/shards` | the entity types started on this node |
+//! | `GET /cluster/shards/{type}` | cluster-wide entity counts per region; regions that did not answer listed in `failed` |
+//! | `GET /cluster/shards/{type}/allocation` | the coordinator's allocation table |
+//! | `GET /cluster/shards/{type}/shards/{shard}/explain` | why the shard is where it is |
+//! | `GET /cluster/shards/{type}/entities/{id}` | the entity's shard, home and epoch |
+//! | `POST /cluster/shards/{type}/rebalance?dry_run=true` | the plan; without `dry_run` (token) a round runs |
+//!
+//! Mutating routes need `Authorization: Bearer <token>` with the token of [`AdminSettings`]:
+//! without a configured token they answer 403 (off), with a missing or wrong one 401. Errors
+//! are `{"error": "…"}` with 400 (bad input), 404 (unknown type, shard, member, route), 413
+//! (body over `max_body_bytes`), 503 (coordinator unavailable) or 504 (timeout). Handlers only
+//! await the node's own queries, each bounded by the type's ask timeout, so a slow client or a
+//! slow query never blocks the node.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use futures::Stream;
+use metrics_exporter_prometheus::PrometheusHandle;
+use serde::{Deserialize, Serialize};
+
+#[cfg(feature = "cli")]
+pub mod cli;
+
+use crate::error::Error;
+use crate::membership::{Member, MemberEvent};
+use crate::node::Node;
+use crate::sharding::RegionRef;
+
+/// How the admin API runs.
+#[derive(Clone, Default)]
+pub struct AdminSettings {
+    /// The bearer token of mutating routes (`None`: they answer 403).
+    pub token: Option<String>,
+    /// Where `/metrics` renders from (see [`crate::metrics::install_prometheus`]); `None`:
+    /// `/metrics` answers 404.
+    pub prometheus: Option<PrometheusHandle>,
+    /// Largest request body (larger: 413). 0 means the default, 64 KiB.
+    pub max_body_bytes: usize,
+    /// How long `/cluster/shards/{type}` waits for each region (0: the type's ask timeout).
+    pub stats_timeout: Duration,
+}
+
+impl std::fmt::Debug for AdminSettings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminSettings")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .field("prometheus", &self.prometheus.is_some())
+            .field("max_body_bytes", &self.max_body_bytes)
+            .finish()
+    }
+}
+
+#[derive(Clone)]
+struct Admin {
+    node: Node,
+    settings: AdminSettings,
+}
+
+/// The admin routes over `node`.
+pub fn router(node: Node, settings: AdminSettings) -> Router {
+    let limit = if settings.max_body_bytes == 0 { 64 * 1024 } else { settings.max_body_bytes };
+    Router::new()
+        .route("/", get(dashboard))
+        .route("/alive", get(alive))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/cluster/members", get(members))
+        .route("/cluster/members/{node}", get(member).put(member_operation))
+        .route("/cluster/events", get(events))
+        .route("/cluster/shards", get(types))
+        .route("/cluster/shards/{type_name}", get(type_stats))
+        .route("/cluster/shards/{type_name}/allocation", get(allocation))
+        .route("/cluster/shards/{type_name}/shards/{shard}/explain", get(explain))
+        .route("/cluster/shards/{type_name}/entities/{id}", get(locate))
+        .route("/cluster/shards/{type_name}/rebalance", post(rebalance))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(Admin { node, settings })
+}
+
+/// A running admin server.
+#[derive(Debug)]
+pub struct AdminServer {
+    /// The bound address (after port 0).
+    pub local_addr: SocketAddr,
+}
+
+/// Serves `app` (usually [`router`], merged with the user's own routes) on `addr` (port 0
+/// picks one) until the node shuts down.
+pub async fn serve(node: &Node, addr: SocketAddr, app: Router) -> crate::error::Result<AdminServer> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| Error::Io { context: format!("binding the admin API on {addr}"), source: e })?;
+    let local_addr = listener
+        .local_addr()
+        .map_err(|e| Error::Io { context: "reading the admin API's address".into(), source: e })?;
+    let shutdown = node.shutdown_token();
+    node.spawner().spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+        if let Err(e) = served {
+            tracing::warn!(error = %e, "admin API stopped");
+        }
+    });
+    Ok(AdminServer { local_addr })
+}
+
+/// An error answer, `{"error": "…"}` with its status; `From<Error>` picks the status of a
+/// ddshard error (for the user's own routes beside [`router`]).
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    /// An answer with this status and message.
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(serde_json::json!({ "error": self.message }))).into_response()
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        let status = match &e {
+            Error::UnknownMember(_) => StatusCode::NOT_FOUND,
+            Error::EmptyEntityId => StatusCode::BAD_REQUEST,
+            Error::CoordinatorUnavailable(_) | Error::ShutDown | Error::PeerUnavailable { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            Error::AskTimeout { .. } | Error::RequestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            _ => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, e.to_string())
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+fn json<T: Serialize>(value: &T) -> Response {
+    axum::Json(value).into_response()
+}
+
+/// Checks the bearer token of a mutating route, comparing in constant time.
+fn authorize(admin: &Admin, headers: &HeaderMap) -> ApiResult<()> {
+    let Some(token) = admin.settings.token.as_deref() else {
+        return Err(ApiError::new(StatusCode::FORBIDDEN, "no admin token configured: mutating routes are off"));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let same =
+        given.len() == token.len() && given.bytes().zip(token.bytes()).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0;
+    if same { Ok(()) } else { Err(ApiError::new(StatusCode::UNAUTHORIZED, "missing or wrong bearer token")) }
+}
+
+fn region(admin: &Admin, type_name: &str) -> ApiResult<RegionRef> {
+    admin.node.sharding().region(type_name).ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, format!("entity type {type_name:?} is not started on this node"))
+    })
+}
+
+/// The dashboard: one self-contained page (no CDN, no build step) that reads the JSON routes.
+const DASHBOARD: &str = include_str!("admin/dashboard.html");
+
+async fn dashboard() -> axum::response::Html<&'static str> {
+    axum::response::Html(DASHBOARD)
+}
+
+async fn alive(State(admin): State<Admin>) -> Response {
+    json(&serde_json::json!({ "alive": true, "node": admin.node.node_id() }))
+}
+
+async fn ready(State(admin): State<Admin>) -> Response {
+    let readiness = admin.node.readiness().await;
+    let status = if readiness.ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(readiness)).into_response()
+}
+
+async fn metrics(State(admin): State<Admin>) -> ApiResult<Response> {
+    let Some(prometheus) = &admin.settings.prometheus else {
+        return Err(ApiError::new(StatusCode::NOT_FOUND, "no metrics exporter installed"));
+    };
+    admin.node.sample_metrics().await;
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], prometheus.render()).into_response())
+}
+
+/// A member as the admin API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    /// Its node id.
+    pub node_id: String,
+    /// Its incarnation (`node_id#generation`).
+    pub address: String,
+    /// `joining`, `up`, `leaving`, `exiting`, `removed` or `down`.
+    pub status: String,
+    /// Its roles.
+    pub roles: Vec<String>,
+    /// No counted observer sees it unreachable.
+    pub reachable: bool,
+    /// The observers whose heartbeats find it unreachable.
+    pub unreachable_by: Vec<String>,
+    /// Its age order among Up members (lower is older).
+    pub up_number: Option<u64>,
+    /// Its messaging (TCP) address.
+    pub messaging_addr: String,
+    /// This node.
+    pub is_self: bool,
+}
+
+fn member_info(node: &Node, m: &Member) -> MemberInfo {
+    MemberInfo {
+        node_id: m.node_id().to_string(),
+        address: m.address().to_string(),
+        status: m.status().as_key().to_string(),
+        roles: m.roles().to_vec(),
+        reachable: m.is_reachable(),
+        unreachable_by: m.observed_unreachable_by().iter().map(ToString::to_string).collect(),
+        up_number: m.up_number(),
+        messaging_addr: m.messaging_addr().to_string(),
+        is_self: m.address() == node.address(),
+    }
+}
+
+async fn members(State(admin): State<Admin>) -> Response {
+    let snap = admin.node.membership();
+    let list: Vec<MemberInfo> = snap.members.iter().map(|m| member_info(&admin.node, m)).collect();
+    json(&list)
+}
+
+async fn member(State(admin): State<Admin>, Path(node_id): Path<String>) -> ApiResult<Response> {
+    let snap = admin.node.membership();
+    let m = snap.member(&node_id).ok_or_else(|| ApiError::from(Error::UnknownMember(node_id.clone())))?;
+    Ok(json(&member_info(&admin.node, m)))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MemberOperation {
+    operation: String,
+}
+
+async fn member_operation(
+    State(admin): State<Admin>,
+    Path(node_id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Response> {
+    authorize(&admin, &headers)?;
+    let op: MemberOperation = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(StatusCode::BAD_REQUEST, format!("expected {{\"operation\": \"leave\" | \"down\"}}: {e}"))
+    })?;
+    match op.operation.as_str() {
+        "leave" => admin.node.leave_member(&node_id, Duration::from_secs(5)).await?,
+        "down" => admin.node.down(&node_id).await?,
+        other => {
+            return Err(ApiError::new(StatusCode::BAD_REQUEST, format!("unknown operation {other:?}: leave or down")));
+        }
+    }
+    let answer = serde_json::json!({ "node": node_id, "operation": op.operation });
+    Ok((StatusCode::ACCEPTED, axum::Json(answer)).into_response())
+}
+
+/// A membership event as `/cluster/events` sends it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberEventInfo {
+    /// `joined`, `up`, `leaving`, `exited`, `downed`, `removed`, `unreachable`,
+    /// `observers-changed` or `reachable`.
+    pub kind: String,
+    /// The member's incarnation.
+    pub address: String,
+    /// The member as it is now (not for `removed`).
+    pub member: Option<MemberInfo>,
+}
+
+fn event_info(node: &Node, e: &MemberEvent) -> MemberEventInfo {
+    let (kind, m) = match e {
+        MemberEvent::Joined(m) => ("joined", m),
+        MemberEvent::Up(m) => ("up", m),
+        MemberEvent::Leaving(m) => ("leaving", m),
+        MemberEvent::Exited(m) => ("exited", m),
+        MemberEvent::Downed(m) => ("downed", m),
+        MemberEvent::Unreachable(m) => ("unreachable", m),
+        MemberEvent::ObserversChanged(m) => ("observers-changed", m),
+        MemberEvent::Reachable(m) => ("reachable", m),
+        MemberEvent::Removed(a) => {
+            return MemberEventInfo { kind: "removed".into(), address: a.to_string(), member: None };
+        }
+    };
+    MemberEventInfo { kind: kind.into(), address: m.address().to_string(), member: Some(member_info(node, m)) }
+}
+
+async fn events(State(admin): State<Admin>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    let node = admin.node.clone();
+    let rx = node.subscribe_events();
+    let stream = futures::stream::unfold((rx, node), |(mut rx, node)| async move {
+        let event = match rx.recv().await {
+            Ok(e) => {
+                let info = event_info(&node, &e);
+                Event::default().event(info.kind.clone()).json_data(&info).unwrap_or_default()
+            }
+            // A slow client missed events: tell it, then go on.
+            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                Event::default().event("lagged").data(n.to_string())
+            }
+            Err(tokio::sync::broadcast::error::RecvError::Closed) => return None,
+        };
+        Some((Ok(event), (rx, node)))
+    });
+    Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// An entity type started on this node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeInfo {
+    /// The type's name.
+    pub type_name: String,
+    /// This node only routes for it.
+    pub proxy: bool,
+}
+
+async fn types(State(admin): State<Admin>) -> Response {
+    let sharding = admin.node.sharding();
+    let list: Vec<TypeInfo> = sharding
+        .type_names()
+        .into_iter()
+        .filter_map(|t| sharding.region(&t).map(|r| TypeInfo { proxy: r.is_proxy(), type_name: t }))
+        .collect();
+    json(&list)
+}
+
+/// Cluster-wide entity counts of one type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TypeStats {
+    /// The entity type.
+    pub type_name: String,
+    /// Region → shard → running entities, for the regions that answered.
+    pub regions: std::collections::BTreeMap<String, std::collections::BTreeMap<String, usize>>,
+    /// Regions that did not answer in time.
+    pub failed: Vec<String>,
+}
+
+async fn type_stats(State(admin): State<Admin>, Path(type_name): Path<String>) -> ApiResult<Response> {
+    let region = region(&admin, &type_name)?;
+    let timeout =
+        if admin.settings.stats_timeout.is_zero() { Duration::from_secs(3) } else { admin.settings.stats_timeout };
+    let stats = region.cluster_stats(timeout).await?;
+    Ok(json(&TypeStats {
+        type_name,
+        regions: stats.regions.into_iter().map(|(r, shards)| (r.to_string(), shards)).collect(),
+        failed: stats.failed.iter().map(ToString::to_string).collect(),
+    }))
+}
+
+async fn allocation(State(admin): State<Admin>, Path(type_name): Path<String>) -> ApiResult<Response> {
+    Ok(json(&region(&admin, &type_name)?.allocation().await?))
+}
+
+async fn explain(State(admin): State<Admin>, Path((type_name, shard)): Path<(String, String)>) -> ApiResult<Response> {
+    match region(&admin, &type_name)?.explain(&shard).await? {
+        Some(e) => Ok(json(&e)),
+        None => Err(ApiError::new(StatusCode::NOT_FOUND, format!("{type_name:?} has no shard {shard:?}"))),
+    }
+}
+
+async fn locate(State(admin): State<Admin>, Path((type_name, id)): Path<(String, String)>) -> ApiResult<Response> {
+    Ok(json(&region(&admin, &type_name)?.locate(&id).await?))
+}
+
+#[derive(Deserialize)]
+struct RebalanceQuery {
+    #[serde(default)]
+    dry_run: bool,
+}
+
+async fn rebalance(
+    State(admin): State<Admin>,
+    Path(type_name): Path<String>,
+    Query(q): Query<RebalanceQuery>,
+    headers: HeaderMap,
+) -> ApiResult<Response> {
+    let region = region(&admin, &type_name)?;
+    if q.dry_run {
+        return Ok(json(&region.rebalance_plan().await?));
+    }
+    authorize(&admin, &headers)?;
+    Ok(json(&region.rebalance().await?))
+}

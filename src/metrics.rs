@@ -1,0 +1,378 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (feature `metrics`),
+//! exported as Prometheus text by [`install_prometheus`].
+//!
+//! Every series carries a `node` label (the node id: the test kit runs many nodes in one
+//! process) and, where it applies, `type` (the entity type); never a shard or entity id, so
+//! the number of series stays bounded. [`CATALOG`] is the one list of what is emitted (a test
+//! keeps `METRICS.md` and a live cluster's output equal to it).
+//!
+//! Two sources feed the facade:
+//! - the counters the crate keeps anyway (transport, gossip, heartbeats, replicator, regions)
+//!   and gauges of the node's state (members, hosted shards and entities) are copied into it by
+//!   a sampler once a second and by [`crate::Node::sample_metrics`] (call it before a scrape to
+//!   read the latest values), so hot paths pay nothing extra for them;
+//! - latencies are recorded where they happen (asks, LMDB commits, coordinator state writes),
+//!   only when the feature is on.
+
+/// What kind of series a metric is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only grows (`_total`).
+    Counter,
+    /// A value now.
+    Gauge,
+    /// A distribution (`_seconds` or a size): Prometheus histogram buckets.
+    Histogram,
+}
+
+/// One metric of [`CATALOG`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricDef {
+    /// Its name.
+    pub name: &'static str,
+    /// Its kind.
+    pub kind: MetricKind,
+    /// Its labels, comma-separated.
+    pub labels: &'static str,
+    /// What it counts or measures.
+    pub help: &'static str,
+}
+
+const fn def(name: &'static str, kind: MetricKind, labels: &'static str, help: &'static str) -> MetricDef {
+    MetricDef { name, kind, labels, help }
+}
+
+use MetricKind::{Counter as C, Gauge as G, Histogram as H};
+
+/// Every metric the crate emits.
+pub const CATALOG: &[MetricDef] = &[
+    def("ddshard_transport_frames_sent_total", C, "node", "Frames written to node-to-node connections."),
+    def("ddshard_transport_frames_received_total", C, "node", "Frames read from node-to-node connections."),
+    def(
+        "ddshard_transport_frames_dropped_total",
+        C,
+        "node",
+        "Frames dropped: no subscriber, a full queue, over the size limit.",
+    ),
+    def(
+        "ddshard_transport_connections_rejected_total",
+        C,
+        "node",
+        "Connections refused: failed handshake or authentication, not a member, over the limit.",
+    ),
+    def(
+        "ddshard_gossip_datagrams_rejected_total",
+        C,
+        "node,reason",
+        "Gossip datagrams dropped (reason: unauthenticated, malformed, oversized).",
+    ),
+    def(
+        "ddshard_heartbeat_verdict_changes_total",
+        C,
+        "node",
+        "Reachability verdicts of the message-path failure detector that changed.",
+    ),
+    def("ddshard_members", G, "node,status", "Members this node sees, by status."),
+    def("ddshard_unreachable_members", G, "node", "Members this node sees as unreachable."),
+    def("ddshard_replicator_full_values_sent_total", C, "node", "Full replicated values sent to peers."),
+    def("ddshard_replicator_deltas_sent_total", C, "node", "Deltas sent to peers."),
+    def("ddshard_replicator_values_merged_total", C, "node", "Full values merged from peers."),
+    def("ddshard_replicator_deltas_merged_total", C, "node", "Deltas merged from peers."),
+    def("ddshard_replicator_rejected_total", C, "node", "Replicator messages or values refused as invalid."),
+    def("ddshard_replicator_fenced_writes_total", C, "node", "Writes refused because a newer claim fenced them."),
+    def("ddshard_lmdb_commits_total", C, "node", "LMDB commits of replicated data."),
+    def("ddshard_lmdb_commit_failures_total", C, "node", "LMDB commits that failed."),
+    def("ddshard_lmdb_commit_seconds", H, "node", "Time of one LMDB commit (writes and fsync)."),
+    def("ddshard_region_registered", G, "node,type", "1 once the region is registered with its coordinator."),
+    def("ddshard_region_hosted_shards", G, "node,type", "Shards this region hosts."),
+    def("ddshard_region_entities", G, "node,type", "Entities running in this region."),
+    def("ddshard_region_buffered_messages", G, "node,type", "Messages waiting for a shard's home."),
+    def(
+        "ddshard_region_messages_total",
+        C,
+        "node,type,path",
+        "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct).",
+    ),
+    def(
+        "ddshard_region_dropped_total",
+        C,
+        "node,type,reason",
+        "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused).",
+    ),
+    def("ddshard_entity_panics_total", C, "node,type", "Entity handlers that panicked."),
+    def(
+        "ddshard_shard_failures_total",
+        C,
+        "node,type",
+        "Shards stopped because their remembered set or state could not be loaded or written.",
+    ),
+    def("ddshard_handoffs_started_total", C, "node,type", "Hand-offs of a local shard the coordinator started."),
+    def("ddshard_handoffs_completed_total", C, "node,type", "Of those, the shards whose entities all stopped."),
+    def(
+        "ddshard_remember_batches_total",
+        C,
+        "node,type",
+        "Remembered-entity batches written (one majority update each).",
+    ),
+    def("ddshard_remember_ids_written_total", C, "node,type", "Entity starts and stops those batches recorded."),
+    def("ddshard_ask_seconds", H, "node,type,outcome", "Time from ask to answer (outcome: ok, timeout, error)."),
+    def("ddshard_coordinator_active", G, "node,type", "1 while this node runs the type's coordinator."),
+    def(
+        "ddshard_coordinator_state_write_seconds",
+        H,
+        "node,type",
+        "Time of one acknowledged coordinator state write (majority), retries included.",
+    ),
+    def(
+        "ddshard_coordinator_state_write_failures_total",
+        C,
+        "node,type",
+        "Coordinator state write attempts that failed (each is retried).",
+    ),
+];
+
+/// How often the sampler copies the crate's counters into the facade.
+#[cfg(feature = "metrics")]
+pub(crate) const SAMPLE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+#[cfg(not(feature = "metrics"))]
+pub(crate) use disabled::*;
+#[cfg(feature = "metrics")]
+pub use enabled::*;
+
+#[cfg(feature = "metrics")]
+mod enabled {
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    use ::metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+    use super::{CATALOG, MetricKind};
+    use crate::clock::Instant;
+    use crate::error::{Error, Result};
+    use crate::membership::MemberStatus;
+    use crate::node::Node;
+
+    /// Latency buckets (seconds): 50 µs to 10 s.
+    const SECONDS_BUCKETS: &[f64] = &[
+        0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    ];
+
+    /// Installs a Prometheus recorder as the process's `metrics` recorder (once per process;
+    /// a second call fails) with histogram buckets for every `_seconds` metric, and describes
+    /// every metric of the catalog. Render with [`PrometheusHandle::render`] after
+    /// [`crate::Node::sample_metrics`].
+    pub fn install_prometheus() -> Result<PrometheusHandle> {
+        let handle = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+            .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
+            .install_recorder()
+            .map_err(|e| Error::Config(format!("metrics recorder: {e}")))?;
+        describe();
+        Ok(handle)
+    }
+
+    /// Describes every metric of the catalog to the installed recorder (its `# HELP` lines).
+    pub fn describe() {
+        for m in CATALOG {
+            match m.kind {
+                MetricKind::Counter => ::metrics::describe_counter!(m.name, m.help),
+                MetricKind::Gauge => ::metrics::describe_gauge!(m.name, m.help),
+                MetricKind::Histogram => ::metrics::describe_histogram!(m.name, m.help),
+            }
+        }
+    }
+
+    /// The metrics of one entity type on one node, resolved once (no label lookups per event).
+    pub(crate) struct TypeMetrics {
+        ask_ok: Histogram,
+        ask_timeout: Histogram,
+        ask_error: Histogram,
+        coordinator_active: Gauge,
+        state_write: Histogram,
+        state_write_failures: Counter,
+    }
+
+    impl TypeMetrics {
+        pub(crate) fn new(node: &str, type_name: &str) -> Self {
+            let (n, t) = (node.to_string(), type_name.to_string());
+            let ask = |outcome: &'static str| histogram!("ddshard_ask_seconds", "node" => n.clone(), "type" => t.clone(), "outcome" => outcome);
+            TypeMetrics {
+                ask_ok: ask("ok"),
+                ask_timeout: ask("timeout"),
+                ask_error: ask("error"),
+                coordinator_active: gauge!("ddshard_coordinator_active", "node" => n.clone(), "type" => t.clone()),
+                state_write: histogram!("ddshard_coordinator_state_write_seconds", "node" => n.clone(), "type" => t.clone()),
+                state_write_failures: counter!("ddshard_coordinator_state_write_failures_total", "node" => n, "type" => t),
+            }
+        }
+
+        /// An ask ended: `Ok`, a timeout or another error.
+        pub(crate) fn ask_done<T>(&self, started: Option<Instant>, result: &Result<T>) {
+            let Some(started) = started else { return };
+            let h = match result {
+                Ok(_) => &self.ask_ok,
+                Err(Error::AskTimeout { .. }) => &self.ask_timeout,
+                Err(_) => &self.ask_error,
+            };
+            h.record(started.elapsed().as_secs_f64());
+        }
+
+        pub(crate) fn coordinator_active(&self, active: bool) {
+            self.coordinator_active.set(if active { 1.0 } else { 0.0 });
+        }
+
+        pub(crate) fn state_written(&self, started: Instant) {
+            self.state_write.record(started.elapsed().as_secs_f64());
+        }
+
+        pub(crate) fn state_write_failed(&self) {
+            self.state_write_failures.increment(1);
+        }
+    }
+
+    /// When a timed event starts (the feature is on: always).
+    pub(crate) fn start_timer() -> Option<Instant> {
+        Some(Instant::now())
+    }
+
+    /// Times LMDB commits of one node.
+    pub(crate) struct CommitTimer(Histogram);
+
+    impl CommitTimer {
+        pub(crate) fn new(node: &str) -> Self {
+            CommitTimer(histogram!("ddshard_lmdb_commit_seconds", "node" => node.to_string()))
+        }
+        pub(crate) fn record(&self, took: std::time::Duration) {
+            self.0.record(took.as_secs_f64());
+        }
+    }
+
+    fn set_counter(name: &'static str, labels: &[(&'static str, String)], value: &AtomicU64) {
+        counter!(name, labels).absolute(value.load(Ordering::Relaxed));
+    }
+
+    /// Copies the node's counters and state into the facade.
+    pub(crate) async fn sample(node: &Node) {
+        let n = vec![("node", node.node_id().to_string())];
+        let ts = node.transport().stats();
+        set_counter("ddshard_transport_frames_sent_total", &n, &ts.frames_sent);
+        set_counter("ddshard_transport_frames_received_total", &n, &ts.frames_received);
+        set_counter("ddshard_transport_frames_dropped_total", &n, &ts.frames_dropped);
+        set_counter("ddshard_transport_connections_rejected_total", &n, &ts.connections_rejected);
+        let gs = node.gossip_stats();
+        for (reason, value) in [
+            ("unauthenticated", &gs.datagrams_unauthenticated),
+            ("malformed", &gs.datagrams_malformed),
+            ("oversized", &gs.datagrams_oversized),
+        ] {
+            let mut l = n.clone();
+            l.push(("reason", reason.into()));
+            set_counter("ddshard_gossip_datagrams_rejected_total", &l, value);
+        }
+        set_counter("ddshard_heartbeat_verdict_changes_total", &n, &node.failure_detector_stats().verdict_changes);
+        let snap = node.membership();
+        for status in [
+            MemberStatus::Joining,
+            MemberStatus::Up,
+            MemberStatus::Leaving,
+            MemberStatus::Exiting,
+            MemberStatus::Removed,
+            MemberStatus::Down,
+        ] {
+            let mut l = n.clone();
+            l.push(("status", status.as_key().into()));
+            let count = snap.members.iter().filter(|m| m.status() == status).count();
+            gauge!("ddshard_members", &l).set(count as f64);
+        }
+        let unreachable = snap.members.iter().filter(|m| !m.is_reachable()).count();
+        gauge!("ddshard_unreachable_members", &n).set(unreachable as f64);
+        let rs = node.replicator().stats();
+        set_counter("ddshard_replicator_full_values_sent_total", &n, &rs.full_values_sent);
+        set_counter("ddshard_replicator_deltas_sent_total", &n, &rs.deltas_sent);
+        set_counter("ddshard_replicator_values_merged_total", &n, &rs.values_merged);
+        set_counter("ddshard_replicator_deltas_merged_total", &n, &rs.deltas_merged);
+        set_counter("ddshard_replicator_rejected_total", &n, &rs.rejected);
+        set_counter("ddshard_replicator_fenced_writes_total", &n, &rs.fenced_writes);
+        set_counter("ddshard_lmdb_commits_total", &n, &rs.durable_commits);
+        set_counter("ddshard_lmdb_commit_failures_total", &n, &rs.durable_failures);
+        for region in node.regions() {
+            let mut l = n.clone();
+            l.push(("type", region.type_name().to_string()));
+            let c = region.counters();
+            for (path, value) in [
+                ("local_routed", &c.local_routed),
+                ("remote_direct", &c.remote_direct),
+                ("remote_sent_direct", &c.remote_sent_direct),
+            ] {
+                let mut lp = l.clone();
+                lp.push(("path", path.into()));
+                set_counter("ddshard_region_messages_total", &lp, value);
+            }
+            for (reason, value) in [
+                ("buffer_full", &c.dropped_buffer_full),
+                ("handoff", &c.dropped_handoff),
+                ("invalid", &c.dropped_invalid),
+                ("mailbox_full", &c.dropped_mailbox_full),
+                ("refused", &c.dropped_refused),
+            ] {
+                let mut lr = l.clone();
+                lr.push(("reason", reason.into()));
+                set_counter("ddshard_region_dropped_total", &lr, value);
+            }
+            set_counter("ddshard_entity_panics_total", &l, &c.entity_panics);
+            set_counter("ddshard_shard_failures_total", &l, &c.shard_failures);
+            set_counter("ddshard_handoffs_started_total", &l, &c.handoffs_started);
+            set_counter("ddshard_handoffs_completed_total", &l, &c.handoffs_completed);
+            set_counter("ddshard_remember_batches_total", &l, &c.remember_batches);
+            set_counter("ddshard_remember_ids_written_total", &l, &c.remember_ids_written);
+            // A region that does not answer (stopping) keeps its last gauges.
+            if let Ok(info) = region.info().await {
+                gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });
+                gauge!("ddshard_region_hosted_shards", &l).set(info.shards.len() as f64);
+                gauge!("ddshard_region_entities", &l).set(info.entities as f64);
+                gauge!("ddshard_region_buffered_messages", &l).set(info.buffered as f64);
+            }
+        }
+    }
+}
+
+#[cfg(not(feature = "metrics"))]
+mod disabled {
+    use crate::clock::Instant;
+    use crate::error::Result;
+
+    /// Without the feature: nothing is recorded and nothing is allocated.
+    pub(crate) struct TypeMetrics;
+
+    impl TypeMetrics {
+        pub(crate) fn new(_node: &str, _type_name: &str) -> Self {
+            TypeMetrics
+        }
+        #[inline]
+        pub(crate) fn ask_done<T>(&self, _started: Option<Instant>, _result: &Result<T>) {}
+        #[inline]
+        pub(crate) fn coordinator_active(&self, _active: bool) {}
+        #[inline]
+        pub(crate) fn state_written(&self, _started: Instant) {}
+        #[inline]
+        pub(crate) fn state_write_failed(&self) {}
+    }
+
+    /// Without the feature LMDB commits are not timed.
+    pub(crate) struct CommitTimer;
+
+    impl CommitTimer {
+        pub(crate) fn new(_node: &str) -> Self {
+            CommitTimer
+        }
+        #[inline]
+        pub(crate) fn record(&self, _took: std::time::Duration) {}
+    }
+
+    /// Without the feature no event is timed.
+    #[inline]
+    pub(crate) fn start_timer() -> Option<Instant> {
+        None
+    }
+}

@@ -1,0 +1,256 @@
+//! The admin HTTP API: every route on a live 3-node cluster through the axum Router, the
+//! token rules of mutating routes, bad input, membership events over SSE, and `serve` on a
+//! real socket.
+
+mod common;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use common::*;
+use ddshard::admin::{AdminSettings, router};
+use ddshard::testkit::{TestCluster, eventually};
+use futures::StreamExt;
+use serde_json::Value;
+use tower::ServiceExt;
+
+const CONVERGE: Duration = Duration::from_secs(30);
+const TOKEN: &str = "s3cret-token";
+
+/// Sends one request to the router; returns the status and the body as JSON (or as a JSON
+/// string when it is not JSON).
+async fn call(app: &axum::Router, method: &str, uri: &str, token: Option<&str>, body: &str) -> (StatusCode, Value) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let resp = app.clone().oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), 1 << 24).await.unwrap();
+    let value =
+        serde_json::from_slice(&bytes).unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into()));
+    (status, value)
+}
+
+async fn get(app: &axum::Router, uri: &str) -> (StatusCode, Value) {
+    call(app, "GET", uri, None, "").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_admin_route_answers_on_a_live_cluster_and_refuses_bad_input_with_its_status() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s =
+        ddshard::ShardingSettings { min_nr_of_members: 3, rebalance_interval: Duration::from_secs(3600), ..settings() };
+    let regions = start_everywhere(&c, &probe, s).await;
+    for i in 0..30 {
+        regions[0].ask(&format!("a{i}"), CounterMsg::Add(1)).await.unwrap();
+    }
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings { token: Some(TOKEN.into()), ..Default::default() });
+
+    let (status, alive) = get(&app, "/alive").await;
+    assert_eq!((status, &alive["alive"], &alive["node"]), (StatusCode::OK, &Value::Bool(true), &Value::from("n1")));
+    let ready_app = app.clone();
+    eventually(CONVERGE, "ready", || {
+        let app = ready_app.clone();
+        async move { (get(&app, "/ready").await.0 == StatusCode::OK).then_some(()) }
+    })
+    .await;
+
+    let (status, members) = get(&app, "/cluster/members").await;
+    assert_eq!(status, StatusCode::OK);
+    let members = members.as_array().expect("a list").clone();
+    assert_eq!(members.len(), 3);
+    assert!(members.iter().all(|m| m["status"] == "up" && m["reachable"] == true), "{members:?}");
+    assert_eq!(members.iter().filter(|m| m["is_self"] == true).count(), 1);
+    let (status, n2) = get(&app, "/cluster/members/n2").await;
+    assert_eq!((status, &n2["node_id"]), (StatusCode::OK, &Value::from("n2")));
+    let (status, err) = get(&app, "/cluster/members/nope").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(err["error"].as_str().is_some_and(|e| e.contains("nope")), "{err}");
+
+    let (status, types) = get(&app, "/cluster/shards").await;
+    assert_eq!((status, types), (StatusCode::OK, serde_json::json!([{ "type_name": "counter", "proxy": false }])));
+    let (status, stats) = get(&app, "/cluster/shards/counter").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(stats["regions"].as_object().expect("regions").len(), 3);
+    let total: u64 = stats["regions"]
+        .as_object()
+        .unwrap()
+        .values()
+        .flat_map(|shards| shards.as_object().unwrap().values().map(|v| v.as_u64().unwrap()))
+        .sum();
+    assert_eq!(total, 30);
+    assert_eq!(stats["failed"], serde_json::json!([]));
+    assert_eq!(get(&app, "/cluster/shards/nope").await.0, StatusCode::NOT_FOUND);
+    assert_eq!(get(&app, "/cluster/shards/nope/allocation").await.0, StatusCode::NOT_FOUND);
+
+    let (status, table) = get(&app, "/cluster/shards/counter/allocation").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(table["coordinator"], Value::from(n1.address().to_string()));
+    let (status, located) = get(&app, "/cluster/shards/counter/entities/a1").await;
+    assert_eq!(status, StatusCode::OK);
+    let host = where_is(&regions[0], "a1").await;
+    assert!(located["home"].as_str().is_some_and(|h| h.starts_with(&format!("{host}#"))), "{located}");
+    let shard = located["shard"].as_str().unwrap().to_string();
+    let (status, explained) = get(&app, &format!("/cluster/shards/counter/shards/{shard}/explain")).await;
+    assert_eq!((status, &explained["home"]), (StatusCode::OK, &located["home"]));
+    assert_eq!(get(&app, "/cluster/shards/counter/shards/zzz/explain").await.0, StatusCode::NOT_FOUND);
+
+    // Rebalance: a dry run needs no token; a real round needs the right one.
+    let (status, plan) = call(&app, "POST", "/cluster/shards/counter/rebalance?dry_run=true", None, "").await;
+    assert_eq!((status, &plan["executed"]), (StatusCode::OK, &Value::Bool(false)));
+    let rebalance = "/cluster/shards/counter/rebalance";
+    assert_eq!(call(&app, "POST", rebalance, None, "").await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(call(&app, "POST", rebalance, Some("wrong"), "").await.0, StatusCode::UNAUTHORIZED);
+    let (status, done) = call(&app, "POST", rebalance, Some(TOKEN), "").await;
+    assert_eq!((status, &done["executed"]), (StatusCode::OK, &Value::Bool(true)));
+    let no_token = router(n1.clone(), AdminSettings::default());
+    assert_eq!(call(&no_token, "POST", rebalance, Some(TOKEN), "").await.0, StatusCode::FORBIDDEN);
+    let leave = r#"{"operation": "leave"}"#;
+    assert_eq!(call(&no_token, "PUT", "/cluster/members/n3", Some(TOKEN), leave).await.0, StatusCode::FORBIDDEN);
+
+    // Bad input.
+    let put = |body: &'static str| call(&app, "PUT", "/cluster/members/n3", Some(TOKEN), body);
+    assert_eq!(put("{not json").await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(put(r#"{"operation": "explode"}"#).await.0, StatusCode::BAD_REQUEST);
+    assert_eq!(put(r#"{"operation": "leave", "extra": 1}"#).await.0, StatusCode::BAD_REQUEST);
+    let huge = format!(r#"{{"operation": "{}"}}"#, "x".repeat(100 * 1024));
+    assert_eq!(call(&app, "PUT", "/cluster/members/n3", Some(TOKEN), &huge).await.0, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(call(&app, "PUT", "/cluster/members/nope", Some(TOKEN), leave).await.0, StatusCode::NOT_FOUND);
+    assert_eq!(get(&app, "/metrics").await.0, StatusCode::NOT_FOUND, "no exporter in these settings");
+    let (status, err) = get(&app, "/no/such/route").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(err["error"].is_string());
+
+    // Member operations: n3 is asked to leave (through n1), n2 is downed.
+    let (status, accepted) = call(&app, "PUT", "/cluster/members/n3", Some(TOKEN), leave).await;
+    assert_eq!((status, &accepted["operation"]), (StatusCode::ACCEPTED, &Value::from("leave")));
+    let app3 = app.clone();
+    eventually(CONVERGE, "n3 left", || {
+        let app = app3.clone();
+        async move {
+            let (_, m) = get(&app, "/cluster/members").await;
+            (!m.as_array()?.iter().any(|m| m["node_id"] == "n3")).then_some(())
+        }
+    })
+    .await;
+    let (status, _) = call(&app, "PUT", "/cluster/members/n2", Some(TOKEN), r#"{"operation": "down"}"#).await;
+    assert_eq!(status, StatusCode::ACCEPTED);
+    let app2 = app.clone();
+    eventually(CONVERGE, "n2 downed and removed", || {
+        let app = app2.clone();
+        async move {
+            let (_, m) = get(&app, "/cluster/members").await;
+            (m.as_array()?.len() == 1).then_some(())
+        }
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_events_stream_as_server_sent_events_and_serve_answers_on_a_real_socket() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings::default());
+    let resp = app.clone().oneshot(Request::get("/cluster/events").body(Body::empty()).unwrap()).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let mut stream = resp.into_body().into_data_stream();
+    c.node(1).leave().await.unwrap();
+    // Read events until n2's removal shows up (the statuses in between may pass between two
+    // of n1's snapshots, so they are not waited for).
+    let mut seen = String::new();
+    let found = tokio::time::timeout(CONVERGE, async {
+        while let Some(chunk) = stream.next().await {
+            seen.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+            if seen.contains("event: removed") && seen.contains("\"address\":\"n2#") {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(found, Ok(true), "events seen: {seen}");
+
+    // `serve` on port 0, asked over plain TCP.
+    let server = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app).await.unwrap();
+    let mut sock = tokio::net::TcpStream::connect(server.local_addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    sock.write_all(b"GET /alive HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut answer = String::new();
+    sock.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains(r#""alive":true"#), "{answer}");
+    c.shutdown().await;
+}
+
+/// Rows of a members table whose status cell (the second) is `status`.
+fn rows_with_status(table: &str, status: &str) -> usize {
+    table.lines().filter(|l| l.split('┆').nth(1).is_some_and(|cell| cell.trim() == status)).count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_cli_prints_members_types_shards_allocation_explanations_locations_and_plans() {
+    use ddshard::admin::cli::{AdminClient, AdminCommand as A};
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s = ddshard::ShardingSettings { min_nr_of_members: 3, ..settings() };
+    let regions = start_everywhere(&c, &probe, s).await;
+    for i in 0..12 {
+        regions[0].ask(&format!("c{i}"), CounterMsg::Add(1)).await.unwrap();
+    }
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings { token: Some(TOKEN.into()), ..Default::default() });
+    let server = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app).await.unwrap();
+    let url = format!("http://{}", server.local_addr);
+    let shard = regions[0].shard_id("c1");
+    let host = where_is(&regions[0], "c1").await;
+    let client = AdminClient { url: url.clone(), token: Some(TOKEN.into()), timeout: Duration::from_secs(10) };
+    let run = |cmd: A, json: bool| {
+        let client = client.clone();
+        tokio::task::spawn_blocking(move || client.run(&cmd, json))
+    };
+    let members = run(A::Members, false).await.unwrap().unwrap();
+    for n in ["n1 *", "n2", "n3"] {
+        assert!(members.contains(n), "{members}");
+    }
+    assert_eq!(rows_with_status(&members, "up"), 3, "{members}");
+    let types = run(A::Types, false).await.unwrap().unwrap();
+    assert!(types.contains("counter") && types.contains("false"), "{types}");
+    let shards = run(A::Shards { type_name: "counter".into() }, false).await.unwrap().unwrap();
+    assert_eq!(shards.matches('#').count(), 3, "three regions: {shards}");
+    let table = run(A::Allocation { type_name: "counter".into() }, false).await.unwrap().unwrap();
+    assert!(table.contains(&format!("coordinator {}", n1.address())), "{table}");
+    let explained =
+        run(A::Explain { type_name: "counter".into(), shard: shard.clone() }, false).await.unwrap().unwrap();
+    assert!(explained.contains(&format!("shard {shard}: on {host}#")), "{explained}");
+    assert!(explained.contains("allocated"), "its history: {explained}");
+    let located = run(A::Locate { type_name: "counter".into(), entity_id: "c1".into() }, false).await.unwrap().unwrap();
+    assert!(located.contains(&format!("{host}#")) && located.contains(&shard), "{located}");
+    let plan = run(A::Rebalance { type_name: "counter".into(), dry_run: true }, true).await.unwrap().unwrap();
+    let plan: Value = serde_json::from_str(&plan).expect("--json prints the API's JSON");
+    assert_eq!(plan["executed"], Value::Bool(false));
+    let missing = run(A::Explain { type_name: "nope".into(), shard: "1".into() }, false).await.unwrap();
+    assert!(missing.is_err_and(|e| e.to_string().contains("404")), "an unknown type is an error naming the status");
+    let no_token = AdminClient { token: None, ..client.clone() };
+    let refused =
+        tokio::task::spawn_blocking(move || no_token.run(&A::Down { node_id: "n3".into() }, false)).await.unwrap();
+    assert!(refused.is_err_and(|e| e.to_string().contains("401")));
+
+    // The binary itself, as an operator runs it.
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_ddshard"))
+        .args(["admin", "--url", &url, "members"])
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(rows_with_status(&String::from_utf8_lossy(&out.stdout), "up"), 3);
+    c.shutdown().await;
+}
