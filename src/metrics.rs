@@ -45,39 +45,24 @@ const fn def(name: &'static str, kind: MetricKind, labels: &'static str, help: &
 use MetricKind::{Counter as C, Gauge as G, Histogram as H};
 
 /// Every metric the crate emits.
+#[rustfmt::skip]
 pub const CATALOG: &[MetricDef] = &[
     def("ddshard_transport_frames_sent_total", C, "node", "Frames written to node-to-node connections."),
     def("ddshard_transport_frames_received_total", C, "node", "Frames read from node-to-node connections."),
-    def(
-        "ddshard_transport_frames_dropped_total",
-        C,
-        "node",
-        "Frames dropped: no subscriber, a full queue, over the size limit.",
-    ),
-    def(
-        "ddshard_transport_connections_rejected_total",
-        C,
-        "node",
-        "Connections refused: failed handshake or authentication, not a member, over the limit.",
-    ),
-    def(
-        "ddshard_gossip_datagrams_rejected_total",
-        C,
-        "node,reason",
-        "Gossip datagrams dropped (reason: unauthenticated, malformed, oversized).",
-    ),
-    def(
-        "ddshard_heartbeat_verdict_changes_total",
-        C,
-        "node",
-        "Reachability verdicts of the message-path failure detector that changed.",
-    ),
+    def("ddshard_transport_frames_dropped_total", C, "node", "Frames dropped: no subscriber, a full queue, over the size limit."),
+    def("ddshard_transport_bytes_sent_total", C, "node", "Bytes written to node-to-node connections (encrypted, with length prefixes)."),
+    def("ddshard_transport_bytes_received_total", C, "node", "Bytes of the frames read from node-to-node connections."),
+    def("ddshard_transport_connections_rejected_total", C, "node", "Connections refused: failed handshake or authentication, not a member, over the limit."),
+    def("ddshard_gossip_datagrams_rejected_total", C, "node,reason", "Gossip datagrams dropped (reason: unauthenticated, malformed, oversized)."),
+    def("ddshard_downs_published_total", C, "node", "Members this node downed: its split-brain resolver's decisions and operators' downs."),
+    def("ddshard_heartbeat_verdict_changes_total", C, "node", "Reachability verdicts of the message-path failure detector that changed."),
     def("ddshard_members", G, "node,status", "Members this node sees, by status."),
     def("ddshard_unreachable_members", G, "node", "Members this node sees as unreachable."),
     def("ddshard_replicator_full_values_sent_total", C, "node", "Full replicated values sent to peers."),
     def("ddshard_replicator_deltas_sent_total", C, "node", "Deltas sent to peers."),
     def("ddshard_replicator_values_merged_total", C, "node", "Full values merged from peers."),
     def("ddshard_replicator_deltas_merged_total", C, "node", "Deltas merged from peers."),
+    def("ddshard_replicator_updates_total", C, "node,consistency,outcome", "Updates asked of the replicator (consistency: local, majority, all, all_reachable; outcome: ok, timeout, not_enough_replicas, fenced, error)."),
     def("ddshard_replicator_rejected_total", C, "node", "Replicator messages or values refused as invalid."),
     def("ddshard_replicator_fenced_writes_total", C, "node", "Writes refused because a newer claim fenced them."),
     def("ddshard_lmdb_commits_total", C, "node", "LMDB commits of replicated data."),
@@ -87,48 +72,22 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_region_hosted_shards", G, "node,type", "Shards this region hosts."),
     def("ddshard_region_entities", G, "node,type", "Entities running in this region."),
     def("ddshard_region_buffered_messages", G, "node,type", "Messages waiting for a shard's home."),
-    def(
-        "ddshard_region_messages_total",
-        C,
-        "node,type,path",
-        "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct).",
-    ),
-    def(
-        "ddshard_region_dropped_total",
-        C,
-        "node,type,reason",
-        "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused).",
-    ),
+    def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
+    def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused)."),
+    def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
     def("ddshard_entity_panics_total", C, "node,type", "Entity handlers that panicked."),
-    def(
-        "ddshard_shard_failures_total",
-        C,
-        "node,type",
-        "Shards stopped because their remembered set or state could not be loaded or written.",
-    ),
+    def("ddshard_shard_failures_total", C, "node,type", "Shards stopped because their remembered set or state could not be loaded or written."),
     def("ddshard_handoffs_started_total", C, "node,type", "Hand-offs of a local shard the coordinator started."),
     def("ddshard_handoffs_completed_total", C, "node,type", "Of those, the shards whose entities all stopped."),
-    def(
-        "ddshard_remember_batches_total",
-        C,
-        "node,type",
-        "Remembered-entity batches written (one majority update each).",
-    ),
+    def("ddshard_handoff_seconds", H, "node,type", "Time from a local shard's hand-off to all its entities stopped."),
+    def("ddshard_remember_batches_total", C, "node,type", "Remembered-entity batches written (one majority update each)."),
     def("ddshard_remember_ids_written_total", C, "node,type", "Entity starts and stops those batches recorded."),
+    def("ddshard_remember_write_microseconds_total", C, "node,type", "Time of those batches' majority rounds in microseconds, summed (with the batch count: the mean)."),
     def("ddshard_ask_seconds", H, "node,type,outcome", "Time from ask to answer (outcome: ok, timeout, error)."),
     def("ddshard_coordinator_active", G, "node,type", "1 while this node runs the type's coordinator."),
-    def(
-        "ddshard_coordinator_state_write_seconds",
-        H,
-        "node,type",
-        "Time of one acknowledged coordinator state write (majority), retries included.",
-    ),
-    def(
-        "ddshard_coordinator_state_write_failures_total",
-        C,
-        "node,type",
-        "Coordinator state write attempts that failed (each is retried).",
-    ),
+    def("ddshard_coordinator_shards_rebalanced_total", C, "node,type", "Hand-offs started by rebalance rounds since this node's coordinator took over."),
+    def("ddshard_coordinator_state_write_seconds", H, "node,type", "Time of one acknowledged coordinator state write (majority), retries included."),
+    def("ddshard_coordinator_state_write_failures_total", C, "node,type", "Coordinator state write attempts that failed (each is retried)."),
 ];
 
 /// How often the sampler copies the crate's counters into the facade.
@@ -191,6 +150,8 @@ mod enabled {
         coordinator_active: Gauge,
         state_write: Histogram,
         state_write_failures: Counter,
+        handoff: Histogram,
+        shards_rebalanced: Counter,
     }
 
     impl TypeMetrics {
@@ -203,7 +164,9 @@ mod enabled {
                 ask_error: ask("error"),
                 coordinator_active: gauge!("ddshard_coordinator_active", "node" => n.clone(), "type" => t.clone()),
                 state_write: histogram!("ddshard_coordinator_state_write_seconds", "node" => n.clone(), "type" => t.clone()),
-                state_write_failures: counter!("ddshard_coordinator_state_write_failures_total", "node" => n, "type" => t),
+                state_write_failures: counter!("ddshard_coordinator_state_write_failures_total", "node" => n.clone(), "type" => t.clone()),
+                handoff: histogram!("ddshard_handoff_seconds", "node" => n.clone(), "type" => t.clone()),
+                shards_rebalanced: counter!("ddshard_coordinator_shards_rebalanced_total", "node" => n, "type" => t),
             }
         }
 
@@ -228,6 +191,16 @@ mod enabled {
 
         pub(crate) fn state_write_failed(&self) {
             self.state_write_failures.increment(1);
+        }
+
+        /// A local shard's hand-off (from the first HandOff to all its entities stopped) ended.
+        pub(crate) fn handoff_done(&self, started: Instant) {
+            self.handoff.record(started.elapsed().as_secs_f64());
+        }
+
+        /// The coordinator's count of shards moved by rebalance rounds since it took over.
+        pub(crate) fn shards_rebalanced(&self, total: u64) {
+            self.shards_rebalanced.absolute(total);
         }
     }
 
@@ -260,6 +233,9 @@ mod enabled {
         set_counter("ddshard_transport_frames_received_total", &n, &ts.frames_received);
         set_counter("ddshard_transport_frames_dropped_total", &n, &ts.frames_dropped);
         set_counter("ddshard_transport_connections_rejected_total", &n, &ts.connections_rejected);
+        set_counter("ddshard_transport_bytes_sent_total", &n, &ts.bytes_sent);
+        set_counter("ddshard_transport_bytes_received_total", &n, &ts.bytes_received);
+        set_counter("ddshard_downs_published_total", &n, &node.gossip_stats().downs_published);
         let gs = node.gossip_stats();
         for (reason, value) in [
             ("unauthenticated", &gs.datagrams_unauthenticated),
@@ -294,6 +270,14 @@ mod enabled {
         set_counter("ddshard_replicator_deltas_merged_total", &n, &rs.deltas_merged);
         set_counter("ddshard_replicator_rejected_total", &n, &rs.rejected);
         set_counter("ddshard_replicator_fenced_writes_total", &n, &rs.fenced_writes);
+        for consistency in crate::ddata::stats::UPDATE_CONSISTENCIES {
+            for outcome in crate::ddata::stats::UPDATE_OUTCOMES {
+                let mut l = n.clone();
+                l.push(("consistency", consistency.into()));
+                l.push(("outcome", outcome.into()));
+                counter!("ddshard_replicator_updates_total", &l).absolute(rs.updates(consistency, outcome));
+            }
+        }
         set_counter("ddshard_lmdb_commits_total", &n, &rs.durable_commits);
         set_counter("ddshard_lmdb_commit_failures_total", &n, &rs.durable_failures);
         for region in node.regions() {
@@ -320,12 +304,14 @@ mod enabled {
                 lr.push(("reason", reason.into()));
                 set_counter("ddshard_region_dropped_total", &lr, value);
             }
+            set_counter("ddshard_entity_starts_total", &l, &c.entity_starts);
             set_counter("ddshard_entity_panics_total", &l, &c.entity_panics);
             set_counter("ddshard_shard_failures_total", &l, &c.shard_failures);
             set_counter("ddshard_handoffs_started_total", &l, &c.handoffs_started);
             set_counter("ddshard_handoffs_completed_total", &l, &c.handoffs_completed);
             set_counter("ddshard_remember_batches_total", &l, &c.remember_batches);
             set_counter("ddshard_remember_ids_written_total", &l, &c.remember_ids_written);
+            set_counter("ddshard_remember_write_microseconds_total", &l, &c.remember_round_micros);
             // A region that does not answer (stopping) keeps its last gauges.
             if let Ok(info) = region.info().await {
                 gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });
@@ -357,6 +343,10 @@ mod disabled {
         pub(crate) fn state_written(&self, _started: Instant) {}
         #[inline]
         pub(crate) fn state_write_failed(&self) {}
+        #[inline]
+        pub(crate) fn handoff_done(&self, _started: Instant) {}
+        #[inline]
+        pub(crate) fn shards_rebalanced(&self, _total: u64) {}
     }
 
     /// Without the feature LMDB commits are not timed.

@@ -149,5 +149,28 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     assert!(sum(&samples, "ddshard_lmdb_commits_total", &[]) >= 1.0);
     assert!(sum(&samples, "ddshard_remember_ids_written_total", &[("type", "counter")]) >= 30.0);
     assert!(sum(&samples, "ddshard_transport_frames_sent_total", &[("node", "n1")]) > 0.0);
+    assert!(sum(&samples, "ddshard_transport_bytes_sent_total", &[("node", "n1")]) > 0.0);
+    assert!(sum(&samples, "ddshard_transport_bytes_received_total", &[("node", "n1")]) > 0.0);
+    assert!(sum(&samples, "ddshard_entity_starts_total", &[("type", "counter")]) >= 30.0, "every entity started");
+    let majority_ok =
+        sum(&samples, "ddshard_replicator_updates_total", &[("consistency", "majority"), ("outcome", "ok")]);
+    assert!(majority_ok >= 1.0, "the coordinator's and the remember writers' writes");
+    assert_eq!(sum(&samples, "ddshard_replicator_updates_total", &[("outcome", "timeout")]), 0.0);
+    assert_eq!(sum(&samples, "ddshard_downs_published_total", &[]), 0.0, "nobody was downed");
+
+    // n3's region hands its shards off (timed), then an operator downs n3 (counted).
+    let n3_shards = sum(&samples, "ddshard_region_hosted_shards", &[("node", "n3")]);
+    assert!(n3_shards > 0.0);
+    regions[2].graceful_shutdown().await;
+    c.node(0).down("n3").await.unwrap();
+    for n in &nodes {
+        n.sample_metrics().await;
+    }
+    let samples: Vec<_> =
+        prometheus.render().lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(parse_sample).collect();
+    let handoffs = sum(&samples, "ddshard_handoff_seconds_count", &[("node", "n3")]);
+    assert_eq!(handoffs, n3_shards, "one timed hand-off per shard n3 hosted");
+    assert_eq!(sum(&samples, "ddshard_handoffs_completed_total", &[("node", "n3")]), n3_shards);
+    assert_eq!(sum(&samples, "ddshard_downs_published_total", &[("node", "n1")]), 1.0, "n1 downed n3");
     c.shutdown().await;
 }

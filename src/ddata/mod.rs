@@ -128,8 +128,12 @@ impl Replicator {
         let (tx, rx) = oneshot::channel();
         let KeyUpdate { key, modify } = KeyUpdate::new::<T, F>(key, modify);
         let input = Input::Update { key, consistency, timeout, modify, reply: ReplyTx::Update(tx) };
-        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
-        first_fenced(rx.await.map_err(|_| Error::ShutDown)??)
+        let result = match self.commands.send(Command::Op(input)).await {
+            Ok(()) => rx.await.map_err(|_| Error::ShutDown).and_then(|r| r.and_then(first_fenced)),
+            Err(_) => Err(Error::ShutDown),
+        };
+        self.stats.count_update(consistency, result.as_ref().map(|_| ()));
+        result
     }
 
     /// Updates several keys (of any types) and replicates them in one round: one message and
@@ -161,8 +165,24 @@ impl Replicator {
         let (tx, rx) = oneshot::channel();
         let updates = updates.into_iter().map(KeyUpdate::into_parts).collect();
         let input = Input::UpdateMany { updates, consistency, timeout, reply: ReplyTx::Update(tx) };
-        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
-        rx.await.map_err(|_| Error::ShutDown)?
+        let result = match self.commands.send(Command::Op(input)).await {
+            Ok(()) => rx.await.map_err(|_| Error::ShutDown).and_then(|r| r),
+            Err(_) => Err(Error::ShutDown),
+        };
+        // A key refused by its fence counts the update as fenced, even with the others written.
+        let fenced = match &result {
+            Ok(refused) => {
+                refused.first().map(|(key, f)| Error::Fenced { key: key.clone(), epoch: f.epoch, fence: f.fence })
+            }
+            Err(_) => None,
+        };
+        let counted = match (&result, &fenced) {
+            (_, Some(f)) => Err(f),
+            (Ok(_), None) => Ok(()),
+            (Err(e), None) => Err(e),
+        };
+        self.stats.count_update(consistency, counted);
+        result
     }
 
     /// Applies `updates` here, then reads their keys at `consistency` from replicas that merge

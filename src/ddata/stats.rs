@@ -2,6 +2,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::Consistency;
+
 /// Replicator counters. Every field only grows; read them with `load(Ordering::Relaxed)`.
 #[derive(Debug, Default)]
 pub struct ReplicatorStats {
@@ -38,9 +40,47 @@ pub struct ReplicatorStats {
     /// Writes to fenced maps refused because a newer epoch had claimed the key, here or at a
     /// replica (per key and write).
     pub fenced_writes: AtomicU64,
+    /// Updates asked of this replicator ([`crate::ddata::Replicator::update`] and the
+    /// `update_*` calls), by consistency and outcome: read them with
+    /// [`ReplicatorStats::updates`].
+    updates: [[AtomicU64; UPDATE_OUTCOMES.len()]; UPDATE_CONSISTENCIES.len()],
 }
 
+/// The consistencies updates are counted by (see [`ReplicatorStats::updates`]).
+pub const UPDATE_CONSISTENCIES: [&str; 4] = ["local", "majority", "all", "all_reachable"];
+/// The outcomes updates are counted by (see [`ReplicatorStats::updates`]).
+pub const UPDATE_OUTCOMES: [&str; 5] = ["ok", "timeout", "not_enough_replicas", "fenced", "error"];
+
 impl ReplicatorStats {
+    /// Updates that ended with `outcome` (one of [`UPDATE_OUTCOMES`]) at `consistency` (one of
+    /// [`UPDATE_CONSISTENCIES`]); 0 for names not in those lists.
+    pub fn updates(&self, consistency: &str, outcome: &str) -> u64 {
+        let c = UPDATE_CONSISTENCIES.iter().position(|x| *x == consistency);
+        let o = UPDATE_OUTCOMES.iter().position(|x| *x == outcome);
+        match (c, o) {
+            (Some(c), Some(o)) => self.updates[c][o].load(Ordering::Relaxed),
+            _ => 0,
+        }
+    }
+
+    /// Counts an update that ended with `result` at `consistency`.
+    pub(crate) fn count_update(&self, consistency: Consistency, result: std::result::Result<(), &crate::error::Error>) {
+        let c = match consistency {
+            Consistency::Local => 0,
+            Consistency::Majority { .. } => 1,
+            Consistency::All => 2,
+            Consistency::AllReachable { .. } => 3,
+        };
+        let o = match result {
+            Ok(_) => 0,
+            Err(crate::error::Error::ConsistencyTimeout { .. }) => 1,
+            Err(crate::error::Error::NotEnoughReplicas { .. }) => 2,
+            Err(crate::error::Error::Fenced { .. }) => 3,
+            Err(_) => 4,
+        };
+        self.updates[c][o].fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn add(counter: &AtomicU64, n: usize) {
         counter.fetch_add(n as u64, Ordering::Relaxed);
     }

@@ -109,11 +109,14 @@ pub(crate) struct MembershipDriver {
     commands: mpsc::UnboundedReceiver<Command>,
     /// The node's spawner, to stop the node (set when it runs).
     spawner: Option<Spawner>,
+    /// Counts the down marks this node publishes.
+    stats: Arc<GossipStats>,
 }
 
 impl MembershipDriver {
     /// Puts down marks for `victims` into this node's gossip state.
     async fn publish_down_marks(&self, victims: &[UniqueAddress]) {
+        self.stats.downs_published.fetch_add(victims.len() as u64, std::sync::atomic::Ordering::Relaxed);
         self.chitchat
             .with_chitchat(|c| {
                 for v in victims {
@@ -182,8 +185,13 @@ impl MembershipDriver {
         let (snapshot_tx, snapshot_rx) = watch::channel(empty);
         let (events, _) = broadcast::channel(1024);
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-        let handle =
-            MembershipHandle { snapshot: snapshot_rx, events: events.clone(), commands: cmd_tx, gossip_addr, stats };
+        let handle = MembershipHandle {
+            snapshot: snapshot_rx,
+            events: events.clone(),
+            commands: cmd_tx,
+            gossip_addr,
+            stats: stats.clone(),
+        };
         let lifecycle = LifecycleSettings {
             has_seeds: !seeds.is_empty(),
             self_is_first_seed: cfg.seeds.first() == Some(&gossip_addr),
@@ -194,6 +202,7 @@ impl MembershipDriver {
             down_all_when_unstable: m.down_all_when_unstable.after(m.stable_after),
         };
         let driver = MembershipDriver {
+            stats,
             chitchat,
             core: LifecycleCore::new(address.clone(), lifecycle, Instant::now()),
             address,

@@ -42,6 +42,10 @@ pub struct GossipStats {
     pub datagrams_malformed: AtomicU64,
     /// Envelopes not sent because, even compressed, they did not fit one datagram with the tag.
     pub datagrams_oversized: AtomicU64,
+    /// Down marks this node published in gossip, one per member downed: its split-brain
+    /// resolver's decisions (itself included when it is on the losing side) and operators'
+    /// downs ([`crate::Node::down`]).
+    pub downs_published: AtomicU64,
 }
 
 /// Why a received datagram was dropped.

@@ -56,6 +56,8 @@ pub struct RegionCounters {
     /// Messages from this node's handle sent straight to their shard's home on another node,
     /// without a hop through the region task.
     pub remote_sent_direct: AtomicU64,
+    /// Entity incarnations started here (first messages, restarts, remembered entities).
+    pub entity_starts: AtomicU64,
     /// Messages dropped because the buffer was full.
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.
@@ -118,8 +120,8 @@ pub(crate) struct HandleInner<E: Entity> {
     /// The region's fast paths: the shards hosted here (none for a proxy) for the local direct
     /// path, and the published remote homes; set before the handle is handed out.
     fast: OnceLock<Arc<FastPath<E>>>,
-    /// Ask latencies by outcome (feature `metrics`; nothing without it).
-    metrics: TypeMetrics,
+    /// Ask latencies by outcome, hand-off durations (feature `metrics`; nothing without it).
+    metrics: Arc<TypeMetrics>,
 }
 
 /// Handle to the region (or proxy) of one entity type on this node; cheap to clone.
@@ -369,7 +371,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         proxy,
         routed: routed.clone(),
         fast: OnceLock::new(),
-        metrics: TypeMetrics::new(node.node_id(), type_name),
+        metrics: Arc::new(TypeMetrics::new(node.node_id(), type_name)),
     });
     node.register_region(inner.clone())?;
     let me = node.address().clone();
@@ -405,6 +407,7 @@ pub(crate) async fn start_region_of<E: Entity>(
             state,
             node.spawner().clone(),
             routed.clone(),
+            inner.metrics.clone(),
         )
     });
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);

@@ -195,6 +195,7 @@ async fn serve_connection(
             }
         }
         inner.stats.frames_received.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        inner.stats.bytes_received.fetch_add(bytes_read as u64, Ordering::Relaxed);
         let is_cut = cut(inner, &from.address.node_id, &inner.local.address.node_id);
         for item in batch.drain(..) {
             if registration.token.is_cancelled() {

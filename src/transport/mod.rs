@@ -104,6 +104,11 @@ pub struct TransportStats {
     pub frames_sent: AtomicU64,
     /// Frames read from sockets.
     pub frames_received: AtomicU64,
+    /// Bytes written to sockets (after encryption: what goes on the wire, length prefixes
+    /// included).
+    pub bytes_sent: AtomicU64,
+    /// Bytes of the frames read from sockets (after decryption, without length prefixes).
+    pub bytes_received: AtomicU64,
     /// Connections closed because of bad input or a refused handshake.
     pub connections_rejected: AtomicU64,
     /// Frames dropped: unknown topic, full subscriber, or cut by the link filter.

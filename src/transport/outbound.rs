@@ -124,6 +124,7 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
                 continue 'reconnect;
             }
             inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
+            inner.stats.bytes_sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
     }
 }

@@ -157,6 +157,9 @@ pub(crate) struct CoordinatorCore {
     history: BTreeMap<ShardId, VecDeque<ShardEvent>>,
     /// The outcome of the latest `RebalanceNow`: its moves, or why it could not run.
     requested_round: Option<Result<Vec<PlannedMove>, String>>,
+    /// Hand-offs started by rebalance rounds (periodic or requested) since this coordinator
+    /// took over.
+    shards_rebalanced: u64,
 }
 
 impl CoordinatorCore {
@@ -191,6 +194,7 @@ impl CoordinatorCore {
             rejected: 0,
             history: BTreeMap::new(),
             requested_round: None,
+            shards_rebalanced: 0,
         }
     }
 
@@ -780,8 +784,14 @@ impl CoordinatorCore {
             let from = self.state.home(&m.shard).map(|(h, _)| h.clone()).expect("a planned shard has a home");
             info!(shard = %m.shard, %from, "rebalancing shard");
             self.start_handoff(m.shard.clone(), from, format!("rebalance: {}", m.reason), now, out);
+            self.shards_rebalanced += 1;
         }
         plan
+    }
+
+    /// Hand-offs started by rebalance rounds since this coordinator took over.
+    pub(crate) fn shards_rebalanced(&self) -> u64 {
+        self.shards_rebalanced
     }
 
     /// The outcome of the latest [`CoordinatorInput::RebalanceNow`], once.

@@ -46,10 +46,12 @@ fn a_dry_run_names_the_hand_offs_the_next_round_starts_and_where_each_shard_land
     assert!(plan.moves.iter().all(|m| m.reason.contains("6 shards")), "{plan:?}");
     assert_eq!(c.rebalance_plan("t"), plan, "a dry run changes nothing");
     assert!(c.handoffs.is_empty(), "a dry run starts no hand-off");
+    assert_eq!(c.shards_rebalanced(), 0, "nor counts one");
 
     let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(10), 2_000);
     let planned: BTreeSet<ShardId> = plan.moves.iter().map(|m| m.shard.clone()).collect();
     assert_eq!(begun_shards(&sent), planned, "the round starts exactly the planned hand-offs");
+    assert_eq!(c.shards_rebalanced(), 3);
     finish_all_hand_offs(&mut c, now + Duration::from_secs(10), 2_000);
     for m in &plan.moves {
         let home = c.state.home(&m.shard).map(|(h, _)| h.to_string());
@@ -70,6 +72,7 @@ fn a_rebalance_on_request_starts_the_planned_hand_offs_and_reports_them() {
     assert_eq!(c.take_requested_round(), None, "taken once");
     let started: BTreeSet<ShardId> = c.handoffs.keys().cloned().collect();
     assert_eq!(started, plan.moves.iter().map(|m| m.shard.clone()).collect());
+    assert_eq!(c.shards_rebalanced(), 2, "counted for the metrics");
     // In progress now: a second request starts nothing new and names them.
     let again = c.rebalance_plan("t");
     assert!(again.moves.is_empty(), "{again:?}");

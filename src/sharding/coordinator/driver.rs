@@ -214,6 +214,7 @@ impl CoordinatorDriver {
             }
             if let Some(r) = running.as_mut() {
                 self.perform(r, &mut out, &snap, &done_tx);
+                self.metrics.shards_rebalanced(r.core.shards_rebalanced());
             }
         }
         if let Some(r) = running.take() {

@@ -29,6 +29,7 @@ use super::remember::RememberIo;
 use super::state::StateIo;
 use super::{ShardEvent, StoreResult, Work};
 use crate::error::Error;
+use crate::metrics::TypeMetrics;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, ShardIdExtractor};
@@ -204,6 +205,10 @@ pub(crate) struct LocalShards<E: Entity> {
     /// Durable entities: the region's state store.
     state: Option<StateIo>,
     spawner: Spawner,
+    /// When each shard's hand-off started here, for its duration.
+    handoff_started: HashMap<ShardId, crate::clock::Instant>,
+    /// Hand-off durations (feature `metrics`).
+    metrics: Arc<TypeMetrics>,
 }
 
 /// Most entity ids in one page of [`LocalShards::entity_page`].
@@ -229,6 +234,7 @@ impl<E: Entity> LocalShards<E> {
         state: Option<StateIo>,
         spawner: Spawner,
         routed: Arc<RoutedInFlight>,
+        metrics: Arc<TypeMetrics>,
     ) -> Self {
         let type_name: Arc<str> = type_name.into();
         let runner = Arc::new(RunnerShared {
@@ -267,6 +273,8 @@ impl<E: Entity> LocalShards<E> {
             remember,
             state,
             spawner,
+            handoff_started: HashMap::new(),
+            metrics,
         }
     }
 
@@ -401,6 +409,10 @@ impl<E: Entity> LocalShards<E> {
             }
             return;
         };
+        if matches!(input, ShardInput::HandOff) {
+            // Timed from the first HandOff (a repeated one does not restart the clock).
+            self.handoff_started.entry(shard.clone()).or_insert(now);
+        }
         let mut out = Vec::new();
         cell.lock().core.handle(input, now, &mut out);
         for a in out {
@@ -514,7 +526,10 @@ impl<E: Entity> LocalShards<E> {
         work: &mut VecDeque<Work<E>>,
     ) {
         match action {
-            ShardAction::Start { entity_id, incarnation } => self.spawn_entity(shard_id, entity_id, incarnation),
+            ShardAction::Start { entity_id, incarnation } => {
+                self.counters.entity_starts.fetch_add(1, Ordering::Relaxed);
+                self.spawn_entity(shard_id, entity_id, incarnation)
+            }
             ShardAction::Send { entity_id, msg } => {
                 let Some(cell) = self.shards.get(shard_id) else {
                     self.replier.fail(msg, &entity_id, "entity is not running");
@@ -595,6 +610,9 @@ impl<E: Entity> LocalShards<E> {
             }
             ShardAction::Stopped => {
                 self.counters.handoffs_completed.fetch_add(1, Ordering::Relaxed);
+                if let Some(started) = self.handoff_started.remove(shard_id) {
+                    self.metrics.handoff_done(started);
+                }
                 self.fail_orphans(shard_id);
                 let Some(s) = self.remove_shard(shard_id) else {
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
