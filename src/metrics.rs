@@ -75,6 +75,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
     def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused)."),
     def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
+    def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, handoff)."),
     def("ddshard_entity_panics_total", C, "node,type", "Entity handlers that panicked."),
     def("ddshard_shard_failures_total", C, "node,type", "Shards stopped because their remembered set or state could not be loaded or written."),
     def("ddshard_handoffs_started_total", C, "node,type", "Hand-offs of a local shard the coordinator started."),
@@ -305,6 +306,15 @@ mod enabled {
                 set_counter("ddshard_region_dropped_total", &lr, value);
             }
             set_counter("ddshard_entity_starts_total", &l, &c.entity_starts);
+            for (reason, value) in [
+                ("passivated", &c.passivations_explicit),
+                ("idle", &c.passivations_idle),
+                ("handoff", &c.handoff_stops),
+            ] {
+                let mut lr = l.clone();
+                lr.push(("reason", reason.into()));
+                set_counter("ddshard_entity_stops_total", &lr, value);
+            }
             set_counter("ddshard_entity_panics_total", &l, &c.entity_panics);
             set_counter("ddshard_shard_failures_total", &l, &c.shard_failures);
             set_counter("ddshard_handoffs_started_total", &l, &c.handoffs_started);

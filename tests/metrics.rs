@@ -102,9 +102,10 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     let slow = regions[0].ask_with_timeout("m0", CounterMsg::SleepMs(300), Duration::from_millis(20)).await;
     assert!(matches!(slow, Err(ddshard::Error::AskTimeout { .. })), "{slow:?}");
     assert!(regions[0].ask("", CounterMsg::Get).await.is_err(), "an empty id is refused");
+    regions[0].ask("m5", CounterMsg::Stop).await.unwrap(); // passivates itself
 
     let nodes: Vec<ddshard::Node> = c.running().map(|(_, n)| n.clone()).collect();
-    let samples = eventually(CONVERGE, "every node's regions registered and counted", || {
+    let samples = eventually(CONVERGE, "every region registered, 29 entities running", || {
         let (nodes, prometheus) = (nodes.clone(), prometheus.clone());
         async move {
             for n in &nodes {
@@ -114,7 +115,8 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
             let samples: Vec<_> =
                 text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(parse_sample).collect();
             let registered = sum(&samples, "ddshard_region_registered", &[("type", "counter")]);
-            (registered == 3.0).then_some(samples)
+            let running = sum(&samples, "ddshard_region_entities", &[("type", "counter")]);
+            (registered == 3.0 && running == 29.0).then_some(samples)
         }
     })
     .await;
@@ -133,7 +135,7 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
         }
     }
     // Values follow what the cluster did.
-    assert_eq!(sum(&samples, "ddshard_region_entities", &[("type", "counter")]), 30.0);
+    assert_eq!(sum(&samples, "ddshard_region_entities", &[("type", "counter")]), 29.0, "30 started, m5 passivated");
     for n in ["n1", "n2", "n3"] {
         assert_eq!(sum(&samples, "ddshard_members", &[("node", n), ("status", "up")]), 3.0, "{n} sees 3 up");
         assert_eq!(sum(&samples, "ddshard_unreachable_members", &[("node", n)]), 0.0);
@@ -152,6 +154,8 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     assert!(sum(&samples, "ddshard_transport_bytes_sent_total", &[("node", "n1")]) > 0.0);
     assert!(sum(&samples, "ddshard_transport_bytes_received_total", &[("node", "n1")]) > 0.0);
     assert!(sum(&samples, "ddshard_entity_starts_total", &[("type", "counter")]) >= 30.0, "every entity started");
+    assert_eq!(sum(&samples, "ddshard_entity_stops_total", &[("reason", "passivated")]), 1.0, "m5 passivated itself");
+    assert_eq!(sum(&samples, "ddshard_entity_stops_total", &[("reason", "idle")]), 0.0);
     let majority_ok =
         sum(&samples, "ddshard_replicator_updates_total", &[("consistency", "majority"), ("outcome", "ok")]);
     assert!(majority_ok >= 1.0, "the coordinator's and the remember writers' writes");
@@ -160,6 +164,7 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
 
     // n3's region hands its shards off (timed), then an operator downs n3 (counted).
     let n3_shards = sum(&samples, "ddshard_region_hosted_shards", &[("node", "n3")]);
+    let before = samples;
     assert!(n3_shards > 0.0);
     regions[2].graceful_shutdown().await;
     c.node(0).down("n3").await.unwrap();
@@ -171,6 +176,8 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     let handoffs = sum(&samples, "ddshard_handoff_seconds_count", &[("node", "n3")]);
     assert_eq!(handoffs, n3_shards, "one timed hand-off per shard n3 hosted");
     assert_eq!(sum(&samples, "ddshard_handoffs_completed_total", &[("node", "n3")]), n3_shards);
+    let n3_entities = sum(&before, "ddshard_region_entities", &[("node", "n3")]);
+    assert_eq!(sum(&samples, "ddshard_entity_stops_total", &[("node", "n3"), ("reason", "handoff")]), n3_entities);
     assert_eq!(sum(&samples, "ddshard_downs_published_total", &[("node", "n1")]), 1.0, "n1 downed n3");
     c.shutdown().await;
 }

@@ -58,6 +58,12 @@ pub struct RegionCounters {
     pub remote_sent_direct: AtomicU64,
     /// Entity incarnations started here (first messages, restarts, remembered entities).
     pub entity_starts: AtomicU64,
+    /// Entities stopped because they asked to passivate.
+    pub passivations_explicit: AtomicU64,
+    /// Entities passivated after the idle timeout.
+    pub passivations_idle: AtomicU64,
+    /// Entities stopped because their shard was handed off.
+    pub handoff_stops: AtomicU64,
     /// Messages dropped because the buffer was full.
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.

@@ -59,6 +59,17 @@ impl<S> EntityEntry<S> {
     }
 }
 
+/// Why an entity is stopped (for operators: counted by reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StopReason {
+    /// The entity asked to passivate.
+    Passivated,
+    /// It was idle for the idle timeout.
+    Idle,
+    /// Its shard is handed off.
+    HandOff,
+}
+
 /// Why a message was not delivered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum DropReason {
@@ -117,6 +128,7 @@ pub(crate) enum ShardAction<M, S = ()> {
     /// Put a stop signal in the entity's mailbox (after the messages already there).
     Stop {
         entity_id: String,
+        reason: StopReason,
     },
     /// Abort the entity task now; `slot` is the host's handle on it (the entry is gone).
     ForceStop {
@@ -367,7 +379,7 @@ impl<M, S> ShardCore<M, S> {
                     && e.state == EntityState::Active
                 {
                     e.state = EntityState::Stopping;
-                    out.push(ShardAction::Stop { entity_id });
+                    out.push(ShardAction::Stop { entity_id, reason: StopReason::Passivated });
                 }
             }
             ShardInput::Terminated { entity_id, incarnation, leftovers } => {
@@ -450,7 +462,7 @@ impl<M, S> ShardCore<M, S> {
                     let e = self.entities.get_mut(&id).expect("entity");
                     if e.state == EntityState::Active {
                         e.state = EntityState::Stopping;
-                        out.push(ShardAction::Stop { entity_id: id });
+                        out.push(ShardAction::Stop { entity_id: id, reason: StopReason::HandOff });
                     }
                 }
                 self.check_handoff_done(out);
@@ -581,7 +593,7 @@ impl<M, S> ShardCore<M, S> {
             ids.sort();
             for id in ids {
                 self.entities.get_mut(&id).expect("entity").state = EntityState::Stopping;
-                out.push(ShardAction::Stop { entity_id: id });
+                out.push(ShardAction::Stop { entity_id: id, reason: StopReason::Idle });
             }
         }
     }
@@ -627,7 +639,7 @@ mod tests {
         run(&mut s, deliver("a", 1), now);
         assert_eq!(
             run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now),
-            vec![ShardAction::Stop { entity_id: "a".into() }]
+            vec![ShardAction::Stop { entity_id: "a".into(), reason: StopReason::Passivated }]
         );
         assert!(run(&mut s, deliver("a", 2), now).is_empty());
         assert!(run(&mut s, deliver("a", 3), now).is_empty());
@@ -726,7 +738,7 @@ mod tests {
         run(&mut s, deliver("b", 1), t0 + Duration::from_secs(100));
         assert_eq!(
             run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(121)),
-            vec![ShardAction::Stop { entity_id: "a".into() }]
+            vec![ShardAction::Stop { entity_id: "a".into(), reason: StopReason::Idle }]
         );
     }
 
@@ -740,7 +752,7 @@ mod tests {
         run(&mut s, deliver("b", 9), now);
         let out = run(&mut s, ShardInput::HandOff, now);
         assert!(out.contains(&ShardAction::Drop { entity_id: "b".into(), msg: 9, reason: DropReason::HandOff }));
-        assert!(out.contains(&ShardAction::Stop { entity_id: "a".into() }));
+        assert!(out.contains(&ShardAction::Stop { entity_id: "a".into(), reason: StopReason::HandOff }));
         assert_eq!(
             run(&mut s, deliver("c", 1), now),
             vec![ShardAction::Drop { entity_id: "c".into(), msg: 1, reason: DropReason::HandOff }]
@@ -960,7 +972,7 @@ mod tests {
         assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(121)).is_empty(), "next scan at 160 s");
         assert_eq!(
             run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(160)),
-            vec![ShardAction::Stop { entity_id: "a".into() }]
+            vec![ShardAction::Stop { entity_id: "a".into(), reason: StopReason::Idle }]
         );
     }
 
@@ -982,7 +994,7 @@ mod tests {
         assert_eq!(s.entity_ids().collect::<Vec<_>>(), vec!["b"]);
         // Hand-off: the unstarted one leaves at once, the running one is stopped.
         let out = run(&mut s, ShardInput::HandOff, now);
-        assert_eq!(out, vec![ShardAction::Stop { entity_id: "b".into() }]);
+        assert_eq!(out, vec![ShardAction::Stop { entity_id: "b".into(), reason: StopReason::HandOff }]);
         let out = run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 1, leftovers: vec![] }, now);
         assert_eq!(out, vec![ShardAction::Stopped]);
     }

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
-use super::core::{DropReason, ShardAction, ShardCore, ShardInput};
+use super::core::{DropReason, ShardAction, ShardCore, ShardInput, StopReason};
 use super::entity::{EntityCmd, EntityRun, Factory, Mailbox, Pushed, RunnerShared, Scheduled};
 use super::remember::RememberIo;
 use super::state::StateIo;
@@ -548,7 +548,13 @@ impl<E: Entity> LocalShards<E> {
                     self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
                 }
             }
-            ShardAction::Stop { entity_id } => {
+            ShardAction::Stop { entity_id, reason } => {
+                let counter = match reason {
+                    StopReason::Passivated => &self.counters.passivations_explicit,
+                    StopReason::Idle => &self.counters.passivations_idle,
+                    StopReason::HandOff => &self.counters.handoff_stops,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
                 let Some(cell) = self.shards.get(shard_id) else { return };
                 let shard = cell.lock();
                 let Some((h, incarnation)) = shard.core.slot(&entity_id) else { return };

@@ -438,8 +438,8 @@ impl Sim {
                     self.send(&me, &asker, Wire::AskReply { ask });
                 }
             }
-            ShardAction::Stop { entity_id } if self.cfg.durable => self.stop_durable(i, &entity_id),
-            ShardAction::Stop { entity_id } => {
+            ShardAction::Stop { entity_id, .. } if self.cfg.durable => self.stop_durable(i, &entity_id),
+            ShardAction::Stop { entity_id, .. } => {
                 if let Some((_, incarnation)) = node.entities.get(&entity_id).cloned() {
                     let ev = Event::Terminated { node: me, shard: shard.clone(), entity_id, incarnation };
                     self.schedule(1, ev);
