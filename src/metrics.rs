@@ -71,11 +71,14 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_region_registered", G, "node,type", "1 once the region is registered with its coordinator."),
     def("ddshard_region_hosted_shards", G, "node,type", "Shards this region hosts."),
     def("ddshard_region_entities", G, "node,type", "Entities running in this region."),
+    def("ddshard_remembered_entities", G, "node,type", "With remember-entities: the ids this region's shards remember (running or not)."),
+    def("ddshard_shard_home_seconds", H, "node,type", "Time from asking the coordinator for a shard's home to learning it."),
     def("ddshard_region_buffered_messages", G, "node,type", "Messages waiting for a shard's home."),
     def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
     def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused)."),
     def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
     def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, handoff)."),
+    def("ddshard_entity_handle_seconds", H, "node,type", "Time of one entity handler call (its message's processing, awaits included)."),
     def("ddshard_entity_panics_total", C, "node,type", "Entity handlers that panicked."),
     def("ddshard_shard_failures_total", C, "node,type", "Shards stopped because their remembered set or state could not be loaded or written."),
     def("ddshard_handoffs_started_total", C, "node,type", "Hand-offs of a local shard the coordinator started."),
@@ -153,6 +156,8 @@ mod enabled {
         state_write_failures: Counter,
         handoff: Histogram,
         shards_rebalanced: Counter,
+        handle: Histogram,
+        shard_home: Histogram,
     }
 
     impl TypeMetrics {
@@ -167,6 +172,8 @@ mod enabled {
                 state_write: histogram!("ddshard_coordinator_state_write_seconds", "node" => n.clone(), "type" => t.clone()),
                 state_write_failures: counter!("ddshard_coordinator_state_write_failures_total", "node" => n.clone(), "type" => t.clone()),
                 handoff: histogram!("ddshard_handoff_seconds", "node" => n.clone(), "type" => t.clone()),
+                handle: histogram!("ddshard_entity_handle_seconds", "node" => n.clone(), "type" => t.clone()),
+                shard_home: histogram!("ddshard_shard_home_seconds", "node" => n.clone(), "type" => t.clone()),
                 shards_rebalanced: counter!("ddshard_coordinator_shards_rebalanced_total", "node" => n, "type" => t),
             }
         }
@@ -202,6 +209,19 @@ mod enabled {
         /// The coordinator's count of shards moved by rebalance rounds since it took over.
         pub(crate) fn shards_rebalanced(&self, total: u64) {
             self.shards_rebalanced.absolute(total);
+        }
+
+        /// An entity's handler returned (or panicked).
+        #[inline]
+        pub(crate) fn handled(&self, started: Option<Instant>) {
+            if let Some(started) = started {
+                self.handle.record(started.elapsed().as_secs_f64());
+            }
+        }
+
+        /// A shard's home arrived, asked for at `asked`.
+        pub(crate) fn shard_home_learnt(&self, asked: Instant) {
+            self.shard_home.record(asked.elapsed().as_secs_f64());
         }
     }
 
@@ -327,6 +347,7 @@ mod enabled {
                 gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });
                 gauge!("ddshard_region_hosted_shards", &l).set(info.shards.len() as f64);
                 gauge!("ddshard_region_entities", &l).set(info.entities as f64);
+                gauge!("ddshard_remembered_entities", &l).set(info.remembered_entities as f64);
                 gauge!("ddshard_region_buffered_messages", &l).set(info.buffered as f64);
             }
         }
@@ -357,6 +378,10 @@ mod disabled {
         pub(crate) fn handoff_done(&self, _started: Instant) {}
         #[inline]
         pub(crate) fn shards_rebalanced(&self, _total: u64) {}
+        #[inline]
+        pub(crate) fn handled(&self, _started: Option<Instant>) {}
+        #[inline]
+        pub(crate) fn shard_home_learnt(&self, _asked: Instant) {}
     }
 
     /// Without the feature LMDB commits are not timed.

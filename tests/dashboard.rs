@@ -1,18 +1,15 @@
-//! The dashboard in a real headless Chromium: a 3-node cluster's page shows 3 members and the
-//! shard and entity counts the cluster reports, and a screenshot is saved under `target/`.
+//! The dashboard in a real headless Chromium: a cluster of three `ddshard node` processes
+//! started as the README says shows its 3 members and the per-region shard and entity counts
+//! the cluster reports, and a screenshot is saved under `target/tmp/`.
 //!
 //! Needs `chromium` (Debian package; `.ci/run` installs it). Without it the test fails under
 //! `CI=true` or `DDSHARD_REQUIRE_CHROMIUM=1` and otherwise skips, saying why.
 
-mod common;
-
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::*;
-use ddshard::admin::{AdminSettings, router};
-use ddshard::testkit::{TestCluster, eventually};
+use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions};
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
@@ -24,7 +21,7 @@ fn chromium() -> Option<PathBuf> {
 }
 
 /// Runs headless Chromium on `url` with `args`; returns its standard output.
-async fn headless(browser: &PathBuf, url: &str, args: &[&str]) -> String {
+async fn headless(browser: &Path, url: &str, args: &[&str]) -> String {
     let profile = tempfile::tempdir().unwrap();
     let mut cmd = tokio::process::Command::new(browser);
     cmd.args(["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--virtual-time-budget=6000"])
@@ -37,7 +34,7 @@ async fn headless(browser: &PathBuf, url: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The value of attribute `name` in each tag of `dom` that has `marker`.
+/// The value of attribute `name` in each tag of `dom` that contains `marker`.
 fn attr_values(dom: &str, marker: &str, name: &str) -> Vec<String> {
     dom.split('<')
         .filter(|tag| tag.contains(marker))
@@ -48,8 +45,15 @@ fn attr_values(dom: &str, marker: &str, name: &str) -> Vec<String> {
         .collect()
 }
 
+fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess]) -> NodeProcess {
+    let mut o = ProcessOptions::new(id, "dashboard-test", dir);
+    o.seeds = seeds.iter().map(|s| s.gossip).collect();
+    o.sharding_toml = "number_of_shards = 20\nmin_nr_of_members = 3\nretry_interval = \"400ms\"\n".into();
+    NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_dashboard_of_a_three_node_cluster_shows_its_members_and_shard_counts_in_a_real_browser() {
+async fn the_dashboard_of_three_node_processes_shows_their_members_and_shard_counts_in_a_real_browser() {
     let Some(browser) = chromium() else {
         let required =
             std::env::var("CI").as_deref() == Ok("true") || std::env::var("DDSHARD_REQUIRE_CHROMIUM").is_ok();
@@ -57,40 +61,41 @@ async fn the_dashboard_of_a_three_node_cluster_shows_its_members_and_shard_count
         println!("SKIPPED: chromium is not installed (apt-get install chromium)");
         return;
     };
-    let mut c = TestCluster::start(3).await.unwrap();
-    c.await_converged(CONVERGE).await;
-    let probe = Probe::default();
-    let s = ddshard::ShardingSettings { min_nr_of_members: 3, ..settings() };
-    let regions = start_everywhere(&c, &probe, s).await;
+    let dir = tempfile::tempdir().unwrap();
+    let n1 = spawn(dir.path(), "n1", &[]);
+    let n2 = spawn(dir.path(), "n2", &[&n1]);
+    let n3 = spawn(dir.path(), "n3", &[&n1]);
+    n1.until_up(3, CONVERGE, |_| true).await;
     for i in 0..45 {
-        regions[0].ask(&format!("d{i}"), CounterMsg::Add(1)).await.unwrap();
+        n1.kv_put(&format!("d{i}"), "v").await.unwrap();
     }
-    let n1 = c.node(0).clone();
-    let server =
-        ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), router(n1.clone(), AdminSettings::default()))
-            .await
-            .unwrap();
-    // A snapshot: no event stream, which would hold the headless browser's virtual time.
-    let url = format!("http://{}/?snapshot", server.local_addr);
     // What the cluster itself reports, per node: (shards, entities).
-    let stats = regions[0].cluster_stats(Duration::from_secs(5)).await.unwrap();
+    let stats = n1
+        .until(
+            "45 entities counted",
+            CONVERGE,
+            async |n: &NodeProcess| n.kv_stats().await,
+            |s: &KvStats| s.total() == Some(45),
+        )
+        .await;
     let expected: BTreeMap<String, (usize, usize)> = stats
+        .0
         .regions
         .iter()
-        .map(|(r, shards)| (r.node_id.to_string(), (shards.len(), shards.values().sum())))
+        .map(|(r, shards)| (r.split('#').next().unwrap().to_string(), (shards.len(), shards.values().sum())))
         .collect();
-    assert_eq!(expected.values().map(|(_, e)| e).sum::<usize>(), 45);
+    // A snapshot: no event stream, which would hold the headless browser's virtual time.
+    let url = format!("http://{}/?snapshot", n1.admin);
 
-    let dom = eventually(CONVERGE, "the page loaded with three members", || {
-        let (browser, url) = (browser.clone(), url.clone());
-        async move {
-            let dom = headless(&browser, &url, &["--dump-dom"]).await;
-            (dom.contains(r#"data-loaded="true""#) && dom.contains(r#"<span id="member-count">3</span>"#))
-                .then_some(dom)
+    let deadline = tokio::time::Instant::now() + CONVERGE;
+    let dom = loop {
+        let dom = headless(&browser, &url, &["--dump-dom"]).await;
+        if dom.contains(r#"data-loaded="true""#) && dom.contains(r#"<span id="member-count">3</span>"#) {
+            break dom;
         }
-    })
-    .await;
-    assert_eq!(attr_values(&dom, "tr data-node=", "data-node").len(), 3, "three member rows");
+        assert!(tokio::time::Instant::now() < deadline, "the page never showed three members: {dom}");
+    };
+    assert_eq!(attr_values(&dom, "tr data-node=", "data-node"), ["n1", "n2", "n3"], "three member rows, oldest first");
     let shown: BTreeMap<String, (usize, usize)> = attr_values(&dom, "data-region=", "data-region")
         .into_iter()
         .zip(attr_values(&dom, "data-region=", "data-shards"))
@@ -98,7 +103,8 @@ async fn the_dashboard_of_a_three_node_cluster_shows_its_members_and_shard_count
         .map(|((r, s), e)| (r, (s.parse().unwrap(), e.parse().unwrap())))
         .collect();
     assert_eq!(shown, expected, "shards and entities per region as the cluster reports them");
-    assert!(dom.contains("(coordinator)"), "the coordinator's region is marked");
+    assert_eq!(shown.values().map(|(_, e)| e).sum::<usize>(), 45);
+    assert!(dom.contains("n1 (coordinator)"), "the oldest's region is marked as the coordinator's");
 
     let shot = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard.png");
     let _ = std::fs::remove_file(&shot);
@@ -106,5 +112,5 @@ async fn the_dashboard_of_a_three_node_cluster_shows_its_members_and_shard_count
     let png = std::fs::read(&shot).expect("a screenshot");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "a real picture: {} bytes", png.len());
     println!("dashboard screenshot: {}", shot.display());
-    c.shutdown().await;
+    drop((n2, n3));
 }

@@ -105,7 +105,7 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     regions[0].ask("m5", CounterMsg::Stop).await.unwrap(); // passivates itself
 
     let nodes: Vec<ddshard::Node> = c.running().map(|(_, n)| n.clone()).collect();
-    let samples = eventually(CONVERGE, "every region registered, 29 entities running", || {
+    let samples = eventually(CONVERGE, "every region registered, 29 entities running and remembered", || {
         let (nodes, prometheus) = (nodes.clone(), prometheus.clone());
         async move {
             for n in &nodes {
@@ -116,7 +116,8 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
                 text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(parse_sample).collect();
             let registered = sum(&samples, "ddshard_region_registered", &[("type", "counter")]);
             let running = sum(&samples, "ddshard_region_entities", &[("type", "counter")]);
-            (registered == 3.0 && running == 29.0).then_some(samples)
+            let remembered = sum(&samples, "ddshard_remembered_entities", &[("type", "counter")]);
+            (registered == 3.0 && running == 29.0 && remembered == 29.0).then_some(samples)
         }
     })
     .await;
@@ -156,6 +157,12 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     assert!(sum(&samples, "ddshard_entity_starts_total", &[("type", "counter")]) >= 30.0, "every entity started");
     assert_eq!(sum(&samples, "ddshard_entity_stops_total", &[("reason", "passivated")]), 1.0, "m5 passivated itself");
     assert_eq!(sum(&samples, "ddshard_entity_stops_total", &[("reason", "idle")]), 0.0);
+    assert!(
+        sum(&samples, "ddshard_entity_handle_seconds_count", &[("type", "counter")]) >= 31.0,
+        "every handled message"
+    );
+    let homes = sum(&samples, "ddshard_shard_home_seconds_count", &[("node", "n1")]);
+    assert!(homes >= 1.0, "n1 asked for homes and learnt them");
     let majority_ok =
         sum(&samples, "ddshard_replicator_updates_total", &[("consistency", "majority"), ("outcome", "ok")]);
     assert!(majority_ok >= 1.0, "the coordinator's and the remember writers' writes");

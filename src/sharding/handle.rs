@@ -450,6 +450,8 @@ pub(crate) async fn start_region_of<E: Entity>(
         shutdown_deadline: None,
         work: Default::default(),
         extractor: inner.extractor.clone(),
+        home_asked: Default::default(),
+        metrics: inner.metrics.clone(),
     };
     node.spawner().spawn_essential("shard region", task.run(node.clone(), rx, events_rx));
     if !proxy {

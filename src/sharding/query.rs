@@ -204,6 +204,8 @@ pub struct RegionInfo {
     pub shards: Vec<ShardCount>,
     /// Running entities over all hosted shards.
     pub entities: usize,
+    /// With remember-entities, the ids its shards remember (running or not).
+    pub remembered_entities: usize,
 }
 
 /// A hosted shard's running entity count.

@@ -19,7 +19,7 @@ use crate::node::Node;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedTicket, not_delivered};
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{RegionId, ShardId};
-use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion};
+use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion, ToCoordinator, ToRegion};
 use crate::sharding::query::{EntityIdPage, RegionInfo, ShardCount};
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::shard::{LocalShards, ShardEvent, ShardInput, Work};
@@ -28,6 +28,9 @@ use crate::transport::{Inbound, Transport, wire};
 
 /// How often regions and shards check their deadlines.
 pub(crate) const REGION_TICK: Duration = Duration::from_millis(100);
+
+/// Shards whose home requests are timed at once (shard-home latency); more wait untimed.
+const MAX_HOMES_TIMED: usize = 10_000;
 
 /// Graceful shutdown gives up this long after the hand-off timeout.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
@@ -87,6 +90,10 @@ pub(crate) struct RegionTask<E: Entity> {
     pub shutdown_waiters: Vec<oneshot::Sender<()>>,
     pub shutdown_deadline: Option<Instant>,
     pub work: VecDeque<Work<E>>,
+    /// When each shard's home was first asked for and not yet learnt (shard-home latency).
+    pub home_asked: std::collections::HashMap<ShardId, Instant>,
+    /// Shard-home latency (feature `metrics`).
+    pub metrics: Arc<crate::metrics::TypeMetrics>,
     /// The type's shard-id extractor: a `Deliver` naming another shard than it gives is refused
     /// (two nodes that disagree on the shard of an id could otherwise both start it).
     pub extractor: crate::sharding::ids::ShardIdExtractor,
@@ -185,6 +192,7 @@ impl<E: Entity> RegionTask<E> {
             coordinator: self.core.coordinator().map(ToString::to_string),
             buffered: self.core.buffered(),
             entities: shards.iter().map(|s| s.entities).sum(),
+            remembered_entities: self.shards.as_ref().map_or(0, LocalShards::remembered),
             shards,
         }
     }
@@ -300,6 +308,11 @@ impl<E: Entity> RegionTask<E> {
         while let Some(w) = self.work.pop_front() {
             match w {
                 Work::Region(input) => {
+                    if let RegionInput::Coordinator { msg: ToRegion::ShardHome { shard, .. }, .. } = &input
+                        && let Some(asked) = self.home_asked.remove(shard)
+                    {
+                        self.metrics.shard_home_learnt(asked);
+                    }
                     let mut out = Vec::new();
                     self.core.handle(input, now, &mut out);
                     // Before any of its decisions is acted on (see `RemoteHomes`).
@@ -327,6 +340,13 @@ impl<E: Entity> RegionTask<E> {
     fn perform(&mut self, action: RegionAction<Envelope<E>>) {
         match action {
             RegionAction::ToCoordinator { coordinator, msg } => {
+                if let ToCoordinator::GetShardHome { shard, .. } = &msg {
+                    // Timed from the first request (a retry does not restart the clock); a
+                    // bounded table, since a custom extractor may name any number of shards.
+                    if self.home_asked.len() < MAX_HOMES_TIMED || self.home_asked.contains_key(shard) {
+                        self.home_asked.entry(shard.clone()).or_insert_with(Instant::now);
+                    }
+                }
                 let Some(peer) = self.members.peer(&coordinator) else { return };
                 let sent = wire::encode(&msg)
                     .and_then(|b| self.transport.send(&peer, &keys::coordinator_topic(&self.type_name), &b));

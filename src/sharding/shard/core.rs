@@ -273,6 +273,15 @@ impl<M, S> ShardCore<M, S> {
         self.entity_ids().count()
     }
 
+    /// With remember-entities, the ids remembered in the store (running or not; an id whose
+    /// start is still being recorded is not yet); 0 without.
+    pub(crate) fn remembered_count(&self) -> usize {
+        if self.remember.is_none() {
+            return 0;
+        }
+        self.entities.values().filter(|e| e.state != EntityState::RememberingStart).count()
+    }
+
     fn start(&mut self, entity_id: &str, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         let incarnation = self.next_incarnation;
         self.next_incarnation += 1;
@@ -977,11 +986,26 @@ mod tests {
     }
 
     #[test]
+    fn an_id_counts_as_remembered_once_its_start_is_recorded_and_never_without_remember_entities() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(ids(&["a"])), now);
+        run(&mut s, deliver("new", 1), now);
+        assert_eq!(s.remembered_count(), 1, "the new id's start is not recorded yet");
+        run(&mut s, ShardInput::WriteDone, now);
+        assert_eq!(s.remembered_count(), 2);
+        let mut plain: ShardCore<u32> = ShardCore::new(None, Duration::from_secs(1));
+        run(&mut plain, deliver("a", 1), now);
+        assert_eq!((plain.entity_count(), plain.remembered_count()), (1, 0));
+    }
+
+    #[test]
     fn loaded_ids_are_remembered_but_not_live_until_started() {
         let mut s = remembering();
         let now = Instant::now();
         run(&mut s, ShardInput::Loaded(ids(&["a", "b"])), now);
         assert_eq!(s.entity_count(), 0, "loaded, not started");
+        assert_eq!(s.remembered_count(), 2, "remembered all the same");
         let out = run(&mut s, deliver("b", 1), now);
         assert_eq!(
             out,

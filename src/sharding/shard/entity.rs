@@ -290,6 +290,8 @@ pub(crate) struct RunnerShared<E: Entity> {
     /// The local handle's routed-path counts: messages it put straight into a mailbox go back
     /// on the routed path, counted, when their incarnation ends before taking them.
     pub routed: Arc<RoutedInFlight>,
+    /// Handler times (feature `metrics`; nothing without it).
+    pub metrics: Arc<crate::metrics::TypeMetrics>,
 }
 
 /// One run of an entity: from the message that found it idle (or new) until its queue is
@@ -392,7 +394,9 @@ impl<E: Entity> EntityRun<E> {
                 continue;
             };
             let running = entity.as_mut().expect("a task that took a command holds its entity");
+            let started = crate::metrics::start_timer();
             let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind().await;
+            self.shared.metrics.handled(started);
             match outcome {
                 Ok(result) => self.respond(env.reply, result.map(Some)),
                 Err(panic) => {

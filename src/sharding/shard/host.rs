@@ -245,6 +245,7 @@ impl<E: Entity> LocalShards<E> {
             counters: counters.clone(),
             linger: settings.entity_linger,
             routed,
+            metrics: metrics.clone(),
         });
         let launcher = Arc::new(Launcher {
             runner,
@@ -326,6 +327,11 @@ impl<E: Entity> LocalShards<E> {
             }
         }
         EntityIdPage { entities, next: None }
+    }
+
+    /// Remember-entities: the ids remembered over all hosted shards.
+    pub(crate) fn remembered(&self) -> usize {
+        self.shards.values().map(|cell| cell.lock().core.remembered_count()).sum()
     }
 
     /// Shard → live entity count.
