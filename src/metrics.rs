@@ -86,7 +86,8 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_handoff_seconds", H, "node,type", "Time from a local shard's hand-off to all its entities stopped."),
     def("ddshard_remember_batches_total", C, "node,type", "Remembered-entity batches written (one majority update each)."),
     def("ddshard_remember_ids_written_total", C, "node,type", "Entity starts and stops those batches recorded."),
-    def("ddshard_remember_write_microseconds_total", C, "node,type", "Time of those batches' majority rounds in microseconds, summed (with the batch count: the mean)."),
+    def("ddshard_remember_batch_size", H, "node,type", "Entity starts and stops per remember batch."),
+    def("ddshard_remember_write_seconds", H, "node,type", "Time of one remember batch's majority round, retries included."),
     def("ddshard_ask_seconds", H, "node,type,outcome", "Time from ask to answer (outcome: ok, timeout, error)."),
     def("ddshard_coordinator_active", G, "node,type", "1 while this node runs the type's coordinator."),
     def("ddshard_coordinator_shards_rebalanced_total", C, "node,type", "Hand-offs started by rebalance rounds since this node's coordinator took over."),
@@ -121,13 +122,18 @@ mod enabled {
         0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     ];
 
+    /// Size buckets (counts of items).
+    const SIZE_BUCKETS: &[f64] =
+        &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0];
+
     /// Installs a Prometheus recorder as the process's `metrics` recorder (once per process;
-    /// a second call fails) with histogram buckets for every `_seconds` metric, and describes
+    /// a second call fails) with histogram buckets for every `_seconds` and `_size` metric, and describes
     /// every metric of the catalog. Render with [`PrometheusHandle::render`] after
     /// [`crate::Node::sample_metrics`].
     pub fn install_prometheus() -> Result<PrometheusHandle> {
         let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+            .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_size".into()), SIZE_BUCKETS))
             .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
             .install_recorder()
             .map_err(|e| Error::Config(format!("metrics recorder: {e}")))?;
@@ -158,6 +164,8 @@ mod enabled {
         shards_rebalanced: Counter,
         handle: Histogram,
         shard_home: Histogram,
+        remember_batch: Histogram,
+        remember_write: Histogram,
     }
 
     impl TypeMetrics {
@@ -174,6 +182,8 @@ mod enabled {
                 handoff: histogram!("ddshard_handoff_seconds", "node" => n.clone(), "type" => t.clone()),
                 handle: histogram!("ddshard_entity_handle_seconds", "node" => n.clone(), "type" => t.clone()),
                 shard_home: histogram!("ddshard_shard_home_seconds", "node" => n.clone(), "type" => t.clone()),
+                remember_batch: histogram!("ddshard_remember_batch_size", "node" => n.clone(), "type" => t.clone()),
+                remember_write: histogram!("ddshard_remember_write_seconds", "node" => n.clone(), "type" => t.clone()),
                 shards_rebalanced: counter!("ddshard_coordinator_shards_rebalanced_total", "node" => n, "type" => t),
             }
         }
@@ -222,6 +232,13 @@ mod enabled {
         /// A shard's home arrived, asked for at `asked`.
         pub(crate) fn shard_home_learnt(&self, asked: Instant) {
             self.shard_home.record(asked.elapsed().as_secs_f64());
+        }
+
+        /// A remember batch of `ids` starts and stops was written (or given up), started at
+        /// `started`.
+        pub(crate) fn remember_batch_written(&self, ids: usize, started: Instant) {
+            self.remember_batch.record(ids as f64);
+            self.remember_write.record(started.elapsed().as_secs_f64());
         }
     }
 
@@ -341,7 +358,6 @@ mod enabled {
             set_counter("ddshard_handoffs_completed_total", &l, &c.handoffs_completed);
             set_counter("ddshard_remember_batches_total", &l, &c.remember_batches);
             set_counter("ddshard_remember_ids_written_total", &l, &c.remember_ids_written);
-            set_counter("ddshard_remember_write_microseconds_total", &l, &c.remember_round_micros);
             // A region that does not answer (stopping) keeps its last gauges.
             if let Ok(info) = region.info().await {
                 gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });
@@ -382,6 +398,8 @@ mod disabled {
         pub(crate) fn handled(&self, _started: Option<Instant>) {}
         #[inline]
         pub(crate) fn shard_home_learnt(&self, _asked: Instant) {}
+        #[inline]
+        pub(crate) fn remember_batch_written(&self, _ids: usize, _started: Instant) {}
     }
 
     /// Without the feature LMDB commits are not timed.

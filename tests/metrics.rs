@@ -80,7 +80,7 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     for m in CATALOG {
         let unit_ok = match m.kind {
             MetricKind::Counter => m.name.ends_with("_total"),
-            MetricKind::Histogram => m.name.ends_with("_seconds"),
+            MetricKind::Histogram => m.name.ends_with("_seconds") || m.name.ends_with("_size"),
             MetricKind::Gauge => !m.name.ends_with("_total"),
         };
         assert!(unit_ok && m.name.starts_with("ddshard_"), "{}", m.name);
@@ -151,6 +151,14 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     assert!(sum(&samples, "ddshard_lmdb_commit_seconds_count", &[]) >= 1.0);
     assert!(sum(&samples, "ddshard_lmdb_commits_total", &[]) >= 1.0);
     assert!(sum(&samples, "ddshard_remember_ids_written_total", &[("type", "counter")]) >= 30.0);
+    let batched = sum(&samples, "ddshard_remember_batch_size_sum", &[("type", "counter")]);
+    assert_eq!(
+        batched,
+        sum(&samples, "ddshard_remember_ids_written_total", &[("type", "counter")]),
+        "sizes sum to the ids"
+    );
+    let batches = sum(&samples, "ddshard_remember_write_seconds_count", &[("type", "counter")]);
+    assert_eq!(batches, sum(&samples, "ddshard_remember_batches_total", &[("type", "counter")]));
     assert!(sum(&samples, "ddshard_transport_frames_sent_total", &[("node", "n1")]) > 0.0);
     assert!(sum(&samples, "ddshard_transport_bytes_sent_total", &[("node", "n1")]) > 0.0);
     assert!(sum(&samples, "ddshard_transport_bytes_received_total", &[("node", "n1")]) > 0.0);

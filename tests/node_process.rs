@@ -70,6 +70,9 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
     assert_eq!(n2.admin_request("PUT", "/kv/http-1", "over http").await.unwrap().0, 200);
     let (status, value) = n1.admin_request("GET", "/kv/http-1", "").await.unwrap();
     assert!(status == 200 && value.contains(r#""value":"over http""#), "{status} {value}");
+    let (status, deleted) = n1.admin_request("DELETE", "/kv/http-1", "").await.unwrap();
+    assert!(status == 200 && deleted.contains(r#""value":null"#), "{status} {deleted}");
+    assert_eq!(n2.kv_get("http-1").await.unwrap().value, None, "deleted for every node");
     let (status, metrics) = n1.admin_request("GET", "/metrics", "").await.unwrap();
     assert!(status == 200 && metrics.contains(r#"ddshard_region_entities{node="n1",type="kv"}"#), "{metrics}");
     let leave = r#"{"operation": "leave"}"#;

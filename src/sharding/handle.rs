@@ -391,6 +391,7 @@ pub(crate) async fn start_region_of<E: Entity>(
             type_name,
             &settings,
             inner.counters.clone(),
+            inner.metrics.clone(),
         );
         let state = durable.then(|| {
             StateIo::new(

@@ -41,6 +41,8 @@ pub(crate) struct RememberIo {
     pub recovery_interval: Duration,
     writer: mpsc::UnboundedSender<WriteRequest>,
     counters: Arc<RegionCounters>,
+    /// Batch sizes and write times (feature `metrics`).
+    metrics: Arc<crate::metrics::TypeMetrics>,
 }
 
 /// The ids one batch adds to and removes from one slot key.
@@ -65,6 +67,7 @@ impl RememberIo {
         type_name: &str,
         s: &ShardingSettings,
         counters: Arc<RegionCounters>,
+        metrics: Arc<crate::metrics::TypeMetrics>,
     ) -> Self {
         let (writer, requests) = mpsc::unbounded_channel();
         let io = RememberIo {
@@ -78,6 +81,7 @@ impl RememberIo {
             recovery_interval: s.entity_recovery_interval,
             writer,
             counters,
+            metrics,
         };
         io.spawner.spawn_until_shutdown(io.clone().run_writer(requests));
         io
@@ -130,6 +134,8 @@ impl RememberIo {
             }
             add(&self.counters.remember_round_micros, started.elapsed().as_micros());
             add(&self.counters.remember_batches, 1u8);
+            let ids: usize = by_key.iter().map(|(_, ids)| ids.0.len() + ids.1.len()).sum();
+            self.metrics.remember_batch_written(ids, started);
             let ok = match &last {
                 Ok(()) => true,
                 Err(e) => {
