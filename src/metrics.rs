@@ -263,6 +263,20 @@ mod enabled {
         counter!(name, labels).absolute(value.load(Ordering::Relaxed));
     }
 
+    /// One counter per value of label `key`, each with `labels` too.
+    fn set_counters_by(
+        name: &'static str,
+        labels: &[(&'static str, String)],
+        key: &'static str,
+        values: &[(&'static str, &AtomicU64)],
+    ) {
+        for (label, value) in values {
+            let mut l = labels.to_vec();
+            l.push((key, (*label).into()));
+            set_counter(name, &l, value);
+        }
+    }
+
     /// Copies the node's counters and state into the facade.
     pub(crate) async fn sample(node: &Node) {
         let n = vec![("node", node.node_id().to_string())];
@@ -275,15 +289,16 @@ mod enabled {
         set_counter("ddshard_transport_bytes_received_total", &n, &ts.bytes_received);
         set_counter("ddshard_downs_published_total", &n, &node.gossip_stats().downs_published);
         let gs = node.gossip_stats();
-        for (reason, value) in [
-            ("unauthenticated", &gs.datagrams_unauthenticated),
-            ("malformed", &gs.datagrams_malformed),
-            ("oversized", &gs.datagrams_oversized),
-        ] {
-            let mut l = n.clone();
-            l.push(("reason", reason.into()));
-            set_counter("ddshard_gossip_datagrams_rejected_total", &l, value);
-        }
+        set_counters_by(
+            "ddshard_gossip_datagrams_rejected_total",
+            &n,
+            "reason",
+            &[
+                ("unauthenticated", &gs.datagrams_unauthenticated),
+                ("malformed", &gs.datagrams_malformed),
+                ("oversized", &gs.datagrams_oversized),
+            ],
+        );
         set_counter("ddshard_heartbeat_verdict_changes_total", &n, &node.failure_detector_stats().verdict_changes);
         let snap = node.membership();
         for status in [
@@ -322,36 +337,39 @@ mod enabled {
             let mut l = n.clone();
             l.push(("type", region.type_name().to_string()));
             let c = region.counters();
-            for (path, value) in [
-                ("local_routed", &c.local_routed),
-                ("remote_direct", &c.remote_direct),
-                ("remote_sent_direct", &c.remote_sent_direct),
-            ] {
-                let mut lp = l.clone();
-                lp.push(("path", path.into()));
-                set_counter("ddshard_region_messages_total", &lp, value);
-            }
-            for (reason, value) in [
-                ("buffer_full", &c.dropped_buffer_full),
-                ("handoff", &c.dropped_handoff),
-                ("invalid", &c.dropped_invalid),
-                ("mailbox_full", &c.dropped_mailbox_full),
-                ("refused", &c.dropped_refused),
-            ] {
-                let mut lr = l.clone();
-                lr.push(("reason", reason.into()));
-                set_counter("ddshard_region_dropped_total", &lr, value);
-            }
+            set_counters_by(
+                "ddshard_region_messages_total",
+                &l,
+                "path",
+                &[
+                    ("local_routed", &c.local_routed),
+                    ("remote_direct", &c.remote_direct),
+                    ("remote_sent_direct", &c.remote_sent_direct),
+                ],
+            );
+            set_counters_by(
+                "ddshard_region_dropped_total",
+                &l,
+                "reason",
+                &[
+                    ("buffer_full", &c.dropped_buffer_full),
+                    ("handoff", &c.dropped_handoff),
+                    ("invalid", &c.dropped_invalid),
+                    ("mailbox_full", &c.dropped_mailbox_full),
+                    ("refused", &c.dropped_refused),
+                ],
+            );
             set_counter("ddshard_entity_starts_total", &l, &c.entity_starts);
-            for (reason, value) in [
-                ("passivated", &c.passivations_explicit),
-                ("idle", &c.passivations_idle),
-                ("handoff", &c.handoff_stops),
-            ] {
-                let mut lr = l.clone();
-                lr.push(("reason", reason.into()));
-                set_counter("ddshard_entity_stops_total", &lr, value);
-            }
+            set_counters_by(
+                "ddshard_entity_stops_total",
+                &l,
+                "reason",
+                &[
+                    ("passivated", &c.passivations_explicit),
+                    ("idle", &c.passivations_idle),
+                    ("handoff", &c.handoff_stops),
+                ],
+            );
             set_counter("ddshard_entity_panics_total", &l, &c.entity_panics);
             set_counter("ddshard_shard_failures_total", &l, &c.shard_failures);
             set_counter("ddshard_handoffs_started_total", &l, &c.handoffs_started);
