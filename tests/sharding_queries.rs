@@ -151,6 +151,17 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
     c.await_converged(CONVERGE).await;
     let probe = Probe::default();
     let regions = start_everywhere(&c, &probe, settings()).await;
+    // The link n1 → n2 answers before the bad frames go: a send is fire-and-forget, and frames
+    // queued for a first connection that fails (a starved 2-core machine) would be lost.
+    let r0 = regions[0].clone();
+    eventually(CONVERGE, "n2 answers n1", || {
+        let r0 = r0.clone();
+        async move {
+            let stats = r0.cluster_stats(Duration::from_secs(2)).await.ok()?;
+            (stats.regions.len() == 2 && stats.failed.is_empty()).then_some(())
+        }
+    })
+    .await;
     let sender: &Node = c.node(0);
     let target = PeerAddr { address: c.node(1).address().clone(), messaging_addr: c.node(1).messaging_addr() };
     let deliver = |entity_id: &str, payload: Vec<u8>| forged_deliver("0", entity_id, payload);
