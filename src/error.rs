@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 /// Everything that can go wrong in ddshard, as a type a caller can match on.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A setting is out of range or inconsistent; the message names it.
     #[error("invalid configuration: {0}")]
@@ -211,7 +212,84 @@ impl Error {
     pub(crate) fn storage(path: &std::path::Path, reason: impl ToString) -> Self {
         Error::Storage { path: path.to_path_buf(), reason: reason.to_string() }
     }
+
+    /// Whether the same call may succeed if made again later, unchanged: the failure was a
+    /// passing condition of the cluster (a peer away, a queue or buffer full, a quorum short, a
+    /// timeout, a coordinator or home moving). Not for bad input, refused or undecodable
+    /// data, a stale writer, local configuration or a stopped node. A retried write that
+    /// timed out may have been applied once already (`StateNotPersisted`, `AskTimeout`): retry
+    /// only what is idempotent, or check first.
+    pub fn is_retryable(&self) -> bool {
+        // Every variant is named (no `_`): a new one must be placed on a side here.
+        match self {
+            Error::PeerUnavailable { .. }
+            | Error::SendQueueFull { .. }
+            | Error::RequestTimeout { .. }
+            | Error::NotEnoughReplicas { .. }
+            | Error::ConsistencyTimeout { .. }
+            | Error::BufferFull { .. }
+            | Error::MailboxFull { .. }
+            | Error::StateNotPersisted { .. }
+            | Error::AskTimeout { .. }
+            | Error::NotDelivered { .. }
+            | Error::CoordinatorUnavailable(_) => true,
+            Error::Config(_)
+            | Error::Io { .. }
+            | Error::Gossip(_)
+            | Error::Storage { .. }
+            | Error::ShutDown
+            | Error::Codec(_)
+            | Error::WrongDataType { .. }
+            | Error::Fenced { .. }
+            | Error::EmptyEntityId
+            | Error::StateTooLarge { .. }
+            | Error::StateUndecodable { .. }
+            | Error::TypeAlreadyStarted(_)
+            | Error::UnknownMember(_)
+            | Error::BadAddress(_) => false,
+        }
+    }
 }
 
 /// Result with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_passing_conditions_of_the_cluster_are_retryable() {
+        let s = || String::from("x");
+        let table: Vec<(Error, bool)> = vec![
+            (Error::PeerUnavailable { peer: s(), reason: s() }, true),
+            (Error::SendQueueFull { peer: s() }, true),
+            (Error::RequestTimeout { peer: s() }, true),
+            (Error::NotEnoughReplicas { needed: 2, reachable: 1 }, true),
+            (Error::ConsistencyTimeout { needed: 2, acked: 1 }, true),
+            (Error::BufferFull { type_name: s(), buffer_size: 1 }, true),
+            (Error::MailboxFull { entity_id: s(), capacity: 1 }, true),
+            (Error::StateNotPersisted { entity_id: s(), reason: s() }, true),
+            (Error::AskTimeout { entity_id: s(), timeout: std::time::Duration::from_secs(1) }, true),
+            (Error::NotDelivered { entity_id: s(), reason: s() }, true),
+            (Error::CoordinatorUnavailable(s()), true),
+            (Error::Config(s()), false),
+            (Error::io("x", std::io::Error::other("x")), false),
+            (Error::Gossip(s()), false),
+            (Error::storage(std::path::Path::new("/x"), "x"), false),
+            (Error::ShutDown, false),
+            (Error::Codec(s()), false),
+            (Error::WrongDataType { key: s(), expected: "a", found: "b" }, false),
+            (Error::Fenced { key: s(), epoch: 1, fence: 2 }, false),
+            (Error::EmptyEntityId, false),
+            (Error::StateTooLarge { entity_id: s(), bytes: 2, max: 1 }, false),
+            (Error::StateUndecodable { type_name: s(), entity_id: s(), reason: s() }, false),
+            (Error::TypeAlreadyStarted(s()), false),
+            (Error::UnknownMember(s()), false),
+            (Error::BadAddress("0.0.0.0:1".parse().unwrap()), false),
+        ];
+        for (error, retryable) in table {
+            assert_eq!(error.is_retryable(), retryable, "{error:?}");
+        }
+    }
+}
