@@ -902,3 +902,82 @@ fn values_a_peer_wants_go_back_within_the_message_budget_once_each_and_capped() 
     a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), rejected + 1, "the cut is counted");
 }
+
+/// A value that differs goes whole while it has at most `BUCKETED_VALUE_ELEMENTS` elements,
+/// and as its bucket digests (to exchange only the differing buckets) once it has more.
+#[test]
+fn a_differing_value_goes_whole_up_to_the_bucketed_size_and_by_buckets_above_it() {
+    use crate::ddata::replicator::gossip::BUCKETED_VALUE_ELEMENTS;
+    for (members, by_buckets) in [(BUCKETED_VALUE_ELEMENTS, false), (BUCKETED_VALUE_ELEMENTS + 1, true)] {
+        let mut a = core("a");
+        let names: Vec<String> = (0..members).map(|i| format!("m{i:04}")).collect();
+        let set: Modify = Box::new(move |cur, _ctx| {
+            let mut s = match cur {
+                Some(ReplicatedData::GSet(s)) => std::mem::take(s),
+                _ => GSet::default(),
+            };
+            for n in &names {
+                s.insert(n.clone());
+            }
+            Ok(Some(s.into_data()))
+        });
+        local(&mut a, "big", set);
+        assert_eq!(a.data["big"].value.element_count(), members);
+        let digests = vec![("big".to_string(), a.data["big"].value.digest() ^ 1)];
+        let buckets: Vec<u16> = (0..KEY_BUCKETS as u16).collect();
+        let mut out = Vec::new();
+        a.handle(
+            Input::Remote { from: peer("b"), msg: ReplicatorMsg::Digests { buckets, digests } },
+            Instant::now(),
+            0,
+            &mut out,
+        );
+        let (entries, value_buckets) = out
+            .iter()
+            .find_map(|x| match x {
+                Action::Send { msg: ReplicatorMsg::Gossip { entries, value_buckets, .. }, .. } => {
+                    Some((entries.clone(), value_buckets.clone()))
+                }
+                _ => None,
+            })
+            .expect("a Gossip answer");
+        let sent_whole = entries.iter().any(|(k, _)| k == "big");
+        let sent_buckets = value_buckets.iter().any(|(k, _)| k == "big");
+        assert_eq!((sent_whole, sent_buckets), (!by_buckets, by_buckets), "{members} members");
+    }
+}
+
+/// A large differing value's bucket digests (key length + 9 bytes per bucket) count against
+/// the message budget of the whole values sent after it.
+#[test]
+fn bucket_digests_of_a_large_value_take_their_bytes_from_the_message_budget() {
+    use crate::ddata::replicator::gossip::BUCKETED_VALUE_ELEMENTS;
+    let mut a = core("a");
+    let names: Vec<String> = (0..=BUCKETED_VALUE_ELEMENTS).map(|i| format!("m{i:04}")).collect();
+    let big: Modify = Box::new(move |_cur, _ctx| {
+        let mut s = GSet::default();
+        for n in &names {
+            s.insert(n.clone());
+        }
+        Ok(Some(s.into_data()))
+    });
+    local(&mut a, "a-big", big);
+    local(&mut a, "b-small", add("x"));
+    local(&mut a, "c-small", add("y"));
+    let big_bytes = "a-big".len() + a.data["a-big"].value.bucket_digests().expect("a large value").len() * 9;
+    let size = |k: &str| k.len() + a.data[k].value.approx_bytes();
+    let both_small = size("b-small") + size("c-small");
+    let digests: Vec<(String, u64)> =
+        ["a-big", "b-small", "c-small"].iter().map(|k| (k.to_string(), a.data[*k].value.digest() ^ 1)).collect();
+    let all_buckets: Vec<u16> = (0..KEY_BUCKETS as u16).collect();
+    for (budget, second_small_fits) in [(big_bytes + both_small, true), (big_bytes + both_small - 1, false)] {
+        a.settings.max_message_bytes = budget;
+        let mut out = Vec::new();
+        let msg = ReplicatorMsg::Digests { buckets: all_buckets.clone(), digests: digests.clone() };
+        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        let (entries, _) = gossip_sent(&out).expect("a Gossip answer");
+        let sent: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+        let expected: &[&str] = if second_small_fits { &["b-small", "c-small"] } else { &["b-small"] };
+        assert_eq!(sent, expected, "budget {budget} ({big_bytes} of it for a-big's bucket digests)");
+    }
+}
