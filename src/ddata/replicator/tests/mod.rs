@@ -981,3 +981,18 @@ fn bucket_digests_of_a_large_value_take_their_bytes_from_the_message_budget() {
         assert_eq!(sent, expected, "budget {budget} ({big_bytes} of it for a-big's bucket digests)");
     }
 }
+
+/// Keys changed on both sides are wanted back too, up to the same 1,024 per message.
+#[test]
+fn keys_changed_on_both_sides_are_wanted_back_at_most_1024_per_message() {
+    let mut a = core("a");
+    for i in 0..1_100 {
+        local(&mut a, &format!("k{i:05}"), add("x"));
+    }
+    let digests: Vec<(String, u64)> = a.data.iter().map(|(k, e)| (k.clone(), e.value.digest() ^ 1)).collect();
+    let mut out = Vec::new();
+    let msg = ReplicatorMsg::Digests { buckets: (0..KEY_BUCKETS as u16).collect(), digests };
+    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+    let (_, want) = gossip_sent(&out).expect("a Gossip answer");
+    assert_eq!(want.len(), 1_024);
+}
