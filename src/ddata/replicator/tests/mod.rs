@@ -996,3 +996,46 @@ fn keys_changed_on_both_sides_are_wanted_back_at_most_1024_per_message() {
     let (_, want) = gossip_sent(&out).expect("a Gossip answer");
     assert_eq!(want.len(), 1_024);
 }
+
+/// The parts of a large value answered by buckets (asked for with `want_buckets`, or sent
+/// back for differing `value_buckets`) count key length + their size against the budget.
+#[test]
+fn bucket_parts_of_a_large_value_count_their_size_against_the_message_budget() {
+    use crate::ddata::replicator::gossip::BUCKETED_VALUE_ELEMENTS;
+    let mut a = core("a");
+    let names: Vec<String> = (0..=BUCKETED_VALUE_ELEMENTS).map(|i| format!("m{i:04}")).collect();
+    let big: Modify = Box::new(move |_cur, _ctx| {
+        let mut s = GSet::default();
+        for n in &names {
+            s.insert(n.clone());
+        }
+        Ok(Some(s.into_data()))
+    });
+    local(&mut a, "big", big);
+    local(&mut a, "small", add("x"));
+    let small = "small".len() + a.data["small"].value.approx_bytes();
+    let asked: Vec<usize> = vec![0, 1, 2];
+    let part = "big".len() + a.data["big"].value.buckets_subset(&asked).approx_bytes();
+    let digests = a.data["big"].value.bucket_digests().expect("a large value").to_vec();
+    // Their digests differ in buckets 0, 1 and 2 only: those come back as one part.
+    let theirs: Vec<u64> = digests.iter().enumerate().map(|(b, d)| if b < 3 { d ^ 1 } else { *d }).collect();
+    let asks =
+        [(vec![("big".to_string(), vec![0u16, 1, 2])], Vec::new()), (Vec::new(), vec![("big".to_string(), theirs)])];
+    for (want_buckets, value_buckets) in asks {
+        for (budget, part_fits) in [(small + part, true), (small + part - 1, false)] {
+            a.settings.max_message_bytes = budget;
+            let mut out = Vec::new();
+            let msg = ReplicatorMsg::Gossip {
+                entries: Vec::new(),
+                want: vec!["small".into()],
+                want_buckets: want_buckets.clone(),
+                value_buckets: value_buckets.clone(),
+            };
+            a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+            let (entries, _) = gossip_sent(&out).expect("an answer");
+            let sent: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
+            let expected: &[&str] = if part_fits { &["small", "big"] } else { &["small"] };
+            assert_eq!(sent, expected, "budget {budget}, want_buckets {}", !want_buckets.is_empty());
+        }
+    }
+}
