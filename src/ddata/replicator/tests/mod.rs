@@ -903,6 +903,17 @@ fn values_a_peer_wants_go_back_within_the_message_budget_once_each_and_capped() 
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), rejected + 1, "the cut is counted");
 }
 
+/// Sets a G-set of `members` members `m0000`, `m0001`, … (whatever was there before).
+fn gset_of(members: usize) -> Modify {
+    Box::new(move |_cur, _ctx| {
+        let mut s = GSet::default();
+        for i in 0..members {
+            s.insert(format!("m{i:04}"));
+        }
+        Ok(Some(s.into_data()))
+    })
+}
+
 /// A value that differs goes whole while it has at most `BUCKETED_VALUE_ELEMENTS` elements,
 /// and as its bucket digests (to exchange only the differing buckets) once it has more.
 #[test]
@@ -910,18 +921,7 @@ fn a_differing_value_goes_whole_up_to_the_bucketed_size_and_by_buckets_above_it(
     use crate::ddata::replicator::gossip::BUCKETED_VALUE_ELEMENTS;
     for (members, by_buckets) in [(BUCKETED_VALUE_ELEMENTS, false), (BUCKETED_VALUE_ELEMENTS + 1, true)] {
         let mut a = core("a");
-        let names: Vec<String> = (0..members).map(|i| format!("m{i:04}")).collect();
-        let set: Modify = Box::new(move |cur, _ctx| {
-            let mut s = match cur {
-                Some(ReplicatedData::GSet(s)) => std::mem::take(s),
-                _ => GSet::default(),
-            };
-            for n in &names {
-                s.insert(n.clone());
-            }
-            Ok(Some(s.into_data()))
-        });
-        local(&mut a, "big", set);
+        local(&mut a, "big", gset_of(members));
         assert_eq!(a.data["big"].value.element_count(), members);
         let digests = vec![("big".to_string(), a.data["big"].value.digest() ^ 1)];
         let buckets: Vec<u16> = (0..KEY_BUCKETS as u16).collect();
@@ -953,15 +953,7 @@ fn a_differing_value_goes_whole_up_to_the_bucketed_size_and_by_buckets_above_it(
 fn bucket_digests_of_a_large_value_take_their_bytes_from_the_message_budget() {
     use crate::ddata::replicator::gossip::BUCKETED_VALUE_ELEMENTS;
     let mut a = core("a");
-    let names: Vec<String> = (0..=BUCKETED_VALUE_ELEMENTS).map(|i| format!("m{i:04}")).collect();
-    let big: Modify = Box::new(move |_cur, _ctx| {
-        let mut s = GSet::default();
-        for n in &names {
-            s.insert(n.clone());
-        }
-        Ok(Some(s.into_data()))
-    });
-    local(&mut a, "a-big", big);
+    local(&mut a, "a-big", gset_of(BUCKETED_VALUE_ELEMENTS + 1));
     local(&mut a, "b-small", add("x"));
     local(&mut a, "c-small", add("y"));
     let big_bytes = "a-big".len() + a.data["a-big"].value.bucket_digests().expect("a large value").len() * 9;
@@ -1003,15 +995,7 @@ fn keys_changed_on_both_sides_are_wanted_back_at_most_1024_per_message() {
 fn bucket_parts_of_a_large_value_count_their_size_against_the_message_budget() {
     use crate::ddata::replicator::gossip::BUCKETED_VALUE_ELEMENTS;
     let mut a = core("a");
-    let names: Vec<String> = (0..=BUCKETED_VALUE_ELEMENTS).map(|i| format!("m{i:04}")).collect();
-    let big: Modify = Box::new(move |_cur, _ctx| {
-        let mut s = GSet::default();
-        for n in &names {
-            s.insert(n.clone());
-        }
-        Ok(Some(s.into_data()))
-    });
-    local(&mut a, "big", big);
+    local(&mut a, "big", gset_of(BUCKETED_VALUE_ELEMENTS + 1));
     local(&mut a, "small", add("x"));
     let small = "small".len() + a.data["small"].value.approx_bytes();
     let asked: Vec<usize> = vec![0, 1, 2];
