@@ -132,7 +132,8 @@ impl Replicator {
             Ok(()) => rx.await.map_err(|_| Error::ShutDown).and_then(|r| r.and_then(first_fenced)),
             Err(_) => Err(Error::ShutDown),
         };
-        self.stats.count_update(consistency, result.as_ref().map(|_| ()));
+        let outcome = result.as_ref().map_or_else(stats::UpdateOutcome::of, |_| stats::UpdateOutcome::Ok);
+        self.stats.count_update(consistency, outcome);
         result
     }
 
@@ -170,18 +171,12 @@ impl Replicator {
             Err(_) => Err(Error::ShutDown),
         };
         // A key refused by its fence counts the update as fenced, even with the others written.
-        let fenced = match &result {
-            Ok(refused) => {
-                refused.first().map(|(key, f)| Error::Fenced { key: key.clone(), epoch: f.epoch, fence: f.fence })
-            }
-            Err(_) => None,
+        let outcome = match &result {
+            Ok(refused) if !refused.is_empty() => stats::UpdateOutcome::Fenced,
+            Ok(_) => stats::UpdateOutcome::Ok,
+            Err(e) => stats::UpdateOutcome::of(e),
         };
-        let counted = match (&result, &fenced) {
-            (_, Some(f)) => Err(f),
-            (Ok(_), None) => Ok(()),
-            (Err(e), None) => Err(e),
-        };
-        self.stats.count_update(consistency, counted);
+        self.stats.count_update(consistency, outcome);
         result
     }
 

@@ -48,6 +48,28 @@ pub struct ReplicatorStats {
 
 /// The consistencies updates are counted by (see [`ReplicatorStats::updates`]).
 pub const UPDATE_CONSISTENCIES: [&str; 4] = ["local", "majority", "all", "all_reachable"];
+/// How an update ended, in the order of [`UPDATE_OUTCOMES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UpdateOutcome {
+    Ok = 0,
+    Timeout = 1,
+    NotEnoughReplicas = 2,
+    Fenced = 3,
+    Error = 4,
+}
+
+impl UpdateOutcome {
+    /// The outcome a failed update's error names.
+    pub(crate) fn of(e: &crate::error::Error) -> Self {
+        match e {
+            crate::error::Error::ConsistencyTimeout { .. } => UpdateOutcome::Timeout,
+            crate::error::Error::NotEnoughReplicas { .. } => UpdateOutcome::NotEnoughReplicas,
+            crate::error::Error::Fenced { .. } => UpdateOutcome::Fenced,
+            _ => UpdateOutcome::Error,
+        }
+    }
+}
+
 /// The outcomes updates are counted by (see [`ReplicatorStats::updates`]).
 pub const UPDATE_OUTCOMES: [&str; 5] = ["ok", "timeout", "not_enough_replicas", "fenced", "error"];
 
@@ -63,22 +85,15 @@ impl ReplicatorStats {
         }
     }
 
-    /// Counts an update that ended with `result` at `consistency`.
-    pub(crate) fn count_update(&self, consistency: Consistency, result: std::result::Result<(), &crate::error::Error>) {
+    /// Counts an update that ended with `outcome` at `consistency`.
+    pub(crate) fn count_update(&self, consistency: Consistency, outcome: UpdateOutcome) {
         let c = match consistency {
             Consistency::Local => 0,
             Consistency::Majority { .. } => 1,
             Consistency::All => 2,
             Consistency::AllReachable { .. } => 3,
         };
-        let o = match result {
-            Ok(_) => 0,
-            Err(crate::error::Error::ConsistencyTimeout { .. }) => 1,
-            Err(crate::error::Error::NotEnoughReplicas { .. }) => 2,
-            Err(crate::error::Error::Fenced { .. }) => 3,
-            Err(_) => 4,
-        };
-        self.updates[c][o].fetch_add(1, Ordering::Relaxed);
+        self.updates[c][outcome as usize].fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn add(counter: &AtomicU64, n: usize) {
