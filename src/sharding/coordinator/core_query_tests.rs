@@ -233,3 +233,19 @@ fn a_shard_id_the_extractor_cannot_produce_has_no_explanation() {
     let never = c.explain("t", "9", now).expect("a possible shard");
     assert_eq!((never.home, never.epoch, never.history.len()), (None, 0, 0));
 }
+
+#[test]
+fn a_plan_over_three_regions_spreads_its_moves_as_the_rounds_hand_offs_then_do() {
+    let (mut c, now) = all_on_a_then_b(6);
+    reg(&mut c, "c", now);
+    settle(&mut c);
+    let plan = c.rebalance_plan("t");
+    let targets: BTreeSet<&str> = plan.moves.iter().map(|m| m.expected_to.as_str()).collect();
+    assert_eq!(targets.len(), 2, "the plan counts each move's new home: both b and c take shards: {plan:?}");
+    c.handle(CoordinatorInput::RebalanceNow, now, 2_000, &mut Vec::new());
+    finish_all_hand_offs(&mut c, now, 3_000);
+    for m in &plan.moves {
+        let home = c.state.home(&m.shard).map(|(h, _)| h.to_string());
+        assert_eq!(home.as_deref(), Some(m.expected_to.as_str()), "{} landed where the plan said", m.shard);
+    }
+}
