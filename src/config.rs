@@ -112,8 +112,19 @@ pub struct MembershipSettings {
     /// How long a leaving node keeps gossiping its final status so every member sees it removed.
     #[serde(with = "humantime_serde")]
     pub leave_linger: Duration,
-    /// Automatic downing of unreachable members.
+    /// Automatic downing of unreachable members: which side of a split keeps running.
     pub downing: DowningStrategy,
+    /// Only members with this role count when a strategy compares the sides of a split (the
+    /// others go with their side). Unset: every member.
+    pub downing_role: Option<String>,
+    /// `static-quorum`: members (with `downing_role`) a side needs to keep running. Required
+    /// (at least 1) with that strategy; the cluster must not grow past `quorum_size × 2 − 1`
+    /// members, or both sides of a split could hold a quorum (the resolver then downs all).
+    pub quorum_size: usize,
+    /// `keep-oldest`: when the oldest member is alone on its side and the other side has at
+    /// least two members, the oldest goes and the others keep running (a crashed oldest then
+    /// does not stop the whole cluster).
+    pub down_if_alone: bool,
     /// The resolver decides once the set of unreachable members (and the reachability table)
     /// has not changed for this long.
     #[serde(with = "humantime_serde")]
@@ -128,13 +139,24 @@ pub struct MembershipSettings {
     pub down_removal_margin: Duration,
 }
 
-/// How unreachable members are downed.
+/// How unreachable members are downed: which side of a split keeps running (the others down
+/// themselves). README: "Which split-brain strategy".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum DowningStrategy {
     /// The side with more members (tie: the side with the lowest address) downs the other; the
     /// losing side downs itself.
     KeepMajority,
+    /// The side with at least [`MembershipSettings::quorum_size`] members keeps running; a side
+    /// with fewer downs itself (both, when neither has a quorum).
+    StaticQuorum,
+    /// The side with the oldest member keeps running, whatever its size (see
+    /// [`MembershipSettings::down_if_alone`]).
+    KeepOldest,
+    /// Every member is downed when any becomes unreachable: the whole cluster stops and is
+    /// restarted by its operator.
+    DownAll,
     /// Never down automatically (an unreachable member stays until it comes back or leaves).
     Off,
 }
@@ -197,6 +219,9 @@ impl Default for MembershipSettings {
             seed_node_timeout: Duration::from_secs(5),
             leave_linger: Duration::from_millis(1000),
             downing: DowningStrategy::KeepMajority,
+            downing_role: None,
+            quorum_size: 0,
+            down_if_alone: true,
             stable_after: Duration::from_secs(5),
             down_all_when_unstable: DownAllWhenUnstable::On,
             down_removal_margin: Duration::from_secs(5),
@@ -366,6 +391,12 @@ impl NodeConfig {
             return bad("roles must be non-empty and must not contain ','".into());
         }
         let (m, t, r) = (&self.membership, &self.transport, &self.replicator);
+        if m.downing == DowningStrategy::StaticQuorum && m.quorum_size == 0 {
+            return bad("membership.quorum_size must be at least 1 with downing = \"static-quorum\"".into());
+        }
+        if m.downing_role.as_deref().is_some_and(|r| r.is_empty() || r.contains(',')) {
+            return bad("membership.downing_role must be non-empty and must not contain ','".into());
+        }
         check_durations(&[
             ("membership.gossip_interval", m.gossip_interval),
             ("membership.initial_interval", m.initial_interval),
@@ -532,6 +563,23 @@ mod tests {
         })
         .unwrap();
         assert!(round_trip.contains("down_all_when_unstable = \"2s 500ms\""), "{round_trip}");
+    }
+
+    #[test]
+    fn split_brain_strategies_read_from_toml_and_static_quorum_needs_a_quorum_size() {
+        let read = |body: &str| NodeConfig::from_toml_str(&format!("node_id = \"n1\"\n[membership]\n{body}"));
+        let c = read("downing = \"static-quorum\"\nquorum_size = 3\ndowning_role = \"db\"").unwrap();
+        assert_eq!(c.membership.downing, DowningStrategy::StaticQuorum);
+        assert_eq!((c.membership.quorum_size, c.membership.downing_role.as_deref()), (3, Some("db")));
+        assert!(c.validate().is_ok());
+        let c = read("downing = \"keep-oldest\"\ndown_if_alone = false").unwrap();
+        assert_eq!((c.membership.downing, c.membership.down_if_alone), (DowningStrategy::KeepOldest, false));
+        assert_eq!(read("downing = \"down-all\"").unwrap().membership.downing, DowningStrategy::DownAll);
+        assert!(matches!(read("downing = \"keep-referee\""), Err(Error::Config(_))));
+        let no_quorum = read("downing = \"static-quorum\"").unwrap();
+        assert!(matches!(no_quorum.validate(), Err(Error::Config(m)) if m.contains("quorum_size")));
+        let bad_role = read("downing_role = \"a,b\"").unwrap();
+        assert!(matches!(bad_role.validate(), Err(Error::Config(m)) if m.contains("downing_role")));
     }
 
     #[test]

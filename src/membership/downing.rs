@@ -18,11 +18,25 @@
 //! partition the other side's records do not arrive, nobody on this side is reported by this
 //! side, and the set is empty: the rule never picks a side of a partition.
 //!
-//! **Keep-majority over the rest.** Without the covered members, a member is unreachable when
-//! gossip lost it or an observer outside the cover reports it. When that set has been stable
-//! for `stable_after`, the side with more members (tie: the side holding the lowest address)
-//! downs the other, with the covered members; a node on the losing side, or in the cover,
-//! downs itself.
+//! **A strategy over the rest.** Without the covered members, a member is unreachable when
+//! gossip lost it or an observer outside the cover reports it. That splits the rest into this
+//! node's *reachable* side and the *unreachable* side. When the picture has been stable for
+//! `stable_after`, the configured [`Strategy`] names the side that keeps running ([`survivors`],
+//! a pure function of the two sides): the surviving side downs the other, with the covered
+//! members; a node on a side that does not survive, or in the cover, downs itself.
+//!
+//! - *keep-majority*: the side with more members (tie: the side holding the lowest address).
+//! - *static-quorum*: the side with at least `quorum_size` members; neither when neither has it
+//!   (both stop), and every member when the cluster is larger than `quorum_size × 2 − 1`
+//!   (both sides could then hold a quorum).
+//! - *keep-oldest*: the side holding the oldest member; with `down_if_alone`, when the oldest is
+//!   alone on its side and the other side has at least two members, the other side.
+//! - *down-all*: no side; every member is downed.
+//!
+//! With a role set, only members with that role are counted (and only they can be the oldest
+//! or break a tie); the others go with their side. Every strategy sees the same picture on
+//! both sides of a clean split (each side's reachable set is the other's unreachable set), so
+//! the sides reach complementary verdicts without talking to each other.
 //!
 //! The two sides time their decisions differently on purpose. The winning side waits until its
 //! picture has been stable for `stable_after` (any change restarts the clock: that only delays
@@ -39,7 +53,7 @@
 //! never settles is worse than a restart. The window closes after `stable_after` with an empty
 //! picture, or with a decision.
 //!
-//! What remains is the assumption every keep-majority resolver makes: the two sides detect the
+//! What remains is the assumption every such resolver makes: the two sides detect the
 //! split within `down_removal_margin` of each other, so the losers are gone before the winners
 //! move their shards. Keep the margin at least as long as the failure detector's spread.
 
@@ -64,6 +78,143 @@ pub(crate) enum Decision {
     DownAll,
 }
 
+/// Which side of a split keeps running (the split-brain strategies of Akka's resolver).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Strategy {
+    /// The side with more members; on a tie the side holding the lowest address.
+    KeepMajority { role: Option<String> },
+    /// The side with at least `quorum_size` members (counting only `role`'s members).
+    StaticQuorum { quorum_size: usize, role: Option<String> },
+    /// The side holding the oldest member; with `down_if_alone`, an oldest member alone on its
+    /// side against two or more others is the one that goes.
+    KeepOldest { down_if_alone: bool, role: Option<String> },
+    /// No side: every member is downed.
+    DownAll,
+}
+
+impl Strategy {
+    /// The strategy the membership settings choose, or `None` with automatic downing off.
+    pub(crate) fn from_settings(m: &crate::config::MembershipSettings) -> Option<Strategy> {
+        use crate::config::DowningStrategy as D;
+        let role = m.downing_role.clone();
+        match m.downing {
+            D::Off => None,
+            D::KeepMajority => Some(Strategy::KeepMajority { role }),
+            D::StaticQuorum => Some(Strategy::StaticQuorum { quorum_size: m.quorum_size, role }),
+            D::KeepOldest => Some(Strategy::KeepOldest { down_if_alone: m.down_if_alone, role }),
+            D::DownAll => Some(Strategy::DownAll),
+        }
+    }
+}
+
+/// Which sides of a split keep running, as a [`Strategy`] decides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Survivors {
+    /// This node's reachable side; the unreachable side is downed.
+    ReachableSide,
+    /// The unreachable side; this node's side downs itself.
+    UnreachableSide,
+    /// Neither side: each downs itself (static-quorum with no quorum on either side).
+    NeitherSide,
+    /// Every member is downed by every member (down-all; static-quorum in a cluster too large
+    /// for its quorum).
+    NoMember,
+}
+
+/// The two sides of a split as one node's picture draws them, indirectly connected members
+/// taken out (they are downed whatever the strategy decides).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sides<'a> {
+    /// This node's side: counted members it reaches.
+    pub reachable: &'a [&'a Member],
+    /// Counted members unreachable from this node.
+    pub unreachable: &'a [&'a Member],
+    /// How many counted members (with the role) are indirectly connected.
+    pub indirectly_connected_with_role: usize,
+}
+
+/// The pure rule: which sides keep running under `strategy`, and why (for the log line).
+pub(crate) fn survivors(strategy: &Strategy, sides: Sides<'_>) -> (Survivors, String) {
+    let with_role =
+        |side: &[&Member], role: &Option<String>| side.iter().filter(|m| m.has_role(role.as_deref())).count();
+    match strategy {
+        Strategy::KeepMajority { role } => {
+            let (r, u) = (with_role(sides.reachable, role), with_role(sides.unreachable, role));
+            let why = format!("keep-majority: {r} reachable against {u} unreachable members{}", role_note(role));
+            let side = match r.cmp(&u) {
+                std::cmp::Ordering::Greater => Survivors::ReachableSide,
+                std::cmp::Ordering::Less => Survivors::UnreachableSide,
+                std::cmp::Ordering::Equal => {
+                    // The tie goes to the side holding the lowest address among the counted
+                    // members (with the role, when any has it).
+                    let counted = |m: &&&Member| r + u == 0 || m.has_role(role.as_deref());
+                    let lowest_reachable = sides.reachable.iter().filter(counted).map(|m| m.address()).min();
+                    let lowest_unreachable = sides.unreachable.iter().filter(counted).map(|m| m.address()).min();
+                    match (lowest_reachable, lowest_unreachable) {
+                        (Some(a), Some(b)) if a < b => Survivors::ReachableSide,
+                        (Some(_), None) => Survivors::ReachableSide,
+                        _ => Survivors::UnreachableSide,
+                    }
+                }
+            };
+            (side, why)
+        }
+        Strategy::StaticQuorum { quorum_size, role } => {
+            let (r, u) = (with_role(sides.reachable, role), with_role(sides.unreachable, role));
+            let total = r + u + sides.indirectly_connected_with_role;
+            let why = format!(
+                "static-quorum {quorum_size}: {r} reachable, {u} unreachable, {} indirectly connected members{}",
+                sides.indirectly_connected_with_role,
+                role_note(role)
+            );
+            // More than 2q - 1 members: both sides could hold a quorum, so neither may stay.
+            let side = if total > quorum_size.saturating_mul(2).saturating_sub(1) {
+                Survivors::NoMember
+            } else if r >= *quorum_size {
+                Survivors::ReachableSide
+            } else if u >= *quorum_size {
+                Survivors::UnreachableSide
+            } else {
+                Survivors::NeitherSide
+            };
+            (side, why)
+        }
+        Strategy::KeepOldest { down_if_alone, role } => {
+            let (r_oldest, u_oldest) =
+                (oldest(sides.reachable, role.as_deref()), oldest(sides.unreachable, role.as_deref()));
+            let oldest_reachable = match (r_oldest, u_oldest) {
+                (Some(a), Some(b)) => a < b,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (None, None) => {
+                    return (Survivors::NeitherSide, format!("keep-oldest: no counted member{}", role_note(role)));
+                }
+            };
+            let (r, u) = (with_role(sides.reachable, role), with_role(sides.unreachable, role));
+            let (own, other) = if oldest_reachable { (r, u) } else { (u, r) };
+            let alone = *down_if_alone && own == 1 && other >= 2;
+            let why = format!(
+                "keep-oldest: the oldest member is {}{}{}",
+                if oldest_reachable { "reachable" } else { "unreachable" },
+                if alone { " and alone on its side (down-if-alone)" } else { "" },
+                role_note(role)
+            );
+            let side = if oldest_reachable != alone { Survivors::ReachableSide } else { Survivors::UnreachableSide };
+            (side, why)
+        }
+        Strategy::DownAll => (Survivors::NoMember, "down-all: every member goes on any unreachability".into()),
+    }
+}
+
+/// The age key of a side's oldest member with the role.
+fn oldest<'a>(side: &[&'a Member], role: Option<&str>) -> Option<(u64, u64, &'a str)> {
+    side.iter().filter(|m| m.has_role(role)).map(|m| m.age_key()).min()
+}
+
+fn role_note(role: &Option<String>) -> String {
+    role.as_ref().map(|r| format!(" (counting role {r:?})")).unwrap_or_default()
+}
+
 /// What the resolver sees: members gossip lost, and the table's records (observer, subject).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 struct Picture {
@@ -81,6 +232,7 @@ impl Picture {
 /// clocks.
 #[derive(Debug)]
 pub(crate) struct Resolver {
+    strategy: Strategy,
     stable_after: Duration,
     down_all_when_unstable: Option<Duration>,
     picture: Picture,
@@ -93,13 +245,21 @@ pub(crate) struct Resolver {
     not_losing_since: Option<Instant>,
     /// The members the last decision covered as indirectly connected (for the explanation).
     indirectly_connected: BTreeSet<UniqueAddress>,
+    /// Why the strategy chose the side it chose last (for the explanation).
+    verdict: String,
 }
 
 impl Resolver {
-    /// A resolver that decides once the picture is stable for `stable_after` and, with
-    /// `down_all_when_unstable`, downs everyone when it is not within that much more.
-    pub(crate) fn new(stable_after: Duration, down_all_when_unstable: Option<Duration>, now: Instant) -> Self {
+    /// A resolver that applies `strategy` once the picture is stable for `stable_after` and,
+    /// with `down_all_when_unstable`, downs everyone when it is not within that much more.
+    pub(crate) fn new(
+        strategy: Strategy,
+        stable_after: Duration,
+        down_all_when_unstable: Option<Duration>,
+        now: Instant,
+    ) -> Self {
         Resolver {
+            strategy,
             stable_after,
             down_all_when_unstable,
             picture: Picture::default(),
@@ -108,6 +268,7 @@ impl Resolver {
             losing_since: None,
             not_losing_since: None,
             indirectly_connected: BTreeSet::new(),
+            verdict: String::new(),
         }
     }
 
@@ -155,7 +316,10 @@ impl Resolver {
         }
         let limit = self.down_all_when_unstable.map(|d| self.stable_after + d);
         match (limit, self.unstable_since) {
-            (Some(limit), Some(since)) if now.saturating_duration_since(since) >= limit => Decision::DownAll,
+            (Some(limit), Some(since)) if now.saturating_duration_since(since) >= limit => {
+                self.verdict = "reachability did not settle within stable_after + down_all_when_unstable".into();
+                Decision::DownAll
+            }
             _ => Decision::Wait,
         }
     }
@@ -186,21 +350,34 @@ impl Resolver {
             self.not_losing(now);
             return if stable { Decision::DownMyself } else { Decision::Wait };
         }
-        let rest = counted.len() - cover.len();
-        let reachable_side = rest - unreachable.len();
-        let reachable_side_wins = match reachable_side.cmp(&unreachable.len()) {
-            std::cmp::Ordering::Greater => true,
-            std::cmp::Ordering::Less => false,
-            std::cmp::Ordering::Equal => {
-                let lowest = counted.keys().copied().filter(|m| !cover.contains(*m)).min();
-                lowest.is_some_and(|l| !unreachable.contains(l))
-            }
-        };
         let on_reachable_side = !unreachable.contains(me);
-        if reachable_side_wins == on_reachable_side {
+        let (reachable_side, unreachable_side): (Vec<&Member>, Vec<&Member>) = counted
+            .iter()
+            .filter(|(a, _)| !cover.contains(**a))
+            .map(|(_, m)| *m)
+            .partition(|m| !unreachable.contains(m.address()));
+        let role = match &self.strategy {
+            Strategy::KeepMajority { role }
+            | Strategy::StaticQuorum { role, .. }
+            | Strategy::KeepOldest { role, .. } => role.as_deref(),
+            Strategy::DownAll => None,
+        };
+        let sides = Sides {
+            reachable: &reachable_side,
+            unreachable: &unreachable_side,
+            indirectly_connected_with_role: cover.iter().filter(|a| counted[a].has_role(role)).count(),
+        };
+        let (survivors, verdict) = survivors(&self.strategy, sides);
+        self.verdict = verdict;
+        let my_side_survives = match survivors {
+            Survivors::ReachableSide => on_reachable_side,
+            Survivors::UnreachableSide => !on_reachable_side,
+            Survivors::NeitherSide | Survivors::NoMember => false,
+        };
+        if my_side_survives {
             self.not_losing(now);
             if !stable || !on_reachable_side {
-                // Reported myself, yet on the larger side: those who see my side lose act.
+                // Reported myself, yet on the surviving side: those who see my side lose act.
                 return Decision::Wait;
             }
             let victims: BTreeSet<UniqueAddress> = unreachable.into_iter().chain(cover).filter(|m| m != me).collect();
@@ -211,7 +388,7 @@ impl Resolver {
         if now.saturating_duration_since(since) < self.stable_after {
             return Decision::Wait;
         }
-        Decision::DownMyself
+        if survivors == Survivors::NoMember { Decision::DownAll } else { Decision::DownMyself }
     }
 
     fn not_losing(&mut self, now: Instant) {
@@ -233,6 +410,9 @@ impl Resolver {
         let records: Vec<String> = self.picture.records.iter().map(|(o, x)| format!("{o} -> {x}")).collect();
         let cover: Vec<String> = self.indirectly_connected.iter().map(ToString::to_string).collect();
         let _ = write!(s, "{}]; indirectly connected, downed: [{}]", records.join(", "), cover.join(", "));
+        if !self.verdict.is_empty() {
+            let _ = write!(s, "; {}", self.verdict);
+        }
         s
     }
 }
@@ -273,6 +453,8 @@ mod tests {
     use super::*;
     use crate::membership::view::{GossipNode, compute_members};
     use std::collections::BTreeMap;
+
+    const KM: Strategy = Strategy::KeepMajority { role: None };
 
     fn snap(me: &str, members: &[(&str, bool)]) -> MembershipSnapshot {
         table(me, members, &[])
@@ -316,7 +498,7 @@ mod tests {
     #[test]
     fn majority_side_downs_the_unreachable_minority_after_stable_after() {
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let s = snap("a", &[("a", true), ("b", true), ("c", true), ("d", false), ("e", false)]);
         assert_eq!(k.decide(&s, t0), Decision::Wait);
         assert_eq!(k.decide(&s, t0 + Duration::from_secs(4)), Decision::Wait);
@@ -327,7 +509,7 @@ mod tests {
     #[test]
     fn minority_side_downs_itself() {
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let s = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", true)]);
         k.decide(&s, t0);
         assert_eq!(k.decide(&s, t0 + Duration::from_secs(6)), Decision::DownMyself);
@@ -336,7 +518,7 @@ mod tests {
     #[test]
     fn a_change_in_the_unreachable_set_restarts_the_clock() {
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         k.decide(&snap("a", &[("a", true), ("b", true), ("c", false)]), t0);
         let later = snap("a", &[("a", true), ("b", false), ("c", false), ("d", true), ("e", true)]);
         assert_eq!(k.decide(&later, t0 + Duration::from_secs(4)), Decision::Wait);
@@ -349,7 +531,7 @@ mod tests {
         // 3 reachable against 2 unreachable that include the lowest address: counts decide,
         // the address only breaks ties.
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true), ("e", true)]);
         k.decide(&s, t0);
         let d = k.decide(&s, t0 + Duration::from_secs(5));
@@ -360,11 +542,11 @@ mod tests {
     fn tie_is_won_by_the_side_with_the_lowest_address() {
         let t0 = Instant::now();
         let later = t0 + Duration::from_secs(10);
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let s = snap("a", &[("a", true), ("b", true), ("c", false), ("d", false)]);
         k.decide(&s, t0);
         assert!(matches!(k.decide(&s, later), Decision::DownOthers(_)));
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let s = snap("c", &[("a", false), ("b", false), ("c", true), ("d", true)]);
         k.decide(&s, t0);
         assert_eq!(k.decide(&s, later), Decision::DownMyself);
@@ -376,7 +558,7 @@ mod tests {
         // changes, but d has been losing all along and must down itself on the original
         // schedule, when the majority (which saw no change) downs d and e.
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let cut = cut_seen_by_d();
         assert_eq!(k.decide(&cut, t0), Decision::Wait);
         let crashed = snap("d", &[("a", false), ("b", false), ("c", false), ("d", true), ("e", false)]);
@@ -387,7 +569,7 @@ mod tests {
     #[test]
     fn a_brief_flap_seen_only_by_the_loser_does_not_restart_its_clock() {
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let cut = cut_seen_by_d();
         k.decide(&cut, t0);
         let healed = healed_seen_by_d();
@@ -399,7 +581,7 @@ mod tests {
     #[test]
     fn losing_clock_restarts_after_stable_after_without_losing() {
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(5), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(5), None, t0);
         let cut = cut_seen_by_d();
         k.decide(&cut, t0);
         let healed = healed_seen_by_d();
@@ -413,7 +595,7 @@ mod tests {
     #[test]
     fn healed_partition_decides_nothing() {
         let t0 = Instant::now();
-        let mut k = Resolver::new(Duration::from_secs(1), None, t0);
+        let mut k = Resolver::new(KM, Duration::from_secs(1), None, t0);
         k.decide(&snap("a", &[("a", true), ("b", false), ("c", true)]), t0);
         let healed = snap("a", &[("a", true), ("b", true), ("c", true)]);
         assert_eq!(k.decide(&healed, t0 + Duration::from_secs(5)), Decision::Wait);
@@ -432,7 +614,7 @@ mod tests {
 
     fn decide_after(me: &str, records: &[(&str, &str)], stable: Duration) -> Decision {
         let t0 = Instant::now();
-        let mut r = Resolver::new(stable, None, t0);
+        let mut r = Resolver::new(KM, stable, None, t0);
         let view = table(me, &ALL_LIVE, records);
         assert_eq!(r.decide(&view, t0), Decision::Wait, "nothing before stable_after");
         assert_eq!(r.decide(&view, t0 + stable - Duration::from_millis(1)), Decision::Wait);
@@ -497,7 +679,7 @@ mod tests {
         let stable = Duration::from_secs(1);
         let members = [("c", true), ("p", true), ("q", true), ("x", false), ("y", false)];
         let records = [("c", "x"), ("p", "x"), ("q", "y"), ("c", "y")];
-        let mut r = Resolver::new(stable, None, t0);
+        let mut r = Resolver::new(KM, stable, None, t0);
         let view = table("p", &members, &records);
         r.decide(&view, t0);
         assert_eq!(r.decide(&view, t0 + stable), Decision::DownOthers([a("x"), a("y")].into()));
@@ -505,7 +687,7 @@ mod tests {
         // x's side: its own reports of c, p, q arrive only on its side; gossip lost them.
         let members = [("c", false), ("p", false), ("q", false), ("x", true), ("y", true)];
         let records = [("x", "c"), ("x", "p"), ("y", "q")];
-        let mut r = Resolver::new(stable, None, t0);
+        let mut r = Resolver::new(KM, stable, None, t0);
         let view = table("x", &members, &records);
         r.decide(&view, t0);
         assert_eq!(r.decide(&view, t0 + stable), Decision::DownMyself);
@@ -519,7 +701,7 @@ mod tests {
         assert!(view.get(&a("x")).unwrap().is_reachable());
         assert!(view.observed_unreachable_by(&a("x")).is_empty());
         let t0 = Instant::now();
-        let mut r = Resolver::new(Duration::from_secs(1), None, t0);
+        let mut r = Resolver::new(KM, Duration::from_secs(1), None, t0);
         r.decide(&view, t0);
         assert_eq!(r.decide(&view, t0 + Duration::from_secs(1)), Decision::DownOthers([a("c")].into()));
     }
@@ -528,7 +710,7 @@ mod tests {
     fn a_change_in_the_table_restarts_the_clock() {
         let t0 = Instant::now();
         let stable = Duration::from_secs(5);
-        let mut r = Resolver::new(stable, None, t0);
+        let mut r = Resolver::new(KM, stable, None, t0);
         r.decide(&table("p", &ALL_LIVE, &[("c", "x"), ("x", "c")]), t0);
         let more = table("p", &ALL_LIVE, &ONE_WAY_CUT);
         assert_eq!(r.decide(&more, t0 + Duration::from_secs(3)), Decision::Wait);
@@ -549,14 +731,14 @@ mod tests {
     fn reachability_that_never_settles_downs_everyone_after_stable_after_plus_the_unstable_margin() {
         let t0 = Instant::now();
         let (stable, extra) = (Duration::from_secs(5), Duration::from_millis(3_750));
-        let mut r = Resolver::new(stable, Some(extra), t0);
+        let mut r = Resolver::new(KM, stable, Some(extra), t0);
         for i in 0..=8 {
             assert_eq!(r.decide(&flapping(i), t0 + Duration::from_secs(i)), Decision::Wait, "at {i} s");
         }
         assert_eq!(r.decide(&flapping(8), t0 + Duration::from_millis(8_749)), Decision::Wait);
         assert_eq!(r.decide(&flapping(8), t0 + Duration::from_millis(8_750)), Decision::DownAll);
         // Without the setting, it waits for ever.
-        let mut r = Resolver::new(stable, None, t0);
+        let mut r = Resolver::new(KM, stable, None, t0);
         for i in 0..60 {
             assert_eq!(r.decide(&flapping(i), t0 + Duration::from_secs(i)), Decision::Wait, "at {i} s");
         }
@@ -569,7 +751,7 @@ mod tests {
         let at = |s: u64| t0 + Duration::from_secs(s);
         let healed = table("p", &ALL_LIVE, &[]);
         // Unsettled from 0 s; healed for 4 s only (less than stable_after): the window stays open.
-        let mut r = Resolver::new(stable, Some(extra), t0);
+        let mut r = Resolver::new(KM, stable, Some(extra), t0);
         r.decide(&flapping(0), at(0));
         r.decide(&flapping(1), at(1));
         r.decide(&healed, at(2));
@@ -577,7 +759,7 @@ mod tests {
         r.decide(&flapping(0), at(6));
         assert_eq!(r.decide(&flapping(1), at(8)), Decision::DownAll, "8 s after the first change");
         // Healed for stable_after: a new problem later gets a fresh window.
-        let mut r = Resolver::new(stable, Some(extra), t0);
+        let mut r = Resolver::new(KM, stable, Some(extra), t0);
         r.decide(&flapping(0), at(0));
         r.decide(&healed, at(2));
         r.decide(&healed, at(7));
@@ -591,7 +773,7 @@ mod tests {
         let t0 = Instant::now();
         let (stable, extra) = (Duration::from_secs(5), Duration::from_secs(1));
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let mut r = Resolver::new(stable, Some(extra), t0);
+        let mut r = Resolver::new(KM, stable, Some(extra), t0);
         let cut = table("p", &ALL_LIVE, &ONE_WAY_CUT);
         r.decide(&cut, at(0));
         assert_eq!(r.decide(&cut, at(5)), Decision::DownOthers([a("c")].into()));
@@ -604,7 +786,7 @@ mod tests {
     #[test]
     fn the_explanation_names_the_silent_members_the_records_and_the_indirectly_connected() {
         let t0 = Instant::now();
-        let mut r = Resolver::new(Duration::from_secs(1), None, t0);
+        let mut r = Resolver::new(KM, Duration::from_secs(1), None, t0);
         let members = [("c", true), ("p", true), ("q", false), ("x", true), ("y", true)];
         let mut records = ONE_WAY_CUT.to_vec();
         records.push(("p", "q"));
@@ -616,5 +798,231 @@ mod tests {
         assert!(e.contains("c#1 -> x#1") && e.contains("y#1 -> c#1"), "{e}");
         assert!(e.contains("indirectly connected, downed: [c#1]"), "{e}");
         assert!(!e.contains("-> q#1"), "records about a member gossip lost are left out: {e}");
+    }
+}
+
+/// The strategies beside keep-majority, on every side of every split shape.
+#[cfg(test)]
+mod strategy_tests {
+    use super::*;
+    use crate::membership::view::{GossipNode, compute_members};
+    use std::collections::BTreeMap;
+
+    const STABLE: Duration = Duration::from_secs(5);
+
+    /// `me`'s view of a clean split: members (oldest first, with roles) on `my_side` are alive
+    /// in gossip, the others are silent.
+    fn split_view(me: &str, members: &[(&str, &[&str])], my_side: &[&str]) -> MembershipSnapshot {
+        let nodes: Vec<GossipNode> = members
+            .iter()
+            .enumerate()
+            .map(|(i, (id, roles))| {
+                let mut keys = BTreeMap::new();
+                keys.insert("status".to_string(), "up".to_string());
+                keys.insert("up".to_string(), (i + 1).to_string());
+                keys.insert("msg".to_string(), "127.0.0.1:1".to_string());
+                keys.insert("roles".to_string(), roles.join(","));
+                GossipNode {
+                    address: UniqueAddress::new(*id, 1),
+                    gossip_addr: "127.0.0.1:2".parse().unwrap(),
+                    live: my_side.contains(id),
+                    keys,
+                }
+            })
+            .collect();
+        compute_members(&UniqueAddress::new(me, 1), &nodes)
+    }
+
+    /// Every member's decision `stable_after` after a clean split into `sides`.
+    fn decisions(strategy: &Strategy, members: &[(&str, &[&str])], sides: &[&[&str]]) -> BTreeMap<String, Decision> {
+        let t0 = Instant::now();
+        let mut out = BTreeMap::new();
+        for side in sides {
+            for me in *side {
+                let view = split_view(me, members, side);
+                let mut r = Resolver::new(strategy.clone(), STABLE, None, t0);
+                assert_eq!(r.decide(&view, t0), Decision::Wait, "{me}: nothing before stable_after");
+                assert_eq!(r.decide(&view, t0 + STABLE - Duration::from_millis(1)), Decision::Wait, "{me}");
+                out.insert(me.to_string(), r.decide(&view, t0 + STABLE));
+            }
+        }
+        out
+    }
+
+    fn plain(ids: &[&'static str]) -> Vec<(&'static str, &'static [&'static str])> {
+        ids.iter().map(|id| (*id, &[] as &[&str])).collect()
+    }
+
+    fn down(ids: &[&str]) -> Decision {
+        Decision::DownOthers(ids.iter().map(|id| UniqueAddress::new(*id, 1)).collect())
+    }
+
+    /// Asserts each side's members decide `expected` (one decision per side, in order).
+    fn assert_sides(strategy: &Strategy, members: &[(&str, &[&str])], sides: &[&[&str]], expected: &[Decision]) {
+        let got = decisions(strategy, members, sides);
+        for (side, want) in sides.iter().zip(expected) {
+            for me in *side {
+                assert_eq!(&got[*me], want, "{strategy:?}, split {sides:?}, seen by {me}");
+            }
+        }
+    }
+
+    const FIVE: [&str; 5] = ["a", "b", "c", "d", "e"];
+
+    #[test]
+    fn static_quorum_keeps_the_side_with_a_quorum_and_downs_the_other() {
+        let q3 = Strategy::StaticQuorum { quorum_size: 3, role: None };
+        let m = plain(&FIVE);
+        assert_sides(&q3, &m, &[&["a", "b", "c"], &["d", "e"]], &[down(&["d", "e"]), Decision::DownMyself]);
+        assert_sides(&q3, &m, &[&["a", "b"], &["c", "d", "e"]], &[Decision::DownMyself, down(&["a", "b"])]);
+        assert_sides(&q3, &m, &[&["a"], &["b", "c", "d", "e"]], &[Decision::DownMyself, down(&["a"])]);
+        // Exactly the quorum after a crash of two: still serving.
+        assert_sides(&q3, &m, &[&["a", "b", "c"]], &[down(&["d", "e"])]);
+    }
+
+    #[test]
+    fn static_quorum_without_a_quorum_on_either_side_stops_both() {
+        let q3 = Strategy::StaticQuorum { quorum_size: 3, role: None };
+        let m = plain(&["a", "b", "c", "d"]);
+        assert_sides(&q3, &m, &[&["a", "b"], &["c", "d"]], &[Decision::DownMyself, Decision::DownMyself]);
+        // Two of three crashed: the survivor has no quorum and stops.
+        assert_sides(&q3, &plain(&["a", "b", "c"]), &[&["a"]], &[Decision::DownMyself]);
+    }
+
+    #[test]
+    fn static_quorum_in_a_cluster_larger_than_twice_the_quorum_less_one_downs_every_member() {
+        // 4 members with a quorum of 2: a 2|2 split would leave a quorum on both sides.
+        let q2 = Strategy::StaticQuorum { quorum_size: 2, role: None };
+        let m = plain(&["a", "b", "c", "d"]);
+        assert_sides(&q2, &m, &[&["a", "b"], &["c", "d"]], &[Decision::DownAll, Decision::DownAll]);
+        assert_sides(&q2, &m, &[&["a", "b", "c"], &["d"]], &[Decision::DownAll, Decision::DownAll]);
+        // 3 members is the most a quorum of 2 allows.
+        assert_sides(&q2, &plain(&["a", "b", "c"]), &[&["a", "b"], &["c"]], &[down(&["c"]), Decision::DownMyself]);
+    }
+
+    #[test]
+    fn static_quorum_counts_only_members_with_its_role() {
+        let q2 = Strategy::StaticQuorum { quorum_size: 2, role: Some("db".into()) };
+        let m: Vec<(&str, &[&str])> = vec![("a", &[]), ("b", &[]), ("c", &["db"]), ("d", &["db"]), ("e", &["db"])];
+        // {a, b, c} has more members but one db; {d, e} has two.
+        assert_sides(&q2, &m, &[&["a", "b", "c"], &["d", "e"]], &[Decision::DownMyself, down(&["a", "b", "c"])]);
+    }
+
+    #[test]
+    fn keep_oldest_keeps_the_side_of_the_oldest_member_whatever_its_size() {
+        let ko = Strategy::KeepOldest { down_if_alone: true, role: None };
+        let m = plain(&FIVE);
+        assert_sides(&ko, &m, &[&["a", "b"], &["c", "d", "e"]], &[down(&["c", "d", "e"]), Decision::DownMyself]);
+        assert_sides(&ko, &m, &[&["b", "c", "d"], &["a", "e"]], &[Decision::DownMyself, down(&["b", "c", "d"])]);
+    }
+
+    #[test]
+    fn keep_oldest_with_down_if_alone_lets_the_others_keep_running_without_a_lone_oldest() {
+        let m = plain(&FIVE);
+        let alone = Strategy::KeepOldest { down_if_alone: true, role: None };
+        assert_sides(&alone, &m, &[&["a"], &["b", "c", "d", "e"]], &[Decision::DownMyself, down(&["a"])]);
+        // A crashed oldest (silent to everyone) is downed too, and the cluster serves on.
+        assert_sides(&alone, &m, &[&["b", "c", "d", "e"]], &[down(&["a"])]);
+        let stays = Strategy::KeepOldest { down_if_alone: false, role: None };
+        assert_sides(
+            &stays,
+            &m,
+            &[&["a"], &["b", "c", "d", "e"]],
+            &[down(&["b", "c", "d", "e"]), Decision::DownMyself],
+        );
+    }
+
+    #[test]
+    fn keep_oldest_in_two_members_keeps_the_oldest_even_alone() {
+        // Against a single member, being alone says nothing: the oldest keeps running.
+        let ko = Strategy::KeepOldest { down_if_alone: true, role: None };
+        assert_sides(&ko, &plain(&["a", "b"]), &[&["a"], &["b"]], &[down(&["b"]), Decision::DownMyself]);
+    }
+
+    #[test]
+    fn keep_oldest_with_a_role_follows_the_oldest_member_with_that_role() {
+        let ko = Strategy::KeepOldest { down_if_alone: false, role: Some("db".into()) };
+        let m: Vec<(&str, &[&str])> = vec![("a", &[]), ("b", &[]), ("c", &["db"]), ("d", &["db"]), ("e", &[])];
+        assert_sides(&ko, &m, &[&["a", "b"], &["c", "d", "e"]], &[Decision::DownMyself, down(&["a", "b"])]);
+        // No member with the role on either side: no side can tell it holds the oldest.
+        let none = Strategy::KeepOldest { down_if_alone: false, role: Some("cache".into()) };
+        assert_sides(&none, &m, &[&["a", "b"], &["c", "d", "e"]], &[Decision::DownMyself, Decision::DownMyself]);
+    }
+
+    #[test]
+    fn keep_majority_with_a_role_counts_only_that_roles_members() {
+        let km = Strategy::KeepMajority { role: Some("db".into()) };
+        let m: Vec<(&str, &[&str])> = vec![("a", &[]), ("b", &[]), ("c", &["db"]), ("d", &["db"]), ("e", &["db"])];
+        assert_sides(&km, &m, &[&["a", "b", "c"], &["d", "e"]], &[Decision::DownMyself, down(&["a", "b", "c"])]);
+        // A tie among db members goes to the side with the lowest db address (c), not a.
+        let m: Vec<(&str, &[&str])> = vec![("a", &[]), ("b", &[]), ("c", &["db"]), ("d", &["db"])];
+        assert_sides(&km, &m, &[&["a", "d"], &["b", "c"]], &[Decision::DownMyself, down(&["a", "d"])]);
+    }
+
+    #[test]
+    fn down_all_downs_every_member_on_every_side_even_for_one_crash() {
+        let m = plain(&FIVE);
+        assert_sides(&Strategy::DownAll, &m, &[&["a", "b"], &["c", "d", "e"]], &[Decision::DownAll, Decision::DownAll]);
+        assert_sides(&Strategy::DownAll, &m, &[&["a", "b", "c", "d"]], &[Decision::DownAll]);
+    }
+
+    #[test]
+    fn a_losing_side_acts_after_stable_after_of_losing_even_while_its_picture_changes() {
+        // 2|3 under static-quorum 3, seen from d: e crashes a second in. d has been losing all
+        // along and downs itself on the original schedule.
+        let q3 = Strategy::StaticQuorum { quorum_size: 3, role: None };
+        let m = plain(&FIVE);
+        let t0 = Instant::now();
+        let mut r = Resolver::new(q3, STABLE, None, t0);
+        assert_eq!(r.decide(&split_view("d", &m, &["d", "e"]), t0), Decision::Wait);
+        assert_eq!(r.decide(&split_view("d", &m, &["d"]), t0 + Duration::from_secs(1)), Decision::Wait);
+        assert_eq!(r.decide(&split_view("d", &m, &["d"]), t0 + STABLE), Decision::DownMyself);
+        assert!(r.explain().contains("static-quorum 3: 1 reachable, 4 unreachable"), "{}", r.explain());
+    }
+
+    /// Every split of `n` members into two sides (the first side holds bit-set members).
+    fn every_split(n: usize) -> impl Iterator<Item = (Vec<&'static str>, Vec<&'static str>)> {
+        const IDS: [&str; 6] = ["a", "b", "c", "d", "e", "f"];
+        (1..(1u32 << n) - 1).map(move |bits| {
+            let on_first = |i: usize| bits & (1 << i) != 0;
+            let first = IDS[..n].iter().enumerate().filter(|(i, _)| on_first(*i)).map(|(_, id)| *id).collect();
+            let second = IDS[..n].iter().enumerate().filter(|(i, _)| !on_first(*i)).map(|(_, id)| *id).collect();
+            (first, second)
+        })
+    }
+
+    #[test]
+    fn no_strategy_ever_keeps_both_sides_of_any_split_of_up_to_six_members() {
+        for n in 2..=6 {
+            let ids = &["a", "b", "c", "d", "e", "f"][..n];
+            let m = plain(ids);
+            let strategies = [
+                Strategy::KeepMajority { role: None },
+                Strategy::StaticQuorum { quorum_size: n / 2 + 1, role: None },
+                Strategy::StaticQuorum { quorum_size: 2, role: None },
+                Strategy::KeepOldest { down_if_alone: true, role: None },
+                Strategy::KeepOldest { down_if_alone: false, role: None },
+                Strategy::DownAll,
+            ];
+            for s in &strategies {
+                for (x, y) in every_split(n) {
+                    let got = decisions(s, &m, &[&x, &y]);
+                    let keeps = |side: &[&str]| side.iter().all(|id| matches!(got[*id], Decision::DownOthers(_)));
+                    let stops = |side: &[&str]| {
+                        side.iter().all(|id| matches!(got[*id], Decision::DownMyself | Decision::DownAll))
+                    };
+                    assert!(keeps(&x) || stops(&x), "{s:?} {x:?}|{y:?}: one side decides as one: {got:?}");
+                    assert!(keeps(&y) || stops(&y), "{s:?} {x:?}|{y:?}: {got:?}");
+                    assert!(!(keeps(&x) && keeps(&y)), "{s:?} {x:?}|{y:?}: both sides keep running: {got:?}");
+                    let must_keep_one = matches!(s, Strategy::KeepMajority { .. } | Strategy::KeepOldest { .. });
+                    if must_keep_one {
+                        assert!(keeps(&x) || keeps(&y), "{s:?} {x:?}|{y:?}: some side keeps running: {got:?}");
+                    }
+                    if *s == Strategy::DownAll {
+                        assert!(got.values().all(|d| *d == Decision::DownAll), "{got:?}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -13,11 +13,12 @@ use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tracing::{debug, warn};
 
+use super::downing::Strategy;
 use super::gossip_auth::{AuthenticatedSocket, GossipStats};
 use super::lifecycle::{LifecycleAction, LifecycleCore, LifecycleSettings};
 use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
-use crate::config::{DowningStrategy, NodeConfig};
+use crate::config::NodeConfig;
 use crate::error::{Error, Result};
 use crate::spawn::Spawner;
 
@@ -198,7 +199,7 @@ impl MembershipDriver {
             gossip_interval: m.gossip_interval,
             seed_node_timeout: m.seed_node_timeout,
             down_removal_margin: m.down_removal_margin,
-            downing_stable_after: (m.downing == DowningStrategy::KeepMajority).then_some(m.stable_after),
+            downing: Strategy::from_settings(m).map(|strategy| (strategy, m.stable_after)),
             down_all_when_unstable: m.down_all_when_unstable.after(m.stable_after),
         };
         let driver = MembershipDriver {

@@ -10,7 +10,7 @@
 //! - **Down-removal margin.** A member seen Down stays listed (as Down) for
 //!   `down_removal_margin` after this node first saw it so, then it is dropped from the
 //!   snapshot: its shards and singletons move only then, giving it time to stop.
-//! - **Downing.** While this node is Up or Leaving, keep-majority decides on each snapshot;
+//! - **Downing.** While this node is Up or Leaving, the split-brain strategy decides on each snapshot;
 //!   each victim's down mark is published once, and a losing node publishes itself Down.
 
 use std::collections::{HashMap, HashSet};
@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use super::downing::{Decision, Resolver};
+use super::downing::{Decision, Resolver, Strategy};
 use super::view::{GossipNode, compute_members, highest_up_number, keys};
 use super::{MemberStatus, MembershipSnapshot, UniqueAddress};
 use crate::clock::Instant;
@@ -44,8 +44,9 @@ pub(crate) struct LifecycleSettings {
     pub gossip_interval: Duration,
     pub seed_node_timeout: Duration,
     pub down_removal_margin: Duration,
-    /// Keep-majority's `stable_after`, or `None` with downing off.
-    pub downing_stable_after: Option<Duration>,
+    /// Which side of a split keeps running, and the resolver's `stable_after`; `None` with
+    /// downing off.
+    pub downing: Option<(Strategy, Duration)>,
     /// How much longer than `stable_after` an unsettled picture may last before every member
     /// is downed (`None`: never).
     pub down_all_when_unstable: Option<Duration>,
@@ -71,7 +72,10 @@ impl LifecycleCore {
     pub(crate) fn new(address: UniqueAddress, settings: LifecycleSettings, now: Instant) -> Self {
         LifecycleCore {
             address,
-            downing: settings.downing_stable_after.map(|s| Resolver::new(s, settings.down_all_when_unstable, now)),
+            downing: settings
+                .downing
+                .clone()
+                .map(|(strategy, stable)| Resolver::new(strategy, stable, settings.down_all_when_unstable, now)),
             downed_all: false,
             settings,
             status: MemberStatus::Joining,
@@ -171,7 +175,7 @@ impl LifecycleCore {
                     .map(|m| m.address.clone())
                     .filter(|a| self.downs_published.insert(a.clone()))
                     .collect();
-                warn!(node = %self.address, picture = %resolver.explain(), "split-brain resolver: reachability did not settle within stable_after + down_all_when_unstable; downing every member, this one included");
+                warn!(node = %self.address, picture = %resolver.explain(), "split-brain resolver: downing every member, this one included");
                 if !others.is_empty() {
                     out.push(LifecycleAction::PublishDowns(others));
                 }
@@ -220,7 +224,7 @@ mod tests {
             gossip_interval: GOSSIP,
             seed_node_timeout: Duration::from_secs(5),
             down_removal_margin: Duration::from_secs(2),
-            downing_stable_after: downing,
+            downing: downing.map(|stable| (Strategy::KeepMajority { role: None }, stable)),
             down_all_when_unstable: None,
         }
     }

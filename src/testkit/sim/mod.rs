@@ -498,6 +498,7 @@ impl Sim {
             replicator,
             forwarded: BTreeMap::new(),
             downing: crate::membership::downing::Resolver::new(
+                crate::membership::downing::Strategy::KeepMajority { role: None },
                 Duration::from_millis(1_500),
                 // "on": stable_after × 3/4, at least 4 s.
                 self.cfg.message_path.then_some(Duration::from_secs(4)),
