@@ -246,10 +246,16 @@ async fn a_stored_state_that_does_not_decode_is_a_typed_error_naming_the_type_an
     c.restart(0).await.unwrap();
     c.await_converged(CONVERGE).await;
     let renamed = c.node(0).sharding().start_durable("cart", |_: &str| Renamed, durable_settings()).await.unwrap();
+    // Until the restarted shard is hosted: retried with a pause, the last error named at the
+    // deadline.
+    let deadline = tokio::time::Instant::now() + CONVERGE;
     let err = loop {
         match renamed.ask_with_timeout("c1", CartMsg::Get, Duration::from_secs(3)).await {
             Err(Error::StateUndecodable { type_name, entity_id, reason }) => break (type_name, entity_id, reason),
-            Err(Error::AskTimeout { .. } | Error::NotDelivered { .. }) => continue,
+            Err(e @ (Error::AskTimeout { .. } | Error::NotDelivered { .. })) => {
+                assert!(tokio::time::Instant::now() < deadline, "no decode error before the deadline; last: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
             other => panic!("expected a decode error, got {other:?}"),
         }
     };

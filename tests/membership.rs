@@ -84,6 +84,36 @@ async fn gracefully_leaving_node_is_removed_everywhere() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_whose_seeds_name_another_clusters_node_take_nothing_from_its_gossip_replies() {
+    // A misconfigured seed list: every joining member gossips first to a node of another
+    // cluster, which answers each of them. Neither side may admit the other.
+    let dir = tempfile::tempdir().unwrap();
+    let foreign = Node::start(test_config("stranger", dir.path(), "another-cluster")).await.unwrap();
+    let stranger = foreign.gossip_addr();
+    let c = TestCluster::start_with(3, move |i, cfg| {
+        if i > 0 {
+            cfg.seeds.insert(0, stranger);
+        }
+    })
+    .await
+    .unwrap();
+    c.await_converged(CONVERGE).await;
+    let nodes: Vec<Node> = c.running().map(|(_, n)| n.clone()).collect();
+    // Several gossip rounds with the stranger in every member's seed list, checked throughout.
+    for _ in 0..20 {
+        for n in &nodes {
+            assert_eq!(ids(n).len(), 3, "{} lists its own cluster only: {:?}", n.node_id(), ids(n));
+            assert!(!ids(n).contains(&"stranger".to_string()), "stranger admitted on {}", n.node_id());
+        }
+        assert_eq!(ids(&foreign), ["stranger"], "the stranger took no member of the other cluster");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    foreign.shutdown().await;
+    let mut c = c;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn node_with_another_cluster_id_never_appears_in_any_member_list() {
     let mut c = TestCluster::start(2).await.unwrap();
     c.await_converged(CONVERGE).await;

@@ -9,11 +9,13 @@ use std::time::{Duration, Instant};
 use ddshard::service::KvReply;
 use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions};
 
-/// Failure detection (phi 10 at 150 ms gossip: about 1 s), then the test's downing timers.
-const DETECTION: Duration = Duration::from_millis(1000);
+/// The processes' downing timers (short, for tests).
 const STABLE_AFTER: Duration = Duration::from_millis(1500);
 const MARGIN: Duration = Duration::from_millis(1000);
-const SLACK: Duration = Duration::from_secs(5);
+/// How long a test waits for the cluster to recover from a kill before it fails: a deadline, not
+/// a speed promise (detection about 1 s, then the downing timers above; how fast recovery is,
+/// is measured by `benches/failover.rs`, whose figures the README quotes).
+const RECOVERY_DEADLINE: Duration = Duration::from_secs(60);
 
 fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str) -> NodeProcess {
     let mut o = ProcessOptions::new(id, "proc-test", dir);
@@ -79,7 +81,7 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
     assert_eq!(n1.admin_request("PUT", "/cluster/members/n2", leave).await.unwrap().0, 403, "no token configured");
     let killed = Instant::now();
     n2.kill();
-    let bound = DETECTION + STABLE_AFTER + MARGIN + SLACK;
+    let bound = RECOVERY_DEADLINE;
     for i in 0..20 {
         // The value is durable: it comes back with the entity (kv keeps its state).
         let left = bound.saturating_sub(killed.elapsed());
@@ -108,7 +110,7 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
         nodes[i % n].kv_put(&format!("r{i}"), "v").await.unwrap();
     }
     assert_eq!(nodes[1].kv_stats().await.unwrap().total(), Some(ids));
-    let bound = DETECTION + STABLE_AFTER + MARGIN + SLACK;
+    let bound = RECOVERY_DEADLINE;
 
     // First the coordinator's host, then the youngest (never the coordinator).
     let coordinator = oldest(&nodes[1]).await;
@@ -131,7 +133,6 @@ async fn sigkill_coordinator_host_then_another(n: usize) {
              survivors after {running:?} (no message sent)",
             if round == 0 { " (coordinator host)" } else { "" }
         );
-        assert!(running <= bound, "took {running:?}, bound {bound:?}");
         for i in 0..ids {
             // The value was in memory on the killed node; only the id is remembered.
             until_kv(&nodes[watcher], &format!("r{i}"), bound, |_| true).await;
@@ -192,7 +193,7 @@ async fn all_values_answer(n: &NodeProcess, keys: usize, within: Duration, when:
 async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_restart() {
     let dir = tempfile::tempdir().unwrap();
     let keys = 30;
-    let within = DETECTION + STABLE_AFTER + MARGIN + SLACK + Duration::from_secs(20);
+    let within = RECOVERY_DEADLINE;
     let mut n1 = spawn(dir.path(), "n1", &[], "");
     n1.until_up(1, Duration::from_secs(30), |_| true).await;
     for i in 0..keys {

@@ -382,7 +382,12 @@ async fn run_seed(seed: u64, steps: usize) {
     stop.notify_waiters();
     for w in workers {
         w.abort();
-        let _ = w.await;
+        // A worker that panicked (a wrong answer) fails the run; an aborted one is fine.
+        if let Err(e) = w.await
+            && e.is_panic()
+        {
+            std::panic::resume_unwind(e.into_panic());
+        }
     }
 
     // Every acknowledged id runs again, once, without any further message.

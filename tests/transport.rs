@@ -398,6 +398,30 @@ async fn frame_one_byte_over_max_frame_size_closes_only_that_connection() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_gib_length_prefix_after_the_handshake_closes_only_that_connection_without_allocating() {
+    let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
+    let node = c.node(0);
+    let mut inbox = node.transport().subscribe("probe", 16);
+    let hello = member_hello(c.node(1), node, "127.0.0.1:9".parse().unwrap());
+    let mut s = accepted(node.messaging_addr(), &hello).await;
+    write_frame(&mut s, &message("probe", b"before")).await.unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"before", "an authenticated, working connection");
+    // A member's connection announces a frame of u32::MAX bytes: refused from the prefix alone
+    // (a 4 GiB buffer is never reserved), whatever follows.
+    s.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+    let _ = s.write_all(&[0x5a; 64]).await;
+    assert!(closed_by_server(&mut s).await, "a 4 GiB prefix closes the connection");
+    assert!(inbox.try_recv().is_err(), "nothing of it is delivered");
+    await_rejected(node, 1).await;
+    still_serves(&c).await;
+    let mut fresh = accepted(node.messaging_addr(), &hello).await;
+    write_frame(&mut fresh, &message("probe", b"after")).await.unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"after", "the node takes new connections");
+    drop(fresh);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_frame_after_the_handshake_closes_only_that_connection() {
     let mut c = converged_cluster_with_max_frame(MAX_FRAME).await;
     let node = c.node(0);

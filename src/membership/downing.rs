@@ -146,8 +146,8 @@ pub(crate) fn survivors(strategy: &Strategy, sides: Sides<'_>) -> (Survivors, St
                 std::cmp::Ordering::Less => Survivors::UnreachableSide,
                 std::cmp::Ordering::Equal => {
                     // The tie goes to the side holding the lowest address among the counted
-                    // members (with the role, when any has it).
-                    let counted = |m: &&&Member| r + u == 0 || m.has_role(role.as_deref());
+                    // members (with the role, when any has it: on a tie, r == u).
+                    let counted = |m: &&&Member| r == 0 || m.has_role(role.as_deref());
                     let lowest_reachable = sides.reachable.iter().filter(counted).map(|m| m.address()).min();
                     let lowest_unreachable = sides.unreachable.iter().filter(counted).map(|m| m.address()).min();
                     match (lowest_reachable, lowest_unreachable) {
@@ -868,6 +868,42 @@ mod strategy_tests {
     }
 
     const FIVE: [&str; 5] = ["a", "b", "c", "d", "e"];
+
+    #[test]
+    fn the_membership_settings_choose_the_strategy_and_its_parameters() {
+        use crate::config::{DowningStrategy as D, MembershipSettings};
+        let m = |downing| MembershipSettings {
+            downing,
+            downing_role: Some("db".into()),
+            quorum_size: 4,
+            down_if_alone: false,
+            ..MembershipSettings::default()
+        };
+        let role = Some("db".to_string());
+        assert_eq!(Strategy::from_settings(&m(D::Off)), None);
+        assert_eq!(Strategy::from_settings(&m(D::KeepMajority)), Some(Strategy::KeepMajority { role: role.clone() }));
+        assert_eq!(
+            Strategy::from_settings(&m(D::StaticQuorum)),
+            Some(Strategy::StaticQuorum { quorum_size: 4, role: role.clone() })
+        );
+        assert_eq!(
+            Strategy::from_settings(&m(D::KeepOldest)),
+            Some(Strategy::KeepOldest { down_if_alone: false, role })
+        );
+        assert_eq!(Strategy::from_settings(&m(D::DownAll)), Some(Strategy::DownAll));
+    }
+
+    #[test]
+    fn keep_majority_with_a_role_no_member_has_breaks_the_tie_by_every_members_address() {
+        let km = Strategy::KeepMajority { role: Some("db".into()) };
+        // No db member anywhere: 0 against 0, and the lowest address of all (a) decides.
+        assert_sides(
+            &km,
+            &plain(&FIVE),
+            &[&["b", "a"], &["c", "d", "e"]],
+            &[down(&["c", "d", "e"]), Decision::DownMyself],
+        );
+    }
 
     #[test]
     fn static_quorum_keeps_the_side_with_a_quorum_and_downs_the_other() {
