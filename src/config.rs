@@ -229,6 +229,46 @@ impl Default for MembershipSettings {
     }
 }
 
+/// The setting's dotted path an override variable names (`DDSHARD__A__B_C` → `a.b_c`).
+fn override_path_of_env_var(name: &str) -> Option<String> {
+    let rest = name.strip_prefix(NodeConfig::OVERRIDE_ENV_PREFIX)?;
+    Some(rest.split("__").map(str::to_ascii_lowercase).collect::<Vec<_>>().join("."))
+}
+
+/// Sets `raw` at the dotted `path` of `table`, typed after the default found at that path.
+fn set_override(table: &mut toml::Table, defaults: &toml::Table, path: &str, raw: &str) -> Result<()> {
+    let bad = |why: &str| Error::Config(format!("override {path}={raw:?}: {why}"));
+    let keys: Vec<&str> = path.split('.').collect();
+    if keys.iter().any(|k| k.is_empty()) {
+        return Err(bad("the setting's path has an empty part"));
+    }
+    let (last, parents) = keys.split_last().expect("split yields at least one part");
+    let mut default = Some(defaults);
+    let mut at = table;
+    for key in parents {
+        let here = default.and_then(|d| d.get(*key));
+        if here.is_some_and(|d| !d.is_table()) {
+            return Err(bad(&format!("{key} is a setting, not a section")));
+        }
+        default = here.and_then(toml::Value::as_table);
+        let next = at.entry(key.to_string()).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        at = next.as_table_mut().ok_or_else(|| bad(&format!("{key} is a setting, not a section")))?;
+    }
+    let value = match default.and_then(|d| d.get(*last)) {
+        Some(toml::Value::Table(_)) => return Err(bad("that is a section, not a setting")),
+        Some(toml::Value::String(_)) => toml::Value::String(raw.to_string()),
+        Some(toml::Value::Array(_)) if !raw.trim_start().starts_with('[') => toml::Value::Array(
+            raw.split(',').map(str::trim).filter(|x| !x.is_empty()).map(|x| toml::Value::String(x.into())).collect(),
+        ),
+        _ => match format!("v = {raw}").parse::<toml::Table>() {
+            Ok(mut t) => t.remove("v").expect("the table holds the one key parsed"),
+            Err(_) => toml::Value::String(raw.to_string()),
+        },
+    };
+    at.insert(last.to_string(), value);
+    Ok(())
+}
+
 /// Node-to-node messaging settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -339,6 +379,58 @@ impl NodeConfig {
         let text =
             std::fs::read_to_string(path).map_err(|e| Error::io(format!("reading config {}", path.display()), e))?;
         Self::from_toml_str(&text)
+    }
+
+    /// Parses TOML text, then sets each of `overrides` in order (a later one wins): a setting's
+    /// dotted path as in the file (`node_id`, `membership.stable_after`,
+    /// `sharding.allocation.strategy`) and its value as text. So one file serves every node of
+    /// a cluster and each node passes what differs (`ddshard node --set node_id=n2`, or the
+    /// `DDSHARD__…` variables of [`NodeConfig::overrides_from_env`]).
+    ///
+    /// A value is read as the setting's type asks: for a text setting (ids, addresses,
+    /// durations such as `2s`) the text as it is; for a list, TOML (`["a", "b"]`) or items
+    /// separated by commas (`127.0.0.1:7000,127.0.0.1:7001`); otherwise a TOML value (`3`,
+    /// `true`, `0.5`), or the text when it is not one (an unset optional setting like `role`).
+    /// An unknown setting or a value of the wrong type is an [`Error::Config`] naming it.
+    pub fn from_toml_str_with_overrides(text: &str, overrides: &[(String, String)]) -> Result<Self> {
+        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config(e.to_string()))?;
+        let defaults = toml::Table::try_from(NodeConfig::default())
+            .map_err(|e| Error::Config(format!("the defaults as TOML: {e}")))?;
+        for (path, raw) in overrides {
+            set_override(&mut table, &defaults, path, raw)?;
+        }
+        toml::Value::Table(table).try_into().map_err(|e: toml::de::Error| {
+            let set: Vec<&str> = overrides.iter().map(|(p, _)| p.as_str()).collect();
+            Error::Config(format!("{} (settings overridden: {set:?})", e.message()))
+        })
+    }
+
+    /// Prefix of the environment variables [`NodeConfig::overrides_from_env`] reads.
+    pub const OVERRIDE_ENV_PREFIX: &'static str = "DDSHARD__";
+
+    /// The overrides set in the environment, in name order: `DDSHARD__` and then a setting's
+    /// dotted path with `__` for each dot, in any case (`DDSHARD__NODE_ID=n2`,
+    /// `DDSHARD__MEMBERSHIP__STABLE_AFTER=2s`, `DDSHARD__SHARDING__ALLOCATION__STRATEGY=…`).
+    pub fn overrides_from_env() -> Result<Vec<(String, String)>> {
+        let mut out = Vec::new();
+        for (name, value) in std::env::vars_os() {
+            let Some(name) = name.to_str() else { continue };
+            let Some(path) = override_path_of_env_var(name) else { continue };
+            let value = value
+                .into_string()
+                .map_err(|_| Error::Config(format!("environment variable {name} is not valid UTF-8")))?;
+            out.push((path, value));
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Splits one `path=value` argument (as `ddshard node --set` takes it) at its first `=`.
+    pub fn parse_override(arg: &str) -> Result<(String, String)> {
+        match arg.split_once('=') {
+            Some((path, value)) if !path.trim().is_empty() => Ok((path.trim().to_string(), value.to_string())),
+            _ => Err(Error::Config(format!("override {arg:?} must be KEY=VALUE, e.g. membership.stable_after=2s"))),
+        }
     }
 
     /// Name of the environment variable [`NodeConfig::apply_env`] reads the secret from.
@@ -580,6 +672,83 @@ mod tests {
         assert!(matches!(no_quorum.validate(), Err(Error::Config(m)) if m.contains("quorum_size")));
         let bad_role = read("downing_role = \"a,b\"").unwrap();
         assert!(matches!(bad_role.validate(), Err(Error::Config(m)) if m.contains("downing_role")));
+    }
+
+    fn set(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn one_file_serves_every_node_with_overrides_typed_as_each_setting_asks() {
+        let shared = "cluster_id = \"shop\"\nseeds = [\"127.0.0.1:7000\"]\n[membership]\nstable_after = \"9s\"\n\
+                      [sharding.allocation]\nstrategy = \"least-shard\"\nabsolute_limit = 20\nrelative_limit = 0.1\n";
+        let c = NodeConfig::from_toml_str_with_overrides(
+            shared,
+            &set(&[
+                // A text setting keeps its text, even when it looks like a number.
+                ("node_id", "2"),
+                ("gossip_addr", "127.0.0.1:7001"),
+                ("membership.stable_after", "2s"),
+                ("membership.phi_threshold", "12.5"),
+                ("insecure", "true"),
+                ("seeds", "127.0.0.1:7000, 127.0.0.1:7002"),
+                ("roles", "[\"db\", \"edge\"]"),
+                ("sharding.number_of_shards", "64"),
+                ("sharding.allocation.absolute_limit", "5"),
+                // An optional setting with no default, unquoted.
+                ("replicator.role", "db"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((c.node_id.as_str(), c.cluster_id.as_str()), ("2", "shop"), "the file's settings stay");
+        assert_eq!(c.gossip_addr, "127.0.0.1:7001".parse().unwrap());
+        assert_eq!(c.membership.stable_after, Duration::from_secs(2));
+        assert_eq!(c.membership.phi_threshold, 12.5);
+        assert!(c.insecure);
+        assert_eq!(c.seeds, ["127.0.0.1:7000".parse().unwrap(), "127.0.0.1:7002".parse().unwrap()]);
+        assert_eq!(c.roles, ["db", "edge"]);
+        assert_eq!(c.sharding.number_of_shards, 64);
+        assert_eq!(
+            c.sharding.allocation,
+            crate::sharding::AllocationSettings::LeastShard { absolute_limit: 5, relative_limit: 0.1 }
+        );
+        assert_eq!(c.replicator.role.as_deref(), Some("db"));
+        // Later overrides win over earlier ones.
+        let c = NodeConfig::from_toml_str_with_overrides("", &set(&[("node_id", "a"), ("node_id", "b")])).unwrap();
+        assert_eq!(c.node_id, "b");
+    }
+
+    #[test]
+    fn overrides_of_unknown_settings_or_of_the_wrong_type_are_config_errors_naming_them() {
+        let read = |pairs: &[(&str, &str)]| NodeConfig::from_toml_str_with_overrides("", &set(pairs));
+        assert!(matches!(read(&[("no_such", "1")]), Err(Error::Config(m)) if m.contains("no_such")));
+        assert!(matches!(read(&[("membership.nope", "1")]), Err(Error::Config(m)) if m.contains("nope")));
+        assert!(
+            matches!(read(&[("sharding.number_of_shards", "many")]), Err(Error::Config(m)) if m.contains("number_of_shards"))
+        );
+        assert!(matches!(read(&[("membership", "1")]), Err(Error::Config(m)) if m.contains("section")));
+        assert!(matches!(read(&[("node_id.x", "1")]), Err(Error::Config(m)) if m.contains("not a section")));
+        assert!(matches!(read(&[("membership..stable_after", "1s")]), Err(Error::Config(m)) if m.contains("empty")));
+        assert!(matches!(read(&[("membership.stable_after", "soon")]), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn override_arguments_and_environment_variable_names_map_to_setting_paths() {
+        assert_eq!(NodeConfig::parse_override("a.b=c=d").unwrap(), ("a.b".into(), "c=d".into()));
+        assert_eq!(NodeConfig::parse_override("roles=").unwrap(), ("roles".into(), String::new()));
+        assert!(matches!(NodeConfig::parse_override("no-equals"), Err(Error::Config(_))));
+        assert!(matches!(NodeConfig::parse_override("=1"), Err(Error::Config(_))));
+        assert_eq!(override_path_of_env_var("DDSHARD__NODE_ID").as_deref(), Some("node_id"));
+        assert_eq!(
+            override_path_of_env_var("DDSHARD__SHARDING__ALLOCATION__STRATEGY").as_deref(),
+            Some("sharding.allocation.strategy")
+        );
+        assert_eq!(
+            override_path_of_env_var("DDSHARD__membership__stable_after").as_deref(),
+            Some("membership.stable_after")
+        );
+        assert_eq!(override_path_of_env_var("DDSHARD_CLUSTER_SECRET"), None, "one underscore: not an override");
+        assert_eq!(override_path_of_env_var("PATH"), None);
     }
 
     #[test]

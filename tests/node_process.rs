@@ -234,3 +234,49 @@ async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_r
     all_values_answer(&n2, keys, within, "after a full-cluster restart").await;
     drop(n3);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_from_one_config_file_with_per_node_overrides_form_one_cluster() {
+    // One cluster.toml (cluster id, timers, shard count) for all three; each node's id, data
+    // dir and gossip address come from `--set`, its messaging address and seeds from
+    // `DDSHARD__…` variables.
+    let dir = tempfile::tempdir().unwrap();
+    let start = |id: &str, seeds: &[&NodeProcess]| {
+        let mut o = ProcessOptions::new(id, "one-file", dir.path());
+        o.shared_config_file = true;
+        o.seeds = seeds.iter().map(|s| s.gossip).collect();
+        o.sharding_toml = "number_of_shards = 12".into();
+        NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
+    };
+    let n1 = start("n1", &[]);
+    let n2 = start("n2", &[&n1]);
+    let n3 = start("n3", &[&n1, &n2]);
+    let files: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|f| f.ends_with(".toml"))
+        .collect();
+    assert_eq!(files, ["cluster.toml"], "one config file for every node");
+    for n in [&n1, &n2, &n3] {
+        n.until_up(3, Duration::from_secs(60), |_| true).await;
+        let mut ids: Vec<String> = n.members().await.unwrap().into_iter().map(|m| m.node_id).collect();
+        ids.sort();
+        assert_eq!(ids, ["n1", "n2", "n3"], "{} sees the three overridden node ids", n.node_id);
+        assert_ne!(n.gossip.port(), 0);
+    }
+    let mut data_dirs: Vec<String> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok().filter(|e| e.path().is_dir())?.file_name().into_string().ok())
+        .collect();
+    data_dirs.sort();
+    assert_eq!(data_dirs, ["n1", "n2", "n3"], "each node's data dir as overridden");
+    // The shared sharding settings hold on every node: 12 shards, spread over the three.
+    for i in 0..24 {
+        n2.kv_put(&format!("k{i}"), &format!("v{i}")).await.unwrap();
+    }
+    let stats = n3.kv_stats().await.unwrap();
+    assert_eq!(stats.total(), Some(24));
+    let shards: Vec<u32> =
+        stats.0.regions.values().flat_map(|s| s.keys()).map(|id| id.parse().expect("numeric shard id")).collect();
+    assert!(shards.iter().all(|s| *s < 12), "every shard id under the shared number_of_shards: {shards:?}");
+}

@@ -26,13 +26,19 @@ enum Command {
         #[arg(long, default_value_t = 10)]
         increments: i64,
     },
-    /// Run a real node from a config file (TOML, as config/default.toml) hosting the sample
-    /// key-value type `kv`, with the admin HTTP API (and `/kv/{id}`) on --admin-addr. Prints
+    /// Run a real node hosting the sample key-value type `kv`, with the admin HTTP API (and
+    /// `/kv/{id}`) on --admin-addr. Settings: the embedded defaults (config/default.toml), then
+    /// --config, then `DDSHARD__…` environment variables, then each --set (later wins). Prints
     /// one `READY …` line with the bound addresses; SIGTERM or Ctrl-C leaves gracefully.
     Node {
-        /// Node configuration (TOML).
+        /// Node configuration (TOML); without it, the embedded defaults.
         #[arg(long)]
-        config: std::path::PathBuf,
+        config: Option<std::path::PathBuf>,
+        /// Override one setting by its dotted path, e.g. `--set node_id=n2 --set
+        /// membership.stable_after=2s` (one file then serves every node of a cluster). Also
+        /// from the environment: `DDSHARD__NODE_ID=n2`, `DDSHARD__MEMBERSHIP__STABLE_AFTER=2s`.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
         /// Append every activation of a `kv` entity (id, node, epoch, start, stop) to this file,
         /// for `ddshard::activation::check_activations` (see `ddshard::activation`).
         #[arg(long)]
@@ -123,8 +129,8 @@ async fn main() {
             println!("{}", ddshard::ClusterSecret::generate().expose());
             Ok(())
         }
-        Command::Node { config, activation_log, admin_addr } => {
-            run_node(&config, activation_log.as_deref(), admin_addr).await
+        Command::Node { config, set, activation_log, admin_addr } => {
+            run_node(config.as_deref(), &set, activation_log.as_deref(), admin_addr).await
         }
     };
     if let Err(e) = result {
@@ -137,11 +143,20 @@ async fn main() {
 const ADMIN_TOKEN_ENV: &str = "DDSHARD_ADMIN_TOKEN";
 
 async fn run_node(
-    config: &std::path::Path,
+    config: Option<&std::path::Path>,
+    set: &[String],
     activation_log: Option<&std::path::Path>,
     admin_addr: std::net::SocketAddr,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let mut cfg = NodeConfig::from_toml_file(config)?;
+    let text = match config {
+        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("reading config {}: {e}", path.display()))?,
+        None => DEFAULT_CONFIG.to_string(),
+    };
+    let mut overrides = NodeConfig::overrides_from_env()?;
+    for arg in set {
+        overrides.push(NodeConfig::parse_override(arg)?);
+    }
+    let mut cfg = NodeConfig::from_toml_str_with_overrides(&text, &overrides)?;
     cfg.apply_env()?;
     let admin_token = match std::env::var(ADMIN_TOKEN_ENV) {
         Ok(t) if t.chars().count() >= ddshard::secret::MIN_SECRET_LEN => Some(t),

@@ -784,6 +784,53 @@ mod tests {
     }
 
     #[test]
+    fn with_only_indirectly_connected_members_reported_the_rest_keeps_running_under_a_role_nobody_has() {
+        // A messaging-only cut between c and y: y (the younger) is covered, nobody else is
+        // unreachable. With a role no member has, the tie is 0 against 0 and this side, the only
+        // one with members, keeps running.
+        let km = Strategy::KeepMajority { role: Some("db".into()) };
+        let t0 = Instant::now();
+        let mut r = Resolver::new(km, Duration::from_secs(1), None, t0);
+        let view = table("p", &ALL_LIVE, &[("c", "y"), ("y", "c")]);
+        r.decide(&view, t0);
+        assert_eq!(r.decide(&view, t0 + Duration::from_secs(1)), Decision::DownOthers([a("y")].into()));
+    }
+
+    #[test]
+    fn static_quorum_counts_the_indirectly_connected_when_it_checks_the_cluster_size() {
+        // Six members against a quorum of 3 (at most 5 allowed): y is indirectly connected and
+        // downed anyway, yet the cluster is too large for the quorum, so every member goes.
+        let members = [("c", true), ("p", true), ("q", true), ("x", true), ("y", true), ("z", true)];
+        let t0 = Instant::now();
+        let stable = Duration::from_secs(1);
+        let mut r = Resolver::new(Strategy::StaticQuorum { quorum_size: 3, role: None }, stable, None, t0);
+        let view = table("p", &members, &[("c", "y"), ("y", "c")]);
+        assert_eq!(r.decide(&view, t0), Decision::Wait);
+        assert_eq!(r.decide(&view, t0 + stable), Decision::DownAll);
+        assert!(r.explain().contains("5 reachable, 0 unreachable, 1 indirectly connected"), "{}", r.explain());
+    }
+
+    #[test]
+    fn static_quorum_a_member_reported_with_a_quorum_on_its_side_keeps_running() {
+        // c reports p, x and y (they do not report back: no cycle). Seen by x, the reported side
+        // {p, x, y} holds the quorum of 3 and the reporting side {c, q} does not: x waits for
+        // the others to act; c downs itself.
+        let q3 = Strategy::StaticQuorum { quorum_size: 3, role: None };
+        let records = [("c", "p"), ("c", "x"), ("c", "y")];
+        let t0 = Instant::now();
+        let stable = Duration::from_secs(1);
+        let mut x = Resolver::new(q3.clone(), stable, None, t0);
+        let seen_by_x = table("x", &ALL_LIVE, &records);
+        x.decide(&seen_by_x, t0);
+        assert_eq!(x.decide(&seen_by_x, t0 + stable), Decision::Wait);
+        assert_eq!(x.decide(&seen_by_x, t0 + stable * 5), Decision::Wait, "never downs itself");
+        let mut c = Resolver::new(q3, stable, None, t0);
+        let seen_by_c = table("c", &ALL_LIVE, &records);
+        c.decide(&seen_by_c, t0);
+        assert_eq!(c.decide(&seen_by_c, t0 + stable), Decision::DownMyself);
+    }
+
+    #[test]
     fn the_explanation_names_the_silent_members_the_records_and_the_indirectly_connected() {
         let t0 = Instant::now();
         let mut r = Resolver::new(KM, Duration::from_secs(1), None, t0);
@@ -983,6 +1030,22 @@ mod strategy_tests {
         // No member with the role on either side: no side can tell it holds the oldest.
         let none = Strategy::KeepOldest { down_if_alone: false, role: Some("cache".into()) };
         assert_sides(&none, &m, &[&["a", "b"], &["c", "d", "e"]], &[Decision::DownMyself, Decision::DownMyself]);
+    }
+
+    #[test]
+    fn the_explanation_names_the_role_a_strategy_counts() {
+        let km = Strategy::KeepMajority { role: Some("db".into()) };
+        let m: Vec<(&str, &[&str])> = vec![("a", &["db"]), ("b", &[]), ("c", &["db"])];
+        let t0 = Instant::now();
+        let mut r = Resolver::new(km, STABLE, None, t0);
+        let view = split_view("a", &m, &["a", "b"]);
+        r.decide(&view, t0);
+        assert_eq!(r.decide(&view, t0 + STABLE), down(&["c"]));
+        assert!(
+            r.explain().ends_with("keep-majority: 1 reachable against 1 unreachable members (counting role \"db\")"),
+            "{}",
+            r.explain()
+        );
     }
 
     #[test]

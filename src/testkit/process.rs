@@ -40,6 +40,11 @@ pub struct ProcessOptions {
     /// [`ProcessOptions::new`] sets [`TEST_PROCESS_SECRET`], so processes of one test are one
     /// authenticated cluster; `None` runs an open cluster (loopback only).
     pub cluster_secret: Option<String>,
+    /// One config file for every node (`cluster.toml` in `dir`, the shared settings only);
+    /// this node's own settings go on top as overrides: its id, data dir and gossip address
+    /// as `--set` arguments, its messaging address and seeds as `DDSHARD__…` variables — the
+    /// way a local cluster is started by hand from one file.
+    pub shared_config_file: bool,
 }
 
 /// The cluster secret [`ProcessOptions::new`] gives every test process.
@@ -59,7 +64,32 @@ impl ProcessOptions {
             wrapper: Vec::new(),
             activation_log: None,
             cluster_secret: Some(TEST_PROCESS_SECRET.to_string()),
+            shared_config_file: false,
         }
+    }
+
+    /// The settings every node of a cluster shares (no node id, address, seed or data dir).
+    fn shared_config_text(&self) -> String {
+        format!(
+            "cluster_id = \"{}\"\n[membership]\n{}\n[sharding]\n{}\n",
+            self.cluster_id, self.membership_toml, self.sharding_toml
+        )
+    }
+
+    /// `--set` arguments and `DDSHARD__…` variables with this node's own settings.
+    fn own_settings(&self) -> (Vec<String>, Vec<(String, String)>) {
+        let ip = SocketAddr::new(self.bind_ip, 0).ip();
+        let set = [
+            format!("node_id={}", self.node_id),
+            format!("data_dir={}", self.dir.join(&self.node_id).display()),
+            format!("gossip_addr={ip}:0"),
+        ];
+        let seeds: Vec<String> = self.seeds.iter().map(ToString::to_string).collect();
+        let env = vec![
+            ("DDSHARD__MESSAGING_ADDR".to_string(), format!("{ip}:0")),
+            ("DDSHARD__SEEDS".to_string(), seeds.join(",")),
+        ];
+        (set.into_iter().flat_map(|a| ["--set".to_string(), a]).collect(), env)
     }
 
     fn config_text(&self) -> String {
@@ -110,11 +140,16 @@ impl NodeProcess {
     /// `DDSHARD_TEST_LOG=stderr`.
     pub fn spawn(binary: &Path, opts: &ProcessOptions, startup_timeout: Duration) -> Result<NodeProcess> {
         std::fs::create_dir_all(&opts.dir).map_err(|e| Error::io("creating the process dir", e))?;
-        let config = opts.dir.join(format!("{}.toml", opts.node_id));
-        std::fs::write(&config, opts.config_text()).map_err(|e| Error::io("writing the node config", e))?;
+        let (config, text, (own_args, own_env)) = if opts.shared_config_file {
+            (opts.dir.join("cluster.toml"), opts.shared_config_text(), opts.own_settings())
+        } else {
+            (opts.dir.join(format!("{}.toml", opts.node_id)), opts.config_text(), Default::default())
+        };
+        std::fs::write(&config, text).map_err(|e| Error::io("writing the node config", e))?;
         let mut args: Vec<String> = opts.wrapper.clone();
         args.push(binary.display().to_string());
         args.extend(["node".into(), "--config".into(), config.display().to_string()]);
+        args.extend(own_args);
         args.extend(["--admin-addr".into(), SocketAddr::new(opts.bind_ip, 0).to_string()]);
         if let Some(log) = &opts.activation_log {
             args.extend(["--activation-log".into(), log.display().to_string()]);
@@ -122,6 +157,7 @@ impl NodeProcess {
         let stderr =
             if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") { Stdio::inherit() } else { Stdio::null() };
         let mut command = Command::new(&args[0]);
+        command.envs(own_env);
         match &opts.cluster_secret {
             Some(secret) => command.env(crate::NodeConfig::SECRET_ENV, secret),
             None => command.env_remove(crate::NodeConfig::SECRET_ENV),
