@@ -14,7 +14,12 @@
 //!
 //! With the `testkit` feature, `testkit` starts in-process clusters with fault injection.
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
+
+// The README's Rust snippets compile as doc tests, so the front page cannot drift from the API.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
 
 pub mod activation;
 #[cfg(feature = "admin")]

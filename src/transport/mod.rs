@@ -7,8 +7,8 @@
 //! responses are matched by correlation id; the response comes back over the responder's own
 //! outbound connection.
 //!
-//! With a cluster secret every connection authenticates both ends and is encrypted (see
-//! [`noise`]); without one the handshake is a plain `Hello` (allowed only on loopback or with
+//! With a cluster secret every connection authenticates both ends and is encrypted (Noise with
+//! a pre-shared key); without one the handshake is a plain `Hello` (allowed only on loopback or with
 //! `insecure`).
 //!
 //! Bad input (oversized frames, garbage, a foreign cluster id, another protocol version, a

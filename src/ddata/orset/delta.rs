@@ -14,7 +14,7 @@ use super::{Dot, OrSetError, Writers, rmp_uint_len};
 const MAX_CLAIMS: usize = 1024;
 use crate::ddata::crdt::Actor;
 
-/// The local changes of an [`OrSet`] since the last [`OrSet::take_delta`], as a δ-state: per
+/// The local changes of an [`OrSet`](super::OrSet) since the last [`OrSet::take_delta`](super::OrSet::take_delta), as a δ-state: per
 /// touched element, the dots it holds in the delta and the dots the delta has seen removed;
 /// and the counter ranges a store writer skipped at its first add in a process (*claims*):
 /// every dot of that writer in such a range counts as seen, and no element holds it.

@@ -148,7 +148,7 @@ pub enum ReplicatorMsg {
     },
     /// Answer to a differing root: the key-space bucket digests.
     KeyBuckets {
-        /// [`KEY_BUCKETS`] sums of `(key, value digest)` hashes.
+        /// 256 (`KEY_BUCKETS`) sums of `(key, value digest)` hashes.
         digests: Vec<u64>,
     },
     /// Per-key digests of the keys in some key-space buckets.
