@@ -427,7 +427,8 @@ fn cover_of_broken_links<'a>(
     let mut links: BTreeSet<(&UniqueAddress, &UniqueAddress)> = records
         .iter()
         .filter(|(o, s)| indirect.contains(o) && indirect.contains(s))
-        .map(|(o, s)| if o < s { (o, s) } else { (s, o) })
+        // One undirected link per pair, whichever way it was reported.
+        .map(|(o, s)| (o.min(s), o.max(s)))
         .collect();
     let mut cover = BTreeSet::new();
     while !links.is_empty() {
@@ -828,6 +829,20 @@ mod tests {
         let seen_by_c = table("c", &ALL_LIVE, &records);
         c.decide(&seen_by_c, t0);
         assert_eq!(c.decide(&seen_by_c, t0 + stable), Decision::DownMyself);
+    }
+
+    #[test]
+    fn the_cover_spans_only_links_between_indirectly_connected_members_and_the_strategy_takes_the_rest() {
+        // c and x report each other (a broken link between two indirectly connected members);
+        // p and q report c one way (c does not report them back). The cover takes the younger
+        // of c and x; c, reported by p and q from outside the cover, is keep-majority's.
+        let records = [("c", "x"), ("x", "c"), ("p", "c"), ("q", "c")];
+        let t0 = Instant::now();
+        let mut r = Resolver::new(KM, Duration::from_secs(1), None, t0);
+        let view = table("p", &ALL_LIVE, &records);
+        r.decide(&view, t0);
+        assert_eq!(r.decide(&view, t0 + Duration::from_secs(1)), Decision::DownOthers([a("c"), a("x")].into()));
+        assert!(r.explain().contains("indirectly connected, downed: [x#1]"), "{}", r.explain());
     }
 
     #[test]
