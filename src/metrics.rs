@@ -77,7 +77,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
     def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused)."),
     def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
-    def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, handoff)."),
+    def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, limit, handoff)."),
     def("ddshard_entity_handle_seconds", H, "node,type", "Time of one entity handler call (its message's processing, awaits included)."),
     def("ddshard_entity_panics_total", C, "node,type", "Entity handlers that panicked."),
     def("ddshard_shard_failures_total", C, "node,type", "Shards stopped because their remembered set or state could not be loaded or written."),
@@ -367,6 +367,7 @@ mod enabled {
                 &[
                     ("passivated", &c.passivations_explicit),
                     ("idle", &c.passivations_idle),
+                    ("limit", &c.passivations_limit),
                     ("handoff", &c.handoff_stops),
                 ],
             );

@@ -62,6 +62,8 @@ pub struct RegionCounters {
     pub passivations_explicit: AtomicU64,
     /// Entities passivated after the idle timeout.
     pub passivations_idle: AtomicU64,
+    /// Entities passivated to make room under the active-entity limit.
+    pub passivations_limit: AtomicU64,
     /// Entities stopped because their shard was handed off.
     pub handoff_stops: AtomicU64,
     /// Messages dropped because the buffer was full.
@@ -280,6 +282,23 @@ impl<E: Entity> ShardRegion<E> {
                 let _ = m.put_as(ctx, shard, &node_id);
             })
             .await
+    }
+
+    /// Changes this region's active-entity limit at run time (type started with passivation
+    /// strategy `active-entity-limit`): the region divides it among its shards again, and
+    /// shards over their new share passivate their replacement policy's victims at once.
+    /// [`Error::Config`] when the type has no such limit. Other nodes' regions keep theirs.
+    pub async fn set_passivation_limit(&self, limit: usize) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.inner.commands.send(RegionCmd::SetPassivationLimit(limit, tx)).map_err(|_| Error::ShutDown)?;
+        match rx.await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(Error::Config(format!(
+                "entity type {} has no active-entity limit (passivation strategy active-entity-limit, no remember-entities)",
+                self.inner.type_name
+            ))),
+            Err(_) => Err(Error::ShutDown),
+        }
     }
 
     /// Hands off every shard of this region to other regions, then stops it (used by

@@ -48,7 +48,10 @@ pub use handle::{RegionCounters, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
 pub use region_ref::RegionRef;
-pub use settings::{AllocationSettings, ShardingSettings};
+pub use settings::{
+    AllocationSettings, PassivationAdmission, PassivationSettings, PassivationStrategy, ReplacementPolicy,
+    ShardingSettings,
+};
 
 use crate::error::{Error, Result};
 use crate::node::Node;

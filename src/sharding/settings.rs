@@ -46,6 +46,76 @@ impl Default for AllocationSettings {
     }
 }
 
+/// Which entities a region passivates by itself (`[sharding.passivation]`). Explicit
+/// passivation ([`super::EntityContext::passivate`]) works under every strategy; types with
+/// remember-entities never passivate by themselves (as in Akka).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PassivationStrategy {
+    /// Entities idle for [`ShardingSettings::passivation_idle_timeout`] (the default).
+    Idle,
+    /// At most [`PassivationSettings::active_entity_limit`] entities run per region (divided
+    /// among its shards); a new one passivates the victim of the replacement policy first.
+    /// `passivation_idle_timeout`, when set, applies too.
+    ActiveEntityLimit,
+    /// Only explicit passivation.
+    None,
+}
+
+/// Which entity makes room under an active-entity limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReplacementPolicy {
+    /// The least recently used.
+    Lru,
+    /// Segmented LRU: entities used at least twice are protected (80% of the limit) from a
+    /// stream of one-off entities.
+    Slru,
+    /// The most recently used (for cyclic access, where the least recent is needed next).
+    Mru,
+    /// The least frequently used since it started (ties: the least recent).
+    Lfu,
+}
+
+/// How new entities are admitted under an active-entity limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PassivationAdmission {
+    /// Every new entity is admitted; the replacement policy picks who goes.
+    None,
+    /// Window-TinyLFU: a new entity first runs in a small window (1% of the limit); leaving it,
+    /// it stays only if it was used more often recently (a count-min sketch) than the entity
+    /// the replacement policy would passivate for it.
+    WindowTinylfu,
+}
+
+/// Passivation settings of a type (`[sharding.passivation]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PassivationSettings {
+    /// Which strategy.
+    pub strategy: PassivationStrategy,
+    /// `active-entity-limit`: entities running at once per region (the region divides it
+    /// among its shards, each keeping room for at least one). Changeable at run time with
+    /// [`super::ShardRegion::set_passivation_limit`].
+    pub active_entity_limit: usize,
+    /// `active-entity-limit`: who goes to make room.
+    pub replacement: ReplacementPolicy,
+    /// `active-entity-limit`: admission of new entities.
+    pub admission: PassivationAdmission,
+}
+
+impl Default for PassivationSettings {
+    fn default() -> Self {
+        PassivationSettings {
+            strategy: PassivationStrategy::Idle,
+            active_entity_limit: 100_000,
+            replacement: ReplacementPolicy::Lru,
+            admission: PassivationAdmission::None,
+        }
+    }
+}
+
 /// Settings of one sharded entity type (defaults in `config/default.toml`, section `[sharding]`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -92,10 +162,13 @@ pub struct ShardingSettings {
     /// How often the coordinator considers rebalancing.
     #[serde(with = "humantime_serde")]
     pub rebalance_interval: Duration,
-    /// Entities idle this long are passivated (`None`: never). Idleness is checked every half
-    /// timeout, so an entity stops between one and one and a half timeouts after its last message.
+    /// Entities idle this long are passivated (`None`: never), under the `idle` and
+    /// `active-entity-limit` strategies of [`Self::passivation`]. An entity stops within a
+    /// region tick (about 100 ms) of the timeout after its last message.
     #[serde(with = "humantime_serde")]
     pub passivation_idle_timeout: Option<Duration>,
+    /// Passivation strategy (`[sharding.passivation]`).
+    pub passivation: PassivationSettings,
     /// Default timeout of [`super::ShardRegion::ask`] and of queries.
     #[serde(with = "humantime_serde")]
     pub ask_timeout: Duration,
@@ -166,6 +239,7 @@ impl Default for ShardingSettings {
             handoff_timeout: Duration::from_secs(30),
             rebalance_interval: Duration::from_secs(10),
             passivation_idle_timeout: Some(Duration::from_secs(120)),
+            passivation: PassivationSettings::default(),
             ask_timeout: Duration::from_secs(5),
             min_nr_of_members: 1,
             retry_interval: Duration::from_secs(2),
@@ -232,6 +306,36 @@ impl ShardingSettings {
         if self.entity_recovery_batch > 0 && self.entity_recovery_interval.is_zero() {
             return bad("entity_recovery_interval must be > 0 when entity_recovery_batch is set");
         }
+        if !(1..=1 << 32).contains(&self.passivation.active_entity_limit) {
+            return bad("passivation.active_entity_limit must be between 1 and 2^32");
+        }
         Ok(())
+    }
+
+    /// The region-wide active-entity limit, when the type has one (never with remember-entities).
+    pub(crate) fn passivation_limit(&self) -> Option<usize> {
+        (self.passivation.strategy == PassivationStrategy::ActiveEntityLimit && !self.remember_entities)
+            .then_some(self.passivation.active_entity_limit)
+    }
+
+    /// The passivation policy of one shard, whose share of the region's limit is `share`.
+    pub(crate) fn passivation_policy(&self, share: Option<usize>) -> super::shard::passivation::PolicySettings {
+        use super::shard::passivation::{PolicySettings, Replacement};
+        let idle_timeout = match self.passivation.strategy {
+            PassivationStrategy::None => None,
+            _ => self.passivation_idle_timeout,
+        };
+        let limited = self.passivation_limit().is_some();
+        PolicySettings {
+            idle_timeout,
+            limit: if limited { share } else { None },
+            replacement: match self.passivation.replacement {
+                ReplacementPolicy::Lru => Replacement::Lru,
+                ReplacementPolicy::Slru => Replacement::Slru { protected_per_mille: 800 },
+                ReplacementPolicy::Mru => Replacement::Mru,
+                ReplacementPolicy::Lfu => Replacement::Lfu,
+            },
+            window_tinylfu: self.passivation.admission == PassivationAdmission::WindowTinylfu,
+        }
     }
 }

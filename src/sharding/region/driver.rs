@@ -37,12 +37,22 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// What a region handle asks of its task.
 pub(crate) enum RegionCmd<E: Entity> {
-    Deliver { shard: ShardId, entity_id: String, env: Envelope<E> },
+    Deliver {
+        shard: ShardId,
+        entity_id: String,
+        env: Envelope<E>,
+    },
     State(oneshot::Sender<crate::sharding::protocol::RegionStateReply>),
     Stats(oneshot::Sender<crate::sharding::protocol::RegionStatsReply>),
     Info(oneshot::Sender<RegionInfo>),
-    EntityIds { after: Option<(ShardId, String)>, limit: usize, reply: oneshot::Sender<EntityIdPage> },
+    EntityIds {
+        after: Option<(ShardId, String)>,
+        limit: usize,
+        reply: oneshot::Sender<EntityIdPage>,
+    },
     GracefulShutdown(oneshot::Sender<()>),
+    /// A new active-entity limit; answers whether the type has one.
+    SetPassivationLimit(usize, oneshot::Sender<bool>),
 }
 
 /// An asker waiting for a remote answer.
@@ -222,6 +232,10 @@ impl<E: Entity> RegionTask<E> {
                 };
                 let _ = reply.send(page);
             }
+            RegionCmd::SetPassivationLimit(limit, tx) => {
+                let set = self.shards.as_mut().is_some_and(|s| s.set_passivation_limit(limit, &mut self.work));
+                let _ = tx.send(set);
+            }
             RegionCmd::GracefulShutdown(tx) => {
                 self.shutdown_waiters.push(tx);
                 if self.shutdown_deadline.is_none() {
@@ -357,7 +371,7 @@ impl<E: Entity> RegionTask<E> {
             RegionAction::StartShard { shard, epoch } => match self.shards.as_mut() {
                 Some(shards) => {
                     debug!(type_name = %self.type_name, %shard, epoch, "starting shard");
-                    shards.start(shard, epoch);
+                    shards.start(shard, epoch, &mut self.work);
                 }
                 None => error!(%shard, "a proxy was asked to host a shard; ignored"),
             },

@@ -9,12 +9,18 @@
 //! the shard's only copy of the remembered ids (a loaded id not yet started is an entry in state
 //! [`EntityState::Remembered`]): an entry not in `RememberingStart` is remembered in the store.
 //!
-//! Costs: a message is O(1) (a hash lookup); a tick is O(entities due), not a scan of the table
-//! (restart deadlines are indexed; idle passivation scans every half idle timeout).
+//! Passivation (idle timeout, active-entity limit) is decided by [`Passivation`]: every
+//! running entity is in its recency order, so idle expiry and limit victims need no scan.
+//!
+//! Costs: a message is O(1) (a hash lookup and a move in the recency list; LFU: O(log n)); a
+//! tick is O(entities due), not a scan of the table (restart deadlines are indexed, idle
+//! entities leave the recency list's front).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
+use super::passivation::{Handle, Passivation, PolicySettings};
 use crate::clock::Instant;
 
 /// Life-cycle state of one entity.
@@ -46,7 +52,8 @@ impl EntityState {
 struct EntityEntry<S> {
     state: EntityState,
     incarnation: u64,
-    last_activity: Instant,
+    /// Its place in the passivation policy while it runs (`None`: not tracked).
+    policy: Option<Handle>,
     /// The host's handle on the running incarnation (its mailbox), attached after `Start`;
     /// dropped with the entry or when the incarnation terminates. Kept here rather than in a
     /// second map of the host: an idle entity then costs one table entry and one id.
@@ -54,8 +61,8 @@ struct EntityEntry<S> {
 }
 
 impl<S> EntityEntry<S> {
-    fn new(state: EntityState, incarnation: u64, last_activity: Instant) -> Self {
-        EntityEntry { state, incarnation, last_activity, slot: None }
+    fn new(state: EntityState, incarnation: u64) -> Self {
+        EntityEntry { state, incarnation, policy: None, slot: None }
     }
 }
 
@@ -66,6 +73,8 @@ pub(crate) enum StopReason {
     Passivated,
     /// It was idle for the idle timeout.
     Idle,
+    /// The region's active-entity limit made room for another entity.
+    Limit,
     /// Its shard is handed off.
     HandOff,
 }
@@ -111,6 +120,8 @@ pub(crate) enum ShardInput<M> {
     },
     HandOff,
     Tick,
+    /// The shard's share of the region's active-entity limit changed.
+    PassivationLimit(usize),
 }
 
 #[derive(Debug, PartialEq)]
@@ -167,10 +178,10 @@ pub(crate) struct ShardCore<M, S = ()> {
     /// Every entity the shard knows: running, starting, stopping, and (remember-entities) the
     /// remembered ones not running. Iteration order is arbitrary: whatever turns it into
     /// actions sorts first (the simulation replays actions in order).
-    entities: HashMap<String, EntityEntry<S>>,
+    entities: HashMap<Arc<str>, EntityEntry<S>>,
     buffers: BTreeMap<String, VecDeque<M>>,
     next_incarnation: u64,
-    idle_timeout: Option<Duration>,
+    passivation: Passivation,
     handoff_deadline: Option<Instant>,
     handoff_stop_timeout: Duration,
     remember: Option<Remember>,
@@ -184,19 +195,16 @@ pub(crate) struct ShardCore<M, S = ()> {
     /// of every entity (a shard may hold hundreds of thousands). An entry whose entity has
     /// since started (or whose deadline moved) is stale and skipped.
     restarts_due: BTreeSet<(Instant, String)>,
-    /// When idle passivation next scans the entities: every half idle timeout (as Akka does),
-    /// so an idle entity stops between one and one and a half timeouts after its last message.
-    next_idle_scan: Option<Instant>,
     failed: bool,
 }
 
 impl<M, S> ShardCore<M, S> {
-    pub(crate) fn new(idle_timeout: Option<Duration>, handoff_stop_timeout: Duration) -> Self {
+    pub(crate) fn new(policy: PolicySettings, handoff_stop_timeout: Duration) -> Self {
         ShardCore {
             entities: HashMap::new(),
             buffers: BTreeMap::new(),
             next_incarnation: 1,
-            idle_timeout,
+            passivation: Passivation::new(policy),
             handoff_deadline: None,
             handoff_stop_timeout,
             remember: None,
@@ -204,32 +212,31 @@ impl<M, S> ShardCore<M, S> {
             early: VecDeque::new(),
             restart_backoff: Duration::from_secs(10),
             restarts_due: BTreeSet::new(),
-            next_idle_scan: None,
             failed: false,
         }
     }
 
-    /// A shard that remembers its entities: it waits for `Loaded` before serving. Idle
-    /// passivation is off (remembered entities are meant to stay up).
+    /// A shard that remembers its entities: it waits for `Loaded` before serving. Automatic
+    /// passivation is off (remembered entities are meant to stay up, as in Akka).
     pub(crate) fn remembering(handoff_stop_timeout: Duration, restart_backoff: Duration) -> Self {
         ShardCore {
             remember: Some(Remember::default()),
             loaded: false,
             restart_backoff,
-            ..Self::new(None, handoff_stop_timeout)
+            ..Self::new(PolicySettings::idle(None), handoff_stop_timeout)
         }
     }
 
     /// A shard whose entities keep durable state: like [`ShardCore::new`], but it waits for
     /// `Loaded` (the state claimed and read) before serving.
-    pub(crate) fn loading(idle_timeout: Option<Duration>, handoff_stop_timeout: Duration) -> Self {
-        ShardCore { loaded: false, ..Self::new(idle_timeout, handoff_stop_timeout) }
+    pub(crate) fn loading(policy: PolicySettings, handoff_stop_timeout: Duration) -> Self {
+        ShardCore { loaded: false, ..Self::new(policy, handoff_stop_timeout) }
     }
 
     /// Live entity ids, in no particular order (not counting those waiting for a restart or
     /// remembered and not started).
     pub(crate) fn entity_ids(&self) -> impl Iterator<Item = &str> {
-        self.entities.iter().filter(|(_, e)| e.state.has_task()).map(|(id, _)| id.as_str())
+        self.entities.iter().filter(|(_, e)| e.state.has_task()).map(|(id, _)| &**id)
     }
 
     /// Forced stops of every entity with a task, in id order, each with its slot (the entries
@@ -239,8 +246,10 @@ impl<M, S> ShardCore<M, S> {
             .entities
             .iter_mut()
             .filter(|(_, e)| e.state.has_task())
-            .map(|(id, e)| (id.clone(), e.slot.take()))
+            .map(|(id, e)| (id.to_string(), e.slot.take()))
             .collect();
+        // The entries are cleared next: nothing stays tracked.
+        self.passivation.clear();
         stops.sort_by(|a, b| a.0.cmp(&b.0));
         for (entity_id, slot) in stops {
             out.push(ShardAction::ForceStop { entity_id, slot });
@@ -266,7 +275,7 @@ impl<M, S> ShardCore<M, S> {
 
     /// Takes every attached handle out (the shard is being dropped).
     pub(crate) fn take_slots(&mut self) -> Vec<(String, S)> {
-        self.entities.iter_mut().filter_map(|(id, e)| e.slot.take().map(|s| (id.clone(), s))).collect()
+        self.entities.iter_mut().filter_map(|(id, e)| e.slot.take().map(|s| (id.to_string(), s))).collect()
     }
 
     pub(crate) fn entity_count(&self) -> usize {
@@ -285,7 +294,18 @@ impl<M, S> ShardCore<M, S> {
     fn start(&mut self, entity_id: &str, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
         let incarnation = self.next_incarnation;
         self.next_incarnation += 1;
-        self.entities.insert(entity_id.to_string(), EntityEntry::new(EntityState::Active, incarnation, now));
+        // The id's one copy, shared by the table and the passivation policy (a remembered
+        // entity's entry keeps its key).
+        let key = match self.entities.get_key_value(entity_id) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(entity_id),
+        };
+        let mut victims = Vec::new();
+        let policy = self.passivation.started(&key, now, &mut victims);
+        let mut entry = EntityEntry::new(EntityState::Active, incarnation);
+        entry.policy = policy;
+        self.entities.insert(key, entry);
+        self.stop_victims(victims, StopReason::Limit, out);
         out.push(ShardAction::Start { entity_id: entity_id.to_string(), incarnation });
         if let Some(buffered) = self.buffers.remove(entity_id) {
             for msg in buffered {
@@ -324,13 +344,15 @@ impl<M, S> ShardCore<M, S> {
         if !self.serving() {
             return None;
         }
-        let e = self.entities.get_mut(entity_id)?;
-        if e.state != EntityState::Active {
+        let (key, e) = self.entities.get_key_value(entity_id)?;
+        if e.state != EntityState::Active || e.slot.is_none() {
             return None;
         }
-        let slot = e.slot.as_ref()?;
-        e.last_activity = now;
-        Some((slot, e.incarnation))
+        if let Some(h) = e.policy {
+            self.passivation.accessed(h, key, now);
+        }
+        let e = self.entities.get(entity_id)?;
+        Some((e.slot.as_ref()?, e.incarnation))
     }
 
     fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
@@ -343,8 +365,10 @@ impl<M, S> ShardCore<M, S> {
             self.early.push_back((entity_id, msg));
             return;
         }
-        let state = self.entities.get_mut(&entity_id).map(|e| {
-            e.last_activity = now;
+        let state = self.entities.get_key_value(entity_id.as_str()).map(|(key, e)| {
+            if let Some(h) = e.policy {
+                self.passivation.accessed(h, key, now);
+            }
             e.state
         });
         match state {
@@ -359,7 +383,8 @@ impl<M, S> ShardCore<M, S> {
                     // Not in the table, so not remembered: record the start before creating it.
                     r.next_adds.insert(entity_id.clone());
                     r.next_removes.remove(&entity_id);
-                    self.entities.insert(entity_id.clone(), EntityEntry::new(EntityState::RememberingStart, 0, now));
+                    self.entities
+                        .insert(Arc::from(entity_id.as_str()), EntityEntry::new(EntityState::RememberingStart, 0));
                     self.buffer(entity_id, msg);
                     self.maybe_write(out);
                 }
@@ -383,12 +408,12 @@ impl<M, S> ShardCore<M, S> {
         match input {
             ShardInput::Deliver { entity_id, msg } => self.deliver(entity_id, msg, now, out),
             ShardInput::Passivate { entity_id, incarnation } => {
-                if let Some(e) = self.entities.get_mut(&entity_id)
+                if let Some((key, e)) = self.entities.get_key_value(entity_id.as_str())
                     && e.incarnation == incarnation
                     && e.state == EntityState::Active
                 {
-                    e.state = EntityState::Stopping;
-                    out.push(ShardAction::Stop { entity_id, reason: StopReason::Passivated });
+                    let key = key.clone();
+                    self.stop_victims(vec![key], StopReason::Passivated, out);
                 }
             }
             ShardInput::Terminated { entity_id, incarnation, leftovers } => {
@@ -400,7 +425,7 @@ impl<M, S> ShardCore<M, S> {
                 }
                 self.loaded = true;
                 for id in ids.iter().filter(|_| self.remember.is_some()) {
-                    self.entities.entry(id.clone()).or_insert(EntityEntry::new(EntityState::Remembered, 0, now));
+                    self.entities.entry(Arc::from(id.as_str())).or_insert(EntityEntry::new(EntityState::Remembered, 0));
                 }
                 if !ids.is_empty() && self.remember.is_some() {
                     out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
@@ -413,22 +438,22 @@ impl<M, S> ShardCore<M, S> {
                 let Some(r) = self.remember.as_mut() else { return };
                 let Some((adds, removes)) = r.in_flight.take() else { return };
                 for id in adds {
-                    if self.entities.get(&id).is_some_and(|e| e.state == EntityState::RememberingStart) {
+                    if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStart) {
                         if self.handoff_deadline.is_some() {
-                            self.entities.remove(&id);
+                            self.entities.remove(id.as_str());
                         } else {
                             self.start(&id, now, out);
                         }
                     }
                 }
                 for id in removes {
-                    if self.entities.get(&id).is_some_and(|e| e.state == EntityState::Remembered) {
+                    if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::Remembered) {
                         // Moved to another shard (changed extractor) and started there.
-                        self.entities.remove(&id);
+                        self.entities.remove(id.as_str());
                         continue;
                     }
-                    if self.entities.get(&id).is_some_and(|e| e.state == EntityState::RememberingStop) {
-                        self.entities.remove(&id);
+                    if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStop) {
+                        self.entities.remove(id.as_str());
                         if self.buffers.get(&id).is_some_and(|b| !b.is_empty()) {
                             // Messages arrived while it passivated: it starts again (recorded again).
                             let buffered = self.buffers.remove(&id).unwrap_or_default();
@@ -465,18 +490,44 @@ impl<M, S> ShardCore<M, S> {
                 // Entries without a task leave now; running ones are told to stop (in id order).
                 self.entities.retain(|_, e| e.state.has_task());
                 self.restarts_due.clear();
-                let mut ids: Vec<String> = self.entities.keys().cloned().collect();
+                let mut ids: Vec<String> = self.entities.keys().map(|k| k.to_string()).collect();
                 ids.sort();
                 for id in ids {
-                    let e = self.entities.get_mut(&id).expect("entity");
+                    let e = self.entities.get_mut(id.as_str()).expect("entity");
                     if e.state == EntityState::Active {
                         e.state = EntityState::Stopping;
+                        if let Some(h) = e.policy.take() {
+                            let key = self.entities.get_key_value(id.as_str()).expect("entity").0.clone();
+                            self.passivation.removed(h, &key);
+                        }
                         out.push(ShardAction::Stop { entity_id: id, reason: StopReason::HandOff });
                     }
                 }
                 self.check_handoff_done(out);
             }
             ShardInput::Tick => self.on_tick(now, out),
+            ShardInput::PassivationLimit(limit) => {
+                let mut victims = Vec::new();
+                self.passivation.set_limit(limit, &mut victims);
+                self.stop_victims(victims, StopReason::Limit, out);
+            }
+        }
+    }
+
+    /// Stops running entities the passivation policy (or the entity itself) named, in id
+    /// order; each is out of the policy.
+    fn stop_victims(&mut self, mut victims: Vec<Arc<str>>, reason: StopReason, out: &mut Vec<ShardAction<M, S>>) {
+        victims.sort();
+        for key in victims {
+            let Some(e) = self.entities.get_mut(&*key) else { continue };
+            if e.state != EntityState::Active {
+                continue;
+            }
+            e.state = EntityState::Stopping;
+            if let Some(h) = e.policy.take() {
+                self.passivation.removed(h, &key);
+            }
+            out.push(ShardAction::Stop { entity_id: key.to_string(), reason });
         }
     }
 
@@ -488,7 +539,7 @@ impl<M, S> ShardCore<M, S> {
         now: Instant,
         out: &mut Vec<ShardAction<M, S>>,
     ) {
-        let current = self.entities.get(&entity_id).is_some_and(|e| e.incarnation == incarnation);
+        let current = self.entities.get(entity_id.as_str()).is_some_and(|e| e.incarnation == incarnation);
         if !current {
             // Not the running incarnation (already replaced or forgotten): what it left goes
             // the usual way.
@@ -497,7 +548,14 @@ impl<M, S> ShardCore<M, S> {
             }
             return;
         }
-        let e = self.entities.get_mut(&entity_id).expect("current entity");
+        let (key, e) = self.entities.get_key_value(entity_id.as_str()).expect("current entity");
+        if let Some(h) = e.policy {
+            // Ended without a stop the policy chose (a panic, a durable restart).
+            let key = key.clone();
+            self.passivation.removed(h, &key);
+        }
+        let e = self.entities.get_mut(entity_id.as_str()).expect("current entity");
+        e.policy = None;
         // The incarnation's task has ended: the host's handle on it is done.
         e.slot = None;
         if !leftovers.is_empty() {
@@ -509,7 +567,7 @@ impl<M, S> ShardCore<M, S> {
         }
         let state = e.state;
         if self.handoff_deadline.is_some() {
-            self.entities.remove(&entity_id);
+            self.entities.remove(entity_id.as_str());
             if let Some(buffered) = self.buffers.remove(&entity_id) {
                 for msg in buffered {
                     out.push(ShardAction::Drop { entity_id: entity_id.clone(), msg, reason: DropReason::HandOff });
@@ -521,7 +579,7 @@ impl<M, S> ShardCore<M, S> {
         match (state, self.remember.is_some()) {
             (EntityState::Stopping, true) => {
                 // Passivated: record the stop; messages meanwhile wait for the write.
-                self.entities.get_mut(&entity_id).expect("entity").state = EntityState::RememberingStop;
+                self.entities.get_mut(entity_id.as_str()).expect("entity").state = EntityState::RememberingStop;
                 let r = self.remember.as_mut().expect("remember");
                 r.next_removes.insert(entity_id.clone());
                 r.next_adds.remove(&entity_id);
@@ -530,14 +588,14 @@ impl<M, S> ShardCore<M, S> {
             (EntityState::Active, true) => {
                 // Stopped without passivating (panic): it stays remembered and comes back.
                 let at = now + self.restart_backoff;
-                self.entities.get_mut(&entity_id).expect("entity").state = EntityState::WaitingForRestart(at);
+                self.entities.get_mut(entity_id.as_str()).expect("entity").state = EntityState::WaitingForRestart(at);
                 self.restarts_due.insert((at, entity_id.clone()));
                 if self.buffers.get(&entity_id).is_some_and(|b| !b.is_empty()) {
                     self.start(&entity_id, now, out);
                 }
             }
             _ => {
-                self.entities.remove(&entity_id);
+                self.entities.remove(entity_id.as_str());
                 if let Some(buffered) = self.buffers.remove(&entity_id).filter(|b| !b.is_empty()) {
                     // Messages that arrived while it stopped go to its next incarnation.
                     for msg in buffered {
@@ -585,31 +643,19 @@ impl<M, S> ShardCore<M, S> {
             None => BTreeSet::new(),
         };
         for (at, id) in std::mem::replace(&mut self.restarts_due, later) {
-            if self.entities.get(&id).is_some_and(|e| e.state == EntityState::WaitingForRestart(at)) {
+            if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::WaitingForRestart(at)) {
                 self.start(&id, now, out);
             }
         }
-        if let Some(idle) = self.idle_timeout
-            && self.next_idle_scan.is_none_or(|at| now >= at)
-        {
-            self.next_idle_scan = Some(now + idle / 2);
-            let mut ids: Vec<String> = self
-                .entities
-                .iter()
-                .filter(|(_, e)| e.state == EntityState::Active && e.last_activity + idle <= now)
-                .map(|(id, _)| id.clone())
-                .collect();
-            ids.sort();
-            for id in ids {
-                self.entities.get_mut(&id).expect("entity").state = EntityState::Stopping;
-                out.push(ShardAction::Stop { entity_id: id, reason: StopReason::Idle });
-            }
-        }
+        let mut idle = Vec::new();
+        self.passivation.expired(now, &mut idle);
+        self.stop_victims(idle, StopReason::Idle, out);
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::passivation::Replacement;
     use super::*;
 
     fn run(s: &mut ShardCore<u32>, input: ShardInput<u32>, now: Instant) -> Vec<ShardAction<u32>> {
@@ -628,7 +674,7 @@ mod tests {
 
     #[test]
     fn first_message_starts_the_entity_and_later_ones_go_straight_to_it() {
-        let mut s = ShardCore::new(None, Duration::from_secs(1));
+        let mut s = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         let now = Instant::now();
         let out = run(&mut s, deliver("a", 1), now);
         assert_eq!(
@@ -643,7 +689,7 @@ mod tests {
 
     #[test]
     fn messages_during_passivation_are_buffered_and_delivered_to_the_next_incarnation() {
-        let mut s = ShardCore::new(None, Duration::from_secs(1));
+        let mut s = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         let now = Instant::now();
         run(&mut s, deliver("a", 1), now);
         assert_eq!(
@@ -672,7 +718,7 @@ mod tests {
     fn leftovers_of_an_incarnation_that_panicked_while_passivating_go_ahead_of_what_the_shard_held_meanwhile() {
         // Found by tests/message_order.rs: the held (newer) messages reached the next
         // incarnation before the leftovers (older), which were redelivered after them.
-        let mut s = ShardCore::new(None, Duration::from_secs(1));
+        let mut s = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         let now = Instant::now();
         run(&mut s, deliver("a", 1), now);
         run(&mut s, deliver("a", 2), now);
@@ -698,7 +744,8 @@ mod tests {
     #[test]
     fn the_direct_path_is_open_only_to_an_active_attached_entity_of_a_serving_shard_and_marks_its_activity() {
         let t0 = Instant::now();
-        let mut s: ShardCore<u32, &str> = ShardCore::new(Some(Duration::from_secs(10)), Duration::from_secs(1));
+        let mut s: ShardCore<u32, &str> =
+            ShardCore::new(PolicySettings::idle(Some(Duration::from_secs(10))), Duration::from_secs(1));
         let mut out = Vec::new();
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
         assert!(s.direct_slot("a", t0).is_none(), "not attached yet");
@@ -715,20 +762,20 @@ mod tests {
         s.handle(ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, later, &mut out);
         assert!(s.direct_slot("a", later).is_none(), "stopping");
         // So does a hand-off, for every entity.
-        let mut s: ShardCore<u32, &str> = ShardCore::new(None, Duration::from_secs(1));
+        let mut s: ShardCore<u32, &str> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
         assert!(s.attach("a", 1, "handle"));
         s.handle(ShardInput::HandOff, t0, &mut out);
         assert!(s.direct_slot("a", t0).is_none(), "handing off");
         // And a shard still loading its stored data.
-        let mut s: ShardCore<u32, &str> = ShardCore::loading(None, Duration::from_secs(1));
+        let mut s: ShardCore<u32, &str> = ShardCore::loading(PolicySettings::idle(None), Duration::from_secs(1));
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
         assert!(s.direct_slot("a", t0).is_none(), "loading");
     }
 
     #[test]
     fn passivated_entity_without_new_messages_stays_stopped() {
-        let mut s = ShardCore::new(None, Duration::from_secs(1));
+        let mut s = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         let now = Instant::now();
         run(&mut s, deliver("a", 1), now);
         run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
@@ -741,7 +788,7 @@ mod tests {
 
     #[test]
     fn idle_entities_are_passivated_after_the_timeout() {
-        let mut s = ShardCore::new(Some(Duration::from_secs(120)), Duration::from_secs(1));
+        let mut s = ShardCore::new(PolicySettings::idle(Some(Duration::from_secs(120))), Duration::from_secs(1));
         let t0 = Instant::now();
         run(&mut s, deliver("a", 1), t0);
         run(&mut s, deliver("b", 1), t0 + Duration::from_secs(100));
@@ -753,7 +800,7 @@ mod tests {
 
     #[test]
     fn hand_off_stops_all_entities_drops_buffers_and_forces_stragglers_at_the_deadline() {
-        let mut s = ShardCore::new(None, Duration::from_secs(2));
+        let mut s = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(2));
         let now = Instant::now();
         run(&mut s, deliver("a", 1), now);
         run(&mut s, deliver("b", 1), now);
@@ -778,7 +825,7 @@ mod tests {
 
     #[test]
     fn the_hosts_handle_lives_with_the_running_incarnation_and_a_forced_stop_hands_it_back() {
-        let mut s: ShardCore<u32, &'static str> = ShardCore::new(None, Duration::from_secs(2));
+        let mut s: ShardCore<u32, &'static str> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(2));
         let now = Instant::now();
         let mut out = Vec::new();
         s.handle(deliver("a", 1), now, &mut out);
@@ -815,7 +862,7 @@ mod tests {
         );
         assert!(s.take_slots().is_empty());
         // Dropping a shard takes every handle still attached.
-        let mut s: ShardCore<u32, &'static str> = ShardCore::new(None, Duration::from_secs(2));
+        let mut s: ShardCore<u32, &'static str> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(2));
         s.handle(deliver("c", 1), now, &mut Vec::new());
         s.handle(deliver("d", 1), now, &mut Vec::new());
         assert!(s.attach("c", 1, "c") && s.attach("d", 2, "d"));
@@ -827,7 +874,7 @@ mod tests {
 
     #[test]
     fn hand_off_of_an_empty_shard_is_done_at_once() {
-        let mut s: ShardCore<u32> = ShardCore::new(None, Duration::from_secs(2));
+        let mut s: ShardCore<u32> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(2));
         assert_eq!(run(&mut s, ShardInput::HandOff, Instant::now()), vec![ShardAction::Stopped]);
     }
 
@@ -850,7 +897,7 @@ mod tests {
 
     #[test]
     fn a_durable_shard_holds_messages_until_its_states_are_loaded_then_serves_without_remembering() {
-        let mut s = ShardCore::loading(Some(Duration::from_secs(60)), Duration::from_secs(2));
+        let mut s = ShardCore::loading(PolicySettings::idle(Some(Duration::from_secs(60))), Duration::from_secs(2));
         let now = Instant::now();
         assert!(run(&mut s, deliver("x", 1), now).is_empty(), "held until loaded");
         assert!(run(&mut s, deliver("y", 2), now).is_empty());
@@ -875,7 +922,7 @@ mod tests {
 
     #[test]
     fn a_durable_shard_whose_load_failed_fails_its_held_messages() {
-        let mut s = ShardCore::loading(None, Duration::from_secs(2));
+        let mut s = ShardCore::loading(PolicySettings::idle(None), Duration::from_secs(2));
         let now = Instant::now();
         run(&mut s, deliver("x", 1), now);
         let out = run(&mut s, ShardInput::StoreFailed, now);
@@ -973,16 +1020,84 @@ mod tests {
     }
 
     #[test]
-    fn idle_scan_runs_every_half_timeout_not_on_every_tick() {
-        let mut s = ShardCore::new(Some(Duration::from_secs(120)), Duration::from_secs(1));
+    fn idle_entities_stop_at_the_first_tick_past_their_timeout_in_the_order_of_their_last_message() {
+        let mut s = ShardCore::new(PolicySettings::idle(Some(Duration::from_secs(120))), Duration::from_secs(1));
         let t0 = Instant::now();
-        run(&mut s, deliver("a", 1), t0);
-        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(100)).is_empty(), "scanned, none idle");
-        assert!(run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(121)).is_empty(), "next scan at 160 s");
+        let at = |secs| t0 + Duration::from_secs(secs);
+        run(&mut s, deliver("a", 1), at(0));
+        run(&mut s, deliver("b", 1), at(10));
+        run(&mut s, deliver("a", 2), at(30)); // a is the most recent now
+        assert!(run(&mut s, ShardInput::Tick, at(129)).is_empty(), "b is idle 119 s, a 99 s");
         assert_eq!(
-            run(&mut s, ShardInput::Tick, t0 + Duration::from_secs(160)),
+            run(&mut s, ShardInput::Tick, at(130)),
+            vec![ShardAction::Stop { entity_id: "b".into(), reason: StopReason::Idle }],
+            "b, at the first tick past its timeout, not at a later scan"
+        );
+        assert!(run(&mut s, ShardInput::Tick, at(149)).is_empty());
+        assert_eq!(
+            run(&mut s, ShardInput::Tick, at(150)),
             vec![ShardAction::Stop { entity_id: "a".into(), reason: StopReason::Idle }]
         );
+    }
+
+    fn limited(limit: usize, replacement: Replacement) -> ShardCore<u32> {
+        let policy = PolicySettings { idle_timeout: None, limit: Some(limit), replacement, window_tinylfu: false };
+        ShardCore::new(policy, Duration::from_secs(1))
+    }
+
+    fn stop(id: &str, reason: StopReason) -> ShardAction<u32> {
+        ShardAction::Stop { entity_id: id.into(), reason }
+    }
+
+    #[test]
+    fn a_start_over_the_limit_passivates_the_least_recently_used_entity_first() {
+        let mut s = limited(2, Replacement::Lru);
+        let now = Instant::now();
+        run(&mut s, deliver("a", 1), now);
+        run(&mut s, deliver("b", 1), now + Duration::from_secs(1));
+        s.attach("a", 1, ());
+        // A message on the direct path counts as a use, as a routed one does.
+        assert!(s.direct_slot("a", now + Duration::from_secs(2)).is_some());
+        let out = run(&mut s, deliver("c", 1), now + Duration::from_secs(3));
+        assert_eq!(out[0], stop("b", StopReason::Limit), "room is made before c starts: {out:?}");
+        assert!(matches!(&out[1], ShardAction::Start { entity_id, .. } if entity_id == "c"), "{out:?}");
+        // b stops; its next message starts it again and passivates the least recent, a.
+        run(&mut s, ShardInput::Terminated { entity_id: "b".into(), incarnation: 2, leftovers: vec![] }, now);
+        let out = run(&mut s, deliver("b", 2), now + Duration::from_secs(4));
+        assert_eq!(out[0], stop("a", StopReason::Limit), "{out:?}");
+    }
+
+    #[test]
+    fn an_entity_that_passivates_itself_or_stops_for_hand_off_leaves_the_limit_to_the_others() {
+        let mut s = limited(2, Replacement::Lru);
+        let now = Instant::now();
+        run(&mut s, deliver("a", 1), now);
+        run(&mut s, deliver("b", 1), now);
+        run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
+        run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, now);
+        // a no longer counts: c starts without a victim.
+        let out = run(&mut s, deliver("c", 1), now);
+        assert!(!out.iter().any(|a| matches!(a, ShardAction::Stop { .. })), "{out:?}");
+        let out = run(&mut s, ShardInput::HandOff, now);
+        assert_eq!(out, vec![stop("b", StopReason::HandOff), stop("c", StopReason::HandOff)]);
+    }
+
+    #[test]
+    fn a_lower_share_of_the_limit_passivates_the_surplus_at_once() {
+        let mut s = limited(3, Replacement::Lru);
+        let now = Instant::now();
+        for (i, id) in ["a", "b", "c"].iter().enumerate() {
+            run(&mut s, deliver(id, 1), now + Duration::from_secs(i as u64));
+        }
+        assert_eq!(
+            run(&mut s, ShardInput::PassivationLimit(1), now),
+            vec![stop("a", StopReason::Limit), stop("b", StopReason::Limit)]
+        );
+        assert!(run(&mut s, ShardInput::PassivationLimit(5), now).is_empty());
+        // Without a limit the input changes nothing.
+        let mut idle_only: ShardCore<u32> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
+        run(&mut idle_only, deliver("a", 1), now);
+        assert!(run(&mut idle_only, ShardInput::PassivationLimit(0), now).is_empty());
     }
 
     #[test]
@@ -994,7 +1109,7 @@ mod tests {
         assert_eq!(s.remembered_count(), 1, "the new id's start is not recorded yet");
         run(&mut s, ShardInput::WriteDone, now);
         assert_eq!(s.remembered_count(), 2);
-        let mut plain: ShardCore<u32> = ShardCore::new(None, Duration::from_secs(1));
+        let mut plain: ShardCore<u32> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         run(&mut plain, deliver("a", 1), now);
         assert_eq!((plain.entity_count(), plain.remembered_count()), (1, 0));
     }

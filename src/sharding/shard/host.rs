@@ -188,6 +188,8 @@ impl<E: Entity> ShardDirectory<E> {
 /// The shards of one region and their entity tasks.
 pub(crate) struct LocalShards<E: Entity> {
     type_name: Arc<str>,
+    /// The region's active-entity limit (divided among its shards), if the type has one.
+    passivation_limit: Option<usize>,
     settings: ShardingSettings,
     extractor: ShardIdExtractor,
     shards: HashMap<ShardId, Arc<ShardCell<E>>>,
@@ -261,6 +263,7 @@ impl<E: Entity> LocalShards<E> {
         });
         LocalShards {
             type_name,
+            passivation_limit: settings.passivation_limit(),
             settings,
             extractor,
             shards: HashMap::new(),
@@ -339,8 +342,33 @@ impl<E: Entity> LocalShards<E> {
         self.shards.iter().map(|(s, cell)| (s.clone(), cell.lock().core.entity_count())).collect()
     }
 
+    /// Each shard's share of the region's active-entity limit with `shards` hosted (at least
+    /// one entity each).
+    fn passivation_share(&self, shards: usize) -> Option<usize> {
+        self.passivation_limit.map(|limit| (limit / shards.max(1)).max(1))
+    }
+
+    /// Tells every hosted shard its share of the active-entity limit (after a shard came or
+    /// went, or the limit changed).
+    fn share_passivation_limit(&self, work: &mut VecDeque<Work<E>>) {
+        let Some(share) = self.passivation_share(self.shards.len()) else { return };
+        for shard in self.shards.keys() {
+            work.push_back(Work::Shard(shard.clone(), ShardInput::PassivationLimit(share)));
+        }
+    }
+
+    /// Changes the region's active-entity limit at run time; false when the type has none.
+    pub(crate) fn set_passivation_limit(&mut self, limit: usize, work: &mut VecDeque<Work<E>>) -> bool {
+        if self.passivation_limit.is_none() {
+            return false;
+        }
+        self.passivation_limit = Some(limit.max(1));
+        self.share_passivation_limit(work);
+        true
+    }
+
     /// Starts hosting `shard` (or only updates its epoch if hosted).
-    pub(crate) fn start(&mut self, shard: ShardId, epoch: u64) {
+    pub(crate) fn start(&mut self, shard: ShardId, epoch: u64, work: &mut VecDeque<Work<E>>) {
         if let Some(existing) = self.shards.get(&shard) {
             existing.lock().epoch = epoch;
             return;
@@ -349,17 +377,19 @@ impl<E: Entity> LocalShards<E> {
         let stop_timeout = entity_stop_timeout(s.handoff_timeout);
         let instance = self.next_instance;
         self.next_instance += 1;
+        let policy = s.passivation_policy(self.passivation_share(self.shards.len() + 1));
         let core = if s.remember_entities {
             ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
         } else if self.state.is_some() {
-            ShardCore::loading(s.passivation_idle_timeout, stop_timeout)
+            ShardCore::loading(policy, stop_timeout)
         } else {
-            ShardCore::new(s.passivation_idle_timeout, stop_timeout)
+            ShardCore::new(policy, stop_timeout)
         };
         let cell =
             Arc::new(ShardCell { shard: Mutex::new(LocalShard { core, epoch, instance, tasks: TaskTracker::new() }) });
         self.shards.insert(shard.clone(), cell.clone());
         self.directory.insert(shard.clone(), cell);
+        self.share_passivation_limit(work);
         if s.remember_entities || self.state.is_some() {
             self.load(shard, instance, epoch);
         }
@@ -558,6 +588,7 @@ impl<E: Entity> LocalShards<E> {
                 let counter = match reason {
                     StopReason::Passivated => &self.counters.passivations_explicit,
                     StopReason::Idle => &self.counters.passivations_idle,
+                    StopReason::Limit => &self.counters.passivations_limit,
                     StopReason::HandOff => &self.counters.handoff_stops,
                 };
                 counter.fetch_add(1, Ordering::Relaxed);
@@ -608,7 +639,7 @@ impl<E: Entity> LocalShards<E> {
             }
             ShardAction::Failed => {
                 self.fail_orphans(shard_id);
-                let Some(s) = self.remove_shard(shard_id) else { return };
+                let Some(s) = self.remove_shard(shard_id, work) else { return };
                 let s = self.abort_entities(&s);
                 self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
                 let backoff = self.settings.shard_failure_backoff;
@@ -626,7 +657,7 @@ impl<E: Entity> LocalShards<E> {
                     self.metrics.handoff_done(started);
                 }
                 self.fail_orphans(shard_id);
-                let Some(s) = self.remove_shard(shard_id) else {
+                let Some(s) = self.remove_shard(shard_id, work) else {
                     work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
                     return;
                 };
@@ -657,9 +688,13 @@ impl<E: Entity> LocalShards<E> {
 
     /// Stops hosting `shard_id`: out of the directory first, so the direct path sends nothing
     /// more to its entities.
-    fn remove_shard(&mut self, shard_id: &ShardId) -> Option<Arc<ShardCell<E>>> {
+    fn remove_shard(&mut self, shard_id: &ShardId, work: &mut VecDeque<Work<E>>) -> Option<Arc<ShardCell<E>>> {
         self.directory.remove(shard_id);
-        self.shards.remove(shard_id)
+        let removed = self.shards.remove(shard_id);
+        if removed.is_some() {
+            self.share_passivation_limit(work);
+        }
+        removed
     }
 
     /// Ends every entity of a shard and closes its tracker (so waiting for it can end); returns

@@ -5,6 +5,7 @@
 pub(crate) mod core;
 mod entity;
 mod host;
+pub(crate) mod passivation;
 mod remember;
 mod state;
 

@@ -304,7 +304,16 @@ impl Sim {
                     None if self.cfg.durable => self.start_durable_shard(i, &shard, epoch),
                     None if self.cfg.remember => self.start_remembering_shard(i, &shard, epoch),
                     None => {
-                        node.shards.insert(shard, (ShardCore::new(None, Duration::from_secs(25)), epoch));
+                        node.shards.insert(
+                            shard,
+                            (
+                                ShardCore::new(
+                                    crate::sharding::shard::passivation::PolicySettings::idle(None),
+                                    Duration::from_secs(25),
+                                ),
+                                epoch,
+                            ),
+                        );
                     }
                 },
                 RegionAction::Deliver { shard, entity_id, msg } => match node.shards.get_mut(&shard) {

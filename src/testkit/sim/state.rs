@@ -102,7 +102,7 @@ impl Sim {
         let core = if self.cfg.remember {
             ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
         } else {
-            ShardCore::loading(None, stop_timeout)
+            ShardCore::loading(crate::sharding::shard::passivation::PolicySettings::idle(None), stop_timeout)
         };
         node.shards.insert(shard.clone(), (core, epoch));
         node.next_write += 1;
