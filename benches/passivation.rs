@@ -65,10 +65,13 @@ struct Shape {
     limit: usize,
 }
 
+/// The run's size; `DDSHARD_BENCH_MESSAGES` sets the number of asks (to see that memory under
+/// a limit stays flat however long the churn goes on).
 fn shape() -> Shape {
+    let messages = std::env::var("DDSHARD_BENCH_MESSAGES").ok().and_then(|m| m.parse().ok());
     Shape {
         ids: common::sized(200_000, 5_000),
-        messages: common::sized(1_000_000, 20_000),
+        messages: messages.unwrap_or_else(|| common::sized(1_000_000, 20_000)),
         limit: common::sized(10_000, 500),
     }
 }

@@ -21,6 +21,7 @@
 
 pub mod allocation;
 pub(crate) mod coordinator;
+pub mod daemon;
 mod durable;
 mod envelope;
 mod handle;
@@ -43,6 +44,7 @@ pub use allocation::{
     ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation,
     RegionAllocation, ShardAllocationStrategy,
 };
+pub use daemon::{DaemonContext, DaemonProcess};
 pub use durable::{Durable, DurableEntity};
 pub use handle::{RegionCounters, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
@@ -290,6 +292,26 @@ impl Sharding {
         let factory: Option<shard::Factory<Durable<D>>> =
             if has_role { Some(Arc::new(move |id: &str| Durable::new(factory(id)))) } else { None };
         handle::start_region_of(&self.node, type_name, factory, settings, options, true).await
+    }
+
+    /// Starts (or joins, on every node that calls it) sharded daemon process `name`: `count`
+    /// workers, indexes `0..count`, each running `worker(context)` on exactly one node at a
+    /// time, spread over the nodes that host it (`settings.role`), and started again on
+    /// another node after a crash, a leave or a rebalance (see [`daemon`]). The type runs as
+    /// `daemon-<name>` with `number_of_shards = count` and remember-entities; call it with the
+    /// same `count` on every node.
+    pub async fn daemon_process<F, Fut>(
+        &self,
+        name: &str,
+        count: usize,
+        worker: F,
+        settings: ShardingSettings,
+    ) -> Result<DaemonProcess>
+    where
+        F: Fn(DaemonContext) -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = ()> + Send + 'static,
+    {
+        daemon::start(&self.node, name, count, worker, settings).await
     }
 
     /// Starts a proxy: routes to the type's entities without hosting any.
