@@ -123,12 +123,10 @@ impl Sketch {
         }
     }
 
+    /// The key's counter in each row: one seeded hash per row.
     fn slots(&self, key: &str) -> [usize; 4] {
-        let h = xxhash_rust::xxh3::xxh3_64(key.as_bytes());
-        // Four indexes from one 64-bit hash (16 bits each, spread over the width by mixing).
-        std::array::from_fn(|i| {
-            let part = (h >> (i * 16)) ^ h.rotate_left(i as u32 * 13 + 7);
-            (part as usize) & self.mask
+        std::array::from_fn(|row| {
+            (xxhash_rust::xxh3::xxh3_64_with_seed(key.as_bytes(), row as u64) as usize) & self.mask
         })
     }
 
@@ -214,11 +212,15 @@ impl Passivation {
         }
     }
 
+    /// The main area's room: the limit less the window (unbounded without a limit).
+    fn main_capacity(&self) -> usize {
+        self.settings.limit.map_or(usize::MAX, |limit| limit - self.window_capacity())
+    }
+
     fn protected_capacity(&self) -> usize {
-        match (self.settings.replacement, self.settings.limit) {
-            (Replacement::Slru { protected_per_mille }, Some(limit)) => {
-                let main = limit - self.window_capacity();
-                main * usize::from(protected_per_mille) / 1000
+        match self.settings.replacement {
+            Replacement::Slru { protected_per_mille } => {
+                self.main_capacity().saturating_mul(usize::from(protected_per_mille)) / 1000
             }
             _ => 0,
         }
@@ -255,11 +257,12 @@ impl Passivation {
         Some(h)
     }
 
-    /// Passivates main-area victims (then the window's oldest) while over the limit.
+    /// Passivates main-area victims while over the limit (the window alone never is: it holds
+    /// at most its capacity, which is within the limit).
     fn shrink_to_limit(&mut self, victims: &mut Vec<Arc<str>>) {
         let Some(limit) = self.settings.limit else { return };
         while self.len() > limit {
-            let Some(v) = self.main_victim().or((self.window.head != NIL).then_some(self.window.head)) else { break };
+            let Some(v) = self.main_victim() else { break };
             victims.push(self.remove(v));
         }
     }
@@ -358,8 +361,7 @@ impl Passivation {
     /// Moves the window's `candidate` into the main area if there is room, or if it is used
     /// more often than the main area's victim (which then goes); otherwise it goes itself.
     fn admit(&mut self, candidate: u32, victims: &mut Vec<Arc<str>>) {
-        let limit = self.settings.limit.unwrap_or(usize::MAX);
-        let main_capacity = limit - self.window_capacity().min(limit);
+        let main_capacity = self.main_capacity();
         let main_len = self.main.len + self.protected.len + self.by_frequency.len();
         if main_len >= main_capacity {
             // Full: the more frequently used of the candidate and the main area's victim stays
@@ -706,6 +708,49 @@ mod tests {
         h.p.removed(old, &a_key);
         assert_eq!(h.p.len(), 1, "b is still tracked");
         assert_eq!(h.message("c", 6), ["b"]);
+    }
+
+    #[test]
+    fn the_window_holds_one_percent_of_the_limit_and_its_oldest_competes_when_it_overflows() {
+        // limit 300: a window of 3, a main area of 297.
+        let mut h = Harness::limited(300, Replacement::Lru, true);
+        for i in 0..300 {
+            assert!(h.message(&format!("e{i:03}"), i).is_empty(), "room for all 300");
+        }
+        // The 301st pushes the window's oldest (e297, seen once, as is main's victim e000)
+        // into a tie with main's victim; ties keep the incumbent.
+        assert_eq!(h.message("late", 400), ["e297"]);
+    }
+
+    #[test]
+    fn the_sketch_halves_its_counts_after_ten_times_its_capacity_in_additions() {
+        let mut sketch = Sketch::new(16);
+        for _ in 0..20 {
+            sketch.increment("hot");
+        }
+        assert_eq!(sketch.estimate("hot"), 15, "4-bit counters saturate at 15");
+        assert_eq!(sketch.estimate("never"), 0);
+        // 20 additions so far; 140 more reach 160 = 10 × 16: every counter halves once.
+        for i in 0..139 {
+            sketch.increment(&format!("other{i}"));
+        }
+        assert_eq!(sketch.estimate("hot"), 15, "not before the 160th addition");
+        sketch.increment("other-last");
+        assert_eq!(sketch.estimate("hot"), 7, "halved at the 160th");
+        assert_eq!(sketch.additions, 80, "the count of additions halves too");
+    }
+
+    #[test]
+    fn a_cleared_policy_tracks_nothing_and_keeps_its_limit() {
+        let mut h = Harness::limited(2, Replacement::Lru, false);
+        h.message("a", 0);
+        h.message("b", 1);
+        h.p.clear();
+        h.handles.clear();
+        assert_eq!(h.p.len(), 0);
+        assert!(h.message("c", 2).is_empty(), "no ghost of a or b takes the room");
+        assert!(h.message("d", 3).is_empty());
+        assert_eq!(h.message("e", 4), ["c"], "the limit of 2 still holds");
     }
 
     #[derive(Debug, Clone)]
