@@ -183,8 +183,11 @@ impl ActivationLog {
 const TORN_MARK: &str = "\t#torn\n";
 
 fn load_one(path: &Path, text: &str, all: &mut Vec<Activation>) -> Result<()> {
-    let bad =
-        |n: usize, line: &str| Error::Config(format!("{}:{}: bad activation record {line:?}", path.display(), n + 1));
+    let bad = |n: usize, line: &str| Error::ActivationLog {
+        path: path.to_path_buf(),
+        line: n + 1,
+        reason: format!("not an activation record: {line:?}"),
+    };
     let at = |s: &str| s.parse::<u64>().ok().map(|us| UNIX_EPOCH + Duration::from_micros(us));
     let lines: Vec<&str> = text.split('\n').collect();
     // Index (since the last `open`) → position in `all`.
@@ -322,7 +325,7 @@ mod tests {
         assert_eq!((loaded[1].entity_id.as_str(), loaded[1].stop), ("b", None));
         // Garbage in the middle of a file is an error.
         std::fs::write(&p1, "nonsense\nstart\t0\t1\t5\tn1\ta\n").unwrap();
-        assert!(matches!(ActivationLog::load(&[p1]), Err(Error::Config(_))));
+        assert!(matches!(ActivationLog::load(&[p1]), Err(Error::ActivationLog { line: 1, .. })));
     }
 
     #[test]

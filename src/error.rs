@@ -202,6 +202,40 @@ pub enum Error {
     /// The address is not usable (for example, the wildcard address as an advertised address).
     #[error("address {0} cannot be advertised to peers")]
     BadAddress(SocketAddr),
+
+    /// A call's argument is out of range or does not apply to its target (the message says
+    /// which): an invalid entity type name, a daemon process of 0 workers, an active-entity
+    /// limit for a type that has none.
+    #[error("bad request: {0}")]
+    BadRequest(String),
+
+    /// An activation log file holds a line that is not an activation record.
+    #[error("activation log {path}:{line}: {reason}")]
+    ActivationLog {
+        /// The file.
+        path: PathBuf,
+        /// The line number, from 1.
+        line: usize,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// The admin HTTP API could not be reached, or answered with an error status.
+    #[error("admin API: {message}")]
+    AdminApi {
+        /// The HTTP status, when there was an answer.
+        status: Option<u16>,
+        /// The request and what went wrong.
+        message: String,
+    },
+
+    /// A metrics recorder could not be installed (one per process).
+    #[error("metrics: {0}")]
+    Metrics(String),
+
+    /// A `ddshard node` process (test kit) did not start, stop or answer as expected.
+    #[error("node process: {0}")]
+    Process(String),
 }
 
 impl Error {
@@ -246,7 +280,13 @@ impl Error {
             | Error::StateUndecodable { .. }
             | Error::TypeAlreadyStarted(_)
             | Error::UnknownMember(_)
-            | Error::BadAddress(_) => false,
+            | Error::BadAddress(_)
+            | Error::BadRequest(_)
+            | Error::ActivationLog { .. }
+            | Error::Metrics(_)
+            | Error::Process(_) => false,
+            // Unreachable or failing now; a later call may find it back (a restarting node).
+            Error::AdminApi { status, .. } => status.is_none_or(|s| s == 503 || s == 502 || s == 504),
         }
     }
 }
@@ -287,6 +327,14 @@ mod tests {
             (Error::TypeAlreadyStarted(s()), false),
             (Error::UnknownMember(s()), false),
             (Error::BadAddress("0.0.0.0:1".parse().unwrap()), false),
+            (Error::BadRequest(s()), false),
+            (Error::ActivationLog { path: "/x".into(), line: 1, reason: s() }, false),
+            (Error::Metrics(s()), false),
+            (Error::Process(s()), false),
+            (Error::AdminApi { status: None, message: s() }, true),
+            (Error::AdminApi { status: Some(503), message: s() }, true),
+            (Error::AdminApi { status: Some(404), message: s() }, false),
+            (Error::AdminApi { status: Some(401), message: s() }, false),
         ];
         for (error, retryable) in table {
             assert_eq!(error.is_retryable(), retryable, "{error:?}");

@@ -134,9 +134,9 @@ mod enabled {
         let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
             .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_size".into()), SIZE_BUCKETS))
-            .map_err(|e| Error::Config(format!("metrics buckets: {e}")))?
+            .map_err(|e| Error::Metrics(format!("histogram buckets: {e}")))?
             .install_recorder()
-            .map_err(|e| Error::Config(format!("metrics recorder: {e}")))?;
+            .map_err(|e| Error::Metrics(format!("installing the recorder: {e}")))?;
         describe();
         Ok(handle)
     }

@@ -76,7 +76,7 @@ async fn a_limit_lowered_at_run_time_passivates_the_surplus_and_a_type_without_a
     assert!(running >= 4, "{running} running");
     let other = start_type(c.node(0), "idle-only", &probe, settings()).await;
     let err = other.set_passivation_limit(8).await.unwrap_err();
-    assert!(matches!(err, Error::Config(ref m) if m.contains("no active-entity limit")), "{err}");
+    assert!(matches!(err, Error::BadRequest(ref m) if m.contains("no active-entity limit")), "{err}");
     c.shutdown().await;
 }
 

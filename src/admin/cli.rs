@@ -103,13 +103,20 @@ impl AdminClient {
                 req.content_type("application/json").send(body.unwrap_or(""))
             }
         };
-        let mut answer = answer.map_err(|e| Error::Config(format!("{method} {url}: {e}")))?;
+        let mut answer =
+            answer.map_err(|e| Error::AdminApi { status: None, message: format!("{method} {url}: {e}") })?;
         let status = answer.status();
-        let text = answer.body_mut().read_to_string().map_err(|e| Error::Config(format!("{method} {url}: {e}")))?;
+        let text = answer
+            .body_mut()
+            .read_to_string()
+            .map_err(|e| Error::AdminApi { status: None, message: format!("{method} {url}: {e}") })?;
         let value: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
         if !status.is_success() {
             let message = value.get("error").and_then(Value::as_str).map_or_else(|| value.to_string(), String::from);
-            return Err(Error::Config(format!("{method} {path}: {status}: {message}")));
+            return Err(Error::AdminApi {
+                status: Some(status.as_u16()),
+                message: format!("{method} {path}: {status}: {message}"),
+            });
         }
         Ok(value)
     }

@@ -84,7 +84,7 @@ pub(crate) async fn start(
     let health = Arc::new(DurableHealth::default());
     let commit_timer = crate::metrics::CommitTimer::new(&params.self_addr.node_id);
     let persist = PersistThread::start(store, params.max_map_size, health.clone(), stats.clone(), commit_timer)
-        .map_err(|e| Error::Config(format!("cannot start the persist thread: {e}")))?;
+        .map_err(|e| Error::io("starting the persist thread", e))?;
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);
     let driver = Driver {

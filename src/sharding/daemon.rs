@@ -177,7 +177,9 @@ where
     Fut: Future<Output = ()> + Send + 'static,
 {
     if count == 0 || count > u32::MAX as usize {
-        return Err(Error::Config(format!("daemon process {name}: count must be between 1 and 2^32 - 1, not {count}")));
+        return Err(Error::BadRequest(format!(
+            "daemon process {name}: count must be between 1 and 2^32 - 1, not {count}"
+        )));
     }
     let name: Arc<str> = name.into();
     let worker: Arc<WorkerFn> = Arc::new(move |ctx| Box::pin(worker(ctx)));

@@ -287,13 +287,13 @@ impl<E: Entity> ShardRegion<E> {
     /// Changes this region's active-entity limit at run time (type started with passivation
     /// strategy `active-entity-limit`): the region divides it among its shards again, and
     /// shards over their new share passivate their replacement policy's victims at once.
-    /// [`Error::Config`] when the type has no such limit. Other nodes' regions keep theirs.
+    /// [`Error::BadRequest`] when the type has no such limit. Other nodes' regions keep theirs.
     pub async fn set_passivation_limit(&self, limit: usize) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         self.inner.commands.send(RegionCmd::SetPassivationLimit(limit, tx)).map_err(|_| Error::ShutDown)?;
         match rx.await {
             Ok(true) => Ok(()),
-            Ok(false) => Err(Error::Config(format!(
+            Ok(false) => Err(Error::BadRequest(format!(
                 "entity type {} has no active-entity limit (passivation strategy active-entity-limit, no remember-entities)",
                 self.inner.type_name
             ))),
@@ -377,7 +377,7 @@ pub(crate) async fn start_region_of<E: Entity>(
     durable: bool,
 ) -> Result<ShardRegion<E>> {
     if !valid_type_name(type_name) {
-        return Err(Error::Config(format!("entity type name {type_name:?} must be non-empty and without '/'")));
+        return Err(Error::BadRequest(format!("entity type name {type_name:?} must be non-empty and without '/'")));
     }
     let n = settings.number_of_shards;
     let extractor: ShardIdExtractor =

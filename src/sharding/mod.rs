@@ -180,7 +180,7 @@ pub fn remove_internal_data(data_dir: &std::path::Path, types: &[String]) -> Res
         .iter()
         .map(|t| {
             if !ids::valid_type_name(t) {
-                return Err(Error::Config(format!("invalid entity type name {t:?}")));
+                return Err(Error::BadRequest(format!("invalid entity type name {t:?}")));
             }
             Ok((t.clone(), store.delete_prefix(&durable_key_prefix(t))?))
         })

@@ -180,7 +180,7 @@ impl NodeProcess {
         let fail = |child: &mut Child, why: String| {
             let _ = child.kill();
             let _ = child.wait();
-            Err(Error::Config(format!("node {} did not start: {why}", opts.node_id)))
+            Err(Error::Process(format!("node {} did not start: {why}", opts.node_id)))
         };
         let (line, reader) = match rx.recv_timeout(startup_timeout) {
             Ok(Ok(x)) => x,
@@ -214,7 +214,7 @@ impl NodeProcess {
         let pid = self.child.id().to_string();
         let sent = Command::new("kill").args(["-TERM", &pid]).status().map_err(|e| Error::io("running kill", e))?;
         if !sent.success() {
-            return Err(Error::Config(format!("kill -TERM {pid} failed")));
+            return Err(Error::Process(format!("kill -TERM {pid} failed")));
         }
         self.wait_exit(timeout).await
     }
@@ -227,7 +227,7 @@ impl NodeProcess {
                 return Ok(status);
             }
             if Instant::now() >= deadline {
-                return Err(Error::Config(format!("node {} still running after {timeout:?}", self.node_id)));
+                return Err(Error::Process(format!("node {} still running after {timeout:?}", self.node_id)));
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
@@ -242,7 +242,7 @@ impl NodeProcess {
     pub async fn admin_get<T: serde::de::DeserializeOwned>(&self, path: &str) -> Result<T> {
         let (status, body) = self.admin_request("GET", path, "").await?;
         if status != 200 {
-            return Err(Error::Config(format!("{}: GET {path}: {status} {body}", self.node_id)));
+            return Err(Error::Process(format!("{}: GET {path}: {status} {body}", self.node_id)));
         }
         serde_json::from_str(&body).map_err(|e| Error::Codec(format!("{}: GET {path}: {e}: {body}", self.node_id)))
     }
@@ -266,7 +266,7 @@ impl NodeProcess {
     pub async fn kv_put(&self, id: &str, value: &str) -> Result<KvReply> {
         let (status, body) = self.admin_request("PUT", &format!("/kv/{id}"), value).await?;
         if status != 200 {
-            return Err(Error::Config(format!("{}: PUT /kv/{id}: {status} {body}", self.node_id)));
+            return Err(Error::Process(format!("{}: PUT /kv/{id}: {status} {body}", self.node_id)));
         }
         serde_json::from_str(&body).map_err(|e| Error::Codec(format!("PUT /kv/{id}: {e}: {body}")))
     }
@@ -320,7 +320,7 @@ pub async fn admin_request_to(admin: SocketAddr, method: &str, path: &str, body:
     let mut answer = String::new();
     sock.read_to_string(&mut answer).await.map_err(io)?;
     let status = answer.split(' ').nth(1).and_then(|s| s.parse().ok());
-    let status = status.ok_or_else(|| Error::Config(format!("not an HTTP answer: {answer:?}")))?;
+    let status = status.ok_or_else(|| Error::Process(format!("not an HTTP answer: {answer:?}")))?;
     let body = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
     Ok((status, body))
 }
@@ -329,7 +329,7 @@ pub async fn admin_request_to(admin: SocketAddr, method: &str, path: &str, body:
 pub async fn kv_get_at(admin: SocketAddr, id: &str) -> Result<KvReply> {
     let (status, body) = admin_request_to(admin, "GET", &format!("/kv/{id}"), "").await?;
     if status != 200 {
-        return Err(Error::Config(format!("GET /kv/{id}: {status} {body}")));
+        return Err(Error::Process(format!("GET /kv/{id}: {status} {body}")));
     }
     serde_json::from_str(&body).map_err(|e| Error::Codec(format!("GET /kv/{id}: {e}: {body}")))
 }
