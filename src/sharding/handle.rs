@@ -115,7 +115,10 @@ pub struct RegionCounters {
 
 pub(crate) struct HandleInner<E: Entity> {
     type_name: String,
-    node: Node,
+    /// `None` for a stand-in ([`ShardRegion::stand_in`]): no cluster behind it.
+    node: Option<Node>,
+    /// The deadlines its asks wait under (the node's, or a stand-in's own).
+    deadlines: DeadlineSweep,
     settings: ShardingSettings,
     extractor: ShardIdExtractor,
     commands: mpsc::UnboundedSender<RegionCmd<E>>,
@@ -149,7 +152,49 @@ impl<E: Entity> std::fmt::Debug for ShardRegion<E> {
     }
 }
 
+impl<E: Entity> HandleInner<E> {
+    /// A handle with no node behind it, its messages going to `commands` (see
+    /// [`ShardRegion::stand_in`]).
+    pub(crate) fn new_stand_in(
+        type_name: &str,
+        settings: ShardingSettings,
+        extractor: ShardIdExtractor,
+        commands: mpsc::UnboundedSender<RegionCmd<E>>,
+        buffered: Arc<AtomicUsize>,
+        routed: Arc<RoutedInFlight>,
+        deadlines: DeadlineSweep,
+    ) -> Self {
+        HandleInner {
+            type_name: type_name.to_string(),
+            node: None,
+            deadlines,
+            settings,
+            extractor,
+            commands,
+            buffered,
+            counters: Arc::new(RegionCounters::default()),
+            proxy: false,
+            routed,
+            fast: OnceLock::new(),
+            metrics: Arc::new(TypeMetrics::new("stand-in", type_name)),
+        }
+    }
+
+    /// The node behind the region; a stand-in has none.
+    fn node(&self) -> Result<&Node> {
+        self.node.as_ref().ok_or_else(|| stand_in_has_no_cluster(&self.type_name))
+    }
+}
+
+pub(crate) fn stand_in_has_no_cluster(type_name: &str) -> Error {
+    Error::BadRequest(format!("region {type_name:?} is a stand-in for tests: it has no cluster to ask"))
+}
+
 impl<E: Entity> ShardRegion<E> {
+    pub(crate) fn from_inner(inner: Arc<HandleInner<E>>) -> Self {
+        ShardRegion { inner }
+    }
+
     /// The entity type's name.
     pub fn type_name(&self) -> &str {
         &self.inner.type_name
@@ -225,7 +270,7 @@ impl<E: Entity> ShardRegion<E> {
         let started = start_timer();
         let (tx, rx) = oneshot::channel();
         let result = match self.submit(entity_id, Envelope::new(Some(msg), Some(ReplyTo::Local(tx)))) {
-            Ok(()) => await_answer(self.inner.node.deadlines(), entity_id, rx, timeout).await,
+            Ok(()) => await_answer(&self.inner.deadlines, entity_id, rx, timeout).await,
             Err(e) => Err(e),
         };
         self.inner.metrics.ask_done(started, &result);
@@ -236,7 +281,7 @@ impl<E: Entity> ShardRegion<E> {
     pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         self.submit(entity_id, Envelope::new(None, Some(ReplyTo::Started(tx))))?;
-        await_answer(self.inner.node.deadlines(), entity_id, rx, self.inner.settings.ask_timeout).await
+        await_answer(&self.inner.deadlines, entity_id, rx, self.inner.settings.ask_timeout).await
     }
 
     /// Shards hosted by this region with their live entity ids.
@@ -255,7 +300,7 @@ impl<E: Entity> ShardRegion<E> {
 
     /// Every region of this type in the cluster (from the coordinator).
     pub async fn current_regions(&self) -> Result<BTreeSet<RegionId>> {
-        coordinator_request(&*self.inner, &self.inner.node, &CoordinatorQuery::CurrentRegions).await
+        coordinator_request(&*self.inner, self.inner.node()?, &CoordinatorQuery::CurrentRegions).await
     }
 
     /// This region without its entity type: what tools query (see [`RegionRef`]).
@@ -276,7 +321,7 @@ impl<E: Entity> ShardRegion<E> {
         let key = keys::external_locations(&self.inner.type_name);
         let (shard, node_id) = (shard.to_string(), node_id.to_string());
         self.inner
-            .node
+            .node()?
             .replicator()
             .update::<LwwMap, _>(&key, Consistency::MAJORITY, self.inner.settings.ask_timeout, move |m, ctx| {
                 let _ = m.put_as(ctx, shard, &node_id);
@@ -387,7 +432,8 @@ pub(crate) async fn start_region_of<E: Entity>(
     let routed = RoutedInFlight::new();
     let inner = Arc::new(HandleInner {
         type_name: type_name.to_string(),
-        node: node.clone(),
+        node: Some(node.clone()),
+        deadlines: node.deadlines().clone(),
         settings: settings.clone(),
         extractor,
         commands: tx,

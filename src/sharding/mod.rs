@@ -33,6 +33,7 @@ pub(crate) mod region;
 mod region_ref;
 pub mod settings;
 pub(crate) mod shard;
+pub mod stand_in;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -54,6 +55,7 @@ pub use settings::{
     AllocationSettings, PassivationAdmission, PassivationSettings, PassivationStrategy, ReplacementPolicy,
     ShardingSettings,
 };
+pub use stand_in::{RegionProbe, Sent};
 
 use crate::error::{Error, Result};
 use crate::node::Node;
@@ -228,7 +230,7 @@ impl Sharding {
     /// when the type was not started here.
     pub fn region(&self, type_name: &str) -> Option<RegionRef> {
         let control = self.node.regions().into_iter().find(|r| r.type_name() == type_name)?;
-        Some(RegionRef::new(control, self.node.clone()))
+        Some(RegionRef::new(control, Some(self.node.clone())))
     }
 
     /// Starts hosting entity type `type_name` here (or a proxy if this node lacks the role),

@@ -36,7 +36,8 @@ pub(crate) async fn coordinator_request<T: DeserializeOwned>(
 #[derive(Clone)]
 pub struct RegionRef {
     control: Arc<dyn RegionControl>,
-    node: Node,
+    /// `None` for a stand-in region's (no cluster behind it).
+    node: Option<Node>,
 }
 
 impl std::fmt::Debug for RegionRef {
@@ -46,8 +47,12 @@ impl std::fmt::Debug for RegionRef {
 }
 
 impl RegionRef {
-    pub(crate) fn new(control: Arc<dyn RegionControl>, node: Node) -> Self {
+    pub(crate) fn new(control: Arc<dyn RegionControl>, node: Option<Node>) -> Self {
         RegionRef { control, node }
+    }
+
+    fn node(&self) -> Result<&Node> {
+        self.node.as_ref().ok_or_else(|| super::handle::stand_in_has_no_cluster(self.control.type_name()))
     }
 
     /// The entity type.
@@ -83,25 +88,25 @@ impl RegionRef {
 
     /// The coordinator's allocation table.
     pub async fn allocation(&self) -> Result<AllocationTable> {
-        coordinator_request(&*self.control, &self.node, &CoordinatorQuery::Allocation).await
+        coordinator_request(&*self.control, self.node()?, &CoordinatorQuery::Allocation).await
     }
 
     /// Why `shard` is where it is; `None` when the type's extractor cannot produce that id.
     pub async fn explain(&self, shard: &str) -> Result<Option<ShardExplanation>> {
         let query = CoordinatorQuery::Explain { shard: shard.to_string() };
-        coordinator_request(&*self.control, &self.node, &query).await
+        coordinator_request(&*self.control, self.node()?, &query).await
     }
 
     /// What the next rebalance round would do now, acting on nothing (a dry run). The
     /// strategy's `rebalance` and `allocate` are called; the built-in strategies are pure.
     pub async fn rebalance_plan(&self) -> Result<RebalancePlan> {
-        coordinator_request(&*self.control, &self.node, &CoordinatorQuery::RebalancePlan).await
+        coordinator_request(&*self.control, self.node()?, &CoordinatorQuery::RebalancePlan).await
     }
 
     /// Runs a rebalance round now (the periodic rounds go on as scheduled); answers with the
     /// hand-offs it started.
     pub async fn rebalance(&self) -> Result<RebalancePlan> {
-        coordinator_request(&*self.control, &self.node, &CoordinatorQuery::Rebalance).await
+        coordinator_request(&*self.control, self.node()?, &CoordinatorQuery::Rebalance).await
     }
 
     /// Where `entity_id` lives: its shard and that shard's home and epoch.
@@ -111,7 +116,7 @@ impl RegionRef {
         }
         let shard = self.shard_of(entity_id);
         let query = CoordinatorQuery::Explain { shard: shard.clone() };
-        let explained: Option<ShardExplanation> = coordinator_request(&*self.control, &self.node, &query).await?;
+        let explained: Option<ShardExplanation> = coordinator_request(&*self.control, self.node()?, &query).await?;
         Ok(EntityLocation {
             type_name: self.type_name().to_string(),
             entity_id: entity_id.to_string(),
@@ -125,11 +130,11 @@ impl RegionRef {
     /// `timeout` are listed in `failed`.
     pub async fn cluster_stats(&self, timeout: Duration) -> Result<ClusterShardingStats> {
         let regions: std::collections::BTreeSet<super::RegionId> =
-            coordinator_request(&*self.control, &self.node, &CoordinatorQuery::CurrentRegions).await?;
-        let snap = self.node.membership();
+            coordinator_request(&*self.control, self.node()?, &CoordinatorQuery::CurrentRegions).await?;
+        let snap = self.node()?.membership();
         let topic = keys::region_topic(self.type_name());
         let body = wire::encode(&RegionQuery::Stats)?;
-        let transport = self.node.transport().clone();
+        let transport = self.node()?.transport().clone();
         let asks = regions.into_iter().map(|region| {
             let peer = snap.peer(&region);
             let (transport, topic, body) = (transport.clone(), topic.clone(), body.clone());
