@@ -711,6 +711,37 @@ mod tests {
     }
 
     #[test]
+    fn lfu_ties_go_to_the_least_recently_used_whatever_the_start_order() {
+        let mut h = Harness::limited(2, Replacement::Lfu, false);
+        h.message("a", 0);
+        h.message("b", 1);
+        h.message("b", 2);
+        h.message("a", 3); // both used twice; a most recently
+        assert_eq!(h.message("c", 4), ["b"]);
+        // Never used again since they started: the older goes first, even when the newer took
+        // an older slot of the policy.
+        let mut h = Harness::limited(2, Replacement::Lfu, false);
+        h.message("a", 0);
+        h.message("b", 1);
+        assert_eq!(h.message("c", 2), ["a"]);
+        assert_eq!(h.message("d", 3), ["b"], "b started before c (which reuses a's slot)");
+    }
+
+    #[test]
+    fn slru_keeps_its_protected_segment_full_before_demoting() {
+        // limit 4, protected 50% = 2: a and b, both used twice, stay protected together.
+        let mut h = Harness::limited(4, Replacement::Slru { protected_per_mille: 500 }, false);
+        h.message("a", 0);
+        h.message("b", 1);
+        h.message("a", 2);
+        h.message("b", 3);
+        h.message("c", 4);
+        h.message("d", 5);
+        assert_eq!(h.message("e", 6), ["c"], "the victim is probation's oldest, not a protected entity");
+        assert_eq!(h.message("f", 7), ["d"]);
+    }
+
+    #[test]
     fn the_window_holds_one_percent_of_the_limit_and_its_oldest_competes_when_it_overflows() {
         // limit 300: a window of 3, a main area of 297.
         let mut h = Harness::limited(300, Replacement::Lru, true);
