@@ -315,7 +315,7 @@ fn repair<R>(to: &PeerAddr, entries: Vec<(String, ReplicatedData)>) -> Action<R>
 fn read_refusal(keys: usize, needed: usize, reachable: usize) -> Option<Error> {
     if keys > MAX_READ_KEYS {
         Some(Error::Codec(format!("a read of {keys} keys is over the limit of {MAX_READ_KEYS}")))
-    } else if needed > 1 && reachable + 1 < needed {
+    } else if reachable + 1 < needed {
         Some(Error::NotEnoughReplicas { needed, reachable: reachable + 1 })
     } else {
         None
