@@ -95,6 +95,12 @@ async fn a_worker_that_returns_or_panics_runs_again_after_the_restart_backoff() 
     let seen = runs.clone();
     let worker = move |ctx: DaemonContext| {
         let runs = seen.clone();
+        // Worker 2 panics while its future is built, the first time only.
+        let built_before = runs.lock().unwrap().iter().filter(|i| **i == 2).count();
+        if ctx.index == 2 && built_before == 0 {
+            runs.lock().unwrap().push(2);
+            panic!("worker 2 fails before its future exists");
+        }
         async move {
             let n = {
                 let mut r = runs.lock().unwrap();
@@ -111,14 +117,14 @@ async fn a_worker_that_returns_or_panics_runs_again_after_the_restart_backoff() 
         }
     };
     let s = ShardingSettings { min_nr_of_members: 1, ..settings() };
-    let process = c.node(0).sharding().daemon_process("flaky", 2, worker, s).await.unwrap();
-    eventually(CONVERGE, "worker 0 ran again after its panic, worker 1 after both returns", || {
+    let process = c.node(0).sharding().daemon_process("flaky", 3, worker, s).await.unwrap();
+    eventually(CONVERGE, "workers 0 and 2 ran again after their panics, worker 1 after both returns", || {
         let r = runs.lock().unwrap().clone();
         let count = |i| r.iter().filter(|x| **x == i).count();
-        std::future::ready((count(0) == 2 && count(1) == 3).then_some(()))
+        std::future::ready((count(0) == 2 && count(1) == 3 && count(2) == 2).then_some(()))
     })
     .await;
     // Still one instance each: the restarts are of the future, not new entities elsewhere.
-    assert_eq!(process.workers(Duration::from_secs(2)).await.unwrap().len(), 2);
+    assert_eq!(process.workers(Duration::from_secs(2)).await.unwrap().len(), 3);
     c.shutdown().await;
 }

@@ -129,8 +129,8 @@ pub(crate) struct Sides<'a> {
     pub reachable: &'a [&'a Member],
     /// Counted members unreachable from this node.
     pub unreachable: &'a [&'a Member],
-    /// How many counted members (with the role) are indirectly connected.
-    pub indirectly_connected_with_role: usize,
+    /// Counted members that are indirectly connected (downed whatever the strategy decides).
+    pub indirectly_connected: &'a [&'a Member],
 }
 
 /// The pure rule: which sides keep running under `strategy`, and why (for the log line).
@@ -161,10 +161,11 @@ pub(crate) fn survivors(strategy: &Strategy, sides: Sides<'_>) -> (Survivors, St
         }
         Strategy::StaticQuorum { quorum_size, role } => {
             let (r, u) = (with_role(sides.reachable, role), with_role(sides.unreachable, role));
-            let total = r + u + sides.indirectly_connected_with_role;
+            let covered = with_role(sides.indirectly_connected, role);
+            let total = r + u + covered;
             let why = format!(
                 "static-quorum {quorum_size}: {r} reachable, {u} unreachable, {} indirectly connected members{}",
-                sides.indirectly_connected_with_role,
+                covered,
                 role_note(role)
             );
             // More than 2q - 1 members: both sides could hold a quorum, so neither may stay.
@@ -182,6 +183,14 @@ pub(crate) fn survivors(strategy: &Strategy, sides: Sides<'_>) -> (Survivors, St
         Strategy::KeepOldest { down_if_alone, role } => {
             let (r_oldest, u_oldest) =
                 (oldest(sides.reachable, role.as_deref()), oldest(sides.unreachable, role.as_deref()));
+            // The oldest indirectly connected: the other side may not see it so (its view of a
+            // one-way failure lacks our reports) and keep running because it holds it. A side
+            // that cannot be sure it holds the oldest never keeps running.
+            let c_oldest = oldest(sides.indirectly_connected, role.as_deref());
+            if c_oldest.is_some_and(|c| r_oldest.is_none_or(|r| c < r) && u_oldest.is_none_or(|u| c < u)) {
+                let why = format!("keep-oldest: the oldest member is indirectly connected{}", role_note(role));
+                return (Survivors::NeitherSide, why);
+            }
             let oldest_reachable = match (r_oldest, u_oldest) {
                 (Some(a), Some(b)) => a < b,
                 (Some(_), None) => true,
@@ -356,17 +365,9 @@ impl Resolver {
             .filter(|(a, _)| !cover.contains(**a))
             .map(|(_, m)| *m)
             .partition(|m| !unreachable.contains(m.address()));
-        let role = match &self.strategy {
-            Strategy::KeepMajority { role }
-            | Strategy::StaticQuorum { role, .. }
-            | Strategy::KeepOldest { role, .. } => role.as_deref(),
-            Strategy::DownAll => None,
-        };
-        let sides = Sides {
-            reachable: &reachable_side,
-            unreachable: &unreachable_side,
-            indirectly_connected_with_role: cover.iter().filter(|a| counted[a].has_role(role)).count(),
-        };
+        let covered: Vec<&Member> = cover.iter().map(|a| counted[a]).collect();
+        let sides =
+            Sides { reachable: &reachable_side, unreachable: &unreachable_side, indirectly_connected: &covered };
         let (survivors, verdict) = survivors(&self.strategy, sides);
         self.verdict = verdict;
         let my_side_survives = match survivors {
@@ -843,6 +844,38 @@ mod tests {
         r.decide(&view, t0);
         assert_eq!(r.decide(&view, t0 + Duration::from_secs(1)), Decision::DownOthers([a("c"), a("x")].into()));
         assert!(r.explain().contains("indirectly connected, downed: [x#1]"), "{}", r.explain());
+    }
+
+    #[test]
+    fn keep_oldest_never_keeps_both_sides_when_one_side_sees_the_oldest_indirectly_connected() {
+        // A = {p, q, x} loses everything it sends but still receives; B = {y} with the oldest,
+        // c. On A's side every member looks alive and every A-B link is reported both ways:
+        // the cover takes c and y. On B's side A is silent (a clean split) and c is reachable.
+        let ko = Strategy::KeepOldest { down_if_alone: true, role: None };
+        let t0 = Instant::now();
+        let stable = Duration::from_secs(1);
+        let mut records = Vec::new();
+        for a_member in ["p", "q", "x"] {
+            for b_member in ["c", "y"] {
+                records.push((a_member, b_member));
+                records.push((b_member, a_member));
+            }
+        }
+        let mut seen_by_p = Resolver::new(ko.clone(), stable, None, t0);
+        let view = table("p", &ALL_LIVE, &records);
+        seen_by_p.decide(&view, t0);
+        assert_eq!(
+            seen_by_p.decide(&view, t0 + stable),
+            Decision::DownMyself,
+            "A cannot be sure it holds the oldest: {}",
+            seen_by_p.explain()
+        );
+        // B's view: A silent, no records from it arrive; B keeps running with the oldest.
+        let members = [("c", true), ("p", false), ("q", false), ("x", false), ("y", true)];
+        let mut seen_by_y = Resolver::new(ko, stable, None, t0);
+        let view = table("y", &members, &[]);
+        seen_by_y.decide(&view, t0);
+        assert!(matches!(seen_by_y.decide(&view, t0 + stable), Decision::DownOthers(_)));
     }
 
     #[test]

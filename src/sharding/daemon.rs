@@ -99,7 +99,14 @@ impl Entity for DaemonWorker {
         tokio::spawn(async move {
             let stop = context.stop.clone();
             loop {
-                let run = std::panic::AssertUnwindSafe(worker(context.clone())).catch_unwind();
+                // A panic while building the future counts as the worker's panic too.
+                let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker(context.clone())));
+                let run = async move {
+                    match built {
+                        Ok(future) => std::panic::AssertUnwindSafe(future).catch_unwind().await,
+                        Err(panic) => Err(panic),
+                    }
+                };
                 tokio::select! {
                     _ = stop.cancelled() => return,
                     _ = shutdown.cancelled() => return,

@@ -112,9 +112,17 @@ struct Sketch {
     reset_after: usize,
 }
 
+/// Counters per row at most (4 MiB for the four rows): a sketch sized for a larger share
+/// only estimates less precisely, where an unbounded one could abort the node.
+const MAX_SKETCH_WIDTH: usize = 1 << 20;
+
 impl Sketch {
+    fn width_for(capacity: usize) -> usize {
+        capacity.max(16).next_power_of_two().min(MAX_SKETCH_WIDTH)
+    }
+
     fn new(capacity: usize) -> Self {
-        let width = capacity.max(16).next_power_of_two();
+        let width = Self::width_for(capacity);
         Sketch {
             rows: std::array::from_fn(|_| vec![0; width]),
             mask: width - 1,
@@ -350,6 +358,13 @@ impl Passivation {
         }
         let limit = limit.max(1);
         self.settings.limit = Some(limit);
+        // The sketch follows the share (the first shard of a region starts with all of it);
+        // rebuilt when its width would change, losing only recent history.
+        if let Some(sketch) = &self.sketch
+            && sketch.mask + 1 != Sketch::width_for(limit)
+        {
+            self.sketch = Some(Sketch::new(limit));
+        }
         while self.window.len > self.window_capacity() {
             // The window shrank: its oldest move on to the main area (and compete there).
             let oldest = self.window.head;
@@ -769,6 +784,19 @@ mod tests {
         sketch.increment("other-last");
         assert_eq!(sketch.estimate("hot"), 7, "halved at the 160th");
         assert_eq!(sketch.additions, 80, "the count of additions halves too");
+    }
+
+    #[test]
+    fn the_sketch_follows_the_share_and_never_outgrows_its_cap() {
+        let mut h = Harness::limited(usize::MAX / 2, Replacement::Lru, true);
+        assert_eq!(h.p.sketch.as_ref().unwrap().mask + 1, MAX_SKETCH_WIDTH, "a huge limit is capped");
+        h.set_limit(1_000);
+        assert_eq!(h.p.sketch.as_ref().unwrap().mask + 1, 1_024, "resized to the new share");
+        h.set_limit(1_010);
+        assert_eq!(h.p.sketch.as_ref().unwrap().mask + 1, 1_024);
+        let mut plain = Harness::limited(1_000, Replacement::Lru, false);
+        plain.set_limit(10);
+        assert!(plain.p.sketch.is_none(), "no admission, no sketch");
     }
 
     #[test]
