@@ -879,6 +879,33 @@ mod tests {
     }
 
     #[test]
+    fn keep_oldest_stops_a_side_whose_cover_holds_a_member_older_than_both_sides_and_only_then() {
+        let ko = Strategy::KeepOldest { down_if_alone: true, role: None };
+        let stable = Duration::from_secs(1);
+        let decide = |me: &str, members: &[(&str, bool)], records: &[(&str, &str)]| {
+            let t0 = Instant::now();
+            let mut r = Resolver::new(ko.clone(), stable, None, t0);
+            let view = table(me, members, records);
+            r.decide(&view, t0);
+            (r.decide(&view, t0 + stable), r.explain())
+        };
+        // c (the oldest) broke its links with p, q and x and is covered; y is silent. The
+        // covered c is older than both sides' oldest (p and y): p's side stops.
+        let y_silent = [("c", true), ("p", true), ("q", true), ("x", true), ("y", false)];
+        let c_broken = [("c", "p"), ("p", "c"), ("c", "q"), ("q", "c"), ("c", "x"), ("x", "c")];
+        let (d, why) = decide("p", &y_silent, &c_broken);
+        assert_eq!(d, Decision::DownMyself, "{why}");
+        assert!(why.ends_with("keep-oldest: the oldest member is indirectly connected"), "{why}");
+        // q is covered (most broken links) but c, silent, is older still: the plain rule
+        // applies — the oldest is on the unreachable side, so y's side stops for that reason.
+        let c_p_silent = [("c", false), ("p", false), ("q", true), ("x", true), ("y", true)];
+        let q_broken = [("q", "x"), ("x", "q"), ("q", "y"), ("y", "q")];
+        let (d, why) = decide("y", &c_p_silent, &q_broken);
+        assert_eq!(d, Decision::DownMyself, "{why}");
+        assert!(why.ends_with("keep-oldest: the oldest member is unreachable"), "{why}");
+    }
+
+    #[test]
     fn the_explanation_names_the_silent_members_the_records_and_the_indirectly_connected() {
         let t0 = Instant::now();
         let mut r = Resolver::new(KM, Duration::from_secs(1), None, t0);

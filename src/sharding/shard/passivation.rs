@@ -792,8 +792,12 @@ mod tests {
         assert_eq!(h.p.sketch.as_ref().unwrap().mask + 1, MAX_SKETCH_WIDTH, "a huge limit is capped");
         h.set_limit(1_000);
         assert_eq!(h.p.sketch.as_ref().unwrap().mask + 1, 1_024, "resized to the new share");
+        for _ in 0..5 {
+            h.p.sketch.as_mut().unwrap().increment("popular");
+        }
         h.set_limit(1_010);
         assert_eq!(h.p.sketch.as_ref().unwrap().mask + 1, 1_024);
+        assert_eq!(h.p.sketch.as_ref().unwrap().estimate("popular"), 5, "same width: its history is kept");
         let mut plain = Harness::limited(1_000, Replacement::Lru, false);
         plain.set_limit(10);
         assert!(plain.p.sketch.is_none(), "no admission, no sketch");
