@@ -249,3 +249,26 @@ fn a_plan_over_three_regions_spreads_its_moves_as_the_rounds_hand_offs_then_do()
         assert_eq!(home.as_deref(), Some(m.expected_to.as_str()), "{} landed where the plan said", m.shard);
     }
 }
+
+#[test]
+fn a_region_shutting_down_is_listed_as_taking_no_new_shards_though_its_member_is_up() {
+    let (mut c, now) = all_on_a_then_b(2);
+    step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("b") }), now, 1_000);
+    let table = c.allocation_table("t", now);
+    let b = table.regions.iter().find(|x| x.region == r("b").to_string()).expect("b listed");
+    assert_eq!(b.member_status.as_deref(), Some("up"), "its node is still up");
+    assert!(b.shutting_down && !b.takes_new_shards, "{b:?}");
+    let a = table.regions.iter().find(|x| x.region == r("a").to_string()).expect("a listed");
+    assert!(!a.shutting_down && a.takes_new_shards, "{a:?}");
+}
+
+#[test]
+fn the_choice_were_the_shard_new_now_counts_its_home_without_it() {
+    // Shard 0 alone on a, nothing on b: without shard 0, a and b hold none each, and the tie
+    // goes to the lowest address, a (counted with it, a would hold one and b would win).
+    let (c, now) = all_on_a_then_b(1);
+    let e = c.explain("t", "0", now).expect("explained");
+    let choice = e.if_allocated_now.expect("regions take shards");
+    assert_eq!(choice.region, r("a").to_string(), "{choice:?}");
+    assert!(choice.reason.contains("fewest shards (0)"), "{choice:?}");
+}
