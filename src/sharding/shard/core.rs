@@ -344,15 +344,16 @@ impl<M, S> ShardCore<M, S> {
         if !self.serving() {
             return None;
         }
+        // One lookup on the hot path: the table and the policy are disjoint fields.
         let (key, e) = self.entities.get_key_value(entity_id)?;
-        if e.state != EntityState::Active || e.slot.is_none() {
+        if e.state != EntityState::Active {
             return None;
         }
+        let slot = e.slot.as_ref()?;
         if let Some(h) = e.policy {
             self.passivation.accessed(h, key, now);
         }
-        let e = self.entities.get(entity_id)?;
-        Some((e.slot.as_ref()?, e.incarnation))
+        Some((slot, e.incarnation))
     }
 
     fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
@@ -490,19 +491,8 @@ impl<M, S> ShardCore<M, S> {
                 // Entries without a task leave now; running ones are told to stop (in id order).
                 self.entities.retain(|_, e| e.state.has_task());
                 self.restarts_due.clear();
-                let mut ids: Vec<String> = self.entities.keys().map(|k| k.to_string()).collect();
-                ids.sort();
-                for id in ids {
-                    let e = self.entities.get_mut(id.as_str()).expect("entity");
-                    if e.state == EntityState::Active {
-                        e.state = EntityState::Stopping;
-                        if let Some(h) = e.policy.take() {
-                            let key = self.entities.get_key_value(id.as_str()).expect("entity").0.clone();
-                            self.passivation.removed(h, &key);
-                        }
-                        out.push(ShardAction::Stop { entity_id: id, reason: StopReason::HandOff });
-                    }
-                }
+                let running: Vec<Arc<str>> = self.entities.keys().cloned().collect();
+                self.stop_victims(running, StopReason::HandOff, out);
                 self.check_handoff_done(out);
             }
             ShardInput::Tick => self.on_tick(now, out),
@@ -514,8 +504,8 @@ impl<M, S> ShardCore<M, S> {
         }
     }
 
-    /// Stops running entities the passivation policy (or the entity itself) named, in id
-    /// order; each is out of the policy.
+    /// Stops the running (`Active`) entities among `victims`, in id order, each out of the
+    /// policy: the policy's victims, an entity that passivates itself, a hand-off's entities.
     fn stop_victims(&mut self, mut victims: Vec<Arc<str>>, reason: StopReason, out: &mut Vec<ShardAction<M, S>>) {
         victims.sort();
         for key in victims {
@@ -551,8 +541,7 @@ impl<M, S> ShardCore<M, S> {
         let (key, e) = self.entities.get_key_value(entity_id.as_str()).expect("current entity");
         if let Some(h) = e.policy {
             // Ended without a stop the policy chose (a panic, a durable restart).
-            let key = key.clone();
-            self.passivation.removed(h, &key);
+            self.passivation.removed(h, key);
         }
         let e = self.entities.get_mut(entity_id.as_str()).expect("current entity");
         e.policy = None;
