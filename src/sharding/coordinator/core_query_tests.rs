@@ -272,3 +272,40 @@ fn the_choice_were_the_shard_new_now_counts_its_home_without_it() {
     assert_eq!(choice.region, r("a").to_string(), "{choice:?}");
     assert!(choice.reason.contains("fewest shards (0)"), "{choice:?}");
 }
+
+/// Moves shard "1" wherever it is; allocates to the least loaded region, ties to the lowest id.
+struct MovesShardOneToTheLeastLoaded;
+impl ShardAllocationStrategy for MovesShardOneToTheLeastLoaded {
+    fn allocate(&self, _: &RegionId, _: &ShardId, regions: &[RegionAllocation]) -> RegionId {
+        regions.iter().min_by_key(|r| (r.shards.len(), r.region.clone())).expect("candidates").region.clone()
+    }
+    fn rebalance(&self, regions: &[RegionAllocation], _: &BTreeSet<ShardId>) -> BTreeSet<ShardId> {
+        regions.iter().flat_map(|r| r.shards.iter()).filter(|s| s.as_str() == "1").cloned().collect()
+    }
+}
+
+#[test]
+fn a_planned_move_counts_its_old_home_without_the_shard_so_the_plan_names_where_it_lands() {
+    let mut c = core_from(test_settings(1), Arc::new(MovesShardOneToTheLeastLoaded), CoordinatorState::default());
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    for s in ["1", "2"] {
+        get_home(&mut c, s, "a", now, 1_000);
+        step(&mut c, from_region(ToCoordinator::ShardStarted { shard: s.into(), region: r("a") }), now, 1_000);
+    }
+    reg(&mut c, "b", now);
+    get_home(&mut c, "3", "b", now, 1_000);
+    step(&mut c, from_region(ToCoordinator::ShardStarted { shard: "3".into(), region: r("b") }), now, 1_000);
+    assert_eq!(c.state.home("3").map(|(h, _)| h.clone()), Some(r("b")));
+    settle(&mut c);
+    // Without shard 1, a holds one shard as b does, and the tie goes to a: its old home.
+    let plan = c.rebalance_plan("t");
+    assert_eq!(plan.moves.len(), 1, "{plan:?}");
+    assert_eq!(
+        (plan.moves[0].from.as_str(), plan.moves[0].expected_to.as_str()),
+        (r("a").to_string().as_str(), r("a").to_string().as_str())
+    );
+    c.handle(CoordinatorInput::RebalanceNow, now, 2_000, &mut Vec::new());
+    finish_all_hand_offs(&mut c, now, 3_000);
+    assert_eq!(c.state.home("1").map(|(h, _)| h.clone()), Some(r("a")), "shard 1 landed where the plan said");
+}
