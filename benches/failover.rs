@@ -3,17 +3,21 @@
 //! again from a survivor. One sample is one whole run (cluster start excluded), so criterion's
 //! median is the median over runs.
 //!
-//! Baseline in the same run: the floor the settings impose, failure detection (phi 10 at
-//! 150 ms gossip: about 1 s) + `stable_after` + `down_removal_margin`; the report gives each
-//! median as a ratio to it.
+//! Baseline, measured in the same run: the time until a survivor's membership drops the killed
+//! member (failure detection + `stable_after` + the down decision's gossip +
+//! `down_removal_margin`), which is when its shards may move at all. The `ratio=` line gives
+//! the fail-over's median over that median: what sharding adds to membership's own floor
+//! (re-allocation, remembered-entity reads, restarts, the client's retry).
 //!
 //! `cargo bench --bench failover`
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+mod common;
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
-use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions, kv_get_at};
+use ddshard::admin::MemberInfo;
+use ddshard::testkit::process::{KvStats, NodeProcess, ProcessOptions, admin_request_to, kv_get_at};
 
 const NODES: usize = 3;
 const IDS: usize = 60;
@@ -34,7 +38,7 @@ fn spawn(dir: &Path, i: usize, seeds: &[&NodeProcess]) -> NodeProcess {
 
 /// One run: start the cluster, place the entities, SIGKILL `victim` (0 = the oldest, which
 /// hosts the coordinator), time until every entity it hosted answers from a survivor.
-async fn one_run(victim: usize) -> Duration {
+async fn one_run(victim: usize) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let mut nodes: Vec<NodeProcess> = Vec::new();
     for i in 0..NODES {
@@ -60,6 +64,7 @@ async fn one_run(victim: usize) -> Duration {
     let survivor = nodes[if victim == 1 { 2 } else { 1 }].admin;
     let killed = Instant::now();
     nodes[victim].kill();
+    let removal = tokio::spawn(until_removed(survivor, victim_id.clone(), killed));
     let mut waits = Vec::new();
     for id in on_victim {
         let victim_id = victim_id.clone();
@@ -77,7 +82,30 @@ async fn one_run(victim: usize) -> Duration {
     for w in waits {
         w.await.unwrap();
     }
-    killed.elapsed()
+    let failover = killed.elapsed();
+    Run { failover, removed: removal.await.unwrap() }
+}
+
+/// One run's two clocks, both from the SIGKILL.
+struct Run {
+    /// Until every entity the victim hosted answered from a survivor.
+    failover: Duration,
+    /// Until the survivor's membership no longer listed the victim (the baseline).
+    removed: Duration,
+}
+
+/// Polls `survivor`'s member list every 10 ms until `victim` is no longer in it.
+async fn until_removed(survivor: std::net::SocketAddr, victim: String, killed: Instant) -> Duration {
+    loop {
+        let (status, body) = admin_request_to(survivor, "GET", "/cluster/members", "").await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        let members: Vec<MemberInfo> = serde_json::from_str(&body).unwrap();
+        if !members.iter().any(|m| m.node_id == victim) {
+            return killed.elapsed();
+        }
+        assert!(killed.elapsed() < Duration::from_secs(60), "{victim} still listed: {members:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 fn median(v: &mut [Duration]) -> Duration {
@@ -87,7 +115,7 @@ fn median(v: &mut [Duration]) -> Duration {
 
 fn failover(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    let floor = DETECTION_ESTIMATE + STABLE_AFTER + MARGIN;
+    let configured = DETECTION_ESTIMATE + STABLE_AFTER + MARGIN;
     let mut group = c.benchmark_group("failover_after_sigkill");
     group.sample_size(RUNS).sampling_mode(SamplingMode::Flat);
     group.warm_up_time(Duration::from_millis(1)).measurement_time(Duration::from_secs(1));
@@ -97,25 +125,29 @@ fn failover(c: &mut Criterion) {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;
                 for _ in 0..iters {
-                    let t = rt.block_on(one_run(victim));
-                    runs.push(t);
-                    total += t;
+                    let run = rt.block_on(one_run(victim));
+                    total += run.failover;
+                    runs.push(run);
                 }
                 total
             })
         });
         // The first run is criterion's warm-up (cold caches, fresh binaries); `--test` (CI's
         // smoke run) makes just one.
-        let mut runs = if runs.len() > 1 { runs.split_off(1) } else { runs };
-        let m = median(&mut runs);
+        let runs = if runs.len() > 1 { runs.split_off(1) } else { runs };
+        let mut failovers: Vec<Duration> = runs.iter().map(|r| r.failover).collect();
+        let mut removals: Vec<Duration> = runs.iter().map(|r| r.removed).collect();
+        let (m, removed) = (median(&mut failovers), median(&mut removals));
         println!(
-            "{name}: {} runs, median {m:.2?} (min {:.2?}, max {:.2?}); floor detection ~{DETECTION_ESTIMATE:?} + \
-             stable_after {STABLE_AFTER:?} + margin {MARGIN:?} = {floor:?}; ratio {:.2}",
-            runs.len(),
-            runs[0],
-            runs[runs.len() - 1],
-            m.as_secs_f64() / floor.as_secs_f64()
+            "{name}: {} runs, median {m:.2?} (min {:.2?}, max {:.2?}); the victim left the survivor's membership \
+             after a median {removed:.2?} (settings: detection ~{DETECTION_ESTIMATE:?} + stable_after \
+             {STABLE_AFTER:?} + margin {MARGIN:?} = {configured:?})",
+            failovers.len(),
+            failovers[0],
+            failovers[failovers.len() - 1],
         );
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        common::print_ratio_of(&format!("failover_{name}_vs_membership_removal"), ms(m), ms(removed));
     }
     group.finish();
 }

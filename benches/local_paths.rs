@@ -258,6 +258,16 @@ fn main() {
     );
     let routed = region.counters().local_routed.load(Ordering::Relaxed);
     println!("messages that took the routed path (not straight into a mailbox): {routed}");
-    println!("ratio=local_ask_p99_at_90pct_load_micros {:.0}", pct(&lat, 99).as_secs_f64() * 1e6);
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    common::print_ratio_of(
+        "local_ask_p99_at_90pct_load_vs_mpsc_oneshot_p99",
+        micros(pct(&lat, 99)),
+        micros(pct(&raw_lat, 99)),
+    );
+    common::print_ratio_of(
+        "local_ask_p50_at_90pct_load_vs_mpsc_oneshot_p50",
+        micros(pct(&lat, 50)),
+        micros(pct(&raw_lat, 50)),
+    );
     rt.block_on(cluster.shutdown());
 }

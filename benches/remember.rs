@@ -1,6 +1,6 @@
 //! Remember-entities costs, each beside its baseline in the same run:
 //! - new-entity start rate with remember-entities on vs off (3 nodes, majority writes, LMDB),
-//!   in batches of 64 and with a sliding window of 512 always in flight;
+//!   with sliding windows of 64 and of 512 always in flight;
 //! - restart time of 100k remembered entities after a full-cluster restart, beside a raw
 //!   LMDB baseline (the same ids in the same keys read back from one environment and a task
 //!   started per id);
@@ -37,15 +37,9 @@ fn settings(remember: bool) -> ShardingSettings {
     ShardingSettings { remember_entities: remember, number_of_shards: 100, min_nr_of_members: 3, ..Default::default() }
 }
 
+/// `BATCH` new entities, `IN_FLIGHT` asks always in flight.
 async fn start_new(r: &ShardRegion<Thing>, prefix: &str, from: usize) {
-    for chunk in (from..from + BATCH).collect::<Vec<_>>().chunks(IN_FLIGHT) {
-        let asks = chunk.iter().map(|i| {
-            let id = format!("{prefix}-{i}");
-            let r = r.clone();
-            async move { r.ask(&id, Ping).await.unwrap() }
-        });
-        futures::future::join_all(asks).await;
-    }
+    start_new_sliding(r, prefix, from, BATCH, IN_FLIGHT).await
 }
 
 /// Sliding window: `window` asks always in flight (a new one starts as each finishes) until
@@ -230,22 +224,24 @@ fn bench(c: &mut Criterion) {
     }
     g.finish();
     StageCounters::read(&cluster, &on).print_since(&stage_before, stage_clock.elapsed());
-    // The ratio, from interleaved timed passes (median of 3).
-    let (mut on_rates, mut off_rates) = (Vec::new(), Vec::new());
+    // The ratios, from interleaved timed passes (median of 3), for both windows.
     let mut next = 1usize << 40;
-    for _ in 0..common::sized(3, 1) {
-        for (rates, region, prefix) in [(&mut off_rates, &off, "off-r"), (&mut on_rates, &on, "on-r")] {
-            let t = Instant::now();
-            rt.block_on(start_new_sliding(region, prefix, next, SLIDING_TOTAL, SLIDING_WINDOW));
-            rates.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
+    for window in [IN_FLIGHT, SLIDING_WINDOW] {
+        let (mut on_rates, mut off_rates) = (Vec::new(), Vec::new());
+        for _ in 0..common::sized(3, 1) {
+            for (rates, region, prefix) in [(&mut off_rates, &off, "off-r"), (&mut on_rates, &on, "on-r")] {
+                let t = Instant::now();
+                rt.block_on(start_new_sliding(region, prefix, next, SLIDING_TOTAL, window));
+                rates.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
+            }
+            next += SLIDING_TOTAL;
         }
-        next += SLIDING_TOTAL;
+        common::print_ratio(
+            &format!("remembered_starts_sliding_{window}_vs_remember_off"),
+            common::median(&mut on_rates),
+            common::median(&mut off_rates),
+        );
     }
-    common::print_ratio(
-        "remembered_starts_sliding_512_vs_remember_off",
-        common::median(&mut on_rates),
-        common::median(&mut off_rates),
-    );
 
     // Restart time after a full-cluster restart: seed 100k remembered ids straight into the
     // replicated sets (as the shards would have recorded them), restart every node, and time

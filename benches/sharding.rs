@@ -1,7 +1,7 @@
 //! Sharding throughput and latency, each beside a baseline measured in the same run:
 //! - local tell / ask through a region vs a raw tokio mpsc actor;
 //! - remote tell / ask (entity on another node) vs a raw transport request/response, in
-//!   batches of 64 and with a sliding window of 512 always in flight (ratio printed);
+//!   sliding windows of 64 and of 512 always in flight (ratios printed);
 //! - latency of the first message to a new shard on 3 nodes, with 200 and with 10,000 shards
 //!   already allocated (p50/p99 printed).
 
@@ -62,14 +62,42 @@ fn mpsc_actor(rt: &tokio::runtime::Runtime) -> mpsc::Sender<(Msg, Option<oneshot
     tx
 }
 
-/// `IN_FLIGHT` asks at a time, awaited together (no task per ask, like the baselines).
+/// `N` asks with `IN_FLIGHT` always in flight (no task per ask, like the baselines).
 async fn asks_region(r: &ShardRegion<Counter>, id: &str) {
-    for _ in 0..N as usize / IN_FLIGHT {
-        let asks = (0..IN_FLIGHT).map(|_| r.ask(id, Msg::Add(1)));
-        for res in futures::future::join_all(asks).await {
-            res.unwrap();
-        }
+    sliding(N as usize, IN_FLIGHT, |_| async {
+        r.ask(id, Msg::Add(1)).await.unwrap();
+    })
+    .await
+}
+
+/// `N` asks of the mpsc actor, `IN_FLIGHT` always in flight: the baseline of [`asks_region`].
+async fn asks_mpsc(actor: &mpsc::Sender<(Msg, Option<oneshot::Sender<i64>>)>) {
+    sliding(N as usize, IN_FLIGHT, |_| async {
+        let (tx, rx) = oneshot::channel();
+        actor.send((Msg::Add(1), Some(tx))).await.unwrap();
+        rx.await.unwrap();
+    })
+    .await
+}
+
+/// Median rates (per second) of `a` and `b`, each run `N` times per pass, passes interleaved.
+fn interleaved_rates<A, B, FA, FB>(rt: &tokio::runtime::Runtime, a: A, b: B) -> (f64, f64)
+where
+    A: Fn() -> FA,
+    B: Fn() -> FB,
+    FA: std::future::Future<Output = ()>,
+    FB: std::future::Future<Output = ()>,
+{
+    let (mut ra, mut rb) = (Vec::new(), Vec::new());
+    for _ in 0..common::sized(5, 1) {
+        let t = Instant::now();
+        rt.block_on(a());
+        ra.push(N as f64 / t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        rt.block_on(b());
+        rb.push(N as f64 / t.elapsed().as_secs_f64());
     }
+    (common::median(&mut ra), common::median(&mut rb))
 }
 
 fn bench(c: &mut Criterion) {
@@ -125,23 +153,11 @@ fn bench(c: &mut Criterion) {
             local.ask(&local_id, Msg::Get).await.unwrap();
         })
     });
-    g.bench_function("baseline_mpsc_ask", |b| {
-        b.to_async(&rt).iter(|| async {
-            let mut pending = Vec::with_capacity(IN_FLIGHT);
-            for _ in 0..N as usize / IN_FLIGHT {
-                for _ in 0..IN_FLIGHT {
-                    let (tx, rx) = oneshot::channel();
-                    actor.send((Msg::Add(1), Some(tx))).await.unwrap();
-                    pending.push(rx);
-                }
-                for p in pending.drain(..) {
-                    p.await.unwrap();
-                }
-            }
-        })
-    });
+    g.bench_function("baseline_mpsc_ask", |b| b.to_async(&rt).iter(|| asks_mpsc(&actor)));
     g.bench_function("region_ask", |b| b.to_async(&rt).iter(|| asks_region(&local, &local_id)));
     g.finish();
+    let (ask, raw) = interleaved_rates(&rt, || asks_region(&local, &local_id), || asks_mpsc(&actor));
+    common::print_ratio("local_ask_64_in_flight_vs_mpsc_oneshot", ask, raw);
 
     let mut g = c.benchmark_group("remote");
     g.throughput(Throughput::Elements(N));
@@ -155,17 +171,13 @@ fn bench(c: &mut Criterion) {
         }
     });
     let to = PeerAddr { address: cluster.node(0).address().clone(), messaging_addr: cluster.node(0).messaging_addr() };
-    g.bench_function("baseline_transport_request", |b| {
-        b.to_async(&rt).iter(|| async {
-            let body = rmp_serde::to_vec(&Msg::Add(1)).unwrap();
-            for _ in 0..N as usize / IN_FLIGHT {
-                let reqs = (0..IN_FLIGHT).map(|_| ta.request(&to, "bench-echo", &body, Duration::from_secs(5)));
-                for res in futures::future::join_all(reqs).await {
-                    res.unwrap();
-                }
-            }
+    let body = rmp_serde::to_vec(&Msg::Add(1)).unwrap();
+    let raw_requests = || {
+        sliding(N as usize, IN_FLIGHT, |_| async {
+            ta.request(&to, "bench-echo", &body, Duration::from_secs(5)).await.unwrap();
         })
-    });
+    };
+    g.bench_function("baseline_transport_request", |b| b.to_async(&rt).iter(raw_requests));
     g.bench_function("region_ask_remote", |b| b.to_async(&rt).iter(|| asks_region(&remote_from_a, &remote_id)));
     g.bench_function("region_tell_remote", |b| {
         b.to_async(&rt).iter(|| async {
@@ -176,6 +188,8 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
+    let (ask, raw) = interleaved_rates(&rt, || asks_region(&remote_from_a, &remote_id), raw_requests);
+    common::print_ratio("remote_ask_64_in_flight_vs_raw_request", ask, raw);
 
     // The remote ask with 512 always in flight, beside the raw request with the same window.
     let mut g = c.benchmark_group("remote_sliding_512");
