@@ -113,6 +113,16 @@ pub enum Error {
     #[error("entity id must not be empty")]
     EmptyEntityId,
 
+    /// The entity id is longer than [`MAX_ENTITY_ID_LEN`](crate::sharding::MAX_ENTITY_ID_LEN)
+    /// bytes (the longest a remembered-entity set holds).
+    #[error("entity id of {len} bytes is longer than the {max} allowed")]
+    EntityIdTooLong {
+        /// The id's length in bytes.
+        len: usize,
+        /// The longest allowed.
+        max: usize,
+    },
+
     /// The region's buffer for messages whose shard home is unknown is full; the message was
     /// dropped (counted and logged).
     #[error("buffer of region {type_name:?} is full ({buffer_size} messages); message dropped")]
@@ -276,6 +286,7 @@ impl Error {
             | Error::WrongDataType { .. }
             | Error::Fenced { .. }
             | Error::EmptyEntityId
+            | Error::EntityIdTooLong { .. }
             | Error::StateTooLarge { .. }
             | Error::StateUndecodable { .. }
             | Error::TypeAlreadyStarted(_)
@@ -322,6 +333,7 @@ mod tests {
             (Error::WrongDataType { key: s(), expected: "a", found: "b" }, false),
             (Error::Fenced { key: s(), epoch: 1, fence: 2 }, false),
             (Error::EmptyEntityId, false),
+            (Error::EntityIdTooLong { len: 2, max: 1 }, false),
             (Error::StateTooLarge { entity_id: s(), bytes: 2, max: 1 }, false),
             (Error::StateUndecodable { type_name: s(), entity_id: s(), reason: s() }, false),
             (Error::TypeAlreadyStarted(s()), false),

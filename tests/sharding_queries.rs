@@ -173,15 +173,20 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
     // A well-formed message for a shard this node's extractor does not give the id (a node with
     // another number_of_shards, or a forger): starting it could run the id in two shards.
     let wrong_shard = if regions[1].shard_id("victim-2") == "0" { "1" } else { "0" };
-    sender.transport().send(&target, "region/counter", &forged_deliver(wrong_shard, "victim-2", get)).unwrap();
+    sender.transport().send(&target, "region/counter", &forged_deliver(wrong_shard, "victim-2", get.clone())).unwrap();
+    // An entity id longer than a remembered set holds, for the shard it hashes to: starting
+    // it would leave a remembered set no peer can decode.
+    let too_long = "v".repeat(ddshard::sharding::MAX_ENTITY_ID_LEN + 1);
+    let long_shard = regions[1].shard_id(&too_long);
+    sender.transport().send(&target, "region/counter", &forged_deliver(&long_shard, &too_long, get)).unwrap();
     // A type this node does not run, and garbage on the region topic.
     let dropped_before = c.node(1).transport().stats().frames_dropped.load(Ordering::Relaxed);
     sender.transport().send(&target, "region/no-such-type", &deliver("x", vec![1])).unwrap();
     sender.transport().send(&target, "region/counter", b"garbage").unwrap();
     let r2 = regions[1].clone();
     let t2 = c.node(1).transport().clone();
-    eventually(CONVERGE, "all five bad messages counted", || {
-        let ok = r2.counters().dropped_invalid.load(Ordering::Relaxed) == 4
+    eventually(CONVERGE, "all six bad messages counted", || {
+        let ok = r2.counters().dropped_invalid.load(Ordering::Relaxed) == 5
             && t2.stats().frames_dropped.load(Ordering::Relaxed) > dropped_before;
         std::future::ready(ok.then_some(()))
     })
@@ -195,6 +200,10 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
         !probe.created.lock().unwrap().iter().any(|(id, _)| id == "victim-2"),
         "an entity was started from a Deliver naming the wrong shard"
     );
+    assert!(!probe.created.lock().unwrap().iter().any(|(id, _)| *id == too_long), "an over-long entity id was started");
+    // Asked here, the same id fails at once, typed.
+    let refused = regions[0].ask(&too_long, CounterMsg::Get).await;
+    assert!(matches!(refused, Err(ddshard::Error::EntityIdTooLong { len, max }) if len == max + 1), "{refused:?}");
     c.shutdown().await;
 }
 

@@ -43,6 +43,9 @@ pub struct WriteCtx {
     /// OR-set adds refused (counters exhausted or not reserved); the replicator fails the
     /// update when this moved.
     pub(crate) refused_adds: std::cell::Cell<u64>,
+    /// OR-set adds refused because the member was longer than peers decode; the replicator
+    /// fails the update when this moved.
+    pub(crate) refused_too_long: std::cell::Cell<u64>,
     /// A fenced-map write of this update refused by its fence (see [`WriteCtx::refuse`]).
     pub(crate) fenced: Option<super::fenced::Fenced>,
 }
@@ -60,6 +63,7 @@ impl WriteCtx {
             counter_floor: 0,
             counter_ceiling: u64::MAX,
             refused_adds: std::cell::Cell::new(0),
+            refused_too_long: std::cell::Cell::new(0),
             fenced: None,
         }
     }
@@ -76,6 +80,12 @@ impl WriteCtx {
     /// OR-set adds refused so far (no reserved counter was left).
     pub fn refused_adds(&self) -> u64 {
         self.refused_adds.get()
+    }
+
+    /// OR-set adds refused so far because the member was longer than
+    /// [`MAX_ELEMENT_LEN`](super::orset::MAX_ELEMENT_LEN).
+    pub fn refused_too_long(&self) -> u64 {
+        self.refused_too_long.get()
     }
 
     /// Reports that this update's write to a [`FencedMap`] was refused by the map's fence:

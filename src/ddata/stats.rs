@@ -35,7 +35,8 @@ pub struct ReplicatorStats {
     /// limit, or from a peer that was not asked.
     pub rejected: AtomicU64,
     /// OR-set adds refused because no durably reserved counter was left (their updates failed
-    /// with a storage error).
+    /// with a storage error) or the member was longer than
+    /// [`MAX_ELEMENT_LEN`](super::orset::MAX_ELEMENT_LEN) (failed with `BadRequest`).
     pub refused_adds: AtomicU64,
     /// Writes to fenced maps refused because a newer epoch had claimed the key, here or at a
     /// replica (per key and write).

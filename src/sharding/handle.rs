@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
 use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
-use super::ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id, valid_type_name};
+use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_shard_id, valid_type_name};
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
@@ -219,9 +219,7 @@ impl<E: Entity> ShardRegion<E> {
     /// earlier message of this handle to it is still on the routed path; through the region
     /// task otherwise.
     fn submit(&self, entity_id: &str, mut env: Envelope<E>) -> Result<()> {
-        if entity_id.is_empty() {
-            return Err(Error::EmptyEntityId);
-        }
+        check_entity_id(entity_id)?;
         let i = &self.inner;
         let shard = (i.extractor)(entity_id);
         let stripe = RoutedInFlight::stripe(entity_id);

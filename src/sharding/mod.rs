@@ -48,7 +48,7 @@ pub use allocation::{
 pub use daemon::{DaemonContext, DaemonProcess};
 pub use durable::{Durable, DurableEntity};
 pub use handle::{RegionCounters, ShardRegion};
-pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
+pub use ids::{MAX_ENTITY_ID_LEN, RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
 pub use region_ref::RegionRef;
 pub use settings::{

@@ -111,9 +111,7 @@ impl RegionRef {
 
     /// Where `entity_id` lives: its shard and that shard's home and epoch.
     pub async fn locate(&self, entity_id: &str) -> Result<EntityLocation> {
-        if entity_id.is_empty() {
-            return Err(Error::EmptyEntityId);
-        }
+        crate::sharding::ids::check_entity_id(entity_id)?;
         let shard = self.shard_of(entity_id);
         let query = CoordinatorQuery::Explain { shard: shard.clone() };
         let explained: Option<ShardExplanation> = coordinator_request(&*self.control, self.node()?, &query).await?;

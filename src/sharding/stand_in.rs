@@ -314,6 +314,8 @@ mod tests {
         let kept = probe_keeps(&region, &mut probe).await;
         assert!(matches!(kept, Err(Error::AskTimeout { .. })), "{kept:?}");
         assert!(matches!(region.tell("", 1), Err(Error::EmptyEntityId)));
+        let too_long = "x".repeat(crate::sharding::MAX_ENTITY_ID_LEN + 1);
+        assert!(matches!(region.tell(&too_long, 1), Err(Error::EntityIdTooLong { .. })));
     }
 
     async fn probe_keeps(region: &ShardRegion<Echo>, probe: &mut RegionProbe<Echo>) -> Result<u32> {

@@ -214,10 +214,16 @@ pub struct OrSet {
 
 impl OrSet {
     /// Adds a member (with a fresh dot of `ctx`'s OR-set writer; older dots of it are
-    /// superseded). An add that finds no counter left in the writer's reserved range, or no room
-    /// for a new writer, is refused: the set is unchanged and `ctx` counts it.
+    /// superseded). An add of a member longer than [`MAX_ELEMENT_LEN`] (peers would refuse the
+    /// whole set) is refused and counted in [`WriteCtx::refused_too_long`]; one that finds no
+    /// counter left in the writer's reserved range, or no room for a new writer, in
+    /// [`WriteCtx::refused_adds`]. A refused add leaves the set unchanged.
     pub fn add(&mut self, ctx: &WriteCtx, member: impl AsRef<str>) {
         let member = member.as_ref();
+        if member.len() > MAX_ELEMENT_LEN {
+            ctx.refused_too_long.set(ctx.refused_too_long.get() + 1);
+            return;
+        }
         let Some((dot, claim)) = self.reserve_dot(ctx) else {
             ctx.refused_adds.set(ctx.refused_adds.get() + 1);
             return;

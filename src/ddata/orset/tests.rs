@@ -461,3 +461,49 @@ fn delta_approx_bytes_stays_within_a_quarter_of_the_encoded_size() {
         assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", d.approx_bytes());
     }
 }
+
+#[test]
+fn an_element_longer_than_peers_decode_is_refused_by_add_so_the_set_stays_decodable() {
+    let c = ctx("n1#1");
+    let mut s = OrSet::default();
+    let longest = "x".repeat(MAX_ELEMENT_LEN);
+    s.add(&c, &longest);
+    assert!(s.contains(&longest));
+    assert!(roundtrip(&s).contains(&longest), "the longest element decodes");
+    let too_long = "y".repeat(MAX_ELEMENT_LEN + 1);
+    s.add(&c, &too_long);
+    assert!(!s.contains(&too_long), "a peer would refuse the whole set for it");
+    assert_eq!((c.refused_too_long(), c.refused_adds()), (1, 0), "the refusal is counted as what it is");
+    assert_eq!(roundtrip(&s), s, "the set still decodes");
+    let mut delta_only = OrSet::default();
+    delta_only.merge_delta(&s.take_delta().unwrap()).unwrap();
+    assert_eq!(delta_only, s);
+}
+
+#[test]
+fn the_byte_length_helpers_match_the_encoders_at_every_width_boundary() {
+    for v in [
+        0,
+        1,
+        127,
+        128,
+        200,
+        255,
+        256,
+        16_383,
+        16_384,
+        65_535,
+        65_536,
+        (1 << 21) - 1,
+        1 << 21,
+        0xffff_ffff,
+        1 << 32,
+        MAX_COUNTER,
+        u64::MAX,
+    ] {
+        let mut varint = Vec::new();
+        put_varint(&mut varint, v);
+        assert_eq!(varint_len(v), varint.len(), "varint of {v}");
+        assert_eq!(rmp_uint_len(v), rmp_serde::to_vec(&v).unwrap().len(), "MessagePack of {v}");
+    }
+}

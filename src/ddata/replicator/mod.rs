@@ -617,14 +617,16 @@ impl<R> ReplicatorCore<R> {
 
     /// Applies one key's modify; returns its delta (None: nothing changed).
     /// An OR-set add the modify made that found no reserved counter fails the update (with a
-    /// storage error: the reservation is a commit that has not happened); the rest of the
-    /// modify stays applied and spreads as a local update.
+    /// storage error: the reservation is a commit that has not happened), one of a member too
+    /// long to decode with `BadRequest`; the rest of the modify stays applied and spreads as a
+    /// local update.
     fn apply_modify(&mut self, key: &str, modify: Modify, out: &mut Vec<Action<R>>) -> Result<Option<ReplicatedDelta>> {
         self.select_set_writer(key);
         let existing = self.data.get_mut(key);
         let had_value = existing.is_some();
         let result = modify(existing.map(|e| &mut e.value), &mut self.ctx);
         let refused = self.ctx.refused_adds.replace(0);
+        let too_long = self.ctx.refused_too_long.replace(0);
         if let Some(Fenced { epoch, fence }) = self.ctx.fenced.take() {
             // The map refused the write and changed nothing; earlier local changes of the key
             // stay pending and spread as usual.
@@ -645,15 +647,21 @@ impl<R> ReplicatorCore<R> {
             self.emit_changed(key, delta.as_ref().filter(|_| !created).map(Cow::Borrowed), out);
         }
         self.reserve_ahead(key, out);
-        if refused > 0 {
-            ReplicatorStats::add(&self.stats.refused_adds, refused as usize);
+        let refusal = if too_long > 0 {
+            let max = super::orset::MAX_ELEMENT_LEN;
+            Some(Error::BadRequest(format!("{too_long} OR-set members of {key} refused: longer than {max} bytes")))
+        } else if refused > 0 {
+            let reason = format!("{refused} OR-set adds to {key} refused: no durably reserved counter left yet");
+            Some(Error::Storage { path: Default::default(), reason })
+        } else {
+            None
+        };
+        if let Some(refusal) = refusal {
+            ReplicatorStats::add(&self.stats.refused_adds, (refused + too_long) as usize);
             if let Some(d) = delta {
                 self.pend_delta(key.to_string(), d);
             }
-            return Err(Error::Storage {
-                path: Default::default(),
-                reason: format!("{refused} OR-set adds to {key} refused: no durably reserved counter left yet"),
-            });
+            return Err(refusal);
         }
         Ok(delta)
     }

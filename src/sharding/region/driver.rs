@@ -18,7 +18,7 @@ use crate::membership::MembershipSnapshot;
 use crate::node::Node;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedTicket, not_delivered};
 use crate::sharding::handle::RegionCounters;
-use crate::sharding::ids::{RegionId, ShardId};
+use crate::sharding::ids::{RegionId, ShardId, check_entity_id};
 use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion, ToCoordinator, ToRegion};
 use crate::sharding::query::{EntityIdPage, RegionInfo, ShardCount};
 use crate::sharding::settings::ShardingSettings;
@@ -279,8 +279,8 @@ impl<E: Entity> RegionTask<E> {
                     ReplyTo::Remote { region, ask_id, via }
                 });
                 let msg = if payload.is_empty() { Ok(None) } else { wire::decode::<E::Message>(&payload).map(Some) };
-                let failure = match (&msg, entity_id.is_empty()) {
-                    (_, true) => Some(crate::error::Error::EmptyEntityId),
+                let failure = match (&msg, check_entity_id(&entity_id)) {
+                    (_, Err(refused)) => Some(refused),
                     (Err(e), _) => Some(not_delivered(&entity_id, format!("payload does not decode: {e}"))),
                     _ => {
                         let own = (self.extractor)(&entity_id);

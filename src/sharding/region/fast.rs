@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::sharding::Entity;
 use crate::sharding::envelope::{Envelope, ReplyTo, RoutedInFlight};
 use crate::sharding::handle::RegionCounters;
-use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
+use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
 use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
@@ -269,7 +269,7 @@ impl<E: Entity> FastPath<E> {
                 let Some(direct) = self.direct.as_ref() else { return Some(m) };
                 let stripe = RoutedInFlight::stripe(&entity_id);
                 // Anything the region task would refuse goes there, for one definition of why.
-                let valid = !entity_id.is_empty() && (self.extractor)(&entity_id) == shard;
+                let valid = check_entity_id(&entity_id).is_ok() && (self.extractor)(&entity_id) == shard;
                 let msg = match (valid, payload.is_empty()) {
                     (false, _) => return Some(m),
                     (true, true) => None,

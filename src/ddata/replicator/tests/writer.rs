@@ -172,3 +172,15 @@ fn an_extension_is_asked_for_exactly_when_the_used_counter_comes_within_the_marg
         assert_eq!(reservation(&out).is_some(), asked, "ceiling {ceiling}: {out:?}");
     }
 }
+
+#[test]
+fn an_update_adding_a_member_too_long_to_decode_fails_as_a_bad_request_and_keeps_the_rest() {
+    let mut c = core_with(writer_with(0, RESERVATION_SPAN));
+    let too_long = "x".repeat(crate::ddata::orset::MAX_ELEMENT_LEN + 1);
+    let mut out = Vec::new();
+    update(&mut c, KEY, Consistency::Local, or_add(vec!["e0".into(), too_long.clone()]), &mut out);
+    let answer = reply(&out);
+    assert!(matches!(&answer, Some(Err(Error::BadRequest(why))) if why.contains("longer than")), "{out:?}");
+    assert_eq!(c.stats.refused_adds.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert!(set_of(&c, KEY).contains("e0") && !set_of(&c, KEY).contains(&too_long));
+}
