@@ -24,6 +24,8 @@ pub struct ReadmeDoctests;
 pub mod activation;
 #[cfg(feature = "admin")]
 pub mod admin;
+#[cfg(test)]
+mod alloc_count;
 pub mod clock;
 pub mod config;
 pub mod ddata;

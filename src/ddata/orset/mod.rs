@@ -319,15 +319,17 @@ impl OrSet {
         self.arena.capacity()
             + self.index.capacity() * (std::mem::size_of::<Slot>() + 1)
             + self.extra.capacity() * 40
+            + self.extra.values().map(|dots| dots.capacity() * 8).sum::<usize>()
             + self.cloud.len() * 40
             + self.vv.capacity() * 8
             + self.writers.names.iter().map(|n| n.capacity() + 32).sum::<usize>()
             + self.writers.by_name.keys().map(|n| n.capacity() + 40).sum::<usize>()
     }
 
-    /// Approximate encoded size in bytes (for message budgets; never encodes): the live arena,
-    /// a writer index and a counter per dot (sized by the largest counter), the writer names
-    /// and version vector, and each cloud interval.
+    /// Approximate encoded size in bytes (for message budgets; never encodes): the live arena
+    /// (an element again for each of its extra dots), a writer index and a counter per dot
+    /// (sized by the largest counter), the writer names and version vector, and each cloud
+    /// interval.
     pub fn approx_bytes(&self) -> usize {
         let largest = self.vv.iter().copied().max().unwrap_or(0);
         let dots = self.len() + self.extra.values().map(Vec::len).sum::<usize>();
@@ -336,7 +338,11 @@ impl OrSet {
             .iter()
             .map(|(lo, hi)| if lo.counter() == *hi { 2 + rmp_uint_len(*hi) } else { 2 + 2 * rmp_uint_len(*hi) })
             .sum();
+        // The encoding repeats an element (with its length varint) for each of its extra dots.
+        let repeated: usize =
+            self.extra.iter().map(|(offset, more)| more.len() * (self.element_at(*offset).len() + 1)).sum();
         self.arena.len().saturating_sub(self.garbage)
+            + repeated
             + dots * (1 + varint_len(largest))
             + self.writers.names.iter().map(|n| n.len() + 2 + rmp_uint_len(largest)).sum::<usize>()
             + cloud

@@ -507,3 +507,129 @@ fn the_byte_length_helpers_match_the_encoders_at_every_width_boundary() {
         assert_eq!(rmp_uint_len(v), rmp_serde::to_vec(&v).unwrap().len(), "MessagePack of {v}");
     }
 }
+
+#[test]
+fn members_and_iter_list_what_was_added_and_not_removed() {
+    let c = ctx("n1#1");
+    let mut s = OrSet::default();
+    s.add_all(&c, ["a", "b", "c", "b"]);
+    s.remove("b");
+    let expected: BTreeSet<String> = ["a", "c"].into_iter().map(String::from).collect();
+    assert_eq!(s.members(), expected);
+    let mut listed: Vec<&str> = s.iter().collect();
+    listed.sort_unstable();
+    assert_eq!(listed, ["a", "c"]);
+    assert_eq!(roundtrip(&s).members(), expected);
+}
+
+#[test]
+fn writers_seen_again_past_the_scanned_table_keep_their_index() {
+    let mut s = OrSet::default();
+    let names: Vec<String> = (0..2 * SCANNED_WRITERS + 3).map(|i| format!("n{i}#1")).collect();
+    for round in 0..2 {
+        for (i, name) in names.iter().enumerate() {
+            s.add(&ctx(name), format!("e{i}-{round}"));
+        }
+    }
+    assert_eq!(s.writers().count(), names.len(), "each writer interned once");
+    for name in &names {
+        assert_eq!(s.max_counter_of(name), 2, "{name} wrote twice under one index");
+    }
+    assert_eq!(roundtrip(&s), s, "no duplicate writer for a peer to refuse");
+}
+
+/// Builds one set of a shape.
+type BuildSet = fn() -> OrSet;
+
+/// Sets of every shape the size estimates must follow: each is dominated by another part of
+/// the set (arena and index, writer names, cloud intervals, extra dots).
+fn sets_of_every_shape() -> [(&'static str, BuildSet); 7] {
+    [
+        ("20,000 long ids of one writer", || {
+            let mut s = OrSet::default();
+            let c = ctx("a#1");
+            for i in 0..20_000u32 {
+                s.add(&c, format!("{:08x}-entity", i.wrapping_mul(2_654_435_761)));
+            }
+            s
+        }),
+        ("20,000 short ids of one writer", || {
+            let mut s = OrSet::default();
+            let c = ctx("a#1");
+            for i in 0..20_000u32 {
+                s.add(&c, i.to_string());
+            }
+            s
+        }),
+        ("300 writers with long names, one id each", || {
+            let mut s = OrSet::default();
+            for w in 0..300 {
+                let mut other = OrSet::default();
+                other.add(&ctx(&format!("{w:0>120}")), format!("id-{w}"));
+                s.merge(other);
+            }
+            s
+        }),
+        ("2,000 single-dot cloud entries", || {
+            let mut s = OrSet::default();
+            s.add(&ctx("a#1"), "x");
+            for k in 0..2_000 {
+                s.context_insert_range(0, 1_000_000 + 3 * k, 1_000_000 + 3 * k);
+            }
+            s
+        }),
+        ("2,000 cloud ranges", || {
+            let mut s = OrSet::default();
+            s.add(&ctx("a#1"), "x");
+            for k in 0..2_000 {
+                s.context_insert_range(0, 1_000_000 + 5 * k, 1_000_002 + 5 * k);
+            }
+            s
+        }),
+        ("1,000 writers with short names, every element removed", || {
+            let mut s = OrSet::default();
+            for w in 0..1_000 {
+                let mut other = OrSet::default();
+                other.add(&ctx(&format!("w{w}")), "x");
+                s.merge(other);
+            }
+            s.remove("x");
+            s
+        }),
+        ("500 ids each added concurrently by 6 writers", || {
+            let mut s = OrSet::default();
+            for w in 0..6 {
+                let mut other = OrSet::default();
+                let c = ctx(&format!("w{w}#1"));
+                for i in 0..500 {
+                    other.add(&c, format!("id-{i}"));
+                }
+                s.merge(other);
+            }
+            s
+        }),
+    ]
+}
+
+#[test]
+fn heap_bytes_is_within_a_third_of_what_the_allocator_holds_for_every_shape_of_set() {
+    for (name, shape) in sets_of_every_shape() {
+        let (s, allocated) = crate::alloc_count::live_bytes_after(|| {
+            let mut s = shape();
+            drop(s.take_delta());
+            s
+        });
+        let ratio = s.heap_bytes() as f64 / allocated as f64;
+        assert!((0.75..=1.33).contains(&ratio), "{name}: heap_bytes is {ratio:.3} of the allocated bytes");
+    }
+}
+
+#[test]
+fn approx_bytes_is_within_a_quarter_of_the_encoded_size_for_every_shape_of_set() {
+    for (name, shape) in sets_of_every_shape() {
+        let s = shape();
+        let encoded = rmp_serde::to_vec(&s).unwrap().len();
+        let ratio = s.approx_bytes() as f64 / encoded as f64;
+        assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", s.approx_bytes());
+    }
+}
