@@ -151,6 +151,31 @@ fn merging_past_the_writer_limit_is_refused_and_changes_nothing() {
 }
 
 #[test]
+fn a_merge_that_brings_the_writers_to_exactly_the_limit_is_accepted() {
+    let mut almost = OrSet { vv: vec![0; MAX_WRITERS - 1], ..OrSet::default() };
+    for i in 0..MAX_WRITERS - 1 {
+        almost.writers.intern(&format!("w{i}"));
+    }
+    let mut other = OrSet::default();
+    other.add(&ctx("last#1"), "x");
+    assert_eq!(almost.try_merge(&other), Ok(()));
+    assert!(almost.contains("x"));
+    assert_eq!(almost.writers().count(), MAX_WRITERS);
+}
+
+#[test]
+fn a_full_state_merge_removes_what_the_other_side_removed_after_seeing_it() {
+    let mut a = OrSet::default();
+    a.add_all(&ctx("a#1"), ["x", "y"]);
+    let mut b = OrSet::default();
+    b.merge(a.clone());
+    b.remove("x");
+    a.merge(b);
+    let expected: BTreeSet<String> = ["y".to_string()].into();
+    assert_eq!(a.members(), expected, "the removal wins over the add it saw");
+}
+
+#[test]
 fn a_writer_continues_above_the_highest_counter_it_ever_saw_of_itself() {
     let mut a = OrSet::default();
     a.add(&ctx("a#1"), "x");
