@@ -658,3 +658,26 @@ fn approx_bytes_is_within_a_quarter_of_the_encoded_size_for_every_shape_of_set()
         assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", s.approx_bytes());
     }
 }
+
+#[test]
+fn sets_that_differ_only_in_their_version_vector_have_different_digests() {
+    // No members on either side: only what each has seen (its version vector) differs.
+    let seen = |adds: u64| {
+        let mut s = OrSet::default();
+        let c = ctx("a#1");
+        for _ in 0..adds {
+            s.add(&c, "x");
+        }
+        s.remove("x");
+        s
+    };
+    let (none, one, two) = (OrSet::default(), seen(1), seen(2));
+    assert!(none.is_empty() && one.is_empty() && two.is_empty());
+    assert_ne!(none.digest(), one.digest(), "a set that saw an add and its remove is not an empty one");
+    assert_ne!(one.digest(), two.digest());
+    assert_ne!(none.digest(), two.digest());
+    // Equal states reached in other ways still agree.
+    let mut merged = OrSet::default();
+    merged.merge(two.clone());
+    assert_eq!(merged.digest(), two.digest());
+}
