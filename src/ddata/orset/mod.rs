@@ -615,7 +615,7 @@ impl OrSet {
                     e.remove();
                 }
                 self.extra.remove(&slot.offset);
-                self.garbage += x.len() + 3;
+                self.garbage += varint_len(x.len() as u64) + x.len();
                 self.maybe_compact();
             }
             (Some(slot), Some((first, rest))) => {

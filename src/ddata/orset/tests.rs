@@ -681,3 +681,29 @@ fn sets_that_differ_only_in_their_version_vector_have_different_digests() {
     merged.merge(two.clone());
     assert_eq!(merged.digest(), two.digest());
 }
+
+#[test]
+fn sets_with_as_many_members_but_other_ones_have_different_digests() {
+    let one = |member: &str| {
+        let mut s = OrSet::default();
+        s.add(&ctx("a#1"), member);
+        s
+    };
+    // Same writer, same counter, same size: only the member differs.
+    assert_ne!(one("x").digest(), one("y").digest());
+    assert_eq!(one("x").digest(), one("x").digest());
+}
+
+#[test]
+fn removed_elements_count_exactly_their_arena_bytes_as_garbage() {
+    let mut s = OrSet::default();
+    let c = ctx("a#1");
+    let ids: Vec<String> = (0..100).map(|i| format!("element-{i:03}")).collect();
+    s.add_all(&c, &ids);
+    for id in &ids[..50] {
+        s.remove(id);
+    }
+    // Each removed element held a one-byte length and its 11 bytes.
+    assert_eq!(s.garbage, 50 * 12);
+    assert_eq!(s.arena.len() - s.garbage, 50 * 12, "the live part of the arena");
+}
