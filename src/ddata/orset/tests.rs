@@ -707,3 +707,49 @@ fn removed_elements_count_exactly_their_arena_bytes_as_garbage() {
     assert_eq!(s.garbage, 50 * 12);
     assert_eq!(s.arena.len() - s.garbage, 50 * 12, "the live part of the arena");
 }
+
+#[test]
+fn the_arena_is_compacted_once_removed_bytes_reach_4096_and_half_of_it_and_not_before() {
+    // Elements of 15 bytes take 16 arena bytes each (a one-byte length first).
+    let build = |n: usize| {
+        let mut s = OrSet::default();
+        s.add_all(&ctx("a#1"), (0..n).map(|i| format!("element-{i:07}")));
+        s
+    };
+    let remove = |s: &mut OrSet, from: usize, to: usize| {
+        for i in from..to {
+            s.remove(&format!("element-{i:07}"));
+        }
+    };
+    // A small arena: half of it is garbage long before 4096 bytes are.
+    let mut small = build(300);
+    remove(&mut small, 0, 255);
+    assert_eq!((small.garbage, small.arena.len()), (255 * 16, 300 * 16), "4080 bytes of garbage: kept");
+    remove(&mut small, 255, 256);
+    assert_eq!((small.garbage, small.arena.len()), (0, 44 * 16), "4096 bytes: compacted");
+    // A large arena: 4096 bytes of garbage are not yet half of it.
+    let mut large = build(600);
+    remove(&mut large, 0, 299);
+    assert_eq!((large.garbage, large.arena.len()), (299 * 16, 600 * 16), "just under half: kept");
+    remove(&mut large, 299, 300);
+    assert_eq!((large.garbage, large.arena.len()), (0, 300 * 16), "exactly half: compacted");
+    let expected: BTreeSet<String> = (300..600).map(|i| format!("element-{i:07}")).collect();
+    assert_eq!(large.members(), expected, "compaction keeps every live element");
+}
+
+#[test]
+fn a_writer_known_with_nothing_seen_does_not_make_a_set_unequal() {
+    let mut plain = OrSet::default();
+    plain.add(&ctx("a"), "x");
+    // The same state from a peer whose writer table also names a writer it saw nothing of.
+    let wire = OrSetWire {
+        writers: vec!["a".into(), "ghost".into()],
+        vv: vec![1, 0],
+        cloud: vec![],
+        cloud_ranges: vec![],
+        entries: vec![1, b'x', 0, 1],
+    };
+    let with_ghost: OrSet = rmp_serde::from_slice(&rmp_serde::to_vec(&wire).unwrap()).unwrap();
+    assert_eq!(with_ghost, plain);
+    assert_eq!(with_ghost.digest(), plain.digest());
+}
