@@ -878,3 +878,39 @@ mod delta_join_laws {
         }
     }
 }
+
+#[test]
+fn intervals_of_one_dot_decode_in_claims_and_cloud_ranges_and_reversed_ones_are_refused() {
+    let delta = |lo: u64, hi: u64| delta::OrSetDeltaWire {
+        writers: vec!["w".into()],
+        entries: vec![],
+        claims: vec![(0, lo, hi)],
+    };
+    let decode_delta = |w| rmp_serde::from_slice::<OrSetDelta>(&rmp_serde::to_vec(&w).unwrap());
+    assert!(decode_delta(delta(5, 5)).is_ok(), "a claim of one counter");
+    assert!(decode_delta(delta(5, 4)).is_err());
+    let set = |lo: u64, hi: u64| OrSetWire {
+        writers: vec!["w".into()],
+        vv: vec![1],
+        cloud: vec![],
+        cloud_ranges: vec![(0, lo, hi)],
+        entries: vec![],
+    };
+    let decode_set = |w| rmp_serde::from_slice::<OrSet>(&rmp_serde::to_vec(&w).unwrap());
+    assert_eq!(decode_set(set(5, 5)).unwrap().cloud_intervals(), 1, "a cloud range of one dot");
+    assert!(decode_set(set(5, 4)).is_err());
+}
+
+#[test]
+fn a_set_with_exactly_the_most_writers_decodes_and_one_more_is_refused() {
+    let wire = |writers: usize| OrSetWire {
+        writers: (0..writers).map(|i| format!("w{i}")).collect(),
+        vv: vec![0; writers],
+        cloud: vec![],
+        cloud_ranges: vec![],
+        entries: vec![],
+    };
+    let decode = |w| rmp_serde::from_slice::<OrSet>(&rmp_serde::to_vec(&w).unwrap());
+    assert_eq!(decode(wire(MAX_WRITERS)).unwrap().writers().count(), MAX_WRITERS);
+    assert!(decode(wire(MAX_WRITERS + 1)).is_err());
+}
