@@ -539,6 +539,7 @@ fn members_and_iter_list_what_was_added_and_not_removed() {
     let mut s = OrSet::default();
     s.add_all(&c, ["a", "b", "c", "b"]);
     s.remove("b");
+    assert!(!s.is_empty() && OrSet::default().is_empty());
     let expected: BTreeSet<String> = ["a", "c"].into_iter().map(String::from).collect();
     assert_eq!(s.members(), expected);
     let mut listed: Vec<&str> = s.iter().collect();
