@@ -915,3 +915,20 @@ fn a_set_with_exactly_the_most_writers_decodes_and_one_more_is_refused() {
     assert_eq!(decode(wire(MAX_WRITERS)).unwrap().writers().count(), MAX_WRITERS);
     assert!(decode(wire(MAX_WRITERS + 1)).is_err());
 }
+
+#[test]
+fn delta_approx_bytes_is_within_a_quarter_of_the_encoded_size_for_every_shape_of_set() {
+    let readded: (&str, BuildSet) = ("one element re-added 100 times: a delta of dots", || {
+        let mut s = OrSet::default();
+        for _ in 0..100 {
+            s.add(&ctx("a"), "x");
+        }
+        s
+    });
+    for (name, shape) in sets_of_every_shape().into_iter().chain([readded]) {
+        let Some(d) = shape().take_delta() else { continue };
+        let encoded = rmp_serde::to_vec(&d).unwrap().len();
+        let ratio = d.approx_bytes() as f64 / encoded as f64;
+        assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", d.approx_bytes());
+    }
+}
