@@ -259,15 +259,9 @@ fn main() {
     let routed = region.counters().local_routed.load(Ordering::Relaxed);
     println!("messages that took the routed path (not straight into a mailbox): {routed}");
     let micros = |d: Duration| d.as_secs_f64() * 1e6;
-    common::print_ratio_of(
-        "local_ask_p99_at_90pct_load_vs_mpsc_oneshot_p99",
-        micros(pct(&lat, 99)),
-        micros(pct(&raw_lat, 99)),
-    );
-    common::print_ratio_of(
-        "local_ask_p50_at_90pct_load_vs_mpsc_oneshot_p50",
-        micros(pct(&lat, 50)),
-        micros(pct(&raw_lat, 50)),
-    );
+    for p in [50, 99] {
+        let label = format!("local_ask_p{p}_at_90pct_load_vs_mpsc_oneshot_p{p}");
+        common::print_ratio_of(&label, micros(pct(&lat, p)), micros(pct(&raw_lat, p)));
+    }
     rt.block_on(cluster.shutdown());
 }

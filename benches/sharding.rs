@@ -80,8 +80,9 @@ async fn asks_mpsc(actor: &mpsc::Sender<(Msg, Option<oneshot::Sender<i64>>)>) {
     .await
 }
 
-/// Median rates (per second) of `a` and `b`, each run `N` times per pass, passes interleaved.
-fn interleaved_rates<A, B, FA, FB>(rt: &tokio::runtime::Runtime, a: A, b: B) -> (f64, f64)
+/// Median rates (per second) of `a` and `b`, each doing `ops` operations a pass, passes
+/// interleaved.
+fn interleaved_rates<A, B, FA, FB>(rt: &tokio::runtime::Runtime, ops: usize, a: A, b: B) -> (f64, f64)
 where
     A: Fn() -> FA,
     B: Fn() -> FB,
@@ -92,10 +93,10 @@ where
     for _ in 0..common::sized(5, 1) {
         let t = Instant::now();
         rt.block_on(a());
-        ra.push(N as f64 / t.elapsed().as_secs_f64());
+        ra.push(ops as f64 / t.elapsed().as_secs_f64());
         let t = Instant::now();
         rt.block_on(b());
-        rb.push(N as f64 / t.elapsed().as_secs_f64());
+        rb.push(ops as f64 / t.elapsed().as_secs_f64());
     }
     (common::median(&mut ra), common::median(&mut rb))
 }
@@ -156,7 +157,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("baseline_mpsc_ask", |b| b.to_async(&rt).iter(|| asks_mpsc(&actor)));
     g.bench_function("region_ask", |b| b.to_async(&rt).iter(|| asks_region(&local, &local_id)));
     g.finish();
-    let (ask, raw) = interleaved_rates(&rt, || asks_region(&local, &local_id), || asks_mpsc(&actor));
+    let (ask, raw) = interleaved_rates(&rt, N as usize, || asks_region(&local, &local_id), || asks_mpsc(&actor));
     common::print_ratio("local_ask_64_in_flight_vs_mpsc_oneshot", ask, raw);
 
     let mut g = c.benchmark_group("remote");
@@ -188,7 +189,7 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
-    let (ask, raw) = interleaved_rates(&rt, || asks_region(&remote_from_a, &remote_id), raw_requests);
+    let (ask, raw) = interleaved_rates(&rt, N as usize, || asks_region(&remote_from_a, &remote_id), raw_requests);
     common::print_ratio("remote_ask_64_in_flight_vs_raw_request", ask, raw);
 
     // The remote ask with 512 always in flight, beside the raw request with the same window.
@@ -209,16 +210,7 @@ fn bench(c: &mut Criterion) {
     g.bench_function("baseline_transport_request", |b| b.to_async(&rt).iter(raw_request));
     g.bench_function("region_ask_remote", |b| b.to_async(&rt).iter(region_ask));
     g.finish();
-    let (mut raw, mut ask) = (Vec::new(), Vec::new());
-    for _ in 0..common::sized(5, 1) {
-        let t = Instant::now();
-        rt.block_on(raw_request());
-        raw.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
-        let t = Instant::now();
-        rt.block_on(region_ask());
-        ask.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
-    }
-    let (raw, ask) = (common::median(&mut raw), common::median(&mut ask));
+    let (ask, raw) = interleaved_rates(&rt, SLIDING_TOTAL, region_ask, raw_request);
     common::print_ratio("remote_ask_sliding_512_vs_raw_request", ask, raw);
     println!(
         "remote ask, {SLIDING_WINDOW} in flight: region {ask:.0}/s vs raw transport request {raw:.0}/s ({:.2}x)",
