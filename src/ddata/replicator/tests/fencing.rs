@@ -434,3 +434,17 @@ fn a_claim_at_all_reachable_waits_for_every_reachable_replica_and_so_reads_a_wri
     // With e unreachable the floor (a majority plus one) is enough; the claim does not hang.
     assert_eq!(claim_among_five(all_reachable, false), (true, None));
 }
+
+#[test]
+fn a_write_under_the_epoch_that_claimed_the_replica_is_merged_not_refused() {
+    let mut writer = core("a");
+    with_peers(&mut writer, &["b", "c"]);
+    let mut replica = core("b");
+    local(&mut replica, "shard-t/1/s", claim(9));
+    commit_all(&mut replica, &mut vec![]);
+    let out = update_many(&mut writer, vec![("shard-t/1/s".into(), put("e1", 9, 1))], 1);
+    let answer = deliver(&mut replica, "a", write_delta(&out));
+    assert!(!sent(&answer).iter().any(|m| matches!(m, ReplicatorMsg::WriteFenced { .. })), "{answer:?}");
+    let map = FencedMap::from_data(replica.local_value("shard-t/1/s").unwrap().clone(), "k").unwrap();
+    assert_eq!((map.get("e1"), map.fence()), (Some(&[1u8][..]), 9), "the claiming epoch's own write lands");
+}

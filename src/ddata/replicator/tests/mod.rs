@@ -730,3 +730,47 @@ fn reads_and_writes_at_all_reachable_wait_for_every_reachable_replica() {
     assert!(replies_after_three_then_four(get(Consistency::MAJORITY)).0);
     assert!(replies_after_three_then_four(put(Consistency::MAJORITY)).0);
 }
+
+#[test]
+fn local_updates_past_the_pending_delta_cap_are_shipped_at_once_not_on_the_interval() {
+    let mut a = core("a");
+    let now = Instant::now();
+    let members = Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")] };
+    a.handle(members, now, 0, &mut vec![]);
+    let shipped = |out: &[Action<u32>]| {
+        out.iter().any(|x| matches!(x, Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. }))
+    };
+    // Up to the cap the deltas wait for the interval.
+    let mut out = Vec::new();
+    update(
+        &mut a,
+        "k",
+        Consistency::Local,
+        or_add((0..MAX_PENDING_DELTA_ELEMENTS).map(|i| format!("e{i}")).collect()),
+        &mut out,
+    );
+    assert!(!shipped(&out), "at the cap: still pending");
+    // One update that takes the count past it, well past, ships everything at once.
+    let mut out = Vec::new();
+    update(&mut a, "k2", Consistency::Local, or_add((0..10).map(|i| format!("f{i}")).collect()), &mut out);
+    assert!(shipped(&out), "past the cap: shipped without waiting for the interval");
+    assert!(a.pending_deltas.is_empty());
+}
+
+#[test]
+fn a_modify_that_returns_a_new_value_for_a_key_that_has_one_changes_it_only_in_place() {
+    let mut a = core("a");
+    local(&mut a, "k", or_add(vec!["p".into()]));
+    // Against the contract: it adds in place and also returns a whole other value.
+    let replaces: Modify = Box::new(|cur, ctx| {
+        if let Some(ReplicatedData::OrSet(s)) = cur {
+            s.add(ctx, "q");
+        }
+        let mut other = OrSet::default();
+        other.add(ctx, "other");
+        Ok(Some(ReplicatedData::OrSet(other)))
+    });
+    local(&mut a, "k", replaces);
+    let Some(ReplicatedData::OrSet(s)) = a.local_value("k") else { panic!("an OR-set") };
+    assert_eq!(s.members(), ["p".to_string(), "q".to_string()].into());
+}
