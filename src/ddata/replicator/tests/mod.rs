@@ -629,6 +629,12 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     assert_eq!(entries.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["shard-t/1/0", "shard-t/2/0"]);
     assert_eq!(values.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["g"]);
     assert_eq!(out.iter().filter(|x| matches!(x, Action::Persist { .. })).count(), 2, "both durable keys");
+    let counted = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        (counted(&a.stats.deltas_sent), counted(&a.stats.full_values_sent)),
+        (2 * 2, 2),
+        "two deltas and one value, each to two replicas"
+    );
     let mut out = Vec::new();
     a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, Instant::now(), 1, &mut out);
     commit_all(&mut a, &mut out);
@@ -773,4 +779,52 @@ fn a_modify_that_returns_a_new_value_for_a_key_that_has_one_changes_it_only_in_p
     local(&mut a, "k", replaces);
     let Some(ReplicatedData::OrSet(s)) = a.local_value("k") else { panic!("an OR-set") };
     assert_eq!(s.members(), ["p".to_string(), "q".to_string()].into());
+}
+
+#[test]
+fn a_majority_write_waits_out_its_whole_timeout_before_failing() {
+    let mut c = core("a");
+    let peers = vec![(peer("b"), true), (peer("c"), true)];
+    c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let now = Instant::now();
+    let mut out = Vec::new();
+    update(&mut c, "k", Consistency::MAJORITY, or_add(vec!["x".into()]), &mut out);
+    let replied = |out: &[Action<u32>]| out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. }));
+    let mut out = Vec::new();
+    c.handle(Input::Tick, now + Duration::from_millis(500), 1, &mut out);
+    assert!(!replied(&out), "half-way through its timeout: still waiting: {out:?}");
+    let mut out = Vec::new();
+    c.handle(Input::Tick, now + Duration::from_secs(6), 1, &mut out);
+    assert!(
+        out.iter().any(|x| matches!(x, Action::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. })),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
+    let mut a = core("a");
+    let peers = vec![(peer("b"), true), (peer("c"), true)];
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![peer("b"), peer("c")] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
+    local(&mut a, "k", or_add(vec!["earlier".into()]));
+    assert!(a.pending_deltas.contains_key("k"));
+    let mut out = Vec::new();
+    update(&mut a, "k", Consistency::MAJORITY, or_add(vec!["now".into()]), &mut out);
+    let entries = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { entries, .. }, .. } => Some(entries.clone()),
+            _ => None,
+        })
+        .expect("a WriteDelta");
+    let [(key, ReplicatedDelta::OrSet(d))] = &entries[..] else { panic!("{entries:?}") };
+    let mut at_replica = OrSet::default();
+    at_replica.merge_delta(d).unwrap();
+    assert_eq!((key.as_str(), at_replica.members()), ("k", ["earlier".to_string(), "now".to_string()].into()));
+    assert!(!a.pending_deltas.contains_key("k"), "what rode along is not shipped again");
 }
