@@ -828,3 +828,77 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
     assert_eq!((key.as_str(), at_replica.members()), ("k", ["earlier".to_string(), "now".to_string()].into()));
     assert!(!a.pending_deltas.contains_key("k"), "what rode along is not shipped again");
 }
+
+#[test]
+fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_without_targets() {
+    let now = Instant::now();
+    let broadcasts = |out: &[Action<u32>]| {
+        out.iter()
+            .filter_map(|x| match x {
+                Action::Broadcast { to, msg: ReplicatorMsg::DeltaPropagation { entries } } => {
+                    Some((to.len(), entries.len()))
+                }
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    // Alone: nothing to ship to, no broadcast at all.
+    let mut alone = core("a");
+    alone.handle(Input::Tick, now, 1, &mut vec![]);
+    local(&mut alone, "k", or_add(vec!["x".into()]));
+    let mut out = Vec::new();
+    alone.handle(Input::Tick, now + Duration::from_secs(10), 1, &mut out);
+    assert_eq!(broadcasts(&out), vec![], "{out:?}");
+    // Two targets, three keys changed: one message to both, six deltas counted.
+    let mut a = core("a");
+    let members = Input::Members {
+        replicas: vec![(peer("b"), true), (peer("c"), true)],
+        gossip_targets: vec![peer("b"), peer("c")],
+    };
+    a.handle(members, now, 0, &mut vec![]);
+    a.handle(Input::Tick, now, 1, &mut vec![]);
+    for key in ["k1", "k2", "k3"] {
+        local(&mut a, key, or_add(vec!["x".into()]));
+    }
+    let mut out = Vec::new();
+    a.handle(Input::Tick, now + Duration::from_secs(10), 1, &mut out);
+    assert_eq!(broadcasts(&out), vec![(2, 3)], "{out:?}");
+    assert_eq!(a.stats.deltas_sent.load(std::sync::atomic::Ordering::Relaxed), 6);
+}
+
+#[test]
+fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_acks() {
+    let mut a = core("a");
+    let peers = vec![(peer("b"), true), (peer("c"), true)];
+    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    let start = |a: &mut ReplicatorCore<u32>, key: &str, reply: u32| {
+        let mut out = Vec::new();
+        let input = Input::Update {
+            key: key.into(),
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(5),
+            modify: or_add(vec!["x".into()]),
+            reply,
+        };
+        a.handle(input, Instant::now(), 1, &mut out);
+        write_op(&out)
+    };
+    let (first, second) = (start(&mut a, "k1", 1), start(&mut a, "k2", 2));
+    assert_ne!(first, second);
+    let mut out = Vec::new();
+    a.handle(
+        Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: first } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    commit_all(&mut a, &mut out);
+    let replies: Vec<u32> = out
+        .iter()
+        .filter_map(|x| match x {
+            Action::ReplyUpdate { reply, result: Ok(_) } => Some(*reply),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replies, vec![1], "the first write's ack completes the first write only");
+}
