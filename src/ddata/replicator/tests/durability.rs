@@ -1,7 +1,7 @@
 //! Durability in the replicator core: acks and replies held until the commit, failures,
 //! the snapshot-or-delta choice and the log's trims.
 use super::*;
-use crate::ddata::replicator::durability::REWRITE_BACKOFF;
+use crate::ddata::replicator::durability::{MAX_LOG_RECORDS, REWRITE_BACKOFF};
 fn tickets(out: &[Action<u32>]) -> Vec<(String, u64, bool)> {
     out.iter()
         .filter_map(|a| match a {
@@ -323,4 +323,33 @@ fn a_new_change_to_a_key_waiting_for_its_rewrite_is_written_whole_and_is_the_rew
     let mut out = Vec::new();
     a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.1, 0, &mut out);
     assert!(tickets(&out).is_empty(), "no second rewrite");
+}
+
+#[test]
+fn a_key_logs_exactly_max_log_records_deltas_before_a_snapshot_when_bytes_allow_more() {
+    let mut a = core("a");
+    let mut out = Vec::new();
+    // A snapshot of ~60 KB: half of it holds far more one-id deltas than the record cap.
+    let ids: Vec<String> = (0..4000).map(|i| format!("entity-{i:05}")).collect();
+    update(&mut a, "shard-t/1/0", Consistency::Local, or_add(ids), &mut out);
+    let mut kinds = Vec::new();
+    for i in 0..300 {
+        let mut out = Vec::new();
+        update(&mut a, "shard-t/1/0", Consistency::Local, or_add(vec![format!("more-{i:05}")]), &mut out);
+        kinds.push(tickets(&out)[0].2);
+    }
+    assert_eq!(kinds.iter().position(|s| *s), Some(MAX_LOG_RECORDS as usize), "the write after the cap's last delta");
+}
+
+#[test]
+fn a_quiet_key_with_a_live_delta_is_not_written_whole_within_the_default_log_span() {
+    let mut a = core("a");
+    let log = KeyLog { last_ticket: 5, snapshot_bytes: 10, log_bytes: 10, log_records: 1, first_log_seq: 5 };
+    a.load(vec![("shard-t/quiet/0".into(), GSet::default().into_data(), log)], 5);
+    for i in 0..500 {
+        let mut out = Vec::new();
+        update(&mut a, &format!("shard-t/hot/{i}"), Consistency::Local, or_add(vec!["m".into()]), &mut out);
+        assert!(!tickets(&out).iter().any(|(k, _, _)| k == "shard-t/quiet/0"), "rewritten after {i} writes");
+        commit_all(&mut a, &mut out);
+    }
 }
