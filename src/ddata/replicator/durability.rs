@@ -336,7 +336,9 @@ impl<R> ReplicatorCore<R> {
         }
         self.durability.rewrite_at = None;
         for (key, covers) in std::mem::take(&mut self.durability.rewrite) {
-            if self.is_durable(&key) && self.data.contains_key(&key) {
+            // Every key here had a record persisted, which only durable keys get (a counter
+            // reservation is unkeyed and asked for again by the next update that needs it).
+            if self.data.contains_key(&key) {
                 self.persist_record(&key, None, out);
                 let ticket = self.durability.issued;
                 self.durability.covering.entry(ticket).or_default().extend(covers);
