@@ -450,6 +450,20 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_under_the_current_fence_changes_nothing_and_ships_no_delta() {
+        let mut m = FencedMap::default();
+        m.claim(5).unwrap();
+        assert_eq!(m.take_delta().map(|d| d.fence()), Some(5), "a new claim ships its fence");
+        m.claim(5).unwrap();
+        assert!(m.take_delta().is_none(), "the same claim again has nothing to ship");
+        m.put("k", 5, b"v".to_vec()).unwrap();
+        m.take_delta();
+        m.put("k", 5, b"w".to_vec()).unwrap();
+        let d = m.take_delta().expect("the write");
+        assert_eq!((d.fence(), d.get("k")), (5, Some(&b"w"[..])));
+    }
+
+    #[test]
     fn maps_are_equal_only_with_the_same_fence_and_the_same_registers() {
         let mut a = FencedMap::default();
         a.put("k", 1, b"v".to_vec()).unwrap();
