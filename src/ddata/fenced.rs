@@ -464,6 +464,20 @@ mod tests {
     }
 
     #[test]
+    fn the_clock_counts_writes_within_an_epoch_and_starts_again_in_a_new_one() {
+        let mut m = FencedMap::default();
+        for v in [b"a", b"b", b"c"] {
+            m.put("k", 1, v.to_vec()).unwrap();
+        }
+        m.put("k", 2, b"d".to_vec()).unwrap();
+        let mut fresh = FencedMap::default();
+        fresh.put("k", 2, b"d".to_vec()).unwrap();
+        assert_eq!(m.entries.get("k"), fresh.entries.get("k"), "epoch 2's first write: clock 1 on both");
+        m.put("k", 2, b"e".to_vec()).unwrap();
+        assert_eq!(m.entries.get("k").map(|r| (r.0, r.1)), Some((2, 2)));
+    }
+
+    #[test]
     fn maps_are_equal_only_with_the_same_fence_and_the_same_registers() {
         let mut a = FencedMap::default();
         a.put("k", 1, b"v".to_vec()).unwrap();
