@@ -475,6 +475,7 @@ mod tests {
         assert_eq!(m.entries.get("k"), fresh.entries.get("k"), "epoch 2's first write: clock 1 on both");
         m.put("k", 2, b"e".to_vec()).unwrap();
         assert_eq!(m.entries.get("k").map(|r| (r.0, r.1)), Some((2, 2)));
+        assert!(!m.is_empty() && FencedMap::default().is_empty());
     }
 
     #[test]

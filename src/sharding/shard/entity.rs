@@ -529,6 +529,42 @@ mod tests {
         assert_eq!(drops.load(Ordering::SeqCst), 0);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_running_task_lingers_its_linger_after_each_message_then_parks_its_entity() {
+        let m = Arc::new(Mailbox::<Probe>::new());
+        let _run = m.schedule_new();
+        let linger = Duration::from_millis(100);
+        let task = tokio::spawn({
+            let m = m.clone();
+            async move {
+                let mut entity = Some(Probe(Arc::default()));
+                let (mut idle_since, sleep) = (None, tokio::time::sleep(linger));
+                tokio::pin!(sleep);
+                let mut taken = Vec::new();
+                while let Some(cmd) =
+                    std::future::poll_fn(|cx| m.poll_next(cx, &mut entity, linger, &mut idle_since, sleep.as_mut()))
+                        .await
+                {
+                    if let EntityCmd::Msg(env) = cmd {
+                        taken.extend(env.msg.map(|p| p.0));
+                    }
+                }
+                (taken, entity.is_none())
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert!(!task.is_finished(), "idle for less than its linger: still running");
+        assert!(matches!(m.push(msg(1), 10), Pushed::Queued), "the lingering task takes it, no new run");
+        // Idle again from 60 ms: the first timer (100 ms) must not park it, the linger after
+        // the message must.
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        assert!(!task.is_finished(), "80 ms after its last message: still running");
+        let (taken, parked) =
+            tokio::time::timeout(Duration::from_secs(5), task).await.expect("parked once idle for its linger").unwrap();
+        assert_eq!((taken, parked), (vec![1], true));
+        assert!(scheduled(m.push(msg(2), 10)).entity.is_some(), "the mailbox holds the parked entity");
+    }
+
     #[test]
     fn a_stop_reaches_a_parked_entity_through_a_new_run_and_a_running_one_through_its_queue() {
         let m = Mailbox::<Probe>::new();
