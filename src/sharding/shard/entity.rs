@@ -534,8 +534,9 @@ mod tests {
         let m = Arc::new(Mailbox::<Probe>::new());
         let _run = m.schedule_new();
         let linger = Duration::from_millis(100);
+        let taken = Arc::new(AtomicUsize::new(0));
         let task = tokio::spawn({
-            let m = m.clone();
+            let (m, taken_count) = (m.clone(), taken.clone());
             async move {
                 let mut entity = Some(Probe(Arc::default()));
                 let (mut idle_since, sleep) = (None, tokio::time::sleep(linger));
@@ -547,6 +548,7 @@ mod tests {
                 {
                     if let EntityCmd::Msg(env) = cmd {
                         taken.extend(env.msg.map(|p| p.0));
+                        taken_count.fetch_add(1, Ordering::SeqCst);
                     }
                 }
                 (taken, entity.is_none())
@@ -555,6 +557,8 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(!task.is_finished(), "idle for less than its linger: still running");
         assert!(matches!(m.push(msg(1), 10), Pushed::Queued), "the lingering task takes it, no new run");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(taken.load(Ordering::SeqCst), 1, "the push woke the lingering task");
         // Idle again from 60 ms: the first timer (100 ms) must not park it, the linger after
         // the message must.
         tokio::time::sleep(Duration::from_millis(80)).await;
