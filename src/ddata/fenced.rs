@@ -479,6 +479,49 @@ mod tests {
     }
 
     #[test]
+    fn approx_bytes_is_within_five_percent_of_the_encoded_size_for_every_shape_of_map() {
+        let shapes: [(&str, fn() -> FencedMap); 3] = [
+            ("2,000 short keys with one-byte values", || {
+                let mut m = FencedMap::default();
+                for i in 0..2_000 {
+                    m.put(format!("{i}"), 1, vec![7]).unwrap();
+                }
+                m
+            }),
+            ("20 keys with 10 KB values", || {
+                let mut m = FencedMap::default();
+                for i in 0..20 {
+                    m.put(format!("key-{i}"), 1, vec![7; 10_000]).unwrap();
+                }
+                m
+            }),
+            ("2,000 tombstones at a large epoch and clock", || {
+                let mut m = FencedMap::default();
+                let epoch = 1 << 40;
+                for i in 0..2_000 {
+                    let key = format!("{i}");
+                    m.put(key.clone(), epoch, vec![1]).unwrap();
+                    m.delete(&key, epoch).unwrap();
+                }
+                for _ in 0..70_000 {
+                    m.put("hot", epoch, vec![1]).unwrap();
+                }
+                m
+            }),
+        ];
+        for (name, shape) in shapes {
+            let m = shape();
+            let encoded = rmp_serde::to_vec(&m).unwrap().len();
+            let ratio = m.approx_bytes() as f64 / encoded as f64;
+            assert!((0.95..=1.05).contains(&ratio), "{name}: approx {} vs encoded {encoded}", m.approx_bytes());
+        }
+        // Tiny maps: the fixed overhead may be over-counted, never under.
+        let mut claimed = FencedMap::default();
+        claimed.claim(u64::MAX / 2).unwrap();
+        assert!(claimed.approx_bytes() >= rmp_serde::to_vec(&claimed).unwrap().len());
+    }
+
+    #[test]
     fn maps_are_equal_only_with_the_same_fence_and_the_same_registers() {
         let mut a = FencedMap::default();
         a.put("k", 1, b"v".to_vec()).unwrap();
