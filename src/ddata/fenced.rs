@@ -480,7 +480,8 @@ mod tests {
 
     #[test]
     fn approx_bytes_is_within_five_percent_of_the_encoded_size_for_every_shape_of_map() {
-        let shapes: [(&str, fn() -> FencedMap); 3] = [
+        type BuildMap = fn() -> FencedMap;
+        let shapes: [(&str, BuildMap); 3] = [
             ("2,000 short keys with one-byte values", || {
                 let mut m = FencedMap::default();
                 for i in 0..2_000 {
