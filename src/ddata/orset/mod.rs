@@ -100,6 +100,11 @@ fn varint_len(v: u64) -> usize {
     (64 - (v | 1).leading_zeros() as usize).div_ceil(7)
 }
 
+/// Bytes an element of `len` bytes takes in an arena or an encoding: its length varint, then it.
+fn element_bytes(len: usize) -> usize {
+    varint_len(len as u64) + len
+}
+
 /// Bytes of `v` as a MessagePack unsigned integer.
 pub(crate) fn rmp_uint_len(v: u64) -> usize {
     match v {
@@ -340,7 +345,7 @@ impl OrSet {
             .sum();
         // The encoding repeats an element (with its length varint) for each of its extra dots.
         let repeated: usize =
-            self.extra.iter().map(|(offset, more)| more.len() * (self.element_at(*offset).len() + 1)).sum();
+            self.extra.iter().map(|(offset, more)| more.len() * element_bytes(self.element_at(*offset).len())).sum();
         self.arena.len().saturating_sub(self.garbage)
             + repeated
             + dots * (1 + varint_len(largest))
@@ -615,7 +620,7 @@ impl OrSet {
                     e.remove();
                 }
                 self.extra.remove(&slot.offset);
-                self.garbage += varint_len(x.len() as u64) + x.len();
+                self.garbage += element_bytes(x.len());
                 self.maybe_compact();
             }
             (Some(slot), Some((first, rest))) => {
