@@ -64,6 +64,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_replicator_deltas_merged_total", C, "node", "Deltas merged from peers."),
     def("ddshard_replicator_updates_total", C, "node,consistency,outcome", "Updates asked of the replicator (consistency: local, majority, all, all_reachable; outcome: ok, timeout, not_enough_replicas, fenced, error)."),
     def("ddshard_replicator_rejected_total", C, "node", "Replicator messages or values refused as invalid."),
+    def("ddshard_replicator_quarantined_total", C, "node", "Replicator messages dropped because their sender was downed, removed or replaced by a newer incarnation."),
     def("ddshard_replicator_fenced_writes_total", C, "node", "Writes refused because a newer claim fenced them."),
     def("ddshard_lmdb_commits_total", C, "node", "LMDB commits of replicated data."),
     def("ddshard_lmdb_commit_failures_total", C, "node", "LMDB commits that failed."),
@@ -322,6 +323,7 @@ mod enabled {
         set_counter("ddshard_replicator_values_merged_total", &n, &rs.values_merged);
         set_counter("ddshard_replicator_deltas_merged_total", &n, &rs.deltas_merged);
         set_counter("ddshard_replicator_rejected_total", &n, &rs.rejected);
+        set_counter("ddshard_replicator_quarantined_total", &n, &rs.quarantined);
         set_counter("ddshard_replicator_fenced_writes_total", &n, &rs.fenced_writes);
         for consistency in crate::ddata::stats::UPDATE_CONSISTENCIES {
             for outcome in crate::ddata::stats::UPDATE_OUTCOMES {

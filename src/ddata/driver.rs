@@ -183,19 +183,7 @@ impl Driver {
     }
 
     fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<Action<ReplyTx>>) {
-        let role = self.role.as_deref();
-        let me = &snap.self_address;
-        let replicas =
-            snap.up_members(role).filter(|m| m.address() != me).map(|m| (m.peer(), m.is_reachable())).collect();
-        // Gossip goes to every reachable, routable member with the role, joining ones included
-        // (they need the state before they turn Up).
-        let gossip_targets = snap
-            .members
-            .iter()
-            .filter(|m| m.address() != me && m.is_reachable() && m.has_role(role) && m.status().is_routable())
-            .map(crate::membership::Member::peer)
-            .collect();
-        self.core.handle(Input::Members { replicas, gossip_targets }, Instant::now(), wall_ms(), out);
+        self.core.handle(Input::members_of(snap, self.role.as_deref()), Instant::now(), wall_ms(), out);
     }
 
     /// Performs actions: the persists of the batch go to the persist thread as one job (the

@@ -38,6 +38,10 @@ pub struct ReplicatorStats {
     /// with a storage error) or the member was longer than
     /// [`MAX_ELEMENT_LEN`](super::orset::MAX_ELEMENT_LEN) (failed with `BadRequest`).
     pub refused_adds: AtomicU64,
+    /// Messages dropped because their sender is an incarnation this node downed or removed, or
+    /// one a newer incarnation of its node replaced: a quarantined member's writes are never
+    /// acknowledged (a paused node that wakes up after its peers downed it, say).
+    pub quarantined: AtomicU64,
     /// Writes to fenced maps refused because a newer epoch had claimed the key, here or at a
     /// replica (per key and write).
     pub fenced_writes: AtomicU64,

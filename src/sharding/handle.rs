@@ -481,11 +481,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         )
     });
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
-    let region_settings = RegionSettings {
-        buffer_size: settings.buffer_size,
-        retry_interval: settings.retry_interval,
-        extractor_fingerprint: fingerprint,
-    };
+    let region_settings = RegionSettings::of(&settings, fingerprint);
     let fast = Arc::new(FastPath {
         me: me.clone(),
         topic: keys::region_topic(type_name).into(),
@@ -511,7 +507,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         replier,
         members: node.membership(),
         shutdown_waiters: Vec::new(),
-        shutdown_deadline: None,
+        shutting_down: false,
         work: Default::default(),
         extractor: inner.extractor.clone(),
         home_asked: Default::default(),

@@ -72,6 +72,9 @@ pub(crate) struct KeyLog {
     pub first_log_seq: u64,
 }
 
+/// An action held for a commit, with the deadline of the operation it completes.
+type Held<R> = (Action<R>, Option<Instant>);
+
 /// Tickets and held actions.
 pub(crate) struct Durability<R> {
     /// The last ticket issued.
@@ -80,8 +83,9 @@ pub(crate) struct Durability<R> {
     reported: u64,
     /// Tickets not yet reported, with their key (for the rewrite after a failure).
     in_flight: BTreeMap<u64, String>,
-    /// Actions waiting for a ticket.
-    held: BTreeMap<u64, Vec<Action<R>>>,
+    /// Actions waiting for a ticket, each with the deadline of the operation it completes
+    /// (released after it, a reply fails as timed out instead: see `after_commit_until`).
+    held: BTreeMap<u64, Vec<Held<R>>>,
     /// Oldest live delta ticket → its key, for every key with live deltas on disk (a log
     /// stays listed until the snapshot covering it is committed).
     live_logs: BTreeMap<u64, String>,
@@ -259,10 +263,23 @@ impl<R> ReplicatorCore<R> {
 
     /// Emits `action` once `ticket` is committed (at once if it already is).
     pub(super) fn after_commit(&mut self, ticket: u64, action: Action<R>, out: &mut Vec<Action<R>>) {
+        self.after_commit_until(ticket, action, None, out);
+    }
+
+    /// Emits `action` once `ticket` is committed; a reply released after `deadline` (the
+    /// node paused, or its disk stalled, between the operation's completion and its commit)
+    /// fails as timed out: no operation succeeds past its deadline (see `Input::Remote`).
+    pub(super) fn after_commit_until(
+        &mut self,
+        ticket: u64,
+        action: Action<R>,
+        deadline: Option<Instant>,
+        out: &mut Vec<Action<R>>,
+    ) {
         if ticket <= self.durability.reported {
             out.push(action);
         } else {
-            self.durability.held.entry(ticket).or_default().push(action);
+            self.durability.held.entry(ticket).or_default().push((action, deadline));
         }
     }
 
@@ -292,12 +309,17 @@ impl<R> ReplicatorCore<R> {
             for first in covered.into_values().flatten() {
                 self.durability.live_logs.remove(&first);
             }
-            out.extend(released.into_values().flatten());
+            for (action, deadline) in released.into_values().flatten() {
+                match deadline {
+                    Some(d) if d < now => out.push(super::timed_out(action)),
+                    _ => out.push(action),
+                }
+            }
             self.trim_log(out);
             return;
         };
         self.durability.last_failure = Some((path.clone(), reason.clone()));
-        for action in released.into_values().flatten() {
+        for (action, _) in released.into_values().flatten() {
             match action {
                 // Not stored here, so not acknowledged: the writer (or the reader after a
                 // write) must not count this replica.

@@ -26,7 +26,7 @@ mod tests;
 mod writer;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -237,15 +237,23 @@ pub(crate) enum Input<R> {
         timeout: Duration,
         reply: R,
     },
+    /// A message from a peer. Operations past their deadline fail before it is handled, so
+    /// an answer that arrives (or is handled) late never completes one: an incarnation that
+    /// was paused past its deadline (and may have been downed and replaced meanwhile) never
+    /// acknowledges a write or a read it started before the pause. A message from an
+    /// incarnation that has left good standing here is dropped (see `departed`).
     Remote {
         from: PeerAddr,
         msg: ReplicatorMsg,
     },
     /// Replica holders other than this node (Up/Leaving with the role) and which are reachable;
-    /// plus the members to gossip with.
+    /// plus the members to gossip with, and every incarnation in good standing (listed, neither
+    /// Down nor Removed: [`crate::membership::MembershipSnapshot::standing_of`]). Built from a
+    /// view by [`Input::members_of`].
     Members {
         replicas: Vec<(PeerAddr, bool)>,
         gossip_targets: Vec<PeerAddr>,
+        standing: Vec<UniqueAddress>,
     },
     Tick,
     /// The durable store committed every ticket up to `through` (in ticket order), or, with
@@ -255,6 +263,31 @@ pub(crate) enum Input<R> {
         through: u64,
         failure: Option<(std::path::PathBuf, String)>,
     },
+}
+
+impl<R> Input<R> {
+    /// The membership input of a view, for the replicator of the members with `role`: the
+    /// replica holders (Up or Leaving with the role, reachable or not), the gossip targets
+    /// (reachable and routable with the role, joining ones included: they need the state
+    /// before they turn Up), and the incarnations in good standing.
+    pub(crate) fn members_of(snap: &crate::membership::MembershipSnapshot, role: Option<&str>) -> Self {
+        let me = &snap.self_address;
+        let replicas =
+            snap.up_members(role).filter(|m| m.address() != me).map(|m| (m.peer(), m.is_reachable())).collect();
+        let gossip_targets = snap
+            .members
+            .iter()
+            .filter(|m| m.address() != me && m.is_reachable() && m.has_role(role) && m.status().is_routable())
+            .map(crate::membership::Member::peer)
+            .collect();
+        let standing = snap
+            .members
+            .iter()
+            .filter(|m| snap.standing_of(m.address()) == crate::membership::PeerStanding::Member)
+            .map(|m| m.address().clone())
+            .collect();
+        Input::Members { replicas, gossip_targets, standing }
+    }
 }
 
 /// Outputs. Sends and replies may be performed before the `Persist` actions of the same batch
@@ -384,6 +417,15 @@ pub(crate) struct ReplicatorCore<R> {
     settings: CoreSettings,
     replicas: Vec<(PeerAddr, bool)>,
     gossip_targets: Vec<PeerAddr>,
+    /// Incarnations in good standing in the latest view.
+    standing: HashSet<UniqueAddress>,
+    /// Incarnations that were in good standing here and no longer are (downed, removed):
+    /// quarantined for good, as the transport refuses them once they are removed. A replica
+    /// that acknowledged a downed member's write could give it a majority its successor's
+    /// claim never reads (the simulation's seed 11001335: a paused home woke up on the side of
+    /// a partition whose members had downed it, and they acknowledged its writes).
+    /// (Messages dropped from each, for the log: it warns at the 1st, 2nd, 4th, 8th, …)
+    departed: HashMap<UniqueAddress, u64>,
     next_gossip: Option<Instant>,
     next_delta_flush: Option<Instant>,
     pending_deltas: BTreeMap<String, ReplicatedDelta>,
@@ -426,6 +468,8 @@ impl<R> ReplicatorCore<R> {
             settings,
             replicas: Vec::new(),
             gossip_targets: Vec::new(),
+            standing: HashSet::new(),
+            departed: HashMap::new(),
             next_gossip: None,
             next_delta_flush: None,
             pending_deltas: BTreeMap::new(),
@@ -605,10 +649,30 @@ impl<R> ReplicatorCore<R> {
                 self.ctx.now_ms = wall_ms;
                 self.on_update_and_get(updates, consistency, timeout, reply, now, out)
             }
-            Input::Remote { from, msg } => self.on_remote(from, msg, out),
-            Input::Members { replicas, gossip_targets } => {
+            Input::Remote { from, msg } => {
+                self.expire(now, out);
+                if self.is_departed(&from.address) {
+                    ReplicatorStats::inc(&self.stats.quarantined);
+                    let dropped = self.departed.entry(from.address.clone()).or_default();
+                    *dropped += 1;
+                    if dropped.is_power_of_two() {
+                        warn!(peer = %from.address, dropped = *dropped, "messages from a downed or removed member dropped");
+                    }
+                    return;
+                }
+                self.on_remote(from, msg, out)
+            }
+            Input::Members { replicas, gossip_targets, standing } => {
                 self.replicas = replicas;
                 self.gossip_targets = gossip_targets;
+                let standing: HashSet<UniqueAddress> = standing.into_iter().collect();
+                for gone in self.standing.difference(&standing) {
+                    self.departed.entry(gone.clone()).or_default();
+                }
+                // A newer incarnation of the same node covers its older ones (the rule below).
+                self.departed
+                    .retain(|d, _| !standing.iter().any(|s| s.node_id == d.node_id && s.generation > d.generation));
+                self.standing = standing;
             }
             Input::Tick => self.on_tick(now, out),
             Input::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
@@ -892,7 +956,7 @@ impl<R> ReplicatorCore<R> {
                     match self.commit_ticket(w.keys.iter().map(String::as_str)) {
                         Ok(ticket) => {
                             let reply = Action::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
-                            self.after_commit(ticket, reply, out)
+                            self.after_commit_until(ticket, reply, Some(w.deadline), out)
                         }
                         Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
                     }
@@ -925,8 +989,15 @@ impl<R> ReplicatorCore<R> {
         }
     }
 
-    fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
-        self.rewrite_failed(now, out);
+    /// Whether messages from `peer` are dropped: it left good standing here, or a newer
+    /// incarnation of its node is in good standing (the transport's rule, `standing_of`).
+    fn is_departed(&self, peer: &UniqueAddress) -> bool {
+        self.departed.contains_key(peer)
+            || self.standing.iter().any(|s| s.node_id == peer.node_id && s.generation > peer.generation)
+    }
+
+    /// Fails the writes and reads past their deadline.
+    fn expire(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
         let expired: Vec<u64> = self.writes.iter().filter(|(_, w)| w.deadline <= now).map(|(op, _)| *op).collect();
         for op in expired {
             let w = self.writes.remove(&op).expect("pending write");
@@ -936,6 +1007,11 @@ impl<R> ReplicatorCore<R> {
             });
         }
         self.expire_reads(now, out);
+    }
+
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+        self.rewrite_failed(now, out);
+        self.expire(now, out);
         if self.next_delta_flush.is_none_or(|t| t <= now) {
             self.next_delta_flush = Some(now + self.settings.delta_interval);
             self.flush_deltas(out);
@@ -949,6 +1025,18 @@ impl<R> ReplicatorCore<R> {
                 out.push(Action::Send { to, msg: ReplicatorMsg::Status { root: self.root_digest() } });
             }
         }
+    }
+}
+
+/// The same reply with its operation failed as timed out (other actions unchanged): what a
+/// reply released past its operation's deadline becomes.
+fn timed_out<R>(action: Action<R>) -> Action<R> {
+    let timeout = || Error::ConsistencyTimeout { needed: 0, acked: 0 };
+    match action {
+        Action::ReplyUpdate { reply, result: Ok(_) } => Action::ReplyUpdate { reply, result: Err(timeout()) },
+        Action::ReplyGetMany { reply, result: Ok(_) } => Action::ReplyGetMany { reply, result: Err(timeout()) },
+        Action::ReplyGet { reply, result: Ok(_) } => Action::ReplyGet { reply, result: Err(timeout()) },
+        other => other,
     }
 }
 

@@ -23,6 +23,10 @@ use crate::sharding::query::{
     RegionVerdict, ShardAllocation, ShardEvent, ShardExplanation,
 };
 
+/// A region's repeated shutdown request re-sends the hand-off messages it has not answered
+/// that are at least this old.
+const RESEND_ON_REQUEST_AFTER: Duration = Duration::from_secs(1);
+
 /// Events kept per shard for its explanation.
 pub(crate) const HISTORY_PER_SHARD: usize = 16;
 
@@ -287,6 +291,18 @@ impl CoordinatorCore {
                 for region in gone {
                     self.on_region_terminated(region, now, wall_ms, out);
                 }
+                // A Leaving member's region hands its shards off whether or not its own request
+                // arrived (it may be lost on a cut link, or sent to a coordinator that moved).
+                let leaving: Vec<RegionId> = self
+                    .state
+                    .regions
+                    .iter()
+                    .filter(|r| self.members.status(r) == Some(MemberStatus::Leaving))
+                    .cloned()
+                    .collect();
+                for region in leaving {
+                    self.shut_down_region(region, "its member is leaving", now, out);
+                }
                 // A member that turned Up may take the shards that waited for a candidate.
                 self.allocate_deferred(now, wall_ms, out);
             }
@@ -420,24 +436,52 @@ impl CoordinatorCore {
             }
             ToCoordinator::RegionStopped { region } => self.on_region_terminated(region, now, wall_ms, out),
             ToCoordinator::GracefulShutdownReq { region } => {
-                if !self.state.regions.contains(&region) {
-                    return;
-                }
-                if self.shutting_down.insert(region.clone()) {
-                    info!(%region, "region shutting down; handing off its shards");
-                }
-                let shards: Vec<ShardId> =
-                    self.state.shards_of(&region).iter().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
-                for s in shards {
-                    self.start_handoff(
-                        s,
-                        region.clone(),
-                        "its region is shutting down (leave or stop)".into(),
-                        now,
-                        out,
-                    );
-                }
+                // The region reaches this coordinator now: what it has not answered of the
+                // hand-offs begun meanwhile (their messages may have been lost) goes again.
+                self.resend_handoff_messages_to(&region, now, out);
+                self.shut_down_region(region, "its region is shutting down (leave or stop)", now, out)
             }
+        }
+    }
+
+    /// Sends `region` again the hand-off messages it has not answered: `BeginHandOff` where its
+    /// ack is missing, `HandOff` where it is the old home being waited for. Messages sent less
+    /// than [`RESEND_ON_REQUEST_AFTER`] ago are left alone (they, or their answers, may still be
+    /// on their way).
+    fn resend_handoff_messages_to(&mut self, region: &RegionId, now: Instant, out: &mut Vec<CoordinatorAction>) {
+        let mut resend = Vec::new();
+        for (shard, h) in self.handoffs.iter_mut().filter(|(_, h)| h.sent_at + RESEND_ON_REQUEST_AFTER <= now) {
+            let msg = match &h.phase {
+                HandoffPhase::WaitingForAcks(pending) if pending.contains(region) => {
+                    ToRegion::BeginHandOff { shard: shard.clone(), handoff: h.id }
+                }
+                HandoffPhase::Stopping if h.from == *region => {
+                    ToRegion::HandOff { shard: shard.clone(), handoff: h.id }
+                }
+                _ => continue,
+            };
+            h.sent_at = now;
+            resend.push(Self::send(region, msg));
+        }
+        if !resend.is_empty() {
+            self.commit(vec![], resend, out);
+        }
+    }
+
+    /// Hands off every shard of `region` not already moving, and gives it no new ones: its
+    /// region asked to shut down, or its member is leaving. Repeated requests start only the
+    /// hand-offs that are missing (one that timed out is started again).
+    fn shut_down_region(&mut self, region: RegionId, why: &str, now: Instant, out: &mut Vec<CoordinatorAction>) {
+        if !self.state.regions.contains(&region) {
+            return;
+        }
+        if self.shutting_down.insert(region.clone()) {
+            info!(%region, why, "region shutting down; handing off its shards");
+        }
+        let shards: Vec<ShardId> =
+            self.state.shards_of(&region).iter().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
+        for s in shards {
+            self.start_handoff(s, region.clone(), why.to_string(), now, out);
         }
     }
 

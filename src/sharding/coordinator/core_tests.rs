@@ -547,3 +547,62 @@ mod state_and_timers;
 
 #[path = "core_query_tests.rs"]
 mod queries;
+
+/// A view in which `region`'s member is Leaving (the others keep their status).
+fn leaving(c: &CoordinatorCore, region: &str) -> CoordinatorInput {
+    let mut view = c.members.clone();
+    view.statuses.insert(r(region), MemberStatus::Leaving);
+    CoordinatorInput::Members(view)
+}
+
+#[test]
+fn a_leaving_members_shards_are_handed_off_without_its_request_including_one_it_never_acknowledged() {
+    let mut c = core(1);
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    reg(&mut c, "b", now);
+    for s in 0..6 {
+        get_home(&mut c, &s.to_string(), if s % 2 == 0 { "a" } else { "b" }, now, 1);
+    }
+    let on_a: BTreeSet<ShardId> =
+        c.state().shards().iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
+    assert!(!on_a.is_empty());
+    // a never answered a HostShard (a shutting-down region ignores them): it is handed off too.
+    assert!(on_a.iter().any(|s| c.unacked_host.contains_key(s)), "the test needs an unacknowledged home");
+    let view = leaving(&c, "a");
+    let sent = step(&mut c, view.clone(), now, 1);
+    assert_eq!(begun_shards(&sent), on_a, "every shard of the Leaving member, and only those");
+    let again = step(&mut c, view, now, 1);
+    assert!(begun_shards(&again).is_empty(), "a hand-off in progress is not begun twice");
+    for s in &on_a {
+        let mut handoff = None;
+        for who in ["a", "b"] {
+            handoff = handoff.or(handoff_id(&ack(&mut c, s, r(who), now, 1), "a", s));
+        }
+        let handoff = handoff.expect("HandOff once every region acked");
+        step(&mut c, from_region(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }), now, 1);
+    }
+    assert!(c.state().shards().values().all(|rec| rec.region == Some(r("b"))), "no shard stays on a, none goes back");
+}
+
+#[test]
+fn a_repeated_shutdown_request_resends_only_the_hand_off_messages_the_region_left_unanswered_for_a_second() {
+    let (mut c, now, home) = regions_a_b_with_shard_1();
+    let other = if home == r("a") { r("b") } else { r("a") };
+    let request = || from_region(ToCoordinator::GracefulShutdownReq { region: home.clone() });
+    let sent = step(&mut c, request(), now, 1);
+    assert_eq!(begun_shards(&sent), BTreeSet::from(["1".to_string()]));
+    // The home's BeginHandOff was lost; the other region acked.
+    ack(&mut c, "1", other.clone(), now, 1);
+    let soon = step(&mut c, request(), now + Duration::from_millis(999), 1);
+    assert!(soon.is_empty(), "less than a second old: maybe still on its way: {soon:?}");
+    let later = step(&mut c, request(), now + RESEND_ON_REQUEST_AFTER, 1);
+    assert_eq!(later.len(), 1, "{later:?}");
+    assert!(matches!(&later[0], (to, ToRegion::BeginHandOff { shard, .. }) if *to == home && shard == "1"));
+    // Once it acked, the HandOff it does not answer is what goes again.
+    let sent = ack(&mut c, "1", home.clone(), now + RESEND_ON_REQUEST_AFTER, 1);
+    let id = handoff_id(&sent, &home.node_id, "1").expect("HandOff sent");
+    let t = now + RESEND_ON_REQUEST_AFTER * 2;
+    let again = step(&mut c, request(), t, 1);
+    assert_eq!(again, vec![(home.clone(), ToRegion::HandOff { shard: "1".into(), handoff: id })]);
+}

@@ -73,6 +73,10 @@ pub(crate) enum RegionInput<M> {
         shard: ShardId,
         epoch: u64,
     },
+    /// Leave: hand every shard off through the coordinator, then stop. The request is sent
+    /// again every `retry_interval` until the coordinator acts on it (a request lost to a cut
+    /// link or a coordinator that moved must not leave the shards here); past
+    /// `shutdown_timeout` the region stops anyway ([`RegionAction::Stopped`] with `forced`).
     GracefulShutdown,
     Tick,
 }
@@ -110,8 +114,12 @@ pub(crate) enum RegionAction<M> {
     },
     /// The region is no longer routable: asks waiting for an answer from it fail now.
     RegionGone(RegionId),
-    /// Graceful shutdown finished: no shards and no buffered messages left.
-    Stopped,
+    /// Graceful shutdown finished: no shards and no buffered messages left, or (`forced`) the
+    /// shutdown timeout passed first; the driver stops whatever still runs. The coordinator
+    /// learns of a forced stop from the membership (the member exits), not from this region.
+    Stopped {
+        forced: bool,
+    },
 }
 
 /// Settings the region uses.
@@ -121,7 +129,25 @@ pub(crate) struct RegionSettings {
     pub retry_interval: Duration,
     /// [`crate::sharding::ids::extractor_fingerprint`] of this region's extractor.
     pub extractor_fingerprint: u64,
+    /// How long a graceful shutdown may take before the region stops anyway.
+    pub shutdown_timeout: Duration,
 }
+
+impl RegionSettings {
+    /// The settings of a region of a type with these sharding settings.
+    pub(crate) fn of(settings: &crate::sharding::ShardingSettings, extractor_fingerprint: u64) -> Self {
+        RegionSettings {
+            buffer_size: settings.buffer_size,
+            retry_interval: settings.retry_interval,
+            extractor_fingerprint,
+            shutdown_timeout: settings.handoff_timeout + SHUTDOWN_GRACE,
+        }
+    }
+}
+
+/// A graceful shutdown gives up this long after the hand-off timeout (a hand-off begun just
+/// before its end still gets its answer).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
 
 /// Routing and hand-off state of one region (or proxy).
 pub(crate) struct RegionCore<M> {
@@ -152,8 +178,16 @@ pub(crate) struct RegionCore<M> {
     /// that names it has not seen the newer allocation, or is itself a paused zombie) and is
     /// not started again: starting it would be fenced at once, in a loop with that coordinator.
     superseded: BTreeMap<ShardId, u64>,
-    shutting_down: bool,
+    /// Graceful shutdown: when it began, and when its request to the coordinator goes again.
+    shutting_down: Option<Shutdown>,
     stopped: bool,
+}
+
+/// A graceful shutdown in progress.
+#[derive(Debug, Clone, Copy)]
+struct Shutdown {
+    deadline: Instant,
+    next_request: Instant,
 }
 
 /// The shard homes a region knows, and a generation that grows with every change to them: a
@@ -221,7 +255,7 @@ impl<M> RegionCore<M> {
             buffered: 0,
             requested: BTreeMap::new(),
             superseded: BTreeMap::new(),
-            shutting_down: false,
+            shutting_down: None,
             stopped: false,
         }
     }
@@ -411,7 +445,7 @@ impl<M> RegionCore<M> {
             RegionInput::RestartFailedShard { shard, epoch } => {
                 if self.hosted.get(&shard) == Some(&epoch)
                     && !self.handing_off.contains_key(&shard)
-                    && !self.shutting_down
+                    && self.shutting_down.is_none()
                 {
                     out.push(RegionAction::StartShard { shard, epoch });
                 }
@@ -433,8 +467,11 @@ impl<M> RegionCore<M> {
                 self.request_home(&shard, now, out);
             }
             RegionInput::GracefulShutdown => {
-                self.shutting_down = true;
-                self.to_coordinator(ToCoordinator::GracefulShutdownReq { region: self.me.clone() }, out);
+                if self.shutting_down.is_none() {
+                    let deadline = now + self.settings.shutdown_timeout;
+                    self.shutting_down = Some(Shutdown { deadline, next_request: now });
+                }
+                self.request_shutdown(now, out);
                 self.check_stopped(out);
             }
             RegionInput::Tick => self.on_tick(now, out),
@@ -452,8 +489,9 @@ impl<M> RegionCore<M> {
                 for s in shards {
                     self.request_home(&s, now, out);
                 }
-                if self.shutting_down {
-                    self.to_coordinator(ToCoordinator::GracefulShutdownReq { region: self.me.clone() }, out);
+                if let Some(s) = self.shutting_down.as_mut() {
+                    s.next_request = now;
+                    self.request_shutdown(now, out);
                 }
             }
             ToRegion::RegisterRefused { .. } => {
@@ -500,7 +538,7 @@ impl<M> RegionCore<M> {
                 }
             }
             ToRegion::HostShard { shard, epoch } => {
-                if self.proxy || self.shutting_down || self.is_superseded(&shard, epoch) {
+                if self.proxy || self.shutting_down.is_some() || self.is_superseded(&shard, epoch) {
                     return; // the coordinator re-sends elsewhere after shard_start_timeout
                 }
                 self.requested.remove(&shard);
@@ -560,14 +598,33 @@ impl<M> RegionCore<M> {
                 self.request_home(&s, now, out);
             }
         }
+        self.request_shutdown(now, out);
         self.check_stopped(out);
+        if let Some(s) = self.shutting_down
+            && !self.stopped
+            && now >= s.deadline
+        {
+            self.stopped = true;
+            out.push(RegionAction::Stopped { forced: true });
+        }
+    }
+
+    /// Asks the coordinator to hand this region's shards off, at most once per retry interval
+    /// while the shutdown lasts.
+    fn request_shutdown(&mut self, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        let Some(s) = self.shutting_down.as_mut() else { return };
+        if self.stopped || !self.registered || now < s.next_request {
+            return;
+        }
+        s.next_request = now + self.settings.retry_interval;
+        self.to_coordinator(ToCoordinator::GracefulShutdownReq { region: self.me.clone() }, out);
     }
 
     fn check_stopped(&mut self, out: &mut Vec<RegionAction<M>>) {
-        if self.shutting_down && !self.stopped && self.hosted.is_empty() && self.buffered == 0 {
+        if self.shutting_down.is_some() && !self.stopped && self.hosted.is_empty() && self.buffered == 0 {
             self.stopped = true;
             self.to_coordinator(ToCoordinator::RegionStopped { region: self.me.clone() }, out);
-            out.push(RegionAction::Stopped);
+            out.push(RegionAction::Stopped { forced: false });
         }
     }
 }
@@ -586,7 +643,12 @@ mod tests {
         let mut c = RegionCore::new(
             r("me"),
             false,
-            RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2), extractor_fingerprint: 8 },
+            RegionSettings {
+                buffer_size: 10,
+                retry_interval: Duration::from_secs(2),
+                extractor_fingerprint: 8,
+                shutdown_timeout: Duration::from_secs(31),
+            },
             Instant::now(),
         );
         let mut out = Vec::new();
@@ -611,7 +673,12 @@ mod tests {
         let mut c = RegionCore::new(
             r("me"),
             false,
-            RegionSettings { buffer_size, retry_interval: Duration::from_secs(2), extractor_fingerprint: 7 },
+            RegionSettings {
+                buffer_size,
+                retry_interval: Duration::from_secs(2),
+                extractor_fingerprint: 7,
+                shutdown_timeout: Duration::from_secs(31),
+            },
             Instant::now(),
         );
         let mut out = Vec::new();
@@ -1022,12 +1089,83 @@ mod tests {
         let mut c = region(10);
         run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }));
         let out = run(&mut c, RegionInput::GracefulShutdown);
-        assert!(!out.contains(&RegionAction::Stopped));
+        assert!(!out.contains(&RegionAction::Stopped { forced: false }));
         let out = run(&mut c, coord(ToRegion::HostShard { shard: "2".into(), epoch: 1 }));
         assert!(out.is_empty(), "no new shards while shutting down");
         run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 1 }));
         let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
-        assert!(out.contains(&RegionAction::Stopped));
+        assert!(out.contains(&RegionAction::Stopped { forced: false }));
+    }
+
+    /// The shutdown requests among `out`.
+    fn shutdown_requests(out: &[RegionAction<u32>]) -> usize {
+        out.iter()
+            .filter(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::GracefulShutdownReq { .. }, .. }))
+            .count()
+    }
+
+    #[test]
+    fn a_shutting_down_region_asks_the_coordinator_again_every_retry_interval_until_it_stops() {
+        let mut c = region(10);
+        let t0 = Instant::now();
+        let at = |c: &mut RegionCore<u32>, input, ms: u64| {
+            let mut out = Vec::new();
+            c.handle(input, t0 + Duration::from_millis(ms), &mut out);
+            out
+        };
+        at(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }), 0);
+        assert_eq!(shutdown_requests(&at(&mut c, RegionInput::GracefulShutdown, 0)), 1);
+        // The request was lost: ticks within the retry interval send nothing, the next one asks again.
+        assert_eq!(shutdown_requests(&at(&mut c, RegionInput::Tick, 1_999)), 0);
+        assert_eq!(shutdown_requests(&at(&mut c, RegionInput::Tick, 2_000)), 1);
+        assert_eq!(shutdown_requests(&at(&mut c, RegionInput::Tick, 3_000)), 0);
+        // A new coordinator that acknowledges the registration is asked at once.
+        let out = at(
+            &mut c,
+            RegionInput::Members { routable: [r("me"), r("other")].into(), coordinator: Some(r("other")) },
+            3_100,
+        );
+        assert_eq!(shutdown_requests(&out), 0, "not registered with the new one yet");
+        let out = at(
+            &mut c,
+            RegionInput::Coordinator { from: r("other"), msg: ToRegion::RegisterAck { coordinator: r("other") } },
+            3_200,
+        );
+        assert_eq!(shutdown_requests(&out), 1);
+        let out = at(
+            &mut c,
+            RegionInput::Coordinator { from: r("other"), msg: ToRegion::HandOff { shard: "1".into(), handoff: 5 } },
+            3_300,
+        );
+        assert!(out.contains(&RegionAction::HandOffShard { shard: "1".into() }));
+        let out = at(&mut c, RegionInput::LocalShardStopped("1".into()), 3_400);
+        assert!(out.contains(&RegionAction::Stopped { forced: false }));
+        assert_eq!(shutdown_requests(&at(&mut c, RegionInput::Tick, 9_000)), 0, "stopped: no more requests");
+    }
+
+    #[test]
+    fn a_graceful_shutdown_past_its_timeout_stops_the_region_and_leaves_the_coordinator_to_the_membership() {
+        let mut c = region(10);
+        let t0 = Instant::now();
+        let timeout = Duration::from_secs(31);
+        let mut out = Vec::new();
+        c.handle(coord(ToRegion::HostShard { shard: "1".into(), epoch: 1 }), t0, &mut out);
+        c.handle(RegionInput::GracefulShutdown, t0, &mut out);
+        let mut tick = |at: Instant| {
+            let mut out = Vec::new();
+            c.handle(RegionInput::Tick, at, &mut out);
+            out
+        };
+        let before = tick(t0 + timeout - Duration::from_millis(1));
+        assert!(!before.iter().any(|a| matches!(a, RegionAction::Stopped { .. })), "{before:?}");
+        let out = tick(t0 + timeout);
+        assert!(out.contains(&RegionAction::Stopped { forced: true }), "{out:?}");
+        assert!(
+            !out.iter()
+                .any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::RegionStopped { .. }, .. })),
+            "its shard still runs until the driver stops it: the coordinator learns from the membership"
+        );
+        assert!(!tick(t0 + timeout * 2).iter().any(|a| matches!(a, RegionAction::Stopped { .. })), "stopped once");
     }
 
     #[test]
@@ -1036,7 +1174,12 @@ mod tests {
         let mut c: RegionCore<u32> = RegionCore::new(
             r("me"),
             true,
-            RegionSettings { buffer_size: 10, retry_interval: Duration::from_secs(2), extractor_fingerprint: 7 },
+            RegionSettings {
+                buffer_size: 10,
+                retry_interval: Duration::from_secs(2),
+                extractor_fingerprint: 7,
+                shutdown_timeout: Duration::from_secs(31),
+            },
             t0,
         );
         let mut out = Vec::new();

@@ -32,9 +32,6 @@ pub(crate) const REGION_TICK: Duration = Duration::from_millis(100);
 /// Shards whose home requests are timed at once (shard-home latency); more wait untimed.
 const MAX_HOMES_TIMED: usize = 10_000;
 
-/// Graceful shutdown gives up this long after the hand-off timeout.
-const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
-
 /// What a region handle asks of its task.
 pub(crate) enum RegionCmd<E: Entity> {
     Deliver {
@@ -98,7 +95,8 @@ pub(crate) struct RegionTask<E: Entity> {
     pub replier: Replier,
     pub members: Arc<MembershipSnapshot>,
     pub shutdown_waiters: Vec<oneshot::Sender<()>>,
-    pub shutdown_deadline: Option<Instant>,
+    /// A graceful shutdown was asked for (the core decides when it ends).
+    pub shutting_down: bool,
     pub work: VecDeque<Work<E>>,
     /// When each shard's home was first asked for and not yet learnt (shard-home latency).
     pub home_asked: std::collections::HashMap<ShardId, Instant>,
@@ -137,9 +135,8 @@ impl<E: Entity> RegionTask<E> {
                     None => break,
                 },
                 Some(ev) = events.recv() => {
-                    let shutting_down = self.shutdown_deadline.is_some();
                     if let Some(shards) = self.shards.as_mut() {
-                        shards.on_event(ev, shutting_down, &mut self.work);
+                        shards.on_event(ev, self.shutting_down, &mut self.work);
                     }
                 }
                 changed = members.changed() => {
@@ -153,15 +150,11 @@ impl<E: Entity> RegionTask<E> {
                         self.work.push_back(Work::Shard(s, ShardInput::Tick));
                     }
                     self.fast.asks.lock().expect("asks lock").retain_waiting(PendingAsk::is_waiting);
-                    if self.shutdown_deadline.is_some_and(|d| Instant::now() >= d) {
-                        warn!(type_name = %self.type_name, "graceful shutdown timed out; stopping the remaining shards");
-                        break;
-                    }
                 }
             }
             self.process();
             self.buffered.store(self.core.buffered(), Ordering::Relaxed);
-            if self.shutdown_deadline.is_some() && self.shutdown_waiters.is_empty() {
+            if self.shutting_down && self.shutdown_waiters.is_empty() {
                 break; // graceful shutdown finished
             }
         }
@@ -238,9 +231,9 @@ impl<E: Entity> RegionTask<E> {
             }
             RegionCmd::GracefulShutdown(tx) => {
                 self.shutdown_waiters.push(tx);
-                if self.shutdown_deadline.is_none() {
+                if !self.shutting_down {
                     info!(type_name = %self.type_name, "region shutting down gracefully");
-                    self.shutdown_deadline = Some(Instant::now() + self.settings.handoff_timeout + SHUTDOWN_GRACE);
+                    self.shutting_down = true;
                     self.work.push_back(Work::Region(RegionInput::GracefulShutdown));
                 }
             }
@@ -421,8 +414,12 @@ impl<E: Entity> RegionTask<E> {
                     pending.fail(not_delivered(&entity_id, reason));
                 }
             }
-            RegionAction::Stopped => {
+            RegionAction::Stopped { forced: false } => {
                 info!(type_name = %self.type_name, "region stopped after handing off its shards");
+                self.finish_shutdown();
+            }
+            RegionAction::Stopped { forced: true } => {
+                warn!(type_name = %self.type_name, "graceful shutdown timed out; stopping the remaining shards");
                 self.finish_shutdown();
             }
         }

@@ -168,16 +168,8 @@ impl Sim {
             if let Some(c) = node.coordinator.as_mut() {
                 c.core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut coord_out);
             }
-            let replicas =
-                view.up_members(None).filter(|m| m.address != me).map(|m| (peer_of(&m.address), m.reachable)).collect();
-            let targets = view
-                .members
-                .iter()
-                .filter(|m| m.address != me && m.reachable && m.status.is_routable())
-                .map(|m| peer_of(&m.address))
-                .collect();
             let mut rep_out = Vec::new();
-            node.replicator.handle(RepInput::Members { replicas, gossip_targets: targets }, now, wall, &mut rep_out);
+            node.replicator.handle(RepInput::members_of(&view, None), now, wall, &mut rep_out);
             self.perform_singleton(i, single);
             self.perform_region(i, region_out);
             self.perform_coordinator(i, coord_out);

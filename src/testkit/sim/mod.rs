@@ -146,6 +146,56 @@ impl Default for SimConfig {
     }
 }
 
+/// The shapes the simulation is run in, by name: the unit of CI's seed runs, of the soak and of
+/// `DDSHARD_SIM_SHAPE=<name>` in the replay test. Faults are random in each (crashes,
+/// restarts, graceful leaves, partitions; with durable state, pauses; with the message path,
+/// one-way and messaging-only cuts and down-all-when-unstable).
+pub fn shapes() -> Vec<(&'static str, SimConfig)> {
+    let base = SimConfig { trace: false, ..SimConfig::default() };
+    vec![
+        ("default", base.clone()),
+        ("remember", SimConfig { remember: true, ..base.clone() }),
+        ("durable", SimConfig { durable: true, ..base.clone() }),
+        ("durable-remember", SimConfig { durable: true, remember: true, ..base.clone() }),
+        ("message-path", SimConfig { message_path: true, ..base.clone() }),
+        (
+            "message-path-durable-remember",
+            SimConfig { message_path: true, durable: true, remember: true, ..base.clone() },
+        ),
+        ("three-nodes-many-shards", SimConfig { nodes: 3, shards: 40, entities: 120, remember: true, ..base.clone() }),
+        (
+            "seven-nodes-lossy",
+            SimConfig {
+                nodes: 7,
+                shards: 24,
+                entities: 80,
+                durable: true,
+                remember: true,
+                drop_per_mille: 20,
+                ..base.clone()
+            },
+        ),
+        (
+            "seven-nodes-message-path-lossy",
+            SimConfig {
+                nodes: 7,
+                shards: 24,
+                entities: 80,
+                durable: true,
+                remember: true,
+                message_path: true,
+                drop_per_mille: 20,
+                ..base
+            },
+        ),
+    ]
+}
+
+/// The shape named `name` in [`shapes`] (with its trace on, for a replay).
+pub fn shape(name: &str) -> Option<SimConfig> {
+    shapes().into_iter().find(|(n, _)| *n == name).map(|(_, cfg)| SimConfig { trace: true, ..cfg })
+}
+
 /// What one run saw.
 #[derive(Debug, Default)]
 pub struct SimReport {
@@ -179,6 +229,9 @@ pub struct SimReport {
     pub virtual_ms: u64,
     /// Message path: members downed by the resolver, by node incarnation, in order.
     pub downed: Vec<String>,
+    /// Replicator messages dropped because their sender had been downed or removed where they
+    /// arrived (a paused zombie's writes, say): see `ReplicatorStats::quarantined`.
+    pub quarantined_messages: u64,
 }
 
 /// Why an ask failed; each is a typed error in the real drivers.
@@ -372,6 +425,8 @@ pub struct Sim {
     /// Durable state: the acknowledged writes and completed claims.
     ledger: state::StateLedger,
     dropping: bool,
+    /// Every node's replicator counts into these (the cluster's totals).
+    replicator_stats: Arc<crate::ddata::ReplicatorStats>,
     report: SimReport,
 }
 
@@ -422,6 +477,7 @@ impl Sim {
             remembered_acked: BTreeSet::new(),
             ledger: Default::default(),
             dropping: false,
+            replicator_stats: Arc::new(crate::ddata::ReplicatorStats::default()),
             report: SimReport::default(),
             cfg,
         };
@@ -483,12 +539,11 @@ impl Sim {
             addr.clone(),
             crate::ddata::replicator::StoreWriter::new(&addr.node_id, reservation),
             CoreSettings::new(vec!["shard-".into()], Duration::from_millis(200)),
-            std::sync::Arc::new(crate::ddata::ReplicatorStats::default()),
+            self.replicator_stats.clone(),
         );
         let disk = self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone(), Default::default()));
         replicator.load(disk.collect(), 0);
-        let region_settings =
-            RegionSettings { buffer_size: 1000, retry_interval: s.retry_interval, extractor_fingerprint: EXTRACTOR };
+        let region_settings = RegionSettings { buffer_size: 1000, ..RegionSettings::of(&s, EXTRACTOR) };
         self.nodes[i] = Some(Node {
             region: RegionCore::new(addr.clone(), false, region_settings, now),
             shards: BTreeMap::new(),
@@ -800,6 +855,7 @@ impl Sim {
         }
         self.check_nothing_waits_for_a_commit();
         self.report.virtual_ms = self.now_ms;
+        self.report.quarantined_messages = self.replicator_stats.quarantined.load(std::sync::atomic::Ordering::Relaxed);
         if self.cfg.remember {
             self.check_no_acknowledged_id_lost();
         }

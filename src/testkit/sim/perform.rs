@@ -368,8 +368,11 @@ impl Sim {
                         self.resolve(ask, Err(REGION_GONE));
                     }
                 }
-                RegionAction::Stopped => {
-                    // Graceful leave done: the member exits and the node stops.
+                RegionAction::Stopped { forced } => {
+                    // Graceful leave done (or timed out): the member exits and the node stops.
+                    if forced {
+                        self.trace(|| format!("{me} graceful shutdown timed out"));
+                    }
                     for m in self.members.iter_mut().filter(|m| m.addr == me) {
                         m.status = MemberStatus::Removed;
                     }

@@ -436,6 +436,10 @@ impl Sim {
             self.report.violations.push(v);
         }
         self.report.states_acked += 1;
+        if std::env::var_os("DDSHARD_SIM_DEBUG_ACKS").is_some() {
+            let (e, v, ep, iss) = (w.entity_id.clone(), w.value, w.epoch, w.issued_ms);
+            self.trace(|| format!("DEBUG ack {e} value {v} epoch {ep} issued {iss}"));
+        }
     }
 
     /// The incarnation ends after a failed or fenced write: its message and the queued ones

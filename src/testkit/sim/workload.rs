@@ -245,4 +245,10 @@ impl Sim {
     pub fn report(&self) -> &SimReport {
         &self.report
     }
+
+    /// Replicator messages dropped so far because their sender had been downed or removed
+    /// where they arrived ([`SimReport::quarantined_messages`] at the end of a run).
+    pub fn quarantined_messages(&self) -> u64 {
+        self.replicator_stats.quarantined.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }

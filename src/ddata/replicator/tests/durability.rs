@@ -63,7 +63,12 @@ fn a_duplicate_delta_is_acknowledged_only_once_its_first_arrival_is_committed() 
 fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_of_acks() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::MAJORITY, or_add(vec!["e1".into()]), &mut out);
     let op = write_op(&out);

@@ -102,7 +102,12 @@ fn all_reachable_needs_every_reachable_replica_but_never_fewer_than_its_majority
 fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)];
-    c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    c.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let now = Instant::now();
     let mut out = Vec::new();
     c.handle(
@@ -164,7 +169,12 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
 fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)];
-    c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    c.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let mut out = Vec::new();
     c.handle(
         Input::Update {
@@ -190,7 +200,12 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let mut a = core("a");
     let mut b = core("b");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     b.handle(
         Input::Update {
             key: "k".into(),
@@ -323,7 +338,11 @@ fn kind(m: &ReplicatorMsg) -> &'static str {
 fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instant) -> Exchange {
     let (pa, pb) = (peer("a"), peer("b"));
     for (c, other) in [(&mut *a, &pb), (&mut *b, &pa)] {
-        let m = Input::Members { replicas: vec![(other.clone(), true)], gossip_targets: vec![other.clone()] };
+        let m = Input::Members {
+            replicas: vec![(other.clone(), true)],
+            gossip_targets: vec![other.clone()],
+            standing: vec![],
+        };
         c.handle(m, at, 0, &mut vec![]);
     }
     let mut ex = Exchange::default();
@@ -421,7 +440,11 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     // b starts with a's state (as after anti-entropy).
     copy_value(&a, &mut b, "shard-t/1/0");
     a.handle(
-        Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
+        Input::Members {
+            replicas: vec![(peer("b"), true), (peer("c"), true)],
+            gossip_targets: vec![],
+            standing: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
@@ -454,7 +477,7 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
     let mut a = core("a");
     let now = Instant::now();
     a.handle(
-        Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")] },
+        Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")], standing: vec![] },
         now,
         0,
         &mut vec![],
@@ -498,7 +521,11 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
 fn acks_and_read_results_count_only_from_the_replicas_addressed() {
     let mut a = core("a");
     a.handle(
-        Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
+        Input::Members {
+            replicas: vec![(peer("b"), true), (peer("c"), true)],
+            gossip_targets: vec![],
+            standing: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
@@ -600,7 +627,11 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     local(&mut a, "g", add("already"));
     a.pending_deltas.clear();
     a.handle(
-        Input::Members { replicas: vec![(peer("b"), true), (peer("c"), true)], gossip_targets: vec![] },
+        Input::Members {
+            replicas: vec![(peer("b"), true), (peer("c"), true)],
+            gossip_targets: vec![],
+            standing: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
@@ -647,7 +678,12 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     let mut b = core("b");
     local(&mut b, "k", add("from-b"));
     let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let mut out = Vec::new();
     let get =
         Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 };
@@ -685,6 +721,7 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
 mod anti_entropy;
 mod durability;
 mod fencing;
+mod quarantine_and_deadlines;
 mod reads;
 mod writer;
 mod writes;
@@ -694,7 +731,12 @@ mod writes;
 fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
     let mut a = core("a");
     let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let mut out = Vec::new();
     a.handle(input, Instant::now(), 1, &mut out);
     commit_all(&mut a, &mut out);

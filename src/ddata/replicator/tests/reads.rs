@@ -13,7 +13,12 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
         local(&mut b, k, or_add(ids));
     }
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let mut out = Vec::new();
     let get = Input::GetMany {
         keys: keys.clone(),
@@ -62,7 +67,12 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
 fn a_read_answer_with_indexes_out_of_range_or_repeated_is_refused_and_does_not_complete_the_read() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let mut out = Vec::new();
     let keys = vec!["x".to_string(), "y".to_string()];
     a.handle(
@@ -107,7 +117,12 @@ fn a_read_of_more_keys_than_the_limit_is_refused_with_a_typed_error() {
 fn read_until_timeout(after_write: bool, answering: &[&str]) -> (Vec<Action<u32>>, Vec<Action<u32>>) {
     let mut a = core("a");
     let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let start = Instant::now();
     let timeout = Duration::from_secs(4);
     let mut out = Vec::new();
@@ -170,7 +185,7 @@ fn a_read_short_of_its_quorum_waits_out_its_timeout_then_names_this_node_and_eve
 /// A replica "a" with `peers` (all reachable).
 fn with_reachable(a: &mut ReplicatorCore<u32>, peers: &[&str]) {
     let replicas = peers.iter().map(|p| (peer(p), true)).collect();
-    a.handle(Input::Members { replicas, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(Input::Members { replicas, gossip_targets: vec![], standing: vec![] }, Instant::now(), 0, &mut vec![]);
 }
 
 /// What a replica sent after `input` (once everything it wrote is committed).

@@ -6,7 +6,8 @@ use super::*;
 fn local_updates_past_the_pending_delta_cap_are_shipped_at_once_not_on_the_interval() {
     let mut a = core("a");
     let now = Instant::now();
-    let members = Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")] };
+    let members =
+        Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")], standing: vec![] };
     a.handle(members, now, 0, &mut vec![]);
     let shipped = |out: &[Action<u32>]| {
         out.iter().any(|x| matches!(x, Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. }))
@@ -50,7 +51,12 @@ fn a_modify_that_returns_a_new_value_for_a_key_that_has_one_changes_it_only_in_p
 fn a_majority_write_waits_out_its_whole_timeout_before_failing() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    c.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    c.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let now = Instant::now();
     let mut out = Vec::new();
     update(&mut c, "k", Consistency::MAJORITY, or_add(vec!["x".into()]), &mut out);
@@ -71,7 +77,7 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![peer("b"), peer("c")] },
+        Input::Members { replicas: peers, gossip_targets: vec![peer("b"), peer("c")], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -119,6 +125,7 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
     let members = Input::Members {
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
+        standing: vec![],
     };
     a.handle(members, now, 0, &mut vec![]);
     a.handle(Input::Tick, now, 1, &mut vec![]);
@@ -135,7 +142,12 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
 fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_acks() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(Input::Members { replicas: peers, gossip_targets: vec![] }, Instant::now(), 0, &mut vec![]);
+    a.handle(
+        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
     let start = |a: &mut ReplicatorCore<u32>, key: &str, reply: u32| {
         let mut out = Vec::new();
         let input = Input::Update {
