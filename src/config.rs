@@ -112,6 +112,10 @@ pub struct MembershipSettings {
     /// How long a leaving node keeps gossiping its final status so every member sees it removed.
     #[serde(with = "humantime_serde")]
     pub leave_linger: Duration,
+    /// How long a leaving node waits for a majority of the members that stay to take its
+    /// replica's values (after its shards were handed off, before it exits).
+    #[serde(with = "humantime_serde")]
+    pub leave_hand_over_timeout: Duration,
     /// Automatic downing of unreachable members: which side of a split keeps running.
     pub downing: DowningStrategy,
     /// Only members with this role count when a strategy compares the sides of a split (the
@@ -218,6 +222,7 @@ impl Default for MembershipSettings {
             dead_node_grace_period: Duration::from_secs(3600),
             seed_node_timeout: Duration::from_secs(5),
             leave_linger: Duration::from_millis(1000),
+            leave_hand_over_timeout: Duration::from_secs(10),
             downing: DowningStrategy::KeepMajority,
             downing_role: None,
             quorum_size: 0,
@@ -495,6 +500,7 @@ impl NodeConfig {
             ("membership.dead_node_grace_period", m.dead_node_grace_period),
             ("membership.seed_node_timeout", m.seed_node_timeout),
             ("membership.leave_linger", m.leave_linger),
+            ("membership.leave_hand_over_timeout", m.leave_hand_over_timeout),
             ("membership.stable_after", m.stable_after),
             ("membership.down_removal_margin", m.down_removal_margin),
             ("membership.down_all_when_unstable", m.down_all_when_unstable.after(m.stable_after).unwrap_or_default()),

@@ -339,6 +339,21 @@ fn a_leave_whose_hand_off_request_is_lost_to_a_partition_still_ends_with_every_s
     assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
 }
 
+/// Seed 160000972 of the soak (issue 38): in three nodes, n3 and then n1 left while n2 was cut
+/// off and then downed; ids acknowledged by n1 and n3 alone (a majority of three) were on
+/// nobody else when both exited right after n2#2 came up, so n2#2 lost 9 remembered ids. The
+/// fault was in production: a leaving node took its replica away with it. Now a leaving node
+/// hands every value over to a majority of the members that stay before it exits
+/// (`Input::HandOver`, `Node::leave`).
+#[test]
+fn two_of_three_nodes_leaving_in_turn_hand_their_replicas_over_so_no_remembered_id_leaves_with_them() {
+    // 260002186 is the same fault found by a later soak.
+    for seed in [160000972, 260002186] {
+        let report = check(seed, &shape("three-nodes-many-shards"));
+        assert!(report.remembered_acked > 100, "seed {seed}: the scenario remembers ids");
+    }
+}
+
 /// Seed 26003152 (issue 38): n6 left during a partition with 2 % loss; its hand-off request
 /// was lost, its shard 3 had failed, and a shard allocated to it before the leave was never
 /// acknowledged (a shutting-down region ignores HostShard; the coordinator re-sent it to n6

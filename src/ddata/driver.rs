@@ -145,6 +145,11 @@ impl Driver {
                         match c {
                             Command::Op(input) => self.core.handle(input, now, wall, &mut actions),
                             Command::Inspect { key, inspect } => inspect(self.core.local_value(&key)),
+                            Command::HandOver { timeout, reply } => {
+                                let snap = members.borrow().clone();
+                                let input = Input::hand_over_of(&snap, self.role.as_deref(), timeout, ReplyTx::Update(reply));
+                                self.core.handle(input, now, wall, &mut actions);
+                            }
                             Command::Subscribe { key, reply } => {
                                 let current = self.core.local_value(&key).cloned();
                                 let w = self.watchers.entry(key).or_insert_with(|| watch::channel(current).0);

@@ -61,6 +61,11 @@ enum Command {
         key: String,
         inspect: Inspection,
     },
+    /// This node leaves: its values go to the members that stay ([`Input::HandOver`]).
+    HandOver {
+        timeout: Duration,
+        reply: oneshot::Sender<Result<Vec<(String, Fenced)>>>,
+    },
 }
 
 /// A closure run on a key's local value in the replicator's task.
@@ -91,6 +96,16 @@ impl Replicator {
     /// succeeds), with the last error.
     pub fn durable_health(&self) -> &DurableHealth {
         &self.health
+    }
+
+    /// Writes every value this node holds to a majority of the members that stay (the Up
+    /// members other than this one), before this node leaves: a write acknowledged with this
+    /// node's help stays on a majority of what remains. `NotEnoughReplicas` when no such
+    /// majority is reachable, `ConsistencyTimeout` when it did not answer within `timeout`.
+    pub(crate) async fn hand_over(&self, timeout: Duration) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        self.commands.send(Command::HandOver { timeout, reply: tx }).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)?.map(|_| ())
     }
 
     /// Reads `key` with the given consistency. `Ok(None)`: no replica asked has a value.

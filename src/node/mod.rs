@@ -341,6 +341,15 @@ impl Node {
         for r in regions {
             r.graceful_shutdown().await;
         }
+        // What this node's replica holds goes to the members that stay before it exits: a write
+        // acknowledged by it (and others leaving too) must not leave with it.
+        let timeout = self.inner.config.membership.leave_hand_over_timeout;
+        match self.inner.replicator.hand_over(timeout).await {
+            Ok(()) => info!("replica handed over to the members that stay"),
+            Err(e) => {
+                warn!(error = %e, "replica not handed over to a majority of the members that stay; leaving anyway (its disk keeps the data)")
+            }
+        }
         m.set_status(MemberStatus::Exiting).await?;
         m.set_status(MemberStatus::Removed).await?;
         tokio::time::sleep(self.inner.config.membership.leave_linger).await;

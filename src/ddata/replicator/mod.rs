@@ -255,6 +255,19 @@ pub(crate) enum Input<R> {
         gossip_targets: Vec<PeerAddr>,
         standing: Vec<UniqueAddress>,
     },
+    /// This node is leaving: write every value it holds to the members that stay, so no
+    /// write it acknowledged leaves with it (seed 160000972: two of three nodes left one after
+    /// the other, and ids that only they held were gone). `to` are the staying members
+    /// reachable now, `staying` how many stay in all (reachable or not); it is done (answered
+    /// with `ReplyUpdate`) once a majority of the staying members acknowledged every part,
+    /// and fails with `NotEnoughReplicas` at once when `to` cannot make that majority. Built
+    /// from a view by [`Input::hand_over_of`].
+    HandOver {
+        to: Vec<PeerAddr>,
+        staying: usize,
+        timeout: Duration,
+        reply: R,
+    },
     Tick,
     /// The durable store committed every ticket up to `through` (in ticket order), or, with
     /// `failure` (the store's path and the error), the commit holding the tickets not yet
@@ -287,6 +300,24 @@ impl<R> Input<R> {
             .map(|m| m.address().clone())
             .collect();
         Input::Members { replicas, gossip_targets, standing }
+    }
+
+    /// The hand-over of a leaving node's values to the members that stay: the Up
+    /// members with `role` other than this node (Leaving ones leave too).
+    pub(crate) fn hand_over_of(
+        snap: &crate::membership::MembershipSnapshot,
+        role: Option<&str>,
+        timeout: Duration,
+        reply: R,
+    ) -> Self {
+        let me = &snap.self_address;
+        let staying: Vec<&crate::membership::Member> = snap
+            .members
+            .iter()
+            .filter(|m| m.address() != me && m.has_role(role) && m.status().takes_new_shards())
+            .collect();
+        let to = staying.iter().filter(|m| m.is_reachable()).map(|m| m.peer()).collect();
+        Input::HandOver { to, staying: staying.len(), timeout, reply }
     }
 }
 
@@ -375,6 +406,15 @@ struct Entry {
     log: KeyLog,
 }
 
+/// A leaving node's hand-over in flight: the write of each part, and who acknowledged it.
+struct HandOver<R> {
+    parts: BTreeMap<u64, HashSet<UniqueAddress>>,
+    addressed: Vec<UniqueAddress>,
+    needed: usize,
+    deadline: Instant,
+    reply: R,
+}
+
 struct PendingWrite<R> {
     keys: Vec<String>,
     /// Keys refused by a fence, here or at a replica.
@@ -433,6 +473,7 @@ pub(crate) struct ReplicatorCore<R> {
     next_op: u64,
     writes: BTreeMap<u64, PendingWrite<R>>,
     reads: BTreeMap<u64, PendingRead<R>>,
+    hand_over: Option<HandOver<R>>,
     rng: StdRng,
     stats: Arc<ReplicatorStats>,
     durability: Durability<R>,
@@ -477,6 +518,7 @@ impl<R> ReplicatorCore<R> {
             next_op: 1,
             writes: BTreeMap::new(),
             reads: BTreeMap::new(),
+            hand_over: None,
             rng: StdRng::seed_from_u64(seed),
             stats,
             durability: Durability::default(),
@@ -674,6 +716,7 @@ impl<R> ReplicatorCore<R> {
                     .retain(|d, _| !standing.iter().any(|s| s.node_id == d.node_id && s.generation > d.generation));
                 self.standing = standing;
             }
+            Input::HandOver { to, staying, timeout, reply } => self.on_hand_over(to, staying, timeout, reply, now, out),
             Input::Tick => self.on_tick(now, out),
             Input::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
         }
@@ -939,6 +982,9 @@ impl<R> ReplicatorCore<R> {
                     }
                 }
             }
+            ReplicatorMsg::WriteAck { op } if self.hand_over.as_ref().is_some_and(|h| h.parts.contains_key(&op)) => {
+                self.on_hand_over_ack(op, from.address, out)
+            }
             ReplicatorMsg::WriteAck { op } => {
                 let done = match self.writes.get_mut(&op) {
                     Some(w) if w.addressed.contains(&from.address) => {
@@ -1007,6 +1053,71 @@ impl<R> ReplicatorCore<R> {
             });
         }
         self.expire_reads(now, out);
+        if self.hand_over.as_ref().is_some_and(|h| h.deadline <= now) {
+            let h = self.hand_over.take().expect("hand-over");
+            let acked = h.parts.values().map(HashSet::len).min().unwrap_or(0);
+            let result = Err(Error::ConsistencyTimeout { needed: h.needed, acked });
+            out.push(Action::ReplyUpdate { reply: h.reply, result });
+        }
+    }
+
+    /// Starts the hand-over: every value, in parts capped in bytes, each written to the
+    /// reachable staying members (see [`Input::HandOver`]). A newer hand-over replaces one in
+    /// flight (which fails as timed out).
+    fn on_hand_over(
+        &mut self,
+        to: Vec<PeerAddr>,
+        staying: usize,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
+        if let Some(old) = self.hand_over.take() {
+            let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
+            out.push(Action::ReplyUpdate { reply: old.reply, result });
+        }
+        let needed = staying / 2 + 1;
+        if staying == 0 || to.len() < needed {
+            out.push(Action::ReplyUpdate {
+                reply,
+                result: Err(Error::NotEnoughReplicas { needed, reachable: to.len() }),
+            });
+            return;
+        }
+        // Every value, durable or not: a majority write of either may have counted this node.
+        let values: Vec<(String, ReplicatedData)> =
+            self.data.iter().map(|(key, e)| (key.clone(), e.value.clone())).collect();
+        if values.is_empty() {
+            out.push(Action::ReplyUpdate { reply, result: Ok(Vec::new()) });
+            return;
+        }
+        let size = |(k, v): &(String, ReplicatedData)| k.len() + v.approx_bytes();
+        let mut parts = BTreeMap::new();
+        for values in split_by_bytes(values, self.settings.max_message_bytes, size) {
+            let op = self.next_op();
+            ReplicatorStats::add(&self.stats.full_values_sent, to.len() * values.len());
+            parts.insert(op, HashSet::new());
+            let msg = ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values };
+            out.push(Action::Broadcast { to: to.clone(), msg });
+        }
+        let addressed = to.into_iter().map(|p| p.address).collect();
+        self.hand_over = Some(HandOver { parts, addressed, needed, deadline: now + timeout, reply });
+    }
+
+    fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<Action<R>>) {
+        let Some(h) = self.hand_over.as_mut() else { return };
+        if !h.addressed.contains(&from) {
+            ReplicatorStats::inc(&self.stats.rejected);
+            return;
+        }
+        if let Some(acked) = h.parts.get_mut(&op) {
+            acked.insert(from);
+        }
+        if h.parts.values().all(|acked| acked.len() >= h.needed) {
+            let h = self.hand_over.take().expect("hand-over");
+            out.push(Action::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
+        }
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {

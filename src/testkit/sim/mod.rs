@@ -321,12 +321,23 @@ enum Event {
 /// What a replicator reply answers.
 #[derive(Debug)]
 enum RepReply {
-    TakeOverRead { read: u64, term: u64, attempt: u32 },
-    StateWrite { write: u64 },
-    RememberLoad { shard: ShardId, instance: u64 },
+    TakeOverRead {
+        read: u64,
+        term: u64,
+        attempt: u32,
+    },
+    StateWrite {
+        write: u64,
+    },
+    RememberLoad {
+        shard: ShardId,
+        instance: u64,
+    },
     RememberWrite(remember::RememberWrite),
     StateClaim(state::Claim),
     EntityWrite(state::EntityWrite),
+    /// The leaving node's replica was handed over (or not): it exits now.
+    HandOver,
 }
 
 struct Coordinator {

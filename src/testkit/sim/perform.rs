@@ -278,6 +278,19 @@ impl Sim {
                 RepAction::ReplyUpdate { reply: RepReply::EntityWrite(w), result } => {
                     self.on_state_written(i, w, result)
                 }
+                RepAction::ReplyUpdate { reply: RepReply::HandOver, result } => {
+                    // As `Node::leave`: the member exits whether or not the hand-over succeeded.
+                    if let Err(e) = &result {
+                        let addr = me.clone();
+                        self.trace(|| format!("{addr} replica not handed over: {e}"));
+                    }
+                    for m in self.members.iter_mut().filter(|m| m.addr == me) {
+                        m.status = MemberStatus::Removed;
+                    }
+                    self.crash(i, "region stopped; leaves the cluster");
+                    self.on_membership();
+                    return;
+                }
                 RepAction::ReplyUpdate { reply: RepReply::RememberWrite(w), result } => {
                     // Remembered-id sets have no fence: nothing is refused.
                     self.on_remember_written(i, w, result.map(|_| ()))
@@ -373,11 +386,15 @@ impl Sim {
                     if forced {
                         self.trace(|| format!("{me} graceful shutdown timed out"));
                     }
-                    for m in self.members.iter_mut().filter(|m| m.addr == me) {
-                        m.status = MemberStatus::Removed;
-                    }
-                    self.crash(i, "region stopped; leaves the cluster");
-                    self.on_membership();
+                    // Then its replica goes to the members that stay, and it exits (on the reply).
+                    let (now, wall) = (self.now(), self.wall());
+                    let node = self.nodes[i].as_mut().expect("running");
+                    let view = node.last_view.clone().expect("a view");
+                    let timeout = crate::config::MembershipSettings::default().leave_hand_over_timeout;
+                    let input = RepInput::hand_over_of(&view, None, timeout, RepReply::HandOver);
+                    let mut out = Vec::new();
+                    node.replicator.handle(input, now, wall, &mut out);
+                    self.perform_replicator(i, out);
                     return;
                 }
             }

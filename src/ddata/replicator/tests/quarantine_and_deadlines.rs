@@ -1,6 +1,7 @@
 //! What a replica refuses to count: messages from incarnations that left good standing here
 //! (downed, removed, replaced), and answers handled after their operation's deadline.
 use super::*;
+use std::collections::BTreeSet;
 
 /// Members a (this core), b and c, in good standing, every one reachable.
 fn three_members(c: &mut ReplicatorCore<u32>, now: Instant) {
@@ -147,4 +148,127 @@ fn a_read_whose_answers_are_handled_after_its_deadline_fails_as_timed_out() {
         matches!(&out[..], [Action::ReplyGet { reply: 3, result: Err(Error::ConsistencyTimeout { .. }) }]),
         "{out:?}"
     );
+}
+
+/// A hand-over to members b and c (both staying and reachable).
+fn hand_over_to_b_and_c() -> Input<u32> {
+    Input::HandOver { to: vec![peer("b"), peer("c")], staying: 2, timeout: Duration::from_secs(1), reply: 9 }
+}
+
+/// The ops of the hand-over's parts among `out`, with the keys each carries.
+fn hand_over_parts(out: &[Action<u32>]) -> Vec<(u64, Vec<String>)> {
+    out.iter()
+        .filter_map(|a| match a {
+            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, entries, values }, .. } if entries.is_empty() => {
+                Some((*op, values.iter().map(|(k, _)| k.clone()).collect()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_staying_took_every_part() {
+    let mut c = ReplicatorCore::new(
+        UniqueAddress::new("a", 1),
+        fresh_store("a"),
+        // Small messages: the values go in several parts.
+        CoreSettings { max_message_bytes: 8, ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)) },
+        Arc::new(ReplicatorStats::default()),
+    );
+    let now = Instant::now();
+    three_members(&mut c, now);
+    for (key, member) in [("shard-1", "x"), ("shard-2", "y"), ("user-key", "z")] {
+        local(&mut c, key, add(member));
+    }
+    let mut out = Vec::new();
+    commit_all(&mut c, &mut out);
+    let mut out = Vec::new();
+    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    let parts = hand_over_parts(&out);
+    let keys: BTreeSet<String> = parts.iter().flat_map(|(_, k)| k.clone()).collect();
+    assert_eq!(keys, ["shard-1", "shard-2", "user-key"].map(String::from).into(), "every value, durable or not");
+    assert!(parts.len() > 1, "in parts capped in bytes: {parts:?}");
+    let replied =
+        |out: &[Action<u32>]| out.iter().find(|a| matches!(a, Action::ReplyUpdate { reply: 9, .. })).is_some();
+    // Two staying members: a majority is both. One part acked by both, the others by b only.
+    for (i, (op, _)) in parts.iter().enumerate() {
+        let mut out = Vec::new();
+        c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+        if i == 0 {
+            c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+        }
+        assert!(!replied(&out), "not every part has a majority of the staying members yet");
+    }
+    let mut out = Vec::new();
+    for (op, _) in &parts[1..] {
+        c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+    }
+    assert!(
+        matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Ok(refused) }] if refused.is_empty()),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_hand_over_that_cannot_reach_a_majority_of_the_staying_members_fails_at_once_and_one_unanswered_times_out() {
+    let mut c = core("a");
+    let now = Instant::now();
+    three_members(&mut c, now);
+    local(&mut c, "shard-1", add("x"));
+    // Three stay, one reachable: no majority of them.
+    let mut out = Vec::new();
+    let input = Input::HandOver { to: vec![peer("b")], staying: 3, timeout: Duration::from_secs(1), reply: 9 };
+    c.handle(input, now, 1, &mut out);
+    assert!(
+        matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 2, .. }) }]),
+        "{out:?}"
+    );
+    // Nobody stays (every other member leaves too): nothing can take it.
+    let mut out = Vec::new();
+    c.handle(Input::HandOver { to: vec![], staying: 0, timeout: Duration::from_secs(1), reply: 9 }, now, 1, &mut out);
+    assert!(matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { .. }), .. }]));
+    // Reachable, but no answer within the timeout.
+    let mut out = Vec::new();
+    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    let mut out = Vec::new();
+    c.handle(Input::Tick, now + Duration::from_millis(999), 1, &mut out);
+    assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { .. })));
+    c.handle(Input::Tick, now + Duration::from_secs(1), 1, &mut out);
+    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    assert!(
+        matches!(replies[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::ConsistencyTimeout { .. }) }]),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn the_hand_over_input_of_a_view_targets_the_up_members_other_than_this_one_and_counts_the_unreachable() {
+    use crate::membership::{Member, MemberStatus, MembershipSnapshot};
+    let member = |id: &str, status, reachable| Member {
+        address: UniqueAddress::new(id, 1),
+        status,
+        up_number: Some(1),
+        roles: Vec::new(),
+        reachable,
+        gossip_live: reachable,
+        unreachable_by: Vec::new(),
+        messaging_addr: "127.0.0.1:1".parse().unwrap(),
+        gossip_addr: "127.0.0.1:2".parse().unwrap(),
+    };
+    let snap = MembershipSnapshot {
+        self_address: UniqueAddress::new("a", 1),
+        members: vec![
+            member("a", MemberStatus::Leaving, true),
+            member("b", MemberStatus::Up, true),
+            member("c", MemberStatus::Up, false),
+            member("d", MemberStatus::Leaving, true),
+            member("e", MemberStatus::Joining, true),
+        ],
+    };
+    let Input::HandOver { to, staying, .. } = Input::hand_over_of(&snap, None, Duration::from_secs(1), 0u32) else {
+        panic!("a hand-over")
+    };
+    assert_eq!(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>(), ["b"]);
+    assert_eq!(staying, 2, "b and c stay; d leaves too, e is not Up yet");
 }
