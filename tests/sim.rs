@@ -354,6 +354,18 @@ fn two_of_three_nodes_leaving_in_turn_hand_their_replicas_over_so_no_remembered_
     }
 }
 
+/// Seed 170001275 of the soak (7 nodes, 2 % loss): three members left while the
+/// coordinator's node, leaving too, was cut off from one region. A region's repeated
+/// shutdown request re-sent the hand-off messages it had not answered — and put off, for the
+/// whole hand-off, the periodic re-send the cut-off region needed, so the shards stayed
+/// unplaced 10 s longer and asks after recovery timed out. The fault was in this change to the
+/// coordinator core (a request-driven re-send reset the hand-off's timer); it leaves the timer
+/// alone now.
+#[test]
+fn a_region_s_repeated_shutdown_request_never_delays_the_hand_off_messages_other_regions_need() {
+    check(170001275, &shape("seven-nodes-lossy"));
+}
+
 /// Seed 26003152 (issue 38): n6 left during a partition with 2 % loss; its hand-off request
 /// was lost, its shard 3 had failed, and a shard allocated to it before the leave was never
 /// acknowledged (a shutting-down region ignores HostShard; the coordinator re-sent it to n6

@@ -450,7 +450,7 @@ impl CoordinatorCore {
     /// on their way).
     fn resend_handoff_messages_to(&mut self, region: &RegionId, now: Instant, out: &mut Vec<CoordinatorAction>) {
         let mut resend = Vec::new();
-        for (shard, h) in self.handoffs.iter_mut().filter(|(_, h)| h.sent_at + RESEND_ON_REQUEST_AFTER <= now) {
+        for (shard, h) in self.handoffs.iter().filter(|(_, h)| h.sent_at + RESEND_ON_REQUEST_AFTER <= now) {
             let msg = match &h.phase {
                 HandoffPhase::WaitingForAcks(pending) if pending.contains(region) => {
                     ToRegion::BeginHandOff { shard: shard.clone(), handoff: h.id }
@@ -460,7 +460,8 @@ impl CoordinatorCore {
                 }
                 _ => continue,
             };
-            h.sent_at = now;
+            // `sent_at` stays: it times the periodic re-send to every region still pending,
+            // which this one must not put off.
             resend.push(Self::send(region, msg));
         }
         if !resend.is_empty() {

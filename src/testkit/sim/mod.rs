@@ -433,6 +433,9 @@ pub struct Sim {
     live: BTreeMap<String, Vec<(UniqueAddress, u64)>>,
     /// Remember-entities: ids whose start write a majority acknowledged.
     remembered_acked: BTreeSet<String>,
+    /// Remember-entities: id → when, by whom and counting which view its start was
+    /// acknowledged (the evidence a lost id names).
+    remembered_evidence: BTreeMap<String, String>,
     /// Durable state: the acknowledged writes and completed claims.
     ledger: state::StateLedger,
     dropping: bool,
@@ -486,6 +489,7 @@ impl Sim {
             next_ask: 1,
             live: BTreeMap::new(),
             remembered_acked: BTreeSet::new(),
+            remembered_evidence: BTreeMap::new(),
             ledger: Default::default(),
             dropping: false,
             replicator_stats: Arc::new(crate::ddata::ReplicatorStats::default()),
@@ -851,10 +855,17 @@ impl Sim {
         for id in open {
             self.resolve(id, Err(TIMEOUT));
         }
-        for (id, a) in &self.asks {
-            if let (true, Some(Err(why))) = (a.must_answer, a.outcome) {
-                self.report.violations.push(format!("after recovery, ask {id} to {} failed: {why}", a.entity_id));
-            }
+        let failed: Vec<(u64, String, &'static str)> = self
+            .asks
+            .iter()
+            .filter_map(|(id, a)| match (a.must_answer, a.outcome) {
+                (true, Some(Err(why))) => Some((*id, a.entity_id.clone(), why)),
+                _ => None,
+            })
+            .collect();
+        for (id, entity_id, why) in failed {
+            let placement = self.placement_evidence(&entity_id);
+            self.report.violations.push(format!("after recovery, ask {id} to {entity_id} failed: {why}; {placement}"));
         }
         // A commit issued in the last milliseconds (a rebalance's write, say) is still on its
         // way at `end`; a stuck one never clears. Wait out a few fsyncs for the first kind.

@@ -167,6 +167,36 @@ impl Sim {
     }
 
     /// At the end of a run every commit was reported, so nothing may still wait for one.
+    /// Where the shard of `entity_id` is, as a violation names it: each coordinator's record of
+    /// its home (and hand-off), and every node running it.
+    pub(super) fn placement_evidence(&self, entity_id: &str) -> String {
+        let shard = default_shard_id(entity_id, self.cfg.shards);
+        let now = self.now();
+        let mut seen = Vec::new();
+        for node in self.nodes.iter().flatten() {
+            if let Some(c) = node.coordinator.as_ref() {
+                let table = c.core.allocation_table(TYPE, now);
+                let home = table.shards.iter().find(|a| a.shard == shard).map_or_else(
+                    || "no record".to_string(),
+                    |a| {
+                        let region = a.region.as_deref().unwrap_or("no home");
+                        let hand_off = if a.hand_off.is_some() { ", hand-off in progress" } else { "" };
+                        format!("{region} at epoch {}{hand_off}", a.epoch)
+                    },
+                );
+                seen.push(format!("coordinator {} places it on {home}", node.addr));
+            }
+            if let Some((_, epoch)) = node.shards.get(&shard) {
+                seen.push(format!("{} runs it at epoch {epoch}", node.addr));
+            }
+        }
+        if seen.is_empty() {
+            seen.push("no coordinator and no node runs it".into());
+        }
+        let statuses: Vec<String> = self.members.iter().map(|m| format!("{} {:?}", m.addr, m.status)).collect();
+        format!("shard {shard}: {}; members: [{}]", seen.join("; "), statuses.join(", "))
+    }
+
     pub(super) fn check_nothing_waits_for_a_commit(&mut self) {
         for node in self.nodes.iter().flatten() {
             let (in_flight, held) = node.replicator.durability_backlog();

@@ -140,6 +140,11 @@ impl Sim {
             // Acknowledged: a majority committed these starts (whether or not the shard
             // instance that asked still runs); they must never be lost.
             self.remembered_acked.extend(w.adds.iter().cloned());
+            let writer = self.nodes[i].as_ref().map_or_else(|| format!("n{}", i + 1), |n| n.addr.to_string());
+            let evidence = format!("acknowledged at t={} to {writer} counting [{}]", self.now_ms, self.view_summary(i));
+            for id in &w.adds {
+                self.remembered_evidence.entry(id.clone()).or_insert_with(|| evidence.clone());
+            }
             for id in &w.removes {
                 self.remembered_acked.remove(id);
             }
@@ -216,7 +221,20 @@ impl Sim {
         }
         if !lost.is_empty() {
             let first: Vec<&str> = lost.iter().take(10).map(String::as_str).collect();
-            let v = format!("{} acknowledged remembered ids missing, first: {}", lost.len(), first.join(", "));
+            // The first missing id's history: its acknowledgement and the disks holding it.
+            let id = lost[0].split(' ').next().unwrap_or_default();
+            let key = slot_key(&default_shard_id(id, self.cfg.shards), id);
+            let disks: Vec<String> = (0..self.disks.len())
+                .filter(|j| matches!(self.disks[*j].get(&key), Some(ReplicatedData::OrSet(s)) if s.contains(id)))
+                .map(|j| format!("n{}", j + 1))
+                .collect();
+            let evidence = self.remembered_evidence.get(id).cloned().unwrap_or_default();
+            let v = format!(
+                "{} acknowledged remembered ids missing, first: {}; {id} was {evidence}; on the disks of [{}]",
+                lost.len(),
+                first.join(", "),
+                disks.join(", ")
+            );
             self.report.violations.push(v);
         }
         self.report.remembered_acked = self.remembered_acked.len();

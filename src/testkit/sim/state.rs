@@ -91,6 +91,11 @@ pub(super) struct StateLedger {
     claims: BTreeMap<ShardId, Vec<(u64, u64)>>,
     /// Entity → the value answered to its ask after recovery.
     final_values: BTreeMap<String, u64>,
+    /// (entity, value) → who acknowledged it first, when, and the membership it counted: the
+    /// evidence a violation names.
+    ack_evidence: BTreeMap<(String, u64), String>,
+    /// Shard → its latest completed claim: who, when, and the replicas it read.
+    claim_evidence: BTreeMap<ShardId, String>,
 }
 
 impl Sim {
@@ -180,6 +185,13 @@ impl Sim {
             Ok(_) => {
                 self.trace(|| format!("{me} shard {} claims its states at epoch {}", claim.shard, claim.epoch));
                 self.ledger.claims.entry(claim.shard.clone()).or_default().push((self.now_ms, claim.epoch));
+                let evidence = format!(
+                    "claimed at t={} (epoch {}) by {me}, reading every reachable replica of its view [{}]",
+                    self.now_ms,
+                    claim.epoch,
+                    self.view_summary(i)
+                );
+                self.ledger.claim_evidence.insert(claim.shard.clone(), evidence);
                 self.node_claims_started(i).insert(claim.shard.clone(), claim.started_ms);
                 let node = self.nodes[i].as_mut().expect("running");
                 node.unheld_at_claim.insert(claim.shard.clone(), claim.unheld.clone());
@@ -376,7 +388,7 @@ impl Sim {
     ) {
         let refused = matches!(&result, Ok(fenced) if !fenced.is_empty());
         if result.is_ok() && !refused {
-            self.record_ack(&w);
+            self.record_ack(i, &w);
         }
         let Some(node) = self.nodes[i].as_mut() else { return };
         let Some(a) = node.states.get_mut(&w.entity_id).filter(|a| a.incarnation == w.incarnation) else { return };
@@ -410,8 +422,10 @@ impl Sim {
         }
     }
 
-    fn record_ack(&mut self, w: &EntityWrite) {
+    fn record_ack(&mut self, i: usize, w: &EntityWrite) {
         let now = self.now_ms;
+        let writer = self.nodes[i].as_ref().map_or_else(|| format!("n{}", i + 1), |n| n.addr.to_string());
+        let this = format!("t={now} by {writer} (epoch {}) counting its view [{}]", w.epoch, self.view_summary(i));
         // A claim of a newer epoch that completed before this write was issued fenced a
         // majority plus one: the write cannot have been accepted by a majority.
         let shard = default_shard_id(&w.entity_id, self.cfg.shards);
@@ -429,11 +443,18 @@ impl Sim {
         }
         let acks = self.ledger.acked.entry(w.entity_id.clone()).or_default();
         if acks.insert(w.value, now).is_some() {
+            let key = (w.entity_id.clone(), w.value);
+            let first = self.ledger.ack_evidence.get(&key).cloned().unwrap_or_default();
+            let claim = self.ledger.claim_evidence.get(&shard).cloned().unwrap_or_else(|| "none".into());
+            let holders = self.holders(&shard, &w.entity_id, w.value);
             let v = format!(
-                "t={now} {}: value {} acknowledged twice (an acknowledged write was lost)",
-                w.entity_id, w.value
+                "t={now} {}: value {} acknowledged twice (an acknowledged write was lost): first {first}; again {this}; \
+                 the shard's latest claim: {claim}; holding {} now: [{holders}]",
+                w.entity_id, w.value, w.value
             );
             self.report.violations.push(v);
+        } else {
+            self.ledger.ack_evidence.insert((w.entity_id.clone(), w.value), this);
         }
         self.report.states_acked += 1;
         if std::env::var_os("DDSHARD_SIM_DEBUG_ACKS").is_some() {
@@ -471,6 +492,43 @@ impl Sim {
             a.stopping = true;
             self.pump(i, entity_id);
         }
+    }
+
+    /// Node `i`'s view as a violation names it: each member, its status, and whether it is
+    /// unreachable.
+    pub(super) fn view_summary(&self, i: usize) -> String {
+        let Some(view) = self.nodes[i].as_ref().and_then(|n| n.last_view.as_ref()) else { return "no view".into() };
+        let members: Vec<String> = view
+            .members
+            .iter()
+            .map(|m| {
+                let reach = if m.reachable { "" } else { ", unreachable" };
+                format!("{} {:?}{reach}", m.address, m.status)
+            })
+            .collect();
+        members.join(", ")
+    }
+
+    /// Which replicas hold `value` (or a newer one) of the entity now: running nodes' memory,
+    /// and every node slot's disk.
+    fn holders(&self, shard: &ShardId, entity_id: &str, value: u64) -> String {
+        let key = state_key(shard, entity_id);
+        let stored = |data: Option<&ReplicatedData>| match data {
+            Some(ReplicatedData::FencedMap(m)) => {
+                m.get(entity_id).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
+            }
+            _ => 0,
+        };
+        let mut held = Vec::new();
+        for j in 0..self.nodes.len() {
+            if let Some(n) = self.nodes[j].as_ref().filter(|n| stored(n.replicator.local_value(&key)) >= value) {
+                held.push(format!("{} (memory)", n.addr));
+            }
+            if stored(self.disks[j].get(&key)) >= value {
+                held.push(format!("n{} (disk)", j + 1));
+            }
+        }
+        held.join(", ")
     }
 
     /// After recovery, the value each entity answered is the largest ever acknowledged.
