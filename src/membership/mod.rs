@@ -163,6 +163,28 @@ pub struct Member {
 }
 
 impl Member {
+    /// A member with no roles on loopback addresses, for the simulation and the unit tests.
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) fn on_loopback(address: UniqueAddress, status: MemberStatus, up_number: u64, reachable: bool) -> Member {
+        Member {
+            address,
+            status,
+            up_number: Some(up_number),
+            roles: Vec::new(),
+            reachable,
+            gossip_live: reachable,
+            unreachable_by: Vec::new(),
+            messaging_addr: SocketAddr::from(([127, 0, 0, 1], 1)),
+            gossip_addr: SocketAddr::from(([127, 0, 0, 1], 2)),
+        }
+    }
+
+    /// A member for the crate's unit tests: incarnation `id`#1 with `status`, on loopback.
+    #[cfg(test)]
+    pub(crate) fn for_test(id: &str, status: MemberStatus, reachable: bool) -> Member {
+        Member::on_loopback(UniqueAddress::new(id, 1), status, 1, reachable)
+    }
+
     /// The member's stable node id.
     pub fn node_id(&self) -> &str {
         &self.address.node_id

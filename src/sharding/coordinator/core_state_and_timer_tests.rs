@@ -7,17 +7,7 @@ use super::*;
 #[test]
 fn members_view_of_a_snapshot_keeps_every_status_and_whether_the_cluster_is_settled() {
     use crate::membership::{Member, MembershipSnapshot};
-    let member = |id: &str, status, reachable| Member {
-        address: r(id),
-        status,
-        up_number: Some(1),
-        roles: Vec::new(),
-        reachable,
-        gossip_live: reachable,
-        unreachable_by: Vec::new(),
-        messaging_addr: "127.0.0.1:1".parse().unwrap(),
-        gossip_addr: "127.0.0.1:2".parse().unwrap(),
-    };
+    let member = Member::for_test;
     let snap = MembershipSnapshot {
         self_address: r("a"),
         members: vec![member("a", MemberStatus::Up, true), member("b", MemberStatus::Leaving, true)],

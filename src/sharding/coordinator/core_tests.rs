@@ -325,30 +325,40 @@ fn rebalance_hands_off_after_all_acks_and_a_terminated_region_counts_as_acked() 
     assert!(sent.iter().any(|(to, m)| *to == r("b") && matches!(m, ToRegion::ShardHome { .. })));
 }
 
-#[test]
-fn graceful_shutdown_moves_every_shard_of_the_region_and_only_those() {
+/// Regions a and b with shards 0..6 asked for alternately; returns the core, the time and the
+/// shards placed on a.
+fn regions_a_b_with_six_shards() -> (CoordinatorCore, Instant, BTreeSet<ShardId>) {
     let mut c = core(1);
     let now = Instant::now();
     reg(&mut c, "a", now);
     reg(&mut c, "b", now);
     for s in 0..6 {
-        let who = if s % 2 == 0 { "a" } else { "b" };
-        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
+        get_home(&mut c, &s.to_string(), if s % 2 == 0 { "a" } else { "b" }, now, 1);
     }
     let on_a: BTreeSet<ShardId> =
         c.state().shards().iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
+    (c, now, on_a)
+}
+
+/// Completes the hand-offs of `shards` from region a: a and b ack, a reports each stopped.
+fn hand_off_from_a(c: &mut CoordinatorCore, shards: &BTreeSet<ShardId>, now: Instant) {
+    for s in shards {
+        let mut handoff = None;
+        for who in ["a", "b"] {
+            handoff = handoff.or(handoff_id(&ack(c, s, r(who), now, 1), "a", s));
+        }
+        let handoff = handoff.expect("HandOff once every region acked");
+        step(c, from_region(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }), now, 1);
+    }
+}
+
+#[test]
+fn graceful_shutdown_moves_every_shard_of_the_region_and_only_those() {
+    let (mut c, now, on_a) = regions_a_b_with_six_shards();
     let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
     let begins = begun_shards(&sent);
     assert_eq!(begins, on_a);
-    for s in &on_a {
-        let mut handoff = None;
-        for who in ["a", "b"] {
-            let sent = ack(&mut c, s, r(who), now, 1);
-            handoff = handoff.or(handoff_id(&sent, "a", s));
-        }
-        let handoff = handoff.expect("HandOff sent once every region acked");
-        step(&mut c, from_region(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }), now, 1);
-    }
+    hand_off_from_a(&mut c, &on_a, now);
     assert!(c.state().shards().values().all(|rec| rec.region == Some(r("b"))));
 }
 
@@ -557,15 +567,7 @@ fn leaving(c: &CoordinatorCore, region: &str) -> CoordinatorInput {
 
 #[test]
 fn a_leaving_members_shards_are_handed_off_without_its_request_including_one_it_never_acknowledged() {
-    let mut c = core(1);
-    let now = Instant::now();
-    reg(&mut c, "a", now);
-    reg(&mut c, "b", now);
-    for s in 0..6 {
-        get_home(&mut c, &s.to_string(), if s % 2 == 0 { "a" } else { "b" }, now, 1);
-    }
-    let on_a: BTreeSet<ShardId> =
-        c.state().shards().iter().filter(|(_, rec)| rec.region == Some(r("a"))).map(|(s, _)| s.clone()).collect();
+    let (mut c, now, on_a) = regions_a_b_with_six_shards();
     assert!(!on_a.is_empty());
     // a never answered a HostShard (a shutting-down region ignores them): it is handed off too.
     assert!(on_a.iter().any(|s| c.unacked_host.contains_key(s)), "the test needs an unacknowledged home");
@@ -574,14 +576,7 @@ fn a_leaving_members_shards_are_handed_off_without_its_request_including_one_it_
     assert_eq!(begun_shards(&sent), on_a, "every shard of the Leaving member, and only those");
     let again = step(&mut c, view, now, 1);
     assert!(begun_shards(&again).is_empty(), "a hand-off in progress is not begun twice");
-    for s in &on_a {
-        let mut handoff = None;
-        for who in ["a", "b"] {
-            handoff = handoff.or(handoff_id(&ack(&mut c, s, r(who), now, 1), "a", s));
-        }
-        let handoff = handoff.expect("HandOff once every region acked");
-        step(&mut c, from_region(ToCoordinator::ShardStopped { shard: s.clone(), region: r("a"), handoff }), now, 1);
-    }
+    hand_off_from_a(&mut c, &on_a, now);
     assert!(c.state().shards().values().all(|rec| rec.region == Some(r("b"))), "no shard stays on a, none goes back");
 }
 

@@ -31,17 +31,7 @@ impl Sim {
             let current = self.nodes[slot].as_ref().is_some_and(|n| n.addr == addr);
             let reachable = addr == me
                 || (current && if self.cfg.message_path { gossip_reaches[slot] } else { self.reachable(i, slot) });
-            members.push(Member {
-                address: addr,
-                status,
-                up_number: Some(up),
-                roles: Vec::new(),
-                reachable,
-                gossip_live: reachable,
-                unreachable_by: Vec::new(),
-                messaging_addr: SocketAddr::from(([127, 0, 0, 1], 1)),
-                gossip_addr: SocketAddr::from(([127, 0, 0, 1], 2)),
-            });
+            members.push(Member::on_loopback(addr, status, up, reachable));
         }
         if self.cfg.message_path {
             crate::membership::view::apply_reachability_table(&mut members, |o| self.verdicts.get(o).cloned());

@@ -152,6 +152,15 @@ impl Default for SimConfig {
 /// one-way and messaging-only cuts and down-all-when-unstable).
 pub fn shapes() -> Vec<(&'static str, SimConfig)> {
     let base = SimConfig { trace: false, ..SimConfig::default() };
+    let seven_lossy = SimConfig {
+        nodes: 7,
+        shards: 24,
+        entities: 80,
+        durable: true,
+        remember: true,
+        drop_per_mille: 20,
+        ..base.clone()
+    };
     vec![
         ("default", base.clone()),
         ("remember", SimConfig { remember: true, ..base.clone() }),
@@ -162,32 +171,9 @@ pub fn shapes() -> Vec<(&'static str, SimConfig)> {
             "message-path-durable-remember",
             SimConfig { message_path: true, durable: true, remember: true, ..base.clone() },
         ),
-        ("three-nodes-many-shards", SimConfig { nodes: 3, shards: 40, entities: 120, remember: true, ..base.clone() }),
-        (
-            "seven-nodes-lossy",
-            SimConfig {
-                nodes: 7,
-                shards: 24,
-                entities: 80,
-                durable: true,
-                remember: true,
-                drop_per_mille: 20,
-                ..base.clone()
-            },
-        ),
-        (
-            "seven-nodes-message-path-lossy",
-            SimConfig {
-                nodes: 7,
-                shards: 24,
-                entities: 80,
-                durable: true,
-                remember: true,
-                message_path: true,
-                drop_per_mille: 20,
-                ..base
-            },
-        ),
+        ("three-nodes-many-shards", SimConfig { nodes: 3, shards: 40, entities: 120, remember: true, ..base }),
+        ("seven-nodes-lossy", seven_lossy.clone()),
+        ("seven-nodes-message-path-lossy", SimConfig { message_path: true, ..seven_lossy }),
     ]
 }
 

@@ -13,6 +13,15 @@ fn three_members(c: &mut ReplicatorCore<u32>, now: Instant) {
     c.handle(members, now, 0, &mut vec![]);
 }
 
+/// Whether this core acknowledges `from`'s write of `member` into the G-set at `key` (once
+/// committed here).
+fn acknowledges(c: &mut ReplicatorCore<u32>, from: PeerAddr, key: &str, member: &'static str) -> bool {
+    let mut out = Vec::new();
+    c.handle(write_from(from, key, member), Instant::now(), 1, &mut out);
+    commit_all(c, &mut out);
+    out.iter().any(is_ack)
+}
+
 /// A write of `member` into the G-set at `key`, as a peer's majority write carries it.
 fn write_from(from: PeerAddr, key: &str, member: &'static str) -> Input<u32> {
     let mut set = GSet::default();
@@ -33,10 +42,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("c", 1)],
     };
     c.handle(members, now, 0, &mut vec![]);
-    let mut out = Vec::new();
-    c.handle(write_from(peer("b"), "k", "zombie"), now, 1, &mut out);
-    commit_all(&mut c, &mut out);
-    assert!(!out.iter().any(is_ack), "not acknowledged: {out:?}");
+    assert!(!acknowledges(&mut c, peer("b"), "k", "zombie"), "not acknowledged");
     assert!(c.local_value("k").is_none(), "not merged");
     assert_eq!(c.stats.quarantined.load(std::sync::atomic::Ordering::Relaxed), 1);
     // For good: a later view that no longer lists it at all changes nothing.
@@ -46,14 +52,10 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("c", 1)],
     };
     c.handle(members, now, 0, &mut vec![]);
-    let mut out = Vec::new();
-    c.handle(write_from(peer("b"), "k", "zombie"), now, 1, &mut out);
-    assert!(out.is_empty() && c.local_value("k").is_none());
+    assert!(!acknowledges(&mut c, peer("b"), "k", "zombie") && c.local_value("k").is_none());
+    assert_eq!(c.departed.get(&peer("b").address), Some(&2), "its drops counted (the log warns at powers of two)");
     // A member in good standing is served as before.
-    let mut out = Vec::new();
-    c.handle(write_from(peer("c"), "k", "fine"), now, 1, &mut out);
-    commit_all(&mut c, &mut out);
-    assert!(out.iter().any(is_ack), "{out:?}");
+    assert!(acknowledges(&mut c, peer("c"), "k", "fine"));
 }
 
 #[test]
@@ -66,16 +68,11 @@ fn an_older_incarnation_of_a_member_is_dropped_and_one_never_seen_is_served() {
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("b", 2)],
     };
     c.handle(members, now, 0, &mut vec![]);
-    let mut out = Vec::new();
     // peer("b") is b#1: b#2 replaced it.
-    c.handle(write_from(peer("b"), "k", "old"), now, 1, &mut out);
-    assert!(out.is_empty() && c.local_value("k").is_none(), "b#1 is quarantined: {out:?}");
+    assert!(!acknowledges(&mut c, peer("b"), "k", "old") && c.local_value("k").is_none(), "b#1 is quarantined");
     // An incarnation gossip has not brought here yet (a joining node) is not refused here:
     // the transport gives it time to appear, then refuses it.
-    let mut out = Vec::new();
-    c.handle(write_from(peer("z"), "k", "new"), now, 1, &mut out);
-    commit_all(&mut c, &mut out);
-    assert!(out.iter().any(is_ack), "{out:?}");
+    assert!(acknowledges(&mut c, peer("z"), "k", "new"));
 }
 
 #[test]
@@ -245,17 +242,7 @@ fn a_hand_over_that_cannot_reach_a_majority_of_the_staying_members_fails_at_once
 #[test]
 fn the_hand_over_input_of_a_view_targets_the_up_members_other_than_this_one_and_counts_the_unreachable() {
     use crate::membership::{Member, MemberStatus, MembershipSnapshot};
-    let member = |id: &str, status, reachable| Member {
-        address: UniqueAddress::new(id, 1),
-        status,
-        up_number: Some(1),
-        roles: Vec::new(),
-        reachable,
-        gossip_live: reachable,
-        unreachable_by: Vec::new(),
-        messaging_addr: "127.0.0.1:1".parse().unwrap(),
-        gossip_addr: "127.0.0.1:2".parse().unwrap(),
-    };
+    let member = Member::for_test;
     let snap = MembershipSnapshot {
         self_address: UniqueAddress::new("a", 1),
         members: vec![
@@ -271,4 +258,39 @@ fn the_hand_over_input_of_a_view_targets_the_up_members_other_than_this_one_and_
     };
     assert_eq!(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>(), ["b"]);
     assert_eq!(staying, 2, "b and c stay; d leaves too, e is not Up yet");
+}
+
+#[test]
+fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnations_in_good_standing() {
+    use crate::membership::{Member, MemberStatus, MembershipSnapshot};
+    let with_role = |id: &str, status, reachable| Member {
+        roles: vec!["backend".to_string()],
+        ..Member::for_test(id, status, reachable)
+    };
+    let snap = MembershipSnapshot {
+        self_address: UniqueAddress::new("a", 1),
+        members: vec![
+            with_role("a", MemberStatus::Up, true),
+            with_role("b", MemberStatus::Up, true),
+            with_role("c", MemberStatus::Up, false),
+            with_role("d", MemberStatus::Joining, true),
+            with_role("e", MemberStatus::Down, true),
+            Member::for_test("f", MemberStatus::Up, true),
+            with_role("g", MemberStatus::Leaving, true),
+        ],
+    };
+    let Input::Members { replicas, gossip_targets, standing } = Input::<u32>::members_of(&snap, Some("backend")) else {
+        panic!("a members input")
+    };
+    let ids = |peers: Vec<&PeerAddr>| peers.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>();
+    let replica_view: Vec<(String, bool)> =
+        replicas.iter().map(|(p, reachable)| (p.address.node_id.to_string(), *reachable)).collect();
+    assert_eq!(
+        replica_view,
+        [("b".to_string(), true), ("c".to_string(), false), ("g".to_string(), true)],
+        "Up and Leaving with the role, reachable or not, never this node"
+    );
+    assert_eq!(ids(gossip_targets.iter().collect()), ["b", "d", "g"], "reachable, routable, with the role");
+    let standing: Vec<String> = standing.iter().map(|a| a.node_id.to_string()).collect();
+    assert_eq!(standing, ["a", "b", "c", "d", "f", "g"], "every listed incarnation but the downed one");
 }
