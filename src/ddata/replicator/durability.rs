@@ -311,7 +311,7 @@ impl<R> ReplicatorCore<R> {
             }
             for (action, deadline) in released.into_values().flatten() {
                 match deadline {
-                    Some(d) if d < now => out.push(super::timed_out(action)),
+                    Some(d) if d <= now => out.push(super::timed_out(action)),
                     _ => out.push(action),
                 }
             }

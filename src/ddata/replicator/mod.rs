@@ -237,8 +237,9 @@ pub(crate) enum Input<R> {
         timeout: Duration,
         reply: R,
     },
-    /// A message from a peer. Operations past their deadline fail before it is handled, so
-    /// an answer that arrives (or is handled) late never completes one: an incarnation that
+    /// A message from a peer. An answer to an operation past its deadline fails it (and the
+    /// other expired ones) instead, so an answer that arrives (or is handled) late never
+    /// completes one: an incarnation that
     /// was paused past its deadline (and may have been downed and replaced meanwhile) never
     /// acknowledges a write or a read it started before the pause. A message from an
     /// incarnation that has left good standing here is dropped (see `departed`).
@@ -692,7 +693,6 @@ impl<R> ReplicatorCore<R> {
                 self.on_update_and_get(updates, consistency, timeout, reply, now, out)
             }
             Input::Remote { from, msg } => {
-                self.expire(now, out);
                 if self.is_departed(&from.address) {
                     ReplicatorStats::inc(&self.stats.quarantined);
                     let dropped = self.departed.entry(from.address.clone()).or_default();
@@ -700,6 +700,12 @@ impl<R> ReplicatorCore<R> {
                     if dropped.is_power_of_two() {
                         warn!(peer = %from.address, dropped = *dropped, "messages from a downed or removed member dropped");
                     }
+                    return;
+                }
+                // An answer to an operation past its deadline fails it (and every other expired
+                // one) instead of completing it; checked per answer, so the hot path stays O(1).
+                if self.answers_an_expired_operation(&msg, now) {
+                    self.expire(now, out);
                     return;
                 }
                 self.on_remote(from, msg, out)
@@ -1040,6 +1046,18 @@ impl<R> ReplicatorCore<R> {
     fn is_departed(&self, peer: &UniqueAddress) -> bool {
         self.departed.contains_key(peer)
             || self.standing.iter().any(|s| s.node_id == peer.node_id && s.generation > peer.generation)
+    }
+
+    /// Whether `msg` answers a write, read or hand-over whose deadline has passed.
+    fn answers_an_expired_operation(&self, msg: &ReplicatorMsg, now: Instant) -> bool {
+        match msg {
+            ReplicatorMsg::WriteAck { op } | ReplicatorMsg::WriteFenced { op, .. } => {
+                self.writes.get(op).is_some_and(|w| w.deadline <= now)
+                    || self.hand_over.as_ref().is_some_and(|h| h.parts.contains_key(op) && h.deadline <= now)
+            }
+            ReplicatorMsg::ReadResult { op, .. } => self.reads.get(op).is_some_and(|r| r.deadline <= now),
+            _ => false,
+        }
     }
 
     /// Fails the writes and reads past their deadline.

@@ -32,7 +32,7 @@ pub(super) struct PendingRead<R> {
     responders: BTreeMap<UniqueAddress, (PeerAddr, Vec<Option<u64>>)>,
     /// The local values joined with every answer, per key.
     merged: Vec<Option<ReplicatedData>>,
-    deadline: Instant,
+    pub(super) deadline: Instant,
     reply: R,
 }
 

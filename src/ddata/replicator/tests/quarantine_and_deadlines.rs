@@ -110,15 +110,14 @@ fn a_reply_held_for_the_local_commit_past_the_deadline_fails_as_timed_out() {
     let mut c = core("a");
     let now = Instant::now();
     three_members(&mut c, now);
-    let mut out = Vec::new();
     // A durable key: the reply waits for this node's commit.
-    update(&mut c, "shard-1", Consistency::MAJORITY, add("x"), &mut out);
-    let op = write_op(&out);
+    let op = update_at(&mut c, "shard-1", "x", now);
     let mut out = Vec::new();
     c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { .. })), "held for the commit: {out:?}");
-    // The node paused (or its disk stalled) past the deadline before the commit was reported.
-    let late = now + Duration::from_millis(1_001);
+    // The node paused (or its disk stalled) until the deadline before the commit was reported
+    // (at the deadline is late, as for the write itself).
+    let late = now + Duration::from_secs(1);
     let mut out = Vec::new();
     c.handle(Input::Persisted { through: u64::MAX, failure: None }, late, 0, &mut out);
     assert!(
@@ -126,6 +125,13 @@ fn a_reply_held_for_the_local_commit_past_the_deadline_fails_as_timed_out() {
         "{out:?}"
     );
     assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })));
+    // Reported a millisecond before the deadline, the same reply succeeds.
+    let op = update_at(&mut c, "shard-2", "y", now);
+    let mut out = Vec::new();
+    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    let in_time = now + Duration::from_millis(999);
+    c.handle(Input::Persisted { through: u64::MAX, failure: None }, in_time, 0, &mut out);
+    assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
 }
 
 #[test]
@@ -145,6 +151,20 @@ fn a_read_whose_answers_are_handled_after_its_deadline_fails_as_timed_out() {
         matches!(&out[..], [Action::ReplyGet { reply: 3, result: Err(Error::ConsistencyTimeout { .. }) }]),
         "{out:?}"
     );
+}
+
+/// A majority update of `key` with a 1 s timeout, started at `now` (returns the write's op).
+fn update_at(c: &mut ReplicatorCore<u32>, key: &str, member: &'static str, now: Instant) -> u64 {
+    let mut out = Vec::new();
+    let input = Input::Update {
+        key: key.into(),
+        consistency: Consistency::MAJORITY,
+        timeout: Duration::from_secs(1),
+        modify: add(member),
+        reply: 0,
+    };
+    c.handle(input, now, 1, &mut out);
+    write_op(&out)
 }
 
 /// A hand-over to members b and c (both staying and reachable).
@@ -293,4 +313,79 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
     assert_eq!(ids(gossip_targets.iter().collect()), ["b", "d", "g"], "reachable, routable, with the role");
     let standing: Vec<String> = standing.iter().map(|a| a.node_id.to_string()).collect();
     assert_eq!(standing, ["a", "b", "c", "d", "f", "g"], "every listed incarnation but the downed one");
+}
+
+#[test]
+fn a_quarantine_is_for_good_and_forgotten_only_once_a_newer_incarnation_of_the_same_node_stands() {
+    let mut c = core("a");
+    let now = Instant::now();
+    let view = |standing: &[(&str, u64)]| Input::Members {
+        replicas: vec![],
+        gossip_targets: vec![],
+        standing: standing.iter().map(|(id, g)| UniqueAddress::new(*id, *g)).collect(),
+    };
+    let b1 = || PeerAddr { address: UniqueAddress::new("b", 1), ..peer("b") };
+    c.handle(view(&[("a", 1), ("b", 1), ("c", 1)]), now, 0, &mut vec![]);
+    c.handle(view(&[("a", 1), ("c", 1)]), now, 0, &mut vec![]);
+    assert!(!acknowledges(&mut c, b1(), "k", "x"), "b#1 left good standing");
+    // Another node's newer incarnation covers nothing of b's.
+    c.handle(view(&[("a", 1), ("c", 5)]), now, 0, &mut vec![]);
+    assert!(!acknowledges(&mut c, b1(), "k", "x"), "still quarantined");
+    // A stale view listing b#1 in good standing again does not lift it.
+    c.handle(view(&[("a", 1), ("b", 1), ("c", 5)]), now, 0, &mut vec![]);
+    assert!(!acknowledges(&mut c, b1(), "k", "x"), "quarantined for good");
+    // Once b#2 stands, b#1's entry is forgotten (the generation rule refuses it from then on).
+    c.handle(view(&[("a", 1), ("b", 2), ("c", 5)]), now, 0, &mut vec![]);
+    assert!(!c.departed.contains_key(&UniqueAddress::new("b", 1)), "{:?}", c.departed);
+    assert!(!acknowledges(&mut c, b1(), "k", "x"), "refused by the newer incarnation");
+}
+
+#[test]
+fn hand_over_acknowledgements_handled_after_its_deadline_fail_it_as_timed_out() {
+    let mut c = core("a");
+    let now = Instant::now();
+    three_members(&mut c, now);
+    local(&mut c, "shard-1", add("x"));
+    let mut out = Vec::new();
+    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    let parts = hand_over_parts(&out);
+    let late = now + Duration::from_millis(1_001);
+    let mut out = Vec::new();
+    for from in [peer("b"), peer("c")] {
+        for (op, _) in &parts {
+            c.handle(Input::Remote { from: from.clone(), msg: ReplicatorMsg::WriteAck { op: *op } }, late, 1, &mut out);
+        }
+    }
+    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    assert!(
+        matches!(replies[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::ConsistencyTimeout { .. }) }]),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_sent() {
+    let keys = ["shard-1", "shard-2", "shard-3", "shard-4"];
+    let mut probe = core("a");
+    local(&mut probe, keys[0], add("x"));
+    // Every key is as long and every value as large: a budget of two holds exactly two.
+    let one = keys[0].len() + probe.local_value(keys[0]).expect("value").approx_bytes();
+    let mut c = ReplicatorCore::new(
+        UniqueAddress::new("a", 1),
+        fresh_store("a"),
+        CoreSettings { max_message_bytes: 2 * one, ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)) },
+        Arc::new(ReplicatorStats::default()),
+    );
+    let now = Instant::now();
+    three_members(&mut c, now);
+    for key in keys {
+        local(&mut c, key, add("x"));
+    }
+    let sent_before = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed);
+    let mut out = Vec::new();
+    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    let sizes: Vec<usize> = hand_over_parts(&out).iter().map(|(_, k)| k.len()).collect();
+    assert_eq!(sizes, [2, 2], "parts of two values each");
+    let sent = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed) - sent_before;
+    assert_eq!(sent, 8, "four values to each of two members");
 }
