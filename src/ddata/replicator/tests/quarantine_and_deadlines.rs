@@ -389,3 +389,19 @@ fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_s
     let sent = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed) - sent_before;
     assert_eq!(sent, 8, "four values to each of two members");
 }
+
+#[test]
+fn a_write_acknowledged_in_time_during_a_hand_over_completes_and_leaves_the_hand_over_waiting() {
+    let mut c = core("a");
+    let now = Instant::now();
+    three_members(&mut c, now);
+    local(&mut c, "shard-1", add("x"));
+    let mut out = Vec::new();
+    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    let op = update_at(&mut c, "k", "y", now);
+    let mut out = Vec::new();
+    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    assert!(matches!(replies[..], [Action::ReplyUpdate { reply: 0, result: Ok(_) }]), "{out:?}");
+    assert!(c.hand_over.is_some(), "the hand-over still waits for its own parts");
+}
