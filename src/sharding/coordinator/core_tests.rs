@@ -589,6 +589,10 @@ fn a_repeated_shutdown_request_resends_only_the_hand_off_messages_the_region_lef
     assert_eq!(begun_shards(&sent), BTreeSet::from(["1".to_string()]));
     // The home's BeginHandOff was lost; the other region acked.
     ack(&mut c, "1", other.clone(), now, 1);
+    // A region that answered gets nothing again, even when it asks to shut down too.
+    let other_request = from_region(ToCoordinator::GracefulShutdownReq { region: other.clone() });
+    let to_other = step(&mut c, other_request.clone(), now + Duration::from_secs(1), 1);
+    assert!(to_other.is_empty(), "the other region acked already: {to_other:?}");
     let soon = step(&mut c, request(), now + Duration::from_millis(999), 1);
     assert!(soon.is_empty(), "less than a second old: maybe still on its way: {soon:?}");
     let later = step(&mut c, request(), now + RESEND_ON_REQUEST_AFTER, 1);
@@ -602,6 +606,8 @@ fn a_repeated_shutdown_request_resends_only_the_hand_off_messages_the_region_lef
     let sent = ack(&mut c, "1", home.clone(), now + Duration::from_secs(2), 1);
     let id = handoff_id(&sent, &home.node_id, "1").expect("HandOff sent");
     let t = now + Duration::from_secs(3);
+    let to_other = step(&mut c, other_request, t, 1);
+    assert!(to_other.is_empty(), "only the old home is sent the HandOff: {to_other:?}");
     let again = step(&mut c, request(), t, 1);
     assert_eq!(again, vec![(home.clone(), ToRegion::HandOff { shard: "1".into(), handoff: id })]);
 }

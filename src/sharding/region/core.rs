@@ -1144,6 +1144,15 @@ mod tests {
     }
 
     #[test]
+    fn a_region_s_shutdown_timeout_is_the_hand_off_timeout_plus_a_second() {
+        let settings = crate::sharding::ShardingSettings::default();
+        let region = RegionSettings::of(&settings, 7);
+        assert_eq!(region.shutdown_timeout, settings.handoff_timeout + Duration::from_secs(1));
+        assert_eq!((region.buffer_size, region.retry_interval), (settings.buffer_size, settings.retry_interval));
+        assert_eq!(region.extractor_fingerprint, 7);
+    }
+
+    #[test]
     fn a_graceful_shutdown_past_its_timeout_stops_the_region_and_leaves_the_coordinator_to_the_membership() {
         let mut c = region(10);
         let t0 = Instant::now();
