@@ -365,15 +365,15 @@ fn hand_over_acknowledgements_handled_after_its_deadline_fail_it_as_timed_out() 
 
 #[test]
 fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_sent() {
-    let keys = ["shard-1", "shard-2", "shard-3", "shard-4"];
+    let keys = ["shard-1", "shard-2", "shard-3", "shard-4", "shard-5", "shard-6"];
     let mut probe = core("a");
     local(&mut probe, keys[0], add("x"));
-    // Every key is as long and every value as large: a budget of two holds exactly two.
+    // Every key is as long and every value as large: a budget of three holds exactly three.
     let one = keys[0].len() + probe.local_value(keys[0]).expect("value").approx_bytes();
     let mut c = ReplicatorCore::new(
         UniqueAddress::new("a", 1),
         fresh_store("a"),
-        CoreSettings { max_message_bytes: 2 * one, ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)) },
+        CoreSettings { max_message_bytes: 3 * one, ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)) },
         Arc::new(ReplicatorStats::default()),
     );
     let now = Instant::now();
@@ -385,9 +385,9 @@ fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_s
     let mut out = Vec::new();
     c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
     let sizes: Vec<usize> = hand_over_parts(&out).iter().map(|(_, k)| k.len()).collect();
-    assert_eq!(sizes, [2, 2], "parts of two values each");
+    assert_eq!(sizes, [3, 3], "parts of three values each");
     let sent = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed) - sent_before;
-    assert_eq!(sent, 8, "four values to each of two members");
+    assert_eq!(sent, 12, "six values to each of two members");
 }
 
 #[test]
