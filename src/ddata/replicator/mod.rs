@@ -465,7 +465,9 @@ pub(crate) struct ReplicatorCore<R> {
     /// that acknowledged a downed member's write could give it a majority its successor's
     /// claim never reads (the simulation's seed 11001335: a paused home woke up on the side of
     /// a partition whose members had downed it, and they acknowledged its writes).
-    /// (Messages dropped from each, for the log: it warns at the 1st, 2nd, 4th, 8th, …)
+    /// (Messages dropped from each, for the log: it warns at the 1st, 2nd, 4th, 8th, …) An
+    /// entry is forgotten once a newer incarnation of its node is in good standing (the
+    /// generation rule covers it), so the map holds only nodes that ended for good.
     departed: HashMap<UniqueAddress, u64>,
     next_gossip: Option<Instant>,
     next_delta_flush: Option<Instant>,
