@@ -20,13 +20,15 @@
 
 mod durability;
 mod gossip;
+mod hand_over;
 mod reads;
+mod standing;
 #[cfg(test)]
 mod tests;
 mod writer;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,7 +46,9 @@ use crate::membership::UniqueAddress;
 use crate::transport::PeerAddr;
 use durability::Durability;
 pub(crate) use durability::{KeyLog, PersistRecord};
+use hand_over::HandOver;
 use reads::PendingRead;
+use standing::Standing;
 pub(crate) use writer::{RESERVATION_SPAN, StoreWriter};
 
 /// How many replicas must take part in a read or a write.
@@ -242,7 +246,7 @@ pub(crate) enum Input<R> {
     /// completes one: an incarnation that
     /// was paused past its deadline (and may have been downed and replaced meanwhile) never
     /// acknowledges a write or a read it started before the pause. A message from an
-    /// incarnation that has left good standing here is dropped (see `departed`).
+    /// incarnation that has left good standing here is dropped (see `standing`).
     Remote {
         from: PeerAddr,
         msg: ReplicatorMsg,
@@ -277,49 +281,6 @@ pub(crate) enum Input<R> {
         through: u64,
         failure: Option<(std::path::PathBuf, String)>,
     },
-}
-
-impl<R> Input<R> {
-    /// The membership input of a view, for the replicator of the members with `role`: the
-    /// replica holders (Up or Leaving with the role, reachable or not), the gossip targets
-    /// (reachable and routable with the role, joining ones included: they need the state
-    /// before they turn Up), and the incarnations in good standing.
-    pub(crate) fn members_of(snap: &crate::membership::MembershipSnapshot, role: Option<&str>) -> Self {
-        let me = &snap.self_address;
-        let replicas =
-            snap.up_members(role).filter(|m| m.address() != me).map(|m| (m.peer(), m.is_reachable())).collect();
-        let gossip_targets = snap
-            .members
-            .iter()
-            .filter(|m| m.address() != me && m.is_reachable() && m.has_role(role) && m.status().is_routable())
-            .map(crate::membership::Member::peer)
-            .collect();
-        let standing = snap
-            .members
-            .iter()
-            .filter(|m| snap.standing_of(m.address()) == crate::membership::PeerStanding::Member)
-            .map(|m| m.address().clone())
-            .collect();
-        Input::Members { replicas, gossip_targets, standing }
-    }
-
-    /// The hand-over of a leaving node's values to the members that stay: the Up
-    /// members with `role` other than this node (Leaving ones leave too).
-    pub(crate) fn hand_over_of(
-        snap: &crate::membership::MembershipSnapshot,
-        role: Option<&str>,
-        timeout: Duration,
-        reply: R,
-    ) -> Self {
-        let me = &snap.self_address;
-        let staying: Vec<&crate::membership::Member> = snap
-            .members
-            .iter()
-            .filter(|m| m.address() != me && m.has_role(role) && m.status().takes_new_shards())
-            .collect();
-        let to = staying.iter().filter(|m| m.is_reachable()).map(|m| m.peer()).collect();
-        Input::HandOver { to, staying: staying.len(), timeout, reply }
-    }
 }
 
 /// Outputs. Sends and replies may be performed before the `Persist` actions of the same batch
@@ -407,15 +368,6 @@ struct Entry {
     log: KeyLog,
 }
 
-/// A leaving node's hand-over in flight: the write of each part, and who acknowledged it.
-struct HandOver<R> {
-    parts: BTreeMap<u64, HashSet<UniqueAddress>>,
-    addressed: Vec<UniqueAddress>,
-    needed: usize,
-    deadline: Instant,
-    reply: R,
-}
-
 struct PendingWrite<R> {
     keys: Vec<String>,
     /// Keys refused by a fence, here or at a replica.
@@ -458,17 +410,8 @@ pub(crate) struct ReplicatorCore<R> {
     settings: CoreSettings,
     replicas: Vec<(PeerAddr, bool)>,
     gossip_targets: Vec<PeerAddr>,
-    /// Incarnations in good standing in the latest view.
-    standing: HashSet<UniqueAddress>,
-    /// Incarnations that were in good standing here and no longer are (downed, removed):
-    /// quarantined for good, as the transport refuses them once they are removed. A replica
-    /// that acknowledged a downed member's write could give it a majority its successor's
-    /// claim never reads (the simulation's seed 11001335: a paused home woke up on the side of
-    /// a partition whose members had downed it, and they acknowledged its writes).
-    /// (Messages dropped from each, for the log: it warns at the 1st, 2nd, 4th, 8th, …) An
-    /// entry is forgotten once a newer incarnation of its node is in good standing (the
-    /// generation rule covers it), so the map holds only nodes that ended for good.
-    departed: HashMap<UniqueAddress, u64>,
+    /// Which incarnations' messages are dropped (see [`standing::Standing`]).
+    standing: Standing,
     next_gossip: Option<Instant>,
     next_delta_flush: Option<Instant>,
     pending_deltas: BTreeMap<String, ReplicatedDelta>,
@@ -512,8 +455,7 @@ impl<R> ReplicatorCore<R> {
             settings,
             replicas: Vec::new(),
             gossip_targets: Vec::new(),
-            standing: HashSet::new(),
-            departed: HashMap::new(),
+            standing: Standing::default(),
             next_gossip: None,
             next_delta_flush: None,
             pending_deltas: BTreeMap::new(),
@@ -695,13 +637,7 @@ impl<R> ReplicatorCore<R> {
                 self.on_update_and_get(updates, consistency, timeout, reply, now, out)
             }
             Input::Remote { from, msg } => {
-                if self.is_departed(&from.address) {
-                    ReplicatorStats::inc(&self.stats.quarantined);
-                    let dropped = self.departed.entry(from.address.clone()).or_default();
-                    *dropped += 1;
-                    if dropped.is_power_of_two() {
-                        warn!(peer = %from.address, dropped = *dropped, "messages from a downed or removed member dropped");
-                    }
+                if self.quarantines(&from.address) {
                     return;
                 }
                 // An answer to an operation past its deadline fails it (and every other expired
@@ -715,14 +651,7 @@ impl<R> ReplicatorCore<R> {
             Input::Members { replicas, gossip_targets, standing } => {
                 self.replicas = replicas;
                 self.gossip_targets = gossip_targets;
-                let standing: HashSet<UniqueAddress> = standing.into_iter().collect();
-                for gone in self.standing.difference(&standing) {
-                    self.departed.entry(gone.clone()).or_default();
-                }
-                // A newer incarnation of the same node covers its older ones (the rule below).
-                self.departed
-                    .retain(|d, _| !standing.iter().any(|s| s.node_id == d.node_id && s.generation > d.generation));
-                self.standing = standing;
+                self.standing.update(standing);
             }
             Input::HandOver { to, staying, timeout, reply } => self.on_hand_over(to, staying, timeout, reply, now, out),
             Input::Tick => self.on_tick(now, out),
@@ -1043,13 +972,6 @@ impl<R> ReplicatorCore<R> {
         }
     }
 
-    /// Whether messages from `peer` are dropped: it left good standing here, or a newer
-    /// incarnation of its node is in good standing (the transport's rule, `standing_of`).
-    fn is_departed(&self, peer: &UniqueAddress) -> bool {
-        self.departed.contains_key(peer)
-            || self.standing.iter().any(|s| s.node_id == peer.node_id && s.generation > peer.generation)
-    }
-
     /// Whether `msg` answers a write, read or hand-over whose deadline has passed.
     fn answers_an_expired_operation(&self, msg: &ReplicatorMsg, now: Instant) -> bool {
         match msg {
@@ -1078,65 +1000,6 @@ impl<R> ReplicatorCore<R> {
             let acked = h.parts.values().map(HashSet::len).min().unwrap_or(0);
             let result = Err(Error::ConsistencyTimeout { needed: h.needed, acked });
             out.push(Action::ReplyUpdate { reply: h.reply, result });
-        }
-    }
-
-    /// Starts the hand-over: every value, in parts capped in bytes, each written to the
-    /// reachable staying members (see [`Input::HandOver`]). A newer hand-over replaces one in
-    /// flight (which fails as timed out).
-    fn on_hand_over(
-        &mut self,
-        to: Vec<PeerAddr>,
-        staying: usize,
-        timeout: Duration,
-        reply: R,
-        now: Instant,
-        out: &mut Vec<Action<R>>,
-    ) {
-        if let Some(old) = self.hand_over.take() {
-            let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
-            out.push(Action::ReplyUpdate { reply: old.reply, result });
-        }
-        let needed = staying / 2 + 1;
-        if staying == 0 || to.len() < needed {
-            out.push(Action::ReplyUpdate {
-                reply,
-                result: Err(Error::NotEnoughReplicas { needed, reachable: to.len() }),
-            });
-            return;
-        }
-        // Every value, durable or not: a majority write of either may have counted this node.
-        let values: Vec<(String, ReplicatedData)> =
-            self.data.iter().map(|(key, e)| (key.clone(), e.value.clone())).collect();
-        if values.is_empty() {
-            out.push(Action::ReplyUpdate { reply, result: Ok(Vec::new()) });
-            return;
-        }
-        let size = |(k, v): &(String, ReplicatedData)| k.len() + v.approx_bytes();
-        let mut parts = BTreeMap::new();
-        for values in split_by_bytes(values, self.settings.max_message_bytes, size) {
-            let op = self.next_op();
-            ReplicatorStats::add(&self.stats.full_values_sent, to.len() * values.len());
-            parts.insert(op, HashSet::new());
-            let msg = ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values };
-            out.push(Action::Broadcast { to: to.clone(), msg });
-        }
-        let addressed = to.into_iter().map(|p| p.address).collect();
-        self.hand_over = Some(HandOver { parts, addressed, needed, deadline: now + timeout, reply });
-    }
-
-    fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<Action<R>>) {
-        let Some(h) = self.hand_over.as_mut() else { return };
-        if !h.addressed.contains(&from) {
-            ReplicatorStats::inc(&self.stats.rejected);
-            return;
-        }
-        if let Some(acked) = h.parts.get_mut(&op) {
-            acked.insert(from);
-        }
-        if h.parts.values().all(|acked| acked.len() >= h.needed) {
-            let h = self.hand_over.take().expect("hand-over");
-            out.push(Action::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
         }
     }
 

@@ -53,7 +53,11 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
     };
     c.handle(members, now, 0, &mut vec![]);
     assert!(!acknowledges(&mut c, peer("b"), "k", "zombie") && c.local_value("k").is_none());
-    assert_eq!(c.departed.get(&peer("b").address), Some(&2), "its drops counted (the log warns at powers of two)");
+    assert_eq!(
+        c.standing.departed.get(&peer("b").address),
+        Some(&2),
+        "its drops counted (the log warns at powers of two)"
+    );
     // A member in good standing is served as before.
     assert!(acknowledges(&mut c, peer("c"), "k", "fine"));
 }
@@ -98,10 +102,8 @@ fn acknowledgements_handled_after_the_write_deadline_fail_it_as_timed_out() {
     let mut out = Vec::new();
     update(&mut c, "k", Consistency::MAJORITY, add("y"), &mut out);
     let op = write_op(&out);
-    let mut out = Vec::new();
     let in_time = now + Duration::from_millis(999);
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, in_time, 1, &mut out);
-    c.handle(Input::Persisted { through: u64::MAX, failure: None }, in_time, 0, &mut out);
+    let out = ack_then_commit(&mut c, op, in_time, in_time);
     assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
 }
 
@@ -127,10 +129,7 @@ fn a_reply_held_for_the_local_commit_past_the_deadline_fails_as_timed_out() {
     assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })));
     // Reported a millisecond before the deadline, the same reply succeeds.
     let op = update_at(&mut c, "shard-2", "y", now);
-    let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
-    let in_time = now + Duration::from_millis(999);
-    c.handle(Input::Persisted { through: u64::MAX, failure: None }, in_time, 0, &mut out);
+    let out = ack_then_commit(&mut c, op, now, now + Duration::from_millis(999));
     assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
 }
 
@@ -165,6 +164,15 @@ fn update_at(c: &mut ReplicatorCore<u32>, key: &str, member: &'static str, now: 
     };
     c.handle(input, now, 1, &mut out);
     write_op(&out)
+}
+
+/// b acknowledges write `op` at `acked_at`, and this node's commit is reported at
+/// `committed_at`: the actions that follow.
+fn ack_then_commit(c: &mut ReplicatorCore<u32>, op: u64, acked_at: Instant, committed_at: Instant) -> Vec<Action<u32>> {
+    let mut out = Vec::new();
+    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, acked_at, 1, &mut out);
+    c.handle(Input::Persisted { through: u64::MAX, failure: None }, committed_at, 0, &mut out);
+    out
 }
 
 /// A hand-over to members b and c (both staying and reachable).
@@ -336,7 +344,7 @@ fn a_quarantine_is_for_good_and_forgotten_only_once_a_newer_incarnation_of_the_s
     assert!(!acknowledges(&mut c, b1(), "k", "x"), "quarantined for good");
     // Once b#2 stands, b#1's entry is forgotten (the generation rule refuses it from then on).
     c.handle(view(&[("a", 1), ("b", 2), ("c", 5)]), now, 0, &mut vec![]);
-    assert!(!c.departed.contains_key(&UniqueAddress::new("b", 1)), "{:?}", c.departed);
+    assert!(!c.standing.departed.contains_key(&UniqueAddress::new("b", 1)), "{:?}", c.standing.departed);
     assert!(!acknowledges(&mut c, b1(), "k", "x"), "refused by the newer incarnation");
 }
 

@@ -1,0 +1,97 @@
+//! A leaving node's hand-over: before it exits, it writes every value its replica holds to a
+//! majority of the members that stay, so no write it acknowledged leaves with it (seed
+//! 160000972: two of three nodes left one after the other, and ids only they held were gone).
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use super::{Action, Input, ReplicatedData, ReplicatorCore, ReplicatorMsg, ReplicatorStats, split_by_bytes};
+use crate::clock::Instant;
+use crate::error::Error;
+use crate::membership::{Member, MembershipSnapshot, UniqueAddress};
+use crate::transport::PeerAddr;
+
+/// A leaving node's hand-over in flight: the write of each part, and who acknowledged it.
+pub(super) struct HandOver<R> {
+    pub(super) parts: BTreeMap<u64, HashSet<UniqueAddress>>,
+    addressed: Vec<UniqueAddress>,
+    pub(super) needed: usize,
+    pub(super) deadline: Instant,
+    pub(super) reply: R,
+}
+
+impl<R> Input<R> {
+    /// The hand-over of a leaving node's values to the members that stay: the Up
+    /// members with `role` other than this node (Leaving ones leave too).
+    pub(crate) fn hand_over_of(snap: &MembershipSnapshot, role: Option<&str>, timeout: Duration, reply: R) -> Self {
+        let me = &snap.self_address;
+        let staying: Vec<&Member> = snap
+            .members
+            .iter()
+            .filter(|m| m.address() != me && m.has_role(role) && m.status().takes_new_shards())
+            .collect();
+        let to = staying.iter().filter(|m| m.is_reachable()).map(|m| m.peer()).collect();
+        Input::HandOver { to, staying: staying.len(), timeout, reply }
+    }
+}
+
+impl<R> ReplicatorCore<R> {
+    /// Starts the hand-over: every value, in parts capped in bytes, each written to the
+    /// reachable staying members (see [`Input::HandOver`]). A newer hand-over replaces one in
+    /// flight (which fails as timed out).
+    pub(super) fn on_hand_over(
+        &mut self,
+        to: Vec<PeerAddr>,
+        staying: usize,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<Action<R>>,
+    ) {
+        if let Some(old) = self.hand_over.take() {
+            let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
+            out.push(Action::ReplyUpdate { reply: old.reply, result });
+        }
+        let needed = staying / 2 + 1;
+        if staying == 0 || to.len() < needed {
+            out.push(Action::ReplyUpdate {
+                reply,
+                result: Err(Error::NotEnoughReplicas { needed, reachable: to.len() }),
+            });
+            return;
+        }
+        // Every value, durable or not: a majority write of either may have counted this node.
+        let values: Vec<(String, ReplicatedData)> =
+            self.data.iter().map(|(key, e)| (key.clone(), e.value.clone())).collect();
+        if values.is_empty() {
+            out.push(Action::ReplyUpdate { reply, result: Ok(Vec::new()) });
+            return;
+        }
+        let size = |(k, v): &(String, ReplicatedData)| k.len() + v.approx_bytes();
+        let mut parts = BTreeMap::new();
+        for values in split_by_bytes(values, self.settings.max_message_bytes, size) {
+            let op = self.next_op();
+            ReplicatorStats::add(&self.stats.full_values_sent, to.len() * values.len());
+            parts.insert(op, HashSet::new());
+            let msg = ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values };
+            out.push(Action::Broadcast { to: to.clone(), msg });
+        }
+        let addressed = to.into_iter().map(|p| p.address).collect();
+        self.hand_over = Some(HandOver { parts, addressed, needed, deadline: now + timeout, reply });
+    }
+
+    pub(super) fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<Action<R>>) {
+        let Some(h) = self.hand_over.as_mut() else { return };
+        if !h.addressed.contains(&from) {
+            ReplicatorStats::inc(&self.stats.rejected);
+            return;
+        }
+        if let Some(acked) = h.parts.get_mut(&op) {
+            acked.insert(from);
+        }
+        if h.parts.values().all(|acked| acked.len() >= h.needed) {
+            let h = self.hand_over.take().expect("hand-over");
+            out.push(Action::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
+        }
+    }
+}
