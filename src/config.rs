@@ -116,6 +116,15 @@ pub struct MembershipSettings {
     /// replica's values (after its shards were handed off, before it exits).
     #[serde(with = "humantime_serde")]
     pub leave_hand_over_timeout: Duration,
+    /// With a cluster secret: how far a gossip datagram's stamp (its sender's wall clock) may be
+    /// from this node's clock. Older datagrams — captures replayed later — are dropped, and a
+    /// datagram is taken once inside the window. Members' clocks must agree within it.
+    #[serde(with = "humantime_serde")]
+    pub gossip_freshness_window: Duration,
+    /// With a cluster secret: seal gossip without stamps and take unstamped datagrams too, for
+    /// upgrading a cluster that runs a release before stamps (two rolling restarts: first with
+    /// this on, then with it off). While on, replayed gossip is not refused.
+    pub accept_unstamped_gossip: bool,
     /// Automatic downing of unreachable members: which side of a split keeps running.
     pub downing: DowningStrategy,
     /// Only members with this role count when a strategy compares the sides of a split (the
@@ -223,6 +232,8 @@ impl Default for MembershipSettings {
             seed_node_timeout: Duration::from_secs(5),
             leave_linger: Duration::from_millis(1000),
             leave_hand_over_timeout: Duration::from_secs(10),
+            gossip_freshness_window: Duration::from_secs(30),
+            accept_unstamped_gossip: false,
             downing: DowningStrategy::KeepMajority,
             downing_role: None,
             quorum_size: 0,
@@ -501,6 +512,7 @@ impl NodeConfig {
             ("membership.seed_node_timeout", m.seed_node_timeout),
             ("membership.leave_linger", m.leave_linger),
             ("membership.leave_hand_over_timeout", m.leave_hand_over_timeout),
+            ("membership.gossip_freshness_window", m.gossip_freshness_window),
             ("membership.stable_after", m.stable_after),
             ("membership.down_removal_margin", m.down_removal_margin),
             ("membership.down_all_when_unstable", m.down_all_when_unstable.after(m.stable_after).unwrap_or_default()),
@@ -518,6 +530,13 @@ impl NodeConfig {
         ])?;
         if m.gossip_interval.is_zero() || m.initial_interval.is_zero() {
             return bad("membership.gossip_interval and initial_interval must be > 0".into());
+        }
+        if m.gossip_freshness_window < m.gossip_interval.saturating_mul(4) {
+            return bad(format!(
+                "membership.gossip_freshness_window ({:?}) must be at least 4 × membership.gossip_interval: \
+                 a datagram in flight or queued must still be fresh when it arrives",
+                m.gossip_freshness_window
+            ));
         }
         if !(m.phi_threshold.is_finite() && m.phi_threshold > 1.0) {
             return bad("membership.phi_threshold must be > 1".into());
@@ -611,6 +630,11 @@ mod tests {
         let mut t = ok.clone();
         t.sharding.ask_timeout = MAX_SETTING_DURATION + Duration::from_secs(1);
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("ask_timeout")));
+        let mut t = ok.clone();
+        t.membership.gossip_freshness_window = t.membership.gossip_interval * 3;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("gossip_freshness_window")));
+        t.membership.gossip_freshness_window = t.membership.gossip_interval * 4;
+        assert!(t.validate().is_ok(), "four gossip rounds is the shortest window");
         let mut t = ok.clone();
         t.transport.write_timeout = Duration::ZERO;
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("write_timeout")));

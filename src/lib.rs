@@ -33,6 +33,7 @@ mod deadline;
 pub mod error;
 #[cfg(test)]
 mod fuzzing;
+mod log_limit;
 pub mod membership;
 pub mod metrics;
 mod node;

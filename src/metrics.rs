@@ -53,7 +53,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_transport_bytes_sent_total", C, "node", "Bytes written to node-to-node connections (encrypted, with length prefixes)."),
     def("ddshard_transport_bytes_received_total", C, "node", "Bytes of the frames read from node-to-node connections."),
     def("ddshard_transport_connections_rejected_total", C, "node", "Connections refused: failed handshake or authentication, not a member, over the limit."),
-    def("ddshard_gossip_datagrams_rejected_total", C, "node,reason", "Gossip datagrams dropped (reason: unauthenticated, malformed, oversized)."),
+    def("ddshard_gossip_datagrams_rejected_total", C, "node,reason", "Gossip datagrams dropped (reason: unauthenticated, malformed, oversized, stale, replayed, unstamped)."),
     def("ddshard_downs_published_total", C, "node", "Members this node downed: its split-brain resolver's decisions and operators' downs."),
     def("ddshard_heartbeat_verdict_changes_total", C, "node", "Reachability verdicts of the message-path failure detector that changed."),
     def("ddshard_members", G, "node,status", "Members this node sees, by status."),
@@ -298,6 +298,9 @@ mod enabled {
                 ("unauthenticated", &gs.datagrams_unauthenticated),
                 ("malformed", &gs.datagrams_malformed),
                 ("oversized", &gs.datagrams_oversized),
+                ("stale", &gs.datagrams_stale),
+                ("replayed", &gs.datagrams_replayed),
+                ("unstamped", &gs.datagrams_unstamped),
             ],
         );
         set_counter("ddshard_heartbeat_verdict_changes_total", &n, &node.failure_detector_stats().verdict_changes);

@@ -5,6 +5,7 @@
 mod common;
 
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ddshard::testkit::{TestCluster, eventually};
@@ -374,4 +375,115 @@ async fn a_send_queue_is_bounded_in_bytes_not_only_in_frames() {
     assert!(matches!(full, Error::SendQueueFull { .. }), "{full:?}");
     println!("SendQueueFull after {sent} frames of 64 KiB (1 MiB queue bound plus socket buffers)");
     c.shutdown().await;
+}
+
+/// A UDP relay in front of `target`, as an attacker on the path would run it: forwards each
+/// datagram (a client's to `target`, `target`'s answers back to the client) and keeps a copy.
+async fn recording_relay(target: std::net::SocketAddr) -> (std::net::SocketAddr, Arc<Mutex<Vec<Vec<u8>>>>) {
+    let socket = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let addr = socket.local_addr().unwrap();
+    let captured = Arc::new(Mutex::new(Vec::new()));
+    let copies = captured.clone();
+    tokio::spawn(async move {
+        let mut buf = vec![0u8; 65_536];
+        let mut client = None;
+        while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+            copies.lock().unwrap().push(buf[..n].to_vec());
+            let to = if from == target { client } else { Some(target) };
+            if from != target {
+                client = Some(from);
+            }
+            if let Some(to) = to {
+                let _ = socket.send_to(&buf[..n], to).await;
+            }
+        }
+    });
+    (addr, captured)
+}
+
+/// S1 of the round-3 security review: gossip captured while the cluster formed, replayed to a
+/// node restarted after the members it describes had left. Returns whether the replay made
+/// the restarted node list a departed member.
+async fn replay_formation_gossip_after_leaves_and_a_restart(accept_unstamped: bool) -> (bool, u64) {
+    let window = Duration::from_secs(2);
+    let seeds_via_relay: Arc<Mutex<std::collections::HashMap<usize, std::net::SocketAddr>>> = Arc::default();
+    let seeds = seeds_via_relay.clone();
+    let mut c = TestCluster::start_with(1, move |i, cfg| {
+        cfg.cluster_secret = Some(secret('a'));
+        cfg.membership.gossip_freshness_window = window;
+        cfg.membership.accept_unstamped_gossip = accept_unstamped;
+        if let Some(relay) = seeds.lock().unwrap().get(&i) {
+            cfg.seeds = vec![*relay];
+        }
+    })
+    .await
+    .unwrap();
+    let mut captures = Vec::new();
+    for i in 1..3 {
+        let (relay, captured) = recording_relay(c.node(0).gossip_addr()).await;
+        seeds_via_relay.lock().unwrap().insert(i, relay);
+        captures.push(captured);
+        c.add_node().await.unwrap();
+    }
+    c.await_converged(CONVERGE).await;
+    for i in 1..3 {
+        c.node(i).leave().await.unwrap();
+        c.kill(i).await;
+    }
+    let captured: Vec<Vec<u8>> = captures.iter().flat_map(|c| c.lock().unwrap().clone()).collect();
+    let captured_at = std::time::Instant::now();
+    assert!(captured.len() >= 4, "the relays saw the joins' gossip: {} datagrams", captured.len());
+    c.restart_forming(0).await.unwrap();
+    eventually(CONVERGE, "n1 restarted alone", || std::future::ready(TestCluster::is_member(c.node(0)).then_some(())))
+        .await;
+    assert_eq!(member_ids(c.node(0)), ["n1"]);
+    // Every capture is older than the window now.
+    tokio::time::sleep(
+        (captured_at + window + Duration::from_millis(500)).saturating_duration_since(std::time::Instant::now()),
+    )
+    .await;
+    let attacker = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
+    let victim = c.node(0).gossip_addr();
+    for _ in 0..3 {
+        for d in &captured {
+            attacker.send_to(d, victim).await.unwrap();
+        }
+    }
+    // Watch for ten gossip rounds after the replays were handled.
+    let stats = c.node(0).gossip_stats();
+    let refused = || {
+        stats.datagrams_stale.load(Ordering::Relaxed)
+            + stats.datagrams_replayed.load(Ordering::Relaxed)
+            + stats.datagrams_unstamped.load(Ordering::Relaxed)
+    };
+    let mut phantom = false;
+    let watch_until = std::time::Instant::now() + Duration::from_millis(3_000);
+    while std::time::Instant::now() < watch_until {
+        phantom |= member_ids(c.node(0)) != ["n1"];
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(stats.downs_published.load(Ordering::Relaxed), 0, "the replay made n1 down someone");
+    assert!(!c.node(0).is_shut_down(), "the replay stopped n1");
+    let mut buf = [0u8; 16];
+    let answered = tokio::time::timeout(Duration::from_millis(10), attacker.recv_from(&mut buf)).await.is_ok();
+    assert!(!answered || accept_unstamped, "a replayed datagram was answered at the attacker's address");
+    let refused = refused();
+    c.shutdown().await;
+    (phantom, refused)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gossip_captured_at_formation_and_replayed_after_two_members_left_and_n1_restarted_changes_nothing() {
+    let (phantom, refused) = replay_formation_gossip_after_leaves_and_a_restart(false).await;
+    assert!(!phantom, "a replayed datagram brought a departed member back into n1's list");
+    assert!(refused >= 12, "every replayed datagram is refused and counted: {refused}");
+}
+
+/// The same replay against a cluster upgrading from unstamped gossip: the departed members come
+/// back, which is why `accept_unstamped_gossip` is documented as a two-restart window only, and
+/// the proof that the scenario above is sharp enough to fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_upgrading_from_unstamped_gossip_the_same_replay_brings_departed_members_back() {
+    let (phantom, _) = replay_formation_gossip_after_leaves_and_a_restart(true).await;
+    assert!(phantom, "the replay reproduced S1 without stamps");
 }

@@ -491,6 +491,7 @@ fn soak_every_shape_keeps_every_promise() {
         let next = AtomicU64::new(0);
         let first_failure: Mutex<Option<(u64, Vec<String>)>> = Mutex::new(None);
         let failures = AtomicU64::new(0);
+        let unheld = AtomicU64::new(0);
         let shape_started = std::time::Instant::now();
         std::thread::scope(|s| {
             for _ in 0..threads {
@@ -502,6 +503,7 @@ fn soak_every_shape_keeps_every_promise() {
                         }
                         let seed = base + k;
                         let report = run_seed(seed, cfg);
+                        unheld.fetch_add(report.states_lost_with_every_holder_unreachable as u64, Ordering::Relaxed);
                         if !report.violations.is_empty() {
                             failures.fetch_add(1, Ordering::Relaxed);
                             let mut first = first_failure.lock().unwrap();
@@ -515,7 +517,11 @@ fn soak_every_shape_keeps_every_promise() {
         });
         let secs = shape_started.elapsed().as_secs_f64();
         let failures = failures.into_inner();
-        print!("{name:>32}: {per_shape} runs in {secs:.1}s ({:.0} runs/s), {failures} failed", per_shape as f64 / secs);
+        let unheld = unheld.into_inner();
+        print!(
+            "{name:>32}: {per_shape} runs in {secs:.1}s ({:.0} runs/s), {failures} failed, {unheld} acknowledged values lost with every holder unreachable (residual risk 2)",
+            per_shape as f64 / secs
+        );
         if let Some((seed, violations)) = first_failure.into_inner().unwrap() {
             println!(
                 "; first: seed {seed}: {:?}\n{:>34}replay: DDSHARD_SIM_SHAPE={name} DDSHARD_SIM_SEED={seed} cargo test --test sim replay -- --nocapture",

@@ -14,7 +14,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tracing::{debug, warn};
 
 use super::downing::Strategy;
-use super::gossip_auth::{AuthenticatedSocket, GossipStats};
+use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStats};
 use super::lifecycle::{LifecycleAction, LifecycleCore, LifecycleSettings};
 use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
@@ -140,9 +140,17 @@ impl MembershipDriver {
         // (config validation allowed that only on loopback or with `insecure`).
         let socket: Box<dyn Socket> = match &cfg.cluster_secret {
             Some(secret) => Box::new(
-                AuthenticatedSocket::bind(cfg.gossip_addr, secret.gossip_mac_key(), stats.clone())
-                    .await
-                    .map_err(|e| binding(&e))?,
+                AuthenticatedSocket::bind(
+                    cfg.gossip_addr,
+                    secret.gossip_mac_key(),
+                    GossipSealing {
+                        freshness_window: cfg.membership.gossip_freshness_window,
+                        accept_unstamped: cfg.membership.accept_unstamped_gossip,
+                    },
+                    stats.clone(),
+                )
+                .await
+                .map_err(|e| binding(&e))?,
             ),
             None => Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?),
         };
