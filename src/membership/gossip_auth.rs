@@ -170,11 +170,12 @@ impl DatagramSealer {
         if let Some(stamp) = stamp {
             stamp.encode(&mut header);
         }
-        let (format, body) = if header.len() + envelope.len() + TAG_LEN <= MAX_DATAGRAM {
+        let fits = |body_len: usize| header.len() + body_len + TAG_LEN <= MAX_DATAGRAM;
+        let (format, body) = if fits(envelope.len()) {
             (if stamp.is_some() { FORMAT_STAMPED_PLAIN } else { FORMAT_PLAIN }, std::borrow::Cow::Borrowed(envelope))
         } else {
             let compressed = zstd::bulk::compress(envelope, 1).ok()?;
-            if header.len() + compressed.len() + TAG_LEN > MAX_DATAGRAM {
+            if !fits(compressed.len()) {
                 return None;
             }
             (if stamp.is_some() { FORMAT_STAMPED_ZSTD } else { FORMAT_ZSTD }, std::borrow::Cow::Owned(compressed))
@@ -563,6 +564,17 @@ mod tests {
     }
 
     #[test]
+    fn an_envelope_compressed_to_a_few_kilobytes_is_sent_compressed() {
+        // Random kilobytes then zeros: zstd keeps the random part (about 6 KB).
+        let mut envelope: Vec<u8> = (0..6_000).map(|_| rand::random::<u8>()).collect();
+        envelope.resize(MAX_DATAGRAM, 0);
+        let d = sealer(1).seal(&envelope, stamp(1)).unwrap();
+        assert_eq!(d[0], FORMAT_STAMPED_ZSTD);
+        assert!((6_000..8_000).contains(&d.len()), "{}", d.len());
+        assert_eq!(sealer(1).open(&d).unwrap().envelope, envelope);
+    }
+
+    #[test]
     fn an_incompressible_full_size_envelope_is_refused_not_truncated() {
         let envelope: Vec<u8> = (0..MAX_DATAGRAM).map(|_| rand::random::<u8>()).collect();
         assert!(sealer(1).seal(&envelope, stamp(1)).is_none());
@@ -656,9 +668,13 @@ mod tests {
         let wire = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         from.send(wire.local_addr().unwrap(), bad_cluster()).await.unwrap();
         let mut buf = vec![0; MAX_DATAGRAM];
-        let (n, _) = wire.recv_from(&mut buf).await.unwrap();
+        let (n, _) = tokio::time::timeout(Duration::from_secs(10), wire.recv_from(&mut buf)).await.unwrap().unwrap();
         buf.truncate(n);
         buf
+    }
+
+    async fn received(s: &mut AuthenticatedSocket) -> RecvOutcome {
+        tokio::time::timeout(Duration::from_secs(10), s.recv()).await.expect("a datagram within 10 s").unwrap()
     }
 
     async fn nothing_received(s: &mut AuthenticatedSocket) -> bool {
@@ -676,7 +692,7 @@ mod tests {
         // to the member that stamped it.
         let attacker = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
         attacker.send_to(&datagram, fresh.local_addr().unwrap()).await.unwrap();
-        let got = fresh.recv().await.unwrap();
+        let got = received(&mut fresh).await;
         assert_eq!(got.from_addr, member_addr, "answered at the stamped sender, not the UDP source");
         assert_eq!(got.envelope, bad_cluster());
         attacker.send_to(&datagram, fresh.local_addr().unwrap()).await.unwrap();
@@ -702,13 +718,13 @@ mod tests {
         assert!(nothing_received(&mut strict).await, "unstamped gossip taken where stamps are required");
         assert_eq!(strict_stats.datagrams_unstamped.load(Ordering::Relaxed), 1);
         wire.send_to(&datagram, upgrading.local_addr().unwrap()).await.unwrap();
-        let got = upgrading.recv().await.unwrap();
+        let got = received(&mut upgrading).await;
         assert_eq!(got.from_addr, wire.local_addr().unwrap(), "unstamped: answered at the UDP source");
         // And a stamped datagram is taken by a node that is upgrading.
         let (mut new, _) = socket(W, false).await;
         let datagram = capture(&mut new).await;
         wire.send_to(&datagram, upgrading.local_addr().unwrap()).await.unwrap();
-        assert_eq!(upgrading.recv().await.unwrap().from_addr, new.local_addr().unwrap());
+        assert_eq!(received(&mut upgrading).await.from_addr, new.local_addr().unwrap());
     }
 
     #[test]
