@@ -421,6 +421,13 @@ impl NodeConfig {
         })
     }
 
+    /// The replicator's largest message: `replicator.max_gossip_message_bytes`, capped at half
+    /// of `transport.max_frame_size`. It is also the budget of one replicated slot (a shard's
+    /// remembered-id or state key), so a slot always fits one message whole.
+    pub(crate) fn replicator_message_bytes(&self) -> usize {
+        self.replicator.max_gossip_message_bytes.min(self.transport.max_frame_size / 2)
+    }
+
     /// Prefix of the environment variables [`NodeConfig::overrides_from_env`] reads.
     pub const OVERRIDE_ENV_PREFIX: &'static str = "DDSHARD__";
 

@@ -155,6 +155,25 @@ pub enum Error {
         max: usize,
     },
 
+    /// The replicated slot that holds the entity's remembered id or durable state (one of its
+    /// shard's `remember_entities_slots` or `state_slots` keys) is at its byte budget, one
+    /// replicator message: nothing was written, the entity was not started (remembered ids) or
+    /// restarts from its stored state (durable state), and the shard serves every other
+    /// entity. A slot this full means ids or states far larger than planned, or ids chosen to
+    /// land in one slot: raise the slot count, or find the client.
+    #[error("slot {slot} of shard {shard:?} is at its budget of {budget} bytes; entity {entity_id:?} not written")]
+    SlotFull {
+        /// The entity.
+        entity_id: String,
+        /// Its shard.
+        shard: String,
+        /// The slot (remembered-id or state key) of the shard the entity maps to.
+        slot: u32,
+        /// The budget: the replicator's largest message, `replicator.max_gossip_message_bytes`
+        /// capped at half of `transport.max_frame_size`.
+        budget: usize,
+    },
+
     /// A durable entity's stored state does not decode as its `State` type (the type changed
     /// incompatibly): the entity answers this instead of starting from `Default`.
     #[error("stored state of {type_name} entity {entity_id:?} does not decode: {reason}")]
@@ -288,6 +307,7 @@ impl Error {
             | Error::EmptyEntityId
             | Error::EntityIdTooLong { .. }
             | Error::StateTooLarge { .. }
+            | Error::SlotFull { .. }
             | Error::StateUndecodable { .. }
             | Error::TypeAlreadyStarted(_)
             | Error::UnknownMember(_)
@@ -335,6 +355,7 @@ mod tests {
             (Error::EmptyEntityId, false),
             (Error::EntityIdTooLong { len: 2, max: 1 }, false),
             (Error::StateTooLarge { entity_id: s(), bytes: 2, max: 1 }, false),
+            (Error::SlotFull { entity_id: s(), shard: s(), slot: 3, budget: 1 }, false),
             (Error::StateUndecodable { type_name: s(), entity_id: s(), reason: s() }, false),
             (Error::TypeAlreadyStarted(s()), false),
             (Error::UnknownMember(s()), false),

@@ -76,7 +76,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_shard_home_seconds", H, "node,type", "Time from asking the coordinator for a shard's home to learning it."),
     def("ddshard_region_buffered_messages", G, "node,type", "Messages waiting for a shard's home."),
     def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
-    def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused)."),
+    def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused, slot_full)."),
     def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
     def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, limit, handoff)."),
     def("ddshard_entity_handle_seconds", H, "node,type", "Time of one entity handler call (its message's processing, awaits included)."),
@@ -362,6 +362,7 @@ mod enabled {
                     ("invalid", &c.dropped_invalid),
                     ("mailbox_full", &c.dropped_mailbox_full),
                     ("refused", &c.dropped_refused),
+                    ("slot_full", &c.dropped_slot_full),
                 ],
             );
             set_counter("ddshard_entity_starts_total", &l, &c.entity_starts);

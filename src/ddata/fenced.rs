@@ -63,6 +63,18 @@ impl FencedReg {
     }
 }
 
+/// Approximate encoded bytes of one entry: the key and its header, the register's array
+/// header, epoch, clock, and the value with its header (or nil).
+fn entry_bytes(key: &str, r: &FencedReg) -> usize {
+    reg_bytes(key.len(), r.0, r.1, r.2.as_ref().map(|v| v.len()))
+}
+
+/// [`entry_bytes`] from the parts' sizes.
+fn reg_bytes(key_len: usize, epoch: u64, clock: u64, value_len: Option<usize>) -> usize {
+    let value = value_len.map_or(1, |len| len + rmp_uint_len(len as u64) + 1);
+    key_len + 2 + rmp_uint_len(epoch) + rmp_uint_len(clock) + value
+}
+
 /// Hash of a fence, folded into bucket 0 (0 for no fence, so an empty map digests to 0).
 fn fence_hash(fence: u64) -> u64 {
     if fence == 0 { 0 } else { xxh3_64(&fence.to_le_bytes()) }
@@ -78,6 +90,9 @@ pub struct FencedMap {
     /// Local writes since the last take, and whether the fence moved locally (a claim).
     delta: BTreeMap<String, FencedReg>,
     claimed: bool,
+    /// The entries' share of [`FencedMap::approx_bytes`], kept in step by `set` so a size check
+    /// costs O(1).
+    entry_bytes: usize,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -164,11 +179,7 @@ impl FencedMap {
         if epoch < self.fence {
             return Err(Fenced { epoch, fence: self.fence });
         }
-        let clock = match self.entries.get(&key) {
-            Some(r) if r.0 == epoch => r.1.saturating_add(1),
-            // An entry from a newer epoch is impossible below the fence (every write raises it).
-            _ => 1,
-        };
+        let clock = self.next_clock(&key, epoch);
         if epoch > self.fence {
             self.raise_fence(epoch);
             self.claimed = true;
@@ -179,6 +190,15 @@ impl FencedMap {
         Ok(())
     }
 
+    /// The clock of the next write of `key` under `epoch`.
+    fn next_clock(&self, key: &str, epoch: u64) -> u64 {
+        match self.entries.get(key) {
+            Some(r) if r.0 == epoch => r.1.saturating_add(1),
+            // An entry from a newer epoch is impossible below the fence (every write raises it).
+            _ => 1,
+        }
+    }
+
     fn raise_fence(&mut self, fence: u64) {
         if fence > self.fence {
             self.buckets[0] = self.buckets[0].wrapping_sub(fence_hash(self.fence)).wrapping_add(fence_hash(fence));
@@ -186,13 +206,29 @@ impl FencedMap {
         }
     }
 
-    /// Installs `reg` under `key`, keeping the bucket digest in step.
+    /// Installs `reg` under `key`, keeping the bucket digest and the size in step.
     fn set(&mut self, key: String, reg: FencedReg) {
         let b = bucket_of(&key);
         let added = reg.hash(&key);
-        let removed = self.entries.get(&key).map_or(0, |old| old.hash(&key));
+        let (removed, old_bytes) =
+            self.entries.get(&key).map_or((0, 0), |old| (old.hash(&key), entry_bytes(&key, old)));
         self.buckets[b] = self.buckets[b].wrapping_sub(removed).wrapping_add(added);
+        self.entry_bytes = self.entry_bytes - old_bytes + entry_bytes(&key, &reg);
         self.entries.insert(key, reg);
+    }
+
+    /// Whether a write of a `value_len`-byte value under `key` at `epoch` keeps the map within
+    /// `budget` bytes of [`FencedMap::approx_bytes`] — or does not grow it (no new key, a value
+    /// no longer than the current one): a map at its budget still takes those, so its entities
+    /// keep working; only growth past the budget is refused. Fence checks are the write's own.
+    pub fn fits(&self, key: &str, epoch: u64, value_len: usize, budget: usize) -> bool {
+        let current = self.entries.get(key);
+        if current.is_some_and(|r| r.2.as_ref().is_some_and(|v| v.len() >= value_len)) {
+            return true;
+        }
+        let old = current.map_or(0, |r| entry_bytes(key, r));
+        let new = reg_bytes(key.len(), epoch, self.next_clock(key, epoch), Some(value_len));
+        self.approx_bytes() - old + new <= budget
     }
 
     /// The value under `key`, unless absent or deleted.
@@ -279,20 +315,10 @@ impl FencedMap {
         Some(m)
     }
 
-    /// Approximate encoded size in bytes (never encodes).
+    /// Approximate encoded size in bytes (never encodes; O(1)).
     pub fn approx_bytes(&self) -> usize {
-        // Per entry: the key and its header, the register's array header, epoch, clock, and
-        // the value with its header (or nil).
-        let entries: usize = self
-            .entries
-            .iter()
-            .map(|(k, r)| {
-                let value = r.2.as_ref().map_or(1, |v| v.len() + rmp_uint_len(v.len() as u64) + 1);
-                k.len() + 2 + rmp_uint_len(r.0) + rmp_uint_len(r.1) + value
-            })
-            .sum();
         // The two named fields and the map headers.
-        entries + rmp_uint_len(self.fence) + 18
+        self.entry_bytes + rmp_uint_len(self.fence) + 18
     }
 }
 
@@ -520,6 +546,56 @@ mod tests {
         let mut claimed = FencedMap::default();
         claimed.claim(u64::MAX / 2).unwrap();
         assert!(claimed.approx_bytes() >= rmp_serde::to_vec(&claimed).unwrap().len());
+    }
+
+    /// The size as it was computed before it was kept in step: a sum over the entries.
+    fn summed_bytes(m: &FencedMap) -> usize {
+        m.entries.iter().map(|(k, r)| entry_bytes(k, r)).sum::<usize>() + rmp_uint_len(m.fence) + 18
+    }
+
+    #[test]
+    fn the_size_kept_in_step_equals_the_sum_over_entries_after_writes_deletes_merges_and_decoding() {
+        let mut m = FencedMap::default();
+        assert_eq!(m.approx_bytes(), summed_bytes(&m));
+        for i in 0..300u64 {
+            m.put(format!("k{}", i % 97), i / 50 + 1, vec![1; (i % 13) as usize]).unwrap();
+            if i % 7 == 0 {
+                m.delete(&format!("k{}", i % 31), i / 50 + 1).unwrap();
+            }
+            assert_eq!(m.approx_bytes(), summed_bytes(&m), "after write {i}");
+        }
+        let mut other = FencedMap::default();
+        other.put("k1", 9, vec![2; 500]).unwrap();
+        other.put("only-there", 9, vec![3; 5]).unwrap();
+        m.merge(other);
+        assert_eq!(m.approx_bytes(), summed_bytes(&m), "after a merge");
+        let decoded: FencedMap = rmp_serde::from_slice(&rmp_serde::to_vec(&m).unwrap()).unwrap();
+        assert_eq!(decoded.approx_bytes(), summed_bytes(&m), "decoded");
+    }
+
+    #[test]
+    fn a_write_fits_while_the_map_stays_within_its_budget_and_a_rewrite_no_larger_always_fits() {
+        let mut m = FencedMap::default();
+        m.put("a", 1, vec![0; 100]).unwrap();
+        let size = m.approx_bytes();
+        // A new key of 50 bytes: exactly what it adds fits a budget of size + that, not one less.
+        let adds = reg_bytes(1, 1, 1, Some(50));
+        assert!(m.fits("b", 1, 50, size + adds));
+        assert!(!m.fits("b", 1, 50, size + adds - 1));
+        m.put("b", 1, vec![0; 50]).unwrap();
+        assert_eq!(m.approx_bytes(), size + adds, "fits counts what the write adds");
+        // At (and past) the budget: rewrites no larger still fit, growth does not.
+        let full = m.approx_bytes() - 10;
+        assert!(m.fits("a", 1, 100, full), "a rewrite of the same size");
+        assert!(m.fits("a", 2, 10, full), "a smaller value, under a newer epoch");
+        assert!(!m.fits("a", 1, 101, full), "one byte larger");
+        assert!(!m.fits("c", 1, 0, full), "a new key, even empty");
+        // A deleted key holds no value: writing it again is growth.
+        m.delete("b", 1).unwrap();
+        assert!(!m.fits("b", 1, 1, m.approx_bytes()), "at its size, a value where a tombstone is grows it");
+        let budget = m.approx_bytes() - entry_bytes("b", m.entries.get("b").unwrap()) + reg_bytes(1, 1, 3, Some(50));
+        assert!(m.fits("b", 1, 50, budget), "its tombstone's bytes are counted as freed");
+        assert!(!m.fits("b", 1, 50, budget - 1));
     }
 
     #[test]

@@ -158,7 +158,7 @@ impl Node {
             durable_prefixes: config.replicator.durable_key_prefixes.clone(),
             gossip_interval: config.replicator.gossip_interval,
             delta_interval: config.replicator.delta_interval,
-            max_message_bytes: config.replicator.max_gossip_message_bytes.min(config.transport.max_frame_size / 2),
+            max_message_bytes: config.replicator_message_bytes(),
             max_map_size: config.replicator.lmdb_max_map_size,
         };
         let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;

@@ -14,8 +14,10 @@
 //!   its write fails with [`Error::Fenced`] and its shard stops here.
 //! - **Typed failures.** A write not acknowledged fails the ask with
 //!   [`Error::StateNotPersisted`] (its outcome is unknown: it may still spread from the
-//!   replicas it reached), a state over `max_state_bytes` with [`Error::StateTooLarge`] (nothing
-//!   written); either way the entity restarts from what its node's replica holds. A stored state
+//!   replicas it reached), a state over `max_state_bytes` with [`Error::StateTooLarge`], and
+//!   one that would grow its shard's state slot past the slot's byte budget with
+//!   [`Error::SlotFull`] (nothing written either way); the entity then restarts from what its
+//!   node's replica holds. A stored state
 //!   that does not decode answers [`Error::StateUndecodable`] for every message, never a silent
 //!   `Default`.
 //!
@@ -119,7 +121,8 @@ impl<D: DurableEntity> Durable<D> {
                 io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
                 ctx.end = Some(EndIncarnation::Restart);
                 Err(match e {
-                    e @ Error::StateNotPersisted { .. } => e,
+                    // Nothing was written; the entity restarts from its stored state.
+                    e @ (Error::StateNotPersisted { .. } | Error::SlotFull { .. }) => e,
                     other => Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason: other.to_string() },
                 })
             }

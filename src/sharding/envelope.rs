@@ -194,8 +194,13 @@ impl Replier {
 
     /// Fails the envelope's asker (if any) with `NotDelivered { reason }`.
     pub(crate) fn fail<E: Entity>(&self, env: Envelope<E>, entity_id: &str, reason: &str) {
+        self.fail_with(env, entity_id, || not_delivered(entity_id, reason));
+    }
+
+    /// Fails the envelope's asker (if any) with the error `error` makes.
+    pub(crate) fn fail_with<E: Entity>(&self, env: Envelope<E>, entity_id: &str, error: impl FnOnce() -> Error) {
         if let Some(r) = env.reply {
-            self.reply::<E>(r, entity_id, Err(not_delivered(entity_id, reason)));
+            self.reply::<E>(r, entity_id, Err(error()));
         }
     }
 }

@@ -70,6 +70,9 @@ pub struct RegionCounters {
     pub dropped_buffer_full: AtomicU64,
     /// Messages dropped during hand-offs.
     pub dropped_handoff: AtomicU64,
+    /// Remembered-id starts and durable-state writes refused because their replicated slot is
+    /// at its byte budget ([`crate::Error::SlotFull`]).
+    pub dropped_slot_full: AtomicU64,
     /// Messages from other nodes that did not decode, had an empty entity id, or named another
     /// shard than this node's extractor gives for the id.
     pub dropped_invalid: AtomicU64,
@@ -453,6 +456,7 @@ pub(crate) async fn start_region_of<E: Entity>(
             node.spawner().clone(),
             type_name,
             &settings,
+            node.config().replicator_message_bytes(),
             inner.counters.clone(),
             inner.metrics.clone(),
         );
@@ -462,6 +466,7 @@ pub(crate) async fn start_region_of<E: Entity>(
                 node.spawner().clone(),
                 type_name,
                 &settings,
+                node.config().replicator_message_bytes(),
                 inner.counters.clone(),
             )
         });

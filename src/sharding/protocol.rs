@@ -94,6 +94,7 @@ pub(crate) enum DeliveryFailure {
     MailboxFull { capacity: u64 },
     Fenced { key: String, epoch: u64, fence: u64 },
     StateTooLarge { bytes: u64, max: u64 },
+    SlotFull { shard: String, slot: u32, budget: u64 },
     StateUndecodable { type_name: String, reason: String },
     StateNotPersisted { reason: String },
 }
@@ -117,6 +118,9 @@ impl DeliveryFailure {
             }
             Error::StateTooLarge { bytes, max, .. } => {
                 DeliveryFailure::StateTooLarge { bytes: *bytes as u64, max: *max as u64 }
+            }
+            Error::SlotFull { shard, slot, budget, .. } => {
+                DeliveryFailure::SlotFull { shard: shard.clone(), slot: *slot, budget: *budget as u64 }
             }
             Error::StateUndecodable { type_name, reason, .. } => {
                 DeliveryFailure::StateUndecodable { type_name: type_name.clone(), reason: reason.clone() }
@@ -147,6 +151,12 @@ impl DeliveryFailure {
                 entity_id: entity_id.to_string(),
                 bytes: usize::try_from(bytes).unwrap_or(usize::MAX),
                 max: usize::try_from(max).unwrap_or(usize::MAX),
+            },
+            DeliveryFailure::SlotFull { shard, slot, budget } => Error::SlotFull {
+                entity_id: entity_id.to_string(),
+                shard,
+                slot,
+                budget: usize::try_from(budget).unwrap_or(usize::MAX),
             },
             DeliveryFailure::StateUndecodable { type_name, reason } => {
                 Error::StateUndecodable { type_name, entity_id: entity_id.to_string(), reason }
@@ -238,6 +248,7 @@ mod tests {
             Error::MailboxFull { entity_id: "remote-side".into(), capacity: 9 },
             Error::Fenced { key: "cart/cart-1".into(), epoch: 4, fence: 6 },
             Error::StateTooLarge { entity_id: "remote-side".into(), bytes: 70_000, max: 65_536 },
+            Error::SlotFull { entity_id: "remote-side".into(), shard: "17".into(), slot: 5, budget: 1 << 20 },
             Error::StateUndecodable { type_name: "cart".into(), entity_id: "remote-side".into(), reason: "bad".into() },
             Error::StateNotPersisted { entity_id: "remote-side".into(), reason: "timed out".into() },
         ];
@@ -263,6 +274,9 @@ mod tests {
                 }
                 (Error::StateTooLarge { .. }, Error::StateTooLarge { entity_id, bytes, max }) => {
                     assert_eq!((entity_id.as_str(), *bytes, *max), ("cart-1", 70_000, 65_536))
+                }
+                (Error::SlotFull { .. }, Error::SlotFull { entity_id, shard, slot, budget }) => {
+                    assert_eq!((entity_id.as_str(), shard.as_str(), *slot, *budget), ("cart-1", "17", 5, 1 << 20))
                 }
                 (Error::StateUndecodable { .. }, Error::StateUndecodable { type_name, entity_id, reason }) => {
                     assert_eq!((type_name.as_str(), entity_id.as_str(), reason.as_str()), ("cart", "cart-1", "bad"))

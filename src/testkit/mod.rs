@@ -167,6 +167,12 @@ impl Socket for FaultySocket {
     }
 }
 
+/// The slot among `slots` that an entity id's remembered start and durable state are stored
+/// in (what the library stores by), for tests that aim ids at one slot.
+pub fn remembered_slot(entity_id: &str, slots: u32) -> u32 {
+    crate::sharding::ids::remembered_slot(entity_id, slots)
+}
+
 /// The body of a region-to-region `Deliver` as a peer sends it on the topic `region/<type>`:
 /// for tests that forge broken or hostile messages (the wire protocol itself is crate-private).
 pub fn forged_deliver(shard: &str, entity_id: &str, payload: Vec<u8>) -> Vec<u8> {

@@ -276,6 +276,16 @@ impl OrSet {
         }
     }
 
+    /// Whether an add of `member` keeps the set within `budget` bytes of
+    /// [`OrSet::approx_bytes`] — or is already in it (a re-add replaces its dot and does not
+    /// grow the set): a set at its budget still takes those and every remove; only new members
+    /// past the budget are refused. O(writers + concurrent dots + cloud intervals).
+    pub fn fits(&self, member: &str, budget: usize) -> bool {
+        // The element, its writer index and its counter (at most a full varint).
+        let added = element_bytes(member.len()) + 1 + varint_len(u64::MAX);
+        self.contains(member) || self.approx_bytes().saturating_add(added) <= budget
+    }
+
     /// Removes a member (the adds this replica has seen; a concurrent unseen add wins).
     pub fn remove(&mut self, member: &str) {
         let old = self.dots_of(member.as_bytes());

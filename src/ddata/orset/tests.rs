@@ -574,3 +574,27 @@ fn a_set_with_exactly_the_most_writers_decodes_and_one_more_is_refused() {
 
 mod delta_join_laws;
 mod estimates;
+
+#[test]
+fn a_new_member_fits_while_the_set_stays_within_its_budget_and_members_already_in_always_fit() {
+    let mut s = OrSet::default();
+    let c = ctx("n1#1");
+    for i in 0..100 {
+        s.add(&c, format!("id-{i:04}"));
+    }
+    let size = s.approx_bytes();
+    let added = element_bytes(7) + 1 + varint_len(u64::MAX);
+    assert!(s.fits("id-0100", size + added));
+    assert!(!s.fits("id-0100", size + added - 1), "one byte short");
+    // What an add really costs is at most what `fits` counts.
+    let mut grown = s.clone();
+    grown.add(&c, "id-0100");
+    assert!(grown.approx_bytes() <= size + added);
+    assert!(grown.approx_bytes() > size);
+    // At (or past) the budget, a member already in still fits: re-adding it does not grow the set.
+    assert!(s.fits("id-0042", 0));
+    assert!(!s.fits("id-9999", 0));
+    let mut readded = s.clone();
+    readded.add(&c, "id-0042");
+    assert!(readded.approx_bytes() <= size);
+}

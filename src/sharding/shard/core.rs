@@ -86,6 +86,9 @@ pub(crate) enum DropReason {
     HandOff,
     /// The shard failed (its remembered set could not be loaded or written).
     ShardFailed,
+    /// Remember-entities: the entity's start was not recorded, its slot being at its byte
+    /// budget; the entity was not started.
+    SlotFull,
 }
 
 #[derive(Debug)]
@@ -110,8 +113,11 @@ pub(crate) enum ShardInput<M> {
     },
     /// Remember-entities: the remembered ids were loaded.
     Loaded(BTreeSet<String>),
-    /// Remember-entities: the last `WriteRemembered` is durable on a majority.
-    WriteDone,
+    /// Remember-entities: the last `WriteRemembered` is durable on a majority, except the adds
+    /// in `refused`, which were not recorded because their slot is at its byte budget.
+    WriteDone {
+        refused: BTreeSet<String>,
+    },
     /// Remember-entities: the load or the write failed.
     StoreFailed,
     /// Remember-entities: the id now lives in another shard (changed extractor); forget it here.
@@ -155,7 +161,8 @@ pub(crate) enum ShardAction<M, S = ()> {
     Recover {
         entity_ids: Vec<String>,
     },
-    /// Remember-entities: record these starts and stops; answer `WriteDone` or `StoreFailed`.
+    /// Remember-entities: record these starts and stops; answer `WriteDone` (naming the starts
+    /// refused for a full slot) or `StoreFailed`.
     WriteRemembered {
         adds: BTreeSet<String>,
         removes: BTreeSet<String>,
@@ -435,12 +442,22 @@ impl<M, S> ShardCore<M, S> {
                     self.deliver(id, msg, now, out);
                 }
             }
-            ShardInput::WriteDone => {
+            ShardInput::WriteDone { refused } => {
                 let Some(r) = self.remember.as_mut() else { return };
                 let Some((adds, removes)) = r.in_flight.take() else { return };
                 for id in adds {
                     if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStart) {
-                        if self.handoff_deadline.is_some() {
+                        if refused.contains(&id) {
+                            // Not remembered, so never started: its messages fail at once.
+                            self.entities.remove(id.as_str());
+                            for msg in self.buffers.remove(&id).unwrap_or_default() {
+                                out.push(ShardAction::Drop {
+                                    entity_id: id.clone(),
+                                    msg,
+                                    reason: DropReason::SlotFull,
+                                });
+                            }
+                        } else if self.handoff_deadline.is_some() {
                             self.entities.remove(id.as_str());
                         } else {
                             self.start(&id, now, out);
@@ -932,7 +949,7 @@ mod tests {
         assert!(run(&mut s, deliver("b", 2), now).is_empty(), "queued behind the write in flight");
         assert!(run(&mut s, deliver("c", 3), now).is_empty());
         assert!(run(&mut s, deliver("a", 4), now).is_empty(), "a's messages wait for its write");
-        let out = run(&mut s, ShardInput::WriteDone, now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
         assert_eq!(
             out,
             vec![
@@ -945,6 +962,35 @@ mod tests {
     }
 
     #[test]
+    fn a_start_refused_for_a_full_slot_fails_its_messages_and_the_others_start() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        run(&mut s, deliver("a", 1), now);
+        run(&mut s, deliver("big", 2), now);
+        run(&mut s, deliver("b", 3), now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
+        assert!(out.contains(&ShardAction::WriteRemembered { adds: ids(&["b", "big"]), removes: ids(&[]) }));
+        run(&mut s, deliver("big", 4), now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: ids(&["big", "a"]) }, now);
+        assert_eq!(
+            out,
+            vec![
+                ShardAction::Start { entity_id: "b".into(), incarnation: 2 },
+                ShardAction::Send { entity_id: "b".into(), msg: 3 },
+                ShardAction::Drop { entity_id: "big".into(), msg: 2, reason: DropReason::SlotFull },
+                ShardAction::Drop { entity_id: "big".into(), msg: 4, reason: DropReason::SlotFull },
+            ],
+            "a refusal names only this write's adds: a (already running) is untouched"
+        );
+        assert_eq!(s.remembered_count(), 2, "a and b");
+        assert_eq!(s.entity_count(), 2);
+        // The refused id is forgotten: its next message asks to record its start again.
+        let out = run(&mut s, deliver("big", 5), now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["big"]), removes: ids(&[]) }]);
+    }
+
+    #[test]
     fn passivation_records_the_stop_and_a_message_meanwhile_starts_it_again() {
         let mut s = remembering();
         let now = Instant::now();
@@ -954,9 +1000,9 @@ mod tests {
         let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&[]), removes: ids(&["a"]) }]);
         assert!(run(&mut s, deliver("a", 2), now).is_empty());
-        let out = run(&mut s, ShardInput::WriteDone, now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["a"]), removes: ids(&[]) }]);
-        let out = run(&mut s, ShardInput::WriteDone, now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
         assert!(out.contains(&ShardAction::Send { entity_id: "a".into(), msg: 2 }));
     }
 
@@ -1096,7 +1142,7 @@ mod tests {
         run(&mut s, ShardInput::Loaded(ids(&["a"])), now);
         run(&mut s, deliver("new", 1), now);
         assert_eq!(s.remembered_count(), 1, "the new id's start is not recorded yet");
-        run(&mut s, ShardInput::WriteDone, now);
+        run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
         assert_eq!(s.remembered_count(), 2);
         let mut plain: ShardCore<u32> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         run(&mut plain, deliver("a", 1), now);
@@ -1134,7 +1180,7 @@ mod tests {
         run(&mut s, ShardInput::Loaded(ids(&["a"])), now);
         let out = run(&mut s, ShardInput::MovedAway { entity_id: "a".into() }, now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&[]), removes: ids(&["a"]) }]);
-        assert!(run(&mut s, ShardInput::WriteDone, now).is_empty());
+        assert!(run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now).is_empty());
         // Should it come back here, its start is recorded again.
         let out = run(&mut s, deliver("a", 1), now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["a"]), removes: ids(&[]) }]);
@@ -1169,7 +1215,7 @@ mod tests {
         run(&mut s, deliver("a", 1), now);
         let out = run(&mut s, ShardInput::HandOff, now);
         assert!(!out.contains(&ShardAction::Stopped));
-        let out = run(&mut s, ShardInput::WriteDone, now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
         assert_eq!(out, vec![ShardAction::Stopped]);
     }
 }

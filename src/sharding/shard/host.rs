@@ -32,7 +32,7 @@ use crate::error::Error;
 use crate::metrics::TypeMetrics;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
 use crate::sharding::handle::RegionCounters;
-use crate::sharding::ids::{ShardId, ShardIdExtractor};
+use crate::sharding::ids::{ShardId, ShardIdExtractor, remembered_slot};
 use crate::sharding::query::EntityIdPage;
 use crate::sharding::region::RegionInput;
 use crate::sharding::settings::ShardingSettings;
@@ -480,7 +480,7 @@ impl<E: Entity> LocalShards<E> {
                 }
                 let input = match input {
                     StoreResult::Loaded(ids) => ShardInput::Loaded(ids),
-                    StoreResult::WriteDone => ShardInput::WriteDone,
+                    StoreResult::WriteDone { refused } => ShardInput::WriteDone { refused },
                     StoreResult::Failed => ShardInput::StoreFailed,
                     StoreResult::MovedAway(entity_id) => ShardInput::MovedAway { entity_id },
                 };
@@ -619,6 +619,18 @@ impl<E: Entity> LocalShards<E> {
                         "dropped during shard hand-off"
                     }
                     DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
+                    DropReason::SlotFull => {
+                        // Counted by the remember writer, once per refused id.
+                        let (slot, budget) =
+                            (remembered_slot(&entity_id, self.remember.slots), self.remember.slot_budget);
+                        let shard = shard_id.clone();
+                        return self.replier.fail_with(msg, &entity_id, || Error::SlotFull {
+                            entity_id: entity_id.clone(),
+                            shard,
+                            slot,
+                            budget,
+                        });
+                    }
                 };
                 self.replier.fail(msg, &entity_id, why);
             }

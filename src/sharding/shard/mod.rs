@@ -71,7 +71,10 @@ pub(crate) enum ShardEvent<E: Entity> {
 /// Outcome of a remembered-entities store operation.
 pub(crate) enum StoreResult {
     Loaded(BTreeSet<String>),
-    WriteDone,
+    /// Written, except the adds in `refused` (their slot is at its byte budget).
+    WriteDone {
+        refused: BTreeSet<String>,
+    },
     Failed,
     MovedAway(String),
 }

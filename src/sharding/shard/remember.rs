@@ -14,6 +14,7 @@ use tracing::{debug, warn};
 
 use super::{ShardEvent, StoreResult};
 use crate::ddata::{Consistency, KeyUpdate, OrSet, Replicator};
+use crate::log_limit::LogLimiter;
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::settings::ShardingSettings;
@@ -39,6 +40,8 @@ pub(crate) struct RememberIo {
     pub write_timeout: Duration,
     pub recovery_batch: usize,
     pub recovery_interval: Duration,
+    /// Largest a slot may grow to (approximate encoded bytes): one replicator message.
+    pub slot_budget: usize,
     writer: mpsc::UnboundedSender<WriteRequest>,
     counters: Arc<RegionCounters>,
     /// Batch sizes and write times (feature `metrics`).
@@ -47,6 +50,10 @@ pub(crate) struct RememberIo {
 
 /// The ids one batch adds to and removes from one slot key.
 type SlotChanges = (Vec<String>, Vec<String>);
+
+/// The adds of one slot key its last try refused for the slot's byte budget (filled by the
+/// update as the replicator applies it).
+type Refused = Arc<std::sync::Mutex<BTreeSet<String>>>;
 
 /// One shard's starts and stops, and what to do with the outcome.
 struct WriteRequest {
@@ -66,6 +73,7 @@ impl RememberIo {
         spawner: Spawner,
         type_name: &str,
         s: &ShardingSettings,
+        slot_budget: usize,
         counters: Arc<RegionCounters>,
         metrics: Arc<crate::metrics::TypeMetrics>,
     ) -> Self {
@@ -79,6 +87,7 @@ impl RememberIo {
             write_timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
             recovery_batch: s.entity_recovery_batch,
             recovery_interval: s.entity_recovery_interval,
+            slot_budget,
             writer,
             counters,
             metrics,
@@ -89,6 +98,8 @@ impl RememberIo {
 
     async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
         let mut batch = Vec::new();
+        // One warning a minute per full slot.
+        let mut full_log = LogLimiter::new(Duration::from_secs(60));
         while requests.recv_many(&mut batch, 4096).await > 0 {
             let started = std::time::Instant::now();
             let waited: u128 = batch.iter().map(|r| started.duration_since(r.queued_at).as_micros()).sum();
@@ -101,28 +112,38 @@ impl RememberIo {
             // Slot key → (adds, removes), across every shard of the batch; the ids move out of
             // the requests and are shared by the tries (the set copies each into its arena).
             let mut by_key: BTreeMap<String, SlotChanges> = BTreeMap::new();
+            let mut shard_of: BTreeMap<String, ShardId> = BTreeMap::new();
             for req in &mut batch {
-                for id in std::mem::take(&mut req.adds) {
+                let ids = std::mem::take(&mut req.adds).into_iter().map(|id| (id, true));
+                for (id, added) in ids.chain(std::mem::take(&mut req.removes).into_iter().map(|id| (id, false))) {
                     let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
-                    by_key.entry(key).or_default().0.push(id);
-                }
-                for id in std::mem::take(&mut req.removes) {
-                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
-                    by_key.entry(key).or_default().1.push(id);
+                    let changes = by_key.entry(key.clone()).or_default();
+                    if added { &mut changes.0 } else { &mut changes.1 }.push(id);
+                    shard_of.entry(key).or_insert_with(|| req.shard.clone());
                 }
             }
-            let by_key: Vec<(String, Arc<SlotChanges>)> =
-                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids))).collect();
+            let by_key: Vec<(String, Arc<SlotChanges>, Refused)> =
+                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids), Refused::default())).collect();
             let mut last = Ok(());
             for _ in 0..WRITE_TRIES {
                 let updates = by_key
                     .iter()
-                    .map(|(key, ids)| {
-                        let ids = Arc::clone(ids);
+                    .map(|(key, ids, refused)| {
+                        let (ids, refused, budget) = (Arc::clone(ids), Arc::clone(refused), self.slot_budget);
                         KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
-                            set.add_all(ctx, &ids.0);
+                            // Removes first: the room they free is the adds' to take.
                             for id in &ids.1 {
                                 set.remove(id);
+                            }
+                            // Each try decides afresh on the replica as it is then.
+                            let mut refused = refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                            refused.clear();
+                            for id in &ids.0 {
+                                if set.fits(id, budget) {
+                                    set.add(ctx, id);
+                                } else {
+                                    refused.insert(id.clone());
+                                }
                             }
                         })
                     })
@@ -134,7 +155,7 @@ impl RememberIo {
             }
             add(&self.counters.remember_round_micros, started.elapsed().as_micros());
             add(&self.counters.remember_batches, 1u8);
-            let ids: usize = by_key.iter().map(|(_, ids)| ids.0.len() + ids.1.len()).sum();
+            let ids: usize = by_key.iter().map(|(_, ids, _)| ids.0.len() + ids.1.len()).sum();
             self.metrics.remember_batch_written(ids, started);
             let ok = match &last {
                 Ok(()) => true,
@@ -143,9 +164,31 @@ impl RememberIo {
                     false
                 }
             };
+            // The adds refused for a full slot, by shard (a slot key belongs to one shard).
+            let mut refused: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+            for (key, _, r) in by_key.iter().filter(|_| ok) {
+                let r = std::mem::take(&mut *r.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+                if r.is_empty() {
+                    continue;
+                }
+                add(&self.counters.dropped_slot_full, r.len());
+                if let Some(held_back) = full_log.allow(key, std::time::Instant::now()) {
+                    warn!(type_name = %self.type_name, %key, budget = self.slot_budget, refused = r.len(), held_back,
+                        "remembered-entity slot at its byte budget: new ids in it are refused (SlotFull); \
+                         raise remember_entities_slots, or find the client that sends these ids");
+                }
+                refused.entry(shard_of[key].as_str()).or_default().extend(r);
+            }
             debug!(type_name = %self.type_name, shards = batch.len(), keys = by_key.len(), "remember batch written");
+            let mut refused: BTreeMap<String, BTreeSet<String>> =
+                refused.into_iter().map(|(shard, ids)| (shard.to_string(), ids)).collect();
             for req in batch.drain(..) {
-                (req.done)(if ok { StoreResult::WriteDone } else { StoreResult::Failed });
+                let result = if ok {
+                    StoreResult::WriteDone { refused: refused.remove(&req.shard).unwrap_or_default() }
+                } else {
+                    StoreResult::Failed
+                };
+                (req.done)(result);
             }
         }
     }

@@ -35,6 +35,7 @@ use tracing::{debug, warn};
 
 use crate::ddata::{Consistency, FencedMap, KeyUpdate, Replicator};
 use crate::error::{Error, Result};
+use crate::log_limit::LogLimiter;
 use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
@@ -62,6 +63,8 @@ struct Inner {
     type_name: String,
     slots: u32,
     max_state_bytes: usize,
+    /// Largest a slot may grow to (approximate encoded bytes): one replicator message.
+    slot_budget: usize,
     write_consistency: Consistency,
     read_consistency: Consistency,
     write_timeout: Duration,
@@ -79,6 +82,10 @@ impl std::fmt::Debug for StateIo {
 /// The entity id → new encoded state (`None`: delete) writes of one slot key.
 type KeyWrites = Vec<(String, Option<Vec<u8>>)>;
 
+/// The entities of one slot key whose write its last try refused for the slot's byte budget
+/// (filled by the update as the replicator applies it).
+type Refused = Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>;
+
 /// One entity's write: its new encoded state (`None`: delete), under the shard's epoch.
 struct WriteRequest {
     shard: ShardId,
@@ -95,6 +102,7 @@ impl StateIo {
         spawner: Spawner,
         type_name: &str,
         s: &ShardingSettings,
+        slot_budget: usize,
         counters: Arc<RegionCounters>,
     ) -> Self {
         // Unbounded in type, bounded in effect: every request is one entity's persist (or
@@ -109,6 +117,7 @@ impl StateIo {
                 type_name: type_name.to_string(),
                 slots: s.state_slots,
                 max_state_bytes: s.max_state_bytes,
+                slot_budget,
                 write_consistency: Consistency::Majority {
                     plus: s.state_write_majority_plus,
                     min_cap: s.state_majority_min_cap,
@@ -209,15 +218,17 @@ impl StateIo {
 
     async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
         let mut batch = Vec::new();
+        // One warning a minute per full slot.
+        let mut full_log = LogLimiter::new(Duration::from_secs(60));
         while requests.recv_many(&mut batch, MAX_BATCH).await > 0 {
-            self.write_batch(std::mem::take(&mut batch)).await;
+            self.write_batch(std::mem::take(&mut batch), &mut full_log).await;
         }
     }
 
     /// Writes one batch: per slot key, the writes of its newest epoch in one fenced-map update
     /// (writes of an older epoch of the same shard, queued before its newer instance started
     /// here, are fenced at once).
-    async fn write_batch(&self, batch: Vec<WriteRequest>) {
+    async fn write_batch(&self, batch: Vec<WriteRequest>, full_log: &mut LogLimiter<String>) {
         let io = &self.inner;
         add(&io.counters.state_batches, 1);
         let mut by_key: BTreeMap<String, Vec<WriteRequest>> = BTreeMap::new();
@@ -234,22 +245,30 @@ impl StateIo {
             }
             pending.insert(key, (epoch, current));
         }
-        let writes: Vec<(String, u64, Arc<KeyWrites>)> = pending
+        let writes: Vec<(String, u64, Arc<KeyWrites>, Refused)> = pending
             .iter()
             .map(|(key, (epoch, reqs))| {
                 let entries = reqs.iter().map(|r| (r.entity_id.clone(), r.value.clone())).collect();
-                (key.clone(), *epoch, Arc::new(entries))
+                (key.clone(), *epoch, Arc::new(entries), Refused::default())
             })
             .collect();
         let mut last = Ok(Vec::new());
         for _ in 0..WRITE_TRIES {
             let updates = writes
                 .iter()
-                .map(|(key, epoch, entries)| {
-                    let (epoch, entries) = (*epoch, Arc::clone(entries));
+                .map(|(key, epoch, entries, refused)| {
+                    let (epoch, entries, refused, budget) =
+                        (*epoch, Arc::clone(entries), Arc::clone(refused), io.slot_budget);
                     KeyUpdate::new::<FencedMap, _>(key, move |m, ctx| {
+                        // Each try decides afresh on the replica as it is then.
+                        let mut refused = refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                        refused.clear();
                         for (id, value) in entries.iter() {
                             let written = match value {
+                                Some(bytes) if !m.fits(id, epoch, bytes.len(), budget) => {
+                                    refused.insert(id.clone());
+                                    continue;
+                                }
                                 Some(bytes) => m.put(id.clone(), epoch, bytes.clone()),
                                 None => m.delete(id, epoch),
                             };
@@ -270,14 +289,30 @@ impl StateIo {
         match last {
             Ok(fenced) => {
                 let fenced: BTreeMap<String, u64> = fenced.into_iter().map(|(k, f)| (k, f.fence)).collect();
-                for (key, (epoch, reqs)) in pending {
-                    let refused = fenced.get(&key).copied();
+                for ((key, (epoch, reqs)), (.., refused)) in pending.into_iter().zip(&writes) {
+                    let refused =
+                        std::mem::take(&mut *refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+                    if !refused.is_empty() && !fenced.contains_key(&key) {
+                        add(&io.counters.dropped_slot_full, refused.len() as u64);
+                        if let Some(held_back) = full_log.allow(&key, std::time::Instant::now()) {
+                            warn!(type_name = %io.type_name, %key, budget = io.slot_budget, refused = refused.len(), held_back,
+                                "entity-state slot at its byte budget: states that would grow it are refused (SlotFull); \
+                                 raise state_slots, or find the client whose entities these are");
+                        }
+                    }
+                    let fence = fenced.get(&key).copied();
                     for r in reqs {
-                        let result = match refused {
+                        let result = match fence {
                             Some(fence) => {
                                 add(&io.counters.state_fenced, 1);
                                 Err(Error::Fenced { key: key.clone(), epoch, fence })
                             }
+                            None if refused.contains(&r.entity_id) => Err(Error::SlotFull {
+                                slot: remembered_slot(&r.entity_id, io.slots),
+                                shard: r.shard,
+                                entity_id: r.entity_id,
+                                budget: io.slot_budget,
+                            }),
                             None => {
                                 add(&io.counters.state_writes, 1);
                                 Ok(())

@@ -191,6 +191,8 @@ pub struct SimReport {
 const BUFFER_FULL: &str = "BufferFull";
 const HAND_OFF: &str = "NotDelivered(hand-off)";
 const SHARD_FAILED: &str = "NotDelivered(shard failed)";
+/// Never seen today: the simulation's remember store has no slot budget (its ids are short).
+const SLOT_FULL: &str = "SlotFull";
 const REGION_GONE: &str = "NotDelivered(region gone)";
 const NOT_HOSTED: &str = "NotDelivered(not hosted)";
 const TIMEOUT: &str = "AskTimeout";

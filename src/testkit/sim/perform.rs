@@ -515,6 +515,7 @@ impl Sim {
                 let why = match reason {
                     crate::sharding::shard::core::DropReason::HandOff => HAND_OFF,
                     crate::sharding::shard::core::DropReason::ShardFailed => SHARD_FAILED,
+                    crate::sharding::shard::core::DropReason::SlotFull => SLOT_FULL,
                 };
                 self.fail(msg, why);
             }

@@ -153,7 +153,7 @@ impl Sim {
             return;
         }
         match result {
-            Ok(()) => self.shard_input(i, &w.shard, ShardInput::WriteDone),
+            Ok(()) => self.shard_input(i, &w.shard, ShardInput::WriteDone { refused: Default::default() }),
             Err(_) if w.attempt + 1 < WRITE_TRIES => {
                 let node = self.nodes[i].as_ref().expect("running").addr.clone();
                 let retry = RememberWrite { attempt: w.attempt + 1, ..w };
