@@ -300,12 +300,21 @@ pub struct TransportSettings {
     /// dropped, its requests fail with `PeerUnavailable`, and the next send dials anew.
     #[serde(with = "humantime_serde")]
     pub unreachable_give_up: Duration,
-    /// Inbound connections held at once (handshaking or established); beyond it a new
-    /// connection is closed at once and counted.
+    /// Established inbound connections held at once (counted once the dialer proved its keys,
+    /// so connections still in their handshake never take a member's place); beyond it a new
+    /// one is closed after its handshake and counted.
     pub max_inbound_connections: usize,
+    /// Inbound connections in their handshake held at once; a new one beyond it evicts the
+    /// oldest (so an outsider holding many, from many addresses, cannot lock members out).
+    pub max_handshaking_connections: usize,
     /// Connections from one IP address that may be in their handshake at once; beyond it a new
     /// one is closed at once and counted.
     pub max_handshakes_per_ip: usize,
+    /// An inbound connection that has not sent its first handshake frame within this is
+    /// closed (a dialer sends it right after connecting; the whole handshake has
+    /// `connect_timeout`, which also bounds this).
+    #[serde(with = "humantime_serde")]
+    pub first_frame_timeout: Duration,
     /// Time allowed for a TCP connect plus handshake.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -333,7 +342,9 @@ impl Default for TransportSettings {
             send_queue_max_bytes: 64 << 20,
             unreachable_give_up: Duration::from_secs(30),
             max_inbound_connections: 1024,
+            max_handshaking_connections: 64,
             max_handshakes_per_ip: 32,
+            first_frame_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(3),
             reconnect_backoff_min: Duration::from_millis(50),
             reconnect_backoff_max: Duration::from_secs(2),
@@ -527,6 +538,7 @@ impl NodeConfig {
             ("failure_detector.acceptable_pause", self.failure_detector.acceptable_pause),
             ("failure_detector.min_std_deviation", self.failure_detector.min_std_deviation),
             ("transport.connect_timeout", t.connect_timeout),
+            ("transport.first_frame_timeout", t.first_frame_timeout),
             ("transport.reconnect_backoff_min", t.reconnect_backoff_min),
             ("transport.reconnect_backoff_max", t.reconnect_backoff_max),
             ("transport.write_timeout", t.write_timeout),
@@ -558,8 +570,14 @@ impl NodeConfig {
         if t.send_queue_max_bytes < t.max_frame_size + 4 {
             return bad("transport.send_queue_max_bytes must hold at least one frame of max_frame_size".into());
         }
-        if t.max_inbound_connections == 0 || t.max_handshakes_per_ip == 0 {
-            return bad("transport.max_inbound_connections and max_handshakes_per_ip must be > 0".into());
+        if t.first_frame_timeout.is_zero() {
+            return bad("transport.first_frame_timeout must be > 0".into());
+        }
+        if t.max_inbound_connections == 0 || t.max_handshakes_per_ip == 0 || t.max_handshaking_connections == 0 {
+            return bad(
+                "transport.max_inbound_connections, max_handshaking_connections and max_handshakes_per_ip must be > 0"
+                    .into(),
+            );
         }
         if t.unreachable_give_up < t.connect_timeout {
             return bad("transport.unreachable_give_up must be at least transport.connect_timeout".into());
@@ -628,6 +646,12 @@ mod tests {
         let mut t = ok.clone();
         t.transport.unreachable_give_up = t.transport.connect_timeout / 2;
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("unreachable_give_up")));
+        let mut t = ok.clone();
+        t.transport.first_frame_timeout = Duration::ZERO;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("first_frame_timeout")));
+        let mut t = ok.clone();
+        t.transport.max_handshaking_connections = 0;
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("max_handshaking_connections")));
         let mut t = ok.clone();
         t.transport.max_handshakes_per_ip = 0;
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("max_handshakes_per_ip")));

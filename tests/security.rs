@@ -487,3 +487,88 @@ async fn while_upgrading_from_unstamped_gossip_the_same_replay_brings_departed_m
     let (phantom, _) = replay_formation_gossip_after_leaves_and_a_restart(true).await;
     assert!(phantom, "the replay reproduced S1 without stamps");
 }
+
+/// S3 of the round-3 security review: an outsider that holds silent connections from many
+/// addresses used to take every inbound slot (handshaking and established shared one pool of
+/// 1,024), so a restarted member was refused for as long as the outsider's connections lived,
+/// and the resolver downed it. Deadlines are set far out here, so only the slots' own rule can
+/// let the member in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forty_addresses_holding_32_silent_connections_each_do_not_lock_out_a_restarted_member() {
+    allow_open_files(8_000);
+    let mut c = TestCluster::start_with(2, |_, cfg| {
+        cfg.cluster_secret = Some(secret('a'));
+        ddshard::testkit::fast_downing(cfg);
+        cfg.transport.connect_timeout = Duration::from_secs(60);
+        cfg.transport.first_frame_timeout = Duration::from_secs(60);
+        cfg.transport.unreachable_give_up = Duration::from_secs(120);
+    })
+    .await
+    .unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let mut silent = Vec::new();
+    for k in 2..42u8 {
+        for _ in 0..32 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.bind(std::net::SocketAddr::from(([127, 0, 0, k], 0))).unwrap();
+            silent.push(socket.connect(n1.messaging_addr()).await.unwrap());
+        }
+    }
+    // And ten more addresses open another silent connection every 20 ms each, to take any
+    // slot that frees up (the killed n2's, for one).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut pressure = Vec::new();
+    for k in 42..52u8 {
+        let (stop, target) = (stop.clone(), n1.messaging_addr());
+        pressure.push(tokio::spawn(async move {
+            let mut held = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.bind(std::net::SocketAddr::from(([127, 0, 0, k], 0))).unwrap();
+                if let Ok(s) = socket.connect(target).await {
+                    held.push(s);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.restart(1).await.unwrap();
+    let restarted = std::time::Instant::now();
+    let n2 = c.node(1).clone();
+    // Whatever n2 writes reaches n1 only over n2's link to n1 (deltas and anti-entropy both;
+    // two nodes, so no third one can carry it).
+    n2.replicator()
+        .update::<ddshard::ddata::GSet, _>("from-n2", Consistency::Local, Duration::from_secs(1), |s, _| {
+            s.insert("restarted")
+        })
+        .await
+        .unwrap();
+    eventually(CONVERGE, "n1 holds what the restarted n2 wrote", || {
+        let n1 = n1.clone();
+        async move {
+            let read =
+                n1.replicator().read_local_with::<ddshard::ddata::GSet, _, _>("from-n2", |s| s.contains("restarted"));
+            read.await.ok().flatten().filter(|held| *held)
+        }
+    })
+    .await;
+    let took = restarted.elapsed();
+    let closed = n1.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    println!(
+        "restarted n2 reached n1 {took:?} after its restart, past 1,280 silent connections and ten more addresses \
+         opening more ({closed} closed by n1)"
+    );
+    assert!(took < Duration::from_secs(10), "n2 needed {took:?} to reach n1");
+    c.await_converged(CONVERGE).await;
+    for (_, n) in c.running() {
+        assert_eq!(n.gossip_stats().downs_published.load(Ordering::Relaxed), 0, "{} downed a member", n.node_id());
+    }
+    stop.store(true, Ordering::Relaxed);
+    for p in pressure {
+        p.abort();
+    }
+    drop(silent);
+    c.shutdown().await;
+}

@@ -1,8 +1,7 @@
 //! The receiving side: admission limits, the acceptor's handshake (plain or Noise with key
 //! confirmation), and the read loop that hands frames to `dispatch`.
 
-use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,65 +12,64 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tracing::{debug, info, warn};
 
+use super::admission::HandshakeSlots;
 use super::outbound::configure_socket;
 use super::wire::{self, Frame, Hello, HelloReply, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RejectReason};
 use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, RouteCache, codec, cut, dispatch, noise};
+use crate::log_limit::LogLimiter;
 use crate::membership::{PeerStanding, UniqueAddress};
 use tokio_util::sync::CancellationToken;
 
-/// Admission of inbound connections: at most `max_inbound_connections` at once, and at most
-/// `max_handshakes_per_ip` of them from one IP still in their handshake, so neither a flood of
-/// idle connections nor one address opening many can take a node's memory or every slot.
+/// Admission of inbound connections: the handshake slots ([`HandshakeSlots`]), and at most
+/// `max_inbound_connections` established ones, counted once the dialer's key confirmation
+/// arrived, so handshakes cannot take the members' places.
 struct InboundLimits {
-    connections: Arc<tokio::sync::Semaphore>,
-    handshaking: Mutex<HashMap<std::net::IpAddr, usize>>,
-    per_ip: usize,
+    handshaking: Mutex<HandshakeSlots<CancellationToken>>,
+    established: Arc<tokio::sync::Semaphore>,
+    /// One warning a minute per source address about connections closed by us.
+    closed_log: Mutex<LogLimiter<IpAddr>>,
 }
 
-/// One admitted inbound connection: holds its slot, and its handshake slot until released.
-struct InboundPermit {
-    _connection: tokio::sync::OwnedSemaphorePermit,
-    handshake: Option<(Arc<InboundLimits>, std::net::IpAddr)>,
+/// One inbound connection in its handshake: frees its slot when dropped.
+struct HandshakePermit {
+    limits: Arc<InboundLimits>,
+    slot: u64,
+    /// Cancelled when a newer connection evicted this one.
+    evicted: CancellationToken,
 }
 
-impl InboundPermit {
-    fn handshake_done(&mut self) {
-        if let Some((limits, ip)) = self.handshake.take() {
-            let mut h = limits.handshaking.lock().expect("handshaking lock");
-            if let Some(n) = h.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    h.remove(&ip);
-                }
-            }
-        }
+impl HandshakePermit {
+    /// The connection sent its first frame.
+    fn spoke(&self) {
+        self.limits.handshaking.lock().expect("handshaking lock").spoke(self.slot);
     }
 }
 
-impl Drop for InboundPermit {
+impl Drop for HandshakePermit {
     fn drop(&mut self) {
-        self.handshake_done();
+        self.limits.handshaking.lock().expect("handshaking lock").release(self.slot);
     }
 }
 
 impl InboundLimits {
-    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<InboundPermit> {
-        let connection = self.connections.clone().try_acquire_owned().ok()?;
-        let mut h = self.handshaking.lock().expect("handshaking lock");
-        let n = h.entry(ip).or_insert(0);
-        if *n >= self.per_ip {
-            return None;
+    fn admit(self: &Arc<Self>, ip: IpAddr) -> Option<HandshakePermit> {
+        let evicted = CancellationToken::new();
+        let (slot, displaced) = self.handshaking.lock().expect("handshaking lock").admit(ip, evicted.clone())?;
+        if let Some(displaced) = displaced {
+            displaced.cancel();
         }
-        *n += 1;
-        Some(InboundPermit { _connection: connection, handshake: Some((self.clone(), ip)) })
+        Some(HandshakePermit { limits: self.clone(), slot, evicted })
     }
 }
 
 pub(super) async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
     let limits = Arc::new(InboundLimits {
-        connections: Arc::new(tokio::sync::Semaphore::new(inner.settings.max_inbound_connections)),
-        handshaking: Mutex::default(),
-        per_ip: inner.settings.max_handshakes_per_ip,
+        handshaking: Mutex::new(HandshakeSlots::new(
+            inner.settings.max_handshaking_connections,
+            inner.settings.max_handshakes_per_ip,
+        )),
+        established: Arc::new(tokio::sync::Semaphore::new(inner.settings.max_inbound_connections)),
+        closed_log: Mutex::new(LogLimiter::new(Duration::from_secs(60))),
     });
     loop {
         let accepted = tokio::select! {
@@ -83,7 +81,7 @@ pub(super) async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
                 let Some(permit) = limits.admit(remote.ip()) else {
                     // Closed at once: no task, no buffer for a connection over the limits.
                     inner.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
-                    debug!(%remote, "inbound connection over the limits; closed");
+                    debug!(%remote, "inbound connection over the per-address handshake limit; closed");
                     continue;
                 };
                 let _ = configure_socket(&stream, &inner.settings);
@@ -110,6 +108,12 @@ enum InboundError {
     NoKeyConfirmation,
     #[error("handshake not completed within the connect timeout")]
     HandshakeTimeout,
+    #[error("no first frame within the first-frame timeout")]
+    FirstFrameTimeout,
+    #[error("evicted by a newer connection while handshaking (the handshake slots are full)")]
+    Evicted,
+    #[error("established inbound connections at their cap (transport.max_inbound_connections)")]
+    OverCapacity,
     #[error("bad frame (oversized, truncated or not authentic): {0}")]
     BadFrame(std::io::Error),
     #[error("malformed frame: {0}")]
@@ -143,30 +147,39 @@ impl tokio_util::codec::Decoder for InboundCodec {
     }
 }
 
-async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr, mut permit: InboundPermit) {
+async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr, permit: HandshakePermit) {
+    let limits = permit.limits.clone();
     let result = tokio::select! {
         _ = inner.shutdown.cancelled() => Ok(()),
-        r = serve_connection(&inner, stream, &mut permit) => r,
+        r = serve_connection(&inner, stream, permit) => r,
     };
     if let Err(e) = result {
         inner.stats.connections_rejected.fetch_add(1, Ordering::Relaxed);
-        warn!(%remote, reason = %e, "closing inbound connection");
+        let held_back =
+            limits.closed_log.lock().expect("log limiter lock").allow(&remote.ip(), std::time::Instant::now());
+        match held_back {
+            Some(held_back) => warn!(%remote, reason = %e, held_back, "closing inbound connection"),
+            None => debug!(%remote, reason = %e, "closing inbound connection"),
+        }
     }
 }
 
-async fn serve_connection(
-    inner: &Arc<Inner>,
-    stream: TcpStream,
-    permit: &mut InboundPermit,
-) -> Result<(), InboundError> {
-    let (from, mut framed, version) =
-        match tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream)).await {
+async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, permit: HandshakePermit) -> Result<(), InboundError> {
+    let handshake = tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream, &permit));
+    let (from, mut framed, version) = tokio::select! {
+        _ = permit.evicted.cancelled() => return Err(InboundError::Evicted),
+        r = handshake => match r {
             Err(_) => return Err(InboundError::HandshakeTimeout),
             Ok(Ok(Some(accepted))) => accepted,
             Ok(Ok(None)) => return Ok(()),
             Ok(Err(e)) => return Err(e),
-        };
-    permit.handshake_done();
+        },
+    };
+    let limits = permit.limits.clone();
+    drop(permit);
+    let Ok(_established) = limits.established.clone().try_acquire_owned() else {
+        return Err(InboundError::OverCapacity);
+    };
     framed.codec_mut().set_max_frame_length(inner.settings.max_frame_size);
     info!(peer = %from.address, version, "inbound connection accepted");
     let registration = InboundRegistration::new(inner, &from.address);
@@ -226,13 +239,18 @@ const RECEIVE_BATCH_BYTES: usize = 256 * 1024;
 async fn accept_handshake(
     inner: &Arc<Inner>,
     stream: TcpStream,
+    permit: &HandshakePermit,
 ) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>, u32)>, InboundError> {
     let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
-    let first = match framed.next().await {
-        None => return Ok(None),
-        Some(Err(e)) => return Err(InboundError::BadFrame(e)),
-        Some(Ok(b)) => b,
+    // A dialer sends its first frame right after connecting: a silent connection is an idle
+    // slot-holder, closed long before the whole handshake's deadline.
+    let first = match tokio::time::timeout(inner.settings.first_frame_timeout, framed.next()).await {
+        Err(_) => return Err(InboundError::FirstFrameTimeout),
+        Ok(None) => return Ok(None),
+        Ok(Some(Err(e))) => return Err(InboundError::BadFrame(e)),
+        Ok(Some(Ok(b))) => b,
     };
+    permit.spoke();
     let mut handshake = inner.psk.as_ref().map(|psk| noise::responder(psk, inner.local.messaging_addr));
     let hello = match &mut handshake {
         Some(hs) => match noise::read_handshake(hs, &first) {

@@ -15,6 +15,7 @@
 //! handshake not keyed by the secret) closes only that connection with a logged, typed reason
 //! and bumps a counter.
 
+mod admission;
 mod inbound;
 mod link;
 mod noise;
