@@ -39,6 +39,11 @@ pub struct NodeConfig {
     /// from the environment variable `DDSHARD_CLUSTER_SECRET` by [`NodeConfig::apply_env`].
     /// Without one a node may bind only loopback addresses unless `insecure` is set.
     pub cluster_secret: Option<ClusterSecret>,
+    /// Further secrets whose gossip and connections this node accepts, never using them itself:
+    /// for rotating the secret without an outage (README, "Rotating the cluster secret"). Also
+    /// read from `DDSHARD_ACCEPTED_CLUSTER_SECRETS` (comma-separated) by
+    /// [`NodeConfig::apply_env`]. Requires `cluster_secret`; at most 3.
+    pub accepted_cluster_secrets: Vec<ClusterSecret>,
     /// Allows binding non-loopback addresses without a `cluster_secret`: anyone who can reach
     /// the ports can then join and speak as a member. Logged loudly at start.
     pub insecure: bool,
@@ -73,6 +78,7 @@ impl Default for NodeConfig {
             node_id: String::new(),
             cluster_id: "ddshard".into(),
             cluster_secret: None,
+            accepted_cluster_secrets: Vec::new(),
             insecure: false,
             gossip_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             messaging_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -470,20 +476,33 @@ impl NodeConfig {
     /// Name of the environment variable [`NodeConfig::apply_env`] reads the secret from.
     pub const SECRET_ENV: &'static str = "DDSHARD_CLUSTER_SECRET";
 
-    /// Takes `cluster_secret` from the environment variable `DDSHARD_CLUSTER_SECRET` when it is
-    /// set (it wins over the file, so the secret need not be written into one). `ddshard node`
-    /// calls this; a library user calls it if they want the same.
+    /// Name of the environment variable [`NodeConfig::apply_env`] reads the accepted secrets
+    /// from (comma-separated).
+    pub const ACCEPTED_SECRETS_ENV: &'static str = "DDSHARD_ACCEPTED_CLUSTER_SECRETS";
+
+    /// Takes `cluster_secret` from the environment variable `DDSHARD_CLUSTER_SECRET` and
+    /// `accepted_cluster_secrets` from `DDSHARD_ACCEPTED_CLUSTER_SECRETS` (comma-separated)
+    /// when they are set (they win over the file, so secrets need not be written into one).
+    /// `ddshard node` calls this; a library user calls it if they want the same.
     pub fn apply_env(&mut self) -> Result<()> {
-        match std::env::var(Self::SECRET_ENV) {
-            Ok(s) => {
-                self.cluster_secret = Some(ClusterSecret::new(s)?);
-                Ok(())
-            }
-            Err(std::env::VarError::NotPresent) => Ok(()),
-            Err(std::env::VarError::NotUnicode(_)) => {
-                Err(Error::Config(format!("{} is not valid UTF-8", Self::SECRET_ENV)))
-            }
+        let read = |name: &str| match std::env::var(name) {
+            Ok(s) => Ok(Some(s)),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(_)) => Err(Error::Config(format!("{name} is not valid UTF-8"))),
+        };
+        if let Some(s) = read(Self::SECRET_ENV)? {
+            self.cluster_secret = Some(ClusterSecret::new(s)?);
         }
+        if let Some(list) = read(Self::ACCEPTED_SECRETS_ENV)? {
+            self.accepted_cluster_secrets =
+                list.split(',').filter(|s| !s.is_empty()).map(ClusterSecret::new).collect::<Result<_>>()?;
+        }
+        Ok(())
+    }
+
+    /// The secrets this node accepts, the one it uses first (empty: no secret).
+    pub(crate) fn secrets(&self) -> Vec<ClusterSecret> {
+        self.cluster_secret.iter().chain(&self.accepted_cluster_secrets).cloned().collect()
     }
 
     /// Whether this node binds an address another host could reach without a cluster secret
@@ -517,6 +536,12 @@ impl NodeConfig {
             return bad("roles must be non-empty and must not contain ','".into());
         }
         let (m, t, r) = (&self.membership, &self.transport, &self.replicator);
+        if !self.accepted_cluster_secrets.is_empty() && self.cluster_secret.is_none() {
+            return bad("accepted_cluster_secrets needs a cluster_secret (the one this node uses)".into());
+        }
+        if self.accepted_cluster_secrets.len() > 3 {
+            return bad("accepted_cluster_secrets holds at most 3 secrets".into());
+        }
         if m.downing == DowningStrategy::StaticQuorum && m.quorum_size == 0 {
             return bad("membership.quorum_size must be at least 1 with downing = \"static-quorum\"".into());
         }
@@ -661,6 +686,15 @@ mod tests {
         let mut t = ok.clone();
         t.sharding.ask_timeout = MAX_SETTING_DURATION + Duration::from_secs(1);
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("ask_timeout")));
+        let mut t = ok.clone();
+        t.accepted_cluster_secrets = vec![ClusterSecret::generate()];
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("needs a cluster_secret")));
+        t.cluster_secret = Some(ClusterSecret::generate());
+        assert!(t.validate().is_ok());
+        assert_eq!(t.secrets().len(), 2, "its own first, then the accepted one");
+        assert_eq!(t.secrets()[0], t.cluster_secret.clone().unwrap());
+        t.accepted_cluster_secrets = (0..4).map(|_| ClusterSecret::generate()).collect();
+        assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("at most 3")));
         let mut t = ok.clone();
         t.membership.gossip_freshness_window = t.membership.gossip_interval * 3;
         assert!(matches!(t.validate(), Err(Error::Config(m)) if m.contains("gossip_freshness_window")));

@@ -20,6 +20,7 @@ use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
+use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
 
 enum Command {
@@ -138,11 +139,14 @@ impl MembershipDriver {
         let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
         // With a secret every datagram is authenticated; without one, chitchat's plain socket
         // (config validation allowed that only on loopback or with `insecure`).
-        let socket: Box<dyn Socket> = match &cfg.cluster_secret {
-            Some(secret) => Box::new(
+        let keys: Vec<_> = cfg.secrets().iter().map(ClusterSecret::gossip_mac_key).collect();
+        let socket: Box<dyn Socket> = if keys.is_empty() {
+            Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?)
+        } else {
+            Box::new(
                 AuthenticatedSocket::bind(
                     cfg.gossip_addr,
-                    secret.gossip_mac_key(),
+                    keys,
                     GossipSealing {
                         freshness_window: cfg.membership.gossip_freshness_window,
                         accept_unstamped: cfg.membership.accept_unstamped_gossip,
@@ -151,8 +155,7 @@ impl MembershipDriver {
                 )
                 .await
                 .map_err(|e| binding(&e))?,
-            ),
-            None => Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?),
+            )
         };
         let gossip_addr = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
         if gossip_addr.ip().is_unspecified() {

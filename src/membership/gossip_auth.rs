@@ -147,19 +147,27 @@ pub(crate) struct Opened {
     pub(crate) envelope: Vec<u8>,
 }
 
-/// Seals and opens datagrams with one key; pure, so the format is tested without sockets.
+/// Seals datagrams with its first key and opens those sealed with any of its keys (a cluster
+/// rotating its secret accepts the old and the new one); pure, so the format is tested without
+/// sockets.
 #[derive(Clone)]
 pub(crate) struct DatagramSealer {
-    key: DerivedKey,
+    keys: Vec<DerivedKey>,
 }
 
 impl DatagramSealer {
-    pub(crate) fn new(key: DerivedKey) -> Self {
-        DatagramSealer { key }
+    /// `keys` must not be empty: the first seals.
+    pub(crate) fn new(keys: Vec<DerivedKey>) -> Self {
+        assert!(!keys.is_empty(), "a sealer needs a key");
+        DatagramSealer { keys }
     }
 
     fn mac(&self) -> Blake2sMac256 {
-        <Blake2sMac256 as KeyInit>::new_from_slice(&self.key).expect("a 32-byte key fits BLAKE2s")
+        Self::mac_of(&self.keys[0])
+    }
+
+    fn mac_of(key: &DerivedKey) -> Blake2sMac256 {
+        <Blake2sMac256 as KeyInit>::new_from_slice(key).expect("a 32-byte key fits BLAKE2s")
     }
 
     /// The datagram for `envelope` (stamped unless `stamp` is `None`, the format of earlier
@@ -197,9 +205,14 @@ impl DatagramSealer {
             return Err(DatagramError::Unauthenticated);
         }
         let (signed, tag) = datagram.split_at(datagram.len() - TAG_LEN);
-        let mut mac = self.mac();
-        mac.update(signed);
-        mac.verify_truncated_left(tag).map_err(|_| DatagramError::Unauthenticated)?;
+        let authentic = self.keys.iter().any(|key| {
+            let mut mac = Self::mac_of(key);
+            mac.update(signed);
+            mac.verify_truncated_left(tag).is_ok()
+        });
+        if !authentic {
+            return Err(DatagramError::Unauthenticated);
+        }
         let tag: [u8; TAG_LEN] = tag.try_into().expect("split at TAG_LEN");
         let (format, rest) = (signed[0], &signed[1..]);
         let (stamp, body) = match format {
@@ -327,7 +340,7 @@ const LOOPBACK_HOP_TIMEOUT: std::time::Duration = std::time::Duration::from_mill
 impl AuthenticatedSocket {
     pub(crate) async fn bind(
         addr: SocketAddr,
-        key: DerivedKey,
+        keys: Vec<DerivedKey>,
         sealing: GossipSealing,
         stats: Arc<GossipStats>,
     ) -> anyhow::Result<AuthenticatedSocket> {
@@ -342,7 +355,7 @@ impl AuthenticatedSocket {
             codec,
             tap_addr: tap.local_addr()?,
             tap,
-            sealer: DatagramSealer::new(key),
+            sealer: DatagramSealer::new(keys),
             guard: ReplayGuard::new(sealing.freshness_window),
             sealing,
             stale_log: LogLimiter::new(Duration::from_secs(60)),
@@ -495,7 +508,7 @@ mod tests {
     use super::*;
 
     fn sealer(byte: u8) -> DatagramSealer {
-        DatagramSealer::new([byte; 32])
+        DatagramSealer::new(vec![[byte; 32]])
     }
 
     fn stamp(sent_ms: u64) -> Option<Stamp> {
@@ -548,6 +561,20 @@ mod tests {
         assert_eq!(sealer(7).open(&d[..d.len() - 1]), Err(DatagramError::Unauthenticated));
         assert_eq!(sealer(7).open(&[]), Err(DatagramError::Unauthenticated));
         assert_eq!(sealer(7).open(&[FORMAT_PLAIN; TAG_LEN]), Err(DatagramError::Unauthenticated));
+    }
+
+    #[test]
+    fn a_sealer_rotating_its_key_seals_with_the_first_and_opens_with_any() {
+        let (old, new) = (sealer(1), sealer(2));
+        let rotating = DatagramSealer::new(vec![[2; 32], [1; 32]]);
+        let from_old = old.seal(b"old", stamp(1)).unwrap();
+        let from_new = new.seal(b"new", stamp(1)).unwrap();
+        assert_eq!(rotating.open(&from_old).unwrap().envelope, b"old");
+        assert_eq!(rotating.open(&from_new).unwrap().envelope, b"new");
+        let sealed = rotating.seal(b"rotating", stamp(1)).unwrap();
+        assert_eq!(sealed, new.seal(b"rotating", stamp(1)).unwrap(), "sealed with the first key");
+        assert_eq!(old.open(&sealed), Err(DatagramError::Unauthenticated), "sealed with the first key only");
+        assert_eq!(rotating.open(&sealer(3).seal(b"x", stamp(1)).unwrap()), Err(DatagramError::Unauthenticated));
     }
 
     #[test]
@@ -654,8 +681,9 @@ mod tests {
     async fn socket(window: Duration, accept_unstamped: bool) -> (AuthenticatedSocket, Arc<GossipStats>) {
         let stats = Arc::new(GossipStats::default());
         let sealing = GossipSealing { freshness_window: window, accept_unstamped };
-        let s =
-            AuthenticatedSocket::bind("127.0.0.1:0".parse().unwrap(), [5; 32], sealing, stats.clone()).await.unwrap();
+        let s = AuthenticatedSocket::bind("127.0.0.1:0".parse().unwrap(), vec![[5; 32]], sealing, stats.clone())
+            .await
+            .unwrap();
         (s, stats)
     }
 

@@ -119,7 +119,7 @@ impl Node {
             config.messaging_addr,
             address.clone(),
             config.cluster_id.clone(),
-            config.cluster_secret.as_ref(),
+            config.secrets(),
             config.transport.clone(),
             spawner.clone(),
             b.link_filter,

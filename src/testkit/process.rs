@@ -40,6 +40,9 @@ pub struct ProcessOptions {
     /// [`ProcessOptions::new`] sets [`TEST_PROCESS_SECRET`], so processes of one test are one
     /// authenticated cluster; `None` runs an open cluster (loopback only).
     pub cluster_secret: Option<String>,
+    /// Handed to the process in `DDSHARD_ACCEPTED_CLUSTER_SECRETS` (comma-separated): secrets
+    /// it accepts besides its own, for rotating the secret.
+    pub accepted_cluster_secrets: Vec<String>,
     /// One config file for every node (`cluster.toml` in `dir`, the shared settings only);
     /// this node's own settings go on top as overrides: its id, data dir and gossip address
     /// as `--set` arguments, its messaging address and seeds as `DDSHARD__…` variables — the
@@ -64,6 +67,7 @@ impl ProcessOptions {
             wrapper: Vec::new(),
             activation_log: None,
             cluster_secret: Some(TEST_PROCESS_SECRET.to_string()),
+            accepted_cluster_secrets: Vec::new(),
             shared_config_file: false,
         }
     }
@@ -161,6 +165,10 @@ impl NodeProcess {
         match &opts.cluster_secret {
             Some(secret) => command.env(crate::NodeConfig::SECRET_ENV, secret),
             None => command.env_remove(crate::NodeConfig::SECRET_ENV),
+        };
+        match opts.accepted_cluster_secrets.as_slice() {
+            [] => command.env_remove(crate::NodeConfig::ACCEPTED_SECRETS_ENV),
+            accepted => command.env(crate::NodeConfig::ACCEPTED_SECRETS_ENV, accepted.join(",")),
         };
         let mut child = command
             .args(&args[1..])

@@ -251,10 +251,11 @@ async fn accept_handshake(
         Ok(Some(Ok(b))) => b,
     };
     permit.spoke();
-    let mut handshake = inner.psk.as_ref().map(|psk| noise::responder(psk, inner.local.messaging_addr));
-    let hello = match &mut handshake {
-        Some(hs) => match noise::read_handshake(hs, &first) {
-            Ok(payload) => payload,
+    let (mut handshake, hello) = if inner.psks.is_empty() {
+        (None, first.to_vec())
+    } else {
+        match noise::respond(&inner.psks, inner.local.messaging_addr, &first) {
+            Ok((hs, payload)) => (Some(hs), payload),
             Err(e) => {
                 // Said in plain text: we hold no key this peer shares.
                 if let Ok(b) = wire::encode(&HelloReply::Reject(RejectReason::Unauthenticated)) {
@@ -262,8 +263,7 @@ async fn accept_handshake(
                 }
                 return Err(InboundError::Unauthenticated(e.to_string()));
             }
-        },
-        None => first.to_vec(),
+        }
     };
     let hello: Hello = wire::decode(&hello).map_err(|e| InboundError::MalformedHandshake(e.to_string()))?;
     let reject = if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&hello.protocol_version) {

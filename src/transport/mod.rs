@@ -136,8 +136,9 @@ struct QueueState {
 struct Inner {
     local: PeerAddr,
     cluster_id: String,
-    /// The Noise pre-shared key derived from the cluster secret; `None`: plain handshakes.
-    psk: Option<[u8; 32]>,
+    /// The Noise pre-shared keys derived from the cluster secrets: dials with the first,
+    /// accepts any (a secret being rotated); empty: plain handshakes.
+    psks: Vec<[u8; 32]>,
     settings: TransportSettings,
     /// One writer per peer incarnation *and* the address it is reached at, so a connection that
     /// claims an incarnation with another address can never redirect traffic meant for it.
@@ -248,16 +249,17 @@ impl Transport {
         shutdown: CancellationToken,
     ) -> Result<Transport> {
         let spawner = Spawner::new(tracing::Span::current(), shutdown);
-        Self::bind_with(bind, local, cluster_id, secret, settings, spawner, None).await
+        Self::bind_with(bind, local, cluster_id, secret.into_iter().cloned().collect(), settings, spawner, None).await
     }
 
     /// Binds the listener and starts accepting; every task goes through `spawner`, and the
-    /// link filter (if any) decides which links carry messages.
+    /// link filter (if any) decides which links carry messages. Dials with the first of
+    /// `secrets` and accepts dialers holding any of them (none: plain connections).
     pub(crate) async fn bind_with(
         bind: SocketAddr,
         local: UniqueAddress,
         cluster_id: String,
-        secret: Option<&ClusterSecret>,
+        secrets: Vec<ClusterSecret>,
         settings: TransportSettings,
         spawner: Spawner,
         link_filter: Option<Arc<dyn LinkFilter>>,
@@ -273,7 +275,7 @@ impl Transport {
         let inner = Arc::new(Inner {
             local: PeerAddr { address: local, messaging_addr },
             cluster_id,
-            psk: secret.map(ClusterSecret::transport_psk),
+            psks: secrets.iter().map(ClusterSecret::transport_psk).collect(),
             settings,
             writers: Mutex::default(),
             topics: Mutex::default(),

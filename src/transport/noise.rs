@@ -70,6 +70,25 @@ pub(crate) fn responder(psk: &[u8; 32], local: std::net::SocketAddr) -> Handshak
     handshake_state(psk, local, false)
 }
 
+/// The acceptor's side of message 1 under any of `psks` (a cluster rotating its secret accepts
+/// the old and the new one): the handshake of the first key that authenticates it, and its
+/// payload. The dialer's key is the one answered with.
+pub(crate) fn respond(
+    psks: &[[u8; 32]],
+    local: std::net::SocketAddr,
+    message: &[u8],
+) -> Result<(HandshakeState, Vec<u8>), NoiseError> {
+    let mut last = None;
+    for psk in psks {
+        let mut hs = responder(psk, local);
+        match read_handshake(&mut hs, message) {
+            Ok(payload) => return Ok((hs, payload)),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or(NoiseError::Unauthenticated(snow::Error::Decrypt)))
+}
+
 /// Writes a handshake message carrying `payload` (at most a few hundred bytes).
 pub(crate) fn write_handshake(hs: &mut HandshakeState, payload: &[u8]) -> Result<Vec<u8>, NoiseError> {
     let mut out = vec![0; MAX_MESSAGE];
@@ -178,6 +197,29 @@ mod tests {
         let m2 = write_handshake(&mut r, b"accept")?;
         assert_eq!(read_handshake(&mut i, &m2)?, b"accept");
         Ok((i.into_transport_mode().unwrap(), r.into_transport_mode().unwrap()))
+    }
+
+    #[test]
+    fn an_acceptor_rotating_its_secret_completes_handshakes_under_either_key_and_answers_with_the_dialers() {
+        let addr = ADDR.parse().unwrap();
+        let (old, new, other) = ([1; 32], [2; 32], [3; 32]);
+        for dialer_psk in [old, new] {
+            let mut i = initiator(&dialer_psk, addr);
+            let m1 = write_handshake(&mut i, b"hello").unwrap();
+            let (mut r, payload) = respond(&[new, old], addr, &m1).unwrap();
+            assert_eq!(payload, b"hello");
+            let m2 = write_handshake(&mut r, b"accept").unwrap();
+            assert_eq!(read_handshake(&mut i, &m2).unwrap(), b"accept", "answered under the dialer's key");
+            let (mut dialer, mut acceptor) = (i.into_transport_mode().unwrap(), r.into_transport_mode().unwrap());
+            let mut sealed = BytesMut::new();
+            seal(&mut dialer, b"frame", &mut sealed).unwrap();
+            let mut out = vec![0; 64];
+            let n = acceptor.read_message(&sealed[2..], &mut out).unwrap();
+            assert_eq!(&out[..n], b"frame");
+        }
+        let m1 = write_handshake(&mut initiator(&other, addr), b"hello").unwrap();
+        assert!(matches!(respond(&[new, old], addr, &m1), Err(NoiseError::Unauthenticated(_))));
+        assert!(matches!(respond(&[], addr, &m1), Err(NoiseError::Unauthenticated(_))), "no key, no handshake");
     }
 
     fn frames_of(sealed: &[u8], codec: &mut SecureFrameCodec) -> std::io::Result<Vec<Vec<u8>>> {

@@ -214,7 +214,7 @@ async fn dial(inner: &Inner, peer: &PeerAddr, version: u32) -> Result<Link, Dial
         to: peer.address.clone(),
     };
     let hello = wire::encode(&hello).map_err(|e| DialError::Refused(e.to_string()))?;
-    let mut handshake = inner.psk.as_ref().map(|psk| noise::initiator(psk, peer.messaging_addr));
+    let mut handshake = inner.psks.first().map(|psk| noise::initiator(psk, peer.messaging_addr));
     let first = match &mut handshake {
         Some(hs) => Bytes::from(noise::write_handshake(hs, &hello).map_err(|e| DialError::Refused(e.to_string()))?),
         None => hello,
