@@ -52,7 +52,7 @@ use crate::sharding::RegionRef;
 /// How the admin API runs.
 #[derive(Clone, Default)]
 pub struct AdminSettings {
-    /// The bearer token of mutating routes (`None`: they answer 403).
+    /// The bearer token of mutating routes (`None` or empty: they answer 403).
     pub token: Option<String>,
     /// Where `/metrics` renders from (see [`crate::metrics::install_prometheus`]); `None`:
     /// `/metrics` answers 404.
@@ -169,9 +169,10 @@ fn json<T: Serialize>(value: &T) -> Response {
     axum::Json(value).into_response()
 }
 
-/// Checks the bearer token of a mutating route, comparing in constant time.
+/// Checks the bearer token of a mutating route, comparing in constant time. An empty token is
+/// no token (mutating routes off): an empty `Authorization: Bearer ` must not match it.
 fn authorize(admin: &Admin, headers: &HeaderMap) -> ApiResult<()> {
-    let Some(token) = admin.settings.token.as_deref() else {
+    let Some(token) = admin.settings.token.as_deref().filter(|t| !t.trim().is_empty()) else {
         return Err(ApiError::new(StatusCode::FORBIDDEN, "no admin token configured: mutating routes are off"));
     };
     let given = headers

@@ -251,6 +251,21 @@ impl Default for MembershipSettings {
     }
 }
 
+/// Settings that hold secrets: never overridden (`--set` puts them on a command line).
+const SECRET_SETTINGS: [&str; 2] = ["cluster_secret", "accepted_cluster_secrets"];
+
+/// A TOML error as a config error: its message and where, never the text around it (a snippet
+/// of a config file can hold a secret).
+fn toml_error(text: &str, e: &toml::de::Error) -> Error {
+    match e.span() {
+        Some(span) => {
+            let line = text[..span.start.min(text.len())].matches('\n').count() + 1;
+            Error::Config(format!("line {line}: {}", e.message()))
+        }
+        None => Error::Config(e.message().to_string()),
+    }
+}
+
 /// The setting's dotted path an override variable names (`DDSHARD__A__B_C` → `a.b_c`).
 fn override_path_of_env_var(name: &str) -> Option<String> {
     let rest = name.strip_prefix(NodeConfig::OVERRIDE_ENV_PREFIX)?;
@@ -259,6 +274,14 @@ fn override_path_of_env_var(name: &str) -> Option<String> {
 
 /// Sets `raw` at the dotted `path` of `table`, typed after the default found at that path.
 fn set_override(table: &mut toml::Table, defaults: &toml::Table, path: &str, raw: &str) -> Result<()> {
+    if SECRET_SETTINGS.contains(&path) {
+        // Never on a command line (visible to every local user) nor echoed in an error.
+        return Err(Error::Config(format!(
+            "{path} cannot be overridden; give it in {} or {}, or in the config file",
+            NodeConfig::SECRET_ENV,
+            NodeConfig::ACCEPTED_SECRETS_ENV
+        )));
+    }
     let bad = |why: &str| Error::Config(format!("override {path}={raw:?}: {why}"));
     let keys: Vec<&str> = path.split('.').collect();
     if keys.iter().any(|k| k.is_empty()) {
@@ -404,7 +427,7 @@ impl NodeConfig {
     /// Parses a TOML document (the format of `config/default.toml`); missing settings keep their
     /// defaults, unknown ones are an error.
     pub fn from_toml_str(text: &str) -> Result<Self> {
-        toml::from_str(text).map_err(|e| Error::Config(e.to_string()))
+        toml::from_str(text).map_err(|e| toml_error(text, &e))
     }
 
     /// Reads and parses a TOML file.
@@ -426,7 +449,7 @@ impl NodeConfig {
     /// `true`, `0.5`), or the text when it is not one (an unset optional setting like `role`).
     /// An unknown setting or a value of the wrong type is an [`Error::Config`] naming it.
     pub fn from_toml_str_with_overrides(text: &str, overrides: &[(String, String)]) -> Result<Self> {
-        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| Error::Config(e.to_string()))?;
+        let mut table: toml::Table = text.parse().map_err(|e: toml::de::Error| toml_error(text, &e))?;
         let defaults = toml::Table::try_from(NodeConfig::default())
             .map_err(|e| Error::Config(format!("the defaults as TOML: {e}")))?;
         for (path, raw) in overrides {
@@ -865,6 +888,33 @@ mod tests {
         let parsed = NodeConfig::from_toml_str(&file).unwrap();
         assert_eq!(parsed.cluster_secret.unwrap().expose(), "s".repeat(40));
         assert!(matches!(NodeConfig::from_toml_str("cluster_secret = \"too short\""), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn a_secret_never_leaves_through_a_serialized_config_an_error_snippet_or_an_override() {
+        let secret = "s3cr3t-".repeat(6);
+        let cfg = NodeConfig {
+            cluster_secret: Some(ClusterSecret::new(secret.clone()).unwrap()),
+            accepted_cluster_secrets: vec![ClusterSecret::new(secret.clone()).unwrap()],
+            ..NodeConfig::default()
+        };
+        let written = toml::to_string(&cfg).unwrap();
+        assert!(!written.contains("s3cr3t"), "{written}");
+        // A file whose secret line is fine but whose next line is broken: the error names the
+        // line, never shows the text around it.
+        let file = format!("cluster_secret = \"{secret}\"\nnode_id = = \"n1\"\n");
+        let Err(Error::Config(m)) = NodeConfig::from_toml_str(&file) else { panic!("a syntax error") };
+        assert!(m.starts_with("line 2:") && !m.contains("s3cr3t"), "{m}");
+        let Err(Error::Config(m)) = NodeConfig::from_toml_str_with_overrides(&file, &[]) else {
+            panic!("a syntax error")
+        };
+        assert!(!m.contains("s3cr3t"), "{m}");
+        // Not settable on a command line, and the refusal does not echo it.
+        for path in ["cluster_secret", "accepted_cluster_secrets"] {
+            let set = [(path.to_string(), secret.clone())];
+            let Err(Error::Config(m)) = NodeConfig::from_toml_str_with_overrides("", &set) else { panic!("{path}") };
+            assert!(m.contains("DDSHARD_CLUSTER_SECRET") && !m.contains("s3cr3t"), "{m}");
+        }
     }
 
     #[test]

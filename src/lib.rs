@@ -15,6 +15,9 @@
 //! With the `testkit` feature, `testkit` starts in-process clusters with fault injection.
 
 #![deny(missing_docs)]
+// Two LMDB calls need `unsafe` (opening and resizing the map, `ddata/durable.rs`), each allowed
+// where it is and justified there; the test allocator is test-only. Nothing else may.
+#![deny(unsafe_code)]
 
 // The README's Rust snippets compile as doc tests, so the front page cannot drift from the API.
 #[doc = include_str!("../README.md")]

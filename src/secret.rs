@@ -71,11 +71,16 @@ impl std::fmt::Debug for ClusterSecret {
     }
 }
 
+/// Serialized redacted, like `Debug`: a config written out (or logged as JSON) never carries
+/// the secret, and what it writes is not a valid secret, so it cannot be read back as one.
 impl Serialize for ClusterSecret {
     fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
-        s.serialize_str(&self.0)
+        s.serialize_str(REDACTED)
     }
 }
+
+/// What a secret serializes to.
+const REDACTED: &str = "<redacted>";
 
 impl<'de> Deserialize<'de> for ClusterSecret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
@@ -94,6 +99,14 @@ mod tests {
         let printed = format!("{s:?} {:?}", Some(&s));
         assert!(!printed.contains("horse"), "{printed}");
         assert!(printed.contains("redacted"));
+    }
+
+    #[test]
+    fn a_serialized_secret_is_redacted_and_does_not_read_back_as_a_secret() {
+        let s = ClusterSecret::new("correct horse battery staple and more words").unwrap();
+        let written = toml::to_string(&std::collections::BTreeMap::from([("cluster_secret", s)])).unwrap();
+        assert_eq!(written.trim(), format!("cluster_secret = \"{REDACTED}\""));
+        assert!(toml::from_str::<std::collections::BTreeMap<String, ClusterSecret>>(&written).is_err());
     }
 
     #[test]

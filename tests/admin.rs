@@ -254,3 +254,19 @@ async fn the_admin_cli_prints_members_types_shards_allocation_explanations_locat
     assert_eq!(rows_with_status(&String::from_utf8_lossy(&out.stdout), "up"), 3);
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_admin_token_turns_mutating_routes_off_instead_of_letting_an_empty_bearer_in() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let leave = r#"{"operation": "leave"}"#;
+    for token in ["", "  "] {
+        let app = router(c.node(0).clone(), AdminSettings { token: Some(token.into()), ..Default::default() });
+        for given in [Some(""), Some(token), None] {
+            let (status, err) = call(&app, "PUT", "/cluster/members/n1", given, leave).await;
+            assert_eq!(status, StatusCode::FORBIDDEN, "token {token:?}, bearer {given:?}: {err}");
+        }
+    }
+    assert!(c.node(0).members().iter().any(|m| m.node_id() == "n1"), "n1 never left");
+    c.shutdown().await;
+}

@@ -198,12 +198,13 @@ impl DurableStore {
     /// Opens (creating if needed) the store in `dir`. A corrupt or foreign file is a typed
     /// [`Error::Storage`].
     pub fn open(dir: &Path, map_size: usize) -> Result<DurableStore> {
-        std::fs::create_dir_all(dir).map_err(|e| Error::storage(dir, format!("cannot create directory: {e}")))?;
+        create_private_dir(dir)?;
         let page = 4096;
         let map_size = map_size.div_ceil(page) * page;
         // SAFETY: heed requires that the same file is not opened twice in one process in a way
         // that breaks LMDB's locking; heed itself refuses a second open of the same path, and
         // ddshard opens each data dir once per node.
+        #[allow(unsafe_code)]
         let env = unsafe { EnvOpenOptions::new().read_txn_without_tls().map_size(map_size).max_dbs(4).open(dir) }
             .map_err(|e| Error::storage(dir, format!("cannot open LMDB environment: {e}")))?;
         let wtxn = env.write_txn().map_err(|e| Error::storage(dir, e))?;
@@ -362,7 +363,10 @@ impl DurableStore {
         let page = 4096;
         let new_size = new_size.div_ceil(page) * page;
         // SAFETY: per this method's contract, no transaction is open on the environment.
-        unsafe { self.env.resize(new_size) }
+        #[allow(unsafe_code)]
+        unsafe {
+            self.env.resize(new_size)
+        }
     }
 
     /// Stamps an empty store with [`FORMAT_VERSION`]; refuses data of another version.
@@ -505,6 +509,16 @@ impl DurableStore {
         wtxn.commit().map_err(|e| Error::storage(&self.path, e))?;
         Ok(generation)
     }
+}
+
+/// Creates `dir` and its missing parents readable by this user only (0700 on Unix, whatever the
+/// umask): a store holds every entity's state. Directories that exist keep their mode.
+pub(crate) fn create_private_dir(dir: &Path) -> Result<()> {
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true);
+    #[cfg(unix)]
+    std::os::unix::fs::DirBuilderExt::mode(&mut builder, 0o700);
+    builder.create(dir).map_err(|e| Error::storage(dir, format!("cannot create directory: {e}")))
 }
 
 #[cfg(test)]
