@@ -280,3 +280,53 @@ async fn three_nodes_from_one_config_file_with_per_node_overrides_form_one_clust
         stats.0.regions.values().flat_map(|s| s.keys()).map(|id| id.parse().expect("numeric shard id")).collect();
     assert!(shards.iter().all(|s| *s < 12), "every shard id under the shared number_of_shards: {shards:?}");
 }
+
+/// Runs `ddshard node` with `args` until a stderr line satisfies `wanted` (or 30 s pass);
+/// returns the lines read.
+fn node_log_until(dir: &Path, args: &[&str], wanted: impl Fn(&str) -> bool) -> Vec<String> {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ddshard"))
+        .args(["node", "--set", "node_id=logs", "--set"])
+        .arg(format!("data_dir={}", dir.join("logs").display()))
+        .args(["--admin-addr", "127.0.0.1:0"])
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut lines = Vec::new();
+    while let Ok(line) = rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        let done = wanted(&line);
+        lines.push(line);
+        if done {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    lines
+}
+
+#[test]
+fn a_node_logs_its_member_changes_at_info_by_default_and_as_json_lines_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = node_log_until(dir.path(), &[], |l| l.contains("member is up"));
+    assert!(text.iter().any(|l| l.contains("INFO") && l.contains("member is up")), "{text:#?}");
+    let json = node_log_until(dir.path(), &["--log-format", "json"], |l| l.contains("member is up"));
+    assert!(json.iter().any(|l| l.contains("member is up")), "{json:#?}");
+    for line in &json {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(v["level"].is_string() && v["message"].is_string() && v["timestamp"].is_string(), "{line}");
+    }
+}

@@ -492,6 +492,7 @@ fn soak_every_shape_keeps_every_promise() {
         let first_failure: Mutex<Option<(u64, Vec<String>)>> = Mutex::new(None);
         let failures = AtomicU64::new(0);
         let unheld = AtomicU64::new(0);
+        let first_unheld = AtomicU64::new(u64::MAX);
         let shape_started = std::time::Instant::now();
         std::thread::scope(|s| {
             for _ in 0..threads {
@@ -503,7 +504,11 @@ fn soak_every_shape_keeps_every_promise() {
                         }
                         let seed = base + k;
                         let report = run_seed(seed, cfg);
-                        unheld.fetch_add(report.states_lost_with_every_holder_unreachable as u64, Ordering::Relaxed);
+                        if report.states_lost_with_every_holder_unreachable > 0 {
+                            unheld
+                                .fetch_add(report.states_lost_with_every_holder_unreachable as u64, Ordering::Relaxed);
+                            first_unheld.fetch_min(seed, Ordering::Relaxed);
+                        }
                         if !report.violations.is_empty() {
                             failures.fetch_add(1, Ordering::Relaxed);
                             let mut first = first_failure.lock().unwrap();
@@ -517,9 +522,11 @@ fn soak_every_shape_keeps_every_promise() {
         });
         let secs = shape_started.elapsed().as_secs_f64();
         let failures = failures.into_inner();
-        let unheld = unheld.into_inner();
+        let (unheld, first_unheld) = (unheld.into_inner(), first_unheld.into_inner());
+        let first_unheld =
+            if first_unheld == u64::MAX { String::new() } else { format!(", first in seed {first_unheld}") };
         print!(
-            "{name:>32}: {per_shape} runs in {secs:.1}s ({:.0} runs/s), {failures} failed, {unheld} acknowledged values lost with every holder unreachable (residual risk 2)",
+            "{name:>32}: {per_shape} runs in {secs:.1}s ({:.0} runs/s), {failures} failed, {unheld} acknowledged values lost with every holder unreachable (residual risk 2{first_unheld})",
             per_shape as f64 / secs
         );
         if let Some((seed, violations)) = first_failure.into_inner().unwrap() {

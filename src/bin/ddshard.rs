@@ -43,11 +43,16 @@ enum Command {
         /// for `ddshard::activation::check_activations` (see `ddshard::activation`).
         #[arg(long)]
         activation_log: Option<std::path::PathBuf>,
-        /// Address of the admin HTTP API (`ddshard::admin`, plus `/kv/{id}`); port 0: any free
-        /// port. Mutating routes take the bearer token of DDSHARD_ADMIN_TOKEN (at least 32
+        /// Address of the admin HTTP API (`ddshard::admin`, plus `/kv/{id}`); the default is
+        /// where `ddshard admin --url` looks; port 0: any free port (two nodes on one host need
+        /// two ports). Mutating routes take the bearer token of DDSHARD_ADMIN_TOKEN (at least 32
         /// characters, e.g. from `ddshard secret`); without it they answer 403.
-        #[arg(long, default_value = "127.0.0.1:0")]
+        #[arg(long, default_value = "127.0.0.1:8558")]
         admin_addr: std::net::SocketAddr,
+        /// Log lines as `text` (human-readable) or `json` (one object a line, for a log
+        /// collector), on stderr. The level is `info` unless RUST_LOG says otherwise.
+        #[arg(long, value_enum, default_value = "text")]
+        log_format: LogFormat,
     },
     /// Print a fresh random cluster secret (64 hex digits) for `cluster_secret` or
     /// DDSHARD_CLUSTER_SECRET.
@@ -74,6 +79,23 @@ enum Command {
         #[arg(required = true)]
         types: Vec<String>,
     },
+}
+
+/// How `ddshard node` writes its log lines.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Logs to stderr at `default_level` unless RUST_LOG is set.
+fn init_logging(default_level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into());
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(true).with_span_list(false).init(),
+    }
 }
 
 const DEFAULT_CONFIG: &str = include_str!("../../config/default.toml");
@@ -109,11 +131,13 @@ impl DurableEntity for Counter {
 
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "error".into()))
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    // A node is a service: its member changes, downing decisions, coordinator moves and
+    // hand-offs are what an operator reads (`info`). The other commands print their own output.
+    match &cli.command {
+        Command::Node { log_format, .. } => init_logging("info", *log_format),
+        _ => init_logging("error", LogFormat::Text),
+    }
     let result = match cli.command {
         Command::Admin { url, json, command } => {
             let client = ddshard::admin::cli::AdminClient {
@@ -129,7 +153,7 @@ async fn main() {
             println!("{}", ddshard::ClusterSecret::generate().expose());
             Ok(())
         }
-        Command::Node { config, set, activation_log, admin_addr } => {
+        Command::Node { config, set, activation_log, admin_addr, .. } => {
             run_node(config.as_deref(), &set, activation_log.as_deref(), admin_addr).await
         }
     };

@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig, spawn_chitchat};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::downing::Strategy;
 use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStats};
@@ -103,7 +103,6 @@ pub(crate) type GossipSocketWrapper =
 /// The membership task.
 pub(crate) struct MembershipDriver {
     chitchat: ChitchatHandle,
-    address: UniqueAddress,
     gossip_interval: Duration,
     core: LifecycleCore,
     snapshot_tx: watch::Sender<Arc<MembershipSnapshot>>,
@@ -217,7 +216,6 @@ impl MembershipDriver {
             stats,
             chitchat,
             core: LifecycleCore::new(address.clone(), lifecycle, Instant::now()),
-            address,
             gossip_interval: m.gossip_interval,
             snapshot_tx,
             events,
@@ -317,10 +315,30 @@ impl MembershipDriver {
         let prev = self.snapshot_tx.borrow().clone();
         if *prev != next {
             for ev in diff_snapshots(&prev, &next) {
-                debug!(node = %self.address, event = ?ev, "membership event");
+                log_member_event(&ev);
                 let _ = self.events.send(ev);
             }
             self.snapshot_tx.send_replace(Arc::new(next));
         }
     }
+}
+
+/// One line per member change, for operators (`info`: these are rare and each matters).
+fn log_member_event(ev: &MemberEvent) {
+    let (what, m) = match ev {
+        MemberEvent::Joined(m) => ("joined", m),
+        MemberEvent::Up(m) => ("is up", m),
+        MemberEvent::Leaving(m) => ("is leaving", m),
+        MemberEvent::Exited(m) => ("exited", m),
+        MemberEvent::Downed(m) => ("was downed", m),
+        MemberEvent::Unreachable(m) => ("is unreachable", m),
+        MemberEvent::ObserversChanged(m) => ("is still unreachable, seen by other observers", m),
+        MemberEvent::Reachable(m) => ("is reachable again", m),
+        MemberEvent::Removed(address) => {
+            info!(member = %address, "member removed");
+            return;
+        }
+    };
+    let observers: Vec<String> = m.observed_unreachable_by().iter().map(ToString::to_string).collect();
+    info!(member = %m.address(), status = ?m.status(), messaging = %m.messaging_addr(), unreachable_by = ?observers, "member {what}");
 }
