@@ -67,6 +67,8 @@ async fn six_hundred_16_kib_ids_aimed_at_one_remembered_slot_are_refused_past_it
         remember_entities: true,
         number_of_shards: SHARDS,
         remember_entities_slots: SLOTS,
+        // The longest ids a type may allow (the default is 1 KiB).
+        max_entity_id_bytes: ddshard::sharding::MAX_ENTITY_ID_LEN,
         ..settings()
     };
     let regions = start_everywhere(&c, &probe, s).await;

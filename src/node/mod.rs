@@ -39,6 +39,8 @@ pub(crate) trait RegionControl: Send + Sync {
     fn ask_timeout(&self) -> std::time::Duration;
     /// The shard of an entity id (the type's extractor on this node).
     fn shard_of(&self, entity_id: &str) -> crate::sharding::ShardId;
+    /// The type's longest entity id (`max_entity_id_bytes`).
+    fn max_entity_id_bytes(&self) -> usize;
     /// The region's counters.
     fn counters(&self) -> &crate::sharding::RegionCounters;
     /// The region's own view of itself.

@@ -222,8 +222,8 @@ impl<E: Entity> ShardRegion<E> {
     /// earlier message of this handle to it is still on the routed path; through the region
     /// task otherwise.
     fn submit(&self, entity_id: &str, mut env: Envelope<E>) -> Result<()> {
-        check_entity_id(entity_id)?;
         let i = &self.inner;
+        check_entity_id(entity_id, i.settings.max_entity_id_bytes)?;
         let shard = (i.extractor)(entity_id);
         let stripe = RoutedInFlight::stripe(entity_id);
         if let Some(direct) = i.fast.get().and_then(|f| f.direct.as_ref())
@@ -370,6 +370,9 @@ impl<E: Entity> RegionControl for HandleInner<E> {
     fn shard_of(&self, entity_id: &str) -> ShardId {
         (self.extractor)(entity_id)
     }
+    fn max_entity_id_bytes(&self) -> usize {
+        self.settings.max_entity_id_bytes
+    }
     fn counters(&self) -> &RegionCounters {
         &self.counters
     }
@@ -494,6 +497,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         direct: shards.as_ref().map(|s| s.directory().clone()),
         routed: routed.clone(),
         extractor: inner.extractor.clone(),
+        max_entity_id_bytes: settings.max_entity_id_bytes,
         counters: inner.counters.clone(),
         asks: Arc::new(std::sync::Mutex::new(AskTable::default())),
         senders: Arc::new(PeerSenders::new(transport.clone())),

@@ -5,17 +5,18 @@ use std::sync::Arc;
 
 use crate::membership::UniqueAddress;
 
-/// Longest entity id, in bytes: the longest member a remembered-entity set holds (a longer
-/// one would make the whole set undecodable on every peer). Longer ids are refused with
-/// [`Error::EntityIdTooLong`](crate::Error::EntityIdTooLong), here and when a peer sends one.
+/// The longest `max_entity_id_bytes` may allow: the longest member a remembered-entity set
+/// holds (a longer one would make the whole set undecodable on every peer).
 pub const MAX_ENTITY_ID_LEN: usize = crate::ddata::orset::MAX_ELEMENT_LEN;
 
-/// Whether `entity_id` may name an entity: not empty and at most [`MAX_ENTITY_ID_LEN`] bytes.
-pub(crate) fn check_entity_id(entity_id: &str) -> crate::error::Result<()> {
+/// Whether `entity_id` may name an entity of a type whose ids are at most `max_len` bytes
+/// ([`crate::ShardingSettings::max_entity_id_bytes`]): not empty and not longer, here and when
+/// a peer sends one ([`Error::EntityIdTooLong`](crate::Error::EntityIdTooLong) otherwise).
+pub(crate) fn check_entity_id(entity_id: &str, max_len: usize) -> crate::error::Result<()> {
     if entity_id.is_empty() {
         Err(crate::error::Error::EmptyEntityId)
-    } else if entity_id.len() > MAX_ENTITY_ID_LEN {
-        Err(crate::error::Error::EntityIdTooLong { len: entity_id.len(), max: MAX_ENTITY_ID_LEN })
+    } else if entity_id.len() > max_len {
+        Err(crate::error::Error::EntityIdTooLong { len: entity_id.len(), max: max_len })
     } else {
         Ok(())
     }

@@ -336,8 +336,12 @@ mod tests {
             ShardingSettings { min_nr_of_members: 0, ..Default::default() },
             ShardingSettings { remember_entities_slots: 0, ..Default::default() },
             ShardingSettings { handoff_timeout: std::time::Duration::from_millis(10), ..Default::default() },
+            ShardingSettings { max_entity_id_bytes: 0, ..Default::default() },
+            ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN + 1, ..Default::default() },
         ] {
             assert!(matches!(s.validate(), Err(Error::Config(_))), "{s:?}");
         }
+        let longest = ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN, ..Default::default() };
+        assert!(longest.validate().is_ok(), "the longest a remembered set holds is allowed");
     }
 }

@@ -111,7 +111,7 @@ impl RegionRef {
 
     /// Where `entity_id` lives: its shard and that shard's home and epoch.
     pub async fn locate(&self, entity_id: &str) -> Result<EntityLocation> {
-        crate::sharding::ids::check_entity_id(entity_id)?;
+        crate::sharding::ids::check_entity_id(entity_id, self.control.max_entity_id_bytes())?;
         let shard = self.shard_of(entity_id);
         let query = CoordinatorQuery::Explain { shard: shard.clone() };
         let explained: Option<ShardExplanation> = coordinator_request(&*self.control, self.node()?, &query).await?;

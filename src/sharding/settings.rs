@@ -146,6 +146,11 @@ pub struct ShardingSettings {
     /// Messages a region buffers while shard homes are unknown; beyond it `tell` fails with
     /// [`Error::BufferFull`].
     pub buffer_size: usize,
+    /// Longest entity id, in bytes (at most [`super::MAX_ENTITY_ID_LEN`], 16 KiB): longer ones
+    /// are refused with [`Error::EntityIdTooLong`], locally and from peers. Every id costs its
+    /// length in each message, in the entity table and, remembered, in its slot, so a client
+    /// cannot make any of them cost more than this.
+    pub max_entity_id_bytes: usize,
     /// Messages an entity's mailbox holds before it takes them; beyond it a message is dropped
     /// and its ask fails with [`Error::MailboxFull`] (a slow entity cannot grow memory without
     /// bound).
@@ -234,6 +239,7 @@ impl Default for ShardingSettings {
             entity_recovery_batch: 0,
             entity_recovery_interval: Duration::from_millis(100),
             buffer_size: 100_000,
+            max_entity_id_bytes: 1024,
             entity_mailbox_capacity: 10_000,
             entity_linger: Duration::from_millis(100),
             handoff_timeout: Duration::from_secs(30),
@@ -281,6 +287,9 @@ impl ShardingSettings {
         }
         if self.buffer_size == 0 {
             return bad("buffer_size must be > 0");
+        }
+        if !(1..=super::MAX_ENTITY_ID_LEN).contains(&self.max_entity_id_bytes) {
+            return bad("max_entity_id_bytes must be between 1 and 16384");
         }
         if self.entity_mailbox_capacity == 0 {
             return bad("entity_mailbox_capacity must be > 0");

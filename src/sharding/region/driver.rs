@@ -272,7 +272,7 @@ impl<E: Entity> RegionTask<E> {
                     ReplyTo::Remote { region, ask_id, via }
                 });
                 let msg = if payload.is_empty() { Ok(None) } else { wire::decode::<E::Message>(&payload).map(Some) };
-                let failure = match (&msg, check_entity_id(&entity_id)) {
+                let failure = match (&msg, check_entity_id(&entity_id, self.settings.max_entity_id_bytes)) {
                     (_, Err(refused)) => Some(refused),
                     (Err(e), _) => Some(not_delivered(&entity_id, format!("payload does not decode: {e}"))),
                     _ => {

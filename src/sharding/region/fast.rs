@@ -187,6 +187,8 @@ pub(crate) struct FastPath<E: Entity> {
     pub direct: Option<Arc<ShardDirectory<E>>>,
     pub routed: Arc<RoutedInFlight>,
     pub extractor: ShardIdExtractor,
+    /// The type's `max_entity_id_bytes`.
+    pub max_entity_id_bytes: usize,
     pub counters: Arc<RegionCounters>,
     pub asks: SharedAsks<E::Reply>,
     pub senders: Arc<PeerSenders>,
@@ -269,7 +271,8 @@ impl<E: Entity> FastPath<E> {
                 let Some(direct) = self.direct.as_ref() else { return Some(m) };
                 let stripe = RoutedInFlight::stripe(&entity_id);
                 // Anything the region task would refuse goes there, for one definition of why.
-                let valid = check_entity_id(&entity_id).is_ok() && (self.extractor)(&entity_id) == shard;
+                let valid = check_entity_id(&entity_id, self.max_entity_id_bytes).is_ok()
+                    && (self.extractor)(&entity_id) == shard;
                 let msg = match (valid, payload.is_empty()) {
                     (false, _) => return Some(m),
                     (true, true) => None,
