@@ -70,6 +70,24 @@ pub struct NodeConfig {
     /// Default settings for sharded entity types started by the `ddshard` binary (library users
     /// pass `ShardingSettings` to `start` directly).
     pub sharding: crate::sharding::settings::ShardingSettings,
+    /// What [`crate::Node::readiness`] (and `/ready`) forgives.
+    pub readiness: ReadinessSettings,
+}
+
+/// Readiness settings (`[readiness]`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReadinessSettings {
+    /// Once a node was ready, how long a region of it may be without a coordinator (while the
+    /// coordinator moves to another node) before the node reports unready.
+    #[serde(with = "humantime_serde")]
+    pub coordinator_grace: Duration,
+}
+
+impl Default for ReadinessSettings {
+    fn default() -> Self {
+        ReadinessSettings { coordinator_grace: Duration::from_secs(30) }
+    }
 }
 
 impl Default for NodeConfig {
@@ -90,6 +108,7 @@ impl Default for NodeConfig {
             transport: TransportSettings::default(),
             replicator: ReplicatorSettings::default(),
             sharding: crate::sharding::settings::ShardingSettings::default(),
+            readiness: ReadinessSettings::default(),
         }
     }
 }
@@ -585,6 +604,7 @@ impl NodeConfig {
             ("failure_detector.heartbeat_interval", self.failure_detector.heartbeat_interval),
             ("failure_detector.acceptable_pause", self.failure_detector.acceptable_pause),
             ("failure_detector.min_std_deviation", self.failure_detector.min_std_deviation),
+            ("readiness.coordinator_grace", self.readiness.coordinator_grace),
             ("transport.connect_timeout", t.connect_timeout),
             ("transport.first_frame_timeout", t.first_frame_timeout),
             ("transport.reconnect_backoff_min", t.reconnect_backoff_min),

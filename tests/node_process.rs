@@ -330,3 +330,66 @@ fn a_node_logs_its_member_changes_at_info_by_default_and_as_json_lines_on_reques
         assert!(v["level"].is_string() && v["message"].is_string() && v["timestamp"].is_string(), "{line}");
     }
 }
+
+/// Readiness that holds (issue 39): a Kubernetes readiness probe every 100 ms on the survivors
+/// while the coordinator's node is SIGKILLed and the coordinator moves, under the default
+/// downing timers (5 s + 5 s). Before the latch every survivor answered 503 at once for
+/// seconds, which takes a whole service out of rotation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survivors_stay_ready_at_every_probe_while_the_coordinators_node_is_sigkilled_and_it_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = |id: &str, seeds: &[&NodeProcess]| {
+        let mut o = ProcessOptions::new(id, "ready-test", dir.path());
+        o.seeds = seeds.iter().map(|s| s.gossip).collect();
+        NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
+    };
+    let n1 = start("n1", &[]);
+    let n2 = start("n2", &[&n1]);
+    let n3 = start("n3", &[&n1, &n2]);
+    let mut nodes = vec![n1, n2, n3];
+    for n in &nodes {
+        n.until_up(3, Duration::from_secs(60), |_| true).await;
+        n.until(
+            "ready",
+            Duration::from_secs(60),
+            async |n: &NodeProcess| n.admin_request("GET", "/ready", "").await,
+            |r| r.0 == 200,
+        )
+        .await;
+    }
+    let coordinator = oldest(&nodes[0]).await;
+    let k = nodes.iter().position(|n| n.node_id == coordinator).unwrap();
+    let mut victim = nodes.remove(k);
+    victim.kill();
+    let killed = Instant::now();
+    let (mut samples, mut unready) = (0, Vec::new());
+    // Probe until the coordinator has moved (a survivor is the oldest) and a value written
+    // through each survivor is served again, and for at least the downing timers.
+    let mut moved_at = None;
+    while killed.elapsed() < RECOVERY_DEADLINE {
+        for n in &nodes {
+            let (status, body) = n.admin_request("GET", "/ready", "").await.unwrap();
+            samples += 1;
+            if status != 200 {
+                unready.push(format!("{:?} {}: {status} {body}", killed.elapsed(), n.node_id));
+            }
+        }
+        if moved_at.is_none()
+            && oldest(&nodes[0]).await != coordinator
+            && nodes[0].kv_put("after-move", "v").await.is_ok()
+        {
+            moved_at = Some(killed.elapsed());
+        }
+        if moved_at.is_some() && killed.elapsed() > Duration::from_secs(12) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let moved_at = moved_at.expect("the coordinator moved to a survivor and served a write");
+    println!(
+        "{samples} probes of the survivors over {:?} (coordinator moved after {moved_at:?}): {} not ready",
+        killed.elapsed(),
+        unready.len()
+    );
+    assert!(unready.is_empty(), "a ready survivor answered not ready: {unready:#?}");
+}

@@ -3,6 +3,7 @@
 mod builder;
 mod data_dir;
 mod heartbeat;
+mod readiness;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -58,6 +59,8 @@ struct NodeInner {
     data_dir_lock: Mutex<Option<std::fs::File>>,
     config: NodeConfig,
     regions: Mutex<Vec<Arc<dyn RegionControl>>>,
+    /// Readiness once was (probes keep a ready node ready while its coordinator moves).
+    readiness: Mutex<readiness::ReadinessLatch>,
     address: UniqueAddress,
     membership: MembershipHandle,
     transport: Transport,
@@ -182,6 +185,7 @@ impl Node {
         let node = Node {
             inner: Arc::new(NodeInner {
                 data_dir_lock: Mutex::new(Some(data_dir_lock)),
+                readiness: Mutex::new(readiness::ReadinessLatch::new(config.readiness.coordinator_grace)),
                 config,
                 regions: Mutex::new(Vec::new()),
                 address,
@@ -279,37 +283,38 @@ impl Node {
         self.inner.regions.lock().expect("regions lock").clone()
     }
 
-    /// Whether this node is ready to serve, and what is missing when it is not: it is Up,
-    /// and every region started here (proxies too) is registered with its type's
-    /// coordinator. Durable data (LMDB) is loaded before [`Node::start`] returns, so a running
-    /// node always has it.
+    /// Whether this node is ready to serve, and what is missing when it is not. A node is
+    /// ready once it is Up, its storage healthy and every region started here (proxies too)
+    /// registered with its type's coordinator; from then on a region without a coordinator
+    /// (one that moves after its node failed) is forgiven for `readiness.coordinator_grace`,
+    /// so a fail-over does not take every node out of service at once. Not ready while the
+    /// node is not Up (leaving, downed, removed), stopped, its storage failing, or a region
+    /// refused or not answering. Durable data (LMDB) is loaded before [`Node::start`] returns.
     pub async fn readiness(&self) -> crate::sharding::query::Readiness {
-        let mut missing = Vec::new();
-        if let Some(reason) = self.stop_reason() {
-            missing.push(format!("the node stopped: {reason}"));
-        } else if self.is_shut_down() {
-            missing.push("the node is shut down".to_string());
-        }
+        use readiness::{Observation, RegionState};
+        let stopped = match self.stop_reason() {
+            Some(reason) => Some(reason),
+            None => self.is_shut_down().then(|| "it was shut down".to_string()),
+        };
         let snap = self.membership();
-        match snap.members.iter().find(|m| m.address() == &self.inner.address).map(|m| m.status()) {
-            Some(MemberStatus::Up) => {}
-            Some(status) => missing.push(format!("this member is {}, not up", status.as_key())),
-            None => missing.push("this member is not in the membership yet".to_string()),
-        }
+        let status = snap.members.iter().find(|m| m.address() == &self.inner.address).map(|m| m.status().as_key());
+        let health = self.inner.replicator.durable_health();
+        let storage_failing =
+            (!health.is_healthy()).then(|| health.last_error().unwrap_or_else(|| "unhealthy".to_string()));
+        let mut regions = Vec::new();
         for region in self.regions() {
-            match region.info().await {
-                Ok(info) if info.refused => missing.push(format!(
-                    "region {} was refused by its coordinator (its shard-id extractor differs)",
-                    info.type_name
-                )),
-                Ok(info) if !info.registered => {
-                    missing.push(format!("region {} is not registered with its coordinator yet", info.type_name))
-                }
-                Ok(_) => {}
-                Err(e) => missing.push(format!("region {} does not answer: {e}", region.type_name())),
-            }
+            let state = match region.info().await {
+                Ok(info) if info.refused => RegionState::Refused,
+                Ok(info) if !info.registered => RegionState::Unregistered,
+                Ok(_) => RegionState::Registered,
+                Err(e) => RegionState::NotAnswering(e.to_string()),
+            };
+            regions.push((region.type_name().to_string(), state));
         }
-        crate::sharding::query::Readiness { ready: missing.is_empty(), not_ready_because: missing }
+        let observation = Observation { stopped, status, storage_failing, regions };
+        let (ready, not_ready_because) =
+            self.inner.readiness.lock().expect("readiness lock").observe(observation, crate::clock::Instant::now());
+        crate::sharding::query::Readiness { ready, not_ready_because }
     }
 
     /// Copies this node's counters and state into the `metrics` facade now (a sampler also
