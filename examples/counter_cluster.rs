@@ -37,7 +37,7 @@ async fn main() -> ddshard::Result<()> {
             node_id: format!("n{i}"),
             cluster_id: "counters".into(),
             // Every node after the first joins through the first one.
-            seeds: nodes.first().map(|n| vec![n.gossip_addr()]).unwrap_or_default(),
+            seeds: nodes.first().map(|n| vec![n.gossip_addr().into()]).unwrap_or_default(),
             data_dir: data.path().join(format!("n{i}")),
             ..NodeConfig::default()
         };

@@ -33,7 +33,7 @@ async fn main() -> ddshard::Result<()> {
         let config = NodeConfig {
             node_id: id.into(),
             cluster_id: "tenants".into(),
-            seeds: nodes.first().map(|n| vec![n.gossip_addr()]).unwrap_or_default(),
+            seeds: nodes.first().map(|n| vec![n.gossip_addr().into()]).unwrap_or_default(),
             data_dir: data.path().join(id),
             ..NodeConfig::default()
         };

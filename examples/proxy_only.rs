@@ -36,7 +36,7 @@ async fn main() -> ddshard::Result<()> {
     let gateway = Node::start(NodeConfig {
         node_id: "gateway-1".into(),
         cluster_id: "shop".into(),
-        seeds: vec![backend.gossip_addr()],
+        seeds: vec![backend.gossip_addr().into()],
         data_dir: data.path().join("gateway-1"),
         ..NodeConfig::default()
     })

@@ -52,9 +52,13 @@ pub struct NodeConfig {
     pub gossip_addr: SocketAddr,
     /// TCP address for node-to-node messages. Port 0 picks a free port.
     pub messaging_addr: SocketAddr,
-    /// Gossip addresses of existing members to join through. Empty: this node forms a new
-    /// cluster by itself.
-    pub seeds: Vec<SocketAddr>,
+    /// Gossip addresses of existing members to join through: `ip:port`, or `host:port` (a DNS
+    /// name, e.g. a Kubernetes headless service, or a hosts-file name), resolved at start and
+    /// again every minute, so a seed rescheduled to a new IP is found again. When the first
+    /// seed is this node's own gossip address (or a name resolving to it), this node forms the
+    /// cluster if nobody answers within `membership.seed_node_timeout`. Empty: this node forms
+    /// a new cluster by itself.
+    pub seeds: Vec<SeedAddr>,
     /// Roles of this node; sharded types and replicated data can be limited to a role.
     pub roles: Vec<String>,
     /// Directory for durable data (LMDB). Created if missing; never derived from a port.
@@ -72,6 +76,77 @@ pub struct NodeConfig {
     pub sharding: crate::sharding::settings::ShardingSettings,
     /// What [`crate::Node::readiness`] (and `/ready`) forgives.
     pub readiness: ReadinessSettings,
+}
+
+/// A seed's address: an IP socket address, or a host name and port resolved through the
+/// system resolver (DNS, `/etc/hosts`). Written as text, `10.0.0.7:7000`, `[fd00::7]:7000` or
+/// `ddshard-0.ddshard.shop.svc:7000`; anything else is a config error naming it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct SeedAddr(String);
+
+impl SeedAddr {
+    /// The address, when it is an IP literal (no resolution needed).
+    pub fn socket_addr(&self) -> Option<SocketAddr> {
+        self.0.parse().ok()
+    }
+
+    /// The address as written.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::str::FromStr for SeedAddr {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: &str| Err(Error::Config(format!("seed {s:?}: {why} (write ip:port or host:port)")));
+        if s.parse::<SocketAddr>().is_ok() {
+            return Ok(SeedAddr(s.to_string()));
+        }
+        let Some((host, port)) = s.rsplit_once(':') else { return bad("no port") };
+        if !port.parse::<u16>().is_ok_and(|p| p > 0) {
+            return bad("the port is not 1 to 65535");
+        }
+        let label_ok = |l: &str| {
+            (1..=63).contains(&l.len())
+                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !l.starts_with('-')
+                && !l.ends_with('-')
+        };
+        let host = host.strip_suffix('.').unwrap_or(host);
+        if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+            return bad("not an IP address nor a valid host name");
+        }
+        Ok(SeedAddr(s.to_string()))
+    }
+}
+
+impl TryFrom<String> for SeedAddr {
+    type Error = Error;
+
+    fn try_from(s: String) -> Result<Self> {
+        s.parse()
+    }
+}
+
+impl From<SeedAddr> for String {
+    fn from(s: SeedAddr) -> String {
+        s.0
+    }
+}
+
+impl From<SocketAddr> for SeedAddr {
+    fn from(addr: SocketAddr) -> Self {
+        SeedAddr(addr.to_string())
+    }
+}
+
+impl std::fmt::Display for SeedAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
 }
 
 /// Readiness settings (`[readiness]`).
@@ -843,7 +918,8 @@ mod tests {
         assert_eq!(c.membership.stable_after, Duration::from_secs(2));
         assert_eq!(c.membership.phi_threshold, 12.5);
         assert!(c.insecure);
-        assert_eq!(c.seeds, ["127.0.0.1:7000".parse().unwrap(), "127.0.0.1:7002".parse().unwrap()]);
+        let seeds: Vec<&str> = c.seeds.iter().map(SeedAddr::as_str).collect();
+        assert_eq!(seeds, ["127.0.0.1:7000", "127.0.0.1:7002"]);
         assert_eq!(c.roles, ["db", "edge"]);
         assert_eq!(c.sharding.number_of_shards, 64);
         assert_eq!(
@@ -908,6 +984,38 @@ mod tests {
         let parsed = NodeConfig::from_toml_str(&file).unwrap();
         assert_eq!(parsed.cluster_secret.unwrap().expose(), "s".repeat(40));
         assert!(matches!(NodeConfig::from_toml_str("cluster_secret = \"too short\""), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn seeds_are_ip_socket_addresses_or_host_names_with_a_port_and_anything_else_names_the_seed() {
+        for good in
+            ["10.0.0.7:7000", "[fd00::7]:7000", "localhost:7000", "ddshard-0.ddshard.shop.svc.cluster.local.:7000"]
+        {
+            let seed: SeedAddr = good.parse().unwrap_or_else(|e| panic!("{good}: {e}"));
+            assert_eq!(seed.as_str(), good);
+        }
+        assert_eq!("10.0.0.7:7000".parse::<SeedAddr>().unwrap().socket_addr(), Some("10.0.0.7:7000".parse().unwrap()));
+        assert_eq!("localhost:7000".parse::<SeedAddr>().unwrap().socket_addr(), None, "a name is resolved, later");
+        let label = "a".repeat(64);
+        for bad in [
+            "localhost",
+            "localhost:0",
+            "localhost:70000",
+            ":7000",
+            "bad_name:7000",
+            "-a.b:7000",
+            "a..b:7000",
+            &format!("{label}:1"),
+        ] {
+            let err = bad.parse::<SeedAddr>().unwrap_err().to_string();
+            assert!(err.contains(&format!("{bad:?}")), "{bad}: {err}");
+        }
+        let Err(Error::Config(m)) = NodeConfig::from_toml_str("seeds = [\"no-port\"]") else { panic!("a bad seed") };
+        assert!(m.contains("no-port") && m.contains("line 1"), "{m}");
+        let c =
+            NodeConfig::from_toml_str_with_overrides("", &[("seeds".into(), "a.example:7000,10.1.1.1:7000".into())])
+                .unwrap();
+        assert_eq!(c.seeds.iter().map(SeedAddr::as_str).collect::<Vec<_>>(), ["a.example:7000", "10.1.1.1:7000"]);
     }
 
     #[test]

@@ -52,7 +52,8 @@ pub mod transport;
 pub mod testkit;
 
 pub use config::{
-    DownAllWhenUnstable, DowningStrategy, MembershipSettings, NodeConfig, ReplicatorSettings, TransportSettings,
+    DownAllWhenUnstable, DowningStrategy, MembershipSettings, NodeConfig, ReadinessSettings, ReplicatorSettings,
+    SeedAddr, TransportSettings,
 };
 pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};

@@ -92,7 +92,7 @@ async fn members_whose_seeds_name_another_clusters_node_take_nothing_from_its_go
     let stranger = foreign.gossip_addr();
     let c = TestCluster::start_with(3, move |i, cfg| {
         if i > 0 {
-            cfg.seeds.insert(0, stranger);
+            cfg.seeds.insert(0, stranger.into());
         }
     })
     .await
@@ -119,7 +119,7 @@ async fn node_with_another_cluster_id_never_appears_in_any_member_list() {
     c.await_converged(CONVERGE).await;
     let dir = tempfile::tempdir().unwrap();
     let mut foreign_cfg = test_config("intruder", dir.path(), "another-cluster");
-    foreign_cfg.seeds = vec![c.node(0).gossip_addr()];
+    foreign_cfg.seeds = vec![c.node(0).gossip_addr().into()];
     let foreign = Node::start(foreign_cfg).await.unwrap();
     // A legitimate node that joins after the intruder had the same chance to gossip.
     c.add_node().await.unwrap();
@@ -174,7 +174,7 @@ async fn a_node_id_started_again_elsewhere_stops_the_older_incarnation_with_the_
     // incarnation. The old one must not keep acting as n2 beside it.
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = test_config("n2", dir.path(), "test-cluster");
-    cfg.seeds = vec![c.node(0).gossip_addr()];
+    cfg.seeds = vec![c.node(0).gossip_addr().into()];
     let newer = Node::start(cfg).await.unwrap();
     assert!(newer.address().generation > old.address().generation);
     eventually(CONVERGE, "the older incarnation stops by itself", || {
@@ -195,4 +195,30 @@ async fn a_node_id_started_again_elsewhere_stops_the_older_incarnation_with_the_
     .await;
     newer.shutdown().await;
     c.shutdown().await;
+}
+
+/// Seeds through the system resolver (`/etc/hosts` here): a node whose first seed is a host
+/// name resolving to its own gossip address forms the cluster, and a node given that name
+/// joins it — the way a StatefulSet names its pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeds_given_as_host_names_are_resolved_and_the_first_forms_the_cluster_when_it_names_itself() {
+    ddshard::testkit::init_test_tracing();
+    let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let seed: ddshard::SeedAddr = format!("localhost:{port}").parse().unwrap();
+    let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
+    let mut first = ddshard::testkit::test_config("n1", dirs[0].path(), "named-seeds");
+    first.gossip_addr = format!("127.0.0.1:{port}").parse().unwrap();
+    first.seeds = vec![seed.clone()];
+    first.membership.seed_node_timeout = Duration::from_millis(500);
+    let n1 = Node::start(first).await.unwrap();
+    let mut second = ddshard::testkit::test_config("n2", dirs[1].path(), "named-seeds");
+    second.seeds = vec![seed];
+    let n2 = Node::start(second).await.unwrap();
+    eventually(Duration::from_secs(30), "both nodes up in one cluster", || {
+        let up = |n: &Node| n.members().iter().filter(|m| m.status() == MemberStatus::Up).count();
+        std::future::ready((up(&n1) == 2 && up(&n2) == 2).then_some(()))
+    })
+    .await;
+    n2.shutdown().await;
+    n1.shutdown().await;
 }

@@ -413,7 +413,7 @@ async fn replay_formation_gossip_after_leaves_and_a_restart(accept_unstamped: bo
         cfg.membership.gossip_freshness_window = window;
         cfg.membership.accept_unstamped_gossip = accept_unstamped;
         if let Some(relay) = seeds.lock().unwrap().get(&i) {
-            cfg.seeds = vec![*relay];
+            cfg.seeds = vec![(*relay).into()];
         }
     })
     .await

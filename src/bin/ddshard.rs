@@ -277,7 +277,7 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
         let mut cfg = NodeConfig {
             node_id: format!("node-{}", i + 1),
             data_dir: root.path().join(format!("node-{}", i + 1)),
-            seeds: nodes.iter().map(Node::gossip_addr).collect(),
+            seeds: nodes.iter().map(|n| n.gossip_addr().into()).collect(),
             cluster_secret: Some(secret.clone()),
             ..base.clone()
         };

@@ -165,13 +165,23 @@ impl MembershipDriver {
             None => socket,
         };
         let m = &cfg.membership;
-        let seeds: Vec<SocketAddr> = cfg.seeds.iter().copied().filter(|s| *s != gossip_addr).collect();
+        // The first seed names this node when it is its gossip address or a name resolving to
+        // it (a StatefulSet's pod 0 given its own DNS name): then it may form the cluster.
+        let self_is_first_seed = match cfg.seeds.first() {
+            None => false,
+            Some(first) => match first.socket_addr() {
+                Some(addr) => addr == gossip_addr,
+                None => resolves_to(first.as_str(), gossip_addr).await,
+            },
+        };
+        let seeds: Vec<String> =
+            cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).map(|s| s.as_str().to_string()).collect();
         let chitchat_cfg = ChitchatConfig {
             chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
             cluster_id: cfg.cluster_id.clone(),
             gossip_interval: m.gossip_interval,
             listen_addr: gossip_addr,
-            seed_nodes: seeds.iter().map(ToString::to_string).collect(),
+            seed_nodes: seeds.clone(),
             failure_detector_config: FailureDetectorConfig {
                 phi_threshold: m.phi_threshold,
                 sampling_window_size: 1000,
@@ -205,7 +215,7 @@ impl MembershipDriver {
         };
         let lifecycle = LifecycleSettings {
             has_seeds: !seeds.is_empty(),
-            self_is_first_seed: cfg.seeds.first() == Some(&gossip_addr),
+            self_is_first_seed,
             gossip_interval: m.gossip_interval,
             seed_node_timeout: m.seed_node_timeout,
             down_removal_margin: m.down_removal_margin,
@@ -341,4 +351,16 @@ fn log_member_event(ev: &MemberEvent) {
     };
     let observers: Vec<String> = m.observed_unreachable_by().iter().map(ToString::to_string).collect();
     info!(member = %m.address(), status = ?m.status(), messaging = %m.messaging_addr(), unreachable_by = ?observers, "member {what}");
+}
+
+/// Whether `seed` (`host:port`) resolves to `addr` through the system resolver; a name that
+/// does not resolve (yet) does not.
+async fn resolves_to(seed: &str, addr: SocketAddr) -> bool {
+    match tokio::net::lookup_host(seed).await {
+        Ok(mut addrs) => addrs.any(|a| a == addr),
+        Err(e) => {
+            warn!(%seed, error = %e, "the first seed does not resolve; this node will not form a cluster by itself");
+            false
+        }
+    }
 }

@@ -288,7 +288,7 @@ impl TestCluster {
         // in), else every running node (they are all starting up).
         let running: Vec<&Node> = self.nodes.iter().flatten().filter(|n| !n.is_shut_down()).collect();
         let up: Vec<&Node> = running.iter().copied().filter(|n| Self::is_member(n)).collect();
-        cfg.seeds = if up.is_empty() { running } else { up }.into_iter().map(Node::gossip_addr).collect();
+        cfg.seeds = if up.is_empty() { running } else { up }.into_iter().map(|n| n.gossip_addr().into()).collect();
         (self.customize)(i, &mut cfg);
         cfg
     }
