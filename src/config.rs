@@ -52,6 +52,13 @@ pub struct NodeConfig {
     pub gossip_addr: SocketAddr,
     /// TCP address for node-to-node messages. Port 0 picks a free port.
     pub messaging_addr: SocketAddr,
+    /// The gossip address peers reach this node at, when it is not `gossip_addr`: behind NAT,
+    /// in a container with a published port, or with `gossip_addr` on `0.0.0.0` / `[::]`
+    /// (then it is required). Port 0: the port bound.
+    pub gossip_advertise: Option<SocketAddr>,
+    /// The messaging address peers reach this node at, when it is not `messaging_addr` (as for
+    /// `gossip_advertise`).
+    pub messaging_advertise: Option<SocketAddr>,
     /// Gossip addresses of existing members to join through: `ip:port`, or `host:port` (a DNS
     /// name, e.g. a Kubernetes headless service, or a hosts-file name), resolved at start and
     /// again every minute, so a seed rescheduled to a new IP is found again. When the first
@@ -76,6 +83,17 @@ pub struct NodeConfig {
     pub sharding: crate::sharding::settings::ShardingSettings,
     /// What [`crate::Node::readiness`] (and `/ready`) forgives.
     pub readiness: ReadinessSettings,
+}
+
+/// The address peers reach a socket bound at `bound` at: `advertise` when set (its port 0
+/// meaning the bound port), else the bound address itself, which must then be a specific one.
+pub(crate) fn advertised_addr(bound: SocketAddr, advertise: Option<SocketAddr>) -> Result<SocketAddr> {
+    match advertise {
+        Some(a) if a.port() == 0 => Ok(SocketAddr::new(a.ip(), bound.port())),
+        Some(a) => Ok(a),
+        None if bound.ip().is_unspecified() => Err(Error::BadAddress(bound)),
+        None => Ok(bound),
+    }
 }
 
 /// A seed's address: an IP socket address, or a host name and port resolved through the
@@ -175,6 +193,8 @@ impl Default for NodeConfig {
             insecure: false,
             gossip_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             messaging_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            gossip_advertise: None,
+            messaging_advertise: None,
             seeds: Vec::new(),
             roles: Vec::new(),
             data_dir: PathBuf::from("ddshard-data"),
@@ -649,6 +669,20 @@ impl NodeConfig {
                 self.gossip_addr, self.messaging_addr
             ));
         }
+        for (bound, advertise, names) in [
+            (self.gossip_addr, self.gossip_advertise, ("gossip_addr", "gossip_advertise")),
+            (self.messaging_addr, self.messaging_advertise, ("messaging_addr", "messaging_advertise")),
+        ] {
+            if advertise.is_some_and(|a| a.ip().is_unspecified()) {
+                return bad(format!("{}: peers cannot reach an unspecified address", names.1));
+            }
+            if bound.ip().is_unspecified() && advertise.is_none() {
+                return bad(format!(
+                    "{} = {bound} binds every interface: set {} to the address peers reach this node at",
+                    names.0, names.1
+                ));
+            }
+        }
         if self.roles.iter().any(|r| r.is_empty() || r.contains(',')) {
             return bad("roles must be non-empty and must not contain ','".into());
         }
@@ -984,6 +1018,36 @@ mod tests {
         let parsed = NodeConfig::from_toml_str(&file).unwrap();
         assert_eq!(parsed.cluster_secret.unwrap().expose(), "s".repeat(40));
         assert!(matches!(NodeConfig::from_toml_str("cluster_secret = \"too short\""), Err(Error::Config(_))));
+    }
+
+    #[test]
+    fn a_node_bound_to_every_interface_must_say_where_peers_reach_it() {
+        let any: SocketAddr = "0.0.0.0:7000".parse().unwrap();
+        let base = NodeConfig {
+            node_id: "n1".into(),
+            cluster_secret: Some(ClusterSecret::generate()),
+            ..NodeConfig::default()
+        };
+        let cfg = NodeConfig { gossip_addr: any, ..base.clone() };
+        let Err(Error::Config(m)) = cfg.validate() else { panic!("no advertise") };
+        assert!(m.contains("gossip_advertise"), "{m}");
+        let cfg = NodeConfig { messaging_addr: "[::]:7001".parse().unwrap(), ..base.clone() };
+        let Err(Error::Config(m)) = cfg.validate() else { panic!("no advertise") };
+        assert!(m.contains("messaging_advertise"), "{m}");
+        let cfg =
+            NodeConfig { gossip_addr: any, gossip_advertise: Some("10.0.0.7:7000".parse().unwrap()), ..base.clone() };
+        assert!(cfg.validate().is_ok());
+        let cfg = NodeConfig { gossip_advertise: Some(any), ..base };
+        assert!(matches!(cfg.validate(), Err(Error::Config(m)) if m.contains("unspecified")));
+        // Port 0 in the advertised address is the bound port; no advertise is the bound address.
+        let bound: SocketAddr = "0.0.0.0:41000".parse().unwrap();
+        let nat: SocketAddr = "203.0.113.9:0".parse().unwrap();
+        assert_eq!(advertised_addr(bound, Some(nat)).unwrap(), "203.0.113.9:41000".parse().unwrap());
+        let published: SocketAddr = "203.0.113.9:7000".parse().unwrap();
+        assert_eq!(advertised_addr(bound, Some(published)).unwrap(), published);
+        assert!(matches!(advertised_addr(bound, None), Err(Error::BadAddress(_))));
+        let lo: SocketAddr = "127.0.0.1:41000".parse().unwrap();
+        assert_eq!(advertised_addr(lo, None).unwrap(), lo);
     }
 
     #[test]

@@ -222,3 +222,36 @@ async fn seeds_given_as_host_names_are_resolved_and_the_first_forms_the_cluster_
     n2.shutdown().await;
     n1.shutdown().await;
 }
+
+/// Listen here, reach me there: each node binds gossip and messaging on every interface
+/// (`0.0.0.0`, port 0) and advertises a loopback address with the bound port; the cluster
+/// forms on the advertised addresses and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_bound_to_every_interface_form_a_cluster_on_their_advertised_addresses() {
+    let secret = ddshard::ClusterSecret::generate();
+    let mut c = TestCluster::start_with(3, move |_, cfg| {
+        cfg.cluster_secret = Some(secret.clone());
+        cfg.gossip_addr = "0.0.0.0:0".parse().unwrap();
+        cfg.messaging_addr = "0.0.0.0:0".parse().unwrap();
+        cfg.gossip_advertise = Some("127.0.0.1:0".parse().unwrap());
+        cfg.messaging_advertise = Some("127.0.0.1:0".parse().unwrap());
+    })
+    .await
+    .unwrap();
+    c.await_converged(Duration::from_secs(30)).await;
+    for i in 0..3 {
+        let n = c.node(i);
+        assert!(n.gossip_addr().ip().is_loopback() && n.gossip_addr().port() != 0, "{}", n.gossip_addr());
+        for m in n.members() {
+            assert!(m.messaging_addr().ip().is_loopback(), "{} is listed at {}", m.node_id(), m.messaging_addr());
+        }
+    }
+    c.node(2)
+        .replicator()
+        .update::<ddshard::ddata::GSet, _>("advertised", ddshard::Consistency::All, Duration::from_secs(10), |s, _| {
+            s.insert("x")
+        })
+        .await
+        .expect("messaging between the advertised addresses");
+    c.shutdown().await;
+}

@@ -145,6 +145,7 @@ impl MembershipDriver {
             Box::new(
                 AuthenticatedSocket::bind(
                     cfg.gossip_addr,
+                    cfg.gossip_advertise,
                     keys,
                     GossipSealing {
                         freshness_window: cfg.membership.gossip_freshness_window,
@@ -156,10 +157,8 @@ impl MembershipDriver {
                 .map_err(|e| binding(&e))?,
             )
         };
-        let gossip_addr = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
-        if gossip_addr.ip().is_unspecified() {
-            return Err(Error::BadAddress(gossip_addr));
-        }
+        let bound = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
+        let gossip_addr = crate::config::advertised_addr(bound, cfg.gossip_advertise)?;
         let socket = match wrap_socket {
             Some(wrap) => wrap(socket, &address, gossip_addr),
             None => socket,
@@ -180,7 +179,7 @@ impl MembershipDriver {
             chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
             cluster_id: cfg.cluster_id.clone(),
             gossip_interval: m.gossip_interval,
-            listen_addr: gossip_addr,
+            listen_addr: bound,
             seed_nodes: seeds.clone(),
             failure_detector_config: FailureDetectorConfig {
                 phi_threshold: m.phi_threshold,

@@ -340,6 +340,7 @@ const LOOPBACK_HOP_TIMEOUT: std::time::Duration = std::time::Duration::from_mill
 impl AuthenticatedSocket {
     pub(crate) async fn bind(
         addr: SocketAddr,
+        advertise: Option<SocketAddr>,
         keys: Vec<DerivedKey>,
         sealing: GossipSealing,
         stats: Arc<GossipStats>,
@@ -349,7 +350,7 @@ impl AuthenticatedSocket {
         let tap = tokio::net::UdpSocket::bind(loopback).await?;
         let real = tokio::net::UdpSocket::bind(addr).await?;
         Ok(AuthenticatedSocket {
-            advertised: real.local_addr()?,
+            advertised: crate::config::advertised_addr(real.local_addr()?, advertise)?,
             real,
             codec_addr: codec.local_addr()?,
             codec,
@@ -681,7 +682,7 @@ mod tests {
     async fn socket(window: Duration, accept_unstamped: bool) -> (AuthenticatedSocket, Arc<GossipStats>) {
         let stats = Arc::new(GossipStats::default());
         let sealing = GossipSealing { freshness_window: window, accept_unstamped };
-        let s = AuthenticatedSocket::bind("127.0.0.1:0".parse().unwrap(), vec![[5; 32]], sealing, stats.clone())
+        let s = AuthenticatedSocket::bind("127.0.0.1:0".parse().unwrap(), None, vec![[5; 32]], sealing, stats.clone())
             .await
             .unwrap();
         (s, stats)

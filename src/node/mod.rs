@@ -122,6 +122,7 @@ impl Node {
         let shutdown = spawner.shutdown_token().clone();
         let transport = Transport::bind_with(
             config.messaging_addr,
+            config.messaging_advertise,
             address.clone(),
             config.cluster_id.clone(),
             config.secrets(),

@@ -249,14 +249,17 @@ impl Transport {
         shutdown: CancellationToken,
     ) -> Result<Transport> {
         let spawner = Spawner::new(tracing::Span::current(), shutdown);
-        Self::bind_with(bind, local, cluster_id, secret.into_iter().cloned().collect(), settings, spawner, None).await
+        let secrets = secret.into_iter().cloned().collect();
+        Self::bind_with(bind, None, local, cluster_id, secrets, settings, spawner, None).await
     }
 
     /// Binds the listener and starts accepting; every task goes through `spawner`, and the
     /// link filter (if any) decides which links carry messages. Dials with the first of
     /// `secrets` and accepts dialers holding any of them (none: plain connections).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn bind_with(
         bind: SocketAddr,
+        advertise: Option<SocketAddr>,
         local: UniqueAddress,
         cluster_id: String,
         secrets: Vec<ClusterSecret>,
@@ -267,10 +270,9 @@ impl Transport {
         let shutdown = spawner.shutdown_token().clone();
         let listener =
             TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
-        let messaging_addr = listener.local_addr().map_err(|e| Error::io("reading bound messaging address", e))?;
-        if messaging_addr.ip().is_unspecified() {
-            return Err(Error::BadAddress(messaging_addr));
-        }
+        let bound = listener.local_addr().map_err(|e| Error::io("reading bound messaging address", e))?;
+        // What peers dial, and what the Noise prologue binds a connection to.
+        let messaging_addr = crate::config::advertised_addr(bound, advertise)?;
         let (loopback_tx, loopback_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             local: PeerAddr { address: local, messaging_addr },
