@@ -170,7 +170,7 @@ impl MembershipDriver {
             None => false,
             Some(first) => match first.socket_addr() {
                 Some(addr) => addr == gossip_addr,
-                None => resolves_to(first.as_str(), gossip_addr).await,
+                None => resolves_to(first.as_str(), gossip_addr, cfg.membership.seed_node_timeout).await,
             },
         };
         let seeds: Vec<String> =
@@ -352,14 +352,19 @@ fn log_member_event(ev: &MemberEvent) {
     info!(member = %m.address(), status = ?m.status(), messaging = %m.messaging_addr(), unreachable_by = ?observers, "member {what}");
 }
 
-/// Whether `seed` (`host:port`) resolves to `addr` through the system resolver; a name that
-/// does not resolve (yet) does not.
-async fn resolves_to(seed: &str, addr: SocketAddr) -> bool {
-    match tokio::net::lookup_host(seed).await {
-        Ok(mut addrs) => addrs.any(|a| a == addr),
-        Err(e) => {
-            warn!(%seed, error = %e, "the first seed does not resolve; this node will not form a cluster by itself");
-            false
+/// Whether `seed` (`host:port`) resolves to `addr` through the system resolver. A name that
+/// does not resolve yet is asked again for up to `patience` (a pod's own DNS record may appear
+/// a moment after its container starts); one that still does not, does not.
+async fn resolves_to(seed: &str, addr: SocketAddr, patience: Duration) -> bool {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        match tokio::net::lookup_host(seed).await {
+            Ok(mut addrs) => return addrs.any(|a| a == addr),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                warn!(%seed, error = %e, "the first seed does not resolve; this node will not form a cluster by itself");
+                return false;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
     }
 }
