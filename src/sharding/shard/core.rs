@@ -86,6 +86,9 @@ pub(crate) enum DropReason {
     HandOff,
     /// The shard failed (its remembered set could not be loaded or written).
     ShardFailed,
+    /// The shard already holds its limit of messages waiting for entities to start or stop,
+    /// or for its load (`buffer_size`).
+    BufferFull,
     /// Remember-entities: the entity's start was not recorded, its slot being at its byte
     /// budget; the entity was not started.
     SlotFull,
@@ -180,23 +183,86 @@ struct Remember {
     next_removes: BTreeSet<String>,
 }
 
+/// The messages a shard holds: per entity while it starts or stops, and in arrival order
+/// until the shard's stored data loaded; counted, so a flood of them is refused past `limit`
+/// instead of growing memory without bound.
+#[derive(Debug)]
+struct Held<M> {
+    by_entity: BTreeMap<String, VecDeque<M>>,
+    early: VecDeque<(String, M)>,
+    count: usize,
+    limit: usize,
+}
+
+impl<M> Held<M> {
+    fn new(limit: usize) -> Self {
+        Held { by_entity: BTreeMap::new(), early: VecDeque::new(), count: 0, limit }
+    }
+
+    /// Whether one more message may be held.
+    fn has_room(&self) -> bool {
+        self.count < self.limit
+    }
+
+    fn push(&mut self, entity_id: String, msg: M) {
+        self.by_entity.entry(entity_id).or_default().push_back(msg);
+        self.count += 1;
+    }
+
+    /// Puts an ended incarnation's leftovers ahead of what is held for it (they were taken
+    /// in before, so they are held whatever the limit).
+    fn push_front_all(&mut self, entity_id: &str, msgs: Vec<M>) {
+        let held = self.by_entity.entry(entity_id.to_string()).or_default();
+        self.count += msgs.len();
+        for msg in msgs.into_iter().rev() {
+            held.push_front(msg);
+        }
+    }
+
+    fn push_early(&mut self, entity_id: String, msg: M) {
+        self.early.push_back((entity_id, msg));
+        self.count += 1;
+    }
+
+    fn has_for(&self, entity_id: &str) -> bool {
+        self.by_entity.get(entity_id).is_some_and(|b| !b.is_empty())
+    }
+
+    fn take(&mut self, entity_id: &str) -> VecDeque<M> {
+        let taken = self.by_entity.remove(entity_id).unwrap_or_default();
+        self.count -= taken.len();
+        taken
+    }
+
+    fn take_all(&mut self) -> BTreeMap<String, VecDeque<M>> {
+        let taken = std::mem::take(&mut self.by_entity);
+        self.count -= taken.values().map(VecDeque::len).sum::<usize>();
+        taken
+    }
+
+    fn take_early(&mut self) -> VecDeque<(String, M)> {
+        let taken = std::mem::take(&mut self.early);
+        self.count -= taken.len();
+        taken
+    }
+}
+
 /// One shard's entities; `S` is what the host attaches to a running incarnation.
 pub(crate) struct ShardCore<M, S = ()> {
     /// Every entity the shard knows: running, starting, stopping, and (remember-entities) the
     /// remembered ones not running. Iteration order is arbitrary: whatever turns it into
     /// actions sorts first (the simulation replays actions in order).
     entities: HashMap<Arc<str>, EntityEntry<S>>,
-    buffers: BTreeMap<String, VecDeque<M>>,
+    /// Messages held for entities that are starting or stopping, and (`early`) until the load.
+    held: Held<M>,
     next_incarnation: u64,
     passivation: Passivation,
     handoff_deadline: Option<Instant>,
     handoff_stop_timeout: Duration,
     remember: Option<Remember>,
     /// Whether the shard's stored data (remembered ids, durable entity states) has loaded;
-    /// until then messages wait in `early`.
+    /// until then messages wait in `held`'s early queue.
     loaded: bool,
-    /// Messages that arrived before the load.
-    early: VecDeque<(String, M)>,
     restart_backoff: Duration,
     /// Entities waiting for a restart, by deadline, so a tick costs O(due) rather than a scan
     /// of every entity (a shard may hold hundreds of thousands). An entry whose entity has
@@ -209,14 +275,13 @@ impl<M, S> ShardCore<M, S> {
     pub(crate) fn new(policy: PolicySettings, handoff_stop_timeout: Duration) -> Self {
         ShardCore {
             entities: HashMap::new(),
-            buffers: BTreeMap::new(),
+            held: Held::new(usize::MAX),
             next_incarnation: 1,
             passivation: Passivation::new(policy),
             handoff_deadline: None,
             handoff_stop_timeout,
             remember: None,
             loaded: true,
-            early: VecDeque::new(),
             restart_backoff: Duration::from_secs(10),
             restarts_due: BTreeSet::new(),
             failed: false,
@@ -236,6 +301,13 @@ impl<M, S> ShardCore<M, S> {
 
     /// A shard whose entities keep durable state: like [`ShardCore::new`], but it waits for
     /// `Loaded` (the state claimed and read) before serving.
+    /// At most `limit` messages held at once (waiting for the load, or for their entity to
+    /// start or stop); more are dropped with [`DropReason::BufferFull`]. Unlimited otherwise.
+    pub(crate) fn with_buffer_limit(mut self, limit: usize) -> Self {
+        self.held.limit = limit;
+        self
+    }
+
     pub(crate) fn loading(policy: PolicySettings, handoff_stop_timeout: Duration) -> Self {
         ShardCore { loaded: false, ..Self::new(policy, handoff_stop_timeout) }
     }
@@ -314,15 +386,9 @@ impl<M, S> ShardCore<M, S> {
         self.entities.insert(key, entry);
         self.stop_victims(victims, StopReason::Limit, out);
         out.push(ShardAction::Start { entity_id: entity_id.to_string(), incarnation });
-        if let Some(buffered) = self.buffers.remove(entity_id) {
-            for msg in buffered {
-                out.push(ShardAction::Send { entity_id: entity_id.to_string(), msg });
-            }
+        for msg in self.held.take(entity_id) {
+            out.push(ShardAction::Send { entity_id: entity_id.to_string(), msg });
         }
-    }
-
-    fn buffer(&mut self, entity_id: String, msg: M) {
-        self.buffers.entry(entity_id).or_default().push_back(msg);
     }
 
     fn maybe_write(&mut self, out: &mut Vec<ShardAction<M, S>>) {
@@ -369,8 +435,15 @@ impl<M, S> ShardCore<M, S> {
             out.push(ShardAction::Drop { entity_id, msg, reason });
             return;
         }
+        // A message that would wait here (for the load, or for its entity to start or stop)
+        // while the shard already holds its limit is refused, not held.
+        let full = |held: &Held<M>| !held.has_room();
         if !self.loaded {
-            self.early.push_back((entity_id, msg));
+            if full(&self.held) {
+                out.push(ShardAction::Drop { entity_id, msg, reason: DropReason::BufferFull });
+            } else {
+                self.held.push_early(entity_id, msg);
+            }
             return;
         }
         let state = self.entities.get_key_value(entity_id.as_str()).map(|(key, e)| {
@@ -382,22 +455,28 @@ impl<M, S> ShardCore<M, S> {
         match state {
             Some(EntityState::Active) => out.push(ShardAction::Send { entity_id, msg }),
             Some(EntityState::WaitingForRestart(_) | EntityState::Remembered) => {
-                self.buffer(entity_id.clone(), msg);
+                self.held.push(entity_id.clone(), msg);
                 self.start(&entity_id, now, out);
             }
-            Some(_) => self.buffer(entity_id, msg),
+            Some(_) if full(&self.held) => {
+                out.push(ShardAction::Drop { entity_id, msg, reason: DropReason::BufferFull })
+            }
+            Some(_) => self.held.push(entity_id, msg),
             None => match self.remember.as_mut() {
+                Some(_) if full(&self.held) => {
+                    out.push(ShardAction::Drop { entity_id, msg, reason: DropReason::BufferFull });
+                }
                 Some(r) => {
                     // Not in the table, so not remembered: record the start before creating it.
                     r.next_adds.insert(entity_id.clone());
                     r.next_removes.remove(&entity_id);
                     self.entities
                         .insert(Arc::from(entity_id.as_str()), EntityEntry::new(EntityState::RememberingStart, 0));
-                    self.buffer(entity_id, msg);
+                    self.held.push(entity_id, msg);
                     self.maybe_write(out);
                 }
                 _ => {
-                    self.buffer(entity_id.clone(), msg);
+                    self.held.push(entity_id.clone(), msg);
                     self.start(&entity_id, now, out);
                 }
             },
@@ -438,7 +517,7 @@ impl<M, S> ShardCore<M, S> {
                 if !ids.is_empty() && self.remember.is_some() {
                     out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
                 }
-                for (id, msg) in std::mem::take(&mut self.early) {
+                for (id, msg) in self.held.take_early() {
                     self.deliver(id, msg, now, out);
                 }
             }
@@ -450,7 +529,7 @@ impl<M, S> ShardCore<M, S> {
                         if refused.contains(&id) {
                             // Not remembered, so never started: its messages fail at once.
                             self.entities.remove(id.as_str());
-                            for msg in self.buffers.remove(&id).unwrap_or_default() {
+                            for msg in self.held.take(&id) {
                                 out.push(ShardAction::Drop {
                                     entity_id: id.clone(),
                                     msg,
@@ -472,9 +551,9 @@ impl<M, S> ShardCore<M, S> {
                     }
                     if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStop) {
                         self.entities.remove(id.as_str());
-                        if self.buffers.get(&id).is_some_and(|b| !b.is_empty()) {
+                        if self.held.has_for(&id) {
                             // Messages arrived while it passivated: it starts again (recorded again).
-                            let buffered = self.buffers.remove(&id).unwrap_or_default();
+                            let buffered = self.held.take(&id);
                             for msg in buffered {
                                 self.deliver(id.clone(), msg, now, out);
                             }
@@ -497,12 +576,12 @@ impl<M, S> ShardCore<M, S> {
                     return;
                 }
                 self.handoff_deadline = Some(now + self.handoff_stop_timeout);
-                for (id, buffered) in std::mem::take(&mut self.buffers) {
+                for (id, buffered) in self.held.take_all() {
                     for msg in buffered {
                         out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::HandOff });
                     }
                 }
-                for (id, msg) in self.early.drain(..) {
+                for (id, msg) in self.held.take_early() {
                     out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::HandOff });
                 }
                 // Entries without a task leave now; running ones are told to stop (in id order).
@@ -566,18 +645,13 @@ impl<M, S> ShardCore<M, S> {
         e.slot = None;
         if !leftovers.is_empty() {
             // Ahead of what the shard held meanwhile, which arrived after them.
-            let held = self.buffers.entry(entity_id.clone()).or_default();
-            for msg in leftovers.into_iter().rev() {
-                held.push_front(msg);
-            }
+            self.held.push_front_all(&entity_id, leftovers);
         }
         let state = e.state;
         if self.handoff_deadline.is_some() {
             self.entities.remove(entity_id.as_str());
-            if let Some(buffered) = self.buffers.remove(&entity_id) {
-                for msg in buffered {
-                    out.push(ShardAction::Drop { entity_id: entity_id.clone(), msg, reason: DropReason::HandOff });
-                }
+            for msg in self.held.take(&entity_id) {
+                out.push(ShardAction::Drop { entity_id: entity_id.clone(), msg, reason: DropReason::HandOff });
             }
             self.check_handoff_done(out);
             return;
@@ -596,13 +670,14 @@ impl<M, S> ShardCore<M, S> {
                 let at = now + self.restart_backoff;
                 self.entities.get_mut(entity_id.as_str()).expect("entity").state = EntityState::WaitingForRestart(at);
                 self.restarts_due.insert((at, entity_id.clone()));
-                if self.buffers.get(&entity_id).is_some_and(|b| !b.is_empty()) {
+                if self.held.has_for(&entity_id) {
                     self.start(&entity_id, now, out);
                 }
             }
             _ => {
                 self.entities.remove(entity_id.as_str());
-                if let Some(buffered) = self.buffers.remove(&entity_id).filter(|b| !b.is_empty()) {
+                let buffered = self.held.take(&entity_id);
+                if !buffered.is_empty() {
                     // Messages that arrived while it stopped go to its next incarnation.
                     for msg in buffered {
                         self.deliver(entity_id.clone(), msg, now, out);
@@ -620,12 +695,12 @@ impl<M, S> ShardCore<M, S> {
         self.force_stop_all(out);
         self.entities.clear();
         self.restarts_due.clear();
-        for (id, buffered) in std::mem::take(&mut self.buffers) {
+        for (id, buffered) in self.held.take_all() {
             for msg in buffered {
                 out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::ShardFailed });
             }
         }
-        for (id, msg) in self.early.drain(..) {
+        for (id, msg) in self.held.take_early() {
             out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::ShardFailed });
         }
         out.push(ShardAction::Failed);
@@ -988,6 +1063,37 @@ mod tests {
         // The refused id is forgotten: its next message asks to record its start again.
         let out = run(&mut s, deliver("big", 5), now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["big"]), removes: ids(&[]) }]);
+    }
+
+    #[test]
+    fn a_shard_holds_at_most_its_buffer_limit_of_waiting_messages_and_refuses_more_with_buffer_full() {
+        let now = Instant::now();
+        let refused = |out: &[ShardAction<u32>]| {
+            out.iter().filter(|a| matches!(a, ShardAction::Drop { reason: DropReason::BufferFull, .. })).count()
+        };
+        // Before the load: at most 3 wait; the 4th and 5th are refused.
+        let mut s: ShardCore<u32> =
+            ShardCore::loading(PolicySettings::idle(None), Duration::from_secs(1)).with_buffer_limit(3);
+        let out: Vec<_> = (0..5).flat_map(|k| run(&mut s, deliver(&format!("e{k}"), k), now)).collect();
+        assert_eq!(refused(&out), 2, "{out:?}");
+        let out = run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        assert_eq!(out.iter().filter(|a| matches!(a, ShardAction::Send { .. })).count(), 3, "the three held ones go");
+        // Starting remembered entities: a flood of distinct new ids waits for the write, up to
+        // the limit; the held messages leave with the write and make room again.
+        let mut s: ShardCore<u32> =
+            ShardCore::remembering(Duration::from_secs(1), Duration::from_secs(1)).with_buffer_limit(3);
+        run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        let out: Vec<_> = (0..10).flat_map(|k| run(&mut s, deliver(&format!("id{k}"), k), now)).collect();
+        assert_eq!(refused(&out), 7, "{out:?}");
+        assert_eq!(s.held.count, 3);
+        run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
+        let out = run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
+        assert!(out.iter().any(|a| matches!(a, ShardAction::Send { msg: 2, .. })), "{out:?}");
+        assert_eq!(s.held.count, 0, "every held message left");
+        assert_eq!(refused(&run(&mut s, deliver("id11", 11), now)), 0, "room again");
+        // A running entity's messages are never held, so never refused.
+        let out = run(&mut s, deliver("id0", 20), now);
+        assert_eq!(out, vec![ShardAction::Send { entity_id: "id0".into(), msg: 20 }]);
     }
 
     #[test]

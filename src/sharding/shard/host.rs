@@ -384,7 +384,8 @@ impl<E: Entity> LocalShards<E> {
             ShardCore::loading(policy, stop_timeout)
         } else {
             ShardCore::new(policy, stop_timeout)
-        };
+        }
+        .with_buffer_limit(s.buffer_size);
         let cell =
             Arc::new(ShardCell { shard: Mutex::new(LocalShard { core, epoch, instance, tasks: TaskTracker::new() }) });
         self.shards.insert(shard.clone(), cell.clone());
@@ -619,6 +620,14 @@ impl<E: Entity> LocalShards<E> {
                         "dropped during shard hand-off"
                     }
                     DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
+                    DropReason::BufferFull => {
+                        self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed);
+                        let (type_name, buffer_size) = (self.type_name.clone(), self.settings.buffer_size);
+                        let type_name = type_name.to_string();
+                        return self
+                            .replier
+                            .fail_with(msg, &entity_id, || Error::BufferFull { type_name, buffer_size });
+                    }
                     DropReason::SlotFull => {
                         // Counted by the remember writer, once per refused id.
                         let (slot, budget) =
