@@ -305,20 +305,11 @@ pub struct MemberEventInfo {
 }
 
 fn event_info(node: &Node, e: &MemberEvent) -> MemberEventInfo {
-    let (kind, m) = match e {
-        MemberEvent::Joined(m) => ("joined", m),
-        MemberEvent::Up(m) => ("up", m),
-        MemberEvent::Leaving(m) => ("leaving", m),
-        MemberEvent::Exited(m) => ("exited", m),
-        MemberEvent::Downed(m) => ("downed", m),
-        MemberEvent::Unreachable(m) => ("unreachable", m),
-        MemberEvent::ObserversChanged(m) => ("observers-changed", m),
-        MemberEvent::Reachable(m) => ("reachable", m),
-        MemberEvent::Removed(a) => {
-            return MemberEventInfo { kind: "removed".into(), address: a.to_string(), member: None };
-        }
-    };
-    MemberEventInfo { kind: kind.into(), address: m.address().to_string(), member: Some(member_info(node, m)) }
+    MemberEventInfo {
+        kind: e.kind().into(),
+        address: e.address().to_string(),
+        member: e.member().map(|m| member_info(node, m)),
+    }
 }
 
 async fn events(State(admin): State<Admin>) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {

@@ -321,10 +321,10 @@ fn node_log_until(dir: &Path, args: &[&str], wanted: impl Fn(&str) -> bool) -> V
 #[test]
 fn a_node_logs_its_member_changes_at_info_by_default_and_as_json_lines_on_request() {
     let dir = tempfile::tempdir().unwrap();
-    let text = node_log_until(dir.path(), &[], |l| l.contains("member is up"));
-    assert!(text.iter().any(|l| l.contains("INFO") && l.contains("member is up")), "{text:#?}");
-    let json = node_log_until(dir.path(), &["--log-format", "json"], |l| l.contains("member is up"));
-    assert!(json.iter().any(|l| l.contains("member is up")), "{json:#?}");
+    let text = node_log_until(dir.path(), &[], |l| l.contains("member up"));
+    assert!(text.iter().any(|l| l.contains("INFO") && l.contains("member up")), "{text:#?}");
+    let json = node_log_until(dir.path(), &["--log-format", "json"], |l| l.contains("member up"));
+    assert!(json.iter().any(|l| l.contains("member up")), "{json:#?}");
     for line in &json {
         let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
         assert!(v["level"].is_string() && v["message"].is_string() && v["timestamp"].is_string(), "{line}");

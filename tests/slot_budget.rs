@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use ddshard::sharding::default_shard_id;
 use ddshard::testkit::{TestCluster, eventually, fast_downing, remembered_slot};
-use ddshard::{Durable, DurableEntity, EntityContext, Error, ShardRegion, ShardingSettings};
+use ddshard::{DurableEntity, EntityContext, Error, ShardRegion, ShardingSettings};
 use serde::{Deserialize, Serialize};
 
 const CONVERGE: Duration = Duration::from_secs(40);
@@ -153,20 +153,6 @@ impl DurableEntity for Blob {
     }
 }
 
-async fn blob_ask(r: &ShardRegion<Durable<Blob>>, id: &str, msg: BlobMsg, within: Duration) -> usize {
-    let deadline = tokio::time::Instant::now() + within;
-    loop {
-        match r.ask_with_timeout(id, msg.clone(), Duration::from_secs(3)).await {
-            Ok(size) => return size,
-            Err(e) if tokio::time::Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("no answer from {}… within {within:?}: {e}", &id[..8]),
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn states_of_63_kib_aimed_at_one_state_slot_are_refused_past_its_budget_and_the_rest_move_with_the_shard() {
     let mut c = TestCluster::start_with(3, |_, cfg| fast_downing(cfg)).await.unwrap();
@@ -191,9 +177,9 @@ async fn states_of_63_kib_aimed_at_one_state_slot_are_refused_past_its_budget_an
     assert!((12..=16).contains(&acked.len()), "{} acknowledged", acked.len());
     // A refused entity restarts from its stored (empty) state; an acknowledged one can still
     // rewrite its state at the same size or smaller in the full slot.
-    assert_eq!(blob_ask(&regions[0], &refused[0], BlobMsg::Size, CONVERGE).await, 0);
-    assert_eq!(blob_ask(&regions[0], &acked[0], BlobMsg::Put(1024), CONVERGE).await, 1024);
-    assert_eq!(blob_ask(&regions[0], &acked[0], BlobMsg::Put(1024), CONVERGE).await, 1024);
+    assert_eq!(ask_until(&regions[0], &refused[0], BlobMsg::Size, CONVERGE).await, 0);
+    assert_eq!(ask_until(&regions[0], &acked[0], BlobMsg::Put(1024), CONVERGE).await, 1024);
+    assert_eq!(ask_until(&regions[0], &acked[0], BlobMsg::Put(1024), CONVERGE).await, 1024);
     // The home of the target shard: the node whose region runs it.
     let mut home = None;
     for (i, r) in regions.iter().enumerate() {
@@ -207,7 +193,7 @@ async fn states_of_63_kib_aimed_at_one_state_slot_are_refused_past_its_budget_an
     // Every acknowledged state loads on the new home: the slot fits one message.
     for (k, id) in acked.iter().enumerate() {
         let expected = if k == 0 { 1024 } else { 63 * 1024 };
-        assert_eq!(blob_ask(&survivor, id, BlobMsg::Size, CONVERGE).await, expected, "{}…", &id[..8]);
+        assert_eq!(ask_until(&survivor, id, BlobMsg::Size, CONVERGE).await, expected, "{}…", &id[..8]);
     }
     c.shutdown().await;
 }

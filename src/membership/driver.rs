@@ -334,22 +334,14 @@ impl MembershipDriver {
 
 /// One line per member change, for operators (`info`: these are rare and each matters).
 fn log_member_event(ev: &MemberEvent) {
-    let (what, m) = match ev {
-        MemberEvent::Joined(m) => ("joined", m),
-        MemberEvent::Up(m) => ("is up", m),
-        MemberEvent::Leaving(m) => ("is leaving", m),
-        MemberEvent::Exited(m) => ("exited", m),
-        MemberEvent::Downed(m) => ("was downed", m),
-        MemberEvent::Unreachable(m) => ("is unreachable", m),
-        MemberEvent::ObserversChanged(m) => ("is still unreachable, seen by other observers", m),
-        MemberEvent::Reachable(m) => ("is reachable again", m),
-        MemberEvent::Removed(address) => {
-            info!(member = %address, "member removed");
-            return;
+    let kind = ev.kind();
+    match ev.member() {
+        None => info!(member = %ev.address(), "member {kind}"),
+        Some(m) => {
+            let observers: Vec<String> = m.observed_unreachable_by().iter().map(ToString::to_string).collect();
+            info!(member = %m.address(), status = ?m.status(), messaging = %m.messaging_addr(), unreachable_by = ?observers, "member {kind}");
         }
-    };
-    let observers: Vec<String> = m.observed_unreachable_by().iter().map(ToString::to_string).collect();
-    info!(member = %m.address(), status = ?m.status(), messaging = %m.messaging_addr(), unreachable_by = ?observers, "member {what}");
+    }
 }
 
 /// Whether `seed` (`host:port`) resolves to `addr` through the system resolver. A name that

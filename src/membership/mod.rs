@@ -360,6 +360,47 @@ pub enum MemberEvent {
     Reachable(Member),
 }
 
+impl MemberEvent {
+    /// What happened, in one word: `joined`, `up`, `leaving`, `exited`, `downed`, `removed`,
+    /// `unreachable`, `observers-changed` or `reachable` (the admin API's event kinds).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MemberEvent::Joined(_) => "joined",
+            MemberEvent::Up(_) => "up",
+            MemberEvent::Leaving(_) => "leaving",
+            MemberEvent::Exited(_) => "exited",
+            MemberEvent::Downed(_) => "downed",
+            MemberEvent::Removed(_) => "removed",
+            MemberEvent::Unreachable(_) => "unreachable",
+            MemberEvent::ObserversChanged(_) => "observers-changed",
+            MemberEvent::Reachable(_) => "reachable",
+        }
+    }
+
+    /// The member as it is now (`None` for `removed`, which only names its incarnation).
+    pub fn member(&self) -> Option<&Member> {
+        match self {
+            MemberEvent::Removed(_) => None,
+            MemberEvent::Joined(m)
+            | MemberEvent::Up(m)
+            | MemberEvent::Leaving(m)
+            | MemberEvent::Exited(m)
+            | MemberEvent::Downed(m)
+            | MemberEvent::Unreachable(m)
+            | MemberEvent::ObserversChanged(m)
+            | MemberEvent::Reachable(m) => Some(m),
+        }
+    }
+
+    /// The incarnation it is about.
+    pub fn address(&self) -> &UniqueAddress {
+        match self {
+            MemberEvent::Removed(a) => a,
+            other => other.member().map(Member::address).expect("every other event carries its member"),
+        }
+    }
+}
+
 /// The events that turn `before` into `after`.
 pub fn diff_snapshots(before: &MembershipSnapshot, after: &MembershipSnapshot) -> Vec<MemberEvent> {
     let mut events = Vec::new();

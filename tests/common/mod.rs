@@ -178,6 +178,14 @@ pub async fn where_is_if_answered(r: &ShardRegion<Counter>, id: &str) -> Option<
 /// Asks until an answer comes (a message in flight to a node that crashed is lost, as in any
 /// at-most-once system; a client retries). Panics after `within`.
 pub async fn ask_retry(r: &ShardRegion<Counter>, id: &str, msg: CounterMsg, within: Duration) -> CounterReply {
+    ask_until(r, id, msg, within).await
+}
+
+/// [`ask_retry`] for any entity type.
+pub async fn ask_until<E: Entity>(r: &ShardRegion<E>, id: &str, msg: E::Message, within: Duration) -> E::Reply
+where
+    E::Message: Clone,
+{
     let deadline = tokio::time::Instant::now() + within;
     loop {
         match r.ask_with_timeout(id, msg.clone(), Duration::from_secs(2)).await {
@@ -186,7 +194,7 @@ pub async fn ask_retry(r: &ShardRegion<Counter>, id: &str, msg: CounterMsg, with
                 let _ = e;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            Err(e) => panic!("no answer from {id} within {within:?}: {e}"),
+            Err(e) => panic!("no answer from {} within {within:?}: {e}", &id[..id.len().min(16)]),
         }
     }
 }
