@@ -1078,6 +1078,7 @@ mod tests {
         assert_eq!(refused(&out), 2, "{out:?}");
         let out = run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
         assert_eq!(out.iter().filter(|a| matches!(a, ShardAction::Send { .. })).count(), 3, "the three held ones go");
+        assert_eq!(s.held.count, 0, "and are counted out");
         // Starting remembered entities: a flood of distinct new ids waits for the write, up to
         // the limit; the held messages leave with the write and make room again.
         let mut s: ShardCore<u32> =
@@ -1091,9 +1092,22 @@ mod tests {
         assert!(out.iter().any(|a| matches!(a, ShardAction::Send { msg: 2, .. })), "{out:?}");
         assert_eq!(s.held.count, 0, "every held message left");
         assert_eq!(refused(&run(&mut s, deliver("id11", 11), now)), 0, "room again");
+        // Messages for an entity whose start is being recorded wait too, up to the limit.
+        let mut r: ShardCore<u32> =
+            ShardCore::remembering(Duration::from_secs(1), Duration::from_secs(1)).with_buffer_limit(3);
+        run(&mut r, ShardInput::Loaded(BTreeSet::new()), now);
+        let out: Vec<_> = (0..5).flat_map(|k| run(&mut r, deliver("one", k), now)).collect();
+        assert_eq!(refused(&out), 2, "{out:?}");
         // A running entity's messages are never held, so never refused.
         let out = run(&mut s, deliver("id0", 20), now);
         assert_eq!(out, vec![ShardAction::Send { entity_id: "id0".into(), msg: 20 }]);
+        // A hand-off drops what is held, and counts it out.
+        assert_eq!(s.held.count, 1, "id11 waits for its write");
+        run(&mut s, deliver("id11", 21), now);
+        assert_eq!(s.held.count, 2);
+        let out = run(&mut s, ShardInput::HandOff, now);
+        assert_eq!(out.iter().filter(|a| matches!(a, ShardAction::Drop { reason: DropReason::HandOff, .. })).count(), 2);
+        assert_eq!(s.held.count, 0);
     }
 
     #[test]
