@@ -1106,7 +1106,10 @@ mod tests {
         run(&mut s, deliver("id11", 21), now);
         assert_eq!(s.held.count, 2);
         let out = run(&mut s, ShardInput::HandOff, now);
-        assert_eq!(out.iter().filter(|a| matches!(a, ShardAction::Drop { reason: DropReason::HandOff, .. })).count(), 2);
+        assert_eq!(
+            out.iter().filter(|a| matches!(a, ShardAction::Drop { reason: DropReason::HandOff, .. })).count(),
+            2
+        );
         assert_eq!(s.held.count, 0);
     }
 
