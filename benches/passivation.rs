@@ -114,7 +114,13 @@ fn child(name: &str) {
     let settings = ShardingSettings {
         number_of_shards: SHARDS,
         passivation_idle_timeout: None,
-        passivation: PassivationSettings { strategy, active_entity_limit: limit, replacement, admission },
+        passivation: PassivationSettings {
+            strategy,
+            active_entity_limit: limit,
+            replacement,
+            admission,
+            ..PassivationSettings::default()
+        },
         ..ShardingSettings::default()
     };
     let region = rt.block_on(async {

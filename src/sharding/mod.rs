@@ -343,5 +343,26 @@ mod tests {
         }
         let longest = ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN, ..Default::default() };
         assert!(longest.validate().is_ok(), "the longest a remembered set holds is allowed");
+        let zero = settings::PassivationSettings { idle_safety_limit: Some(0), ..Default::default() };
+        assert!(matches!(
+            ShardingSettings { passivation: zero, ..Default::default() }.validate(),
+            Err(Error::Config(_))
+        ));
+    }
+
+    #[test]
+    fn idle_passivation_has_a_safety_net_limit_and_only_remembered_or_unpassivated_types_have_none() {
+        use settings::{PassivationSettings, PassivationStrategy};
+        let idle = ShardingSettings::default();
+        assert_eq!(idle.passivation_limit(), Some(1_000_000), "a flood of distinct ids is capped");
+        assert_eq!(idle.passivation_policy(Some(1_000)).limit, Some(1_000), "each shard's share");
+        let off = PassivationSettings { idle_safety_limit: None, ..Default::default() };
+        assert_eq!(ShardingSettings { passivation: off, ..Default::default() }.passivation_limit(), None);
+        let remember = ShardingSettings { remember_entities: true, ..Default::default() };
+        assert_eq!(remember.passivation_limit(), None, "remembered entities are never passivated automatically");
+        let none = PassivationSettings { strategy: PassivationStrategy::None, ..Default::default() };
+        assert_eq!(ShardingSettings { passivation: none, ..Default::default() }.passivation_limit(), None);
+        let limited = PassivationSettings { strategy: PassivationStrategy::ActiveEntityLimit, ..Default::default() };
+        assert_eq!(ShardingSettings { passivation: limited, ..Default::default() }.passivation_limit(), Some(100_000));
     }
 }

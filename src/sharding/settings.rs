@@ -103,6 +103,11 @@ pub struct PassivationSettings {
     pub replacement: ReplacementPolicy,
     /// `active-entity-limit`: admission of new entities.
     pub admission: PassivationAdmission,
+    /// `idle`: a safety net, not a tuning knob — at most this many entities run per region
+    /// (divided among its shards); a new one past it passivates the one `replacement` picks
+    /// first, so a flood of distinct ids cannot grow memory without bound before the idle
+    /// timeout. `None`: no limit. (Remembered entities are never passivated automatically.)
+    pub idle_safety_limit: Option<usize>,
 }
 
 impl Default for PassivationSettings {
@@ -112,6 +117,7 @@ impl Default for PassivationSettings {
             active_entity_limit: 100_000,
             replacement: ReplacementPolicy::Lru,
             admission: PassivationAdmission::None,
+            idle_safety_limit: Some(1_000_000),
         }
     }
 }
@@ -320,13 +326,28 @@ impl ShardingSettings {
         if !(1..=1 << 32).contains(&self.passivation.active_entity_limit) {
             return bad("passivation.active_entity_limit must be between 1 and 2^32");
         }
+        if self.passivation.idle_safety_limit.is_some_and(|l| !(1..=1 << 32).contains(&l)) {
+            return bad("passivation.idle_safety_limit must be between 1 and 2^32");
+        }
         Ok(())
     }
 
-    /// The region-wide active-entity limit, when the type has one (never with remember-entities).
+    /// Whether the type runs under the `active-entity-limit` strategy (the limit it tunes).
+    pub(crate) fn has_active_entity_limit(&self) -> bool {
+        self.passivation.strategy == PassivationStrategy::ActiveEntityLimit && !self.remember_entities
+    }
+
+    /// The region-wide active-entity limit, when the type has one (never with remember-entities):
+    /// `active_entity_limit` under that strategy, the safety net under `idle`.
     pub(crate) fn passivation_limit(&self) -> Option<usize> {
-        (self.passivation.strategy == PassivationStrategy::ActiveEntityLimit && !self.remember_entities)
-            .then_some(self.passivation.active_entity_limit)
+        if self.remember_entities {
+            return None;
+        }
+        match self.passivation.strategy {
+            PassivationStrategy::ActiveEntityLimit => Some(self.passivation.active_entity_limit),
+            PassivationStrategy::Idle => self.passivation.idle_safety_limit,
+            PassivationStrategy::None => None,
+        }
     }
 
     /// The passivation policy of one shard, whose share of the region's limit is `share`.

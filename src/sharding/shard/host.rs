@@ -357,9 +357,10 @@ impl<E: Entity> LocalShards<E> {
         }
     }
 
-    /// Changes the region's active-entity limit at run time; false when the type has none.
+    /// Changes the region's active-entity limit at run time; false when the type has none (the
+    /// `idle` strategy's safety net is not one to tune at run time).
     pub(crate) fn set_passivation_limit(&mut self, limit: usize, work: &mut VecDeque<Work<E>>) -> bool {
-        if self.passivation_limit.is_none() {
+        if self.passivation_limit.is_none() || !self.settings.has_active_entity_limit() {
             return false;
         }
         self.passivation_limit = Some(limit.max(1));
