@@ -175,12 +175,13 @@ impl MembershipDriver {
         };
         let seeds: Vec<String> =
             cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).map(|s| s.as_str().to_string()).collect();
+        let has_seeds = !seeds.is_empty();
         let chitchat_cfg = ChitchatConfig {
             chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
             cluster_id: cfg.cluster_id.clone(),
             gossip_interval: m.gossip_interval,
             listen_addr: bound,
-            seed_nodes: seeds.clone(),
+            seed_nodes: seeds,
             failure_detector_config: FailureDetectorConfig {
                 phi_threshold: m.phi_threshold,
                 sampling_window_size: 1000,
@@ -213,7 +214,7 @@ impl MembershipDriver {
             stats: stats.clone(),
         };
         let lifecycle = LifecycleSettings {
-            has_seeds: !seeds.is_empty(),
+            has_seeds,
             self_is_first_seed,
             gossip_interval: m.gossip_interval,
             seed_node_timeout: m.seed_node_timeout,

@@ -623,8 +623,7 @@ impl<E: Entity> LocalShards<E> {
                     DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
                     DropReason::BufferFull => {
                         self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed);
-                        let (type_name, buffer_size) = (self.type_name.clone(), self.settings.buffer_size);
-                        let type_name = type_name.to_string();
+                        let (type_name, buffer_size) = (self.type_name.to_string(), self.settings.buffer_size);
                         return self
                             .replier
                             .fail_with(msg, &entity_id, || Error::BufferFull { type_name, buffer_size });

@@ -84,3 +84,40 @@ pub(crate) enum Work<E: Entity> {
     Region(RegionInput<Envelope<E>>),
     Shard(ShardId, ShardInput<Envelope<E>>),
 }
+
+/// What one try of a slot key's update refused for the slot's byte budget, filled by the update
+/// as the replicator applies it (each try starts it afresh) and read by the writer afterwards.
+#[derive(Clone, Default)]
+pub(crate) struct FullSlot(std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>);
+
+impl FullSlot {
+    /// Starts a try: forgets what an earlier try refused.
+    pub(crate) fn start_try(&self) -> std::sync::MutexGuard<'_, BTreeSet<String>> {
+        let mut refused = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        refused.clear();
+        refused
+    }
+
+    /// What the last try refused.
+    pub(crate) fn take(&self) -> BTreeSet<String> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+}
+
+/// Counts the `refused` writes of a full slot `key` and warns, at most once a minute per slot
+/// (`what` names the slot's kind and what to raise).
+pub(crate) fn report_full_slot(
+    counters: &crate::sharding::handle::RegionCounters,
+    log: &mut crate::log_limit::LogLimiter<String>,
+    type_name: &str,
+    key: &str,
+    budget: usize,
+    refused: usize,
+    what: &str,
+) {
+    counters.dropped_slot_full.fetch_add(refused as u64, std::sync::atomic::Ordering::Relaxed);
+    if let Some(held_back) = log.allow(&key.to_string(), std::time::Instant::now()) {
+        tracing::warn!(%type_name, %key, budget, refused, held_back,
+            "{what} slot at its byte budget: writes that would grow it are refused (SlotFull)");
+    }
+}

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::{ShardEvent, StoreResult};
+use super::{FullSlot, ShardEvent, StoreResult, report_full_slot};
 use crate::ddata::{Consistency, KeyUpdate, OrSet, Replicator};
 use crate::log_limit::LogLimiter;
 use crate::sharding::handle::RegionCounters;
@@ -50,10 +50,6 @@ pub(crate) struct RememberIo {
 
 /// The ids one batch adds to and removes from one slot key.
 type SlotChanges = (Vec<String>, Vec<String>);
-
-/// The adds of one slot key its last try refused for the slot's byte budget (filled by the
-/// update as the replicator applies it).
-type Refused = Arc<std::sync::Mutex<BTreeSet<String>>>;
 
 /// One shard's starts and stops, and what to do with the outcome.
 struct WriteRequest {
@@ -122,22 +118,21 @@ impl RememberIo {
                     shard_of.entry(key).or_insert_with(|| req.shard.clone());
                 }
             }
-            let by_key: Vec<(String, Arc<SlotChanges>, Refused)> =
-                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids), Refused::default())).collect();
+            let by_key: Vec<(String, Arc<SlotChanges>, FullSlot)> =
+                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids), FullSlot::default())).collect();
             let mut last = Ok(());
             for _ in 0..WRITE_TRIES {
                 let updates = by_key
                     .iter()
                     .map(|(key, ids, refused)| {
-                        let (ids, refused, budget) = (Arc::clone(ids), Arc::clone(refused), self.slot_budget);
+                        let (ids, refused, budget) = (Arc::clone(ids), refused.clone(), self.slot_budget);
                         KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
                             // Removes first: the room they free is the adds' to take.
                             for id in &ids.1 {
                                 set.remove(id);
                             }
                             // Each try decides afresh on the replica as it is then.
-                            let mut refused = refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                            refused.clear();
+                            let mut refused = refused.start_try();
                             for id in &ids.0 {
                                 if set.fits(id, budget) {
                                     set.add(ctx, id);
@@ -165,23 +160,24 @@ impl RememberIo {
                 }
             };
             // The adds refused for a full slot, by shard (a slot key belongs to one shard).
-            let mut refused: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
-            for (key, _, r) in by_key.iter().filter(|_| ok) {
-                let r = std::mem::take(&mut *r.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
-                if r.is_empty() {
-                    continue;
+            let mut refused: BTreeMap<ShardId, BTreeSet<String>> = BTreeMap::new();
+            for (key, _, full) in by_key.iter().filter(|_| ok) {
+                let r = full.take();
+                if !r.is_empty() {
+                    let what = "remembered-entity (raise remember_entities_slots, or find the client)";
+                    report_full_slot(
+                        &self.counters,
+                        &mut full_log,
+                        &self.type_name,
+                        key,
+                        self.slot_budget,
+                        r.len(),
+                        what,
+                    );
+                    refused.entry(shard_of[key].clone()).or_default().extend(r);
                 }
-                add(&self.counters.dropped_slot_full, r.len());
-                if let Some(held_back) = full_log.allow(key, std::time::Instant::now()) {
-                    warn!(type_name = %self.type_name, %key, budget = self.slot_budget, refused = r.len(), held_back,
-                        "remembered-entity slot at its byte budget: new ids in it are refused (SlotFull); \
-                         raise remember_entities_slots, or find the client that sends these ids");
-                }
-                refused.entry(shard_of[key].as_str()).or_default().extend(r);
             }
             debug!(type_name = %self.type_name, shards = batch.len(), keys = by_key.len(), "remember batch written");
-            let mut refused: BTreeMap<String, BTreeSet<String>> =
-                refused.into_iter().map(|(shard, ids)| (shard.to_string(), ids)).collect();
             for req in batch.drain(..) {
                 let result = if ok {
                     StoreResult::WriteDone { refused: refused.remove(&req.shard).unwrap_or_default() }

@@ -40,6 +40,7 @@ use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;
+use crate::sharding::shard::{FullSlot, report_full_slot};
 use crate::spawn::Spawner;
 
 /// Tries of each state write batch (each with a quarter of `updating_state_timeout`, at least
@@ -81,10 +82,6 @@ impl std::fmt::Debug for StateIo {
 
 /// The entity id → new encoded state (`None`: delete) writes of one slot key.
 type KeyWrites = Vec<(String, Option<Vec<u8>>)>;
-
-/// The entities of one slot key whose write its last try refused for the slot's byte budget
-/// (filled by the update as the replicator applies it).
-type Refused = Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>;
 
 /// One entity's write: its new encoded state (`None`: delete), under the shard's epoch.
 struct WriteRequest {
@@ -245,11 +242,11 @@ impl StateIo {
             }
             pending.insert(key, (epoch, current));
         }
-        let writes: Vec<(String, u64, Arc<KeyWrites>, Refused)> = pending
+        let writes: Vec<(String, u64, Arc<KeyWrites>, FullSlot)> = pending
             .iter()
             .map(|(key, (epoch, reqs))| {
                 let entries = reqs.iter().map(|r| (r.entity_id.clone(), r.value.clone())).collect();
-                (key.clone(), *epoch, Arc::new(entries), Refused::default())
+                (key.clone(), *epoch, Arc::new(entries), FullSlot::default())
             })
             .collect();
         let mut last = Ok(Vec::new());
@@ -258,11 +255,10 @@ impl StateIo {
                 .iter()
                 .map(|(key, epoch, entries, refused)| {
                     let (epoch, entries, refused, budget) =
-                        (*epoch, Arc::clone(entries), Arc::clone(refused), io.slot_budget);
+                        (*epoch, Arc::clone(entries), refused.clone(), io.slot_budget);
                     KeyUpdate::new::<FencedMap, _>(key, move |m, ctx| {
                         // Each try decides afresh on the replica as it is then.
-                        let mut refused = refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                        refused.clear();
+                        let mut refused = refused.start_try();
                         for (id, value) in entries.iter() {
                             let written = match value {
                                 Some(bytes) if !m.fits(id, epoch, bytes.len(), budget) => {
@@ -290,15 +286,18 @@ impl StateIo {
             Ok(fenced) => {
                 let fenced: BTreeMap<String, u64> = fenced.into_iter().map(|(k, f)| (k, f.fence)).collect();
                 for ((key, (epoch, reqs)), (.., refused)) in pending.into_iter().zip(&writes) {
-                    let refused =
-                        std::mem::take(&mut *refused.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+                    let refused = refused.take();
                     if !refused.is_empty() && !fenced.contains_key(&key) {
-                        add(&io.counters.dropped_slot_full, refused.len() as u64);
-                        if let Some(held_back) = full_log.allow(&key, std::time::Instant::now()) {
-                            warn!(type_name = %io.type_name, %key, budget = io.slot_budget, refused = refused.len(), held_back,
-                                "entity-state slot at its byte budget: states that would grow it are refused (SlotFull); \
-                                 raise state_slots, or find the client whose entities these are");
-                        }
+                        let what = "entity-state (raise state_slots, or find the client)";
+                        report_full_slot(
+                            &io.counters,
+                            full_log,
+                            &io.type_name,
+                            &key,
+                            io.slot_budget,
+                            refused.len(),
+                            what,
+                        );
                     }
                     let fence = fenced.get(&key).copied();
                     for r in reqs {
