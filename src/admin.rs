@@ -89,6 +89,7 @@ pub fn router(node: Node, settings: AdminSettings) -> Router {
         .route("/metrics", get(metrics))
         .route("/cluster/members", get(members))
         .route("/cluster/members/{node}", get(member).put(member_operation))
+        .route("/cluster/roster", get(roster))
         .route("/cluster/events", get(events))
         .route("/cluster/shards", get(types))
         .route("/cluster/shards/{type_name}", get(type_stats))
@@ -152,7 +153,7 @@ impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let status = match &e {
             Error::UnknownMember(_) => StatusCode::NOT_FOUND,
-            Error::EmptyEntityId => StatusCode::BAD_REQUEST,
+            Error::EmptyEntityId | Error::BadRequest(_) => StatusCode::BAD_REQUEST,
             Error::CoordinatorUnavailable(_) | Error::ShutDown | Error::PeerUnavailable { .. } => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -279,17 +280,46 @@ async fn member_operation(
 ) -> ApiResult<Response> {
     authorize(&admin, &headers)?;
     let op: MemberOperation = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(StatusCode::BAD_REQUEST, format!("expected {{\"operation\": \"leave\" | \"down\"}}: {e}"))
+        let expected = r#"{"operation": "leave" | "down" | "forget"}"#;
+        ApiError::new(StatusCode::BAD_REQUEST, format!("expected {expected}: {e}"))
     })?;
     match op.operation.as_str() {
         "leave" => admin.node.leave_member(&node_id, Duration::from_secs(5)).await?,
         "down" => admin.node.down(&node_id).await?,
+        "forget" => admin.node.replicator().forget_replica(&node_id).await?,
         other => {
-            return Err(ApiError::new(StatusCode::BAD_REQUEST, format!("unknown operation {other:?}: leave or down")));
+            let why = format!("unknown operation {other:?}: leave, down or forget");
+            return Err(ApiError::new(StatusCode::BAD_REQUEST, why));
         }
     }
     let answer = serde_json::json!({ "node": node_id, "operation": op.operation });
     Ok((StatusCode::ACCEPTED, axum::Json(answer)).into_response())
+}
+
+/// One node id of the roster durable quorums are counted over, as `/cluster/roster` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RosterInfo {
+    /// The node id.
+    pub node_id: String,
+    /// Its newest generation seen.
+    pub generation: u64,
+    /// Whether it is an Up or Leaving member now (one that is not still counts until it is
+    /// back, leaves gracefully or is forgotten).
+    pub member: bool,
+}
+
+async fn roster(State(admin): State<Admin>) -> ApiResult<Response> {
+    let snap = admin.node.membership();
+    let member = |id: &str| snap.members.iter().any(|m| &*m.address().node_id == id && m.status().is_routable());
+    let list: Vec<RosterInfo> = admin
+        .node
+        .replicator()
+        .roster()
+        .await?
+        .into_iter()
+        .map(|(node_id, generation)| RosterInfo { member: member(&node_id), node_id, generation })
+        .collect();
+    Ok(json(&list))
 }
 
 /// A membership event as `/cluster/events` sends it.

@@ -521,6 +521,12 @@ pub struct ReplicatorSettings {
     pub lmdb_max_map_size: usize,
     /// Only members with this role hold replicas (empty: every member).
     pub role: Option<String>,
+    /// A replica holder that has been absent (downed, crashed, not back) this long leaves the
+    /// roster that durable quorums are counted over, so a cluster that lost it for good serves
+    /// its durable shards again; what only its disk held is given up. `0s`: only an operator
+    /// forgets (`ddshard admin forget`). See DESIGN.md, "quorums over a durable roster".
+    #[serde(with = "humantime_serde")]
+    pub forget_absent_after: Duration,
 }
 
 impl Default for ReplicatorSettings {
@@ -533,6 +539,7 @@ impl Default for ReplicatorSettings {
             lmdb_map_size: 4 << 30,
             lmdb_max_map_size: 64 << 30,
             role: None,
+            forget_absent_after: Duration::from_secs(30 * 60),
         }
     }
 }

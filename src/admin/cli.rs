@@ -61,6 +61,15 @@ pub enum AdminCommand {
         /// The member's node id.
         node_id: String,
     },
+    /// The replica holders durable quorums are counted over, members or not.
+    Roster,
+    /// Take a node that is gone for good out of the roster, so durable shards that wait for a
+    /// majority of it are served again; what only its disk held is given up (sends
+    /// DDSHARD_ADMIN_TOKEN).
+    Forget {
+        /// The node id (not a member now).
+        node_id: String,
+    },
 }
 
 /// Where and how `ddshard admin` talks to a node.
@@ -152,6 +161,10 @@ impl AdminClient {
             }
             AdminCommand::Down { node_id } => {
                 self.request("PUT", &format!("/cluster/members/{}", t(node_id)), Some(r#"{"operation":"down"}"#))?
+            }
+            AdminCommand::Roster => self.request("GET", "/cluster/roster", None)?,
+            AdminCommand::Forget { node_id } => {
+                self.request("PUT", &format!("/cluster/members/{}", t(node_id)), Some(r#"{"operation":"forget"}"#))?
             }
         };
         if json {
@@ -280,6 +293,16 @@ fn render(command: &AdminCommand, value: Value) -> Result<String> {
         }
         AdminCommand::Leave { node_id } => out = format!("{node_id}: leave requested"),
         AdminCommand::Down { node_id } => out = format!("{node_id}: downed"),
+        AdminCommand::Roster => {
+            let roster: Vec<crate::admin::RosterInfo> = AdminClient::typed(value)?;
+            let mut t = table(&["node", "generation", "member"]);
+            for r in roster {
+                let member = if r.member { "yes" } else { "no (still counted)" };
+                t.add_row(vec![r.node_id, r.generation.to_string(), member.to_string()]);
+            }
+            let _ = write!(out, "{t}");
+        }
+        AdminCommand::Forget { node_id } => out = format!("{node_id}: forgotten; its copies no longer count"),
     }
     Ok(out)
 }

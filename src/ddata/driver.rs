@@ -29,6 +29,8 @@ pub(crate) struct ReplicatorParams {
     pub max_message_bytes: usize,
     /// The LMDB map grows up to this size.
     pub max_map_size: usize,
+    /// A roster id absent this long is forgotten (`None`: only by an operator).
+    pub forget_absent_after: Option<Duration>,
 }
 
 /// Store writes handed to the persist thread and not yet committed, at most (bytes); past it the
@@ -59,6 +61,7 @@ pub(crate) async fn start(
         gossip_interval: params.gossip_interval,
         delta_interval: params.delta_interval,
         max_message_bytes: params.max_message_bytes,
+        forget_absent_after: params.forget_absent_after,
     };
     let stats = Arc::new(ReplicatorStats::default());
     let writer = StoreWriter::new(&params.self_addr.node_id, reservation);

@@ -108,6 +108,31 @@ impl Replicator {
         rx.await.map_err(|_| Error::ShutDown)?.map(|_| ())
     }
 
+    /// Takes `node_id` out of the roster that durable quorums are counted over (DESIGN.md,
+    /// "quorums over a durable roster"): for a node that is gone for good, so the durable
+    /// shards a majority of the roster can no longer serve are served again. Whatever only its
+    /// disk held is given up. `BadRequest` for this node, a replica holder that is a member
+    /// now, or an id the roster does not count. The forget spreads to every replica.
+    pub async fn forget_replica(&self, node_id: &str) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        let input = Input::Forget { node_id: node_id.to_string(), reply: ReplyTx::Update(tx) };
+        self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)?.map(|_| ())
+    }
+
+    /// The node ids durable quorums are counted over now (the roster, as this node knows it),
+    /// each with the newest generation seen.
+    pub async fn roster(&self) -> Result<Vec<(String, u64)>> {
+        let (tx, rx) = oneshot::channel();
+        let inspect: Inspection = Box::new(move |value| {
+            let counted = replicator::roster_entries(value).into_iter().filter(|(_, e)| !e.forgotten);
+            let _ = tx.send(counted.map(|(id, e)| (id, e.generation)).collect());
+        });
+        let command = Command::Inspect { key: replicator::ROSTER_KEY.to_string(), inspect };
+        self.commands.send(command).await.map_err(|_| Error::ShutDown)?;
+        rx.await.map_err(|_| Error::ShutDown)
+    }
+
     /// Reads `key` with the given consistency. `Ok(None)`: no replica asked has a value.
     pub async fn get<T: Crdt>(&self, key: &str, consistency: Consistency, timeout: Duration) -> Result<Option<T>> {
         let (tx, rx) = oneshot::channel();

@@ -166,6 +166,7 @@ impl Node {
             delta_interval: config.replicator.delta_interval,
             max_message_bytes: config.replicator_message_bytes(),
             max_map_size: config.replicator.lmdb_max_map_size,
+            forget_absent_after: Some(config.replicator.forget_absent_after).filter(|d| !d.is_zero()),
         };
         let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;
         let replicator = match started {

@@ -223,10 +223,9 @@ pub struct ShardingSettings {
     /// with the write in LMDB).
     pub state_write_majority_plus: usize,
     /// Durable entities: a shard's start claims and reads its states from every reachable
-    /// replica, and from no fewer than a majority plus this many: with writes at a plain
-    /// majority, the 1 here keeps write + read quorums above the members plus one, so an
-    /// acknowledged state stays readable across a leave and a join even when a holder is
-    /// unreachable at the claim.
+    /// replica, and from no fewer than a majority of the roster plus this many (0 by default:
+    /// majorities of the roster intersect across one roster change, so no extra replica is
+    /// needed; each one more makes a claim wait for one more replica).
     pub state_read_majority_plus: usize,
     /// Durable entities: lower bound on those write and read replica counts (capped at the
     /// cluster size).
@@ -266,7 +265,7 @@ impl Default for ShardingSettings {
             state_slots: 16,
             max_state_bytes: 64 * 1024,
             state_write_majority_plus: 0,
-            state_read_majority_plus: 1,
+            state_read_majority_plus: 0,
             state_majority_min_cap: 0,
             allocation: AllocationSettings::default(),
         }

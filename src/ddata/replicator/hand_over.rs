@@ -18,6 +18,9 @@ pub(super) struct HandOver<R> {
     pub(super) needed: usize,
     pub(super) deadline: Instant,
     pub(super) reply: R,
+    /// The last part, sent once every value is on a majority: this node's own forget in the
+    /// roster (its copies are safe elsewhere, so durable quorums stop counting it).
+    forget_sent: bool,
 }
 
 impl<R> Input<R> {
@@ -31,7 +34,8 @@ impl<R> Input<R> {
             .filter(|m| m.address() != me && m.has_role(role) && m.status().takes_new_shards())
             .collect();
         let to = staying.iter().filter(|m| m.is_reachable()).map(|m| m.peer()).collect();
-        Input::HandOver { to, staying: staying.len(), timeout, reply }
+        let staying = staying.iter().map(|m| m.address().clone()).collect();
+        Input::HandOver { to, staying, timeout, reply }
     }
 }
 
@@ -42,12 +46,15 @@ impl<R> ReplicatorCore<R> {
     pub(super) fn on_hand_over(
         &mut self,
         to: Vec<PeerAddr>,
-        staying: usize,
+        staying: Vec<UniqueAddress>,
         timeout: Duration,
         reply: R,
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
+        // A majority of the roster that stays: the members that stay and the absent holders
+        // (whose disks still count), never the other leaving members.
+        let staying = self.roster_staying(&staying);
         if let Some(old) = self.hand_over.take() {
             let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
             out.push(Action::ReplyUpdate { reply: old.reply, result });
@@ -77,7 +84,24 @@ impl<R> ReplicatorCore<R> {
             out.push(Action::Broadcast { to: to.clone(), msg });
         }
         let addressed = to.into_iter().map(|p| p.address).collect();
-        self.hand_over = Some(HandOver { parts, addressed, needed, deadline: now + timeout, reply });
+        let deadline = now + timeout;
+        self.hand_over = Some(HandOver { parts, addressed, needed, deadline, reply, forget_sent: false });
+    }
+
+    /// Every value is on a majority of the staying roster: this node leaves the roster, in a
+    /// last part written to the same majority (until it is, the hand-over is not done).
+    fn send_own_forget(&mut self, out: &mut Vec<Action<R>>) {
+        let me = self.self_addr.node_id.clone();
+        self.forget(&me, out);
+        let Some(value) = self.local_value(super::ROSTER_KEY).cloned() else { return };
+        let op = self.next_op();
+        let Some(h) = self.hand_over.as_mut() else { return };
+        h.forget_sent = true;
+        h.parts.insert(op, HashSet::new());
+        let to =
+            self.replicas.iter().filter(|(p, _)| h.addressed.contains(&p.address)).map(|(p, _)| p.clone()).collect();
+        let values = vec![(super::ROSTER_KEY.to_string(), value)];
+        out.push(Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values } });
     }
 
     pub(super) fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<Action<R>>) {
@@ -89,9 +113,14 @@ impl<R> ReplicatorCore<R> {
         if let Some(acked) = h.parts.get_mut(&op) {
             acked.insert(from);
         }
-        if h.parts.values().all(|acked| acked.len() >= h.needed) {
-            let h = self.hand_over.take().expect("hand-over");
-            out.push(Action::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
+        if !h.parts.values().all(|acked| acked.len() >= h.needed) {
+            return;
         }
+        if !h.forget_sent {
+            self.send_own_forget(out);
+            return;
+        }
+        let h = self.hand_over.take().expect("hand-over");
+        out.push(Action::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
     }
 }

@@ -22,6 +22,7 @@ mod durability;
 mod gossip;
 mod hand_over;
 mod reads;
+mod roster;
 mod standing;
 #[cfg(test)]
 mod tests;
@@ -48,6 +49,8 @@ use durability::Durability;
 pub(crate) use durability::{KeyLog, PersistRecord};
 use hand_over::HandOver;
 use reads::PendingRead;
+use roster::Roster;
+pub use roster::{ROSTER_KEY, RosterEntry, roster_entries};
 use standing::Standing;
 pub(crate) use writer::{RESERVATION_SPAN, StoreWriter};
 
@@ -56,8 +59,10 @@ pub(crate) use writer::{RESERVATION_SPAN, StoreWriter};
 pub enum Consistency {
     /// Only this node.
     Local,
-    /// `min(N, max(N/2 + 1 + plus, min_cap))` replicas, this node included, where N counts the
-    /// Up and Leaving members holding replicas (reachable or not).
+    /// `min(N, max(N/2 + 1 + plus, min_cap))` replicas, this node included. For a durable key
+    /// N is the roster: every replica holder by node id, reachable or not, member or downed,
+    /// until it leaves gracefully or is forgotten (so downing never shrinks a durable quorum);
+    /// for other keys, the Up and Leaving members holding replicas (reachable or not).
     Majority {
         /// Extra replicas on top of a plain majority.
         plus: usize,
@@ -269,8 +274,15 @@ pub(crate) enum Input<R> {
     /// from a view by [`Input::hand_over_of`].
     HandOver {
         to: Vec<PeerAddr>,
-        staying: usize,
+        staying: Vec<UniqueAddress>,
         timeout: Duration,
+        reply: R,
+    },
+    /// An operator's forget: `node_id` leaves the roster (see [`roster`]), so its copies no
+    /// longer count in durable quorums. Refused (`BadRequest`) for this node, a replica holder
+    /// now, or an id the roster does not count; answered with `ReplyUpdate`.
+    Forget {
+        node_id: String,
         reply: R,
     },
     Tick,
@@ -346,6 +358,8 @@ pub(crate) struct CoreSettings {
     /// Budget of one gossip or delta message (values are counted by their approximate encoded
     /// size; one value over the budget still goes alone).
     pub max_message_bytes: usize,
+    /// A roster id absent this long is forgotten (`None`: only by an operator).
+    pub forget_absent_after: Option<Duration>,
 }
 
 impl CoreSettings {
@@ -356,6 +370,7 @@ impl CoreSettings {
             gossip_interval,
             delta_interval: Duration::from_millis(50),
             max_message_bytes: 1 << 20,
+            forget_absent_after: None,
         }
     }
 }
@@ -420,6 +435,8 @@ pub(crate) struct ReplicatorCore<R> {
     writes: BTreeMap<u64, PendingWrite<R>>,
     reads: BTreeMap<u64, PendingRead<R>>,
     hand_over: Option<HandOver<R>>,
+    /// Who durable quorums count (see [`roster`]).
+    roster: Roster,
     rng: StdRng,
     stats: Arc<ReplicatorStats>,
     durability: Durability<R>,
@@ -446,7 +463,9 @@ impl<R> ReplicatorCore<R> {
     ) -> Self {
         let actor = format!("{}#{}", self_addr.node_id, self_addr.generation);
         let seed = xxhash_rust::xxh3::xxh3_64(actor.as_bytes());
+        let roster = Roster::new(settings.forget_absent_after);
         ReplicatorCore {
+            roster,
             self_addr,
             ctx: WriteCtx::new(actor, 0),
             writer,
@@ -484,6 +503,7 @@ impl<R> ReplicatorCore<R> {
                 e.log = log;
             }
         }
+        self.roster.changed();
     }
 
     /// Persist tickets not yet reported, and actions held for them (for tests and metrics).
@@ -493,7 +513,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     pub(crate) fn is_durable(&self, key: &str) -> bool {
-        self.settings.durable_prefixes.iter().any(|p| key.starts_with(p.as_str()))
+        key == ROSTER_KEY || self.settings.durable_prefixes.iter().any(|p| key.starts_with(p.as_str()))
     }
 
     pub(crate) fn local_value(&self, key: &str) -> Option<&ReplicatedData> {
@@ -596,6 +616,9 @@ impl<R> ReplicatorCore<R> {
     }
 
     fn emit_changed(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
+        if key == ROSTER_KEY {
+            self.roster.changed();
+        }
         if self.is_durable(key) {
             self.persist(key, delta, out);
         }
@@ -652,9 +675,19 @@ impl<R> ReplicatorCore<R> {
                 self.replicas = replicas;
                 self.gossip_targets = gossip_targets;
                 self.standing.update(standing);
+                self.ctx.now_ms = wall_ms;
+                self.sync_roster(now, out);
             }
             Input::HandOver { to, staying, timeout, reply } => self.on_hand_over(to, staying, timeout, reply, now, out),
-            Input::Tick => self.on_tick(now, out),
+            Input::Forget { node_id, reply } => {
+                self.ctx.now_ms = wall_ms;
+                let result = self.forget_by_operator(&node_id, out).map(|()| Vec::new());
+                out.push(Action::ReplyUpdate { reply, result });
+            }
+            Input::Tick => {
+                self.ctx.now_ms = wall_ms;
+                self.on_tick(now, out)
+            }
             Input::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
         }
     }
@@ -727,7 +760,8 @@ impl<R> ReplicatorCore<R> {
     ) {
         let Applied { keys, deltas, unchanged, fenced, failure } = self.apply_all(updates, out);
         let reachable = self.reachable_replicas();
-        let needed = c.needed_of(self.total_replicas(), reachable.len() + 1);
+        let counted = self.replicas_counted(keys.iter().map(String::as_str));
+        let needed = c.needed_of(counted, reachable.len() + 1);
         if failure.is_some() || needed <= 1 || reachable.len() + 1 < needed || keys.is_empty() {
             for (key, d) in deltas {
                 self.pend_delta(key, d);
@@ -1006,6 +1040,7 @@ impl<R> ReplicatorCore<R> {
     fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
         self.rewrite_failed(now, out);
         self.expire(now, out);
+        self.forget_long_absent(now, out);
         if self.next_delta_flush.is_none_or(|t| t <= now) {
             self.next_delta_flush = Some(now + self.settings.delta_interval);
             self.flush_deltas(out);

@@ -56,7 +56,8 @@ impl<R> ReplicatorCore<R> {
         out: &mut Vec<Action<R>>,
     ) {
         let reachable = self.reachable_replicas();
-        let needed = c.needed_of(self.total_replicas(), reachable.len() + 1);
+        let counted = self.replicas_counted(keys.iter().map(String::as_str));
+        let needed = c.needed_of(counted, reachable.len() + 1);
         if let Some(e) = read_refusal(keys.len(), needed, reachable.len()) {
             out.push(read_reply(reply, many, Err(e)));
             return;
@@ -99,7 +100,8 @@ impl<R> ReplicatorCore<R> {
         out: &mut Vec<Action<R>>,
     ) {
         let reachable = self.reachable_replicas();
-        let needed = c.needed_of(self.total_replicas(), reachable.len() + 1);
+        let counted = self.replicas_counted(updates.iter().map(|(k, _)| k.as_str()));
+        let needed = c.needed_of(counted, reachable.len() + 1);
         if let Some(e) = read_refusal(updates.len(), needed, reachable.len()) {
             out.push(read_reply(reply, true, Err(e)));
             return;

@@ -717,11 +717,12 @@ impl CoordinatorCore {
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<CoordinatorAction>) {
-        // HostShard is re-sent until the region confirms.
+        // HostShard is re-sent until the region confirms, but not while the shard is handed off
+        // (seed 570000570: the region took the stale HostShard while stopping the shard).
         let resend: Vec<(ShardId, RegionId, u64)> = self
             .unacked_host
             .iter()
-            .filter(|(_, (_, _, at))| *at + self.settings.shard_start_timeout <= now)
+            .filter(|(s, (_, _, at))| *at + self.settings.shard_start_timeout <= now && !self.handoffs.contains_key(*s))
             .map(|(s, (r, e, _))| (s.clone(), r.clone(), *e))
             .collect();
         for (shard, region, epoch) in resend {

@@ -163,6 +163,25 @@ fn a_host_shard_without_shard_started_is_sent_again_after_the_shard_start_timeou
     assert!(!later.iter().any(|(_, m)| matches!(m, ToRegion::HostShard { .. })), "acked: {later:?}");
 }
 
+/// Seed 570000570: a HostShard re-sent while the shard is handed off reached a region stopping
+/// it, which took it and kept a home of its own after the stop. The hand-off's end answers the
+/// unconfirmed HostShard instead; the resend resumes only if the hand-off is given up.
+#[test]
+fn an_unconfirmed_host_shard_is_not_sent_again_while_its_shard_is_handed_off() {
+    let mut c = core(1);
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    get_home(&mut c, "1", "a", now, 1);
+    reg(&mut c, "b", now);
+    let sent = step(&mut c, from_region(ToCoordinator::GracefulShutdownReq { region: r("a") }), now, 1);
+    assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::BeginHandOff { .. })), "{sent:?}");
+    for secs in [2, 4, 6] {
+        let sent = step(&mut c, CoordinatorInput::Tick, now + Duration::from_secs(secs), 1);
+        assert!(!sent.iter().any(|(_, m)| matches!(m, ToRegion::HostShard { .. })), "at {secs} s: {sent:?}");
+        assert!(sent.iter().any(|(_, m)| matches!(m, ToRegion::BeginHandOff { .. })), "the hand-off is re-sent");
+    }
+}
+
 /// Four shards on a, none on b, settled: a rebalance round is due.
 fn imbalanced() -> (CoordinatorCore, Instant) {
     let mut c = core(1);

@@ -438,6 +438,10 @@ impl<M> RegionCore<M> {
                     *before = (*before).max(epoch);
                 }
                 if let Some(handoff) = self.handing_off.remove(&shard) {
+                    // Handed off: whatever home here was recorded meanwhile is gone with it.
+                    if self.homes.get(&shard).is_some_and(|(home, _)| *home == self.me) {
+                        self.homes.remove(&shard);
+                    }
                     self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
                 self.check_stopped(out);
@@ -540,6 +544,11 @@ impl<M> RegionCore<M> {
             ToRegion::HostShard { shard, epoch } => {
                 if self.proxy || self.shutting_down.is_some() || self.is_superseded(&shard, epoch) {
                     return; // the coordinator re-sends elsewhere after shard_start_timeout
+                }
+                if self.handing_off.contains_key(&shard) {
+                    // Sent before the hand-off began (seed 570000570): taking it would keep a
+                    // home here once the shard stopped. The hand-off's end answers it.
+                    return;
                 }
                 self.requested.remove(&shard);
                 self.host(shard.clone(), epoch, now, out);
@@ -1050,6 +1059,31 @@ mod tests {
                 [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { handoff: 7, .. }, .. }]
             ),
             "answers with the id of the HandOff: {out:?}"
+        );
+    }
+
+    /// Seed 570000570 (`seven-nodes-lossy`): the coordinator re-sent an unanswered HostShard
+    /// while this region was stopping the shard for a hand-off; the region took it, answered
+    /// ShardStarted and kept itself as the shard's home after the stop, so every later message
+    /// for the shard was answered "not hosted" here while another region ran it.
+    #[test]
+    fn a_host_shard_resent_during_a_hand_off_is_ignored_and_no_home_here_outlives_the_stop() {
+        let mut c = region(10);
+        run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 4 }));
+        run(&mut c, coord(ToRegion::BeginHandOff { shard: "1".into(), handoff: 7 }));
+        run(&mut c, coord(ToRegion::HandOff { shard: "1".into(), handoff: 7 }));
+        let out = run(&mut c, coord(ToRegion::HostShard { shard: "1".into(), epoch: 4 }));
+        assert!(out.is_empty(), "stale while handing off: neither started nor confirmed: {out:?}");
+        let out = run(&mut c, RegionInput::LocalShardStopped("1".into()));
+        assert!(matches!(
+            &out[..],
+            [RegionAction::ToCoordinator { msg: ToCoordinator::ShardStopped { handoff: 7, .. }, .. }]
+        ));
+        let out = run(&mut c, route("1", 5));
+        assert!(
+            out.iter()
+                .any(|a| matches!(a, RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. })),
+            "the home is asked for again, not assumed to be here: {out:?}"
         );
     }
 

@@ -16,13 +16,12 @@
 //! write it got acknowledged before is in what this one read. The values the claim read are
 //! merged into this node's replica, so an entity's state is then read locally.
 //!
-//! **Quorums.** Writes at a majority (plus `state_write_majority_plus`). A claim reads every
-//! replica reachable when it starts, and never fewer than a majority plus
-//! `state_read_majority_plus` (1 by default): a write acknowledged by a majority of an earlier,
-//! smaller membership is then read as long as one of its holders is reachable — however many
-//! nodes joined or came back with an old disk since (found by the simulation: a node alone
-//! after its peers were downed acknowledged writes that four restarted peers, a majority of
-//! five between them, did not have). Gossip copies every write to every replica within seconds
+//! **Quorums.** Counted over the replicator's roster (every replica holder not forgotten,
+//! reachable or not, by node id), so downing cannot shrink them. Writes at a majority (plus
+//! `state_write_majority_plus`). A claim reads every replica reachable when it starts, and
+//! never fewer than a majority plus `state_read_majority_plus` (0 by default): a write
+//! acknowledged by a majority is read as long as one of its holders is reachable, and always
+//! when a majority of the roster is. Gossip copies every write to every replica within seconds
 //! besides.
 
 use std::collections::BTreeMap;

@@ -99,13 +99,20 @@ impl Sim {
             let view = self.view_of(i);
             let wall = self.wall();
             let node = self.nodes[i].as_mut().expect("running");
+            let mut down_trace = None;
             match node.downing.decide(&view, now) {
                 crate::membership::downing::Decision::DownOthers(victims) => {
+                    let me = node.addr.clone();
+                    let mut downed = Vec::new();
                     for m in self.members.iter_mut().filter(|m| victims.contains(&m.addr)) {
                         if m.status != MemberStatus::Down && m.status != MemberStatus::Removed {
                             m.status = MemberStatus::Down;
                             self.report.downed.push(m.addr.to_string());
+                            downed.push(m.addr.to_string());
                         }
+                    }
+                    if !downed.is_empty() {
+                        down_trace = Some(format!("{me} downs {}", downed.join(", ")));
                     }
                 }
                 crate::membership::downing::Decision::DownMyself => {
@@ -129,6 +136,10 @@ impl Sim {
                 }
                 crate::membership::downing::Decision::Wait => {}
             }
+            if let Some(line) = down_trace {
+                self.trace(|| line);
+            }
+            let node = self.nodes[i].as_mut().expect("running");
             if view.members.iter().any(|m| m.address == view.self_address && m.status == MemberStatus::Down) {
                 self.crash(i, "sees itself downed and stops");
                 continue;

@@ -243,8 +243,6 @@ struct Node {
     states: BTreeMap<String, state::Activation>,
     /// Durable state: when each shard's completed claim began.
     claims_started: BTreeMap<ShardId, u64>,
-    /// Durable state: per shard, what its completed claim could not read (`state::Claim`).
-    unheld_at_claim: BTreeMap<ShardId, BTreeMap<String, u64>>,
 }
 
 struct MemberRow {
@@ -455,7 +453,6 @@ impl Sim {
             next_write: 1,
             states: BTreeMap::new(),
             claims_started: BTreeMap::new(),
-            unheld_at_claim: BTreeMap::new(),
             addr: addr.clone(),
         });
         self.trace(|| format!("{addr} starts (up-number {up_number})"));

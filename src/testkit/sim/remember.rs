@@ -95,7 +95,11 @@ impl Sim {
                 self.trace(|| format!("{me} shard {shard} loads {} remembered ids", ids.len()));
                 ShardInput::Loaded(ids)
             }
-            Err(_) => ShardInput::StoreFailed,
+            Err(e) => {
+                let me = self.nodes[i].as_ref().expect("running").addr.clone();
+                self.trace(|| format!("{me} shard {shard} cannot load its remembered ids: {e}"));
+                ShardInput::StoreFailed
+            }
         };
         self.shard_input(i, &shard, input);
     }

@@ -71,10 +71,6 @@ pub struct SimReport {
     /// Durable state: activations started while one of the same id lived on a node that had
     /// been paused (a zombie its peers downed; it must commit nothing).
     pub zombie_overlaps: usize,
-    /// Durable state: acknowledged values a claim could not load because every replica holding
-    /// them was unreachable, crashed or downed at the claim (DESIGN.md's residual risk; each is
-    /// checked to be exactly that, any other loss is a violation).
-    pub states_lost_with_every_holder_unreachable: usize,
     /// Coordinator writes refused because a newer coordinator term claimed the state: each is
     /// a zombie coordinator (its node paused past its downing) that stopped instead of acting.
     pub coordinators_fenced: usize,

@@ -65,10 +65,6 @@ pub(super) struct Claim {
     pub epoch: u64,
     pub attempt: u32,
     started_ms: u64,
-    /// Entities of the shard with a value acknowledged before this try began that no replica
-    /// the try reads (this node and every reachable replica in its view) holds: what the
-    /// claim cannot load, the documented residual risk (entity → the largest such value).
-    unheld: BTreeMap<String, u64>,
 }
 
 /// One entity write in flight.
@@ -114,19 +110,11 @@ impl Sim {
         node.next_write += 1;
         let instance = node.next_write;
         node.shard_instances.insert(shard.clone(), instance);
-        let claim = Claim {
-            shard: shard.clone(),
-            instance,
-            epoch,
-            attempt: 0,
-            started_ms: self.now_ms,
-            unheld: BTreeMap::new(),
-        };
+        let claim = Claim { shard: shard.clone(), instance, epoch, attempt: 0, started_ms: self.now_ms };
         self.claim_states(i, claim);
     }
 
-    fn claim_states(&mut self, i: usize, mut claim: Claim) {
-        claim.unheld = self.acked_but_unheld(i, &claim.shard);
+    fn claim_states(&mut self, i: usize, claim: Claim) {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let epoch = claim.epoch;
@@ -194,8 +182,6 @@ impl Sim {
                 );
                 self.ledger.claim_evidence.insert(claim.shard.clone(), evidence);
                 self.node_claims_started(i).insert(claim.shard.clone(), claim.started_ms);
-                let node = self.nodes[i].as_mut().expect("running");
-                node.unheld_at_claim.insert(claim.shard.clone(), claim.unheld.clone());
                 if self.cfg.remember {
                     self.load_remembered(i, &claim.shard, claim.instance);
                 } else {
@@ -205,44 +191,12 @@ impl Sim {
             Err(crate::Error::ConsistencyTimeout { .. }) if claim.attempt + 1 < TRIES => {
                 self.claim_states(i, Claim { attempt: claim.attempt + 1, ..claim });
             }
-            Err(_) => self.shard_input(i, &claim.shard, ShardInput::StoreFailed),
-        }
-    }
-
-    /// The entities of `shard` with an acknowledged value that neither node `i` nor any replica
-    /// reachable in its view holds (entity → that value): every holder is unreachable, crashed
-    /// or downed, so no claim from here can read it.
-    fn acked_but_unheld(&self, i: usize, shard: &ShardId) -> BTreeMap<String, u64> {
-        let Some(node) = self.nodes[i].as_ref() else { return BTreeMap::new() };
-        let readable: Vec<usize> = match &node.last_view {
-            Some(view) => view
-                .up_members(None)
-                .filter(|m| m.reachable)
-                .filter_map(|m| self.slot_of(&m.address))
-                .chain(std::iter::once(i))
-                .collect(),
-            None => vec![i],
-        };
-        let held = |j: usize, entity_id: &str| -> u64 {
-            let Some(n) = self.nodes[j].as_ref() else { return 0 };
-            match n.replicator.local_value(&state_key(shard, entity_id)) {
-                Some(ReplicatedData::FencedMap(m)) => {
-                    m.get(entity_id).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
-                }
-                _ => 0,
-            }
-        };
-        let mut unheld = BTreeMap::new();
-        for (entity_id, acks) in &self.ledger.acked {
-            if default_shard_id(entity_id, self.cfg.shards) != *shard {
-                continue;
-            }
-            let Some(largest) = acks.keys().next_back().copied() else { continue };
-            if readable.iter().all(|j| held(*j, entity_id) < largest) {
-                unheld.insert(entity_id.clone(), largest);
+            Err(e) => {
+                let me = self.nodes[i].as_ref().expect("running").addr.clone();
+                self.trace(|| format!("{me} shard {} cannot claim its states: {e}", claim.shard));
+                self.shard_input(i, &claim.shard, ShardInput::StoreFailed)
             }
         }
-        unheld
     }
 
     fn node_claims_started(&mut self, i: usize) -> &mut BTreeMap<ShardId, u64> {
@@ -276,7 +230,6 @@ impl Sim {
             }
         };
         let claimed_ms = node.claims_started.get(shard).copied();
-        let unheld = node.unheld_at_claim.get_mut(shard).and_then(|u| u.remove(entity_id));
         let activation = Activation {
             shard: shard.clone(),
             incarnation,
@@ -295,18 +248,6 @@ impl Sim {
                 .get(entity_id)
                 .and_then(|acks| acks.iter().filter(|(_, at)| **at < claimed_ms).map(|(v, _)| *v).max());
             if let Some(acked) = before.filter(|acked| *acked > value) {
-                if unheld.is_some_and(|u| u >= acked) {
-                    // Every holder of those values was out of the claim's reach (the residual
-                    // risk in DESIGN.md): counted, and the entity's history goes on from here.
-                    let acks = self.ledger.acked.get_mut(entity_id).expect("acked");
-                    let lost: Vec<u64> = acks.range(value + 1..).map(|(v, _)| *v).collect();
-                    for v in &lost {
-                        acks.remove(v);
-                    }
-                    self.report.states_lost_with_every_holder_unreachable += lost.len();
-                    self.trace(|| format!("{entity_id} starts from {value}: values {lost:?} had no reachable holder"));
-                    return;
-                }
                 let v = format!(
                     "t={} {entity_id} started with {value} though {acked} was acknowledged before its shard's claim",
                     self.now_ms

@@ -69,6 +69,7 @@ fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_o
         0,
         &mut vec![],
     );
+    commit_all(&mut a, &mut vec![]);
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::MAJORITY, or_add(vec!["e1".into()]), &mut out);
     let op = write_op(&out);

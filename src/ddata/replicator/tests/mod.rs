@@ -345,6 +345,15 @@ fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instan
         };
         c.handle(m, at, 0, &mut vec![]);
     }
+    // The rosters the membership just wrote are not what these rounds are about: settled.
+    let (ra, rb) = (a.local_value(ROSTER_KEY).cloned(), b.local_value(ROSTER_KEY).cloned());
+    let settled = ra == rb;
+    for (c, theirs) in [(&mut *a, rb), (&mut *b, ra)] {
+        if let Some(v) = theirs.filter(|_| !settled) {
+            c.merge_in(ROSTER_KEY, v, &mut vec![]).expect("a roster merges");
+        }
+        c.take_pending(ROSTER_KEY);
+    }
     let mut ex = Exchange::default();
     let mut out = Vec::new();
     a.handle(Input::Tick, at, 1, &mut out);
@@ -723,6 +732,7 @@ mod durability;
 mod fencing;
 mod quarantine_and_deadlines;
 mod reads;
+mod roster;
 mod writer;
 mod writes;
 

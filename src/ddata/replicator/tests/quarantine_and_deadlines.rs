@@ -177,7 +177,8 @@ fn ack_then_commit(c: &mut ReplicatorCore<u32>, op: u64, acked_at: Instant, comm
 
 /// A hand-over to members b and c (both staying and reachable).
 fn hand_over_to_b_and_c() -> Input<u32> {
-    Input::HandOver { to: vec![peer("b"), peer("c")], staying: 2, timeout: Duration::from_secs(1), reply: 9 }
+    let staying = vec![UniqueAddress::new("b", 1), UniqueAddress::new("c", 1)];
+    Input::HandOver { to: vec![peer("b"), peer("c")], staying, timeout: Duration::from_secs(1), reply: 9 }
 }
 
 /// The ops of the hand-over's parts among `out`, with the keys each carries.
@@ -212,7 +213,8 @@ fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_st
     c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
     let parts = hand_over_parts(&out);
     let keys: BTreeSet<String> = parts.iter().flat_map(|(_, k)| k.clone()).collect();
-    assert_eq!(keys, ["shard-1", "shard-2", "user-key"].map(String::from).into(), "every value, durable or not");
+    let every = ["shard-1", "shard-2", "user-key", ROSTER_KEY].map(String::from).into();
+    assert_eq!(keys, every, "every value, durable or not, and the roster");
     assert!(parts.len() > 1, "in parts capped in bytes: {parts:?}");
     let replied =
         |out: &[Action<u32>]| out.iter().find(|a| matches!(a, Action::ReplyUpdate { reply: 9, .. })).is_some();
@@ -229,6 +231,17 @@ fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_st
     for (op, _) in &parts[1..] {
         c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
     }
+    // Every value is safe: last, this node leaves the roster, written to the same majority.
+    assert!(!replied(&out), "not done before its own forget is on a majority");
+    let forget = hand_over_parts(&out);
+    assert!(matches!(&forget[..], [(_, keys)] if keys == &[ROSTER_KEY.to_string()]), "{out:?}");
+    let counted = roster_entries(c.local_value(ROSTER_KEY));
+    assert!(counted["a"].forgotten && !counted["b"].forgotten, "{counted:?}");
+    let mut out = Vec::new();
+    for from in ["b", "c"] {
+        let ack = ReplicatorMsg::WriteAck { op: forget[0].0 };
+        c.handle(Input::Remote { from: peer(from), msg: ack }, now, 1, &mut out);
+    }
     assert!(
         matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Ok(refused) }] if refused.is_empty()),
         "{out:?}"
@@ -243,7 +256,8 @@ fn a_hand_over_that_cannot_reach_a_majority_of_the_staying_members_fails_at_once
     local(&mut c, "shard-1", add("x"));
     // Three stay, one reachable: no majority of them.
     let mut out = Vec::new();
-    let input = Input::HandOver { to: vec![peer("b")], staying: 3, timeout: Duration::from_secs(1), reply: 9 };
+    let staying = ["b", "c", "d"].map(|id| UniqueAddress::new(id, 1)).to_vec();
+    let input = Input::HandOver { to: vec![peer("b")], staying, timeout: Duration::from_secs(1), reply: 9 };
     c.handle(input, now, 1, &mut out);
     assert!(
         matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 2, .. }) }]),
@@ -251,7 +265,8 @@ fn a_hand_over_that_cannot_reach_a_majority_of_the_staying_members_fails_at_once
     );
     // Nobody stays (every other member leaves too): nothing can take it.
     let mut out = Vec::new();
-    c.handle(Input::HandOver { to: vec![], staying: 0, timeout: Duration::from_secs(1), reply: 9 }, now, 1, &mut out);
+    let input = Input::HandOver { to: vec![], staying: vec![], timeout: Duration::from_secs(1), reply: 9 };
+    c.handle(input, now, 1, &mut out);
     assert!(matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { .. }), .. }]));
     // Reachable, but no answer within the timeout.
     let mut out = Vec::new();
@@ -285,7 +300,8 @@ fn the_hand_over_input_of_a_view_targets_the_up_members_other_than_this_one_and_
         panic!("a hand-over")
     };
     assert_eq!(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>(), ["b"]);
-    assert_eq!(staying, 2, "b and c stay; d leaves too, e is not Up yet");
+    let staying: Vec<&str> = staying.iter().map(|a| &*a.node_id).collect();
+    assert_eq!(staying, ["b", "c"], "b and c stay; d leaves too, e is not Up yet");
 }
 
 #[test]
@@ -392,10 +408,12 @@ fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_s
     let sent_before = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed);
     let mut out = Vec::new();
     c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
-    let sizes: Vec<usize> = hand_over_parts(&out).iter().map(|(_, k)| k.len()).collect();
-    assert_eq!(sizes, [3, 3], "parts of three values each");
+    let parts = hand_over_parts(&out);
+    let shard_parts = parts.iter().filter(|(_, k)| !k.contains(&ROSTER_KEY.to_string()));
+    let sizes: Vec<usize> = shard_parts.map(|(_, k)| k.len()).collect();
+    assert_eq!(sizes, [3, 3], "parts of three values each (the roster, larger, goes alone): {parts:?}");
     let sent = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed) - sent_before;
-    assert_eq!(sent, 12, "six values to each of two members");
+    assert_eq!(sent, 14, "six values and the roster to each of two members");
 }
 
 #[test]

@@ -1,0 +1,217 @@
+//! The roster durable quorums are counted over: who enters it, who leaves it, and what a
+//! durable write or claim needs once downing has shrunk the membership.
+use super::*;
+
+/// Replica holders `ids` (generation 1 unless given as `id#g`), `reachable` or not.
+fn holders(ids: &[&str], reachable: bool) -> Vec<(PeerAddr, bool)> {
+    ids.iter()
+        .map(|id| {
+            let (id, generation) = id.split_once('#').map_or((*id, 1), |(i, g)| (i, g.parse().unwrap()));
+            let p = PeerAddr {
+                address: UniqueAddress::new(id, generation),
+                messaging_addr: "127.0.0.1:1".parse().unwrap(),
+            };
+            (p, reachable)
+        })
+        .collect()
+}
+
+fn members(c: &mut ReplicatorCore<u32>, replicas: Vec<(PeerAddr, bool)>, now: Instant) {
+    let gossip_targets = replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect();
+    c.handle(Input::Members { replicas, gossip_targets, standing: vec![] }, now, 1, &mut vec![]);
+}
+
+fn counted(c: &ReplicatorCore<u32>) -> Vec<(String, u64)> {
+    roster_entries(c.local_value(ROSTER_KEY))
+        .into_iter()
+        .filter(|(_, e)| !e.forgotten)
+        .map(|(id, e)| (id, e.generation))
+        .collect()
+}
+
+/// The outcome of a majority write of `key` (`None`: waiting for acks).
+fn majority_write(c: &mut ReplicatorCore<u32>, key: &str) -> Option<Result<()>> {
+    let mut out = Vec::new();
+    update(c, key, Consistency::MAJORITY, add("x"), &mut out);
+    out.into_iter().find_map(|a| match a {
+        Action::ReplyUpdate { result, .. } => Some(result.map(|_| ())),
+        _ => None,
+    })
+}
+
+fn with_forget_after(id: &str, after: Duration) -> ReplicatorCore<u32> {
+    ReplicatorCore::new(
+        UniqueAddress::new(id, 1),
+        fresh_store(id),
+        CoreSettings {
+            forget_absent_after: Some(after),
+            ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1))
+        },
+        Arc::new(ReplicatorStats::default()),
+    )
+}
+
+#[test]
+fn seed_520000593_a_durable_write_after_downing_removed_three_of_five_holders_still_needs_three() {
+    let mut a = core("a");
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c", "d", "e"], true), now);
+    assert_eq!(counted(&a).len(), 5);
+    // c, d and e are downed and removed: a and b are the whole membership.
+    members(&mut a, holders(&["b"], true), now);
+    assert!(
+        matches!(
+            majority_write(&mut a, "shard-t/1/0"),
+            Some(Err(Error::NotEnoughReplicas { needed: 3, reachable: 2 }))
+        ),
+        "a majority of the five holders, not of the two members left"
+    );
+    // A key that is not durable is counted over the members now, as before.
+    assert!(majority_write(&mut a, "user-key").is_none(), "waits for b: two of two");
+    // A claim's read (every reachable replica, at least a majority) is refused the same way.
+    let mut out = Vec::new();
+    let claim = Input::GetMany {
+        keys: vec!["shard-t/1/0".into()],
+        consistency: Consistency::AllReachable { plus: 0, min_cap: 0 },
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
+    a.handle(claim, now, 1, &mut out);
+    assert!(
+        matches!(&out[..], [Action::ReplyGetMany { result: Err(Error::NotEnoughReplicas { needed: 3, .. }), .. }]),
+        "{out:?}"
+    );
+    // c restarts on its disk (a new incarnation of the same node id): three of five again.
+    members(&mut a, holders(&["b", "c#2"], true), now);
+    assert!(majority_write(&mut a, "shard-t/1/0").is_none(), "sent, waiting for two acks");
+    assert_eq!(counted(&a).len(), 5, "c counts once, in its newest generation: {:?}", counted(&a));
+    assert!(counted(&a).contains(&("c".to_string(), 2)));
+}
+
+#[test]
+fn a_holder_learned_only_from_a_peers_roster_counts_in_the_quorum() {
+    // b knew d (since downed and removed); a joined later and never saw it in the membership.
+    let mut b = core("b");
+    let now = Instant::now();
+    members(&mut b, holders(&["a", "c", "d"], true), now);
+    members(&mut b, holders(&["a", "c"], true), now);
+    let mut a = core("a");
+    members(&mut a, holders(&["b", "c"], true), now);
+    assert_eq!(a.roster_size(), 3);
+    let theirs = b.local_value(ROSTER_KEY).cloned().expect("b's roster");
+    a.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
+    assert_eq!(a.roster_size(), 4, "d's disk counts: a majority is three of four");
+}
+
+#[test]
+fn an_unreachable_member_counts_in_the_roster_and_an_absent_one_keeps_counting_until_forgotten() {
+    let mut a = with_forget_after("a", Duration::from_secs(60));
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c", "d", "e"], true), now);
+    // d is unreachable (still a member), e is downed and gone.
+    let mut now_members = holders(&["b", "c"], true);
+    now_members.extend(holders(&["d"], false));
+    members(&mut a, now_members.clone(), now);
+    a.handle(Input::Tick, now + Duration::from_secs(59), 1, &mut vec![]);
+    assert_eq!(a.roster_size(), 5, "absent for 59 s of 60: e still counts");
+    let mut out = Vec::new();
+    a.handle(Input::Tick, now + Duration::from_secs(60), 1, &mut out);
+    assert_eq!(a.roster_size(), 4, "absent for 60 s: e is forgotten; d, unreachable but a member, is not");
+    assert!(roster_entries(a.local_value(ROSTER_KEY))["e"].forgotten);
+    let spread = out.iter().any(|x| match x {
+        Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => {
+            entries.iter().any(|(k, _)| k == ROSTER_KEY)
+        }
+        _ => false,
+    });
+    assert!(spread, "the forget spreads with the tick's deltas: {out:?}");
+}
+
+#[test]
+fn absent_holders_are_forgotten_one_per_tick_longest_absent_first() {
+    let mut a = with_forget_after("a", Duration::from_secs(60));
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c", "d"], true), now);
+    members(&mut a, holders(&["c", "d"], true), now);
+    members(&mut a, holders(&["d"], true), now + Duration::from_secs(5));
+    let later = now + Duration::from_secs(120);
+    a.handle(Input::Tick, later, 1, &mut vec![]);
+    let forgotten = |a: &ReplicatorCore<u32>| {
+        roster_entries(a.local_value(ROSTER_KEY))
+            .into_iter()
+            .filter(|(_, e)| e.forgotten)
+            .map(|(id, _)| id)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(forgotten(&a), ["b"], "one change at a time: b, absent the longest");
+    a.handle(Input::Tick, later, 1, &mut vec![]);
+    assert_eq!(forgotten(&a), ["b", "c"]);
+    a.handle(Input::Tick, later, 1, &mut vec![]);
+    assert_eq!(forgotten(&a), ["b", "c"], "d is a member: never forgotten automatically");
+}
+
+#[test]
+fn without_forget_absent_after_an_absent_holder_counts_until_an_operator_forgets_it() {
+    let mut a = core("a");
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c"], true), now);
+    members(&mut a, holders(&["b"], true), now);
+    a.handle(Input::Tick, now + Duration::from_secs(365 * 24 * 3600), 1, &mut vec![]);
+    assert_eq!(a.roster_size(), 3, "no automatic forget");
+    let forget = |a: &mut ReplicatorCore<u32>, id: &str| {
+        let mut out = Vec::new();
+        a.handle(Input::Forget { node_id: id.into(), reply: 1 }, now, 1, &mut out);
+        let mut replies = out.iter().filter_map(|x| match x {
+            Action::ReplyUpdate { result, .. } => Some(result.as_ref().map(|_| ()).map_err(|e| e.to_string())),
+            _ => None,
+        });
+        let reply = replies.next().expect("a reply");
+        assert!(replies.next().is_none(), "one reply: {out:?}");
+        reply
+    };
+    assert!(matches!(forget(&mut a, "a"), Err(e) if e.contains("this node")));
+    assert!(matches!(forget(&mut a, "b"), Err(e) if e.contains("replica holder now")));
+    assert!(matches!(forget(&mut a, "z"), Err(e) if e.contains("not counted")));
+    assert_eq!(forget(&mut a, "c"), Ok(()));
+    assert_eq!(a.roster_size(), 2);
+    assert!(matches!(forget(&mut a, "c"), Err(e) if e.contains("not counted")), "once");
+}
+
+#[test]
+fn a_forgotten_incarnation_is_not_added_again_by_a_stale_view_but_its_next_start_is() {
+    let mut a = core("a");
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c"], true), now);
+    members(&mut a, holders(&["b"], true), now);
+    a.handle(Input::Forget { node_id: "c".into(), reply: 1 }, now, 1, &mut vec![]);
+    // A peer's old roster, from before the forget, merges in: the forget (written later) wins.
+    let mut old = core("b");
+    members(&mut old, holders(&["a", "c"], true), now);
+    let stale = old.local_value(ROSTER_KEY).cloned().expect("roster");
+    a.merge_in(ROSTER_KEY, stale, &mut vec![]).expect("merges");
+    assert_eq!(a.roster_size(), 2, "c stays forgotten");
+    // A view that still lists c#1 does not bring it back.
+    members(&mut a, holders(&["b", "c"], true), now);
+    assert!(roster_entries(a.local_value(ROSTER_KEY))["c"].forgotten);
+    // c's next start does.
+    members(&mut a, holders(&["b", "c#2"], true), now);
+    assert_eq!(roster_entries(a.local_value(ROSTER_KEY))["c"], RosterEntry { generation: 2, forgotten: false });
+}
+
+#[test]
+fn the_roster_is_durable_and_loaded_back() {
+    let mut a = core("a");
+    let now = Instant::now();
+    let mut out = Vec::new();
+    a.handle(
+        Input::Members { replicas: holders(&["b"], true), gossip_targets: vec![], standing: vec![] },
+        now,
+        1,
+        &mut out,
+    );
+    assert!(out.iter().any(|x| matches!(x, Action::Persist { key, .. } if key == ROSTER_KEY)), "{out:?}");
+    let value = a.local_value(ROSTER_KEY).cloned().expect("roster");
+    let mut restarted = core("a");
+    restarted.load(vec![(ROSTER_KEY.to_string(), value, KeyLog::default())], 0);
+    assert_eq!(restarted.roster_size(), 2, "b counts before any membership is known");
+}
