@@ -10,7 +10,8 @@
 //! | `GET /ready` | 200 when [`Node::readiness`] holds, else 503 with the reasons |
 //! | `GET /metrics` | Prometheus text (with a [`PrometheusHandle`] in the settings; else 404) |
 //! | `GET /cluster/members`, `GET /cluster/members/{node}` | members as this node sees them |
-//! | `PUT /cluster/members/{node}` `{"operation": "leave" \| "down"}` | token; 202 |
+//! | `PUT /cluster/members/{node}` `{"operation": "leave" \| "down" \| "forget"}` | token; 202 (`forget`: takes a node that is not a member out of the roster, 400 otherwise) |
+//! | `GET /cluster/roster` | the replica holders durable quorums count ([`RosterInfo`]) |
 //! | `GET /cluster/events` | membership events, Server-Sent Events |
 //! | `GET /cluster/shards` | the entity types started on this node |
 //! | `GET /cluster/shards/{type}` | cluster-wide entity counts per region; regions that did not answer listed in `failed` |

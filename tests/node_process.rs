@@ -17,8 +17,31 @@ const MARGIN: Duration = Duration::from_millis(1000);
 /// is measured by `benches/failover.rs`, whose figures the README quotes).
 const RECOVERY_DEADLINE: Duration = Duration::from_secs(60);
 
+/// The admin token of the test processes (mutating admin routes on).
+const ADMIN_TOKEN: &str = "node-process-test-admin-token-0123456789";
+
+/// Runs `ddshard admin --url <n's admin API> <args>` as an operator would; returns its stdout.
+fn admin_cli(n: &NodeProcess, args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ddshard"))
+        .args(["admin", "--url", &format!("http://{}", n.admin)])
+        .args(args)
+        .env("DDSHARD_ADMIN_TOKEN", ADMIN_TOKEN)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "ddshard admin {args:?}: {stdout} {stderr}");
+    stdout.into_owned()
+}
+
 fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str) -> NodeProcess {
+    spawn_with(dir, id, seeds, sharding, "")
+}
+
+/// [`spawn`] with extra `[replicator]` lines.
+fn spawn_with(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str, replicator: &str) -> NodeProcess {
     let mut o = ProcessOptions::new(id, "proc-test", dir);
+    o.admin_token = Some(ADMIN_TOKEN.to_string());
+    o.replicator_toml = replicator.to_string();
     o.activation_log = Some(dir.join(format!("activations-{id}.log")));
     o.seeds = seeds.iter().map(|s| s.gossip).collect();
     o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
@@ -42,11 +65,14 @@ async fn until_stats(n: &NodeProcess, deadline: Duration, check: impl Fn(&KvStat
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leaves_gracefully() {
+async fn sigkilled_node_entities_answer_again_from_the_survivors_and_sigterm_leaves_gracefully() {
+    // Three nodes: durable values need a majority of the replica holders ever seen (the
+    // roster), so two survivors of three serve them; one of two would wait (DESIGN.md).
     let dir = tempfile::tempdir().unwrap();
     let mut n1 = spawn(dir.path(), "n1", &[], "");
     let mut n2 = spawn(dir.path(), "n2", &[&n1], "");
-    n1.until_up(2, Duration::from_secs(30), |_| true).await;
+    let n3 = spawn(dir.path(), "n3", &[&n1], "");
+    n1.until_up(3, Duration::from_secs(30), |_| true).await;
     assert_eq!(n1.admin_request("GET", "/bogus", "").await.unwrap().0, 404);
     assert_eq!(n1.admin_request("GET", "/kv/", "").await.unwrap().0, 404, "a missing id is refused");
     for i in 0..20 {
@@ -68,7 +94,7 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
     }
     let (status, members) = n1.admin_request("GET", "/cluster/members", "").await.unwrap();
     assert_eq!(status, 200);
-    assert_eq!(members.matches(r#""status":"up""#).count(), 2, "{members}");
+    assert_eq!(members.matches(r#""status":"up""#).count(), 3, "{members}");
     assert_eq!(n2.admin_request("PUT", "/kv/http-1", "over http").await.unwrap().0, 200);
     let (status, value) = n1.admin_request("GET", "/kv/http-1", "").await.unwrap();
     assert!(status == 200 && value.contains(r#""value":"over http""#), "{status} {value}");
@@ -78,16 +104,17 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
     let (status, metrics) = n1.admin_request("GET", "/metrics", "").await.unwrap();
     assert!(status == 200 && metrics.contains(r#"ddshard_region_entities{node="n1",type="kv"}"#), "{metrics}");
     let leave = r#"{"operation": "leave"}"#;
-    assert_eq!(n1.admin_request("PUT", "/cluster/members/n2", leave).await.unwrap().0, 403, "no token configured");
+    assert_eq!(n1.admin_request("PUT", "/cluster/members/n2", leave).await.unwrap().0, 401, "no token sent");
     let killed = Instant::now();
     n2.kill();
     let bound = RECOVERY_DEADLINE;
     for i in 0..20 {
         // The value is durable: it comes back with the entity (kv keeps its state).
         let left = bound.saturating_sub(killed.elapsed());
-        until_kv(&n1, &format!("k{i}"), left, |a| a.node == "n1" && a.value == Some(format!("v{i}"))).await;
+        until_kv(&n1, &format!("k{i}"), left, |a| a.node != "n2" && a.value == Some(format!("v{i}"))).await;
     }
-    println!("all 20 entities answered from n1 {:?} after SIGKILL of n2", killed.elapsed());
+    println!("all 20 entities answered from n1 and n3 {:?} after SIGKILL of n2", killed.elapsed());
+    drop(n3);
     let status = n1.terminate(Duration::from_secs(30)).await.unwrap();
     assert!(status.success(), "graceful exit: {status}");
 }
@@ -98,10 +125,13 @@ async fn sigkilled_node_entities_answer_again_from_the_survivor_and_sigterm_leav
 async fn sigkill_coordinator_host_then_another(n: usize) {
     let dir = tempfile::tempdir().unwrap();
     let remember = format!("remember_entities = true\nmin_nr_of_members = {n}\n");
+    // Two of three killed leave one of three replica holders: it serves remembered ids once
+    // the dead ones are forgotten, here after 3 s of absence (30 min by default).
+    let replicator = if n == 3 { "forget_absent_after = \"3s\"" } else { "" };
     let mut nodes: Vec<NodeProcess> = Vec::new();
     for i in 0..n {
         let seeds: Vec<&NodeProcess> = nodes.first().into_iter().collect();
-        let p = spawn(dir.path(), &format!("n{}", i + 1), &seeds, &remember);
+        let p = spawn_with(dir.path(), &format!("n{}", i + 1), &seeds, &remember, replicator);
         nodes.push(p);
     }
     nodes[1].until_up(n, Duration::from_secs(30), |_| true).await;
@@ -219,9 +249,18 @@ async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_r
     n1.until_up(2, Duration::from_secs(30), |m| m.iter().all(|m| m.node_id != "n2")).await;
     all_values_answer(&n1, keys, within, "after n2 left").await;
 
-    // SIGKILL of n3: downed, its shards start on n1 from the states on disk and in n1's replica.
+    // SIGKILL of n3: n1 is one of the two replica holders left in the roster (n2 left it
+    // gracefully), so it serves no durable value alone. The operator forgets n3 with
+    // `ddshard admin forget`; then n3's shards start on n1 from the states in its replica.
     n3.kill();
-    let hosts = all_values_answer(&n1, keys, within, "after SIGKILL of n3").await;
+    n1.until_up(1, Duration::from_secs(30), |m| m.iter().all(|m| m.node_id != "n3" || m.status != "up")).await;
+    let roster = admin_cli(&n1, &["roster"]);
+    assert!(roster.contains("n3") && roster.contains("no (still counted)"), "{roster}");
+    let refused = n1.kv_put("written-alone", "v").await;
+    assert!(refused.is_err(), "a durable write needs both holders: {refused:?}");
+    let forgotten = admin_cli(&n1, &["forget", "n3"]);
+    assert!(forgotten.contains("n3: forgotten"), "{forgotten}");
+    let hosts = all_values_answer(&n1, keys, within, "after SIGKILL of n3 and its forget").await;
     assert!(hosts.iter().all(|h| h == "n1"), "{hosts:?}");
 
     // Full-cluster restart: every process gone, then all three start again on their data dirs.

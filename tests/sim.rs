@@ -232,11 +232,12 @@ fn a_zombie_coordinator_resuming_after_a_pause_is_fenced_by_the_newer_term_and_s
 /// 2076 is the one whose shard gets its hand-off within the backoff.)
 #[test]
 fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped() {
-    let report = check(2076, &SimConfig { remember: true, ..SimConfig::default() });
-    let failed = report.trace.iter().position(|l| l.contains("n4#1 shard 7 failed; restarts after the backoff"));
-    let failed = failed.expect("the scenario: shard 7 fails on n4");
-    let handoff = report.trace[failed..].iter().position(|l| l.contains("-> n4#1 HandOff { shard: \"7\""));
-    let handoff = handoff.expect("the scenario: n4 is asked to hand shard 7 off") + failed;
+    // Seed 2347 since the durable roster changed the runs' timing (shard 5 on n4).
+    let report = check(2347, &SimConfig { remember: true, ..SimConfig::default() });
+    let failed = report.trace.iter().position(|l| l.contains("n4#1 shard 5 failed; restarts after the backoff"));
+    let failed = failed.expect("the scenario: shard 5 fails on n4");
+    let handoff = report.trace[failed..].iter().position(|l| l.contains("-> n4#1 HandOff { shard: \"5\""));
+    let handoff = handoff.expect("the scenario: n4 is asked to hand shard 5 off") + failed;
     let millis = |l: &str| l.split_whitespace().next().and_then(|t| t.parse::<u64>().ok()).expect("a time");
     let backoff = ShardingSettings::default().shard_failure_backoff.as_millis() as u64;
     assert!(millis(&report.trace[handoff]) - millis(&report.trace[failed]) < backoff, "within the backoff");
@@ -255,7 +256,9 @@ fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped
 /// Replicas now quarantine every incarnation that left good standing.
 #[test]
 fn replicas_never_acknowledge_the_writes_of_a_paused_home_they_have_downed() {
-    let report = check(11001335, &shape("message-path-durable-remember"));
+    // Seed 11001336 since the durable roster changed the runs' timing; the quarantine itself is
+    // held by the replicator core's tests.
+    let report = check(11001336, &shape("message-path-durable-remember"));
     assert!(report.states_acked > 100, "the scenario writes state");
     assert!(report.trace.iter().any(|l| l.contains("n4 pauses")), "the scenario pauses n4");
 }
@@ -287,9 +290,12 @@ fn shape(name: &str) -> SimConfig {
 /// every Leaving member by itself, and the shutdown ends at its timeout whatever happens.
 #[test]
 fn a_leave_cut_off_from_the_coordinator_still_hands_off_every_shard_including_a_failed_one() {
-    let report = check(25000037, &shape("three-nodes-many-shards"));
-    assert!(report.trace.iter().any(|l| l.contains("n2#1 shard 8 failed")), "the scenario: shard 8 fails on n2");
-    assert!(report.trace.iter().any(|l| l.contains("n2#1 region stopped; leaves the cluster")), "n2's leave ended");
+    // The durable roster changed the runs' timing, and with it where the scenario recurs: a
+    // member leaving with a failed remembering shard is seed 25000059 today (n3, shard 7); the
+    // partition part is held by the scripted test below.
+    let report = check(25000059, &shape("three-nodes-many-shards"));
+    assert!(report.trace.iter().any(|l| l.contains("n3#1 shard 7 failed")), "the scenario: shard 7 fails on n3");
+    assert!(report.trace.iter().any(|l| l.contains("n3#1 region stopped; leaves the cluster")), "n3's leave ended");
 }
 
 /// The scenario of seed 25000037, scripted: n2 (not the coordinator's node) starts leaving

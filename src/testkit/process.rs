@@ -32,6 +32,10 @@ pub struct ProcessOptions {
     pub membership_toml: String,
     /// Extra lines of the `[sharding]` section.
     pub sharding_toml: String,
+    /// Extra lines of the `[replicator]` section.
+    pub replicator_toml: String,
+    /// Handed to the process in `DDSHARD_ADMIN_TOKEN` (mutating admin routes on); `None`: off.
+    pub admin_token: Option<String>,
     /// A command the node runs under, e.g. `["ip", "netns", "exec", "ns1"]`.
     pub wrapper: Vec<String>,
     /// `--activation-log` file, if any.
@@ -64,6 +68,8 @@ impl ProcessOptions {
             bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
             membership_toml: String::new(),
             sharding_toml: String::new(),
+            replicator_toml: String::new(),
+            admin_token: None,
             wrapper: Vec::new(),
             activation_log: None,
             cluster_secret: Some(TEST_PROCESS_SECRET.to_string()),
@@ -75,8 +81,8 @@ impl ProcessOptions {
     /// The settings every node of a cluster shares (no node id, address, seed or data dir).
     fn shared_config_text(&self) -> String {
         format!(
-            "cluster_id = \"{}\"\n[membership]\n{}\n[sharding]\n{}\n",
-            self.cluster_id, self.membership_toml, self.sharding_toml
+            "cluster_id = \"{}\"\n[membership]\n{}\n[sharding]\n{}\n[replicator]\n{}\n",
+            self.cluster_id, self.membership_toml, self.sharding_toml, self.replicator_toml
         )
     }
 
@@ -101,13 +107,14 @@ impl ProcessOptions {
         format!(
             "node_id = \"{}\"\ncluster_id = \"{}\"\ndata_dir = \"{}\"\nseeds = [{}]\n\
              gossip_addr = \"{ip}:0\"\nmessaging_addr = \"{ip}:0\"\n\
-             [membership]\n{}\n[sharding]\n{}\n",
+             [membership]\n{}\n[sharding]\n{}\n[replicator]\n{}\n",
             self.node_id,
             self.cluster_id,
             self.dir.join(&self.node_id).display(),
             seeds.join(", "),
             self.membership_toml,
             self.sharding_toml,
+            self.replicator_toml,
             ip = SocketAddr::new(self.bind_ip, 0).ip(),
         )
     }
@@ -165,6 +172,10 @@ impl NodeProcess {
         match &opts.cluster_secret {
             Some(secret) => command.env(crate::NodeConfig::SECRET_ENV, secret),
             None => command.env_remove(crate::NodeConfig::SECRET_ENV),
+        };
+        match &opts.admin_token {
+            Some(token) => command.env("DDSHARD_ADMIN_TOKEN", token),
+            None => command.env_remove("DDSHARD_ADMIN_TOKEN"),
         };
         match opts.accepted_cluster_secrets.as_slice() {
             [] => command.env_remove(crate::NodeConfig::ACCEPTED_SECRETS_ENV),

@@ -72,6 +72,12 @@ fn state_read(s: &ShardingSettings) -> Consistency {
     Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap }
 }
 
+/// Consistency of the durable set of remembered shards, written and read: a plain majority of
+/// the replicator's roster (DESIGN.md, decision 4). The coordinator's plus and min-cap are for
+/// quorums over today's members; over the roster they would make a small cluster wait for
+/// every holder ever seen.
+const REMEMBERED_SHARDS: Consistency = Consistency::MAJORITY;
+
 /// Starts the coordinator singleton driver of a type on this node.
 pub(crate) fn start_singleton(
     node: &Node,
@@ -379,17 +385,26 @@ impl CoordinatorDriver {
             let started = Instant::now();
             let mut backoff = WRITE_BACKOFF.0;
             loop {
-                // The state entries and the newly remembered shards go in one round: one delta
-                // message and one ack per replica.
-                let mut updates = vec![super::state::write_update(&type_name, entries.clone(), term)];
-                if let Some(shards) = remembered.clone().filter(|s| !s.is_empty()) {
-                    updates.push(KeyUpdate::new::<GSet, _>(&shards_key, move |g, _| {
+                // The state entries (counted over the members, with Akka's plus and min-cap)
+                // and the newly remembered shards (a durable key: a plain majority of the
+                // roster, which downing cannot shrink) go at once, each in one round.
+                let state = replicator.update_many(
+                    consistency,
+                    timeout,
+                    vec![super::state::write_update(&type_name, entries.clone(), term)],
+                );
+                let shards = async {
+                    let Some(shards) = remembered.clone().filter(|s| !s.is_empty()) else { return Ok(()) };
+                    let insert = KeyUpdate::new::<GSet, _>(&shards_key, move |g, _| {
                         for s in shards {
                             g.insert(s);
                         }
-                    }));
-                }
-                let r = replicator.update_many(consistency, timeout, updates).await;
+                    });
+                    replicator.update_many(REMEMBERED_SHARDS, timeout, vec![insert]).await
+                };
+                let (state, shards) = tokio::join!(state, shards);
+                // The state's outcome first: a fence there ends the writes for good.
+                let r = state.and(shards);
                 match r {
                     Ok(()) => break,
                     Err(Error::ShutDown) => return,
@@ -452,7 +467,7 @@ async fn take_over_read(
     };
     let remembered_shards = if settings.remember_entities {
         let set = replicator
-            .get::<GSet>(&keys::remembered_shards(type_name), consistency, timeout)
+            .get::<GSet>(&keys::remembered_shards(type_name), REMEMBERED_SHARDS, timeout)
             .await
             .map_err(|e| format!("cannot read the remembered shards yet: {e}"))?;
         Some(set.map(|s| s.members()).unwrap_or_default())
