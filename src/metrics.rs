@@ -66,6 +66,8 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_replicator_rejected_total", C, "node", "Replicator messages or values refused as invalid."),
     def("ddshard_replicator_quarantined_total", C, "node", "Replicator messages dropped because their sender was downed, removed or replaced by a newer incarnation."),
     def("ddshard_replicator_fenced_writes_total", C, "node", "Writes refused because a newer claim fenced them."),
+    def("ddshard_replicator_roster_holders", G, "node", "Replica holders durable quorums are counted over (the roster: members and absent holders not forgotten)."),
+    def("ddshard_replicator_roster_absent", G, "node", "Roster holders that are not members now; at half of the roster or more, durable writes and shard starts wait."),
     def("ddshard_lmdb_commits_total", C, "node", "LMDB commits of replicated data."),
     def("ddshard_lmdb_commit_failures_total", C, "node", "LMDB commits that failed."),
     def("ddshard_lmdb_commit_seconds", H, "node", "Time of one LMDB commit (writes and fsync)."),
@@ -328,6 +330,8 @@ mod enabled {
         set_counter("ddshard_replicator_rejected_total", &n, &rs.rejected);
         set_counter("ddshard_replicator_quarantined_total", &n, &rs.quarantined);
         set_counter("ddshard_replicator_fenced_writes_total", &n, &rs.fenced_writes);
+        gauge!("ddshard_replicator_roster_holders", &n).set(rs.roster_holders.load(Ordering::Relaxed) as f64);
+        gauge!("ddshard_replicator_roster_absent", &n).set(rs.roster_absent.load(Ordering::Relaxed) as f64);
         for consistency in crate::ddata::stats::UPDATE_CONSISTENCIES {
             for outcome in crate::ddata::stats::UPDATE_OUTCOMES {
                 let mut l = n.clone();

@@ -20,17 +20,24 @@ const RECOVERY_DEADLINE: Duration = Duration::from_secs(60);
 /// The admin token of the test processes (mutating admin routes on).
 const ADMIN_TOKEN: &str = "node-process-test-admin-token-0123456789";
 
-/// Runs `ddshard admin --url <n's admin API> <args>` as an operator would; returns its stdout.
-fn admin_cli(n: &NodeProcess, args: &[&str]) -> String {
+/// Runs `ddshard admin --url <n's admin API> <args>` as an operator would: whether it
+/// succeeded, and its stdout and stderr.
+fn admin_cli_run(n: &NodeProcess, args: &[&str]) -> (bool, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_ddshard"))
         .args(["admin", "--url", &format!("http://{}", n.admin)])
         .args(args)
         .env("DDSHARD_ADMIN_TOKEN", ADMIN_TOKEN)
         .output()
         .unwrap();
-    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "ddshard admin {args:?}: {stdout} {stderr}");
-    stdout.into_owned()
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// [`admin_cli_run`] that must succeed; returns its output.
+fn admin_cli(n: &NodeProcess, args: &[&str]) -> String {
+    let (ok, text) = admin_cli_run(n, args);
+    assert!(ok, "ddshard admin {args:?}: {text}");
+    text
 }
 
 fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str) -> NodeProcess {
@@ -258,6 +265,8 @@ async fn kv_values_survive_rebalance_graceful_leave_sigkill_and_a_full_cluster_r
     assert!(roster.contains("n3") && roster.contains("no (still counted)"), "{roster}");
     let refused = n1.kv_put("written-alone", "v").await;
     assert!(refused.is_err(), "a durable write needs both holders: {refused:?}");
+    let (ok, refused) = admin_cli_run(&n1, &["forget", "n1"]);
+    assert!(!ok && refused.contains("this node"), "a node never forgets itself: {refused}");
     let forgotten = admin_cli(&n1, &["forget", "n3"]);
     assert!(forgotten.contains("n3: forgotten"), "{forgotten}");
     let hosts = all_values_answer(&n1, keys, within, "after SIGKILL of n3 and its forget").await;

@@ -4,7 +4,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::Consistency;
 
-/// Replicator counters. Every field only grows; read them with `load(Ordering::Relaxed)`.
+/// Replicator counters. Every field only grows, but the two `roster_` gauges; read them with
+/// `load(Ordering::Relaxed)`.
 #[derive(Debug, Default)]
 pub struct ReplicatorStats {
     /// Full values sent to peers (majority writes without a delta, gossip, read repair, read
@@ -45,6 +46,12 @@ pub struct ReplicatorStats {
     /// Writes to fenced maps refused because a newer epoch had claimed the key, here or at a
     /// replica (per key and write).
     pub fenced_writes: AtomicU64,
+    /// Gauge (the current value, not a running count): node ids of the roster durable quorums
+    /// are counted over, this node's view (see [`crate::ddata::Replicator::roster`]).
+    pub roster_holders: AtomicU64,
+    /// Gauge: of those, how many are not replica holders now (downed, crashed, not back); at
+    /// half of `roster_holders` or more, durable writes and shard starts wait.
+    pub roster_absent: AtomicU64,
     /// Updates asked of this replicator ([`crate::ddata::Replicator::update`] and the
     /// `update_*` calls), by consistency and outcome: read them with
     /// [`ReplicatorStats::updates`].

@@ -179,6 +179,15 @@ impl<R> ReplicatorCore<R> {
         for id in counted.iter().filter(|id| !present.contains(&***id)) {
             self.roster.absent_since.entry(id.clone()).or_insert(now);
         }
+        self.publish_roster();
+    }
+
+    /// Sets the roster gauges of the stats.
+    fn publish_roster(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let holders = self.roster_size() as u64;
+        self.stats.roster_holders.store(holders, Relaxed);
+        self.stats.roster_absent.store(self.roster.absent_since.len() as u64, Relaxed);
     }
 
     /// Forgets the id absent longest once it has been absent `forget_absent_after` (one per
@@ -203,6 +212,7 @@ impl<R> ReplicatorCore<R> {
             return false;
         }
         self.write_roster(raise(node_id.into(), RosterEntry { forgotten: true, ..entry }), out);
+        self.publish_roster();
         true
     }
 

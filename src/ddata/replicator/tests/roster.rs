@@ -114,10 +114,16 @@ fn an_unreachable_member_counts_in_the_roster_and_an_absent_one_keeps_counting_u
     members(&mut a, now_members.clone(), now);
     a.handle(Input::Tick, now + Duration::from_secs(59), 1, &mut vec![]);
     assert_eq!(a.roster_size(), 5, "absent for 59 s of 60: e still counts");
+    let gauges = |a: &ReplicatorCore<u32>| {
+        use std::sync::atomic::Ordering::Relaxed;
+        (a.stats.roster_holders.load(Relaxed), a.stats.roster_absent.load(Relaxed))
+    };
+    assert_eq!(gauges(&a), (5, 1), "five holders, e absent");
     let mut out = Vec::new();
     a.handle(Input::Tick, now + Duration::from_secs(60), 1, &mut out);
     assert_eq!(a.roster_size(), 4, "absent for 60 s: e is forgotten; d, unreachable but a member, is not");
     assert!(roster_entries(a.local_value(ROSTER_KEY))["e"].forgotten);
+    assert_eq!(gauges(&a), (4, 0));
     let spread = out.iter().any(|x| match x {
         Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => {
             entries.iter().any(|(k, _)| k == ROSTER_KEY)
