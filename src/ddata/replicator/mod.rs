@@ -264,6 +264,9 @@ pub(crate) enum Input<R> {
         replicas: Vec<(PeerAddr, bool)>,
         gossip_targets: Vec<PeerAddr>,
         standing: Vec<UniqueAddress>,
+        /// This node is a replica holder itself (Up or Leaving, with the role): only then does
+        /// it enter the roster.
+        holder: bool,
     },
     /// This node is leaving: write every value it holds to the members that stay, so no
     /// write it acknowledged leaves with it (seed 160000972: two of three nodes left one after
@@ -671,12 +674,12 @@ impl<R> ReplicatorCore<R> {
                 }
                 self.on_remote(from, msg, out)
             }
-            Input::Members { replicas, gossip_targets, standing } => {
+            Input::Members { replicas, gossip_targets, standing, holder } => {
                 self.replicas = replicas;
                 self.gossip_targets = gossip_targets;
                 self.standing.update(standing);
                 self.ctx.now_ms = wall_ms;
-                self.sync_roster(now, out);
+                self.sync_roster(holder, now, out);
             }
             Input::HandOver { to, staying, timeout, reply } => self.on_hand_over(to, staying, timeout, reply, now, out),
             Input::Forget { node_id, reply } => {

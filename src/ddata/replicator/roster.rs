@@ -159,11 +159,13 @@ impl<R> ReplicatorCore<R> {
             .collect();
     }
 
-    /// After a membership change: adds this node and every replica holder in their newest
-    /// generation, and starts (or stops) the absence clock of counted ids.
-    pub(super) fn sync_roster(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+    /// After a membership change: adds every replica holder (this node too when `holder`) in
+    /// its newest generation, and starts (or stops) the absence clock of counted ids.
+    pub(super) fn sync_roster(&mut self, holder: bool, now: Instant, out: &mut Vec<Action<R>>) {
         let mut holders: Vec<UniqueAddress> = self.replicas.iter().map(|(p, _)| p.address.clone()).collect();
-        holders.push(self.self_addr.clone());
+        if holder {
+            holders.push(self.self_addr.clone());
+        }
         self.refresh_roster();
         let known = roster_entries(self.local_value(ROSTER_KEY));
         for a in &holders {
@@ -173,7 +175,8 @@ impl<R> ReplicatorCore<R> {
             }
         }
         self.refresh_roster();
-        let present: BTreeSet<&str> = holders.iter().map(|a| &*a.node_id).collect();
+        let mut present: BTreeSet<&str> = holders.iter().map(|a| &*a.node_id).collect();
+        present.insert(&self.self_addr.node_id);
         let counted = &self.roster.counted;
         self.roster.absent_since.retain(|id, _| counted.contains(id) && !present.contains(&**id));
         for id in counted.iter().filter(|id| !present.contains(&***id)) {

@@ -73,7 +73,8 @@ impl<R> Input<R> {
             .filter(|m| snap.standing_of(m.address()) == PeerStanding::Member)
             .map(|m| m.address().clone())
             .collect();
-        Input::Members { replicas, gossip_targets, standing }
+        let holder = snap.up_members(role).any(|m| m.address() == me);
+        Input::Members { replicas, gossip_targets, standing, holder }
     }
 }
 

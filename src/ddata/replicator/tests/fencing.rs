@@ -34,7 +34,12 @@ fn claim(epoch: u64) -> Modify {
 
 fn with_peers(c: &mut ReplicatorCore<u32>, ids: &[&str]) {
     let replicas = ids.iter().map(|id| (peer(id), true)).collect();
-    c.handle(Input::Members { replicas, gossip_targets: vec![], standing: vec![] }, Instant::now(), 0, &mut vec![]);
+    c.handle(
+        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
 }
 
 fn fence_of(c: &ReplicatorCore<u32>, key: &str) -> Option<u64> {
@@ -333,7 +338,12 @@ fn a_read_needing_more_replicas_than_reachable_fails_at_once_naming_both_counts(
     ] {
         let mut a = core("a");
         let replicas = members.iter().enumerate().map(|(i, up)| (peer(&format!("p{i}")), *up)).collect();
-        a.handle(Input::Members { replicas, gossip_targets: vec![], standing: vec![] }, Instant::now(), 0, &mut vec![]);
+        a.handle(
+            Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
+            Instant::now(),
+            0,
+            &mut vec![],
+        );
         let mut out = Vec::new();
         let get = Input::GetMany { keys: vec!["k".into()], consistency, timeout: Duration::from_secs(1), reply: 1 };
         a.handle(get, Instant::now(), 1, &mut out);
@@ -373,7 +383,7 @@ fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Optio
     let replicas =
         [("b", true), ("c", true), ("d", true), ("e", e_reachable)].iter().map(|(id, up)| (peer(id), *up)).collect();
     reader.handle(
-        Input::Members { replicas, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],

@@ -103,7 +103,7 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)];
     c.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -170,7 +170,7 @@ fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)];
     c.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -201,7 +201,7 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let mut b = core("b");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -339,6 +339,7 @@ fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instan
     let (pa, pb) = (peer("a"), peer("b"));
     for (c, other) in [(&mut *a, &pb), (&mut *b, &pa)] {
         let m = Input::Members {
+            holder: true,
             replicas: vec![(other.clone(), true)],
             gossip_targets: vec![other.clone()],
             standing: vec![],
@@ -450,6 +451,7 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     copy_value(&a, &mut b, "shard-t/1/0");
     a.handle(
         Input::Members {
+            holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
             standing: vec![],
@@ -486,7 +488,12 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
     let mut a = core("a");
     let now = Instant::now();
     a.handle(
-        Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")], standing: vec![] },
+        Input::Members {
+            holder: true,
+            replicas: vec![(peer("b"), true)],
+            gossip_targets: vec![peer("b")],
+            standing: vec![],
+        },
         now,
         0,
         &mut vec![],
@@ -531,6 +538,7 @@ fn acks_and_read_results_count_only_from_the_replicas_addressed() {
     let mut a = core("a");
     a.handle(
         Input::Members {
+            holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
             standing: vec![],
@@ -637,6 +645,7 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     a.pending_deltas.clear();
     a.handle(
         Input::Members {
+            holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
             standing: vec![],
@@ -688,7 +697,7 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     local(&mut b, "k", add("from-b"));
     let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
     a.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -742,7 +751,7 @@ fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
     let mut a = core("a");
     let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
     a.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],

@@ -6,6 +6,7 @@ use std::collections::BTreeSet;
 /// Members a (this core), b and c, in good standing, every one reachable.
 fn three_members(c: &mut ReplicatorCore<u32>, now: Instant) {
     let members = Input::Members {
+        holder: true,
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("b", 1), UniqueAddress::new("c", 1)],
@@ -37,6 +38,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
     three_members(&mut c, now);
     // b is downed: listed no longer in good standing (the view drops it from the replicas).
     let members = Input::Members {
+        holder: true,
         replicas: vec![(peer("c"), true)],
         gossip_targets: vec![peer("c")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("c", 1)],
@@ -47,6 +49,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
     assert_eq!(c.stats.quarantined.load(std::sync::atomic::Ordering::Relaxed), 1);
     // For good: a later view that no longer lists it at all changes nothing.
     let members = Input::Members {
+        holder: true,
         replicas: vec![(peer("c"), true)],
         gossip_targets: vec![peer("c")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("c", 1)],
@@ -67,6 +70,7 @@ fn an_older_incarnation_of_a_member_is_dropped_and_one_never_seen_is_served() {
     let mut c = core("a");
     let now = Instant::now();
     let members = Input::Members {
+        holder: true,
         replicas: vec![(peer("b"), true)],
         gossip_targets: vec![peer("b")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("b", 2)],
@@ -323,9 +327,16 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
             with_role("g", MemberStatus::Leaving, true),
         ],
     };
-    let Input::Members { replicas, gossip_targets, standing } = Input::<u32>::members_of(&snap, Some("backend")) else {
+    let Input::Members { replicas, gossip_targets, standing, holder } =
+        Input::<u32>::members_of(&snap, Some("backend"))
+    else {
         panic!("a members input")
     };
+    assert!(holder, "a is Up with the role: a replica holder");
+    let Input::Members { holder, .. } = Input::<u32>::members_of(&snap, Some("frontend")) else {
+        panic!("a members input")
+    };
+    assert!(!holder, "without the role, not a holder");
     let ids = |peers: Vec<&PeerAddr>| peers.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>();
     let replica_view: Vec<(String, bool)> =
         replicas.iter().map(|(p, reachable)| (p.address.node_id.to_string(), *reachable)).collect();
@@ -344,6 +355,7 @@ fn a_quarantine_is_for_good_and_forgotten_only_once_a_newer_incarnation_of_the_s
     let mut c = core("a");
     let now = Instant::now();
     let view = |standing: &[(&str, u64)]| Input::Members {
+        holder: true,
         replicas: vec![],
         gossip_targets: vec![],
         standing: standing.iter().map(|(id, g)| UniqueAddress::new(*id, *g)).collect(),

@@ -17,8 +17,13 @@ fn holders(ids: &[&str], reachable: bool) -> Vec<(PeerAddr, bool)> {
 }
 
 fn members(c: &mut ReplicatorCore<u32>, replicas: Vec<(PeerAddr, bool)>, now: Instant) {
+    members_as(c, replicas, true, now);
+}
+
+/// The membership input, with this node a replica holder or not.
+fn members_as(c: &mut ReplicatorCore<u32>, replicas: Vec<(PeerAddr, bool)>, holder: bool, now: Instant) {
     let gossip_targets = replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect();
-    c.handle(Input::Members { replicas, gossip_targets, standing: vec![] }, now, 1, &mut vec![]);
+    c.handle(Input::Members { holder, replicas, gossip_targets, standing: vec![] }, now, 1, &mut vec![]);
 }
 
 fn counted(c: &ReplicatorCore<u32>) -> Vec<(String, u64)> {
@@ -210,7 +215,7 @@ fn the_roster_is_durable_and_loaded_back() {
     let now = Instant::now();
     let mut out = Vec::new();
     a.handle(
-        Input::Members { replicas: holders(&["b"], true), gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: holders(&["b"], true), gossip_targets: vec![], standing: vec![] },
         now,
         1,
         &mut out,
@@ -220,4 +225,19 @@ fn the_roster_is_durable_and_loaded_back() {
     let mut restarted = core("a");
     restarted.load(vec![(ROSTER_KEY.to_string(), value, KeyLog::default())], 0);
     assert_eq!(restarted.roster_size(), 2, "b counts before any membership is known");
+}
+
+#[test]
+fn a_node_without_the_replicas_role_never_enters_the_roster_nor_counts_itself_absent() {
+    let mut a = with_forget_after("a", Duration::from_secs(60));
+    let now = Instant::now();
+    members_as(&mut a, holders(&["b", "c"], true), false, now);
+    let ids: Vec<String> = counted(&a).into_iter().map(|(id, _)| id).collect();
+    assert_eq!(ids, ["b", "c"], "only the holders");
+    // A holder that stops being one (it leaves, say) is never absent to itself.
+    let mut b = with_forget_after("b", Duration::from_secs(60));
+    members_as(&mut b, holders(&["a"], true), true, now);
+    members_as(&mut b, holders(&["a"], true), false, now);
+    b.handle(Input::Tick, now + Duration::from_secs(600), 1, &mut vec![]);
+    assert!(!roster_entries(b.local_value(ROSTER_KEY))["b"].forgotten, "b does not forget itself");
 }

@@ -6,8 +6,12 @@ use super::*;
 fn local_updates_past_the_pending_delta_cap_are_shipped_at_once_not_on_the_interval() {
     let mut a = core("a");
     let now = Instant::now();
-    let members =
-        Input::Members { replicas: vec![(peer("b"), true)], gossip_targets: vec![peer("b")], standing: vec![] };
+    let members = Input::Members {
+        holder: true,
+        replicas: vec![(peer("b"), true)],
+        gossip_targets: vec![peer("b")],
+        standing: vec![],
+    };
     a.handle(members, now, 0, &mut vec![]);
     // The roster the membership wrote ships on the first interval.
     a.handle(Input::Tick, now, 1, &mut vec![]);
@@ -54,7 +58,7 @@ fn a_majority_write_waits_out_its_whole_timeout_before_failing() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     c.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -79,7 +83,7 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![peer("b"), peer("c")], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![peer("b"), peer("c")], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -125,6 +129,7 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
     // Two targets, three keys changed: one message to both, six deltas counted.
     let mut a = core("a");
     let members = Input::Members {
+        holder: true,
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
         standing: vec![],
@@ -147,7 +152,7 @@ fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
         Instant::now(),
         0,
         &mut vec![],
