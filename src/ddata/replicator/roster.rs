@@ -64,6 +64,9 @@ pub(super) struct Roster {
     counted: BTreeSet<Arc<str>>,
     /// The value changed since `counted` was computed.
     stale: bool,
+    /// [`ReplicatorCore::roster_size`], kept until the roster or the replica holders change
+    /// (durable operations ask for it on every write).
+    size: Option<usize>,
     /// Counted ids that are not replica holders now, and since when (this node's clock).
     absent_since: BTreeMap<Arc<str>, Instant>,
     /// When to forget an id absent this long (`None`: never automatically).
@@ -78,6 +81,7 @@ impl Roster {
     /// The roster's value changed (merged, loaded or written here).
     pub(super) fn changed(&mut self) {
         self.stale = true;
+        self.size = None;
     }
 }
 
@@ -116,11 +120,16 @@ impl<R> ReplicatorCore<R> {
     /// Node ids a durable key's quorum is counted over: the roster, with this node and every
     /// replica holder now (a Leaving member that handed over still answers for its copies).
     pub(super) fn roster_size(&mut self) -> usize {
+        if let Some(size) = self.roster.size {
+            return size;
+        }
         self.refresh_roster();
         let mut ids: BTreeSet<&str> = self.roster.counted.iter().map(|id| &**id).collect();
         ids.insert(&self.self_addr.node_id);
         ids.extend(self.replicas.iter().map(|(p, _)| &*p.address.node_id));
-        ids.len()
+        let size = ids.len();
+        self.roster.size = Some(size);
+        size
     }
 
     /// How many replicas an operation on `keys` counts: the roster for durable keys, the
@@ -162,6 +171,7 @@ impl<R> ReplicatorCore<R> {
     /// After a membership change: adds every replica holder (this node too when `holder`) in
     /// its newest generation, and starts (or stops) the absence clock of counted ids.
     pub(super) fn sync_roster(&mut self, holder: bool, now: Instant, out: &mut Vec<Action<R>>) {
+        self.roster.size = None; // the replica holders changed
         let mut holders: Vec<UniqueAddress> = self.replicas.iter().map(|(p, _)| p.address.clone()).collect();
         if holder {
             holders.push(self.self_addr.clone());

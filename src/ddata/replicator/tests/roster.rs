@@ -241,3 +241,23 @@ fn a_node_without_the_replicas_role_never_enters_the_roster_nor_counts_itself_ab
     b.handle(Input::Tick, now + Duration::from_secs(600), 1, &mut vec![]);
     assert!(!roster_entries(b.local_value(ROSTER_KEY))["b"].forgotten, "b does not forget itself");
 }
+
+#[test]
+fn a_holder_that_handed_over_and_forgot_itself_counts_while_a_member_and_not_once_gone() {
+    let mut a = core("a");
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c"], true), now);
+    assert_eq!(a.roster_size(), 3);
+    // c, leaving, handed over and forgot itself: its roster reaches a.
+    let mut c = core("c");
+    members(&mut c, holders(&["a", "b"], true), now);
+    let mut out = Vec::new();
+    assert!(c.forget("c", &mut out), "c forgets itself at the end of its hand-over");
+    let theirs = c.local_value(ROSTER_KEY).cloned().expect("c's roster");
+    a.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
+    assert_eq!(a.roster_size(), 3, "still a member: its copies still answer");
+    members(&mut a, holders(&["b"], true), now);
+    assert_eq!(a.roster_size(), 2, "gone: no longer counted (nor absent)");
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(a.stats.roster_absent.load(Relaxed), 0);
+}
