@@ -87,7 +87,7 @@ impl Roster {
 
 /// A modify that raises `id`'s entry to `entry` unless it already holds that generation or a
 /// newer one (a forgotten incarnation is not added again by seeing it).
-fn raise(id: Arc<str>, entry: RosterEntry) -> Modify {
+pub(super) fn raise(id: Arc<str>, entry: RosterEntry) -> Modify {
     Box::new(move |current, ctx| {
         let write = |map: &mut LwwMap, ctx: &mut crate::ddata::crdt::WriteCtx| map.put_as(ctx, &*id, &entry);
         match current {

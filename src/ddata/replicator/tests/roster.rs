@@ -261,3 +261,41 @@ fn a_holder_that_handed_over_and_forgot_itself_counts_while_a_member_and_not_onc
     use std::sync::atomic::Ordering::Relaxed;
     assert_eq!(a.stats.roster_absent.load(Relaxed), 0);
 }
+
+#[test]
+fn a_leaving_node_hands_over_to_a_majority_of_the_staying_roster_absent_holders_included_other_leavers_not() {
+    let mut a = core("a");
+    let now = Instant::now();
+    members(&mut a, holders(&["b", "c", "d", "e", "f"], true), now);
+    // d, e and f are gone (their disks still count); c leaves too; only b stays among members.
+    members(&mut a, holders(&["b", "c"], true), now);
+    local(&mut a, "shard-1", add("x"));
+    let mut out = Vec::new();
+    let staying = vec![UniqueAddress::new("b", 1)];
+    a.handle(
+        Input::HandOver { to: vec![peer("b")], staying, timeout: Duration::from_secs(1), reply: 9 },
+        now,
+        1,
+        &mut out,
+    );
+    assert!(
+        matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 3, .. }) }]),
+        "b, d, e and f stay in the roster: three of them, not one of b alone: {out:?}"
+    );
+}
+
+#[test]
+fn raising_an_entry_to_what_it_already_holds_writes_nothing() {
+    use super::super::roster::raise;
+    let mut ctx = crate::ddata::crdt::WriteCtx::new("w#1", 1);
+    let entry = RosterEntry { generation: 2, forgotten: false };
+    let mut value = raise("x".into(), entry)(None, &mut ctx).expect("raised").expect("a new map");
+    value.take_delta();
+    raise("x".into(), entry)(Some(&mut value), &mut ctx).expect("raised");
+    assert!(value.take_delta().is_none(), "the same entry again: no write, nothing to ship");
+    raise("x".into(), RosterEntry { generation: 1, ..entry })(Some(&mut value), &mut ctx).expect("raised");
+    assert!(value.take_delta().is_none(), "an older generation: no write");
+    raise("x".into(), RosterEntry { forgotten: true, ..entry })(Some(&mut value), &mut ctx).expect("raised");
+    assert!(value.take_delta().is_some(), "the same generation forgotten: written");
+    assert!(roster_entries(Some(&value))["x"].forgotten);
+}
