@@ -470,6 +470,23 @@ fn a_host_shard_resent_during_a_hand_off_leaves_no_stale_home_in_seven_lossy_nod
     check(570000570, &shape("seven-nodes-lossy"));
 }
 
+/// Seed 660002017 (issue 38, `three-nodes-many-shards`, found by the first soak with the
+/// roster): all three nodes left; n2 was downed and restarted, and n3 and then n1 finished
+/// leaving 20 ms apart with n2#2 the only member that stays. n3 forgot itself on n2#2 only; n1
+/// still counted n3, found n2#2 alone no majority of {n2, n3}, failed its hand-over at once
+/// and stayed in the roster, so n2#2 could never write a remembered id again. The fault was in
+/// the replicator core (this change): a hand-over now waits within its deadline for the roster
+/// to allow a majority, and a node's own forget ships to every gossip target at once.
+#[test]
+fn the_last_of_three_leaving_nodes_hands_over_to_the_one_restarted_node_once_it_hears_of_the_others_forget() {
+    let report = check(660002017, &shape("three-nodes-many-shards"));
+    for line in
+        ["n1#1 region stopped; leaves the cluster", "n3#1 region stopped; leaves the cluster", "n2#1 downs itself"]
+    {
+        assert!(report.trace.iter().any(|l| l.contains(line)), "the scenario: {line}");
+    }
+}
+
 #[test]
 fn random_faults_with_one_way_and_messaging_only_cuts_never_run_an_entity_twice_and_service_recovers() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_MESSAGE_PATH_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);

@@ -21,6 +21,9 @@ pub(super) struct HandOver<R> {
     /// The last part, sent once every value is on a majority: this node's own forget in the
     /// roster (its copies are safe elsewhere, so durable quorums stop counting it).
     forget_sent: bool,
+    /// Not started yet: the reachable staying members (`to`) and every staying member, until
+    /// `to` is a majority of the staying roster.
+    pub(super) waiting: Option<(Vec<PeerAddr>, Vec<UniqueAddress>)>,
 }
 
 impl<R> Input<R> {
@@ -42,7 +45,10 @@ impl<R> Input<R> {
 impl<R> ReplicatorCore<R> {
     /// Starts the hand-over: every value, in parts capped in bytes, each written to the
     /// reachable staying members (see [`Input::HandOver`]). A newer hand-over replaces one in
-    /// flight (which fails as timed out).
+    /// flight (which fails as timed out). When the reachable staying members are no majority
+    /// of the staying roster, it waits (until its deadline) for the roster to change: another
+    /// leaving node's forget may still be on its way (seed 660002017: n3 forgot itself on n2
+    /// only, and n1, leaving 20 ms later, still counted it).
     pub(super) fn on_hand_over(
         &mut self,
         to: Vec<PeerAddr>,
@@ -52,28 +58,39 @@ impl<R> ReplicatorCore<R> {
         now: Instant,
         out: &mut Vec<Action<R>>,
     ) {
-        // A majority of the roster that stays: the members that stay and the absent holders
-        // (whose disks still count), never the other leaving members.
-        let staying = self.roster_staying(&staying);
         if let Some(old) = self.hand_over.take() {
             let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
             out.push(Action::ReplyUpdate { reply: old.reply, result });
         }
-        let needed = staying / 2 + 1;
-        if staying == 0 || to.len() < needed {
-            out.push(Action::ReplyUpdate {
-                reply,
-                result: Err(Error::NotEnoughReplicas { needed, reachable: to.len() }),
-            });
+        if staying.is_empty() || to.is_empty() {
+            // Nobody stays, or nobody who does is reachable: waiting cannot help.
+            let needed = self.roster_staying(&staying) / 2 + 1;
+            let result = Err(Error::NotEnoughReplicas { needed, reachable: to.len() });
+            out.push(Action::ReplyUpdate { reply, result });
+            return;
+        }
+        let addressed = to.iter().map(|p| p.address.clone()).collect();
+        let deadline = now + timeout;
+        let waiting = Some((to, staying));
+        let parts = BTreeMap::new();
+        self.hand_over = Some(HandOver { parts, addressed, needed: 0, deadline, reply, forget_sent: false, waiting });
+        self.start_hand_over_parts(out);
+    }
+
+    /// Sends the parts of a waiting hand-over once the reachable staying members are a
+    /// majority of the staying roster: the members that stay and the absent holders (whose
+    /// disks still count), never the other leaving members.
+    pub(super) fn start_hand_over_parts(&mut self, out: &mut Vec<Action<R>>) {
+        let Some((to, staying)) = self.hand_over.as_mut().and_then(|h| h.waiting.take()) else { return };
+        let needed = self.roster_staying(&staying) / 2 + 1;
+        if to.len() < needed {
+            let h = self.hand_over.as_mut().expect("hand-over");
+            (h.needed, h.waiting) = (needed, Some((to, staying)));
             return;
         }
         // Every value, durable or not: a majority write of either may have counted this node.
         let values: Vec<(String, ReplicatedData)> =
             self.data.iter().map(|(key, e)| (key.clone(), e.value.clone())).collect();
-        if values.is_empty() {
-            out.push(Action::ReplyUpdate { reply, result: Ok(Vec::new()) });
-            return;
-        }
         let size = |(k, v): &(String, ReplicatedData)| k.len() + v.approx_bytes();
         let mut parts = BTreeMap::new();
         for values in split_by_bytes(values, self.settings.max_message_bytes, size) {
@@ -83,9 +100,11 @@ impl<R> ReplicatorCore<R> {
             let msg = ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values };
             out.push(Action::Broadcast { to: to.clone(), msg });
         }
-        let addressed = to.into_iter().map(|p| p.address).collect();
-        let deadline = now + timeout;
-        self.hand_over = Some(HandOver { parts, addressed, needed, deadline, reply, forget_sent: false });
+        let h = self.hand_over.as_mut().expect("hand-over");
+        (h.parts, h.needed) = (parts, needed);
+        if h.parts.is_empty() {
+            self.send_own_forget(out);
+        }
     }
 
     /// Every value is on a majority of the staying roster: this node leaves the roster, in a
@@ -102,6 +121,9 @@ impl<R> ReplicatorCore<R> {
             self.replicas.iter().filter(|(p, _)| h.addressed.contains(&p.address)).map(|(p, _)| p.clone()).collect();
         let values = vec![(super::ROSTER_KEY.to_string(), value)];
         out.push(Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values } });
+        // Other leaving nodes count this one until they hear of its forget: it ships to every
+        // gossip target now, not on the next interval this node may not live to see.
+        self.flush_deltas(out);
     }
 
     pub(super) fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<Action<R>>) {

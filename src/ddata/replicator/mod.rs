@@ -1034,8 +1034,14 @@ impl<R> ReplicatorCore<R> {
         self.expire_reads(now, out);
         if self.hand_over.as_ref().is_some_and(|h| h.deadline <= now) {
             let h = self.hand_over.take().expect("hand-over");
-            let acked = h.parts.values().map(HashSet::len).min().unwrap_or(0);
-            let result = Err(Error::ConsistencyTimeout { needed: h.needed, acked });
+            let result = match h.waiting {
+                // Never a majority of the staying roster reachable.
+                Some((to, _)) => Err(Error::NotEnoughReplicas { needed: h.needed, reachable: to.len() }),
+                None => {
+                    let acked = h.parts.values().map(HashSet::len).min().unwrap_or(0);
+                    Err(Error::ConsistencyTimeout { needed: h.needed, acked })
+                }
+            };
             out.push(Action::ReplyUpdate { reply: h.reply, result });
         }
     }
@@ -1044,6 +1050,8 @@ impl<R> ReplicatorCore<R> {
         self.rewrite_failed(now, out);
         self.expire(now, out);
         self.forget_long_absent(now, out);
+        // A hand-over waiting for the roster to allow a majority: counted again.
+        self.start_hand_over_parts(out);
         if self.next_delta_flush.is_none_or(|t| t <= now) {
             self.next_delta_flush = Some(now + self.settings.delta_interval);
             self.flush_deltas(out);

@@ -438,10 +438,6 @@ impl<M> RegionCore<M> {
                     *before = (*before).max(epoch);
                 }
                 if let Some(handoff) = self.handing_off.remove(&shard) {
-                    // Handed off: whatever home here was recorded meanwhile is gone with it.
-                    if self.homes.get(&shard).is_some_and(|(home, _)| *home == self.me) {
-                        self.homes.remove(&shard);
-                    }
                     self.to_coordinator(ToCoordinator::ShardStopped { shard, region: self.me.clone(), handoff }, out);
                 }
                 self.check_stopped(out);

@@ -272,16 +272,71 @@ fn a_leaving_node_hands_over_to_a_majority_of_the_staying_roster_absent_holders_
     local(&mut a, "shard-1", add("x"));
     let mut out = Vec::new();
     let staying = vec![UniqueAddress::new("b", 1)];
-    a.handle(
-        Input::HandOver { to: vec![peer("b")], staying, timeout: Duration::from_secs(1), reply: 9 },
-        now,
-        1,
-        &mut out,
-    );
+    let input = Input::HandOver { to: vec![peer("b")], staying, timeout: Duration::from_secs(1), reply: 9 };
+    a.handle(input, now, 1, &mut out);
+    a.handle(Input::Tick, now + Duration::from_secs(1), 1, &mut out);
+    let replies: Vec<&Action<u32>> = out.iter().filter(|x| matches!(x, Action::ReplyUpdate { .. })).collect();
     assert!(
-        matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 3, .. }) }]),
+        matches!(
+            replies[..],
+            [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 3, .. }) }]
+        ),
         "b, d, e and f stay in the roster: three of them, not one of b alone: {out:?}"
     );
+}
+
+/// Seed 660002017 (`three-nodes-many-shards`): n3 and n1 left one after the other while n2
+/// restarted; n3 forgot itself on n2 only, and n1, leaving 20 ms later, still counted n3 in the
+/// staying roster, failed its hand-over at once and stayed in the roster, so n2 alone could
+/// never write a remembered id again. A hand-over now waits, within its deadline, for the
+/// roster to allow a majority, and a node that forgets itself ships the forget to every gossip
+/// target at once.
+#[test]
+fn a_hand_over_waits_for_another_leavers_forget_and_then_hands_over_to_the_one_that_stays() {
+    let now = Instant::now();
+    let mut n1 = core("n1");
+    let mut n3 = core("n3");
+    members(&mut n1, holders(&["n2", "n3"], true), now);
+    members(&mut n3, holders(&["n1", "n2"], true), now);
+    local(&mut n1, "shard-1", add("x"));
+    // n3 hands over to n2 (n1 leaves too) and forgets itself: the forget goes to n2 as the
+    // last part, and to every gossip target, n1 included, at once.
+    let mut out = Vec::new();
+    let staying = vec![UniqueAddress::new("n2", 1)];
+    let timeout = Duration::from_secs(5);
+    n3.handle(Input::HandOver { to: vec![peer("n2")], staying: staying.clone(), timeout, reply: 3 }, now, 1, &mut out);
+    let ops = |out: &[Action<u32>]| -> Vec<u64> {
+        out.iter()
+            .filter_map(|x| match x {
+                Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+                _ => None,
+            })
+            .collect()
+    };
+    let mut after_parts = Vec::new();
+    for op in ops(&out) {
+        n3.handle(Input::Remote { from: peer("n2"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut after_parts);
+    }
+    let gossiped_to = after_parts.iter().find_map(|x| match x {
+        Action::Broadcast { to, msg: ReplicatorMsg::DeltaPropagation { entries } }
+            if entries.iter().any(|(k, _)| k == ROSTER_KEY) =>
+        {
+            Some(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>())
+        }
+        _ => None,
+    });
+    assert_eq!(gossiped_to, Some(vec!["n1".to_string(), "n2".to_string()]), "{after_parts:?}");
+    // n3 is gone; n1 leaves before it heard of n3's forget: n2 of {n2, n3} is no majority.
+    members(&mut n1, holders(&["n2"], true), now);
+    let mut out = Vec::new();
+    n1.handle(Input::HandOver { to: vec![peer("n2")], staying, timeout, reply: 9 }, now, 1, &mut out);
+    assert!(ops(&out).is_empty() && out.is_empty(), "waits: {out:?}");
+    // n3's forget arrives; the next tick hands everything over to n2 alone.
+    let theirs = n3.local_value(ROSTER_KEY).cloned().expect("n3's roster");
+    n1.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
+    let mut out = Vec::new();
+    n1.handle(Input::Tick, now + Duration::from_millis(100), 1, &mut out);
+    assert!(!ops(&out).is_empty(), "handed over now: {out:?}");
 }
 
 #[test]
@@ -298,4 +353,21 @@ fn raising_an_entry_to_what_it_already_holds_writes_nothing() {
     raise("x".into(), RosterEntry { forgotten: true, ..entry })(Some(&mut value), &mut ctx).expect("raised");
     assert!(value.take_delta().is_some(), "the same generation forgotten: written");
     assert!(roster_entries(Some(&value))["x"].forgotten);
+}
+
+#[test]
+fn the_absence_clock_runs_from_the_first_view_without_the_holder_and_stops_when_it_is_back() {
+    let mut a = with_forget_after("a", Duration::from_secs(60));
+    let now = Instant::now();
+    let at = |s| now + Duration::from_secs(s);
+    members(&mut a, holders(&["b", "c", "d"], true), now);
+    // b is absent from t=0 on, through later views; c is absent at t=0 and back at t=30.
+    members(&mut a, holders(&["d"], true), now);
+    members(&mut a, holders(&["c", "d"], true), at(30));
+    members(&mut a, holders(&["c", "d"], true), at(50));
+    a.handle(Input::Tick, at(60), 1, &mut vec![]);
+    a.handle(Input::Tick, at(61), 1, &mut vec![]);
+    let forgotten: Vec<String> =
+        roster_entries(a.local_value(ROSTER_KEY)).into_iter().filter(|(_, e)| e.forgotten).map(|(id, _)| id).collect();
+    assert_eq!(forgotten, ["b"], "b after 60 s from its first absence; c, back, never");
 }
