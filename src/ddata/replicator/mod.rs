@@ -50,7 +50,9 @@ pub(crate) use durability::{KeyLog, PersistRecord};
 use hand_over::HandOver;
 use reads::PendingRead;
 use roster::Roster;
-pub use roster::{ROSTER_KEY, RosterEntry, roster_entries};
+#[cfg(test)]
+use roster::RosterEntry;
+pub(crate) use roster::{ROSTER_KEY, roster_entries};
 use standing::Standing;
 pub(crate) use writer::{RESERVATION_SPAN, StoreWriter};
 

@@ -37,11 +37,11 @@ use crate::ddata::crdt::{Crdt, LwwMap, ReplicatedData};
 use crate::membership::UniqueAddress;
 
 /// The key of the roster's LWW-map (always durable, whatever the configured prefixes).
-pub const ROSTER_KEY: &str = "ddshard-roster";
+pub(crate) const ROSTER_KEY: &str = "ddshard-roster";
 
 /// One node id's place in the roster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RosterEntry {
+pub(crate) struct RosterEntry {
     /// The newest generation (incarnation) of the node id seen as a replica holder.
     pub generation: u64,
     /// Forgotten: that incarnation and older ones no longer count (a newer one is added again).
@@ -50,7 +50,7 @@ pub struct RosterEntry {
 
 /// The roster's entries in a value of [`ROSTER_KEY`] (entries that do not decode are skipped:
 /// they name no one).
-pub fn roster_entries(value: Option<&ReplicatedData>) -> BTreeMap<String, RosterEntry> {
+pub(crate) fn roster_entries(value: Option<&ReplicatedData>) -> BTreeMap<String, RosterEntry> {
     let Some(ReplicatedData::LwwMap(map)) = value else { return BTreeMap::new() };
     map.iter()
         .filter_map(|(id, bytes)| Some((id.to_string(), crate::transport::wire::decode::<RosterEntry>(bytes).ok()?)))
@@ -138,7 +138,7 @@ impl<R> ReplicatorCore<R> {
         if keys.any(|k| self.is_durable(k)) { self.roster_size() } else { self.total_replicas() }
     }
 
-    /// Ids of the roster other than this node and the `leaving` ones (a leaving node's
+    /// Ids of the roster other than this node and the other leaving members (a leaving node's
     /// hand-over counts a majority of these).
     pub(super) fn roster_staying(&mut self, staying: &[UniqueAddress]) -> usize {
         self.refresh_roster();
