@@ -487,6 +487,27 @@ fn the_last_of_three_leaving_nodes_hands_over_to_the_one_restarted_node_once_it_
     }
 }
 
+/// Seeds 670003637 (`seven-nodes-lossy`) and 680001970 (`seven-nodes-message-path-lossy`),
+/// found by the soak with the roster: a leaving node (n4; n1, the coordinator's) was handing a
+/// remembering shard off when the write of its stopped ids failed (no majority of the roster
+/// reachable then). The shard core reported `Failed`, which a region only answers by a restart
+/// after the backoff, so the hand-off went unanswered until the region's shutdown timed out
+/// 20–30 s later, and asks after recovery met "not hosted" or no home. The fault was in the
+/// shard core: a store failure during a hand-off now ends the hand-off (every entity stopped,
+/// the new home loads what is stored).
+#[test]
+fn a_store_failure_while_a_leaving_node_hands_a_shard_off_ends_the_hand_off_instead_of_stalling_the_leave() {
+    for (seed, shape_name, leaver) in
+        [(670003637, "seven-nodes-lossy", "n4#1"), (680001970, "seven-nodes-message-path-lossy", "n1#1")]
+    {
+        let report = check(seed, &shape(shape_name));
+        let stopped = format!("{leaver} region stopped; leaves the cluster");
+        assert!(report.trace.iter().any(|l| l.contains(&stopped)), "seed {seed}: {leaver}'s leave ended");
+        let timed_out = format!("{leaver} graceful shutdown timed out");
+        assert!(!report.trace.iter().any(|l| l.contains(&timed_out)), "seed {seed}: by hand-off, not by its timeout");
+    }
+}
+
 #[test]
 fn random_faults_with_one_way_and_messaging_only_cuts_never_run_an_entity_twice_and_service_recovers() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_MESSAGE_PATH_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);

@@ -691,6 +691,20 @@ impl<M, S> ShardCore<M, S> {
         if self.failed {
             return;
         }
+        if self.handoff_deadline.is_some() {
+            // A store failure while handing off ends the hand-off at once (seed 670003637): a
+            // failed shard is only restarted here, so `Failed` would leave the hand-off
+            // unanswered until the region's shutdown timeout. Every entity stops now; a write
+            // that failed was not acknowledged, and the new home loads what is stored.
+            self.force_stop_all(out);
+            self.entities.clear();
+            self.restarts_due.clear();
+            if let Some(r) = self.remember.as_mut() {
+                r.in_flight = None;
+            }
+            self.check_handoff_done(out);
+            return;
+        }
         self.failed = true;
         self.force_stop_all(out);
         self.entities.clear();
@@ -1328,6 +1342,23 @@ mod tests {
         let out = run(&mut s, ShardInput::StoreFailed, now);
         assert!(out.contains(&ShardAction::Drop { entity_id: "a".into(), msg: 1, reason: DropReason::ShardFailed }));
         assert_eq!(out.last(), Some(&ShardAction::Failed));
+    }
+
+    /// Seed 670003637 (`seven-nodes-lossy`): n4, leaving, was handing shard 5 off when the
+    /// write of the stopped ids failed (no majority of the roster reachable); the shard
+    /// reported `Failed`, the region never answered the hand-off, and shard 5 stayed on n4 for
+    /// the 20 s until its shutdown timeout, answering "not hosted".
+    #[test]
+    fn a_store_failure_while_handing_off_ends_the_hand_off_instead_of_failing_the_shard() {
+        let mut s = remembering();
+        let now = Instant::now();
+        run(&mut s, ShardInput::Loaded(BTreeSet::new()), now);
+        run(&mut s, deliver("a", 1), now);
+        let out = run(&mut s, ShardInput::HandOff, now);
+        assert!(!out.contains(&ShardAction::Stopped), "waits for the write in flight");
+        let out = run(&mut s, ShardInput::StoreFailed, now);
+        assert_eq!(out.last(), Some(&ShardAction::Stopped), "{out:?}");
+        assert!(!out.contains(&ShardAction::Failed), "{out:?}");
     }
 
     #[test]
