@@ -353,6 +353,15 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     wait_for("node-3 downed and removed", Duration::from_secs(60), || survivor.membership().member("node-3").is_none())
         .await?;
     println!("node-3 downed by keep-majority and removed after {:.1?}", t.elapsed());
+    // node-2 left the roster gracefully; node-3's disk still counts. Durable state needs a
+    // majority of the roster, so node-1, one of two holders, serves no durable counter alone
+    // until node-3 is back or forgotten (DESIGN.md: quorums over a durable roster).
+    println!("node-1 is one of the two replica holders left (node-3's disk still counts): durable counters wait");
+    survivor.replicator().forget_replica("node-3").await?;
+    println!(
+        "node-3 forgotten, as an operator who knows it is gone for good does (`ddshard admin forget node-3`; \
+         replicator.forget_absent_after does it by itself after 30 min)"
+    );
     check_counters(&regions[0], &ids, increments).await?;
     print_distribution("after node-3 was killed", &regions[0].cluster_stats(Duration::from_secs(3)).await?);
     println!("all {counters} counters answer with their value (node-3's restarted from their durable state)");
