@@ -283,6 +283,18 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     let input = Input::HandOver { to: vec![], staying: vec![], timeout: Duration::from_secs(1), reply: 9 };
     c.handle(input, now, 1, &mut out);
     assert!(matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { .. }), .. }]));
+    // Four stay and none is reachable: no waiting either; a majority of the four was needed.
+    let mut out = Vec::new();
+    let staying = ["b", "c", "d", "e"].map(|id| UniqueAddress::new(id, 1)).to_vec();
+    let input = Input::HandOver { to: vec![], staying, timeout: Duration::from_secs(1), reply: 9 };
+    c.handle(input, now, 1, &mut out);
+    assert!(
+        matches!(
+            &out[..],
+            [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 0 }), .. }]
+        ),
+        "{out:?}"
+    );
     // Reachable, but no answer within the timeout.
     let mut out = Vec::new();
     c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
