@@ -60,7 +60,9 @@ pub(crate) fn roster_entries(value: Option<&ReplicatedData>) -> BTreeMap<String,
 /// The core's view of the roster: who counts, and since when each counted id is absent.
 #[derive(Default)]
 pub(super) struct Roster {
-    /// Node ids that count (not forgotten), recomputed when the value changes.
+    /// The value's entries, decoded once per change.
+    entries: BTreeMap<String, RosterEntry>,
+    /// Node ids that count (not forgotten), derived from `entries`.
     counted: BTreeSet<Arc<str>>,
     /// The value changed since `counted` was computed.
     stale: bool,
@@ -161,11 +163,9 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         self.roster.stale = false;
-        self.roster.counted = roster_entries(self.local_value(ROSTER_KEY))
-            .into_iter()
-            .filter(|(_, e)| !e.forgotten)
-            .map(|(id, _)| Arc::from(id))
-            .collect();
+        self.roster.entries = roster_entries(self.local_value(ROSTER_KEY));
+        self.roster.counted =
+            self.roster.entries.iter().filter(|(_, e)| !e.forgotten).map(|(id, _)| Arc::from(id.as_str())).collect();
     }
 
     /// After a membership change: adds every replica holder (this node too when `holder`) in
@@ -177,12 +177,13 @@ impl<R> ReplicatorCore<R> {
             holders.push(self.self_addr.clone());
         }
         self.refresh_roster();
-        let known = roster_entries(self.local_value(ROSTER_KEY));
-        for a in &holders {
-            if known.get(&*a.node_id).is_none_or(|e| e.generation < a.generation) {
-                let entry = RosterEntry { generation: a.generation, forgotten: false };
-                self.write_roster(raise(a.node_id.clone(), entry), out);
-            }
+        let raises: Vec<&UniqueAddress> = holders
+            .iter()
+            .filter(|a| self.roster.entries.get(&*a.node_id).is_none_or(|e| e.generation < a.generation))
+            .collect();
+        for a in raises {
+            let entry = RosterEntry { generation: a.generation, forgotten: false };
+            self.write_roster(raise(a.node_id.clone(), entry), out);
         }
         self.refresh_roster();
         let mut present: BTreeSet<&str> = holders.iter().map(|a| &*a.node_id).collect();
@@ -220,7 +221,8 @@ impl<R> ReplicatorCore<R> {
     /// whether it was counted.
     pub(super) fn forget(&mut self, node_id: &str, out: &mut Vec<Action<R>>) -> bool {
         self.roster.absent_since.remove(node_id);
-        let Some(entry) = roster_entries(self.local_value(ROSTER_KEY)).remove(node_id) else { return false };
+        self.refresh_roster();
+        let Some(entry) = self.roster.entries.get(node_id).copied() else { return false };
         if entry.forgotten {
             return false;
         }
