@@ -497,14 +497,52 @@ fn the_last_of_three_leaving_nodes_hands_over_to_the_one_restarted_node_once_it_
 /// the new home loads what is stored).
 #[test]
 fn a_store_failure_while_a_leaving_node_hands_a_shard_off_ends_the_hand_off_instead_of_stalling_the_leave() {
-    for (seed, shape_name, leaver) in
-        [(670003637, "seven-nodes-lossy", "n4#1"), (680001970, "seven-nodes-message-path-lossy", "n1#1")]
-    {
+    // Since hand-overs follow the membership (seed 720004905 below), 680001970's run takes
+    // another course (n1 is downed before it leaves); it is still checked.
+    check(680001970, &shape("seven-nodes-message-path-lossy"));
+    let report = check(670003637, &shape("seven-nodes-lossy"));
+    let stopped = "n4#1 region stopped; leaves the cluster";
+    assert!(report.trace.iter().any(|l| l.contains(stopped)), "n4's leave ended");
+    let timed_out = "n4#1 graceful shutdown timed out";
+    assert!(!report.trace.iter().any(|l| l.contains(timed_out)), "by hand-off, not by its timeout");
+}
+
+/// Seeds 720004905 (`durable`), 730021632 (`durable-remember`) and 770019193
+/// (`seven-nodes-lossy`), found by the first 225,000 runs of the million-run soak on the
+/// roster: a leaving node's hand-over was fixed to the members of its start. When one of them
+/// paused and was downed, or crashed, the hand-over timed out (2 of 3, 1 of 2 acks) although a
+/// restarted incarnation of a holder was Up and reachable; the leaver stayed in the roster
+/// for good, and the nodes left held no durable majority of it (every ask after recovery
+/// failed with `StateNotPersisted` or "not hosted"). The fault was in the replicator core: a
+/// hand-over now reads who stays from every membership change, sends every part to a member
+/// that turned Up since, and counts the majority over the staying roster of now.
+#[test]
+fn a_leaving_node_hands_over_to_a_holder_restarted_during_its_leave_so_the_nodes_left_keep_a_durable_majority() {
+    for (seed, shape_name, leaver) in [
+        (720004905, "durable", "n1#1"),
+        (730021632, "durable-remember", "n2#1"),
+        (770019193, "seven-nodes-lossy", "n1#1"),
+    ] {
         let report = check(seed, &shape(shape_name));
         let stopped = format!("{leaver} region stopped; leaves the cluster");
         assert!(report.trace.iter().any(|l| l.contains(&stopped)), "seed {seed}: {leaver}'s leave ended");
-        let timed_out = format!("{leaver} graceful shutdown timed out");
-        assert!(!report.trace.iter().any(|l| l.contains(&timed_out)), "seed {seed}: by hand-off, not by its timeout");
+        let failed = report.trace.iter().find(|l| l.contains("replica not handed over"));
+        assert!(failed.is_none(), "seed {seed}: every hand-over reached a majority: {failed:?}");
+    }
+}
+
+/// Seed 760002057 (`three-nodes-many-shards`), found with the three above: of three nodes, n2
+/// and then n1's restarted incarnation left. A shard's load read on n3 started while n2, its
+/// hand-over done and forgotten, was still listed; the read counted n2, which exited without
+/// answering, and the shard stayed down for its 10 s restart backoff, past the recovery's
+/// asks. The fault was in the replicator core: a pending read or write now counts the
+/// replicas again when the membership changes (table test
+/// `a_read_and_a_write_waiting_for_a_holder_that_handed_over_and_left_end_when_it_is_removed`).
+#[test]
+fn the_one_node_left_of_three_after_two_leaves_serves_every_shard_after_recovery() {
+    let report = check(760002057, &shape("three-nodes-many-shards"));
+    for line in ["n2#1 region stopped; leaves the cluster", "n1#2 region stopped; leaves the cluster"] {
+        assert!(report.trace.iter().any(|l| l.contains(line)), "the scenario: {line}");
     }
 }
 

@@ -149,8 +149,7 @@ impl Driver {
                             Command::Op(input) => self.core.handle(input, now, wall, &mut actions),
                             Command::Inspect { key, inspect } => inspect(self.core.local_value(&key)),
                             Command::HandOver { timeout, reply } => {
-                                let snap = members.borrow().clone();
-                                let input = Input::hand_over_of(&snap, self.role.as_deref(), timeout, ReplyTx::Update(reply));
+                                let input = Input::HandOver { timeout, reply: ReplyTx::Update(reply) };
                                 self.core.handle(input, now, wall, &mut actions);
                             }
                             Command::Subscribe { key, reply } => {

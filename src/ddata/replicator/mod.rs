@@ -269,17 +269,17 @@ pub(crate) enum Input<R> {
         /// This node is a replica holder itself (Up or Leaving, with the role): only then does
         /// it enter the roster.
         holder: bool,
+        /// The replica holders that are leaving (a hand-over does not count them as staying).
+        leaving: Vec<UniqueAddress>,
     },
     /// This node is leaving: write every value it holds to the members that stay, so no
     /// write it acknowledged leaves with it (seed 160000972: two of three nodes left one after
-    /// the other, and ids that only they held were gone). `to` are the staying members
-    /// reachable now, `staying` how many stay in all (reachable or not); it is done (answered
-    /// with `ReplyUpdate`) once a majority of the staying members acknowledged every part,
-    /// and fails with `NotEnoughReplicas` at once when `to` cannot make that majority. Built
-    /// from a view by [`Input::hand_over_of`].
+    /// the other, and ids that only they held were gone). Who stays is read from the latest
+    /// `Members` (the holders not `leaving`), again on every change; it is done (answered
+    /// with `ReplyUpdate`) once a majority of the staying roster acknowledged every part and
+    /// this node's own forget, fails with `NotEnoughReplicas` at once when no other holder
+    /// stays, and at `timeout` otherwise.
     HandOver {
-        to: Vec<PeerAddr>,
-        staying: Vec<UniqueAddress>,
         timeout: Duration,
         reply: R,
     },
@@ -392,6 +392,8 @@ struct PendingWrite<R> {
     keys: Vec<String>,
     /// Keys refused by a fence, here or at a replica.
     fenced: Vec<(String, Fenced)>,
+    /// The level asked for: counted again when the membership changes.
+    consistency: Consistency,
     needed: usize,
     addressed: Vec<UniqueAddress>,
     acked: HashSet<UniqueAddress>,
@@ -429,6 +431,8 @@ pub(crate) struct ReplicatorCore<R> {
     key_buckets: Vec<u64>,
     settings: CoreSettings,
     replicas: Vec<(PeerAddr, bool)>,
+    /// The replica holders that are leaving.
+    leaving: Vec<UniqueAddress>,
     gossip_targets: Vec<PeerAddr>,
     /// Which incarnations' messages are dropped (see [`standing::Standing`]).
     standing: Standing,
@@ -478,6 +482,7 @@ impl<R> ReplicatorCore<R> {
             key_buckets: vec![0; KEY_BUCKETS],
             settings,
             replicas: Vec::new(),
+            leaving: Vec::new(),
             gossip_targets: Vec::new(),
             standing: Standing::default(),
             next_gossip: None,
@@ -676,14 +681,16 @@ impl<R> ReplicatorCore<R> {
                 }
                 self.on_remote(from, msg, out)
             }
-            Input::Members { replicas, gossip_targets, standing, holder } => {
-                self.replicas = replicas;
+            Input::Members { replicas, gossip_targets, standing, holder, leaving } => {
+                (self.replicas, self.leaving) = (replicas, leaving);
                 self.gossip_targets = gossip_targets;
                 self.standing.update(standing);
                 self.ctx.now_ms = wall_ms;
                 self.sync_roster(holder, now, out);
+                self.recount_pending(out);
+                self.retarget_hand_over(out);
             }
-            Input::HandOver { to, staying, timeout, reply } => self.on_hand_over(to, staying, timeout, reply, now, out),
+            Input::HandOver { timeout, reply } => self.on_hand_over(timeout, reply, now, out),
             Input::Forget { node_id, reply } => {
                 self.ctx.now_ms = wall_ms;
                 let result = self.forget_by_operator(&node_id, out).map(|()| Vec::new());
@@ -791,7 +798,11 @@ impl<R> ReplicatorCore<R> {
         ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
         ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
         let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
-        self.start_write(op, keys, fenced, msg, reachable, needed, timeout, reply, now, out);
+        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
+        out.push(Action::Broadcast { to: reachable, msg });
+        let acked = HashSet::from([self.self_addr.clone()]);
+        let (consistency, deadline) = (c, now + timeout);
+        self.writes.insert(op, PendingWrite { keys, fenced, consistency, needed, addressed, acked, deadline, reply });
     }
 
     /// Applies the modifies of an update in order. A key refused by its fence is set aside and
@@ -851,25 +862,16 @@ impl<R> ReplicatorCore<R> {
         (deltas, values)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn start_write(
-        &mut self,
-        op: u64,
-        keys: Vec<String>,
-        fenced: Vec<(String, Fenced)>,
-        msg: ReplicatorMsg,
-        reachable: Vec<PeerAddr>,
-        needed: usize,
-        timeout: Duration,
-        reply: R,
-        now: Instant,
-        out: &mut Vec<Action<R>>,
-    ) {
-        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
-        out.push(Action::Broadcast { to: reachable, msg });
-        let acked = HashSet::from([self.self_addr.clone()]);
-        let deadline = now + timeout;
-        self.writes.insert(op, PendingWrite { keys, fenced, needed, addressed, acked, deadline, reply });
+    /// A write a majority acknowledged: answered once committed here too.
+    fn finish_write(&mut self, op: u64, out: &mut Vec<Action<R>>) {
+        let w = self.writes.remove(&op).expect("pending write");
+        match self.commit_ticket(w.keys.iter().map(String::as_str)) {
+            Ok(ticket) => {
+                let reply = Action::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
+                self.after_commit_until(ticket, reply, Some(w.deadline), out)
+            }
+            Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
+        }
     }
 
     fn pend_delta(&mut self, key: String, delta: ReplicatedDelta) {
@@ -974,14 +976,7 @@ impl<R> ReplicatorCore<R> {
                     None => false,
                 };
                 if done {
-                    let w = self.writes.remove(&op).expect("pending write");
-                    match self.commit_ticket(w.keys.iter().map(String::as_str)) {
-                        Ok(ticket) => {
-                            let reply = Action::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
-                            self.after_commit_until(ticket, reply, Some(w.deadline), out)
-                        }
-                        Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
-                    }
+                    self.finish_write(op, out);
                 }
             }
             ReplicatorMsg::WriteFenced { op, keys } => match self.writes.get_mut(&op) {
@@ -1035,14 +1030,14 @@ impl<R> ReplicatorCore<R> {
         }
         self.expire_reads(now, out);
         if self.hand_over.as_ref().is_some_and(|h| h.deadline <= now) {
+            let reachable = self.hand_over_targets().0.len();
             let h = self.hand_over.take().expect("hand-over");
-            let result = match h.waiting {
+            let result = if h.waiting {
                 // Never a majority of the staying roster reachable.
-                Some((to, _)) => Err(Error::NotEnoughReplicas { needed: h.needed, reachable: to.len() }),
-                None => {
-                    let acked = h.parts.values().map(HashSet::len).min().unwrap_or(0);
-                    Err(Error::ConsistencyTimeout { needed: h.needed, acked })
-                }
+                Err(Error::NotEnoughReplicas { needed: h.needed, reachable })
+            } else {
+                let acked = h.parts.values().map(|part| part.acked.len()).min().unwrap_or(0);
+                Err(Error::ConsistencyTimeout { needed: h.needed, acked })
             };
             out.push(Action::ReplyUpdate { reply: h.reply, result });
         }

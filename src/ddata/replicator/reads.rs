@@ -26,6 +26,8 @@ pub(super) struct PendingRead<R> {
     /// A read after a local write (`UpdateAndGetMany`): the reply also waits for the write's
     /// local commit.
     after_write: bool,
+    /// The level asked for: counted again when the membership changes (see `recount_pending`).
+    consistency: Consistency,
     needed: usize,
     addressed: Vec<UniqueAddress>,
     /// Per replica that answered: the digest of each key it has answered so far.
@@ -74,6 +76,7 @@ impl<R> ReplicatorCore<R> {
             keys,
             many,
             after_write: false,
+            consistency: c,
             needed,
             addressed,
             responders: BTreeMap::new(),
@@ -138,6 +141,7 @@ impl<R> ReplicatorCore<R> {
             keys: all_keys,
             many: true,
             after_write: true,
+            consistency: c,
             needed,
             addressed,
             responders: BTreeMap::new(),
@@ -253,6 +257,45 @@ impl<R> ReplicatorCore<R> {
         if r.complete_responders() + 1 >= r.needed {
             let r = self.reads.remove(&op).expect("pending read");
             self.finish_read(r, out);
+        }
+    }
+
+    /// After a membership change, each pending read and write counts the replicas of now
+    /// when that needs fewer answers, and ends if it has them: a holder that left (its values
+    /// handed over and its roster entry forgotten) or a member removed is waited for no more
+    /// (seed 760002057: a shard's load read counted a node whose hand-over had just ended, it
+    /// exited unanswered, and the shard stayed down for its restart backoff). Never more than
+    /// at the start: what was counted then already intersected every acknowledged write, and
+    /// so does the roster of now (a holder only leaves it once its values are on a majority
+    /// of the rest).
+    pub(super) fn recount_pending(&mut self, out: &mut Vec<Action<R>>) {
+        let reachable = self.reachable_replicas().len() + 1;
+        let mut fewer = Vec::new();
+        for (op, r) in &self.reads {
+            fewer.push((*op, r.keys.iter().any(|k| self.is_durable(k)), r.consistency, r.needed, true));
+        }
+        for (op, w) in &self.writes {
+            fewer.push((*op, w.keys.iter().any(|k| self.is_durable(k)), w.consistency, w.needed, false));
+        }
+        for (op, durable, c, before, read) in fewer {
+            let needed = c.needed_of(self.replicas_counted_of(durable), reachable);
+            if needed >= before {
+                continue;
+            }
+            if read {
+                let Some(r) = self.reads.get_mut(&op) else { continue };
+                r.needed = needed;
+                if r.complete_responders() + 1 >= needed {
+                    let r = self.reads.remove(&op).expect("pending read");
+                    self.finish_read(r, out);
+                }
+            } else {
+                let Some(w) = self.writes.get_mut(&op) else { continue };
+                w.needed = needed;
+                if w.acked.len() >= needed {
+                    self.finish_write(op, out);
+                }
+            }
         }
     }
 

@@ -137,7 +137,13 @@ impl<R> ReplicatorCore<R> {
     /// How many replicas an operation on `keys` counts: the roster for durable keys, the
     /// replica holders now for the others.
     pub(super) fn replicas_counted<'k>(&mut self, mut keys: impl Iterator<Item = &'k str>) -> usize {
-        if keys.any(|k| self.is_durable(k)) { self.roster_size() } else { self.total_replicas() }
+        let durable = keys.any(|k| self.is_durable(k));
+        self.replicas_counted_of(durable)
+    }
+
+    /// How many replicas an operation counts: the roster when it touches a `durable` key.
+    pub(super) fn replicas_counted_of(&mut self, durable: bool) -> usize {
+        if durable { self.roster_size() } else { self.total_replicas() }
     }
 
     /// Ids of the roster other than this node and the other leaving members (a leaving node's

@@ -56,7 +56,7 @@ impl<R> Input<R> {
     /// The membership input of a view, for the replicator of the members with `role`: the
     /// replica holders (Up or Leaving with the role, reachable or not), the gossip targets
     /// (reachable and routable with the role, joining ones included: they need the state
-    /// before they turn Up), and the incarnations in good standing.
+    /// before they turn Up), the incarnations in good standing, and the holders that leave.
     pub(crate) fn members_of(snap: &MembershipSnapshot, role: Option<&str>) -> Self {
         let me = &snap.self_address;
         let replicas =
@@ -74,7 +74,12 @@ impl<R> Input<R> {
             .map(|m| m.address().clone())
             .collect();
         let holder = snap.up_members(role).any(|m| m.address() == me);
-        Input::Members { replicas, gossip_targets, standing, holder }
+        let leaving = snap
+            .up_members(role)
+            .filter(|m| m.address() != me && !m.status().takes_new_shards())
+            .map(|m| m.address().clone())
+            .collect();
+        Input::Members { replicas, gossip_targets, standing, holder, leaving }
     }
 }
 

@@ -419,9 +419,8 @@ impl Sim {
                     // Then its replica goes to the members that stay, and it exits (on the reply).
                     let (now, wall) = (self.now(), self.wall());
                     let node = self.nodes[i].as_mut().expect("running");
-                    let view = node.last_view.clone().expect("a view");
                     let timeout = crate::config::MembershipSettings::default().leave_hand_over_timeout;
-                    let input = RepInput::hand_over_of(&view, None, timeout, RepReply::HandOver);
+                    let input = RepInput::HandOver { timeout, reply: RepReply::HandOver };
                     let mut out = Vec::new();
                     node.replicator.handle(input, now, wall, &mut out);
                     self.perform_replicator(i, out);

@@ -64,7 +64,7 @@ fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_o
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],

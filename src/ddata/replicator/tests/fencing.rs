@@ -35,7 +35,7 @@ fn claim(epoch: u64) -> Modify {
 fn with_peers(c: &mut ReplicatorCore<u32>, ids: &[&str]) {
     let replicas = ids.iter().map(|id| (peer(id), true)).collect();
     c.handle(
-        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -339,7 +339,7 @@ fn a_read_needing_more_replicas_than_reachable_fails_at_once_naming_both_counts(
         let mut a = core("a");
         let replicas = members.iter().enumerate().map(|(i, up)| (peer(&format!("p{i}")), *up)).collect();
         a.handle(
-            Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
+            Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
             Instant::now(),
             0,
             &mut vec![],
@@ -383,7 +383,7 @@ fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Optio
     let replicas =
         [("b", true), ("c", true), ("d", true), ("e", e_reachable)].iter().map(|(id, up)| (peer(id), *up)).collect();
     reader.handle(
-        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],

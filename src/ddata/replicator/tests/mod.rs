@@ -103,7 +103,7 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)];
     c.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -170,7 +170,7 @@ fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)];
     c.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -201,7 +201,7 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let mut b = core("b");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -343,6 +343,7 @@ fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instan
             replicas: vec![(other.clone(), true)],
             gossip_targets: vec![other.clone()],
             standing: vec![],
+            leaving: vec![],
         };
         c.handle(m, at, 0, &mut vec![]);
     }
@@ -455,6 +456,7 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
             standing: vec![],
+            leaving: vec![],
         },
         Instant::now(),
         0,
@@ -493,6 +495,7 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
             replicas: vec![(peer("b"), true)],
             gossip_targets: vec![peer("b")],
             standing: vec![],
+            leaving: vec![],
         },
         now,
         0,
@@ -542,6 +545,7 @@ fn acks_and_read_results_count_only_from_the_replicas_addressed() {
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
             standing: vec![],
+            leaving: vec![],
         },
         Instant::now(),
         0,
@@ -649,6 +653,7 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
             standing: vec![],
+            leaving: vec![],
         },
         Instant::now(),
         0,
@@ -697,7 +702,7 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     local(&mut b, "k", add("from-b"));
     let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -751,7 +756,7 @@ fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
     let mut a = core("a");
     let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],

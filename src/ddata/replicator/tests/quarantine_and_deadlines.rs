@@ -10,6 +10,7 @@ fn three_members(c: &mut ReplicatorCore<u32>, now: Instant) {
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("b", 1), UniqueAddress::new("c", 1)],
+        leaving: vec![],
     };
     c.handle(members, now, 0, &mut vec![]);
 }
@@ -42,6 +43,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
         replicas: vec![(peer("c"), true)],
         gossip_targets: vec![peer("c")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("c", 1)],
+        leaving: vec![],
     };
     c.handle(members, now, 0, &mut vec![]);
     assert!(!acknowledges(&mut c, peer("b"), "k", "zombie"), "not acknowledged");
@@ -53,6 +55,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
         replicas: vec![(peer("c"), true)],
         gossip_targets: vec![peer("c")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("c", 1)],
+        leaving: vec![],
     };
     c.handle(members, now, 0, &mut vec![]);
     assert!(!acknowledges(&mut c, peer("b"), "k", "zombie") && c.local_value("k").is_none());
@@ -74,6 +77,7 @@ fn an_older_incarnation_of_a_member_is_dropped_and_one_never_seen_is_served() {
         replicas: vec![(peer("b"), true)],
         gossip_targets: vec![peer("b")],
         standing: vec![UniqueAddress::new("a", 1), UniqueAddress::new("b", 2)],
+        leaving: vec![],
     };
     c.handle(members, now, 0, &mut vec![]);
     // peer("b") is b#1: b#2 replaced it.
@@ -179,10 +183,18 @@ fn ack_then_commit(c: &mut ReplicatorCore<u32>, op: u64, acked_at: Instant, comm
     out
 }
 
-/// A hand-over to members b and c (both staying and reachable).
-fn hand_over_to_b_and_c() -> Input<u32> {
-    let staying = vec![UniqueAddress::new("b", 1), UniqueAddress::new("c", 1)];
-    Input::HandOver { to: vec![peer("b"), peer("c")], staying, timeout: Duration::from_secs(1), reply: 9 }
+/// A hand-over of this node (to the members that stay), within a second.
+fn hand_over() -> Input<u32> {
+    Input::HandOver { timeout: Duration::from_secs(1), reply: 9 }
+}
+
+/// The membership input: replica holders `ids` (`reachable` or not), of which `leaving` leave.
+fn holders(c: &mut ReplicatorCore<u32>, ids: &[(&str, bool)], leaving: &[&str], now: Instant) {
+    let replicas: Vec<(PeerAddr, bool)> = ids.iter().map(|(id, r)| (peer(id), *r)).collect();
+    let gossip_targets = replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect();
+    let leaving = leaving.iter().map(|id| UniqueAddress::new(*id, 1)).collect();
+    let input = Input::Members { holder: true, replicas, gossip_targets, standing: vec![], leaving };
+    c.handle(input, now, 1, &mut vec![]);
 }
 
 /// The ops of the hand-over's parts among `out`, with the keys each carries.
@@ -214,7 +226,7 @@ fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_st
     let mut out = Vec::new();
     commit_all(&mut c, &mut out);
     let mut out = Vec::new();
-    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     let parts = hand_over_parts(&out);
     let keys: BTreeSet<String> = parts.iter().flat_map(|(_, k)| k.clone()).collect();
     let every = ["shard-1", "shard-2", "user-key", ROSTER_KEY].map(String::from).into();
@@ -258,12 +270,11 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     let now = Instant::now();
     three_members(&mut c, now);
     local(&mut c, "shard-1", add("x"));
-    // Three stay, one reachable: no majority of them. It waits for the roster to change, and
-    // fails at its deadline.
+    // Three stay, one reachable: no majority of them. It waits for the roster or the members
+    // to change, and fails at its deadline.
+    holders(&mut c, &[("b", true), ("c", false), ("d", false)], &[], now);
     let mut out = Vec::new();
-    let staying = ["b", "c", "d"].map(|id| UniqueAddress::new(id, 1)).to_vec();
-    let input = Input::HandOver { to: vec![peer("b")], staying, timeout: Duration::from_secs(1), reply: 9 };
-    c.handle(input, now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     assert!(out.is_empty(), "waiting: nothing sent, nothing answered: {out:?}");
     let mut out = Vec::new();
     c.handle(Input::Tick, now + Duration::from_millis(999), 1, &mut out);
@@ -274,30 +285,22 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     assert!(
         matches!(
             replies[..],
-            [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 2, .. }) }]
+            [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 2, reachable: 1 }) }]
         ),
         "{out:?}"
     );
-    // Nobody stays (every other member leaves too): nothing can take it.
+    // Nobody stays (every other holder leaves too): nothing can take it, and nothing waits.
+    holders(&mut c, &[("b", true), ("c", true)], &["b", "c"], now);
     let mut out = Vec::new();
-    let input = Input::HandOver { to: vec![], staying: vec![], timeout: Duration::from_secs(1), reply: 9 };
-    c.handle(input, now, 1, &mut out);
-    assert!(matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { .. }), .. }]));
-    // Four stay and none is reachable: no waiting either; a majority of the four was needed.
-    let mut out = Vec::new();
-    let staying = ["b", "c", "d", "e"].map(|id| UniqueAddress::new(id, 1)).to_vec();
-    let input = Input::HandOver { to: vec![], staying, timeout: Duration::from_secs(1), reply: 9 };
-    c.handle(input, now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     assert!(
-        matches!(
-            &out[..],
-            [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 0 }), .. }]
-        ),
+        matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { reachable: 0, .. }), .. }]),
         "{out:?}"
     );
+    holders(&mut c, &[("b", true), ("c", true)], &[], now);
     // Reachable, but no answer within the timeout.
     let mut out = Vec::new();
-    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     let mut out = Vec::new();
     c.handle(Input::Tick, now + Duration::from_millis(999), 1, &mut out);
     assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { .. })));
@@ -310,7 +313,7 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
 }
 
 #[test]
-fn the_hand_over_input_of_a_view_targets_the_up_members_other_than_this_one_and_counts_the_unreachable() {
+fn a_hand_over_targets_the_up_holders_of_the_view_other_than_this_one_and_counts_the_unreachable() {
     use crate::membership::{Member, MemberStatus, MembershipSnapshot};
     let member = Member::for_test;
     let snap = MembershipSnapshot {
@@ -323,12 +326,100 @@ fn the_hand_over_input_of_a_view_targets_the_up_members_other_than_this_one_and_
             member("e", MemberStatus::Joining, true),
         ],
     };
-    let Input::HandOver { to, staying, .. } = Input::hand_over_of(&snap, None, Duration::from_secs(1), 0u32) else {
-        panic!("a hand-over")
-    };
+    let mut c = core("a");
+    c.handle(Input::members_of(&snap, None), Instant::now(), 1, &mut vec![]);
+    let (to, staying) = c.hand_over_targets();
     assert_eq!(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>(), ["b"]);
     let staying: Vec<&str> = staying.iter().map(|a| &*a.node_id).collect();
     assert_eq!(staying, ["b", "c"], "b and c stay; d leaves too, e is not Up yet");
+}
+
+/// Seeds 720004905, 730021632 and 770019193: a hand-over fixed to the members of its start
+/// timed out while a restarted incarnation of a holder was Up and reachable, so the leaver
+/// stayed in the roster and the cluster that remained had no durable majority.
+#[test]
+fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_leaving_no_more() {
+    let mut c = core("a");
+    let now = Instant::now();
+    holders(&mut c, &[("b", true), ("c", true), ("d", true), ("e", true)], &[], now);
+    local(&mut c, "shard-1", add("x"));
+    let mut out = Vec::new();
+    commit_all(&mut c, &mut out);
+    // Four stay, none reachable: it waits (a staying member may come back).
+    holders(&mut c, &[("b", false), ("c", false), ("d", false), ("e", false)], &[], now);
+    let mut out = Vec::new();
+    c.handle(hand_over(), now, 1, &mut out);
+    assert!(out.is_empty(), "waits: {out:?}");
+    // b and c come back: two of four is no majority; d too: the parts go to b, c and d.
+    holders(&mut c, &[("b", true), ("c", true), ("d", false), ("e", false)], &[], now);
+    let mut out = Vec::new();
+    c.handle(Input::Tick, now, 1, &mut out);
+    assert!(hand_over_parts(&out).is_empty(), "{out:?}");
+    let mut out = Vec::new();
+    c.handle(
+        Input::Members {
+            holder: true,
+            replicas: vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), false)],
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![],
+        },
+        now,
+        1,
+        &mut out,
+    );
+    let parts = hand_over_parts(&out);
+    assert!(!parts.is_empty(), "started on the membership change: {out:?}");
+    let sent_to: BTreeSet<String> = out
+        .iter()
+        .filter_map(|a| match a {
+            Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { entries, .. } } if entries.is_empty() => {
+                Some(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>())
+            }
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    assert_eq!(sent_to, ["b", "c", "d"].map(String::from).into());
+    // b and c acknowledge every part: two of four staying is no majority.
+    let mut out = Vec::new();
+    for (op, _) in &parts {
+        for from in ["b", "c"] {
+            c.handle(Input::Remote { from: peer(from), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+        }
+    }
+    assert!(hand_over_parts(&out).is_empty(), "no forget yet: {out:?}");
+    // d starts leaving (its own hand-over carries what it holds) and e comes back: e is sent
+    // every part, its values read again; the majority is now counted over b, c and e, and b
+    // and c already gave it: this node's forget goes out, to every member addressed.
+    let mut out = Vec::new();
+    c.handle(
+        Input::Members {
+            holder: true,
+            replicas: vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)],
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![UniqueAddress::new("d", 1)],
+        },
+        now,
+        1,
+        &mut out,
+    );
+    let sent = hand_over_parts(&out);
+    let (resent, forget) = sent.split_at(parts.len());
+    assert_eq!(resent, &parts[..], "the same parts, with the same keys: {out:?}");
+    assert!(matches!(forget, [(_, keys)] if keys == &[ROSTER_KEY.to_string()]), "{out:?}");
+    let e_only = out.iter().any(|a| {
+        matches!(a, Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } }
+            if *op == parts[0].0 && to.len() == 1 && &*to[0].address.node_id == "e")
+    });
+    assert!(e_only, "the parts go only to the member new to them: {out:?}");
+    // The forget on two of b, c, e ends the hand-over.
+    let mut out = Vec::new();
+    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: forget[0].0 } }, now, 1, &mut out);
+    assert!(out.is_empty(), "one of three: {out:?}");
+    c.handle(Input::Remote { from: peer("e"), msg: ReplicatorMsg::WriteAck { op: forget[0].0 } }, now, 1, &mut out);
+    assert!(matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Ok(_) }]), "{out:?}");
 }
 
 #[test]
@@ -350,7 +441,7 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
             with_role("g", MemberStatus::Leaving, true),
         ],
     };
-    let Input::Members { replicas, gossip_targets, standing, holder } =
+    let Input::Members { replicas, gossip_targets, standing, holder, leaving } =
         Input::<u32>::members_of(&snap, Some("backend"))
     else {
         panic!("a members input")
@@ -371,6 +462,8 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
     assert_eq!(ids(gossip_targets.iter().collect()), ["b", "d", "g"], "reachable, routable, with the role");
     let standing: Vec<String> = standing.iter().map(|a| a.node_id.to_string()).collect();
     assert_eq!(standing, ["a", "b", "c", "d", "f", "g"], "every listed incarnation but the downed one");
+    let leaving: Vec<&str> = leaving.iter().map(|a| &*a.node_id).collect();
+    assert_eq!(leaving, ["g"], "the holders that leave");
 }
 
 #[test]
@@ -382,6 +475,7 @@ fn a_quarantine_is_for_good_and_forgotten_only_once_a_newer_incarnation_of_the_s
         replicas: vec![],
         gossip_targets: vec![],
         standing: standing.iter().map(|(id, g)| UniqueAddress::new(*id, *g)).collect(),
+        leaving: vec![],
     };
     let b1 = || PeerAddr { address: UniqueAddress::new("b", 1), ..peer("b") };
     c.handle(view(&[("a", 1), ("b", 1), ("c", 1)]), now, 0, &mut vec![]);
@@ -406,7 +500,7 @@ fn hand_over_acknowledgements_handled_after_its_deadline_fail_it_as_timed_out() 
     three_members(&mut c, now);
     local(&mut c, "shard-1", add("x"));
     let mut out = Vec::new();
-    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     let parts = hand_over_parts(&out);
     let late = now + Duration::from_millis(1_001);
     let mut out = Vec::new();
@@ -442,7 +536,7 @@ fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_s
     }
     let sent_before = c.stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed);
     let mut out = Vec::new();
-    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     let parts = hand_over_parts(&out);
     let shard_parts = parts.iter().filter(|(_, k)| !k.contains(&ROSTER_KEY.to_string()));
     let sizes: Vec<usize> = shard_parts.map(|(_, k)| k.len()).collect();
@@ -458,7 +552,7 @@ fn a_write_acknowledged_in_time_during_a_hand_over_completes_and_leaves_the_hand
     three_members(&mut c, now);
     local(&mut c, "shard-1", add("x"));
     let mut out = Vec::new();
-    c.handle(hand_over_to_b_and_c(), now, 1, &mut out);
+    c.handle(hand_over(), now, 1, &mut out);
     let op = update_at(&mut c, "k", "y", now);
     let mut out = Vec::new();
     c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);

@@ -14,7 +14,7 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
     }
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -68,7 +68,7 @@ fn a_read_answer_with_indexes_out_of_range_or_repeated_is_refused_and_does_not_c
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -118,7 +118,7 @@ fn read_until_timeout(after_write: bool, answering: &[&str]) -> (Vec<Action<u32>
     let mut a = core("a");
     let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -186,7 +186,7 @@ fn a_read_short_of_its_quorum_waits_out_its_timeout_then_names_this_node_and_eve
 fn with_reachable(a: &mut ReplicatorCore<u32>, peers: &[&str]) {
     let replicas = peers.iter().map(|p| (peer(p), true)).collect();
     a.handle(
-        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],

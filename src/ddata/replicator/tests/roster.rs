@@ -22,8 +22,20 @@ fn members(c: &mut ReplicatorCore<u32>, replicas: Vec<(PeerAddr, bool)>, now: In
 
 /// The membership input, with this node a replica holder or not.
 fn members_as(c: &mut ReplicatorCore<u32>, replicas: Vec<(PeerAddr, bool)>, holder: bool, now: Instant) {
+    members_leaving(c, replicas, holder, &[], now);
+}
+
+/// The membership input, of which the holders `leaving` leave.
+fn members_leaving(
+    c: &mut ReplicatorCore<u32>,
+    replicas: Vec<(PeerAddr, bool)>,
+    holder: bool,
+    leaving: &[&str],
+    now: Instant,
+) {
     let gossip_targets = replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect();
-    c.handle(Input::Members { holder, replicas, gossip_targets, standing: vec![] }, now, 1, &mut vec![]);
+    let leaving = leaving.iter().map(|id| UniqueAddress::new(*id, 1)).collect();
+    c.handle(Input::Members { holder, replicas, gossip_targets, standing: vec![], leaving }, now, 1, &mut vec![]);
 }
 
 fn counted(c: &ReplicatorCore<u32>) -> Vec<(String, u64)> {
@@ -215,7 +227,13 @@ fn the_roster_is_durable_and_loaded_back() {
     let now = Instant::now();
     let mut out = Vec::new();
     a.handle(
-        Input::Members { holder: true, replicas: holders(&["b"], true), gossip_targets: vec![], standing: vec![] },
+        Input::Members {
+            holder: true,
+            replicas: holders(&["b"], true),
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![],
+        },
         now,
         1,
         &mut out,
@@ -268,12 +286,10 @@ fn a_leaving_node_hands_over_to_a_majority_of_the_staying_roster_absent_holders_
     let now = Instant::now();
     members(&mut a, holders(&["b", "c", "d", "e", "f"], true), now);
     // d, e and f are gone (their disks still count); c leaves too; only b stays among members.
-    members(&mut a, holders(&["b", "c"], true), now);
+    members_leaving(&mut a, holders(&["b", "c"], true), true, &["c"], now);
     local(&mut a, "shard-1", add("x"));
     let mut out = Vec::new();
-    let staying = vec![UniqueAddress::new("b", 1)];
-    let input = Input::HandOver { to: vec![peer("b")], staying, timeout: Duration::from_secs(1), reply: 9 };
-    a.handle(input, now, 1, &mut out);
+    a.handle(Input::HandOver { timeout: Duration::from_secs(1), reply: 9 }, now, 1, &mut out);
     a.handle(Input::Tick, now + Duration::from_secs(1), 1, &mut out);
     let replies: Vec<&Action<u32>> = out.iter().filter(|x| matches!(x, Action::ReplyUpdate { .. })).collect();
     assert!(
@@ -297,14 +313,13 @@ fn a_hand_over_waits_for_another_leavers_forget_and_then_hands_over_to_the_one_t
     let mut n1 = core("n1");
     let mut n3 = core("n3");
     members(&mut n1, holders(&["n2", "n3"], true), now);
-    members(&mut n3, holders(&["n1", "n2"], true), now);
+    members_leaving(&mut n3, holders(&["n1", "n2"], true), true, &["n1"], now);
     local(&mut n1, "shard-1", add("x"));
     // n3 hands over to n2 (n1 leaves too) and forgets itself: the forget goes to n2 as the
     // last part, and to every gossip target, n1 included, at once.
     let mut out = Vec::new();
-    let staying = vec![UniqueAddress::new("n2", 1)];
     let timeout = Duration::from_secs(5);
-    n3.handle(Input::HandOver { to: vec![peer("n2")], staying: staying.clone(), timeout, reply: 3 }, now, 1, &mut out);
+    n3.handle(Input::HandOver { timeout, reply: 3 }, now, 1, &mut out);
     let ops = |out: &[Action<u32>]| -> Vec<u64> {
         out.iter()
             .filter_map(|x| match x {
@@ -329,7 +344,7 @@ fn a_hand_over_waits_for_another_leavers_forget_and_then_hands_over_to_the_one_t
     // n3 is gone; n1 leaves before it heard of n3's forget: n2 of {n2, n3} is no majority.
     members(&mut n1, holders(&["n2"], true), now);
     let mut out = Vec::new();
-    n1.handle(Input::HandOver { to: vec![peer("n2")], staying, timeout, reply: 9 }, now, 1, &mut out);
+    n1.handle(Input::HandOver { timeout, reply: 9 }, now, 1, &mut out);
     assert!(ops(&out).is_empty() && out.is_empty(), "waits: {out:?}");
     // n3's forget arrives; the next tick hands everything over to n2 alone.
     let theirs = n3.local_value(ROSTER_KEY).cloned().expect("n3's roster");
@@ -370,4 +385,74 @@ fn the_absence_clock_runs_from_the_first_view_without_the_holder_and_stops_when_
     let forgotten: Vec<String> =
         roster_entries(a.local_value(ROSTER_KEY)).into_iter().filter(|(_, e)| e.forgotten).map(|(id, _)| id).collect();
     assert_eq!(forgotten, ["b"], "b after 60 s from its first absence; c, back, never");
+}
+
+/// Seed 760002057 (`three-nodes-many-shards`): a shard's load read started while the node
+/// that had just handed everything over and forgotten itself was still listed; the read
+/// counted it, it exited without answering, and the shard stayed down for its restart backoff
+/// (past the recovery's asks). A pending read or write now counts the replicas again when the
+/// membership changes.
+#[test]
+fn a_read_and_a_write_waiting_for_a_holder_that_handed_over_and_left_end_when_it_is_removed() {
+    let now = Instant::now();
+    let mut a = core("a");
+    members(&mut a, holders(&["b"], true), now);
+    // b's hand-over ended with its forget, which reached a; b is still listed (Exiting).
+    let mut b = core("b");
+    members(&mut b, holders(&["a"], true), now);
+    assert!(b.forget("b", &mut vec![]));
+    let theirs = b.local_value(ROSTER_KEY).cloned().expect("b's roster");
+    a.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
+    assert_eq!(a.roster_size(), 2, "still listed: still counted");
+    let mut out = Vec::new();
+    let read = Input::GetMany {
+        keys: vec!["shard-t/1/0".into()],
+        consistency: Consistency::MAJORITY,
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
+    a.handle(read, now, 1, &mut out);
+    update(&mut a, "shard-t/1/1", Consistency::MAJORITY, add("x"), &mut out);
+    commit_all(&mut a, &mut out);
+    let replies = |out: &[Action<u32>]| {
+        out.iter().filter(|x| matches!(x, Action::ReplyGetMany { .. } | Action::ReplyUpdate { .. })).count()
+    };
+    assert_eq!(replies(&out), 0, "both wait for b: {out:?}");
+    // b exits and is removed: a alone is the roster, and both end.
+    let mut out = Vec::new();
+    a.handle(
+        Input::Members { holder: true, replicas: vec![], gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        now,
+        1,
+        &mut out,
+    );
+    commit_all(&mut a, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
+}
+
+#[test]
+fn a_read_waiting_for_holders_that_were_downed_keeps_waiting_their_disks_still_count() {
+    let now = Instant::now();
+    let mut a = core("a");
+    members(&mut a, holders(&["b", "c", "d", "e"], true), now);
+    let mut out = Vec::new();
+    let read = Input::GetMany {
+        keys: vec!["shard-t/1/0".into()],
+        consistency: Consistency::MAJORITY,
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
+    a.handle(read, now, 1, &mut out);
+    let (op, _) = read_op(&out);
+    // d and e are downed and removed, never forgotten: three of five are still needed.
+    let mut out = Vec::new();
+    members(&mut a, holders(&["b", "c"], true), now);
+    a.handle(Input::Tick, now, 1, &mut out);
+    let answer =
+        |from: &str| Input::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } };
+    a.handle(answer("b"), now, 1, &mut out);
+    assert!(!out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })), "two of five: {out:?}");
+    a.handle(answer("c"), now, 1, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
 }

@@ -11,6 +11,7 @@ fn local_updates_past_the_pending_delta_cap_are_shipped_at_once_not_on_the_inter
         replicas: vec![(peer("b"), true)],
         gossip_targets: vec![peer("b")],
         standing: vec![],
+        leaving: vec![],
     };
     a.handle(members, now, 0, &mut vec![]);
     // The roster the membership wrote ships on the first interval.
@@ -58,7 +59,7 @@ fn a_majority_write_waits_out_its_whole_timeout_before_failing() {
     let mut c = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     c.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -83,7 +84,13 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![peer("b"), peer("c")], standing: vec![] },
+        Input::Members {
+            holder: true,
+            replicas: peers,
+            gossip_targets: vec![peer("b"), peer("c")],
+            standing: vec![],
+            leaving: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
@@ -133,6 +140,7 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
         standing: vec![],
+        leaving: vec![],
     };
     a.handle(members, now, 0, &mut vec![]);
     // The roster the membership wrote ships on the first interval.
@@ -152,7 +160,7 @@ fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![] },
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
