@@ -21,21 +21,22 @@
 mod durability;
 mod gossip;
 mod hand_over;
+mod protocol;
 mod reads;
 mod roster;
 mod standing;
 #[cfg(test)]
 mod tests;
 mod writer;
+mod writes;
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde::{Deserialize, Serialize};
 use tracing::warn;
 
 use super::crdt::{MergeError, ReplicatedData, ReplicatedDelta, WriteCtx};
@@ -48,6 +49,8 @@ use crate::transport::PeerAddr;
 use durability::Durability;
 pub(crate) use durability::{KeyLog, PersistRecord};
 use hand_over::HandOver;
+pub(crate) use protocol::{Action, Input, Modify};
+pub use protocol::{Consistency, ReplicatorMsg};
 use reads::PendingRead;
 use roster::Roster;
 #[cfg(test)]
@@ -55,303 +58,7 @@ use roster::RosterEntry;
 pub(crate) use roster::{ROSTER_KEY, roster_entries};
 use standing::Standing;
 pub(crate) use writer::{RESERVATION_SPAN, StoreWriter};
-
-/// How many replicas must take part in a read or a write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Consistency {
-    /// Only this node.
-    Local,
-    /// `min(N, max(N/2 + 1 + plus, min_cap))` replicas, this node included. For a durable key
-    /// N is the roster: every replica holder by node id, reachable or not, member or downed,
-    /// until it leaves gracefully or is forgotten (so downing never shrinks a durable quorum);
-    /// for other keys, the Up and Leaving members holding replicas (reachable or not).
-    Majority {
-        /// Extra replicas on top of a plain majority.
-        plus: usize,
-        /// Lower bound on the number of replicas.
-        min_cap: usize,
-    },
-    /// Every replica.
-    All,
-    /// Every replica reachable when the operation starts, and never fewer than
-    /// `Majority { plus, min_cap }` needs. For rare reads that must see what a majority of an
-    /// earlier, smaller membership acknowledged: replicas that joined since (or came back with
-    /// an old disk) can make up a majority of their own, but the older holders are still
-    /// reachable. A durable shard's claim reads this way.
-    AllReachable {
-        /// Extra replicas on top of a plain majority, as the floor.
-        plus: usize,
-        /// Lower bound on the number of replicas.
-        min_cap: usize,
-    },
-}
-
-impl Consistency {
-    /// A plain majority.
-    pub const MAJORITY: Consistency = Consistency::Majority { plus: 0, min_cap: 0 };
-
-    /// Replicas needed out of `n` (for [`Consistency::AllReachable`], its majority floor; see
-    /// [`Consistency::needed_of`]).
-    pub fn needed(self, n: usize) -> usize {
-        match self {
-            Consistency::Local => 1,
-            Consistency::Majority { plus, min_cap } | Consistency::AllReachable { plus, min_cap } => {
-                n.min((n / 2 + 1 + plus).max(min_cap))
-            }
-            Consistency::All => n,
-        }
-    }
-
-    /// Replicas needed out of `n`, `reachable` of which (this node included) can answer now.
-    pub fn needed_of(self, n: usize, reachable: usize) -> usize {
-        match self {
-            Consistency::AllReachable { .. } => self.needed(n).max(reachable.min(n)),
-            other => other.needed(n),
-        }
-    }
-}
-
-/// Number of key-space buckets of the anti-entropy digest.
-pub(crate) const KEY_BUCKETS: usize = 256;
-
-/// Messages between replicators.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum ReplicatorMsg {
-    /// Merge these deltas and values (one or more keys); answer with one
-    /// [`ReplicatorMsg::WriteAck`] once all are stored.
-    WriteDelta {
-        /// Operation id of the writer.
-        op: u64,
-        /// Key → delta.
-        entries: Vec<(String, ReplicatedDelta)>,
-        /// Key → full value, for keys the update did not change (so they have no delta, but
-        /// must still reach the replicas).
-        values: Vec<(String, ReplicatedData)>,
-    },
-    /// The write was merged (and persisted, for durable keys).
-    WriteAck {
-        /// Operation id.
-        op: u64,
-    },
-    /// Deltas of local updates; no answer.
-    DeltaPropagation {
-        /// Key → delta.
-        entries: Vec<(String, ReplicatedDelta)>,
-    },
-    /// Send me your values of `keys` (at most `reads::MAX_READ_KEYS`, 4,096).
-    Read {
-        /// Operation id of the reader.
-        op: u64,
-        /// Keys.
-        keys: Vec<String>,
-    },
-    /// Answer to [`ReplicatorMsg::Read`], or a part of it (a large answer is split by bytes).
-    ReadResult {
-        /// Operation id.
-        op: u64,
-        /// Index into the read's keys → the value, if any.
-        values: Vec<(u32, Option<ReplicatedData>)>,
-    },
-    /// Anti-entropy probe: the root digest over all keys.
-    Status {
-        /// Sum of the key-space bucket digests.
-        root: u64,
-    },
-    /// Answer to a differing root: the key-space bucket digests.
-    KeyBuckets {
-        /// 256 (`KEY_BUCKETS`) sums of `(key, value digest)` hashes.
-        digests: Vec<u64>,
-    },
-    /// Per-key digests of the keys in some key-space buckets.
-    Digests {
-        /// Buckets whose keys are all listed.
-        buckets: Vec<u16>,
-        /// Key → value digest.
-        digests: Vec<(String, u64)>,
-    },
-    /// Values (or value buckets) to merge, and what the sender wants back.
-    Gossip {
-        /// Values (whole, or the entries of some value buckets).
-        entries: Vec<(String, ReplicatedData)>,
-        /// Keys whose values the sender wants.
-        want: Vec<String>,
-        /// Keys whose value-bucket digests differ: the sender wants those buckets back.
-        want_buckets: Vec<(String, Vec<u16>)>,
-        /// Value-bucket digests of large differing values, for the receiver to compare.
-        value_buckets: Vec<(String, Vec<u64>)>,
-    },
-    /// Some keys of a [`ReplicatorMsg::WriteDelta`] were refused: a newer epoch has claimed
-    /// them here (sent before the `WriteAck` for the rest).
-    WriteFenced {
-        /// Operation id.
-        op: u64,
-        /// Key → the writer's fence and this replica's.
-        keys: Vec<(String, Fenced)>,
-    },
-    /// Merge these deltas and values, store them (durable keys: commit), then answer like a
-    /// [`ReplicatorMsg::Read`] of `keys`: a read whose every answer already holds the write
-    /// (a new allocation's claim, which the answer must not predate).
-    MergeThenRead {
-        /// Operation id of the reader.
-        op: u64,
-        /// Keys to answer (at most `reads::MAX_READ_KEYS`).
-        keys: Vec<String>,
-        /// Key → delta to merge first.
-        entries: Vec<(String, ReplicatedDelta)>,
-        /// Key → full value to merge first.
-        values: Vec<(String, ReplicatedData)>,
-    },
-}
-
-/// A boxed update of one key's value: changes an existing value in place (returning `None`) or,
-/// for a key without a value, returns the new value. A value of the wrong type is an error and
-/// must be left untouched.
-pub(crate) type Modify =
-    Box<dyn FnOnce(Option<&mut ReplicatedData>, &mut WriteCtx) -> Result<Option<ReplicatedData>> + Send>;
-
-/// Inputs of the state machine; `R` is the caller's reply handle.
-// Remote messages carry values inline; inputs are moved once into the core, never stored.
-#[allow(clippy::large_enum_variant)]
-pub(crate) enum Input<R> {
-    Get {
-        key: String,
-        consistency: Consistency,
-        timeout: Duration,
-        reply: R,
-    },
-    /// Several keys read in one round (one `Read` per replica); answered with `ReplyGetMany`.
-    GetMany {
-        keys: Vec<String>,
-        consistency: Consistency,
-        timeout: Duration,
-        reply: R,
-    },
-    Update {
-        key: String,
-        consistency: Consistency,
-        timeout: Duration,
-        modify: Modify,
-        reply: R,
-    },
-    /// Several keys updated and replicated in one round (one message and one ack per replica).
-    UpdateMany {
-        updates: Vec<(String, Modify)>,
-        consistency: Consistency,
-        timeout: Duration,
-        reply: R,
-    },
-    /// Updates applied here, then merged and stored by the replicas before they answer with
-    /// their values of the same keys (answered with `ReplyGetMany`).
-    UpdateAndGetMany {
-        updates: Vec<(String, Modify)>,
-        consistency: Consistency,
-        timeout: Duration,
-        reply: R,
-    },
-    /// A message from a peer. An answer to an operation past its deadline fails it (and the
-    /// other expired ones) instead, so an answer that arrives (or is handled) late never
-    /// completes one: an incarnation that
-    /// was paused past its deadline (and may have been downed and replaced meanwhile) never
-    /// acknowledges a write or a read it started before the pause. A message from an
-    /// incarnation that has left good standing here is dropped (see `standing`).
-    Remote {
-        from: PeerAddr,
-        msg: ReplicatorMsg,
-    },
-    /// Replica holders other than this node (Up/Leaving with the role) and which are reachable;
-    /// plus the members to gossip with, and every incarnation in good standing (listed, neither
-    /// Down nor Removed: [`crate::membership::MembershipSnapshot::standing_of`]). Built from a
-    /// view by [`Input::members_of`].
-    Members {
-        replicas: Vec<(PeerAddr, bool)>,
-        gossip_targets: Vec<PeerAddr>,
-        standing: Vec<UniqueAddress>,
-        /// This node is a replica holder itself (Up or Leaving, with the role): only then does
-        /// it enter the roster.
-        holder: bool,
-        /// The replica holders that are leaving (a hand-over does not count them as staying).
-        leaving: Vec<UniqueAddress>,
-    },
-    /// This node is leaving: write every value it holds to the members that stay, so no
-    /// write it acknowledged leaves with it (seed 160000972: two of three nodes left one after
-    /// the other, and ids that only they held were gone). Who stays is read from the latest
-    /// `Members` (the holders not `leaving`), again on every change; it is done (answered
-    /// with `ReplyUpdate`) once a majority of the staying roster acknowledged every part and
-    /// this node's own forget, fails with `NotEnoughReplicas` at once when no other holder
-    /// stays, and at `timeout` otherwise.
-    HandOver {
-        timeout: Duration,
-        reply: R,
-    },
-    /// An operator's forget: `node_id` leaves the roster (see [`roster`]), so its copies no
-    /// longer count in durable quorums. Refused (`BadRequest`) for this node, a replica holder
-    /// now, or an id the roster does not count; answered with `ReplyUpdate`.
-    Forget {
-        node_id: String,
-        reply: R,
-    },
-    Tick,
-    /// The durable store committed every ticket up to `through` (in ticket order), or, with
-    /// `failure` (the store's path and the error), the commit holding the tickets not yet
-    /// reported failed after its retries.
-    Persisted {
-        through: u64,
-        failure: Option<(std::path::PathBuf, String)>,
-    },
-}
-
-/// Outputs. Sends and replies may be performed before the `Persist` actions of the same batch
-/// complete: whatever claims durability (acks, update replies) is held by the core until
-/// [`Input::Persisted`] covers its tickets. `Persist` of a snapshot and `Changed` name only the
-/// key: the driver reads the current value when it performs them.
-#[derive(Debug)]
-pub(crate) enum Action<R> {
-    Send {
-        to: PeerAddr,
-        msg: ReplicatorMsg,
-    },
-    /// The same message to several peers (encoded once).
-    Broadcast {
-        to: Vec<PeerAddr>,
-        msg: ReplicatorMsg,
-    },
-    /// Write `record` for `key` under `ticket` (tickets grow; the store commits them in order
-    /// and reports with [`Input::Persisted`]).
-    Persist {
-        key: String,
-        ticket: u64,
-        record: PersistRecord,
-    },
-    /// Delete the log's records below `below` (no key needs them any more). Not acknowledged;
-    /// a failed trim is covered by the next.
-    TrimLog {
-        below: u64,
-    },
-    ReplyGet {
-        reply: R,
-        result: Result<Option<ReplicatedData>>,
-    },
-    /// The values of a `GetMany`, in the order of its keys.
-    ReplyGetMany {
-        reply: R,
-        result: Result<Vec<Option<ReplicatedData>>>,
-    },
-    /// The update's outcome: the keys refused by their fence (with the writer's and the
-    /// refusing fence); every other key is written at the consistency asked.
-    ReplyUpdate {
-        reply: R,
-        result: Result<Vec<(String, Fenced)>>,
-    },
-    Changed {
-        key: String,
-    },
-    /// Reserve the store writer's OR-set counters below `ceiling`, under `ticket` (reported
-    /// with [`Input::Persisted`] like a persist; see [`writer`]).
-    ReserveCounters {
-        ticket: u64,
-        ceiling: u64,
-    },
-}
+use writes::PendingWrite;
 
 /// Settings of the core.
 #[derive(Debug, Clone)]
@@ -388,36 +95,8 @@ struct Entry {
     log: KeyLog,
 }
 
-struct PendingWrite<R> {
-    keys: Vec<String>,
-    /// Keys refused by a fence, here or at a replica.
-    fenced: Vec<(String, Fenced)>,
-    /// The level asked for: counted again when the membership changes.
-    consistency: Consistency,
-    needed: usize,
-    addressed: Vec<UniqueAddress>,
-    acked: HashSet<UniqueAddress>,
-    deadline: Instant,
-    reply: R,
-}
-
-/// Deltas by key, as a write carries them.
-type KeyedDeltas = Vec<(String, ReplicatedDelta)>;
-/// Full values by key, as a write carries them.
-type KeyedValues = Vec<(String, ReplicatedData)>;
-
-/// An update's modifies applied locally.
-struct Applied {
-    /// Keys written (not refused).
-    keys: Vec<String>,
-    deltas: Vec<(String, ReplicatedDelta)>,
-    /// Keys the modify left unchanged.
-    unchanged: Vec<String>,
-    /// Keys refused by their fence.
-    fenced: Vec<(String, Fenced)>,
-    /// The first other failure (the modifies after it did not run).
-    failure: Option<Error>,
-}
+/// Number of key-space buckets of the anti-entropy digest.
+pub(crate) const KEY_BUCKETS: usize = 256;
 
 /// Pending local deltas above this many elements ship at once instead of waiting for the timer.
 const MAX_PENDING_DELTA_ELEMENTS: usize = 10_000;
@@ -701,176 +380,6 @@ impl<R> ReplicatorCore<R> {
                 self.on_tick(now, out)
             }
             Input::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
-        }
-    }
-
-    /// Applies one key's modify; returns its delta (None: nothing changed).
-    /// An OR-set add the modify made that found no reserved counter fails the update (with a
-    /// storage error: the reservation is a commit that has not happened), one of a member too
-    /// long to decode with `BadRequest`; the rest of the modify stays applied and spreads as a
-    /// local update.
-    fn apply_modify(&mut self, key: &str, modify: Modify, out: &mut Vec<Action<R>>) -> Result<Option<ReplicatedDelta>> {
-        self.select_set_writer(key);
-        let existing = self.data.get_mut(key);
-        let had_value = existing.is_some();
-        let result = modify(existing.map(|e| &mut e.value), &mut self.ctx);
-        let refused = self.ctx.refused_adds.replace(0);
-        let too_long = self.ctx.refused_too_long.replace(0);
-        if let Some(Fenced { epoch, fence }) = self.ctx.fenced.take() {
-            // The map refused the write and changed nothing; earlier local changes of the key
-            // stay pending and spread as usual.
-            result?;
-            ReplicatorStats::inc(&self.stats.fenced_writes);
-            return Err(Error::Fenced { key: key.to_string(), epoch, fence });
-        }
-        let (changed, created) = match result? {
-            Some(created) if !had_value => {
-                self.put_value(key, created);
-                (true, true)
-            }
-            _ => (self.refresh(key), false),
-        };
-        let delta = self.data.get_mut(key).and_then(|e| e.value.take_delta());
-        if changed {
-            // A new key is written whole: its first record is a snapshot.
-            self.emit_changed(key, delta.as_ref().filter(|_| !created).map(Cow::Borrowed), out);
-        }
-        self.reserve_ahead(key, out);
-        let refusal = if too_long > 0 {
-            let max = super::orset::MAX_ELEMENT_LEN;
-            Some(Error::BadRequest(format!("{too_long} OR-set members of {key} refused: longer than {max} bytes")))
-        } else if refused > 0 {
-            let reason = format!("{refused} OR-set adds to {key} refused: no durably reserved counter left yet");
-            Some(Error::Storage { path: Default::default(), reason })
-        } else {
-            None
-        };
-        if let Some(refusal) = refusal {
-            ReplicatorStats::add(&self.stats.refused_adds, (refused + too_long) as usize);
-            if let Some(d) = delta {
-                self.pend_delta(key.to_string(), d);
-            }
-            return Err(refusal);
-        }
-        Ok(delta)
-    }
-
-    /// One or more keys updated together and replicated in one round: one `WriteDelta` per
-    /// replica, one ack each. A key the update did not change has no delta, so its full value
-    /// goes instead (a retried write must still reach the majority). A failing modify fails the
-    /// update; keys modified before it keep their local change (it spreads as with any local
-    /// update).
-    #[allow(clippy::too_many_arguments)]
-    fn on_update(
-        &mut self,
-        updates: Vec<(String, Modify)>,
-        c: Consistency,
-        timeout: Duration,
-        reply: R,
-        now: Instant,
-        out: &mut Vec<Action<R>>,
-    ) {
-        let Applied { keys, deltas, unchanged, fenced, failure } = self.apply_all(updates, out);
-        let reachable = self.reachable_replicas();
-        let counted = self.replicas_counted(keys.iter().map(String::as_str));
-        let needed = c.needed_of(counted, reachable.len() + 1);
-        if failure.is_some() || needed <= 1 || reachable.len() + 1 < needed || keys.is_empty() {
-            for (key, d) in deltas {
-                self.pend_delta(key, d);
-            }
-            let result = match failure {
-                Some(e) => Err(e),
-                None if needed <= 1 || keys.is_empty() => Ok(()),
-                None => Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
-            };
-            match result.and_then(|()| self.commit_ticket(keys.iter().map(String::as_str))) {
-                Ok(ticket) => self.after_commit(ticket, Action::ReplyUpdate { reply, result: Ok(fenced) }, out),
-                Err(e) => out.push(Action::ReplyUpdate { reply, result: Err(e) }),
-            }
-            if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
-                self.flush_deltas(out);
-            }
-            return;
-        }
-        // Earlier local changes of these keys ride along.
-        let (deltas, values) = self.outgoing(deltas, unchanged);
-        let op = self.next_op();
-        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
-        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
-        let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
-        let addressed = reachable.iter().map(|p| p.address.clone()).collect();
-        out.push(Action::Broadcast { to: reachable, msg });
-        let acked = HashSet::from([self.self_addr.clone()]);
-        let (consistency, deadline) = (c, now + timeout);
-        self.writes.insert(op, PendingWrite { keys, fenced, consistency, needed, addressed, acked, deadline, reply });
-    }
-
-    /// Applies the modifies of an update in order. A key refused by its fence is set aside and
-    /// the others go on; any other failure stops there (keys modified before it keep their
-    /// local change, which spreads as with any local update).
-    fn apply_all(&mut self, updates: Vec<(String, Modify)>, out: &mut Vec<Action<R>>) -> Applied {
-        let mut applied = Applied {
-            keys: Vec::with_capacity(updates.len()),
-            deltas: Vec::with_capacity(updates.len()),
-            unchanged: Vec::new(),
-            fenced: Vec::new(),
-            failure: None,
-        };
-        for (key, modify) in updates {
-            match self.apply_modify(&key, modify, out) {
-                Ok(Some(d)) => {
-                    applied.keys.push(key.clone());
-                    applied.deltas.push((key, d));
-                }
-                Ok(None) => {
-                    applied.keys.push(key.clone());
-                    applied.unchanged.push(key);
-                }
-                Err(Error::Fenced { key, epoch, fence }) => applied.fenced.push((key, Fenced { epoch, fence })),
-                Err(e) => {
-                    applied.failure = Some(e);
-                    break;
-                }
-            }
-        }
-        applied
-    }
-
-    /// The deltas of an update with the earlier local changes of its keys joined in, and the
-    /// full values of the keys it did not change (a retried write must still reach the
-    /// replicas).
-    fn outgoing(
-        &mut self,
-        mut deltas: Vec<(String, ReplicatedDelta)>,
-        unchanged: Vec<String>,
-    ) -> (KeyedDeltas, KeyedValues) {
-        for (key, d) in deltas.iter_mut() {
-            if let Some(p) = self.take_pending(key)
-                && let Err((a, b)) = d.join(p)
-            {
-                warn!(%key, mine = a, theirs = b, "pending delta of another type dropped");
-            }
-        }
-        let mut values = Vec::new();
-        for key in unchanged {
-            if let Some(p) = self.take_pending(&key) {
-                deltas.push((key, p));
-            } else if let Some(e) = self.data.get(&key) {
-                values.push((key, e.value.clone()));
-            }
-        }
-        (deltas, values)
-    }
-
-    /// A write a majority acknowledged: answered once committed here too.
-    fn finish_write(&mut self, op: u64, out: &mut Vec<Action<R>>) {
-        let w = self.writes.remove(&op).expect("pending write");
-        match self.commit_ticket(w.keys.iter().map(String::as_str)) {
-            Ok(ticket) => {
-                let reply = Action::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
-                self.after_commit_until(ticket, reply, Some(w.deadline), out)
-            }
-            Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
         }
     }
 
