@@ -44,6 +44,9 @@ use serde::{Deserialize, Serialize};
 
 #[cfg(feature = "cli")]
 pub mod cli;
+mod server;
+
+pub use server::ServeSettings;
 
 use crate::error::Error;
 use crate::membership::{Member, MemberEvent};
@@ -111,22 +114,26 @@ pub struct AdminServer {
 }
 
 /// Serves `app` (usually [`router`], merged with the user's own routes) on `addr` (port 0
-/// picks one) until the node shuts down.
-pub async fn serve(node: &Node, addr: SocketAddr, app: Router) -> crate::error::Result<AdminServer> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| Error::Io { context: format!("binding the admin API on {addr}"), source: e })?;
-    let local_addr = listener
-        .local_addr()
-        .map_err(|e| Error::Io { context: "reading the admin API's address".into(), source: e })?;
-    let shutdown = node.shutdown_token();
-    node.spawner().spawn(async move {
-        let served = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
-        if let Err(e) = served {
-            tracing::warn!(error = %e, "admin API stopped");
-        }
-    });
+/// picks one) until the node shuts down, bounded by `settings`: a capped number of
+/// connections, a deadline for each request head, and a `Host` check (see [`ServeSettings`]).
+pub async fn serve(
+    node: &Node,
+    addr: SocketAddr,
+    app: Router,
+    settings: ServeSettings,
+) -> crate::error::Result<AdminServer> {
+    let local_addr = server::serve(node, addr, app, settings).await?;
     Ok(AdminServer { local_addr })
+}
+
+/// The probes alone, `GET /alive` and `GET /ready`, for a listener of their own that an
+/// orchestrator reaches and nothing else does.
+pub fn probe_router(node: Node) -> Router {
+    Router::new()
+        .route("/alive", get(alive))
+        .route("/ready", get(ready))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "only /alive and /ready here") })
+        .with_state(Admin { node, settings: AdminSettings::default() })
 }
 
 /// An error answer, `{"error": "…"}` with its status; `From<Error>` picks the status of a
@@ -171,10 +178,15 @@ fn json<T: Serialize>(value: &T) -> Response {
     axum::Json(value).into_response()
 }
 
-/// Checks the bearer token of a mutating route, comparing in constant time. An empty token is
-/// no token (mutating routes off): an empty `Authorization: Bearer ` must not match it.
 fn authorize(admin: &Admin, headers: &HeaderMap) -> ApiResult<()> {
-    let Some(token) = admin.settings.token.as_deref().filter(|t| !t.trim().is_empty()) else {
+    check_bearer(admin.settings.token.as_deref(), headers)
+}
+
+/// Checks the bearer token of a mutating route against `token`, comparing in constant time.
+/// An empty token is no token (mutating routes off): an empty `Authorization: Bearer ` must not
+/// match it.
+pub(crate) fn check_bearer(token: Option<&str>, headers: &HeaderMap) -> ApiResult<()> {
+    let Some(token) = token.filter(|t| !t.trim().is_empty()) else {
         return Err(ApiError::new(StatusCode::FORBIDDEN, "no admin token configured: mutating routes are off"));
     };
     let given = headers

@@ -96,6 +96,9 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_coordinator_shards_rebalanced_total", C, "node,type", "Hand-offs started by rebalance rounds since this node's coordinator took over."),
     def("ddshard_coordinator_state_write_seconds", H, "node,type", "Time of one acknowledged coordinator state write (majority), retries included."),
     def("ddshard_coordinator_state_write_failures_total", C, "node,type", "Coordinator state write attempts that failed (each is retried)."),
+    def("ddshard_admin_connections", G, "node", "Connections open on the admin listener (`ddshard::admin::serve`)."),
+    def("ddshard_admin_connections_closed_total", C, "node,reason", "Admin connections the listener closed at its cap (reason: evicted, the oldest with no request in flight; refused, every one serving a request)."),
+    def("ddshard_admin_requests_refused_total", C, "node,reason", "Admin requests refused before any route (reason: host, a Host that is neither an IP address, localhost nor an allowed name)."),
 ];
 
 /// How often the sampler copies the crate's counters into the facade.
@@ -340,6 +343,20 @@ mod enabled {
                 counter!("ddshard_replicator_updates_total", &l).absolute(rs.updates(consistency, outcome));
             }
         }
+        let admin = node.admin_stats();
+        gauge!("ddshard_admin_connections", &n).set(admin.connections.load(Ordering::Relaxed) as f64);
+        set_counters_by(
+            "ddshard_admin_connections_closed_total",
+            &n,
+            "reason",
+            &[("evicted", &admin.connections_evicted), ("refused", &admin.connections_refused)],
+        );
+        set_counters_by(
+            "ddshard_admin_requests_refused_total",
+            &n,
+            "reason",
+            &[("host", &admin.requests_refused_host)],
+        );
         set_counter("ddshard_lmdb_commits_total", &n, &rs.durable_commits);
         set_counter("ddshard_lmdb_commit_failures_total", &n, &rs.durable_failures);
         for region in node.regions() {

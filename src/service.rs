@@ -90,13 +90,28 @@ impl DurableEntity for KvEntity {
 pub type KvRegion = ShardRegion<Durable<KvEntity>>;
 
 /// `GET`, `PUT` (the body is the value, UTF-8) and `DELETE` on `/kv/{id}` over the sample type,
-/// answered with the [`KvReply`] as JSON; merge it into [`crate::admin::router`].
-pub fn kv_routes(region: KvRegion) -> axum::Router {
+/// answered with the [`KvReply`] as JSON; merge it into [`crate::admin::router`]. With
+/// `write_token`, `PUT` and `DELETE` need `Authorization: Bearer <token>` (401 without; an
+/// empty token turns them off: 403), as every mutating admin route does.
+pub fn kv_routes(region: KvRegion, write_token: Option<String>) -> axum::Router {
     use axum::extract::{Path, State};
+    use axum::http::HeaderMap;
     use axum::response::{IntoResponse, Response};
     use axum::routing::get;
 
     use crate::admin::ApiError;
+
+    #[derive(Clone)]
+    struct Kv {
+        region: KvRegion,
+        write_token: Option<String>,
+    }
+    fn authorize(kv: &Kv, headers: &HeaderMap) -> Result<(), ApiError> {
+        match &kv.write_token {
+            None => Ok(()),
+            Some(token) => crate::admin::check_bearer(Some(token), headers),
+        }
+    }
 
     async fn ask(region: &KvRegion, id: &str, msg: KvMsg) -> Response {
         match region.ask(id, msg).await {
@@ -104,17 +119,29 @@ pub fn kv_routes(region: KvRegion) -> axum::Router {
             Err(e) => ApiError::from(e).into_response(),
         }
     }
-    async fn get_value(State(region): State<KvRegion>, Path(id): Path<String>) -> Response {
-        ask(&region, &id, KvMsg::Get).await
+    async fn get_value(State(kv): State<Kv>, Path(id): Path<String>) -> Response {
+        ask(&kv.region, &id, KvMsg::Get).await
     }
-    async fn put_value(State(region): State<KvRegion>, Path(id): Path<String>, body: axum::body::Bytes) -> Response {
+    async fn put_value(
+        State(kv): State<Kv>,
+        headers: HeaderMap,
+        Path(id): Path<String>,
+        body: axum::body::Bytes,
+    ) -> Response {
+        if let Err(refused) = authorize(&kv, &headers) {
+            return refused.into_response();
+        }
         match String::from_utf8(body.to_vec()) {
-            Ok(value) => ask(&region, &id, KvMsg::Put(value)).await,
+            Ok(value) => ask(&kv.region, &id, KvMsg::Put(value)).await,
             Err(_) => ApiError::new(axum::http::StatusCode::BAD_REQUEST, "the value must be UTF-8").into_response(),
         }
     }
-    async fn delete_value(State(region): State<KvRegion>, Path(id): Path<String>) -> Response {
-        ask(&region, &id, KvMsg::Delete).await
+    async fn delete_value(State(kv): State<Kv>, headers: HeaderMap, Path(id): Path<String>) -> Response {
+        if let Err(refused) = authorize(&kv, &headers) {
+            return refused.into_response();
+        }
+        ask(&kv.region, &id, KvMsg::Delete).await
     }
-    axum::Router::new().route("/kv/{id}", get(get_value).put(put_value).delete(delete_value)).with_state(region)
+    let kv = Kv { region, write_token };
+    axum::Router::new().route("/kv/{id}", get(get_value).put(put_value).delete(delete_value)).with_state(kv)
 }

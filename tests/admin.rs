@@ -179,10 +179,10 @@ async fn membership_events_stream_as_server_sent_events_and_serve_answers_on_a_r
     assert_eq!(found, Ok(true), "events seen: {seen}");
 
     // `serve` on port 0, asked over plain TCP.
-    let server = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app).await.unwrap();
+    let server = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app, Default::default()).await.unwrap();
     let mut sock = tokio::net::TcpStream::connect(server.local_addr).await.unwrap();
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    sock.write_all(b"GET /alive HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").await.unwrap();
+    sock.write_all(b"GET /alive HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n").await.unwrap();
     let mut answer = String::new();
     sock.read_to_string(&mut answer).await.unwrap();
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
@@ -208,7 +208,7 @@ async fn the_admin_cli_prints_members_types_shards_allocation_explanations_locat
     }
     let n1 = c.node(0).clone();
     let app = router(n1.clone(), AdminSettings { token: Some(TOKEN.into()), ..Default::default() });
-    let server = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app).await.unwrap();
+    let server = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app, Default::default()).await.unwrap();
     let url = format!("http://{}", server.local_addr);
     let shard = regions[0].shard_id("c1");
     let host = where_is(&regions[0], "c1").await;
@@ -268,5 +268,146 @@ async fn an_empty_admin_token_turns_mutating_routes_off_instead_of_letting_an_em
         }
     }
     assert!(c.node(0).members().iter().any(|m| m.node_id() == "n1"), "n1 never left");
+    c.shutdown().await;
+}
+
+/// Sends `request` on a fresh connection to `addr`; the whole answer (the server closes).
+async fn raw_http(addr: std::net::SocketAddr, request: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    sock.read_to_string(&mut answer).await.unwrap();
+    answer
+}
+
+/// Whether the server closed `sock` (a read ends), waiting at most `within`.
+async fn closed_by_server(sock: &mut tokio::net::TcpStream, within: Duration) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut buf = [0u8; 256];
+    matches!(tokio::time::timeout(within, sock.read(&mut buf)).await, Ok(Ok(0) | Err(_)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_silent_connections_on_the_admin_port_neither_keep_ready_from_answering_nor_stop_messaging() {
+    use tokio::io::AsyncWriteExt;
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let regions = start_everywhere(&c, &probe, ddshard::ShardingSettings { min_nr_of_members: 3, ..settings() }).await;
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings::default());
+    let limits = ddshard::admin::ServeSettings { max_connections: 256, ..Default::default() };
+    let addr = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app, limits).await.unwrap().local_addr;
+    let ready = "GET /ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    eventually(CONVERGE, "ready before the flood", || async move {
+        raw_http(addr, ready).await.starts_with("HTTP/1.1 200").then_some(())
+    })
+    .await;
+    // A thousand clients each send part of a request head and then nothing (slowloris).
+    let mut silent = Vec::new();
+    for _ in 0..1000 {
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        sock.write_all(b"GET /ready HTTP/1.1\r\nHost: 127.0.0.1\r\n").await.unwrap();
+        silent.push(sock);
+    }
+    // A probe is answered at once, and so is an ask through the node's messaging.
+    let started = std::time::Instant::now();
+    let answer =
+        tokio::time::timeout(Duration::from_secs(2), raw_http(addr, ready)).await.expect("answered within 2 s");
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    println!("/ready with 1,000 silent connections open: answered in {:?}", started.elapsed());
+    for i in 0..20 {
+        regions[1].ask(&format!("flood{i}"), CounterMsg::Add(1)).await.expect("messaging unaffected");
+    }
+    // The listener kept at most its cap: the oldest silent connections were evicted.
+    let mut closed = 0;
+    for sock in &mut silent[..744] {
+        if closed_by_server(sock, Duration::from_millis(100)).await {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 744, "the 744 oldest of 1,000 silent connections evicted for newer ones");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_sends_no_complete_request_head_is_closed_after_the_header_read_timeout() {
+    use tokio::io::AsyncWriteExt;
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings::default());
+    let limits = ddshard::admin::ServeSettings { header_read_timeout: Duration::from_secs(1), ..Default::default() };
+    let addr = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app, limits).await.unwrap().local_addr;
+    let started = std::time::Instant::now();
+    let mut silent = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut trickle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    trickle.write_all(b"GET /alive HTTP/1.1\r\n").await.unwrap();
+    // A kept-alive connection that was answered once and then goes silent.
+    let mut kept = tokio::net::TcpStream::connect(addr).await.unwrap();
+    kept.write_all(b"GET /alive HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").await.unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::io::AsyncReadExt::read(&mut kept, &mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
+    assert!(closed_by_server(&mut silent, Duration::from_secs(10)).await, "a silent connection is closed");
+    assert!(closed_by_server(&mut trickle, Duration::from_secs(10)).await, "a partial head is closed");
+    assert!(closed_by_server(&mut kept, Duration::from_secs(10)).await, "an idle kept-alive one is closed");
+    assert!(started.elapsed() >= Duration::from_millis(900), "not before the timeout: {:?}", started.elapsed());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_host_is_a_name_not_allowed_is_refused_so_dns_rebinding_cannot_reach_the_api() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings::default());
+    let settings =
+        ddshard::admin::ServeSettings { allowed_hosts: vec!["ddshard-0.ddshard".into()], ..Default::default() };
+    let addr = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app, settings).await.unwrap().local_addr;
+    let alive = |host: &str| format!("GET /alive HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let refused = raw_http(addr, &alive("evil.example:8558")).await;
+    assert!(refused.starts_with("HTTP/1.1 421"), "{refused}");
+    assert!(refused.contains("Host not allowed"), "{refused}");
+    for host in [addr.to_string(), "localhost:8558".into(), "ddshard-0.ddshard:8558".into()] {
+        let answer = raw_http(addr, &alive(&host)).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{host}: {answer}");
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_listener_answers_alive_and_ready_and_nothing_else() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let probes = ddshard::admin::probe_router(n1.clone());
+    assert_eq!(get(&probes, "/alive").await.0, StatusCode::OK);
+    let status = get(&probes, "/ready").await.0;
+    assert!(status == StatusCode::OK || status == StatusCode::SERVICE_UNAVAILABLE, "{status}");
+    for route in ["/cluster/members", "/metrics", "/"] {
+        assert_eq!(get(&probes, route).await.0, StatusCode::NOT_FOUND, "{route}");
+    }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_writes_with_a_write_token_need_it_and_reads_do_not() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let s = ddshard::ShardingSettings { min_nr_of_members: 1, ..settings() };
+    let region = n1.sharding().start_durable("kv", |_: &str| ddshard::service::KvEntity::new("n1"), s).await.unwrap();
+    let kv = ddshard::service::kv_routes(region.clone(), Some(TOKEN.into()));
+    assert_eq!(call(&kv, "PUT", "/kv/a", None, "1").await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(call(&kv, "DELETE", "/kv/a", Some("wrong"), "").await.0, StatusCode::UNAUTHORIZED);
+    let (status, put) = call(&kv, "PUT", "/kv/a", Some(TOKEN), "1").await;
+    assert_eq!((status, &put["value"]), (StatusCode::OK, &Value::from("1")));
+    let (status, got) = get(&kv, "/kv/a").await;
+    assert_eq!((status, &got["value"]), (StatusCode::OK, &Value::from("1")), "reads need no token");
+    // An empty token turns writes off.
+    let off = ddshard::service::kv_routes(region, Some(String::new()));
+    assert_eq!(call(&off, "PUT", "/kv/a", Some(""), "2").await.0, StatusCode::FORBIDDEN);
     c.shutdown().await;
 }

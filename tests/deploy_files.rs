@@ -10,7 +10,6 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use ddshard::NodeConfig;
-use ddshard::admin::{AdminSettings, router};
 use ddshard::testkit::TestCluster;
 use tower::ServiceExt;
 
@@ -136,13 +135,17 @@ fn every_metric_an_alert_reads_is_in_the_catalog_with_the_label_values_it_names(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_probe_path_of_the_kubernetes_manifest_is_a_route_of_the_admin_api() {
+async fn every_probe_of_the_kubernetes_manifest_goes_to_the_probe_listener_and_is_one_of_its_routes() {
     let (_, manifest) = deploy_files().into_iter().find(|(p, _)| p.ends_with("kubernetes/ddshard.yaml")).unwrap();
     let paths: Vec<&str> = manifest.lines().filter_map(|l| l.trim().strip_prefix("path: ")).collect();
     assert_eq!(paths, ["/alive", "/ready"]);
+    let ports: Vec<&str> = manifest.lines().filter_map(|l| l.trim().strip_prefix("port: ")).collect();
+    assert!(ports.iter().filter(|p| **p == "probes").count() == 2, "both probes on the probes port: {ports:?}");
+    assert!(manifest.contains(r#""--probe-addr", "0.0.0.0:8559""#), "the probe listener is started");
+    assert!(manifest.contains("name: probes\n              containerPort: 8559"), "and named");
     let mut c = TestCluster::start(1).await.unwrap();
     c.await_converged(Duration::from_secs(30)).await;
-    let app = router(c.node(0).clone(), AdminSettings::default());
+    let app = ddshard::admin::probe_router(c.node(0).clone());
     for path in paths {
         let req = Request::builder().uri(path).body(Body::empty()).unwrap();
         let status = app.clone().oneshot(req).await.unwrap().status();

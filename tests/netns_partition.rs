@@ -193,6 +193,8 @@ impl Cluster<'_> {
         let log = self.dir.join(format!("activations-n{}-{}.log", i + 1, self.logs.len()));
         let mut o = ProcessOptions::new(&format!("n{}", i + 1), "netns-test", &self.dir);
         o.bind_ip = self.net.addr(i).parse().unwrap();
+        // Off loopback, `kv` writes need the admin token.
+        o.admin_token = Some("netns-test-admin-token-0123456789abcdef".into());
         o.seeds = seeds.iter().filter_map(|s| self.procs[*s].as_ref().map(|p| p.gossip)).collect();
         o.wrapper = vec!["ip".into(), "netns".into(), "exec".into(), self.net.ns(i)];
         o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
@@ -237,6 +239,9 @@ async fn netns_partition_two_three_minority_stops_first_no_overlap_and_rejoins_b
     for k in 0..IDS {
         c.node(k % NODES).kv_put(&format!("e{k}"), "v").await.unwrap();
     }
+    // The admin API listens off loopback here: a write without the token is refused.
+    let (status, body) = c.node(0).admin_request("PUT", "/kv/no-token", "v").await.unwrap();
+    assert_eq!(status, 401, "{body}");
     let stats = async |n: &NodeProcess| n.kv_stats().await;
     let before = c.node(2).until("all entities counted", SETTLE, stats, |s: &KvStats| s.total() == Some(IDS)).await;
     let on_minority: usize = before.by_node().iter().filter(|(n, _)| *n == "n1" || *n == "n2").map(|(_, c)| c).sum();

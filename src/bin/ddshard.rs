@@ -49,6 +49,14 @@ enum Command {
         /// characters, e.g. from `ddshard secret`); without it they answer 403.
         #[arg(long, default_value = "127.0.0.1:8558")]
         admin_addr: std::net::SocketAddr,
+        /// A listener with only `/alive` and `/ready`, for an orchestrator's probes (they then
+        /// never share the admin API's connections).
+        #[arg(long)]
+        probe_addr: Option<std::net::SocketAddr>,
+        /// A name clients may reach the admin API by (a service or host name), besides IP
+        /// addresses and localhost; repeat for several. Requests with another `Host` answer 421.
+        #[arg(long = "admin-allowed-host", value_name = "NAME")]
+        admin_allowed_hosts: Vec<String>,
         /// Log lines as `text` (human-readable) or `json` (one object a line, for a log
         /// collector), on stderr. The level is `info` unless RUST_LOG says otherwise.
         #[arg(long, value_enum, default_value = "text")]
@@ -153,8 +161,9 @@ async fn main() {
             println!("{}", ddshard::ClusterSecret::generate().expose());
             Ok(())
         }
-        Command::Node { config, set, activation_log, admin_addr, .. } => {
-            run_node(config.as_deref(), &set, activation_log.as_deref(), admin_addr).await
+        Command::Node { config, set, activation_log, admin_addr, probe_addr, admin_allowed_hosts, .. } => {
+            let listeners = Listeners { admin: admin_addr, probes: probe_addr, allowed_hosts: admin_allowed_hosts };
+            run_node(config.as_deref(), &set, activation_log.as_deref(), listeners).await
         }
     };
     if let Err(e) = result {
@@ -166,11 +175,18 @@ async fn main() {
 /// Where `ddshard node` reads the admin API's bearer token from.
 const ADMIN_TOKEN_ENV: &str = "DDSHARD_ADMIN_TOKEN";
 
+/// Where `ddshard node` serves HTTP.
+struct Listeners {
+    admin: std::net::SocketAddr,
+    probes: Option<std::net::SocketAddr>,
+    allowed_hosts: Vec<String>,
+}
+
 async fn run_node(
     config: Option<&std::path::Path>,
     set: &[String],
     activation_log: Option<&std::path::Path>,
-    admin_addr: std::net::SocketAddr,
+    listeners: Listeners,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let text = match config {
         Some(path) => std::fs::read_to_string(path).map_err(|e| format!("reading config {}: {e}", path.display()))?,
@@ -202,12 +218,25 @@ async fn run_node(
         None => ddshard::service::KvEntity::new(&me),
     };
     let region = node.sharding().start_durable("kv", factory, settings).await?;
+    // Off loopback, writes of the sample type need the admin token as every mutating route
+    // does (without one configured they are off).
+    let kv_token = (!listeners.admin.ip().is_loopback()).then(|| admin_token.clone().unwrap_or_default());
     let settings =
         ddshard::admin::AdminSettings { token: admin_token, prometheus: Some(prometheus), ..Default::default() };
-    let app = ddshard::admin::router(node.clone(), settings).merge(ddshard::service::kv_routes(region.clone()));
-    let admin = ddshard::admin::serve(&node, admin_addr, app).await?.local_addr;
+    let app =
+        ddshard::admin::router(node.clone(), settings).merge(ddshard::service::kv_routes(region.clone(), kv_token));
+    let serve_settings = ddshard::admin::ServeSettings { allowed_hosts: listeners.allowed_hosts, ..Default::default() };
+    let admin = ddshard::admin::serve(&node, listeners.admin, app, serve_settings.clone()).await?.local_addr;
+    let probes = match listeners.probes {
+        Some(addr) => {
+            let probes = ddshard::admin::probe_router(node.clone());
+            let bound = ddshard::admin::serve(&node, addr, probes, serve_settings).await?.local_addr;
+            format!(" probes={bound}")
+        }
+        None => String::new(),
+    };
     println!(
-        "READY node={} gossip={} messaging={} admin={admin}",
+        "READY node={} gossip={} messaging={} admin={admin}{probes}",
         node.node_id(),
         node.gossip_addr(),
         node.messaging_addr()

@@ -69,6 +69,24 @@ struct NodeInner {
     failure_detector: Arc<FailureDetectorStats>,
     /// Every ask's timeout (one sweeper, not a runtime timer per ask).
     deadlines: DeadlineSweep,
+    /// Counters of the admin listener, when one serves this node.
+    #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+    admin_stats: Arc<AdminStats>,
+}
+
+/// Counters of the admin listener (`ddshard::admin::serve`), sampled into the
+/// `ddshard_admin_*` metrics.
+#[derive(Debug, Default)]
+#[cfg_attr(not(feature = "metrics"), allow(dead_code))]
+pub(crate) struct AdminStats {
+    /// Connections open now.
+    pub(crate) connections: std::sync::atomic::AtomicU64,
+    /// Connections evicted at the cap (no request in flight).
+    pub(crate) connections_evicted: std::sync::atomic::AtomicU64,
+    /// Connections refused at the cap (every one serving a request).
+    pub(crate) connections_refused: std::sync::atomic::AtomicU64,
+    /// Requests refused for a `Host` not allowed.
+    pub(crate) requests_refused_host: std::sync::atomic::AtomicU64,
 }
 
 /// A running cluster node. Cheap to clone; every clone is the same node.
@@ -197,6 +215,7 @@ impl Node {
                 spawner,
                 failure_detector,
                 deadlines,
+                admin_stats: Arc::default(),
             }),
         };
         let leave_requests = node.inner.transport.subscribe(LEAVE_TOPIC, 16);
@@ -329,6 +348,12 @@ impl Node {
     /// The deadlines every ask of this node waits under.
     pub(crate) fn deadlines(&self) -> &DeadlineSweep {
         &self.inner.deadlines
+    }
+
+    /// Counters of the admin listener.
+    #[cfg(feature = "metrics")]
+    pub(crate) fn admin_stats(&self) -> &Arc<AdminStats> {
+        &self.inner.admin_stats
     }
 
     pub(crate) fn shutdown_token(&self) -> CancellationToken {

@@ -131,6 +131,8 @@ pub struct NodeProcess {
     pub gossip: SocketAddr,
     /// Bound admin HTTP API address.
     pub admin: SocketAddr,
+    /// The admin token it was started with (sent with its `kv` writes).
+    admin_token: Option<String>,
 }
 
 impl Drop for NodeProcess {
@@ -209,7 +211,14 @@ impl NodeProcess {
         let (Some(gossip), Some(admin)) = (field(&line, "gossip"), field(&line, "admin")) else {
             return fail(&mut child, format!("unexpected first line {line:?}"));
         };
-        Ok(NodeProcess { child, _stdout: reader, node_id: opts.node_id.clone(), gossip, admin })
+        Ok(NodeProcess {
+            child,
+            _stdout: reader,
+            node_id: opts.node_id.clone(),
+            gossip,
+            admin,
+            admin_token: opts.admin_token.clone(),
+        })
     }
 
     /// One request to its admin HTTP API: the status and the body.
@@ -283,7 +292,8 @@ impl NodeProcess {
 
     /// Writes `value` into `kv` entity `id`.
     pub async fn kv_put(&self, id: &str, value: &str) -> Result<KvReply> {
-        let (status, body) = self.admin_request("PUT", &format!("/kv/{id}"), value).await?;
+        let token = self.admin_token.as_deref();
+        let (status, body) = request_to(self.admin, token, "PUT", &format!("/kv/{id}"), value).await?;
         if status != 200 {
             return Err(Error::Process(format!("{}: PUT /kv/{id}: {status} {body}", self.node_id)));
         }
@@ -328,11 +338,23 @@ impl NodeProcess {
 /// One request to the admin HTTP API at `admin` (HTTP/1.1, `Connection: close`): the status
 /// and the body.
 pub async fn admin_request_to(admin: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    request_to(admin, None, method, path, body).await
+}
+
+/// One request to the admin API at `admin`, with `token` as its bearer token if given.
+async fn request_to(
+    admin: SocketAddr,
+    token: Option<&str>,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> Result<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let io = |e| Error::io(format!("admin request {method} {path}"), e);
     let mut sock = tokio::net::TcpStream::connect(admin).await.map_err(io)?;
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
     let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: admin\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {admin}\r\n{auth}Connection: close\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     );
     sock.write_all(request.as_bytes()).await.map_err(io)?;
