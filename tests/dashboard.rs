@@ -118,3 +118,58 @@ async fn the_dashboard_of_three_node_processes_shows_their_members_and_shard_cou
     println!("dashboard screenshot: {}", shot.display());
     drop((n2, n3));
 }
+
+/// The admin router nested under `/admin` in an application's own axum server, which keeps its
+/// own `/`, `/metrics` and fallback: the dashboard at `/admin` loads in a real browser (it
+/// reaches every route relative to itself), and the application's routes are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_router_nested_under_a_prefix_beside_the_applications_own_routes_serves_a_working_dashboard() {
+    use axum::routing::get;
+    let Some(browser) = chromium() else {
+        let required =
+            std::env::var("CI").as_deref() == Ok("true") || std::env::var("DDSHARD_REQUIRE_CHROMIUM").is_ok();
+        assert!(!required, "chromium is not installed (apt-get install chromium); required under CI");
+        println!("SKIPPED: chromium is not installed (apt-get install chromium)");
+        return;
+    };
+    let mut c = ddshard::testkit::TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let node = c.node(0).clone();
+    let app = axum::Router::new()
+        .route("/", get(|| async { "the application's home" }))
+        .route("/metrics", get(|| async { "the application's metrics" }))
+        .nest("/admin", ddshard::admin::router(node.clone(), Default::default()))
+        .fallback(|| async { (axum::http::StatusCode::NOT_FOUND, "the application's fallback") });
+    let addr =
+        ddshard::admin::serve(&node, "127.0.0.1:0".parse().unwrap(), app, Default::default()).await.unwrap().local_addr;
+    let get_text = |path: &str| {
+        let url = format!("http://{addr}{path}");
+        let fetch = move || {
+            let agent = ureq::Agent::config_builder().http_status_as_error(false).build().new_agent();
+            let resp = agent.get(&url).call().unwrap();
+            let status = resp.status().as_u16();
+            (status, resp.into_body().read_to_string().unwrap())
+        };
+        async move { tokio::task::spawn_blocking(fetch).await.unwrap() }
+    };
+    assert_eq!(get_text("/").await, (200, "the application's home".to_string()));
+    assert_eq!(get_text("/metrics").await, (200, "the application's metrics".to_string()));
+    assert_eq!(get_text("/nowhere").await, (404, "the application's fallback".to_string()));
+    let (status, members) = get_text("/admin/cluster/members").await;
+    assert!(status == 200 && members.contains(r#""node_id":"n1""#), "{status} {members}");
+    let (status, missing) = get_text("/admin/nowhere").await;
+    assert!(status == 404 && missing.contains(r#""error""#), "the API's own JSON 404 under its prefix: {missing}");
+    // axum routes a nested router's `/` at `/admin` (not `/admin/`).
+    for page in ["/admin?snapshot"] {
+        let url = format!("http://{addr}{page}");
+        let deadline = tokio::time::Instant::now() + CONVERGE;
+        loop {
+            let dom = headless(&browser, &url, &["--dump-dom"]).await;
+            if dom.contains(r#"data-loaded="true""#) && dom.contains(r#"<span id="member-count">1</span>"#) {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{page}: the page never loaded its member: {dom}");
+        }
+    }
+    c.shutdown().await;
+}

@@ -10,6 +10,7 @@
 //! roster for good).
 
 use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{Action, ReplicatorCore, ReplicatorMsg, ReplicatorStats, split_by_bytes};
@@ -34,10 +35,11 @@ pub(super) struct HandOver<R> {
 }
 
 /// One part of a hand-over: the keys it carries (their values are read again when the part
-/// goes to a member that turned Up since) and who acknowledged it.
+/// goes to a member that turned Up since) and the node ids that acknowledged it (by id, as
+/// the roster counts: a restarted incarnation's ack and its predecessor's are one disk's).
 pub(super) struct Part {
     keys: Vec<String>,
-    pub(super) acked: HashSet<UniqueAddress>,
+    pub(super) acked: HashSet<Arc<str>>,
 }
 
 impl<R> ReplicatorCore<R> {
@@ -163,7 +165,7 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         if let Some(part) = h.parts.get_mut(&op) {
-            part.acked.insert(from);
+            part.acked.insert(from.node_id.clone());
         }
         self.advance_hand_over(out);
     }

@@ -264,37 +264,49 @@ impl<R> ReplicatorCore<R> {
     /// when that needs fewer answers, and ends if it has them: a holder that left (its values
     /// handed over and its roster entry forgotten) or a member removed is waited for no more
     /// (seed 760002057: a shard's load read counted a node whose hand-over had just ended, it
-    /// exited unanswered, and the shard stayed down for its restart backoff). Never more than
-    /// at the start: what was counted then already intersected every acknowledged write, and
-    /// so does the roster of now (a holder only leaves it once its values are on a majority
-    /// of the rest).
+    /// exited unanswered, and the shard stayed down for its restart backoff). Only answers of
+    /// ids still counted count then (one that left may have acknowledged after its hand-over
+    /// took its copies), and "every reachable replica" stays every replica it addressed that
+    /// still counts. Never more than at the start: what was counted then already intersected
+    /// every acknowledged write, and so does the roster of now (a holder only leaves it once
+    /// its values are on a majority of the rest).
     pub(super) fn recount_pending(&mut self, out: &mut Vec<Action<R>>) {
-        let reachable = self.reachable_replicas().len() + 1;
-        let mut fewer = Vec::new();
-        for (op, r) in &self.reads {
-            fewer.push((*op, r.keys.iter().any(|k| self.is_durable(k)), r.consistency, r.needed, true));
-        }
-        for (op, w) in &self.writes {
-            fewer.push((*op, w.keys.iter().any(|k| self.is_durable(k)), w.consistency, w.needed, false));
-        }
-        for (op, durable, c, before, read) in fewer {
-            let needed = c.needed_of(self.replicas_counted_of(durable), reachable);
+        let ops: Vec<(u64, bool)> =
+            self.reads.keys().map(|op| (*op, true)).chain(self.writes.keys().map(|op| (*op, false))).collect();
+        for (op, read) in ops {
+            let (keys, addressed, c, before) = match read {
+                true => self.reads.get(&op).map(|r| (&r.keys, &r.addressed, r.consistency, r.needed)),
+                false => self.writes.get(&op).map(|w| (&w.keys, &w.addressed, w.consistency, w.needed)),
+            }
+            .expect("listed");
+            let durable = keys.iter().any(|k| self.is_durable(k));
+            let addressed: Vec<UniqueAddress> = addressed.clone();
+            let still: Vec<UniqueAddress> =
+                addressed.into_iter().filter(|a| self.counts_now(durable, &a.node_id)).collect();
+            let needed = c.needed_of(self.replicas_counted_of(durable), still.len() + 1);
             if needed >= before {
                 continue;
             }
-            if read {
-                let Some(r) = self.reads.get_mut(&op) else { continue };
-                r.needed = needed;
-                if r.complete_responders() + 1 >= needed {
+            let done = if read {
+                let r = self.reads.get_mut(&op).expect("listed");
+                (r.needed, r.addressed) = (needed, still);
+                let counted = &r.addressed;
+                r.responders.retain(|id, _| counted.contains(id));
+                r.complete_responders() + 1 >= needed
+            } else {
+                let w = self.writes.get_mut(&op).expect("listed");
+                (w.needed, w.addressed) = (needed, still);
+                let (me, counted) = (&self.self_addr, &w.addressed);
+                w.acked.retain(|id| id == me || counted.contains(id));
+                w.acked.len() >= needed
+            };
+            match (done, read) {
+                (false, _) => {}
+                (true, true) => {
                     let r = self.reads.remove(&op).expect("pending read");
                     self.finish_read(r, out);
                 }
-            } else {
-                let Some(w) = self.writes.get_mut(&op) else { continue };
-                w.needed = needed;
-                if w.acked.len() >= needed {
-                    self.finish_write(op, out);
-                }
+                (true, false) => self.finish_write(op, out),
             }
         }
     }

@@ -134,6 +134,18 @@ impl<R> ReplicatorCore<R> {
         size
     }
 
+    /// Whether node id `id` is one an operation counts now: this node, a replica holder, or
+    /// (for a `durable` key) an id of the roster.
+    pub(super) fn counts_now(&mut self, durable: bool, id: &str) -> bool {
+        if *self.self_addr.node_id == *id || self.replicas.iter().any(|(p, _)| *p.address.node_id == *id) {
+            return true;
+        }
+        durable && {
+            self.refresh_roster();
+            self.roster.counted.contains(id)
+        }
+    }
+
     /// How many replicas an operation on `keys` counts: the roster for durable keys, the
     /// replica holders now for the others.
     pub(super) fn replicas_counted<'k>(&mut self, mut keys: impl Iterator<Item = &'k str>) -> usize {

@@ -456,3 +456,108 @@ fn a_read_waiting_for_holders_that_were_downed_keeps_waiting_their_disks_still_c
     a.handle(answer("c"), now, 1, &mut out);
     assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
 }
+
+/// A write's acks are recounted over the ids that count now: a holder that acknowledged and
+/// then left (its hand-over may have taken its copies before the write reached it) is not
+/// one of the fewer answers the smaller roster needs.
+#[test]
+fn a_write_acknowledged_by_a_holder_that_then_left_is_not_counted_when_the_quorum_is_recounted() {
+    let now = Instant::now();
+    let mut a = core("a");
+    members(&mut a, holders(&["b", "c", "l"], true), now);
+    let mut out = Vec::new();
+    update(&mut a, "shard-t/1/0", Consistency::MAJORITY, add("x"), &mut out);
+    commit_all(&mut a, &mut out);
+    let op = write_op(&out);
+    a.handle(Input::Remote { from: peer("l"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    // l forgot itself and is removed: the roster is a, b, c; two of three are needed.
+    let mut l = core("l");
+    members(&mut l, holders(&["a", "b", "c"], true), now);
+    assert!(l.forget("l", &mut vec![]));
+    let theirs = l.local_value(ROSTER_KEY).cloned().expect("l's roster");
+    a.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
+    let mut out = Vec::new();
+    members(&mut a, holders(&["b", "c"], true), now);
+    a.handle(Input::Tick, now, 1, &mut out);
+    let replied = |out: &[Action<u32>]| out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. }));
+    assert!(!replied(&out), "l's ack no longer counts: a alone is one of three: {out:?}");
+    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
+}
+
+/// A claim's read of every reachable replica keeps waiting for one that turns unreachable or
+/// is downed (its disk still counts): only a forgotten holder stops being waited for.
+#[test]
+fn a_read_of_every_reachable_replica_keeps_waiting_for_one_that_turns_unreachable_or_is_downed() {
+    let now = Instant::now();
+    let mut a = core("a");
+    members(&mut a, holders(&["b", "c", "d", "e"], true), now);
+    let mut out = Vec::new();
+    let claim = Input::GetMany {
+        keys: vec!["shard-t/1/0".into()],
+        consistency: Consistency::AllReachable { plus: 0, min_cap: 0 },
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
+    a.handle(claim, now, 1, &mut out);
+    let (op, _) = read_op(&out);
+    let answer =
+        |from: &str| Input::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } };
+    let mut out = Vec::new();
+    for from in ["b", "c", "d"] {
+        a.handle(answer(from), now, 1, &mut out);
+    }
+    // e turns unreachable, then is downed and removed: still counted, still waited for.
+    let mut now_members = holders(&["b", "c", "d"], true);
+    now_members.extend(holders(&["e"], false));
+    members(&mut a, now_members, now);
+    members(&mut a, holders(&["b", "c", "d"], true), now);
+    a.handle(Input::Tick, now, 1, &mut out);
+    assert!(!out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })), "four of five: {out:?}");
+    a.handle(answer("e"), now, 1, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
+}
+
+/// A hand-over counts node ids, as the roster does: a holder that restarts during the leave is
+/// sent every part again, and its new incarnation's ack is the same disk's as the old one's.
+#[test]
+fn a_restarted_holder_acknowledging_a_hand_over_part_again_counts_once() {
+    let now = Instant::now();
+    let mut a = core("a");
+    members(&mut a, holders(&["b", "c"], true), now);
+    local(&mut a, "shard-1", add("x"));
+    let mut out = Vec::new();
+    a.handle(Input::HandOver { timeout: Duration::from_secs(5), reply: 9 }, now, 1, &mut out);
+    let ops: Vec<u64> = out
+        .iter()
+        .filter_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+            _ => None,
+        })
+        .collect();
+    assert!(!ops.is_empty(), "{out:?}");
+    let ack = |from: PeerAddr, op: u64| Input::Remote { from, msg: ReplicatorMsg::WriteAck { op } };
+    let mut out = Vec::new();
+    for op in &ops {
+        a.handle(ack(peer("b"), *op), now, 1, &mut out);
+    }
+    // b restarts: b#2 is sent every part and acknowledges; b is still one of the two needed.
+    members(&mut a, holders(&["b#2", "c"], true), now);
+    let b2 = holders(&["b#2"], true).remove(0).0;
+    for op in &ops {
+        a.handle(ack(b2.clone(), *op), now, 1, &mut out);
+    }
+    let forgets = |out: &[Action<u32>]| {
+        out.iter()
+            .filter(|x| {
+                matches!(x, Action::Broadcast { msg: ReplicatorMsg::WriteDelta { values, .. }, .. }
+                    if values.iter().any(|(k, _)| k == ROSTER_KEY) && values.len() == 1)
+            })
+            .count()
+    };
+    assert_eq!(forgets(&out), 0, "b once, not twice: no forget yet: {out:?}");
+    for op in &ops {
+        a.handle(ack(peer("c"), *op), now, 1, &mut out);
+    }
+    assert_eq!(forgets(&out), 1, "b and c: the forget goes out: {out:?}");
+}
