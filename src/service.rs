@@ -95,7 +95,6 @@ pub type KvRegion = ShardRegion<Durable<KvEntity>>;
 /// empty token turns them off: 403), as every mutating admin route does.
 pub fn kv_routes(region: KvRegion, write_token: Option<String>) -> axum::Router {
     use axum::extract::{Path, State};
-    use axum::http::HeaderMap;
     use axum::response::{IntoResponse, Response};
     use axum::routing::get;
 
@@ -106,11 +105,20 @@ pub fn kv_routes(region: KvRegion, write_token: Option<String>) -> axum::Router 
         region: KvRegion,
         write_token: Option<String>,
     }
-    fn authorize(kv: &Kv, headers: &HeaderMap) -> Result<(), ApiError> {
-        match &kv.write_token {
-            None => Ok(()),
-            Some(token) => crate::admin::check_bearer(Some(token), headers),
+    /// Writes need the token (checked before the body is read: a client without it cannot
+    /// hold the connection with a slow body).
+    async fn require_token(
+        State(kv): State<Kv>,
+        req: axum::extract::Request,
+        next: axum::middleware::Next,
+    ) -> Response {
+        let writes = req.method() != axum::http::Method::GET && req.method() != axum::http::Method::HEAD;
+        if let (true, Some(token)) = (writes, &kv.write_token)
+            && let Err(refused) = crate::admin::check_bearer(Some(token), req.headers())
+        {
+            return refused.into_response();
         }
+        next.run(req).await
     }
 
     async fn ask(region: &KvRegion, id: &str, msg: KvMsg) -> Response {
@@ -122,26 +130,18 @@ pub fn kv_routes(region: KvRegion, write_token: Option<String>) -> axum::Router 
     async fn get_value(State(kv): State<Kv>, Path(id): Path<String>) -> Response {
         ask(&kv.region, &id, KvMsg::Get).await
     }
-    async fn put_value(
-        State(kv): State<Kv>,
-        headers: HeaderMap,
-        Path(id): Path<String>,
-        body: axum::body::Bytes,
-    ) -> Response {
-        if let Err(refused) = authorize(&kv, &headers) {
-            return refused.into_response();
-        }
+    async fn put_value(State(kv): State<Kv>, Path(id): Path<String>, body: axum::body::Bytes) -> Response {
         match String::from_utf8(body.to_vec()) {
             Ok(value) => ask(&kv.region, &id, KvMsg::Put(value)).await,
             Err(_) => ApiError::new(axum::http::StatusCode::BAD_REQUEST, "the value must be UTF-8").into_response(),
         }
     }
-    async fn delete_value(State(kv): State<Kv>, headers: HeaderMap, Path(id): Path<String>) -> Response {
-        if let Err(refused) = authorize(&kv, &headers) {
-            return refused.into_response();
-        }
+    async fn delete_value(State(kv): State<Kv>, Path(id): Path<String>) -> Response {
         ask(&kv.region, &id, KvMsg::Delete).await
     }
     let kv = Kv { region, write_token };
-    axum::Router::new().route("/kv/{id}", get(get_value).put(put_value).delete(delete_value)).with_state(kv)
+    axum::Router::new()
+        .route("/kv/{id}", get(get_value).put(put_value).delete(delete_value))
+        .route_layer(axum::middleware::from_fn_with_state(kv.clone(), require_token))
+        .with_state(kv)
 }

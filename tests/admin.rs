@@ -273,12 +273,17 @@ async fn an_empty_admin_token_turns_mutating_routes_off_instead_of_letting_an_em
 
 /// Sends `request` on a fresh connection to `addr`; the whole answer (the server closes).
 async fn raw_http(addr: std::net::SocketAddr, request: &str) -> String {
+    try_raw_http(addr, request).await.expect("an answer")
+}
+
+/// [`raw_http`], `Err` when the connection is refused or reset.
+async fn try_raw_http(addr: std::net::SocketAddr, request: &str) -> std::io::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    sock.write_all(request.as_bytes()).await.unwrap();
+    let mut sock = tokio::net::TcpStream::connect(addr).await?;
+    sock.write_all(request.as_bytes()).await?;
     let mut answer = String::new();
-    sock.read_to_string(&mut answer).await.unwrap();
-    answer
+    sock.read_to_string(&mut answer).await?;
+    Ok(answer)
 }
 
 /// Whether the server closed `sock` (a read ends), waiting at most `within`.
@@ -409,5 +414,53 @@ async fn kv_writes_with_a_write_token_need_it_and_reads_do_not() {
     // An empty token turns writes off.
     let off = ddshard::service::kv_routes(region, Some(String::new()));
     assert_eq!(call(&off, "PUT", "/kv/a", Some(""), "2").await.0, StatusCode::FORBIDDEN);
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_trickling_request_bodies_into_every_slot_cannot_keep_ready_from_answering() {
+    use tokio::io::AsyncWriteExt;
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let n1 = c.node(0).clone();
+    let app = router(n1.clone(), AdminSettings { token: Some(TOKEN.into()), ..Default::default() });
+    let limits = ddshard::admin::ServeSettings {
+        max_connections: 16,
+        header_read_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let addr = ddshard::admin::serve(&n1, "127.0.0.1:0".parse().unwrap(), app, limits).await.unwrap().local_addr;
+    // Every slot holds a request whose handler waits for a body that never comes: each client
+    // sends its head, waits for `100 Continue` (its handler is reading the body), then one byte.
+    let mut trickling = Vec::new();
+    for _ in 0..16 {
+        use tokio::io::AsyncReadExt;
+        let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let head = "PUT /cluster/members/n1 HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 60000\r\nExpect: 100-continue\r\n\r\n";
+        sock.write_all(head.as_bytes()).await.unwrap();
+        let mut buf = [0u8; 64];
+        let n = sock.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 100"), "{}", String::from_utf8_lossy(&buf[..n]));
+        sock.write_all(b"{").await.unwrap();
+        trickling.push(sock);
+    }
+    // Every slot busy with a young request: a new connection is refused.
+    let refused = try_raw_http(addr, "GET /ready HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n").await;
+    assert!(!matches!(&refused, Ok(a) if a.starts_with("HTTP/")), "closed unanswered at the cap: {refused:?}");
+    // Past the grace of a slow request, a probe takes the oldest one's slot.
+    let ready = "GET /ready HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    let answered = eventually(Duration::from_secs(10), "a probe answered", || async move {
+        let answer = tokio::time::timeout(Duration::from_secs(2), try_raw_http(addr, ready)).await.ok()?.ok()?;
+        answer.starts_with("HTTP/1.1 ").then_some(answer)
+    })
+    .await;
+    assert!(answered.starts_with("HTTP/1.1 200") || answered.starts_with("HTTP/1.1 503"), "{answered}");
+    let mut closed = Vec::new();
+    for (i, sock) in trickling.iter_mut().enumerate() {
+        if closed_by_server(sock, Duration::from_millis(200)).await {
+            closed.push(i);
+        }
+    }
+    assert_eq!(closed, [0], "the oldest trickling request was cut for the probe");
     c.shutdown().await;
 }
