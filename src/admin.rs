@@ -83,7 +83,10 @@ struct Admin {
     settings: AdminSettings,
 }
 
-/// The admin routes over `node`.
+/// The admin routes over `node`. No fallback: merge it into any axum app (unknown routes get
+/// the app's own fallback; [`no_such_route`] answers them in JSON) or nest it under a prefix
+/// (`.nest("/admin", router(..))`: the dashboard at `/admin` reaches every route relative to
+/// itself).
 pub fn router(node: Node, settings: AdminSettings) -> Router {
     let limit = if settings.max_body_bytes == 0 { 64 * 1024 } else { settings.max_body_bytes };
     Router::new()
@@ -101,7 +104,6 @@ pub fn router(node: Node, settings: AdminSettings) -> Router {
         .route("/cluster/shards/{type_name}/shards/{shard}/explain", get(explain))
         .route("/cluster/shards/{type_name}/entities/{id}", get(locate))
         .route("/cluster/shards/{type_name}/rebalance", post(rebalance))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such route") })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(Admin { node, settings })
 }
@@ -132,8 +134,14 @@ pub fn probe_router(node: Node) -> Router {
     Router::new()
         .route("/alive", get(alive))
         .route("/ready", get(ready))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "only /alive and /ready here") })
+        .fallback(no_such_route)
         .with_state(Admin { node, settings: AdminSettings::default() })
+}
+
+/// A fallback answering 404 `{"error": "no such route"}` (what `ddshard node` serves beside
+/// [`router`]).
+pub async fn no_such_route() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "no such route")
 }
 
 /// An error answer, `{"error": "…"}` with its status; `From<Error>` picks the status of a

@@ -122,7 +122,10 @@ async fn every_admin_route_answers_on_a_live_cluster_and_refuses_bad_input_with_
     assert_eq!(call(&app, "PUT", "/cluster/members/n3", Some(TOKEN), &huge).await.0, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(call(&app, "PUT", "/cluster/members/nope", Some(TOKEN), leave).await.0, StatusCode::NOT_FOUND);
     assert_eq!(get(&app, "/metrics").await.0, StatusCode::NOT_FOUND, "no exporter in these settings");
-    let (status, err) = get(&app, "/no/such/route").await;
+    // No fallback of its own (it merges into any app); `no_such_route` is the JSON one.
+    assert_eq!(get(&app, "/no/such/route").await.0, StatusCode::NOT_FOUND);
+    let with_fallback = app.clone().fallback(ddshard::admin::no_such_route);
+    let (status, err) = get(&with_fallback, "/no/such/route").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(err["error"].is_string());
 
@@ -462,5 +465,21 @@ async fn clients_trickling_request_bodies_into_every_slot_cannot_keep_ready_from
         }
     }
     assert_eq!(closed, [0], "the oldest trickling request was cut for the probe");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_router_merges_into_an_application_with_its_own_fallback() {
+    use axum::routing::get as route_get;
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let app = axum::Router::new()
+        .route("/app", route_get(|| async { "the application" }))
+        .fallback(|| async { (StatusCode::IM_A_TEAPOT, "the application's fallback") })
+        .merge(router(c.node(0).clone(), AdminSettings::default()));
+    let (status, members) = get(&app, "/cluster/members").await;
+    assert!(status == StatusCode::OK && members.as_array().is_some_and(|m| m.len() == 1), "{status} {members}");
+    assert_eq!(get(&app, "/app").await, (StatusCode::OK, Value::from("the application")));
+    assert_eq!(get(&app, "/nowhere").await.0, StatusCode::IM_A_TEAPOT, "the application's own fallback");
     c.shutdown().await;
 }

@@ -223,8 +223,9 @@ async fn run_node(
     let kv_token = (!listeners.admin.ip().is_loopback()).then(|| admin_token.clone().unwrap_or_default());
     let settings =
         ddshard::admin::AdminSettings { token: admin_token, prometheus: Some(prometheus), ..Default::default() };
-    let app =
-        ddshard::admin::router(node.clone(), settings).merge(ddshard::service::kv_routes(region.clone(), kv_token));
+    let app = ddshard::admin::router(node.clone(), settings)
+        .merge(ddshard::service::kv_routes(region.clone(), kv_token))
+        .fallback(ddshard::admin::no_such_route);
     let serve_settings = ddshard::admin::ServeSettings { allowed_hosts: listeners.allowed_hosts, ..Default::default() };
     let admin = ddshard::admin::serve(&node, listeners.admin, app, serve_settings.clone()).await?.local_addr;
     let probes = match listeners.probes {

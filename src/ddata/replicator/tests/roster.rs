@@ -56,6 +56,32 @@ fn majority_write(c: &mut ReplicatorCore<u32>, key: &str) -> Option<Result<()>> 
     })
 }
 
+/// A read of `shard-t/1/0` at `consistency` (reply 5) started on `c`: its op.
+fn start_read(c: &mut ReplicatorCore<u32>, consistency: Consistency, now: Instant) -> (u64, Vec<Action<u32>>) {
+    let mut out = Vec::new();
+    let read =
+        Input::GetMany { keys: vec!["shard-t/1/0".into()], consistency, timeout: Duration::from_secs(1), reply: 5 };
+    c.handle(read, now, 1, &mut out);
+    let op = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
+            _ => None,
+        })
+        .unwrap_or(0);
+    (op, out)
+}
+
+/// `from`'s answer to read `op`: nothing at its one key.
+fn empty_answer(op: u64, from: &str) -> Input<u32> {
+    Input::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } }
+}
+
+/// Whether `out` answers read 5.
+fn read_answered(out: &[Action<u32>]) -> bool {
+    out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) }))
+}
+
 fn with_forget_after(id: &str, after: Duration) -> ReplicatorCore<u32> {
     ReplicatorCore::new(
         UniqueAddress::new(id, 1),
@@ -436,25 +462,15 @@ fn a_read_waiting_for_holders_that_were_downed_keeps_waiting_their_disks_still_c
     let now = Instant::now();
     let mut a = core("a");
     members(&mut a, holders(&["b", "c", "d", "e"], true), now);
-    let mut out = Vec::new();
-    let read = Input::GetMany {
-        keys: vec!["shard-t/1/0".into()],
-        consistency: Consistency::MAJORITY,
-        timeout: Duration::from_secs(1),
-        reply: 5,
-    };
-    a.handle(read, now, 1, &mut out);
-    let (op, _) = read_op(&out);
+    let (op, _) = start_read(&mut a, Consistency::MAJORITY, now);
     // d and e are downed and removed, never forgotten: three of five are still needed.
     let mut out = Vec::new();
     members(&mut a, holders(&["b", "c"], true), now);
     a.handle(Input::Tick, now, 1, &mut out);
-    let answer =
-        |from: &str| Input::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } };
-    a.handle(answer("b"), now, 1, &mut out);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })), "two of five: {out:?}");
-    a.handle(answer("c"), now, 1, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
+    a.handle(empty_answer(op, "b"), now, 1, &mut out);
+    assert!(!read_answered(&out), "two of five: {out:?}");
+    a.handle(empty_answer(op, "c"), now, 1, &mut out);
+    assert!(read_answered(&out), "{out:?}");
 }
 
 /// A write's acks are recounted over the ids that count now: a holder that acknowledged and
@@ -492,20 +508,10 @@ fn a_read_of_every_reachable_replica_keeps_waiting_for_one_that_turns_unreachabl
     let now = Instant::now();
     let mut a = core("a");
     members(&mut a, holders(&["b", "c", "d", "e"], true), now);
-    let mut out = Vec::new();
-    let claim = Input::GetMany {
-        keys: vec!["shard-t/1/0".into()],
-        consistency: Consistency::AllReachable { plus: 0, min_cap: 0 },
-        timeout: Duration::from_secs(1),
-        reply: 5,
-    };
-    a.handle(claim, now, 1, &mut out);
-    let (op, _) = read_op(&out);
-    let answer =
-        |from: &str| Input::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } };
+    let (op, _) = start_read(&mut a, Consistency::AllReachable { plus: 0, min_cap: 0 }, now);
     let mut out = Vec::new();
     for from in ["b", "c", "d"] {
-        a.handle(answer(from), now, 1, &mut out);
+        a.handle(empty_answer(op, from), now, 1, &mut out);
     }
     // e turns unreachable, then is downed and removed: still counted, still waited for.
     let mut now_members = holders(&["b", "c", "d"], true);
@@ -513,9 +519,9 @@ fn a_read_of_every_reachable_replica_keeps_waiting_for_one_that_turns_unreachabl
     members(&mut a, now_members, now);
     members(&mut a, holders(&["b", "c", "d"], true), now);
     a.handle(Input::Tick, now, 1, &mut out);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })), "four of five: {out:?}");
-    a.handle(answer("e"), now, 1, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
+    assert!(!read_answered(&out), "four of five: {out:?}");
+    a.handle(empty_answer(op, "e"), now, 1, &mut out);
+    assert!(read_answered(&out), "{out:?}");
 }
 
 /// A hand-over counts node ids, as the roster does: a holder that restarts during the leave is
