@@ -22,8 +22,11 @@
 //!
 //! Mutating routes need `Authorization: Bearer <token>` with the token of [`AdminSettings`]:
 //! without a configured token they answer 403 (off), with a missing or wrong one 401. Errors
-//! are `{"error": "…"}` with 400 (bad input), 404 (unknown type, shard, member, route), 413
-//! (body over `max_body_bytes`), 503 (coordinator unavailable) or 504 (timeout). Handlers only
+//! are `{"error": "…"}` with 400 (bad input: an empty or too long id, a malformed body), 404
+//! (unknown type, shard, member, route), 413 (a body over `max_body_bytes`, a state or
+//! remembered-id slot over its budget), 503 (the cluster cannot serve it now: no coordinator, no
+//! majority, a full buffer, a message not delivered; retry) or 504 (a timeout); 500 only for a
+//! fault of the node itself (its storage, a bug). Handlers only
 //! await the node's own queries, each bounded by the type's ask timeout, so a slow client or a
 //! slow query never blocks the node.
 
@@ -169,11 +172,23 @@ impl From<Error> for ApiError {
     fn from(e: Error) -> Self {
         let status = match &e {
             Error::UnknownMember(_) => StatusCode::NOT_FOUND,
-            Error::EmptyEntityId | Error::BadRequest(_) => StatusCode::BAD_REQUEST,
-            Error::CoordinatorUnavailable(_) | Error::ShutDown | Error::PeerUnavailable { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
+            // The client's input: fix the request.
+            Error::EmptyEntityId | Error::EntityIdTooLong { .. } | Error::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Error::StateTooLarge { .. } | Error::SlotFull { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            // The cluster cannot serve it now: retry later.
+            Error::CoordinatorUnavailable(_)
+            | Error::ShutDown
+            | Error::PeerUnavailable { .. }
+            | Error::NotEnoughReplicas { .. }
+            | Error::StateNotPersisted { .. }
+            | Error::NotDelivered { .. }
+            | Error::BufferFull { .. }
+            | Error::MailboxFull { .. }
+            | Error::SendQueueFull { .. }
+            | Error::Fenced { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            Error::AskTimeout { .. } | Error::RequestTimeout { .. } | Error::ConsistencyTimeout { .. } => {
+                StatusCode::GATEWAY_TIMEOUT
             }
-            Error::AskTimeout { .. } | Error::RequestTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
             _ => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError::new(status, e.to_string())
@@ -458,4 +473,23 @@ async fn rebalance(
     }
     authorize(&admin, &headers)?;
     Ok(json(&region.rebalance().await?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_input_answers_4xx_unavailability_503_timeouts_504_and_only_node_faults_500() {
+        let status = |e: Error| ApiError::from(e).status;
+        assert_eq!(status(Error::EmptyEntityId), StatusCode::BAD_REQUEST);
+        assert_eq!(status(Error::EntityIdTooLong { len: 2000, max: 1024 }), StatusCode::BAD_REQUEST);
+        assert_eq!(status(Error::BadRequest("x".into())), StatusCode::BAD_REQUEST);
+        assert_eq!(status(Error::UnknownMember("n9".into())), StatusCode::NOT_FOUND);
+        assert_eq!(status(Error::NotEnoughReplicas { needed: 3, reachable: 1 }), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status(Error::CoordinatorUnavailable("t".into())), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status(Error::ShutDown), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(status(Error::ConsistencyTimeout { needed: 2, acked: 1 }), StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(status(Error::Config("broken".into())), StatusCode::INTERNAL_SERVER_ERROR);
+    }
 }

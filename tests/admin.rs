@@ -414,6 +414,8 @@ async fn kv_writes_with_a_write_token_need_it_and_reads_do_not() {
     assert_eq!((status, &put["value"]), (StatusCode::OK, &Value::from("1")));
     let (status, got) = get(&kv, "/kv/a").await;
     assert_eq!((status, &got["value"]), (StatusCode::OK, &Value::from("1")), "reads need no token");
+    let (status, err) = get(&kv, &format!("/kv/{}", "x".repeat(5000))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "an id over the limit is the client's error: {err}");
     // An empty token turns writes off.
     let off = ddshard::service::kv_routes(region, Some(String::new()));
     assert_eq!(call(&off, "PUT", "/kv/a", Some(""), "2").await.0, StatusCode::FORBIDDEN);
