@@ -109,13 +109,46 @@ fn every_setting_and_flag_the_deploy_files_use_is_one_ddshard_node_takes() {
 #[test]
 fn every_metric_an_alert_reads_is_in_the_catalog_with_the_label_values_it_names() {
     let (_, alerts) = deploy_files().into_iter().find(|(p, _)| p.ends_with("prometheus/alerts.yml")).unwrap();
-    let names: BTreeSet<String> = tokens(&alerts, "ddshard_", &[]);
+    let names = metrics_read(&alerts, "alerts.yml");
     assert!(names.len() >= 6, "{names:?}");
+}
+
+#[test]
+fn the_grafana_dashboard_is_json_whose_every_panel_reads_metrics_of_the_catalog() {
+    let (_, text) = deploy_files().into_iter().find(|(p, _)| p.ends_with("grafana/ddshard.json")).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard is JSON");
+    let panels = dashboard["panels"].as_array().expect("panels");
+    assert!(panels.len() >= 10, "{} panels", panels.len());
+    let mut exprs = String::new();
+    for panel in panels {
+        let targets = panel["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "{panel}");
+        for t in targets {
+            let expr = t["expr"].as_str().expect("a PromQL expression");
+            assert!(expr.contains("ddshard_"), "{expr}");
+            exprs.push_str(expr);
+            exprs.push('\n');
+        }
+    }
+    let names = metrics_read(&exprs, "grafana/ddshard.json");
+    println!("the Grafana dashboard reads {} metrics in {} panels", names.len(), panels.len());
+}
+
+/// The catalog metrics `text` (PromQL) reads, each checked: in the catalog (a histogram by its
+/// `_bucket`, `_sum` or `_count` series), with the labels and label values it names.
+fn metrics_read(text: &str, file: &str) -> BTreeSet<String> {
+    let names: BTreeSet<String> = tokens(text, "ddshard_", &[]);
     for name in &names {
+        let base = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .filter(|base| ddshard::metrics::CATALOG.iter().any(|d| d.name == *base))
+            .unwrap_or(name);
         let def = ddshard::metrics::CATALOG
             .iter()
-            .find(|d| d.name == name)
-            .unwrap_or_else(|| panic!("alerts.yml reads {name}, which the catalog does not have"));
+            .find(|d| d.name == base)
+            .unwrap_or_else(|| panic!("{file} reads {name}, which the catalog does not have"));
+        let alerts = text;
         // Label values it names, e.g. reason="slot_full" or reason=~"stale|replayed".
         for expr in alerts.split(name.as_str()).skip(1) {
             let Some(selector) = expr.strip_prefix('{').and_then(|s| s.split('}').next()) else { continue };
@@ -132,6 +165,7 @@ fn every_metric_an_alert_reads_is_in_the_catalog_with_the_label_values_it_names(
             }
         }
     }
+    names
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
