@@ -294,7 +294,10 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     let mut out = Vec::new();
     c.handle(hand_over(), now, 1, &mut out);
     assert!(
-        matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { reachable: 0, .. }), .. }]),
+        matches!(
+            &out[..],
+            [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 1, reachable: 0 }), .. }]
+        ),
         "{out:?}"
     );
     holders(&mut c, &[("b", true), ("c", true)], &[], now);
