@@ -395,6 +395,9 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     // d starts leaving (its own hand-over carries what it holds) and e comes back: e is sent
     // every part, its values read again; the majority is now counted over b, c and e, and b
     // and c already gave it: this node's forget goes out, to every member addressed.
+    let stats = c.stats.clone();
+    let values_sent = || stats.full_values_sent.load(std::sync::atomic::Ordering::Relaxed);
+    let before = values_sent();
     let mut out = Vec::new();
     c.handle(
         Input::Members {
@@ -411,6 +414,8 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     let sent = hand_over_parts(&out);
     let (resent, forget) = sent.split_at(parts.len());
     assert_eq!(resent, &parts[..], "the same parts, with the same keys: {out:?}");
+    let resent_values: usize = resent.iter().map(|(_, keys)| keys.len()).sum();
+    assert_eq!(values_sent() - before, resent_values as u64, "each resent value counted once, for e alone");
     assert!(matches!(forget, [(_, keys)] if keys == &[ROSTER_KEY.to_string()]), "{out:?}");
     let e_only = out.iter().any(|a| {
         matches!(a, Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } }
