@@ -567,3 +567,26 @@ fn a_restarted_holder_acknowledging_a_hand_over_part_again_counts_once() {
     }
     assert_eq!(forgets(&out), 1, "b and c: the forget goes out: {out:?}");
 }
+
+/// A key that is not durable recounts over today's members: a removed member is waited for no
+/// more, and the acks of the members still there keep counting.
+#[test]
+fn a_write_of_a_key_that_is_not_durable_recounts_over_the_members_left_and_keeps_their_acks() {
+    let now = Instant::now();
+    let mut a = core("a");
+    members(&mut a, holders(&["b", "c", "d"], true), now);
+    let mut out = Vec::new();
+    update(&mut a, "user-key", Consistency::MAJORITY, add("x"), &mut out);
+    commit_all(&mut a, &mut out);
+    let op = write_op(&out);
+    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })), "two of four: {out:?}");
+    // d is downed and removed: two of the three members left, a and b, have it.
+    let mut out = Vec::new();
+    let replicas = holders(&["b", "c"], true);
+    let gossip_targets = replicas.iter().map(|(p, _)| p.clone()).collect();
+    let left = Input::Members { holder: true, replicas, gossip_targets, standing: vec![], leaving: vec![] };
+    a.handle(left, now, 1, &mut out);
+    commit_all(&mut a, &mut out);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
+}
