@@ -459,6 +459,11 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
         panic!("a members input")
     };
     assert!(!holder, "without the role, not a holder");
+    let joining = MembershipSnapshot { self_address: UniqueAddress::new("d", 1), ..snap.clone() };
+    let Input::Members { holder, .. } = Input::<u32>::members_of(&joining, Some("backend")) else {
+        panic!("a members input")
+    };
+    assert!(!holder, "d is still Joining: not a holder, though others with the role are");
     let ids = |peers: Vec<&PeerAddr>| peers.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>();
     let replica_view: Vec<(String, bool)> =
         replicas.iter().map(|(p, reachable)| (p.address.node_id.to_string(), *reachable)).collect();
