@@ -7,7 +7,9 @@
 //! trickling client, or an idle kept-alive one); when every connection is serving a request,
 //! the new one is closed at once. A probe sends its head at once, so it is served even while
 //! silent connections keep arriving. Each head (the first and every later one on a kept-alive
-//! connection) must arrive within `header_read_timeout`.
+//! connection) must arrive within `header_read_timeout`. A request counts as in flight until
+//! its handler has answered: an event stream (`/cluster/events`) is idle once its head is
+//! sent, so at the cap it is among the first evicted (the dashboard reconnects).
 //!
 //! A request whose `Host` is not an IP literal, `localhost` or a name of `allowed_hosts` is
 //! refused (421) before any route sees it: a page of another site whose name is made to
