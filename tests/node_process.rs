@@ -441,3 +441,83 @@ async fn survivors_stay_ready_at_every_probe_while_the_coordinators_node_is_sigk
     );
     assert!(unready.is_empty(), "a ready survivor answered not ready: {unready:#?}");
 }
+
+/// One `cargo run -- node …` command of the README, started as written with its addresses on
+/// port 0 (the seed pointed at the first node's bound gossip address) in `dir`; returns the
+/// child and its READY line.
+fn spawn_readme_node(dir: &Path, command: &str, seed: Option<&str>) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let args: Vec<String> = command
+        .split_whitespace()
+        .skip(3) // cargo run --
+        .map(|a| {
+            let at = |prefix: &str| a.starts_with(prefix).then(|| format!("{prefix}127.0.0.1:0"));
+            if let (Some(seed), true) = (seed, a.starts_with("seeds=")) {
+                return format!("seeds={seed}");
+            }
+            at("gossip_addr=")
+                .or_else(|| at("messaging_addr="))
+                .unwrap_or_else(|| if a.starts_with("127.0.0.1:") { "127.0.0.1:0".to_string() } else { a.to_string() })
+        })
+        .collect();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ddshard"))
+        .args(&args)
+        .current_dir(dir)
+        .env_remove("DDSHARD_CLUSTER_SECRET")
+        .env_remove("DDSHARD_ADMIN_TOKEN")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("READY") {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let ready = rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("no READY line: {args:?}"));
+    (child, ready)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readmes_two_terminal_quickstart_forms_a_cluster_that_serves_a_kv_write_through_either_node() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let block = readme.split("**Two nodes in two terminals**").nth(1).unwrap();
+    let block = block.split("```sh").nth(1).unwrap().split("```").next().unwrap();
+    let commands: Vec<String> = block
+        .replace("\\\n", " ")
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("cargo run -- node"))
+        .map(String::from)
+        .collect();
+    assert_eq!(commands.len(), 2, "{block}");
+    let dir = tempfile::tempdir().unwrap();
+    let field = |ready: &str, name: &str| -> std::net::SocketAddr {
+        ready.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}="))).unwrap().parse().unwrap()
+    };
+    let (mut n1, ready1) = spawn_readme_node(dir.path(), &commands[0], None);
+    let seed = field(&ready1, "gossip").to_string();
+    let (mut n2, ready2) = spawn_readme_node(dir.path(), &commands[1], Some(&seed));
+    let (a1, a2) = (field(&ready1, "admin"), field(&ready2, "admin"));
+    use ddshard::testkit::process::{admin_request_to, kv_get_at};
+    let deadline = Instant::now() + RECOVERY_DEADLINE;
+    loop {
+        match admin_request_to(a1, "PUT", "/kv/cart-1", "apples").await {
+            Ok((200, _)) => break,
+            other => assert!(Instant::now() < deadline, "the write never succeeded: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let read = kv_get_at(a2, "cart-1").await.unwrap();
+    assert_eq!(read.value.as_deref(), Some("apples"), "{read:?}");
+    let (status, members) = admin_request_to(a2, "GET", "/cluster/members", "").await.unwrap();
+    assert!(status == 200 && members.matches(r#""status":"up""#).count() == 2, "{members}");
+    for child in [&mut n1, &mut n2] {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
