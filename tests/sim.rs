@@ -546,6 +546,18 @@ fn the_one_node_left_of_three_after_two_leaves_serves_every_shard_after_recovery
     }
 }
 
+/// Seed 760109273 (`three-nodes-many-shards`), found by the million-run soak of session 25 and
+/// still open: the workload asked all three nodes to leave; none had stopped at the recovery's
+/// restart point, so none was restarted, the leaves ended after it, and no node was left to
+/// answer. Whether the workload may leave every node (and recovery must then start those that
+/// left after its restart point) or the library must do otherwise is to be decided; ignored
+/// until then so it is run by name: `cargo test --test sim every_node_leaving -- --ignored`.
+#[test]
+#[ignore = "open (issue 38): seed 760109273, every node of three leaves"]
+fn every_node_leaving_during_the_faults_still_ends_with_every_entity_answering_after_recovery() {
+    check(760109273, &shape("three-nodes-many-shards"));
+}
+
 #[test]
 fn random_faults_with_one_way_and_messaging_only_cuts_never_run_an_entity_twice_and_service_recovers() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_MESSAGE_PATH_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(300);
