@@ -169,7 +169,14 @@ async fn a_client_speaking_the_plain_handshake_is_refused_and_delivers_nothing()
     let _ = s.write_all(&[&(frame.len() as u32).to_be_bytes()[..], &frame].concat()).await;
     assert!(read_frame(&mut s).await.is_none(), "the connection stays open");
     assert!(inbox.try_recv().is_err());
-    assert_eq!(node.transport().stats().connections_rejected.load(Ordering::Relaxed), rejected_before + 1);
+    // Counted once the server's side of the connection has ended, which may be just after the
+    // client saw it close: polled, with a deadline.
+    let rejected = || node.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rejected() < rejected_before + 1 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(rejected(), rejected_before + 1);
     c.shutdown().await;
 }
 
