@@ -1,4 +1,5 @@
-//! Multi-key reads: one message per replica, answers split by bytes, refused bad answers.
+//! Reads: multi-key reads (one message per replica, answers split by bytes, refused bad
+//! answers), read repair, and reads and writes of every reachable replica.
 use super::super::reads::MAX_READ_KEYS;
 use super::*;
 
@@ -487,3 +488,103 @@ fn read_results_and_read_repairs_split_at_the_message_budget_counting_key_and_va
 
 /// Keys and values a repair `Gossip` carries.
 type GossipEntriesOf = Vec<(String, ReplicatedData)>;
+
+#[test]
+fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale() {
+    let mut a = core("a");
+    let mut b = core("b");
+    local(&mut b, "k", add("from-b"));
+    let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
+    a.handle(
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
+    let mut out = Vec::new();
+    let get =
+        Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 };
+    a.handle(get, Instant::now(), 1, &mut out);
+    let (op, _) = read_op(&out);
+    let mut out = Vec::new();
+    let fresh = b.local_value("k").cloned();
+    a.handle(
+        Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, fresh)] } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    assert!(out.is_empty(), "2 of 3 needed");
+    // c has never seen the key: it is stale and must be repaired; b is not.
+    a.handle(
+        Input::Remote { from: peer("c"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    let repaired: Vec<String> = out
+        .iter()
+        .filter_map(|x| match x {
+            Action::Send { to, msg: ReplicatorMsg::Gossip { entries, .. } } if entries.len() == 1 => {
+                Some(to.address.node_id.to_string())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(repaired, ["c"]);
+    assert!(out.iter().any(|x| matches!(x, Action::ReplyGet { reply: 5, result: Ok(Some(_)) })));
+}
+
+/// "a" among five replicas, all reachable, sends `input`; b, c and d answer, then e. Returns
+/// whether "a" replied after the first three, and after all four.
+fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
+    let mut a = core("a");
+    let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
+    a.handle(
+        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        Instant::now(),
+        0,
+        &mut vec![],
+    );
+    let mut out = Vec::new();
+    a.handle(input, Instant::now(), 1, &mut out);
+    commit_all(&mut a, &mut out);
+    let msg = out
+        .iter()
+        .find_map(|x| match x {
+            Action::Broadcast { msg, to } if to.len() == 4 => Some(msg.clone()),
+            _ => None,
+        })
+        .expect("one message to every reachable replica");
+    let replied =
+        |out: &[Action<u32>]| out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. } | Action::ReplyGetMany { .. }));
+    let mut after = Vec::new();
+    for p in ["b", "c", "d", "e"] {
+        let mut replica = core(p);
+        let mut answer = Vec::new();
+        replica.handle(Input::Remote { from: peer("a"), msg: msg.clone() }, Instant::now(), 1, &mut answer);
+        commit_all(&mut replica, &mut answer);
+        let mut replies = Vec::new();
+        for x in answer {
+            if let Action::Send { msg, .. } = x {
+                a.handle(Input::Remote { from: peer(p), msg }, Instant::now(), 1, &mut replies);
+            }
+        }
+        commit_all(&mut a, &mut replies);
+        after.push(replied(&replies));
+    }
+    (after[..3].iter().any(|r| *r), after[3])
+}
+
+#[test]
+fn reads_and_writes_at_all_reachable_wait_for_every_reachable_replica() {
+    let all_reachable = Consistency::AllReachable { plus: 0, min_cap: 0 };
+    let timeout = Duration::from_secs(1);
+    let get = |consistency| Input::GetMany { keys: vec!["k".into()], consistency, timeout, reply: 1 };
+    let put = |consistency| Input::UpdateMany { updates: vec![("k".into(), add("x"))], consistency, timeout, reply: 1 };
+    assert_eq!(replies_after_three_then_four(get(all_reachable)), (false, true), "a read waits for e");
+    assert_eq!(replies_after_three_then_four(put(all_reachable)), (false, true), "a write waits for e");
+    // A majority is done after the first two or three.
+    assert!(replies_after_three_then_four(get(Consistency::MAJORITY)).0);
+    assert!(replies_after_three_then_four(put(Consistency::MAJORITY)).0);
+}
