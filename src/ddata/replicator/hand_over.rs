@@ -52,6 +52,14 @@ impl<R> ReplicatorCore<R> {
         (to, staying.iter().map(|(p, _)| p.address.clone()).collect())
     }
 
+    /// The reachable staying members, whether any member stays at all, and how many
+    /// acknowledgements a majority of the staying roster takes.
+    fn hand_over_quorum(&mut self) -> (Vec<PeerAddr>, bool, usize) {
+        let (to, staying) = self.hand_over_targets();
+        let needed = self.roster_staying(&staying) / 2 + 1;
+        (to, !staying.is_empty(), needed)
+    }
+
     /// Starts the hand-over: every value, in parts capped in bytes, each written to the
     /// reachable staying members (see [`super::Input::HandOver`]). A newer hand-over replaces one in
     /// flight (which fails as timed out). When the reachable staying members are no majority
@@ -64,10 +72,9 @@ impl<R> ReplicatorCore<R> {
             let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
             out.push(Action::ReplyUpdate { reply: old.reply, result });
         }
-        let (_, staying) = self.hand_over_targets();
-        if staying.is_empty() {
+        let (_, anyone_stays, needed) = self.hand_over_quorum();
+        if !anyone_stays {
             // Every other holder leaves too: nobody can take it.
-            let needed = self.roster_staying(&staying) / 2 + 1;
             let result = Err(Error::NotEnoughReplicas { needed, reachable: 0 });
             out.push(Action::ReplyUpdate { reply, result });
             return;
@@ -86,8 +93,7 @@ impl<R> ReplicatorCore<R> {
         if !self.hand_over.as_ref().is_some_and(|h| h.waiting) {
             return;
         }
-        let (to, staying) = self.hand_over_targets();
-        let needed = self.roster_staying(&staying) / 2 + 1;
+        let (to, _, needed) = self.hand_over_quorum();
         let h = self.hand_over.as_mut().expect("hand-over");
         h.needed = needed;
         if to.len() < needed {
@@ -121,8 +127,7 @@ impl<R> ReplicatorCore<R> {
             self.start_hand_over_parts(out);
             return;
         }
-        let (to, staying) = self.hand_over_targets();
-        let needed = self.roster_staying(&staying) / 2 + 1;
+        let (to, _, needed) = self.hand_over_quorum();
         let h = self.hand_over.as_mut().expect("hand-over");
         h.needed = needed;
         let new: Vec<PeerAddr> = to.into_iter().filter(|p| !h.addressed.contains(&p.address)).collect();
