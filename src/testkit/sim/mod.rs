@@ -187,6 +187,9 @@ enum Event {
         shard: ShardId,
         epoch: u64,
     },
+    /// Recovery starts node slot `usize` again: its leave ended after the recovery's restart
+    /// point (an operator who scaled down during the faults scales back up after them).
+    StartAfterLeave(usize),
 }
 
 /// What a replicator reply answers.
@@ -262,6 +265,9 @@ struct Ask {
     attempt: u32,
 }
 
+/// How long recovery lets the cluster settle after its last node start before it asks.
+const SETTLE_MS: u64 = 15_000;
+
 /// Retries of an ask after recovery that failed transiently.
 const MAX_RETRIES: u32 = 3;
 
@@ -308,6 +314,9 @@ pub struct Sim {
     /// Durable state: the acknowledged writes and completed claims.
     ledger: state::StateLedger,
     dropping: bool,
+    /// Recovery has begun: every node that stops from now on is started again, and when the
+    /// last one was (virtual ms) bounds the settle.
+    recovering: Option<u64>,
     /// Every node's replicator counts into these (the cluster's totals).
     replicator_stats: Arc<crate::ddata::ReplicatorStats>,
     report: SimReport,
@@ -361,6 +370,7 @@ impl Sim {
             remembered_evidence: BTreeMap::new(),
             ledger: Default::default(),
             dropping: false,
+            recovering: None,
             replicator_stats: Arc::new(crate::ddata::ReplicatorStats::default()),
             report: SimReport::default(),
             cfg,
@@ -488,7 +498,7 @@ impl Sim {
             | Event::RetryRemember { node, .. }
             | Event::RestartShard { node, .. } => self.slot_of(node),
             Event::Tick(i) => Some(*i),
-            Event::Membership | Event::Fault | Event::Ask | Event::RetryAsk { .. } => None,
+            Event::Membership | Event::Fault | Event::Ask | Event::RetryAsk { .. } | Event::StartAfterLeave(_) => None,
         }
     }
 
@@ -680,6 +690,12 @@ impl Sim {
                     }
                 }
                 Event::RestartShard { node, shard, epoch } => self.on_restart_shard(node, shard, epoch),
+                Event::StartAfterLeave(i) => {
+                    if self.nodes[i].is_none() {
+                        self.start_node(i);
+                        self.recovering = Some(self.now_ms);
+                    }
+                }
             }
         }
         self.now_ms = self.now_ms.max(until_ms);
@@ -708,9 +724,15 @@ impl Sim {
                 self.start_node(i);
             }
         }
-        // Settle: downing of the old incarnations, removal margins, coordinator take-over.
-        let settle = self.now_ms + 15_000;
-        self.run_until(settle);
+        self.recovering = Some(self.now_ms);
+        // Settle: downing of the old incarnations, removal margins, coordinator take-over; a
+        // leave still under way ends, and that node is started again (seed 760109273: every
+        // node was leaving, and none was left to answer), so settle from the last start.
+        while let Some(started) = self.recovering
+            && self.now_ms < started + SETTLE_MS
+        {
+            self.run_until(started + SETTLE_MS);
+        }
         for e in 0..self.cfg.entities {
             let i = e % self.nodes.len();
             self.ask(i, format!("e{e}"), true);

@@ -319,6 +319,10 @@ impl Sim {
                     }
                     self.crash(i, "region stopped; leaves the cluster");
                     self.on_membership();
+                    if self.recovering.is_some() {
+                        // A process manager's restart delay.
+                        self.schedule(1_000, Event::StartAfterLeave(i));
+                    }
                     return;
                 }
                 RepAction::ReplyUpdate { reply: RepReply::RememberWrite(w), result } => {
