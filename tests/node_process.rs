@@ -521,3 +521,46 @@ async fn the_readmes_two_terminal_quickstart_forms_a_cluster_that_serves_a_kv_wr
         let _ = child.wait();
     }
 }
+
+/// A guessable secret or admin token stops `ddshard node` at start with an error that names
+/// the setting and never quotes the value; a key from `ddshard secret` and a strong passphrase
+/// both start it.
+#[test]
+fn a_node_refuses_to_start_with_a_guessable_cluster_secret_or_admin_token_and_never_echoes_it() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let start = |secret: &str, token: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_ddshard"));
+        command
+            .args(["node", "--admin-addr", "127.0.0.1:0", "--set", "gossip_addr=127.0.0.1:0"])
+            .args(["--set", "messaging_addr=127.0.0.1:0", "--set", "node_id=n1"])
+            .args(["--set", &format!("data_dir={}", dir.path().join("data").display())])
+            .env("DDSHARD_CLUSTER_SECRET", secret)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        match token {
+            Some(t) => command.env("DDSHARD_ADMIN_TOKEN", t),
+            None => command.env_remove("DDSHARD_ADMIN_TOKEN"),
+        };
+        let mut child = command.spawn().unwrap();
+        // A node that starts runs until stopped: READY on stdout tells it apart from a refusal.
+        let stdout = child.stdout.take().unwrap();
+        let ready = std::io::BufReader::new(stdout).lines().map_while(Result::ok).any(|l| l.starts_with("READY"));
+        let _ = child.kill();
+        let output = child.wait_with_output().unwrap();
+        (ready, String::from_utf8_lossy(&output.stderr).into_owned())
+    };
+    let weak = "s3cr3t-s3cr3t-s3cr3t-s3cr3t-s3cr3t-";
+    let (ready, stderr) = start(weak, None);
+    assert!(!ready && stderr.contains("cluster_secret is too easy to guess") && !stderr.contains("s3cr3t"), "{stderr}");
+    let key = ddshard::ClusterSecret::generate();
+    let (ready, stderr) = start(key.expose(), Some("adminadminadminadminadminadminadmin"));
+    assert!(
+        !ready && stderr.contains("DDSHARD_ADMIN_TOKEN is too easy to guess") && !stderr.contains("adminadmin"),
+        "{stderr}"
+    );
+    let (ready, stderr) = start(key.expose(), Some(ddshard::ClusterSecret::generate().expose()));
+    assert!(ready, "a key and a generated token start the node: {stderr}");
+    let (ready, stderr) = start("harbor quilt seven marmalade orbit lantern", None);
+    assert!(ready, "a strong passphrase starts the node: {stderr}");
+}

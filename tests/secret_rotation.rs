@@ -9,8 +9,10 @@ use std::sync::{Arc, Mutex};
 
 use ddshard::testkit::process::{NodeProcess, ProcessOptions, kv_get_at};
 
-const OLD: &str = "old-secret-of-the-rotation-test-0123456789abcdef";
-const NEW: &str = "new-secret-of-the-rotation-test-0123456789abcdef";
+/// A passphrase (stretched with Argon2id at each start), rotated to a key: the move an operator
+/// who started with a passphrase makes.
+const OLD: &str = "harbor quilt seven marmalade orbit lantern";
+const NEW: &str = "9f3c2a71e04b58d6c1a7e2f90b3d4c5a6e7f8091a2b3c4d5";
 const KEYS: usize = 30;
 const DEADLINE: Duration = Duration::from_secs(60);
 

@@ -46,7 +46,7 @@ enum Command {
         /// Address of the admin HTTP API (`ddshard::admin`, plus `/kv/{id}`); the default is
         /// where `ddshard admin --url` looks; port 0: any free port (two nodes on one host need
         /// two ports). Mutating routes take the bearer token of DDSHARD_ADMIN_TOKEN (at least 32
-        /// characters, e.g. from `ddshard secret`); without it they answer 403.
+        /// characters and hard to guess, e.g. from `ddshard secret`); without it they answer 403.
         #[arg(long, default_value = "127.0.0.1:8558")]
         admin_addr: std::net::SocketAddr,
         /// A listener with only `/alive` and `/ready`, for an orchestrator's probes (they then
@@ -199,12 +199,9 @@ async fn run_node(
     let mut cfg = NodeConfig::from_toml_str_with_overrides(&text, &overrides)?;
     cfg.apply_env()?;
     let admin_token = match std::env::var(ADMIN_TOKEN_ENV) {
-        Ok(t) if t.chars().count() >= ddshard::secret::MIN_SECRET_LEN => Some(t),
-        Ok(_) => {
-            let min = ddshard::secret::MIN_SECRET_LEN;
-            return Err(
-                format!("{ADMIN_TOKEN_ENV} must have at least {min} characters (`ddshard secret` prints one)").into()
-            );
+        Ok(t) => {
+            ddshard::secret::check_strength(ADMIN_TOKEN_ENV, &t)?;
+            Some(t)
         }
         Err(_) => None,
     };
