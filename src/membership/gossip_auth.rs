@@ -309,13 +309,15 @@ pub(crate) struct GossipSealing {
 /// chitchat 0.13 keeps its envelope encoding crate-private, so the bytes are obtained through
 /// chitchat's own UDP socket on loopback: to send, an envelope goes from a private `codec` socket
 /// to a private `tap` socket, whose received bytes are sealed and sent on the real socket; to
-/// receive, the opened bytes go from `tap` to `codec`, whose `recv` decodes them. Both private
-/// sockets accept bytes only from each other. Gossip is a few datagrams per second, so the two
+/// receive, the opened bytes go from `tap` to `codec`, whose `recv` decodes them. `tap` is
+/// connected to `codec`, so the kernel drops what any other local process sends it; `codec`
+/// cannot be (chitchat owns it), so bytes from elsewhere are skipped there, and every wait on a
+/// hop ends at one deadline however many such bytes arrive: a local flood of either port delays
+/// one datagram by at most [`LOOPBACK_HOP_TIMEOUT`], never stalls gossip. Gossip is a few datagrams per second, so the two
 /// extra loopback hops cost nothing measurable; replace them once chitchat exposes its codec.
 pub(crate) struct AuthenticatedSocket {
     real: tokio::net::UdpSocket,
     codec: chitchat::transport::UdpSocket,
-    codec_addr: SocketAddr,
     tap: tokio::net::UdpSocket,
     tap_addr: SocketAddr,
     sealer: DatagramSealer,
@@ -330,8 +332,9 @@ pub(crate) struct AuthenticatedSocket {
     stats: Arc<GossipStats>,
     buf: Box<[u8]>,
     /// Sender and size of an opened datagram handed to `codec` whose decoded envelope has not
-    /// been returned yet (kept across a cancelled `recv`, so the next one resumes there).
-    relayed: Option<(SocketAddr, usize)>,
+    /// been returned yet, and when to give it up (kept across a cancelled `recv`, so the next
+    /// one resumes there).
+    relayed: Option<(SocketAddr, usize, tokio::time::Instant)>,
 }
 
 /// A loopback hop normally takes microseconds; past this the datagram is treated as lost.
@@ -348,11 +351,11 @@ impl AuthenticatedSocket {
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         let codec = chitchat::transport::UdpSocket::open(loopback).await?;
         let tap = tokio::net::UdpSocket::bind(loopback).await?;
+        tap.connect(codec.local_addr()?).await?;
         let real = tokio::net::UdpSocket::bind(addr).await?;
         Ok(AuthenticatedSocket {
             advertised: crate::config::advertised_addr(real.local_addr()?, advertise)?,
             real,
-            codec_addr: codec.local_addr()?,
             codec,
             tap_addr: tap.local_addr()?,
             tap,
@@ -412,13 +415,14 @@ impl AuthenticatedSocket {
 
     /// chitchat's encoding of `envelope`, or `None` if the loopback hop lost it.
     async fn encode(&mut self, envelope: ChitchatEnvelope) -> anyhow::Result<Option<usize>> {
-        // Bytes of an earlier send that was cancelled midway are stale: drop them first.
-        while self.tap.try_recv_from(&mut self.buf).is_ok() {}
+        // Bytes of an earlier send that was cancelled midway are stale: drop them first (only
+        // `codec` can have sent them: `tap` is connected to it).
+        while self.tap.try_recv(&mut self.buf).is_ok() {}
         self.codec.send(self.tap_addr, envelope).await?;
+        let deadline = tokio::time::Instant::now() + LOOPBACK_HOP_TIMEOUT;
         loop {
-            match tokio::time::timeout(LOOPBACK_HOP_TIMEOUT, self.tap.recv_from(&mut self.buf)).await {
-                Ok(Ok((n, from))) if from == self.codec_addr => return Ok(Some(n)),
-                Ok(Ok(_)) => continue, // not from our codec socket
+            match tokio::time::timeout_at(deadline, self.tap.recv(&mut self.buf)).await {
+                Ok(Ok(n)) => return Ok(Some(n)),
                 Ok(Err(e)) if is_transient(&e) => continue,
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) => return Ok(None),
@@ -475,17 +479,18 @@ impl Socket for AuthenticatedSocket {
                 };
                 let Some(answer_to) = self.admit(&opened, from_addr) else { continue };
                 let envelope = opened.envelope;
-                if self.tap.send_to(&envelope, self.codec_addr).await.is_err() {
+                if self.tap.send(&envelope).await.is_err() {
                     continue;
                 }
-                self.relayed = Some((answer_to, n));
+                self.relayed = Some((answer_to, n, tokio::time::Instant::now() + LOOPBACK_HOP_TIMEOUT));
             }
-            match tokio::time::timeout(LOOPBACK_HOP_TIMEOUT, self.codec.recv()).await {
+            let Some((_, _, deadline)) = self.relayed else { continue };
+            match tokio::time::timeout_at(deadline, self.codec.recv()).await {
                 Ok(Ok(decoded)) if decoded.from_addr == self.tap_addr => {
-                    let (from_addr, num_bytes_received) = self.relayed.take().expect("a relayed datagram");
+                    let (from_addr, num_bytes_received, _) = self.relayed.take().expect("a relayed datagram");
                     return Ok(RecvOutcome { from_addr, envelope: decoded.envelope, num_bytes_received });
                 }
-                Ok(Ok(_)) => continue, // not from our tap socket
+                Ok(Ok(_)) => continue, // not from our tap socket: the deadline still holds
                 Ok(Err(e)) => return Err(e),
                 // chitchat drops (and logs) bytes it cannot decode and keeps waiting.
                 Err(_) => {
@@ -754,6 +759,62 @@ mod tests {
         let datagram = capture(&mut new).await;
         wire.send_to(&datagram, upgrading.local_addr().unwrap()).await.unwrap();
         assert_eq!(received(&mut upgrading).await.from_addr, new.local_addr().unwrap());
+    }
+
+    /// Review finding S11: a local process flooding the private loopback ports does not stall
+    /// the socket. `tap` is connected to `codec`, so a flood of it is dropped by the kernel and
+    /// sending goes on, every datagram; a flood of `codec` (chitchat's socket, which cannot be
+    /// connected) may cost the datagrams received meanwhile, each given up at the hop's
+    /// deadline, but the socket goes on reading and takes the next one once the flood ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_local_flood_of_the_private_loopback_ports_does_not_stall_gossip() {
+        let (mut a, a_stats) = socket(W, false).await;
+        let (mut b, _) = socket(W, false).await;
+        let ports = [a.tap_addr, a.codec.local_addr().unwrap()];
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flooder = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+                let junk = [0x5au8; 512];
+                let mut sent = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for p in ports {
+                        let _ = s.send_to(&junk, p);
+                        sent += 1;
+                    }
+                }
+                sent
+            })
+        };
+        let (a_addr, b_addr) = (a.local_addr().unwrap(), b.local_addr().unwrap());
+        for round in 0..20 {
+            let sent = tokio::time::timeout(Duration::from_secs(2), a.send(b_addr, bad_cluster())).await;
+            assert!(sent.expect("a send stalled by the flood").unwrap().num_bytes_sent > 0, "round {round}: lost");
+            assert_eq!(received(&mut b).await.from_addr, a_addr, "round {round}");
+            // Identical envelopes sealed in one millisecond are one datagram to the replay guard.
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        // Received during the flood: each datagram is given up at the codec hop's deadline at
+        // the latest, so `recv` keeps reading the real socket.
+        for _ in 0..3 {
+            b.send(a_addr, bad_cluster()).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), a.recv()).await;
+        stop.store(true, Ordering::Relaxed);
+        assert!(flooder.join().unwrap() > 1_000, "the flood ran");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        b.send(a_addr, bad_cluster()).await.unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            // Datagrams sent during the flood may come first, or be given up.
+            let got = tokio::time::timeout_at(deadline, a.recv()).await.expect("receiving stalled after the flood");
+            if got.unwrap().from_addr == b_addr {
+                break;
+            }
+        }
+        assert_eq!(a_stats.datagrams_unauthenticated.load(Ordering::Relaxed), 0, "no junk reached the real socket");
     }
 
     #[test]
