@@ -1,12 +1,18 @@
 //! Asks this region forwarded to other regions, waiting for their `AskReply`: each remembers
 //! the region it went to and the entity it was for, so an ask to a region that is gone fails
 //! at once (with the entity named) instead of waiting for its timeout.
+//!
+//! Ask ids are random 64-bit numbers, not a sequence: an `AskReply` is matched by its id alone
+//! (a relayed ask is answered by a region other than the one it was sent to), so an id must not
+//! be guessable by a member, or a misrouted reply, that never saw the ask (review finding S17).
 
 use std::collections::HashMap;
 
 use crate::sharding::ids::RegionId;
 
 struct Pending<P> {
+    /// Order of insertion: failures of many asks at once go oldest first.
+    seq: u64,
     target: RegionId,
     entity_id: String,
     handle: P,
@@ -14,22 +20,28 @@ struct Pending<P> {
 
 /// Pending remote asks by ask id; `P` is the asker's handle.
 pub(crate) struct AskTable<P> {
-    next_id: u64,
+    next_seq: u64,
     asks: HashMap<u64, Pending<P>>,
 }
 
 impl<P> Default for AskTable<P> {
     fn default() -> Self {
-        AskTable { next_id: 1, asks: HashMap::new() }
+        AskTable { next_seq: 0, asks: HashMap::new() }
     }
 }
 
 impl<P> AskTable<P> {
     /// Records an ask sent to `target` for `entity_id`; returns its id.
     pub(crate) fn insert(&mut self, target: RegionId, entity_id: String, handle: P) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        self.asks.insert(id, Pending { target, entity_id, handle });
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let id = loop {
+            let id: u64 = rand::random();
+            if !self.asks.contains_key(&id) {
+                break id;
+            }
+        };
+        self.asks.insert(id, Pending { seq, target, entity_id, handle });
         id
     }
 
@@ -40,16 +52,17 @@ impl<P> AskTable<P> {
 
     /// Every ask sent to `region`, oldest first (the region is gone: they fail now).
     pub(crate) fn take_region(&mut self, region: &RegionId) -> Vec<(String, P)> {
-        let mut ids: Vec<u64> = self.asks.iter().filter(|(_, p)| p.target == *region).map(|(id, _)| *id).collect();
+        let mut ids: Vec<(u64, u64)> =
+            self.asks.iter().filter(|(_, p)| p.target == *region).map(|(id, p)| (p.seq, *id)).collect();
         ids.sort_unstable();
-        ids.into_iter().filter_map(|id| self.take(id)).collect()
+        ids.into_iter().filter_map(|(_, id)| self.take(id)).collect()
     }
 
     /// Every ask, oldest first (the region stops: they fail now).
     pub(crate) fn take_all(&mut self) -> Vec<(String, P)> {
-        let mut all: Vec<(u64, Pending<P>)> = self.asks.drain().collect();
-        all.sort_unstable_by_key(|(id, _)| *id);
-        all.into_iter().map(|(_, p)| (p.entity_id, p.handle)).collect()
+        let mut all: Vec<Pending<P>> = self.asks.drain().map(|(_, p)| p).collect();
+        all.sort_unstable_by_key(|p| p.seq);
+        all.into_iter().map(|p| (p.entity_id, p.handle)).collect()
     }
 
     /// Forgets asks whose asker stopped waiting (timed out).
@@ -88,6 +101,22 @@ mod tests {
         t.take(a);
         let b = t.insert(r("b"), "e2".into(), 2u32);
         assert_ne!(a, b);
+    }
+
+    /// Review finding S17: a member that saw one ask id (or none) cannot name another pending
+    /// ask's: the ids of a thousand pending asks are not each other's neighbours, and the small
+    /// numbers a sequence would have used complete nothing.
+    #[test]
+    fn a_reply_with_a_guessed_ask_id_completes_no_pending_ask() {
+        let mut t = AskTable::default();
+        let ids: Vec<u64> = (0..1000u32).map(|i| t.insert(r("b"), format!("e{i}"), i)).collect();
+        for id in &ids {
+            assert!(!t.asks.contains_key(&id.wrapping_add(1)) && !t.asks.contains_key(&id.wrapping_sub(1)), "{id}");
+        }
+        for guess in 0..10_000u64 {
+            assert_eq!(t.take(guess), None, "guessed id {guess} completed an ask");
+        }
+        assert_eq!(t.len(), 1000);
     }
 
     #[test]
