@@ -71,6 +71,9 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_lmdb_commits_total", C, "node", "LMDB commits of replicated data."),
     def("ddshard_lmdb_commit_failures_total", C, "node", "LMDB commits that failed."),
     def("ddshard_lmdb_commit_seconds", H, "node", "Time of one LMDB commit (writes and fsync)."),
+    def("ddshard_lmdb_healthy", G, "node", "1 while the durable store commits; 0 after a commit failed for good, until one succeeds (the node is not ready meanwhile)."),
+    def("ddshard_lmdb_map_used_bytes", G, "node", "Bytes of the LMDB map in use (its highest page written; freed pages below it are reused)."),
+    def("ddshard_lmdb_map_max_bytes", G, "node", "Most bytes the LMDB map may grow to (replicator.lmdb_max_map_size)."),
     def("ddshard_region_registered", G, "node,type", "1 once the region is registered with its coordinator."),
     def("ddshard_region_hosted_shards", G, "node,type", "Shards this region hosts."),
     def("ddshard_region_entities", G, "node,type", "Entities running in this region."),
@@ -359,6 +362,10 @@ mod enabled {
         );
         set_counter("ddshard_lmdb_commits_total", &n, &rs.durable_commits);
         set_counter("ddshard_lmdb_commit_failures_total", &n, &rs.durable_failures);
+        let healthy = node.replicator().durable_health().is_healthy();
+        gauge!("ddshard_lmdb_healthy", &n).set(if healthy { 1.0 } else { 0.0 });
+        gauge!("ddshard_lmdb_map_used_bytes", &n).set(rs.durable_map_used_bytes.load(Ordering::Relaxed) as f64);
+        gauge!("ddshard_lmdb_map_max_bytes", &n).set(rs.durable_map_max_bytes.load(Ordering::Relaxed) as f64);
         for region in node.regions() {
             let mut l = n.clone();
             l.push(("type", region.type_name().to_string()));

@@ -354,6 +354,12 @@ impl DurableStore {
         self.env.info().map_size
     }
 
+    /// Bytes of the map in use: its highest page written, times the page size.
+    pub fn map_used(&self) -> u64 {
+        let page = u64::from(self.env.unnamed_database_stat().page_size);
+        (self.env.info().last_page_number as u64).saturating_add(1).saturating_mul(page)
+    }
+
     /// Grows the memory map to `new_size` (rounded up to whole pages).
     ///
     /// LMDB allows this only while no transaction of this process is open on the environment:

@@ -104,6 +104,8 @@ impl PersistThread {
         let handle = std::thread::Builder::new().name("ddshard-persist".into()).spawn(move || {
             let mut writer =
                 Writer { store, max_map_size, health, stats, commit_timer, retry_backoff: limits.retry_backoff };
+            writer.stats.durable_map_max_bytes.store(max_map_size as u64, Ordering::Relaxed);
+            writer.stats.durable_map_used_bytes.store(writer.store.map_used(), Ordering::Relaxed);
             while let Some(first) = rx.blocking_recv() {
                 let mut through = first.through;
                 let mut ops = first.ops;
@@ -173,6 +175,7 @@ impl Writer {
             // (error, whether retrying can help)
             let (error, retry) = match applied {
                 Ok(()) => {
+                    self.stats.durable_map_used_bytes.store(self.store.map_used(), Ordering::Relaxed);
                     ReplicatorStats::inc(&self.stats.durable_commits);
                     ReplicatorStats::add(&self.stats.durable_records, ops.len());
                     if !self.health.is_healthy() {
@@ -242,6 +245,10 @@ mod tests {
         assert!(store.map_size() >= 8 << 20, "grown to {}", store.map_size());
         assert!(health.is_healthy());
         assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1);
+        // The map's use is what was written (8 × 512 KiB and the tree), within the grown map.
+        let used = stats.durable_map_used_bytes.load(Ordering::Relaxed);
+        assert!(used >= 4 << 20 && used <= store.map_size() as u64, "used {used} of {}", store.map_size());
+        assert_eq!(stats.durable_map_max_bytes.load(Ordering::Relaxed), 64 << 20);
         t.join().await;
         drop(store);
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();

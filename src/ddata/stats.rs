@@ -28,6 +28,12 @@ pub struct ReplicatorStats {
     pub durable_commit_micros: AtomicU64,
     /// Records (snapshots and deltas) written by those commits.
     pub durable_records: AtomicU64,
+    /// Bytes of the LMDB map in use: its highest page written, times the page size (LMDB
+    /// reuses freed pages below it and never shrinks it). Set after every commit.
+    pub durable_map_used_bytes: AtomicU64,
+    /// The most bytes the LMDB map may grow to (`replicator.lmdb_max_map_size`); at it, a
+    /// commit that needs a new page fails.
+    pub durable_map_max_bytes: AtomicU64,
     /// Anti-entropy rounds started (a root digest sent to one peer).
     pub digest_rounds: AtomicU64,
     /// Anti-entropy rounds a peer answered because its root digest differed.
