@@ -196,7 +196,7 @@ impl Node {
         };
         spawner.spawn_essential(
             "forget removed peers",
-            forget_removed_peers(membership.events(), transport.clone(), shutdown.clone()),
+            forget_removed_peers(membership.events(), membership.watch(), transport.clone(), shutdown.clone()),
         );
         spawner.spawn_essential("stop when downed", stop_when_downed(membership.watch(), spawner.clone()));
         let deadlines = DeadlineSweep::new();
@@ -480,8 +480,13 @@ async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>,
     }
 }
 
+/// Closes the connections and writers of members once they are removed. Events missed to the
+/// channel's lag are made up from the membership itself: every peer the transport still holds
+/// that is no longer a member is forgotten (review finding S15: a lost `Removed` kept that
+/// peer's connections for good).
 async fn forget_removed_peers(
     mut events: broadcast::Receiver<MemberEvent>,
+    members: watch::Receiver<Arc<MembershipSnapshot>>,
     transport: Transport,
     shutdown: CancellationToken,
 ) {
@@ -492,8 +497,75 @@ async fn forget_removed_peers(
         };
         match ev {
             Ok(MemberEvent::Removed(addr)) => transport.forget_peer(&addr),
-            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+            Ok(_) => {}
+            Err(broadcast::error::RecvError::Lagged(missed)) => {
+                let snapshot = members.borrow().clone();
+                let gone = forget_non_members(&transport, &snapshot);
+                warn!(missed, forgotten = gone, "member events lagged; forgot the peers no longer members");
+            }
             Err(broadcast::error::RecvError::Closed) => return,
         }
+    }
+}
+
+/// Forgets every peer `transport` holds connections or writers for that `snapshot` does not
+/// list as a member (or lists as removed); returns how many.
+fn forget_non_members(transport: &Transport, snapshot: &MembershipSnapshot) -> usize {
+    let is_member = |peer: &UniqueAddress| {
+        snapshot.members.iter().any(|m| m.address() == peer && m.status() != MemberStatus::Removed)
+    };
+    let gone: Vec<UniqueAddress> = transport.peers().into_iter().filter(|p| !is_member(p)).collect();
+    for peer in &gone {
+        transport.forget_peer(peer);
+    }
+    gone.len()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TransportSettings;
+    use crate::transport::PeerAddr;
+
+    async fn transport(id: &str, shutdown: &CancellationToken) -> Transport {
+        let local = UniqueAddress::new(id, 1);
+        let settings = TransportSettings::default();
+        Transport::bind("127.0.0.1:0".parse().unwrap(), local, "c".into(), None, settings, shutdown.clone())
+            .await
+            .unwrap()
+    }
+
+    fn snapshot(me: &str, members: &[&str]) -> MembershipSnapshot {
+        MembershipSnapshot {
+            self_address: UniqueAddress::new(me, 1),
+            members: members.iter().map(|m| Member::for_test(m, MemberStatus::Up, true)).collect(),
+        }
+    }
+
+    /// Review finding S15: when member events are lost to the channel's lag, the peers that are
+    /// no longer members are found from the membership itself, and their connections and
+    /// writers closed; members keep theirs.
+    #[tokio::test]
+    async fn peers_no_longer_members_are_forgotten_from_the_membership_when_their_removal_was_missed() {
+        let shutdown = CancellationToken::new();
+        let (a, b) = (transport("a", &shutdown).await, transport("b", &shutdown).await);
+        let to_b = PeerAddr { address: UniqueAddress::new("b", 1), messaging_addr: b.local().messaging_addr };
+        a.send(&to_b, "t", b"hello").unwrap();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        while b.peers().is_empty() {
+            assert!(tokio::time::Instant::now() < deadline, "a's connection never reached b");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(a.peers(), [UniqueAddress::new("b", 1)], "a's writer to b");
+        assert_eq!(b.peers(), [UniqueAddress::new("a", 1)], "b's inbound connection from a");
+        // Both members: nothing goes.
+        assert_eq!(forget_non_members(&a, &snapshot("a", &["a", "b"])), 0);
+        assert_eq!(forget_non_members(&b, &snapshot("b", &["a", "b"])), 0);
+        assert_eq!(a.peers().len(), 1);
+        // Each no longer lists the other: the writer and the inbound connection are closed.
+        assert_eq!(forget_non_members(&a, &snapshot("a", &["a"])), 1);
+        assert_eq!(forget_non_members(&b, &snapshot("b", &["b"])), 1);
+        assert!(a.peers().is_empty() && b.peers().is_empty());
+        shutdown.cancel();
     }
 }

@@ -394,6 +394,15 @@ impl Transport {
         let _ = self.inner.members.set(members);
     }
 
+    /// Every peer incarnation this transport holds inbound connections or a writer for.
+    pub(crate) fn peers(&self) -> Vec<UniqueAddress> {
+        let mut peers: Vec<UniqueAddress> = self.inner.inbound.lock().expect("inbound lock").keys().cloned().collect();
+        peers.extend(self.inner.writers.lock().expect("writers lock").keys().map(|p| p.address.clone()));
+        peers.sort();
+        peers.dedup();
+        peers
+    }
+
     /// Stops the writers of a peer incarnation (it left or was replaced) and closes the
     /// connections it opened to us; queued frames are dropped.
     pub fn forget_peer(&self, peer: &UniqueAddress) {
