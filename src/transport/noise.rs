@@ -40,6 +40,11 @@ const TAG_LEN: usize = 16;
 pub(crate) const MAX_RECORD_PLAINTEXT: usize = MAX_MESSAGE - TAG_LEN;
 /// The payload of the key-confirmation frame, the first frame a dialer seals.
 pub(crate) const KEY_CONFIRMATION: &[u8] = b"ddshard key confirmation v2";
+/// The dialer seals the confirmation frame alone in its first record: its length prefix, the
+/// payload and the tag. An acceptor takes no longer first record, so a replayed message 1
+/// (which gets a reply but can never confirm) costs it a handshake frame and this, not a
+/// 64 KiB record buffer (review finding S13).
+const CONFIRMATION_RECORD: usize = 4 + KEY_CONFIRMATION.len() + TAG_LEN;
 
 /// Why a secure handshake or record failed.
 #[derive(Debug, thiserror::Error)]
@@ -48,6 +53,8 @@ pub(crate) enum NoiseError {
     Unauthenticated(snow::Error),
     #[error("record of {0} bytes is shorter than its tag")]
     ShortRecord(usize),
+    #[error("first record of {0} bytes is not a key confirmation")]
+    NotAConfirmation(usize),
 }
 
 fn handshake_state(psk: &[u8; 32], acceptor: std::net::SocketAddr, initiator: bool) -> HandshakeState {
@@ -91,7 +98,8 @@ pub(crate) fn respond(
 
 /// Writes a handshake message carrying `payload` (at most a few hundred bytes).
 pub(crate) fn write_handshake(hs: &mut HandshakeState, payload: &[u8]) -> Result<Vec<u8>, NoiseError> {
-    let mut out = vec![0; MAX_MESSAGE];
+    // An ephemeral key (32 bytes), the payload and its tag.
+    let mut out = vec![0; (payload.len() + 32 + TAG_LEN).min(MAX_MESSAGE)];
     let n = hs.write_message(payload, &mut out).map_err(NoiseError::Unauthenticated)?;
     out.truncate(n);
     Ok(out)
@@ -99,7 +107,8 @@ pub(crate) fn write_handshake(hs: &mut HandshakeState, payload: &[u8]) -> Result
 
 /// Reads a handshake message; its payload, or why it is not authentic.
 pub(crate) fn read_handshake(hs: &mut HandshakeState, message: &[u8]) -> Result<Vec<u8>, NoiseError> {
-    let mut out = vec![0; MAX_MESSAGE];
+    // The payload is shorter than the message that carries it.
+    let mut out = vec![0; message.len()];
     let n = hs.read_message(message, &mut out).map_err(NoiseError::Unauthenticated)?;
     out.truncate(n);
     Ok(out)
@@ -128,17 +137,22 @@ pub(crate) fn seal_frame(t: &mut TransportState, body: &[u8], out: &mut BytesMut
 
 /// Decodes the frames of a sealed stream: opens records into a plaintext buffer and cuts the
 /// length-prefixed frames out of it with the same codec (and frame limit) as a plain
-/// connection. Memory stays within one frame limit plus one record.
+/// connection. Memory stays within one frame limit plus one record; until the first frame
+/// (the key confirmation), within one confirmation record.
 pub(crate) struct SecureFrameCodec {
     transport: TransportState,
     plain: BytesMut,
     frames: LengthDelimitedCodec,
+    /// Opened plaintext of one record; allocated at full size once a frame came through.
     scratch: Box<[u8]>,
+    confirmed: bool,
 }
 
 impl SecureFrameCodec {
+    /// A codec on the acceptor's side: its first record must be a key confirmation.
     pub(crate) fn new(transport: TransportState, frames: LengthDelimitedCodec) -> Self {
-        SecureFrameCodec { transport, plain: BytesMut::new(), frames, scratch: vec![0; MAX_MESSAGE].into_boxed_slice() }
+        let scratch = vec![0; CONFIRMATION_RECORD].into_boxed_slice();
+        SecureFrameCodec { transport, plain: BytesMut::new(), frames, scratch, confirmed: false }
     }
 
     /// The frame limit of the inner codec.
@@ -154,6 +168,10 @@ impl Decoder for SecureFrameCodec {
     fn decode(&mut self, src: &mut BytesMut) -> std::io::Result<Option<BytesMut>> {
         loop {
             if let Some(frame) = self.frames.decode(&mut self.plain)? {
+                if !self.confirmed {
+                    self.confirmed = true;
+                    self.scratch = vec![0; MAX_MESSAGE].into_boxed_slice();
+                }
                 return Ok(Some(frame));
             }
             if src.len() < 2 {
@@ -162,6 +180,9 @@ impl Decoder for SecureFrameCodec {
             let len = u16::from_be_bytes([src[0], src[1]]) as usize;
             if len < TAG_LEN {
                 return Err(invalid(NoiseError::ShortRecord(len)));
+            }
+            if !self.confirmed && len != CONFIRMATION_RECORD {
+                return Err(invalid(NoiseError::NotAConfirmation(len)));
             }
             if src.len() < 2 + len {
                 src.reserve(2 + len - src.len());
@@ -250,6 +271,7 @@ mod tests {
     fn bytes_arriving_one_at_a_time_decode_to_the_same_frames() {
         let (mut dialer, acceptor) = handshake([1; 32], [1; 32]).unwrap();
         let mut wire = BytesMut::new();
+        seal_frame(&mut dialer, KEY_CONFIRMATION, &mut wire).unwrap();
         seal_frame(&mut dialer, b"one", &mut wire).unwrap();
         seal_frame(&mut dialer, b"two", &mut wire).unwrap();
         let mut codec = SecureFrameCodec::new(acceptor, LengthDelimitedCodec::new());
@@ -261,7 +283,7 @@ mod tests {
                 got.push(f.to_vec());
             }
         }
-        assert_eq!(got, vec![b"one".to_vec(), b"two".to_vec()]);
+        assert_eq!(got, vec![KEY_CONFIRMATION.to_vec(), b"one".to_vec(), b"two".to_vec()]);
     }
 
     #[test]
@@ -324,10 +346,37 @@ mod tests {
     fn a_sealed_frame_over_the_limit_is_refused_when_its_length_arrives() {
         let (mut dialer, acceptor) = handshake([1; 32], [1; 32]).unwrap();
         let mut wire = BytesMut::new();
+        seal_frame(&mut dialer, KEY_CONFIRMATION, &mut wire).unwrap();
         seal_frame(&mut dialer, &vec![0; 5000], &mut wire).unwrap();
         let mut codec =
             SecureFrameCodec::new(acceptor, LengthDelimitedCodec::builder().max_frame_length(4096).new_codec());
-        assert!(frames_of(&wire, &mut codec).is_err());
+        let confirmation_len = 2 + CONFIRMATION_RECORD;
+        let mut src = BytesMut::from(&wire[..]);
+        assert_eq!(codec.decode(&mut src).unwrap().unwrap()[..], *KEY_CONFIRMATION);
+        assert_eq!(src.len(), wire.len() - confirmation_len);
+        assert!(codec.decode(&mut src).is_err());
+    }
+
+    /// Review finding S13: before the key confirmation, a record of any other length is refused
+    /// when its 2-byte length arrives, so a replayed message 1 holds no 64 KiB buffer; only
+    /// after the confirmation does the codec open full records.
+    #[test]
+    fn a_first_record_other_than_the_key_confirmation_is_refused_before_any_large_buffer() {
+        let (_, acceptor) = handshake([1; 32], [1; 32]).unwrap();
+        let mut codec = SecureFrameCodec::new(acceptor, LengthDelimitedCodec::new());
+        assert_eq!(codec.scratch.len(), CONFIRMATION_RECORD);
+        let mut src = BytesMut::from(&[0xff, 0xff][..]);
+        let e = codec.decode(&mut src).unwrap_err();
+        assert!(e.to_string().contains("not a key confirmation"), "{e}");
+        assert!(src.capacity() < 1024, "reserved {} bytes for a record never confirmed", src.capacity());
+        // A confirmed session opens full records.
+        let (mut dialer, acceptor) = handshake([1; 32], [1; 32]).unwrap();
+        let mut wire = BytesMut::new();
+        seal_frame(&mut dialer, KEY_CONFIRMATION, &mut wire).unwrap();
+        seal_frame(&mut dialer, &[3; 60_000], &mut wire).unwrap();
+        let mut codec = SecureFrameCodec::new(acceptor, LengthDelimitedCodec::new());
+        assert_eq!(frames_of(&wire, &mut codec).unwrap()[1], vec![3; 60_000]);
+        assert_eq!(codec.scratch.len(), MAX_MESSAGE);
     }
 
     #[test]
@@ -358,6 +407,7 @@ mod tests {
             let mut codec = codec.lock().unwrap_or_else(|e| e.into_inner());
             codec.transport.set_receiving_nonce(0);
             codec.plain.clear();
+            codec.confirmed = false;
             // Whatever opens is what the dialer sealed, in order (records open one by one).
             let sealed: [&[u8]; 2] = [KEY_CONFIRMATION, &[7; 70_000]];
             let mut src = BytesMut::from(&bytes[..]);
