@@ -197,6 +197,71 @@ async fn a_node_id_started_again_elsewhere_stops_the_older_incarnation_with_the_
     c.shutdown().await;
 }
 
+/// Review finding S18: n3 restarted on an empty data dir on a host whose clock is behind the one
+/// its predecessor started under gets a generation below the predecessor's, still in gossip.
+/// The start sees that while joining, stops once with the reason, and records the predecessor's
+/// generation in its data dir; the next start on that dir takes a higher generation and joins.
+/// Before, every start yielded to the predecessor as if to a successor, in a loop, until the
+/// clock caught up (or the predecessor's gossip state expired, up to an hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_whose_clock_is_behind_its_predecessors_stops_once_then_joins_above_it() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    // The predecessor: n3 started under a clock an hour ahead of this one (its data dir's
+    // generation floor stands in for that clock).
+    let ahead = ddshard::clock::wall_ms() + 3_600_000;
+    let predecessor_dir = tempfile::tempdir().unwrap();
+    {
+        let store = ddshard::ddata::DurableStore::open(&predecessor_dir.path().join("ddata"), 1 << 20).unwrap();
+        store.raise_generation_floor(ahead).unwrap();
+    }
+    let start = |dir: &std::path::Path| {
+        let mut cfg = test_config("n3", dir, "test-cluster");
+        cfg.seeds = vec![c.node(0).gossip_addr().into()];
+        Node::start(cfg)
+    };
+    let predecessor = start(predecessor_dir.path()).await.unwrap();
+    assert!(predecessor.address().generation > ahead);
+    let n1 = c.node(0).clone();
+    eventually(CONVERGE, "the predecessor is Up", || {
+        std::future::ready(
+            n1.members()
+                .iter()
+                .any(|m| m.address() == predecessor.address() && m.status() == MemberStatus::Up)
+                .then_some(()),
+        )
+    })
+    .await;
+    predecessor.shutdown().await;
+    // Its host is gone; n3 restarts elsewhere, on an empty data dir, under the real clock.
+    let fresh = tempfile::tempdir().unwrap();
+    let behind = start(fresh.path()).await.unwrap();
+    assert!(behind.address().generation < predecessor.address().generation);
+    eventually(CONVERGE, "the start that is behind stops by itself", || {
+        std::future::ready(behind.is_shut_down().then_some(()))
+    })
+    .await;
+    let reason = behind.stop_reason().unwrap();
+    assert!(
+        reason.contains("below its predecessor") && reason.contains(&predecessor.address().to_string()),
+        "{reason}"
+    );
+    behind.shutdown().await;
+    drop(behind);
+    // The next start on the same dir is above the predecessor, and joins.
+    let next = start(fresh.path()).await.unwrap();
+    assert!(next.address().generation > predecessor.address().generation, "{}", next.address());
+    eventually(CONVERGE, "n1 lists the next n3 as Up", || {
+        std::future::ready(
+            n1.members().iter().any(|m| m.address() == next.address() && m.status() == MemberStatus::Up).then_some(()),
+        )
+    })
+    .await;
+    assert_eq!(next.stop_reason(), None);
+    next.shutdown().await;
+    c.shutdown().await;
+}
+
 /// Seeds through the system resolver (`/etc/hosts` here): a node whose first seed is a host
 /// name resolving to its own gossip address forms the cluster, and a node given that name
 /// joins it — the way a StatefulSet names its pods.

@@ -496,15 +496,33 @@ impl DurableStore {
         Ok(CounterReservation { store_id, floor, ceiling })
     }
 
+    /// The last generation stored (0 for none).
+    fn stored_generation(&self, txn: &heed::RoTxn) -> Result<u64> {
+        match self.meta.get(txn, GENERATION_KEY).map_err(|e| Error::storage(&self.path, e))? {
+            Some(b) if b.len() == 8 => Ok(u64::from_be_bytes(b.try_into().expect("8 bytes"))),
+            Some(_) => Err(Error::storage(&self.path, "corrupt generation record")),
+            None => Ok(0),
+        }
+    }
+
+    /// Makes the next start's generation exceed `generation` (a predecessor's, seen in gossip
+    /// while this start's own was below it); a lower one changes nothing.
+    pub fn raise_generation_floor(&self, generation: u64) -> Result<()> {
+        let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
+        let last = self.stored_generation(&wtxn)?;
+        if generation > last {
+            self.meta
+                .put(&mut wtxn, GENERATION_KEY, &generation.to_be_bytes())
+                .map_err(|e| Error::storage(&self.path, e))?;
+        }
+        wtxn.commit().map_err(|e| Error::storage(&self.path, e))
+    }
+
     /// Picks this start's generation: `max(now_ms, last + 1)`, stored before it is used, so a
     /// node never reuses a generation (and CRDT actor ids) even if its clock went backwards.
     pub fn next_generation(&self, now_ms: u64) -> Result<u64> {
         let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
-        let last = match self.meta.get(&wtxn, GENERATION_KEY).map_err(|e| Error::storage(&self.path, e))? {
-            Some(b) if b.len() == 8 => u64::from_be_bytes(b.try_into().expect("8 bytes")),
-            Some(_) => return Err(Error::storage(&self.path, "corrupt generation record")),
-            None => 0,
-        };
+        let last = self.stored_generation(&wtxn)?;
         let Some(next) = last.checked_add(1) else {
             return Err(Error::storage(&self.path, "generation record at its maximum"));
         };

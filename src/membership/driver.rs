@@ -100,6 +100,9 @@ impl Transport for PreboundTransport {
 pub(crate) type GossipSocketWrapper =
     std::sync::Arc<dyn Fn(Box<dyn Socket>, &UniqueAddress, SocketAddr) -> Box<dyn Socket> + Send + Sync>;
 
+/// Records that this node id's next start must take a generation above the one given.
+pub(crate) type GenerationFloor = Box<dyn Fn(u64) -> crate::error::Result<()> + Send + Sync>;
+
 /// The membership task.
 pub(crate) struct MembershipDriver {
     chitchat: ChitchatHandle,
@@ -110,6 +113,8 @@ pub(crate) struct MembershipDriver {
     commands: mpsc::UnboundedReceiver<Command>,
     /// The node's spawner, to stop the node (set when it runs).
     spawner: Option<Spawner>,
+    /// Records a generation the next start must exceed (set by the node: its durable store).
+    generation_floor: Option<GenerationFloor>,
     /// Counts the down marks this node publishes.
     stats: Arc<GossipStats>,
 }
@@ -231,8 +236,15 @@ impl MembershipDriver {
             events,
             commands: cmd_rx,
             spawner: None,
+            generation_floor: None,
         };
         Ok((handle, driver))
+    }
+
+    /// Where a start whose generation was behind its predecessor's records the generation the
+    /// next start must exceed.
+    pub(crate) fn set_generation_floor(&mut self, floor: GenerationFloor) {
+        self.generation_floor = Some(floor);
     }
 
     /// Runs until the node shuts down, then stops gossip. Stops the node itself when a newer
@@ -313,6 +325,21 @@ impl MembershipDriver {
                     tracing::warn!(%newer, "a newer incarnation of this node id joined; this one stops");
                     if let Some(spawner) = &self.spawner {
                         spawner.stop(format!("superseded by the newer incarnation {newer} of this node id"));
+                    }
+                }
+                LifecycleAction::GenerationBehind(predecessor) => {
+                    let recorded = self.generation_floor.as_ref().map(|record| record(predecessor.generation));
+                    let next = match recorded {
+                        Some(Err(e)) => format!("recording it failed ({e}): the next start may be behind again"),
+                        _ => format!("the next start takes a generation above {}", predecessor.generation),
+                    };
+                    let why = format!(
+                        "this incarnation's generation is below its predecessor {predecessor}'s (the clock is behind \
+                         the one that incarnation started under, and the data dir did not remember it); {next}"
+                    );
+                    tracing::error!("{why}");
+                    if let Some(spawner) = &self.spawner {
+                        spawner.stop(why);
                     }
                 }
                 LifecycleAction::PublishDowns(victims) => self.publish_down_marks(&victims).await,

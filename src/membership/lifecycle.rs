@@ -33,6 +33,11 @@ pub(crate) enum LifecycleAction {
     /// A newer incarnation of this node id is in gossip: this one is superseded and stops
     /// (emitted once).
     Superseded(UniqueAddress),
+    /// A higher generation of this node id was already in gossip while this incarnation was
+    /// still joining: this process started with a generation below its predecessor's (on an
+    /// empty data dir, with a clock behind the one the predecessor started under). It stops
+    /// (emitted once), and its next start must take a generation above this one.
+    GenerationBehind(UniqueAddress),
 }
 
 /// Settings of the life cycle.
@@ -112,9 +117,16 @@ impl LifecycleCore {
         let me = &self.address;
         let newer = nodes.iter().find(|n| n.address.node_id == me.node_id && n.address.generation > me.generation);
         if let (Some(newer), false) = (newer, self.superseded) {
-            warn!(node = %me, newer = %newer.address, "superseded by a newer incarnation of this node id");
             self.superseded = true;
-            out.push(LifecycleAction::Superseded(newer.address.clone()));
+            if self.status == MemberStatus::Joining {
+                // Found before this one joined: the other is this node's predecessor, not a
+                // successor (review finding S18); yielding for good would loop at every start.
+                warn!(node = %me, predecessor = %newer.address, "this generation is below an earlier incarnation's");
+                out.push(LifecycleAction::GenerationBehind(newer.address.clone()));
+            } else {
+                warn!(node = %me, newer = %newer.address, "superseded by a newer incarnation of this node id");
+                out.push(LifecycleAction::Superseded(newer.address.clone()));
+            }
         }
         if self.status == MemberStatus::Joining && self.ready_to_be_up(nodes, now) {
             // Saturating: the highest up-number comes from gossip.
@@ -263,6 +275,25 @@ mod tests {
         out.clear();
         c.on_gossip(&[node("me", "up", Some(1), true), newer], t0, &mut out);
         assert!(out.is_empty(), "emitted once: {out:?}");
+    }
+
+    /// Review finding S18: a restart whose generation is below its predecessor's (an empty data
+    /// dir and a clock behind) finds the predecessor in gossip while still joining. That is not
+    /// a successor to yield to for good: it says its generation is behind (once) and never
+    /// turns Up under it.
+    #[test]
+    fn a_higher_generation_already_in_gossip_while_joining_is_a_generation_behind_not_a_successor() {
+        let t0 = Instant::now();
+        let mut c = LifecycleCore::new(me(), settings(true, false, None), t0);
+        let mut predecessor = node("me", "up", Some(1), true);
+        predecessor.address = UniqueAddress::new("me", 9);
+        let gossip = [node("me", "joining", None, true), predecessor, node("other", "up", Some(2), true)];
+        let mut out = Vec::new();
+        c.on_gossip(&gossip, t0, &mut out);
+        assert_eq!(out, vec![LifecycleAction::GenerationBehind(UniqueAddress::new("me", 9))]);
+        out.clear();
+        c.on_gossip(&gossip, t0 + Duration::from_secs(5), &mut out);
+        assert!(!out.contains(&LifecycleAction::GenerationBehind(UniqueAddress::new("me", 9))), "once: {out:?}");
     }
 
     #[test]

@@ -156,13 +156,15 @@ impl Node {
             b.gossip_socket.as_ref(),
         )
         .await;
-        let (membership, driver) = match started {
+        let (membership, mut driver) = match started {
             Ok(m) => m,
             Err(e) => {
                 spawner.shut_down().await;
                 return Err(e);
             }
         };
+        let floor_store = store.clone();
+        driver.set_generation_floor(Box::new(move |generation| floor_store.raise_generation_floor(generation)));
         spawner.spawn_essential("membership", driver.run(spawner.clone()));
         transport.admit_only_members(membership.watch());
         let failure_detector = Arc::new(FailureDetectorStats::default());
