@@ -15,7 +15,8 @@ use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_s
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
-    AskTable, Direct, FastPath, PeerSenders, RegionCmd, RegionCore, RegionSettings, RegionTask, RemoteHomes,
+    AskTable, Direct, FastPath, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionSettings, RegionTask,
+    RemoteHomes, region_commands,
 };
 use super::region_ref::{RegionRef, coordinator_request};
 use super::settings::ShardingSettings;
@@ -124,7 +125,7 @@ pub(crate) struct HandleInner<E: Entity> {
     deadlines: DeadlineSweep,
     settings: ShardingSettings,
     extractor: ShardIdExtractor,
-    commands: mpsc::UnboundedSender<RegionCmd<E>>,
+    commands: RegionCommands<E>,
     buffered: Arc<AtomicUsize>,
     counters: Arc<RegionCounters>,
     proxy: bool,
@@ -162,7 +163,7 @@ impl<E: Entity> HandleInner<E> {
         type_name: &str,
         settings: ShardingSettings,
         extractor: ShardIdExtractor,
-        commands: mpsc::UnboundedSender<RegionCmd<E>>,
+        commands: RegionCommands<E>,
         buffered: Arc<AtomicUsize>,
         routed: Arc<RoutedInFlight>,
         deadlines: DeadlineSweep,
@@ -240,7 +241,8 @@ impl<E: Entity> ShardRegion<E> {
                 Direct::Routed(back) => env = back,
             }
         }
-        if i.buffered.load(Ordering::Relaxed) >= i.settings.buffer_size {
+        // Waiting for a home in the task, or for the task itself to take them.
+        if i.buffered.load(Ordering::Relaxed) + i.commands.queued() >= i.settings.buffer_size {
             if i.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed) == 0 {
                 warn!(type_name = %i.type_name, "region buffer full; dropping messages");
             }
@@ -431,7 +433,7 @@ pub(crate) async fn start_region_of<E: Entity>(
     let n = settings.number_of_shards;
     let extractor: ShardIdExtractor =
         options.shard_id_extractor.clone().unwrap_or_else(|| Arc::new(move |id: &str| default_shard_id(id, n)));
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = region_commands();
     let proxy = factory.is_none();
     let routed = RoutedInFlight::new();
     let inner = Arc::new(HandleInner {

@@ -42,7 +42,7 @@ use super::envelope::{Envelope, ReplyTo, RoutedInFlight};
 use super::handle::HandleInner;
 use super::ids::{ShardId, default_shard_id};
 use super::query::{EntityIdPage, RegionInfo};
-use super::region::RegionCmd;
+use super::region::{RegionCmd, RegionCommandsRx, region_commands};
 use super::{Entity, ShardRegion, ShardingSettings};
 use crate::deadline::DeadlineSweep;
 use crate::error::Error;
@@ -159,7 +159,7 @@ impl<E: Entity> RegionProbe<E> {
 /// that hosts nothing, so the code under test never waits on the test to answer them.
 async fn stand_in_region<E: Entity>(
     type_name: String,
-    mut commands: mpsc::UnboundedReceiver<RegionCmd<E>>,
+    mut commands: RegionCommandsRx<E>,
     sent: mpsc::UnboundedSender<Sent<E>>,
 ) {
     while let Some(cmd) = commands.recv().await {
@@ -211,7 +211,7 @@ impl<E: Entity> ShardRegion<E> {
     /// Outside a Tokio runtime: its small region task and its ask deadlines run on it.
     pub fn stand_in(type_name: &str, settings: ShardingSettings) -> (ShardRegion<E>, RegionProbe<E>) {
         let n = settings.number_of_shards;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = region_commands();
         let (sent_tx, sent_rx) = mpsc::unbounded_channel();
         let deadlines = DeadlineSweep::new();
         let stop = CancellationToken::new();
@@ -293,6 +293,27 @@ mod tests {
         assert_eq!(asker.await.unwrap().unwrap(), 20);
         starter.await.unwrap().unwrap();
         assert!(probe.try_next().is_none(), "nothing else was sent");
+    }
+
+    /// Review finding 6: messages sent to a region task that has not taken them yet count
+    /// against `buffer_size`, so a task that falls behind makes senders fail with `BufferFull`
+    /// instead of growing its queue without bound; once it catches up they are taken again.
+    /// (On this single-threaded runtime the stand-in's task runs only when the test waits.)
+    #[tokio::test]
+    async fn messages_a_region_task_has_not_taken_count_against_its_buffer_and_past_it_fail_with_buffer_full() {
+        let settings = ShardingSettings { number_of_shards: 7, buffer_size: 10, ..Default::default() };
+        let (region, mut probe) = ShardRegion::<Echo>::stand_in("echo", settings);
+        for i in 0..10 {
+            region.tell(&format!("e{i}"), i).unwrap();
+        }
+        let full = region.tell("e10", 10).unwrap_err();
+        assert!(matches!(full, crate::Error::BufferFull { buffer_size: 10, .. }), "{full}");
+        assert!(matches!(region.ask("e11", 11).await, Err(crate::Error::BufferFull { .. })));
+        for _ in 0..10 {
+            probe.next().await.unwrap();
+        }
+        region.tell("e12", 12).unwrap();
+        assert_eq!(probe.next().await.unwrap().entity_id(), "e12");
     }
 
     #[tokio::test]

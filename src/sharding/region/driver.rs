@@ -52,6 +52,58 @@ pub(crate) enum RegionCmd<E: Entity> {
     SetPassivationLimit(usize, oneshot::Sender<bool>),
 }
 
+/// A region task's command channel: its `Deliver` commands count from their send until the task
+/// takes them, so the handle can refuse with `BufferFull` when the task falls behind instead of
+/// queueing without bound (review finding 6).
+pub(crate) fn region_commands<E: Entity>() -> (RegionCommands<E>, RegionCommandsRx<E>) {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let queued = Arc::new(AtomicUsize::new(0));
+    (RegionCommands { tx, queued: queued.clone() }, RegionCommandsRx { rx, queued })
+}
+
+/// The sending side of [`region_commands`].
+pub(crate) struct RegionCommands<E: Entity> {
+    tx: mpsc::UnboundedSender<RegionCmd<E>>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl<E: Entity> RegionCommands<E> {
+    /// `Deliver` commands sent and not yet taken by the task.
+    pub(crate) fn queued(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+
+    /// Sends `cmd`; `Err` once the task is gone.
+    pub(crate) fn send(&self, cmd: RegionCmd<E>) -> std::result::Result<(), ()> {
+        let deliver = matches!(cmd, RegionCmd::Deliver { .. });
+        if deliver {
+            self.queued.fetch_add(1, Ordering::Relaxed);
+        }
+        self.tx.send(cmd).map_err(|_| {
+            if deliver {
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+            }
+        })
+    }
+}
+
+/// The receiving side of [`region_commands`].
+pub(crate) struct RegionCommandsRx<E: Entity> {
+    rx: mpsc::UnboundedReceiver<RegionCmd<E>>,
+    queued: Arc<AtomicUsize>,
+}
+
+impl<E: Entity> RegionCommandsRx<E> {
+    /// The next command; `None` once every handle is gone.
+    pub(crate) async fn recv(&mut self) -> Option<RegionCmd<E>> {
+        let cmd = self.rx.recv().await?;
+        if matches!(cmd, RegionCmd::Deliver { .. }) {
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+        Some(cmd)
+    }
+}
+
 /// An asker waiting for a remote answer.
 pub(crate) enum PendingAsk<R> {
     Reply(oneshot::Sender<Result<R>>),
@@ -111,7 +163,7 @@ impl<E: Entity> RegionTask<E> {
     pub(crate) async fn run(
         mut self,
         node: Node,
-        mut commands: mpsc::UnboundedReceiver<RegionCmd<E>>,
+        mut commands: RegionCommandsRx<E>,
         mut events: mpsc::UnboundedReceiver<ShardEvent<E>>,
     ) {
         let topic = self.fast.topic.clone();

@@ -9,5 +9,5 @@ mod fast;
 
 pub(crate) use asks::AskTable;
 pub(crate) use core::{RegionCore, RegionInput, RegionSettings};
-pub(crate) use driver::{RegionCmd, RegionTask};
+pub(crate) use driver::{RegionCmd, RegionCommands, RegionCommandsRx, RegionTask, region_commands};
 pub(crate) use fast::{Direct, FastPath, PeerSenders, RemoteHomes};
