@@ -79,6 +79,8 @@ enum Command {
     },
     /// Delete the sharding data (remembered entities and shards) of entity types from a stopped
     /// node's data dir (Akka's RemoveInternalClusterShardingData). Refuses while a node runs on it.
+    /// Run it on every node's data dir with the whole cluster stopped: a node that kept the data
+    /// replicates it back.
     RemoveInternalData {
         /// The node's data dir.
         #[arg(long)]
@@ -264,6 +266,10 @@ fn remove_internal_data(data_dir: &std::path::Path, types: &[String]) -> Result<
     for (t, n) in ddshard::sharding::remove_internal_data(data_dir, types)? {
         println!("{t}: deleted {n} keys");
     }
+    eprintln!(
+        "every node holds a replica: run this on the data dir of every node of the cluster while all are \
+         stopped, or the data comes back from the nodes that kept it"
+    );
     Ok(())
 }
 

@@ -175,9 +175,18 @@ impl EntityContext {
 /// Deletes the durable sharding data (remembered entities and shards) of `types` from a
 /// stopped node's data dir — Akka's RemoveInternalClusterShardingData. Refuses while a running
 /// node holds the data dir. Returns the number of keys deleted per type.
+///
+/// Every node keeps a replica: run it on the data dir of **every** node while the whole
+/// cluster is stopped. A node left out, or still running, holds the data and replication
+/// brings it back to the others when they start.
 pub fn remove_internal_data(data_dir: &std::path::Path, types: &[String]) -> Result<Vec<(String, usize)>> {
     let _lock = crate::node::lock_data_dir(data_dir)?;
-    let store = crate::ddata::DurableStore::open(&data_dir.join("ddata"), 1 << 30)?;
+    let dir = data_dir.join("ddata");
+    // Room for the deletions' copied pages above what the store uses; LMDB never maps less
+    // than the data file, so a store larger than any fixed guess opens too.
+    let used = std::fs::metadata(dir.join("data.mdb")).map_or(0, |m| m.len());
+    let map_size = usize::try_from(used).unwrap_or(usize::MAX).saturating_add(64 << 20);
+    let store = crate::ddata::DurableStore::open(&dir, map_size)?;
     types
         .iter()
         .map(|t| {
