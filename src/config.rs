@@ -229,6 +229,17 @@ pub struct MembershipSettings {
     /// if no member answers within this time.
     #[serde(with = "humantime_serde")]
     pub seed_node_timeout: Duration,
+    /// Safe formation for nodes that all get the same seeds (a DNS name of every node, a list
+    /// of all of them): when at least this many nodes (this one included) gossip with one
+    /// another and none is a member yet, the one with the lowest advertised gossip address
+    /// forms the cluster once that set has been stable for `bootstrap_stable_margin`; the
+    /// others join it. No node is a "first seed" then. 0 (the default): off, and a node whose
+    /// first seed is itself forms the cluster after `seed_node_timeout`.
+    pub bootstrap_contact_points: usize,
+    /// How long the set of nodes gossiping must stay the same before the lowest forms a
+    /// cluster (with `bootstrap_contact_points`).
+    #[serde(with = "humantime_serde")]
+    pub bootstrap_stable_margin: Duration,
     /// How long a leaving node keeps gossiping its final status so every member sees it removed.
     #[serde(with = "humantime_serde")]
     pub leave_linger: Duration,
@@ -350,6 +361,8 @@ impl Default for MembershipSettings {
             initial_interval: Duration::from_millis(150),
             dead_node_grace_period: Duration::from_secs(3600),
             seed_node_timeout: Duration::from_secs(5),
+            bootstrap_contact_points: 0,
+            bootstrap_stable_margin: Duration::from_secs(5),
             leave_linger: Duration::from_millis(1000),
             leave_hand_over_timeout: Duration::from_secs(10),
             gossip_freshness_window: Duration::from_secs(30),
@@ -703,6 +716,12 @@ impl NodeConfig {
         if m.downing == DowningStrategy::StaticQuorum && m.quorum_size == 0 {
             return bad("membership.quorum_size must be at least 1 with downing = \"static-quorum\"".into());
         }
+        if m.bootstrap_contact_points > 0 && self.seeds.is_empty() {
+            return bad("membership.bootstrap_contact_points needs seeds (the names or addresses of the nodes)".into());
+        }
+        if m.bootstrap_contact_points > 1_000 {
+            return bad("membership.bootstrap_contact_points must be at most 1000".into());
+        }
         if m.downing_role.as_deref().is_some_and(|r| r.is_empty() || r.contains(',')) {
             return bad("membership.downing_role must be non-empty and must not contain ','".into());
         }
@@ -711,6 +730,7 @@ impl NodeConfig {
             ("membership.initial_interval", m.initial_interval),
             ("membership.dead_node_grace_period", m.dead_node_grace_period),
             ("membership.seed_node_timeout", m.seed_node_timeout),
+            ("membership.bootstrap_stable_margin", m.bootstrap_stable_margin),
             ("membership.leave_linger", m.leave_linger),
             ("membership.leave_hand_over_timeout", m.leave_hand_over_timeout),
             ("membership.gossip_freshness_window", m.gossip_freshness_window),
@@ -1004,6 +1024,17 @@ mod tests {
         );
         assert_eq!(override_path_of_env_var("DDSHARD_CLUSTER_SECRET"), None, "one underscore: not an override");
         assert_eq!(override_path_of_env_var("PATH"), None);
+    }
+
+    #[test]
+    fn bootstrap_formation_needs_seeds_to_find_its_contact_points_and_a_bounded_count() {
+        let mut cfg = NodeConfig { node_id: "n1".into(), ..NodeConfig::default() };
+        cfg.membership.bootstrap_contact_points = 3;
+        assert!(matches!(cfg.validate(), Err(Error::Config(m)) if m.contains("needs seeds")));
+        cfg.seeds = vec!["ddshard.default.svc:7000".parse().unwrap()];
+        assert!(cfg.validate().is_ok());
+        cfg.membership.bootstrap_contact_points = 1_001;
+        assert!(matches!(cfg.validate(), Err(Error::Config(m)) if m.contains("at most 1000")));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 
 use super::downing::Strategy;
 use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStats};
-use super::lifecycle::{LifecycleAction, LifecycleCore, LifecycleSettings};
+use super::lifecycle::{Bootstrap, LifecycleAction, LifecycleCore, LifecycleSettings};
 use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
 use crate::config::NodeConfig;
@@ -171,7 +171,9 @@ impl MembershipDriver {
         let m = &cfg.membership;
         // The first seed names this node when it is its gossip address or a name resolving to
         // it (a StatefulSet's pod 0 given its own DNS name): then it may form the cluster.
+        // With bootstrap formation no node is a first seed: the lowest of the contact points forms.
         let self_is_first_seed = match cfg.seeds.first() {
+            _ if m.bootstrap_contact_points > 0 => false,
             None => false,
             Some(first) => match first.socket_addr() {
                 Some(addr) => addr == gossip_addr,
@@ -223,6 +225,10 @@ impl MembershipDriver {
             self_is_first_seed,
             gossip_interval: m.gossip_interval,
             seed_node_timeout: m.seed_node_timeout,
+            bootstrap: (m.bootstrap_contact_points > 0).then_some(Bootstrap {
+                contact_points: m.bootstrap_contact_points,
+                stable_margin: m.bootstrap_stable_margin,
+            }),
             down_removal_margin: m.down_removal_margin,
             downing: Strategy::from_settings(m).map(|strategy| (strategy, m.stable_after)),
             down_all_when_unstable: m.down_all_when_unstable.after(m.stable_after),

@@ -7,6 +7,15 @@
 //!   highest up-number in gossip has arrived; the new up-number is one more than the highest
 //!   seen (Lamport style, see the age order in [`super`]). A node that is its own first seed
 //!   forms the cluster alone after `seed_node_timeout` without an answer.
+//! - **Bootstrap formation** (when every node gets the same seeds). **Guarantee:** of nodes
+//!   that can gossip with one another, at most one forms a cluster, and only when none is a
+//!   member yet. No node is a first seed; while no member is Up, the live nodes in gossip are
+//!   the contact points, and the one with the lowest gossip address forms once at least
+//!   `contact_points` of them (itself included) were seen and their set has not changed for
+//!   `stable_margin`. Every other node waits for a member to be Up and joins it; a node that
+//!   finds a lower one later (a slower start, a late DNS record) only restarts the wait. Two
+//!   groups that never gossip with each other can still each form one (as with any discovery
+//!   that returns disjoint sets).
 //! - **Down-removal margin.** A member seen Down stays listed (as Down) for
 //!   `down_removal_margin` after this node first saw it so, then it is dropped from the
 //!   snapshot: its shards and singletons move only then, giving it time to stop.
@@ -14,6 +23,7 @@
 //!   each victim's down mark is published once, and a losing node publishes itself Down.
 
 use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use tracing::{info, warn};
@@ -40,6 +50,15 @@ pub(crate) enum LifecycleAction {
     GenerationBehind(UniqueAddress),
 }
 
+/// Bootstrap formation (module docs).
+#[derive(Debug, Clone)]
+pub(crate) struct Bootstrap {
+    /// Fewest contact points (this node included) before the lowest may form a cluster.
+    pub contact_points: usize,
+    /// How long their set must stay the same.
+    pub stable_margin: Duration,
+}
+
 /// Settings of the life cycle.
 #[derive(Debug, Clone)]
 pub(crate) struct LifecycleSettings {
@@ -48,6 +67,8 @@ pub(crate) struct LifecycleSettings {
     pub self_is_first_seed: bool,
     pub gossip_interval: Duration,
     pub seed_node_timeout: Duration,
+    /// Bootstrap formation instead of the first-seed rule.
+    pub bootstrap: Option<Bootstrap>,
     pub down_removal_margin: Duration,
     /// Which side of a split keeps running, and the resolver's `stable_after`; `None` with
     /// downing off.
@@ -71,6 +92,8 @@ pub(crate) struct LifecycleCore {
     down_seen: HashMap<UniqueAddress, Instant>,
     downs_published: HashSet<UniqueAddress>,
     superseded: bool,
+    /// Bootstrap: the contact points last seen (gossip addresses) and since when unchanged.
+    contacts: (Vec<SocketAddr>, Instant),
 }
 
 impl LifecycleCore {
@@ -89,6 +112,7 @@ impl LifecycleCore {
             down_seen: HashMap::new(),
             downs_published: HashSet::new(),
             superseded: false,
+            contacts: (Vec::new(), now),
         }
     }
 
@@ -214,11 +238,38 @@ impl LifecycleCore {
             let seen = *self.up_member_seen_at.get_or_insert(now);
             return now.duration_since(seen) >= self.settings.gossip_interval * 2;
         }
+        if let Some(bootstrap) = self.settings.bootstrap.clone() {
+            return self.lowest_of_stable_contact_points(nodes, &bootstrap, now);
+        }
         if self.settings.self_is_first_seed && now.duration_since(self.started) >= self.settings.seed_node_timeout {
             warn!(node = %self.address, "no member answered; forming a new cluster as first seed");
             return true;
         }
         false
+    }
+
+    /// Bootstrap formation's decision (module docs), with no member Up in gossip.
+    fn lowest_of_stable_contact_points(&mut self, nodes: &[GossipNode], b: &Bootstrap, now: Instant) -> bool {
+        let Some(me) = nodes.iter().find(|n| n.address == self.address) else { return false };
+        let mut contacts: Vec<SocketAddr> = nodes
+            .iter()
+            .filter(|n| n.address == self.address || (n.live && n.address.node_id != self.address.node_id))
+            .map(|n| n.gossip_addr)
+            .collect();
+        contacts.sort_unstable();
+        contacts.dedup();
+        if contacts != self.contacts.0 {
+            self.contacts = (contacts, now);
+            return false;
+        }
+        let (contacts, since) = &self.contacts;
+        let ready = contacts.len() >= b.contact_points
+            && now.duration_since(*since) >= b.stable_margin
+            && contacts.first() == Some(&me.gossip_addr);
+        if ready {
+            warn!(node = %self.address, contact_points = contacts.len(), "no member anywhere; forming a new cluster as the lowest of the stable contact points");
+        }
+        ready
     }
 }
 
@@ -235,6 +286,7 @@ mod tests {
             self_is_first_seed: first_seed,
             gossip_interval: GOSSIP,
             seed_node_timeout: Duration::from_secs(5),
+            bootstrap: None,
             down_removal_margin: Duration::from_secs(2),
             downing: downing.map(|stable| (Strategy::KeepMajority { role: None }, stable)),
             down_all_when_unstable: None,
@@ -435,5 +487,133 @@ mod tests {
         out.clear();
         c.on_gossip(&flaps[1], t0 + Duration::from_secs(3), &mut out);
         assert!(out.is_empty(), "once: {out:?}");
+    }
+
+    fn at(id: &str, status: &str, last_octet: u8) -> GossipNode {
+        let mut n = node(id, status, (status == "up").then_some(1), true);
+        n.gossip_addr = SocketAddr::from(([10, 0, 0, last_octet], 7000));
+        n
+    }
+
+    fn bootstrap_settings(contact_points: usize) -> LifecycleSettings {
+        let margin = Duration::from_secs(5);
+        LifecycleSettings {
+            bootstrap: Some(Bootstrap { contact_points, stable_margin: margin }),
+            ..settings(true, false, None)
+        }
+    }
+
+    /// The rule, step by step: the lowest forms only with enough contact points, stable for the
+    /// margin; a lower one appearing restarts the wait (and takes the role); a node that is not
+    /// the lowest never forms; an Up member anywhere means joining instead.
+    #[test]
+    fn bootstrap_the_lowest_of_enough_stable_contact_points_forms_and_no_other_does() {
+        let t0 = Instant::now();
+        let s = |secs: u64| t0 + Duration::from_secs(secs);
+        let mut b = LifecycleCore::new(UniqueAddress::new("b", 1), bootstrap_settings(3), t0);
+        let mut c = LifecycleCore::new(UniqueAddress::new("c", 1), bootstrap_settings(3), t0);
+        let mut out = Vec::new();
+        let two = [at("b", "joining", 2), at("c", "joining", 3)];
+        for t in 0..10 {
+            assert!(b.on_gossip(&two, s(t), &mut out).is_some(), "two contact points of three: no cluster");
+        }
+        let mut three = vec![at("b", "joining", 2), at("c", "joining", 3), at("d", "joining", 4)];
+        b.on_gossip(&three, s(10), &mut out);
+        c.on_gossip(&three, s(10), &mut out);
+        assert!(b.on_gossip(&three, s(14), &mut out).is_some(), "not stable for the margin yet");
+        // A lower node appears: the wait starts again, and b is no longer the lowest.
+        three.push(at("a", "joining", 1));
+        assert!(b.on_gossip(&three, s(15), &mut out).is_some());
+        assert!(b.on_gossip(&three, s(30), &mut out).is_some(), "b is not the lowest: it never forms");
+        assert!(c.on_gossip(&three, s(30), &mut out).is_some(), "nor does c");
+        assert!(out.is_empty(), "{out:?}");
+        let mut a = LifecycleCore::new(UniqueAddress::new("a", 1), bootstrap_settings(3), t0);
+        a.on_gossip(&three, s(20), &mut out);
+        assert!(a.on_gossip(&three, s(24), &mut out).is_some(), "stable 4 s of 5");
+        assert!(a.on_gossip(&three, s(25), &mut out).is_none(), "the lowest, stable for the margin: forms");
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(1) }]);
+        // The others join the member that is Up (after two gossip intervals), as with seeds.
+        out.clear();
+        let joined = [at("a", "up", 1), at("b", "joining", 2), at("c", "joining", 3), at("d", "joining", 4)];
+        b.on_gossip(&joined, s(31), &mut out);
+        assert!(b.on_gossip(&joined, s(31) + GOSSIP * 2, &mut out).is_none(), "b joins the cluster a formed");
+        assert_eq!(out, vec![LifecycleAction::PublishStatus { status: MemberStatus::Up, up_number: Some(2) }]);
+    }
+
+    /// Five nodes with one configuration started at once in random order, each discovering the
+    /// others in a random, staggered, partial order (a DNS name whose records appear one by one,
+    /// seen by each node at its own time), and gossip spreading what each knows a hop per round:
+    /// in every run exactly one node forms a cluster and every node ends Up in it. The runs
+    /// start at 400 (`DDSHARD_BOOTSTRAP_RUNS` sets how many; 3,000 passed in release): run 410
+    /// forms two clusters when the stable margin is 0, which is what the margin is for.
+    #[test]
+    fn bootstrap_five_nodes_with_staggered_partial_discovery_form_exactly_one_cluster_in_every_run() {
+        use rand::{Rng, SeedableRng};
+        const N: usize = 5;
+        const STEP: Duration = Duration::from_millis(100);
+        let runs: u64 = std::env::var("DDSHARD_BOOTSTRAP_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);
+        for run in 400..400 + runs {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(run);
+            let t0 = Instant::now();
+            let start: Vec<u64> = (0..N).map(|_| rng.random_range(0..30)).collect();
+            // Step at which node i first hears of node j by discovery.
+            let mut discovers = [[u64::MAX; N]; N];
+            for (i, row) in discovers.iter_mut().enumerate() {
+                for (j, at_step) in row.iter_mut().enumerate() {
+                    *at_step = if i == j { start[i] } else { start[i].max(start[j]) + rng.random_range(0..60) };
+                }
+            }
+            let ids: Vec<String> = (0..N).map(|i| format!("n{i}")).collect();
+            let mut cores: Vec<LifecycleCore> = (0..N)
+                .map(|i| LifecycleCore::new(UniqueAddress::new(ids[i].as_str(), 1), bootstrap_settings(3), t0))
+                .collect();
+            let mut knows = [[false; N]; N];
+            let mut up = [false; N];
+            let mut formed = Vec::new();
+            for step in 0..400u64 {
+                let now = t0 + STEP * step as u32;
+                // Discovery, then one gossip round: each node exchanges with one node it knows,
+                // picked at random; both learn whom the other knows (chitchat's digests carry
+                // every node state), so news spreads a hop per round.
+                for i in 0..N {
+                    for j in 0..N {
+                        if discovers[i][j] <= step {
+                            knows[i][j] = true;
+                        }
+                    }
+                }
+                for i in (0..N).filter(|i| step >= start[*i]) {
+                    let peers: Vec<usize> = (0..N).filter(|j| *j != i && knows[i][*j] && step >= start[*j]).collect();
+                    if peers.is_empty() {
+                        continue;
+                    }
+                    let j = peers[rng.random_range(0..peers.len())];
+                    let (ki, kj) = (knows[i], knows[j]);
+                    for k in 0..N {
+                        knows[i][k] |= kj[k];
+                        knows[j][k] |= ki[k];
+                    }
+                    knows[j][i] = true;
+                }
+                for i in (0..N).filter(|i| step >= start[*i]) {
+                    let view: Vec<GossipNode> = (0..N)
+                        .filter(|j| knows[i][*j] || *j == i)
+                        .map(|j| at(&ids[j], if up[j] { "up" } else { "joining" }, j as u8 + 1))
+                        .collect();
+                    let any_up = view.iter().any(|n| n.keys[keys::STATUS] == "up");
+                    let mut out = Vec::new();
+                    cores[i].on_gossip(&view, now, &mut out);
+                    if out.iter().any(|a| matches!(a, LifecycleAction::PublishStatus { status: MemberStatus::Up, .. }))
+                    {
+                        up[i] = true;
+                        if !any_up {
+                            formed.push(i);
+                        }
+                    }
+                }
+            }
+            assert_eq!(formed.len(), 1, "run {run}: formed by {formed:?} (starts {start:?})");
+            assert!(up.iter().all(|u| *u), "run {run}: not every node joined: {up:?}");
+        }
     }
 }
