@@ -564,3 +564,47 @@ fn a_node_refuses_to_start_with_a_guessable_cluster_secret_or_admin_token_and_ne
     let (ready, stderr) = start("harbor quilt seven marmalade orbit lantern", None);
     assert!(ready, "a strong passphrase starts the node: {stderr}");
 }
+
+/// Issue 39, safe formation: five `ddshard node` processes with one configuration file
+/// (`bootstrap_contact_points = 3`) and every node's gossip address as seeds, each node's own
+/// first (by the first-seed rule each would form a cluster: with the setting at 0 they do),
+/// started at once, five times: each time exactly one cluster forms — every node lists the same five Up
+/// members, one of them with up-number 1 (each formation takes 1; a join takes more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn five_processes_with_one_configuration_started_at_once_form_exactly_one_cluster_every_time() {
+    for round in 0..5 {
+        let dir = tempfile::tempdir().unwrap();
+        // Ports known before the start, as a seed list written once for every node is.
+        let ports: Vec<u16> =
+            (0..5).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+        let seeds: Vec<std::net::SocketAddr> = ports.iter().map(|p| ([127, 0, 0, 1], *p).into()).collect();
+        let starts: Vec<_> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, port)| {
+                let mut o = ProcessOptions::new(&format!("n{}", i + 1), "bootstrap-test", dir.path());
+                o.shared_config_file = true;
+                o.gossip_port = *port;
+                // Each lists itself first: by the first-seed rule each would form a cluster.
+                o.seeds = seeds.iter().cycle().skip(i).take(seeds.len()).copied().collect();
+                o.membership_toml = "bootstrap_contact_points = 3\nbootstrap_stable_margin = \"1s\"".into();
+                std::thread::spawn(move || {
+                    NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
+                })
+            })
+            .collect();
+        let nodes: Vec<NodeProcess> = starts.into_iter().map(|t| t.join().unwrap()).collect();
+        let mut lists = Vec::new();
+        for n in &nodes {
+            let members = n.until_up(5, Duration::from_secs(60), |_| true).await;
+            let mut view: Vec<(String, Option<u64>)> =
+                members.iter().map(|m| (m.address.clone(), m.up_number)).collect();
+            view.sort();
+            lists.push(view);
+        }
+        // A node that forms takes up-number 1; one that joins, one more than the highest it saw.
+        let formed = lists[0].iter().filter(|(_, u)| *u == Some(1)).count();
+        assert_eq!(formed, 1, "round {round}: one formation, then four joins: {:?}", lists[0]);
+        assert!(lists.iter().all(|l| *l == lists[0]), "round {round}: the nodes disagree: {lists:#?}");
+    }
+}

@@ -26,8 +26,11 @@ pub struct ProcessOptions {
     pub dir: PathBuf,
     /// Gossip addresses to join through (empty: form a cluster).
     pub seeds: Vec<SocketAddr>,
-    /// IP the node binds gossip, messaging and client sockets to (port 0 each).
+    /// IP the node binds gossip, messaging and client sockets to (port 0 each, but gossip's
+    /// with `gossip_port`).
     pub bind_ip: IpAddr,
+    /// Port of the gossip address (0: any free one), for seeds known before the start.
+    pub gossip_port: u16,
     /// Extra lines of the `[membership]` section.
     pub membership_toml: String,
     /// Extra lines of the `[sharding]` section.
@@ -66,6 +69,7 @@ impl ProcessOptions {
             dir: dir.to_path_buf(),
             seeds: Vec::new(),
             bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            gossip_port: 0,
             membership_toml: String::new(),
             sharding_toml: String::new(),
             replicator_toml: String::new(),
@@ -92,7 +96,7 @@ impl ProcessOptions {
         let set = [
             format!("node_id={}", self.node_id),
             format!("data_dir={}", self.dir.join(&self.node_id).display()),
-            format!("gossip_addr={ip}:0"),
+            format!("gossip_addr={ip}:{}", self.gossip_port),
         ];
         let seeds: Vec<String> = self.seeds.iter().map(ToString::to_string).collect();
         let env = vec![
@@ -106,7 +110,7 @@ impl ProcessOptions {
         let seeds: Vec<String> = self.seeds.iter().map(|s| format!("\"{s}\"")).collect();
         format!(
             "node_id = \"{}\"\ncluster_id = \"{}\"\ndata_dir = \"{}\"\nseeds = [{}]\n\
-             gossip_addr = \"{ip}:0\"\nmessaging_addr = \"{ip}:0\"\n\
+             gossip_addr = \"{ip}:{gossip_port}\"\nmessaging_addr = \"{ip}:0\"\n\
              [membership]\n{}\n[sharding]\n{}\n[replicator]\n{}\n",
             self.node_id,
             self.cluster_id,
@@ -116,6 +120,7 @@ impl ProcessOptions {
             self.sharding_toml,
             self.replicator_toml,
             ip = SocketAddr::new(self.bind_ip, 0).ip(),
+            gossip_port = self.gossip_port,
         )
     }
 }
@@ -158,7 +163,11 @@ impl NodeProcess {
         } else {
             (opts.dir.join(format!("{}.toml", opts.node_id)), opts.config_text(), Default::default())
         };
-        std::fs::write(&config, text).map_err(|e| Error::io("writing the node config", e))?;
+        // Written aside and renamed into place: nodes sharing one file may start together, and
+        // none may read it half written.
+        let aside = opts.dir.join(format!(".{}.toml.tmp", opts.node_id));
+        std::fs::write(&aside, text).map_err(|e| Error::io("writing the node config", e))?;
+        std::fs::rename(&aside, &config).map_err(|e| Error::io("writing the node config", e))?;
         let mut args: Vec<String> = opts.wrapper.clone();
         args.push(binary.display().to_string());
         args.extend(["node".into(), "--config".into(), config.display().to_string()]);
