@@ -631,6 +631,23 @@ mod tests {
         assert!(s.load_all().unwrap().entries.is_empty());
     }
 
+    /// Review finding S18: a predecessor's generation recorded as the floor makes the next
+    /// start's generation exceed it whatever the clock says; a lower floor changes nothing.
+    #[test]
+    fn a_raised_generation_floor_puts_the_next_generation_above_it_and_a_lower_one_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        assert_eq!(s.next_generation(1_000).unwrap(), 1_000);
+        s.raise_generation_floor(9_000).unwrap();
+        assert_eq!(s.next_generation(1_001).unwrap(), 9_001, "above the predecessor, not the clock");
+        s.raise_generation_floor(5_000).unwrap();
+        assert_eq!(s.next_generation(1_002).unwrap(), 9_002, "a lower floor is ignored");
+        drop(s);
+        let s = DurableStore::open(dir.path(), 1 << 24).unwrap();
+        s.raise_generation_floor(20_000).unwrap();
+        assert_eq!(s.next_generation(1_003).unwrap(), 20_001, "kept across a reopen");
+    }
+
     #[test]
     fn a_generation_record_at_its_maximum_is_a_typed_error_not_an_overflow() {
         let dir = tempfile::tempdir().unwrap();
