@@ -817,6 +817,22 @@ mod tests {
         assert_eq!(a_stats.datagrams_unauthenticated.load(Ordering::Relaxed), 0, "no junk reached the real socket");
     }
 
+    /// A local process that writes a well-formed chitchat envelope straight to the private
+    /// `codec` port gets nothing in: only what came through `tap` (authenticated) is returned.
+    #[tokio::test]
+    async fn an_envelope_written_straight_to_the_codec_port_is_never_taken_as_authenticated() {
+        let (mut a, _) = socket(W, false).await;
+        let (mut b, _) = socket(W, false).await;
+        let injected =
+            ChitchatEnvelope { version: chitchat::ProtocolVersion::V1, message: chitchat::ChitchatMessage::BadCluster };
+        let mut local = chitchat::transport::UdpSocket::open("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        local.send(a.codec.local_addr().unwrap(), injected).await.unwrap();
+        b.send(a.local_addr().unwrap(), bad_cluster()).await.unwrap();
+        let got = received(&mut a).await;
+        assert_eq!(got.envelope, bad_cluster(), "the injected envelope was taken");
+        assert_eq!(got.from_addr, b.local_addr().unwrap());
+    }
+
     #[test]
     fn fuzz_gossip_datagrams() {
         let s = sealer(9);

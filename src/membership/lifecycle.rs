@@ -513,7 +513,13 @@ mod tests {
         let mut b = LifecycleCore::new(UniqueAddress::new("b", 1), bootstrap_settings(3), t0);
         let mut c = LifecycleCore::new(UniqueAddress::new("c", 1), bootstrap_settings(3), t0);
         let mut out = Vec::new();
-        let two = [at("b", "joining", 2), at("c", "joining", 3)];
+        // A node gossip no longer hears (not live), or an older incarnation of this node id,
+        // is no contact point.
+        let mut dead = at("d", "joining", 4);
+        dead.live = false;
+        let mut older_me = at("b", "joining", 5);
+        older_me.address = UniqueAddress::new("b", 0);
+        let two = [at("b", "joining", 2), at("c", "joining", 3), dead, older_me];
         for t in 0..10 {
             assert!(b.on_gossip(&two, s(t), &mut out).is_some(), "two contact points of three: no cluster");
         }
