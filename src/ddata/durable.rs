@@ -29,6 +29,10 @@ pub struct DurableStore {
     deltas: Database<'static, Bytes, Bytes>,
     meta: Database<'static, Str, Bytes>,
     path: PathBuf,
+    /// Held shared by a transaction from outside the persist thread, exclusively by a map
+    /// resize: LMDB unmaps and remaps the file on a resize, which no other transaction of this
+    /// process may overlap.
+    resize_guard: std::sync::Arc<std::sync::RwLock<()>>,
 }
 
 impl std::fmt::Debug for DurableStore {
@@ -217,7 +221,7 @@ impl DurableStore {
             })
             .map_err(|e| Error::storage(dir, format!("cannot open databases: {e}")))?
             .unwrap_commit();
-        let store = DurableStore { env, data, deltas, meta, path: dir.to_path_buf() };
+        let store = DurableStore { env, data, deltas, meta, path: dir.to_path_buf(), resize_guard: Default::default() };
         store.stamp_if_empty()?;
         Ok(store)
     }
@@ -368,7 +372,10 @@ impl DurableStore {
     pub(crate) fn grow_map(&self, new_size: usize) -> heed::Result<()> {
         let page = 4096;
         let new_size = new_size.div_ceil(page) * page;
-        // SAFETY: per this method's contract, no transaction is open on the environment.
+        // The one transaction other threads may run meanwhile waits (see `resize_guard`).
+        let _exclusive = self.resize_guard.write().unwrap_or_else(std::sync::PoisonError::into_inner);
+        // SAFETY: per this method's contract no transaction of the persist thread is open, and
+        // the guard keeps out those of other threads.
         #[allow(unsafe_code)]
         unsafe {
             self.env.resize(new_size)
@@ -507,7 +514,9 @@ impl DurableStore {
 
     /// Makes the next start's generation exceed `generation` (a predecessor's, seen in gossip
     /// while this start's own was below it); a lower one changes nothing.
+    /// Safe beside the running persist thread (it never overlaps a map resize).
     pub fn raise_generation_floor(&self, generation: u64) -> Result<()> {
+        let _shared = self.resize_guard.read().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut wtxn = self.env.write_txn().map_err(|e| Error::storage(&self.path, e))?;
         let last = self.stored_generation(&wtxn)?;
         if generation > last {

@@ -101,7 +101,7 @@ pub(crate) type GossipSocketWrapper =
     std::sync::Arc<dyn Fn(Box<dyn Socket>, &UniqueAddress, SocketAddr) -> Box<dyn Socket> + Send + Sync>;
 
 /// Records that this node id's next start must take a generation above the one given.
-pub(crate) type GenerationFloor = Box<dyn Fn(u64) -> crate::error::Result<()> + Send + Sync>;
+pub(crate) type GenerationFloor = Arc<dyn Fn(u64) -> crate::error::Result<()> + Send + Sync>;
 
 /// The membership task.
 pub(crate) struct MembershipDriver {
@@ -247,6 +247,15 @@ impl MembershipDriver {
         Ok((handle, driver))
     }
 
+    /// Records (off the async workers: an LMDB commit) that the next start's generation must
+    /// exceed `generation`.
+    async fn record_generation_floor(&self, generation: u64) -> crate::error::Result<()> {
+        let Some(record) = self.generation_floor.clone() else { return Ok(()) };
+        tokio::task::spawn_blocking(move || record(generation))
+            .await
+            .map_err(|e| crate::error::Error::Gossip(format!("recording the generation floor: {e}")))?
+    }
+
     /// Where a start whose generation was behind its predecessor's records the generation the
     /// next start must exceed.
     pub(crate) fn set_generation_floor(&mut self, floor: GenerationFloor) {
@@ -329,15 +338,19 @@ impl MembershipDriver {
                 LifecycleAction::PublishStatus { status, up_number } => self.publish_status(status, up_number).await,
                 LifecycleAction::Superseded(newer) => {
                     tracing::warn!(%newer, "a newer incarnation of this node id joined; this one stops");
+                    // Harmless for a true successor; for a predecessor seen only after this
+                    // one turned Up (its gossip came late), it ends the restart loop too.
+                    if let Err(e) = self.record_generation_floor(newer.generation).await {
+                        tracing::warn!(error = %e, "recording the newer generation failed");
+                    }
                     if let Some(spawner) = &self.spawner {
                         spawner.stop(format!("superseded by the newer incarnation {newer} of this node id"));
                     }
                 }
                 LifecycleAction::GenerationBehind(predecessor) => {
-                    let recorded = self.generation_floor.as_ref().map(|record| record(predecessor.generation));
-                    let next = match recorded {
-                        Some(Err(e)) => format!("recording it failed ({e}): the next start may be behind again"),
-                        _ => format!("the next start takes a generation above {}", predecessor.generation),
+                    let next = match self.record_generation_floor(predecessor.generation).await {
+                        Err(e) => format!("recording it failed ({e}): the next start may be behind again"),
+                        Ok(()) => format!("the next start takes a generation above {}", predecessor.generation),
                     };
                     let why = format!(
                         "this incarnation's generation is below its predecessor {predecessor}'s (the clock is behind \

@@ -164,7 +164,7 @@ impl Node {
             }
         };
         let floor_store = store.clone();
-        driver.set_generation_floor(Box::new(move |generation| floor_store.raise_generation_floor(generation)));
+        driver.set_generation_floor(Arc::new(move |generation| floor_store.raise_generation_floor(generation)));
         spawner.spawn_essential("membership", driver.run(spawner.clone()));
         transport.admit_only_members(membership.watch());
         let failure_detector = Arc::new(FailureDetectorStats::default());
@@ -488,7 +488,7 @@ async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>,
 /// peer's connections for good).
 async fn forget_removed_peers(
     mut events: broadcast::Receiver<MemberEvent>,
-    members: watch::Receiver<Arc<MembershipSnapshot>>,
+    mut members: watch::Receiver<Arc<MembershipSnapshot>>,
     transport: Transport,
     shutdown: CancellationToken,
 ) {
@@ -501,7 +501,10 @@ async fn forget_removed_peers(
             Ok(MemberEvent::Removed(addr)) => transport.forget_peer(&addr),
             Ok(_) => {}
             Err(broadcast::error::RecvError::Lagged(missed)) => {
-                let snapshot = members.borrow().clone();
+                // The driver sends a refresh's events before it publishes its snapshot: wait
+                // for that snapshot (briefly; it may be out already) before reading it.
+                let _ = tokio::time::timeout(std::time::Duration::from_secs(1), members.changed()).await;
+                let snapshot = members.borrow_and_update().clone();
                 let gone = forget_non_members(&transport, &snapshot);
                 warn!(missed, forgotten = gone, "member events lagged; forgot the peers no longer members");
             }

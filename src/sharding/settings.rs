@@ -149,10 +149,11 @@ pub struct ShardingSettings {
     /// See `entity_recovery_batch`.
     #[serde(with = "humantime_serde")]
     pub entity_recovery_interval: Duration,
-    /// Messages a region buffers while shard homes are unknown, and messages each shard holds
-    /// while its data loads or their entities start or stop (remembered starts waiting for
-    /// their write, say); beyond it a message fails with [`Error::BufferFull`] (a flood of
-    /// distinct ids cannot grow memory without bound).
+    /// Messages a region buffers while shard homes are unknown, or that its task has not taken
+    /// yet, and messages each shard holds while its data loads or their entities start or stop
+    /// (remembered starts waiting for their write, say); beyond it a message fails with
+    /// [`Error::BufferFull`] (a flood of distinct ids, or a task that falls behind, cannot grow
+    /// memory without bound).
     pub buffer_size: usize,
     /// Longest entity id, in bytes (at most [`super::MAX_ENTITY_ID_LEN`], 16 KiB): longer ones
     /// are refused with [`Error::EntityIdTooLong`], locally and from peers. Every id costs its

@@ -314,6 +314,20 @@ mod tests {
         }
         region.tell("e12", 12).unwrap();
         assert_eq!(probe.next().await.unwrap().entity_id(), "e12");
+        // Full again, then the task ends (its probe dropped): what it never took no longer
+        // counts, and senders learn it is gone rather than full.
+        for i in 0..10 {
+            region.tell(&format!("f{i}"), i).unwrap();
+        }
+        drop(probe);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match region.tell("g", 0) {
+                Err(crate::Error::ShutDown) => break,
+                other => assert!(tokio::time::Instant::now() < deadline, "still {other:?}"),
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     #[tokio::test]

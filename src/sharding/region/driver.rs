@@ -93,6 +93,19 @@ pub(crate) struct RegionCommandsRx<E: Entity> {
     queued: Arc<AtomicUsize>,
 }
 
+/// Commands left in the channel when the task ends no longer count: senders then get
+/// `ShutDown`, not `BufferFull`.
+impl<E: Entity> Drop for RegionCommandsRx<E> {
+    fn drop(&mut self) {
+        self.rx.close();
+        while let Ok(cmd) = self.rx.try_recv() {
+            if matches!(cmd, RegionCmd::Deliver { .. }) {
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 impl<E: Entity> RegionCommandsRx<E> {
     /// The next command; `None` once every handle is gone.
     pub(crate) async fn recv(&mut self) -> Option<RegionCmd<E>> {

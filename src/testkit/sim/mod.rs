@@ -314,8 +314,9 @@ pub struct Sim {
     /// Durable state: the acknowledged writes and completed claims.
     ledger: state::StateLedger,
     dropping: bool,
-    /// Recovery has begun: every node that stops from now on is started again, and when the
-    /// last one was (virtual ms) bounds the settle.
+    /// Recovery has begun: every node whose leave ends from now on is started again (a node
+    /// that downs itself stays stopped), and the last start, done or due (virtual ms), bounds
+    /// the settle.
     recovering: Option<u64>,
     /// Every node's replicator counts into these (the cluster's totals).
     replicator_stats: Arc<crate::ddata::ReplicatorStats>,

@@ -320,8 +320,9 @@ impl Sim {
                     self.crash(i, "region stopped; leaves the cluster");
                     self.on_membership();
                     if self.recovering.is_some() {
-                        // A process manager's restart delay.
+                        // A process manager's restart delay; the settle counts from the start.
                         self.schedule(1_000, Event::StartAfterLeave(i));
+                        self.recovering = Some(self.now_ms + 1_000);
                     }
                     return;
                 }
