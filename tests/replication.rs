@@ -377,6 +377,23 @@ async fn a_converged_cluster_ships_no_values_and_commits_nothing_during_anti_ent
         }
     })
     .await;
+    // What a node merged is readable before its store committed it (the persist thread works
+    // behind): wait until no node's commit count moves over a few anti-entropy intervals, or
+    // a loaded machine shows the tail of the writes above as commits "during" the quiet rounds.
+    let mut last: Vec<[u64; 4]> = vec![[u64::MAX; 4]; nodes.len()];
+    eventually(CONVERGE, "every node's store caught up with what it merged", || {
+        let now: Vec<[u64; 4]> = nodes.iter().map(counters).collect();
+        let settled = now.iter().zip(&last).all(|(a, b)| a[2] == b[2]);
+        last = now;
+        async move {
+            if settled {
+                return Some(());
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            None
+        }
+    })
+    .await;
     let before: Vec<[u64; 4]> = nodes.iter().map(counters).collect();
     let rounds_before: Vec<u64> =
         nodes.iter().map(|n| n.replicator().stats().digest_rounds.load(std::sync::atomic::Ordering::Relaxed)).collect();
