@@ -61,14 +61,7 @@ fn a_duplicate_delta_is_acknowledged_only_once_its_first_arrival_is_committed() 
 
 #[test]
 fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_of_acks() {
-    let mut a = core("a");
-    let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut a = core_with_replicas("a", vec![(peer("b"), true), (peer("c"), true)]);
     commit_all(&mut a, &mut vec![]);
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::MAJORITY, or_add(vec!["e1".into()]), &mut out);

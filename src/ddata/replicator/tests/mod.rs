@@ -21,6 +21,14 @@ fn core(id: &str) -> ReplicatorCore<u32> {
     )
 }
 
+/// `core(id)` told its replicas (with whether each is reachable) and nothing else.
+fn core_with_replicas(id: &str, replicas: Vec<(PeerAddr, bool)>) -> ReplicatorCore<u32> {
+    let mut c = core(id);
+    let members = Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] };
+    c.handle(members, Instant::now(), 0, &mut vec![]);
+    c
+}
+
 fn add(member: &'static str) -> Modify {
     Box::new(move |cur, _ctx| match cur {
         Some(ReplicatedData::GSet(s)) => {
@@ -100,14 +108,8 @@ fn all_reachable_needs_every_reachable_replica_but_never_fewer_than_its_majority
 
 #[test]
 fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
-    let mut c = core("a");
-    let peers = vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)];
-    c.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut c =
+        core_with_replicas("a", vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)]);
     let now = Instant::now();
     let mut out = Vec::new();
     c.handle(
@@ -167,14 +169,8 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
 
 #[test]
 fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
-    let mut c = core("a");
-    let peers = vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)];
-    c.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut c =
+        core_with_replicas("a", vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)]);
     let mut out = Vec::new();
     c.handle(
         Input::Update {

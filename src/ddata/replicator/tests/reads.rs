@@ -66,14 +66,7 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
 
 #[test]
 fn a_read_answer_with_indexes_out_of_range_or_repeated_is_refused_and_does_not_complete_the_read() {
-    let mut a = core("a");
-    let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut a = core_with_replicas("a", vec![(peer("b"), true), (peer("c"), true)]);
     let mut out = Vec::new();
     let keys = vec!["x".to_string(), "y".to_string()];
     a.handle(
@@ -116,14 +109,7 @@ fn a_read_of_more_keys_than_the_limit_is_refused_with_a_typed_error() {
 /// A read among five replicas (a majority is 3) whose peers never answer but `answering`;
 /// returns the replies "a" gives on ticks at `start + timeout / 2` and `start + timeout`.
 fn read_until_timeout(after_write: bool, answering: &[&str]) -> (Vec<Action<u32>>, Vec<Action<u32>>) {
-    let mut a = core("a");
-    let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
-    a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut a = core_with_replicas("a", ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect());
     let start = Instant::now();
     let timeout = Duration::from_secs(4);
     let mut out = Vec::new();
@@ -538,14 +524,7 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
 /// "a" among five replicas, all reachable, sends `input`; b, c and d answer, then e. Returns
 /// whether "a" replied after the first three, and after all four.
 fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
-    let mut a = core("a");
-    let peers = ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect();
-    a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut a = core_with_replicas("a", ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect());
     let mut out = Vec::new();
     a.handle(input, Instant::now(), 1, &mut out);
     commit_all(&mut a, &mut out);

@@ -56,14 +56,7 @@ fn a_modify_that_returns_a_new_value_for_a_key_that_has_one_changes_it_only_in_p
 
 #[test]
 fn a_majority_write_waits_out_its_whole_timeout_before_failing() {
-    let mut c = core("a");
-    let peers = vec![(peer("b"), true), (peer("c"), true)];
-    c.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut c = core_with_replicas("a", vec![(peer("b"), true), (peer("c"), true)]);
     let now = Instant::now();
     let mut out = Vec::new();
     update(&mut c, "k", Consistency::MAJORITY, or_add(vec!["x".into()]), &mut out);
@@ -157,14 +150,7 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
 
 #[test]
 fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_acks() {
-    let mut a = core("a");
-    let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    let mut a = core_with_replicas("a", vec![(peer("b"), true), (peer("c"), true)]);
     let start = |a: &mut ReplicatorCore<u32>, key: &str, reply: u32| {
         let mut out = Vec::new();
         let input = Input::Update {
