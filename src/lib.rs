@@ -52,8 +52,8 @@ pub mod transport;
 pub mod testkit;
 
 pub use config::{
-    DownAllWhenUnstable, DowningStrategy, MembershipSettings, NodeConfig, ReadinessSettings, ReplicatorSettings,
-    SeedAddr, TransportSettings,
+    DiscoverySettings, DownAllWhenUnstable, DowningStrategy, MembershipSettings, NodeConfig, ReadinessSettings,
+    ReplicatorSettings, SeedAddr, TransportSettings,
 };
 pub use ddata::{Consistency, Replicator};
 pub use error::{Error, Result};

@@ -55,6 +55,9 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_transport_connections_rejected_total", C, "node", "Connections refused: failed handshake or authentication, not a member, over the limit."),
     def("ddshard_gossip_datagrams_rejected_total", C, "node,reason", "Gossip datagrams dropped (reason: unauthenticated, malformed, oversized, stale, replayed, unstamped)."),
     def("ddshard_downs_published_total", C, "node", "Members this node downed: its split-brain resolver's decisions and operators' downs."),
+    def("ddshard_discovery_lookups_failed_total", C, "node", "Discovery lookups (seeds, DNS SRV, custom sources) that failed or timed out; the nodes found before are still contacted."),
+    def("ddshard_discovery_contact_points", G, "node", "Nodes the last successful discovery lookup found (own address and duplicates left out, at most discovery.max_contact_points)."),
+    def("ddshard_discovery_addresses_dropped_total", C, "node", "Discovered addresses left out past discovery.max_contact_points."),
     def("ddshard_heartbeat_verdict_changes_total", C, "node", "Reachability verdicts of the message-path failure detector that changed."),
     def("ddshard_members", G, "node,status", "Members this node sees, by status."),
     def("ddshard_unreachable_members", G, "node", "Members this node sees as unreachable."),
@@ -312,6 +315,9 @@ mod enabled {
             ],
         );
         set_counter("ddshard_heartbeat_verdict_changes_total", &n, &node.failure_detector_stats().verdict_changes);
+        set_counter("ddshard_discovery_lookups_failed_total", &n, &gs.discovery_lookups_failed);
+        set_counter("ddshard_discovery_addresses_dropped_total", &n, &gs.discovery_addresses_dropped);
+        gauge!("ddshard_discovery_contact_points", &n).set(gs.discovery_contact_points.load(Ordering::Relaxed) as f64);
         let snap = node.membership();
         for status in [
             MemberStatus::Joining,

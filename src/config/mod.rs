@@ -9,7 +9,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::secret::ClusterSecret;
 
+mod discovery;
 mod membership;
+pub use discovery::DiscoverySettings;
 pub use membership::{DownAllWhenUnstable, DowningStrategy, MembershipSettings};
 
 /// Longest `node_id` or `cluster_id`, in bytes (so a handshake always fits its small first frame).
@@ -66,9 +68,12 @@ pub struct NodeConfig {
     /// name, e.g. a Kubernetes headless service, or a hosts-file name), resolved at start and
     /// again every minute, so a seed rescheduled to a new IP is found again. When the first
     /// seed is this node's own gossip address (or a name resolving to it), this node forms the
-    /// cluster if nobody answers within `membership.seed_node_timeout`. Empty: this node forms
-    /// a new cluster by itself.
+    /// cluster if nobody answers within `membership.seed_node_timeout`. Empty (and no
+    /// `discovery.srv_names`): this node forms a new cluster by itself. Names are looked up
+    /// again as `[discovery]` says, so a seed rescheduled to a new IP is found again.
     pub seeds: Vec<SeedAddr>,
+    /// Other sources of nodes to join through (DNS SRV), and how often every source is asked.
+    pub discovery: DiscoverySettings,
     /// Roles of this node; sharded types and replicated data can be limited to a role.
     pub roles: Vec<String>,
     /// Directory for durable data (LMDB). Created if missing; never derived from a port.
@@ -130,18 +135,27 @@ impl std::str::FromStr for SeedAddr {
         if !port.parse::<u16>().is_ok_and(|p| p > 0) {
             return bad("the port is not 1 to 65535");
         }
-        let label_ok = |l: &str| {
-            (1..=63).contains(&l.len())
-                && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        };
-        let host = host.strip_suffix('.').unwrap_or(host);
-        if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
+        if !is_host_name(host, false) {
             return bad("not an IP address nor a valid host name");
         }
         Ok(SeedAddr(s.to_string()))
     }
+}
+
+/// Whether `name` is a host name (labels of letters, digits and `-`; a trailing dot allowed),
+/// or with `service_labels` an SRV name, whose labels may also start with `_` (`_gossip._udp.…`).
+pub(crate) fn is_host_name(name: &str, service_labels: bool) -> bool {
+    let label_ok = |l: &str| {
+        let whole = l.len();
+        let l = if service_labels { l.strip_prefix('_').unwrap_or(l) } else { l };
+        !l.is_empty()
+            && whole <= 63
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    let name = name.strip_suffix('.').unwrap_or(name);
+    !name.is_empty() && name.len() <= 253 && name.split('.').all(label_ok)
 }
 
 impl TryFrom<String> for SeedAddr {
@@ -199,6 +213,7 @@ impl Default for NodeConfig {
             gossip_advertise: None,
             messaging_advertise: None,
             seeds: Vec::new(),
+            discovery: DiscoverySettings::default(),
             roles: Vec::new(),
             data_dir: PathBuf::from("ddshard-data"),
             membership: MembershipSettings::default(),
@@ -549,8 +564,18 @@ impl NodeConfig {
         if m.downing == DowningStrategy::StaticQuorum && m.quorum_size == 0 {
             return bad("membership.quorum_size must be at least 1 with downing = \"static-quorum\"".into());
         }
-        if m.bootstrap_contact_points > 0 && self.seeds.is_empty() {
-            return bad("membership.bootstrap_contact_points needs seeds (the names or addresses of the nodes)".into());
+        self.discovery.validate()?;
+        let discovers = !self.seeds.is_empty() || !self.discovery.srv_names.is_empty();
+        if m.bootstrap_contact_points > 0 && !discovers {
+            return bad(
+                "membership.bootstrap_contact_points needs seeds or discovery.srv_names (where the nodes are found)"
+                    .into(),
+            );
+        }
+        if !self.discovery.srv_names.is_empty() && self.seeds.is_empty() && m.bootstrap_contact_points == 0 {
+            return bad("discovery.srv_names without seeds needs membership.bootstrap_contact_points: how many nodes \
+                 must be found before the lowest of them forms the cluster"
+                .into());
         }
         if m.bootstrap_contact_points > 1_000 {
             return bad("membership.bootstrap_contact_points must be at most 1000".into());
@@ -860,10 +885,60 @@ mod tests {
     }
 
     #[test]
+    fn discovery_settings_are_checked_and_srv_names_alone_need_bootstrap_formation() {
+        let ok = NodeConfig { node_id: "n1".into(), ..NodeConfig::default() };
+        let with = |f: &dyn Fn(&mut NodeConfig)| {
+            let mut c = ok.clone();
+            f(&mut c);
+            c.validate()
+        };
+        let srv = "_gossip._udp.ddshard.shop.svc.cluster.local".to_string();
+        for (what, result) in [
+            ("bootstrap_contact_points", with(&|c| c.discovery.srv_names = vec![srv.clone()])),
+            ("is not a DNS name", with(&|c| c.discovery.srv_names = vec!["bad name".into()])),
+            ("is not a DNS name", with(&|c| c.discovery.srv_names = vec!["a..b".into()])),
+            ("at most 16", with(&|c| c.discovery.srv_names = vec![srv.clone(); 17])),
+            ("dns_server", with(&|c| c.discovery.dns_server = Some("0.0.0.0:53".parse().unwrap()))),
+            ("dns_server", with(&|c| c.discovery.dns_server = Some("10.0.0.1:0".parse().unwrap()))),
+            ("max_contact_points", with(&|c| c.discovery.max_contact_points = 0)),
+            ("max_contact_points", with(&|c| c.discovery.max_contact_points = 1025)),
+            ("discovery.lookup_interval", with(&|c| c.discovery.lookup_interval = Duration::ZERO)),
+            ("discovery.lookup_timeout", with(&|c| c.discovery.lookup_timeout = Duration::from_secs(3601))),
+            (
+                "at least discovery.lookup_interval",
+                with(&|c| c.discovery.refresh_interval = Duration::from_millis(500)),
+            ),
+        ] {
+            match result {
+                Err(Error::Config(m)) => assert!(m.contains(what), "{what}: {m}"),
+                other => panic!("{what}: expected a config error, got {other:?}"),
+            }
+        }
+        with(&|c| {
+            c.discovery.srv_names = vec![srv.clone(), "_ddshard._tcp.example.".into()];
+            c.membership.bootstrap_contact_points = 3;
+        })
+        .expect("SRV names with bootstrap formation");
+        with(&|c| {
+            c.discovery.srv_names = vec![srv.clone()];
+            c.seeds = vec!["10.0.0.1:7000".parse().unwrap()];
+        })
+        .expect("SRV names beside a first seed");
+        let parsed = NodeConfig::from_toml_str(
+            "node_id = \"n1\"\n[discovery]\nsrv_names = [\"_gossip._udp.x.svc\"]\ndns_server = \"10.0.0.10:53\"\n\
+             lookup_interval = \"250ms\"\n",
+        )
+        .unwrap();
+        assert_eq!(parsed.discovery.srv_names, ["_gossip._udp.x.svc"]);
+        assert_eq!(parsed.discovery.dns_server, Some("10.0.0.10:53".parse().unwrap()));
+        assert_eq!(parsed.discovery.lookup_interval, Duration::from_millis(250));
+    }
+
+    #[test]
     fn bootstrap_formation_needs_seeds_to_find_its_contact_points_and_a_bounded_count() {
         let mut cfg = NodeConfig { node_id: "n1".into(), ..NodeConfig::default() };
         cfg.membership.bootstrap_contact_points = 3;
-        assert!(matches!(cfg.validate(), Err(Error::Config(m)) if m.contains("needs seeds")));
+        assert!(matches!(cfg.validate(), Err(Error::Config(m)) if m.contains("needs seeds or discovery.srv_names")));
         cfg.seeds = vec!["ddshard.default.svc:7000".parse().unwrap()];
         assert!(cfg.validate().is_ok());
         cfg.membership.bootstrap_contact_points = 1_001;

@@ -13,6 +13,9 @@ use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tracing::{debug, info, warn};
 
+use super::discovery::{
+    AggregateDiscovery, Discovery, DiscoveryAction, DiscoveryCore, DiscoveryInput, DnsSrv, SeedList,
+};
 use super::downing::Strategy;
 use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStats};
 use super::lifecycle::{Bootstrap, LifecycleAction, LifecycleCore, LifecycleSettings};
@@ -103,6 +106,17 @@ pub(crate) type GossipSocketWrapper =
 /// Records that this node id's next start must take a generation above the one given.
 pub(crate) type GenerationFloor = Arc<dyn Fn(u64) -> crate::error::Result<()> + Send + Sync>;
 
+/// A lookup of every discovery source in flight (errors as text, a timeout included).
+type PendingLookup =
+    std::pin::Pin<Box<dyn std::future::Future<Output = std::result::Result<Vec<SocketAddr>, String>> + Send>>;
+
+/// Where this node finds nodes to join through, and the core deciding when and whom.
+struct DiscoveryRunner {
+    sources: Arc<AggregateDiscovery>,
+    core: DiscoveryCore,
+    timeout: Duration,
+}
+
 /// The membership task.
 pub(crate) struct MembershipDriver {
     chitchat: ChitchatHandle,
@@ -117,6 +131,10 @@ pub(crate) struct MembershipDriver {
     generation_floor: Option<GenerationFloor>,
     /// Counts the down marks this node publishes.
     stats: Arc<GossipStats>,
+    /// Seeds, SRV names and the builder's sources (none: this node forms a cluster alone).
+    discovery: Option<DiscoveryRunner>,
+    /// The gossip addresses of the other live nodes at the last refresh.
+    live_peers: Vec<SocketAddr>,
 }
 
 impl MembershipDriver {
@@ -138,6 +156,7 @@ impl MembershipDriver {
         address: UniqueAddress,
         messaging_addr: SocketAddr,
         wrap_socket: Option<&GossipSocketWrapper>,
+        extra_discovery: Vec<Arc<dyn Discovery>>,
     ) -> Result<(MembershipHandle, MembershipDriver)> {
         let stats = Arc::new(GossipStats::default());
         let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
@@ -180,15 +199,35 @@ impl MembershipDriver {
                 None => resolves_to(first.as_str(), gossip_addr, cfg.membership.seed_node_timeout).await,
             },
         };
-        let seeds: Vec<String> =
-            cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).map(|s| s.as_str().to_string()).collect();
-        let has_seeds = !seeds.is_empty();
+        // Every source goes through discovery (chitchat gets no seeds of its own): names are
+        // looked up again as `[discovery]` says, not once a minute.
+        let seeds: Vec<_> = cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).cloned().collect();
+        let mut sources = AggregateDiscovery::default();
+        if !seeds.is_empty() {
+            sources.push(Arc::new(SeedList::new(seeds)));
+        }
+        for name in &cfg.discovery.srv_names {
+            let srv = match cfg.discovery.dns_server {
+                Some(server) => DnsSrv::with_server(name, server)?,
+                None => DnsSrv::system(name)?,
+            };
+            sources.push(Arc::new(srv));
+        }
+        for source in extra_discovery {
+            sources.push(source);
+        }
+        let has_seeds = !sources.is_empty();
+        let discovery = has_seeds.then(|| DiscoveryRunner {
+            sources: Arc::new(sources),
+            core: DiscoveryCore::new(cfg.discovery.clone(), m.gossip_interval, gossip_addr, Instant::now()),
+            timeout: cfg.discovery.lookup_timeout,
+        });
         let chitchat_cfg = ChitchatConfig {
             chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
             cluster_id: cfg.cluster_id.clone(),
             gossip_interval: m.gossip_interval,
             listen_addr: bound,
-            seed_nodes: seeds,
+            seed_nodes: Vec::new(),
             failure_detector_config: FailureDetectorConfig {
                 phi_threshold: m.phi_threshold,
                 sampling_window_size: 1000,
@@ -243,6 +282,8 @@ impl MembershipDriver {
             commands: cmd_rx,
             spawner: None,
             generation_floor: None,
+            discovery,
+            live_peers: Vec::new(),
         };
         Ok((handle, driver))
     }
@@ -269,10 +310,19 @@ impl MembershipDriver {
         self.spawner = Some(spawner);
         let mut tick = tokio::time::interval(self.gossip_interval / 2);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut lookup: Option<PendingLookup> = None;
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => break,
-                _ = tick.tick() => self.refresh().await,
+                _ = tick.tick() => {
+                    self.refresh().await;
+                    let live = DiscoveryInput::Tick { live: self.live_peers.clone() };
+                    self.discover(live, &mut lookup);
+                }
+                found = async { lookup.as_mut().expect("guarded by the condition").await }, if lookup.is_some() => {
+                    lookup = None;
+                    self.discover(DiscoveryInput::Found(found), &mut lookup);
+                }
                 cmd = self.commands.recv() => match cmd {
                     Some(Command::SetStatus(status, done)) => {
                         self.core.status_published(status);
@@ -297,6 +347,47 @@ impl MembershipDriver {
         }
         if let Err(e) = self.chitchat.shutdown().await {
             debug!(error = %e, "chitchat stopped with an error");
+        }
+    }
+
+    /// Feeds the discovery core and performs what it decides (no-op without sources).
+    fn discover(&mut self, input: DiscoveryInput, lookup: &mut Option<PendingLookup>) {
+        let Some(d) = &mut self.discovery else { return };
+        let mut actions = Vec::new();
+        d.core.handle(input, Instant::now(), &mut actions);
+        for action in actions {
+            match action {
+                DiscoveryAction::Lookup => {
+                    let (sources, timeout) = (d.sources.clone(), d.timeout);
+                    *lookup = Some(Box::pin(async move {
+                        match tokio::time::timeout(timeout, sources.lookup()).await {
+                            Ok(found) => found.map_err(|e| e.to_string()),
+                            Err(_) => Err(format!("{}: no answer within {timeout:?}", sources.describe())),
+                        }
+                    }));
+                }
+                DiscoveryAction::Contact(addr) => {
+                    if let Err(e) = self.chitchat.gossip(addr) {
+                        debug!(%addr, error = %e, "contacting a discovered node");
+                    }
+                }
+                DiscoveryAction::FoundChanged { addresses, dropped } => {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    self.stats.discovery_contact_points.store(addresses.len() as u64, Relaxed);
+                    self.stats.discovery_addresses_dropped.fetch_add(dropped as u64, Relaxed);
+                    info!(sources = %d.sources.describe(), found = addresses.len(), ?addresses, "discovery found nodes");
+                    if dropped > 0 {
+                        warn!(
+                            dropped,
+                            "discovery found more nodes than discovery.max_contact_points; the lowest are contacted"
+                        );
+                    }
+                }
+                DiscoveryAction::LookupFailed(error) => {
+                    self.stats.discovery_lookups_failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    warn!(%error, "discovery lookup failed; retrying with back-off, still contacting the nodes found before");
+                }
+            }
         }
     }
 
@@ -331,6 +422,8 @@ impl MembershipDriver {
 
     async fn refresh(&mut self) {
         let nodes = self.read_gossip().await;
+        let me = self.snapshot_tx.borrow().self_address.clone();
+        self.live_peers = nodes.iter().filter(|n| n.live && n.address != me).map(|n| n.gossip_addr).collect();
         let mut actions = Vec::new();
         let next = self.core.on_gossip(&nodes, Instant::now(), &mut actions);
         for action in actions {

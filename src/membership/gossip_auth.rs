@@ -81,6 +81,13 @@ pub struct GossipStats {
     /// resolver's decisions (itself included when it is on the losing side) and operators'
     /// downs ([`crate::Node::down`]).
     pub downs_published: AtomicU64,
+    /// Discovery lookups that failed or timed out (every source at once).
+    pub discovery_lookups_failed: AtomicU64,
+    /// Addresses the last successful discovery lookup found (this node's own and duplicates
+    /// left out, at most `discovery.max_contact_points`).
+    pub discovery_contact_points: AtomicU64,
+    /// Addresses left out because a lookup found more than `discovery.max_contact_points`.
+    pub discovery_addresses_dropped: AtomicU64,
 }
 
 /// Why a received datagram was dropped.

@@ -11,6 +11,7 @@
 //! clocks say, and a restarted node (new generation) is younger than everyone. Views can disagree
 //! for a moment; coordinator state is guarded by majority reads and writes, not by this order.
 
+mod discovery;
 pub(crate) mod downing;
 mod driver;
 pub(crate) mod failure_detector;
@@ -24,6 +25,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
+pub use discovery::{AggregateDiscovery, Discovery, DiscoveryError, DnsSrv, SeedList};
 pub(crate) use driver::{GossipSocketWrapper, MembershipDriver, MembershipHandle};
 pub use failure_detector::FailureDetectorSettings;
 pub use gossip_auth::GossipStats;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::Node;
 use crate::config::NodeConfig;
 use crate::error::Result;
-use crate::membership::GossipSocketWrapper;
+use crate::membership::{Discovery, GossipSocketWrapper};
 use crate::transport::LinkFilter;
 
 /// Starts a [`Node`] with seams; `Node::builder(config).start()` equals `Node::start(config)`.
@@ -16,6 +16,7 @@ pub struct NodeBuilder {
     pub(super) config: NodeConfig,
     pub(super) link_filter: Option<Arc<dyn LinkFilter>>,
     pub(super) gossip_socket: Option<GossipSocketWrapper>,
+    pub(super) discovery: Vec<Arc<dyn Discovery>>,
 }
 
 impl std::fmt::Debug for NodeBuilder {
@@ -24,6 +25,7 @@ impl std::fmt::Debug for NodeBuilder {
             .field("node_id", &self.config.node_id)
             .field("link_filter", &self.link_filter)
             .field("gossip_socket", &self.gossip_socket.is_some())
+            .field("discovery", &self.discovery.iter().map(|d| d.describe()).collect::<Vec<_>>())
             .finish()
     }
 }
@@ -31,12 +33,20 @@ impl std::fmt::Debug for NodeBuilder {
 impl NodeBuilder {
     /// A builder for a node with this configuration and no seams.
     pub fn new(config: NodeConfig) -> Self {
-        NodeBuilder { config, link_filter: None, gossip_socket: None }
+        NodeBuilder { config, link_filter: None, gossip_socket: None, discovery: Vec::new() }
     }
 
     /// Messages between nodes pass only where `filter` allows.
     pub fn link_filter(mut self, filter: Arc<dyn LinkFilter>) -> Self {
         self.link_filter = Some(filter);
+        self
+    }
+
+    /// Also finds nodes to join through with `source` (a cloud API, a registry), besides the
+    /// configured `seeds` and `discovery.srv_names`; asked as `[discovery]` says. A node with a
+    /// source and no first seed needs `membership.bootstrap_contact_points` to form a cluster.
+    pub fn discovery(mut self, source: Arc<dyn Discovery>) -> Self {
+        self.discovery.push(source);
         self
     }
 

@@ -154,6 +154,7 @@ impl Node {
             address.clone(),
             transport.local().messaging_addr,
             b.gossip_socket.as_ref(),
+            b.discovery,
         )
         .await;
         let (membership, mut driver) = match started {
