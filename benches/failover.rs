@@ -28,7 +28,7 @@ const RUNS: usize = 10;
 
 fn spawn(dir: &Path, i: usize, seeds: &[&NodeProcess]) -> NodeProcess {
     let mut o = ProcessOptions::new(&format!("n{}", i + 1), "failover-bench", dir);
-    o.seeds = seeds.iter().map(|s| s.gossip).collect();
+    o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
     o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
     o.sharding_toml = format!(
         "number_of_shards = 30\nremember_entities = true\nmin_nr_of_members = {NODES}\nretry_interval = \"400ms\"\n"

@@ -60,7 +60,7 @@ fn attr_values(dom: &str, marker: &str, name: &str) -> Vec<String> {
 
 fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess]) -> NodeProcess {
     let mut o = ProcessOptions::new(id, "dashboard-test", dir);
-    o.seeds = seeds.iter().map(|s| s.gossip).collect();
+    o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
     o.sharding_toml = "number_of_shards = 20\nmin_nr_of_members = 3\nretry_interval = \"400ms\"\n".into();
     NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
 }

@@ -50,7 +50,7 @@ fn spawn_with(dir: &Path, id: &str, seeds: &[&NodeProcess], sharding: &str, repl
     o.admin_token = Some(ADMIN_TOKEN.to_string());
     o.replicator_toml = replicator.to_string();
     o.activation_log = Some(dir.join(format!("activations-{id}.log")));
-    o.seeds = seeds.iter().map(|s| s.gossip).collect();
+    o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
     o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
     o.sharding_toml = format!("number_of_shards = 20\nretry_interval = \"400ms\"\n{sharding}");
     NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
@@ -292,7 +292,7 @@ async fn three_nodes_from_one_config_file_with_per_node_overrides_form_one_clust
     let start = |id: &str, seeds: &[&NodeProcess]| {
         let mut o = ProcessOptions::new(id, "one-file", dir.path());
         o.shared_config_file = true;
-        o.seeds = seeds.iter().map(|s| s.gossip).collect();
+        o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
         o.sharding_toml = "number_of_shards = 12".into();
         NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
     };
@@ -388,7 +388,7 @@ async fn survivors_stay_ready_at_every_probe_while_the_coordinators_node_is_sigk
     let dir = tempfile::tempdir().unwrap();
     let start = |id: &str, seeds: &[&NodeProcess]| {
         let mut o = ProcessOptions::new(id, "ready-test", dir.path());
-        o.seeds = seeds.iter().map(|s| s.gossip).collect();
+        o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
         NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()
     };
     let n1 = start("n1", &[]);
@@ -586,7 +586,7 @@ async fn five_processes_with_one_configuration_started_at_once_form_exactly_one_
                 o.shared_config_file = true;
                 o.gossip_port = *port;
                 // Each lists itself first: by the first-seed rule each would form a cluster.
-                o.seeds = seeds.iter().cycle().skip(i).take(seeds.len()).copied().collect();
+                o.seeds = seeds.iter().cycle().skip(i).take(seeds.len()).map(|s| (*s).into()).collect();
                 o.membership_toml = "bootstrap_contact_points = 3\nbootstrap_stable_margin = \"1s\"".into();
                 std::thread::spawn(move || {
                     NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap()

@@ -18,7 +18,7 @@ const DEADLINE: Duration = Duration::from_secs(60);
 
 fn spawn(dir: &Path, id: &str, seeds: &[&NodeProcess], secret: &str, accepted: &[&str]) -> NodeProcess {
     let mut o = ProcessOptions::new(id, "rotation", dir);
-    o.seeds = seeds.iter().map(|s| s.gossip).collect();
+    o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
     o.cluster_secret = Some(secret.to_string());
     o.accepted_cluster_secrets = accepted.iter().map(ToString::to_string).collect();
     o.membership_toml = "stable_after = \"1500ms\"\ndown_removal_margin = \"1s\"".to_string();

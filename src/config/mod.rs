@@ -65,12 +65,12 @@ pub struct NodeConfig {
     /// `gossip_advertise`).
     pub messaging_advertise: Option<SocketAddr>,
     /// Gossip addresses of existing members to join through: `ip:port`, or `host:port` (a DNS
-    /// name, e.g. a Kubernetes headless service, or a hosts-file name), resolved at start and
-    /// again every minute, so a seed rescheduled to a new IP is found again. When the first
+    /// name, e.g. a Kubernetes headless service, or a hosts-file name; every address of it),
+    /// looked up again every `discovery.lookup_interval` while this node is alone, so a seed
+    /// rescheduled to a new IP is found again. When the first
     /// seed is this node's own gossip address (or a name resolving to it), this node forms the
     /// cluster if nobody answers within `membership.seed_node_timeout`. Empty (and no
-    /// `discovery.srv_names`): this node forms a new cluster by itself. Names are looked up
-    /// again as `[discovery]` says, so a seed rescheduled to a new IP is found again.
+    /// `discovery.srv_names`): this node forms a new cluster by itself.
     pub seeds: Vec<SeedAddr>,
     /// Other sources of nodes to join through (DNS SRV), and how often every source is asked.
     pub discovery: DiscoverySettings,

@@ -12,6 +12,7 @@ use std::process::{Child, ChildStdout, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::admin::{MemberInfo, TypeStats};
+use crate::config::SeedAddr;
 use crate::error::{Error, Result};
 use crate::service::KvReply;
 
@@ -24,11 +25,14 @@ pub struct ProcessOptions {
     pub cluster_id: String,
     /// Where the config file (`<node_id>.toml`) and the data dir (`<node_id>/`) go.
     pub dir: PathBuf,
-    /// Gossip addresses to join through (empty: form a cluster).
-    pub seeds: Vec<SocketAddr>,
+    /// Gossip addresses to join through, `ip:port` or `host:port` (empty: form a cluster).
+    pub seeds: Vec<SeedAddr>,
     /// IP the node binds gossip, messaging and client sockets to (port 0 each, but gossip's
     /// with `gossip_port`).
     pub bind_ip: IpAddr,
+    /// The IP peers reach it at when `bind_ip` is unspecified (`0.0.0.0`): gossip and messaging
+    /// are advertised there, and the admin API binds there (the test reaches it).
+    pub advertise_ip: Option<IpAddr>,
     /// Port of the gossip address (0: any free one), for seeds known before the start.
     pub gossip_port: u16,
     /// Extra lines of the `[membership]` section.
@@ -69,6 +73,7 @@ impl ProcessOptions {
             dir: dir.to_path_buf(),
             seeds: Vec::new(),
             bind_ip: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            advertise_ip: None,
             gossip_port: 0,
             membership_toml: String::new(),
             sharding_toml: String::new(),
@@ -93,24 +98,36 @@ impl ProcessOptions {
     /// `--set` arguments and `DDSHARD__…` variables with this node's own settings.
     fn own_settings(&self) -> (Vec<String>, Vec<(String, String)>) {
         let ip = SocketAddr::new(self.bind_ip, 0).ip();
-        let set = [
+        let mut set = vec![
             format!("node_id={}", self.node_id),
             format!("data_dir={}", self.dir.join(&self.node_id).display()),
             format!("gossip_addr={ip}:{}", self.gossip_port),
         ];
         let seeds: Vec<String> = self.seeds.iter().map(ToString::to_string).collect();
-        let env = vec![
+        let mut env = vec![
             ("DDSHARD__MESSAGING_ADDR".to_string(), format!("{ip}:0")),
             ("DDSHARD__SEEDS".to_string(), seeds.join(",")),
         ];
+        if let Some(adv) = self.advertise_ip {
+            set.push(format!("gossip_advertise={}", SocketAddr::new(adv, self.gossip_port)));
+            env.push(("DDSHARD__MESSAGING_ADVERTISE".to_string(), SocketAddr::new(adv, 0).to_string()));
+        }
         (set.into_iter().flat_map(|a| ["--set".to_string(), a]).collect(), env)
     }
 
     fn config_text(&self) -> String {
         let seeds: Vec<String> = self.seeds.iter().map(|s| format!("\"{s}\"")).collect();
+        let advertise = match self.advertise_ip {
+            Some(adv) => format!(
+                "gossip_advertise = \"{}\"\nmessaging_advertise = \"{}\"\n",
+                SocketAddr::new(adv, self.gossip_port),
+                SocketAddr::new(adv, 0)
+            ),
+            None => String::new(),
+        };
         format!(
             "node_id = \"{}\"\ncluster_id = \"{}\"\ndata_dir = \"{}\"\nseeds = [{}]\n\
-             gossip_addr = \"{ip}:{gossip_port}\"\nmessaging_addr = \"{ip}:0\"\n\
+             gossip_addr = \"{ip}:{gossip_port}\"\nmessaging_addr = \"{ip}:0\"\n{advertise}\
              [membership]\n{}\n[sharding]\n{}\n[replicator]\n{}\n",
             self.node_id,
             self.cluster_id,
@@ -172,7 +189,8 @@ impl NodeProcess {
         args.push(binary.display().to_string());
         args.extend(["node".into(), "--config".into(), config.display().to_string()]);
         args.extend(own_args);
-        args.extend(["--admin-addr".into(), SocketAddr::new(opts.bind_ip, 0).to_string()]);
+        let admin_ip = opts.advertise_ip.unwrap_or(opts.bind_ip);
+        args.extend(["--admin-addr".into(), SocketAddr::new(admin_ip, 0).to_string()]);
         if let Some(log) = &opts.activation_log {
             args.extend(["--activation-log".into(), log.display().to_string()]);
         }
