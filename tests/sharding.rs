@@ -465,3 +465,65 @@ async fn asks_a_stopping_proxy_still_waits_for_fail_at_once_not_at_their_timeout
     assert!(took < Duration::from_secs(20), "{took:?}");
     c.shutdown().await;
 }
+
+/// Logs a line of the application's own inside `handle`.
+struct Greeter;
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Greet(String);
+
+impl ddshard::Entity for Greeter {
+    type Message = Greet;
+    type Reply = String;
+    async fn handle(&mut self, msg: Greet, _ctx: &mut ddshard::EntityContext) -> String {
+        tracing::info!(target: "app", who = %msg.0, "greeting");
+        format!("hello {}", msg.0)
+    }
+}
+
+/// A `Write` into a shared buffer, for a subscriber's output.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Issue 39: the application's own log lines inside `handle` carry the entity's type, id and
+/// shard (a span of target `ddshard::entity`), and a filter turns the span off.
+#[test]
+fn a_log_line_inside_handle_carries_the_entity_type_id_and_shard_unless_filtered_out() {
+    let run = |filter: &str| {
+        let out = Captured::default();
+        let writer = out.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_env_filter(filter)
+            .with_writer(move || writer.clone())
+            .finish();
+        // One thread runs the node and the entity, so this thread's subscriber sees the line.
+        let _guard = tracing::subscriber::set_default(subscriber);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let mut c = TestCluster::start(1).await.unwrap();
+            c.await_converged(CONVERGE).await;
+            let r = c.node(0).sharding().start("greeter", |_: &str| Greeter, settings()).await.unwrap();
+            assert_eq!(r.ask("g-7", Greet("ada".into())).await.unwrap(), "hello ada");
+            c.shutdown().await;
+        });
+        let text = String::from_utf8(out.0.lock().unwrap().clone()).unwrap();
+        text.lines().find(|l| l.contains("greeting")).map(str::to_string).expect("the handler's line was logged")
+    };
+    let line = run("warn,app=info,ddshard::entity=info");
+    let shard = ddshard::sharding::default_shard_id("g-7", settings().number_of_shards);
+    assert!(line.contains(&format!("entity{{type=greeter id=g-7 shard={shard}}}")), "{line}");
+    assert!(line.contains("who=ada"), "{line}");
+    let line = run("warn,app=info,ddshard::entity=off");
+    assert!(!line.contains("entity{"), "filtered out: {line}");
+}
