@@ -1,7 +1,48 @@
 //! # ddshard
 //!
 //! Cluster sharding for peer-to-peer Rust clusters, in the spirit of Akka Cluster Sharding in
-//! distributed-data mode, with no external datastore:
+//! distributed-data mode, with no external datastore. Entities are addressed by id and live on
+//! one node at a time; callers `tell` and `ask` an id:
+//!
+//! ```rust,no_run
+//! use ddshard::{Entity, EntityContext, Node, NodeConfig, ShardingSettings};
+//!
+//! #[derive(Default)]
+//! struct Counter { value: i64 }
+//!
+//! #[derive(serde::Serialize, serde::Deserialize)]
+//! enum CounterMsg { Add(i64), Get }
+//!
+//! impl Entity for Counter {
+//!     type Message = CounterMsg;
+//!     type Reply = i64;
+//!     async fn handle(&mut self, msg: CounterMsg, _ctx: &mut EntityContext) -> i64 {
+//!         if let CounterMsg::Add(n) = msg { self.value += n; }
+//!         self.value
+//!     }
+//! }
+//!
+//! # async fn run() -> ddshard::Result<()> {
+//! // Other nodes list this one's gossip address (or a DNS name of all) in `seeds`.
+//! let node = Node::start(NodeConfig { node_id: "n1".into(), ..NodeConfig::default() }).await?;
+//! let counters = node.sharding().start("counter", |_: &str| Counter::default(), ShardingSettings::default()).await?;
+//! counters.tell("c-1", CounterMsg::Add(5))?;
+//! assert_eq!(counters.ask("c-1", CounterMsg::Get).await?, 5);
+//! node.leave().await?; // hands its shards off first
+//! # Ok(()) }
+//! ```
+//!
+//! **Operating it.** The `ddshard node` binary (feature `cli`) runs a node from a TOML file
+//! (`config/default.toml` documents every setting) with an admin HTTP API, `/alive` and
+//! `/ready` probes and Prometheus `/metrics` (modules `admin` and `metrics`, on by default). Nodes find each other
+//! through `seeds` (IP addresses or DNS names, looked up again while a node is alone),
+//! `discovery.srv_names` or a [`membership::Discovery`] of your own; with one configuration
+//! for every node, `membership.bootstrap_contact_points` lets exactly one of them form the
+//! cluster. The repository's `deploy/` has a Dockerfile, Compose and Kubernetes files, a
+//! systemd unit, alerts and a Grafana dashboard, all checked by tests; its README walks
+//! through them.
+//!
+//! The parts:
 //!
 //! - [`membership`]: gossip membership and failure detection over chitchat;
 //! - [`transport`]: node-to-node messages over TCP (handshake, framing, batching, reconnects,
