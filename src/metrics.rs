@@ -84,6 +84,8 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_shard_home_seconds", H, "node,type", "Time from asking the coordinator for a shard's home to learning it."),
     def("ddshard_region_buffered_messages", G, "node,type", "Messages waiting for a shard's home."),
     def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
+    def("ddshard_slot_bytes_high_water", G, "node,type", "The largest replicated slot (remembered ids or entity states) this region wrote since it started, in bytes; starts that would grow a slot past ddshard_slot_budget_bytes are refused (SlotFull)."),
+    def("ddshard_slot_budget_bytes", G, "node,type", "The byte budget of one replicated slot (one replicator message)."),
     def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused, slot_full)."),
     def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
     def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, limit, handoff)."),
@@ -417,6 +419,8 @@ mod enabled {
             set_counter("ddshard_handoffs_completed_total", &l, &c.handoffs_completed);
             set_counter("ddshard_remember_batches_total", &l, &c.remember_batches);
             set_counter("ddshard_remember_ids_written_total", &l, &c.remember_ids_written);
+            gauge!("ddshard_slot_bytes_high_water", &l).set(c.slot_bytes_high_water.load(Ordering::Relaxed) as f64);
+            gauge!("ddshard_slot_budget_bytes", &l).set(c.slot_budget_bytes.load(Ordering::Relaxed) as f64);
             // A region that does not answer (stopping) keeps its last gauges.
             if let Ok(info) = region.info().await {
                 gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });

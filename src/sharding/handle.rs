@@ -74,6 +74,12 @@ pub struct RegionCounters {
     /// Remembered-id starts and durable-state writes refused because their replicated slot is
     /// at its byte budget ([`crate::Error::SlotFull`]).
     pub dropped_slot_full: AtomicU64,
+    /// The largest replicated slot (remembered ids or entity states) this region wrote, in
+    /// bytes, since it started: against [`RegionCounters::slot_budget_bytes`], how close the
+    /// fullest slot came to refusing growth (alert at half).
+    pub slot_bytes_high_water: AtomicU64,
+    /// The byte budget of one replicated slot (one replicator message).
+    pub slot_budget_bytes: AtomicU64,
     /// Messages from other nodes that did not decode, had an empty entity id, or named another
     /// shard than this node's extractor gives for the id.
     pub dropped_invalid: AtomicU64,
@@ -455,13 +461,15 @@ pub(crate) async fn start_region_of<E: Entity>(
     let transport = node.transport().clone();
     let replier = Replier::new(transport.clone(), type_name, node.watch_membership());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let slot_budget = node.config().replicator_message_bytes();
+    inner.counters.slot_budget_bytes.store(slot_budget as u64, std::sync::atomic::Ordering::Relaxed);
     let shards = factory.clone().map(|factory| {
         let remember = RememberIo::new(
             node.replicator().clone(),
             node.spawner().clone(),
             type_name,
             &settings,
-            node.config().replicator_message_bytes(),
+            slot_budget,
             inner.counters.clone(),
             inner.metrics.clone(),
         );
@@ -471,7 +479,7 @@ pub(crate) async fn start_region_of<E: Entity>(
                 node.spawner().clone(),
                 type_name,
                 &settings,
-                node.config().replicator_message_bytes(),
+                slot_budget,
                 inner.counters.clone(),
             )
         });

@@ -126,6 +126,7 @@ impl RememberIo {
                     .iter()
                     .map(|(key, ids, refused)| {
                         let (ids, refused, budget) = (Arc::clone(ids), refused.clone(), self.slot_budget);
+                        let counters = Arc::clone(&self.counters);
                         KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
                             // Removes first: the room they free is the adds' to take.
                             for id in &ids.1 {
@@ -140,6 +141,7 @@ impl RememberIo {
                                     refused.insert(id.clone());
                                 }
                             }
+                            counters.slot_bytes_high_water.fetch_max(set.approx_bytes() as u64, Ordering::Relaxed);
                         })
                     })
                     .collect();

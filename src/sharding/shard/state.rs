@@ -255,6 +255,7 @@ impl StateIo {
                 .map(|(key, epoch, entries, refused)| {
                     let (epoch, entries, refused, budget) =
                         (*epoch, Arc::clone(entries), refused.clone(), io.slot_budget);
+                    let counters = Arc::clone(&io.counters);
                     KeyUpdate::new::<FencedMap, _>(key, move |m, ctx| {
                         // Each try decides afresh on the replica as it is then.
                         let mut refused = refused.start_try();
@@ -273,6 +274,7 @@ impl StateIo {
                                 return;
                             }
                         }
+                        counters.slot_bytes_high_water.fetch_max(m.approx_bytes() as u64, Ordering::Relaxed);
                     })
                 })
                 .collect();
