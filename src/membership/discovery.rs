@@ -408,6 +408,8 @@ mod tests {
         step(&mut c, DiscoveryInput::Found(Ok(vec![addr(2)])), t0);
         assert_eq!(step(&mut c, tick(&[]), t0 + GOSSIP / 2), [], "not before the contact interval");
         assert_eq!(step(&mut c, tick(&[]), t0 + GOSSIP), [Contact(addr(2))]);
+        assert_eq!(step(&mut c, tick(&[]), t0 + GOSSIP * 3 / 2), [], "the next contact a gossip interval later");
+        assert_eq!(step(&mut c, tick(&[]), t0 + GOSSIP * 2), [Contact(addr(2))]);
         assert_eq!(step(&mut c, tick(&[]), t0 + Duration::from_secs(1)), [Lookup], "a seed's new IP is asked for");
         let out = step(&mut c, DiscoveryInput::Found(Ok(vec![addr(9)])), t0 + Duration::from_secs(1));
         assert_eq!(out, [FoundChanged { addresses: vec![addr(9)], dropped: 0 }, Contact(addr(9))]);
@@ -457,6 +459,7 @@ mod tests {
             let mut t = now;
             while !step(&mut c, tick(&[]), t).contains(&Lookup) {
                 t += Duration::from_millis(50);
+                assert!(t - now < Duration::from_secs(60), "round {k}: no lookup within a minute");
             }
             if k > 0 {
                 waits.push((t - now).as_millis() / 50 * 50);
@@ -495,6 +498,57 @@ mod tests {
         assert!(err.detail.contains(bad), "{err}");
     }
 
+    #[tokio::test]
+    async fn sources_describe_themselves_for_logs() {
+        assert_eq!(seeds(&["10.0.0.7:7000", "peers.svc:7000"]).describe(), "seeds [10.0.0.7:7000, peers.svc:7000]");
+        let srv = DnsSrv::with_server("_gossip._udp.x.svc", addr(53)).unwrap();
+        assert_eq!(srv.describe(), "dns-srv _gossip._udp.x.svc");
+        let both = AggregateDiscovery::new(vec![Arc::new(seeds(&["10.0.0.7:7000"])), Arc::new(srv)]);
+        assert_eq!(both.describe(), "seeds [10.0.0.7:7000] + dns-srv _gossip._udp.x.svc");
+    }
+
+    #[tokio::test]
+    async fn an_srv_source_refuses_a_name_that_is_not_a_dns_name() {
+        for bad in ["bad name", "a..b", ""] {
+            assert!(
+                matches!(DnsSrv::with_server(bad, addr(53)), Err(crate::error::Error::Config(m)) if m.contains("not a DNS name")),
+                "{bad:?}"
+            );
+        }
+        assert!(DnsSrv::with_server("_gossip._udp.x.svc.", addr(53)).is_ok());
+    }
+
+    /// Through a real DNS server on a UDP port (`testkit::dns`): every target at its port,
+    /// from glue records when the answer has them (no address query then) and by asking
+    /// otherwise; IPv4 and IPv6; a record with port 0 skipped; changes seen at the next lookup.
+    #[cfg(feature = "testkit")]
+    #[tokio::test]
+    async fn dns_srv_gives_every_target_at_its_port_with_or_without_glue_and_follows_changes() {
+        let dns = crate::testkit::dns::TestDns::start("_gossip._udp.ddshard.test.").await.unwrap();
+        let a: SocketAddr = "127.0.0.1:7101".parse().unwrap();
+        let b: SocketAddr = "127.0.0.2:7102".parse().unwrap();
+        let v6: SocketAddr = "[::1]:7103".parse().unwrap();
+        let unusable: SocketAddr = "127.0.0.9:0".parse().unwrap();
+        dns.set(&[("n1", a), ("n2", b), ("n3", v6), ("n4", unusable)]);
+        let srv = DnsSrv::with_server(&dns.service, dns.addr).unwrap();
+        let sorted = |mut v: Vec<SocketAddr>| {
+            v.sort();
+            v
+        };
+        assert_eq!(sorted(srv.lookup().await.unwrap()), [a, b, v6], "port 0 skipped");
+        assert_eq!(dns.address_queries(), 0, "glue records answer every target");
+        dns.set_glue(false);
+        assert_eq!(sorted(srv.lookup().await.unwrap()), [a, b, v6], "targets asked for without glue");
+        assert!(dns.address_queries() >= 3);
+        let moved: SocketAddr = "127.0.0.3:7202".parse().unwrap();
+        dns.set(&[("n1", a), ("n2", moved)]);
+        assert_eq!(sorted(srv.lookup().await.unwrap()), [a, moved], "TTL 0: the next lookup sees a move");
+        dns.set(&[]);
+        let err = srv.lookup().await.unwrap_err();
+        assert!(err.detail.contains("no records") && err.source_name == srv.describe(), "{err}");
+        assert!(dns.srv_queries() >= 4);
+    }
+
     struct Fixed(Result<Vec<SocketAddr>, DiscoveryError>);
 
     #[async_trait]
@@ -521,6 +575,10 @@ mod tests {
         let none = AggregateDiscovery::new(vec![failing(), failing()]);
         let err = none.lookup().await.unwrap_err();
         assert_eq!(err.detail, "fixed: down; fixed: down");
-        assert_eq!(AggregateDiscovery::default().lookup().await.unwrap(), Vec::<SocketAddr>::new());
+        let mut empty = AggregateDiscovery::default();
+        assert!(empty.is_empty());
+        assert_eq!(empty.lookup().await.unwrap(), Vec::<SocketAddr>::new());
+        empty.push(failing());
+        assert!(!empty.is_empty());
     }
 }

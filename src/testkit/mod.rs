@@ -22,6 +22,7 @@ use crate::error::Result;
 use crate::membership::MemberStatus;
 use crate::node::Node;
 
+pub mod dns;
 pub mod process;
 pub mod sim;
 
