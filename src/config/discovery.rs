@@ -28,7 +28,8 @@ pub struct DiscoverySettings {
     /// find each other again).
     #[serde(with = "humantime_serde")]
     pub refresh_interval: Duration,
-    /// How long one lookup of every source may take; a slower one counts as failed.
+    /// How long one name of `seeds` may take to resolve (a slower one counts as failed and hides
+    /// no other seed); a custom source gets a second more. SRV lookups try twice, 2 s each.
     #[serde(with = "humantime_serde")]
     pub lookup_timeout: Duration,
     /// At most this many found addresses are contacted (the lowest ones); the rest are counted

@@ -519,6 +519,12 @@ impl NodeConfig {
 
     /// Checks every setting; [`crate::Node::start`] calls it first.
     pub fn validate(&self) -> Result<()> {
+        self.validate_with_sources(false)
+    }
+
+    /// [`NodeConfig::validate`] for a node that also has discovery sources of its own
+    /// ([`crate::NodeBuilder::discovery`]), which count as finding nodes as `seeds` do.
+    pub(crate) fn validate_with_sources(&self, custom_sources: bool) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         if self.node_id.is_empty() || self.node_id.len() > MAX_ID_LEN {
             return bad("node_id must be 1 to 200 characters".into());
@@ -565,16 +571,18 @@ impl NodeConfig {
             return bad("membership.quorum_size must be at least 1 with downing = \"static-quorum\"".into());
         }
         self.discovery.validate()?;
-        let discovers = !self.seeds.is_empty() || !self.discovery.srv_names.is_empty();
+        let discovers = !self.seeds.is_empty() || !self.discovery.srv_names.is_empty() || custom_sources;
         if m.bootstrap_contact_points > 0 && !discovers {
             return bad(
                 "membership.bootstrap_contact_points needs seeds or discovery.srv_names (where the nodes are found)"
                     .into(),
             );
         }
-        if !self.discovery.srv_names.is_empty() && self.seeds.is_empty() && m.bootstrap_contact_points == 0 {
-            return bad("discovery.srv_names without seeds needs membership.bootstrap_contact_points: how many nodes \
-                 must be found before the lowest of them forms the cluster"
+        let other_sources = custom_sources || !self.discovery.srv_names.is_empty();
+        if other_sources && self.seeds.is_empty() && m.bootstrap_contact_points == 0 {
+            return bad("discovery.srv_names (or a discovery source) without seeds needs \
+                 membership.bootstrap_contact_points: how many nodes must be found before the lowest of them \
+                 forms the cluster"
                 .into());
         }
         if m.bootstrap_contact_points > 1_000 {
@@ -924,6 +932,14 @@ mod tests {
             c.seeds = vec!["10.0.0.1:7000".parse().unwrap()];
         })
         .expect("SRV names beside a first seed");
+        // A builder's own source counts as finding nodes, and alone needs bootstrap formation too.
+        let mut custom = ok.clone();
+        assert!(
+            matches!(custom.validate_with_sources(true), Err(Error::Config(m)) if m.contains("bootstrap_contact_points"))
+        );
+        custom.membership.bootstrap_contact_points = 3;
+        assert!(custom.validate_with_sources(true).is_ok());
+        assert!(custom.validate().is_err(), "without a source, bootstrap formation has nothing to find");
         let parsed = NodeConfig::from_toml_str(
             "node_id = \"n1\"\n[discovery]\nsrv_names = [\"_gossip._udp.x.svc\"]\ndns_server = \"10.0.0.10:53\"\n\
              lookup_interval = \"250ms\"\n",

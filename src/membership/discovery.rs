@@ -13,7 +13,8 @@
 //! `max_contact_points` (the lowest) are kept, the rest counted; a failed or timed-out lookup
 //! keeps the last good set (a resolver's hiccup does not make a node forget its peers) and
 //! backs off, doubling from `lookup_interval` up to `refresh_interval`; a failure is logged
-//! once per distinct error.
+//! unless it repeats the one before (every failure is counted). Each name and source has its
+//! own timeout, so a slow resolver hides no other seed; a lookup runs on a task of its own.
 //!
 //! Sources: [`SeedList`] (IP literals, and names through the system resolver: DNS A/AAAA and
 //! hosts files, every address of a name), [`DnsSrv`] (SRV records: target and port), and
@@ -29,6 +30,10 @@ use async_trait::async_trait;
 
 use crate::clock::Instant;
 use crate::config::{DiscoverySettings, SeedAddr};
+
+/// At most this many addresses are taken from one name or one SRV answer (a hostile or broken
+/// DNS answer cannot make a lookup hold millions).
+const MAX_ADDRESSES_PER_NAME: usize = crate::config::DiscoverySettings::MAX_CONTACT_POINTS;
 
 /// Why a lookup found nothing.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -56,27 +61,41 @@ pub trait Discovery: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct SeedList {
     seeds: Vec<SeedAddr>,
+    name_timeout: Duration,
 }
 
 impl SeedList {
-    /// These seeds.
+    /// These seeds; each name may take up to 5 s to resolve.
     pub fn new(seeds: Vec<SeedAddr>) -> Self {
-        SeedList { seeds }
+        SeedList { seeds, name_timeout: Duration::from_secs(5) }
+    }
+
+    /// How long one name may take to resolve; a slower one counts as failed and hides none
+    /// of the other seeds.
+    pub fn with_name_timeout(mut self, timeout: Duration) -> Self {
+        self.name_timeout = timeout;
+        self
     }
 }
 
 #[async_trait]
 impl Discovery for SeedList {
     async fn lookup(&self) -> Result<Vec<SocketAddr>, DiscoveryError> {
-        let mut found = Vec::new();
+        // IP literals as they are; names all at once, each within its own timeout, so a slow
+        // or dead resolver hides no other seed.
+        let mut found: Vec<SocketAddr> = self.seeds.iter().filter_map(SeedAddr::socket_addr).collect();
+        let names = self.seeds.iter().filter(|s| s.socket_addr().is_none()).map(|seed| async move {
+            match tokio::time::timeout(self.name_timeout, tokio::net::lookup_host(seed.as_str())).await {
+                Ok(Ok(addrs)) => Ok(addrs.take(MAX_ADDRESSES_PER_NAME).collect::<Vec<_>>()),
+                Ok(Err(e)) => Err(format!("{seed}: {e}")),
+                Err(_) => Err(format!("{seed}: no answer within {:?}", self.name_timeout)),
+            }
+        });
         let mut failures = Vec::new();
-        for seed in &self.seeds {
-            match seed.socket_addr() {
-                Some(addr) => found.push(addr),
-                None => match tokio::net::lookup_host(seed.as_str()).await {
-                    Ok(addrs) => found.extend(addrs),
-                    Err(e) => failures.push(format!("{seed}: {e}")),
-                },
+        for result in futures::future::join_all(names).await {
+            match result {
+                Ok(addrs) => found.extend(addrs),
+                Err(e) => failures.push(e),
             }
         }
         if found.is_empty() && !failures.is_empty() {
@@ -138,8 +157,12 @@ impl DnsSrv {
         if !crate::config::is_host_name(name, true) {
             return Err(crate::error::Error::Config(format!("discovery.srv_names: {name:?} is not a DNS name")));
         }
-        // Lookups repeat every second while a node is alone; the records' TTLs still hold.
-        builder.options_mut().attempts = 2;
+        // Two tries within the lookup timeout (hickory's default, 5 s a try, would spend the
+        // whole timeout on one lost datagram); negative answers cached briefly, so records
+        // published after a first miss are seen at the next lookup.
+        let options = builder.options_mut();
+        options.timeout = Duration::from_secs(2);
+        options.negative_max_ttl = Some(Duration::from_secs(1));
         let resolver = builder
             .build()
             .map_err(|e| crate::error::Error::Config(format!("discovery.srv_names: building the resolver: {e}")))?;
@@ -153,32 +176,50 @@ impl Discovery for DnsSrv {
         use hickory_resolver::proto::rr::RData;
         let fail = |detail: String| DiscoveryError { source_name: self.describe(), detail };
         let answer = self.resolver.srv_lookup(self.name.as_str()).await.map_err(|e| fail(e.to_string()))?;
-        let mut found = Vec::new();
-        for record in answer.answers() {
-            let RData::SRV(srv) = &record.data else { continue };
-            if srv.target.is_root() || srv.port == 0 {
-                continue;
-            }
-            let additional: Vec<std::net::IpAddr> = answer
-                .additionals()
-                .iter()
-                .filter(|r| r.name == srv.target)
-                .filter_map(|r| match &r.data {
-                    RData::A(a) => Some(a.0.into()),
-                    RData::AAAA(a) => Some(a.0.into()),
-                    _ => None,
-                })
-                .collect();
-            if !additional.is_empty() {
-                found.extend(additional.into_iter().map(|ip| SocketAddr::new(ip, srv.port)));
-                continue;
-            }
-            match self.resolver.lookup_ip(srv.target.clone()).await {
-                Ok(ips) => found.extend(ips.iter().map(|ip| SocketAddr::new(ip, srv.port))),
-                // One target without an address does not hide the others.
-                Err(e) => tracing::debug!(target = %srv.target, error = %e, "an SRV target has no address"),
+        // The glue records, by name, read once.
+        let mut glue: std::collections::HashMap<_, Vec<std::net::IpAddr>> = std::collections::HashMap::new();
+        for r in answer.additionals().iter().take(MAX_ADDRESSES_PER_NAME) {
+            match &r.data {
+                RData::A(a) => glue.entry(&r.name).or_default().push(a.0.into()),
+                RData::AAAA(a) => glue.entry(&r.name).or_default().push(a.0.into()),
+                _ => {}
             }
         }
+        // Each (target, port) once, at most the budget of them (a hostile answer is bounded).
+        let mut targets = Vec::new();
+        let mut seen = HashSet::new();
+        for record in answer.answers() {
+            let RData::SRV(srv) = &record.data else { continue };
+            if srv.target.is_root() || srv.port == 0 || !seen.insert((&srv.target, srv.port)) {
+                continue;
+            }
+            targets.push((&srv.target, srv.port));
+            if targets.len() == MAX_ADDRESSES_PER_NAME {
+                break;
+            }
+        }
+        let mut found = Vec::new();
+        let mut unglued = Vec::new();
+        for (target, port) in targets {
+            match glue.get(target) {
+                Some(ips) => found.extend(ips.iter().map(|ip| SocketAddr::new(*ip, port))),
+                None => unglued.push((target, port)),
+            }
+        }
+        // Targets without glue are asked for all at once; one without an address hides none.
+        let asked = unglued.into_iter().map(|(target, port)| async move {
+            match self.resolver.lookup_ip(target.clone()).await {
+                Ok(ips) => ips.iter().map(|ip| SocketAddr::new(ip, port)).collect(),
+                Err(e) => {
+                    tracing::debug!(%target, error = %e, "an SRV target has no address");
+                    Vec::new()
+                }
+            }
+        });
+        for addrs in futures::future::join_all(asked).await {
+            found.extend(addrs);
+        }
+        found.truncate(MAX_ADDRESSES_PER_NAME);
         Ok(found)
     }
 

@@ -204,7 +204,7 @@ impl MembershipDriver {
         let seeds: Vec<_> = cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).cloned().collect();
         let mut sources = AggregateDiscovery::default();
         if !seeds.is_empty() {
-            sources.push(Arc::new(SeedList::new(seeds)));
+            sources.push(Arc::new(SeedList::new(seeds).with_name_timeout(cfg.discovery.lookup_timeout)));
         }
         for name in &cfg.discovery.srv_names {
             let srv = match cfg.discovery.dns_server {
@@ -220,7 +220,8 @@ impl MembershipDriver {
         let discovery = has_seeds.then(|| DiscoveryRunner {
             sources: Arc::new(sources),
             core: DiscoveryCore::new(cfg.discovery.clone(), m.gossip_interval, gossip_addr, Instant::now()),
-            timeout: cfg.discovery.lookup_timeout,
+            // Each name has lookup_timeout; the whole gets a second more to gather them.
+            timeout: cfg.discovery.lookup_timeout + Duration::from_secs(1),
         });
         let chitchat_cfg = ChitchatConfig {
             chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
@@ -353,16 +354,28 @@ impl MembershipDriver {
     /// Feeds the discovery core and performs what it decides (no-op without sources).
     fn discover(&mut self, input: DiscoveryInput, lookup: &mut Option<PendingLookup>) {
         let Some(d) = &mut self.discovery else { return };
+        if matches!(input, DiscoveryInput::Found(Err(_))) {
+            self.stats.discovery_lookups_failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let mut actions = Vec::new();
         d.core.handle(input, Instant::now(), &mut actions);
         for action in actions {
             match action {
                 DiscoveryAction::Lookup => {
+                    // On a task of its own: a user's source that panics or blocks cannot stop
+                    // or stall membership; one past the timeout is aborted.
                     let (sources, timeout) = (d.sources.clone(), d.timeout);
+                    let describe = sources.describe();
+                    let task = tokio::spawn(async move { sources.lookup().await.map_err(|e| e.to_string()) });
                     *lookup = Some(Box::pin(async move {
-                        match tokio::time::timeout(timeout, sources.lookup()).await {
-                            Ok(found) => found.map_err(|e| e.to_string()),
-                            Err(_) => Err(format!("{}: no answer within {timeout:?}", sources.describe())),
+                        let abort = task.abort_handle();
+                        match tokio::time::timeout(timeout, task).await {
+                            Ok(Ok(found)) => found,
+                            Ok(Err(e)) => Err(format!("{describe}: the lookup failed: {e}")),
+                            Err(_) => {
+                                abort.abort();
+                                Err(format!("{describe}: no answer within {timeout:?}"))
+                            }
                         }
                     }));
                 }
@@ -384,7 +397,6 @@ impl MembershipDriver {
                     }
                 }
                 DiscoveryAction::LookupFailed(error) => {
-                    self.stats.discovery_lookups_failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     warn!(%error, "discovery lookup failed; retrying with back-off, still contacting the nodes found before");
                 }
             }

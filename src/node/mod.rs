@@ -116,7 +116,7 @@ impl Node {
 
     async fn start_built(b: NodeBuilder) -> Result<Node> {
         let config = b.config;
-        config.validate()?;
+        config.validate_with_sources(!b.discovery.is_empty())?;
         if config.is_exposed_without_secret() {
             tracing::warn!(
                 gossip_addr = %config.gossip_addr,

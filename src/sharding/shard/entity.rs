@@ -304,10 +304,11 @@ pub(crate) struct EntityRun<E: Entity> {
 }
 
 impl<E: Entity> EntityRun<E> {
-    /// The span a call into the entity runs in, so the user's own log lines inside `started`
+    /// The span calls into the entity run in, so the user's own log lines inside `started`
     /// and `handle` carry the entity's type, id and shard (target `ddshard::entity`, level
-    /// info; a filter such as `ddshard::entity=warn` turns it off). Disabled, it costs one
-    /// cached interest check per call.
+    /// info; a filter such as `ddshard::entity=warn` turns it off). Made once per run (a run
+    /// takes every queued message), not per message; disabled, it costs one cached interest
+    /// check per run.
     fn call_span(&self) -> tracing::Span {
         tracing::info_span!(
             target: "ddshard::entity",
@@ -384,6 +385,7 @@ impl<E: Entity> EntityRun<E> {
             },
         };
         let id = self.ctx.entity_id.clone();
+        let span = self.call_span();
         let (linger, mut idle_since) = (self.shared.linger, None);
         let sleep = tokio::time::sleep(linger);
         tokio::pin!(sleep);
@@ -410,9 +412,10 @@ impl<E: Entity> EntityRun<E> {
             };
             let running = entity.as_mut().expect("a task that took a command holds its entity");
             let started = crate::metrics::start_timer();
-            let span = self.call_span();
-            let outcome =
-                AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind().instrument(span).await;
+            let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx))
+                .catch_unwind()
+                .instrument(span.clone())
+                .await;
             self.shared.metrics.handled(started);
             match outcome {
                 Ok(result) => self.respond(env.reply, result.map(Some)),
