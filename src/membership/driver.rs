@@ -113,6 +113,8 @@ type PendingLookup =
 /// Where this node finds nodes to join through, and the core deciding when and whom.
 struct DiscoveryRunner {
     sources: Arc<AggregateDiscovery>,
+    /// What the sources are, for logs (described once).
+    described: Arc<str>,
     core: DiscoveryCore,
     timeout: Duration,
 }
@@ -218,6 +220,7 @@ impl MembershipDriver {
         }
         let has_seeds = !sources.is_empty();
         let discovery = has_seeds.then(|| DiscoveryRunner {
+            described: sources.describe().into(),
             sources: Arc::new(sources),
             core: DiscoveryCore::new(cfg.discovery.clone(), m.gossip_interval, gossip_addr, Instant::now()),
             // Each name has lookup_timeout; the whole gets a second more to gather them.
@@ -365,7 +368,7 @@ impl MembershipDriver {
                     // On a task of its own: a user's source that panics or blocks cannot stop
                     // or stall membership; one past the timeout is aborted.
                     let (sources, timeout) = (d.sources.clone(), d.timeout);
-                    let describe = sources.describe();
+                    let describe = d.described.clone();
                     let task = tokio::spawn(async move { sources.lookup().await.map_err(|e| e.to_string()) });
                     *lookup = Some(Box::pin(async move {
                         let abort = task.abort_handle();
@@ -388,7 +391,7 @@ impl MembershipDriver {
                     use std::sync::atomic::Ordering::Relaxed;
                     self.stats.discovery_contact_points.store(addresses.len() as u64, Relaxed);
                     self.stats.discovery_addresses_dropped.fetch_add(dropped as u64, Relaxed);
-                    info!(sources = %d.sources.describe(), found = addresses.len(), ?addresses, "discovery found nodes");
+                    info!(sources = %d.described, found = addresses.len(), ?addresses, "discovery found nodes");
                     if dropped > 0 {
                         warn!(
                             dropped,
