@@ -175,6 +175,8 @@ impl From<Error> for ApiError {
             // The client's input: fix the request.
             Error::EmptyEntityId | Error::EntityIdTooLong { .. } | Error::BadRequest(_) => StatusCode::BAD_REQUEST,
             Error::StateTooLarge { .. } | Error::SlotFull { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            // A capacity the operator set: more of the same request does not help.
+            Error::RememberedLimit { .. } => StatusCode::INSUFFICIENT_STORAGE,
             // The cluster cannot serve it now: retry later.
             Error::CoordinatorUnavailable(_)
             | Error::ShutDown

@@ -174,6 +174,20 @@ pub enum Error {
         budget: usize,
     },
 
+    /// Remember-entities: the entity's shard already remembers its limit of entities
+    /// ([`ShardingSettings::max_remembered_per_shard`](crate::ShardingSettings::max_remembered_per_shard)):
+    /// the entity was not started and nothing was written; the shard serves every entity it
+    /// remembers, and one that passivates makes room.
+    #[error("shard {shard:?} remembers its limit of {limit} entities; entity {entity_id:?} not started")]
+    RememberedLimit {
+        /// The entity.
+        entity_id: String,
+        /// Its shard.
+        shard: String,
+        /// The limit.
+        limit: usize,
+    },
+
     /// A durable entity's stored state does not decode as its `State` type (the type changed
     /// incompatibly): the entity answers this instead of starting from `Default`.
     #[error("stored state of {type_name} entity {entity_id:?} does not decode: {reason}")]
@@ -308,6 +322,7 @@ impl Error {
             | Error::EntityIdTooLong { .. }
             | Error::StateTooLarge { .. }
             | Error::SlotFull { .. }
+            | Error::RememberedLimit { .. }
             | Error::StateUndecodable { .. }
             | Error::TypeAlreadyStarted(_)
             | Error::UnknownMember(_)
@@ -356,6 +371,7 @@ mod tests {
             (Error::EntityIdTooLong { len: 2, max: 1 }, false),
             (Error::StateTooLarge { entity_id: s(), bytes: 2, max: 1 }, false),
             (Error::SlotFull { entity_id: s(), shard: s(), slot: 3, budget: 1 }, false),
+            (Error::RememberedLimit { entity_id: s(), shard: s(), limit: 1 }, false),
             (Error::StateUndecodable { type_name: s(), entity_id: s(), reason: s() }, false),
             (Error::TypeAlreadyStarted(s()), false),
             (Error::UnknownMember(s()), false),

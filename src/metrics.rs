@@ -86,7 +86,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_region_messages_total", C, "node,type,path", "Messages from this node's handle by path (local_routed, remote_sent_direct) and from other nodes put straight into a mailbox (remote_direct)."),
     def("ddshard_slot_bytes_high_water", G, "node,type", "The largest replicated slot (remembered ids or entity states) this region wrote since it started, in bytes; starts that would grow a slot past ddshard_slot_budget_bytes are refused (SlotFull)."),
     def("ddshard_slot_budget_bytes", G, "node,type", "The byte budget of one replicated slot (one replicator message)."),
-    def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused, slot_full)."),
+    def("ddshard_region_dropped_total", C, "node,type,reason", "Messages dropped (reason: buffer_full, handoff, invalid, mailbox_full, refused, remembered_limit, slot_full)."),
     def("ddshard_entity_starts_total", C, "node,type", "Entity incarnations started (first messages, restarts, remembered entities)."),
     def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, limit, handoff)."),
     def("ddshard_entity_handle_seconds", H, "node,type", "Time of one entity handler call (its message's processing, awaits included)."),
@@ -398,6 +398,7 @@ mod enabled {
                     ("invalid", &c.dropped_invalid),
                     ("mailbox_full", &c.dropped_mailbox_full),
                     ("refused", &c.dropped_refused),
+                    ("remembered_limit", &c.dropped_remembered_limit),
                     ("slot_full", &c.dropped_slot_full),
                 ],
             );

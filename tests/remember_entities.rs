@@ -343,3 +343,54 @@ async fn store_failing_during_writes_and_loads_recovers_and_loses_no_acknowledge
     await_running(&regions, &expected, "acknowledged entities run again").await;
     c.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_at_max_remembered_refuses_new_ids_from_local_and_remote_askers_keeps_the_rest_across_a_crash_and_takes_one_more_after_a_passivation()
+ {
+    const LIMIT: usize = 20;
+    let mut c = TestCluster::start_with(3, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    // One shard, so every id counts against the same limit, and askers on two nodes: at least
+    // one of them reaches the shard over the wire.
+    let s = ShardingSettings { number_of_shards: 1, max_remembered_per_shard: Some(LIMIT), ..remember() };
+    let regions = start_all(&c, &probe, s).await;
+    let home = where_is(&regions[0], "first").await;
+    let asks = (0..40).map(|k| {
+        let r = regions[k % 2].clone();
+        async move { (format!("id-{k}"), r.ask(&format!("id-{k}"), CounterMsg::Add(1)).await) }
+    });
+    let (mut acked, mut refused) = (BTreeSet::from(["first".to_string()]), 0);
+    for (id, result) in futures::future::join_all(asks).await {
+        match result {
+            Ok(_) => {
+                acked.insert(id);
+            }
+            Err(Error::RememberedLimit { entity_id, shard, limit }) => {
+                assert_eq!((entity_id, shard.as_str(), limit), (id, "0", LIMIT));
+                refused += 1;
+            }
+            Err(e) => panic!("{id}: neither acknowledged nor refused at the limit: {e}"),
+        }
+    }
+    println!("41 ids at a shard remembering at most {LIMIT}: {} acknowledged, {refused} refused", acked.len());
+    assert_eq!((acked.len(), refused), (LIMIT, 41 - LIMIT));
+    let home_index = (0..c.len()).find(|i| TestCluster::node_id(*i) == home).expect("the home is a node");
+    let counted = regions[home_index].counters().dropped_remembered_limit.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(counted, refused as u64, "every refusal counted where the shard lives");
+    // The acknowledged ids come back on a survivor after their home crashed; nothing else does.
+    c.kill(home_index).await;
+    let survivors: Vec<ShardRegion<Counter>> =
+        regions.iter().enumerate().filter(|(i, _)| *i != home_index).map(|(_, r)| r.clone()).collect();
+    await_running(&survivors, &acked, "the acknowledged ids run again after the crash").await;
+    let refused_there = survivors[0].ask("newcomer", CounterMsg::Add(1)).await;
+    assert!(matches!(refused_there, Err(Error::RememberedLimit { .. })), "{refused_there:?}");
+    // One passivates: its stop is recorded and a new id takes its place.
+    let gone = acked.iter().find(|id| id.as_str() != "first").cloned().expect("an id");
+    survivors[0].ask(&gone, CounterMsg::Stop).await.unwrap();
+    ask_retry(&survivors[0], "newcomer", CounterMsg::Add(1), CONVERGE).await;
+    acked.remove(&gone);
+    acked.insert("newcomer".to_string());
+    await_running(&survivors, &acked, "the newcomer runs in the passivated one's place").await;
+    c.shutdown().await;
+}

@@ -74,6 +74,9 @@ pub struct RegionCounters {
     /// Remembered-id starts and durable-state writes refused because their replicated slot is
     /// at its byte budget ([`crate::Error::SlotFull`]).
     pub dropped_slot_full: AtomicU64,
+    /// Remembered-id starts refused because their shard remembers its limit of entities
+    /// ([`crate::Error::RememberedLimit`]).
+    pub dropped_remembered_limit: AtomicU64,
     /// The largest replicated slot (remembered ids or entity states) this region wrote, in
     /// bytes, since it started: against [`RegionCounters::slot_budget_bytes`], how close the
     /// fullest slot came to refusing growth (alert at half).

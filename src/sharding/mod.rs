@@ -347,9 +347,11 @@ mod tests {
             ShardingSettings { handoff_timeout: std::time::Duration::from_millis(10), ..Default::default() },
             ShardingSettings { max_entity_id_bytes: 0, ..Default::default() },
             ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN + 1, ..Default::default() },
+            ShardingSettings { max_remembered_per_shard: Some(0), ..Default::default() },
         ] {
             assert!(matches!(s.validate(), Err(Error::Config(_))), "{s:?}");
         }
+        assert!(ShardingSettings { max_remembered_per_shard: Some(1), ..Default::default() }.validate().is_ok());
         let longest = ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN, ..Default::default() };
         assert!(longest.validate().is_ok(), "the longest a remembered set holds is allowed");
         let zero = settings::PassivationSettings { idle_safety_limit: Some(0), ..Default::default() };

@@ -97,6 +97,7 @@ pub(crate) enum DeliveryFailure {
     SlotFull { shard: String, slot: u32, budget: u64 },
     StateUndecodable { type_name: String, reason: String },
     StateNotPersisted { reason: String },
+    RememberedLimit { shard: String, limit: u64 },
 }
 
 impl DeliveryFailure {
@@ -126,6 +127,9 @@ impl DeliveryFailure {
                 DeliveryFailure::StateUndecodable { type_name: type_name.clone(), reason: reason.clone() }
             }
             Error::StateNotPersisted { reason, .. } => DeliveryFailure::StateNotPersisted { reason: reason.clone() },
+            Error::RememberedLimit { shard, limit, .. } => {
+                DeliveryFailure::RememberedLimit { shard: shard.clone(), limit: *limit as u64 }
+            }
             other => DeliveryFailure::NotDelivered { reason: other.to_string() },
         }
     }
@@ -164,6 +168,11 @@ impl DeliveryFailure {
             DeliveryFailure::StateNotPersisted { reason } => {
                 Error::StateNotPersisted { entity_id: entity_id.to_string(), reason }
             }
+            DeliveryFailure::RememberedLimit { shard, limit } => Error::RememberedLimit {
+                entity_id: entity_id.to_string(),
+                shard,
+                limit: usize::try_from(limit).unwrap_or(usize::MAX),
+            },
         }
     }
 }
@@ -251,6 +260,7 @@ mod tests {
             Error::SlotFull { entity_id: "remote-side".into(), shard: "17".into(), slot: 5, budget: 1 << 20 },
             Error::StateUndecodable { type_name: "cart".into(), entity_id: "remote-side".into(), reason: "bad".into() },
             Error::StateNotPersisted { entity_id: "remote-side".into(), reason: "timed out".into() },
+            Error::RememberedLimit { entity_id: "remote-side".into(), shard: "17".into(), limit: 50_000 },
         ];
         for e in cases {
             let wire = crate::transport::wire::encode(&DeliveryFailure::of(&e)).unwrap();
@@ -283,6 +293,9 @@ mod tests {
                 }
                 (Error::StateNotPersisted { .. }, Error::StateNotPersisted { entity_id, reason }) => {
                     assert_eq!((entity_id.as_str(), reason.as_str()), ("cart-1", "timed out"))
+                }
+                (Error::RememberedLimit { .. }, Error::RememberedLimit { entity_id, shard, limit }) => {
+                    assert_eq!((entity_id.as_str(), shard.as_str(), *limit), ("cart-1", "17", 50_000))
                 }
                 _ => panic!("{e:?} came back as {back:?}"),
             }

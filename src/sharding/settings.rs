@@ -138,6 +138,12 @@ pub struct ShardingSettings {
     /// replicated value small: about 60 bytes per id, so 1M ids in 64 slots is ~1 MB per key.
     /// Like `number_of_shards`, keep it stable for the life of the data.
     pub remember_entities_slots: u32,
+    /// Remember-entities: most entities one shard remembers (`None`: no limit but the slot
+    /// budget, which bounds each slot's bytes). A start past it fails at once with
+    /// [`Error::RememberedLimit`](crate::Error::RememberedLimit) and the shard serves every
+    /// entity it remembers; a remembered entity that passivates makes room. Ids already
+    /// remembered all come back after a hand-off or restart, even past a lowered limit.
+    pub max_remembered_per_shard: Option<usize>,
     /// Remembered entity that stopped without passivating (panic) restarts after this.
     #[serde(with = "humantime_serde")]
     pub entity_restart_backoff: Duration,
@@ -242,6 +248,7 @@ impl Default for ShardingSettings {
             role: None,
             remember_entities: false,
             remember_entities_slots: 16,
+            max_remembered_per_shard: None,
             entity_restart_backoff: Duration::from_secs(10),
             shard_failure_backoff: Duration::from_secs(10),
             entity_recovery_batch: 0,
@@ -313,6 +320,9 @@ impl ShardingSettings {
         }
         if !(1..=4096).contains(&self.remember_entities_slots) {
             return bad("remember_entities_slots must be between 1 and 4096");
+        }
+        if self.max_remembered_per_shard == Some(0) {
+            return bad("max_remembered_per_shard must be >= 1 (unset it for no limit)");
         }
         if !(1..=4096).contains(&self.state_slots) {
             return bad("state_slots must be between 1 and 4096");

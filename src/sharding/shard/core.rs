@@ -92,6 +92,9 @@ pub(crate) enum DropReason {
     /// Remember-entities: the entity's start was not recorded, its slot being at its byte
     /// budget; the entity was not started.
     SlotFull,
+    /// Remember-entities: the shard already remembers its limit of entities
+    /// (`max_remembered_per_shard`); a new one was not started.
+    RememberedLimit,
 }
 
 #[derive(Debug)]
@@ -176,11 +179,14 @@ pub(crate) enum ShardAction<M, S = ()> {
     Failed,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Remember {
     in_flight: Option<(BTreeSet<String>, BTreeSet<String>)>,
     next_adds: BTreeSet<String>,
     next_removes: BTreeSet<String>,
+    /// Most entities the shard remembers, counting those whose start or stop is being
+    /// recorded; a new id past it is refused ([`DropReason::RememberedLimit`]).
+    limit: usize,
 }
 
 /// The messages a shard holds: per entity while it starts or stops, and in arrival order
@@ -292,7 +298,12 @@ impl<M, S> ShardCore<M, S> {
     /// passivation is off (remembered entities are meant to stay up, as in Akka).
     pub(crate) fn remembering(handoff_stop_timeout: Duration, restart_backoff: Duration) -> Self {
         ShardCore {
-            remember: Some(Remember::default()),
+            remember: Some(Remember {
+                in_flight: None,
+                next_adds: BTreeSet::new(),
+                next_removes: BTreeSet::new(),
+                limit: usize::MAX,
+            }),
             loaded: false,
             restart_backoff,
             ..Self::new(PolicySettings::idle(None), handoff_stop_timeout)
@@ -305,6 +316,16 @@ impl<M, S> ShardCore<M, S> {
     /// start or stop); more are dropped with [`DropReason::BufferFull`]. Unlimited otherwise.
     pub(crate) fn with_buffer_limit(mut self, limit: usize) -> Self {
         self.held.limit = limit;
+        self
+    }
+
+    /// Remember-entities: at most `limit` entities remembered (unlimited with `None`); a
+    /// message for a new id past it is dropped with [`DropReason::RememberedLimit`]. Ids
+    /// loaded from the store all come back, even past a lowered limit.
+    pub(crate) fn with_remembered_limit(mut self, limit: Option<usize>) -> Self {
+        if let Some(r) = self.remember.as_mut() {
+            r.limit = limit.unwrap_or(usize::MAX);
+        }
         self
     }
 
@@ -465,6 +486,10 @@ impl<M, S> ShardCore<M, S> {
             None => match self.remember.as_mut() {
                 Some(_) if full(&self.held) => {
                     out.push(ShardAction::Drop { entity_id, msg, reason: DropReason::BufferFull });
+                }
+                // Every entry of a remembering shard is an id remembered or being recorded.
+                Some(r) if self.entities.len() >= r.limit => {
+                    out.push(ShardAction::Drop { entity_id, msg, reason: DropReason::RememberedLimit });
                 }
                 Some(r) => {
                     // Not in the table, so not remembered: record the start before creating it.
@@ -1077,6 +1102,46 @@ mod tests {
         // The refused id is forgotten: its next message asks to record its start again.
         let out = run(&mut s, deliver("big", 5), now);
         assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["big"]), removes: ids(&[]) }]);
+    }
+
+    #[test]
+    fn a_shard_at_its_remembered_limit_refuses_new_ids_and_takes_them_again_once_one_passivated() {
+        let now = Instant::now();
+        let limited = |out: &[ShardAction<u32>]| {
+            out.iter().filter(|a| matches!(a, ShardAction::Drop { reason: DropReason::RememberedLimit, .. })).count()
+        };
+        let mut s = remembering().with_remembered_limit(Some(3));
+        run(&mut s, ShardInput::Loaded(ids(&["a", "b"])), now);
+        // c's start is being recorded: it counts, so d is one too many.
+        assert_eq!(
+            run(&mut s, deliver("c", 1), now),
+            vec![ShardAction::WriteRemembered { adds: ids(&["c"]), removes: ids(&[]) }]
+        );
+        let out = run(&mut s, deliver("d", 2), now);
+        assert_eq!(out, vec![ShardAction::Drop { entity_id: "d".into(), msg: 2, reason: DropReason::RememberedLimit }]);
+        // Ids it remembers are served as ever, running or not.
+        assert_eq!(limited(&run(&mut s, deliver("a", 3), now)), 0);
+        assert_eq!(limited(&run(&mut s, deliver("c", 4), now)), 0);
+        run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
+        assert_eq!(limited(&run(&mut s, deliver("d", 5), now)), 1, "still three remembered");
+        // a passivates: its stop is recorded, and only then is there room.
+        run(&mut s, ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, now);
+        let out = run(&mut s, ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] }, now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&[]), removes: ids(&["a"]) }]);
+        assert_eq!(limited(&run(&mut s, deliver("d", 6), now)), 1, "a's stop is not recorded yet");
+        run(&mut s, ShardInput::WriteDone { refused: BTreeSet::new() }, now);
+        let out = run(&mut s, deliver("d", 7), now);
+        assert_eq!(out, vec![ShardAction::WriteRemembered { adds: ids(&["d"]), removes: ids(&[]) }]);
+        assert_eq!((s.remembered_count(), s.entities.len()), (2, 3), "b and c remembered, d being recorded");
+        // Ids loaded from the store all come back past a lowered limit; new ones wait for room.
+        let mut s = remembering().with_remembered_limit(Some(1));
+        let out = run(&mut s, ShardInput::Loaded(ids(&["x", "y"])), now);
+        assert!(out.contains(&ShardAction::Recover { entity_ids: vec!["x".into(), "y".into()] }), "{out:?}");
+        assert_eq!(limited(&run(&mut s, deliver("z", 1), now)), 1);
+        // Without a limit nothing is refused.
+        let mut s = remembering().with_remembered_limit(None);
+        run(&mut s, ShardInput::Loaded(ids(&["x", "y"])), now);
+        assert_eq!(limited(&run(&mut s, deliver("z", 1), now)), 0);
     }
 
     #[test]

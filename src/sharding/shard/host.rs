@@ -211,6 +211,8 @@ pub(crate) struct LocalShards<E: Entity> {
     handoff_started: HashMap<ShardId, crate::clock::Instant>,
     /// Hand-off durations (feature `metrics`).
     metrics: Arc<TypeMetrics>,
+    /// Warnings about shards at their remembered limit: at most one a minute per shard.
+    remembered_limit_log: crate::log_limit::LogLimiter<ShardId>,
 }
 
 /// Most entity ids in one page of [`LocalShards::entity_page`].
@@ -279,6 +281,7 @@ impl<E: Entity> LocalShards<E> {
             spawner,
             handoff_started: HashMap::new(),
             metrics,
+            remembered_limit_log: crate::log_limit::LogLimiter::new(Duration::from_secs(60)),
         }
     }
 
@@ -386,7 +389,8 @@ impl<E: Entity> LocalShards<E> {
         } else {
             ShardCore::new(policy, stop_timeout)
         }
-        .with_buffer_limit(s.buffer_size);
+        .with_buffer_limit(s.buffer_size)
+        .with_remembered_limit(s.max_remembered_per_shard);
         let cell =
             Arc::new(ShardCell { shard: Mutex::new(LocalShard { core, epoch, instance, tasks: TaskTracker::new() }) });
         self.shards.insert(shard.clone(), cell.clone());
@@ -627,6 +631,20 @@ impl<E: Entity> LocalShards<E> {
                         return self
                             .replier
                             .fail_with(msg, &entity_id, || Error::BufferFull { type_name, buffer_size });
+                    }
+                    DropReason::RememberedLimit => {
+                        self.counters.dropped_remembered_limit.fetch_add(1, Ordering::Relaxed);
+                        let limit = self.settings.max_remembered_per_shard.unwrap_or(usize::MAX);
+                        if let Some(held_back) = self.remembered_limit_log.allow(shard_id, std::time::Instant::now()) {
+                            warn!(type_name = %self.type_name, shard = %shard_id, limit, held_back,
+                                "shard remembers its limit of entities: new ones are refused (RememberedLimit)");
+                        }
+                        let shard = shard_id.clone();
+                        return self.replier.fail_with(msg, &entity_id, || Error::RememberedLimit {
+                            entity_id: entity_id.clone(),
+                            shard,
+                            limit,
+                        });
                     }
                     DropReason::SlotFull => {
                         // Counted by the remember writer, once per refused id.

@@ -109,6 +109,8 @@ const HAND_OFF: &str = "NotDelivered(hand-off)";
 const SHARD_FAILED: &str = "NotDelivered(shard failed)";
 /// Never seen today: the simulation's remember store has no slot budget (its ids are short).
 const SLOT_FULL: &str = "SlotFull";
+/// Never seen today: simulated remembering shards have no remembered limit.
+const REMEMBERED_LIMIT: &str = "RememberedLimit";
 const REGION_GONE: &str = "NotDelivered(region gone)";
 const NOT_HOSTED: &str = "NotDelivered(not hosted)";
 const TIMEOUT: &str = "AskTimeout";

@@ -520,6 +520,7 @@ impl Sim {
                     crate::sharding::shard::core::DropReason::HandOff => HAND_OFF,
                     crate::sharding::shard::core::DropReason::ShardFailed => SHARD_FAILED,
                     crate::sharding::shard::core::DropReason::SlotFull => SLOT_FULL,
+                    crate::sharding::shard::core::DropReason::RememberedLimit => REMEMBERED_LIMIT,
                     crate::sharding::shard::core::DropReason::BufferFull => BUFFER_FULL,
                 };
                 self.fail(msg, why);
