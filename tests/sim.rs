@@ -232,12 +232,13 @@ fn a_zombie_coordinator_resuming_after_a_pause_is_fenced_by_the_newer_term_and_s
 /// 2076 is the one whose shard gets its hand-off within the backoff.)
 #[test]
 fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped() {
-    // Seed 2347 since the durable roster changed the runs' timing (shard 5 on n4).
-    let report = check(2347, &SimConfig { remember: true, ..SimConfig::default() });
-    let failed = report.trace.iter().position(|l| l.contains("n4#1 shard 5 failed; restarts after the backoff"));
-    let failed = failed.expect("the scenario: shard 5 fails on n4");
-    let handoff = report.trace[failed..].iter().position(|l| l.contains("-> n4#1 HandOff { shard: \"5\""));
-    let handoff = handoff.expect("the scenario: n4 is asked to hand shard 5 off") + failed;
+    // Seed 2051 (shard 2 on n1) since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once).
+    let report = check(2051, &SimConfig { remember: true, ..SimConfig::default() });
+    let handoff = report.trace.iter().position(|l| l.contains("-> n1#1 HandOff { shard: \"2\""));
+    let handoff = handoff.expect("the scenario: n1 is asked to hand shard 2 off");
+    let failed =
+        report.trace[..handoff].iter().rposition(|l| l.contains("n1#1 shard 2 failed; restarts after the backoff"));
+    let failed = failed.expect("the scenario: shard 2 failed on n1 before");
     let millis = |l: &str| l.split_whitespace().next().and_then(|t| t.parse::<u64>().ok()).expect("a time");
     let backoff = ShardingSettings::default().shard_failure_backoff.as_millis() as u64;
     assert!(millis(&report.trace[handoff]) - millis(&report.trace[failed]) < backoff, "within the backoff");
@@ -256,9 +257,8 @@ fn a_failed_shard_asked_to_hand_off_during_its_backoff_answers_and_stays_stopped
 /// Replicas now quarantine every incarnation that left good standing.
 #[test]
 fn replicas_never_acknowledge_the_writes_of_a_paused_home_they_have_downed() {
-    // Seed 11001336 since the durable roster changed the runs' timing; the quarantine itself is
-    // held by the replicator core's tests.
-    let report = check(11001336, &shape("message-path-durable-remember"));
+    // Seed 11001344 since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once); the quarantine itself is held by the replicator core's tests.
+    let report = check(11001344, &shape("message-path-durable-remember"));
     assert!(report.states_acked > 100, "the scenario writes state");
     assert!(report.trace.iter().any(|l| l.contains("n4 pauses")), "the scenario pauses n4");
 }
@@ -290,12 +290,12 @@ fn shape(name: &str) -> SimConfig {
 /// every Leaving member by itself, and the shutdown ends at its timeout whatever happens.
 #[test]
 fn a_leave_cut_off_from_the_coordinator_still_hands_off_every_shard_including_a_failed_one() {
-    // The durable roster changed the runs' timing, and with it where the scenario recurs: a
-    // member leaving with a failed remembering shard is seed 25000059 today (n3, shard 7); the
-    // partition part is held by the scripted test below.
-    let report = check(25000059, &shape("three-nodes-many-shards"));
-    assert!(report.trace.iter().any(|l| l.contains("n3#1 shard 7 failed")), "the scenario: shard 7 fails on n3");
-    assert!(report.trace.iter().any(|l| l.contains("n3#1 region stopped; leaves the cluster")), "n3's leave ended");
+    // Later changes moved where the scenario recurs: a member leaving with a failed
+    // remembering shard is seed 25000047 since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once) (n1, shard 14); the partition part is held
+    // by the scripted test below.
+    let report = check(25000047, &shape("three-nodes-many-shards"));
+    assert!(report.trace.iter().any(|l| l.contains("n1#1 shard 14 failed")), "the scenario: shard 14 fails on n1");
+    assert!(report.trace.iter().any(|l| l.contains("n1#1 region stopped; leaves the cluster")), "n1's leave ended");
 }
 
 /// The scenario of seed 25000037, scripted: n2 (not the coordinator's node) starts leaving
@@ -479,7 +479,8 @@ fn a_host_shard_resent_during_a_hand_off_leaves_no_stale_home_in_seven_lossy_nod
 /// to allow a majority, and a node's own forget ships to every gossip target at once.
 #[test]
 fn the_last_of_three_leaving_nodes_hands_over_to_the_one_restarted_node_once_it_hears_of_the_others_forget() {
-    let report = check(660002017, &shape("three-nodes-many-shards"));
+    // Seed 660000024 since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once).
+    let report = check(660000024, &shape("three-nodes-many-shards"));
     for line in
         ["n1#1 region stopped; leaves the cluster", "n3#1 region stopped; leaves the cluster", "n2#1 downs itself"]
     {
@@ -500,10 +501,12 @@ fn a_store_failure_while_a_leaving_node_hands_a_shard_off_ends_the_hand_off_inst
     // Since hand-overs follow the membership (seed 720004905 below), 680001970's run takes
     // another course (n1 is downed before it leaves); it is still checked.
     check(680001970, &shape("seven-nodes-message-path-lossy"));
-    let report = check(670003637, &shape("seven-nodes-lossy"));
-    let stopped = "n4#1 region stopped; leaves the cluster";
-    assert!(report.trace.iter().any(|l| l.contains(stopped)), "n4's leave ended");
-    let timed_out = "n4#1 graceful shutdown timed out";
+    // Seed 670000179 (n1 leaves with its shard 0 failed) since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once).
+    let report = check(670000179, &shape("seven-nodes-lossy"));
+    assert!(report.trace.iter().any(|l| l.contains("n1#1 shard 0 failed")), "the scenario: n1's shard 0 fails");
+    let stopped = "n1#1 region stopped; leaves the cluster";
+    assert!(report.trace.iter().any(|l| l.contains(stopped)), "n1's leave ended");
+    let timed_out = "n1#1 graceful shutdown timed out";
     assert!(!report.trace.iter().any(|l| l.contains(timed_out)), "by hand-off, not by its timeout");
 }
 
@@ -520,8 +523,9 @@ fn a_store_failure_while_a_leaving_node_hands_a_shard_off_ends_the_hand_off_inst
 fn a_leaving_node_hands_over_to_a_holder_restarted_during_its_leave_so_the_nodes_left_keep_a_durable_majority() {
     for (seed, shape_name, leaver) in [
         (720004905, "durable", "n1#1"),
-        (730021632, "durable-remember", "n2#1"),
-        (770019193, "seven-nodes-lossy", "n3#1"),
+        // 730000003 and 770000001 since the simulation runs the shipped coordinator take-over.
+        (730000003, "durable-remember", "n4#1"),
+        (770000001, "seven-nodes-lossy", "n3#1"),
     ] {
         let report = check(seed, &shape(shape_name));
         let stopped = format!("{leaver} region stopped; leaves the cluster");
@@ -540,7 +544,8 @@ fn a_leaving_node_hands_over_to_a_holder_restarted_during_its_leave_so_the_nodes
 /// `a_read_and_a_write_waiting_for_a_holder_that_handed_over_and_left_end_when_it_is_removed`).
 #[test]
 fn the_one_node_left_of_three_after_two_leaves_serves_every_shard_after_recovery() {
-    let report = check(760002057, &shape("three-nodes-many-shards"));
+    // Seed 760002999 since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once).
+    let report = check(760002999, &shape("three-nodes-many-shards"));
     for line in ["n2#1 region stopped; leaves the cluster", "n1#2 region stopped; leaves the cluster"] {
         assert!(report.trace.iter().any(|l| l.contains(line)), "the scenario: {line}");
     }
@@ -555,7 +560,8 @@ fn the_one_node_left_of_three_after_two_leaves_serves_every_shard_after_recovery
 /// would, and settles from the last start. Every entity then answers from the restarted nodes.
 #[test]
 fn every_node_leaving_during_the_faults_is_started_again_by_recovery_and_every_entity_answers() {
-    let report = check(760109273, &shape("three-nodes-many-shards"));
+    // Seed 760104268 since the simulation runs the shipped coordinator take-over (remembered shards reallocated at once).
+    let report = check(760104268, &shape("three-nodes-many-shards"));
     let leavers: std::collections::BTreeSet<&str> =
         report.trace.iter().filter_map(|l| l.trim().split_once(' ')?.1.strip_suffix(" leaves")).collect();
     assert_eq!(leavers.len(), 3, "the scenario: every node of three leaves: {leavers:?}");
@@ -806,8 +812,12 @@ fn golden_partition_downs_the_minority_and_the_majority_takes_its_shards() {
     golden("partition_and_downing", &sim.report().trace);
 }
 
+/// As in production, a type that remembers its entities has its coordinator reallocate a dead
+/// region's shards at once (eager reallocation), and each new home loads and starts its
+/// remembered ids: they come back without a single ask. (Before the simulation ran the shipped
+/// take-over and settings, it reallocated only on demand, and this test asked once per shard.)
 #[test]
-fn golden_remembered_entities_come_back_with_their_shard_after_a_crash() {
+fn golden_remembered_entities_come_back_on_their_own_after_their_node_crashed() {
     use ddshard::testkit::sim::Sim;
     let cfg = SimConfig {
         nodes: 3,
@@ -823,25 +833,17 @@ fn golden_remembered_entities_come_back_with_their_shard_after_a_crash() {
     let first: Vec<u64> = (0..12).map(|e| sim.ask_through(0, &format!("e{e}"))).collect();
     sim.run_until(2_000);
     assert!(first.iter().all(|a| sim.answered(*a)), "all answered before the crash");
-    // The entities of the busier of n2 and n3; after its crash one ask per shard brings all of
-    // them back (the shard loads its remembered ids and starts each).
     let victim = (1..3).max_by_key(|i| sim.live_entities_on(*i).len()).unwrap();
     let on_victim = sim.live_entities_on(victim);
     assert!(on_victim.len() >= 2, "it hosts entities: {on_victim:?}");
     sim.crash_node(victim);
     sim.run_until(8_000);
-    assert!(on_victim.iter().all(|e| !sim.live_entities().contains(e)), "they died with their node");
-    let mut one_per_shard = std::collections::BTreeMap::new();
-    for e in &on_victim {
-        one_per_shard.entry(ddshard::sharding::default_shard_id(e, 6)).or_insert(e.clone());
-    }
-    let asks: Vec<u64> = one_per_shard.values().map(|e| sim.ask_through(0, e)).collect();
-    sim.run_until(10_000);
-    assert!(asks.iter().all(|a| sim.answered(*a)));
-    assert!(asks.len() < on_victim.len(), "some entities come back without being asked");
     let live = sim.live_entities();
     let missing: Vec<&String> = on_victim.iter().filter(|e| !live.contains(*e)).collect();
-    assert!(missing.is_empty(), "remembered but not restarted: {missing:?}");
+    assert!(missing.is_empty(), "remembered but not restarted without an ask: {missing:?}");
+    let asks: Vec<u64> = on_victim.iter().map(|e| sim.ask_through(0, e)).collect();
+    sim.run_until(10_000);
+    assert!(asks.iter().all(|a| sim.answered(*a)), "and each answers");
     assert!(sim.report().violations.is_empty(), "{:?}", sim.report().violations);
     golden("remembered_restart", &sim.report().trace);
 }

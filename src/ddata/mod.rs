@@ -273,7 +273,7 @@ impl Replicator {
 }
 
 /// An update's outcome as one result: the first key refused by its fence is the error.
-fn first_fenced(fenced: Vec<(String, Fenced)>) -> Result<()> {
+pub(crate) fn first_fenced(fenced: Vec<(String, Fenced)>) -> Result<()> {
     match fenced.into_iter().next() {
         Some((key, Fenced { epoch, fence })) => Err(Error::Fenced { key, epoch, fence }),
         None => Ok(()),

@@ -22,8 +22,12 @@ use tracing::{debug, info, warn};
 
 use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView, plan_dto};
 use super::state::CoordinatorState;
+use super::take_over::{
+    REMEMBERED_SHARDS, StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction,
+    TakeOverInput, TakeOverState,
+};
 use crate::clock::{Instant, wall_ms};
-use crate::ddata::{Consistency, FencedMap, GSet, KeyUpdate, Replicator};
+use crate::ddata::{FencedMap, GSet, Replicator};
 use crate::error::Error;
 use crate::membership::MembershipSnapshot;
 use crate::metrics::TypeMetrics;
@@ -38,20 +42,6 @@ use crate::transport::{Inbound, wire};
 
 /// How often the coordinator checks its deadlines (and whether it is still the host).
 const COORDINATOR_TICK: Duration = Duration::from_millis(100);
-/// Pause between failed take-over reads.
-const TAKE_OVER_RETRY: Duration = Duration::from_millis(200);
-/// Backoff of a failed state write: from the first value, doubling up to the second.
-const WRITE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
-
-/// What the take-over read finds: the coordinator state and, with remember-entities, every
-/// shard the type ever had.
-pub(crate) struct TakeOverState {
-    map: FencedMap,
-    /// The term this coordinator claimed the state under: every write of it carries it.
-    term: u64,
-    remembered_shards: Option<BTreeSet<ShardId>>,
-}
-
 /// How a state write ended.
 enum WriteOutcome {
     Acknowledged,
@@ -61,22 +51,6 @@ enum WriteOutcome {
         fence: u64,
     },
 }
-
-/// Consistency of coordinator state writes (Akka's WriteMajorityPlus, 3 and min-cap 5 by default).
-fn state_write(s: &ShardingSettings) -> Consistency {
-    Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap }
-}
-
-/// Consistency of the state read at take-over (ReadMajorityPlus, 5 and min-cap 5 by default).
-fn state_read(s: &ShardingSettings) -> Consistency {
-    Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap }
-}
-
-/// Consistency of the durable set of remembered shards, written and read: a plain majority of
-/// the replicator's roster (DESIGN.md, decision 4). The coordinator's plus and min-cap are for
-/// quorums over today's members; over the roster they would make a small cluster wait for
-/// every holder ever seen.
-const REMEMBERED_SHARDS: Consistency = Consistency::MAJORITY;
 
 /// Starts the coordinator singleton driver of a type on this node.
 pub(crate) fn start_singleton(
@@ -256,28 +230,22 @@ impl CoordinatorDriver {
             SingletonAction::Start(state) => {
                 let st = CoordinatorState::from_map(&state.map);
                 info!(type_name = %self.type_name, shards = st.shards().len(), regions = st.regions.len(), "coordinator started");
-                let cs = CoordinatorSettings {
-                    min_nr_of_members: self.settings.min_nr_of_members,
-                    rebalance_interval: self.settings.rebalance_interval,
-                    handoff_timeout: self.settings.handoff_timeout,
-                    shard_start_timeout: self.settings.shard_start_timeout,
-                    eager_reallocation: self.settings.remember_entities,
-                    extractor_fingerprint: self.extractor_fingerprint,
-                    shard_ids: self.shard_ids,
-                    // A value over the message budget still travels alone in one frame.
-                    max_state_bytes: self.node.config().transport.max_frame_size / 2,
-                };
-                let now = Instant::now();
-                let me = self.node.address().clone();
-                let mut core = CoordinatorCore::new(me, cs, self.strategy.clone(), st, now);
-                let inbound = self.node.transport().subscribe(&keys::coordinator_topic(&self.type_name), 65_536);
-                core.handle(CoordinatorInput::Members(MembersView::of(snap)), now, wall_ms(), out);
-                core.handle(CoordinatorInput::TakeOver, now, wall_ms(), out);
-                if let Some(shards) = state.remembered_shards {
+                if let Some(shards) = &state.remembered_shards {
                     info!(type_name = %self.type_name, shards = shards.len(), "allocating remembered shards");
-                    core.handle(CoordinatorInput::RememberedShards(shards), now, wall_ms(), out);
                 }
-                *running = Some(Running { core, term: state.term, inbound, write: None });
+                let cs = CoordinatorSettings::from_sharding(
+                    &self.settings,
+                    self.extractor_fingerprint,
+                    self.shard_ids,
+                    self.node.config().transport.max_frame_size,
+                );
+                let term = state.term;
+                let inbound = self.node.transport().subscribe(&keys::coordinator_topic(&self.type_name), 65_536);
+                let me = self.node.address().clone();
+                let members = Some(MembersView::of(snap));
+                let core =
+                    state.start_coordinator(me, cs, self.strategy.clone(), members, (Instant::now(), wall_ms()), out);
+                *running = Some(Running { core, term, inbound, write: None });
                 self.metrics.coordinator_active(true);
             }
             SingletonAction::Stop => {
@@ -362,7 +330,8 @@ impl CoordinatorDriver {
     }
 
     /// Writes the entries (and, with remember-entities, the newly allocated shards into the
-    /// durable set of shards), retrying with backoff until both succeed; then reports done.
+    /// durable set of shards) as the [`StateWrite`] core decides: retried with backoff until
+    /// both succeed, given up when fenced; then reports the outcome.
     fn write_state(
         &self,
         entries: Vec<super::core::StateEntry>,
@@ -370,109 +339,80 @@ impl CoordinatorDriver {
         done: mpsc::UnboundedSender<WriteOutcome>,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let replicator = self.node.replicator().clone();
-        let shards_key = keys::remembered_shards(&self.type_name);
-        let (timeout, consistency) = (self.settings.updating_state_timeout, state_write(&self.settings));
         let type_name = self.type_name.clone();
         let metrics = self.metrics.clone();
-        let remembered: Option<BTreeSet<ShardId>> = self.settings.remember_entities.then(|| {
-            entries
-                .iter()
-                .filter(|(_, v)| v.is_some())
-                .filter_map(|(k, _)| keys::shard_of_entry(k).map(String::from))
-                .collect()
-        });
+        let mut out = Vec::new();
+        let mut write = StateWrite::start(&self.settings, entries, term, &mut out);
         async move {
             let started = Instant::now();
-            let mut backoff = WRITE_BACKOFF.0;
-            loop {
-                // The state entries (counted over the members, with Akka's plus and min-cap)
-                // and the newly remembered shards (a durable key: a plain majority of the
-                // roster, which downing cannot shrink) go at once, each in one round.
-                let state = replicator.update_many(
-                    consistency,
-                    timeout,
-                    vec![super::state::write_update(&type_name, entries.clone(), term)],
-                );
-                let shards = async {
-                    let Some(shards) = remembered.clone().filter(|s| !s.is_empty()) else { return Ok(()) };
-                    let insert = KeyUpdate::new::<GSet, _>(&shards_key, move |g, _| {
-                        for s in shards {
-                            g.insert(s);
+            while let Some(action) = out.pop() {
+                match action {
+                    StateWriteAction::Write { entries, term, consistency, timeout, remembered } => {
+                        // The state entries (counted over the members, with Akka's plus and
+                        // min-cap) and the newly remembered shards (a durable key: a plain
+                        // majority of the roster, which downing cannot shrink) go at once.
+                        let update = super::state::write_update(&type_name, entries, term);
+                        let state = replicator.update_many(consistency, timeout, vec![update]);
+                        let shards = async {
+                            let Some(shards) = remembered else { return Ok(()) };
+                            let insert = super::state::remembered_shards_update(&type_name, shards);
+                            replicator.update_many(REMEMBERED_SHARDS, timeout, vec![insert]).await
+                        };
+                        let (state, shards) = tokio::join!(state, shards);
+                        if matches!(state, Err(Error::ShutDown)) || matches!(shards, Err(Error::ShutDown)) {
+                            return;
                         }
-                    });
-                    replicator.update_many(REMEMBERED_SHARDS, timeout, vec![insert]).await
-                };
-                let (state, shards) = tokio::join!(state, shards);
-                // The state's outcome first: a fence there ends the writes for good.
-                let r = state.and(shards);
-                match r {
-                    Ok(()) => break,
-                    Err(Error::ShutDown) => return,
-                    Err(Error::Fenced { fence, .. }) => {
-                        // Retrying cannot help: the term is stale for good.
+                        write.handle(StateWriteInput::Written { state, shards }, &mut out);
+                    }
+                    StateWriteAction::RetryAfter { after, error } => {
+                        metrics.state_write_failed();
+                        warn!(%type_name, %error, "coordinator state write failed; retrying");
+                        tokio::time::sleep(after).await;
+                        write.handle(StateWriteInput::Retry, &mut out);
+                    }
+                    StateWriteAction::Fenced { term, fence } => {
                         let _ = done.send(WriteOutcome::Fenced { term, fence });
                         return;
                     }
-                    Err(e) => {
-                        metrics.state_write_failed();
-                        warn!(%type_name, error = %e, "coordinator state write failed; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(WRITE_BACKOFF.1);
+                    StateWriteAction::Acknowledged => {
+                        metrics.state_written(started);
+                        let _ = done.send(WriteOutcome::Acknowledged);
+                        return;
                     }
                 }
             }
-            metrics.state_written(started);
-            let _ = done.send(WriteOutcome::Acknowledged);
         }
     }
 }
 
-/// Claims of the state under a higher term, when a replica turns out to hold a newer one,
-/// before the take-over read fails (and is retried by the singleton core).
-const CLAIM_TRIES: usize = 3;
-
-/// The take-over read: claims the coordinator state under a new term and reads it (majority
-/// plus; the replicas store the claim before they answer), then, with remember-entities, reads
-/// the durable set of shards. Either failing fails the read (it is retried).
+/// The take-over read as the [`TakeOver`] core decides: claims the coordinator state under a
+/// new term and reads it (majority plus; the replicas store the claim before they answer),
+/// then, with remember-entities, reads the durable set of shards. Either failing fails the
+/// read (the singleton core retries it).
 async fn take_over_read(
     replicator: &Replicator,
     type_name: &str,
     settings: &ShardingSettings,
 ) -> Result<TakeOverState, String> {
-    let (consistency, timeout) = (state_read(settings), settings.waiting_for_state_timeout);
     let key = keys::coordinator_state(type_name);
     let local_fence = replicator.read_local_with::<FencedMap, _, _>(&key, FencedMap::fence).await;
-    let mut term = wall_ms().max(local_fence.map_err(|e| e.to_string())?.unwrap_or(0).saturating_add(1));
-    let mut claimed = None;
-    for _ in 0..CLAIM_TRIES {
-        let claim = super::state::claim_update(type_name, term);
-        match replicator.update_and_get_many::<FencedMap>(consistency, timeout, vec![claim]).await {
-            Ok(values) => {
-                let map = values.into_iter().next().flatten().unwrap_or_default();
-                // A replica holds a newer term: claim above it (the other claimant is either
-                // a predecessor or a node that will stop when it sees it is not the host).
-                if map.fence() > term {
-                    term = map.fence().saturating_add(1);
-                    continue;
-                }
-                claimed = Some(map);
-                break;
+    let local_fence = local_fence.map_err(|e| e.to_string())?.unwrap_or(0);
+    let mut out = Vec::new();
+    let mut take_over = TakeOver::start(type_name, settings, local_fence, wall_ms(), &mut out);
+    while let Some(action) = out.pop() {
+        let input = match action {
+            TakeOverAction::Claim { term, consistency, timeout } => {
+                let claim = super::state::claim_update(type_name, term);
+                let read = replicator.update_and_get_many::<FencedMap>(consistency, timeout, vec![claim]).await;
+                TakeOverInput::Claimed(read.map(|values| values.into_iter().next().flatten()))
             }
-            Err(Error::Fenced { fence, .. }) => term = fence.saturating_add(1),
-            Err(e) => return Err(e.to_string()),
-        }
+            TakeOverAction::ReadRememberedShards { key, consistency, timeout } => {
+                let read = replicator.get::<GSet>(&key, consistency, timeout).await;
+                TakeOverInput::RememberedShardsRead(read.map(|set| set.map(|s| s.members()).unwrap_or_default()))
+            }
+            TakeOverAction::Done(result) => return result,
+        };
+        take_over.handle(input, &mut out);
     }
-    let Some(map) = claimed else {
-        return Err(format!("newer coordinator terms kept appearing while claiming the state (last tried {term})"));
-    };
-    let remembered_shards = if settings.remember_entities {
-        let set = replicator
-            .get::<GSet>(&keys::remembered_shards(type_name), REMEMBERED_SHARDS, timeout)
-            .await
-            .map_err(|e| format!("cannot read the remembered shards yet: {e}"))?;
-        Some(set.map(|s| s.members()).unwrap_or_default())
-    } else {
-        None
-    };
-    Ok(TakeOverState { map, term, remembered_shards })
+    Err("the take-over read ended without an outcome".to_string())
 }

@@ -5,5 +5,6 @@
 pub(crate) mod core;
 mod driver;
 pub(crate) mod state;
+pub(crate) mod take_over;
 
 pub(crate) use driver::start_singleton;

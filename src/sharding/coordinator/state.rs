@@ -21,6 +21,19 @@ pub(crate) fn claim_update(type_name: &str, term: u64) -> crate::ddata::KeyUpdat
     })
 }
 
+/// Adds `shards` to the durable set of a type's shards (a grow-only set: a shard once
+/// allocated is allocated again after a full-cluster restart).
+pub(crate) fn remembered_shards_update(
+    type_name: &str,
+    shards: std::collections::BTreeSet<crate::sharding::ids::ShardId>,
+) -> crate::ddata::KeyUpdate {
+    crate::ddata::KeyUpdate::new::<crate::ddata::GSet, _>(&keys::remembered_shards(type_name), move |g, _| {
+        for s in shards {
+            g.insert(s);
+        }
+    })
+}
+
 /// A coordinator write of `entries` (`None`: delete) under its `term`; the whole update is
 /// refused once a newer term has claimed the state.
 pub(crate) fn write_update(

@@ -50,7 +50,10 @@ use crate::sharding::allocation::LeastShardAllocation;
 use crate::sharding::coordinator::core::{
     CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView,
 };
-use crate::sharding::coordinator::state::CoordinatorState;
+use crate::sharding::coordinator::take_over::{
+    StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction, TakeOverInput,
+    TakeOverState,
+};
 use crate::sharding::protocol::{ToCoordinator, ToRegion};
 use crate::sharding::region::core::{RegionAction, RegionCore, RegionInput, RegionSettings};
 use crate::sharding::shard::core::{ShardAction, ShardCore, ShardInput};
@@ -81,8 +84,6 @@ const TICK_MS: u64 = 50;
 const MEMBERSHIP_MS: u64 = 100;
 /// An ask fails with a timeout after this long.
 const ASK_TIMEOUT_MS: u64 = 5_000;
-/// A failed coordinator-state write is retried after this long.
-const WRITE_RETRY_MS: u64 = 200;
 /// Time from a persist to its commit report (an LMDB fsync).
 const FSYNC_MS: u64 = 2;
 
@@ -197,13 +198,18 @@ enum Event {
 /// What a replicator reply answers.
 #[derive(Debug)]
 enum RepReply {
-    TakeOverRead {
+    /// The take-over read `read` claimed the coordinator state.
+    TakeOverClaim {
         read: u64,
-        term: u64,
-        attempt: u32,
     },
+    /// The take-over read `read` read the remembered shards.
+    TakeOverShards {
+        read: u64,
+    },
+    /// One part of coordinator state write `write`.
     StateWrite {
         write: u64,
+        part: WritePart,
     },
     RememberLoad {
         shard: ShardId,
@@ -216,12 +222,27 @@ enum RepReply {
     HandOver,
 }
 
+/// The two parts of a coordinator state write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WritePart {
+    State,
+    RememberedShards,
+}
+
+/// A coordinator state write in flight: its core and the parts answered so far.
+struct PendingWrite {
+    id: u64,
+    core: StateWrite,
+    state: Option<crate::Result<()>>,
+    shards: Option<crate::Result<()>>,
+}
+
 struct Coordinator {
     core: CoordinatorCore,
     /// The term it claimed the coordinator state under.
     term: u64,
-    /// The write in flight (id and entries, for a retry).
-    write: Option<(u64, Vec<crate::sharding::coordinator::core::StateEntry>)>,
+    /// The write in flight.
+    write: Option<PendingWrite>,
 }
 
 struct Node {
@@ -234,6 +255,8 @@ struct Node {
     /// Running entity instances: id → (shard, incarnation).
     entities: BTreeMap<String, (ShardId, u64)>,
     singleton: SingletonCore,
+    /// The take-over read in flight, by read id.
+    take_over: Option<(u64, TakeOver)>,
     coordinator: Option<Coordinator>,
     replicator: ReplicatorCore<RepReply>,
     /// Asks forwarded from here, by ask id → region they went to.
@@ -325,8 +348,14 @@ pub struct Sim {
     report: SimReport,
 }
 
-fn settings() -> crate::sharding::ShardingSettings {
-    crate::sharding::ShardingSettings { passivation_idle_timeout: None, ..Default::default() }
+/// The sharding settings of the simulated type: the defaults (as a user's type), without
+/// idle passivation, remembering entities when the run does.
+fn settings(cfg: &SimConfig) -> crate::sharding::ShardingSettings {
+    crate::sharding::ShardingSettings {
+        passivation_idle_timeout: None,
+        remember_entities: cfg.remember,
+        ..Default::default()
+    }
 }
 
 fn peer_of(addr: &UniqueAddress) -> PeerAddr {
@@ -423,7 +452,7 @@ impl Sim {
         }
         self.members.push(MemberRow { addr: addr.clone(), status: MemberStatus::Up, up_number });
         let now = self.now();
-        let s = settings();
+        let s = settings(&self.cfg);
         // The disk survives the restart, and with it the store writer and its reservation.
         let floor = self.counter_ceilings[i];
         self.counter_ceilings[i] = floor + crate::ddata::replicator::RESERVATION_SPAN;
@@ -446,7 +475,8 @@ impl Sim {
             shards: BTreeMap::new(),
             shard_instances: BTreeMap::new(),
             entities: BTreeMap::new(),
-            singleton: SingletonCore::new(Duration::from_millis(200)),
+            singleton: SingletonCore::new(TAKE_OVER_RETRY),
+            take_over: None,
             coordinator: None,
             replicator,
             forwarded: BTreeMap::new(),
@@ -683,7 +713,7 @@ impl Sim {
                 }
                 Event::RetryWrite { node, write } => {
                     if let Some(i) = self.slot_of(&node) {
-                        self.start_write(i, write);
+                        self.retry_state_write(i, write);
                     }
                 }
                 Event::Persisted { node, through } => self.on_persisted(node, through),

@@ -4,40 +4,34 @@
 use super::*;
 
 impl Sim {
-    pub(super) fn perform_singleton(&mut self, i: usize, actions: Vec<SingletonAction<(FencedMap, u64)>>) {
+    pub(super) fn perform_singleton(&mut self, i: usize, actions: Vec<SingletonAction<TakeOverState>>) {
         let (now, wall) = (self.now(), self.wall());
         for action in actions {
             let Some(node) = self.nodes[i].as_mut() else { return };
             match action {
                 SingletonAction::Read { read } => {
-                    // As the driver: a term above every one this node has seen, at least the
-                    // wall clock.
                     let local_fence = match node.replicator.local_value(&keys::coordinator_state(TYPE)) {
                         Some(ReplicatedData::FencedMap(m)) => m.fence(),
                         _ => 0,
                     };
-                    self.claim_coordinator_state(i, read, wall.max(local_fence + 1), 0);
-                }
-                SingletonAction::Start((map, term)) => {
-                    let s = settings();
-                    let cs = CoordinatorSettings {
-                        min_nr_of_members: 1,
-                        rebalance_interval: s.rebalance_interval,
-                        handoff_timeout: s.handoff_timeout,
-                        shard_start_timeout: s.shard_start_timeout,
-                        eager_reallocation: false,
-                        extractor_fingerprint: EXTRACTOR,
-                        shard_ids: crate::sharding::ids::ShardIdRule::Custom,
-                        max_state_bytes: 1 << 20,
-                    };
-                    let strategy = Arc::new(LeastShardAllocation::default());
-                    let mut core =
-                        CoordinatorCore::new(node.addr.clone(), cs, strategy, CoordinatorState::from_map(&map), now);
                     let mut out = Vec::new();
-                    if let Some(view) = node.last_view.clone() {
-                        core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut out);
-                    }
-                    core.handle(CoordinatorInput::TakeOver, now, wall, &mut out);
+                    let take_over = TakeOver::start(TYPE, &settings(&self.cfg), local_fence, wall, &mut out);
+                    node.take_over = Some((read, take_over));
+                    self.perform_take_over(i, read, out);
+                }
+                SingletonAction::Start(found) => {
+                    node.take_over = None;
+                    let cs = CoordinatorSettings::from_sharding(
+                        &settings(&self.cfg),
+                        EXTRACTOR,
+                        crate::sharding::ids::ShardIdRule::Custom,
+                        crate::config::TransportSettings::default().max_frame_size,
+                    );
+                    let strategy = Arc::new(LeastShardAllocation::default());
+                    let term = found.term;
+                    let members = node.last_view.as_ref().map(MembersView::of);
+                    let mut out = Vec::new();
+                    let core = found.start_coordinator(node.addr.clone(), cs, strategy, members, (now, wall), &mut out);
                     node.coordinator = Some(Coordinator { core, term, write: None });
                     let addr = node.addr.clone();
                     self.trace(|| format!("{addr} coordinator starts (term {term})"));
@@ -52,58 +46,41 @@ impl Sim {
         }
     }
 
-    /// The take-over read as the driver does it: claim the coordinator state under `term` on a
-    /// majority plus and read it; a replica with a newer term makes it claim above that.
-    fn claim_coordinator_state(&mut self, i: usize, read: u64, term: u64, attempt: u32) {
+    /// Performs take-over read `read`'s actions on node `i`'s replicator, as the driver does.
+    fn perform_take_over(&mut self, i: usize, read: u64, actions: Vec<TakeOverAction>) {
         let (now, wall) = (self.now(), self.wall());
-        let Some(node) = self.nodes[i].as_mut() else { return };
-        let s = settings();
-        let consistency =
-            Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap };
-        let claim = crate::sharding::coordinator::state::claim_update(TYPE, term).into_parts();
-        let input = RepInput::UpdateAndGetMany {
-            updates: vec![claim],
-            consistency,
-            timeout: s.waiting_for_state_timeout,
-            reply: RepReply::TakeOverRead { read, term, attempt },
-        };
-        let mut out = Vec::new();
-        node.replicator.handle(input, now, wall, &mut out);
-        self.perform_replicator(i, out);
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            let input = match action {
+                TakeOverAction::Claim { term, consistency, timeout } => {
+                    let claim = crate::sharding::coordinator::state::claim_update(TYPE, term).into_parts();
+                    let reply = RepReply::TakeOverClaim { read };
+                    RepInput::UpdateAndGetMany { updates: vec![claim], consistency, timeout, reply }
+                }
+                TakeOverAction::ReadRememberedShards { key, consistency, timeout } => {
+                    RepInput::Get { key, consistency, timeout, reply: RepReply::TakeOverShards { read } }
+                }
+                TakeOverAction::Done(result) => {
+                    node.take_over = None;
+                    let mut single = Vec::new();
+                    node.singleton.handle(SingletonInput::ReadDone { read, result }, now, &mut single);
+                    self.perform_singleton(i, single);
+                    continue;
+                }
+            };
+            let mut out = Vec::new();
+            node.replicator.handle(input, now, wall, &mut out);
+            self.perform_replicator(i, out);
+        }
     }
 
-    fn on_coordinator_state_claimed(
-        &mut self,
-        i: usize,
-        (read, term, attempt): (u64, u64, u32),
-        result: crate::Result<Vec<Option<ReplicatedData>>>,
-    ) {
-        let newer = match &result {
-            Ok(values) => match values.first() {
-                Some(Some(ReplicatedData::FencedMap(m))) if m.fence() > term => Some(m.fence()),
-                _ => None,
-            },
-            Err(crate::Error::Fenced { fence, .. }) => Some(*fence),
-            Err(_) => None,
-        };
-        if let Some(fence) = newer.filter(|_| attempt + 1 < 3) {
-            self.claim_coordinator_state(i, read, fence + 1, attempt + 1);
-            return;
-        }
-        let result = match result {
-            Ok(_) if newer.is_some() => Err("newer coordinator terms kept appearing".to_string()),
-            Ok(mut values) => match values.pop().flatten() {
-                Some(ReplicatedData::FencedMap(m)) => Ok((m, term)),
-                None => Ok((FencedMap::default(), term)),
-                Some(other) => Err(format!("not a fenced map: {}", other.type_name())),
-            },
-            Err(e) => Err(e.to_string()),
-        };
-        let now = self.now();
+    /// Feeds an answer to take-over read `read` of node `i`, if it is still the one in flight.
+    fn take_over_input(&mut self, i: usize, read: u64, input: TakeOverInput) {
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let mut single = Vec::new();
-        node.singleton.handle(SingletonInput::ReadDone { read, result }, now, &mut single);
-        self.perform_singleton(i, single);
+        let Some((_, take_over)) = node.take_over.as_mut().filter(|(r, _)| *r == read) else { return };
+        let mut out = Vec::new();
+        take_over.handle(input, &mut out);
+        self.perform_take_over(i, read, out);
     }
 
     pub(super) fn perform_coordinator(&mut self, i: usize, actions: Vec<CoordinatorAction>) {
@@ -113,41 +90,108 @@ impl Sim {
             match action {
                 CoordinatorAction::Send { to, msg } => self.send(&me, &to, Wire::ToRegion(msg)),
                 CoordinatorAction::Write(entries) => {
-                    let write = node.next_write;
+                    let id = node.next_write;
                     node.next_write += 1;
-                    if let Some(c) = node.coordinator.as_mut() {
-                        c.write = Some((write, entries));
-                    }
-                    self.start_write(i, write);
+                    let Some(c) = node.coordinator.as_mut() else { continue };
+                    let mut out = Vec::new();
+                    let core = StateWrite::start(&settings(&self.cfg), entries, c.term, &mut out);
+                    c.write = Some(PendingWrite { id, core, state: None, shards: None });
+                    self.perform_state_write(i, id, out);
                 }
             }
         }
     }
 
-    pub(super) fn start_write(&mut self, i: usize, write: u64) {
+    /// Performs the actions of coordinator state write `write` on node `i`, as the driver does.
+    fn perform_state_write(&mut self, i: usize, write: u64, actions: Vec<StateWriteAction>) {
         let (now, wall) = (self.now(), self.wall());
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            let me = node.addr.clone();
+            match action {
+                StateWriteAction::Write { entries, term, consistency, timeout, remembered } => {
+                    let Some(w) = node.coordinator.as_mut().and_then(|c| c.write.as_mut()) else { return };
+                    w.state = None;
+                    // No remembered shards to write: that part is done.
+                    w.shards = remembered.is_none().then_some(Ok(()));
+                    let update = crate::sharding::coordinator::state::write_update(TYPE, entries, term);
+                    let reply = RepReply::StateWrite { write, part: WritePart::State };
+                    let mut inputs =
+                        vec![RepInput::UpdateMany { updates: vec![update.into_parts()], consistency, timeout, reply }];
+                    if let Some(shards) = remembered {
+                        let insert = crate::sharding::coordinator::state::remembered_shards_update(TYPE, shards);
+                        let reply = RepReply::StateWrite { write, part: WritePart::RememberedShards };
+                        let consistency = crate::sharding::coordinator::take_over::REMEMBERED_SHARDS;
+                        inputs.push(RepInput::UpdateMany {
+                            updates: vec![insert.into_parts()],
+                            consistency,
+                            timeout,
+                            reply,
+                        });
+                    }
+                    for input in inputs {
+                        let Some(node) = self.nodes[i].as_mut() else { return };
+                        let mut out = Vec::new();
+                        node.replicator.handle(input, now, wall, &mut out);
+                        self.perform_replicator(i, out);
+                    }
+                }
+                StateWriteAction::RetryAfter { after, error } => {
+                    self.trace(|| format!("{me} coordinator state write failed ({error}); again in {after:?}"));
+                    self.schedule(after.as_millis() as u64, Event::RetryWrite { node: me, write });
+                }
+                StateWriteAction::Fenced { term, fence } => {
+                    // A newer term claimed the state: this coordinator is a zombie.
+                    self.report.coordinators_fenced += 1;
+                    self.trace(|| format!("{me} coordinator write under term {term} fenced by {fence}; it stops"));
+                    let node = self.nodes[i].as_mut().expect("running");
+                    if let Some(c) = node.coordinator.as_mut() {
+                        c.write = None;
+                    }
+                    let mut single = Vec::new();
+                    node.singleton.handle(SingletonInput::Fenced, now, &mut single);
+                    self.perform_singleton(i, single);
+                }
+                StateWriteAction::Acknowledged => {
+                    let Some(c) = node.coordinator.as_mut() else { return };
+                    c.write = None;
+                    let mut out = Vec::new();
+                    c.core.handle(CoordinatorInput::WriteDone, now, wall, &mut out);
+                    self.perform_coordinator(i, out);
+                }
+            }
+        }
+    }
+
+    /// One part of coordinator state write `write` answered; both answered, the write's core
+    /// decides.
+    fn on_state_write_part(&mut self, i: usize, write: u64, part: WritePart, result: crate::Result<()>) {
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let Some((term, (_, entries))) = node
-            .coordinator
-            .as_ref()
-            .and_then(|c| c.write.clone().map(|w| (c.term, w)))
-            .filter(|(_, (w, _))| *w == write)
-        else {
+        let Some(w) = node.coordinator.as_mut().and_then(|c| c.write.as_mut()).filter(|w| w.id == write) else {
             return;
         };
-        let s = settings();
-        let consistency =
-            Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap };
-        let update = crate::sharding::coordinator::state::write_update(TYPE, entries, term);
-        let input = RepInput::UpdateMany {
-            updates: vec![update.into_parts()],
-            consistency,
-            timeout: s.updating_state_timeout,
-            reply: RepReply::StateWrite { write },
+        match part {
+            WritePart::State => w.state = Some(result),
+            WritePart::RememberedShards => w.shards = Some(result),
+        }
+        if w.state.is_none() || w.shards.is_none() {
+            return;
+        }
+        let (state, shards) = (w.state.take().expect("answered"), w.shards.take().expect("answered"));
+        let mut out = Vec::new();
+        w.core.handle(StateWriteInput::Written { state, shards }, &mut out);
+        self.perform_state_write(i, write, out);
+    }
+
+    /// The backoff of a failed coordinator state write is over.
+    pub(super) fn retry_state_write(&mut self, i: usize, write: u64) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let Some(w) = node.coordinator.as_mut().and_then(|c| c.write.as_mut()).filter(|w| w.id == write) else {
+            return;
         };
         let mut out = Vec::new();
-        node.replicator.handle(input, now, wall, &mut out);
-        self.perform_replicator(i, out);
+        w.core.handle(StateWriteInput::Retry, &mut out);
+        self.perform_state_write(i, write, out);
     }
 
     /// The store of `node` committed its persists up to `through`: they are on its disk now.
@@ -225,7 +269,6 @@ impl Sim {
     }
 
     pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<RepAction<RepReply>>) {
-        let (now, wall) = (self.now(), self.wall());
         // The writes reach the disk when their commit is reported, an fsync later, as with the
         // persist thread (the core holds acks and update replies until then); a crash before
         // that loses them, though their deltas may already have left.
@@ -265,39 +308,31 @@ impl Sim {
                         self.send(&me, &p.address, Wire::Replicator(msg.clone()));
                     }
                 }
-                RepAction::ReplyGetMany { reply: RepReply::TakeOverRead { read, term, attempt }, result } => {
-                    self.on_coordinator_state_claimed(i, (read, term, attempt), result)
+                RepAction::ReplyGetMany { reply: RepReply::TakeOverClaim { read }, result } => {
+                    // As the driver's typed read: a value of another type is an error.
+                    let key = keys::coordinator_state(TYPE);
+                    let claimed = result.and_then(|mut values| {
+                        values
+                            .pop()
+                            .flatten()
+                            .map(|d| <FencedMap as crate::ddata::Crdt>::from_data(d, &key))
+                            .transpose()
+                    });
+                    self.take_over_input(i, read, TakeOverInput::Claimed(claimed));
                 }
-                RepAction::ReplyUpdate { reply: RepReply::StateWrite { write }, result } => {
-                    let current =
-                        node.coordinator.as_ref().and_then(|c| c.write.as_ref()).is_some_and(|(w, _)| *w == write);
-                    if !current {
-                        continue;
-                    }
-                    let fenced = match &result {
-                        Ok(refused) => refused.first().map(|(_, f)| f.fence),
-                        Err(crate::Error::Fenced { fence, .. }) => Some(*fence),
-                        Err(_) => None,
-                    };
-                    if let Some(fence) = fenced {
-                        // A newer term claimed the state: this coordinator is a zombie.
-                        self.report.coordinators_fenced += 1;
-                        let addr = me.clone();
-                        self.trace(|| format!("{addr} coordinator write fenced by term {fence}; it stops"));
-                        let node = self.nodes[i].as_mut().expect("running");
-                        let mut single = Vec::new();
-                        node.singleton.handle(SingletonInput::Fenced, now, &mut single);
-                        self.perform_singleton(i, single);
-                    } else if result.is_ok() {
-                        let c = node.coordinator.as_mut().expect("coordinator");
-                        c.write = None;
-                        let mut out = Vec::new();
-                        c.core.handle(CoordinatorInput::WriteDone, now, wall, &mut out);
-                        self.perform_coordinator(i, out);
-                    } else {
-                        let node = me;
-                        self.schedule(WRITE_RETRY_MS, Event::RetryWrite { node, write });
-                    }
+                RepAction::ReplyGet { reply: RepReply::TakeOverShards { read }, result } => {
+                    let key = keys::remembered_shards(TYPE);
+                    let shards = result.and_then(|d| {
+                        let set =
+                            d.map(|d| <crate::ddata::GSet as crate::ddata::Crdt>::from_data(d, &key)).transpose()?;
+                        Ok(set.map(|s| s.members()).unwrap_or_default())
+                    });
+                    self.take_over_input(i, read, TakeOverInput::RememberedShardsRead(shards));
+                }
+                RepAction::ReplyUpdate { reply: RepReply::StateWrite { write, part }, result } => {
+                    // As the driver's `update_many`: a key refused by its fence is the error.
+                    let result = result.and_then(crate::ddata::first_fenced);
+                    self.on_state_write_part(i, write, part, result);
                 }
                 RepAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance }, result } => {
                     self.on_remember_loaded(i, shard, instance, result)

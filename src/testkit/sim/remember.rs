@@ -7,9 +7,10 @@
 //! was acknowledged (a majority committed it) is, at the end of the run, in the remembered set
 //! of every running node, in memory and on its disk.
 //!
-//! Not modelled: the coordinator's remembered-shards set (its take-over read is in the
-//! coordinator driver); remembered shards come back here when their entities are asked, which
-//! the end of every run does for all of them.
+//! The coordinator's side is the shipped one: its state writes add each allocated shard to the
+//! durable remembered-shards set, its take-over reads that set and allocates every shard in it,
+//! and it reallocates a dead region's shards at once (`coordinator/take_over.rs`), so
+//! remembered entities come back without being asked.
 
 use super::*;
 use crate::ddata::OrSet;
@@ -39,7 +40,7 @@ impl Sim {
     /// A new remembering shard on node `i`: the core, then the load of its slots.
     pub(super) fn start_remembering_shard(&mut self, i: usize, shard: &ShardId, epoch: u64) {
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let s = settings();
+        let s = settings(&self.cfg);
         let stop_timeout = crate::sharding::shard::entity_stop_timeout(s.handoff_timeout);
         let core = ShardCore::remembering(stop_timeout, s.entity_restart_backoff);
         node.shards.insert(shard.clone(), (core, epoch));
@@ -53,7 +54,7 @@ impl Sim {
     pub(super) fn load_remembered(&mut self, i: usize, shard: &ShardId, instance: u64) {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let s = settings();
+        let s = settings(&self.cfg);
         let keys = (0..SLOTS).map(|slot| keys::remembered_entities(TYPE, shard, slot)).collect();
         let input = RepInput::GetMany {
             keys,
@@ -127,7 +128,7 @@ impl Sim {
                 .into_parts()
             })
             .collect();
-        let s = settings();
+        let s = settings(&self.cfg);
         let input = RepInput::UpdateMany {
             updates,
             consistency: Consistency::MAJORITY,
@@ -174,7 +175,7 @@ impl Sim {
         let Some((_, epoch)) = node.shards.remove(shard.as_str()) else { return };
         let me = node.addr.clone();
         self.trace(|| format!("{me} shard {shard} failed; restarts after the backoff"));
-        let after = settings().shard_failure_backoff.as_millis() as u64;
+        let after = settings(&self.cfg).shard_failure_backoff.as_millis() as u64;
         self.schedule(after, Event::RestartShard { node: me, shard: shard.clone(), epoch });
     }
 

@@ -33,12 +33,12 @@ fn state_key(shard: &str, entity_id: &str) -> String {
 }
 
 fn write_consistency() -> Consistency {
-    let s = settings();
+    let s = crate::sharding::ShardingSettings::default();
     Consistency::Majority { plus: s.state_write_majority_plus, min_cap: s.state_majority_min_cap }
 }
 
 fn read_consistency() -> Consistency {
-    let s = settings();
+    let s = crate::sharding::ShardingSettings::default();
     Consistency::AllReachable { plus: s.state_read_majority_plus, min_cap: s.state_majority_min_cap }
 }
 
@@ -99,7 +99,7 @@ impl Sim {
     /// A new durable shard on node `i`: the core (waiting for its load), then the claim.
     pub(super) fn start_durable_shard(&mut self, i: usize, shard: &ShardId, epoch: u64) {
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let s = settings();
+        let s = settings(&self.cfg);
         let stop_timeout = crate::sharding::shard::entity_stop_timeout(s.handoff_timeout);
         let core = if self.cfg.remember {
             ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
@@ -134,7 +134,7 @@ impl Sim {
         let input = RepInput::UpdateAndGetMany {
             updates,
             consistency: read_consistency(),
-            timeout: settings().waiting_for_state_timeout,
+            timeout: settings(&self.cfg).waiting_for_state_timeout,
             reply: RepReply::StateClaim(claim),
         };
         let mut out = Vec::new();
@@ -310,7 +310,7 @@ impl Sim {
                 ctx.refuse(f);
             }
         });
-        let s = settings();
+        let s = settings(&self.cfg);
         let input = RepInput::UpdateMany {
             updates: vec![update.into_parts()],
             consistency: write_consistency(),
