@@ -25,6 +25,7 @@ use tracing::{debug, info, warn};
 
 use super::core::{DropReason, ShardAction, ShardCore, ShardInput, StopReason};
 use super::entity::{EntityCmd, EntityRun, Factory, Mailbox, Pushed, RunnerShared, Scheduled};
+use super::passivation::PolicySettings;
 use super::remember::RememberIo;
 use super::state::StateIo;
 use super::{ShardEvent, StoreResult, Work};
@@ -224,6 +225,21 @@ pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
     handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1))
 }
 
+/// A new shard's core as its type's settings make it: remembering its entities, loading its
+/// durable states first (`durable`), or serving at once; with the type's buffer and
+/// remembered limits. `policy` is the shard's passivation (its share of the region's limit).
+pub(crate) fn new_shard_core<M, S>(s: &ShardingSettings, durable: bool, policy: PolicySettings) -> ShardCore<M, S> {
+    let stop_timeout = entity_stop_timeout(s.handoff_timeout);
+    let core = if s.remember_entities {
+        ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
+    } else if durable {
+        ShardCore::loading(policy, stop_timeout)
+    } else {
+        ShardCore::new(policy, stop_timeout)
+    };
+    core.with_buffer_limit(s.buffer_size).with_remembered_limit(s.max_remembered_per_shard)
+}
+
 impl<E: Entity> LocalShards<E> {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -378,19 +394,10 @@ impl<E: Entity> LocalShards<E> {
             return;
         }
         let s = &self.settings;
-        let stop_timeout = entity_stop_timeout(s.handoff_timeout);
         let instance = self.next_instance;
         self.next_instance += 1;
         let policy = s.passivation_policy(self.passivation_share(self.shards.len() + 1));
-        let core = if s.remember_entities {
-            ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
-        } else if self.state.is_some() {
-            ShardCore::loading(policy, stop_timeout)
-        } else {
-            ShardCore::new(policy, stop_timeout)
-        }
-        .with_buffer_limit(s.buffer_size)
-        .with_remembered_limit(s.max_remembered_per_shard);
+        let core = new_shard_core(s, self.state.is_some(), policy);
         let cell =
             Arc::new(ShardCell { shard: Mutex::new(LocalShard { core, epoch, instance, tasks: TaskTracker::new() }) });
         self.shards.insert(shard.clone(), cell.clone());

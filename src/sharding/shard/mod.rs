@@ -2,17 +2,18 @@
 //! performs it for every hosted shard, [`entity`] runs one entity, [`remember`] reads and
 //! writes remembered entity ids, and [`state`] claims, reads and writes durable entity states.
 
+pub(crate) mod batch;
 pub(crate) mod core;
 mod entity;
 mod host;
 pub(crate) mod passivation;
 mod remember;
-mod state;
+pub(crate) mod state;
 
 pub(crate) use core::ShardInput;
 pub(crate) use entity::Factory;
 #[cfg(feature = "testkit")]
-pub(crate) use host::entity_stop_timeout;
+pub(crate) use host::new_shard_core;
 pub(crate) use host::{LocalShards, ShardDirectory};
 pub(crate) use remember::RememberIo;
 pub(crate) use state::StateIo;
@@ -69,6 +70,7 @@ pub(crate) enum ShardEvent<E: Entity> {
 }
 
 /// Outcome of a remembered-entities store operation.
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) enum StoreResult {
     Loaded(BTreeSet<String>),
     /// Written, except the adds in `refused` (their slot is at its byte budget).

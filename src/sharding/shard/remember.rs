@@ -4,7 +4,7 @@
 //! transaction per node, per batch). Each answers the shard with a [`ShardEvent::Store`] (or
 //! feeds recovery in batches with [`ShardEvent::Recover`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -12,22 +12,15 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::{FullSlot, ShardEvent, StoreResult, report_full_slot};
-use crate::ddata::{Consistency, KeyUpdate, OrSet, Replicator};
+use super::batch::{BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberRequest, write_timeout};
+use super::{ShardEvent, StoreResult, report_full_slot};
+use crate::ddata::{OrSet, Replicator};
 use crate::log_limit::LogLimiter;
 use crate::sharding::handle::RegionCounters;
-use crate::sharding::ids::{ShardId, remembered_slot};
+use crate::sharding::ids::ShardId;
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, keys};
 use crate::spawn::Spawner;
-
-/// Consistency of remembered-entity reads and writes: plain majorities, so a shard keeps working
-/// while a minority of nodes is unreachable (majority reads and writes always intersect).
-const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
-
-/// Tries of each remembered-entity write (Akka's policy: a few tries with a quarter of the
-/// update timeout each).
-const WRITE_TRIES: usize = 3;
 
 /// What the remember I/O of one region needs. Cloning shares the region's remember writer.
 #[derive(Clone)]
@@ -47,9 +40,6 @@ pub(crate) struct RememberIo {
     /// Batch sizes and write times (feature `metrics`).
     metrics: Arc<crate::metrics::TypeMetrics>,
 }
-
-/// The ids one batch adds to and removes from one slot key.
-type SlotChanges = (Vec<String>, Vec<String>);
 
 /// One shard's starts and stops, and what to do with the outcome.
 struct WriteRequest {
@@ -80,7 +70,7 @@ impl RememberIo {
             type_name: type_name.to_string(),
             slots: s.remember_entities_slots,
             read_timeout: s.waiting_for_state_timeout,
-            write_timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
+            write_timeout: write_timeout(s),
             recovery_batch: s.entity_recovery_batch,
             recovery_interval: s.entity_recovery_interval,
             slot_budget,
@@ -101,92 +91,39 @@ impl RememberIo {
             let waited: u128 = batch.iter().map(|r| started.duration_since(r.queued_at).as_micros()).sum();
             add(&self.counters.remember_queue_wait_micros, waited);
             add(&self.counters.remember_requests, batch.len());
-            add(
-                &self.counters.remember_ids_written,
-                batch.iter().map(|r| r.adds.len() + r.removes.len()).sum::<usize>(),
-            );
-            // Slot key → (adds, removes), across every shard of the batch; the ids move out of
-            // the requests and are shared by the tries (the set copies each into its arena).
-            let mut by_key: BTreeMap<String, SlotChanges> = BTreeMap::new();
-            let mut shard_of: BTreeMap<String, ShardId> = BTreeMap::new();
-            for req in &mut batch {
-                let ids = std::mem::take(&mut req.adds).into_iter().map(|id| (id, true));
-                for (id, added) in ids.chain(std::mem::take(&mut req.removes).into_iter().map(|id| (id, false))) {
-                    let key = keys::remembered_entities(&self.type_name, &req.shard, remembered_slot(&id, self.slots));
-                    let changes = by_key.entry(key.clone()).or_default();
-                    if added { &mut changes.0 } else { &mut changes.1 }.push(id);
-                    shard_of.entry(key).or_insert_with(|| req.shard.clone());
-                }
-            }
-            let by_key: Vec<(String, Arc<SlotChanges>, FullSlot)> =
-                by_key.into_iter().map(|(key, ids)| (key, Arc::new(ids), FullSlot::default())).collect();
-            let mut last = Ok(());
-            for _ in 0..WRITE_TRIES {
-                let updates = by_key
-                    .iter()
-                    .map(|(key, ids, refused)| {
-                        let (ids, refused, budget) = (Arc::clone(ids), refused.clone(), self.slot_budget);
-                        let counters = Arc::clone(&self.counters);
-                        KeyUpdate::new::<OrSet, _>(key, move |set, ctx| {
-                            // Removes first: the room they free is the adds' to take.
-                            for id in &ids.1 {
-                                set.remove(id);
-                            }
-                            // Each try decides afresh on the replica as it is then.
-                            let mut refused = refused.start_try();
-                            for id in &ids.0 {
-                                if set.fits(id, budget) {
-                                    set.add(ctx, id);
-                                } else {
-                                    refused.insert(id.clone());
-                                }
-                            }
-                            counters.slot_bytes_high_water.fetch_max(set.approx_bytes() as u64, Ordering::Relaxed);
-                        })
-                    })
-                    .collect();
-                last = self.replicator.update_many(REMEMBER_CONSISTENCY, self.write_timeout, updates).await;
-                if matches!(last, Ok(()) | Err(crate::error::Error::ShutDown)) {
-                    break;
-                }
-            }
-            add(&self.counters.remember_round_micros, started.elapsed().as_micros());
-            add(&self.counters.remember_batches, 1u8);
-            let ids: usize = by_key.iter().map(|(_, ids, _)| ids.0.len() + ids.1.len()).sum();
-            self.metrics.remember_batch_written(ids, started);
-            let ok = match &last {
-                Ok(()) => true,
-                Err(e) => {
-                    warn!(type_name = %self.type_name, shards = batch.len(), error = %e, "recording remembered entities failed");
-                    false
+            let (changes, done): (Vec<RememberRequest>, Vec<_>) = batch
+                .drain(..)
+                .map(|r| (RememberRequest { shard: r.shard, adds: r.adds, removes: r.removes }, r.done))
+                .unzip();
+            let (counters, mut out) = (Arc::clone(&self.counters), Vec::new());
+            let mut core =
+                RememberBatch::start(&self.type_name, self.slots, self.slot_budget, counters, changes, &mut out);
+            let ids = core.ids();
+            add(&self.counters.remember_ids_written, ids);
+            let outcome = loop {
+                match out.pop() {
+                    Some(BatchAction::Write(updates)) => {
+                        let written =
+                            self.replicator.update_many(REMEMBER_CONSISTENCY, self.write_timeout, updates).await;
+                        core.handle(written, &mut out);
+                    }
+                    Some(BatchAction::Done(outcome)) => break outcome,
+                    None => unreachable!("a remember batch ends with its outcome"),
                 }
             };
-            // The adds refused for a full slot, by shard (a slot key belongs to one shard).
-            let mut refused: BTreeMap<ShardId, BTreeSet<String>> = BTreeMap::new();
-            for (key, _, full) in by_key.iter().filter(|_| ok) {
-                let r = full.take();
-                if !r.is_empty() {
-                    let what = "remembered-entity (raise remember_entities_slots, or find the client)";
-                    report_full_slot(
-                        &self.counters,
-                        &mut full_log,
-                        &self.type_name,
-                        key,
-                        self.slot_budget,
-                        r.len(),
-                        what,
-                    );
-                    refused.entry(shard_of[key].clone()).or_default().extend(r);
-                }
+            add(&self.counters.remember_round_micros, started.elapsed().as_micros());
+            add(&self.counters.remember_batches, 1u8);
+            self.metrics.remember_batch_written(ids, started);
+            if let Some(error) = &outcome.error {
+                warn!(type_name = %self.type_name, shards = done.len(), %error, "recording remembered entities failed");
             }
-            debug!(type_name = %self.type_name, shards = batch.len(), keys = by_key.len(), "remember batch written");
-            for req in batch.drain(..) {
-                let result = if ok {
-                    StoreResult::WriteDone { refused: refused.remove(&req.shard).unwrap_or_default() }
-                } else {
-                    StoreResult::Failed
-                };
-                (req.done)(result);
+            for (key, refused) in &outcome.full_slots {
+                let what = "remembered-entity (raise remember_entities_slots, or find the client)";
+                report_full_slot(&self.counters, &mut full_log, &self.type_name, key, self.slot_budget, *refused, what);
+            }
+            debug!(type_name = %self.type_name, shards = done.len(), ids, "remember batch written");
+            for (done, result) in done.into_iter().zip(outcome.results) {
+                done(result);
             }
         }
     }

@@ -24,7 +24,6 @@
 //! when a majority of the roster is. Gossip copies every write to every replica within seconds
 //! besides.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -39,15 +38,14 @@ use crate::sharding::handle::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;
-use crate::sharding::shard::{FullSlot, report_full_slot};
+use crate::sharding::shard::batch::{
+    BatchAction, StateBatch, StateRequest, StateResult, state_read_consistency, state_write_consistency, write_timeout,
+};
+use crate::sharding::shard::report_full_slot;
 use crate::spawn::Spawner;
 
-/// Tries of each state write batch (each with a quarter of `updating_state_timeout`, at least
-/// 100 ms), as for remembered entities.
-const WRITE_TRIES: usize = 3;
-
 /// Tries of a shard's claim-and-load, each with `waiting_for_state_timeout`.
-const LOAD_TRIES: usize = 3;
+pub(crate) const LOAD_TRIES: usize = 3;
 
 /// Most writes one batch takes (the rest wait for the next).
 const MAX_BATCH: usize = 4096;
@@ -79,9 +77,6 @@ impl std::fmt::Debug for StateIo {
     }
 }
 
-/// The entity id → new encoded state (`None`: delete) writes of one slot key.
-type KeyWrites = Vec<(String, Option<Vec<u8>>)>;
-
 /// One entity's write: its new encoded state (`None`: delete), under the shard's epoch.
 struct WriteRequest {
     shard: ShardId,
@@ -89,6 +84,20 @@ struct WriteRequest {
     entity_id: String,
     value: Option<Vec<u8>>,
     done: oneshot::Sender<Result<()>>,
+}
+
+/// The claim of every state slot of `shard` at `epoch` (see the module documentation): a slot
+/// whose fence is newer refuses it.
+pub(crate) fn claim_updates(type_name: &str, shard: &str, slots: u32, epoch: u64) -> Vec<KeyUpdate> {
+    (0..slots)
+        .map(|slot| {
+            KeyUpdate::new::<FencedMap, _>(&keys::entity_states(type_name, shard, slot), move |m, ctx| {
+                if let Err(f) = m.claim(epoch) {
+                    ctx.refuse(f);
+                }
+            })
+        })
+        .collect()
 }
 
 impl StateIo {
@@ -114,15 +123,9 @@ impl StateIo {
                 slots: s.state_slots,
                 max_state_bytes: s.max_state_bytes,
                 slot_budget,
-                write_consistency: Consistency::Majority {
-                    plus: s.state_write_majority_plus,
-                    min_cap: s.state_majority_min_cap,
-                },
-                read_consistency: Consistency::AllReachable {
-                    plus: s.state_read_majority_plus,
-                    min_cap: s.state_majority_min_cap,
-                },
-                write_timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
+                write_consistency: state_write_consistency(s),
+                read_consistency: state_read_consistency(s),
+                write_timeout: write_timeout(s),
                 read_timeout: s.waiting_for_state_timeout,
                 writer,
                 counters,
@@ -170,15 +173,7 @@ impl StateIo {
 
     async fn claim_and_load_once(&self, shard: &str, epoch: u64) -> Result<usize> {
         let io = &self.inner;
-        let updates = (0..io.slots)
-            .map(|slot| {
-                KeyUpdate::new::<FencedMap, _>(&keys::entity_states(&io.type_name, shard, slot), move |m, ctx| {
-                    if let Err(f) = m.claim(epoch) {
-                        ctx.refuse(f);
-                    }
-                })
-            })
-            .collect();
+        let updates = claim_updates(&io.type_name, shard, io.slots, epoch);
         let values =
             io.replicator.update_and_get_many::<FencedMap>(io.read_consistency, io.read_timeout, updates).await?;
         let mut states = 0;
@@ -221,116 +216,54 @@ impl StateIo {
         }
     }
 
-    /// Writes one batch: per slot key, the writes of its newest epoch in one fenced-map update
-    /// (writes of an older epoch of the same shard, queued before its newer instance started
-    /// here, are fenced at once).
+    /// Writes one batch as the [`StateBatch`] core decides: per slot key, the writes of its
+    /// newest epoch in one fenced-map update (older ones are fenced at once).
     async fn write_batch(&self, batch: Vec<WriteRequest>, full_log: &mut LogLimiter<String>) {
         let io = &self.inner;
         add(&io.counters.state_batches, 1);
-        let mut by_key: BTreeMap<String, Vec<WriteRequest>> = BTreeMap::new();
-        for req in batch {
-            by_key.entry(self.key(&req.shard, &req.entity_id)).or_default().push(req);
-        }
-        let mut pending: BTreeMap<String, (u64, Vec<WriteRequest>)> = BTreeMap::new();
-        for (key, reqs) in by_key {
-            let epoch = reqs.iter().map(|r| r.epoch).max().unwrap_or_default();
-            let (current, stale): (Vec<_>, Vec<_>) = reqs.into_iter().partition(|r| r.epoch == epoch);
-            for r in stale {
-                add(&io.counters.state_fenced, 1);
-                let _ = r.done.send(Err(Error::Fenced { key: key.clone(), epoch: r.epoch, fence: epoch }));
-            }
-            pending.insert(key, (epoch, current));
-        }
-        let writes: Vec<(String, u64, Arc<KeyWrites>, FullSlot)> = pending
-            .iter()
-            .map(|(key, (epoch, reqs))| {
-                let entries = reqs.iter().map(|r| (r.entity_id.clone(), r.value.clone())).collect();
-                (key.clone(), *epoch, Arc::new(entries), FullSlot::default())
+        let (requests, done): (Vec<StateRequest>, Vec<_>) = batch
+            .into_iter()
+            .map(|r| {
+                let request = StateRequest { shard: r.shard, epoch: r.epoch, entity_id: r.entity_id, value: r.value };
+                (request, r.done)
             })
-            .collect();
-        let mut last = Ok(Vec::new());
-        for _ in 0..WRITE_TRIES {
-            let updates = writes
-                .iter()
-                .map(|(key, epoch, entries, refused)| {
-                    let (epoch, entries, refused, budget) =
-                        (*epoch, Arc::clone(entries), refused.clone(), io.slot_budget);
-                    let counters = Arc::clone(&io.counters);
-                    KeyUpdate::new::<FencedMap, _>(key, move |m, ctx| {
-                        // Each try decides afresh on the replica as it is then.
-                        let mut refused = refused.start_try();
-                        for (id, value) in entries.iter() {
-                            let written = match value {
-                                Some(bytes) if !m.fits(id, epoch, bytes.len(), budget) => {
-                                    refused.insert(id.clone());
-                                    continue;
-                                }
-                                Some(bytes) => m.put(id.clone(), epoch, bytes.clone()),
-                                None => m.delete(id, epoch),
-                            };
-                            if let Err(f) = written {
-                                // One shard, one epoch per key: the first refusal is every one's.
-                                ctx.refuse(f);
-                                return;
-                            }
-                        }
-                        counters.slot_bytes_high_water.fetch_max(m.approx_bytes() as u64, Ordering::Relaxed);
-                    })
-                })
-                .collect();
-            last = io.replicator.update_each(io.write_consistency, io.write_timeout, updates).await;
-            if matches!(last, Ok(_) | Err(Error::ShutDown)) {
-                break;
+            .unzip();
+        let shards: Vec<(ShardId, String)> = requests.iter().map(|r| (r.shard.clone(), r.entity_id.clone())).collect();
+        let (counters, mut out) = (Arc::clone(&io.counters), Vec::new());
+        let mut core = StateBatch::start(&io.type_name, io.slots, io.slot_budget, counters, requests, &mut out);
+        let outcome = loop {
+            match out.pop() {
+                Some(BatchAction::Write(updates)) => {
+                    let written = io.replicator.update_each(io.write_consistency, io.write_timeout, updates).await;
+                    core.handle(written, &mut out);
+                }
+                Some(BatchAction::Done(outcome)) => break outcome,
+                None => unreachable!("a state batch ends with its outcome"),
             }
+        };
+        if let Some(error) = &outcome.error {
+            warn!(type_name = %io.type_name, writes = done.len(), %error, "writing entity states failed");
         }
-        match last {
-            Ok(fenced) => {
-                let fenced: BTreeMap<String, u64> = fenced.into_iter().map(|(k, f)| (k, f.fence)).collect();
-                for ((key, (epoch, reqs)), (.., refused)) in pending.into_iter().zip(&writes) {
-                    let refused = refused.take();
-                    if !refused.is_empty() && !fenced.contains_key(&key) {
-                        let what = "entity-state (raise state_slots, or find the client)";
-                        report_full_slot(
-                            &io.counters,
-                            full_log,
-                            &io.type_name,
-                            &key,
-                            io.slot_budget,
-                            refused.len(),
-                            what,
-                        );
-                    }
-                    let fence = fenced.get(&key).copied();
-                    for r in reqs {
-                        let result = match fence {
-                            Some(fence) => {
-                                add(&io.counters.state_fenced, 1);
-                                Err(Error::Fenced { key: key.clone(), epoch, fence })
-                            }
-                            None if refused.contains(&r.entity_id) => Err(Error::SlotFull {
-                                slot: remembered_slot(&r.entity_id, io.slots),
-                                shard: r.shard,
-                                entity_id: r.entity_id,
-                                budget: io.slot_budget,
-                            }),
-                            None => {
-                                add(&io.counters.state_writes, 1);
-                                Ok(())
-                            }
-                        };
-                        let _ = r.done.send(result);
-                    }
+        for (key, refused) in &outcome.full_slots {
+            let what = "entity-state (raise state_slots, or find the client)";
+            report_full_slot(&io.counters, full_log, &io.type_name, key, io.slot_budget, *refused, what);
+        }
+        for ((done, result), (shard, entity_id)) in done.into_iter().zip(outcome.results).zip(shards) {
+            let result = match result {
+                StateResult::Written => {
+                    add(&io.counters.state_writes, 1);
+                    Ok(())
                 }
-            }
-            Err(e) => {
-                warn!(type_name = %io.type_name, keys = pending.len(), error = %e, "writing entity states failed");
-                for (_, (_, reqs)) in pending {
-                    for r in reqs {
-                        let reason = e.to_string();
-                        let _ = r.done.send(Err(Error::StateNotPersisted { entity_id: r.entity_id, reason }));
-                    }
+                StateResult::Fenced { key, epoch, fence } => {
+                    add(&io.counters.state_fenced, 1);
+                    Err(Error::Fenced { key, epoch, fence })
                 }
-            }
+                StateResult::SlotFull { slot } => {
+                    Err(Error::SlotFull { entity_id, shard, slot, budget: io.slot_budget })
+                }
+                StateResult::NotPersisted { reason } => Err(Error::StateNotPersisted { entity_id, reason }),
+            };
+            let _ = done.send(result);
         }
         debug!(type_name = %io.type_name, "state batch written");
     }

@@ -43,7 +43,7 @@ use crate::clock::Instant;
 use crate::ddata::FencedMap;
 use crate::ddata::crdt::ReplicatedData;
 use crate::ddata::replicator::{
-    Action as RepAction, Consistency, CoreSettings, Input as RepInput, PersistRecord, ReplicatorCore, ReplicatorMsg,
+    Action as RepAction, CoreSettings, Input as RepInput, PersistRecord, ReplicatorCore, ReplicatorMsg,
 };
 use crate::membership::{Member, MemberStatus, MembershipSnapshot, PeerAddr, UniqueAddress};
 use crate::sharding::allocation::LeastShardAllocation;
@@ -57,6 +57,8 @@ use crate::sharding::coordinator::take_over::{
 use crate::sharding::protocol::{ToCoordinator, ToRegion};
 use crate::sharding::region::core::{RegionAction, RegionCore, RegionInput, RegionSettings};
 use crate::sharding::shard::core::{ShardAction, ShardCore, ShardInput};
+use crate::sharding::shard::new_shard_core;
+use crate::sharding::shard::passivation::PolicySettings;
 use crate::sharding::{ShardId, default_shard_id, keys};
 use crate::singleton::{SingletonAction, SingletonCore, SingletonInput};
 
@@ -108,7 +110,7 @@ impl DiskWrite {
 const BUFFER_FULL: &str = "BufferFull";
 const HAND_OFF: &str = "NotDelivered(hand-off)";
 const SHARD_FAILED: &str = "NotDelivered(shard failed)";
-/// Never seen today: the simulation's remember store has no slot budget (its ids are short).
+/// Never seen today: the simulation's ids and states are far below the slot budget.
 const SLOT_FULL: &str = "SlotFull";
 /// Never seen today: simulated remembering shards have no remembered limit.
 const REMEMBERED_LIMIT: &str = "RememberedLimit";
@@ -179,11 +181,6 @@ enum Event {
         entity_id: String,
         attempt: u32,
     },
-    /// A remember write that failed is tried again.
-    RetryRemember {
-        node: UniqueAddress,
-        write: remember::RememberWrite,
-    },
     /// A failed remembering shard starts again after its backoff.
     RestartShard {
         node: UniqueAddress,
@@ -215,9 +212,11 @@ enum RepReply {
         shard: ShardId,
         instance: u64,
     },
-    RememberWrite(remember::RememberWrite),
+    /// A try of remember batch `u64`.
+    RememberWrite(u64),
     StateClaim(state::Claim),
-    EntityWrite(state::EntityWrite),
+    /// A try of state batch `u64`.
+    EntityWrite(u64),
     /// The leaving node's replica was handed over (or not): it exits now.
     HandOver,
 }
@@ -258,6 +257,10 @@ struct Node {
     /// The take-over read in flight, by read id.
     take_over: Option<(u64, TakeOver)>,
     coordinator: Option<Coordinator>,
+    /// Remember batches in flight, by id: the write and its core.
+    remember_batches: BTreeMap<u64, (remember::RememberWrite, crate::sharding::shard::batch::RememberBatch)>,
+    /// State batches in flight, by id: the write, its shard and its core.
+    state_batches: BTreeMap<u64, (state::EntityWrite, ShardId, crate::sharding::shard::batch::StateBatch)>,
     replicator: ReplicatorCore<RepReply>,
     /// Asks forwarded from here, by ask id → region they went to.
     forwarded: BTreeMap<u64, UniqueAddress>,
@@ -348,12 +351,20 @@ pub struct Sim {
     report: SimReport,
 }
 
+/// The byte budget of one replicated slot, as a node with the default configuration has it.
+fn slot_budget() -> usize {
+    crate::config::NodeConfig::default().replicator_message_bytes()
+}
+
 /// The sharding settings of the simulated type: the defaults (as a user's type), without
 /// idle passivation, remembering entities when the run does.
 fn settings(cfg: &SimConfig) -> crate::sharding::ShardingSettings {
     crate::sharding::ShardingSettings {
         passivation_idle_timeout: None,
         remember_entities: cfg.remember,
+        // Few slots per shard, so slots hold several ids and states.
+        remember_entities_slots: 4,
+        state_slots: 4,
         ..Default::default()
     }
 }
@@ -478,6 +489,8 @@ impl Sim {
             singleton: SingletonCore::new(TAKE_OVER_RETRY),
             take_over: None,
             coordinator: None,
+            remember_batches: BTreeMap::new(),
+            state_batches: BTreeMap::new(),
             replicator,
             forwarded: BTreeMap::new(),
             downing: crate::membership::downing::Resolver::new(
@@ -528,7 +541,6 @@ impl Sim {
             | Event::Terminated { node, .. }
             | Event::RetryWrite { node, .. }
             | Event::Persisted { node, .. }
-            | Event::RetryRemember { node, .. }
             | Event::RestartShard { node, .. } => self.slot_of(node),
             Event::Tick(i) => Some(*i),
             Event::Membership | Event::Fault | Event::Ask | Event::RetryAsk { .. } | Event::StartAfterLeave(_) => None,
@@ -717,11 +729,6 @@ impl Sim {
                     }
                 }
                 Event::Persisted { node, through } => self.on_persisted(node, through),
-                Event::RetryRemember { node, write } => {
-                    if let Some(i) = self.slot_of(&node) {
-                        self.remember_write(i, write);
-                    }
-                }
                 Event::RestartShard { node, shard, epoch } => self.on_restart_shard(node, shard, epoch),
                 Event::StartAfterLeave(i) => {
                     if self.nodes[i].is_none() {

@@ -340,9 +340,7 @@ impl Sim {
                 RepAction::ReplyGetMany { reply: RepReply::StateClaim(claim), result } => {
                     self.on_states_claimed(i, claim, result)
                 }
-                RepAction::ReplyUpdate { reply: RepReply::EntityWrite(w), result } => {
-                    self.on_state_written(i, w, result)
-                }
+                RepAction::ReplyUpdate { reply: RepReply::EntityWrite(id), result } => self.on_state_try(i, id, result),
                 RepAction::ReplyUpdate { reply: RepReply::HandOver, result } => {
                     // As `Node::leave`: the member exits whether or not the hand-over succeeded.
                     if let Err(e) = &result {
@@ -361,9 +359,10 @@ impl Sim {
                     }
                     return;
                 }
-                RepAction::ReplyUpdate { reply: RepReply::RememberWrite(w), result } => {
-                    // Remembered-id sets have no fence: nothing is refused.
-                    self.on_remember_written(i, w, result.map(|_| ()))
+                RepAction::ReplyUpdate { reply: RepReply::RememberWrite(id), result } => {
+                    // As the driver's `update_many`: a key refused by its fence is the error
+                    // (remembered-id sets have none).
+                    self.on_remember_try(i, id, result.and_then(crate::ddata::first_fenced))
                 }
                 RepAction::ReplyGet { .. } | RepAction::ReplyGetMany { .. } | RepAction::ReplyUpdate { .. } => {
                     self.report.violations.push("replicator reply of the wrong kind".into());
@@ -387,16 +386,8 @@ impl Sim {
                     None if self.cfg.durable => self.start_durable_shard(i, &shard, epoch),
                     None if self.cfg.remember => self.start_remembering_shard(i, &shard, epoch),
                     None => {
-                        node.shards.insert(
-                            shard,
-                            (
-                                ShardCore::new(
-                                    crate::sharding::shard::passivation::PolicySettings::idle(None),
-                                    Duration::from_secs(25),
-                                ),
-                                epoch,
-                            ),
-                        );
+                        let core = new_shard_core(&settings(&self.cfg), false, PolicySettings::idle(None));
+                        node.shards.insert(shard, (core, epoch));
                     }
                 },
                 RegionAction::Deliver { shard, entity_id, msg } => match node.shards.get_mut(&shard) {
@@ -574,7 +565,7 @@ impl Sim {
             ShardAction::Recover { entity_ids } => self.recover(i, shard, entity_ids),
             ShardAction::WriteRemembered { adds, removes } => {
                 let Some(&instance) = node.shard_instances.get(shard) else { return };
-                let w = remember::RememberWrite { shard: shard.clone(), instance, adds, removes, attempt: 0 };
+                let w = remember::RememberWrite { shard: shard.clone(), instance, adds, removes };
                 self.remember_write(i, w);
             }
         }

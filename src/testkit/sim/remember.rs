@@ -13,17 +13,14 @@
 //! remembered entities come back without being asked.
 
 use super::*;
-use crate::ddata::OrSet;
-use crate::ddata::replicator::Modify;
 use crate::sharding::ids::remembered_slot;
+use crate::sharding::shard::batch::{
+    BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberOutcome, RememberRequest,
+};
+use crate::sharding::shard::{StoreResult, batch};
 
-/// Slot keys per shard.
-const SLOTS: u32 = 4;
-/// Tries of each remember write before the shard fails (as the remember writer does).
-const WRITE_TRIES: u32 = 3;
-
-fn slot_key(shard: &str, entity_id: &str) -> String {
-    keys::remembered_entities(TYPE, shard, remembered_slot(entity_id, SLOTS))
+fn slot_key(cfg: &SimConfig, shard: &str, entity_id: &str) -> String {
+    keys::remembered_entities(TYPE, shard, remembered_slot(entity_id, settings(cfg).remember_entities_slots))
 }
 
 /// One remember write: the shard instance it answers and what it records.
@@ -33,16 +30,13 @@ pub(super) struct RememberWrite {
     pub instance: u64,
     pub adds: BTreeSet<String>,
     pub removes: BTreeSet<String>,
-    pub attempt: u32,
 }
 
 impl Sim {
     /// A new remembering shard on node `i`: the core, then the load of its slots.
     pub(super) fn start_remembering_shard(&mut self, i: usize, shard: &ShardId, epoch: u64) {
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let s = settings(&self.cfg);
-        let stop_timeout = crate::sharding::shard::entity_stop_timeout(s.handoff_timeout);
-        let core = ShardCore::remembering(stop_timeout, s.entity_restart_backoff);
+        let core = crate::sharding::shard::new_shard_core(&settings(&self.cfg), false, PolicySettings::idle(None));
         node.shards.insert(shard.clone(), (core, epoch));
         node.next_write += 1;
         let instance = node.next_write;
@@ -55,10 +49,10 @@ impl Sim {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings(&self.cfg);
-        let keys = (0..SLOTS).map(|slot| keys::remembered_entities(TYPE, shard, slot)).collect();
+        let keys = (0..s.remember_entities_slots).map(|slot| keys::remembered_entities(TYPE, shard, slot)).collect();
         let input = RepInput::GetMany {
             keys,
-            consistency: Consistency::MAJORITY,
+            consistency: REMEMBER_CONSISTENCY,
             timeout: s.waiting_for_state_timeout,
             reply: RepReply::RememberLoad { shard: shard.clone(), instance },
         };
@@ -105,49 +99,64 @@ impl Sim {
         self.shard_input(i, &shard, input);
     }
 
-    /// Sends `w` as one multi-key majority update (one slot key per touched slot).
+    /// Writes `w` as the region's remember writer does: one [`RememberBatch`] (here of one
+    /// shard's changes), one multi-key majority update per try.
     pub(super) fn remember_write(&mut self, i: usize, w: RememberWrite) {
-        let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let mut by_key: BTreeMap<String, (Vec<String>, Vec<String>)> = BTreeMap::new();
-        for id in &w.adds {
-            by_key.entry(slot_key(&w.shard, id)).or_default().0.push(id.clone());
-        }
-        for id in &w.removes {
-            by_key.entry(slot_key(&w.shard, id)).or_default().1.push(id.clone());
-        }
-        let updates: Vec<(String, Modify)> = by_key
-            .into_iter()
-            .map(|(key, (adds, removes))| {
-                crate::ddata::KeyUpdate::new::<OrSet, _>(&key, move |set, ctx| {
-                    set.add_all(ctx, adds);
-                    for id in &removes {
-                        set.remove(id);
-                    }
-                })
-                .into_parts()
-            })
-            .collect();
         let s = settings(&self.cfg);
-        let input = RepInput::UpdateMany {
-            updates,
-            consistency: Consistency::MAJORITY,
-            timeout: s.updating_state_timeout / 4,
-            reply: RepReply::RememberWrite(w),
-        };
-        let mut out = Vec::new();
-        node.replicator.handle(input, now, wall, &mut out);
-        self.perform_replicator(i, out);
+        let id = node.next_write;
+        node.next_write += 1;
+        let request = RememberRequest { shard: w.shard.clone(), adds: w.adds.clone(), removes: w.removes.clone() };
+        let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
+        let batch = RememberBatch::start(TYPE, s.remember_entities_slots, budget, counters, vec![request], &mut out);
+        node.remember_batches.insert(id, (w, batch));
+        self.perform_remember_batch(i, id, out);
     }
 
-    pub(super) fn on_remember_written(&mut self, i: usize, w: RememberWrite, result: crate::Result<()>) {
-        if result.is_ok() {
+    pub(super) fn perform_remember_batch(&mut self, i: usize, id: u64, actions: Vec<BatchAction<RememberOutcome>>) {
+        let (now, wall) = (self.now(), self.wall());
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            match action {
+                BatchAction::Write(updates) => {
+                    let input = RepInput::UpdateMany {
+                        updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
+                        consistency: REMEMBER_CONSISTENCY,
+                        timeout: batch::write_timeout(&settings(&self.cfg)),
+                        reply: RepReply::RememberWrite(id),
+                    };
+                    let mut out = Vec::new();
+                    node.replicator.handle(input, now, wall, &mut out);
+                    self.perform_replicator(i, out);
+                }
+                BatchAction::Done(outcome) => {
+                    let Some((w, _)) = node.remember_batches.remove(&id) else { return };
+                    let result = outcome.results.into_iter().next().unwrap_or(StoreResult::Failed);
+                    self.on_remember_written(i, w, result);
+                }
+            }
+        }
+    }
+
+    /// A try of remember batch `id` on node `i` ended.
+    pub(super) fn on_remember_try(&mut self, i: usize, id: u64, result: crate::Result<()>) {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let Some((_, batch)) = node.remember_batches.get_mut(&id) else { return };
+        let mut out = Vec::new();
+        batch.handle(result, &mut out);
+        self.perform_remember_batch(i, id, out);
+    }
+
+    fn on_remember_written(&mut self, i: usize, w: RememberWrite, result: StoreResult) {
+        if let StoreResult::WriteDone { refused } = &result {
             // Acknowledged: a majority committed these starts (whether or not the shard
-            // instance that asked still runs); they must never be lost.
-            self.remembered_acked.extend(w.adds.iter().cloned());
+            // instance that asked still runs); they must never be lost. Refused ones were not
+            // written.
+            let acked: Vec<&String> = w.adds.iter().filter(|id| !refused.contains(*id)).collect();
+            self.remembered_acked.extend(acked.iter().map(|id| (*id).clone()));
             let writer = self.nodes[i].as_ref().map_or_else(|| format!("n{}", i + 1), |n| n.addr.to_string());
             let evidence = format!("acknowledged at t={} to {writer} counting [{}]", self.now_ms, self.view_summary(i));
-            for id in &w.adds {
+            for id in acked {
                 self.remembered_evidence.entry(id.clone()).or_insert_with(|| evidence.clone());
             }
             for id in &w.removes {
@@ -157,15 +166,11 @@ impl Sim {
         if !self.is_current(i, &w.shard, w.instance) {
             return;
         }
-        match result {
-            Ok(()) => self.shard_input(i, &w.shard, ShardInput::WriteDone { refused: Default::default() }),
-            Err(_) if w.attempt + 1 < WRITE_TRIES => {
-                let node = self.nodes[i].as_ref().expect("running").addr.clone();
-                let retry = RememberWrite { attempt: w.attempt + 1, ..w };
-                self.schedule(1, Event::RetryRemember { node, write: retry });
-            }
-            Err(_) => self.shard_input(i, &w.shard, ShardInput::StoreFailed),
-        }
+        let input = match result {
+            StoreResult::WriteDone { refused } => ShardInput::WriteDone { refused },
+            _ => ShardInput::StoreFailed,
+        };
+        self.shard_input(i, &w.shard, input);
     }
 
     /// The shard failed (its store did not answer): it restarts after the backoff, as the host
@@ -215,7 +220,7 @@ impl Sim {
         for (i, node) in self.nodes.iter().enumerate() {
             let Some(node) = node else { continue };
             for id in &self.remembered_acked {
-                let key = slot_key(&default_shard_id(id, self.cfg.shards), id);
+                let key = slot_key(&self.cfg, &default_shard_id(id, self.cfg.shards), id);
                 let in_memory =
                     matches!(node.replicator.local_value(&key), Some(ReplicatedData::OrSet(s)) if s.contains(id));
                 let on_disk = matches!(self.disks[i].get(&key), Some(ReplicatedData::OrSet(s)) if s.contains(id));
@@ -228,7 +233,7 @@ impl Sim {
             let first: Vec<&str> = lost.iter().take(10).map(String::as_str).collect();
             // The first missing id's history: its acknowledgement and the disks holding it.
             let id = lost[0].split(' ').next().unwrap_or_default();
-            let key = slot_key(&default_shard_id(id, self.cfg.shards), id);
+            let key = slot_key(&self.cfg, &default_shard_id(id, self.cfg.shards), id);
             let disks: Vec<String> = (0..self.disks.len())
                 .filter(|j| matches!(self.disks[*j].get(&key), Some(ReplicatedData::OrSet(s)) if s.contains(id)))
                 .map(|j| format!("n{}", j + 1))

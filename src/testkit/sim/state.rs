@@ -17,29 +17,17 @@
 //!   epoch of its shard completed is acknowledged.
 
 use super::*;
-use crate::ddata::FencedMap;
 use crate::sharding::ids::remembered_slot;
+use crate::sharding::shard::batch::{self, BatchAction, StateBatch, StateOutcome, StateRequest, StateResult};
 
-/// State slots per shard (`state_slots`; small, so slots hold several entities).
-const SLOTS: u32 = 4;
-/// Tries of a claim and of a write, as the state I/O makes them.
-const TRIES: u32 = 3;
+/// Tries of a claim, as the state I/O makes them.
+const TRIES: u32 = crate::sharding::shard::state::LOAD_TRIES as u32;
 /// Why an ask to a durable entity failed; typed errors in the real drivers.
 pub(super) const FENCED: &str = "Fenced";
 pub(super) const NOT_PERSISTED: &str = "StateNotPersisted";
 
-fn state_key(shard: &str, entity_id: &str) -> String {
-    keys::entity_states(TYPE, shard, remembered_slot(entity_id, SLOTS))
-}
-
-fn write_consistency() -> Consistency {
-    let s = crate::sharding::ShardingSettings::default();
-    Consistency::Majority { plus: s.state_write_majority_plus, min_cap: s.state_majority_min_cap }
-}
-
-fn read_consistency() -> Consistency {
-    let s = crate::sharding::ShardingSettings::default();
-    Consistency::AllReachable { plus: s.state_read_majority_plus, min_cap: s.state_majority_min_cap }
+fn state_key(cfg: &SimConfig, shard: &str, entity_id: &str) -> String {
+    keys::entity_states(TYPE, shard, remembered_slot(entity_id, settings(cfg).state_slots))
 }
 
 /// One running durable entity: its counter and the message it is writing for.
@@ -74,7 +62,6 @@ pub(super) struct EntityWrite {
     incarnation: u64,
     epoch: u64,
     value: u64,
-    attempt: u32,
     issued_ms: u64,
 }
 
@@ -100,12 +87,7 @@ impl Sim {
     pub(super) fn start_durable_shard(&mut self, i: usize, shard: &ShardId, epoch: u64) {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings(&self.cfg);
-        let stop_timeout = crate::sharding::shard::entity_stop_timeout(s.handoff_timeout);
-        let core = if self.cfg.remember {
-            ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
-        } else {
-            ShardCore::loading(crate::sharding::shard::passivation::PolicySettings::idle(None), stop_timeout)
-        };
+        let core = crate::sharding::shard::new_shard_core(&s, true, PolicySettings::idle(None));
         node.shards.insert(shard.clone(), (core, epoch));
         node.next_write += 1;
         let instance = node.next_write;
@@ -118,23 +100,13 @@ impl Sim {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let epoch = claim.epoch;
-        let updates = (0..SLOTS)
-            .map(|slot| {
-                crate::ddata::KeyUpdate::new::<FencedMap, _>(
-                    &keys::entity_states(TYPE, &claim.shard, slot),
-                    move |m, ctx| {
-                        if let Err(f) = m.claim(epoch) {
-                            ctx.refuse(f);
-                        }
-                    },
-                )
-                .into_parts()
-            })
-            .collect();
+        let s = settings(&self.cfg);
+        let updates = crate::sharding::shard::state::claim_updates(TYPE, &claim.shard, s.state_slots, epoch);
+        let updates = updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect();
         let input = RepInput::UpdateAndGetMany {
             updates,
-            consistency: read_consistency(),
-            timeout: settings(&self.cfg).waiting_for_state_timeout,
+            consistency: batch::state_read_consistency(&s),
+            timeout: s.waiting_for_state_timeout,
             reply: RepReply::StateClaim(claim),
         };
         let mut out = Vec::new();
@@ -217,7 +189,7 @@ impl Sim {
     pub(super) fn start_durable_entity(&mut self, i: usize, shard: &ShardId, entity_id: &str, incarnation: u64) {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let epoch = node.shards.get(shard).map_or(0, |(_, e)| *e);
-        let stored = match node.replicator.local_value(&state_key(shard, entity_id)) {
+        let stored = match node.replicator.local_value(&state_key(&self.cfg, shard, entity_id)) {
             Some(ReplicatedData::FencedMap(m)) => m.get(entity_id).map(<[u8]>::to_vec),
             _ => None,
         };
@@ -294,49 +266,76 @@ impl Sim {
             incarnation: a.incarnation,
             epoch: a.epoch,
             value: a.value,
-            attempt: 0,
             issued_ms: self.now_ms,
         };
         let shard = a.shard.clone();
         self.write_state(i, &shard, w);
     }
 
+    /// Writes `w` as the region's state writer does: one [`StateBatch`] (here of one entity's
+    /// write), one multi-key update per try.
     fn write_state(&mut self, i: usize, shard: &ShardId, w: EntityWrite) {
-        let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
-        let (id, epoch, bytes) = (w.entity_id.clone(), w.epoch, w.value.to_le_bytes().to_vec());
-        let update = crate::ddata::KeyUpdate::new::<FencedMap, _>(&state_key(shard, &w.entity_id), move |m, ctx| {
-            if let Err(f) = m.put(id, epoch, bytes) {
-                ctx.refuse(f);
-            }
-        });
         let s = settings(&self.cfg);
-        let input = RepInput::UpdateMany {
-            updates: vec![update.into_parts()],
-            consistency: write_consistency(),
-            timeout: (s.updating_state_timeout / 4).max(Duration::from_millis(100)),
-            reply: RepReply::EntityWrite(w),
-        };
-        let mut out = Vec::new();
-        node.replicator.handle(input, now, wall, &mut out);
-        self.perform_replicator(i, out);
+        let id = node.next_write;
+        node.next_write += 1;
+        let value = Some(w.value.to_le_bytes().to_vec());
+        let request = StateRequest { shard: shard.clone(), epoch: w.epoch, entity_id: w.entity_id.clone(), value };
+        let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
+        let batch = StateBatch::start(TYPE, s.state_slots, budget, counters, vec![request], &mut out);
+        node.state_batches.insert(id, (w, shard.clone(), batch));
+        self.perform_state_batch(i, id, out);
     }
 
-    pub(super) fn on_state_written(
+    fn perform_state_batch(&mut self, i: usize, id: u64, actions: Vec<BatchAction<StateOutcome>>) {
+        let (now, wall) = (self.now(), self.wall());
+        for action in actions {
+            let Some(node) = self.nodes[i].as_mut() else { return };
+            match action {
+                BatchAction::Write(updates) => {
+                    let s = settings(&self.cfg);
+                    let input = RepInput::UpdateMany {
+                        updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
+                        consistency: batch::state_write_consistency(&s),
+                        timeout: batch::write_timeout(&s),
+                        reply: RepReply::EntityWrite(id),
+                    };
+                    let mut out = Vec::new();
+                    node.replicator.handle(input, now, wall, &mut out);
+                    self.perform_replicator(i, out);
+                }
+                BatchAction::Done(outcome) => {
+                    let Some((w, shard, _)) = node.state_batches.remove(&id) else { return };
+                    let reason = || StateResult::NotPersisted { reason: "no outcome".into() };
+                    let result = outcome.results.into_iter().next().unwrap_or_else(reason);
+                    self.on_state_written(i, w, &shard, result);
+                }
+            }
+        }
+    }
+
+    /// A try of state batch `id` on node `i` ended: the keys refused by their fence, or why not.
+    pub(super) fn on_state_try(
         &mut self,
         i: usize,
-        w: EntityWrite,
+        id: u64,
         result: crate::Result<Vec<(String, crate::ddata::Fenced)>>,
     ) {
-        let refused = matches!(&result, Ok(fenced) if !fenced.is_empty());
-        if result.is_ok() && !refused {
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let Some((_, _, batch)) = node.state_batches.get_mut(&id) else { return };
+        let mut out = Vec::new();
+        batch.handle(result, &mut out);
+        self.perform_state_batch(i, id, out);
+    }
+
+    fn on_state_written(&mut self, i: usize, w: EntityWrite, shard: &ShardId, result: StateResult) {
+        if result == StateResult::Written {
             self.record_ack(i, &w);
         }
         let Some(node) = self.nodes[i].as_mut() else { return };
         let Some(a) = node.states.get_mut(&w.entity_id).filter(|a| a.incarnation == w.incarnation) else { return };
-        let shard = a.shard.clone();
         match result {
-            Ok(_) if !refused => {
+            StateResult::Written => {
                 let msg = a.writing.take();
                 let me = node.addr.clone();
                 if let Some(ask) = msg.and_then(|m| m.ask) {
@@ -349,18 +348,14 @@ impl Sim {
                 }
                 self.pump(i, &w.entity_id);
             }
-            Ok(_) => {
+            StateResult::Fenced { .. } => {
                 // A newer allocation claimed the state: this incarnation ends, and its shard
                 // stops here.
-                let epoch = w.epoch;
                 self.end_durable(i, &w.entity_id, FENCED);
-                self.shard_fenced(i, &shard, epoch);
+                self.shard_fenced(i, shard, w.epoch);
             }
-            Err(_) if w.attempt + 1 < TRIES => {
-                let retry = EntityWrite { attempt: w.attempt + 1, ..w };
-                self.write_state(i, &shard, retry);
-            }
-            Err(_) => self.end_durable(i, &w.entity_id, NOT_PERSISTED),
+            StateResult::SlotFull { .. } => self.end_durable(i, &w.entity_id, SLOT_FULL),
+            StateResult::NotPersisted { .. } => self.end_durable(i, &w.entity_id, NOT_PERSISTED),
         }
     }
 
@@ -454,7 +449,7 @@ impl Sim {
     /// Which replicas hold `value` (or a newer one) of the entity now: running nodes' memory,
     /// and every node slot's disk.
     fn holders(&self, shard: &ShardId, entity_id: &str, value: u64) -> String {
-        let key = state_key(shard, entity_id);
+        let key = state_key(&self.cfg, shard, entity_id);
         let stored = |data: Option<&ReplicatedData>| match data {
             Some(ReplicatedData::FencedMap(m)) => {
                 m.get(entity_id).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
