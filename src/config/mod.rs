@@ -10,24 +10,15 @@ use crate::error::{Error, Result};
 use crate::secret::ClusterSecret;
 
 mod discovery;
+pub(crate) mod limits;
 mod membership;
 pub use discovery::DiscoverySettings;
+pub use limits::MAX_SETTING_DURATION;
+pub(crate) use limits::check_durations;
 pub use membership::{DownAllWhenUnstable, DowningStrategy, MembershipSettings};
 
 /// Longest `node_id` or `cluster_id`, in bytes (so a handshake always fits its small first frame).
 pub const MAX_ID_LEN: usize = 200;
-
-/// Longest duration any setting may have: beyond it a setting is a typo (and adding it to a
-/// clock reading could overflow).
-pub const MAX_SETTING_DURATION: Duration = Duration::from_secs(30 * 24 * 3600);
-
-/// A config error naming the first of `durations` longer than [`MAX_SETTING_DURATION`].
-pub(crate) fn check_durations(durations: &[(&str, Duration)]) -> Result<()> {
-    match durations.iter().find(|(_, d)| *d > MAX_SETTING_DURATION) {
-        Some((name, d)) => Err(Error::Config(format!("{name} = {d:?} is longer than the 30 days any duration may be"))),
-        None => Ok(()),
-    }
-}
 
 /// Everything a node needs to start. Build it with struct-update syntax over
 /// [`NodeConfig::default`], or load it from TOML with [`NodeConfig::from_toml_str`].

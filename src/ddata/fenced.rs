@@ -24,8 +24,8 @@ use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
-use super::crdt::{BUCKETS, Buckets, bucket_of};
-use super::orset::rmp_uint_len;
+use super::buckets::{BUCKETS, Buckets, bucket_of};
+use super::encoded_len::rmp_uint_len;
 
 /// A write refused because a newer allocation (epoch `fence`) has claimed the map.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]

@@ -9,14 +9,17 @@
 //! committed is bounded in bytes: past it the loop stops taking new work until the disk
 //! catches up.
 
+mod buckets;
 pub mod crdt;
 mod driver;
 pub mod durable;
+mod encoded_len;
 pub mod fenced;
 pub mod orset;
 pub mod persist;
 pub mod replicator;
 pub mod stats;
+mod write_ctx;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -284,7 +284,7 @@ impl ShardingSettings {
     /// Checks the settings.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(Error::Config(format!("sharding: {m}")));
-        crate::config::check_durations(&[
+        crate::config::limits::check_durations(&[
             ("sharding.entity_restart_backoff", self.entity_restart_backoff),
             ("sharding.shard_failure_backoff", self.shard_failure_backoff),
             ("sharding.entity_recovery_interval", self.entity_recovery_interval),

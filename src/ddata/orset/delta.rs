@@ -12,7 +12,7 @@ use super::{Dot, OrSetError, Writers, rmp_uint_len};
 /// Most claims one delta may carry (one per writer restart it joins; a peer's list is capped so
 /// that the linear checks stay cheap).
 const MAX_CLAIMS: usize = 1024;
-use crate::ddata::crdt::Actor;
+use crate::ddata::write_ctx::Actor;
 
 /// The local changes of an [`OrSet`](super::OrSet) since the last [`OrSet::take_delta`](super::OrSet::take_delta), as a δ-state: per
 /// touched element, the dots it holds in the delta and the dots the delta has seen removed;

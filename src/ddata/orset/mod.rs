@@ -32,7 +32,8 @@ use std::fmt;
 use hashbrown::HashTable;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
-use super::crdt::{Actor, WriteCtx};
+pub(crate) use super::encoded_len::rmp_uint_len;
+use super::write_ctx::{Actor, WriteCtx};
 
 /// Largest dot counter (48 bits); a decoded value above it is refused.
 pub const MAX_COUNTER: u64 = (1 << 48) - 1;
@@ -103,17 +104,6 @@ fn varint_len(v: u64) -> usize {
 /// Bytes an element of `len` bytes takes in an arena or an encoding: its length varint, then it.
 fn element_bytes(len: usize) -> usize {
     varint_len(len as u64) + len
-}
-
-/// Bytes of `v` as a MessagePack unsigned integer.
-pub(crate) fn rmp_uint_len(v: u64) -> usize {
-    match v {
-        0..=127 => 1,
-        128..=255 => 2,
-        256..=65_535 => 3,
-        65_536..=0xffff_ffff => 5,
-        _ => 9,
-    }
 }
 
 fn get_varint(bytes: &[u8], pos: &mut usize) -> Option<u64> {

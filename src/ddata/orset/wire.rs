@@ -5,7 +5,7 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 use super::{Dot, MAX_COUNTER, MAX_ELEMENT_LEN, MAX_WRITERS, OrSet, OrSetError, Writers, get_varint, put_varint};
-use crate::ddata::crdt::Actor;
+use crate::ddata::write_ctx::Actor;
 
 /// The encoded form: writer names, version vector, cloud, then every (element, dot) as
 /// `[len varint][bytes][writer varint][counter varint]` in one byte string (≈ id length + 5 B).

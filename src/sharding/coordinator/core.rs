@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tracing::{debug, info, warn};
 
+use super::state::StateEntry;
 use super::state::{CoordinatorState, RegionRecord};
 use crate::clock::Instant;
 use crate::membership::MemberStatus;
@@ -29,9 +30,6 @@ const RESEND_ON_REQUEST_AFTER: Duration = Duration::from_secs(1);
 
 /// Events kept per shard for its explanation.
 pub(crate) const HISTORY_PER_SHARD: usize = 16;
-
-/// One entry to write: key and new value (`None` removes it).
-pub(crate) type StateEntry = (String, Option<Vec<u8>>);
 
 /// Settings the coordinator uses.
 #[derive(Debug, Clone)]

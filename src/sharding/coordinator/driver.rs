@@ -334,7 +334,7 @@ impl CoordinatorDriver {
     /// both succeed, given up when fenced; then reports the outcome.
     fn write_state(
         &self,
-        entries: Vec<super::core::StateEntry>,
+        entries: Vec<super::state::StateEntry>,
         term: u64,
         done: mpsc::UnboundedSender<WriteOutcome>,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {

@@ -12,6 +12,9 @@ use crate::ddata::FencedMap;
 use crate::sharding::ids::{RegionId, ShardId};
 use crate::sharding::keys;
 
+/// One entry of the coordinator state to write: key and new value (`None` removes it).
+pub(crate) type StateEntry = (String, Option<Vec<u8>>);
+
 /// The take-over's claim of the coordinator state under `term` (refused below the fence).
 pub(crate) fn claim_update(type_name: &str, term: u64) -> crate::ddata::KeyUpdate {
     crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(type_name), move |m, ctx| {
@@ -36,11 +39,7 @@ pub(crate) fn remembered_shards_update(
 
 /// A coordinator write of `entries` (`None`: delete) under its `term`; the whole update is
 /// refused once a newer term has claimed the state.
-pub(crate) fn write_update(
-    type_name: &str,
-    entries: Vec<super::core::StateEntry>,
-    term: u64,
-) -> crate::ddata::KeyUpdate {
+pub(crate) fn write_update(type_name: &str, entries: Vec<StateEntry>, term: u64) -> crate::ddata::KeyUpdate {
     crate::ddata::KeyUpdate::new::<FencedMap, _>(&keys::coordinator_state(type_name), move |m, ctx| {
         for (k, v) in entries {
             let written = match v {

@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView, StateEntry};
-use super::state::CoordinatorState;
+use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView};
+use super::state::{CoordinatorState, StateEntry};
 use crate::clock::Instant;
 use crate::ddata::{Consistency, FencedMap};
 use crate::error::Error;

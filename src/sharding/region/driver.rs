@@ -11,9 +11,8 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
 
 use super::core::{RegionAction, RegionCore, RegionDrop, RegionInput};
-use super::fast::{FastPath, NotSent, complete_ask};
+use super::fast::{FastPath, NotSent, PendingAsk, complete_ask};
 use crate::clock::Instant;
-use crate::error::Result;
 use crate::membership::MembershipSnapshot;
 use crate::node::Node;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedTicket, not_delivered};
@@ -114,32 +113,6 @@ impl<E: Entity> RegionCommandsRx<E> {
             self.queued.fetch_sub(1, Ordering::Relaxed);
         }
         Some(cmd)
-    }
-}
-
-/// An asker waiting for a remote answer.
-pub(crate) enum PendingAsk<R> {
-    Reply(oneshot::Sender<Result<R>>),
-    Started(oneshot::Sender<Result<()>>),
-}
-
-impl<R> PendingAsk<R> {
-    fn is_waiting(&self) -> bool {
-        match self {
-            PendingAsk::Reply(tx) => !tx.is_closed(),
-            PendingAsk::Started(tx) => !tx.is_closed(),
-        }
-    }
-
-    pub(crate) fn fail(self, error: crate::error::Error) {
-        match self {
-            PendingAsk::Reply(tx) => {
-                let _ = tx.send(Err(error));
-            }
-            PendingAsk::Started(tx) => {
-                let _ = tx.send(Err(error));
-            }
-        }
     }
 }
 

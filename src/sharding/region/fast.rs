@@ -23,10 +23,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
+use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::asks::AskTable;
-use super::driver::PendingAsk;
 use crate::error::{Error, Result};
 use crate::sharding::Entity;
 use crate::sharding::envelope::{Envelope, ReplyTo, RoutedInFlight};
@@ -35,6 +35,32 @@ use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id}
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
 use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
+
+/// An asker waiting for a remote answer.
+pub(crate) enum PendingAsk<R> {
+    Reply(oneshot::Sender<Result<R>>),
+    Started(oneshot::Sender<Result<()>>),
+}
+
+impl<R> PendingAsk<R> {
+    pub(crate) fn is_waiting(&self) -> bool {
+        match self {
+            PendingAsk::Reply(tx) => !tx.is_closed(),
+            PendingAsk::Started(tx) => !tx.is_closed(),
+        }
+    }
+
+    pub(crate) fn fail(self, error: crate::error::Error) {
+        match self {
+            PendingAsk::Reply(tx) => {
+                let _ = tx.send(Err(error));
+            }
+            PendingAsk::Started(tx) => {
+                let _ = tx.send(Err(error));
+            }
+        }
+    }
+}
 
 /// Asks this region sent to other regions, shared by the region task (which sends them and
 /// fails them when their region is gone) and the fast path (which completes them).
