@@ -45,7 +45,7 @@ use crate::sharding::shard::report_full_slot;
 use crate::spawn::Spawner;
 
 /// Tries of a shard's claim-and-load, each with `waiting_for_state_timeout`.
-pub(crate) const LOAD_TRIES: usize = 3;
+const LOAD_TRIES: usize = 3;
 
 /// Most writes one batch takes (the rest wait for the next).
 const MAX_BATCH: usize = 4096;
@@ -98,6 +98,45 @@ pub(crate) fn claim_updates(type_name: &str, shard: &str, slots: u32, epoch: u64
             })
         })
         .collect()
+}
+
+/// What the answer to try `tries` of a shard's claim at `epoch` means.
+#[derive(Debug)]
+pub(crate) enum ClaimOutcome {
+    /// Claimed: this node's replica now holds every state a majority acknowledged.
+    Claimed { states: usize },
+    /// Claim again: every replica has to answer for the load (a majority plus one by default),
+    /// so a slow one is asked again before the shard fails and waits out its backoff.
+    Again,
+    /// The shard fails: [`Error::Fenced`] when a replica held a newer claim (this allocation is
+    /// stale already), or why the claim could not be read.
+    Failed(Error),
+}
+
+/// The claim-and-load rule (see the module documentation), one for the state I/O and the
+/// simulation: at most [`LOAD_TRIES`] tries, again only after a consistency timeout.
+pub(crate) fn claim_outcome(
+    type_name: &str,
+    shard: &str,
+    epoch: u64,
+    tries: usize,
+    read: Result<Vec<Option<FencedMap>>>,
+) -> ClaimOutcome {
+    let values = match read {
+        Ok(values) => values,
+        Err(Error::ConsistencyTimeout { .. }) if tries < LOAD_TRIES => return ClaimOutcome::Again,
+        Err(e) => return ClaimOutcome::Failed(e),
+    };
+    let mut states = 0;
+    for (slot, map) in values.iter().enumerate() {
+        let Some(map) = map else { continue };
+        if map.fence() > epoch {
+            let key = keys::entity_states(type_name, shard, slot as u32);
+            return ClaimOutcome::Failed(Error::Fenced { key, epoch, fence: map.fence() });
+        }
+        states += map.len();
+    }
+    ClaimOutcome::Claimed { states }
 }
 
 impl StateIo {
@@ -157,36 +196,20 @@ impl StateIo {
     /// Claims the shard's states for `epoch` and loads them into this node's replica (see the
     /// module documentation). [`Error::Fenced`] when a newer epoch has claimed them already.
     pub(crate) async fn claim_and_load(&self, shard: &str, epoch: u64) -> Result<usize> {
+        let io = &self.inner;
         let mut tries = 0;
         loop {
             tries += 1;
-            match self.claim_and_load_once(shard, epoch).await {
-                // Every replica has to answer for the load (a majority plus one by default): a
-                // slow one is asked again before the shard fails and waits out its backoff.
-                Err(Error::ConsistencyTimeout { needed, acked }) if tries < LOAD_TRIES => {
-                    debug!(type_name = %self.inner.type_name, %shard, needed, acked, "claiming the states timed out; again");
+            let updates = claim_updates(&io.type_name, shard, io.slots, epoch);
+            let read = io.replicator.update_and_get_many::<FencedMap>(io.read_consistency, io.read_timeout, updates);
+            match claim_outcome(&io.type_name, shard, epoch, tries, read.await) {
+                ClaimOutcome::Claimed { states } => return Ok(states),
+                ClaimOutcome::Again => {
+                    debug!(type_name = %io.type_name, %shard, tries, "claiming the states timed out; again");
                 }
-                other => return other,
+                ClaimOutcome::Failed(e) => return Err(e),
             }
         }
-    }
-
-    async fn claim_and_load_once(&self, shard: &str, epoch: u64) -> Result<usize> {
-        let io = &self.inner;
-        let updates = claim_updates(&io.type_name, shard, io.slots, epoch);
-        let values =
-            io.replicator.update_and_get_many::<FencedMap>(io.read_consistency, io.read_timeout, updates).await?;
-        let mut states = 0;
-        for (slot, map) in values.iter().enumerate() {
-            let Some(map) = map else { continue };
-            // A replica had a newer claim: this allocation is stale already.
-            if map.fence() > epoch {
-                let key = keys::entity_states(&io.type_name, shard, slot as u32);
-                return Err(Error::Fenced { key, epoch, fence: map.fence() });
-            }
-            states += map.len();
-        }
-        Ok(states)
     }
 
     /// The stored state of one entity, from this node's replica (which its shard's claim
@@ -271,4 +294,51 @@ impl StateIo {
 
 fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(fence: u64, entries: &[&str]) -> FencedMap {
+        let mut m = FencedMap::default();
+        m.claim(fence).unwrap();
+        for e in entries {
+            m.put(e.to_string(), fence, vec![1]).unwrap();
+        }
+        m
+    }
+
+    fn timeout() -> Error {
+        Error::ConsistencyTimeout { needed: 3, acked: 2 }
+    }
+
+    #[test]
+    fn a_claim_that_times_out_is_tried_three_times_and_any_other_failure_fails_the_shard_at_once() {
+        assert!(matches!(claim_outcome("t", "1", 5, 1, Err(timeout())), ClaimOutcome::Again));
+        assert!(matches!(claim_outcome("t", "1", 5, 2, Err(timeout())), ClaimOutcome::Again));
+        assert!(matches!(
+            claim_outcome("t", "1", 5, 3, Err(timeout())),
+            ClaimOutcome::Failed(Error::ConsistencyTimeout { .. })
+        ));
+        let refused = Error::NotEnoughReplicas { needed: 3, reachable: 1 };
+        assert!(matches!(
+            claim_outcome("t", "1", 5, 1, Err(refused)),
+            ClaimOutcome::Failed(Error::NotEnoughReplicas { .. })
+        ));
+    }
+
+    #[test]
+    fn a_claim_counts_the_states_it_loaded_and_a_newer_fence_on_any_slot_makes_the_allocation_stale() {
+        let read = vec![Some(map(5, &["a", "b"])), None, Some(map(4, &["c"]))];
+        assert!(matches!(claim_outcome("t", "1", 5, 1, Ok(read)), ClaimOutcome::Claimed { states: 3 }));
+        let read = vec![Some(map(5, &["a"])), Some(map(7, &[]))];
+        match claim_outcome("t", "1", 5, 1, Ok(read)) {
+            ClaimOutcome::Failed(Error::Fenced { key, epoch, fence }) => {
+                assert_eq!((key.as_str(), epoch, fence), ("shard-t/1/state-1", 5, 7))
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(claim_outcome("t", "1", 5, 1, Ok(vec![None, None])), ClaimOutcome::Claimed { states: 0 }));
+    }
 }

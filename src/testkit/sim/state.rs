@@ -19,9 +19,8 @@
 use super::*;
 use crate::sharding::ids::remembered_slot;
 use crate::sharding::shard::batch::{self, BatchAction, StateBatch, StateOutcome, StateRequest, StateResult};
+use crate::sharding::shard::state::{ClaimOutcome, claim_outcome};
 
-/// Tries of a claim, as the state I/O makes them.
-const TRIES: u32 = crate::sharding::shard::state::LOAD_TRIES as u32;
 /// Why an ask to a durable entity failed; typed errors in the real drivers.
 pub(super) const FENCED: &str = "Fenced";
 pub(super) const NOT_PERSISTED: &str = "StateNotPersisted";
@@ -123,27 +122,22 @@ impl Sim {
         if !self.is_current(i, &claim.shard, claim.instance) {
             return;
         }
-        let fence = match &result {
-            Ok(values) => values
-                .iter()
-                .flatten()
-                .map(|v| match v {
-                    ReplicatedData::FencedMap(m) => m.fence(),
-                    _ => 0,
+        // As the state I/O's typed read: a value of another type is an error.
+        let s = settings(&self.cfg);
+        let read = result.and_then(|values| {
+            let keys = (0..s.state_slots).map(|slot| keys::entity_states(TYPE, &claim.shard, slot));
+            values
+                .into_iter()
+                .zip(keys)
+                .map(|(d, key)| {
+                    d.map(|d| <crate::ddata::FencedMap as crate::ddata::Crdt>::from_data(d, &key)).transpose()
                 })
-                .max()
-                .filter(|f| *f > claim.epoch),
-            Err(crate::Error::Fenced { fence, .. }) => Some(*fence),
-            Err(_) => None,
-        };
+                .collect::<crate::Result<Vec<_>>>()
+        });
+        let tries = claim.attempt as usize + 1;
         let me = self.nodes[i].as_ref().expect("running").addr.clone();
-        if let Some(fence) = fence {
-            self.trace(|| format!("{me} shard {} epoch {} fenced by {fence} at its claim", claim.shard, claim.epoch));
-            self.shard_fenced(i, &claim.shard, claim.epoch);
-            return;
-        }
-        match result {
-            Ok(_) => {
+        match claim_outcome(TYPE, &claim.shard, claim.epoch, tries, read) {
+            ClaimOutcome::Claimed { .. } => {
                 self.trace(|| format!("{me} shard {} claims its states at epoch {}", claim.shard, claim.epoch));
                 self.ledger.claims.entry(claim.shard.clone()).or_default().push((self.now_ms, claim.epoch));
                 let evidence = format!(
@@ -160,11 +154,14 @@ impl Sim {
                     self.shard_input(i, &claim.shard, ShardInput::Loaded(BTreeSet::new()));
                 }
             }
-            Err(crate::Error::ConsistencyTimeout { .. }) if claim.attempt + 1 < TRIES => {
-                self.claim_states(i, Claim { attempt: claim.attempt + 1, ..claim });
+            ClaimOutcome::Again => self.claim_states(i, Claim { attempt: claim.attempt + 1, ..claim }),
+            ClaimOutcome::Failed(crate::Error::Fenced { fence, .. }) => {
+                self.trace(|| {
+                    format!("{me} shard {} epoch {} fenced by {fence} at its claim", claim.shard, claim.epoch)
+                });
+                self.shard_fenced(i, &claim.shard, claim.epoch);
             }
-            Err(e) => {
-                let me = self.nodes[i].as_ref().expect("running").addr.clone();
+            ClaimOutcome::Failed(e) => {
                 self.trace(|| format!("{me} shard {} cannot claim its states: {e}", claim.shard));
                 self.shard_input(i, &claim.shard, ShardInput::StoreFailed)
             }
