@@ -359,6 +359,22 @@ mod tests {
     }
 
     #[test]
+    fn coordinator_settings_follow_the_type_and_reallocate_eagerly_only_when_entities_are_remembered() {
+        let s = ShardingSettings { min_nr_of_members: 3, ..ShardingSettings::default() };
+        let cs = CoordinatorSettings::from_sharding(&s, 77, ShardIdRule::Numbered(10), 8 << 20);
+        assert_eq!(cs.min_nr_of_members, 3);
+        assert_eq!(
+            (cs.rebalance_interval, cs.handoff_timeout, cs.shard_start_timeout),
+            (s.rebalance_interval, s.handoff_timeout, s.shard_start_timeout)
+        );
+        assert_eq!((cs.extractor_fingerprint, cs.shard_ids), (77, ShardIdRule::Numbered(10)));
+        assert_eq!(cs.max_state_bytes, 4 << 20, "half the largest frame");
+        assert!(!cs.eager_reallocation);
+        let cs = CoordinatorSettings::from_sharding(&remember(), 77, ShardIdRule::Custom, 8 << 20);
+        assert!(cs.eager_reallocation, "remembered shards come back without a message");
+    }
+
+    #[test]
     fn the_first_claim_is_above_every_term_seen_here_and_at_least_the_wall_clock() {
         let s = ShardingSettings::default();
         let mut out = Vec::new();

@@ -442,6 +442,22 @@ mod tests {
     }
 
     #[test]
+    fn each_try_waits_a_quarter_of_the_update_timeout_at_least_100_ms_and_states_use_their_own_quorums() {
+        let s = |ms| ShardingSettings { updating_state_timeout: Duration::from_millis(ms), ..Default::default() };
+        assert_eq!(write_timeout(&s(2_000)), Duration::from_millis(500));
+        assert_eq!(write_timeout(&s(200)), Duration::from_millis(100));
+        let s = ShardingSettings {
+            state_write_majority_plus: 1,
+            state_read_majority_plus: 2,
+            state_majority_min_cap: 3,
+            ..Default::default()
+        };
+        assert_eq!(state_write_consistency(&s), Consistency::Majority { plus: 1, min_cap: 3 });
+        assert_eq!(state_read_consistency(&s), Consistency::AllReachable { plus: 2, min_cap: 3 });
+        assert_eq!(REMEMBER_CONSISTENCY, Consistency::Majority { plus: 0, min_cap: 0 });
+    }
+
+    #[test]
     fn a_remember_batch_writes_each_slot_key_once_across_shards_and_answers_each_request() {
         let counters = Arc::new(RegionCounters::default());
         let mut out = Vec::new();
@@ -574,6 +590,7 @@ mod tests {
                 StateResult::Written
             ]
         );
+        assert!(o.full_slots.is_empty() && o.error.is_none(), "nothing refused for the budget: {o:?}");
         match replica.0.get(&key) {
             Some(ReplicatedData::FencedMap(m)) => {
                 assert_eq!(m.get("b"), Some(&b"new"[..]));

@@ -314,6 +314,29 @@ mod tests {
     }
 
     #[test]
+    fn a_claim_claims_every_state_slot_of_its_shard_and_is_refused_where_a_newer_epoch_claimed_first() {
+        let updates = claim_updates("t", "4", 3, 9);
+        let keys: Vec<&str> = updates.iter().map(|u| u.key()).collect();
+        assert_eq!(keys, ["shard-t/4/state-0", "shard-t/4/state-1", "shard-t/4/state-2"]);
+        let mut newer = crate::ddata::ReplicatedData::FencedMap(map(12, &[]));
+        for (k, update) in updates.into_iter().enumerate() {
+            let (_, modify) = update.into_parts();
+            let mut ctx = crate::ddata::crdt::WriteCtx::new("n1#1", 1);
+            if k == 1 {
+                // Slot 1 was claimed at 12 already: the claim at 9 is refused there.
+                assert!(modify(Some(&mut newer), &mut ctx).unwrap().is_none());
+                assert_eq!(ctx.fenced.map(|f| (f.epoch, f.fence)), Some((9, 12)));
+            } else {
+                match modify(None, &mut ctx).unwrap() {
+                    Some(crate::ddata::ReplicatedData::FencedMap(m)) => assert_eq!(m.fence(), 9),
+                    other => panic!("a claimed, empty map: {other:?}"),
+                }
+                assert!(ctx.fenced.is_none());
+            }
+        }
+    }
+
+    #[test]
     fn a_claim_that_times_out_is_tried_three_times_and_any_other_failure_fails_the_shard_at_once() {
         assert!(matches!(claim_outcome("t", "1", 5, 1, Err(timeout())), ClaimOutcome::Again));
         assert!(matches!(claim_outcome("t", "1", 5, 2, Err(timeout())), ClaimOutcome::Again));
