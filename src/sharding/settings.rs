@@ -140,7 +140,7 @@ pub struct ShardingSettings {
     pub remember_entities_slots: u32,
     /// Remember-entities: most entities one shard remembers (`None`: no limit but the slot
     /// budget, which bounds each slot's bytes). A start past it fails at once with
-    /// [`Error::RememberedLimit`](crate::Error::RememberedLimit) and the shard serves every
+    /// [`Error::RememberedLimit`] and the shard serves every
     /// entity it remembers; a remembered entity that passivates makes room. Ids already
     /// remembered all come back after a hand-off or restart, even past a lowered limit.
     pub max_remembered_per_shard: Option<usize>,

@@ -351,6 +351,14 @@ mod tests {
         Error::Fenced { key: keys::coordinator_state("t"), epoch: 1, fence }
     }
 
+    /// A take-over whose first claim went out at term 10.
+    fn claiming_at_10(s: &ShardingSettings) -> TakeOver {
+        let mut out = Vec::new();
+        let t = TakeOver::start("t", s, 0, 10, &mut out);
+        assert_eq!(claim_term(&out), 10);
+        t
+    }
+
     fn claim_term(out: &[TakeOverAction]) -> u64 {
         match out {
             [TakeOverAction::Claim { term, .. }] => *term,
@@ -401,9 +409,7 @@ mod tests {
     #[test]
     fn a_newer_term_on_a_replica_is_claimed_above_at_most_three_times_then_the_read_fails() {
         let s = ShardingSettings::default();
-        let mut out = Vec::new();
-        let mut t = TakeOver::start("t", &s, 0, 10, &mut out);
-        out.clear();
+        let (mut t, mut out) = (claiming_at_10(&s), Vec::new());
         // A replica answered with a newer term: claim above it.
         t.handle(TakeOverInput::Claimed(Ok(Some(map_with_fence(20)))), &mut out);
         assert_eq!(claim_term(&out), 21);
@@ -422,9 +428,7 @@ mod tests {
     #[test]
     fn a_claim_that_reads_its_own_term_or_an_older_one_starts_with_that_state() {
         let s = ShardingSettings::default();
-        let mut out = Vec::new();
-        let mut t = TakeOver::start("t", &s, 0, 10, &mut out);
-        out.clear();
+        let (mut t, mut out) = (claiming_at_10(&s), Vec::new());
         t.handle(TakeOverInput::Claimed(Ok(Some(map_with_fence(10)))), &mut out);
         assert_eq!(
             out,
@@ -434,9 +438,7 @@ mod tests {
                 remembered_shards: None
             }))]
         );
-        let mut out = Vec::new();
-        let mut t = TakeOver::start("t", &s, 0, 10, &mut out);
-        out.clear();
+        let (mut t, mut out) = (claiming_at_10(&s), Vec::new());
         t.handle(TakeOverInput::Claimed(Ok(None)), &mut out);
         assert_eq!(
             out,
@@ -447,9 +449,7 @@ mod tests {
             }))],
             "no state yet: an empty one"
         );
-        let mut out = Vec::new();
-        let mut t = TakeOver::start("t", &s, 0, 10, &mut out);
-        out.clear();
+        let (mut t, mut out) = (claiming_at_10(&s), Vec::new());
         t.handle(TakeOverInput::Claimed(Err(Error::ConsistencyTimeout { needed: 3, acked: 1 })), &mut out);
         assert!(matches!(out.as_slice(), [TakeOverAction::Done(Err(_))]), "{out:?}");
     }
@@ -457,9 +457,7 @@ mod tests {
     #[test]
     fn with_remember_entities_the_claimed_state_waits_for_the_remembered_shards_read() {
         let s = remember();
-        let mut out = Vec::new();
-        let mut t = TakeOver::start("t", &s, 0, 10, &mut out);
-        out.clear();
+        let (mut t, mut out) = (claiming_at_10(&s), Vec::new());
         t.handle(TakeOverInput::Claimed(Ok(Some(map_with_fence(10)))), &mut out);
         assert_eq!(
             out,
@@ -481,8 +479,7 @@ mod tests {
             }))]
         );
         // A failed read of the shards fails the take-over (retried by the singleton core).
-        let mut out = Vec::new();
-        let mut t = TakeOver::start("t", &s, 0, 10, &mut out);
+        let (mut t, mut out) = (claiming_at_10(&s), Vec::new());
         t.handle(TakeOverInput::Claimed(Ok(None)), &mut out);
         out.clear();
         t.handle(TakeOverInput::RememberedShardsRead(Err(Error::ConsistencyTimeout { needed: 2, acked: 1 })), &mut out);
