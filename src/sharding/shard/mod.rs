@@ -7,7 +7,7 @@ pub(crate) mod core;
 mod entity;
 mod host;
 pub(crate) mod passivation;
-mod remember;
+pub(crate) mod remember;
 pub(crate) mod state;
 
 pub(crate) use core::ShardInput;

@@ -50,6 +50,16 @@ struct WriteRequest {
     queued_at: std::time::Instant,
 }
 
+/// The slot keys of a shard's remembered ids: its load reads them all in one round.
+pub(crate) fn slot_keys(type_name: &str, shard: &str, slots: u32) -> Vec<String> {
+    (0..slots).map(|slot| keys::remembered_entities(type_name, shard, slot)).collect()
+}
+
+/// The ids a shard's load found: every member of every slot.
+pub(crate) fn loaded_ids(slots: Vec<Option<OrSet>>) -> BTreeSet<String> {
+    slots.into_iter().flatten().flat_map(|set| set.members()).collect()
+}
+
 impl RememberIo {
     /// Starts the region's remember writer (group commit: the starts and stops of all its
     /// shards go out together, one multi-key majority update per batch; the next batch
@@ -138,20 +148,15 @@ impl RememberIo {
     ) {
         let io = self;
         {
-            let keys = (0..io.slots).map(|slot| keys::remembered_entities(&io.type_name, &shard, slot)).collect();
-            let mut ids = BTreeSet::new();
-            match io.replicator.get_many::<OrSet>(keys, REMEMBER_CONSISTENCY, io.read_timeout).await {
-                Ok(sets) => {
-                    for set in sets.into_iter().flatten() {
-                        ids.extend(set.members());
-                    }
-                }
+            let keys = slot_keys(&io.type_name, &shard, io.slots);
+            let ids = match io.replicator.get_many::<OrSet>(keys, REMEMBER_CONSISTENCY, io.read_timeout).await {
+                Ok(sets) => loaded_ids(sets),
                 Err(e) => {
                     warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
                     let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
                     return;
                 }
-            }
+            };
             debug!(type_name = %io.type_name, %shard, entities = ids.len(), "remembered entities loaded");
             let all: Vec<String> = ids.iter().cloned().collect();
             // The shard takes the set first; recovery starts follow (at the configured rate).
@@ -191,4 +196,26 @@ impl RememberIo {
 
 fn add(counter: &AtomicU64, n: impl TryInto<u64>) {
     counter.fetch_add(n.try_into().unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ddata::crdt::WriteCtx;
+
+    #[test]
+    fn a_load_reads_every_slot_of_its_shard_and_finds_every_member_of_each() {
+        assert_eq!(slot_keys("t", "7", 3), ["shard-t/7/0", "shard-t/7/1", "shard-t/7/2"]);
+        let ctx = WriteCtx::new("n1#1", 1);
+        let set = |ids: &[&str]| {
+            let mut s = OrSet::default();
+            for id in ids {
+                s.add(&ctx, id);
+            }
+            Some(s)
+        };
+        let ids = loaded_ids(vec![set(&["a", "b"]), None, set(&["c"]), set(&[])]);
+        assert_eq!(ids, BTreeSet::from(["a".to_string(), "b".to_string(), "c".to_string()]));
+        assert!(loaded_ids(vec![None, None]).is_empty());
+    }
 }

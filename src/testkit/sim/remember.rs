@@ -49,7 +49,7 @@ impl Sim {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings(&self.cfg);
-        let keys = (0..s.remember_entities_slots).map(|slot| keys::remembered_entities(TYPE, shard, slot)).collect();
+        let keys = crate::sharding::shard::remember::slot_keys(TYPE, shard, s.remember_entities_slots);
         let input = RepInput::GetMany {
             keys,
             consistency: REMEMBER_CONSISTENCY,
@@ -79,13 +79,17 @@ impl Sim {
         }
         let input = match result {
             Ok(values) => {
-                let mut ids = BTreeSet::new();
-                for value in values.into_iter().flatten() {
+                let mut sets = Vec::new();
+                for value in values {
                     match value {
-                        ReplicatedData::OrSet(set) => ids.extend(set.members()),
-                        other => self.report.violations.push(format!("remembered slot holds a {}", other.type_name())),
+                        Some(ReplicatedData::OrSet(set)) => sets.push(Some(set)),
+                        None => sets.push(None),
+                        Some(other) => {
+                            self.report.violations.push(format!("remembered slot holds a {}", other.type_name()))
+                        }
                     }
                 }
+                let ids = crate::sharding::shard::remember::loaded_ids(sets);
                 let me = self.nodes[i].as_ref().expect("running").addr.clone();
                 self.trace(|| format!("{me} shard {shard} loads {} remembered ids", ids.len()));
                 ShardInput::Loaded(ids)
