@@ -23,8 +23,10 @@
 //! durable state, no acknowledged write is lost and no fenced epoch gets a write acknowledged.
 //!
 //! Files: this one holds the model (nodes, network, membership, the event loop), `perform.rs`
-//! what the drivers do with each core's actions, `remember.rs` the remember I/O, `workload.rs`
-//! the asks, the random faults and the controls of scripted runs.
+//! what the drivers do with each core's actions, `coordinator.rs` the coordinator's life cycle,
+//! take-over and state writes, `remember.rs` and `state.rs` the shard stores, `workload.rs`
+//! the asks, the random faults and the controls of scripted runs, `run.rs` a run's shape and
+//! report.
 //!
 //! **Replay a seed.** `DDSHARD_SIM_SEED=<seed> cargo test --test sim -- --nocapture replay`
 //! runs one seed with its trace printed. The trace lists every sharding-protocol message and
@@ -46,22 +48,17 @@ use crate::ddata::replicator::{
     Action as RepAction, CoreSettings, Input as RepInput, PersistRecord, ReplicatorCore, ReplicatorMsg,
 };
 use crate::membership::{Member, MemberStatus, MembershipSnapshot, PeerAddr, UniqueAddress};
-use crate::sharding::allocation::LeastShardAllocation;
-use crate::sharding::coordinator::core::{
-    CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView,
-};
-use crate::sharding::coordinator::take_over::{
-    StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction, TakeOverInput,
-    TakeOverState,
-};
+use crate::sharding::coordinator::core::{CoordinatorInput, MembersView};
+use crate::sharding::coordinator::take_over::{TAKE_OVER_RETRY, TakeOver, TakeOverInput};
 use crate::sharding::protocol::{ToCoordinator, ToRegion};
 use crate::sharding::region::core::{RegionAction, RegionCore, RegionInput, RegionSettings};
 use crate::sharding::shard::core::{ShardAction, ShardCore, ShardInput};
 use crate::sharding::shard::new_shard_core;
 use crate::sharding::shard::passivation::PolicySettings;
 use crate::sharding::{ShardId, default_shard_id, keys};
-use crate::singleton::{SingletonAction, SingletonCore, SingletonInput};
+use crate::singleton::{SingletonCore, SingletonInput};
 
+mod coordinator;
 mod membership;
 mod perform;
 mod remember;
@@ -70,7 +67,9 @@ mod shapes;
 mod state;
 mod workload;
 
-pub use run::{SimConfig, SimReport};
+use coordinator::{Coordinator, WritePart};
+
+pub use run::{SimConfig, SimReport, run_seed};
 
 pub use shapes::{shape, shapes};
 
@@ -219,29 +218,6 @@ enum RepReply {
     EntityWrite(u64),
     /// The leaving node's replica was handed over (or not): it exits now.
     HandOver,
-}
-
-/// The two parts of a coordinator state write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum WritePart {
-    State,
-    RememberedShards,
-}
-
-/// A coordinator state write in flight: its core and the parts answered so far.
-struct PendingWrite {
-    id: u64,
-    core: StateWrite,
-    state: Option<crate::Result<()>>,
-    shards: Option<crate::Result<()>>,
-}
-
-struct Coordinator {
-    core: CoordinatorCore,
-    /// The term it claimed the coordinator state under.
-    term: u64,
-    /// The write in flight.
-    write: Option<PendingWrite>,
 }
 
 struct Node {
@@ -816,9 +792,4 @@ impl Sim {
         }
         self.report
     }
-}
-
-/// Runs one seed with `cfg`.
-pub fn run_seed(seed: u64, cfg: &SimConfig) -> SimReport {
-    Sim::new(seed, cfg.clone()).run()
 }

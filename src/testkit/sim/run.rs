@@ -1,4 +1,4 @@
-//! What a simulated run is given (its shape) and what it reports.
+//! What a simulated run is given (its shape), what it reports, and running one seed.
 
 use std::collections::BTreeMap;
 
@@ -83,4 +83,9 @@ pub struct SimReport {
     /// Replicator messages dropped because their sender had been downed or removed where they
     /// arrived (a paused zombie's writes, say): see `ReplicatorStats::quarantined`.
     pub quarantined_messages: u64,
+}
+
+/// Runs one seed with `cfg`.
+pub fn run_seed(seed: u64, cfg: &SimConfig) -> SimReport {
+    super::Sim::new(seed, cfg.clone()).run()
 }
