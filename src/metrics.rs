@@ -128,8 +128,6 @@ mod enabled {
     use super::{CATALOG, MetricKind};
     use crate::clock::Instant;
     use crate::error::{Error, Result};
-    use crate::membership::MemberStatus;
-    use crate::node::Node;
 
     /// Latency buckets (seconds): 50 µs to 10 s.
     const SECONDS_BUCKETS: &[f64] = &[
@@ -273,12 +271,12 @@ mod enabled {
         }
     }
 
-    fn set_counter(name: &'static str, labels: &[(&'static str, String)], value: &AtomicU64) {
+    pub(crate) fn set_counter(name: &'static str, labels: &[(&'static str, String)], value: &AtomicU64) {
         counter!(name, labels).absolute(value.load(Ordering::Relaxed));
     }
 
     /// One counter per value of label `key`, each with `labels` too.
-    fn set_counters_by(
+    pub(crate) fn set_counters_by(
         name: &'static str,
         labels: &[(&'static str, String)],
         key: &'static str,
@@ -288,148 +286,6 @@ mod enabled {
             let mut l = labels.to_vec();
             l.push((key, (*label).into()));
             set_counter(name, &l, value);
-        }
-    }
-
-    /// Copies the node's counters and state into the facade.
-    pub(crate) async fn sample(node: &Node) {
-        let n = vec![("node", node.node_id().to_string())];
-        let ts = node.transport().stats();
-        set_counter("ddshard_transport_frames_sent_total", &n, &ts.frames_sent);
-        set_counter("ddshard_transport_frames_received_total", &n, &ts.frames_received);
-        set_counter("ddshard_transport_frames_dropped_total", &n, &ts.frames_dropped);
-        set_counter("ddshard_transport_connections_rejected_total", &n, &ts.connections_rejected);
-        set_counter("ddshard_transport_bytes_sent_total", &n, &ts.bytes_sent);
-        set_counter("ddshard_transport_bytes_received_total", &n, &ts.bytes_received);
-        set_counter("ddshard_downs_published_total", &n, &node.gossip_stats().downs_published);
-        let gs = node.gossip_stats();
-        set_counters_by(
-            "ddshard_gossip_datagrams_rejected_total",
-            &n,
-            "reason",
-            &[
-                ("unauthenticated", &gs.datagrams_unauthenticated),
-                ("malformed", &gs.datagrams_malformed),
-                ("oversized", &gs.datagrams_oversized),
-                ("stale", &gs.datagrams_stale),
-                ("replayed", &gs.datagrams_replayed),
-                ("unstamped", &gs.datagrams_unstamped),
-            ],
-        );
-        set_counter("ddshard_heartbeat_verdict_changes_total", &n, &node.failure_detector_stats().verdict_changes);
-        set_counter("ddshard_discovery_lookups_failed_total", &n, &gs.discovery_lookups_failed);
-        set_counter("ddshard_discovery_addresses_dropped_total", &n, &gs.discovery_addresses_dropped);
-        gauge!("ddshard_discovery_contact_points", &n).set(gs.discovery_contact_points.load(Ordering::Relaxed) as f64);
-        let snap = node.membership();
-        for status in [
-            MemberStatus::Joining,
-            MemberStatus::Up,
-            MemberStatus::Leaving,
-            MemberStatus::Exiting,
-            MemberStatus::Removed,
-            MemberStatus::Down,
-        ] {
-            let mut l = n.clone();
-            l.push(("status", status.as_key().into()));
-            let count = snap.members.iter().filter(|m| m.status() == status).count();
-            gauge!("ddshard_members", &l).set(count as f64);
-        }
-        let unreachable = snap.members.iter().filter(|m| !m.is_reachable()).count();
-        gauge!("ddshard_unreachable_members", &n).set(unreachable as f64);
-        let rs = node.replicator().stats();
-        set_counter("ddshard_replicator_full_values_sent_total", &n, &rs.full_values_sent);
-        set_counter("ddshard_replicator_deltas_sent_total", &n, &rs.deltas_sent);
-        set_counter("ddshard_replicator_values_merged_total", &n, &rs.values_merged);
-        set_counter("ddshard_replicator_deltas_merged_total", &n, &rs.deltas_merged);
-        set_counter("ddshard_replicator_rejected_total", &n, &rs.rejected);
-        set_counter("ddshard_replicator_quarantined_total", &n, &rs.quarantined);
-        set_counter("ddshard_replicator_fenced_writes_total", &n, &rs.fenced_writes);
-        gauge!("ddshard_replicator_roster_holders", &n).set(rs.roster_holders.load(Ordering::Relaxed) as f64);
-        gauge!("ddshard_replicator_roster_absent", &n).set(rs.roster_absent.load(Ordering::Relaxed) as f64);
-        for consistency in crate::ddata::stats::UPDATE_CONSISTENCIES {
-            for outcome in crate::ddata::stats::UPDATE_OUTCOMES {
-                let mut l = n.clone();
-                l.push(("consistency", consistency.into()));
-                l.push(("outcome", outcome.into()));
-                counter!("ddshard_replicator_updates_total", &l).absolute(rs.updates(consistency, outcome));
-            }
-        }
-        let admin = node.admin_stats();
-        gauge!("ddshard_admin_connections", &n).set(admin.connections.load(Ordering::Relaxed) as f64);
-        set_counters_by(
-            "ddshard_admin_connections_closed_total",
-            &n,
-            "reason",
-            &[("evicted", &admin.connections_evicted), ("refused", &admin.connections_refused)],
-        );
-        set_counters_by(
-            "ddshard_admin_requests_refused_total",
-            &n,
-            "reason",
-            &[("host", &admin.requests_refused_host)],
-        );
-        set_counter("ddshard_lmdb_commits_total", &n, &rs.durable_commits);
-        set_counter("ddshard_lmdb_commit_failures_total", &n, &rs.durable_failures);
-        let healthy = node.replicator().durable_health().is_healthy();
-        gauge!("ddshard_lmdb_healthy", &n).set(if healthy { 1.0 } else { 0.0 });
-        gauge!("ddshard_lmdb_map_used_bytes", &n).set(rs.durable_map_used_bytes.load(Ordering::Relaxed) as f64);
-        gauge!("ddshard_lmdb_map_max_bytes", &n).set(rs.durable_map_max_bytes.load(Ordering::Relaxed) as f64);
-        for region in node.regions() {
-            let mut l = n.clone();
-            l.push(("type", region.type_name().to_string()));
-            let c = region.counters();
-            set_counters_by(
-                "ddshard_region_messages_total",
-                &l,
-                "path",
-                &[
-                    ("local_routed", &c.local_routed),
-                    ("remote_direct", &c.remote_direct),
-                    ("remote_sent_direct", &c.remote_sent_direct),
-                ],
-            );
-            set_counters_by(
-                "ddshard_region_dropped_total",
-                &l,
-                "reason",
-                &[
-                    ("buffer_full", &c.dropped_buffer_full),
-                    ("handoff", &c.dropped_handoff),
-                    ("invalid", &c.dropped_invalid),
-                    ("mailbox_full", &c.dropped_mailbox_full),
-                    ("refused", &c.dropped_refused),
-                    ("remembered_limit", &c.dropped_remembered_limit),
-                    ("slot_full", &c.dropped_slot_full),
-                ],
-            );
-            set_counter("ddshard_entity_starts_total", &l, &c.entity_starts);
-            set_counters_by(
-                "ddshard_entity_stops_total",
-                &l,
-                "reason",
-                &[
-                    ("passivated", &c.passivations_explicit),
-                    ("idle", &c.passivations_idle),
-                    ("limit", &c.passivations_limit),
-                    ("handoff", &c.handoff_stops),
-                ],
-            );
-            set_counter("ddshard_entity_panics_total", &l, &c.entity_panics);
-            set_counter("ddshard_shard_failures_total", &l, &c.shard_failures);
-            set_counter("ddshard_handoffs_started_total", &l, &c.handoffs_started);
-            set_counter("ddshard_handoffs_completed_total", &l, &c.handoffs_completed);
-            set_counter("ddshard_remember_batches_total", &l, &c.remember_batches);
-            set_counter("ddshard_remember_ids_written_total", &l, &c.remember_ids_written);
-            gauge!("ddshard_slot_bytes_high_water", &l).set(c.slot_bytes_high_water.load(Ordering::Relaxed) as f64);
-            gauge!("ddshard_slot_budget_bytes", &l).set(c.slot_budget_bytes.load(Ordering::Relaxed) as f64);
-            // A region that does not answer (stopping) keeps its last gauges.
-            if let Ok(info) = region.info().await {
-                gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });
-                gauge!("ddshard_region_hosted_shards", &l).set(info.shards.len() as f64);
-                gauge!("ddshard_region_entities", &l).set(info.entities as f64);
-                gauge!("ddshard_remembered_entities", &l).set(info.remembered_entities as f64);
-                gauge!("ddshard_region_buffered_messages", &l).set(info.buffered as f64);
-            }
         }
     }
 }

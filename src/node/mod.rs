@@ -4,6 +4,8 @@ mod builder;
 mod data_dir;
 mod heartbeat;
 mod readiness;
+#[cfg(feature = "metrics")]
+mod sampling;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -15,6 +17,8 @@ use tracing::{info, info_span, warn};
 pub use builder::NodeBuilder;
 pub(crate) use data_dir::lock_data_dir;
 pub use heartbeat::FailureDetectorStats;
+pub use readiness::Readiness;
+pub(crate) use readiness::RegionState;
 
 use crate::clock::wall_ms;
 use crate::config::NodeConfig;
@@ -27,38 +31,30 @@ use crate::membership::{
 use crate::spawn::Spawner;
 use crate::transport::Transport;
 
-/// What the node and tools need from a running region, whatever its entity type.
-pub(crate) trait RegionControl: Send + Sync {
-    fn type_name(&self) -> &str;
-    /// Hands off every shard, then stops the region.
-    fn graceful_shutdown(&self) -> futures::future::BoxFuture<'_, ()>;
-    /// A proxy routes but hosts nothing.
-    fn is_proxy(&self) -> bool;
-    /// The role of the nodes that host the type (and its coordinator).
-    fn role(&self) -> Option<&str>;
-    /// The type's ask timeout (also bounds queries to its coordinator).
-    fn ask_timeout(&self) -> std::time::Duration;
-    /// The shard of an entity id (the type's extractor on this node).
-    fn shard_of(&self, entity_id: &str) -> crate::sharding::ShardId;
-    /// The type's longest entity id (`max_entity_id_bytes`).
-    fn max_entity_id_bytes(&self) -> usize;
-    /// The region's counters.
-    fn counters(&self) -> &crate::sharding::RegionCounters;
-    /// The region's own view of itself.
-    fn info(&self) -> futures::future::BoxFuture<'_, Result<crate::sharding::query::RegionInfo>>;
-    /// A page of the entity ids it runs.
-    fn entity_ids(
-        &self,
-        after: Option<(crate::sharding::ShardId, String)>,
-        limit: usize,
-    ) -> futures::future::BoxFuture<'_, Result<crate::sharding::query::EntityIdPage>>;
+/// What a node runs on top of itself and must reach without knowing its type (a sharding
+/// region or proxy): it hands off before the node leaves, counts in the node's readiness and is
+/// sampled with the node's metrics. The node layer defines it so it never imports what is
+/// attached to it.
+pub(crate) trait Attached: Send + Sync + 'static {
+    /// Unique on the node (a region's entity type).
+    fn name(&self) -> &str;
+    /// Hands off its work and stops (before the node leaves).
+    fn hand_off(&self) -> futures::future::BoxFuture<'_, ()>;
+    /// Its state as a readiness probe sees it.
+    fn readiness(&self) -> futures::future::BoxFuture<'_, RegionState>;
+    /// Copies its counters and state into the `metrics` facade, labelled with `node_id`.
+    #[cfg(feature = "metrics")]
+    fn sample_metrics<'a>(&'a self, node_id: &'a str) -> futures::future::BoxFuture<'a, ()>;
+    /// For the layer that attached it to find its own type again.
+    fn as_any(&self) -> &dyn std::any::Any;
 }
 
 struct NodeInner {
     /// Exclusive lock on the data dir while the node runs (released at shutdown).
     data_dir_lock: Mutex<Option<std::fs::File>>,
     config: NodeConfig,
-    regions: Mutex<Vec<Arc<dyn RegionControl>>>,
+    /// What runs on top of the node (regions, proxies), in start order.
+    attached: Mutex<Vec<Arc<dyn Attached>>>,
     /// Readiness once was (probes keep a ready node ready while its coordinator moves).
     readiness: Mutex<readiness::ReadinessLatch>,
     address: UniqueAddress,
@@ -210,7 +206,7 @@ impl Node {
                 data_dir_lock: Mutex::new(Some(data_dir_lock)),
                 readiness: Mutex::new(readiness::ReadinessLatch::new(config.readiness.coordinator_grace)),
                 config,
-                regions: Mutex::new(Vec::new()),
+                attached: Mutex::new(Vec::new()),
                 address,
                 membership,
                 transport,
@@ -293,18 +289,20 @@ impl Node {
         &self.inner.transport
     }
 
-    pub(crate) fn register_region(&self, region: Arc<dyn RegionControl>) -> Result<()> {
-        let mut regions = self.inner.regions.lock().expect("regions lock");
-        if regions.iter().any(|r| r.type_name() == region.type_name()) {
-            return Err(Error::TypeAlreadyStarted(region.type_name().to_string()));
+    /// Attaches `part` (a region) to this node; [`Error::TypeAlreadyStarted`] when one of its
+    /// name is attached already.
+    pub(crate) fn attach(&self, part: Arc<dyn Attached>) -> Result<()> {
+        let mut attached = self.inner.attached.lock().expect("attached lock");
+        if attached.iter().any(|a| a.name() == part.name()) {
+            return Err(Error::TypeAlreadyStarted(part.name().to_string()));
         }
-        regions.push(region);
+        attached.push(part);
         Ok(())
     }
 
-    /// The regions started on this node, in start order.
-    pub(crate) fn regions(&self) -> Vec<Arc<dyn RegionControl>> {
-        self.inner.regions.lock().expect("regions lock").clone()
+    /// What is attached to this node, in start order.
+    pub(crate) fn attached(&self) -> Vec<Arc<dyn Attached>> {
+        self.inner.attached.lock().expect("attached lock").clone()
     }
 
     /// Whether this node is ready to serve, and what is missing when it is not. A node is
@@ -314,8 +312,8 @@ impl Node {
     /// so a fail-over does not take every node out of service at once. Not ready while the
     /// node is not Up (leaving, downed, removed), stopped, its storage failing, or a region
     /// refused or not answering. Durable data (LMDB) is loaded before [`Node::start`] returns.
-    pub async fn readiness(&self) -> crate::sharding::query::Readiness {
-        use readiness::{Observation, RegionState};
+    pub async fn readiness(&self) -> Readiness {
+        use readiness::Observation;
         let stopped = match self.stop_reason() {
             Some(reason) => Some(reason),
             None => self.is_shut_down().then(|| "it was shut down".to_string()),
@@ -326,26 +324,23 @@ impl Node {
         let storage_failing =
             (!health.is_healthy()).then(|| health.last_error().unwrap_or_else(|| "unhealthy".to_string()));
         let mut regions = Vec::new();
-        for region in self.regions() {
-            let state = match region.info().await {
-                Ok(info) if info.refused => RegionState::Refused,
-                Ok(info) if !info.registered => RegionState::Unregistered,
-                Ok(_) => RegionState::Registered,
-                Err(e) => RegionState::NotAnswering(e.to_string()),
-            };
-            regions.push((region.type_name().to_string(), state));
+        for part in self.attached() {
+            regions.push((part.name().to_string(), part.readiness().await));
         }
         let observation = Observation { stopped, status, storage_failing, regions };
         let (ready, not_ready_because) =
             self.inner.readiness.lock().expect("readiness lock").observe(observation, crate::clock::Instant::now());
-        crate::sharding::query::Readiness { ready, not_ready_because }
+        Readiness { ready, not_ready_because }
     }
 
     /// Copies this node's counters and state into the `metrics` facade now (a sampler also
     /// does it every second); call it before rendering a scrape.
     #[cfg(feature = "metrics")]
     pub async fn sample_metrics(&self) {
-        crate::metrics::sample(self).await
+        sampling::sample(self).await;
+        for part in self.attached() {
+            part.sample_metrics(self.node_id()).await;
+        }
     }
 
     /// The deadlines every ask of this node waits under.
@@ -374,9 +369,8 @@ impl Node {
     pub async fn leave(&self) -> Result<()> {
         let m = &self.inner.membership;
         m.set_status(MemberStatus::Leaving).await?;
-        let regions: Vec<Arc<dyn RegionControl>> = self.inner.regions.lock().expect("regions lock").clone();
-        for r in regions {
-            r.graceful_shutdown().await;
+        for part in self.attached() {
+            part.hand_off().await;
         }
         // What this node's replica holds goes to the members that stay before it exits: a write
         // acknowledged by it (and others leaving too) must not leave with it.

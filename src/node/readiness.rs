@@ -13,6 +13,16 @@ use std::time::Duration;
 
 use crate::clock::Instant;
 
+/// Whether a node is ready to serve: Up, durable data loaded, every started region
+/// registered with its coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Readiness {
+    /// All conditions hold.
+    pub ready: bool,
+    /// The conditions that do not hold, one line each.
+    pub not_ready_because: Vec<String>,
+}
+
 /// What the node sees of one region when probed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RegionState {

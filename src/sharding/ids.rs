@@ -5,10 +5,6 @@ use std::sync::Arc;
 
 use crate::membership::UniqueAddress;
 
-/// The longest `max_entity_id_bytes` may allow: the longest member a remembered-entity set
-/// holds (a longer one would make the whole set undecodable on every peer).
-pub const MAX_ENTITY_ID_LEN: usize = crate::ddata::orset::MAX_ELEMENT_LEN;
-
 /// Whether `entity_id` may name an entity of a type whose ids are at most `max_len` bytes
 /// ([`crate::ShardingSettings::max_entity_id_bytes`]): not empty and not longer, here and when
 /// a peer sends one ([`Error::EntityIdTooLong`](crate::Error::EntityIdTooLong) otherwise).

@@ -20,7 +20,9 @@
 //! [`allocation`] (strategies). `ids` and `keys` name things; `settings` is a leaf module.
 
 pub mod allocation;
+mod attached;
 pub(crate) mod coordinator;
+mod counters;
 pub mod daemon;
 mod durable;
 mod envelope;
@@ -45,12 +47,14 @@ pub use allocation::{
     ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation,
     RegionAllocation, ShardAllocationStrategy,
 };
+pub use counters::RegionCounters;
 pub use daemon::{DaemonContext, DaemonProcess};
 pub use durable::{Durable, DurableEntity};
-pub use handle::{RegionCounters, ShardRegion};
-pub use ids::{MAX_ENTITY_ID_LEN, RegionId, ShardId, ShardIdExtractor, default_shard_id};
+pub use handle::ShardRegion;
+pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
 pub use region_ref::RegionRef;
+pub use settings::MAX_ENTITY_ID_LEN;
 pub use settings::{
     AllocationSettings, PassivationAdmission, PassivationSettings, PassivationStrategy, ReplacementPolicy,
     ShardingSettings,
@@ -232,13 +236,13 @@ impl Node {
 impl Sharding {
     /// The entity types started on this node (regions and proxies), in start order.
     pub fn type_names(&self) -> Vec<String> {
-        self.node.regions().iter().map(|r| r.type_name().to_string()).collect()
+        attached::regions(&self.node).iter().map(|r| r.type_name().to_string()).collect()
     }
 
     /// The region of `type_name` on this node, without its entity type (for tools); `None`
     /// when the type was not started here.
     pub fn region(&self, type_name: &str) -> Option<RegionRef> {
-        let control = self.node.regions().into_iter().find(|r| r.type_name() == type_name)?;
+        let control = attached::regions(&self.node).into_iter().find(|r| r.type_name() == type_name)?;
         Some(RegionRef::new(control, Some(self.node.clone())))
     }
 

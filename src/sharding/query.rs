@@ -241,12 +241,4 @@ pub struct EntityLocation {
     pub epoch: u64,
 }
 
-/// Whether a node is ready to serve: Up, durable data loaded, every started region
-/// registered with its coordinator.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Readiness {
-    /// All conditions hold.
-    pub ready: bool,
-    /// The conditions that do not hold, one line each.
-    pub not_ready_because: Vec<String>,
-}
+pub use crate::node::Readiness;

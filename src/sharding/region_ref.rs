@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use serde::de::DeserializeOwned;
 
+use super::attached::RegionControl;
 use super::protocol::{CoordinatorQuery, RegionQuery, RegionStatsReply};
 use super::query::{AllocationTable, EntityIdPage, EntityLocation, RebalancePlan, RegionInfo, ShardExplanation};
 use super::{ClusterShardingStats, ShardId, keys};
 use crate::error::{Error, Result};
-use crate::node::{Node, RegionControl};
+use crate::node::Node;
 use crate::transport::wire;
 
 /// Sends `query` to the coordinator of `region`'s type (on the oldest member with its role)
@@ -52,7 +53,7 @@ impl RegionRef {
     }
 
     fn node(&self) -> Result<&Node> {
-        self.node.as_ref().ok_or_else(|| super::handle::stand_in_has_no_cluster(self.control.type_name()))
+        self.node.as_ref().ok_or_else(|| stand_in_has_no_cluster(self.control.type_name()))
     }
 
     /// The entity type.
@@ -155,4 +156,9 @@ impl RegionRef {
         }
         Ok(stats)
     }
+}
+
+/// The error of a query a stand-in region cannot answer.
+pub(crate) fn stand_in_has_no_cluster(type_name: &str) -> Error {
+    Error::BadRequest(format!("region {type_name:?} is a stand-in for tests: it has no cluster to ask"))
 }

@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// The longest `max_entity_id_bytes` may allow: the longest member a remembered-entity set
+/// holds (a longer one would make the whole set undecodable on every peer).
+pub const MAX_ENTITY_ID_LEN: usize = crate::ddata::orset::MAX_ELEMENT_LEN;
+
 /// How the coordinator places shards (see [`super::allocation`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "strategy", rename_all = "kebab-case", deny_unknown_fields)]
@@ -161,7 +165,7 @@ pub struct ShardingSettings {
     /// [`Error::BufferFull`] (a flood of distinct ids, or a task that falls behind, cannot grow
     /// memory without bound).
     pub buffer_size: usize,
-    /// Longest entity id, in bytes (at most [`super::MAX_ENTITY_ID_LEN`], 16 KiB): longer ones
+    /// Longest entity id, in bytes (at most [`MAX_ENTITY_ID_LEN`], 16 KiB): longer ones
     /// are refused with [`Error::EntityIdTooLong`], locally and from peers. Every id costs its
     /// length in each message, in the entity table and, remembered, in its slot, so a client
     /// cannot make any of them cost more than this.
@@ -303,7 +307,7 @@ impl ShardingSettings {
         if self.buffer_size == 0 {
             return bad("buffer_size must be > 0");
         }
-        if !(1..=super::MAX_ENTITY_ID_LEN).contains(&self.max_entity_id_bytes) {
+        if !(1..=MAX_ENTITY_ID_LEN).contains(&self.max_entity_id_bytes) {
             return bad("max_entity_id_bytes must be between 1 and 16384");
         }
         if self.entity_mailbox_capacity == 0 {

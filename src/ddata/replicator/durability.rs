@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{Action, ReplicatorCore};
+use super::{Action, PersistRecord, ReplicatorCore};
 use crate::clock::Instant;
 use crate::ddata::crdt::ReplicatedDelta;
 use crate::error::Error;
@@ -47,16 +47,6 @@ const MAX_LOG_SPAN: u64 = 1 << 17;
 const TRIM_STEP: u64 = 1024;
 /// Keys written whole per persist to unpin the log (spreads a burst of them).
 const UNPINS_PER_PERSIST: usize = 8;
-
-/// What to write for a key.
-#[derive(Debug, Clone)]
-pub(crate) enum PersistRecord {
-    /// The whole current value (the driver reads it when it performs the action); drops the
-    /// key's delta log.
-    Snapshot,
-    /// Append this delta to the log, under the action's ticket.
-    Delta(ReplicatedDelta),
-}
 
 /// Per-key persistence bookkeeping.
 #[derive(Debug, Default, Clone, Copy)]

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::PersistRecord;
 use crate::ddata::crdt::{ReplicatedData, ReplicatedDelta, WriteCtx};
 use crate::ddata::fenced::Fenced;
 use crate::error::Result;
@@ -251,6 +250,16 @@ pub(crate) enum Input<R> {
         through: u64,
         failure: Option<(std::path::PathBuf, String)>,
     },
+}
+
+/// What to write for a key.
+#[derive(Debug, Clone)]
+pub(crate) enum PersistRecord {
+    /// The whole current value (the driver reads it when it performs the action); drops the
+    /// key's delta log.
+    Snapshot,
+    /// Append this delta to the log, under the action's ticket.
+    Delta(ReplicatedDelta),
 }
 
 /// Outputs. Sends and replies may be performed before the `Persist` actions of the same batch

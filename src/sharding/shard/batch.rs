@@ -22,7 +22,7 @@ use std::time::Duration;
 use super::{FullSlot, StoreResult};
 use crate::ddata::{Consistency, Fenced, FencedMap, KeyUpdate, OrSet};
 use crate::error::Error;
-use crate::sharding::handle::RegionCounters;
+use crate::sharding::counters::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;

@@ -34,8 +34,8 @@ use tracing::{Instrument, error};
 
 use super::ShardEvent;
 use crate::error::Result;
+use crate::sharding::counters::RegionCounters;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
-use crate::sharding::handle::RegionCounters;
 use crate::sharding::{EndIncarnation, Entity, EntityContext};
 
 /// Creates the entity of an id.

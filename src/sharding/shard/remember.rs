@@ -16,7 +16,7 @@ use super::batch::{BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberReq
 use super::{ShardEvent, StoreResult, report_full_slot};
 use crate::ddata::{OrSet, Replicator};
 use crate::log_limit::LogLimiter;
-use crate::sharding::handle::RegionCounters;
+use crate::sharding::counters::RegionCounters;
 use crate::sharding::ids::ShardId;
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, keys};

@@ -34,7 +34,7 @@ use tracing::{debug, warn};
 use crate::ddata::{Consistency, FencedMap, KeyUpdate, Replicator};
 use crate::error::{Error, Result};
 use crate::log_limit::LogLimiter;
-use crate::sharding::handle::RegionCounters;
+use crate::sharding::counters::RegionCounters;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;
