@@ -13,7 +13,7 @@ use common::sliding;
 use ddshard::sharding::{PassivationAdmission, PassivationSettings, PassivationStrategy, ReplacementPolicy};
 use ddshard::testkit::TestCluster;
 use ddshard::{Entity, EntityContext, ShardingSettings};
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// A small entity with some state, like a session.

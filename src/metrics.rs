@@ -123,6 +123,7 @@ mod enabled {
     use std::sync::atomic::{AtomicU64, Ordering};
 
     use ::metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+    #[cfg(feature = "prometheus")]
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
     use super::{CATALOG, MetricKind};
@@ -130,18 +131,21 @@ mod enabled {
     use crate::error::{Error, Result};
 
     /// Latency buckets (seconds): 50 µs to 10 s.
+    #[cfg(feature = "prometheus")]
     const SECONDS_BUCKETS: &[f64] = &[
         0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     ];
 
     /// Size buckets (counts of items).
+    #[cfg(feature = "prometheus")]
     const SIZE_BUCKETS: &[f64] =
         &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0];
 
     /// Installs a Prometheus recorder as the process's `metrics` recorder (once per process;
     /// a second call fails) with histogram buckets for every `_seconds` and `_size` metric, and describes
     /// every metric of the catalog. Render with [`PrometheusHandle::render`] after
-    /// [`crate::Node::sample_metrics`].
+    /// [`crate::Node::sample_metrics`]. Feature `prometheus`.
+    #[cfg(feature = "prometheus")]
     pub fn install_prometheus() -> Result<PrometheusHandle> {
         let handle = PrometheusBuilder::new()
             .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)

@@ -17,7 +17,7 @@ use ddshard::sharding::{AllocationSettings, ShardingSettings};
 use ddshard::testkit::TestCluster;
 use ddshard::{Entity, EntityContext, ShardRegion};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 /// Every message each entity handled, in handling order, over all its incarnations on both

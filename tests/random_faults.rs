@@ -23,7 +23,7 @@ use ddshard::testkit::{ActivationGuard, ActivationLog, TestCluster, fast_downing
 use ddshard::{Entity, EntityContext, Node, ShardRegion, ShardingSettings};
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
 const NODES: usize = 5;
@@ -123,7 +123,7 @@ fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
         1 => {
             // A minority (or, with an even count, half) of the running nodes.
             let size = rng.random_range(1..=(up.len() / 2).min(MAX_DOWN - down.len()));
-            let mut side: Vec<usize> = up.choose_multiple(rng, size).copied().collect();
+            let mut side: Vec<usize> = up.sample(rng, size).copied().collect();
             side.sort();
             Fault::Partition(side)
         }
@@ -131,7 +131,7 @@ fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
         3 => Fault::Restart(*down.choose(rng).unwrap()),
         4 => Fault::Leave(*up.choose(rng).unwrap()),
         6 => {
-            let pair: Vec<usize> = up.choose_multiple(rng, 2).copied().collect();
+            let pair: Vec<usize> = up.sample(rng, 2).copied().collect();
             Fault::CutMessaging(pair[0].min(pair[1]), pair[0].max(pair[1]))
         }
         _ => Fault::Quiet,

@@ -565,7 +565,7 @@ mod tests {
     /// forms two clusters when the stable margin is 0, which is what the margin is for.
     #[test]
     fn bootstrap_five_nodes_with_staggered_partial_discovery_form_exactly_one_cluster_in_every_run() {
-        use rand::{Rng, SeedableRng};
+        use rand::{RngExt, SeedableRng};
         const N: usize = 5;
         const STEP: Duration = Duration::from_millis(100);
         let runs: u64 = std::env::var("DDSHARD_BOOTSTRAP_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(200);

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use tracing::warn;
 
 use super::crdt::{MergeError, ReplicatedData, ReplicatedDelta, WriteCtx};
