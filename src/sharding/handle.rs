@@ -17,8 +17,8 @@ use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_s
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
-    AskTable, Direct, FastPath, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionSettings, RegionTask,
-    RemoteHomes, region_commands,
+    AskTable, Direct, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionSettings, RegionTask, RemoteHomes,
+    SharedRegion, region_commands,
 };
 use super::region_ref::{RegionRef, coordinator_request, stand_in_has_no_cluster};
 use super::settings::ShardingSettings;
@@ -63,7 +63,7 @@ pub(crate) struct HandleInner<E: Entity> {
     routed: Arc<RoutedInFlight>,
     /// The region's fast paths: the shards hosted here (none for a proxy) for the local direct
     /// path, and the published remote homes; set before the handle is handed out.
-    fast: OnceLock<Arc<FastPath<E>>>,
+    shared: OnceLock<Arc<SharedRegion<E>>>,
     /// Ask latencies by outcome, hand-off durations (feature `metrics`; nothing without it).
     metrics: Arc<TypeMetrics>,
 }
@@ -108,7 +108,7 @@ impl<E: Entity> HandleInner<E> {
             counters: Arc::new(RegionCounters::default()),
             proxy: false,
             routed,
-            fast: OnceLock::new(),
+            shared: OnceLock::new(),
             metrics: Arc::new(TypeMetrics::new("stand-in", type_name)),
         }
     }
@@ -152,7 +152,7 @@ impl<E: Entity> ShardRegion<E> {
         check_entity_id(entity_id, i.settings.max_entity_id_bytes)?;
         let shard = (i.extractor)(entity_id);
         let stripe = RoutedInFlight::stripe(entity_id);
-        if let Some(direct) = i.fast.get().and_then(|f| f.direct.as_ref())
+        if let Some(direct) = i.shared.get().and_then(|f| f.direct.as_ref())
             && i.routed.is_clear(stripe)
         {
             match direct.deliver(&shard, entity_id, stripe, env) {
@@ -160,8 +160,8 @@ impl<E: Entity> ShardRegion<E> {
                 Err(back) => env = back,
             }
         }
-        if let Some(fast) = i.fast.get() {
-            match fast.send_direct(&shard, entity_id, stripe, env) {
+        if let Some(shared) = i.shared.get() {
+            match shared.send_direct(&shard, entity_id, stripe, env) {
                 Direct::Sent(sent) => return sent,
                 Direct::Routed(back) => env = back,
             }
@@ -372,7 +372,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         counters: Arc::new(RegionCounters::default()),
         proxy,
         routed: routed.clone(),
-        fast: OnceLock::new(),
+        shared: OnceLock::new(),
         metrics: Arc::new(TypeMetrics::new(node.node_id(), type_name)),
     });
     attached::attach(node, inner.clone())?;
@@ -419,7 +419,7 @@ pub(crate) async fn start_region_of<E: Entity>(
     });
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
     let region_settings = RegionSettings::of(&settings, fingerprint);
-    let fast = Arc::new(FastPath {
+    let shared = Arc::new(SharedRegion {
         me: me.clone(),
         topic: keys::region_topic(type_name).into(),
         remote: RemoteHomes::default(),
@@ -431,7 +431,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         asks: Arc::new(std::sync::Mutex::new(AskTable::default())),
         senders: Arc::new(PeerSenders::new(transport.clone())),
     });
-    let _ = inner.fast.set(fast.clone());
+    let _ = inner.shared.set(shared.clone());
     let task = RegionTask {
         type_name: type_name.to_string(),
         role: settings.role.clone(),
@@ -439,7 +439,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         core: RegionCore::new(me, proxy, region_settings, Instant::now()),
         shards,
         settings: settings.clone(),
-        fast,
+        shared,
         buffered: inner.buffered.clone(),
         counters: inner.counters.clone(),
         replier,

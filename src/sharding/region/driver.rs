@@ -11,14 +11,15 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, error, info, warn};
 
 use super::core::{RegionAction, RegionCore, RegionDrop, RegionInput};
-use super::fast::{FastPath, NotSent, PendingAsk, complete_ask};
+use super::fast::{NotSent, PendingAsk, SharedRegion, complete_ask};
+use super::inbound::{Classified, PassedOn, classify, remote_reply};
 use crate::clock::Instant;
 use crate::membership::MembershipSnapshot;
 use crate::node::Node;
 use crate::sharding::counters::RegionCounters;
-use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedTicket, not_delivered};
-use crate::sharding::ids::{RegionId, ShardId, check_entity_id};
-use crate::sharding::protocol::{RegionInbound, RegionQuery, RegionToRegion, ToCoordinator, ToRegion};
+use crate::sharding::envelope::{Envelope, Replier, not_delivered};
+use crate::sharding::ids::{RegionId, ShardId};
+use crate::sharding::protocol::{RegionQuery, ToCoordinator, ToRegion};
 use crate::sharding::query::{EntityIdPage, RegionInfo, ShardCount};
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::shard::{LocalShards, ShardEvent, ShardInput, Work};
@@ -127,7 +128,7 @@ pub(crate) struct RegionTask<E: Entity> {
     pub settings: ShardingSettings,
     /// What the region topic's fast path shares with this task: the asks sent elsewhere, the
     /// peer senders, the shard directory.
-    pub fast: Arc<FastPath<E>>,
+    pub shared: Arc<SharedRegion<E>>,
     pub buffered: Arc<AtomicUsize>,
     pub counters: Arc<RegionCounters>,
     pub replier: Replier,
@@ -152,9 +153,9 @@ impl<E: Entity> RegionTask<E> {
         mut commands: RegionCommandsRx<E>,
         mut events: mpsc::UnboundedReceiver<ShardEvent<E>>,
     ) {
-        let topic = self.fast.topic.clone();
-        let fast = self.fast.clone();
-        let mut inbound = self.transport.subscribe_with(&topic, 65_536, move |m| fast.handle(m));
+        let topic = self.shared.topic.clone();
+        let shared = self.shared.clone();
+        let mut inbound = self.transport.subscribe_with(&topic, 65_536, move |m| shared.handle(m));
         let mut members = node.watch_membership();
         let shutdown = node.shutdown_token();
         let mut tick = tokio::time::interval(REGION_TICK);
@@ -187,7 +188,7 @@ impl<E: Entity> RegionTask<E> {
                     for s in self.shards.as_ref().map(LocalShards::ids).unwrap_or_default() {
                         self.work.push_back(Work::Shard(s, ShardInput::Tick));
                     }
-                    self.fast.asks.lock().expect("asks lock").retain_waiting(PendingAsk::is_waiting);
+                    self.shared.asks.lock().expect("asks lock").retain_waiting(PendingAsk::is_waiting);
                 }
             }
             self.process();
@@ -196,12 +197,12 @@ impl<E: Entity> RegionTask<E> {
                 break; // graceful shutdown finished
             }
         }
-        self.fast.remote.clear();
+        self.shared.remote.clear();
         self.transport.unsubscribe(&topic);
         // The table outlives this task (the handle and the topic handler share it): its asks
         // fail now rather than at their timeouts.
         // `ShutDown`, as every other ask of a region that stopped gets.
-        let waiting = self.fast.asks.lock().expect("asks lock").take_all();
+        let waiting = self.shared.asks.lock().expect("asks lock").take_all();
         for (_, pending) in waiting {
             pending.fail(crate::error::Error::ShutDown);
         }
@@ -300,48 +301,31 @@ impl<E: Entity> RegionTask<E> {
             let _ = self.transport.respond(&m.from, id, r);
             return;
         }
-        match wire::decode::<RegionInbound>(&m.body) {
-            Ok(RegionInbound::Coordinator(msg)) => {
-                self.work.push_back(Work::Region(RegionInput::Coordinator { from: m.from.address, msg }))
-            }
-            Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })) => {
-                let reply = reply_to.map(|(region, ask_id)| {
-                    let via = (region == m.from.address).then(|| self.fast.senders.get(&m.from));
-                    ReplyTo::Remote { region, ask_id, via }
-                });
-                let msg = if payload.is_empty() { Ok(None) } else { wire::decode::<E::Message>(&payload).map(Some) };
-                let failure = match (&msg, check_entity_id(&entity_id, self.settings.max_entity_id_bytes)) {
-                    (_, Err(refused)) => Some(refused),
-                    (Err(e), _) => Some(not_delivered(&entity_id, format!("payload does not decode: {e}"))),
-                    _ => {
-                        let own = (self.extractor)(&entity_id);
-                        (own != shard).then(|| {
-                            not_delivered(
-                                &entity_id,
-                                format!("sent for shard {shard:?}, but this node's extractor gives {own:?}"),
-                            )
-                        })
-                    }
-                };
-                if let Some(err) = failure {
-                    self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
-                    warn!(type_name = %self.type_name, peer = %m.from.address, %entity_id, error = %err, "invalid message dropped");
-                    if let Some(r) = reply {
-                        self.replier.reply::<E>(r, &entity_id, Err(err));
-                    }
-                    return;
-                }
-                let mut env = Envelope::new(msg.ok().flatten(), reply);
-                // Counted on the routed path by the fast path that passed it on (see `fast`).
-                if let Some(ticket) = m.take_held::<RoutedTicket>() {
-                    env.lane = Lane::Routed { _ticket: ticket };
-                }
+        let passed = m.take_held::<PassedOn<E>>().unwrap_or_else(|| {
+            PassedOn::Classified(classify(&m.body, self.settings.max_entity_id_bytes, &self.extractor))
+        });
+        match passed {
+            PassedOn::Routed { shard, entity_id, epoch, env } => {
                 self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
-            Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
-                complete_ask::<E>(&self.fast.asks, &m.from.address, ask_id, result);
+            PassedOn::Classified(Classified::Deliver { shard, entity_id, msg, reply_to, epoch }) => {
+                let env = Envelope::new(msg, remote_reply(reply_to, &m.from, &self.shared.senders));
+                self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
-            Err(e) => {
+            PassedOn::Classified(Classified::Coordinator(msg)) => {
+                self.work.push_back(Work::Region(RegionInput::Coordinator { from: m.from.address, msg }))
+            }
+            PassedOn::Classified(Classified::Refused { entity_id, reply_to, error }) => {
+                self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
+                warn!(type_name = %self.type_name, peer = %m.from.address, %entity_id, %error, "invalid message dropped");
+                if let Some(r) = remote_reply::<E>(reply_to, &m.from, &self.shared.senders) {
+                    self.replier.reply::<E>(r, &entity_id, Err(error));
+                }
+            }
+            PassedOn::Classified(Classified::AskReply { ask_id, result }) => {
+                complete_ask::<E>(&self.shared.asks, &m.from.address, ask_id, result);
+            }
+            PassedOn::Classified(Classified::Malformed(e)) => {
                 self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
                 warn!(type_name = %self.type_name, peer = %m.from.address, error = %e, "malformed region message dropped");
             }
@@ -361,7 +345,7 @@ impl<E: Entity> RegionTask<E> {
                     let mut out = Vec::new();
                     self.core.handle(input, now, &mut out);
                     // Before any of its decisions is acted on (see `RemoteHomes`).
-                    self.fast.remote.advance(self.core.routing_generation());
+                    self.shared.remote.advance(self.core.routing_generation());
                     if let Some(shards) = &self.shards {
                         // The direct path delivers only what this region would route.
                         shards.directory().set_open(!self.core.refused());
@@ -446,7 +430,7 @@ impl<E: Entity> RegionTask<E> {
                 self.replier.fail(msg, &entity_id, why);
             }
             RegionAction::RegionGone(region) => {
-                let gone = self.fast.asks.lock().expect("asks lock").take_region(&region);
+                let gone = self.shared.asks.lock().expect("asks lock").take_region(&region);
                 for (entity_id, pending) in gone {
                     let reason = format!("the entity's node {region} left or went down before answering");
                     pending.fail(not_delivered(&entity_id, reason));
@@ -469,10 +453,10 @@ impl<E: Entity> RegionTask<E> {
             self.replier.fail(env, &entity_id, "the shard's home is not routable");
             return;
         };
-        let sender = self.fast.senders.get(&peer);
-        self.fast.remote.publish(&shard, &region, epoch, &sender);
+        let sender = self.shared.senders.get(&peer);
+        self.shared.remote.publish(&shard, &region, epoch, &sender);
         if let Err(NotSent { error, pending }) =
-            self.fast.send_deliver(&sender, &region, &shard, epoch, &entity_id, env)
+            self.shared.send_deliver(&sender, &region, &shard, epoch, &entity_id, env)
         {
             match pending {
                 Some(p) => p.fail(not_delivered(&entity_id, format!("not sent to {region}: {error}"))),

@@ -1,17 +1,20 @@
-//! The region topic's fast path: run by the transport on the task reading a connection
-//! ([`crate::transport::Transport::subscribe_with`]), it takes the two common messages without
-//! a hop through the region task:
+//! [`SharedRegion`]: what a region shares with its handle and with the tasks reading its
+//! connections. Its handler of the region topic, run by the transport on the task reading a
+//! connection ([`crate::transport::Transport::subscribe_with`]), classifies each message once
+//! ([`super::inbound::classify`]) and takes the two common ones without a hop through the region
+//! task:
 //! - a `Deliver` for an entity that runs here goes straight into its mailbox (the same rule as
 //!   the local direct path: [`ShardDirectory::deliver`]);
 //! - an `AskReply` completes its waiting ask.
 //!
-//! Everything else (coordinator messages, a `Deliver` for an entity not running here, anything
-//! malformed) is passed on to the region task unchanged, which decides as before.
+//! Everything else (coordinator messages, a `Deliver` for an entity not running here or
+//! refused, anything malformed) is passed on to the region task with the verdict
+//! ([`super::inbound::PassedOn`]), which decides without decoding it again.
 //!
 //! The sending side has a fast path too: the region task publishes each forward decision of
 //! its core ([`RemoteHomes`]) with the core's routing generation, and the region's handle sends
 //! a message for a shard whose published home is still current straight into that node's
-//! queue ([`FastPath::send_direct`]) instead of through the region task.
+//! queue ([`SharedRegion::send_direct`]) instead of through the region task.
 //!
 //! **Order.** Messages of one sender to one entity arrive in the order sent over one connection.
 //! A `Deliver` passed on to the region task is counted on the routed path of its id's stripe
@@ -27,11 +30,12 @@ use tokio::sync::oneshot;
 use tracing::debug;
 
 use super::asks::AskTable;
+use super::inbound::{Classified, PassedOn, classify, remote_reply};
 use crate::error::{Error, Result};
 use crate::sharding::Entity;
 use crate::sharding::counters::RegionCounters;
-use crate::sharding::envelope::{Envelope, ReplyTo, RoutedInFlight};
-use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id};
+use crate::sharding::envelope::{Envelope, Lane, ReplyTo, RoutedInFlight};
+use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
 use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
@@ -195,7 +199,7 @@ pub(crate) struct NotSent<R> {
     pub pending: Option<PendingAsk<R>>,
 }
 
-/// What [`FastPath::send_direct`] did.
+/// What [`SharedRegion::send_direct`] did.
 pub(crate) enum Direct<E: Entity> {
     /// Queued for the shard's home, or failed sending there (the error is the caller's).
     Sent(Result<()>),
@@ -203,8 +207,9 @@ pub(crate) enum Direct<E: Entity> {
     Routed(Envelope<E>),
 }
 
-/// What the fast path shares with the region task.
-pub(crate) struct FastPath<E: Entity> {
+/// What a region shares with its handle (direct sends, the local direct path) and with the
+/// tasks reading its connections (the region topic's handler).
+pub(crate) struct SharedRegion<E: Entity> {
     pub me: RegionId,
     /// This type's region topic.
     pub topic: Arc<str>,
@@ -220,7 +225,7 @@ pub(crate) struct FastPath<E: Entity> {
     pub senders: Arc<PeerSenders>,
 }
 
-impl<E: Entity> FastPath<E> {
+impl<E: Entity> SharedRegion<E> {
     /// Sends a message of this node's handle straight to the shard's remote home when the
     /// region core's latest forward decision for the shard is still current and no earlier
     /// message of its id's stripe is on the routed path (see [`RemoteHomes`]).
@@ -282,46 +287,37 @@ impl<E: Entity> FastPath<E> {
         })
     }
 
-    /// Takes `m` if it can (`None`), or hands it back for the region task.
+    /// Takes `m` if it can (`None`), or hands it back for the region task with what it found
+    /// ([`PassedOn`]).
     pub(crate) fn handle(&self, mut m: Inbound) -> Option<Inbound> {
         if m.request_id.is_some() {
             return Some(m); // queries
         }
-        match wire::decode::<RegionInbound>(&m.body) {
-            Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
+        let passed = match classify::<E::Message>(&m.body, self.max_entity_id_bytes, &self.extractor) {
+            Classified::AskReply { ask_id, result } => {
                 complete_ask::<E>(&self.asks, &m.from.address, ask_id, result);
-                None
+                return None;
             }
-            Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, .. })) => {
-                // A proxy hosts nothing: the region task decides (it holds, forwards or fails it).
-                let Some(direct) = self.direct.as_ref() else { return Some(m) };
+            // A proxy hosts nothing: the region task decides (it holds, forwards or fails it).
+            Classified::Deliver { shard, entity_id, msg, reply_to, epoch } if self.direct.is_some() => {
+                let direct = self.direct.as_ref().expect("checked");
                 let stripe = RoutedInFlight::stripe(&entity_id);
-                // Anything the region task would refuse goes there, for one definition of why.
-                let valid = check_entity_id(&entity_id, self.max_entity_id_bytes).is_ok()
-                    && (self.extractor)(&entity_id) == shard;
-                let msg = match (valid, payload.is_empty()) {
-                    (false, _) => return Some(m),
-                    (true, true) => None,
-                    (true, false) => match wire::decode::<E::Message>(&payload) {
-                        Ok(msg) => Some(msg),
-                        Err(_) => return Some(m),
-                    },
-                };
+                let mut env = Envelope::new(msg, remote_reply(reply_to, &m.from, &self.senders));
                 if self.routed.is_clear(stripe) {
-                    let reply = reply_to.map(|(region, ask_id)| {
-                        // The asker's region is on the sending node: answer over its link.
-                        let via = (region == m.from.address).then(|| self.senders.get(&m.from));
-                        ReplyTo::Remote { region, ask_id, via }
-                    });
-                    if direct.deliver(&shard, &entity_id, stripe, Envelope::new(msg, reply)).is_ok() {
-                        self.counters.remote_direct.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        return None;
+                    match direct.deliver(&shard, &entity_id, stripe, env) {
+                        Ok(()) => {
+                            self.counters.remote_direct.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            return None;
+                        }
+                        Err(back) => env = back,
                     }
                 }
-                m.hold(self.routed.ticket(stripe));
-                Some(m)
+                env.lane = Lane::Routed { _ticket: self.routed.ticket(stripe) };
+                PassedOn::<E>::Routed { shard, entity_id, epoch, env }
             }
-            _ => Some(m),
-        }
+            other => PassedOn::Classified(other),
+        };
+        m.hold(passed);
+        Some(m)
     }
 }

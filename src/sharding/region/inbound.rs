@@ -1,0 +1,186 @@
+//! What reaches a region's topic from other nodes, classified once: [`classify`] decodes a
+//! body and checks a `Deliver` (entity id within the type's limit, shard as this node's
+//! extractor gives it, payload decodes) in one place, for the fast path on the reading task and
+//! for the region task alike. The fast path hands its verdict on with the message
+//! ([`PassedOn`], riding on [`Inbound::hold`](crate::transport::Inbound::hold)), so a message it
+//! passes on is decoded once.
+
+use serde::de::DeserializeOwned;
+
+use super::fast::PeerSenders;
+use crate::error::Error;
+use crate::sharding::Entity;
+use crate::sharding::envelope::{Envelope, ReplyTo, not_delivered};
+use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id};
+use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion, ToRegion};
+use crate::transport::{PeerAddr, wire};
+
+/// A region-topic message (not a query), decoded and checked.
+#[derive(Debug)]
+pub(crate) enum Classified<M> {
+    /// From the coordinator.
+    Coordinator(ToRegion),
+    /// A message for an entity that passed every check; `msg` is `None` for a start without a
+    /// message.
+    Deliver { shard: ShardId, entity_id: String, msg: Option<M>, reply_to: Option<(RegionId, u64)>, epoch: u64 },
+    /// A message for an entity refused: the error its asker (if any) gets.
+    Refused { entity_id: String, reply_to: Option<(RegionId, u64)>, error: Error },
+    /// The answer to an ask this node sent.
+    AskReply { ask_id: u64, result: Result<serde_bytes::ByteBuf, DeliveryFailure> },
+    /// The body did not decode.
+    Malformed(Error),
+}
+
+/// Classifies `body` for a type whose ids are at most `max_entity_id_bytes` and whose shards
+/// `extractor` gives. The extractor only ever sees an id within the limit.
+pub(crate) fn classify<M: DeserializeOwned>(
+    body: &[u8],
+    max_entity_id_bytes: usize,
+    extractor: &ShardIdExtractor,
+) -> Classified<M> {
+    let deliver = match wire::decode::<RegionInbound>(body) {
+        Err(e) => return Classified::Malformed(e),
+        Ok(RegionInbound::Coordinator(msg)) => return Classified::Coordinator(msg),
+        Ok(RegionInbound::Region(RegionToRegion::AskReply { ask_id, result })) => {
+            return Classified::AskReply { ask_id, result };
+        }
+        Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })) => {
+            (shard, entity_id, payload, reply_to, epoch)
+        }
+    };
+    let (shard, entity_id, payload, reply_to, epoch) = deliver;
+    if let Err(error) = check_entity_id(&entity_id, max_entity_id_bytes) {
+        return Classified::Refused { entity_id, reply_to, error };
+    }
+    let msg = if payload.is_empty() {
+        None
+    } else {
+        match wire::decode::<M>(&payload) {
+            Ok(msg) => Some(msg),
+            Err(e) => {
+                let error = not_delivered(&entity_id, format!("payload does not decode: {e}"));
+                return Classified::Refused { entity_id, reply_to, error };
+            }
+        }
+    };
+    let own = extractor(&entity_id);
+    if own != shard {
+        let error =
+            not_delivered(&entity_id, format!("sent for shard {shard:?}, but this node's extractor gives {own:?}"));
+        return Classified::Refused { entity_id, reply_to, error };
+    }
+    Classified::Deliver { shard, entity_id, msg, reply_to, epoch }
+}
+
+/// Where the answer to a remote asker goes: its region, its ask id there, and (when the asker's
+/// region is on the node that sent the message) that node's link.
+pub(crate) fn remote_reply<E: Entity>(
+    reply_to: Option<(RegionId, u64)>,
+    from: &PeerAddr,
+    senders: &PeerSenders,
+) -> Option<ReplyTo<E>> {
+    reply_to.map(|(region, ask_id)| {
+        let via = (region == from.address).then(|| senders.get(from));
+        ReplyTo::Remote { region, ask_id, via }
+    })
+}
+
+/// What the fast path hands on to the region task with a message it did not take.
+pub(crate) enum PassedOn<E: Entity> {
+    /// Classified, nothing done yet: the region task decides.
+    Classified(Classified<E::Message>),
+    /// A valid `Deliver` the fast path could not put into a running entity's mailbox: its
+    /// envelope, counted on its stripe's routed path until the region task is done with it.
+    Routed { shard: ShardId, entity_id: String, epoch: u64, env: Envelope<E> },
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::sharding::ids::default_shard_id;
+
+    fn extractor() -> ShardIdExtractor {
+        Arc::new(|id: &str| default_shard_id(id, 10))
+    }
+
+    fn deliver(shard: &str, entity_id: &str, payload: Vec<u8>) -> Vec<u8> {
+        let msg = RegionInbound::Region(RegionToRegion::Deliver {
+            shard: shard.to_string(),
+            entity_id: entity_id.to_string(),
+            payload,
+            reply_to: None,
+            epoch: 7,
+        });
+        wire::encode(&msg).unwrap().to_vec()
+    }
+
+    fn classify_u32(body: &[u8]) -> Classified<u32> {
+        classify::<u32>(body, 8, &extractor())
+    }
+
+    #[test]
+    fn a_deliver_is_classified_by_its_id_its_payload_and_its_shard() {
+        let home = default_shard_id("cart-1", 10);
+        let other = if home == "0" { "1".to_string() } else { "0".to_string() };
+        let payload = wire::encode(&42u32).unwrap().to_vec();
+        type Check = fn(&Classified<u32>) -> bool;
+        let table: Vec<(&str, Vec<u8>, Check)> = vec![
+            ("valid, with a message", deliver(&home, "cart-1", payload.clone()), |c| {
+                matches!(c, Classified::Deliver { msg: Some(42), epoch: 7, .. })
+            }),
+            ("valid start, no message", deliver(&home, "cart-1", vec![]), |c| {
+                matches!(c, Classified::Deliver { msg: None, .. })
+            }),
+            ("empty id", deliver(&home, "", payload.clone()), |c| {
+                matches!(c, Classified::Refused { error: Error::EmptyEntityId, .. })
+            }),
+            ("id over the type's limit", deliver(&home, "cart-123456", payload.clone()), |c| {
+                matches!(c, Classified::Refused { error: Error::EntityIdTooLong { len: 11, max: 8 }, .. })
+            }),
+            (
+                "payload not the type's message",
+                deliver(&home, "cart-1", wire::encode(&"text").unwrap().to_vec()),
+                |c| matches!(c, Classified::Refused { error: Error::NotDelivered { reason, .. }, .. } if reason.contains("payload does not decode")),
+            ),
+            (
+                "another shard than the extractor gives",
+                deliver(&other, "cart-1", payload.clone()),
+                |c| matches!(c, Classified::Refused { error: Error::NotDelivered { reason, .. }, .. } if reason.contains("extractor gives")),
+            ),
+            ("not a region message", vec![0xc1, 0x00], |c| matches!(c, Classified::Malformed(_))),
+            (
+                "an ask's answer",
+                wire::encode(&RegionInbound::Region(RegionToRegion::AskReply {
+                    ask_id: 3,
+                    result: Err(DeliveryFailure::EmptyEntityId),
+                }))
+                .unwrap()
+                .to_vec(),
+                |c| matches!(c, Classified::AskReply { ask_id: 3, result: Err(DeliveryFailure::EmptyEntityId) }),
+            ),
+        ];
+        for (case, body, check) in table {
+            let got = classify_u32(&body);
+            assert!(check(&got), "{case}: {got:?}");
+        }
+    }
+
+    #[test]
+    fn the_extractor_never_sees_an_id_over_the_limit() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let recorded = seen.clone();
+        let extractor: ShardIdExtractor = Arc::new(move |id: &str| {
+            recorded.lock().unwrap().push(id.to_string());
+            "0".to_string()
+        });
+        let long = "x".repeat(100);
+        let c = classify::<u32>(&deliver("0", &long, vec![]), 8, &extractor);
+        assert!(matches!(c, Classified::Refused { error: Error::EntityIdTooLong { .. }, .. }), "{c:?}");
+        assert!(seen.lock().unwrap().is_empty());
+        let c = classify::<u32>(&deliver("0", "ok", vec![]), 8, &extractor);
+        assert!(matches!(c, Classified::Deliver { .. }), "{c:?}");
+        assert_eq!(*seen.lock().unwrap(), vec!["ok".to_string()]);
+    }
+}
