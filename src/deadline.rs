@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Instant;
 
 /// Deadlines are rounded up to a multiple of this; an ask times out less than this late.
-pub const RESOLUTION: Duration = Duration::from_millis(5);
+pub(crate) const RESOLUTION: Duration = Duration::from_millis(5);
 
 /// No entry in a list.
 const NIL: usize = usize::MAX;

@@ -56,6 +56,8 @@
 //! With the `testkit` feature, `testkit` starts in-process clusters with fault injection.
 
 #![deny(missing_docs)]
+// What is `pub` is reachable by users; everything else is `pub(crate)` (tests/public-api.txt lists the surface).
+#![deny(unreachable_pub)]
 // Two LMDB calls need `unsafe` (opening and resizing the map, `ddata/durable.rs`), each allowed
 // where it is and justified there; the test allocator is test-only. Nothing else may.
 #![deny(unsafe_code)]

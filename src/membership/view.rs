@@ -8,15 +8,15 @@ use super::{Member, MemberStatus, MembershipSnapshot, UniqueAddress};
 
 /// Gossip keys each node publishes about itself.
 pub(crate) mod keys {
-    pub const STATUS: &str = "status";
-    pub const UP_NUMBER: &str = "up";
-    pub const ROLES: &str = "roles";
-    pub const MESSAGING: &str = "msg";
+    pub(crate) const STATUS: &str = "status";
+    pub(crate) const UP_NUMBER: &str = "up";
+    pub(crate) const ROLES: &str = "roles";
+    pub(crate) const MESSAGING: &str = "msg";
     /// `down:<node_id>#<generation>`: the publishing node downed that incarnation.
-    pub const DOWN_PREFIX: &str = "down:";
+    pub(crate) const DOWN_PREFIX: &str = "down:";
     /// The members the publishing node's heartbeats find unreachable: `node#generation`
     /// entries separated by commas (node ids contain neither), empty when it hears everyone.
-    pub const UNREACHABLE: &str = "unreachable";
+    pub(crate) const UNREACHABLE: &str = "unreachable";
 }
 
 /// Entries of one observer's [`keys::UNREACHABLE`] list that are read; the rest is ignored (an

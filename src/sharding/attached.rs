@@ -1,5 +1,5 @@
 //! A region as the node it runs on sees it: the node layer knows only
-//! [`Attached`](crate::node::Attached); this file turns a region into one (hand-off before a
+//! [`Attached`]; this file turns a region into one (hand-off before a
 //! leave, readiness, metrics) and finds the node's regions again.
 
 use std::sync::Arc;

@@ -10,7 +10,7 @@ use crate::error::Error;
 
 /// Region → coordinator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum ToCoordinator {
+pub(crate) enum ToCoordinator {
     /// A region (or proxy) announces itself, with its shard-id extractor's fingerprint.
     Register { region: RegionId, proxy: bool, extractor: u64 },
     /// Where does this shard live?
@@ -45,7 +45,7 @@ impl ToCoordinator {
 
 /// Coordinator → region.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum ToRegion {
+pub(crate) enum ToRegion {
     /// Registration accepted.
     RegisterAck { coordinator: RegionId },
     /// Registration refused: the region's shard-id extractor is not the coordinator's.
@@ -63,7 +63,7 @@ pub enum ToRegion {
 
 /// Region → region.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum RegionToRegion {
+pub(crate) enum RegionToRegion {
     /// A message for an entity (payload is the rmp-encoded `Entity::Message`).
     Deliver {
         shard: ShardId,
@@ -179,7 +179,7 @@ impl DeliveryFailure {
 
 /// Everything on a region topic.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum RegionInbound {
+pub(crate) enum RegionInbound {
     /// From the coordinator.
     Coordinator(ToRegion),
     /// From another region.
@@ -188,7 +188,7 @@ pub enum RegionInbound {
 
 /// Requests answered on the coordinator topic.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum CoordinatorQuery {
+pub(crate) enum CoordinatorQuery {
     /// Registered regions.
     CurrentRegions,
     /// The allocation table ([`crate::sharding::query::AllocationTable`]).
@@ -204,7 +204,7 @@ pub enum CoordinatorQuery {
 
 /// Requests answered on a region topic.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum RegionQuery {
+pub(crate) enum RegionQuery {
     /// Shards hosted by the region with their entity counts.
     Stats,
     /// Shards hosted by the region with their entity ids.
@@ -212,9 +212,9 @@ pub enum RegionQuery {
 }
 
 /// Answer to [`RegionQuery::Stats`]: shard id → number of live entities.
-pub type RegionStatsReply = BTreeMap<ShardId, usize>;
+pub(crate) type RegionStatsReply = BTreeMap<ShardId, usize>;
 /// Answer to [`RegionQuery::State`]: shard id → entity ids.
-pub type RegionStateReply = BTreeMap<ShardId, Vec<String>>;
+pub(crate) type RegionStateReply = BTreeMap<ShardId, Vec<String>>;
 
 #[cfg(test)]
 mod tests {

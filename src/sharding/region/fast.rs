@@ -302,7 +302,7 @@ impl<E: Entity> SharedRegion<E> {
             Classified::Deliver { shard, entity_id, msg, reply_to, epoch } if self.direct.is_some() => {
                 let direct = self.direct.as_ref().expect("checked");
                 let stripe = RoutedInFlight::stripe(&entity_id);
-                let mut env = Envelope::new(msg, remote_reply(reply_to, &m.from, &self.senders));
+                let mut env = Envelope::new(msg, remote_reply(reply_to, &m.from, || self.senders.get(&m.from)));
                 if self.routed.is_clear(stripe) {
                     match direct.deliver(&shard, &entity_id, stripe, env) {
                         Ok(()) => {

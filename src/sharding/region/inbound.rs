@@ -7,13 +7,12 @@
 
 use serde::de::DeserializeOwned;
 
-use super::fast::PeerSenders;
 use crate::error::Error;
 use crate::sharding::Entity;
 use crate::sharding::envelope::{Envelope, ReplyTo, not_delivered};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion, ToRegion};
-use crate::transport::{PeerAddr, wire};
+use crate::transport::{PeerAddr, PeerSender, wire};
 
 /// A region-topic message (not a query), decoded and checked.
 #[derive(Debug)]
@@ -73,14 +72,14 @@ pub(crate) fn classify<M: DeserializeOwned>(
 }
 
 /// Where the answer to a remote asker goes: its region, its ask id there, and (when the asker's
-/// region is on the node that sent the message) that node's link.
+/// region is on the node `from` that sent the message) the `link` to that node.
 pub(crate) fn remote_reply<E: Entity>(
     reply_to: Option<(RegionId, u64)>,
     from: &PeerAddr,
-    senders: &PeerSenders,
+    link: impl FnOnce() -> PeerSender,
 ) -> Option<ReplyTo<E>> {
     reply_to.map(|(region, ask_id)| {
-        let via = (region == from.address).then(|| senders.get(from));
+        let via = (region == from.address).then(link);
         ReplyTo::Remote { region, ask_id, via }
     })
 }
