@@ -5,7 +5,7 @@ use xxhash_rust::xxh3::xxh3_64;
 
 /// Number of digest buckets of a map or G-set: anti-entropy of a large value compares these
 /// and ships only the buckets that differ.
-pub const BUCKETS: usize = 64;
+pub(crate) const BUCKETS: usize = 64;
 
 /// One digest per bucket (boxed: 512 bytes).
 #[derive(Clone)]

@@ -11,9 +11,9 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use crate::error::{Error, Result};
 
-pub use super::buckets::BUCKETS;
-pub(crate) use super::buckets::{Buckets, bucket_of};
-pub use super::write_ctx::{Actor, Marker, WriteCtx};
+pub(crate) use super::buckets::{BUCKETS, Buckets, bucket_of};
+pub(crate) use super::write_ctx::Marker;
+pub use super::write_ctx::WriteCtx;
 
 fn lww_entry_hash(key: &str, reg: &LWWReg<Option<ByteBuf>, Marker>) -> u64 {
     let mut h = Xxh3::new();

@@ -11,8 +11,9 @@ use tracing::{error, warn};
 
 use super::durable::{DurableStore, StoreOp};
 use super::persist::{DurableHealth, PersistJob, PersistReport, PersistThread};
+use super::replicator::ReplicatorMsg;
 use super::replicator::{self, Action, Input, KeyLog, PersistRecord, RESERVATION_SPAN, ReplicatorCore, StoreWriter};
-use super::{Command, ReplicatedData, Replicator, ReplicatorMsg, ReplicatorStats, ReplyTx, TOPIC};
+use super::{Command, ReplicatedData, Replicator, ReplicatorStats, ReplyTx, TOPIC};
 use crate::clock::{Instant, wall_ms};
 use crate::error::{Error, Result};
 use crate::membership::{MembershipSnapshot, UniqueAddress};

@@ -10,15 +10,21 @@
 //! catches up.
 
 mod buckets;
-pub mod crdt;
+pub(crate) mod crdt;
 mod driver;
+/// The LMDB record layer: public with the `testkit` feature only, for storage tests (no
+/// stability promise); crate-private otherwise.
+#[cfg(feature = "testkit")]
 pub mod durable;
+#[cfg(not(feature = "testkit"))]
+#[allow(unreachable_pub)]
+pub(crate) mod durable;
 mod encoded_len;
-pub mod fenced;
-pub mod orset;
-pub mod persist;
-pub mod replicator;
-pub mod stats;
+pub(crate) mod fenced;
+pub(crate) mod orset;
+pub(crate) mod persist;
+pub(crate) mod replicator;
+pub(crate) mod stats;
 mod write_ctx;
 
 use std::sync::Arc;
@@ -27,13 +33,17 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch};
 
 pub use crdt::{
-    Crdt, Fenced, FencedMap, GSet, LwwMap, MergeError, OrSet, OrSetDelta, ReplicatedData, ReplicatedDelta, WriteCtx,
+    Crdt, Fenced, FencedMap, GSet, LwwMap, MergeError, OrSet, OrSetDelta, OrSetError, ReplicatedData, ReplicatedDelta,
+    WriteCtx,
 };
+#[cfg(feature = "testkit")]
 pub use durable::DurableStore;
+#[cfg(not(feature = "testkit"))]
+pub(crate) use durable::DurableStore;
 pub use persist::DurableHealth;
 use replicator::Input;
 
-pub use replicator::{Consistency, ReplicatorMsg};
+pub use replicator::Consistency;
 pub use stats::ReplicatorStats;
 
 pub(crate) use driver::{ReplicatorParams, start};

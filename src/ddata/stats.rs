@@ -65,7 +65,7 @@ pub struct ReplicatorStats {
 }
 
 /// The consistencies updates are counted by (see [`ReplicatorStats::updates`]).
-pub const UPDATE_CONSISTENCIES: [&str; 4] = ["local", "majority", "all", "all_reachable"];
+pub(crate) const UPDATE_CONSISTENCIES: [&str; 4] = ["local", "majority", "all", "all_reachable"];
 /// How an update ended, in the order of [`UPDATE_OUTCOMES`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum UpdateOutcome {
@@ -89,7 +89,7 @@ impl UpdateOutcome {
 }
 
 /// The outcomes updates are counted by (see [`ReplicatorStats::updates`]).
-pub const UPDATE_OUTCOMES: [&str; 5] = ["ok", "timeout", "not_enough_replicas", "fenced", "error"];
+pub(crate) const UPDATE_OUTCOMES: [&str; 5] = ["ok", "timeout", "not_enough_replicas", "fenced", "error"];
 
 impl ReplicatorStats {
     /// Updates that ended with `outcome` (one of [`UPDATE_OUTCOMES`]) at `consistency` (one of

@@ -5,10 +5,10 @@
 /// an OR-set's writer is the incarnation for keys that are not durable, and the node's durable
 /// store (`node_id#store-<id>`) for keys that are, so a restart with its disk adds no writer
 /// (see [`WriteCtx`] for how a store writer never reuses a counter).
-pub type Actor = String;
+pub(crate) type Actor = String;
 
 /// LWW marker: hybrid logical clock value, then the writer, so two writers never tie.
-pub type Marker = (u64, Actor);
+pub(crate) type Marker = (u64, Actor);
 
 /// What an update closure may use: the writer identities and the LWW clock.
 ///

@@ -20,7 +20,13 @@ mod inbound;
 mod link;
 mod noise;
 mod outbound;
+/// Frames and the handshake on the wire: public with the `testkit` feature only, for protocol
+/// tests (no stability promise); crate-private otherwise.
+#[cfg(feature = "testkit")]
 pub mod wire;
+#[cfg(not(feature = "testkit"))]
+#[allow(unreachable_pub)]
+pub(crate) mod wire;
 
 pub use link::LinkFilter;
 

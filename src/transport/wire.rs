@@ -172,6 +172,7 @@ impl Header<'_> {
 }
 
 impl<'a> Frame<'a> {
+    #[cfg(any(test, feature = "testkit"))]
     /// The frame in the binary layout of protocol version 3: a kind byte (0 message, 1 request,
     /// 2 response, 3 refused request), the correlation id (u64, big-endian) for kinds 1–3, the
     /// topic (u16 big-endian length, UTF-8) for kinds 0–1, then the body to the end of the
@@ -182,6 +183,7 @@ impl<'a> Frame<'a> {
         Ok(buf.to_vec())
     }
 
+    #[cfg(any(test, feature = "testkit"))]
     /// Appends [`Frame::encode`]'s bytes to `buf`.
     pub(crate) fn put(&self, buf: &mut bytes::BytesMut) -> Result<()> {
         let (header, body): (Header<'_>, &[u8]) = match self {

@@ -182,6 +182,11 @@ fn read_items(
         }
     }
     modules.insert(path.clone(), module);
+    // A module declared twice under opposite `cfg`s (public with a feature, crate-private
+    // without) is read once, as its public declaration.
+    nested.sort_by_key(|(_, m)| !matches!(m.vis, syn::Visibility::Public(_)));
+    let mut seen = BTreeSet::new();
+    nested.retain(|(child, _)| seen.insert(child.clone()));
     for (child, m) in nested {
         let mut child_path = path.clone();
         child_path.push(child.clone());

@@ -36,11 +36,11 @@ pub(crate) use super::encoded_len::rmp_uint_len;
 use super::write_ctx::{Actor, WriteCtx};
 
 /// Largest dot counter (48 bits); a decoded value above it is refused.
-pub const MAX_COUNTER: u64 = (1 << 48) - 1;
+pub(crate) const MAX_COUNTER: u64 = (1 << 48) - 1;
 /// Most distinct writers one set may hold (16-bit writer index).
-pub const MAX_WRITERS: usize = 1 << 16;
+pub(crate) const MAX_WRITERS: usize = 1 << 16;
 /// Longest element, in bytes.
-pub const MAX_ELEMENT_LEN: usize = 16 * 1024;
+pub(crate) const MAX_ELEMENT_LEN: usize = 16 * 1024;
 
 const TAG_ENTRY: u64 = 0x6f72_7365_745f_656e;
 const TAG_VV: u64 = 0x6f72_7365_745f_7676;

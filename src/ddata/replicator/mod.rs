@@ -49,8 +49,9 @@ use crate::transport::PeerAddr;
 use durability::Durability;
 pub(crate) use durability::KeyLog;
 use hand_over::HandOver;
+pub use protocol::Consistency;
+pub(crate) use protocol::ReplicatorMsg;
 pub(crate) use protocol::{Action, Input, Modify, PersistRecord};
-pub use protocol::{Consistency, ReplicatorMsg};
 use reads::PendingRead;
 use roster::Roster;
 #[cfg(test)]

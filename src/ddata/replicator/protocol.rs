@@ -68,7 +68,7 @@ impl Consistency {
 
 /// Messages between replicators.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-pub enum ReplicatorMsg {
+pub(crate) enum ReplicatorMsg {
     /// Merge these deltas and values (one or more keys); answer with one
     /// [`ReplicatorMsg::WriteAck`] once all are stored.
     WriteDelta {
