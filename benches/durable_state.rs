@@ -233,8 +233,8 @@ fn bench(c: &mut Criterion) {
     println!("persisting asks: {durable_rate:.0}/s with {WINDOW} in flight on 3 nodes (goal: 30,000/s)");
     common::print_ratio("persisting_asks_vs_in_memory_asks", durable_rate, common::median(&mut v_rates));
     common::print_ratio("persisting_asks_vs_raw_lmdb_group_commit", durable_rate, common::median(&mut raw_rates));
-    let batches = durable.counters().state_batches.load(std::sync::atomic::Ordering::Relaxed);
-    let writes = durable.counters().state_writes.load(std::sync::atomic::Ordering::Relaxed);
+    let batches = durable.counters().state_batches;
+    let writes = durable.counters().state_writes;
     println!(
         "node 1's state writer: {writes} writes in {batches} batches ({:.0} per batch)",
         writes as f64 / batches.max(1) as f64

@@ -256,7 +256,7 @@ fn main() {
         pct(&raw_lat, 50),
         pct(&raw_lat, 99)
     );
-    let routed = region.counters().local_routed.load(Ordering::Relaxed);
+    let routed = region.counters().local_routed;
     println!("messages that took the routed path (not straight into a mailbox): {routed}");
     let micros = |d: Duration| d.as_secs_f64() * 1e6;
     for p in [50, 99] {

@@ -135,7 +135,7 @@ fn child(name: &str) {
         .await;
         r
     });
-    let starts_before = region.counters().entity_starts.load(std::sync::atomic::Ordering::Relaxed);
+    let starts_before = region.counters().entity_starts;
     let rss_before = rss_bytes();
     let t = Instant::now();
     rt.block_on(sliding(messages, IN_FLIGHT, |i| {
@@ -148,7 +148,7 @@ fn child(name: &str) {
     let secs = t.elapsed().as_secs_f64();
     std::thread::sleep(Duration::from_millis(300));
     let rss = rss_bytes().saturating_sub(rss_before);
-    let starts = region.counters().entity_starts.load(std::sync::atomic::Ordering::Relaxed) - starts_before;
+    let starts = region.counters().entity_starts - starts_before;
     let running: usize = rt.block_on(region.region_stats()).unwrap().values().sum();
     if strategy == PassivationStrategy::ActiveEntityLimit {
         assert!(running <= limit, "{name}: {running} running over the limit {limit}");

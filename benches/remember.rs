@@ -75,11 +75,11 @@ impl StageCounters {
         use std::sync::atomic::Ordering::Relaxed;
         let c = region.counters();
         let mut s = StageCounters {
-            batches: c.remember_batches.load(Relaxed),
-            requests: c.remember_requests.load(Relaxed),
-            ids: c.remember_ids_written.load(Relaxed),
-            queue_wait_us: c.remember_queue_wait_micros.load(Relaxed),
-            round_us: c.remember_round_micros.load(Relaxed),
+            batches: c.remember_batches,
+            requests: c.remember_requests,
+            ids: c.remember_ids_written,
+            queue_wait_us: c.remember_queue_wait_micros,
+            round_us: c.remember_round_micros,
             ..Default::default()
         };
         for (_, n) in cluster.running() {

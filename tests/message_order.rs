@@ -164,9 +164,8 @@ async fn run(seed: u64) {
         .collect();
     // Chaos: move a random shard to a random node every 100 ms until enough hand-offs completed.
     let mut rng = StdRng::seed_from_u64(seed);
-    let handoffs = |regions: &[ShardRegion<Recorder>]| -> u64 {
-        regions.iter().map(|r| r.counters().handoffs_completed.load(Ordering::Relaxed)).sum()
-    };
+    let handoffs =
+        |regions: &[ShardRegion<Recorder>]| -> u64 { regions.iter().map(|r| r.counters().handoffs_completed).sum() };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while handoffs(&regions) < HANDOFFS {
         assert!(tokio::time::Instant::now() < deadline, "seed {seed}: only {} hand-offs in 60 s", handoffs(&regions));
@@ -208,7 +207,7 @@ async fn run(seed: u64) {
     }
     // Both local paths were taken by n1's senders.
     let local_sent: u64 = (0..4).map(|s| reports[&s].sent).sum();
-    let routed = regions[0].counters().local_routed.load(Ordering::Relaxed);
+    let routed = regions[0].counters().local_routed;
     assert!(routed > 0, "seed {seed}: no local message took the routed path");
     assert!(routed < local_sent, "seed {seed}: all {local_sent} local messages took the routed path");
     c.shutdown().await;

@@ -48,7 +48,7 @@ async fn an_active_entity_limit_holds_under_traffic_and_the_recent_entities_stay
     }
     let running = settles_at_most(&region, 20, "at most 20 entities run").await;
     assert!(running >= 16, "the limit is used, not emptied: {running} running");
-    let stopped = region.counters().passivations_limit.load(Ordering::Relaxed);
+    let stopped = region.counters().passivations_limit;
     assert!(stopped >= 80, "every start past the limit passivated one entity: {stopped}");
     // The last ids asked are the most recent of their shards: they are still running, with
     // their state (no new incarnation).
@@ -95,6 +95,6 @@ async fn remembered_entities_never_passivate_by_themselves_whatever_the_limit() 
         assert_eq!(running_ids(std::slice::from_ref(&region)).await.unwrap().len(), 30);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(region.counters().passivations_limit.load(Ordering::Relaxed), 0);
+    assert_eq!(region.counters().passivations_limit, 0);
     c.shutdown().await;
 }

@@ -325,7 +325,7 @@ async fn store_failing_during_writes_and_loads_recovers_and_loses_no_acknowledge
     let _ = stop_write; // answered or not: the stop's write fails either way
     let r = regions[h].clone();
     eventually(CONVERGE, "the shard failed on writes and again on its reload", || {
-        std::future::ready((r.counters().shard_failures.load(std::sync::atomic::Ordering::Relaxed) >= 2).then_some(()))
+        std::future::ready((r.counters().shard_failures >= 2).then_some(()))
     })
     .await;
     c.heal();
@@ -376,7 +376,7 @@ async fn a_shard_at_max_remembered_refuses_new_ids_from_local_and_remote_askers_
     println!("41 ids at a shard remembering at most {LIMIT}: {} acknowledged, {refused} refused", acked.len());
     assert_eq!((acked.len(), refused), (LIMIT, 41 - LIMIT));
     let home_index = (0..c.len()).find(|i| TestCluster::node_id(*i) == home).expect("the home is a node");
-    let counted = regions[home_index].counters().dropped_remembered_limit.load(std::sync::atomic::Ordering::Relaxed);
+    let counted = regions[home_index].counters().dropped_remembered_limit;
     assert_eq!(counted, refused as u64, "every refusal counted where the shard lives");
     // The acknowledged ids come back on a survivor after their home crashed; nothing else does.
     c.kill(home_index).await;

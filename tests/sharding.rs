@@ -131,7 +131,7 @@ async fn panicking_handler_stops_only_that_entity_and_the_next_message_starts_a_
     assert!(matches!(err, Error::NotDelivered { .. }), "{err}");
     assert_eq!(value(&r, "a").await, 0, "fresh instance");
     assert_eq!(value(&r, "b").await, 4, "other entities unaffected");
-    assert_eq!(r.counters().entity_panics.load(Ordering::Relaxed), 1);
+    assert_eq!(r.counters().entity_panics, 1);
     c.shutdown().await;
 }
 
@@ -165,7 +165,7 @@ async fn panicking_start_hook_fails_the_queued_messages_at_once_without_a_restar
         // Failed by the hook, not by the 20 s ask timeout (that would be another error).
         assert!(err.to_string().contains("start hook panicked"), "{err}");
     }
-    let panics = r.counters().entity_panics.load(Ordering::Relaxed);
+    let panics = r.counters().entity_panics;
     assert!((1..=5).contains(&panics), "one panic per start attempt, no spin: {panics}");
     assert_eq!(r.ask("good-2", Ping).await.unwrap().split(' ').next(), Some("good-2"), "the region still serves");
     c.shutdown().await;
@@ -239,7 +239,7 @@ async fn a_flood_to_one_slow_entity_beyond_its_mailbox_capacity_fails_with_mailb
         .count();
     assert_eq!(ok + full, 40, "every ask answered or refused with MailboxFull: {results:?}");
     assert!(ok <= 10 && full >= 30, "at most the capacity queued: {ok} answered, {full} refused");
-    assert_eq!(r.counters().dropped_mailbox_full.load(Ordering::Relaxed), full as u64);
+    assert_eq!(r.counters().dropped_mailbox_full, full as u64);
     busy.await.unwrap().unwrap();
     // The entity is fine afterwards.
     r.ask("slow", CounterMsg::Get).await.unwrap();
@@ -416,16 +416,13 @@ async fn messages_between_a_proxy_and_a_running_entity_skip_both_region_tasks_on
     let host = start_counter(c.node(0), &probe, settings()).await;
     let proxy = c.node(1).sharding().start_proxy::<Counter>("counter", settings()).await.unwrap();
     assert_eq!(value(&proxy, "fast-1").await, 0, "the first ask learns the home and starts the entity");
-    let (sent_before, received_before) = (
-        proxy.counters().remote_sent_direct.load(Ordering::Relaxed),
-        host.counters().remote_direct.load(Ordering::Relaxed),
-    );
+    let (sent_before, received_before) = (proxy.counters().remote_sent_direct, host.counters().remote_direct);
     for i in 1..=200 {
         proxy.tell("fast-1", CounterMsg::Add(i)).unwrap();
     }
     assert_eq!(value(&proxy, "fast-1").await, (1..=200).sum::<i64>(), "every tell handled once");
-    let sent = proxy.counters().remote_sent_direct.load(Ordering::Relaxed) - sent_before;
-    let received = host.counters().remote_direct.load(Ordering::Relaxed) - received_before;
+    let sent = proxy.counters().remote_sent_direct - sent_before;
+    let received = host.counters().remote_direct - received_before;
     assert_eq!(sent, 201, "every tell and the ask left the proxy without its region task");
     assert_eq!(received, 201, "and reached the entity without the host's region task");
     c.shutdown().await;
@@ -442,7 +439,7 @@ async fn asks_a_stopping_proxy_still_waits_for_fail_at_once_not_at_their_timeout
     let _host = start_counter(c.node(0), &probe, settings()).await;
     let proxy = c.node(1).sharding().start_proxy::<Counter>("counter", settings()).await.unwrap();
     assert_eq!(value(&proxy, "slow-1").await, 0, "the home is known and the entity runs");
-    let sent_before = proxy.counters().remote_sent_direct.load(Ordering::Relaxed);
+    let sent_before = proxy.counters().remote_sent_direct;
     let asking = {
         let p = proxy.clone();
         tokio::spawn(async move {
@@ -452,7 +449,7 @@ async fn asks_a_stopping_proxy_still_waits_for_fail_at_once_not_at_their_timeout
         })
     };
     eventually(CONVERGE, "the ask sent and waiting", || {
-        let sent = proxy.counters().remote_sent_direct.load(Ordering::Relaxed);
+        let sent = proxy.counters().remote_sent_direct;
         std::future::ready((sent > sent_before).then_some(()))
     })
     .await;

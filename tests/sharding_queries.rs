@@ -186,8 +186,8 @@ async fn bad_input_from_another_node_is_dropped_counted_and_harmless() {
     let r2 = regions[1].clone();
     let t2 = c.node(1).transport().clone();
     eventually(CONVERGE, "all six bad messages counted", || {
-        let ok = r2.counters().dropped_invalid.load(Ordering::Relaxed) == 5
-            && t2.stats().frames_dropped.load(Ordering::Relaxed) > dropped_before;
+        let ok =
+            r2.counters().dropped_invalid == 5 && t2.stats().frames_dropped.load(Ordering::Relaxed) > dropped_before;
         std::future::ready(ok.then_some(()))
     })
     .await;

@@ -7,7 +7,6 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -103,8 +102,8 @@ async fn six_hundred_16_kib_ids_aimed_at_one_remembered_slot_are_refused_past_it
     assert!((40..=70).contains(&acked.len()), "{} acknowledged", acked.len());
     assert!(slowest_refusal < Duration::from_secs(5), "refused at once, not by a timeout: {slowest_refusal:?}");
     // The fullest slot shows in the high-water gauge: past half its budget (the alert), never past it.
-    let high = regions.iter().map(|r| r.counters().slot_bytes_high_water.load(Ordering::Relaxed)).max().unwrap();
-    let budget = regions[0].counters().slot_budget_bytes.load(Ordering::Relaxed);
+    let high = regions.iter().map(|r| r.counters().slot_bytes_high_water).max().unwrap();
+    let budget = regions[0].counters().slot_budget_bytes;
     println!("fullest remembered slot: {high} of {budget} bytes");
     assert!(budget > 0 && high > budget * 9 / 10 && high <= budget, "high water {high} of {budget}");
     let home = where_is(&regions[0], &acked[0]).await;
@@ -181,8 +180,8 @@ async fn states_of_63_kib_aimed_at_one_state_slot_are_refused_past_its_budget_an
     println!("130 states of 63 KiB at one slot: {} acknowledged, {} refused with SlotFull", acked.len(), refused.len());
     // 1 MiB holds 16 of them; without the budget all 130 (8.2 MB) were acknowledged.
     assert!((12..=16).contains(&acked.len()), "{} acknowledged", acked.len());
-    let high = regions.iter().map(|r| r.counters().slot_bytes_high_water.load(Ordering::Relaxed)).max().unwrap();
-    let budget = regions[0].counters().slot_budget_bytes.load(Ordering::Relaxed);
+    let high = regions.iter().map(|r| r.counters().slot_bytes_high_water).max().unwrap();
+    let budget = regions[0].counters().slot_budget_bytes;
     assert!(budget > 0 && high > budget * 9 / 10 && high <= budget, "state slot high water {high} of {budget}");
     // A refused entity restarts from its stored (empty) state; an acknowledged one can still
     // rewrite its state at the same size or smaller in the full slot.

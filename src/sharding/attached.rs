@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 
+use super::ShardId;
+use super::counters::RegionCounterCells;
 use super::query::{EntityIdPage, RegionInfo};
-use super::{RegionCounters, ShardId};
 use crate::error::Result;
 use crate::node::{Attached, Node, RegionState};
 
@@ -27,7 +28,7 @@ pub(crate) trait RegionControl: Send + Sync {
     /// The type's longest entity id (`max_entity_id_bytes`).
     fn max_entity_id_bytes(&self) -> usize;
     /// The region's counters.
-    fn counters(&self) -> &RegionCounters;
+    fn counters(&self) -> &RegionCounterCells;
     /// The region's own view of itself.
     fn info(&self) -> BoxFuture<'_, Result<RegionInfo>>;
     /// A page of the entity ids it runs.

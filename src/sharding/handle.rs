@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::warn;
 
 use super::attached::{self, RegionControl};
-use super::counters::RegionCounters;
+use super::counters::{RegionCounterCells, RegionCounters};
 use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_shard_id, valid_type_name};
 use super::protocol::CoordinatorQuery;
@@ -56,7 +56,7 @@ pub(crate) struct HandleInner<E: Entity> {
     extractor: ShardIdExtractor,
     commands: RegionCommands<E>,
     buffered: Arc<AtomicUsize>,
-    counters: Arc<RegionCounters>,
+    counters: Arc<RegionCounterCells>,
     proxy: bool,
     /// This handle's messages on the routed path, by stripe of entity id (ordering between
     /// the direct and the routed path).
@@ -105,7 +105,7 @@ impl<E: Entity> HandleInner<E> {
             extractor,
             commands,
             buffered,
-            counters: Arc::new(RegionCounters::default()),
+            counters: Arc::new(RegionCounterCells::default()),
             proxy: false,
             routed,
             shared: OnceLock::new(),
@@ -139,9 +139,10 @@ impl<E: Entity> ShardRegion<E> {
         (self.inner.extractor)(entity_id)
     }
 
-    /// Counters of this region.
-    pub fn counters(&self) -> &RegionCounters {
-        &self.inner.counters
+    /// What this region counted since it started (messages by path, drops by reason,
+    /// hand-offs, …), as of now.
+    pub fn counters(&self) -> RegionCounters {
+        self.inner.counters.snapshot()
     }
 
     /// Sends `env` on its way: straight into the entity's mailbox when it runs here and no
@@ -300,7 +301,7 @@ impl<E: Entity> RegionControl for HandleInner<E> {
     fn max_entity_id_bytes(&self) -> usize {
         self.settings.max_entity_id_bytes
     }
-    fn counters(&self) -> &RegionCounters {
+    fn counters(&self) -> &RegionCounterCells {
         &self.counters
     }
     fn info(&self) -> futures::future::BoxFuture<'_, Result<RegionInfo>> {
@@ -369,7 +370,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         extractor,
         commands: tx,
         buffered: Arc::new(AtomicUsize::new(0)),
-        counters: Arc::new(RegionCounters::default()),
+        counters: Arc::new(RegionCounterCells::default()),
         proxy,
         routed: routed.clone(),
         shared: OnceLock::new(),

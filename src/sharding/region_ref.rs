@@ -66,9 +66,10 @@ impl RegionRef {
         self.control.is_proxy()
     }
 
-    /// The region's counters (messages by path, drops by reason, hand-offs, …).
-    pub fn counters(&self) -> &super::RegionCounters {
-        self.control.counters()
+    /// What the region counted since it started (messages by path, drops by reason,
+    /// hand-offs, …), as of now.
+    pub fn counters(&self) -> super::RegionCounters {
+        self.control.counters().snapshot()
     }
 
     /// The shard of `entity_id` (this node's extractor).

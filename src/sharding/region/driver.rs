@@ -16,7 +16,7 @@ use super::inbound::{Classified, PassedOn, classify, remote_reply};
 use crate::clock::Instant;
 use crate::membership::MembershipSnapshot;
 use crate::node::Node;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Replier, not_delivered};
 use crate::sharding::ids::{RegionId, ShardId};
 use crate::sharding::protocol::{RegionQuery, ToCoordinator, ToRegion};
@@ -130,7 +130,7 @@ pub(crate) struct RegionTask<E: Entity> {
     /// peer senders, the shard directory.
     pub shared: Arc<SharedRegion<E>>,
     pub buffered: Arc<AtomicUsize>,
-    pub counters: Arc<RegionCounters>,
+    pub counters: Arc<RegionCounterCells>,
     pub replier: Replier,
     pub members: Arc<MembershipSnapshot>,
     pub shutdown_waiters: Vec<oneshot::Sender<()>>,

@@ -33,7 +33,7 @@ use super::asks::AskTable;
 use super::inbound::{Classified, PassedOn, classify, remote_reply};
 use crate::error::{Error, Result};
 use crate::sharding::Entity;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Lane, ReplyTo, RoutedInFlight};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
@@ -220,7 +220,7 @@ pub(crate) struct SharedRegion<E: Entity> {
     pub extractor: ShardIdExtractor,
     /// The type's `max_entity_id_bytes`.
     pub max_entity_id_bytes: usize,
-    pub counters: Arc<RegionCounters>,
+    pub counters: Arc<RegionCounterCells>,
     pub asks: SharedAsks<E::Reply>,
     pub senders: Arc<PeerSenders>,
 }

@@ -22,7 +22,7 @@ use std::time::Duration;
 use super::{FullSlot, StoreResult};
 use crate::ddata::{Consistency, Fenced, FencedMap, KeyUpdate, OrSet};
 use crate::error::Error;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;
@@ -102,7 +102,7 @@ pub(crate) struct RememberBatch {
     shards: Vec<ShardId>,
     keys: Vec<(String, ShardId, Arc<SlotChanges>, FullSlot)>,
     budget: usize,
-    counters: Arc<RegionCounters>,
+    counters: Arc<RegionCounterCells>,
     tries: usize,
 }
 
@@ -114,7 +114,7 @@ impl RememberBatch {
         type_name: &str,
         slots: u32,
         budget: usize,
-        counters: Arc<RegionCounters>,
+        counters: Arc<RegionCounterCells>,
         requests: Vec<RememberRequest>,
         out: &mut Vec<BatchAction<RememberOutcome>>,
     ) -> Self {
@@ -262,7 +262,7 @@ struct KeyPart {
 pub(crate) struct StateBatch {
     slots: u32,
     budget: usize,
-    counters: Arc<RegionCounters>,
+    counters: Arc<RegionCounterCells>,
     /// Each request's entity id, and its outcome once known (stale ones at once).
     requests: Vec<(String, Option<StateResult>)>,
     parts: Vec<KeyPart>,
@@ -277,7 +277,7 @@ impl StateBatch {
         type_name: &str,
         slots: u32,
         budget: usize,
-        counters: Arc<RegionCounters>,
+        counters: Arc<RegionCounterCells>,
         requests: Vec<StateRequest>,
         out: &mut Vec<BatchAction<StateOutcome>>,
     ) -> Self {
@@ -459,7 +459,7 @@ mod tests {
 
     #[test]
     fn a_remember_batch_writes_each_slot_key_once_across_shards_and_answers_each_request() {
-        let counters = Arc::new(RegionCounters::default());
+        let counters = Arc::new(RegionCounterCells::default());
         let mut out = Vec::new();
         let requests = vec![request("1", &["a", "b", "c"], &[]), request("2", &["a"], &["z"])];
         let mut batch = RememberBatch::start("t", 2, 1 << 20, counters.clone(), requests, &mut out);
@@ -488,7 +488,7 @@ mod tests {
 
     #[test]
     fn a_remember_batch_is_tried_three_times_then_every_request_fails_and_a_shutdown_ends_it_at_once() {
-        let counters = Arc::new(RegionCounters::default());
+        let counters = Arc::new(RegionCounterCells::default());
         let mut out = Vec::new();
         let mut batch =
             RememberBatch::start("t", 4, 1 << 20, counters.clone(), vec![request("1", &["a"], &[])], &mut out);
@@ -514,7 +514,7 @@ mod tests {
 
     #[test]
     fn a_full_remember_slot_refuses_new_adds_on_each_try_afresh_and_removes_make_room() {
-        let counters = Arc::new(RegionCounters::default());
+        let counters = Arc::new(RegionCounterCells::default());
         let key = keys::remembered_entities("t", "1", 0);
         let mut replica = Replica::default();
         // A budget that fits a few ids of this length in one slot.
@@ -572,7 +572,7 @@ mod tests {
 
     #[test]
     fn a_state_batch_writes_the_newest_epoch_per_key_fences_older_ones_at_once_and_answers_in_order() {
-        let counters = Arc::new(RegionCounters::default());
+        let counters = Arc::new(RegionCounterCells::default());
         let key = keys::entity_states("t", "1", 0);
         let requests =
             vec![state("1", 5, "a", Some(b"old")), state("1", 6, "b", Some(b"new")), state("1", 6, "c", None)];
@@ -602,7 +602,7 @@ mod tests {
 
     #[test]
     fn a_state_key_refused_by_a_newer_claim_fails_its_writes_with_fenced_and_is_not_retried() {
-        let counters = Arc::new(RegionCounters::default());
+        let counters = Arc::new(RegionCounterCells::default());
         let key = keys::entity_states("t", "1", 0);
         let mut replica = Replica::default();
         // A newer allocation claimed the slot at epoch 9.
@@ -617,7 +617,7 @@ mod tests {
 
     #[test]
     fn a_state_batch_failing_every_try_answers_not_persisted_and_a_full_slot_answers_slot_full() {
-        let counters = Arc::new(RegionCounters::default());
+        let counters = Arc::new(RegionCounterCells::default());
         let mut out = Vec::new();
         let mut batch =
             StateBatch::start("t", 4, 1 << 20, counters.clone(), vec![state("1", 1, "a", Some(b"v"))], &mut out);

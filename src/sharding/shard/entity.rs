@@ -34,7 +34,7 @@ use tracing::{Instrument, error};
 
 use super::ShardEvent;
 use crate::error::Result;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use crate::sharding::{EndIncarnation, Entity, EntityContext};
 
@@ -284,7 +284,7 @@ pub(crate) struct RunnerShared<E: Entity> {
     pub events: mpsc::UnboundedSender<ShardEvent<E>>,
     pub replier: Replier,
     pub type_name: Arc<str>,
-    pub counters: Arc<RegionCounters>,
+    pub counters: Arc<RegionCounterCells>,
     /// `entity_linger`: how long a run waits on an empty queue before it parks its entity.
     pub linger: Duration,
     /// The local handle's routed-path counts: messages it put straight into a mailbox go back

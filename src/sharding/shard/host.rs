@@ -31,7 +31,7 @@ use super::state::StateIo;
 use super::{ShardEvent, StoreResult, Work};
 use crate::error::Error;
 use crate::metrics::TypeMetrics;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
 use crate::sharding::ids::{ShardId, ShardIdExtractor, remembered_slot};
 use crate::sharding::query::EntityIdPage;
@@ -203,7 +203,7 @@ pub(crate) struct LocalShards<E: Entity> {
     orphans: HashMap<(ShardId, String), Vec<Envelope<E>>>,
     events: mpsc::UnboundedSender<ShardEvent<E>>,
     replier: Replier,
-    counters: Arc<RegionCounters>,
+    counters: Arc<RegionCounterCells>,
     remember: RememberIo,
     /// Durable entities: the region's state store.
     state: Option<StateIo>,
@@ -249,7 +249,7 @@ impl<E: Entity> LocalShards<E> {
         extractor: ShardIdExtractor,
         events: mpsc::UnboundedSender<ShardEvent<E>>,
         replier: Replier,
-        counters: Arc<RegionCounters>,
+        counters: Arc<RegionCounterCells>,
         remember: RememberIo,
         state: Option<StateIo>,
         spawner: Spawner,

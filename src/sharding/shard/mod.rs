@@ -109,7 +109,7 @@ impl FullSlot {
 /// Counts the `refused` writes of a full slot `key` and warns, at most once a minute per slot
 /// (`what` names the slot's kind and what to raise).
 pub(crate) fn report_full_slot(
-    counters: &crate::sharding::counters::RegionCounters,
+    counters: &crate::sharding::counters::RegionCounterCells,
     log: &mut crate::log_limit::LogLimiter<String>,
     type_name: &str,
     key: &str,

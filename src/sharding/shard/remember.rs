@@ -16,7 +16,7 @@ use super::batch::{BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberReq
 use super::{ShardEvent, StoreResult, report_full_slot};
 use crate::ddata::{OrSet, Replicator};
 use crate::log_limit::LogLimiter;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::ShardId;
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, keys};
@@ -36,7 +36,7 @@ pub(crate) struct RememberIo {
     /// Largest a slot may grow to (approximate encoded bytes): one replicator message.
     pub slot_budget: usize,
     writer: mpsc::UnboundedSender<WriteRequest>,
-    counters: Arc<RegionCounters>,
+    counters: Arc<RegionCounterCells>,
     /// Batch sizes and write times (feature `metrics`).
     metrics: Arc<crate::metrics::TypeMetrics>,
 }
@@ -70,7 +70,7 @@ impl RememberIo {
         type_name: &str,
         s: &ShardingSettings,
         slot_budget: usize,
-        counters: Arc<RegionCounters>,
+        counters: Arc<RegionCounterCells>,
         metrics: Arc<crate::metrics::TypeMetrics>,
     ) -> Self {
         let (writer, requests) = mpsc::unbounded_channel();

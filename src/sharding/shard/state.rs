@@ -34,7 +34,7 @@ use tracing::{debug, warn};
 use crate::ddata::{Consistency, FencedMap, KeyUpdate, Replicator};
 use crate::error::{Error, Result};
 use crate::log_limit::LogLimiter;
-use crate::sharding::counters::RegionCounters;
+use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;
@@ -68,7 +68,7 @@ struct Inner {
     write_timeout: Duration,
     read_timeout: Duration,
     writer: mpsc::UnboundedSender<WriteRequest>,
-    counters: Arc<RegionCounters>,
+    counters: Arc<RegionCounterCells>,
 }
 
 impl std::fmt::Debug for StateIo {
@@ -147,7 +147,7 @@ impl StateIo {
         type_name: &str,
         s: &ShardingSettings,
         slot_budget: usize,
-        counters: Arc<RegionCounters>,
+        counters: Arc<RegionCounterCells>,
     ) -> Self {
         // Unbounded in type, bounded in effect: every request is one entity's persist (or
         // delete), and an entity sends the next only after this one answered, so the queue
@@ -185,7 +185,7 @@ impl StateIo {
     }
 
     /// The counters of the region.
-    pub(crate) fn counters(&self) -> &RegionCounters {
+    pub(crate) fn counters(&self) -> &RegionCounterCells {
         &self.inner.counters
     }
 
