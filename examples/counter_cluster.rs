@@ -4,7 +4,7 @@
 //!
 //! `cargo run --example counter_cluster`
 
-use ddshard::{Entity, EntityContext, MemberStatus, Node, NodeConfig, ShardRegion, ShardingSettings};
+use ddshard::{Entity, EntityContext, MemberStatus, Node, NodeConfig, ShardRegion};
 
 #[derive(Default)]
 struct Counter {
@@ -52,7 +52,7 @@ async fn main() -> ddshard::Result<()> {
     let mut counters: Vec<ShardRegion<Counter>> = Vec::new();
     for node in &nodes {
         counters
-            .push(node.sharding().start("counter", |_id: &str| Counter::default(), ShardingSettings::default()).await?);
+            .push(node.sharding().start("counter", |_id: &str| Counter::default(), node.sharding().settings()).await?);
     }
     // Tell from one node (fire and forget), ask from the same: one sender's messages to one
     // entity arrive in order, so the answer counts the tell.

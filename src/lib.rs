@@ -25,7 +25,9 @@
 //! # async fn run() -> ddshard::Result<()> {
 //! // Other nodes list this one's gossip address (or a DNS name of all) in `seeds`.
 //! let node = Node::start(NodeConfig { node_id: "n1".into(), ..NodeConfig::default() }).await?;
-//! let counters = node.sharding().start("counter", |_: &str| Counter::default(), ShardingSettings::default()).await?;
+//! // The node's `[sharding]` table; or `ShardingSettings { remember_entities: true, ..node.sharding().settings() }`.
+//! let settings: ShardingSettings = node.sharding().settings();
+//! let counters = node.sharding().start("counter", |_: &str| Counter::default(), settings).await?;
 //! counters.tell("c-1", CounterMsg::Add(5))?;
 //! assert_eq!(counters.ask("c-1", CounterMsg::Get).await?, 5);
 //! node.leave().await?; // hands its shards off first

@@ -12,6 +12,30 @@ use ddshard::testkit::{TestCluster, eventually};
 
 const CONVERGE: Duration = Duration::from_secs(30);
 
+/// What an operator tuned in the node's `[sharding]` table reaches a type started with
+/// `node.sharding().settings()`: here 7 shards and a 9-message buffer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_type_started_with_the_node_settings_follows_the_sharding_table_of_the_node_config() {
+    let mut c = TestCluster::start_with(1, |_, cfg| {
+        cfg.sharding.number_of_shards = 7;
+        cfg.sharding.buffer_size = 9;
+    })
+    .await
+    .unwrap();
+    c.await_converged(CONVERGE).await;
+    let node_settings = c.node(0).sharding().settings();
+    assert_eq!((node_settings.number_of_shards, node_settings.buffer_size), (7, 9));
+    assert_ne!(ddshard::ShardingSettings::default().number_of_shards, 7, "the test must tell the two apart");
+    let probe = Probe::default();
+    let r = start_counter(c.node(0), &probe, node_settings).await;
+    let shards: BTreeSet<String> = (0..500).map(|i| r.shard_id(&format!("c-{i}"))).collect();
+    let expected: BTreeSet<String> = (0..7).map(|i| i.to_string()).collect();
+    assert_eq!(shards, expected, "ids spread over the table's 7 shards");
+    r.tell("c-1", CounterMsg::Add(3)).unwrap();
+    assert_eq!(value(&r, "c-1").await, 3);
+    c.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_node_counter_answers_and_lists_its_own_region() {
     let mut c = TestCluster::start(1).await.unwrap();

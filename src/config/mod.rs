@@ -77,8 +77,9 @@ pub struct NodeConfig {
     pub transport: TransportSettings,
     /// The distributed-data replicator.
     pub replicator: ReplicatorSettings,
-    /// Default settings for sharded entity types started by the `ddshard` binary (library users
-    /// pass `ShardingSettings` to `start` directly).
+    /// The settings of sharded entity types (`[sharding]`): what
+    /// [`crate::Sharding::settings`] returns to start a type with; the `ddshard` binary starts
+    /// its types with them.
     pub sharding: crate::sharding::settings::ShardingSettings,
     /// What [`crate::Node::readiness`] (and `/ready`) forgives.
     pub readiness: ReadinessSettings,

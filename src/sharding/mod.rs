@@ -234,6 +234,15 @@ impl Node {
 }
 
 impl Sharding {
+    /// The node's `[sharding]` table ([`crate::NodeConfig::sharding`]): the settings to start
+    /// a type with, so what an operator tuned in the node's configuration file applies
+    /// (`ShardingSettings::default()` is the built-in defaults, whatever the file says). Change
+    /// a field for one type with struct update syntax:
+    /// `ShardingSettings { remember_entities: true, ..node.sharding().settings() }`.
+    pub fn settings(&self) -> ShardingSettings {
+        self.node.config().sharding.clone()
+    }
+
     /// The entity types started on this node (regions and proxies), in start order.
     pub fn type_names(&self) -> Vec<String> {
         attached::regions(&self.node).iter().map(|r| r.type_name().to_string()).collect()
