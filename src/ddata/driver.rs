@@ -12,7 +12,9 @@ use tracing::{error, warn};
 use super::durable::{DurableStore, StoreOp};
 use super::persist::{DurableHealth, PersistJob, PersistReport, PersistThread};
 use super::replicator::ReplicatorMsg;
-use super::replicator::{self, Action, Input, KeyLog, PersistRecord, RESERVATION_SPAN, ReplicatorCore, StoreWriter};
+use super::replicator::{
+    self, KeyLog, PersistRecord, RESERVATION_SPAN, ReplicatorAction, ReplicatorCore, ReplicatorInput, StoreWriter,
+};
 use super::{Command, ReplicatedData, Replicator, ReplicatorStats, ReplyTx, TOPIC};
 use crate::clock::{Instant, wall_ms};
 use crate::error::{Error, Result};
@@ -91,7 +93,7 @@ pub(crate) async fn start(
         .map_err(|e| Error::io("starting the persist thread", e))?;
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);
-    let driver = Driver {
+    let driver = ReplicatorDriver {
         core,
         transport,
         role: params.role,
@@ -104,7 +106,7 @@ pub(crate) async fn start(
     Ok(Replicator { commands: tx, stats, health })
 }
 
-struct Driver {
+struct ReplicatorDriver {
     core: ReplicatorCore<ReplyTx>,
     transport: Transport,
     role: Option<String>,
@@ -114,7 +116,7 @@ struct Driver {
     persist_backlog: usize,
 }
 
-impl Driver {
+impl ReplicatorDriver {
     async fn run(
         mut self,
         mut commands: mpsc::Receiver<Command>,
@@ -141,7 +143,7 @@ impl Driver {
                         break;
                     };
                     self.persist_backlog = self.persist_backlog.saturating_sub(bytes);
-                    self.core.handle(Input::Persisted { through, failure }, now, wall, &mut actions);
+                    self.core.handle(ReplicatorInput::Persisted { through, failure }, now, wall, &mut actions);
                 }
                 n = commands.recv_many(&mut cmds, 256), if accepting => {
                     if n == 0 { break; }
@@ -150,7 +152,7 @@ impl Driver {
                             Command::Op(input) => self.core.handle(input, now, wall, &mut actions),
                             Command::Inspect { key, inspect } => inspect(self.core.local_value(&key)),
                             Command::HandOver { timeout, reply } => {
-                                let input = Input::HandOver { timeout, reply: ReplyTx::Update(reply) };
+                                let input = ReplicatorInput::HandOver { timeout, reply: ReplyTx::Update(reply) };
                                 self.core.handle(input, now, wall, &mut actions);
                             }
                             Command::Subscribe { key, reply } => {
@@ -165,7 +167,7 @@ impl Driver {
                     if n == 0 { break; }
                     for m in msgs.drain(..) {
                         match crate::transport::wire::decode::<ReplicatorMsg>(&m.body) {
-                            Ok(msg) => self.core.handle(Input::Remote { from: m.from, msg }, now, wall, &mut actions),
+                            Ok(msg) => self.core.handle(ReplicatorInput::Remote { from: m.from, msg }, now, wall, &mut actions),
                             Err(e) => {
                                 ReplicatorStats::inc(&self.stats.rejected);
                                 warn!(peer = %m.from.address, error = %e, "malformed replicator message dropped");
@@ -173,7 +175,7 @@ impl Driver {
                         }
                     }
                 }
-                _ = tick.tick() => self.core.handle(Input::Tick, now, wall, &mut actions),
+                _ = tick.tick() => self.core.handle(ReplicatorInput::Tick, now, wall, &mut actions),
                 changed = members.changed() => {
                     if changed.is_err() { break; }
                     let snap = members.borrow_and_update().clone();
@@ -190,19 +192,19 @@ impl Driver {
         persist.join().await;
     }
 
-    fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<Action<ReplyTx>>) {
-        self.core.handle(Input::members_of(snap, self.role.as_deref()), Instant::now(), wall_ms(), out);
+    fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<ReplicatorAction<ReplyTx>>) {
+        self.core.handle(ReplicatorInput::members_of(snap, self.role.as_deref()), Instant::now(), wall_ms(), out);
     }
 
     /// Performs actions: the persists of the batch go to the persist thread as one job (the
     /// loop does not wait for it); sends, replies and notifications go at once (the core holds
     /// whatever must wait for the commit).
-    fn perform(&mut self, actions: &mut Vec<Action<ReplyTx>>, jobs: &mpsc::UnboundedSender<PersistJob>) {
+    fn perform(&mut self, actions: &mut Vec<ReplicatorAction<ReplyTx>>, jobs: &mpsc::UnboundedSender<PersistJob>) {
         let mut ops = Vec::new();
         let mut through = 0;
         for a in actions.drain(..) {
             match a {
-                Action::Persist { key, ticket, record } => {
+                ReplicatorAction::Persist { key, ticket, record } => {
                     through = through.max(ticket);
                     let encoded = match &record {
                         PersistRecord::Snapshot => self.core.local_value(&key).map(rmp_serde::to_vec),
@@ -219,26 +221,28 @@ impl Driver {
                         (None, _) => {}
                     }
                 }
-                Action::TrimLog { below } => ops.push(StoreOp::TrimLog { below }),
-                Action::ReserveCounters { ticket, ceiling } => {
+                ReplicatorAction::TrimLog { below } => ops.push(StoreOp::TrimLog { below }),
+                ReplicatorAction::ReserveCounters { ticket, ceiling } => {
                     through = through.max(ticket);
                     ops.push(StoreOp::CounterCeiling { ceiling });
                 }
-                Action::Send { to, msg } => self.send_to(std::slice::from_ref(&to), &msg),
-                Action::Broadcast { to, msg } => self.send_to(&to, &msg),
-                Action::ReplyGet { reply: ReplyTx::Get(tx), result } => {
+                ReplicatorAction::Send { to, msg } => self.send_to(std::slice::from_ref(&to), &msg),
+                ReplicatorAction::Broadcast { to, msg } => self.send_to(&to, &msg),
+                ReplicatorAction::ReplyGet { reply: ReplyTx::Get(tx), result } => {
                     let _ = tx.send(result);
                 }
-                Action::ReplyGetMany { reply: ReplyTx::GetMany(tx), result } => {
+                ReplicatorAction::ReplyGetMany { reply: ReplyTx::GetMany(tx), result } => {
                     let _ = tx.send(result);
                 }
-                Action::ReplyUpdate { reply: ReplyTx::Update(tx), result } => {
+                ReplicatorAction::ReplyUpdate { reply: ReplyTx::Update(tx), result } => {
                     let _ = tx.send(result);
                 }
-                Action::ReplyGet { .. } | Action::ReplyGetMany { .. } | Action::ReplyUpdate { .. } => {
+                ReplicatorAction::ReplyGet { .. }
+                | ReplicatorAction::ReplyGetMany { .. }
+                | ReplicatorAction::ReplyUpdate { .. } => {
                     error!("reply handle of the wrong kind; this is a bug");
                 }
-                Action::Changed { key } => {
+                ReplicatorAction::Changed { key } => {
                     if let Some(w) = self.watchers.get(&key) {
                         w.send_replace(self.core.local_value(&key).cloned());
                     }

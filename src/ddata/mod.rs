@@ -41,7 +41,7 @@ pub use durable::DurableStore;
 #[cfg(not(feature = "testkit"))]
 pub(crate) use durable::DurableStore;
 pub use persist::DurableHealth;
-use replicator::Input;
+use replicator::ReplicatorInput;
 
 pub use replicator::Consistency;
 pub use stats::ReplicatorStats;
@@ -56,14 +56,14 @@ pub(crate) const TOPIC: &str = "ddata";
 pub(crate) enum ReplyTx {
     Get(oneshot::Sender<Result<Option<ReplicatedData>>>),
     GetMany(oneshot::Sender<Result<Vec<Option<ReplicatedData>>>>),
-    /// The keys refused by their fence, if any (see [`replicator::Action::ReplyUpdate`]).
+    /// The keys refused by their fence, if any (see [`replicator::ReplicatorAction::ReplyUpdate`]).
     Update(oneshot::Sender<Result<Vec<(String, Fenced)>>>),
 }
 
 // Short-lived: moved through the command channel once.
 #[allow(clippy::large_enum_variant)]
 enum Command {
-    Op(Input<ReplyTx>),
+    Op(ReplicatorInput<ReplyTx>),
     Subscribe {
         key: String,
         reply: oneshot::Sender<watch::Receiver<Option<ReplicatedData>>>,
@@ -74,7 +74,7 @@ enum Command {
         key: String,
         inspect: Inspection,
     },
-    /// This node leaves: its values go to the members that stay ([`Input::HandOver`]).
+    /// This node leaves: its values go to the members that stay ([`ReplicatorInput::HandOver`]).
     HandOver {
         timeout: Duration,
         reply: oneshot::Sender<Result<Vec<(String, Fenced)>>>,
@@ -128,7 +128,7 @@ impl Replicator {
     /// now, or an id the roster does not count. The forget spreads to every replica.
     pub async fn forget_replica(&self, node_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();
-        let input = Input::Forget { node_id: node_id.to_string(), reply: ReplyTx::Update(tx) };
+        let input = ReplicatorInput::Forget { node_id: node_id.to_string(), reply: ReplyTx::Update(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         rx.await.map_err(|_| Error::ShutDown)?.map(|_| ())
     }
@@ -149,7 +149,7 @@ impl Replicator {
     /// Reads `key` with the given consistency. `Ok(None)`: no replica asked has a value.
     pub async fn get<T: Crdt>(&self, key: &str, consistency: Consistency, timeout: Duration) -> Result<Option<T>> {
         let (tx, rx) = oneshot::channel();
-        let input = Input::Get { key: key.to_string(), consistency, timeout, reply: ReplyTx::Get(tx) };
+        let input = ReplicatorInput::Get { key: key.to_string(), consistency, timeout, reply: ReplyTx::Get(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         let data = rx.await.map_err(|_| Error::ShutDown)??;
         data.map(|d| T::from_data(d, key)).transpose()
@@ -164,7 +164,7 @@ impl Replicator {
         timeout: Duration,
     ) -> Result<Vec<Option<T>>> {
         let (tx, rx) = oneshot::channel();
-        let input = Input::GetMany { keys: keys.clone(), consistency, timeout, reply: ReplyTx::GetMany(tx) };
+        let input = ReplicatorInput::GetMany { keys: keys.clone(), consistency, timeout, reply: ReplyTx::GetMany(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         let values = rx.await.map_err(|_| Error::ShutDown)??;
         values.into_iter().zip(&keys).map(|(d, key)| d.map(|d| T::from_data(d, key)).transpose()).collect()
@@ -180,7 +180,7 @@ impl Replicator {
     {
         let (tx, rx) = oneshot::channel();
         let KeyUpdate { key, modify } = KeyUpdate::new::<T, F>(key, modify);
-        let input = Input::Update { key, consistency, timeout, modify, reply: ReplyTx::Update(tx) };
+        let input = ReplicatorInput::Update { key, consistency, timeout, modify, reply: ReplyTx::Update(tx) };
         let result = match self.commands.send(Command::Op(input)).await {
             Ok(()) => rx.await.map_err(|_| Error::ShutDown).and_then(|r| r.and_then(first_fenced)),
             Err(_) => Err(Error::ShutDown),
@@ -218,7 +218,7 @@ impl Replicator {
         }
         let (tx, rx) = oneshot::channel();
         let updates = updates.into_iter().map(KeyUpdate::into_parts).collect();
-        let input = Input::UpdateMany { updates, consistency, timeout, reply: ReplyTx::Update(tx) };
+        let input = ReplicatorInput::UpdateMany { updates, consistency, timeout, reply: ReplyTx::Update(tx) };
         let result = match self.commands.send(Command::Op(input)).await {
             Ok(()) => rx.await.map_err(|_| Error::ShutDown).and_then(|r| r),
             Err(_) => Err(Error::ShutDown),
@@ -249,7 +249,7 @@ impl Replicator {
         let keys: Vec<String> = updates.iter().map(|u| u.key.clone()).collect();
         let (tx, rx) = oneshot::channel();
         let updates = updates.into_iter().map(KeyUpdate::into_parts).collect();
-        let input = Input::UpdateAndGetMany { updates, consistency, timeout, reply: ReplyTx::GetMany(tx) };
+        let input = ReplicatorInput::UpdateAndGetMany { updates, consistency, timeout, reply: ReplyTx::GetMany(tx) };
         self.commands.send(Command::Op(input)).await.map_err(|_| Error::ShutDown)?;
         let values = rx.await.map_err(|_| Error::ShutDown)??;
         values.into_iter().zip(&keys).map(|(d, key)| d.map(|d| T::from_data(d, key)).transpose()).collect()

@@ -17,7 +17,7 @@ use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_s
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
-    AskTable, Direct, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionSettings, RegionTask, RemoteHomes,
+    AskTable, Direct, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionDriver, RegionSettings, RemoteHomes,
     SharedRegion, region_commands,
 };
 use super::region_ref::{RegionRef, coordinator_request, stand_in_has_no_cluster};
@@ -433,7 +433,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         senders: Arc::new(PeerSenders::new(transport.clone())),
     });
     let _ = inner.shared.set(shared.clone());
-    let task = RegionTask {
+    let task = RegionDriver {
         type_name: type_name.to_string(),
         role: settings.role.clone(),
         transport,

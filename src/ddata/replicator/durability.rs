@@ -4,7 +4,7 @@
 //! **Rule.** Every change of a durable key gets a *ticket* (a number that only grows, also the
 //! sequence number of its delta record on disk). A `WriteAck`, and the success reply of a local
 //! or majority update, is released only when every ticket of its keys is committed locally
-//! ([`Input::Persisted`](super::Input::Persisted) reports commits in ticket order). So an
+//! ([`ReplicatorInput::Persisted`](super::ReplicatorInput::Persisted) reports commits in ticket order). So an
 //! acknowledged write is in this node's LMDB, and a writer counts itself only once its own
 //! commit succeeded.
 //!
@@ -28,7 +28,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use super::{Action, PersistRecord, ReplicatorCore};
+use super::{PersistRecord, ReplicatorAction, ReplicatorCore};
 use crate::clock::Instant;
 use crate::ddata::crdt::ReplicatedDelta;
 use crate::error::Error;
@@ -63,7 +63,7 @@ pub(crate) struct KeyLog {
 }
 
 /// An action held for a commit, with the deadline of the operation it completes.
-type Held<R> = (Action<R>, Option<Instant>);
+type Held<R> = (ReplicatorAction<R>, Option<Instant>);
 
 /// Tickets and held actions.
 pub(crate) struct Durability<R> {
@@ -149,12 +149,22 @@ impl<R> Durability<R> {
 impl<R> ReplicatorCore<R> {
     /// Emits the persist of a changed durable key: its delta when its log has room, else a
     /// snapshot (`delta: None` always snapshots); then trims or unpins the log.
-    pub(super) fn persist(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
+    pub(super) fn persist(
+        &mut self,
+        key: &str,
+        delta: Option<Cow<'_, ReplicatedDelta>>,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) {
         self.persist_record(key, delta, out);
         self.unpin_log(out);
     }
 
-    fn persist_record(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
+    fn persist_record(
+        &mut self,
+        key: &str,
+        delta: Option<Cow<'_, ReplicatedDelta>>,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) {
         let Some(entry) = self.data.get_mut(key) else { return };
         let d = &mut self.durability;
         d.issued += 1;
@@ -200,12 +210,12 @@ impl<R> ReplicatorCore<R> {
             }
         };
         d.in_flight.insert(ticket, key.to_string());
-        out.push(Action::Persist { key: key.to_string(), ticket, record });
+        out.push(ReplicatorAction::Persist { key: key.to_string(), ticket, record });
     }
 
     /// Writes whole the keys whose oldest live delta is too far back (so they do not keep the
     /// whole log alive).
-    fn unpin_log(&mut self, out: &mut Vec<Action<R>>) {
+    fn unpin_log(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         for _ in 0..UNPINS_PER_PERSIST {
             let Some((&first, key)) = self.durability.live_logs.first_key_value() else { break };
             if self.durability.issued.saturating_sub(first) <= self.durability.max_log_span {
@@ -227,12 +237,12 @@ impl<R> ReplicatorCore<R> {
 
     /// Trims the log below the oldest delta a key still needs, once that moved far enough.
     /// Called only after commits, so a trim never relies on a snapshot that is not on disk.
-    fn trim_log(&mut self, out: &mut Vec<Action<R>>) {
+    fn trim_log(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         let d = &mut self.durability;
         let low = d.live_logs.first_key_value().map_or(d.reported + 1, |(first, _)| *first).min(d.reported + 1);
         if low >= d.trimmed_below + TRIM_STEP {
             d.trimmed_below = low;
-            out.push(Action::TrimLog { below: low });
+            out.push(ReplicatorAction::TrimLog { below: low });
         }
     }
 
@@ -252,19 +262,24 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Emits `action` once `ticket` is committed (at once if it already is).
-    pub(super) fn after_commit(&mut self, ticket: u64, action: Action<R>, out: &mut Vec<Action<R>>) {
+    pub(super) fn after_commit(
+        &mut self,
+        ticket: u64,
+        action: ReplicatorAction<R>,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) {
         self.after_commit_until(ticket, action, None, out);
     }
 
     /// Emits `action` once `ticket` is committed; a reply released after `deadline` (the
     /// node paused, or its disk stalled, between the operation's completion and its commit)
-    /// fails as timed out: no operation succeeds past its deadline (see `Input::Remote`).
+    /// fails as timed out: no operation succeeds past its deadline (see `ReplicatorInput::Remote`).
     pub(super) fn after_commit_until(
         &mut self,
         ticket: u64,
-        action: Action<R>,
+        action: ReplicatorAction<R>,
         deadline: Option<Instant>,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         if ticket <= self.durability.reported {
             out.push(action);
@@ -280,7 +295,7 @@ impl<R> ReplicatorCore<R> {
         through: u64,
         failure: Option<(PathBuf, String)>,
         now: Instant,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let through = through.min(self.durability.issued);
         if through <= self.durability.reported {
@@ -313,17 +328,17 @@ impl<R> ReplicatorCore<R> {
             match action {
                 // Not stored here, so not acknowledged: the writer (or the reader after a
                 // write) must not count this replica.
-                Action::Send {
+                ReplicatorAction::Send {
                     msg: super::ReplicatorMsg::WriteAck { .. } | super::ReplicatorMsg::ReadResult { .. },
                     ..
                 } => {}
-                Action::ReplyUpdate { reply, result: Ok(_) } => {
+                ReplicatorAction::ReplyUpdate { reply, result: Ok(_) } => {
                     let result = Err(Error::Storage { path: path.clone(), reason: reason.clone() });
-                    out.push(Action::ReplyUpdate { reply, result });
+                    out.push(ReplicatorAction::ReplyUpdate { reply, result });
                 }
-                Action::ReplyGetMany { reply, result: Ok(_) } => {
+                ReplicatorAction::ReplyGetMany { reply, result: Ok(_) } => {
                     let result = Err(Error::Storage { path: path.clone(), reason: reason.clone() });
-                    out.push(Action::ReplyGetMany { reply, result });
+                    out.push(ReplicatorAction::ReplyGetMany { reply, result });
                 }
                 other => out.push(other),
             }
@@ -342,7 +357,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Writes the keys of failed commits again once their backoff has passed.
-    pub(super) fn rewrite_failed(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+    pub(super) fn rewrite_failed(&mut self, now: Instant, out: &mut Vec<ReplicatorAction<R>>) {
         if self.durability.rewrite_at.is_none_or(|at| now < at) {
             return;
         }

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{Action, KEY_BUCKETS, ReplicatorCore, ReplicatorMsg};
+use super::{KEY_BUCKETS, ReplicatorAction, ReplicatorCore, ReplicatorMsg};
 use crate::ddata::crdt::{BUCKETS, ReplicatedData};
 use crate::ddata::stats::ReplicatorStats;
 use crate::transport::PeerAddr;
@@ -20,15 +20,18 @@ impl<R> ReplicatorCore<R> {
         self.data.get(key).map_or_else(|| super::key_hash(key), |e| e.key_hash) as usize % KEY_BUCKETS
     }
 
-    pub(super) fn on_status(&mut self, from: PeerAddr, root: u64, out: &mut Vec<Action<R>>) {
+    pub(super) fn on_status(&mut self, from: PeerAddr, root: u64, out: &mut Vec<ReplicatorAction<R>>) {
         if root == self.root_digest() {
             return;
         }
         ReplicatorStats::inc(&self.stats.digest_mismatches);
-        out.push(Action::Send { to: from, msg: ReplicatorMsg::KeyBuckets { digests: self.key_buckets.clone() } });
+        out.push(ReplicatorAction::Send {
+            to: from,
+            msg: ReplicatorMsg::KeyBuckets { digests: self.key_buckets.clone() },
+        });
     }
 
-    pub(super) fn on_key_buckets(&mut self, from: PeerAddr, theirs: Vec<u64>, out: &mut Vec<Action<R>>) {
+    pub(super) fn on_key_buckets(&mut self, from: PeerAddr, theirs: Vec<u64>, out: &mut Vec<ReplicatorAction<R>>) {
         if theirs.len() != KEY_BUCKETS {
             ReplicatorStats::inc(&self.stats.rejected);
             return;
@@ -58,7 +61,7 @@ impl<R> ReplicatorCore<R> {
             buckets.push(b as u16);
             digests.extend(keys);
         }
-        out.push(Action::Send { to: from, msg: ReplicatorMsg::Digests { buckets, digests } });
+        out.push(ReplicatorAction::Send { to: from, msg: ReplicatorMsg::Digests { buckets, digests } });
     }
 
     pub(super) fn on_digests(
@@ -66,7 +69,7 @@ impl<R> ReplicatorCore<R> {
         from: PeerAddr,
         buckets: Vec<u16>,
         digests: Vec<(String, u64)>,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let buckets: BTreeSet<usize> = buckets.into_iter().map(usize::from).filter(|b| *b < KEY_BUCKETS).collect();
         let theirs: BTreeMap<String, u64> =
@@ -113,7 +116,7 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         ReplicatorStats::add(&self.stats.full_values_sent, entries.len());
-        out.push(Action::Send {
+        out.push(ReplicatorAction::Send {
             to: from,
             msg: ReplicatorMsg::Gossip { entries, want, want_buckets: Vec::new(), value_buckets },
         });
@@ -126,7 +129,7 @@ impl<R> ReplicatorCore<R> {
         want: Vec<String>,
         want_buckets: Vec<(String, Vec<u16>)>,
         value_buckets: Vec<(String, Vec<u64>)>,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         for (key, value) in entries {
             if let Err(e) = self.merge_in(&key, value, out) {
@@ -190,7 +193,7 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         ReplicatorStats::add(&self.stats.full_values_sent, back.len());
-        out.push(Action::Send {
+        out.push(ReplicatorAction::Send {
             to: from,
             msg: ReplicatorMsg::Gossip {
                 entries: back,

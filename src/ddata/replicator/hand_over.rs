@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Action, ReplicatorCore, ReplicatorMsg, ReplicatorStats, split_by_bytes};
+use super::{ReplicatorAction, ReplicatorCore, ReplicatorMsg, ReplicatorStats, split_by_bytes};
 use crate::clock::Instant;
 use crate::error::Error;
 use crate::membership::UniqueAddress;
@@ -61,22 +61,28 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Starts the hand-over: every value, in parts capped in bytes, each written to the
-    /// reachable staying members (see [`super::Input::HandOver`]). A newer hand-over replaces one in
+    /// reachable staying members (see [`super::ReplicatorInput::HandOver`]). A newer hand-over replaces one in
     /// flight (which fails as timed out). When the reachable staying members are no majority
     /// of the staying roster, it waits (until its deadline) for the roster or the members to
     /// change: another leaving node's forget may still be on its way (seed 660002017: n3
     /// forgot itself on n2 only, and n1, leaving 20 ms later, still counted it), or a staying
     /// member may come back.
-    pub(super) fn on_hand_over(&mut self, timeout: Duration, reply: R, now: Instant, out: &mut Vec<Action<R>>) {
+    pub(super) fn on_hand_over(
+        &mut self,
+        timeout: Duration,
+        reply: R,
+        now: Instant,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) {
         if let Some(old) = self.hand_over.take() {
             let result = Err(Error::ConsistencyTimeout { needed: old.needed, acked: 0 });
-            out.push(Action::ReplyUpdate { reply: old.reply, result });
+            out.push(ReplicatorAction::ReplyUpdate { reply: old.reply, result });
         }
         let (_, anyone_stays, needed) = self.hand_over_quorum();
         if !anyone_stays {
             // Every other holder leaves too: nobody can take it.
             let result = Err(Error::NotEnoughReplicas { needed, reachable: 0 });
-            out.push(Action::ReplyUpdate { reply, result });
+            out.push(ReplicatorAction::ReplyUpdate { reply, result });
             return;
         }
         let deadline = now + timeout;
@@ -89,7 +95,7 @@ impl<R> ReplicatorCore<R> {
     /// Sends the parts of a waiting hand-over once the reachable staying members are a
     /// majority of the staying roster: the members that stay and the absent holders (whose
     /// disks still count), never the other leaving members.
-    pub(super) fn start_hand_over_parts(&mut self, out: &mut Vec<Action<R>>) {
+    pub(super) fn start_hand_over_parts(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         if !self.hand_over.as_ref().is_some_and(|h| h.waiting) {
             return;
         }
@@ -112,7 +118,7 @@ impl<R> ReplicatorCore<R> {
             let h = self.hand_over.as_mut().expect("hand-over");
             h.parts.insert(op, Part { keys, acked: HashSet::new() });
             let msg = ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values };
-            out.push(Action::Broadcast { to: to.clone(), msg });
+            out.push(ReplicatorAction::Broadcast { to: to.clone(), msg });
         }
         self.advance_hand_over(out);
     }
@@ -121,7 +127,7 @@ impl<R> ReplicatorCore<R> {
     /// every part to the staying members that became reachable since, and counts the majority
     /// over the staying roster of now. Acknowledgements already taken stand: the member's disk
     /// holds the values, and one that leaves since hands them over in turn.
-    pub(super) fn retarget_hand_over(&mut self, out: &mut Vec<Action<R>>) {
+    pub(super) fn retarget_hand_over(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         let Some(h) = self.hand_over.as_ref() else { return };
         if h.waiting {
             self.start_hand_over_parts(out);
@@ -138,7 +144,7 @@ impl<R> ReplicatorCore<R> {
                     part.keys.iter().filter_map(|k| self.data.get(k).map(|e| (k.clone(), e.value.clone()))).collect();
                 ReplicatorStats::add(&self.stats.full_values_sent, new.len() * values.len());
                 let msg = ReplicatorMsg::WriteDelta { op: *op, entries: Vec::new(), values };
-                out.push(Action::Broadcast { to: new.clone(), msg });
+                out.push(ReplicatorAction::Broadcast { to: new.clone(), msg });
             }
         }
         self.advance_hand_over(out);
@@ -146,7 +152,7 @@ impl<R> ReplicatorCore<R> {
 
     /// Every value is on a majority of the staying roster: this node leaves the roster, in a
     /// last part written to the same majority (until it is, the hand-over is not done).
-    fn send_own_forget(&mut self, out: &mut Vec<Action<R>>) {
+    fn send_own_forget(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         let me = self.self_addr.node_id.clone();
         self.forget(&me, out);
         let Some(value) = self.local_value(super::ROSTER_KEY).cloned() else { return };
@@ -157,13 +163,16 @@ impl<R> ReplicatorCore<R> {
         let to =
             self.replicas.iter().filter(|(p, _)| h.addressed.contains(&p.address)).map(|(p, _)| p.clone()).collect();
         let values = vec![(super::ROSTER_KEY.to_string(), value)];
-        out.push(Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values } });
+        out.push(ReplicatorAction::Broadcast {
+            to,
+            msg: ReplicatorMsg::WriteDelta { op, entries: Vec::new(), values },
+        });
         // Other leaving nodes count this one until they hear of its forget: it ships to every
         // gossip target now, not on the next interval this node may not live to see.
         self.flush_deltas(out);
     }
 
-    pub(super) fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<Action<R>>) {
+    pub(super) fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<ReplicatorAction<R>>) {
         let Some(h) = self.hand_over.as_mut() else { return };
         if !h.addressed.contains(&from) {
             ReplicatorStats::inc(&self.stats.rejected);
@@ -177,7 +186,7 @@ impl<R> ReplicatorCore<R> {
 
     /// Once every part is on a majority: the forget goes out, and once that is too, the
     /// hand-over is done.
-    fn advance_hand_over(&mut self, out: &mut Vec<Action<R>>) {
+    fn advance_hand_over(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         let Some(h) = self.hand_over.as_ref() else { return };
         if h.waiting || !h.parts.values().all(|part| part.acked.len() >= h.needed) {
             return;
@@ -187,6 +196,6 @@ impl<R> ReplicatorCore<R> {
             return;
         }
         let h = self.hand_over.take().expect("hand-over");
-        out.push(Action::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
+        out.push(ReplicatorAction::ReplyUpdate { reply: h.reply, result: Ok(Vec::new()) });
     }
 }

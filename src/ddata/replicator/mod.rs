@@ -51,7 +51,7 @@ pub(crate) use durability::KeyLog;
 use hand_over::HandOver;
 pub use protocol::Consistency;
 pub(crate) use protocol::ReplicatorMsg;
-pub(crate) use protocol::{Action, Input, Modify, PersistRecord};
+pub(crate) use protocol::{Modify, PersistRecord, ReplicatorAction, ReplicatorInput};
 use reads::PendingRead;
 use roster::Roster;
 #[cfg(test)]
@@ -252,7 +252,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Merges a full value into `key`; emits Persist/Changed only when the value changed.
-    fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<Action<R>>) -> Result<()> {
+    fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<ReplicatorAction<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.values_merged);
         let changed = self.merge_with(key, |current| match current {
             Some(v) => v.try_merge(incoming).map(|()| None),
@@ -266,7 +266,7 @@ impl<R> ReplicatorCore<R> {
 
     /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type);
     /// the delta itself is what gets persisted when the key's log has room (moved, not cloned).
-    fn merge_delta_in(&mut self, key: &str, delta: ReplicatedDelta, out: &mut Vec<Action<R>>) -> Result<()> {
+    fn merge_delta_in(&mut self, key: &str, delta: ReplicatedDelta, out: &mut Vec<ReplicatorAction<R>>) -> Result<()> {
         ReplicatorStats::inc(&self.stats.deltas_merged);
         let changed = self.merge_with(key, |current| match current {
             Some(v) => v.merge_delta(&delta).map(|()| None),
@@ -305,14 +305,14 @@ impl<R> ReplicatorCore<R> {
         Ok(changed)
     }
 
-    fn emit_changed(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<Action<R>>) {
+    fn emit_changed(&mut self, key: &str, delta: Option<Cow<'_, ReplicatedDelta>>, out: &mut Vec<ReplicatorAction<R>>) {
         if key == ROSTER_KEY {
             self.roster.changed();
         }
         if self.is_durable(key) {
             self.persist(key, delta, out);
         }
-        out.push(Action::Changed { key: key.to_string() });
+        out.push(ReplicatorAction::Changed { key: key.to_string() });
     }
 
     /// Why a replicated write to `key` from a writer whose fence is `writer_fence` must be
@@ -329,27 +329,33 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Handles one input at `now` (`wall_ms` feeds the LWW clock).
-    pub(crate) fn handle(&mut self, input: Input<R>, now: Instant, wall_ms: u64, out: &mut Vec<Action<R>>) {
+    pub(crate) fn handle(
+        &mut self,
+        input: ReplicatorInput<R>,
+        now: Instant,
+        wall_ms: u64,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) {
         match input {
-            Input::Get { key, consistency, timeout, reply } => {
+            ReplicatorInput::Get { key, consistency, timeout, reply } => {
                 self.on_get(vec![key], false, consistency, timeout, reply, now, out)
             }
-            Input::GetMany { keys, consistency, timeout, reply } => {
+            ReplicatorInput::GetMany { keys, consistency, timeout, reply } => {
                 self.on_get(keys, true, consistency, timeout, reply, now, out)
             }
-            Input::Update { key, consistency, timeout, modify, reply } => {
+            ReplicatorInput::Update { key, consistency, timeout, modify, reply } => {
                 self.ctx.now_ms = wall_ms;
                 self.on_update(vec![(key, modify)], consistency, timeout, reply, now, out)
             }
-            Input::UpdateMany { updates, consistency, timeout, reply } => {
+            ReplicatorInput::UpdateMany { updates, consistency, timeout, reply } => {
                 self.ctx.now_ms = wall_ms;
                 self.on_update(updates, consistency, timeout, reply, now, out)
             }
-            Input::UpdateAndGetMany { updates, consistency, timeout, reply } => {
+            ReplicatorInput::UpdateAndGetMany { updates, consistency, timeout, reply } => {
                 self.ctx.now_ms = wall_ms;
                 self.on_update_and_get(updates, consistency, timeout, reply, now, out)
             }
-            Input::Remote { from, msg } => {
+            ReplicatorInput::Remote { from, msg } => {
                 if self.quarantines(&from.address) {
                     return;
                 }
@@ -361,7 +367,7 @@ impl<R> ReplicatorCore<R> {
                 }
                 self.on_remote(from, msg, out)
             }
-            Input::Members { replicas, gossip_targets, standing, holder, leaving } => {
+            ReplicatorInput::Members { replicas, gossip_targets, standing, holder, leaving } => {
                 (self.replicas, self.leaving) = (replicas, leaving);
                 self.gossip_targets = gossip_targets;
                 self.standing.update(standing);
@@ -370,17 +376,17 @@ impl<R> ReplicatorCore<R> {
                 self.recount_pending(out);
                 self.retarget_hand_over(out);
             }
-            Input::HandOver { timeout, reply } => self.on_hand_over(timeout, reply, now, out),
-            Input::Forget { node_id, reply } => {
+            ReplicatorInput::HandOver { timeout, reply } => self.on_hand_over(timeout, reply, now, out),
+            ReplicatorInput::Forget { node_id, reply } => {
                 self.ctx.now_ms = wall_ms;
                 let result = self.forget_by_operator(&node_id, out).map(|()| Vec::new());
-                out.push(Action::ReplyUpdate { reply, result });
+                out.push(ReplicatorAction::ReplyUpdate { reply, result });
             }
-            Input::Tick => {
+            ReplicatorInput::Tick => {
                 self.ctx.now_ms = wall_ms;
                 self.on_tick(now, out)
             }
-            Input::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
+            ReplicatorInput::Persisted { through, failure } => self.on_persisted(through, failure, now, out),
         }
     }
 
@@ -405,7 +411,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Ships every pending local delta to the gossip targets, in messages capped in bytes.
-    fn flush_deltas(&mut self, out: &mut Vec<Action<R>>) {
+    fn flush_deltas(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         let pending = std::mem::take(&mut self.pending_deltas);
         self.pending_delta_elements = 0;
         if self.gossip_targets.is_empty() || pending.is_empty() {
@@ -415,7 +421,7 @@ impl<R> ReplicatorCore<R> {
         for entries in parts {
             ReplicatorStats::add(&self.stats.deltas_sent, entries.len() * self.gossip_targets.len());
             let msg = ReplicatorMsg::DeltaPropagation { entries };
-            out.push(Action::Broadcast { to: self.gossip_targets.clone(), msg });
+            out.push(ReplicatorAction::Broadcast { to: self.gossip_targets.clone(), msg });
         }
     }
 
@@ -425,7 +431,7 @@ impl<R> ReplicatorCore<R> {
         op
     }
 
-    fn on_remote(&mut self, from: PeerAddr, msg: ReplicatorMsg, out: &mut Vec<Action<R>>) {
+    fn on_remote(&mut self, from: PeerAddr, msg: ReplicatorMsg, out: &mut Vec<ReplicatorAction<R>>) {
         match msg {
             ReplicatorMsg::WriteDelta { op, entries, values } => {
                 let mut ok = true;
@@ -455,12 +461,19 @@ impl<R> ReplicatorCore<R> {
                 }
                 if !fenced.is_empty() {
                     ReplicatorStats::add(&self.stats.fenced_writes, fenced.len());
-                    out.push(Action::Send { to: from.clone(), msg: ReplicatorMsg::WriteFenced { op, keys: fenced } });
+                    out.push(ReplicatorAction::Send {
+                        to: from.clone(),
+                        msg: ReplicatorMsg::WriteFenced { op, keys: fenced },
+                    });
                 }
                 // A write with a refused key is not acknowledged: the writer must not count
                 // this replica for it. The ack leaves once the keys are committed here.
                 if ok && let Ok(ticket) = self.commit_ticket(keys.iter().map(String::as_str)) {
-                    self.after_commit(ticket, Action::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }, out);
+                    self.after_commit(
+                        ticket,
+                        ReplicatorAction::Send { to: from, msg: ReplicatorMsg::WriteAck { op } },
+                        out,
+                    );
                 }
             }
             ReplicatorMsg::DeltaPropagation { entries } => {
@@ -529,11 +542,11 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Fails the writes and reads past their deadline.
-    fn expire(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+    fn expire(&mut self, now: Instant, out: &mut Vec<ReplicatorAction<R>>) {
         let expired: Vec<u64> = self.writes.iter().filter(|(_, w)| w.deadline <= now).map(|(op, _)| *op).collect();
         for op in expired {
             let w = self.writes.remove(&op).expect("pending write");
-            out.push(Action::ReplyUpdate {
+            out.push(ReplicatorAction::ReplyUpdate {
                 reply: w.reply,
                 result: Err(Error::ConsistencyTimeout { needed: w.needed, acked: w.acked.len() }),
             });
@@ -549,11 +562,11 @@ impl<R> ReplicatorCore<R> {
                 let acked = h.parts.values().map(|part| part.acked.len()).min().unwrap_or(0);
                 Err(Error::ConsistencyTimeout { needed: h.needed, acked })
             };
-            out.push(Action::ReplyUpdate { reply: h.reply, result });
+            out.push(ReplicatorAction::ReplyUpdate { reply: h.reply, result });
         }
     }
 
-    fn on_tick(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+    fn on_tick(&mut self, now: Instant, out: &mut Vec<ReplicatorAction<R>>) {
         self.rewrite_failed(now, out);
         self.expire(now, out);
         self.forget_long_absent(now, out);
@@ -569,7 +582,7 @@ impl<R> ReplicatorCore<R> {
                 let i = self.rng.random_range(0..self.gossip_targets.len());
                 let to = self.gossip_targets[i].clone();
                 ReplicatorStats::inc(&self.stats.digest_rounds);
-                out.push(Action::Send { to, msg: ReplicatorMsg::Status { root: self.root_digest() } });
+                out.push(ReplicatorAction::Send { to, msg: ReplicatorMsg::Status { root: self.root_digest() } });
             }
         }
     }
@@ -577,12 +590,18 @@ impl<R> ReplicatorCore<R> {
 
 /// The same reply with its operation failed as timed out (other actions unchanged): what a
 /// reply released past its operation's deadline becomes.
-fn timed_out<R>(action: Action<R>) -> Action<R> {
+fn timed_out<R>(action: ReplicatorAction<R>) -> ReplicatorAction<R> {
     let timeout = || Error::ConsistencyTimeout { needed: 0, acked: 0 };
     match action {
-        Action::ReplyUpdate { reply, result: Ok(_) } => Action::ReplyUpdate { reply, result: Err(timeout()) },
-        Action::ReplyGetMany { reply, result: Ok(_) } => Action::ReplyGetMany { reply, result: Err(timeout()) },
-        Action::ReplyGet { reply, result: Ok(_) } => Action::ReplyGet { reply, result: Err(timeout()) },
+        ReplicatorAction::ReplyUpdate { reply, result: Ok(_) } => {
+            ReplicatorAction::ReplyUpdate { reply, result: Err(timeout()) }
+        }
+        ReplicatorAction::ReplyGetMany { reply, result: Ok(_) } => {
+            ReplicatorAction::ReplyGetMany { reply, result: Err(timeout()) }
+        }
+        ReplicatorAction::ReplyGet { reply, result: Ok(_) } => {
+            ReplicatorAction::ReplyGet { reply, result: Err(timeout()) }
+        }
         other => other,
     }
 }

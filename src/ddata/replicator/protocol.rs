@@ -164,7 +164,7 @@ pub(crate) type Modify =
 /// Inputs of the state machine; `R` is the caller's reply handle.
 // Remote messages carry values inline; inputs are moved once into the core, never stored.
 #[allow(clippy::large_enum_variant)]
-pub(crate) enum Input<R> {
+pub(crate) enum ReplicatorInput<R> {
     Get {
         key: String,
         consistency: Consistency,
@@ -213,7 +213,7 @@ pub(crate) enum Input<R> {
     /// Replica holders other than this node (Up/Leaving with the role) and which are reachable;
     /// plus the members to gossip with, and every incarnation in good standing (listed, neither
     /// Down nor Removed: [`crate::membership::MembershipSnapshot::standing_of`]). Built from a
-    /// view by [`Input::members_of`].
+    /// view by [`ReplicatorInput::members_of`].
     Members {
         replicas: Vec<(PeerAddr, bool)>,
         gossip_targets: Vec<PeerAddr>,
@@ -264,10 +264,10 @@ pub(crate) enum PersistRecord {
 
 /// Outputs. Sends and replies may be performed before the `Persist` actions of the same batch
 /// complete: whatever claims durability (acks, update replies) is held by the core until
-/// [`Input::Persisted`] covers its tickets. `Persist` of a snapshot and `Changed` name only the
+/// [`ReplicatorInput::Persisted`] covers its tickets. `Persist` of a snapshot and `Changed` name only the
 /// key: the driver reads the current value when it performs them.
 #[derive(Debug)]
-pub(crate) enum Action<R> {
+pub(crate) enum ReplicatorAction<R> {
     Send {
         to: PeerAddr,
         msg: ReplicatorMsg,
@@ -278,7 +278,7 @@ pub(crate) enum Action<R> {
         msg: ReplicatorMsg,
     },
     /// Write `record` for `key` under `ticket` (tickets grow; the store commits them in order
-    /// and reports with [`Input::Persisted`]).
+    /// and reports with [`ReplicatorInput::Persisted`]).
     Persist {
         key: String,
         ticket: u64,
@@ -308,7 +308,7 @@ pub(crate) enum Action<R> {
         key: String,
     },
     /// Reserve the store writer's OR-set counters below `ceiling`, under `ticket` (reported
-    /// with [`Input::Persisted`] like a persist; see [`writer`]).
+    /// with [`ReplicatorInput::Persisted`] like a persist; see [`writer`]).
     ReserveCounters {
         ticket: u64,
         ceiling: u64,

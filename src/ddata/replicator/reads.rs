@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use super::{Action, Consistency, ReplicatorCore, ReplicatorMsg};
+use super::{Consistency, ReplicatorAction, ReplicatorCore, ReplicatorMsg};
 use crate::clock::Instant;
 use crate::ddata::crdt::{ReplicatedData, ReplicatedDelta};
 use crate::ddata::fenced::Fenced;
@@ -55,7 +55,7 @@ impl<R> ReplicatorCore<R> {
         timeout: Duration,
         reply: R,
         now: Instant,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let reachable = self.reachable_replicas();
         let counted = self.replicas_counted(keys.iter().map(String::as_str));
@@ -71,7 +71,7 @@ impl<R> ReplicatorCore<R> {
         }
         let op = self.next_op();
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
-        out.push(Action::Broadcast { to: reachable, msg: ReplicatorMsg::Read { op, keys: keys.clone() } });
+        out.push(ReplicatorAction::Broadcast { to: reachable, msg: ReplicatorMsg::Read { op, keys: keys.clone() } });
         let read = PendingRead {
             keys,
             many,
@@ -100,7 +100,7 @@ impl<R> ReplicatorCore<R> {
         timeout: Duration,
         reply: R,
         now: Instant,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let reachable = self.reachable_replicas();
         let counted = self.replicas_counted(updates.iter().map(|(k, _)| k.as_str()));
@@ -136,7 +136,7 @@ impl<R> ReplicatorCore<R> {
         ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         let msg = ReplicatorMsg::MergeThenRead { op, keys: all_keys.clone(), entries, values };
-        out.push(Action::Broadcast { to: reachable, msg });
+        out.push(ReplicatorAction::Broadcast { to: reachable, msg });
         let read = PendingRead {
             keys: all_keys,
             many: true,
@@ -162,7 +162,7 @@ impl<R> ReplicatorCore<R> {
         keys: Vec<String>,
         entries: Vec<(String, ReplicatedDelta)>,
         values: Vec<(String, ReplicatedData)>,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         if keys.len() > MAX_READ_KEYS || entries.len() + values.len() > keys.len() {
             ReplicatorStats::inc(&self.stats.rejected);
@@ -194,18 +194,18 @@ impl<R> ReplicatorCore<R> {
         }
         let Ok(ticket) = self.commit_ticket(written.iter().map(String::as_str)) else { return };
         for msg in self.read_results(op, &keys) {
-            self.after_commit(ticket, Action::Send { to: from.clone(), msg }, out);
+            self.after_commit(ticket, ReplicatorAction::Send { to: from.clone(), msg }, out);
         }
     }
 
     /// Answers a peer's read with this node's values, in messages capped in bytes.
-    pub(super) fn on_read(&mut self, from: PeerAddr, op: u64, keys: Vec<String>, out: &mut Vec<Action<R>>) {
+    pub(super) fn on_read(&mut self, from: PeerAddr, op: u64, keys: Vec<String>, out: &mut Vec<ReplicatorAction<R>>) {
         if keys.len() > MAX_READ_KEYS {
             ReplicatorStats::inc(&self.stats.rejected);
             return;
         }
         for msg in self.read_results(op, &keys) {
-            out.push(Action::Send { to: from.clone(), msg });
+            out.push(ReplicatorAction::Send { to: from.clone(), msg });
         }
     }
 
@@ -227,7 +227,7 @@ impl<R> ReplicatorCore<R> {
         op: u64,
         from: PeerAddr,
         values: Vec<(u32, Option<ReplicatedData>)>,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let Some(r) = self.reads.get_mut(&op) else { return };
         if !r.addressed.contains(&from.address) {
@@ -270,7 +270,7 @@ impl<R> ReplicatorCore<R> {
     /// still counts. Never more than at the start: what was counted then already intersected
     /// every acknowledged write, and so does the roster of now (a holder only leaves it once
     /// its values are on a majority of the rest).
-    pub(super) fn recount_pending(&mut self, out: &mut Vec<Action<R>>) {
+    pub(super) fn recount_pending(&mut self, out: &mut Vec<ReplicatorAction<R>>) {
         let ops: Vec<(u64, bool)> =
             self.reads.keys().map(|op| (*op, true)).chain(self.writes.keys().map(|op| (*op, false))).collect();
         for (op, read) in ops {
@@ -312,7 +312,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Joins the merged answers into the local values, repairs stale replicas, replies.
-    fn finish_read(&mut self, r: PendingRead<R>, out: &mut Vec<Action<R>>) {
+    fn finish_read(&mut self, r: PendingRead<R>, out: &mut Vec<ReplicatorAction<R>>) {
         let mut results = Vec::with_capacity(r.keys.len());
         for (key, merged) in r.keys.iter().zip(r.merged) {
             if let Some(Err(e)) = merged.map(|m| self.merge_in(key, m, out)) {
@@ -352,7 +352,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// Fails the reads past their deadline.
-    pub(super) fn expire_reads(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+    pub(super) fn expire_reads(&mut self, now: Instant, out: &mut Vec<ReplicatorAction<R>>) {
         let expired: Vec<u64> = self.reads.iter().filter(|(_, r)| r.deadline <= now).map(|(op, _)| *op).collect();
         for op in expired {
             let r = self.reads.remove(&op).expect("pending read");
@@ -362,9 +362,9 @@ impl<R> ReplicatorCore<R> {
     }
 }
 
-fn repair<R>(to: &PeerAddr, entries: Vec<(String, ReplicatedData)>) -> Action<R> {
+fn repair<R>(to: &PeerAddr, entries: Vec<(String, ReplicatedData)>) -> ReplicatorAction<R> {
     let msg = ReplicatorMsg::Gossip { entries, want: Vec::new(), want_buckets: Vec::new(), value_buckets: Vec::new() };
-    Action::Send { to: to.clone(), msg }
+    ReplicatorAction::Send { to: to.clone(), msg }
 }
 
 /// Why a read of `keys` keys that needs `needed` replicas (this node included) cannot start
@@ -380,19 +380,19 @@ fn read_refusal(keys: usize, needed: usize, reachable: usize) -> Option<Error> {
 }
 
 /// The same reply handle with another result.
-fn read_reply_of<R>(action: Action<R>, result: Result<Vec<Option<ReplicatedData>>>) -> Action<R> {
+fn read_reply_of<R>(action: ReplicatorAction<R>, result: Result<Vec<Option<ReplicatedData>>>) -> ReplicatorAction<R> {
     match action {
-        Action::ReplyGetMany { reply, .. } => read_reply(reply, true, result),
-        Action::ReplyGet { reply, .. } => read_reply(reply, false, result),
+        ReplicatorAction::ReplyGetMany { reply, .. } => read_reply(reply, true, result),
+        ReplicatorAction::ReplyGet { reply, .. } => read_reply(reply, false, result),
         other => other,
     }
 }
 
-fn read_reply<R>(reply: R, many: bool, result: Result<Vec<Option<ReplicatedData>>>) -> Action<R> {
+fn read_reply<R>(reply: R, many: bool, result: Result<Vec<Option<ReplicatedData>>>) -> ReplicatorAction<R> {
     if many {
-        Action::ReplyGetMany { reply, result }
+        ReplicatorAction::ReplyGetMany { reply, result }
     } else {
         let result = result.map(|mut v| v.pop().flatten());
-        Action::ReplyGet { reply, result }
+        ReplicatorAction::ReplyGet { reply, result }
     }
 }

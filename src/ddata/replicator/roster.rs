@@ -31,7 +31,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tracing::warn;
 
-use super::{Action, Modify, ReplicatorCore};
+use super::{Modify, ReplicatorAction, ReplicatorCore};
 use crate::clock::Instant;
 use crate::ddata::crdt::{Crdt, LwwMap, ReplicatedData};
 use crate::membership::UniqueAddress;
@@ -188,7 +188,7 @@ impl<R> ReplicatorCore<R> {
 
     /// After a membership change: adds every replica holder (this node too when `holder`) in
     /// its newest generation, and starts (or stops) the absence clock of counted ids.
-    pub(super) fn sync_roster(&mut self, holder: bool, now: Instant, out: &mut Vec<Action<R>>) {
+    pub(super) fn sync_roster(&mut self, holder: bool, now: Instant, out: &mut Vec<ReplicatorAction<R>>) {
         self.roster.size = None; // the replica holders changed
         let mut holders: Vec<UniqueAddress> = self.replicas.iter().map(|(p, _)| p.address.clone()).collect();
         if holder {
@@ -224,7 +224,7 @@ impl<R> ReplicatorCore<R> {
 
     /// Forgets the id absent longest once it has been absent `forget_absent_after` (one per
     /// call: one change at a time).
-    pub(super) fn forget_long_absent(&mut self, now: Instant, out: &mut Vec<Action<R>>) {
+    pub(super) fn forget_long_absent(&mut self, now: Instant, out: &mut Vec<ReplicatorAction<R>>) {
         let Some(after) = self.roster.forget_absent_after else { return };
         let Some((id, since)) = self.roster.absent_since.iter().min_by_key(|(_, since)| **since) else { return };
         if now.saturating_duration_since(*since) < after {
@@ -237,7 +237,7 @@ impl<R> ReplicatorCore<R> {
 
     /// Takes `node_id` out of the roster (its newest known generation is forgotten). Returns
     /// whether it was counted.
-    pub(super) fn forget(&mut self, node_id: &str, out: &mut Vec<Action<R>>) -> bool {
+    pub(super) fn forget(&mut self, node_id: &str, out: &mut Vec<ReplicatorAction<R>>) -> bool {
         self.roster.absent_since.remove(node_id);
         self.refresh_roster();
         let Some(entry) = self.roster.entries.get(node_id).copied() else { return false };
@@ -249,8 +249,12 @@ impl<R> ReplicatorCore<R> {
         true
     }
 
-    /// An operator's forget (see [`super::Input::Forget`]).
-    pub(super) fn forget_by_operator(&mut self, node_id: &str, out: &mut Vec<Action<R>>) -> crate::Result<()> {
+    /// An operator's forget (see [`super::ReplicatorInput::Forget`]).
+    pub(super) fn forget_by_operator(
+        &mut self,
+        node_id: &str,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) -> crate::Result<()> {
         let refuse = |why: String| Err(crate::Error::BadRequest(why));
         if *self.self_addr.node_id == *node_id {
             return refuse(format!("{node_id} is this node; forget it from another member"));
@@ -266,7 +270,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// A local write of the roster, spread by deltas and anti-entropy.
-    fn write_roster(&mut self, modify: Modify, out: &mut Vec<Action<R>>) {
+    fn write_roster(&mut self, modify: Modify, out: &mut Vec<ReplicatorAction<R>>) {
         match self.apply_modify(ROSTER_KEY, modify, out) {
             Ok(Some(delta)) => self.pend_delta(ROSTER_KEY.to_string(), delta),
             Ok(None) => {}

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tracing::warn;
 
-use super::{Input, ReplicatorCore, ReplicatorStats};
+use super::{ReplicatorCore, ReplicatorInput, ReplicatorStats};
 use crate::membership::{Member, MembershipSnapshot, PeerStanding, UniqueAddress};
 
 /// The incarnations in good standing in the latest view, and those that left it.
@@ -52,7 +52,7 @@ impl Standing {
     }
 }
 
-impl<R> Input<R> {
+impl<R> ReplicatorInput<R> {
     /// The membership input of a view, for the replicator of the members with `role`: the
     /// replica holders (Up or Leaving with the role, reachable or not), the gossip targets
     /// (reachable and routable with the role, joining ones included: they need the state
@@ -79,7 +79,7 @@ impl<R> Input<R> {
             .filter(|m| m.address() != me && !m.status().takes_new_shards())
             .map(|m| m.address().clone())
             .collect();
-        Input::Members { replicas, gossip_targets, standing, holder, leaving }
+        ReplicatorInput::Members { replicas, gossip_targets, standing, holder, leaving }
     }
 }
 

@@ -18,7 +18,7 @@
 //!
 //! Keys that are not durable keep the incarnation as writer: their dots are on no disk.
 
-use super::{Action, ReplicatorCore};
+use super::{ReplicatorAction, ReplicatorCore};
 use crate::ddata::crdt::ReplicatedData;
 use crate::ddata::durable::CounterReservation;
 
@@ -71,7 +71,7 @@ impl<R> ReplicatorCore<R> {
 
     /// After an update of a durable key: asks for more counters when the key's set is within
     /// [`RESERVE_AHEAD`] of the ceiling (and no extension is on its way).
-    pub(super) fn reserve_ahead(&mut self, key: &str, out: &mut Vec<Action<R>>) {
+    pub(super) fn reserve_ahead(&mut self, key: &str, out: &mut Vec<ReplicatorAction<R>>) {
         if self.writer.extending.is_some() || !self.is_durable(key) {
             return;
         }
@@ -83,7 +83,7 @@ impl<R> ReplicatorCore<R> {
         let Some(ceiling) = self.writer.ceiling.checked_add(RESERVATION_SPAN) else { return };
         let ticket = self.durability.issue_unkeyed();
         self.writer.extending = Some((ticket, ceiling));
-        out.push(Action::ReserveCounters { ticket, ceiling });
+        out.push(ReplicatorAction::ReserveCounters { ticket, ceiling });
     }
 
     /// Commits up to `through` were reported: an extension they include is usable now (or, if

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use tracing::warn;
 
-use super::{Action, Consistency, MAX_PENDING_DELTA_ELEMENTS, Modify, ReplicatorCore, ReplicatorMsg};
+use super::{Consistency, MAX_PENDING_DELTA_ELEMENTS, Modify, ReplicatorAction, ReplicatorCore, ReplicatorMsg};
 use crate::clock::Instant;
 use crate::ddata::crdt::{ReplicatedData, ReplicatedDelta};
 use crate::ddata::fenced::Fenced;
@@ -58,7 +58,7 @@ impl<R> ReplicatorCore<R> {
         &mut self,
         key: &str,
         modify: Modify,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) -> Result<Option<ReplicatedDelta>> {
         self.select_set_writer(key);
         let existing = self.data.get_mut(key);
@@ -118,7 +118,7 @@ impl<R> ReplicatorCore<R> {
         timeout: Duration,
         reply: R,
         now: Instant,
-        out: &mut Vec<Action<R>>,
+        out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let Applied { keys, deltas, unchanged, fenced, failure } = self.apply_all(updates, out);
         let reachable = self.reachable_replicas();
@@ -134,8 +134,10 @@ impl<R> ReplicatorCore<R> {
                 None => Err(Error::NotEnoughReplicas { needed, reachable: reachable.len() + 1 }),
             };
             match result.and_then(|()| self.commit_ticket(keys.iter().map(String::as_str))) {
-                Ok(ticket) => self.after_commit(ticket, Action::ReplyUpdate { reply, result: Ok(fenced) }, out),
-                Err(e) => out.push(Action::ReplyUpdate { reply, result: Err(e) }),
+                Ok(ticket) => {
+                    self.after_commit(ticket, ReplicatorAction::ReplyUpdate { reply, result: Ok(fenced) }, out)
+                }
+                Err(e) => out.push(ReplicatorAction::ReplyUpdate { reply, result: Err(e) }),
             }
             if self.pending_delta_elements > MAX_PENDING_DELTA_ELEMENTS {
                 self.flush_deltas(out);
@@ -149,7 +151,7 @@ impl<R> ReplicatorCore<R> {
         ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
         let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
-        out.push(Action::Broadcast { to: reachable, msg });
+        out.push(ReplicatorAction::Broadcast { to: reachable, msg });
         let acked = HashSet::from([self.self_addr.clone()]);
         let (consistency, deadline) = (c, now + timeout);
         self.writes.insert(op, PendingWrite { keys, fenced, consistency, needed, addressed, acked, deadline, reply });
@@ -158,7 +160,7 @@ impl<R> ReplicatorCore<R> {
     /// Applies the modifies of an update in order. A key refused by its fence is set aside and
     /// the others go on; any other failure stops there (keys modified before it keep their
     /// local change, which spreads as with any local update).
-    pub(super) fn apply_all(&mut self, updates: Vec<(String, Modify)>, out: &mut Vec<Action<R>>) -> Applied {
+    pub(super) fn apply_all(&mut self, updates: Vec<(String, Modify)>, out: &mut Vec<ReplicatorAction<R>>) -> Applied {
         let mut applied = Applied {
             keys: Vec::with_capacity(updates.len()),
             deltas: Vec::with_capacity(updates.len()),
@@ -213,14 +215,14 @@ impl<R> ReplicatorCore<R> {
     }
 
     /// A write a majority acknowledged: answered once committed here too.
-    pub(super) fn finish_write(&mut self, op: u64, out: &mut Vec<Action<R>>) {
+    pub(super) fn finish_write(&mut self, op: u64, out: &mut Vec<ReplicatorAction<R>>) {
         let w = self.writes.remove(&op).expect("pending write");
         match self.commit_ticket(w.keys.iter().map(String::as_str)) {
             Ok(ticket) => {
-                let reply = Action::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
+                let reply = ReplicatorAction::ReplyUpdate { reply: w.reply, result: Ok(w.fenced) };
                 self.after_commit_until(ticket, reply, Some(w.deadline), out)
             }
-            Err(e) => out.push(Action::ReplyUpdate { reply: w.reply, result: Err(e) }),
+            Err(e) => out.push(ReplicatorAction::ReplyUpdate { reply: w.reply, result: Err(e) }),
         }
     }
 }

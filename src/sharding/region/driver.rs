@@ -118,7 +118,7 @@ impl<E: Entity> RegionCommandsRx<E> {
 }
 
 /// The region task of one entity type on one node.
-pub(crate) struct RegionTask<E: Entity> {
+pub(crate) struct RegionDriver<E: Entity> {
     pub type_name: String,
     pub role: Option<String>,
     pub transport: Transport,
@@ -146,7 +146,7 @@ pub(crate) struct RegionTask<E: Entity> {
     pub extractor: crate::sharding::ids::ShardIdExtractor,
 }
 
-impl<E: Entity> RegionTask<E> {
+impl<E: Entity> RegionDriver<E> {
     pub(crate) async fn run(
         mut self,
         node: Node,

@@ -20,5 +20,5 @@ mod inbound;
 
 pub(crate) use asks::AskTable;
 pub(crate) use core::{RegionCore, RegionInput, RegionSettings};
-pub(crate) use driver::{RegionCmd, RegionCommands, RegionCommandsRx, RegionTask, region_commands};
+pub(crate) use driver::{RegionCmd, RegionCommands, RegionCommandsRx, RegionDriver, region_commands};
 pub(crate) use fast::{Direct, PeerSenders, RemoteHomes, SharedRegion};

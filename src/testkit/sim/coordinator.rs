@@ -85,10 +85,10 @@ impl Sim {
                 TakeOverAction::Claim { term, consistency, timeout } => {
                     let claim = crate::sharding::coordinator::state::claim_update(TYPE, term).into_parts();
                     let reply = RepReply::TakeOverClaim { read };
-                    RepInput::UpdateAndGetMany { updates: vec![claim], consistency, timeout, reply }
+                    ReplicatorInput::UpdateAndGetMany { updates: vec![claim], consistency, timeout, reply }
                 }
                 TakeOverAction::ReadRememberedShards { key, consistency, timeout } => {
-                    RepInput::Get { key, consistency, timeout, reply: RepReply::TakeOverShards { read } }
+                    ReplicatorInput::Get { key, consistency, timeout, reply: RepReply::TakeOverShards { read } }
                 }
                 TakeOverAction::Done(result) => {
                     node.take_over = None;
@@ -146,13 +146,17 @@ impl Sim {
                     w.shards = remembered.is_none().then_some(Ok(()));
                     let update = crate::sharding::coordinator::state::write_update(TYPE, entries, term);
                     let reply = RepReply::StateWrite { write, part: WritePart::State };
-                    let mut inputs =
-                        vec![RepInput::UpdateMany { updates: vec![update.into_parts()], consistency, timeout, reply }];
+                    let mut inputs = vec![ReplicatorInput::UpdateMany {
+                        updates: vec![update.into_parts()],
+                        consistency,
+                        timeout,
+                        reply,
+                    }];
                     if let Some(shards) = remembered {
                         let insert = crate::sharding::coordinator::state::remembered_shards_update(TYPE, shards);
                         let reply = RepReply::StateWrite { write, part: WritePart::RememberedShards };
                         let consistency = crate::sharding::coordinator::take_over::REMEMBERED_SHARDS;
-                        inputs.push(RepInput::UpdateMany {
+                        inputs.push(ReplicatorInput::UpdateMany {
                             updates: vec![insert.into_parts()],
                             consistency,
                             timeout,

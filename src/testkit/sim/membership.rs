@@ -170,7 +170,7 @@ impl Sim {
                 c.core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut coord_out);
             }
             let mut rep_out = Vec::new();
-            node.replicator.handle(RepInput::members_of(&view, None), now, wall, &mut rep_out);
+            node.replicator.handle(ReplicatorInput::members_of(&view, None), now, wall, &mut rep_out);
             self.perform_singleton(i, single);
             self.perform_region(i, region_out);
             self.perform_coordinator(i, coord_out);

@@ -45,7 +45,7 @@ use crate::clock::Instant;
 use crate::ddata::FencedMap;
 use crate::ddata::crdt::ReplicatedData;
 use crate::ddata::replicator::{
-    Action as RepAction, CoreSettings, Input as RepInput, PersistRecord, ReplicatorCore, ReplicatorMsg,
+    CoreSettings, PersistRecord, ReplicatorAction, ReplicatorCore, ReplicatorInput, ReplicatorMsg,
 };
 use crate::membership::{Member, MemberStatus, MembershipSnapshot, PeerAddr, UniqueAddress};
 use crate::sharding::coordinator::core::{CoordinatorInput, MembersView};
@@ -581,7 +581,7 @@ impl Sim {
             }
             Wire::Replicator(msg) => {
                 let mut out = Vec::new();
-                node.replicator.handle(RepInput::Remote { from: peer_of(&from), msg }, now, wall, &mut out);
+                node.replicator.handle(ReplicatorInput::Remote { from: peer_of(&from), msg }, now, wall, &mut out);
                 self.perform_replicator(i, out);
             }
             Wire::Heartbeat { response, seq } => {
@@ -644,7 +644,7 @@ impl Sim {
             c.core.handle(CoordinatorInput::Tick, now, wall, &mut coord_out);
         }
         let mut rep_out = Vec::new();
-        node.replicator.handle(RepInput::Tick, now, wall, &mut rep_out);
+        node.replicator.handle(ReplicatorInput::Tick, now, wall, &mut rep_out);
         let mut beats = Vec::new();
         if let Some(h) = node.heartbeat.as_mut() {
             h.handle(crate::membership::failure_detector::HeartbeatInput::Tick, now, &mut beats);

@@ -15,7 +15,7 @@ impl Sim {
         }
         let (now, wall) = (self.now(), self.wall());
         let mut out = Vec::new();
-        let input = RepInput::Persisted { through, failure: None };
+        let input = ReplicatorInput::Persisted { through, failure: None };
         self.nodes[i].as_mut().expect("live node").replicator.handle(input, now, wall, &mut out);
         self.perform_replicator(i, out);
     }
@@ -78,18 +78,18 @@ impl Sim {
         }
     }
 
-    pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<RepAction<RepReply>>) {
+    pub(super) fn perform_replicator(&mut self, i: usize, actions: Vec<ReplicatorAction<RepReply>>) {
         // The writes reach the disk when their commit is reported, an fsync later, as with the
         // persist thread (the core holds acks and update replies until then); a crash before
         // that loses them, though their deltas may already have left.
         let mut through = 0;
         for a in &actions {
-            if let RepAction::ReserveCounters { ticket, ceiling } = a {
+            if let ReplicatorAction::ReserveCounters { ticket, ceiling } = a {
                 through = through.max(*ticket);
                 self.unsynced[i].push((*ticket, DiskWrite::Ceiling(*ceiling).keyed("")));
                 continue;
             }
-            let RepAction::Persist { key, ticket, record } = a else { continue };
+            let ReplicatorAction::Persist { key, ticket, record } = a else { continue };
             through = through.max(*ticket);
             let Some(node) = self.nodes[i].as_ref() else { return };
             let write = match record {
@@ -108,17 +108,17 @@ impl Sim {
             let Some(node) = self.nodes[i].as_mut() else { return };
             let me = node.addr.clone();
             match action {
-                RepAction::Persist { .. }
-                | RepAction::TrimLog { .. }
-                | RepAction::Changed { .. }
-                | RepAction::ReserveCounters { .. } => {}
-                RepAction::Send { to, msg } => self.send(&me, &to.address, Wire::Replicator(msg)),
-                RepAction::Broadcast { to, msg } => {
+                ReplicatorAction::Persist { .. }
+                | ReplicatorAction::TrimLog { .. }
+                | ReplicatorAction::Changed { .. }
+                | ReplicatorAction::ReserveCounters { .. } => {}
+                ReplicatorAction::Send { to, msg } => self.send(&me, &to.address, Wire::Replicator(msg)),
+                ReplicatorAction::Broadcast { to, msg } => {
                     for p in to {
                         self.send(&me, &p.address, Wire::Replicator(msg.clone()));
                     }
                 }
-                RepAction::ReplyGetMany { reply: RepReply::TakeOverClaim { read }, result } => {
+                ReplicatorAction::ReplyGetMany { reply: RepReply::TakeOverClaim { read }, result } => {
                     // As the driver's typed read: a value of another type is an error.
                     let key = keys::coordinator_state(TYPE);
                     let claimed = result.and_then(|mut values| {
@@ -130,7 +130,7 @@ impl Sim {
                     });
                     self.take_over_input(i, read, TakeOverInput::Claimed(claimed));
                 }
-                RepAction::ReplyGet { reply: RepReply::TakeOverShards { read }, result } => {
+                ReplicatorAction::ReplyGet { reply: RepReply::TakeOverShards { read }, result } => {
                     let key = keys::remembered_shards(TYPE);
                     let shards = result.and_then(|d| {
                         let set =
@@ -139,19 +139,21 @@ impl Sim {
                     });
                     self.take_over_input(i, read, TakeOverInput::RememberedShardsRead(shards));
                 }
-                RepAction::ReplyUpdate { reply: RepReply::StateWrite { write, part }, result } => {
+                ReplicatorAction::ReplyUpdate { reply: RepReply::StateWrite { write, part }, result } => {
                     // As the driver's `update_many`: a key refused by its fence is the error.
                     let result = result.and_then(crate::ddata::first_fenced);
                     self.on_state_write_part(i, write, part, result);
                 }
-                RepAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance }, result } => {
+                ReplicatorAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance }, result } => {
                     self.on_remember_loaded(i, shard, instance, result)
                 }
-                RepAction::ReplyGetMany { reply: RepReply::StateClaim(claim), result } => {
+                ReplicatorAction::ReplyGetMany { reply: RepReply::StateClaim(claim), result } => {
                     self.on_states_claimed(i, claim, result)
                 }
-                RepAction::ReplyUpdate { reply: RepReply::EntityWrite(id), result } => self.on_state_try(i, id, result),
-                RepAction::ReplyUpdate { reply: RepReply::HandOver, result } => {
+                ReplicatorAction::ReplyUpdate { reply: RepReply::EntityWrite(id), result } => {
+                    self.on_state_try(i, id, result)
+                }
+                ReplicatorAction::ReplyUpdate { reply: RepReply::HandOver, result } => {
                     // As `Node::leave`: the member exits whether or not the hand-over succeeded.
                     if let Err(e) = &result {
                         let addr = me.clone();
@@ -169,12 +171,14 @@ impl Sim {
                     }
                     return;
                 }
-                RepAction::ReplyUpdate { reply: RepReply::RememberWrite(id), result } => {
+                ReplicatorAction::ReplyUpdate { reply: RepReply::RememberWrite(id), result } => {
                     // As the driver's `update_many`: a key refused by its fence is the error
                     // (remembered-id sets have none).
                     self.on_remember_try(i, id, result.and_then(crate::ddata::first_fenced))
                 }
-                RepAction::ReplyGet { .. } | RepAction::ReplyGetMany { .. } | RepAction::ReplyUpdate { .. } => {
+                ReplicatorAction::ReplyGet { .. }
+                | ReplicatorAction::ReplyGetMany { .. }
+                | ReplicatorAction::ReplyUpdate { .. } => {
                     self.report.violations.push("replicator reply of the wrong kind".into());
                 }
             }
@@ -261,7 +265,7 @@ impl Sim {
                     let (now, wall) = (self.now(), self.wall());
                     let node = self.nodes[i].as_mut().expect("running");
                     let timeout = crate::config::MembershipSettings::default().leave_hand_over_timeout;
-                    let input = RepInput::HandOver { timeout, reply: RepReply::HandOver };
+                    let input = ReplicatorInput::HandOver { timeout, reply: RepReply::HandOver };
                     let mut out = Vec::new();
                     node.replicator.handle(input, now, wall, &mut out);
                     self.perform_replicator(i, out);

@@ -50,7 +50,7 @@ impl Sim {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings(&self.cfg);
         let keys = crate::sharding::shard::remember::slot_keys(TYPE, shard, s.remember_entities_slots);
-        let input = RepInput::GetMany {
+        let input = ReplicatorInput::GetMany {
             keys,
             consistency: REMEMBER_CONSISTENCY,
             timeout: s.waiting_for_state_timeout,
@@ -123,7 +123,7 @@ impl Sim {
             let Some(node) = self.nodes[i].as_mut() else { return };
             match action {
                 BatchAction::Write(updates) => {
-                    let input = RepInput::UpdateMany {
+                    let input = ReplicatorInput::UpdateMany {
                         updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
                         consistency: REMEMBER_CONSISTENCY,
                         timeout: batch::write_timeout(&settings(&self.cfg)),

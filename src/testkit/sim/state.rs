@@ -102,7 +102,7 @@ impl Sim {
         let s = settings(&self.cfg);
         let updates = crate::sharding::shard::state::claim_updates(TYPE, &claim.shard, s.state_slots, epoch);
         let updates = updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect();
-        let input = RepInput::UpdateAndGetMany {
+        let input = ReplicatorInput::UpdateAndGetMany {
             updates,
             consistency: batch::state_read_consistency(&s),
             timeout: s.waiting_for_state_timeout,
@@ -291,7 +291,7 @@ impl Sim {
             match action {
                 BatchAction::Write(updates) => {
                     let s = settings(&self.cfg);
-                    let input = RepInput::UpdateMany {
+                    let input = ReplicatorInput::UpdateMany {
                         updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
                         consistency: batch::state_write_consistency(&s),
                         timeout: batch::write_timeout(&s),

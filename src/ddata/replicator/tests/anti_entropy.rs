@@ -25,11 +25,11 @@ fn a_digests_reply_lists_whole_buckets_within_the_message_budget_and_always_the_
         a.settings.max_message_bytes = budget;
         let mut out = Vec::new();
         let msg = ReplicatorMsg::KeyBuckets { digests: theirs.clone() };
-        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
         let (buckets, digests) = out
             .iter()
             .find_map(|x| match x {
-                Action::Send { msg: ReplicatorMsg::Digests { buckets, digests }, .. } => {
+                ReplicatorAction::Send { msg: ReplicatorMsg::Digests { buckets, digests }, .. } => {
                     Some((buckets.clone(), digests.clone()))
                 }
                 _ => None,
@@ -59,9 +59,11 @@ fn a_digests_reply_lists_whole_buckets_within_the_message_budget_and_always_the_
 type GossipEntries = Vec<(String, ReplicatedData)>;
 
 /// The `Gossip` a core sent: its entries and the keys it wants.
-fn gossip_sent(out: &[Action<u32>]) -> Option<(GossipEntries, Vec<String>)> {
+fn gossip_sent(out: &[ReplicatorAction<u32>]) -> Option<(GossipEntries, Vec<String>)> {
     out.iter().find_map(|x| match x {
-        Action::Send { msg: ReplicatorMsg::Gossip { entries, want, .. }, .. } => Some((entries.clone(), want.clone())),
+        ReplicatorAction::Send { msg: ReplicatorMsg::Gossip { entries, want, .. }, .. } => {
+            Some((entries.clone(), want.clone()))
+        }
         _ => None,
     })
 }
@@ -126,7 +128,7 @@ fn a_gossip_answer_to_digests_carries_values_within_the_message_budget_and_wants
         a.settings.max_message_bytes = budget;
         let mut out = Vec::new();
         let msg = ReplicatorMsg::Digests { buckets: all_buckets.clone(), digests: digests.clone() };
-        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
         let (entries, mut want) = gossip_sent(&out).expect("a Gossip answer");
         assert_greedy_fill(&a, &candidates, &entries, budget);
         want.sort();
@@ -136,7 +138,7 @@ fn a_gossip_answer_to_digests_carries_values_within_the_message_budget_and_wants
     let many: Vec<(String, u64)> = (0..1_100).map(|i| (format!("zz-{i:05}"), 1)).collect();
     let mut out = Vec::new();
     let msg = ReplicatorMsg::Digests { buckets: all_buckets, digests: many };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
     let (_, want) = gossip_sent(&out).expect("a Gossip answer");
     assert_eq!(want.len(), 1_024);
 }
@@ -158,7 +160,7 @@ fn values_a_peer_wants_go_back_within_the_message_budget_once_each_and_capped() 
             want_buckets: Vec::new(),
             value_buckets: Vec::new(),
         };
-        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
         let (entries, _) = gossip_sent(&out).expect("the wanted values");
         // Wanted keys are answered in key order.
         assert_greedy_fill(&a, &mine, &entries, budget);
@@ -172,7 +174,7 @@ fn values_a_peer_wants_go_back_within_the_message_budget_once_each_and_capped() 
         want_buckets: Vec::new(),
         value_buckets: Vec::new(),
     };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), rejected + 1, "the cut is counted");
 }
 
@@ -200,7 +202,7 @@ fn a_differing_value_goes_whole_up_to_the_bucketed_size_and_by_buckets_above_it(
         let buckets: Vec<u16> = (0..KEY_BUCKETS as u16).collect();
         let mut out = Vec::new();
         a.handle(
-            Input::Remote { from: peer("b"), msg: ReplicatorMsg::Digests { buckets, digests } },
+            ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::Digests { buckets, digests } },
             Instant::now(),
             0,
             &mut out,
@@ -208,7 +210,7 @@ fn a_differing_value_goes_whole_up_to_the_bucketed_size_and_by_buckets_above_it(
         let (entries, value_buckets) = out
             .iter()
             .find_map(|x| match x {
-                Action::Send { msg: ReplicatorMsg::Gossip { entries, value_buckets, .. }, .. } => {
+                ReplicatorAction::Send { msg: ReplicatorMsg::Gossip { entries, value_buckets, .. }, .. } => {
                     Some((entries.clone(), value_buckets.clone()))
                 }
                 _ => None,
@@ -239,7 +241,7 @@ fn bucket_digests_of_a_large_value_take_their_bytes_from_the_message_budget() {
         a.settings.max_message_bytes = budget;
         let mut out = Vec::new();
         let msg = ReplicatorMsg::Digests { buckets: all_buckets.clone(), digests: digests.clone() };
-        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+        a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
         let (entries, _) = gossip_sent(&out).expect("a Gossip answer");
         let sent: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
         let expected: &[&str] = if second_small_fits { &["b-small", "c-small"] } else { &["b-small"] };
@@ -257,7 +259,7 @@ fn keys_changed_on_both_sides_are_wanted_back_at_most_1024_per_message() {
     let digests: Vec<(String, u64)> = a.data.iter().map(|(k, e)| (k.clone(), e.value.digest() ^ 1)).collect();
     let mut out = Vec::new();
     let msg = ReplicatorMsg::Digests { buckets: (0..KEY_BUCKETS as u16).collect(), digests };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
     let (_, want) = gossip_sent(&out).expect("a Gossip answer");
     assert_eq!(want.len(), 1_024);
 }
@@ -288,7 +290,7 @@ fn bucket_parts_of_a_large_value_count_their_size_against_the_message_budget() {
                 want_buckets: want_buckets.clone(),
                 value_buckets: value_buckets.clone(),
             };
-            a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
+            a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 0, &mut out);
             let (entries, _) = gossip_sent(&out).expect("an answer");
             let sent: Vec<&str> = entries.iter().map(|(k, _)| k.as_str()).collect();
             let expected: &[&str] = if part_fits { &["small", "big"] } else { &["small"] };

@@ -2,10 +2,10 @@
 //! the snapshot-or-delta choice and the log's trims.
 use super::*;
 use crate::ddata::replicator::durability::{MAX_LOG_RECORDS, REWRITE_BACKOFF};
-fn tickets(out: &[Action<u32>]) -> Vec<(String, u64, bool)> {
+fn tickets(out: &[ReplicatorAction<u32>]) -> Vec<(String, u64, bool)> {
     out.iter()
         .filter_map(|a| match a {
-            Action::Persist { key, ticket, record } => {
+            ReplicatorAction::Persist { key, ticket, record } => {
                 Some((key.clone(), *ticket, matches!(record, PersistRecord::Snapshot)))
             }
             _ => None,
@@ -24,16 +24,26 @@ fn delta_write(key: &str, member: &str, op: u64) -> ReplicatorMsg {
 fn a_replica_acknowledges_a_durable_write_only_after_its_commit_and_a_plain_key_at_once() {
     let mut b = core("b");
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 1) }, Instant::now(), 1, &mut out);
+    b.handle(
+        ReplicatorInput::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 1) },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     assert_eq!(tickets(&out).len(), 1);
     assert!(!out.iter().any(is_ack));
     assert_eq!(b.durability_backlog(), (1, 1));
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg: delta_write("plain", "e1", 2) }, Instant::now(), 1, &mut out);
+    b.handle(
+        ReplicatorInput::Remote { from: peer("a"), msg: delta_write("plain", "e1", 2) },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     assert!(tickets(&out).is_empty() && out.iter().any(is_ack), "not durable: acknowledged at once");
     let mut out = Vec::new();
     commit_all(&mut b, &mut out);
-    assert!(matches!(&out[..], [Action::Send { msg: ReplicatorMsg::WriteAck { op: 1 }, .. }]));
+    assert!(matches!(&out[..], [ReplicatorAction::Send { msg: ReplicatorMsg::WriteAck { op: 1 }, .. }]));
     assert_eq!(b.durability_backlog(), (0, 0));
 }
 
@@ -45,14 +55,14 @@ fn a_duplicate_delta_is_acknowledged_only_once_its_first_arrival_is_committed() 
     let ReplicatorMsg::WriteDelta { entries, .. } = write.clone() else { unreachable!() };
     // First as propagation (persist in flight), then as a majority write that changes nothing.
     b.handle(
-        Input::Remote { from: peer("a"), msg: ReplicatorMsg::DeltaPropagation { entries } },
+        ReplicatorInput::Remote { from: peer("a"), msg: ReplicatorMsg::DeltaPropagation { entries } },
         Instant::now(),
         1,
         &mut out,
     );
     assert_eq!(tickets(&out).len(), 1);
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg: write }, Instant::now(), 1, &mut out);
+    b.handle(ReplicatorInput::Remote { from: peer("a"), msg: write }, Instant::now(), 1, &mut out);
     assert!(tickets(&out).is_empty(), "nothing new to write");
     assert!(!out.iter().any(is_ack), "but the first write is not committed yet");
     commit_all(&mut b, &mut out);
@@ -71,13 +81,18 @@ fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_o
     assert!(tickets(&out).is_empty(), "the rewrite waits for its backoff");
     // A majority acknowledged, but the key is not on the writer's own disk.
     let mut out = Vec::new();
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
+    a.handle(
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     assert!(
-        matches!(&out[..], [Action::ReplyUpdate { result: Err(Error::Storage { .. }), .. }]),
+        matches!(&out[..], [ReplicatorAction::ReplyUpdate { result: Err(Error::Storage { .. }), .. }]),
         "a storage error, not a success: {out:?}"
     );
     let mut out = Vec::new();
-    a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
+    a.handle(ReplicatorInput::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
     let rewrite = tickets(&out);
     assert_eq!(rewrite.len(), 1, "the failed key is written again");
     assert!(rewrite[0].2, "as a snapshot");
@@ -91,23 +106,38 @@ fn a_writer_whose_own_commit_failed_answers_a_storage_error_despite_a_majority_o
 fn a_failed_commit_withholds_the_replicas_ack() {
     let mut b = core("b");
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 1) }, Instant::now(), 1, &mut out);
+    b.handle(
+        ReplicatorInput::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 1) },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     let mut out = Vec::new();
     fail_all(&mut b, &mut out);
     assert!(!out.iter().any(is_ack));
     // A retry that changes nothing, while the key waits for its rewrite: still no ack.
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 2) }, Instant::now(), 1, &mut out);
+    b.handle(
+        ReplicatorInput::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 2) },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     commit_all(&mut b, &mut out);
     assert!(!out.iter().any(is_ack), "not on this disk yet: {out:?}");
     let mut out = Vec::new();
-    b.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
+    b.handle(ReplicatorInput::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
     assert_eq!(tickets(&out).len(), 1, "written again");
     // The writer retries; this time the commit works and the retry is acknowledged.
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 3) }, Instant::now(), 1, &mut out);
+    b.handle(
+        ReplicatorInput::Remote { from: peer("a"), msg: delta_write("shard-t/1/0", "e1", 3) },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     commit_all(&mut b, &mut out);
-    assert!(matches!(&out[..], [.., Action::Send { msg: ReplicatorMsg::WriteAck { op: 3 }, .. }]), "{out:?}");
+    assert!(matches!(&out[..], [.., ReplicatorAction::Send { msg: ReplicatorMsg::WriteAck { op: 3 }, .. }]), "{out:?}");
 }
 
 #[test]
@@ -115,9 +145,9 @@ fn a_local_update_answers_after_its_commit() {
     let mut a = core("a");
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::Local, or_add(vec!["e1".into()]), &mut out);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })));
+    assert!(!out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. })));
     commit_all(&mut a, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { result: Ok(f), .. } if f.is_empty())));
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { result: Ok(f), .. } if f.is_empty())));
 }
 
 #[test]
@@ -152,7 +182,7 @@ fn a_full_value_from_anti_entropy_is_persisted_as_a_snapshot() {
         want_buckets: vec![],
         value_buckets: vec![],
     };
-    b.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
+    b.handle(ReplicatorInput::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
     assert!(matches!(&tickets(&out)[..], [(_, _, true)]));
 }
 
@@ -164,15 +194,15 @@ fn tickets_continue_above_the_highest_loaded_delta_sequence() {
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::Local, add("x"), &mut out);
     assert_eq!(tickets(&out)[0].1, 42);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })));
+    assert!(!out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. })));
     commit_all(&mut a, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { result: Ok(f), .. } if f.is_empty())));
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { result: Ok(f), .. } if f.is_empty())));
 }
 
-fn trims(out: &[Action<u32>]) -> Vec<u64> {
+fn trims(out: &[ReplicatorAction<u32>]) -> Vec<u64> {
     out.iter()
         .filter_map(|a| match a {
-            Action::TrimLog { below } => Some(*below),
+            ReplicatorAction::TrimLog { below } => Some(*below),
             _ => None,
         })
         .collect()
@@ -230,7 +260,7 @@ fn a_failed_snapshot_keeps_the_deltas_it_was_to_cover_until_its_rewrite_commits(
     // A big change: written whole (the snapshot would cover the delta of ticket 5).
     let ids: Vec<String> = (0..1000).map(|i| format!("id-{i}")).collect();
     a.handle(
-        Input::Update {
+        ReplicatorInput::Update {
             key: "shard-t/k/0".into(),
             consistency: Consistency::Local,
             timeout: Duration::from_secs(1),
@@ -254,7 +284,7 @@ fn a_failed_snapshot_keeps_the_deltas_it_was_to_cover_until_its_rewrite_commits(
     assert!(trims(&out).is_empty(), "nothing trimmed on a failure");
     assert!(tickets(&out).is_empty(), "the rewrite waits for its backoff");
     let mut out = Vec::new();
-    a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
+    a.handle(ReplicatorInput::Tick, Instant::now() + REWRITE_BACKOFF.0, 0, &mut out);
     let rewrite = tickets(&out);
     assert!(matches!(&rewrite[..], [(_, 3_002, true)]));
     let mut out = Vec::new();
@@ -267,7 +297,7 @@ fn keys_of_a_failed_commit_are_written_again_after_a_backoff_that_doubles_while_
     let mut a = core("a");
     let t0 = Instant::now();
     let mut out = Vec::new();
-    let add_local = |member: &'static str| Input::Update {
+    let add_local = |member: &'static str| ReplicatorInput::Update {
         key: "shard-t/k/0".into(),
         consistency: Consistency::Local,
         timeout: Duration::from_secs(1),
@@ -279,12 +309,12 @@ fn keys_of_a_failed_commit_are_written_again_after_a_backoff_that_doubles_while_
     let fail = |a: &mut ReplicatorCore<u32>, at: Instant| {
         let mut out = Vec::new();
         let failure = Some((std::path::PathBuf::from("/data"), "map full".to_string()));
-        a.handle(Input::Persisted { through: u64::MAX, failure }, at, 0, &mut out);
+        a.handle(ReplicatorInput::Persisted { through: u64::MAX, failure }, at, 0, &mut out);
         assert!(tickets(&out).is_empty(), "no rewrite at once (it would spin on a lasting failure)");
     };
     let rewrites_at = |a: &mut ReplicatorCore<u32>, at: Instant| {
         let mut out = Vec::new();
-        a.handle(Input::Tick, at, 0, &mut out);
+        a.handle(ReplicatorInput::Tick, at, 0, &mut out);
         tickets(&out).len()
     };
     fail(&mut a, t0);
@@ -299,7 +329,7 @@ fn keys_of_a_failed_commit_are_written_again_after_a_backoff_that_doubles_while_
     // A commit that succeeds resets it.
     let t2 = t1 + first * 2;
     let mut out = Vec::new();
-    a.handle(Input::Persisted { through: u64::MAX, failure: None }, t2, 0, &mut out);
+    a.handle(ReplicatorInput::Persisted { through: u64::MAX, failure: None }, t2, 0, &mut out);
     a.handle(add_local("y"), t2, 1, &mut out);
     fail(&mut a, t2);
     assert_eq!(rewrites_at(&mut a, t2 + first), 1, "back to the first backoff after a success");
@@ -318,9 +348,9 @@ fn a_new_change_to_a_key_waiting_for_its_rewrite_is_written_whole_and_is_the_rew
     assert!(matches!(&written[..], [(_, _, true)]), "a snapshot (it carries e1 too), not a delta: {written:?}");
     let mut out = Vec::new();
     commit_all(&mut a, &mut out);
-    assert!(matches!(&out[..], [Action::ReplyUpdate { result: Ok(f), .. }] if f.is_empty()), "{out:?}");
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyUpdate { result: Ok(f), .. }] if f.is_empty()), "{out:?}");
     let mut out = Vec::new();
-    a.handle(Input::Tick, Instant::now() + REWRITE_BACKOFF.1, 0, &mut out);
+    a.handle(ReplicatorInput::Tick, Instant::now() + REWRITE_BACKOFF.1, 0, &mut out);
     assert!(tickets(&out).is_empty(), "no second rewrite");
 }
 

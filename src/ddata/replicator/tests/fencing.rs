@@ -35,7 +35,7 @@ fn claim(epoch: u64) -> Modify {
 fn with_peers(c: &mut ReplicatorCore<u32>, ids: &[&str]) {
     let replicas = ids.iter().map(|id| (peer(id), true)).collect();
     c.handle(
-        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -46,40 +46,44 @@ fn fence_of(c: &ReplicatorCore<u32>, key: &str) -> Option<u64> {
     c.local_value(key)?.fence()
 }
 
-fn update_many(c: &mut ReplicatorCore<u32>, updates: Vec<(String, Modify)>, reply: u32) -> Vec<Action<u32>> {
+fn update_many(c: &mut ReplicatorCore<u32>, updates: Vec<(String, Modify)>, reply: u32) -> Vec<ReplicatorAction<u32>> {
     let mut out = Vec::new();
-    let input =
-        Input::UpdateMany { updates, consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply };
+    let input = ReplicatorInput::UpdateMany {
+        updates,
+        consistency: Consistency::MAJORITY,
+        timeout: Duration::from_secs(1),
+        reply,
+    };
     c.handle(input, Instant::now(), 1, &mut out);
     out
 }
 
-fn write_delta(out: &[Action<u32>]) -> ReplicatorMsg {
+fn write_delta(out: &[ReplicatorAction<u32>]) -> ReplicatorMsg {
     out.iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: m @ ReplicatorMsg::WriteDelta { .. }, .. } => Some(m.clone()),
+            ReplicatorAction::Broadcast { msg: m @ ReplicatorMsg::WriteDelta { .. }, .. } => Some(m.clone()),
             _ => None,
         })
         .expect("a WriteDelta")
 }
 
-fn update_reply(out: &[Action<u32>], id: u32) -> Option<&Result<Vec<(String, Fenced)>>> {
+fn update_reply(out: &[ReplicatorAction<u32>], id: u32) -> Option<&Result<Vec<(String, Fenced)>>> {
     out.iter().find_map(|x| match x {
-        Action::ReplyUpdate { result, reply } if *reply == id => Some(result),
+        ReplicatorAction::ReplyUpdate { result, reply } if *reply == id => Some(result),
         _ => None,
     })
 }
 
-fn deliver(to: &mut ReplicatorCore<u32>, from: &str, msg: ReplicatorMsg) -> Vec<Action<u32>> {
+fn deliver(to: &mut ReplicatorCore<u32>, from: &str, msg: ReplicatorMsg) -> Vec<ReplicatorAction<u32>> {
     let mut out = Vec::new();
-    to.handle(Input::Remote { from: peer(from), msg }, Instant::now(), 1, &mut out);
+    to.handle(ReplicatorInput::Remote { from: peer(from), msg }, Instant::now(), 1, &mut out);
     out
 }
 
-fn sent(out: &[Action<u32>]) -> Vec<ReplicatorMsg> {
+fn sent(out: &[ReplicatorAction<u32>]) -> Vec<ReplicatorMsg> {
     out.iter()
         .filter_map(|x| match x {
-            Action::Send { msg, .. } => Some(msg.clone()),
+            ReplicatorAction::Send { msg, .. } => Some(msg.clone()),
             _ => None,
         })
         .collect()
@@ -189,7 +193,7 @@ fn update_and_get_answers_only_once_every_counted_replica_and_this_node_committe
     local(&mut replica, "shard-t/1/s", put("e1", 8, 1));
     commit_all(&mut replica, &mut vec![]);
     let mut out = Vec::new();
-    let input = Input::UpdateAndGetMany {
+    let input = ReplicatorInput::UpdateAndGetMany {
         updates: vec![("shard-t/1/s".into(), claim(9))],
         consistency: Consistency::MAJORITY,
         timeout: Duration::from_secs(1),
@@ -199,7 +203,9 @@ fn update_and_get_answers_only_once_every_counted_replica_and_this_node_committe
     let msg = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, to } if to.len() == 2 => Some(m.clone()),
+            ReplicatorAction::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, to } if to.len() == 2 => {
+                Some(m.clone())
+            }
             _ => None,
         })
         .expect("a MergeThenRead to both replicas");
@@ -216,14 +222,14 @@ fn update_and_get_answers_only_once_every_counted_replica_and_this_node_committe
         out.extend(deliver(&mut reader, "b", msg));
     }
     assert!(
-        !out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })),
+        !out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { .. })),
         "the reader's own claim is not committed yet"
     );
     commit_all(&mut reader, &mut out);
     let values = out
         .iter()
         .find_map(|x| match x {
-            Action::ReplyGetMany { reply: 5, result: Ok(v) } => Some(v.clone()),
+            ReplicatorAction::ReplyGetMany { reply: 5, result: Ok(v) } => Some(v.clone()),
             _ => None,
         })
         .expect("the reply");
@@ -237,7 +243,7 @@ fn a_failed_commit_of_the_claim_answers_nothing_and_the_reader_times_out() {
     with_peers(&mut reader, &["b", "c"]);
     let mut replica = core("b");
     let mut out = Vec::new();
-    let input = Input::UpdateAndGetMany {
+    let input = ReplicatorInput::UpdateAndGetMany {
         updates: vec![("shard-t/1/s".into(), claim(9))],
         consistency: Consistency::MAJORITY,
         timeout: Duration::from_secs(1),
@@ -248,7 +254,7 @@ fn a_failed_commit_of_the_claim_answers_nothing_and_the_reader_times_out() {
     let msg = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, .. } => Some(m.clone()),
+            ReplicatorAction::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, .. } => Some(m.clone()),
             _ => None,
         })
         .unwrap();
@@ -257,10 +263,12 @@ fn a_failed_commit_of_the_claim_answers_nothing_and_the_reader_times_out() {
     fail_all(&mut replica, &mut failed);
     assert!(sent(&failed).is_empty(), "a replica that may lose the claim must not be counted: {failed:?}");
     let mut out = Vec::new();
-    reader.handle(Input::Tick, now + Duration::from_secs(2), 1, &mut out);
+    reader.handle(ReplicatorInput::Tick, now + Duration::from_secs(2), 1, &mut out);
     assert!(
-        out.iter()
-            .any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Err(Error::ConsistencyTimeout { .. }) })),
+        out.iter().any(|x| matches!(
+            x,
+            ReplicatorAction::ReplyGetMany { reply: 5, result: Err(Error::ConsistencyTimeout { .. }) }
+        )),
         "{out:?}"
     );
 }
@@ -270,7 +278,7 @@ fn a_claim_below_the_local_fence_fails_the_read_at_once_with_fenced() {
     let mut reader = core("a");
     local(&mut reader, "shard-t/1/s", claim(10));
     let mut out = Vec::new();
-    let input = Input::UpdateAndGetMany {
+    let input = ReplicatorInput::UpdateAndGetMany {
         updates: vec![("shard-t/1/s".into(), claim(9))],
         consistency: Consistency::Local,
         timeout: Duration::from_secs(1),
@@ -278,7 +286,10 @@ fn a_claim_below_the_local_fence_fails_the_read_at_once_with_fenced() {
     };
     reader.handle(input, Instant::now(), 1, &mut out);
     assert!(
-        matches!(&out[..], [Action::ReplyGetMany { result: Err(Error::Fenced { epoch: 9, fence: 10, .. }), .. }]),
+        matches!(
+            &out[..],
+            [ReplicatorAction::ReplyGetMany { result: Err(Error::Fenced { epoch: 9, fence: 10, .. }), .. }]
+        ),
         "{out:?}"
     );
 }
@@ -287,19 +298,18 @@ fn a_claim_below_the_local_fence_fails_the_read_at_once_with_fenced() {
 fn a_local_update_and_get_answers_after_the_local_commit() {
     let mut reader = core("a");
     let mut out = Vec::new();
-    let input = Input::UpdateAndGetMany {
+    let input = ReplicatorInput::UpdateAndGetMany {
         updates: vec![("shard-t/1/s".into(), claim(3))],
         consistency: Consistency::MAJORITY,
         timeout: Duration::from_secs(1),
         reply: 5,
     };
     reader.handle(input, Instant::now(), 1, &mut out);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })), "{out:?}");
+    assert!(!out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { .. })), "{out:?}");
     commit_all(&mut reader, &mut out);
-    assert!(
-        out.iter()
-            .any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(v) } if v.len() == 1 && v[0].is_some()))
-    );
+    assert!(out.iter().any(
+        |x| matches!(x, ReplicatorAction::ReplyGetMany { reply: 5, result: Ok(v) } if v.len() == 1 && v[0].is_some())
+    ));
 }
 
 #[test]
@@ -339,16 +349,23 @@ fn a_read_needing_more_replicas_than_reachable_fails_at_once_naming_both_counts(
         let mut a = core("a");
         let replicas = members.iter().enumerate().map(|(i, up)| (peer(&format!("p{i}")), *up)).collect();
         a.handle(
-            Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+            ReplicatorInput::Members {
+                holder: true,
+                replicas,
+                gossip_targets: vec![],
+                standing: vec![],
+                leaving: vec![],
+            },
             Instant::now(),
             0,
             &mut vec![],
         );
         let mut out = Vec::new();
-        let get = Input::GetMany { keys: vec!["k".into()], consistency, timeout: Duration::from_secs(1), reply: 1 };
+        let get =
+            ReplicatorInput::GetMany { keys: vec!["k".into()], consistency, timeout: Duration::from_secs(1), reply: 1 };
         a.handle(get, Instant::now(), 1, &mut out);
         let refused = out.iter().find_map(|x| match x {
-            Action::ReplyGetMany { result: Err(Error::NotEnoughReplicas { needed, reachable }), .. } => {
+            ReplicatorAction::ReplyGetMany { result: Err(Error::NotEnoughReplicas { needed, reachable }), .. } => {
                 Some((*needed, *reachable))
             }
             _ => None,
@@ -363,15 +380,20 @@ fn a_read_of_exactly_the_key_limit_is_served() {
     let mut out = Vec::new();
     let keys = (0..MAX_READ_KEYS).map(|i| i.to_string()).collect();
     a.handle(
-        Input::GetMany { keys, consistency: Consistency::Local, timeout: Duration::from_secs(1), reply: 1 },
+        ReplicatorInput::GetMany { keys, consistency: Consistency::Local, timeout: Duration::from_secs(1), reply: 1 },
         Instant::now(),
         1,
         &mut out,
     );
-    assert!(matches!(&out[..], [Action::ReplyGetMany { result: Ok(v), .. }] if v.len() == MAX_READ_KEYS));
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyGetMany { result: Ok(v), .. }] if v.len() == MAX_READ_KEYS));
     let mut out = Vec::new();
     let keys = (0..MAX_READ_KEYS).map(|i| i.to_string()).collect();
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::Read { op: 1, keys } }, Instant::now(), 1, &mut out);
+    a.handle(
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::Read { op: 1, keys } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     assert!(!out.is_empty());
 }
 
@@ -383,7 +405,7 @@ fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Optio
     let replicas =
         [("b", true), ("c", true), ("d", true), ("e", e_reachable)].iter().map(|(id, up)| (peer(id), *up)).collect();
     reader.handle(
-        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -393,7 +415,7 @@ fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Optio
     commit_all(&mut holder, &mut vec![]);
 
     let mut out = Vec::new();
-    let input = Input::UpdateAndGetMany {
+    let input = ReplicatorInput::UpdateAndGetMany {
         updates: vec![("shard-t/1/s".into(), claim(9))],
         consistency,
         timeout: Duration::from_secs(1),
@@ -403,7 +425,7 @@ fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Optio
     let msg = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, .. } => Some(m.clone()),
+            ReplicatorAction::Broadcast { msg: m @ ReplicatorMsg::MergeThenRead { .. }, .. } => Some(m.clone()),
             _ => None,
         })
         .expect("a MergeThenRead");
@@ -419,9 +441,9 @@ fn claim_among_five(consistency: Consistency, e_reachable: bool) -> (bool, Optio
         }
     }
     commit_all(&mut reader, &mut replies);
-    let value_of = |out: &[Action<u32>]| {
+    let value_of = |out: &[ReplicatorAction<u32>]| {
         out.iter().find_map(|x| match x {
-            Action::ReplyGetMany { reply: 5, result: Ok(v) } => {
+            ReplicatorAction::ReplyGetMany { reply: 5, result: Ok(v) } => {
                 let map = FencedMap::from_data(v[0].clone().unwrap(), "k").unwrap();
                 Some(map.get("e1").map(<[u8]>::to_vec))
             }

@@ -24,7 +24,8 @@ fn core(id: &str) -> ReplicatorCore<u32> {
 /// `core(id)` told its replicas (with whether each is reachable) and nothing else.
 fn core_with_replicas(id: &str, replicas: Vec<(PeerAddr, bool)>) -> ReplicatorCore<u32> {
     let mut c = core(id);
-    let members = Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] };
+    let members =
+        ReplicatorInput::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] };
     c.handle(members, Instant::now(), 0, &mut vec![]);
     c
 }
@@ -45,33 +46,33 @@ fn add(member: &'static str) -> Modify {
 }
 
 /// Reports every persist issued so far as committed (as the persist thread does).
-fn commit_all(c: &mut ReplicatorCore<u32>, out: &mut Vec<Action<u32>>) {
-    c.handle(Input::Persisted { through: u64::MAX, failure: None }, Instant::now(), 0, out);
+fn commit_all(c: &mut ReplicatorCore<u32>, out: &mut Vec<ReplicatorAction<u32>>) {
+    c.handle(ReplicatorInput::Persisted { through: u64::MAX, failure: None }, Instant::now(), 0, out);
 }
 
-fn fail_all(c: &mut ReplicatorCore<u32>, out: &mut Vec<Action<u32>>) {
+fn fail_all(c: &mut ReplicatorCore<u32>, out: &mut Vec<ReplicatorAction<u32>>) {
     let failure = Some((std::path::PathBuf::from("/data"), "disk on fire".to_string()));
-    c.handle(Input::Persisted { through: u64::MAX, failure }, Instant::now(), 0, out);
+    c.handle(ReplicatorInput::Persisted { through: u64::MAX, failure }, Instant::now(), 0, out);
 }
 
-fn is_ack(a: &Action<u32>) -> bool {
-    matches!(a, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })
+fn is_ack(a: &ReplicatorAction<u32>) -> bool {
+    matches!(a, ReplicatorAction::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })
 }
 
-fn read_op(out: &[Action<u32>]) -> (u64, Vec<String>) {
+fn read_op(out: &[ReplicatorAction<u32>]) -> (u64, Vec<String>) {
     out.iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: ReplicatorMsg::Read { op, keys }, .. } => Some((*op, keys.clone())),
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::Read { op, keys }, .. } => Some((*op, keys.clone())),
             _ => None,
         })
         .expect("a Read")
 }
 
 /// The op of the `WriteDelta` among `out`.
-fn write_op(out: &[Action<u32>]) -> u64 {
+fn write_op(out: &[ReplicatorAction<u32>]) -> u64 {
     out.iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
             _ => None,
         })
         .expect("a WriteDelta")
@@ -113,7 +114,7 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
     let now = Instant::now();
     let mut out = Vec::new();
     c.handle(
-        Input::Update {
+        ReplicatorInput::Update {
             key: "shard-1".into(),
             consistency: Consistency::MAJORITY,
             timeout: Duration::from_secs(1),
@@ -125,28 +126,28 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
         &mut out,
     );
     // Durable key: persisted, then 4 writes.
-    assert!(matches!(out[0], Action::Persist { .. }));
+    assert!(matches!(out[0], ReplicatorAction::Persist { .. }));
     let (op, fanout) = out
         .iter()
         .find_map(|a| match a {
-            Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } } => Some((*op, to.len())),
+            ReplicatorAction::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } } => Some((*op, to.len())),
             _ => None,
         })
         .unwrap();
     assert_eq!(fanout, 4);
     let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     assert!(out.is_empty(), "2 of 3");
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     assert!(out.is_empty(), "a duplicate ack does not count");
-    c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    c.handle(ReplicatorInput::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     assert!(out.is_empty(), "a majority of acks, but the writer's own commit is not reported yet");
     commit_all(&mut c, &mut out);
-    assert!(matches!(&out[0], Action::ReplyUpdate { reply: 7, result: Ok(f) } if f.is_empty()));
+    assert!(matches!(&out[0], ReplicatorAction::ReplyUpdate { reply: 7, result: Ok(f) } if f.is_empty()));
 
     let mut out = Vec::new();
     c.handle(
-        Input::Update {
+        ReplicatorInput::Update {
             key: "k2".into(),
             consistency: Consistency::MAJORITY,
             timeout: Duration::from_secs(1),
@@ -158,10 +159,10 @@ fn majority_write_completes_on_enough_acks_and_times_out_otherwise() {
         &mut out,
     );
     let mut out = Vec::new();
-    c.handle(Input::Tick, now + Duration::from_secs(2), 1, &mut out);
+    c.handle(ReplicatorInput::Tick, now + Duration::from_secs(2), 1, &mut out);
     assert!(out.iter().any(|a| matches!(
         a,
-        Action::ReplyUpdate { reply: 8, result: Err(Error::ConsistencyTimeout { needed: 3, acked: 1 }) }
+        ReplicatorAction::ReplyUpdate { reply: 8, result: Err(Error::ConsistencyTimeout { needed: 3, acked: 1 }) }
     )));
     // The local value stays updated.
     assert!(c.local_value("k2").is_some());
@@ -173,7 +174,7 @@ fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
         core_with_replicas("a", vec![(peer("b"), true), (peer("c"), false), (peer("d"), false), (peer("e"), false)]);
     let mut out = Vec::new();
     c.handle(
-        Input::Update {
+        ReplicatorInput::Update {
             key: "k".into(),
             consistency: Consistency::MAJORITY,
             timeout: Duration::from_secs(1),
@@ -186,7 +187,7 @@ fn too_few_reachable_replicas_fail_at_once_but_keep_the_local_update() {
     );
     assert!(out.iter().any(|a| matches!(
         a,
-        Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 2 }), .. }
+        ReplicatorAction::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 3, reachable: 2 }), .. }
     )));
     assert!(c.local_value("k").is_some());
 }
@@ -197,13 +198,19 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let mut b = core("b");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members {
+            holder: true,
+            replicas: peers,
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
     );
     b.handle(
-        Input::Update {
+        ReplicatorInput::Update {
             key: "k".into(),
             consistency: Consistency::Local,
             timeout: Duration::from_secs(1),
@@ -216,7 +223,12 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     );
     let mut out = Vec::new();
     a.handle(
-        Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 },
+        ReplicatorInput::Get {
+            key: "k".into(),
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(1),
+            reply: 5,
+        },
         Instant::now(),
         1,
         &mut out,
@@ -225,7 +237,7 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let value = b.local_value("k").cloned();
     let mut out = Vec::new();
     a.handle(
-        Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, value)] } },
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, value)] } },
         Instant::now(),
         1,
         &mut out,
@@ -233,7 +245,7 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let got = out
         .iter()
         .find_map(|x| match x {
-            Action::ReplyGet { reply: 5, result: Ok(v) } => Some(v.clone()),
+            ReplicatorAction::ReplyGet { reply: 5, result: Ok(v) } => Some(v.clone()),
             _ => None,
         })
         .unwrap();
@@ -246,10 +258,10 @@ fn update(
     key: &str,
     consistency: Consistency,
     modify: Modify,
-    out: &mut Vec<Action<u32>>,
+    out: &mut Vec<ReplicatorAction<u32>>,
 ) {
     c.handle(
-        Input::Update { key: key.into(), consistency, timeout: Duration::from_secs(1), modify, reply: 0 },
+        ReplicatorInput::Update { key: key.into(), consistency, timeout: Duration::from_secs(1), modify, reply: 0 },
         Instant::now(),
         1,
         out,
@@ -301,7 +313,7 @@ fn copy_value(from: &ReplicatorCore<u32>, to: &mut ReplicatorCore<u32>, key: &st
         want_buckets: vec![],
         value_buckets: vec![],
     };
-    to.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut vec![]);
+    to.handle(ReplicatorInput::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut vec![]);
 }
 
 /// What one anti-entropy exchange between `a` (which starts it) and `b` carried.
@@ -334,7 +346,7 @@ fn kind(m: &ReplicatorMsg) -> &'static str {
 fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instant) -> Exchange {
     let (pa, pb) = (peer("a"), peer("b"));
     for (c, other) in [(&mut *a, &pb), (&mut *b, &pa)] {
-        let m = Input::Members {
+        let m = ReplicatorInput::Members {
             holder: true,
             replicas: vec![(other.clone(), true)],
             gossip_targets: vec![other.clone()],
@@ -354,18 +366,18 @@ fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instan
     }
     let mut ex = Exchange::default();
     let mut out = Vec::new();
-    a.handle(Input::Tick, at, 1, &mut out);
+    a.handle(ReplicatorInput::Tick, at, 1, &mut out);
     let mut queue: std::collections::VecDeque<(bool, ReplicatorMsg)> = Default::default();
     loop {
         for act in out.drain(..) {
             match act {
-                Action::Send { to, msg } => queue.push_back((to.address == pb.address, msg)),
-                Action::Broadcast { to, msg } => {
+                ReplicatorAction::Send { to, msg } => queue.push_back((to.address == pb.address, msg)),
+                ReplicatorAction::Broadcast { to, msg } => {
                     for t in to {
                         queue.push_back((t.address == pb.address, msg.clone()));
                     }
                 }
-                Action::Persist { .. } => ex.persists += 1,
+                ReplicatorAction::Persist { .. } => ex.persists += 1,
                 _ => {}
             }
         }
@@ -377,9 +389,9 @@ fn exchange(a: &mut ReplicatorCore<u32>, b: &mut ReplicatorCore<u32>, at: Instan
             ex.value_elements += entries.iter().map(|(_, v)| v.element_count()).sum::<usize>();
         }
         if to_b {
-            b.handle(Input::Remote { from: pa.clone(), msg }, at, 1, &mut out);
+            b.handle(ReplicatorInput::Remote { from: pa.clone(), msg }, at, 1, &mut out);
         } else {
-            a.handle(Input::Remote { from: pb.clone(), msg }, at, 1, &mut out);
+            a.handle(ReplicatorInput::Remote { from: pb.clone(), msg }, at, 1, &mut out);
         }
         assert!(ex.messages.len() < 100, "anti-entropy does not settle: {:?}", ex.messages);
     }
@@ -434,8 +446,11 @@ fn merging_a_value_equal_to_the_local_one_persists_and_notifies_nothing() {
         rmp_serde::from_slice(&rmp_serde::to_vec(a.local_value("shard-t/1/0").unwrap()).unwrap()).unwrap();
     let mut out = Vec::new();
     let msg = ReplicatorMsg::WriteDelta { op: 1, entries: vec![], values: vec![("shard-t/1/0".into(), same)] };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
-    assert!(out.iter().all(|x| matches!(x, Action::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })), "{out:?}");
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    assert!(
+        out.iter().all(|x| matches!(x, ReplicatorAction::Send { msg: ReplicatorMsg::WriteAck { .. }, .. })),
+        "{out:?}"
+    );
 }
 
 #[test]
@@ -447,7 +462,7 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     // b starts with a's state (as after anti-entropy).
     copy_value(&a, &mut b, "shard-t/1/0");
     a.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
@@ -464,7 +479,7 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     let msg = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: m @ ReplicatorMsg::WriteDelta { .. }, .. } => Some(m.clone()),
+            ReplicatorAction::Broadcast { msg: m @ ReplicatorMsg::WriteDelta { .. }, .. } => Some(m.clone()),
             _ => None,
         })
         .expect("a WriteDelta");
@@ -473,8 +488,11 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     assert_eq!(entries[0].1.len(), 1, "one element, not the 1,001 of the value");
     assert!(rmp_serde::to_vec(&msg).unwrap().len() < 200);
     let mut out = Vec::new();
-    b.handle(Input::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::Persist { record: PersistRecord::Delta(d), .. } if d.len() == 1)));
+    b.handle(ReplicatorInput::Remote { from: peer("a"), msg }, Instant::now(), 1, &mut out);
+    assert!(
+        out.iter()
+            .any(|x| matches!(x, ReplicatorAction::Persist { record: PersistRecord::Delta(d), .. } if d.len() == 1))
+    );
     assert!(!out.iter().any(is_ack), "no ack before the commit");
     commit_all(&mut b, &mut out);
     assert!(out.iter().any(is_ack));
@@ -486,7 +504,7 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
     let mut a = core("a");
     let now = Instant::now();
     a.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: vec![(peer("b"), true)],
             gossip_targets: vec![peer("b")],
@@ -497,23 +515,26 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
         0,
         &mut vec![],
     );
-    a.handle(Input::Tick, now, 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, now, 1, &mut vec![]);
     for i in 0..5 {
         local(&mut a, "k", add(["p", "q", "r", "s", "t"][i]));
     }
     local(&mut a, "m", map_put(vec![("x".into(), 1)]));
     let mut out = Vec::new();
-    a.handle(Input::Tick, now + Duration::from_millis(10), 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_millis(10), 1, &mut out);
     assert!(
-        !out.iter().any(|x| matches!(x, Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. })),
+        !out.iter()
+            .any(|x| matches!(x, ReplicatorAction::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. })),
         "not due yet"
     );
     let mut out = Vec::new();
-    a.handle(Input::Tick, now + Duration::from_millis(60), 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_millis(60), 1, &mut out);
     let shipped: Vec<_> = out
         .iter()
         .filter_map(|x| match x {
-            Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => Some(entries.clone()),
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => {
+                Some(entries.clone())
+            }
             _ => None,
         })
         .collect();
@@ -523,7 +544,10 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
     // A follower that merges it has both values.
     let mut b = core("b");
     b.handle(
-        Input::Remote { from: peer("a"), msg: ReplicatorMsg::DeltaPropagation { entries: shipped[0].clone() } },
+        ReplicatorInput::Remote {
+            from: peer("a"),
+            msg: ReplicatorMsg::DeltaPropagation { entries: shipped[0].clone() },
+        },
         now,
         1,
         &mut vec![],
@@ -536,7 +560,7 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
 fn acks_and_read_results_count_only_from_the_replicas_addressed() {
     let mut a = core("a");
     a.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
@@ -553,17 +577,27 @@ fn acks_and_read_results_count_only_from_the_replicas_addressed() {
     let mut out = Vec::new();
     for stranger in ["mallory", "eve"] {
         a.handle(
-            Input::Remote { from: peer(stranger), msg: ReplicatorMsg::WriteAck { op } },
+            ReplicatorInput::Remote { from: peer(stranger), msg: ReplicatorMsg::WriteAck { op } },
             Instant::now(),
             1,
             &mut out,
         );
     }
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
+    a.handle(
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     assert!(out.is_empty(), "strangers' acks do not complete the write: {out:?}");
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 2);
-    a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } }, Instant::now(), 1, &mut out);
-    assert!(matches!(&out[..], [Action::ReplyUpdate { result: Ok(f), .. }] if f.is_empty()));
+    a.handle(
+        ReplicatorInput::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyUpdate { result: Ok(f), .. }] if f.is_empty()));
 }
 
 #[test]
@@ -575,7 +609,7 @@ fn a_delta_of_the_wrong_type_is_refused_counted_not_acknowledged_and_the_key_kee
     let delta = bogus.take_delta().map(crate::ddata::ReplicatedDelta::OrSet).unwrap();
     let mut out = Vec::new();
     let msg = ReplicatorMsg::WriteDelta { op: 3, entries: vec![("k".into(), delta)], values: vec![] };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
     assert!(out.is_empty(), "no ack, no persist: {out:?}");
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
     local(&mut a, "k", add("y"));
@@ -594,8 +628,10 @@ fn gossip_want_is_deduplicated_and_capped() {
         want_buckets: vec![],
         value_buckets: vec![],
     };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
-    let [Action::Send { msg: ReplicatorMsg::Gossip { entries, .. }, .. }] = &out[..] else { panic!("{out:?}") };
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    let [ReplicatorAction::Send { msg: ReplicatorMsg::Gossip { entries, .. }, .. }] = &out[..] else {
+        panic!("{out:?}")
+    };
     assert_eq!(entries.len(), 1);
 }
 
@@ -644,7 +680,7 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     local(&mut a, "g", add("already"));
     a.pending_deltas.clear();
     a.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true)],
             gossip_targets: vec![],
@@ -663,7 +699,12 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
         ("g".into(), add("already")),
     ];
     a.handle(
-        Input::UpdateMany { updates, consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 4 },
+        ReplicatorInput::UpdateMany {
+            updates,
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(1),
+            reply: 4,
+        },
         Instant::now(),
         1,
         &mut out,
@@ -671,14 +712,14 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     let writes: Vec<&ReplicatorMsg> = out
         .iter()
         .filter_map(|x| match x {
-            Action::Broadcast { msg, .. } => Some(msg),
+            ReplicatorAction::Broadcast { msg, .. } => Some(msg),
             _ => None,
         })
         .collect();
     let [ReplicatorMsg::WriteDelta { op, entries, values }] = &writes[..] else { panic!("{writes:?}") };
     assert_eq!(entries.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["shard-t/1/0", "shard-t/2/0"]);
     assert_eq!(values.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(), ["g"]);
-    assert_eq!(out.iter().filter(|x| matches!(x, Action::Persist { .. })).count(), 2, "both durable keys");
+    assert_eq!(out.iter().filter(|x| matches!(x, ReplicatorAction::Persist { .. })).count(), 2, "both durable keys");
     let counted = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(
         (counted(&a.stats.deltas_sent), counted(&a.stats.full_values_sent)),
@@ -686,9 +727,14 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
         "two deltas and one value, each to two replicas"
     );
     let mut out = Vec::new();
-    a.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, Instant::now(), 1, &mut out);
+    a.handle(
+        ReplicatorInput::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     commit_all(&mut a, &mut out);
-    assert!(matches!(&out[..], [Action::ReplyUpdate { reply: 4, result: Ok(f) }] if f.is_empty()));
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyUpdate { reply: 4, result: Ok(f) }] if f.is_empty()));
 }
 
 mod anti_entropy;

@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 
 /// Members a (this core), b and c, in good standing, every one reachable.
 fn three_members(c: &mut ReplicatorCore<u32>, now: Instant) {
-    let members = Input::Members {
+    let members = ReplicatorInput::Members {
         holder: true,
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
@@ -25,11 +25,11 @@ fn acknowledges(c: &mut ReplicatorCore<u32>, from: PeerAddr, key: &str, member: 
 }
 
 /// A write of `member` into the G-set at `key`, as a peer's majority write carries it.
-fn write_from(from: PeerAddr, key: &str, member: &'static str) -> Input<u32> {
+fn write_from(from: PeerAddr, key: &str, member: &'static str) -> ReplicatorInput<u32> {
     let mut set = GSet::default();
     set.insert(member);
     let msg = ReplicatorMsg::WriteDelta { op: 1, entries: vec![], values: vec![(key.into(), set.into_data())] };
-    Input::Remote { from, msg }
+    ReplicatorInput::Remote { from, msg }
 }
 
 #[test]
@@ -38,7 +38,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
     let now = Instant::now();
     three_members(&mut c, now);
     // b is downed: listed no longer in good standing (the view drops it from the replicas).
-    let members = Input::Members {
+    let members = ReplicatorInput::Members {
         holder: true,
         replicas: vec![(peer("c"), true)],
         gossip_targets: vec![peer("c")],
@@ -50,7 +50,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
     assert!(c.local_value("k").is_none(), "not merged");
     assert_eq!(c.stats.quarantined.load(std::sync::atomic::Ordering::Relaxed), 1);
     // For good: a later view that no longer lists it at all changes nothing.
-    let members = Input::Members {
+    let members = ReplicatorInput::Members {
         holder: true,
         replicas: vec![(peer("c"), true)],
         gossip_targets: vec![peer("c")],
@@ -72,7 +72,7 @@ fn a_write_from_an_incarnation_this_replica_saw_downed_is_neither_merged_nor_ack
 fn an_older_incarnation_of_a_member_is_dropped_and_one_never_seen_is_served() {
     let mut c = core("a");
     let now = Instant::now();
-    let members = Input::Members {
+    let members = ReplicatorInput::Members {
         holder: true,
         replicas: vec![(peer("b"), true)],
         gossip_targets: vec![peer("b")],
@@ -99,11 +99,12 @@ fn acknowledgements_handled_after_the_write_deadline_fail_it_as_timed_out() {
     // before its first tick.
     let late = now + Duration::from_millis(1_001);
     let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, late, 1, &mut out);
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, late, 1, &mut out);
     commit_all(&mut c, &mut out);
-    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    let replies: Vec<&ReplicatorAction<u32>> =
+        out.iter().filter(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })).collect();
     assert!(
-        matches!(replies[..], [Action::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. }]),
+        matches!(replies[..], [ReplicatorAction::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. }]),
         "{out:?}"
     );
     // In time, the same ack completes it.
@@ -112,7 +113,7 @@ fn acknowledgements_handled_after_the_write_deadline_fail_it_as_timed_out() {
     let op = write_op(&out);
     let in_time = now + Duration::from_millis(999);
     let out = ack_then_commit(&mut c, op, in_time, in_time);
-    assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
+    assert!(out.iter().any(|a| matches!(a, ReplicatorAction::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
 }
 
 #[test]
@@ -123,22 +124,23 @@ fn a_reply_held_for_the_local_commit_past_the_deadline_fails_as_timed_out() {
     // A durable key: the reply waits for this node's commit.
     let op = update_at(&mut c, "shard-1", "x", now);
     let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
-    assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { .. })), "held for the commit: {out:?}");
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(!out.iter().any(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })), "held for the commit: {out:?}");
     // The node paused (or its disk stalled) until the deadline before the commit was reported
     // (at the deadline is late, as for the write itself).
     let late = now + Duration::from_secs(1);
     let mut out = Vec::new();
-    c.handle(Input::Persisted { through: u64::MAX, failure: None }, late, 0, &mut out);
+    c.handle(ReplicatorInput::Persisted { through: u64::MAX, failure: None }, late, 0, &mut out);
     assert!(
-        out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. })),
+        out.iter()
+            .any(|a| matches!(a, ReplicatorAction::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. })),
         "{out:?}"
     );
-    assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })));
+    assert!(!out.iter().any(|a| matches!(a, ReplicatorAction::ReplyUpdate { result: Ok(_), .. })));
     // Reported a millisecond before the deadline, the same reply succeeds.
     let op = update_at(&mut c, "shard-2", "y", now);
     let out = ack_then_commit(&mut c, op, now, now + Duration::from_millis(999));
-    assert!(out.iter().any(|a| matches!(a, Action::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
+    assert!(out.iter().any(|a| matches!(a, ReplicatorAction::ReplyUpdate { result: Ok(_), .. })), "{out:?}");
 }
 
 #[test]
@@ -147,15 +149,19 @@ fn a_read_whose_answers_are_handled_after_its_deadline_fails_as_timed_out() {
     let now = Instant::now();
     three_members(&mut c, now);
     let mut out = Vec::new();
-    let get =
-        Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 3 };
+    let get = ReplicatorInput::Get {
+        key: "k".into(),
+        consistency: Consistency::MAJORITY,
+        timeout: Duration::from_secs(1),
+        reply: 3,
+    };
     c.handle(get, now, 1, &mut out);
     let (op, _) = read_op(&out);
     let mut out = Vec::new();
     let answer = ReplicatorMsg::ReadResult { op, values: vec![(0, None)] };
-    c.handle(Input::Remote { from: peer("b"), msg: answer }, now + Duration::from_millis(1_001), 1, &mut out);
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: answer }, now + Duration::from_millis(1_001), 1, &mut out);
     assert!(
-        matches!(&out[..], [Action::ReplyGet { reply: 3, result: Err(Error::ConsistencyTimeout { .. }) }]),
+        matches!(&out[..], [ReplicatorAction::ReplyGet { reply: 3, result: Err(Error::ConsistencyTimeout { .. }) }]),
         "{out:?}"
     );
 }
@@ -163,7 +169,7 @@ fn a_read_whose_answers_are_handled_after_its_deadline_fails_as_timed_out() {
 /// A majority update of `key` with a 1 s timeout, started at `now` (returns the write's op).
 fn update_at(c: &mut ReplicatorCore<u32>, key: &str, member: &'static str, now: Instant) -> u64 {
     let mut out = Vec::new();
-    let input = Input::Update {
+    let input = ReplicatorInput::Update {
         key: key.into(),
         consistency: Consistency::MAJORITY,
         timeout: Duration::from_secs(1),
@@ -176,16 +182,21 @@ fn update_at(c: &mut ReplicatorCore<u32>, key: &str, member: &'static str, now: 
 
 /// b acknowledges write `op` at `acked_at`, and this node's commit is reported at
 /// `committed_at`: the actions that follow.
-fn ack_then_commit(c: &mut ReplicatorCore<u32>, op: u64, acked_at: Instant, committed_at: Instant) -> Vec<Action<u32>> {
+fn ack_then_commit(
+    c: &mut ReplicatorCore<u32>,
+    op: u64,
+    acked_at: Instant,
+    committed_at: Instant,
+) -> Vec<ReplicatorAction<u32>> {
     let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, acked_at, 1, &mut out);
-    c.handle(Input::Persisted { through: u64::MAX, failure: None }, committed_at, 0, &mut out);
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, acked_at, 1, &mut out);
+    c.handle(ReplicatorInput::Persisted { through: u64::MAX, failure: None }, committed_at, 0, &mut out);
     out
 }
 
 /// A hand-over of this node (to the members that stay), within a second.
-fn hand_over() -> Input<u32> {
-    Input::HandOver { timeout: Duration::from_secs(1), reply: 9 }
+fn hand_over() -> ReplicatorInput<u32> {
+    ReplicatorInput::HandOver { timeout: Duration::from_secs(1), reply: 9 }
 }
 
 /// The membership input: replica holders `ids` (`reachable` or not), of which `leaving` leave.
@@ -193,15 +204,17 @@ fn holders(c: &mut ReplicatorCore<u32>, ids: &[(&str, bool)], leaving: &[&str], 
     let replicas: Vec<(PeerAddr, bool)> = ids.iter().map(|(id, r)| (peer(id), *r)).collect();
     let gossip_targets = replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect();
     let leaving = leaving.iter().map(|id| UniqueAddress::new(*id, 1)).collect();
-    let input = Input::Members { holder: true, replicas, gossip_targets, standing: vec![], leaving };
+    let input = ReplicatorInput::Members { holder: true, replicas, gossip_targets, standing: vec![], leaving };
     c.handle(input, now, 1, &mut vec![]);
 }
 
 /// The ops of the hand-over's parts among `out`, with the keys each carries.
-fn hand_over_parts(out: &[Action<u32>]) -> Vec<(u64, Vec<String>)> {
+fn hand_over_parts(out: &[ReplicatorAction<u32>]) -> Vec<(u64, Vec<String>)> {
     out.iter()
         .filter_map(|a| match a {
-            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, entries, values }, .. } if entries.is_empty() => {
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { op, entries, values }, .. }
+                if entries.is_empty() =>
+            {
                 Some((*op, values.iter().map(|(k, _)| k.clone()).collect()))
             }
             _ => None,
@@ -232,20 +245,36 @@ fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_st
     let every = ["shard-1", "shard-2", "user-key", ROSTER_KEY].map(String::from).into();
     assert_eq!(keys, every, "every value, durable or not, and the roster");
     assert!(parts.len() > 1, "in parts capped in bytes: {parts:?}");
-    let replied =
-        |out: &[Action<u32>]| out.iter().find(|a| matches!(a, Action::ReplyUpdate { reply: 9, .. })).is_some();
+    let replied = |out: &[ReplicatorAction<u32>]| {
+        out.iter().find(|a| matches!(a, ReplicatorAction::ReplyUpdate { reply: 9, .. })).is_some()
+    };
     // Two staying members: a majority is both. One part acked by both, the others by b only.
     for (i, (op, _)) in parts.iter().enumerate() {
         let mut out = Vec::new();
-        c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+        c.handle(
+            ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: *op } },
+            now,
+            1,
+            &mut out,
+        );
         if i == 0 {
-            c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+            c.handle(
+                ReplicatorInput::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } },
+                now,
+                1,
+                &mut out,
+            );
         }
         assert!(!replied(&out), "not every part has a majority of the staying members yet");
     }
     let mut out = Vec::new();
     for (op, _) in &parts[1..] {
-        c.handle(Input::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+        c.handle(
+            ReplicatorInput::Remote { from: peer("c"), msg: ReplicatorMsg::WriteAck { op: *op } },
+            now,
+            1,
+            &mut out,
+        );
     }
     // Every value is safe: last, this node leaves the roster, written to the same majority.
     assert!(!replied(&out), "not done before its own forget is on a majority");
@@ -256,10 +285,10 @@ fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_st
     let mut out = Vec::new();
     for from in ["b", "c"] {
         let ack = ReplicatorMsg::WriteAck { op: forget[0].0 };
-        c.handle(Input::Remote { from: peer(from), msg: ack }, now, 1, &mut out);
+        c.handle(ReplicatorInput::Remote { from: peer(from), msg: ack }, now, 1, &mut out);
     }
     assert!(
-        matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Ok(refused) }] if refused.is_empty()),
+        matches!(&out[..], [ReplicatorAction::ReplyUpdate { reply: 9, result: Ok(refused) }] if refused.is_empty()),
         "{out:?}"
     );
 }
@@ -277,15 +306,21 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     c.handle(hand_over(), now, 1, &mut out);
     assert!(out.is_empty(), "waiting: nothing sent, nothing answered: {out:?}");
     let mut out = Vec::new();
-    c.handle(Input::Tick, now + Duration::from_millis(999), 1, &mut out);
-    let started = |a: &Action<u32>| matches!(a, Action::Broadcast { msg: ReplicatorMsg::WriteDelta { .. }, .. });
-    assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { .. }) || started(a)), "{out:?}");
-    c.handle(Input::Tick, now + Duration::from_secs(1), 1, &mut out);
-    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    c.handle(ReplicatorInput::Tick, now + Duration::from_millis(999), 1, &mut out);
+    let started = |a: &ReplicatorAction<u32>| {
+        matches!(a, ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { .. }, .. })
+    };
+    assert!(!out.iter().any(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. }) || started(a)), "{out:?}");
+    c.handle(ReplicatorInput::Tick, now + Duration::from_secs(1), 1, &mut out);
+    let replies: Vec<&ReplicatorAction<u32>> =
+        out.iter().filter(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })).collect();
     assert!(
         matches!(
             replies[..],
-            [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 2, reachable: 1 }) }]
+            [ReplicatorAction::ReplyUpdate {
+                reply: 9,
+                result: Err(Error::NotEnoughReplicas { needed: 2, reachable: 1 })
+            }]
         ),
         "{out:?}"
     );
@@ -296,7 +331,7 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     assert!(
         matches!(
             &out[..],
-            [Action::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 1, reachable: 0 }), .. }]
+            [ReplicatorAction::ReplyUpdate { result: Err(Error::NotEnoughReplicas { needed: 1, reachable: 0 }), .. }]
         ),
         "{out:?}"
     );
@@ -305,12 +340,16 @@ fn a_hand_over_without_a_reachable_majority_of_the_staying_waits_then_fails_and_
     let mut out = Vec::new();
     c.handle(hand_over(), now, 1, &mut out);
     let mut out = Vec::new();
-    c.handle(Input::Tick, now + Duration::from_millis(999), 1, &mut out);
-    assert!(!out.iter().any(|a| matches!(a, Action::ReplyUpdate { .. })));
-    c.handle(Input::Tick, now + Duration::from_secs(1), 1, &mut out);
-    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    c.handle(ReplicatorInput::Tick, now + Duration::from_millis(999), 1, &mut out);
+    assert!(!out.iter().any(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })));
+    c.handle(ReplicatorInput::Tick, now + Duration::from_secs(1), 1, &mut out);
+    let replies: Vec<&ReplicatorAction<u32>> =
+        out.iter().filter(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })).collect();
     assert!(
-        matches!(replies[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::ConsistencyTimeout { .. }) }]),
+        matches!(
+            replies[..],
+            [ReplicatorAction::ReplyUpdate { reply: 9, result: Err(Error::ConsistencyTimeout { .. }) }]
+        ),
         "{out:?}"
     );
 }
@@ -330,7 +369,7 @@ fn a_hand_over_targets_the_up_holders_of_the_view_other_than_this_one_and_counts
         ],
     };
     let mut c = core("a");
-    c.handle(Input::members_of(&snap, None), Instant::now(), 1, &mut vec![]);
+    c.handle(ReplicatorInput::members_of(&snap, None), Instant::now(), 1, &mut vec![]);
     let (to, staying) = c.hand_over_targets();
     assert_eq!(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>(), ["b"]);
     let staying: Vec<&str> = staying.iter().map(|a| &*a.node_id).collect();
@@ -356,11 +395,11 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     // b and c come back: two of four is no majority; d too: the parts go to b, c and d.
     holders(&mut c, &[("b", true), ("c", true), ("d", false), ("e", false)], &[], now);
     let mut out = Vec::new();
-    c.handle(Input::Tick, now, 1, &mut out);
+    c.handle(ReplicatorInput::Tick, now, 1, &mut out);
     assert!(hand_over_parts(&out).is_empty(), "{out:?}");
     let mut out = Vec::new();
     c.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), false)],
             gossip_targets: vec![],
@@ -376,7 +415,9 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     let sent_to: BTreeSet<String> = out
         .iter()
         .filter_map(|a| match a {
-            Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { entries, .. } } if entries.is_empty() => {
+            ReplicatorAction::Broadcast { to, msg: ReplicatorMsg::WriteDelta { entries, .. } }
+                if entries.is_empty() =>
+            {
                 Some(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>())
             }
             _ => None,
@@ -388,7 +429,12 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     let mut out = Vec::new();
     for (op, _) in &parts {
         for from in ["b", "c"] {
-            c.handle(Input::Remote { from: peer(from), msg: ReplicatorMsg::WriteAck { op: *op } }, now, 1, &mut out);
+            c.handle(
+                ReplicatorInput::Remote { from: peer(from), msg: ReplicatorMsg::WriteAck { op: *op } },
+                now,
+                1,
+                &mut out,
+            );
         }
     }
     assert!(hand_over_parts(&out).is_empty(), "no forget yet: {out:?}");
@@ -400,7 +446,7 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     let before = values_sent();
     let mut out = Vec::new();
     c.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), true)],
             gossip_targets: vec![],
@@ -418,16 +464,26 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     assert_eq!(values_sent() - before, resent_values as u64, "each resent value counted once, for e alone");
     assert!(matches!(forget, [(_, keys)] if keys == &[ROSTER_KEY.to_string()]), "{out:?}");
     let e_only = out.iter().any(|a| {
-        matches!(a, Action::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } }
+        matches!(a, ReplicatorAction::Broadcast { to, msg: ReplicatorMsg::WriteDelta { op, .. } }
             if *op == parts[0].0 && to.len() == 1 && &*to[0].address.node_id == "e")
     });
     assert!(e_only, "the parts go only to the member new to them: {out:?}");
     // The forget on two of b, c, e ends the hand-over.
     let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: forget[0].0 } }, now, 1, &mut out);
+    c.handle(
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: forget[0].0 } },
+        now,
+        1,
+        &mut out,
+    );
     assert!(out.is_empty(), "one of three: {out:?}");
-    c.handle(Input::Remote { from: peer("e"), msg: ReplicatorMsg::WriteAck { op: forget[0].0 } }, now, 1, &mut out);
-    assert!(matches!(&out[..], [Action::ReplyUpdate { reply: 9, result: Ok(_) }]), "{out:?}");
+    c.handle(
+        ReplicatorInput::Remote { from: peer("e"), msg: ReplicatorMsg::WriteAck { op: forget[0].0 } },
+        now,
+        1,
+        &mut out,
+    );
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyUpdate { reply: 9, result: Ok(_) }]), "{out:?}");
 }
 
 #[test]
@@ -449,18 +505,18 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
             with_role("g", MemberStatus::Leaving, true),
         ],
     };
-    let Input::Members { replicas, gossip_targets, standing, holder, leaving } =
-        Input::<u32>::members_of(&snap, Some("backend"))
+    let ReplicatorInput::Members { replicas, gossip_targets, standing, holder, leaving } =
+        ReplicatorInput::<u32>::members_of(&snap, Some("backend"))
     else {
         panic!("a members input")
     };
     assert!(holder, "a is Up with the role: a replica holder");
-    let Input::Members { holder, .. } = Input::<u32>::members_of(&snap, Some("frontend")) else {
+    let ReplicatorInput::Members { holder, .. } = ReplicatorInput::<u32>::members_of(&snap, Some("frontend")) else {
         panic!("a members input")
     };
     assert!(!holder, "without the role, not a holder");
     let joining = MembershipSnapshot { self_address: UniqueAddress::new("d", 1), ..snap.clone() };
-    let Input::Members { holder, .. } = Input::<u32>::members_of(&joining, Some("backend")) else {
+    let ReplicatorInput::Members { holder, .. } = ReplicatorInput::<u32>::members_of(&joining, Some("backend")) else {
         panic!("a members input")
     };
     assert!(!holder, "d is still Joining: not a holder, though others with the role are");
@@ -483,7 +539,7 @@ fn the_members_input_of_a_view_lists_replicas_gossip_targets_and_the_incarnation
 fn a_quarantine_is_for_good_and_forgotten_only_once_a_newer_incarnation_of_the_same_node_stands() {
     let mut c = core("a");
     let now = Instant::now();
-    let view = |standing: &[(&str, u64)]| Input::Members {
+    let view = |standing: &[(&str, u64)]| ReplicatorInput::Members {
         holder: true,
         replicas: vec![],
         gossip_targets: vec![],
@@ -519,12 +575,21 @@ fn hand_over_acknowledgements_handled_after_its_deadline_fail_it_as_timed_out() 
     let mut out = Vec::new();
     for from in [peer("b"), peer("c")] {
         for (op, _) in &parts {
-            c.handle(Input::Remote { from: from.clone(), msg: ReplicatorMsg::WriteAck { op: *op } }, late, 1, &mut out);
+            c.handle(
+                ReplicatorInput::Remote { from: from.clone(), msg: ReplicatorMsg::WriteAck { op: *op } },
+                late,
+                1,
+                &mut out,
+            );
         }
     }
-    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
+    let replies: Vec<&ReplicatorAction<u32>> =
+        out.iter().filter(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })).collect();
     assert!(
-        matches!(replies[..], [Action::ReplyUpdate { reply: 9, result: Err(Error::ConsistencyTimeout { .. }) }]),
+        matches!(
+            replies[..],
+            [ReplicatorAction::ReplyUpdate { reply: 9, result: Err(Error::ConsistencyTimeout { .. }) }]
+        ),
         "{out:?}"
     );
 }
@@ -568,8 +633,9 @@ fn a_write_acknowledged_in_time_during_a_hand_over_completes_and_leaves_the_hand
     c.handle(hand_over(), now, 1, &mut out);
     let op = update_at(&mut c, "k", "y", now);
     let mut out = Vec::new();
-    c.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
-    let replies: Vec<&Action<u32>> = out.iter().filter(|a| matches!(a, Action::ReplyUpdate { .. })).collect();
-    assert!(matches!(replies[..], [Action::ReplyUpdate { reply: 0, result: Ok(_) }]), "{out:?}");
+    c.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    let replies: Vec<&ReplicatorAction<u32>> =
+        out.iter().filter(|a| matches!(a, ReplicatorAction::ReplyUpdate { .. })).collect();
+    assert!(matches!(replies[..], [ReplicatorAction::ReplyUpdate { reply: 0, result: Ok(_) }]), "{out:?}");
     assert!(c.hand_over.is_some(), "the hand-over still waits for its own parts");
 }

@@ -15,13 +15,19 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
     }
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members {
+            holder: true,
+            replicas: peers,
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
     );
     let mut out = Vec::new();
-    let get = Input::GetMany {
+    let get = ReplicatorInput::GetMany {
         keys: keys.clone(),
         consistency: Consistency::MAJORITY,
         timeout: Duration::from_secs(1),
@@ -34,7 +40,7 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
 
     let mut answers = Vec::new();
     b.handle(
-        Input::Remote { from: peer("a"), msg: ReplicatorMsg::Read { op, keys: asked } },
+        ReplicatorInput::Remote { from: peer("a"), msg: ReplicatorMsg::Read { op, keys: asked } },
         Instant::now(),
         1,
         &mut answers,
@@ -43,16 +49,16 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
     let mut out = Vec::new();
     let last = answers.pop().unwrap();
     for part in answers {
-        let Action::Send { msg, .. } = part else { panic!() };
-        a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+        let ReplicatorAction::Send { msg, .. } = part else { panic!() };
+        a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
     }
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyGetMany { .. })), "not before the last part");
-    let Action::Send { msg, .. } = last else { panic!() };
-    a.handle(Input::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
+    assert!(!out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { .. })), "not before the last part");
+    let ReplicatorAction::Send { msg, .. } = last else { panic!() };
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg }, Instant::now(), 1, &mut out);
     let values = out
         .iter()
         .find_map(|x| match x {
-            Action::ReplyGetMany { reply: 9, result: Ok(v) } => Some(v.clone()),
+            ReplicatorAction::ReplyGetMany { reply: 9, result: Ok(v) } => Some(v.clone()),
             _ => None,
         })
         .expect("the reply");
@@ -70,7 +76,12 @@ fn a_read_answer_with_indexes_out_of_range_or_repeated_is_refused_and_does_not_c
     let mut out = Vec::new();
     let keys = vec!["x".to_string(), "y".to_string()];
     a.handle(
-        Input::GetMany { keys, consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 1 },
+        ReplicatorInput::GetMany {
+            keys,
+            consistency: Consistency::MAJORITY,
+            timeout: Duration::from_secs(1),
+            reply: 1,
+        },
         Instant::now(),
         1,
         &mut out,
@@ -78,13 +89,13 @@ fn a_read_answer_with_indexes_out_of_range_or_repeated_is_refused_and_does_not_c
     let (op, _) = read_op(&out);
     let mut out = Vec::new();
     let bogus = ReplicatorMsg::ReadResult { op, values: vec![(0, None), (0, None), (7, None)] };
-    a.handle(Input::Remote { from: peer("b"), msg: bogus }, Instant::now(), 1, &mut out);
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg: bogus }, Instant::now(), 1, &mut out);
     assert!(out.is_empty(), "key 1 was never answered: {out:?}");
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 2);
     let mut out = Vec::new();
     let tail = ReplicatorMsg::ReadResult { op, values: vec![(1, None)] };
-    a.handle(Input::Remote { from: peer("b"), msg: tail }, Instant::now(), 1, &mut out);
-    assert!(matches!(&out[..], [Action::ReplyGetMany { reply: 1, result: Ok(v) }] if v == &vec![None, None]));
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg: tail }, Instant::now(), 1, &mut out);
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyGetMany { reply: 1, result: Ok(v) }] if v == &vec![None, None]));
 }
 
 #[test]
@@ -93,67 +104,75 @@ fn a_read_of_more_keys_than_the_limit_is_refused_with_a_typed_error() {
     let mut out = Vec::new();
     let keys = (0..MAX_READ_KEYS + 1).map(|i| i.to_string()).collect();
     a.handle(
-        Input::GetMany { keys, consistency: Consistency::Local, timeout: Duration::from_secs(1), reply: 1 },
+        ReplicatorInput::GetMany { keys, consistency: Consistency::Local, timeout: Duration::from_secs(1), reply: 1 },
         Instant::now(),
         1,
         &mut out,
     );
-    assert!(matches!(&out[..], [Action::ReplyGetMany { result: Err(Error::Codec(_)), .. }]));
+    assert!(matches!(&out[..], [ReplicatorAction::ReplyGetMany { result: Err(Error::Codec(_)), .. }]));
     let mut out = Vec::new();
     let keys = (0..MAX_READ_KEYS + 1).map(|i| i.to_string()).collect();
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::Read { op: 1, keys } }, Instant::now(), 1, &mut out);
+    a.handle(
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::Read { op: 1, keys } },
+        Instant::now(),
+        1,
+        &mut out,
+    );
     assert!(out.is_empty());
     assert_eq!(a.stats.rejected.load(std::sync::atomic::Ordering::Relaxed), 1);
 }
 
 /// A read among five replicas (a majority is 3) whose peers never answer but `answering`;
 /// returns the replies "a" gives on ticks at `start + timeout / 2` and `start + timeout`.
-fn read_until_timeout(after_write: bool, answering: &[&str]) -> (Vec<Action<u32>>, Vec<Action<u32>>) {
+fn read_until_timeout(
+    after_write: bool,
+    answering: &[&str],
+) -> (Vec<ReplicatorAction<u32>>, Vec<ReplicatorAction<u32>>) {
     let mut a = core_with_replicas("a", ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect());
     let start = Instant::now();
     let timeout = Duration::from_secs(4);
     let mut out = Vec::new();
     let keys = vec!["k".to_string()];
     let input = if after_write {
-        Input::UpdateAndGetMany {
+        ReplicatorInput::UpdateAndGetMany {
             updates: vec![("k".into(), add("x"))],
             consistency: Consistency::MAJORITY,
             timeout,
             reply: 3,
         }
     } else {
-        Input::GetMany { keys: keys.clone(), consistency: Consistency::MAJORITY, timeout, reply: 3 }
+        ReplicatorInput::GetMany { keys: keys.clone(), consistency: Consistency::MAJORITY, timeout, reply: 3 }
     };
     a.handle(input, start, 1, &mut out);
     commit_all(&mut a, &mut out);
     let msg = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg, .. } => Some(msg.clone()),
+            ReplicatorAction::Broadcast { msg, .. } => Some(msg.clone()),
             _ => None,
         })
         .expect("a read to the replicas");
     for p in answering {
         let mut replica = core(p);
         let mut answer = Vec::new();
-        replica.handle(Input::Remote { from: peer("a"), msg: msg.clone() }, start, 1, &mut answer);
+        replica.handle(ReplicatorInput::Remote { from: peer("a"), msg: msg.clone() }, start, 1, &mut answer);
         commit_all(&mut replica, &mut answer);
         for x in answer {
-            if let Action::Send { msg, .. } = x {
-                a.handle(Input::Remote { from: peer(p), msg }, start, 1, &mut vec![]);
+            if let ReplicatorAction::Send { msg, .. } = x {
+                a.handle(ReplicatorInput::Remote { from: peer(p), msg }, start, 1, &mut vec![]);
             }
         }
     }
     let mut early = Vec::new();
-    a.handle(Input::Tick, start + timeout / 2, 1, &mut early);
+    a.handle(ReplicatorInput::Tick, start + timeout / 2, 1, &mut early);
     let mut late = Vec::new();
-    a.handle(Input::Tick, start + timeout, 1, &mut late);
+    a.handle(ReplicatorInput::Tick, start + timeout, 1, &mut late);
     (early, late)
 }
 
-fn timed_out(out: &[Action<u32>]) -> Option<(usize, usize)> {
+fn timed_out(out: &[ReplicatorAction<u32>]) -> Option<(usize, usize)> {
     out.iter().find_map(|x| match x {
-        Action::ReplyGetMany { reply: 3, result: Err(Error::ConsistencyTimeout { needed, acked }) } => {
+        ReplicatorAction::ReplyGetMany { reply: 3, result: Err(Error::ConsistencyTimeout { needed, acked }) } => {
             Some((*needed, *acked))
         }
         _ => None,
@@ -173,7 +192,7 @@ fn a_read_short_of_its_quorum_waits_out_its_timeout_then_names_this_node_and_eve
 fn with_reachable(a: &mut ReplicatorCore<u32>, peers: &[&str]) {
     let replicas = peers.iter().map(|p| (peer(p), true)).collect();
     a.handle(
-        Input::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] },
         Instant::now(),
         0,
         &mut vec![],
@@ -181,7 +200,7 @@ fn with_reachable(a: &mut ReplicatorCore<u32>, peers: &[&str]) {
 }
 
 /// What a replica sent after `input` (once everything it wrote is committed).
-fn sent_after(c: &mut ReplicatorCore<u32>, input: Input<u32>) -> Vec<Action<u32>> {
+fn sent_after(c: &mut ReplicatorCore<u32>, input: ReplicatorInput<u32>) -> Vec<ReplicatorAction<u32>> {
     let mut out = Vec::new();
     c.handle(input, Instant::now(), 1, &mut out);
     commit_all(c, &mut out);
@@ -194,10 +213,10 @@ fn rejected(c: &ReplicatorCore<u32>) -> u64 {
 
 /// The `ReadResult`s among `out`, in order: each as its (index, value) pairs.
 type ReadValues = Vec<(u32, Option<ReplicatedData>)>;
-fn read_results(out: &[Action<u32>]) -> Vec<ReadValues> {
+fn read_results(out: &[ReplicatorAction<u32>]) -> Vec<ReadValues> {
     out.iter()
         .filter_map(|x| match x {
-            Action::Send { msg: ReplicatorMsg::ReadResult { values, .. }, .. } => Some(values.clone()),
+            ReplicatorAction::Send { msg: ReplicatorMsg::ReadResult { values, .. }, .. } => Some(values.clone()),
             _ => None,
         })
         .collect()
@@ -215,11 +234,12 @@ fn a_read_of_exactly_max_read_keys_keys_starts_and_one_more_is_refused() {
             // Reads asked here: started (a reply or a Read to the replicas) or refused with a typed error.
             let mut a = core("a");
             with_reachable(&mut a, &["b", "c"]);
-            let out = sent_after(&mut a, Input::GetMany { keys: keys(n), consistency, timeout, reply: 1 });
-            let refused = out.iter().any(|x| matches!(x, Action::ReplyGetMany { result: Err(Error::Codec(_)), .. }));
+            let out = sent_after(&mut a, ReplicatorInput::GetMany { keys: keys(n), consistency, timeout, reply: 1 });
+            let refused =
+                out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { result: Err(Error::Codec(_)), .. }));
             let started = out.iter().any(|x| match x {
-                Action::ReplyGetMany { result: Ok(v), .. } => v.len() == n,
-                Action::Broadcast { msg: ReplicatorMsg::Read { keys, .. }, .. } => keys.len() == n,
+                ReplicatorAction::ReplyGetMany { result: Ok(v), .. } => v.len() == n,
+                ReplicatorAction::Broadcast { msg: ReplicatorMsg::Read { keys, .. }, .. } => keys.len() == n,
                 _ => false,
             });
             assert_eq!((started, refused), (allowed, !allowed), "GetMany of {n} keys at {consistency:?}");
@@ -227,11 +247,12 @@ fn a_read_of_exactly_max_read_keys_keys_starts_and_one_more_is_refused() {
             let mut a = core("a");
             with_reachable(&mut a, &["b", "c"]);
             let updates = keys(n).into_iter().map(|k| (k, add("x"))).collect();
-            let out = sent_after(&mut a, Input::UpdateAndGetMany { updates, consistency, timeout, reply: 1 });
-            let refused = out.iter().any(|x| matches!(x, Action::ReplyGetMany { result: Err(Error::Codec(_)), .. }));
+            let out = sent_after(&mut a, ReplicatorInput::UpdateAndGetMany { updates, consistency, timeout, reply: 1 });
+            let refused =
+                out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { result: Err(Error::Codec(_)), .. }));
             let started = out.iter().any(|x| match x {
-                Action::ReplyGetMany { result: Ok(v), .. } => v.len() == n,
-                Action::Broadcast { msg: ReplicatorMsg::MergeThenRead { keys, .. }, .. } => keys.len() == n,
+                ReplicatorAction::ReplyGetMany { result: Ok(v), .. } => v.len() == n,
+                ReplicatorAction::Broadcast { msg: ReplicatorMsg::MergeThenRead { keys, .. }, .. } => keys.len() == n,
                 _ => false,
             });
             assert_eq!((started, refused), (allowed, !allowed), "UpdateAndGetMany of {n} keys at {consistency:?}");
@@ -244,7 +265,7 @@ fn a_read_of_exactly_max_read_keys_keys_starts_and_one_more_is_refused() {
         ] {
             let what = kind(&msg);
             let mut b = core("b");
-            let out = sent_after(&mut b, Input::Remote { from: peer("a"), msg });
+            let out = sent_after(&mut b, ReplicatorInput::Remote { from: peer("a"), msg });
             let answered: usize = read_results(&out).iter().map(Vec::len).sum();
             assert_eq!(answered, if allowed { n } else { 0 }, "{what} of {n} keys");
             assert_eq!(rejected(&b), u64::from(!allowed), "{what} of {n} keys");
@@ -293,7 +314,7 @@ fn merge_then_read_rejects_writes_to_keys_it_does_not_read_and_more_writes_than_
             entries: deltas.iter().map(|k| delta(k)).collect(),
             values: values.iter().map(|k| value(k)).collect(),
         };
-        let out = sent_after(&mut b, Input::Remote { from: peer("a"), msg });
+        let out = sent_after(&mut b, ReplicatorInput::Remote { from: peer("a"), msg });
         let results = read_results(&out);
         assert_eq!(rejected(&b), u64::from(!answered), "{what}: {out:?}");
         let written: Vec<&str> = deltas.iter().chain(&values).copied().collect();
@@ -334,7 +355,7 @@ fn update_and_get_counts_one_delta_and_one_value_per_reachable_replica() {
         a.pending_deltas.clear(); // Shipped already: the unchanged keys go as full values.
         let mut updates: Vec<(String, Modify)> = (0..changed).map(|i| (format!("new-{i}"), add("x"))).collect();
         updates.extend(same.iter().map(|k| (k.clone(), add("x"))));
-        let input = Input::UpdateAndGetMany {
+        let input = ReplicatorInput::UpdateAndGetMany {
             updates,
             consistency: Consistency::MAJORITY,
             timeout: Duration::from_secs(1),
@@ -342,7 +363,7 @@ fn update_and_get_counts_one_delta_and_one_value_per_reachable_replica() {
         };
         let out = sent_after(&mut a, input);
         let sent = out.iter().find_map(|x| match x {
-            Action::Broadcast { to, msg: ReplicatorMsg::MergeThenRead { entries, values, .. } } => {
+            ReplicatorAction::Broadcast { to, msg: ReplicatorMsg::MergeThenRead { entries, values, .. } } => {
                 Some((to.len(), entries.len(), values.len()))
             }
             _ => None,
@@ -408,7 +429,7 @@ fn read_results_and_read_repairs_split_at_the_message_budget_counting_key_and_va
     for budget in budget_edges_of(&sizes) {
         holder.settings.max_message_bytes = budget;
         let read = ReplicatorMsg::Read { op: 1, keys: keys.clone() };
-        let out = sent_after(&mut holder, Input::Remote { from: peer("a"), msg: read });
+        let out = sent_after(&mut holder, ReplicatorInput::Remote { from: peer("a"), msg: read });
         let parts = read_results(&out);
         for (i, v) in parts.iter().flatten() {
             assert_eq!(v.as_ref(), holder.local_value(&keys[*i as usize]), "budget {budget}: index {i}");
@@ -420,7 +441,7 @@ fn read_results_and_read_repairs_split_at_the_message_budget_counting_key_and_va
     for (budget, messages) in [(total, 1), (total - 1, 2)] {
         holder.settings.max_message_bytes = budget;
         let read = ReplicatorMsg::Read { op: 1, keys: keys.clone() };
-        let out = sent_after(&mut holder, Input::Remote { from: peer("a"), msg: read });
+        let out = sent_after(&mut holder, ReplicatorInput::Remote { from: peer("a"), msg: read });
         assert_eq!(read_results(&out).len(), messages, "ReadResult, budget {budget} of {total} bytes");
     }
 
@@ -434,7 +455,7 @@ fn read_results_and_read_repairs_split_at_the_message_budget_counting_key_and_va
         }
         reader.settings.max_message_bytes = budget;
         with_reachable(&mut reader, &["b", "c"]);
-        let get = Input::GetMany {
+        let get = ReplicatorInput::GetMany {
             keys: keys.clone(),
             consistency: Consistency::MAJORITY,
             timeout: Duration::from_secs(1),
@@ -443,11 +464,11 @@ fn read_results_and_read_repairs_split_at_the_message_budget_counting_key_and_va
         let (op, _) = read_op(&sent_after(&mut reader, get));
         let values = (0..keys.len() as u32).map(|i| (i, None)).collect();
         let msg = ReplicatorMsg::ReadResult { op, values };
-        let out = sent_after(&mut reader, Input::Remote { from: peer("c"), msg });
-        assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 1, result: Ok(_) })), "{out:?}");
+        let out = sent_after(&mut reader, ReplicatorInput::Remote { from: peer("c"), msg });
+        assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { reply: 1, result: Ok(_) })), "{out:?}");
         out.into_iter()
             .filter_map(|x| match x {
-                Action::Send { to, msg: ReplicatorMsg::Gossip { entries, .. } } => {
+                ReplicatorAction::Send { to, msg: ReplicatorMsg::Gossip { entries, .. } } => {
                     assert_eq!(to.address, peer("c").address, "only the replica that answered");
                     Some(entries)
                 }
@@ -482,20 +503,30 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     local(&mut b, "k", add("from-b"));
     let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
     a.handle(
-        Input::Members { holder: true, replicas: peers, gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members {
+            holder: true,
+            replicas: peers,
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![],
+        },
         Instant::now(),
         0,
         &mut vec![],
     );
     let mut out = Vec::new();
-    let get =
-        Input::Get { key: "k".into(), consistency: Consistency::MAJORITY, timeout: Duration::from_secs(1), reply: 5 };
+    let get = ReplicatorInput::Get {
+        key: "k".into(),
+        consistency: Consistency::MAJORITY,
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
     a.handle(get, Instant::now(), 1, &mut out);
     let (op, _) = read_op(&out);
     let mut out = Vec::new();
     let fresh = b.local_value("k").cloned();
     a.handle(
-        Input::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, fresh)] } },
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, fresh)] } },
         Instant::now(),
         1,
         &mut out,
@@ -503,7 +534,7 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     assert!(out.is_empty(), "2 of 3 needed");
     // c has never seen the key: it is stale and must be repaired; b is not.
     a.handle(
-        Input::Remote { from: peer("c"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } },
+        ReplicatorInput::Remote { from: peer("c"), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } },
         Instant::now(),
         1,
         &mut out,
@@ -511,19 +542,19 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     let repaired: Vec<String> = out
         .iter()
         .filter_map(|x| match x {
-            Action::Send { to, msg: ReplicatorMsg::Gossip { entries, .. } } if entries.len() == 1 => {
+            ReplicatorAction::Send { to, msg: ReplicatorMsg::Gossip { entries, .. } } if entries.len() == 1 => {
                 Some(to.address.node_id.to_string())
             }
             _ => None,
         })
         .collect();
     assert_eq!(repaired, ["c"]);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyGet { reply: 5, result: Ok(Some(_)) })));
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGet { reply: 5, result: Ok(Some(_)) })));
 }
 
 /// "a" among five replicas, all reachable, sends `input`; b, c and d answer, then e. Returns
 /// whether "a" replied after the first three, and after all four.
-fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
+fn replies_after_three_then_four(input: ReplicatorInput<u32>) -> (bool, bool) {
     let mut a = core_with_replicas("a", ["b", "c", "d", "e"].iter().map(|p| (peer(p), true)).collect());
     let mut out = Vec::new();
     a.handle(input, Instant::now(), 1, &mut out);
@@ -531,22 +562,23 @@ fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
     let msg = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg, to } if to.len() == 4 => Some(msg.clone()),
+            ReplicatorAction::Broadcast { msg, to } if to.len() == 4 => Some(msg.clone()),
             _ => None,
         })
         .expect("one message to every reachable replica");
-    let replied =
-        |out: &[Action<u32>]| out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. } | Action::ReplyGetMany { .. }));
+    let replied = |out: &[ReplicatorAction<u32>]| {
+        out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. } | ReplicatorAction::ReplyGetMany { .. }))
+    };
     let mut after = Vec::new();
     for p in ["b", "c", "d", "e"] {
         let mut replica = core(p);
         let mut answer = Vec::new();
-        replica.handle(Input::Remote { from: peer("a"), msg: msg.clone() }, Instant::now(), 1, &mut answer);
+        replica.handle(ReplicatorInput::Remote { from: peer("a"), msg: msg.clone() }, Instant::now(), 1, &mut answer);
         commit_all(&mut replica, &mut answer);
         let mut replies = Vec::new();
         for x in answer {
-            if let Action::Send { msg, .. } = x {
-                a.handle(Input::Remote { from: peer(p), msg }, Instant::now(), 1, &mut replies);
+            if let ReplicatorAction::Send { msg, .. } = x {
+                a.handle(ReplicatorInput::Remote { from: peer(p), msg }, Instant::now(), 1, &mut replies);
             }
         }
         commit_all(&mut a, &mut replies);
@@ -559,8 +591,13 @@ fn replies_after_three_then_four(input: Input<u32>) -> (bool, bool) {
 fn reads_and_writes_at_all_reachable_wait_for_every_reachable_replica() {
     let all_reachable = Consistency::AllReachable { plus: 0, min_cap: 0 };
     let timeout = Duration::from_secs(1);
-    let get = |consistency| Input::GetMany { keys: vec!["k".into()], consistency, timeout, reply: 1 };
-    let put = |consistency| Input::UpdateMany { updates: vec![("k".into(), add("x"))], consistency, timeout, reply: 1 };
+    let get = |consistency| ReplicatorInput::GetMany { keys: vec!["k".into()], consistency, timeout, reply: 1 };
+    let put = |consistency| ReplicatorInput::UpdateMany {
+        updates: vec![("k".into(), add("x"))],
+        consistency,
+        timeout,
+        reply: 1,
+    };
     assert_eq!(replies_after_three_then_four(get(all_reachable)), (false, true), "a read waits for e");
     assert_eq!(replies_after_three_then_four(put(all_reachable)), (false, true), "a write waits for e");
     // A majority is done after the first two or three.

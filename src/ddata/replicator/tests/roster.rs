@@ -35,7 +35,12 @@ fn members_leaving(
 ) {
     let gossip_targets = replicas.iter().filter(|(_, r)| *r).map(|(p, _)| p.clone()).collect();
     let leaving = leaving.iter().map(|id| UniqueAddress::new(*id, 1)).collect();
-    c.handle(Input::Members { holder, replicas, gossip_targets, standing: vec![], leaving }, now, 1, &mut vec![]);
+    c.handle(
+        ReplicatorInput::Members { holder, replicas, gossip_targets, standing: vec![], leaving },
+        now,
+        1,
+        &mut vec![],
+    );
 }
 
 fn counted(c: &ReplicatorCore<u32>) -> Vec<(String, u64)> {
@@ -51,21 +56,29 @@ fn majority_write(c: &mut ReplicatorCore<u32>, key: &str) -> Option<Result<()>> 
     let mut out = Vec::new();
     update(c, key, Consistency::MAJORITY, add("x"), &mut out);
     out.into_iter().find_map(|a| match a {
-        Action::ReplyUpdate { result, .. } => Some(result.map(|_| ())),
+        ReplicatorAction::ReplyUpdate { result, .. } => Some(result.map(|_| ())),
         _ => None,
     })
 }
 
 /// A read of `shard-t/1/0` at `consistency` (reply 5) started on `c`: its op.
-fn start_read(c: &mut ReplicatorCore<u32>, consistency: Consistency, now: Instant) -> (u64, Vec<Action<u32>>) {
+fn start_read(
+    c: &mut ReplicatorCore<u32>,
+    consistency: Consistency,
+    now: Instant,
+) -> (u64, Vec<ReplicatorAction<u32>>) {
     let mut out = Vec::new();
-    let read =
-        Input::GetMany { keys: vec!["shard-t/1/0".into()], consistency, timeout: Duration::from_secs(1), reply: 5 };
+    let read = ReplicatorInput::GetMany {
+        keys: vec!["shard-t/1/0".into()],
+        consistency,
+        timeout: Duration::from_secs(1),
+        reply: 5,
+    };
     c.handle(read, now, 1, &mut out);
     let op = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::Read { op, .. }, .. } => Some(*op),
             _ => None,
         })
         .unwrap_or(0);
@@ -73,13 +86,13 @@ fn start_read(c: &mut ReplicatorCore<u32>, consistency: Consistency, now: Instan
 }
 
 /// `from`'s answer to read `op`: nothing at its one key.
-fn empty_answer(op: u64, from: &str) -> Input<u32> {
-    Input::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } }
+fn empty_answer(op: u64, from: &str) -> ReplicatorInput<u32> {
+    ReplicatorInput::Remote { from: peer(from), msg: ReplicatorMsg::ReadResult { op, values: vec![(0, None)] } }
 }
 
 /// Whether `out` answers read 5.
-fn read_answered(out: &[Action<u32>]) -> bool {
-    out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) }))
+fn read_answered(out: &[ReplicatorAction<u32>]) -> bool {
+    out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { reply: 5, result: Ok(_) }))
 }
 
 fn with_forget_after(id: &str, after: Duration) -> ReplicatorCore<u32> {
@@ -113,7 +126,7 @@ fn seed_520000593_a_durable_write_after_downing_removed_three_of_five_holders_st
     assert!(majority_write(&mut a, "user-key").is_none(), "waits for b: two of two");
     // A claim's read (every reachable replica, at least a majority) is refused the same way.
     let mut out = Vec::new();
-    let claim = Input::GetMany {
+    let claim = ReplicatorInput::GetMany {
         keys: vec!["shard-t/1/0".into()],
         consistency: Consistency::AllReachable { plus: 0, min_cap: 0 },
         timeout: Duration::from_secs(1),
@@ -121,7 +134,10 @@ fn seed_520000593_a_durable_write_after_downing_removed_three_of_five_holders_st
     };
     a.handle(claim, now, 1, &mut out);
     assert!(
-        matches!(&out[..], [Action::ReplyGetMany { result: Err(Error::NotEnoughReplicas { needed: 3, .. }), .. }]),
+        matches!(
+            &out[..],
+            [ReplicatorAction::ReplyGetMany { result: Err(Error::NotEnoughReplicas { needed: 3, .. }), .. }]
+        ),
         "{out:?}"
     );
     // c restarts on its disk (a new incarnation of the same node id): three of five again.
@@ -155,7 +171,7 @@ fn an_unreachable_member_counts_in_the_roster_and_an_absent_one_keeps_counting_u
     let mut now_members = holders(&["b", "c"], true);
     now_members.extend(holders(&["d"], false));
     members(&mut a, now_members.clone(), now);
-    a.handle(Input::Tick, now + Duration::from_secs(59), 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_secs(59), 1, &mut vec![]);
     assert_eq!(a.roster_size(), 5, "absent for 59 s of 60: e still counts");
     let gauges = |a: &ReplicatorCore<u32>| {
         use std::sync::atomic::Ordering::Relaxed;
@@ -163,12 +179,12 @@ fn an_unreachable_member_counts_in_the_roster_and_an_absent_one_keeps_counting_u
     };
     assert_eq!(gauges(&a), (5, 1), "five holders, e absent");
     let mut out = Vec::new();
-    a.handle(Input::Tick, now + Duration::from_secs(60), 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_secs(60), 1, &mut out);
     assert_eq!(a.roster_size(), 4, "absent for 60 s: e is forgotten; d, unreachable but a member, is not");
     assert!(roster_entries(a.local_value(ROSTER_KEY))["e"].forgotten);
     assert_eq!(gauges(&a), (4, 0));
     let spread = out.iter().any(|x| match x {
-        Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => {
+        ReplicatorAction::Broadcast { msg: ReplicatorMsg::DeltaPropagation { entries }, .. } => {
             entries.iter().any(|(k, _)| k == ROSTER_KEY)
         }
         _ => false,
@@ -184,7 +200,7 @@ fn absent_holders_are_forgotten_one_per_tick_longest_absent_first() {
     members(&mut a, holders(&["c", "d"], true), now);
     members(&mut a, holders(&["d"], true), now + Duration::from_secs(5));
     let later = now + Duration::from_secs(120);
-    a.handle(Input::Tick, later, 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, later, 1, &mut vec![]);
     let forgotten = |a: &ReplicatorCore<u32>| {
         roster_entries(a.local_value(ROSTER_KEY))
             .into_iter()
@@ -193,9 +209,9 @@ fn absent_holders_are_forgotten_one_per_tick_longest_absent_first() {
             .collect::<Vec<_>>()
     };
     assert_eq!(forgotten(&a), ["b"], "one change at a time: b, absent the longest");
-    a.handle(Input::Tick, later, 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, later, 1, &mut vec![]);
     assert_eq!(forgotten(&a), ["b", "c"]);
-    a.handle(Input::Tick, later, 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, later, 1, &mut vec![]);
     assert_eq!(forgotten(&a), ["b", "c"], "d is a member: never forgotten automatically");
 }
 
@@ -205,13 +221,15 @@ fn without_forget_absent_after_an_absent_holder_counts_until_an_operator_forgets
     let now = Instant::now();
     members(&mut a, holders(&["b", "c"], true), now);
     members(&mut a, holders(&["b"], true), now);
-    a.handle(Input::Tick, now + Duration::from_secs(365 * 24 * 3600), 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_secs(365 * 24 * 3600), 1, &mut vec![]);
     assert_eq!(a.roster_size(), 3, "no automatic forget");
     let forget = |a: &mut ReplicatorCore<u32>, id: &str| {
         let mut out = Vec::new();
-        a.handle(Input::Forget { node_id: id.into(), reply: 1 }, now, 1, &mut out);
+        a.handle(ReplicatorInput::Forget { node_id: id.into(), reply: 1 }, now, 1, &mut out);
         let mut replies = out.iter().filter_map(|x| match x {
-            Action::ReplyUpdate { result, .. } => Some(result.as_ref().map(|_| ()).map_err(|e| e.to_string())),
+            ReplicatorAction::ReplyUpdate { result, .. } => {
+                Some(result.as_ref().map(|_| ()).map_err(|e| e.to_string()))
+            }
             _ => None,
         });
         let reply = replies.next().expect("a reply");
@@ -232,7 +250,7 @@ fn a_forgotten_incarnation_is_not_added_again_by_a_stale_view_but_its_next_start
     let now = Instant::now();
     members(&mut a, holders(&["b", "c"], true), now);
     members(&mut a, holders(&["b"], true), now);
-    a.handle(Input::Forget { node_id: "c".into(), reply: 1 }, now, 1, &mut vec![]);
+    a.handle(ReplicatorInput::Forget { node_id: "c".into(), reply: 1 }, now, 1, &mut vec![]);
     // A peer's old roster, from before the forget, merges in: the forget (written later) wins.
     let mut old = core("b");
     members(&mut old, holders(&["a", "c"], true), now);
@@ -253,7 +271,7 @@ fn the_roster_is_durable_and_loaded_back() {
     let now = Instant::now();
     let mut out = Vec::new();
     a.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: holders(&["b"], true),
             gossip_targets: vec![],
@@ -264,7 +282,7 @@ fn the_roster_is_durable_and_loaded_back() {
         1,
         &mut out,
     );
-    assert!(out.iter().any(|x| matches!(x, Action::Persist { key, .. } if key == ROSTER_KEY)), "{out:?}");
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::Persist { key, .. } if key == ROSTER_KEY)), "{out:?}");
     let value = a.local_value(ROSTER_KEY).cloned().expect("roster");
     let mut restarted = core("a");
     restarted.load(vec![(ROSTER_KEY.to_string(), value, KeyLog::default())], 0);
@@ -282,7 +300,7 @@ fn a_node_without_the_replicas_role_never_enters_the_roster_nor_counts_itself_ab
     let mut b = with_forget_after("b", Duration::from_secs(60));
     members_as(&mut b, holders(&["a"], true), true, now);
     members_as(&mut b, holders(&["a"], true), false, now);
-    b.handle(Input::Tick, now + Duration::from_secs(600), 1, &mut vec![]);
+    b.handle(ReplicatorInput::Tick, now + Duration::from_secs(600), 1, &mut vec![]);
     assert!(!roster_entries(b.local_value(ROSTER_KEY))["b"].forgotten, "b does not forget itself");
 }
 
@@ -315,13 +333,14 @@ fn a_leaving_node_hands_over_to_a_majority_of_the_staying_roster_absent_holders_
     members_leaving(&mut a, holders(&["b", "c"], true), true, &["c"], now);
     local(&mut a, "shard-1", add("x"));
     let mut out = Vec::new();
-    a.handle(Input::HandOver { timeout: Duration::from_secs(1), reply: 9 }, now, 1, &mut out);
-    a.handle(Input::Tick, now + Duration::from_secs(1), 1, &mut out);
-    let replies: Vec<&Action<u32>> = out.iter().filter(|x| matches!(x, Action::ReplyUpdate { .. })).collect();
+    a.handle(ReplicatorInput::HandOver { timeout: Duration::from_secs(1), reply: 9 }, now, 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_secs(1), 1, &mut out);
+    let replies: Vec<&ReplicatorAction<u32>> =
+        out.iter().filter(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. })).collect();
     assert!(
         matches!(
             replies[..],
-            [Action::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 3, .. }) }]
+            [ReplicatorAction::ReplyUpdate { reply: 9, result: Err(Error::NotEnoughReplicas { needed: 3, .. }) }]
         ),
         "b, d, e and f stay in the roster: three of them, not one of b alone: {out:?}"
     );
@@ -345,21 +364,26 @@ fn a_hand_over_waits_for_another_leavers_forget_and_then_hands_over_to_the_one_t
     // last part, and to every gossip target, n1 included, at once.
     let mut out = Vec::new();
     let timeout = Duration::from_secs(5);
-    n3.handle(Input::HandOver { timeout, reply: 3 }, now, 1, &mut out);
-    let ops = |out: &[Action<u32>]| -> Vec<u64> {
+    n3.handle(ReplicatorInput::HandOver { timeout, reply: 3 }, now, 1, &mut out);
+    let ops = |out: &[ReplicatorAction<u32>]| -> Vec<u64> {
         out.iter()
             .filter_map(|x| match x {
-                Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+                ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
                 _ => None,
             })
             .collect()
     };
     let mut after_parts = Vec::new();
     for op in ops(&out) {
-        n3.handle(Input::Remote { from: peer("n2"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut after_parts);
+        n3.handle(
+            ReplicatorInput::Remote { from: peer("n2"), msg: ReplicatorMsg::WriteAck { op } },
+            now,
+            1,
+            &mut after_parts,
+        );
     }
     let gossiped_to = after_parts.iter().find_map(|x| match x {
-        Action::Broadcast { to, msg: ReplicatorMsg::DeltaPropagation { entries } }
+        ReplicatorAction::Broadcast { to, msg: ReplicatorMsg::DeltaPropagation { entries } }
             if entries.iter().any(|(k, _)| k == ROSTER_KEY) =>
         {
             Some(to.iter().map(|p| p.address.node_id.to_string()).collect::<Vec<_>>())
@@ -370,13 +394,13 @@ fn a_hand_over_waits_for_another_leavers_forget_and_then_hands_over_to_the_one_t
     // n3 is gone; n1 leaves before it heard of n3's forget: n2 of {n2, n3} is no majority.
     members(&mut n1, holders(&["n2"], true), now);
     let mut out = Vec::new();
-    n1.handle(Input::HandOver { timeout, reply: 9 }, now, 1, &mut out);
+    n1.handle(ReplicatorInput::HandOver { timeout, reply: 9 }, now, 1, &mut out);
     assert!(ops(&out).is_empty() && out.is_empty(), "waits: {out:?}");
     // n3's forget arrives; the next tick hands everything over to n2 alone.
     let theirs = n3.local_value(ROSTER_KEY).cloned().expect("n3's roster");
     n1.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
     let mut out = Vec::new();
-    n1.handle(Input::Tick, now + Duration::from_millis(100), 1, &mut out);
+    n1.handle(ReplicatorInput::Tick, now + Duration::from_millis(100), 1, &mut out);
     assert!(!ops(&out).is_empty(), "handed over now: {out:?}");
 }
 
@@ -406,8 +430,8 @@ fn the_absence_clock_runs_from_the_first_view_without_the_holder_and_stops_when_
     members(&mut a, holders(&["d"], true), now);
     members(&mut a, holders(&["c", "d"], true), at(30));
     members(&mut a, holders(&["c", "d"], true), at(50));
-    a.handle(Input::Tick, at(60), 1, &mut vec![]);
-    a.handle(Input::Tick, at(61), 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, at(60), 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, at(61), 1, &mut vec![]);
     let forgotten: Vec<String> =
         roster_entries(a.local_value(ROSTER_KEY)).into_iter().filter(|(_, e)| e.forgotten).map(|(id, _)| id).collect();
     assert_eq!(forgotten, ["b"], "b after 60 s from its first absence; c, back, never");
@@ -431,7 +455,7 @@ fn a_read_and_a_write_waiting_for_a_holder_that_handed_over_and_left_end_when_it
     a.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
     assert_eq!(a.roster_size(), 2, "still listed: still counted");
     let mut out = Vec::new();
-    let read = Input::GetMany {
+    let read = ReplicatorInput::GetMany {
         keys: vec!["shard-t/1/0".into()],
         consistency: Consistency::MAJORITY,
         timeout: Duration::from_secs(1),
@@ -440,21 +464,29 @@ fn a_read_and_a_write_waiting_for_a_holder_that_handed_over_and_left_end_when_it
     a.handle(read, now, 1, &mut out);
     update(&mut a, "shard-t/1/1", Consistency::MAJORITY, add("x"), &mut out);
     commit_all(&mut a, &mut out);
-    let replies = |out: &[Action<u32>]| {
-        out.iter().filter(|x| matches!(x, Action::ReplyGetMany { .. } | Action::ReplyUpdate { .. })).count()
+    let replies = |out: &[ReplicatorAction<u32>]| {
+        out.iter()
+            .filter(|x| matches!(x, ReplicatorAction::ReplyGetMany { .. } | ReplicatorAction::ReplyUpdate { .. }))
+            .count()
     };
     assert_eq!(replies(&out), 0, "both wait for b: {out:?}");
     // b exits and is removed: a alone is the roster, and both end.
     let mut out = Vec::new();
     a.handle(
-        Input::Members { holder: true, replicas: vec![], gossip_targets: vec![], standing: vec![], leaving: vec![] },
+        ReplicatorInput::Members {
+            holder: true,
+            replicas: vec![],
+            gossip_targets: vec![],
+            standing: vec![],
+            leaving: vec![],
+        },
         now,
         1,
         &mut out,
     );
     commit_all(&mut a, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
 }
 
 #[test]
@@ -466,7 +498,7 @@ fn a_read_waiting_for_holders_that_were_downed_keeps_waiting_their_disks_still_c
     // d and e are downed and removed, never forgotten: three of five are still needed.
     let mut out = Vec::new();
     members(&mut a, holders(&["b", "c"], true), now);
-    a.handle(Input::Tick, now, 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now, 1, &mut out);
     a.handle(empty_answer(op, "b"), now, 1, &mut out);
     assert!(!read_answered(&out), "two of five: {out:?}");
     a.handle(empty_answer(op, "c"), now, 1, &mut out);
@@ -485,7 +517,7 @@ fn a_write_acknowledged_by_a_holder_that_then_left_is_not_counted_when_the_quoru
     update(&mut a, "shard-t/1/0", Consistency::MAJORITY, add("x"), &mut out);
     commit_all(&mut a, &mut out);
     let op = write_op(&out);
-    a.handle(Input::Remote { from: peer("l"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    a.handle(ReplicatorInput::Remote { from: peer("l"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
     // l forgot itself and is removed: the roster is a, b, c; two of three are needed.
     let mut l = core("l");
     members(&mut l, holders(&["a", "b", "c"], true), now);
@@ -494,11 +526,11 @@ fn a_write_acknowledged_by_a_holder_that_then_left_is_not_counted_when_the_quoru
     a.merge_in(ROSTER_KEY, theirs, &mut vec![]).expect("merges");
     let mut out = Vec::new();
     members(&mut a, holders(&["b", "c"], true), now);
-    a.handle(Input::Tick, now, 1, &mut out);
-    let replied = |out: &[Action<u32>]| out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. }));
+    a.handle(ReplicatorInput::Tick, now, 1, &mut out);
+    let replied = |out: &[ReplicatorAction<u32>]| out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. }));
     assert!(!replied(&out), "l's ack no longer counts: a alone is one of three: {out:?}");
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
 }
 
 /// A claim's read of every reachable replica keeps waiting for one that turns unreachable or
@@ -518,7 +550,7 @@ fn a_read_of_every_reachable_replica_keeps_waiting_for_one_that_turns_unreachabl
     now_members.extend(holders(&["e"], false));
     members(&mut a, now_members, now);
     members(&mut a, holders(&["b", "c", "d"], true), now);
-    a.handle(Input::Tick, now, 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now, 1, &mut out);
     assert!(!read_answered(&out), "four of five: {out:?}");
     a.handle(empty_answer(op, "e"), now, 1, &mut out);
     assert!(read_answered(&out), "{out:?}");
@@ -533,16 +565,16 @@ fn a_restarted_holder_acknowledging_a_hand_over_part_again_counts_once() {
     members(&mut a, holders(&["b", "c"], true), now);
     local(&mut a, "shard-1", add("x"));
     let mut out = Vec::new();
-    a.handle(Input::HandOver { timeout: Duration::from_secs(5), reply: 9 }, now, 1, &mut out);
+    a.handle(ReplicatorInput::HandOver { timeout: Duration::from_secs(5), reply: 9 }, now, 1, &mut out);
     let ops: Vec<u64> = out
         .iter()
         .filter_map(|x| match x {
-            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { op, .. }, .. } => Some(*op),
             _ => None,
         })
         .collect();
     assert!(!ops.is_empty(), "{out:?}");
-    let ack = |from: PeerAddr, op: u64| Input::Remote { from, msg: ReplicatorMsg::WriteAck { op } };
+    let ack = |from: PeerAddr, op: u64| ReplicatorInput::Remote { from, msg: ReplicatorMsg::WriteAck { op } };
     let mut out = Vec::new();
     for op in &ops {
         a.handle(ack(peer("b"), *op), now, 1, &mut out);
@@ -553,10 +585,10 @@ fn a_restarted_holder_acknowledging_a_hand_over_part_again_counts_once() {
     for op in &ops {
         a.handle(ack(b2.clone(), *op), now, 1, &mut out);
     }
-    let forgets = |out: &[Action<u32>]| {
+    let forgets = |out: &[ReplicatorAction<u32>]| {
         out.iter()
             .filter(|x| {
-                matches!(x, Action::Broadcast { msg: ReplicatorMsg::WriteDelta { values, .. }, .. }
+                matches!(x, ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { values, .. }, .. }
                     if values.iter().any(|(k, _)| k == ROSTER_KEY) && values.len() == 1)
             })
             .count()
@@ -579,14 +611,14 @@ fn a_write_of_a_key_that_is_not_durable_recounts_over_the_members_left_and_keeps
     update(&mut a, "user-key", Consistency::MAJORITY, add("x"), &mut out);
     commit_all(&mut a, &mut out);
     let op = write_op(&out);
-    a.handle(Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
-    assert!(!out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. })), "two of four: {out:?}");
+    a.handle(ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op } }, now, 1, &mut out);
+    assert!(!out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. })), "two of four: {out:?}");
     // d is downed and removed: two of the three members left, a and b, have it.
     let mut out = Vec::new();
     let replicas = holders(&["b", "c"], true);
     let gossip_targets = replicas.iter().map(|(p, _)| p.clone()).collect();
-    let left = Input::Members { holder: true, replicas, gossip_targets, standing: vec![], leaving: vec![] };
+    let left = ReplicatorInput::Members { holder: true, replicas, gossip_targets, standing: vec![], leaving: vec![] };
     a.handle(left, now, 1, &mut out);
     commit_all(&mut a, &mut out);
-    assert!(out.iter().any(|x| matches!(x, Action::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
+    assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
 }

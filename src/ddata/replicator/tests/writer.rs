@@ -19,16 +19,16 @@ fn core_with(writer: StoreWriter) -> ReplicatorCore<u32> {
     )
 }
 
-fn reply(out: &[Action<u32>]) -> Option<Result<(), &Error>> {
+fn reply(out: &[ReplicatorAction<u32>]) -> Option<Result<(), &Error>> {
     out.iter().find_map(|a| match a {
-        Action::ReplyUpdate { result, .. } => Some(result.as_ref().map(|fenced| assert!(fenced.is_empty()))),
+        ReplicatorAction::ReplyUpdate { result, .. } => Some(result.as_ref().map(|fenced| assert!(fenced.is_empty()))),
         _ => None,
     })
 }
 
-fn reservation(out: &[Action<u32>]) -> Option<(u64, u64)> {
+fn reservation(out: &[ReplicatorAction<u32>]) -> Option<(u64, u64)> {
     out.iter().find_map(|a| match a {
-        Action::ReserveCounters { ticket, ceiling } => Some((*ticket, *ceiling)),
+        ReplicatorAction::ReserveCounters { ticket, ceiling } => Some((*ticket, *ceiling)),
         _ => None,
     })
 }
@@ -46,18 +46,18 @@ fn set_of<'a>(c: &'a ReplicatorCore<u32>, key: &str) -> &'a OrSet {
 
 /// Performs persists and reservations against `store` as the driver does, then reports them
 /// committed.
-fn persist_to(store: &DurableStore, c: &mut ReplicatorCore<u32>, out: Vec<Action<u32>>) {
+fn persist_to(store: &DurableStore, c: &mut ReplicatorCore<u32>, out: Vec<ReplicatorAction<u32>>) {
     let mut ops = Vec::new();
     for a in out {
         match a {
-            Action::Persist { key, ticket, record: PersistRecord::Snapshot } => {
+            ReplicatorAction::Persist { key, ticket, record: PersistRecord::Snapshot } => {
                 let bytes = rmp_serde::to_vec(c.local_value(&key).unwrap()).unwrap();
                 ops.push(StoreOp::Snapshot { key, seq: ticket, bytes });
             }
-            Action::Persist { key, ticket, record: PersistRecord::Delta(d) } => {
+            ReplicatorAction::Persist { key, ticket, record: PersistRecord::Delta(d) } => {
                 ops.push(StoreOp::Delta { key, seq: ticket, bytes: rmp_serde::to_vec(&d).unwrap() });
             }
-            Action::ReserveCounters { ceiling, .. } => ops.push(StoreOp::CounterCeiling { ceiling }),
+            ReplicatorAction::ReserveCounters { ceiling, .. } => ops.push(StoreOp::CounterCeiling { ceiling }),
             _ => {}
         }
     }
@@ -134,7 +134,7 @@ fn counters_near_the_ceiling_are_reserved_ahead_and_used_only_once_the_reservati
     assert_eq!(c.stats.refused_adds.load(std::sync::atomic::Ordering::Relaxed), 2);
     assert!(set_of(&c, KEY).contains("e3") && !set_of(&c, KEY).contains("e4"));
     let mut done = Vec::new();
-    c.handle(Input::Persisted { through: ticket, failure: None }, Instant::now(), 0, &mut done);
+    c.handle(ReplicatorInput::Persisted { through: ticket, failure: None }, Instant::now(), 0, &mut done);
     let mut out = Vec::new();
     update(&mut c, KEY, Consistency::Local, or_add(ids(4, 2)), &mut out);
     commit_all(&mut c, &mut out);
@@ -158,7 +158,7 @@ fn a_reservation_whose_commit_failed_is_asked_for_again_by_the_next_update() {
 
 /// Reports every ticket below `ticket` committed (the reservation's stays in flight).
 fn commit_ticket_below(c: &mut ReplicatorCore<u32>, ticket: u64) {
-    c.handle(Input::Persisted { through: ticket - 1, failure: None }, Instant::now(), 0, &mut Vec::new());
+    c.handle(ReplicatorInput::Persisted { through: ticket - 1, failure: None }, Instant::now(), 0, &mut Vec::new());
 }
 
 #[test]

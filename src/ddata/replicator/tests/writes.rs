@@ -6,7 +6,7 @@ use super::*;
 fn local_updates_past_the_pending_delta_cap_are_shipped_at_once_not_on_the_interval() {
     let mut a = core("a");
     let now = Instant::now();
-    let members = Input::Members {
+    let members = ReplicatorInput::Members {
         holder: true,
         replicas: vec![(peer("b"), true)],
         gossip_targets: vec![peer("b")],
@@ -15,9 +15,9 @@ fn local_updates_past_the_pending_delta_cap_are_shipped_at_once_not_on_the_inter
     };
     a.handle(members, now, 0, &mut vec![]);
     // The roster the membership wrote ships on the first interval.
-    a.handle(Input::Tick, now, 1, &mut vec![]);
-    let shipped = |out: &[Action<u32>]| {
-        out.iter().any(|x| matches!(x, Action::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. }))
+    a.handle(ReplicatorInput::Tick, now, 1, &mut vec![]);
+    let shipped = |out: &[ReplicatorAction<u32>]| {
+        out.iter().any(|x| matches!(x, ReplicatorAction::Broadcast { msg: ReplicatorMsg::DeltaPropagation { .. }, .. }))
     };
     // Up to the cap the deltas wait for the interval.
     let mut out = Vec::new();
@@ -60,14 +60,15 @@ fn a_majority_write_waits_out_its_whole_timeout_before_failing() {
     let now = Instant::now();
     let mut out = Vec::new();
     update(&mut c, "k", Consistency::MAJORITY, or_add(vec!["x".into()]), &mut out);
-    let replied = |out: &[Action<u32>]| out.iter().any(|x| matches!(x, Action::ReplyUpdate { .. }));
+    let replied = |out: &[ReplicatorAction<u32>]| out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { .. }));
     let mut out = Vec::new();
-    c.handle(Input::Tick, now + Duration::from_millis(500), 1, &mut out);
+    c.handle(ReplicatorInput::Tick, now + Duration::from_millis(500), 1, &mut out);
     assert!(!replied(&out), "half-way through its timeout: still waiting: {out:?}");
     let mut out = Vec::new();
-    c.handle(Input::Tick, now + Duration::from_secs(6), 1, &mut out);
+    c.handle(ReplicatorInput::Tick, now + Duration::from_secs(6), 1, &mut out);
     assert!(
-        out.iter().any(|x| matches!(x, Action::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. })),
+        out.iter()
+            .any(|x| matches!(x, ReplicatorAction::ReplyUpdate { result: Err(Error::ConsistencyTimeout { .. }), .. })),
         "{out:?}"
     );
 }
@@ -77,7 +78,7 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
     let mut a = core("a");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
     a.handle(
-        Input::Members {
+        ReplicatorInput::Members {
             holder: true,
             replicas: peers,
             gossip_targets: vec![peer("b"), peer("c")],
@@ -95,7 +96,7 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
     let entries = out
         .iter()
         .find_map(|x| match x {
-            Action::Broadcast { msg: ReplicatorMsg::WriteDelta { entries, .. }, .. } => Some(entries.clone()),
+            ReplicatorAction::Broadcast { msg: ReplicatorMsg::WriteDelta { entries, .. }, .. } => Some(entries.clone()),
             _ => None,
         })
         .expect("a WriteDelta");
@@ -109,10 +110,10 @@ fn a_majority_write_carries_the_keys_earlier_local_changes_with_it() {
 #[test]
 fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_without_targets() {
     let now = Instant::now();
-    let broadcasts = |out: &[Action<u32>]| {
+    let broadcasts = |out: &[ReplicatorAction<u32>]| {
         out.iter()
             .filter_map(|x| match x {
-                Action::Broadcast { to, msg: ReplicatorMsg::DeltaPropagation { entries } } => {
+                ReplicatorAction::Broadcast { to, msg: ReplicatorMsg::DeltaPropagation { entries } } => {
                     Some((to.len(), entries.len()))
                 }
                 _ => None,
@@ -121,14 +122,14 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
     };
     // Alone: nothing to ship to, no broadcast at all.
     let mut alone = core("a");
-    alone.handle(Input::Tick, now, 1, &mut vec![]);
+    alone.handle(ReplicatorInput::Tick, now, 1, &mut vec![]);
     local(&mut alone, "k", or_add(vec!["x".into()]));
     let mut out = Vec::new();
-    alone.handle(Input::Tick, now + Duration::from_secs(10), 1, &mut out);
+    alone.handle(ReplicatorInput::Tick, now + Duration::from_secs(10), 1, &mut out);
     assert_eq!(broadcasts(&out), vec![], "{out:?}");
     // Two targets, three keys changed: one message to both, six deltas counted.
     let mut a = core("a");
-    let members = Input::Members {
+    let members = ReplicatorInput::Members {
         holder: true,
         replicas: vec![(peer("b"), true), (peer("c"), true)],
         gossip_targets: vec![peer("b"), peer("c")],
@@ -137,13 +138,13 @@ fn pending_local_deltas_are_shipped_to_every_gossip_target_once_and_to_nobody_wi
     };
     a.handle(members, now, 0, &mut vec![]);
     // The roster the membership wrote ships on the first interval.
-    a.handle(Input::Tick, now, 1, &mut vec![]);
+    a.handle(ReplicatorInput::Tick, now, 1, &mut vec![]);
     let sent_before = a.stats.deltas_sent.load(std::sync::atomic::Ordering::Relaxed);
     for key in ["k1", "k2", "k3"] {
         local(&mut a, key, or_add(vec!["x".into()]));
     }
     let mut out = Vec::new();
-    a.handle(Input::Tick, now + Duration::from_secs(10), 1, &mut out);
+    a.handle(ReplicatorInput::Tick, now + Duration::from_secs(10), 1, &mut out);
     assert_eq!(broadcasts(&out), vec![(2, 3)], "{out:?}");
     assert_eq!(a.stats.deltas_sent.load(std::sync::atomic::Ordering::Relaxed) - sent_before, 6);
 }
@@ -153,7 +154,7 @@ fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_
     let mut a = core_with_replicas("a", vec![(peer("b"), true), (peer("c"), true)]);
     let start = |a: &mut ReplicatorCore<u32>, key: &str, reply: u32| {
         let mut out = Vec::new();
-        let input = Input::Update {
+        let input = ReplicatorInput::Update {
             key: key.into(),
             consistency: Consistency::MAJORITY,
             timeout: Duration::from_secs(5),
@@ -167,7 +168,7 @@ fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_
     assert_ne!(first, second);
     let mut out = Vec::new();
     a.handle(
-        Input::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: first } },
+        ReplicatorInput::Remote { from: peer("b"), msg: ReplicatorMsg::WriteAck { op: first } },
         Instant::now(),
         1,
         &mut out,
@@ -176,7 +177,7 @@ fn concurrent_majority_writes_get_their_own_operation_and_complete_on_their_own_
     let replies: Vec<u32> = out
         .iter()
         .filter_map(|x| match x {
-            Action::ReplyUpdate { reply, result: Ok(_) } => Some(*reply),
+            ReplicatorAction::ReplyUpdate { reply, result: Ok(_) } => Some(*reply),
             _ => None,
         })
         .collect();
