@@ -292,7 +292,7 @@ async fn load_time(cluster: &TestCluster, states: usize) {
     let type_name = format!("load{states}");
     let s = ShardingSettings { number_of_shards: 2, ..settings() };
     let state = rmp_serde::to_vec_named(&TwinState { reading: 7, history: [1, 2, 3] }).unwrap();
-    let slots = s.state_slots;
+    let slots = s.state.slots;
     let shard_of = |id: &str| ddshard::sharding::default_shard_id(id, 2);
     let warm = (0..).map(|i| format!("warm-{i}")).find(|id| shard_of(id) == "0").unwrap();
     let mut ids = (0..).map(|i| format!("twin-{i}")).filter(|id| shard_of(id) == "1");

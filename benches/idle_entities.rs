@@ -50,8 +50,14 @@ fn main() {
         c.await_converged(Duration::from_secs(30)).await;
         c
     });
-    let settings =
-        ShardingSettings { number_of_shards: 100, passivation_idle_timeout: None, ..ShardingSettings::default() };
+    let settings = ShardingSettings {
+        number_of_shards: 100,
+        passivation: ddshard::sharding::PassivationSettings {
+            idle_timeout: None,
+            ..ShardingSettings::default().passivation
+        },
+        ..ShardingSettings::default()
+    };
     let region = rt.block_on(async {
         let r = cluster.node(0).sharding().start("device", |_: &str| Device::default(), settings).await.unwrap();
         // The shards exist before the measure starts: only entities are counted.

@@ -113,8 +113,8 @@ fn child(name: &str) {
     });
     let settings = ShardingSettings {
         number_of_shards: SHARDS,
-        passivation_idle_timeout: None,
         passivation: PassivationSettings {
+            idle_timeout: None,
             strategy,
             active_entity_limit: limit,
             replacement,

@@ -34,7 +34,12 @@ const BATCH: usize = 512;
 const IN_FLIGHT: usize = 64;
 
 fn settings(remember: bool) -> ShardingSettings {
-    ShardingSettings { remember_entities: remember, number_of_shards: 100, min_nr_of_members: 3, ..Default::default() }
+    ShardingSettings {
+        number_of_shards: 100,
+        min_nr_of_members: 3,
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: remember, ..Default::default() },
+        ..Default::default()
+    }
 }
 
 /// `BATCH` new entities, `IN_FLIGHT` asks always in flight.
@@ -248,14 +253,16 @@ fn bench(c: &mut Criterion) {
     // until all of them run again.
     let n = common::sized(100_000, 2_000);
     rt.block_on(async {
-        let s = ShardingSettings { remember_entities_slots: 16, ..settings(true) };
+        let s = ShardingSettings {
+            remember: ddshard::sharding::RememberEntitiesSettings { slots: 16, ..settings(true).remember },
+            ..settings(true)
+        };
         let r = cluster.node(0).replicator().clone();
         let mut by_key: std::collections::BTreeMap<String, Vec<String>> = Default::default();
         for i in 0..n {
             let id = format!("r-{i}");
             let shard = ddshard::sharding::default_shard_id(&id, s.number_of_shards);
-            let slot =
-                xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember_entities_slots);
+            let slot = xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember.slots);
             by_key.entry(format!("shard-restart/{shard}/{slot}")).or_default().push(id);
         }
         let baseline = raw_lmdb_restart(&by_key).await;

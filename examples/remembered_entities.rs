@@ -1,4 +1,4 @@
-//! Remembered entities: a type started with `remember_entities = true` records every started
+//! Remembered entities: a type started with `remember.enabled = true` records every started
 //! id (replicated OR-sets, durable in LMDB) and starts them again after a hand-off, a crash or
 //! a full-cluster restart — without a message. Here a one-node cluster starts five devices,
 //! stops completely, and a new process-lifetime of the node (same data dir) finds them running.
@@ -24,7 +24,10 @@ impl Entity for Device {
 }
 
 fn settings() -> ShardingSettings {
-    ShardingSettings { remember_entities: true, ..ShardingSettings::default() }
+    ShardingSettings {
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..ShardingSettings::default().remember },
+        ..ShardingSettings::default()
+    }
 }
 
 async fn start(data_dir: &std::path::Path) -> ddshard::Result<(Node, ShardRegion<Device>)> {

@@ -143,20 +143,22 @@ pub enum Error {
         capacity: usize,
     },
 
-    /// A durable entity's state is over `max_state_bytes` once encoded: nothing was written,
+    /// A durable entity's state is over `state.max_bytes` once encoded: nothing was written,
     /// and the entity restarts from its stored state.
-    #[error("state of entity {entity_id:?} is {bytes} bytes encoded, over max_state_bytes = {max}; not written")]
+    #[error(
+        "state of entity {entity_id:?} is {bytes} bytes encoded, over sharding.state.max_bytes = {max}; not written"
+    )]
     StateTooLarge {
         /// The entity.
         entity_id: String,
         /// Its encoded size.
         bytes: usize,
-        /// The configured `max_state_bytes`.
+        /// The configured `state.max_bytes`.
         max: usize,
     },
 
     /// The replicated slot that holds the entity's remembered id or durable state (one of its
-    /// shard's `remember_entities_slots` or `state_slots` keys) is at its byte budget, one
+    /// shard's `remember.slots` or `state.slots` keys) is at its byte budget, one
     /// replicator message: nothing was written, the entity was not started (remembered ids) or
     /// restarts from its stored state (durable state), and the shard serves every other
     /// entity. A slot this full means ids or states far larger than planned, or ids chosen to

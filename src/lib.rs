@@ -25,7 +25,7 @@
 //! # async fn run() -> ddshard::Result<()> {
 //! // Other nodes list this one's gossip address (or a DNS name of all) in `seeds`.
 //! let node = Node::start(NodeConfig { node_id: "n1".into(), ..NodeConfig::default() }).await?;
-//! // The node's `[sharding]` table; or `ShardingSettings { remember_entities: true, ..node.sharding().settings() }`.
+//! // The node's `[sharding]` table; change what one type needs, e.g. `settings.remember.enabled = true`.
 //! let settings: ShardingSettings = node.sharding().settings();
 //! let counters = node.sharding().start("counter", |_: &str| Counter::default(), settings).await?;
 //! counters.tell("c-1", CounterMsg::Add(5))?;

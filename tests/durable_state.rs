@@ -59,7 +59,11 @@ impl DurableEntity for Cart {
 }
 
 fn durable_settings() -> ShardingSettings {
-    ShardingSettings { number_of_shards: 10, state_slots: 4, ..common::settings() }
+    ShardingSettings {
+        number_of_shards: 10,
+        state: ddshard::sharding::DurableStateSettings { slots: 4, ..common::settings().state },
+        ..common::settings()
+    }
 }
 
 async fn start_carts(node: &ddshard::Node, s: ShardingSettings) -> ShardRegion<Durable<Cart>> {
@@ -204,7 +208,14 @@ async fn states_survive_a_full_cluster_restart() {
 async fn a_state_over_max_state_bytes_fails_typed_writes_nothing_and_the_entity_restarts_from_its_stored_state() {
     let mut c = TestCluster::start(1).await.unwrap();
     c.await_converged(CONVERGE).await;
-    let r = start_carts(c.node(0), ShardingSettings { max_state_bytes: 1024, ..durable_settings() }).await;
+    let r = start_carts(
+        c.node(0),
+        ShardingSettings {
+            state: ddshard::sharding::DurableStateSettings { max_bytes: 1024, ..durable_settings().state },
+            ..durable_settings()
+        },
+    )
+    .await;
     r.ask("c1", CartMsg::Add("apples".into())).await.unwrap();
     let err = r.ask("c1", CartMsg::AddHuge(2000)).await.unwrap_err();
     assert!(
@@ -268,7 +279,10 @@ async fn a_stored_state_that_does_not_decode_is_a_typed_error_naming_the_type_an
 async fn a_persist_after_a_newer_epoch_claimed_the_state_fails_fenced_and_the_shard_stops_here() {
     let mut c = TestCluster::start(1).await.unwrap();
     c.await_converged(CONVERGE).await;
-    let s = ShardingSettings { state_slots: 1, ..durable_settings() };
+    let s = ShardingSettings {
+        state: ddshard::sharding::DurableStateSettings { slots: 1, ..durable_settings().state },
+        ..durable_settings()
+    };
     let r = start_carts(c.node(0), s).await;
     r.ask("c1", CartMsg::Add("apples".into())).await.unwrap();
     // A newer allocation of the shard claims its state (what a new home does when it starts).
@@ -301,7 +315,11 @@ async fn a_persist_after_a_newer_epoch_claimed_the_state_fails_fenced_and_the_sh
 async fn remembered_durable_entities_come_back_after_a_full_restart_with_their_state_and_without_a_message() {
     let mut c = TestCluster::start(2).await.unwrap();
     c.await_converged(CONVERGE).await;
-    let s = ShardingSettings { remember_entities: true, min_nr_of_members: 2, ..durable_settings() };
+    let s = ShardingSettings {
+        min_nr_of_members: 2,
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..durable_settings().remember },
+        ..durable_settings()
+    };
     let mut regions = Vec::new();
     for (_, n) in c.running() {
         regions.push(start_carts(n, s.clone()).await);

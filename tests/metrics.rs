@@ -92,7 +92,11 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     c.await_converged(CONVERGE).await;
     let probe = Probe::default();
     // Remembered entities: their ids are durable, so LMDB commits happen.
-    let s = ddshard::ShardingSettings { min_nr_of_members: 3, remember_entities: true, ..settings() };
+    let s = ddshard::ShardingSettings {
+        min_nr_of_members: 3,
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..settings().remember },
+        ..settings()
+    };
     let regions = start_everywhere(&c, &probe, s).await;
     let ids: Vec<String> = (0..30).map(|i| format!("m{i}")).collect();
     for id in &ids {

@@ -131,7 +131,7 @@ async fn sigkilled_node_entities_answer_again_from_the_survivors_and_sigterm_lea
 /// message sent, within detection + stable_after + margin + 5 s, and then answers.
 async fn sigkill_coordinator_host_then_another(n: usize) {
     let dir = tempfile::tempdir().unwrap();
-    let remember = format!("remember_entities = true\nmin_nr_of_members = {n}\n");
+    let remember = format!("min_nr_of_members = {n}\n[sharding.remember]\nenabled = true\n");
     // Two of three killed leave one of three replica holders: it serves remembered ids once
     // the dead ones are forgotten, here after 3 s of absence (30 min by default).
     let replicator = if n == 3 { "forget_absent_after = \"3s\"" } else { "" };

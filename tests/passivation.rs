@@ -85,7 +85,10 @@ async fn remembered_entities_never_passivate_by_themselves_whatever_the_limit() 
     let mut c = TestCluster::start(1).await.unwrap();
     c.await_converged(CONVERGE).await;
     let probe = Probe::default();
-    let s = ShardingSettings { remember_entities: true, ..limited(5, ReplacementPolicy::Lru) };
+    let s = ShardingSettings {
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..Default::default() },
+        ..limited(5, ReplacementPolicy::Lru)
+    };
     let region = start_counter(c.node(0), &probe, s).await;
     for i in 0..30 {
         region.ask(&format!("r{i}"), CounterMsg::Add(1)).await.unwrap();

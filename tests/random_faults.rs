@@ -59,14 +59,17 @@ impl Entity for Tracked {
 
 fn settings() -> ShardingSettings {
     ShardingSettings {
-        remember_entities: true,
         number_of_shards: 10,
-        remember_entities_slots: 4,
         min_nr_of_members: 3,
         retry_interval: Duration::from_millis(400),
         rebalance_interval: Duration::from_millis(700),
         handoff_timeout: Duration::from_secs(10),
         shard_start_timeout: Duration::from_secs(2),
+        remember: ddshard::sharding::RememberEntitiesSettings {
+            enabled: true,
+            slots: 4,
+            ..ShardingSettings::default().remember
+        },
         ..ShardingSettings::default()
     }
 }

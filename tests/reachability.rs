@@ -43,7 +43,11 @@ impl ddshard::Entity for Tracked {
 }
 
 fn sharding() -> ddshard::ShardingSettings {
-    ddshard::ShardingSettings { remember_entities: true, min_nr_of_members: 5, ..settings() }
+    ddshard::ShardingSettings {
+        min_nr_of_members: 5,
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..settings().remember },
+        ..settings()
+    }
 }
 
 async fn start_tracked(n: &Node, log: &ActivationLog) -> ShardRegion<Tracked> {

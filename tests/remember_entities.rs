@@ -16,7 +16,11 @@ use ddshard::{Consistency, Error, ShardRegion, ShardingSettings};
 const CONVERGE: Duration = Duration::from_secs(40);
 
 fn remember() -> ShardingSettings {
-    ShardingSettings { remember_entities: true, number_of_shards: 10, remember_entities_slots: 4, ..settings() }
+    ShardingSettings {
+        number_of_shards: 10,
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: 4, ..settings().remember },
+        ..settings()
+    }
 }
 
 async fn start_all(c: &TestCluster, probe: &Probe, s: ShardingSettings) -> Vec<ShardRegion<Counter>> {
@@ -304,9 +308,12 @@ async fn store_failing_during_writes_and_loads_recovers_and_loses_no_acknowledge
     let s = ShardingSettings {
         number_of_shards: 1,
         min_nr_of_members: 3,
-        updating_state_timeout: Duration::from_millis(400),
-        waiting_for_state_timeout: Duration::from_millis(300),
         shard_failure_backoff: Duration::from_millis(300),
+        coordinator: ddshard::sharding::ShardCoordinatorSettings {
+            updating_state_timeout: Duration::from_millis(400),
+            waiting_for_state_timeout: Duration::from_millis(300),
+            ..remember().coordinator
+        },
         ..remember()
     };
     let regions = start_all(&c, &probe, s).await;
@@ -353,7 +360,11 @@ async fn a_shard_at_max_remembered_refuses_new_ids_from_local_and_remote_askers_
     let probe = Probe::default();
     // One shard, so every id counts against the same limit, and askers on two nodes: at least
     // one of them reaches the shard over the wire.
-    let s = ShardingSettings { number_of_shards: 1, max_remembered_per_shard: Some(LIMIT), ..remember() };
+    let s = ShardingSettings {
+        number_of_shards: 1,
+        remember: ddshard::sharding::RememberEntitiesSettings { max_per_shard: Some(LIMIT), ..remember().remember },
+        ..remember()
+    };
     let regions = start_all(&c, &probe, s).await;
     let home = where_is(&regions[0], "first").await;
     let asks = (0..40).map(|k| {

@@ -202,7 +202,10 @@ async fn idle_entity_is_passivated_after_the_idle_timeout_while_a_busy_one_keeps
     let probe = Probe::default();
     let s = ddshard::ShardingSettings {
         min_nr_of_members: 1,
-        passivation_idle_timeout: Some(Duration::from_millis(600)),
+        passivation: ddshard::sharding::PassivationSettings {
+            idle_timeout: Some(Duration::from_millis(600)),
+            ..settings().passivation
+        },
         ..settings()
     };
     let r = start_counter(c.node(0), &probe, s).await;

@@ -249,9 +249,12 @@ async fn lower_coordinator_min_cap_keeps_allocating_while_one_of_four_nodes_is_u
     let probe = Probe::default();
     let strict = ddshard::ShardingSettings { rebalance_interval: Duration::from_secs(3600), ..settings() };
     let relaxed = ddshard::ShardingSettings {
-        coordinator_write_majority_plus: 0,
-        coordinator_read_majority_plus: 0,
-        coordinator_majority_min_cap: 3,
+        coordinator: ddshard::sharding::ShardCoordinatorSettings {
+            write_majority_plus: 0,
+            read_majority_plus: 0,
+            majority_min_cap: 3,
+            ..strict.clone().coordinator
+        },
         ..strict.clone()
     };
     // Regions on n1..n3 only; n4 holds replicas but hosts no shard.

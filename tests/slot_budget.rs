@@ -64,11 +64,9 @@ async fn six_hundred_16_kib_ids_aimed_at_one_remembered_slot_are_refused_past_it
     c.await_converged(CONVERGE).await;
     let probe = Probe::default();
     let s = ShardingSettings {
-        remember_entities: true,
-        number_of_shards: SHARDS,
-        remember_entities_slots: SLOTS,
-        // The longest ids a type may allow (the default is 1 KiB).
+        number_of_shards: SHARDS, // The longest ids a type may allow (the default is 1 KiB).
         max_entity_id_bytes: ddshard::sharding::MAX_ENTITY_ID_LEN,
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: SLOTS, ..settings().remember },
         ..settings()
     };
     let regions = start_everywhere(&c, &probe, s).await;
@@ -162,7 +160,11 @@ impl DurableEntity for Blob {
 async fn states_of_63_kib_aimed_at_one_state_slot_are_refused_past_its_budget_and_the_rest_move_with_the_shard() {
     let mut c = TestCluster::start_with(3, |_, cfg| fast_downing(cfg)).await.unwrap();
     c.await_converged(CONVERGE).await;
-    let s = ShardingSettings { number_of_shards: SHARDS, state_slots: SLOTS, ..settings() };
+    let s = ShardingSettings {
+        number_of_shards: SHARDS,
+        state: ddshard::sharding::DurableStateSettings { slots: SLOTS, ..settings().state },
+        ..settings()
+    };
     let mut regions = Vec::new();
     for (_, n) in c.running() {
         regions.push(n.sharding().start_durable("blob", |_: &str| Blob, s.clone()).await.unwrap());

@@ -673,6 +673,29 @@ mod tests {
     use crate::membership::FailureDetectorSettings;
 
     /// `config/default.toml` documents every setting; it must parse to exactly the defaults.
+    /// The grouped `[sharding]` tables are read, and a key of the flat layout before them is
+    /// refused by name (a silently ignored `remember_entities = true` would forget entities).
+    #[test]
+    fn grouped_sharding_tables_are_read_and_a_flat_key_of_the_old_layout_is_refused_by_name() {
+        let c = NodeConfig::from_toml_str(
+            "[sharding.remember]\nenabled = true\nslots = 32\n[sharding.passivation]\nidle_timeout = \"5m\"\n\
+             [sharding.coordinator]\nmajority_min_cap = 3\n[sharding.state]\nmax_bytes = 1024\n",
+        )
+        .unwrap();
+        assert!(c.sharding.remember.enabled);
+        assert_eq!(c.sharding.remember.slots, 32);
+        assert_eq!(c.sharding.passivation.idle_timeout, Some(Duration::from_secs(300)));
+        assert_eq!(c.sharding.coordinator.majority_min_cap, 3);
+        assert_eq!(c.sharding.state.max_bytes, 1024);
+        for old in ["remember_entities = true", "passivation_idle_timeout = \"5m\"", "state_slots = 8"] {
+            let key = old.split(' ').next().unwrap();
+            match NodeConfig::from_toml_str(&format!("[sharding]\n{old}\n")) {
+                Err(Error::Config(m)) => assert!(m.contains(key), "{old}: {m}"),
+                other => panic!("{old}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn default_toml_documents_exactly_the_defaults() {
         let parsed = NodeConfig::from_toml_str(include_str!("../../config/default.toml")).unwrap();

@@ -107,7 +107,7 @@ pub struct RegionCounters {
     pub state_batches: u64,
 
     /// Durable entities: state writes that failed (not acknowledged, refused by a fence, or over
-    /// `max_state_bytes`).
+    /// `state.max_bytes`).
     pub state_write_failures: u64,
 
     /// Durable entities: writes refused because a newer allocation claimed the shard's state.

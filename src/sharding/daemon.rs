@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
-use super::{Entity, EntityContext, ShardRegion, ShardingSettings, StartOptions};
+use super::{
+    Entity, EntityContext, PassivationSettings, RememberEntitiesSettings, ShardRegion, ShardingSettings, StartOptions,
+};
 use crate::error::{Error, Result};
 use crate::node::Node;
 
@@ -192,8 +194,8 @@ where
     let worker: Arc<WorkerFn> = Arc::new(move |ctx| Box::pin(worker(ctx)));
     let settings = ShardingSettings {
         number_of_shards: count as u32,
-        remember_entities: true,
-        passivation_idle_timeout: None,
+        remember: RememberEntitiesSettings { enabled: true, ..settings.remember },
+        passivation: PassivationSettings { idle_timeout: None, ..settings.passivation },
         ..settings
     };
     let options = StartOptions {

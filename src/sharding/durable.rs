@@ -14,7 +14,7 @@
 //!   its write fails with [`Error::Fenced`] and its shard stops here.
 //! - **Typed failures.** A write not acknowledged fails the ask with
 //!   [`Error::StateNotPersisted`] (its outcome is unknown: it may still spread from the
-//!   replicas it reached), a state over `max_state_bytes` with [`Error::StateTooLarge`], and
+//!   replicas it reached), a state over `state.max_bytes` with [`Error::StateTooLarge`], and
 //!   one that would grow its shard's state slot past the slot's byte budget with
 //!   [`Error::SlotFull`] (nothing written either way); the entity then restarts from what its
 //!   node's replica holds. A stored state

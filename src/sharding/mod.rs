@@ -56,8 +56,8 @@ pub use keys::durable_key_prefix;
 pub use region_ref::RegionRef;
 pub use settings::MAX_ENTITY_ID_LEN;
 pub use settings::{
-    AllocationSettings, PassivationAdmission, PassivationSettings, PassivationStrategy, ReplacementPolicy,
-    ShardingSettings,
+    AllocationSettings, DurableStateSettings, PassivationAdmission, PassivationSettings, PassivationStrategy,
+    RememberEntitiesSettings, ReplacementPolicy, ShardCoordinatorSettings, ShardingSettings,
 };
 pub use stand_in::{RegionProbe, Sent};
 
@@ -237,8 +237,8 @@ impl Sharding {
     /// The node's `[sharding]` table ([`crate::NodeConfig::sharding`]): the settings to start
     /// a type with, so what an operator tuned in the node's configuration file applies
     /// (`ShardingSettings::default()` is the built-in defaults, whatever the file says). Change
-    /// a field for one type with struct update syntax:
-    /// `ShardingSettings { remember_entities: true, ..node.sharding().settings() }`.
+    /// what one type needs on the copy:
+    /// `let mut settings = node.sharding().settings(); settings.remember.enabled = true;`.
     pub fn settings(&self) -> ShardingSettings {
         self.node.config().sharding.clone()
     }
@@ -356,15 +356,28 @@ mod tests {
             ShardingSettings { number_of_shards: 0, ..Default::default() },
             ShardingSettings { buffer_size: 0, ..Default::default() },
             ShardingSettings { min_nr_of_members: 0, ..Default::default() },
-            ShardingSettings { remember_entities_slots: 0, ..Default::default() },
+            ShardingSettings {
+                remember: RememberEntitiesSettings { slots: 0, ..Default::default() },
+                ..Default::default()
+            },
             ShardingSettings { handoff_timeout: std::time::Duration::from_millis(10), ..Default::default() },
             ShardingSettings { max_entity_id_bytes: 0, ..Default::default() },
             ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN + 1, ..Default::default() },
-            ShardingSettings { max_remembered_per_shard: Some(0), ..Default::default() },
+            ShardingSettings {
+                remember: RememberEntitiesSettings { max_per_shard: Some(0), ..Default::default() },
+                ..Default::default()
+            },
         ] {
             assert!(matches!(s.validate(), Err(Error::Config(_))), "{s:?}");
         }
-        assert!(ShardingSettings { max_remembered_per_shard: Some(1), ..Default::default() }.validate().is_ok());
+        assert!(
+            ShardingSettings {
+                remember: RememberEntitiesSettings { max_per_shard: Some(1), ..Default::default() },
+                ..Default::default()
+            }
+            .validate()
+            .is_ok()
+        );
         let longest = ShardingSettings { max_entity_id_bytes: MAX_ENTITY_ID_LEN, ..Default::default() };
         assert!(longest.validate().is_ok(), "the longest a remembered set holds is allowed");
         let zero = settings::PassivationSettings { idle_safety_limit: Some(0), ..Default::default() };
@@ -382,7 +395,10 @@ mod tests {
         assert_eq!(idle.passivation_policy(Some(1_000)).limit, Some(1_000), "each shard's share");
         let off = PassivationSettings { idle_safety_limit: None, ..Default::default() };
         assert_eq!(ShardingSettings { passivation: off, ..Default::default() }.passivation_limit(), None);
-        let remember = ShardingSettings { remember_entities: true, ..Default::default() };
+        let remember = ShardingSettings {
+            remember: RememberEntitiesSettings { enabled: true, ..Default::default() },
+            ..Default::default()
+        };
         assert_eq!(remember.passivation_limit(), None, "remembered entities are never passivated automatically");
         let none = PassivationSettings { strategy: PassivationStrategy::None, ..Default::default() };
         assert_eq!(ShardingSettings { passivation: none, ..Default::default() }.passivation_limit(), None);

@@ -56,11 +56,11 @@ impl Default for AllocationSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PassivationStrategy {
-    /// Entities idle for [`ShardingSettings::passivation_idle_timeout`] (the default).
+    /// Entities idle for [`PassivationSettings::idle_timeout`] (the default).
     Idle,
     /// At most [`PassivationSettings::active_entity_limit`] entities run per region (divided
     /// among its shards); a new one passivates the victim of the replacement policy first.
-    /// `passivation_idle_timeout`, when set, applies too.
+    /// `idle_timeout`, when set, applies too.
     ActiveEntityLimit,
     /// Only explicit passivation.
     None,
@@ -99,6 +99,11 @@ pub enum PassivationAdmission {
 pub struct PassivationSettings {
     /// Which strategy.
     pub strategy: PassivationStrategy,
+    /// Entities idle this long are passivated (`None`: never), under the `idle` and
+    /// `active-entity-limit` strategies of [`Self::strategy`]. An entity stops within a
+    /// region tick (about 100 ms) of the timeout after its last message.
+    #[serde(with = "humantime_serde")]
+    pub idle_timeout: Option<Duration>,
     /// `active-entity-limit`: entities running at once per region (the region divides it
     /// among its shards, each keeping room for at least one). Changeable at run time with
     /// [`super::ShardRegion::set_passivation_limit`].
@@ -118,10 +123,123 @@ impl Default for PassivationSettings {
     fn default() -> Self {
         PassivationSettings {
             strategy: PassivationStrategy::Idle,
+            idle_timeout: Some(Duration::from_secs(120)),
             active_entity_limit: 100_000,
             replacement: ReplacementPolicy::Lru,
             admission: PassivationAdmission::None,
             idle_safety_limit: Some(1_000_000),
+        }
+    }
+}
+
+/// Remembered entities (`[sharding.remember]`): a type that remembers starts its entities
+/// again after a hand-off, a crash or a full-cluster restart.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RememberEntitiesSettings {
+    /// Remember started entities (in replicated OR-sets, durable in LMDB) and start them again
+    /// after hand-off, crash or a full-cluster restart. Idle passivation is off for such types.
+    pub enabled: bool,
+    /// OR-set keys per shard for remembered ids (ids spread by hash). More slots keep each
+    /// replicated value small: about 60 bytes per id, so 1M ids in 64 slots is ~1 MB per key.
+    /// Like [`ShardingSettings::number_of_shards`], keep it stable for the life of the data.
+    pub slots: u32,
+    /// Most entities one shard remembers (`None`: no limit but the slot
+    /// budget, which bounds each slot's bytes). A start past it fails at once with
+    /// [`Error::RememberedLimit`] and the shard serves every
+    /// entity it remembers; a remembered entity that passivates makes room. Ids already
+    /// remembered all come back after a hand-off or restart, even past a lowered limit.
+    pub max_per_shard: Option<usize>,
+    /// Remembered entities a shard starts per `recovery_interval` (0: all at once).
+    pub recovery_batch: usize,
+    /// The pace of `recovery_batch`.
+    #[serde(with = "humantime_serde")]
+    pub recovery_interval: Duration,
+}
+
+impl Default for RememberEntitiesSettings {
+    fn default() -> Self {
+        RememberEntitiesSettings {
+            enabled: false,
+            slots: 16,
+            max_per_shard: None,
+            recovery_batch: 0,
+            recovery_interval: Duration::from_millis(100),
+        }
+    }
+}
+
+/// The coordinator's replicated state (`[sharding.coordinator]`): how long each write and
+/// take-over read waits, and how many replicas each needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShardCoordinatorSettings {
+    /// Timeout of each coordinator state write (retried until it succeeds).
+    #[serde(with = "humantime_serde")]
+    pub updating_state_timeout: Duration,
+    /// Timeout of each coordinator state read at take-over (retried until it succeeds).
+    #[serde(with = "humantime_serde")]
+    pub waiting_for_state_timeout: Duration,
+    /// Coordinator state writes wait for a majority plus this many more replicas (Akka's
+    /// `write-majority-plus`, 3). Majority reads and writes intersect anyway; the extra copies
+    /// keep the state safe across membership changes that shift what "majority" means.
+    pub write_majority_plus: usize,
+    /// The take-over read of the coordinator state asks a majority plus this many (Akka's
+    /// `read-majority-plus`, 5).
+    pub read_majority_plus: usize,
+    /// Lower bound on those write and read replica counts (capped at the cluster size; Akka's
+    /// `majority-min-cap`, 5). With the defaults, a cluster of up to 5 nodes needs every
+    /// member for each allocation, so one unreachable node holds new allocations back until it
+    /// is downed; lower it (say to 3) to keep allocating in small clusters with one node out.
+    pub majority_min_cap: usize,
+}
+
+impl Default for ShardCoordinatorSettings {
+    fn default() -> Self {
+        ShardCoordinatorSettings {
+            updating_state_timeout: Duration::from_secs(5),
+            waiting_for_state_timeout: Duration::from_secs(2),
+            write_majority_plus: 3,
+            read_majority_plus: 5,
+            majority_min_cap: 5,
+        }
+    }
+}
+
+/// Durable entities' replicated states (`[sharding.state]`, types started with
+/// [`super::Sharding::start_durable`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DurableStateSettings {
+    /// Replicated keys per shard that
+    /// hold its entities' states (entities spread by id hash). More slots keep each replicated
+    /// value small: a value travels whole in a read, so keep states per slot × state size well
+    /// under `transport.max_frame_size`. Keep it stable for the life of the data.
+    pub slots: u32,
+    /// Largest encoded state; a bigger one fails its write with
+    /// [`Error::StateTooLarge`] and nothing is written.
+    pub max_bytes: usize,
+    /// State writes wait for a majority plus this many more replicas (each
+    /// with the write in LMDB).
+    pub write_majority_plus: usize,
+    /// A shard's start claims and reads its states from every reachable
+    /// replica, and from no fewer than a majority of the roster plus this many (0 by default:
+    /// majorities of the roster intersect across one roster change, so no extra replica is
+    /// needed; each one more makes a claim wait for one more replica).
+    pub read_majority_plus: usize,
+    /// Lower bound on those write and read replica counts (capped at the
+    /// cluster size).
+    pub majority_min_cap: usize,
+}
+
+impl Default for DurableStateSettings {
+    fn default() -> Self {
+        DurableStateSettings {
+            slots: 16,
+            max_bytes: 64 * 1024,
+            write_majority_plus: 0,
+            read_majority_plus: 0,
+            majority_min_cap: 0,
         }
     }
 }
@@ -135,30 +253,12 @@ pub struct ShardingSettings {
     pub number_of_shards: u32,
     /// Only nodes with this role host the type; elsewhere `start` gives a proxy.
     pub role: Option<String>,
-    /// Remember started entities (in replicated OR-sets, durable in LMDB) and start them again
-    /// after hand-off, crash or a full-cluster restart. Idle passivation is off for such types.
-    pub remember_entities: bool,
-    /// OR-set keys per shard for remembered ids (ids spread by hash). More slots keep each
-    /// replicated value small: about 60 bytes per id, so 1M ids in 64 slots is ~1 MB per key.
-    /// Like `number_of_shards`, keep it stable for the life of the data.
-    pub remember_entities_slots: u32,
-    /// Remember-entities: most entities one shard remembers (`None`: no limit but the slot
-    /// budget, which bounds each slot's bytes). A start past it fails at once with
-    /// [`Error::RememberedLimit`] and the shard serves every
-    /// entity it remembers; a remembered entity that passivates makes room. Ids already
-    /// remembered all come back after a hand-off or restart, even past a lowered limit.
-    pub max_remembered_per_shard: Option<usize>,
     /// Remembered entity that stopped without passivating (panic) restarts after this.
     #[serde(with = "humantime_serde")]
     pub entity_restart_backoff: Duration,
     /// A shard whose remembered set could not be loaded or written restarts after this.
     #[serde(with = "humantime_serde")]
     pub shard_failure_backoff: Duration,
-    /// Remembered entities a shard starts per `entity_recovery_interval` (0: all at once).
-    pub entity_recovery_batch: usize,
-    /// See `entity_recovery_batch`.
-    #[serde(with = "humantime_serde")]
-    pub entity_recovery_interval: Duration,
     /// Messages a region buffers while shard homes are unknown, or that its task has not taken
     /// yet, and messages each shard holds while its data loads or their entities start or stop
     /// (remembered starts waiting for their write, say); beyond it a message fails with
@@ -186,13 +286,14 @@ pub struct ShardingSettings {
     /// How often the coordinator considers rebalancing.
     #[serde(with = "humantime_serde")]
     pub rebalance_interval: Duration,
-    /// Entities idle this long are passivated (`None`: never), under the `idle` and
-    /// `active-entity-limit` strategies of [`Self::passivation`]. An entity stops within a
-    /// region tick (about 100 ms) of the timeout after its last message.
-    #[serde(with = "humantime_serde")]
-    pub passivation_idle_timeout: Option<Duration>,
-    /// Passivation strategy (`[sharding.passivation]`).
+    /// Remembered entities (`[sharding.remember]`).
+    pub remember: RememberEntitiesSettings,
+    /// Passivation: the idle timeout and the strategy (`[sharding.passivation]`).
     pub passivation: PassivationSettings,
+    /// The coordinator's replicated state (`[sharding.coordinator]`).
+    pub coordinator: ShardCoordinatorSettings,
+    /// Durable entities' replicated states (`[sharding.state]`).
+    pub state: DurableStateSettings,
     /// Default timeout of [`super::ShardRegion::ask`] and of queries.
     #[serde(with = "humantime_serde")]
     pub ask_timeout: Duration,
@@ -204,43 +305,6 @@ pub struct ShardingSettings {
     /// `HostShard` is re-sent after this long without `ShardStarted`.
     #[serde(with = "humantime_serde")]
     pub shard_start_timeout: Duration,
-    /// Timeout of each coordinator state write (retried until it succeeds).
-    #[serde(with = "humantime_serde")]
-    pub updating_state_timeout: Duration,
-    /// Timeout of each coordinator state read at take-over (retried until it succeeds).
-    #[serde(with = "humantime_serde")]
-    pub waiting_for_state_timeout: Duration,
-    /// Coordinator state writes wait for a majority plus this many more replicas (Akka's
-    /// `write-majority-plus`, 3). Majority reads and writes intersect anyway; the extra copies
-    /// keep the state safe across membership changes that shift what "majority" means.
-    pub coordinator_write_majority_plus: usize,
-    /// The take-over read of the coordinator state asks a majority plus this many (Akka's
-    /// `read-majority-plus`, 5).
-    pub coordinator_read_majority_plus: usize,
-    /// Lower bound on those write and read replica counts (capped at the cluster size; Akka's
-    /// `majority-min-cap`, 5). With the defaults, a cluster of up to 5 nodes needs every
-    /// member for each allocation, so one unreachable node holds new allocations back until it
-    /// is downed; lower it (say to 3) to keep allocating in small clusters with one node out.
-    pub coordinator_majority_min_cap: usize,
-    /// Durable entities ([`super::Sharding::start_durable`]): replicated keys per shard that
-    /// hold its entities' states (entities spread by id hash). More slots keep each replicated
-    /// value small: a value travels whole in a read, so keep states per slot × state size well
-    /// under `transport.max_frame_size`. Keep it stable for the life of the data.
-    pub state_slots: u32,
-    /// Durable entities: largest encoded state; a bigger one fails its write with
-    /// [`Error::StateTooLarge`] and nothing is written.
-    pub max_state_bytes: usize,
-    /// Durable entities: state writes wait for a majority plus this many more replicas (each
-    /// with the write in LMDB).
-    pub state_write_majority_plus: usize,
-    /// Durable entities: a shard's start claims and reads its states from every reachable
-    /// replica, and from no fewer than a majority of the roster plus this many (0 by default:
-    /// majorities of the roster intersect across one roster change, so no extra replica is
-    /// needed; each one more makes a claim wait for one more replica).
-    pub state_read_majority_plus: usize,
-    /// Durable entities: lower bound on those write and read replica counts (capped at the
-    /// cluster size).
-    pub state_majority_min_cap: usize,
     /// Shard allocation strategy.
     pub allocation: AllocationSettings,
 }
@@ -250,35 +314,22 @@ impl Default for ShardingSettings {
         ShardingSettings {
             number_of_shards: 1000,
             role: None,
-            remember_entities: false,
-            remember_entities_slots: 16,
-            max_remembered_per_shard: None,
             entity_restart_backoff: Duration::from_secs(10),
             shard_failure_backoff: Duration::from_secs(10),
-            entity_recovery_batch: 0,
-            entity_recovery_interval: Duration::from_millis(100),
             buffer_size: 100_000,
             max_entity_id_bytes: 1024,
             entity_mailbox_capacity: 10_000,
             entity_linger: Duration::from_millis(100),
             handoff_timeout: Duration::from_secs(30),
             rebalance_interval: Duration::from_secs(10),
-            passivation_idle_timeout: Some(Duration::from_secs(120)),
+            remember: RememberEntitiesSettings::default(),
             passivation: PassivationSettings::default(),
+            coordinator: ShardCoordinatorSettings::default(),
+            state: DurableStateSettings::default(),
             ask_timeout: Duration::from_secs(5),
             min_nr_of_members: 1,
             retry_interval: Duration::from_secs(2),
             shard_start_timeout: Duration::from_secs(10),
-            updating_state_timeout: Duration::from_secs(5),
-            waiting_for_state_timeout: Duration::from_secs(2),
-            coordinator_write_majority_plus: 3,
-            coordinator_read_majority_plus: 5,
-            coordinator_majority_min_cap: 5,
-            state_slots: 16,
-            max_state_bytes: 64 * 1024,
-            state_write_majority_plus: 0,
-            state_read_majority_plus: 0,
-            state_majority_min_cap: 0,
             allocation: AllocationSettings::default(),
         }
     }
@@ -291,15 +342,15 @@ impl ShardingSettings {
         crate::config::limits::check_durations(&[
             ("sharding.entity_restart_backoff", self.entity_restart_backoff),
             ("sharding.shard_failure_backoff", self.shard_failure_backoff),
-            ("sharding.entity_recovery_interval", self.entity_recovery_interval),
+            ("sharding.remember.recovery_interval", self.remember.recovery_interval),
             ("sharding.handoff_timeout", self.handoff_timeout),
             ("sharding.rebalance_interval", self.rebalance_interval),
-            ("sharding.passivation_idle_timeout", self.passivation_idle_timeout.unwrap_or_default()),
+            ("sharding.passivation.idle_timeout", self.passivation.idle_timeout.unwrap_or_default()),
             ("sharding.ask_timeout", self.ask_timeout),
             ("sharding.retry_interval", self.retry_interval),
             ("sharding.shard_start_timeout", self.shard_start_timeout),
-            ("sharding.updating_state_timeout", self.updating_state_timeout),
-            ("sharding.waiting_for_state_timeout", self.waiting_for_state_timeout),
+            ("sharding.coordinator.updating_state_timeout", self.coordinator.updating_state_timeout),
+            ("sharding.coordinator.waiting_for_state_timeout", self.coordinator.waiting_for_state_timeout),
         ])?;
         if self.number_of_shards == 0 {
             return bad("number_of_shards must be > 0");
@@ -322,20 +373,20 @@ impl ShardingSettings {
         if self.retry_interval.is_zero() || self.rebalance_interval.is_zero() || self.shard_start_timeout.is_zero() {
             return bad("retry_interval, rebalance_interval and shard_start_timeout must be > 0");
         }
-        if !(1..=4096).contains(&self.remember_entities_slots) {
-            return bad("remember_entities_slots must be between 1 and 4096");
+        if !(1..=4096).contains(&self.remember.slots) {
+            return bad("remember.slots must be between 1 and 4096");
         }
-        if self.max_remembered_per_shard == Some(0) {
-            return bad("max_remembered_per_shard must be >= 1 (unset it for no limit)");
+        if self.remember.max_per_shard == Some(0) {
+            return bad("remember.max_per_shard must be >= 1 (unset it for no limit)");
         }
-        if !(1..=4096).contains(&self.state_slots) {
-            return bad("state_slots must be between 1 and 4096");
+        if !(1..=4096).contains(&self.state.slots) {
+            return bad("state.slots must be between 1 and 4096");
         }
-        if !(1..=1 << 30).contains(&self.max_state_bytes) {
-            return bad("max_state_bytes must be between 1 byte and 1 GiB");
+        if !(1..=1 << 30).contains(&self.state.max_bytes) {
+            return bad("state.max_bytes must be between 1 byte and 1 GiB");
         }
-        if self.entity_recovery_batch > 0 && self.entity_recovery_interval.is_zero() {
-            return bad("entity_recovery_interval must be > 0 when entity_recovery_batch is set");
+        if self.remember.recovery_batch > 0 && self.remember.recovery_interval.is_zero() {
+            return bad("remember.recovery_interval must be > 0 when remember.recovery_batch is set");
         }
         if !(1..=1 << 32).contains(&self.passivation.active_entity_limit) {
             return bad("passivation.active_entity_limit must be between 1 and 2^32");
@@ -348,13 +399,13 @@ impl ShardingSettings {
 
     /// Whether the type runs under the `active-entity-limit` strategy (the limit it tunes).
     pub(crate) fn has_active_entity_limit(&self) -> bool {
-        self.passivation.strategy == PassivationStrategy::ActiveEntityLimit && !self.remember_entities
+        self.passivation.strategy == PassivationStrategy::ActiveEntityLimit && !self.remember.enabled
     }
 
     /// The region-wide active-entity limit, when the type has one (never with remember-entities):
     /// `active_entity_limit` under that strategy, the safety net under `idle`.
     pub(crate) fn passivation_limit(&self) -> Option<usize> {
-        if self.remember_entities {
+        if self.remember.enabled {
             return None;
         }
         match self.passivation.strategy {
@@ -369,7 +420,7 @@ impl ShardingSettings {
         use super::shard::passivation::{PolicySettings, Replacement};
         let idle_timeout = match self.passivation.strategy {
             PassivationStrategy::None => None,
-            _ => self.passivation_idle_timeout,
+            _ => self.passivation.idle_timeout,
         };
         let limited = self.passivation_limit().is_some();
         PolicySettings {

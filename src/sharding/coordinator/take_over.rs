@@ -49,12 +49,12 @@ pub(crate) const REMEMBERED_SHARDS: Consistency = Consistency::MAJORITY;
 /// Consistency of the state claim at take-over (Akka's ReadMajorityPlus, 5 and min-cap 5 by
 /// default).
 fn state_read(s: &ShardingSettings) -> Consistency {
-    Consistency::Majority { plus: s.coordinator_read_majority_plus, min_cap: s.coordinator_majority_min_cap }
+    Consistency::Majority { plus: s.coordinator.read_majority_plus, min_cap: s.coordinator.majority_min_cap }
 }
 
 /// Consistency of coordinator state writes (WriteMajorityPlus, 3 and min-cap 5 by default).
 fn state_write(s: &ShardingSettings) -> Consistency {
-    Consistency::Majority { plus: s.coordinator_write_majority_plus, min_cap: s.coordinator_majority_min_cap }
+    Consistency::Majority { plus: s.coordinator.write_majority_plus, min_cap: s.coordinator.majority_min_cap }
 }
 
 /// What the take-over read found: the coordinator state and, with remember-entities, every
@@ -82,7 +82,7 @@ impl CoordinatorSettings {
             rebalance_interval: s.rebalance_interval,
             handoff_timeout: s.handoff_timeout,
             shard_start_timeout: s.shard_start_timeout,
-            eager_reallocation: s.remember_entities,
+            eager_reallocation: s.remember.enabled,
             extractor_fingerprint,
             shard_ids,
             max_state_bytes: max_frame_size / 2,
@@ -164,9 +164,9 @@ impl TakeOver {
             type_name: type_name.to_string(),
             term: wall_ms.max(local_fence.saturating_add(1)),
             claims: 0,
-            remember: s.remember_entities,
+            remember: s.remember.enabled,
             consistency: state_read(s),
-            timeout: s.waiting_for_state_timeout,
+            timeout: s.coordinator.waiting_for_state_timeout,
             claimed: None,
         };
         t.claim(out);
@@ -283,7 +283,8 @@ impl StateWrite {
         out: &mut Vec<StateWriteAction>,
     ) -> Self {
         let remembered: Option<BTreeSet<ShardId>> = s
-            .remember_entities
+            .remember
+            .enabled
             .then(|| {
                 entries
                     .iter()
@@ -296,7 +297,7 @@ impl StateWrite {
             entries,
             term,
             consistency: state_write(s),
-            timeout: s.updating_state_timeout,
+            timeout: s.coordinator.updating_state_timeout,
             remembered,
             backoff: WRITE_BACKOFF.0,
         };
@@ -338,7 +339,13 @@ mod tests {
     use super::*;
 
     fn remember() -> ShardingSettings {
-        ShardingSettings { remember_entities: true, ..ShardingSettings::default() }
+        ShardingSettings {
+            remember: crate::sharding::RememberEntitiesSettings {
+                enabled: true,
+                ..ShardingSettings::default().remember
+            },
+            ..ShardingSettings::default()
+        }
     }
 
     fn map_with_fence(fence: u64) -> FencedMap {
@@ -392,10 +399,10 @@ mod tests {
             vec![TakeOverAction::Claim {
                 term: 42,
                 consistency: Consistency::Majority {
-                    plus: s.coordinator_read_majority_plus,
-                    min_cap: s.coordinator_majority_min_cap
+                    plus: s.coordinator.read_majority_plus,
+                    min_cap: s.coordinator.majority_min_cap
                 },
-                timeout: s.waiting_for_state_timeout
+                timeout: s.coordinator.waiting_for_state_timeout
             }]
         );
         let mut out = Vec::new();
@@ -464,7 +471,7 @@ mod tests {
             vec![TakeOverAction::ReadRememberedShards {
                 key: "shard-t/all".into(),
                 consistency: REMEMBERED_SHARDS,
-                timeout: s.waiting_for_state_timeout
+                timeout: s.coordinator.waiting_for_state_timeout
             }]
         );
         out.clear();

@@ -35,20 +35,20 @@ pub(crate) const WRITE_TRIES: usize = 3;
 /// while a minority of nodes is unreachable (majority reads and writes always intersect).
 pub(crate) const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
 
-/// Consistency of entity state writes: a majority of the roster plus `state_write_majority_plus`.
+/// Consistency of entity state writes: a majority of the roster plus `state.write_majority_plus`.
 pub(crate) fn state_write_consistency(s: &ShardingSettings) -> Consistency {
-    Consistency::Majority { plus: s.state_write_majority_plus, min_cap: s.state_majority_min_cap }
+    Consistency::Majority { plus: s.state.write_majority_plus, min_cap: s.state.majority_min_cap }
 }
 
 /// Consistency of a shard's state claim: every reachable replica, never fewer than a majority
-/// plus `state_read_majority_plus`.
+/// plus `state.read_majority_plus`.
 pub(crate) fn state_read_consistency(s: &ShardingSettings) -> Consistency {
-    Consistency::AllReachable { plus: s.state_read_majority_plus, min_cap: s.state_majority_min_cap }
+    Consistency::AllReachable { plus: s.state.read_majority_plus, min_cap: s.state.majority_min_cap }
 }
 
-/// How long each try of a batch waits: a quarter of `updating_state_timeout`, at least 100 ms.
+/// How long each try of a batch waits: a quarter of `coordinator.updating_state_timeout`, at least 100 ms.
 pub(crate) fn write_timeout(s: &ShardingSettings) -> Duration {
-    (s.updating_state_timeout / 4).max(Duration::from_millis(100))
+    (s.coordinator.updating_state_timeout / 4).max(Duration::from_millis(100))
 }
 
 /// What a batch asks of its performer.
@@ -443,13 +443,22 @@ mod tests {
 
     #[test]
     fn each_try_waits_a_quarter_of_the_update_timeout_at_least_100_ms_and_states_use_their_own_quorums() {
-        let s = |ms| ShardingSettings { updating_state_timeout: Duration::from_millis(ms), ..Default::default() };
+        let s = |ms| ShardingSettings {
+            coordinator: crate::sharding::ShardCoordinatorSettings {
+                updating_state_timeout: Duration::from_millis(ms),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
         assert_eq!(write_timeout(&s(2_000)), Duration::from_millis(500));
         assert_eq!(write_timeout(&s(200)), Duration::from_millis(100));
         let s = ShardingSettings {
-            state_write_majority_plus: 1,
-            state_read_majority_plus: 2,
-            state_majority_min_cap: 3,
+            state: crate::sharding::DurableStateSettings {
+                write_majority_plus: 1,
+                read_majority_plus: 2,
+                majority_min_cap: 3,
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(state_write_consistency(&s), Consistency::Majority { plus: 1, min_cap: 3 });

@@ -93,7 +93,7 @@ pub(crate) enum DropReason {
     /// budget; the entity was not started.
     SlotFull,
     /// Remember-entities: the shard already remembers its limit of entities
-    /// (`max_remembered_per_shard`); a new one was not started.
+    /// (`remember.max_per_shard`); a new one was not started.
     RememberedLimit,
 }
 

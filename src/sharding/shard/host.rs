@@ -230,14 +230,14 @@ pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
 /// remembered limits. `policy` is the shard's passivation (its share of the region's limit).
 pub(crate) fn new_shard_core<M, S>(s: &ShardingSettings, durable: bool, policy: PolicySettings) -> ShardCore<M, S> {
     let stop_timeout = entity_stop_timeout(s.handoff_timeout);
-    let core = if s.remember_entities {
+    let core = if s.remember.enabled {
         ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
     } else if durable {
         ShardCore::loading(policy, stop_timeout)
     } else {
         ShardCore::new(policy, stop_timeout)
     };
-    core.with_buffer_limit(s.buffer_size).with_remembered_limit(s.max_remembered_per_shard)
+    core.with_buffer_limit(s.buffer_size).with_remembered_limit(s.remember.max_per_shard)
 }
 
 impl<E: Entity> LocalShards<E> {
@@ -403,7 +403,7 @@ impl<E: Entity> LocalShards<E> {
         self.shards.insert(shard.clone(), cell.clone());
         self.directory.insert(shard.clone(), cell);
         self.share_passivation_limit(work);
-        if s.remember_entities || self.state.is_some() {
+        if s.remember.enabled || self.state.is_some() {
             self.load(shard, instance, epoch);
         }
     }
@@ -413,7 +413,7 @@ impl<E: Entity> LocalShards<E> {
     /// remember-entities, it reads the remembered ids and recovers them.
     fn load(&self, shard: ShardId, instance: u64, epoch: u64) {
         let (state, events, type_name) = (self.state.clone(), self.events.clone(), self.type_name.clone());
-        let remember = self.settings.remember_entities.then(|| self.remember.clone());
+        let remember = self.settings.remember.enabled.then(|| self.remember.clone());
         self.spawner.spawn_until_shutdown(async move {
             if let Some(state) = state {
                 match state.claim_and_load(&shard, epoch).await {
@@ -641,7 +641,7 @@ impl<E: Entity> LocalShards<E> {
                     }
                     DropReason::RememberedLimit => {
                         self.counters.dropped_remembered_limit.fetch_add(1, Ordering::Relaxed);
-                        let limit = self.settings.max_remembered_per_shard.unwrap_or(usize::MAX);
+                        let limit = self.settings.remember.max_per_shard.unwrap_or(usize::MAX);
                         if let Some(held_back) = self.remembered_limit_log.allow(shard_id, std::time::Instant::now()) {
                             warn!(type_name = %self.type_name, shard = %shard_id, limit, held_back,
                                 "shard remembers its limit of entities: new ones are refused (RememberedLimit)");
@@ -671,7 +671,7 @@ impl<E: Entity> LocalShards<E> {
             ShardAction::Recover { entity_ids } => {
                 // With a recovery batch set, the load task feeds them in batches instead.
                 if let Some(s) = self.shards.get(shard_id)
-                    && self.settings.entity_recovery_batch == 0
+                    && self.settings.remember.recovery_batch == 0
                 {
                     let instance = s.lock().instance;
                     self.recover(shard_id, instance, entity_ids, work);

@@ -78,11 +78,11 @@ impl RememberIo {
             replicator,
             spawner,
             type_name: type_name.to_string(),
-            slots: s.remember_entities_slots,
-            read_timeout: s.waiting_for_state_timeout,
+            slots: s.remember.slots,
+            read_timeout: s.coordinator.waiting_for_state_timeout,
             write_timeout: write_timeout(s),
-            recovery_batch: s.entity_recovery_batch,
-            recovery_interval: s.entity_recovery_interval,
+            recovery_batch: s.remember.recovery_batch,
+            recovery_interval: s.remember.recovery_interval,
             slot_budget,
             writer,
             counters,
@@ -128,7 +128,7 @@ impl RememberIo {
                 warn!(type_name = %self.type_name, shards = done.len(), %error, "recording remembered entities failed");
             }
             for (key, refused) in &outcome.full_slots {
-                let what = "remembered-entity (raise remember_entities_slots, or find the client)";
+                let what = "remembered-entity (raise sharding.remember.slots, or find the client)";
                 report_full_slot(&self.counters, &mut full_log, &self.type_name, key, self.slot_budget, *refused, what);
             }
             debug!(type_name = %self.type_name, shards = done.len(), ids, "remember batch written");

@@ -3,7 +3,7 @@
 //! group-commits the writes of all its entities (one multi-key majority update per batch, so
 //! one delta message per replica and one LMDB transaction per node).
 //!
-//! **Storage.** A shard's states live in `state_slots` fenced maps (entity id → encoded state,
+//! **Storage.** A shard's states live in `state.slots` fenced maps (entity id → encoded state,
 //! spread by id hash), durable on every replica. Every write carries the shard's allocation
 //! epoch, the most significant part of its order, so a write under a newer allocation wins
 //! whatever the clocks say.
@@ -18,8 +18,8 @@
 //!
 //! **Quorums.** Counted over the replicator's roster (every replica holder not forgotten,
 //! reachable or not, by node id), so downing cannot shrink them. Writes at a majority (plus
-//! `state_write_majority_plus`). A claim reads every replica reachable when it starts, and
-//! never fewer than a majority plus `state_read_majority_plus` (0 by default): a write
+//! `state.write_majority_plus`). A claim reads every replica reachable when it starts, and
+//! never fewer than a majority plus `state.read_majority_plus` (0 by default): a write
 //! acknowledged by a majority is read as long as one of its holders is reachable, and always
 //! when a majority of the roster is. Gossip copies every write to every replica within seconds
 //! besides.
@@ -44,7 +44,7 @@ use crate::sharding::shard::batch::{
 use crate::sharding::shard::report_full_slot;
 use crate::spawn::Spawner;
 
-/// Tries of a shard's claim-and-load, each with `waiting_for_state_timeout`.
+/// Tries of a shard's claim-and-load, each with `coordinator.waiting_for_state_timeout`.
 const LOAD_TRIES: usize = 3;
 
 /// Most writes one batch takes (the rest wait for the next).
@@ -159,13 +159,13 @@ impl StateIo {
             inner: Arc::new(Inner {
                 replicator,
                 type_name: type_name.to_string(),
-                slots: s.state_slots,
-                max_state_bytes: s.max_state_bytes,
+                slots: s.state.slots,
+                max_state_bytes: s.state.max_bytes,
                 slot_budget,
                 write_consistency: state_write_consistency(s),
                 read_consistency: state_read_consistency(s),
                 write_timeout: write_timeout(s),
-                read_timeout: s.waiting_for_state_timeout,
+                read_timeout: s.coordinator.waiting_for_state_timeout,
                 writer,
                 counters,
             }),
@@ -268,7 +268,7 @@ impl StateIo {
             warn!(type_name = %io.type_name, writes = done.len(), %error, "writing entity states failed");
         }
         for (key, refused) in &outcome.full_slots {
-            let what = "entity-state (raise state_slots, or find the client)";
+            let what = "entity-state (raise sharding.state.slots, or find the client)";
             report_full_slot(&io.counters, full_log, &io.type_name, key, io.slot_budget, *refused, what);
         }
         for ((done, result), (shard, entity_id)) in done.into_iter().zip(outcome.results).zip(shards) {

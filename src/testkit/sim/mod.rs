@@ -335,12 +335,12 @@ fn slot_budget() -> usize {
 /// The sharding settings of the simulated type: the defaults (as a user's type), without
 /// idle passivation, remembering entities when the run does.
 fn settings(cfg: &SimConfig) -> crate::sharding::ShardingSettings {
-    crate::sharding::ShardingSettings {
-        passivation_idle_timeout: None,
-        remember_entities: cfg.remember,
-        // Few slots per shard, so slots hold several ids and states.
-        remember_entities_slots: 4,
-        state_slots: 4,
+    use crate::sharding::{DurableStateSettings, PassivationSettings, RememberEntitiesSettings, ShardingSettings};
+    // Few slots per shard, so slots hold several ids and states.
+    ShardingSettings {
+        passivation: PassivationSettings { idle_timeout: None, ..Default::default() },
+        remember: RememberEntitiesSettings { enabled: cfg.remember, slots: 4, ..Default::default() },
+        state: DurableStateSettings { slots: 4, ..Default::default() },
         ..Default::default()
     }
 }

@@ -20,7 +20,7 @@ use crate::sharding::shard::batch::{
 use crate::sharding::shard::{StoreResult, batch};
 
 fn slot_key(cfg: &SimConfig, shard: &str, entity_id: &str) -> String {
-    keys::remembered_entities(TYPE, shard, remembered_slot(entity_id, settings(cfg).remember_entities_slots))
+    keys::remembered_entities(TYPE, shard, remembered_slot(entity_id, settings(cfg).remember.slots))
 }
 
 /// One remember write: the shard instance it answers and what it records.
@@ -49,11 +49,11 @@ impl Sim {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings(&self.cfg);
-        let keys = crate::sharding::shard::remember::slot_keys(TYPE, shard, s.remember_entities_slots);
+        let keys = crate::sharding::shard::remember::slot_keys(TYPE, shard, s.remember.slots);
         let input = ReplicatorInput::GetMany {
             keys,
             consistency: REMEMBER_CONSISTENCY,
-            timeout: s.waiting_for_state_timeout,
+            timeout: s.coordinator.waiting_for_state_timeout,
             reply: RepReply::RememberLoad { shard: shard.clone(), instance },
         };
         let mut out = Vec::new();
@@ -112,7 +112,7 @@ impl Sim {
         node.next_write += 1;
         let request = RememberRequest { shard: w.shard.clone(), adds: w.adds.clone(), removes: w.removes.clone() };
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
-        let batch = RememberBatch::start(TYPE, s.remember_entities_slots, budget, counters, vec![request], &mut out);
+        let batch = RememberBatch::start(TYPE, s.remember.slots, budget, counters, vec![request], &mut out);
         node.remember_batches.insert(id, (w, batch));
         self.perform_remember_batch(i, id, out);
     }

@@ -26,7 +26,7 @@ pub(super) const FENCED: &str = "Fenced";
 pub(super) const NOT_PERSISTED: &str = "StateNotPersisted";
 
 fn state_key(cfg: &SimConfig, shard: &str, entity_id: &str) -> String {
-    keys::entity_states(TYPE, shard, remembered_slot(entity_id, settings(cfg).state_slots))
+    keys::entity_states(TYPE, shard, remembered_slot(entity_id, settings(cfg).state.slots))
 }
 
 /// One running durable entity: its counter and the message it is writing for.
@@ -100,12 +100,12 @@ impl Sim {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let epoch = claim.epoch;
         let s = settings(&self.cfg);
-        let updates = crate::sharding::shard::state::claim_updates(TYPE, &claim.shard, s.state_slots, epoch);
+        let updates = crate::sharding::shard::state::claim_updates(TYPE, &claim.shard, s.state.slots, epoch);
         let updates = updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect();
         let input = ReplicatorInput::UpdateAndGetMany {
             updates,
             consistency: batch::state_read_consistency(&s),
-            timeout: s.waiting_for_state_timeout,
+            timeout: s.coordinator.waiting_for_state_timeout,
             reply: RepReply::StateClaim(claim),
         };
         let mut out = Vec::new();
@@ -125,7 +125,7 @@ impl Sim {
         // As the state I/O's typed read: a value of another type is an error.
         let s = settings(&self.cfg);
         let read = result.and_then(|values| {
-            let keys = (0..s.state_slots).map(|slot| keys::entity_states(TYPE, &claim.shard, slot));
+            let keys = (0..s.state.slots).map(|slot| keys::entity_states(TYPE, &claim.shard, slot));
             values
                 .into_iter()
                 .zip(keys)
@@ -279,7 +279,7 @@ impl Sim {
         let value = Some(w.value.to_le_bytes().to_vec());
         let request = StateRequest { shard: shard.clone(), epoch: w.epoch, entity_id: w.entity_id.clone(), value };
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
-        let batch = StateBatch::start(TYPE, s.state_slots, budget, counters, vec![request], &mut out);
+        let batch = StateBatch::start(TYPE, s.state.slots, budget, counters, vec![request], &mut out);
         node.state_batches.insert(id, (w, shard.clone(), batch));
         self.perform_state_batch(i, id, out);
     }
