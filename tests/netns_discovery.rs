@@ -45,7 +45,7 @@ fn options(net: &netns::Network, dir: &Path, i: usize, ip: &str) -> ProcessOptio
         "bootstrap_contact_points = {NODES}\nbootstrap_stable_margin = \"1s\"\nstable_after = \"{STABLE_AFTER:?}\"\n\
          down_removal_margin = \"{STABLE_AFTER:?}\""
     );
-    o.sharding_toml = "number_of_shards = 12\nremember_entities = true\nretry_interval = \"400ms\"\n".into();
+    o.sharding_toml = "number_of_shards = 12\nretry_interval = \"400ms\"\n[sharding.remember]\nenabled = true\n".into();
     o
 }
 

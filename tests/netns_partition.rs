@@ -45,8 +45,8 @@ impl Cluster<'_> {
         o.seeds = seeds.iter().filter_map(|s| self.procs[*s].as_ref().map(|p| p.gossip.into())).collect();
         o.wrapper = self.net.wrapper(i);
         o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
-        o.sharding_toml = "number_of_shards = 10\nremember_entities = true\nmin_nr_of_members = 5\n\
-                           retry_interval = \"400ms\"\nrebalance_interval = \"1s\"\n"
+        o.sharding_toml = "number_of_shards = 10\nmin_nr_of_members = 5\n\
+                           retry_interval = \"400ms\"\nrebalance_interval = \"1s\"\n[sharding.remember]\nenabled = true\n"
             .into();
         o.activation_log = Some(log.clone());
         self.logs.push(log);
