@@ -293,14 +293,15 @@ impl<E: Entity> SharedRegion<E> {
         if m.request_id.is_some() {
             return Some(m); // queries
         }
-        let passed = match classify::<E::Message>(&m.body, self.max_entity_id_bytes, &self.extractor) {
-            Classified::AskReply { ask_id, result } => {
+        let classified = classify::<E::Message>(&m.body, self.max_entity_id_bytes, &self.extractor);
+        let passed = match (classified, self.direct.as_ref()) {
+            (Classified::AskReply { ask_id, result }, _) => {
                 complete_ask::<E>(&self.asks, &m.from.address, ask_id, result);
                 return None;
             }
-            // A proxy hosts nothing: the region task decides (it holds, forwards or fails it).
-            Classified::Deliver { shard, entity_id, msg, reply_to, epoch } if self.direct.is_some() => {
-                let direct = self.direct.as_ref().expect("checked");
+            // A proxy (no directory) hosts nothing: the region task decides (it holds, forwards
+            // or fails it).
+            (Classified::Deliver { shard, entity_id, msg, reply_to, epoch }, Some(direct)) => {
                 let stripe = RoutedInFlight::stripe(&entity_id);
                 let mut env = Envelope::new(msg, remote_reply(reply_to, &m.from, || self.senders.get(&m.from)));
                 if self.routed.is_clear(stripe) {
@@ -315,7 +316,7 @@ impl<E: Entity> SharedRegion<E> {
                 env.lane = Lane::Routed { _ticket: self.routed.ticket(stripe) };
                 PassedOn::<E>::Routed { shard, entity_id, epoch, env }
             }
-            other => PassedOn::Classified(other),
+            (other, _) => PassedOn::Classified(other),
         };
         m.hold(passed);
         Some(m)

@@ -166,6 +166,54 @@ mod tests {
         }
     }
 
+    /// An asker's region on the node that sent the message is answered over that node's link;
+    /// one elsewhere (the message was forwarded) gets no link (looked up when answering).
+    #[tokio::test]
+    async fn a_remote_asker_on_the_sending_node_is_answered_over_its_link_and_others_without() {
+        use crate::config::TransportSettings;
+        use crate::membership::UniqueAddress;
+        use crate::transport::Transport;
+        use tokio_util::sync::CancellationToken;
+
+        struct Nothing;
+        impl Entity for Nothing {
+            type Message = ();
+            type Reply = ();
+            async fn handle(&mut self, _: (), _: &mut crate::sharding::EntityContext) {}
+        }
+        let shutdown = CancellationToken::new();
+        let local = UniqueAddress::new("n1", 1);
+        let t = Transport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            local,
+            "c".into(),
+            None,
+            TransportSettings::default(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        let sender_node = UniqueAddress::new("n2", 1);
+        let from = PeerAddr { address: sender_node.clone(), messaging_addr: "127.0.0.1:9".parse().unwrap() };
+        let mut links = 0;
+        let mut link = || {
+            links += 1;
+            t.sender(&from)
+        };
+        assert!(remote_reply::<Nothing>(None, &from, &mut link).is_none(), "a tell has no reply");
+        match remote_reply::<Nothing>(Some((sender_node.clone(), 5)), &from, &mut link) {
+            Some(ReplyTo::Remote { region, ask_id: 5, via: Some(_) }) => assert_eq!(region, sender_node),
+            _ => panic!("the asker on the sending node is answered over its link"),
+        }
+        let elsewhere = UniqueAddress::new("n3", 1);
+        match remote_reply::<Nothing>(Some((elsewhere.clone(), 6)), &from, &mut link) {
+            Some(ReplyTo::Remote { region, ask_id: 6, via: None }) => assert_eq!(region, elsewhere),
+            _ => panic!("an asker elsewhere gets no link"),
+        }
+        assert_eq!(links, 1, "the link is looked up only when it is used");
+        shutdown.cancel();
+    }
+
     #[test]
     fn the_extractor_never_sees_an_id_over_the_limit() {
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
