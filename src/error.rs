@@ -177,7 +177,7 @@ pub enum Error {
     },
 
     /// Remember-entities: the entity's shard already remembers its limit of entities
-    /// ([`ShardingSettings::max_remembered_per_shard`](crate::ShardingSettings::max_remembered_per_shard)):
+    /// ([`RememberEntitiesSettings::max_per_shard`](crate::sharding::RememberEntitiesSettings::max_per_shard)):
     /// the entity was not started and nothing was written; the shard serves every entity it
     /// remembers, and one that passivates makes room.
     #[error("shard {shard:?} remembers its limit of {limit} entities; entity {entity_id:?} not started")]

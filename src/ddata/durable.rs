@@ -1,4 +1,5 @@
 //! LMDB (heed) storage for durable replicator keys and node metadata, under `data_dir`.
+//! Public with the `testkit` feature only, for storage tests; no stability promise.
 //!
 //! Every method is blocking and runs a whole transaction; callers on the runtime wrap the call
 //! in `spawn_blocking` (a heed write transaction must be created and committed on one thread).

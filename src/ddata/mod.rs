@@ -2,9 +2,9 @@
 //! All reads and writes, read repair, anti-entropy by digest, change subscriptions and durable
 //! keys in LMDB.
 //!
-//! The protocol lives in the sans-IO [`replicator`] state machine; `driver` is its tokio
+//! The protocol lives in the sans-IO `replicator` state machine; `driver` is its tokio
 //! driver: one task that owns the state machine, the inbox and the ticker, and hands store
-//! writes to the [`persist`] thread without waiting for them (the core holds acknowledgements
+//! writes to the `persist` thread without waiting for them (the core holds acknowledgements
 //! until the thread reports the commit). The backlog of writes handed over and not yet
 //! committed is bounded in bytes: past it the loop stops taking new work until the disk
 //! catches up.
@@ -12,8 +12,8 @@
 mod buckets;
 pub(crate) mod crdt;
 mod driver;
-/// The LMDB record layer: public with the `testkit` feature only, for storage tests (no
-/// stability promise); crate-private otherwise.
+// The LMDB record layer: public with the `testkit` feature only, for storage tests (no
+// stability promise); crate-private otherwise.
 #[cfg(feature = "testkit")]
 pub mod durable;
 #[cfg(not(feature = "testkit"))]

@@ -43,7 +43,7 @@ pub struct ReplicatorStats {
     pub rejected: AtomicU64,
     /// OR-set adds refused because no durably reserved counter was left (their updates failed
     /// with a storage error) or the member was longer than
-    /// [`MAX_ELEMENT_LEN`](super::orset::MAX_ELEMENT_LEN) (failed with `BadRequest`).
+    /// [`MAX_ENTITY_ID_LEN`](crate::sharding::MAX_ENTITY_ID_LEN) bytes (failed with `BadRequest`).
     pub refused_adds: AtomicU64,
     /// Messages dropped because their sender is an incarnation this node downed or removed, or
     /// one a newer incarnation of its node replaced: a quarantined member's writes are never
@@ -92,8 +92,8 @@ impl UpdateOutcome {
 pub(crate) const UPDATE_OUTCOMES: [&str; 5] = ["ok", "timeout", "not_enough_replicas", "fenced", "error"];
 
 impl ReplicatorStats {
-    /// Updates that ended with `outcome` (one of [`UPDATE_OUTCOMES`]) at `consistency` (one of
-    /// [`UPDATE_CONSISTENCIES`]); 0 for names not in those lists.
+    /// Updates that ended with `outcome` (one of `ok`, `timeout`, `not_enough_replicas`, `fenced`, `error`) at `consistency` (one of
+    /// `local`, `majority`, `all`, `all_reachable`); 0 for names not in those lists.
     pub fn updates(&self, consistency: &str, outcome: &str) -> u64 {
         let c = UPDATE_CONSISTENCIES.iter().position(|x| *x == consistency);
         let o = UPDATE_OUTCOMES.iter().position(|x| *x == outcome);

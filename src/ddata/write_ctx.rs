@@ -73,7 +73,7 @@ impl WriteCtx {
     }
 
     /// OR-set adds refused so far because the member was longer than
-    /// [`MAX_ELEMENT_LEN`](super::orset::MAX_ELEMENT_LEN).
+    /// [`MAX_ENTITY_ID_LEN`](crate::sharding::MAX_ENTITY_ID_LEN) bytes.
     pub fn refused_too_long(&self) -> u64 {
         self.refused_too_long.get()
     }

@@ -20,8 +20,8 @@ mod inbound;
 mod link;
 mod noise;
 mod outbound;
-/// Frames and the handshake on the wire: public with the `testkit` feature only, for protocol
-/// tests (no stability promise); crate-private otherwise.
+// Frames and the handshake on the wire: public with the `testkit` feature only, for protocol
+// tests (no stability promise); crate-private otherwise.
 #[cfg(feature = "testkit")]
 pub mod wire;
 #[cfg(not(feature = "testkit"))]

@@ -1,3 +1,5 @@
+//! Public with the `testkit` feature only, for protocol tests; no stability promise.
+//!
 //! Wire format: length-delimited frames (4-byte big-endian length). The first frame each way is
 //! the handshake (rmp-serde values); after it the dialing side sends [`Frame`]s only, in the
 //! compact binary layout of [`Frame::encode`] since protocol version 3 (as rmp-serde values with
