@@ -31,7 +31,7 @@ fn spawn(dir: &Path, i: usize, seeds: &[&NodeProcess]) -> NodeProcess {
     o.seeds = seeds.iter().map(|s| s.gossip.into()).collect();
     o.membership_toml = format!("stable_after = \"{STABLE_AFTER:?}\"\ndown_removal_margin = \"{MARGIN:?}\"");
     o.sharding_toml = format!(
-        "number_of_shards = 30\nremember_entities = true\nmin_nr_of_members = {NODES}\nretry_interval = \"400ms\"\n"
+        "number_of_shards = 30\nmin_nr_of_members = {NODES}\nretry_interval = \"400ms\"\n[sharding.remember]\nenabled = true\n"
     );
     NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).expect("node starts")
 }

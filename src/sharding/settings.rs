@@ -1,5 +1,7 @@
-//! Settings of one sharded entity type. A leaf module (it imports nothing else from
-//! `sharding`), so `config` can embed these settings without reaching the rest of sharding.
+//! Settings of one sharded entity type, grouped as the `[sharding]` table is: `remember`,
+//! `passivation`, `coordinator`, `state`. `config` embeds them; from the rest of `sharding`
+//! they take only the passivation policy's types, so no import runs back to `config`
+//! (`tests/imports_point_one_way.rs`).
 
 use std::time::Duration;
 
