@@ -24,10 +24,22 @@ fn core(id: &str) -> ReplicatorCore<u32> {
 /// `core(id)` told its replicas (with whether each is reachable) and nothing else.
 fn core_with_replicas(id: &str, replicas: Vec<(PeerAddr, bool)>) -> ReplicatorCore<u32> {
     let mut c = core(id);
+    tell_replicas(&mut c, replicas, Instant::now(), 0, &mut vec![]);
+    c
+}
+
+/// Tells `c` it holds a replica among `replicas` (with whether each is reachable), with no
+/// gossip targets, standing or leaving members.
+fn tell_replicas(
+    c: &mut ReplicatorCore<u32>,
+    replicas: Vec<(PeerAddr, bool)>,
+    now: Instant,
+    wall_ms: u64,
+    out: &mut Vec<ReplicatorAction<u32>>,
+) {
     let members =
         ReplicatorInput::Members { holder: true, replicas, gossip_targets: vec![], standing: vec![], leaving: vec![] };
-    c.handle(members, Instant::now(), 0, &mut vec![]);
-    c
+    c.handle(members, now, wall_ms, out);
 }
 
 fn add(member: &'static str) -> Modify {
@@ -197,18 +209,7 @@ fn majority_read_merges_answers_and_repairs_stale_replicas() {
     let mut a = core("a");
     let mut b = core("b");
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: peers,
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    tell_replicas(&mut a, peers, Instant::now(), 0, &mut vec![]);
     b.handle(
         ReplicatorInput::Update {
             key: "k".into(),
@@ -461,18 +462,7 @@ fn a_majority_update_ships_only_its_delta_and_the_follower_ends_equal() {
     local(&mut a, "shard-t/1/0", or_add(ids));
     // b starts with a's state (as after anti-entropy).
     copy_value(&a, &mut b, "shard-t/1/0");
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: vec![(peer("b"), true), (peer("c"), true)],
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    tell_replicas(&mut a, vec![(peer("b"), true), (peer("c"), true)], Instant::now(), 0, &mut vec![]);
     a.pending_deltas.clear();
     let mut out = Vec::new();
     update(&mut a, "shard-t/1/0", Consistency::MAJORITY, or_add(vec!["new-one".into()]), &mut out);
@@ -559,18 +549,7 @@ fn local_updates_accumulate_into_one_delta_shipped_on_the_delta_interval() {
 #[test]
 fn acks_and_read_results_count_only_from_the_replicas_addressed() {
     let mut a = core("a");
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: vec![(peer("b"), true), (peer("c"), true)],
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    tell_replicas(&mut a, vec![(peer("b"), true), (peer("c"), true)], Instant::now(), 0, &mut vec![]);
     let mut out = Vec::new();
     update(&mut a, "k", Consistency::All, add("x"), &mut out);
     let op = write_op(&out);
@@ -679,18 +658,7 @@ fn a_multi_key_update_is_one_message_and_one_ack_and_an_unchanged_key_still_ship
     let mut a = core("a");
     local(&mut a, "g", add("already"));
     a.pending_deltas.clear();
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: vec![(peer("b"), true), (peer("c"), true)],
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    tell_replicas(&mut a, vec![(peer("b"), true), (peer("c"), true)], Instant::now(), 0, &mut vec![]);
     let mut out = Vec::new();
     let updates: Vec<(String, Modify)> = vec![
         ("shard-t/1/0".into(), or_add(vec!["e1".into()])),

@@ -398,14 +398,9 @@ fn a_hand_over_goes_on_to_a_holder_that_comes_back_and_counts_one_that_starts_le
     c.handle(ReplicatorInput::Tick, now, 1, &mut out);
     assert!(hand_over_parts(&out).is_empty(), "{out:?}");
     let mut out = Vec::new();
-    c.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), false)],
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
+    tell_replicas(
+        &mut c,
+        vec![(peer("b"), true), (peer("c"), true), (peer("d"), true), (peer("e"), false)],
         now,
         1,
         &mut out,

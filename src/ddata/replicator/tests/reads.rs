@@ -14,18 +14,7 @@ fn a_multi_key_read_is_one_message_per_replica_and_a_large_answer_comes_in_parts
         local(&mut b, k, or_add(ids));
     }
     let peers = vec![(peer("b"), true), (peer("c"), true)];
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: peers,
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    tell_replicas(&mut a, peers, Instant::now(), 0, &mut vec![]);
     let mut out = Vec::new();
     let get = ReplicatorInput::GetMany {
         keys: keys.clone(),
@@ -502,18 +491,7 @@ fn read_repair_sends_the_merged_value_only_to_the_replicas_that_answered_stale()
     let mut b = core("b");
     local(&mut b, "k", add("from-b"));
     let peers = ["b", "c", "d", "e"].map(|p| (peer(p), true)).to_vec();
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: peers,
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        Instant::now(),
-        0,
-        &mut vec![],
-    );
+    tell_replicas(&mut a, peers, Instant::now(), 0, &mut vec![]);
     let mut out = Vec::new();
     let get = ReplicatorInput::Get {
         key: "k".into(),

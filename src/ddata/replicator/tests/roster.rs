@@ -270,18 +270,7 @@ fn the_roster_is_durable_and_loaded_back() {
     let mut a = core("a");
     let now = Instant::now();
     let mut out = Vec::new();
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: holders(&["b"], true),
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        now,
-        1,
-        &mut out,
-    );
+    tell_replicas(&mut a, holders(&["b"], true), now, 1, &mut out);
     assert!(out.iter().any(|x| matches!(x, ReplicatorAction::Persist { key, .. } if key == ROSTER_KEY)), "{out:?}");
     let value = a.local_value(ROSTER_KEY).cloned().expect("roster");
     let mut restarted = core("a");
@@ -472,18 +461,7 @@ fn a_read_and_a_write_waiting_for_a_holder_that_handed_over_and_left_end_when_it
     assert_eq!(replies(&out), 0, "both wait for b: {out:?}");
     // b exits and is removed: a alone is the roster, and both end.
     let mut out = Vec::new();
-    a.handle(
-        ReplicatorInput::Members {
-            holder: true,
-            replicas: vec![],
-            gossip_targets: vec![],
-            standing: vec![],
-            leaving: vec![],
-        },
-        now,
-        1,
-        &mut out,
-    );
+    tell_replicas(&mut a, vec![], now, 1, &mut out);
     commit_all(&mut a, &mut out);
     assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyGetMany { reply: 5, result: Ok(_) })), "{out:?}");
     assert!(out.iter().any(|x| matches!(x, ReplicatorAction::ReplyUpdate { reply: 0, result: Ok(_) })), "{out:?}");
