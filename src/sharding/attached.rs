@@ -146,3 +146,72 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
         gauge!("ddshard_region_buffered_messages", &l).set(info.buffered as f64);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A region that answers with a fixed view of itself (or not at all).
+    struct Answers(Option<RegionInfo>);
+
+    impl RegionControl for Answers {
+        fn type_name(&self) -> &str {
+            "t"
+        }
+        fn graceful_shutdown(&self) -> BoxFuture<'_, ()> {
+            Box::pin(async {})
+        }
+        fn is_proxy(&self) -> bool {
+            false
+        }
+        fn role(&self) -> Option<&str> {
+            None
+        }
+        fn ask_timeout(&self) -> std::time::Duration {
+            std::time::Duration::from_secs(1)
+        }
+        fn shard_of(&self, _: &str) -> ShardId {
+            "0".into()
+        }
+        fn max_entity_id_bytes(&self) -> usize {
+            1
+        }
+        fn counters(&self) -> &RegionCounterCells {
+            unimplemented!("not read by readiness")
+        }
+        fn info(&self) -> BoxFuture<'_, Result<RegionInfo>> {
+            Box::pin(async move { self.0.clone().ok_or(crate::Error::ShutDown) })
+        }
+        fn entity_ids(&self, _: Option<(ShardId, String)>, _: usize) -> BoxFuture<'_, Result<EntityIdPage>> {
+            unimplemented!("not read by readiness")
+        }
+    }
+
+    fn info(registered: bool, refused: bool) -> RegionInfo {
+        RegionInfo {
+            type_name: "t".into(),
+            region: "n1".into(),
+            proxy: false,
+            registered,
+            refused,
+            coordinator: None,
+            buffered: 0,
+            shards: vec![],
+            entities: 0,
+            remembered_entities: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_region_is_ready_once_registered_and_not_while_unregistered_refused_or_silent() {
+        let state = |i: Option<RegionInfo>| async move { AttachedRegion(Arc::new(Answers(i))).readiness().await };
+        assert_eq!(state(Some(info(true, false))).await, RegionState::Registered);
+        assert_eq!(state(Some(info(false, false))).await, RegionState::Unregistered);
+        assert_eq!(state(Some(info(false, true))).await, RegionState::Refused);
+        assert_eq!(state(Some(info(true, true))).await, RegionState::Refused, "a refusal wins");
+        assert!(matches!(state(None).await, RegionState::NotAnswering(_)));
+        let region = AttachedRegion(Arc::new(Answers(None)));
+        assert_eq!(region.name(), "t");
+        assert!(region.as_any().downcast_ref::<AttachedRegion>().is_some(), "the node's layer finds its type again");
+    }
+}

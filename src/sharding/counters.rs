@@ -192,3 +192,78 @@ impl RegionCounterCells {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field of the snapshot reads its own cell (distinct values, so two crossed wires
+    /// fail).
+    #[test]
+    fn a_snapshot_reads_each_counter_from_its_own_cell() {
+        let cells = RegionCounterCells::default();
+        cells.local_routed.store(1, Ordering::Relaxed);
+        cells.remote_direct.store(2, Ordering::Relaxed);
+        cells.remote_sent_direct.store(3, Ordering::Relaxed);
+        cells.entity_starts.store(4, Ordering::Relaxed);
+        cells.passivations_explicit.store(5, Ordering::Relaxed);
+        cells.passivations_idle.store(6, Ordering::Relaxed);
+        cells.passivations_limit.store(7, Ordering::Relaxed);
+        cells.handoff_stops.store(8, Ordering::Relaxed);
+        cells.dropped_buffer_full.store(9, Ordering::Relaxed);
+        cells.dropped_handoff.store(10, Ordering::Relaxed);
+        cells.dropped_slot_full.store(11, Ordering::Relaxed);
+        cells.dropped_remembered_limit.store(12, Ordering::Relaxed);
+        cells.slot_bytes_high_water.store(13, Ordering::Relaxed);
+        cells.slot_budget_bytes.store(14, Ordering::Relaxed);
+        cells.dropped_invalid.store(15, Ordering::Relaxed);
+        cells.entity_panics.store(16, Ordering::Relaxed);
+        cells.shard_failures.store(17, Ordering::Relaxed);
+        cells.dropped_mailbox_full.store(18, Ordering::Relaxed);
+        cells.dropped_refused.store(19, Ordering::Relaxed);
+        cells.handoffs_started.store(20, Ordering::Relaxed);
+        cells.handoffs_completed.store(21, Ordering::Relaxed);
+        cells.remember_batches.store(22, Ordering::Relaxed);
+        cells.remember_ids_written.store(23, Ordering::Relaxed);
+        cells.remember_queue_wait_micros.store(24, Ordering::Relaxed);
+        cells.remember_requests.store(25, Ordering::Relaxed);
+        cells.remember_round_micros.store(26, Ordering::Relaxed);
+        cells.state_writes.store(27, Ordering::Relaxed);
+        cells.state_batches.store(28, Ordering::Relaxed);
+        cells.state_write_failures.store(29, Ordering::Relaxed);
+        cells.state_fenced.store(30, Ordering::Relaxed);
+        cells.state_undecodable.store(31, Ordering::Relaxed);
+        let s = cells.snapshot();
+        assert_eq!(s.local_routed, 1);
+        assert_eq!(s.remote_direct, 2);
+        assert_eq!(s.remote_sent_direct, 3);
+        assert_eq!(s.entity_starts, 4);
+        assert_eq!(s.passivations_explicit, 5);
+        assert_eq!(s.passivations_idle, 6);
+        assert_eq!(s.passivations_limit, 7);
+        assert_eq!(s.handoff_stops, 8);
+        assert_eq!(s.dropped_buffer_full, 9);
+        assert_eq!(s.dropped_handoff, 10);
+        assert_eq!(s.dropped_slot_full, 11);
+        assert_eq!(s.dropped_remembered_limit, 12);
+        assert_eq!(s.slot_bytes_high_water, 13);
+        assert_eq!(s.slot_budget_bytes, 14);
+        assert_eq!(s.dropped_invalid, 15);
+        assert_eq!(s.entity_panics, 16);
+        assert_eq!(s.shard_failures, 17);
+        assert_eq!(s.dropped_mailbox_full, 18);
+        assert_eq!(s.dropped_refused, 19);
+        assert_eq!(s.handoffs_started, 20);
+        assert_eq!(s.handoffs_completed, 21);
+        assert_eq!(s.remember_batches, 22);
+        assert_eq!(s.remember_ids_written, 23);
+        assert_eq!(s.remember_queue_wait_micros, 24);
+        assert_eq!(s.remember_requests, 25);
+        assert_eq!(s.remember_round_micros, 26);
+        assert_eq!(s.state_writes, 27);
+        assert_eq!(s.state_batches, 28);
+        assert_eq!(s.state_write_failures, 29);
+        assert_eq!(s.state_fenced, 30);
+        assert_eq!(s.state_undecodable, 31);
+    }
+}
