@@ -186,113 +186,28 @@ fn node_of(region: &str) -> &str {
 
 /// The table (or lines) of one command's answer.
 fn render(command: &AdminCommand, value: Value) -> Result<String> {
-    let mut out = String::new();
-    match command {
-        AdminCommand::Members => {
-            let members: Vec<MemberInfo> = AdminClient::typed(value)?;
-            let mut t = table(&["node", "status", "reachable", "roles", "up #", "address"]);
-            for m in members {
-                let reachable = if m.reachable {
-                    "yes".to_string()
-                } else {
-                    format!("no (by {})", m.unreachable_by.iter().map(|r| node_of(r)).collect::<Vec<_>>().join(", "))
-                };
-                let up = m.up_number.map(|n| n.to_string()).unwrap_or_default();
-                let node = if m.is_self { format!("{} *", m.node_id) } else { m.node_id };
-                t.add_row(vec![node, m.status, reachable, m.roles.join(","), up, m.address]);
-            }
-            out = t.to_string();
-        }
+    Ok(match command {
+        AdminCommand::Members => render_members(AdminClient::typed(value)?),
         AdminCommand::Types => {
             let types: Vec<TypeInfo> = AdminClient::typed(value)?;
             let mut t = table(&["type", "proxy here"]);
             for ty in types {
                 t.add_row(vec![ty.type_name, ty.proxy.to_string()]);
             }
-            out = t.to_string();
+            t.to_string()
         }
-        AdminCommand::Shards { .. } => {
-            let stats: TypeStats = AdminClient::typed(value)?;
-            let mut t = table(&["region", "shards", "entities"]);
-            for (region, shards) in &stats.regions {
-                t.add_row(vec![region.clone(), shards.len().to_string(), shards.values().sum::<usize>().to_string()]);
-            }
-            out = t.to_string();
-            if !stats.failed.is_empty() {
-                let _ = write!(out, "\nno answer from: {}", stats.failed.join(", "));
-            }
-        }
-        AdminCommand::Allocation { .. } => {
-            let a: AllocationTable = AdminClient::typed(value)?;
-            let _ = writeln!(out, "type {} — coordinator {}", a.type_name, a.coordinator);
-            let mut regions = table(&["region", "status", "shards", "takes new shards"]);
-            for r in &a.regions {
-                let status = r.member_status.clone().unwrap_or_default();
-                regions.add_row(vec![r.region.clone(), status, r.shards.to_string(), r.takes_new_shards.to_string()]);
-            }
-            let _ = writeln!(out, "{regions}");
-            let mut shards = table(&["shard", "home", "epoch", "hand-off"]);
-            for s in &a.shards {
-                let hand_off =
-                    s.hand_off.as_ref().map(|h| format!("{} from {}", h.phase, node_of(&h.from))).unwrap_or_default();
-                shards.add_row(vec![
-                    s.shard.clone(),
-                    s.region.clone().unwrap_or_default(),
-                    s.epoch.to_string(),
-                    hand_off,
-                ]);
-            }
-            let _ = writeln!(out, "{shards}");
-            let _ = match &a.rebalance.blocked_by {
-                None => write!(out, "next rebalance in {} ms", a.rebalance.next_round_in_ms),
-                Some(why) => write!(out, "rebalance blocked: {why}"),
-            };
-        }
-        AdminCommand::Explain { .. } => {
-            let e: ShardExplanation = AdminClient::typed(value)?;
-            let home = e.home.clone().map_or_else(|| "no home".into(), |h| format!("on {h}, epoch {}", e.epoch));
-            let _ = writeln!(out, "{} shard {}: {home}", e.type_name, e.shard);
-            if let Some(c) = &e.if_allocated_now {
-                let _ = writeln!(out, "if allocated now: {} ({})", c.region, c.reason);
-            }
-            let _ = match &e.next_rebalance {
-                Some(m) => writeln!(out, "next rebalance: moves it to {} ({})", m.expected_to, m.reason),
-                None => writeln!(out, "next rebalance: leaves it"),
-            };
-            let mut regions = table(&["region", "shards", "eligible"]);
-            for r in &e.regions {
-                let eligible = r.not_eligible_because.clone().unwrap_or_else(|| "yes".into());
-                regions.add_row(vec![r.region.clone(), r.shards.to_string(), eligible]);
-            }
-            let _ = writeln!(out, "{regions}");
-            let mut history = table(&["at (ms)", "event", "region", "reason"]);
-            for h in &e.history {
-                history.add_row(vec![h.at_ms.to_string(), h.kind.clone(), h.region.clone(), h.reason.clone()]);
-            }
-            let _ = write!(out, "{history}");
-        }
+        AdminCommand::Shards { .. } => render_shards(&AdminClient::typed(value)?),
+        AdminCommand::Allocation { .. } => render_allocation(&AdminClient::typed(value)?),
+        AdminCommand::Explain { .. } => render_explanation(&AdminClient::typed(value)?),
         AdminCommand::Locate { .. } => {
             let l: EntityLocation = AdminClient::typed(value)?;
             let mut t = table(&["type", "entity", "shard", "home", "epoch"]);
             t.add_row(vec![l.type_name, l.entity_id, l.shard, l.home.unwrap_or_default(), l.epoch.to_string()]);
-            out = t.to_string();
+            t.to_string()
         }
-        AdminCommand::Rebalance { .. } => {
-            let p: RebalancePlan = AdminClient::typed(value)?;
-            let verb = if p.executed { "started" } else { "would start" };
-            if let Some(why) = &p.blocked_by {
-                let _ = write!(out, "no rebalance: {why}");
-            } else {
-                let _ = writeln!(out, "{} {verb} {} hand-off(s)", p.type_name, p.moves.len());
-                let mut t = table(&["shard", "from", "to", "reason"]);
-                for m in &p.moves {
-                    t.add_row(vec![m.shard.clone(), m.from.clone(), m.expected_to.clone(), m.reason.clone()]);
-                }
-                let _ = write!(out, "{t}");
-            }
-        }
-        AdminCommand::Leave { node_id } => out = format!("{node_id}: leave requested"),
-        AdminCommand::Down { node_id } => out = format!("{node_id}: downed"),
+        AdminCommand::Rebalance { .. } => render_plan(&AdminClient::typed(value)?),
+        AdminCommand::Leave { node_id } => format!("{node_id}: leave requested"),
+        AdminCommand::Down { node_id } => format!("{node_id}: downed"),
         AdminCommand::Roster => {
             let roster: Vec<crate::admin::RosterInfo> = AdminClient::typed(value)?;
             let mut t = table(&["node", "generation", "member"]);
@@ -300,9 +215,99 @@ fn render(command: &AdminCommand, value: Value) -> Result<String> {
                 let member = if r.member { "yes" } else { "no (still counted)" };
                 t.add_row(vec![r.node_id, r.generation.to_string(), member.to_string()]);
             }
-            let _ = write!(out, "{t}");
+            t.to_string()
         }
-        AdminCommand::Forget { node_id } => out = format!("{node_id}: forgotten; its copies no longer count"),
+        AdminCommand::Forget { node_id } => format!("{node_id}: forgotten; its copies no longer count"),
+    })
+}
+
+fn render_members(members: Vec<MemberInfo>) -> String {
+    let mut t = table(&["node", "status", "reachable", "roles", "up #", "address"]);
+    for m in members {
+        let reachable = if m.reachable {
+            "yes".to_string()
+        } else {
+            format!("no (by {})", m.unreachable_by.iter().map(|r| node_of(r)).collect::<Vec<_>>().join(", "))
+        };
+        let up = m.up_number.map(|n| n.to_string()).unwrap_or_default();
+        let node = if m.is_self { format!("{} *", m.node_id) } else { m.node_id };
+        t.add_row(vec![node, m.status, reachable, m.roles.join(","), up, m.address]);
     }
-    Ok(out)
+    t.to_string()
+}
+
+fn render_shards(stats: &TypeStats) -> String {
+    let mut t = table(&["region", "shards", "entities"]);
+    for (region, shards) in &stats.regions {
+        t.add_row(vec![region.clone(), shards.len().to_string(), shards.values().sum::<usize>().to_string()]);
+    }
+    let mut out = t.to_string();
+    if !stats.failed.is_empty() {
+        let _ = write!(out, "\nno answer from: {}", stats.failed.join(", "));
+    }
+    out
+}
+
+fn render_allocation(a: &AllocationTable) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "type {} — coordinator {}", a.type_name, a.coordinator);
+    let mut regions = table(&["region", "status", "shards", "takes new shards"]);
+    for r in &a.regions {
+        let status = r.member_status.clone().unwrap_or_default();
+        regions.add_row(vec![r.region.clone(), status, r.shards.to_string(), r.takes_new_shards.to_string()]);
+    }
+    let _ = writeln!(out, "{regions}");
+    let mut shards = table(&["shard", "home", "epoch", "hand-off"]);
+    for s in &a.shards {
+        let hand_off =
+            s.hand_off.as_ref().map(|h| format!("{} from {}", h.phase, node_of(&h.from))).unwrap_or_default();
+        shards.add_row(vec![s.shard.clone(), s.region.clone().unwrap_or_default(), s.epoch.to_string(), hand_off]);
+    }
+    let _ = writeln!(out, "{shards}");
+    let _ = match &a.rebalance.blocked_by {
+        None => write!(out, "next rebalance in {} ms", a.rebalance.next_round_in_ms),
+        Some(why) => write!(out, "rebalance blocked: {why}"),
+    };
+    out
+}
+
+fn render_explanation(e: &ShardExplanation) -> String {
+    let mut out = String::new();
+    let home = e.home.clone().map_or_else(|| "no home".into(), |h| format!("on {h}, epoch {}", e.epoch));
+    let _ = writeln!(out, "{} shard {}: {home}", e.type_name, e.shard);
+    if let Some(c) = &e.if_allocated_now {
+        let _ = writeln!(out, "if allocated now: {} ({})", c.region, c.reason);
+    }
+    let _ = match &e.next_rebalance {
+        Some(m) => writeln!(out, "next rebalance: moves it to {} ({})", m.expected_to, m.reason),
+        None => writeln!(out, "next rebalance: leaves it"),
+    };
+    let mut regions = table(&["region", "shards", "eligible"]);
+    for r in &e.regions {
+        let eligible = r.not_eligible_because.clone().unwrap_or_else(|| "yes".into());
+        regions.add_row(vec![r.region.clone(), r.shards.to_string(), eligible]);
+    }
+    let _ = writeln!(out, "{regions}");
+    let mut history = table(&["at (ms)", "event", "region", "reason"]);
+    for h in &e.history {
+        history.add_row(vec![h.at_ms.to_string(), h.kind.clone(), h.region.clone(), h.reason.clone()]);
+    }
+    let _ = write!(out, "{history}");
+    out
+}
+
+fn render_plan(p: &RebalancePlan) -> String {
+    let mut out = String::new();
+    let verb = if p.executed { "started" } else { "would start" };
+    if let Some(why) = &p.blocked_by {
+        let _ = write!(out, "no rebalance: {why}");
+    } else {
+        let _ = writeln!(out, "{} {verb} {} hand-off(s)", p.type_name, p.moves.len());
+        let mut t = table(&["shard", "from", "to", "reason"]);
+        for m in &p.moves {
+            t.add_row(vec![m.shard.clone(), m.from.clone(), m.expected_to.clone(), m.reason.clone()]);
+        }
+        let _ = write!(out, "{t}");
+    }
+    out
 }

@@ -1,5 +1,7 @@
 //! The `ddshard` command line: `demo` runs a local in-process cluster with a sharded counter.
 
+#![warn(clippy::too_many_lines)]
+
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
@@ -303,34 +305,7 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     println!("ddshard demo: {n} nodes on loopback, data under {}", root.path().display());
     println!("(embedded defaults; the demo only shortens downing timers to 2 s so the crash is handled quickly)");
     // Members prove they hold this secret: gossip is MAC'd, messaging authenticated and encrypted.
-    let secret = ddshard::ClusterSecret::generate();
-    println!("cluster secret generated for this run (gossip authenticated, messaging encrypted)");
-    let mut nodes: Vec<Node> = Vec::new();
-    for i in 0..n {
-        let mut cfg = NodeConfig {
-            node_id: format!("node-{}", i + 1),
-            data_dir: root.path().join(format!("node-{}", i + 1)),
-            seeds: nodes.iter().map(|n| n.gossip_addr().into()).collect(),
-            cluster_secret: Some(secret.clone()),
-            ..base.clone()
-        };
-        cfg.membership.stable_after = Duration::from_secs(2);
-        cfg.membership.down_removal_margin = Duration::from_secs(2);
-        nodes.push(Node::start(cfg).await?);
-    }
-    // Up and reachable in every view: a durable write needs a majority of reachable replicas,
-    // and right after joining a member may still wait for its first heartbeats (a loaded CI
-    // machine failed the first increments with StateNotPersisted before this waited for it).
-    wait_for("all members up and reachable", Duration::from_secs(30), || {
-        nodes.iter().all(|x| {
-            x.members().len() == n && x.members().iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
-        })
-    })
-    .await?;
-    println!(
-        "cluster formed: {}",
-        nodes[0].members().iter().map(|m| m.node_id().to_string()).collect::<Vec<_>>().join(", ")
-    );
+    let nodes = start_demo_cluster(&base, root.path(), n).await?;
 
     let settings = ddshard::ShardingSettings { min_nr_of_members: n, ..base.sharding.clone() };
     let mut regions: Vec<ShardRegion<Durable<Counter>>> = Vec::new();
@@ -339,37 +314,8 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     }
 
     let ids: Vec<String> = (0..counters).map(|i| format!("counter-{i}")).collect();
-    let total = ids.len() as u64 * increments as u64;
-    let bar = indicatif::ProgressBar::new(total);
-    bar.set_style(indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} increments ({per_sec})")?);
-    let started = Instant::now();
-    let mut retried = 0u32;
-    for round in 0..increments {
-        let mut asks = Vec::with_capacity(ids.len());
-        for (k, id) in ids.iter().enumerate() {
-            // Every node sends: routing is location-transparent.
-            let r = regions[(k + round as usize) % n].clone();
-            let id = id.clone();
-            asks.push(tokio::spawn(async move { increment(&r, &id, round + 1).await }));
-        }
-        for a in asks {
-            retried += a.await??;
-            bar.inc(1);
-        }
-    }
-    bar.finish_and_clear();
-    let elapsed = started.elapsed();
-    println!(
-        "\n{total} increments of {counters} counters in {:.2?} ({:.0} asks/s; {retried} sent again after a transient error)",
-        elapsed,
-        total as f64 / elapsed.as_secs_f64()
-    );
-    for id in &ids {
-        let v = regions[0].ask(id, CounterMsg::Get).await?;
-        if v != increments {
-            return Err(format!("{id} is {v}, expected {increments}").into());
-        }
-    }
+    increment_all(&regions, &ids, increments).await?;
+    check_counters(&regions[0], &ids, increments).await?;
     println!("every counter is {increments}");
     print_distribution("shard distribution", &regions[0].cluster_stats(Duration::from_secs(3)).await?);
 
@@ -399,6 +345,79 @@ async fn demo(counters: usize, increments: i64) -> Result<(), Box<dyn std::error
     print_distribution("after node-3 was killed", &regions[0].cluster_stats(Duration::from_secs(3)).await?);
     println!("all {counters} counters answer with their value (node-3's restarted from their durable state)");
     nodes[0].shutdown().await;
+    Ok(())
+}
+
+/// Starts `n` nodes on loopback with one generated cluster secret (gossip authenticated,
+/// messaging encrypted) and waits until every member is up and reachable in every view.
+async fn start_demo_cluster(
+    base: &NodeConfig,
+    root: &std::path::Path,
+    n: usize,
+) -> Result<Vec<Node>, Box<dyn std::error::Error>> {
+    let secret = ddshard::ClusterSecret::generate();
+    println!("cluster secret generated for this run (gossip authenticated, messaging encrypted)");
+    let mut nodes: Vec<Node> = Vec::new();
+    for i in 0..n {
+        let mut cfg = NodeConfig {
+            node_id: format!("node-{}", i + 1),
+            data_dir: root.join(format!("node-{}", i + 1)),
+            seeds: nodes.iter().map(|n| n.gossip_addr().into()).collect(),
+            cluster_secret: Some(secret.clone()),
+            ..base.clone()
+        };
+        cfg.membership.stable_after = Duration::from_secs(2);
+        cfg.membership.down_removal_margin = Duration::from_secs(2);
+        nodes.push(Node::start(cfg).await?);
+    }
+    // Up and reachable in every view: a durable write needs a majority of reachable replicas,
+    // and right after joining a member may still wait for its first heartbeats (a loaded CI
+    // machine failed the first increments with StateNotPersisted before this waited for it).
+    wait_for("all members up and reachable", Duration::from_secs(30), || {
+        nodes.iter().all(|x| {
+            x.members().len() == n && x.members().iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
+        })
+    })
+    .await?;
+    println!(
+        "cluster formed: {}",
+        nodes[0].members().iter().map(|m| m.node_id().to_string()).collect::<Vec<_>>().join(", ")
+    );
+    Ok(nodes)
+}
+
+/// Takes every counter to `increments`, one round of asks at a time, each round sent from
+/// every node in turn (routing is location-transparent), with a progress bar.
+async fn increment_all(
+    regions: &[ShardRegion<Durable<Counter>>],
+    ids: &[String],
+    increments: i64,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let total = ids.len() as u64 * increments as u64;
+    let bar = indicatif::ProgressBar::new(total);
+    bar.set_style(indicatif::ProgressStyle::with_template("  {bar:40} {pos}/{len} increments ({per_sec})")?);
+    let started = Instant::now();
+    let mut retried = 0u32;
+    for round in 0..increments {
+        let mut asks = Vec::with_capacity(ids.len());
+        for (k, id) in ids.iter().enumerate() {
+            let r = regions[(k + round as usize) % regions.len()].clone();
+            let id = id.clone();
+            asks.push(tokio::spawn(async move { increment(&r, &id, round + 1).await }));
+        }
+        for a in asks {
+            retried += a.await??;
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let elapsed = started.elapsed();
+    println!(
+        "\n{total} increments of {} counters in {:.2?} ({:.0} asks/s; {retried} sent again after a transient error)",
+        ids.len(),
+        elapsed,
+        total as f64 / elapsed.as_secs_f64()
+    );
     Ok(())
 }
 

@@ -517,6 +517,17 @@ impl NodeConfig {
     /// [`NodeConfig::validate`] for a node that also has discovery sources of its own
     /// ([`crate::NodeBuilder::discovery`]), which count as finding nodes as `seeds` do.
     pub(crate) fn validate_with_sources(&self, custom_sources: bool) -> Result<()> {
+        self.validate_identity()?;
+        self.validate_membership(custom_sources)?;
+        check_durations(&self.durations())?;
+        self.validate_timing()?;
+        validate_transport(&self.transport)?;
+        self.validate_replicator()?;
+        self.sharding.validate()
+    }
+
+    /// Names, addresses, roles and secrets.
+    fn validate_identity(&self) -> Result<()> {
         let bad = |m: String| Err(Error::Config(m));
         if self.node_id.is_empty() || self.node_id.len() > MAX_ID_LEN {
             return bad("node_id must be 1 to 200 characters".into());
@@ -552,13 +563,19 @@ impl NodeConfig {
         if self.roles.iter().any(|r| r.is_empty() || r.contains(',')) {
             return bad("roles must be non-empty and must not contain ','".into());
         }
-        let (m, t, r) = (&self.membership, &self.transport, &self.replicator);
         if !self.accepted_cluster_secrets.is_empty() && self.cluster_secret.is_none() {
             return bad("accepted_cluster_secrets needs a cluster_secret (the one this node uses)".into());
         }
         if self.accepted_cluster_secrets.len() > 3 {
             return bad("accepted_cluster_secrets holds at most 3 secrets".into());
         }
+        Ok(())
+    }
+
+    /// Downing and how nodes are found.
+    fn validate_membership(&self, custom_sources: bool) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        let m = &self.membership;
         if m.downing == DowningStrategy::StaticQuorum && m.quorum_size == 0 {
             return bad("membership.quorum_size must be at least 1 with downing = \"static-quorum\"".into());
         }
@@ -583,7 +600,13 @@ impl NodeConfig {
         if m.downing_role.as_deref().is_some_and(|r| r.is_empty() || r.contains(',')) {
             return bad("membership.downing_role must be non-empty and must not contain ','".into());
         }
-        check_durations(&[
+        Ok(())
+    }
+
+    /// Every duration setting, each bounded by [`check_durations`].
+    fn durations(&self) -> [(&'static str, Duration); 24] {
+        let (m, t, r) = (&self.membership, &self.transport, &self.replicator);
+        [
             ("membership.gossip_interval", m.gossip_interval),
             ("membership.initial_interval", m.initial_interval),
             ("membership.dead_node_grace_period", m.dead_node_grace_period),
@@ -608,7 +631,13 @@ impl NodeConfig {
             ("transport.unreachable_give_up", t.unreachable_give_up),
             ("replicator.gossip_interval", r.gossip_interval),
             ("replicator.delta_interval", r.delta_interval),
-        ])?;
+        ]
+    }
+
+    /// Gossip timing and failure detection.
+    fn validate_timing(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
+        let m = &self.membership;
         if m.gossip_interval.is_zero() || m.initial_interval.is_zero() {
             return bad("membership.gossip_interval and initial_interval must be > 0".into());
         }
@@ -622,34 +651,12 @@ impl NodeConfig {
         if !(m.phi_threshold.is_finite() && m.phi_threshold > 1.0) {
             return bad("membership.phi_threshold must be > 1".into());
         }
-        self.failure_detector.validate()?;
-        if !(1024..=1 << 30).contains(&t.max_frame_size) {
-            return bad("transport.max_frame_size must be between 1 KiB and 1 GiB".into());
-        }
-        if t.send_queue_capacity == 0 {
-            return bad("transport.send_queue_capacity must be > 0".into());
-        }
-        if t.send_queue_max_bytes < t.max_frame_size + 4 {
-            return bad("transport.send_queue_max_bytes must hold at least one frame of max_frame_size".into());
-        }
-        if t.first_frame_timeout.is_zero() {
-            return bad("transport.first_frame_timeout must be > 0".into());
-        }
-        if t.max_inbound_connections == 0 || t.max_handshakes_per_ip == 0 || t.max_handshaking_connections == 0 {
-            return bad(
-                "transport.max_inbound_connections, max_handshaking_connections and max_handshakes_per_ip must be > 0"
-                    .into(),
-            );
-        }
-        if t.unreachable_give_up < t.connect_timeout {
-            return bad("transport.unreachable_give_up must be at least transport.connect_timeout".into());
-        }
-        if t.reconnect_backoff_min.is_zero() || t.reconnect_backoff_max < t.reconnect_backoff_min {
-            return bad("transport.reconnect_backoff_min must be > 0 and <= reconnect_backoff_max".into());
-        }
-        if t.write_timeout < Duration::from_millis(100) || t.keepalive < Duration::from_secs(1) {
-            return bad("transport.write_timeout must be >= 100ms and transport.keepalive >= 1s".into());
-        }
+        self.failure_detector.validate()
+    }
+
+    /// The durable store and its keys.
+    fn validate_replicator(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::Config(m));
         if self.replicator.gossip_interval.is_zero() {
             return bad("replicator.gossip_interval must be > 0".into());
         }
@@ -659,12 +666,44 @@ impl NodeConfig {
         if self.replicator.lmdb_max_map_size < self.replicator.lmdb_map_size {
             return bad("replicator.lmdb_max_map_size must be at least replicator.lmdb_map_size".into());
         }
-        self.sharding.validate()?;
         if self.replicator.durable_key_prefixes.iter().any(String::is_empty) {
             return bad("replicator.durable_key_prefixes must not contain an empty prefix (it would make every key durable; list the prefixes)".into());
         }
         Ok(())
     }
+}
+
+/// Frame sizes, queues, connection budgets and timeouts of the messaging transport.
+fn validate_transport(t: &TransportSettings) -> Result<()> {
+    let bad = |m: String| Err(Error::Config(m));
+    if !(1024..=1 << 30).contains(&t.max_frame_size) {
+        return bad("transport.max_frame_size must be between 1 KiB and 1 GiB".into());
+    }
+    if t.send_queue_capacity == 0 {
+        return bad("transport.send_queue_capacity must be > 0".into());
+    }
+    if t.send_queue_max_bytes < t.max_frame_size + 4 {
+        return bad("transport.send_queue_max_bytes must hold at least one frame of max_frame_size".into());
+    }
+    if t.first_frame_timeout.is_zero() {
+        return bad("transport.first_frame_timeout must be > 0".into());
+    }
+    if t.max_inbound_connections == 0 || t.max_handshakes_per_ip == 0 || t.max_handshaking_connections == 0 {
+        return bad(
+            "transport.max_inbound_connections, max_handshaking_connections and max_handshakes_per_ip must be > 0"
+                .into(),
+        );
+    }
+    if t.unreachable_give_up < t.connect_timeout {
+        return bad("transport.unreachable_give_up must be at least transport.connect_timeout".into());
+    }
+    if t.reconnect_backoff_min.is_zero() || t.reconnect_backoff_max < t.reconnect_backoff_min {
+        return bad("transport.reconnect_backoff_min must be > 0 and <= reconnect_backoff_max".into());
+    }
+    if t.write_timeout < Duration::from_millis(100) || t.keepalive < Duration::from_secs(1) {
+        return bad("transport.write_timeout must be >= 100ms and transport.keepalive >= 1s".into());
+    }
+    Ok(())
 }
 
 #[cfg(test)]

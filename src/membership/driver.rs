@@ -21,7 +21,7 @@ use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStats};
 use super::lifecycle::{Bootstrap, LifecycleAction, LifecycleCore, LifecycleSettings};
 use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
-use crate::config::NodeConfig;
+use crate::config::{MembershipSettings, NodeConfig};
 use crate::error::{Error, Result};
 use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
@@ -161,28 +161,7 @@ impl MembershipDriver {
         extra_discovery: Vec<Arc<dyn Discovery>>,
     ) -> Result<(MembershipHandle, MembershipDriver)> {
         let stats = Arc::new(GossipStats::default());
-        let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
-        // With a secret every datagram is authenticated; without one, chitchat's plain socket
-        // (config validation allowed that only on loopback or with `insecure`).
-        let keys: Vec<_> = cfg.secrets().iter().map(ClusterSecret::gossip_mac_key).collect();
-        let socket: Box<dyn Socket> = if keys.is_empty() {
-            Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?)
-        } else {
-            Box::new(
-                AuthenticatedSocket::bind(
-                    cfg.gossip_addr,
-                    cfg.gossip_advertise,
-                    keys,
-                    GossipSealing {
-                        freshness_window: cfg.membership.gossip_freshness_window,
-                        accept_unstamped: cfg.membership.accept_unstamped_gossip,
-                    },
-                    stats.clone(),
-                )
-                .await
-                .map_err(|e| binding(&e))?,
-            )
-        };
+        let socket = bind_gossip_socket(cfg, stats.clone()).await?;
         let bound = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
         let gossip_addr = crate::config::advertised_addr(bound, cfg.gossip_advertise)?;
         let socket = match wrap_socket {
@@ -201,23 +180,7 @@ impl MembershipDriver {
                 None => resolves_to(first.as_str(), gossip_addr, cfg.membership.seed_node_timeout).await,
             },
         };
-        // Every source goes through discovery (chitchat gets no seeds of its own): names are
-        // looked up again as `[discovery]` says, not once a minute.
-        let seeds: Vec<_> = cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).cloned().collect();
-        let mut sources = AggregateDiscovery::default();
-        if !seeds.is_empty() {
-            sources.push(Arc::new(SeedList::new(seeds).with_name_timeout(cfg.discovery.lookup_timeout)));
-        }
-        for name in &cfg.discovery.srv_names {
-            let srv = match cfg.discovery.dns_server {
-                Some(server) => DnsSrv::with_server(name, server)?,
-                None => DnsSrv::system(name)?,
-            };
-            sources.push(Arc::new(srv));
-        }
-        for source in extra_discovery {
-            sources.push(source);
-        }
+        let sources = discovery_sources(cfg, gossip_addr, extra_discovery)?;
         let has_seeds = !sources.is_empty();
         let discovery = has_seeds.then(|| DiscoveryRunner {
             described: sources.describe().into(),
@@ -226,24 +189,7 @@ impl MembershipDriver {
             // Each name has lookup_timeout; the whole gets a second more to gather them.
             timeout: cfg.discovery.lookup_timeout + Duration::from_secs(1),
         });
-        let chitchat_cfg = ChitchatConfig {
-            chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
-            cluster_id: cfg.cluster_id.clone(),
-            gossip_interval: m.gossip_interval,
-            listen_addr: bound,
-            seed_nodes: Vec::new(),
-            failure_detector_config: FailureDetectorConfig {
-                phi_threshold: m.phi_threshold,
-                sampling_window_size: 1000,
-                max_interval: Duration::from_secs(10),
-                initial_interval: m.initial_interval,
-                dead_node_grace_period: m.dead_node_grace_period,
-            },
-            marked_for_deletion_grace_period: m.dead_node_grace_period,
-            catchup_callback: None,
-            extra_liveness_predicate: None,
-            protocol_version: chitchat::ProtocolVersion::V0,
-        };
+        let chitchat_cfg = chitchat_config(cfg, &address, gossip_addr, bound);
         let initial = vec![
             (keys::STATUS.to_string(), MemberStatus::Joining.as_key().to_string()),
             (keys::ROLES.to_string(), cfg.roles.join(",")),
@@ -263,19 +209,7 @@ impl MembershipDriver {
             gossip_addr,
             stats: stats.clone(),
         };
-        let lifecycle = LifecycleSettings {
-            has_seeds,
-            self_is_first_seed,
-            gossip_interval: m.gossip_interval,
-            seed_node_timeout: m.seed_node_timeout,
-            bootstrap: (m.bootstrap_contact_points > 0).then_some(Bootstrap {
-                contact_points: m.bootstrap_contact_points,
-                stable_margin: m.bootstrap_stable_margin,
-            }),
-            down_removal_margin: m.down_removal_margin,
-            downing: Strategy::from_settings(m).map(|strategy| (strategy, m.stable_after)),
-            down_all_when_unstable: m.down_all_when_unstable.after(m.stable_after),
-        };
+        let lifecycle = lifecycle_settings(m, has_seeds, self_is_first_seed);
         let driver = MembershipDriver {
             stats,
             chitchat,
@@ -513,5 +447,94 @@ async fn resolves_to(seed: &str, addr: SocketAddr, patience: Duration) -> bool {
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
         }
+    }
+}
+
+/// Binds the gossip socket: with a secret every datagram is authenticated; without one,
+/// chitchat's plain socket (config validation allowed that only on loopback or with `insecure`).
+async fn bind_gossip_socket(cfg: &NodeConfig, stats: Arc<GossipStats>) -> Result<Box<dyn Socket>> {
+    let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
+    let keys: Vec<_> = cfg.secrets().iter().map(ClusterSecret::gossip_mac_key).collect();
+    Ok(if keys.is_empty() {
+        Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?)
+    } else {
+        let sealing = GossipSealing {
+            freshness_window: cfg.membership.gossip_freshness_window,
+            accept_unstamped: cfg.membership.accept_unstamped_gossip,
+        };
+        Box::new(
+            AuthenticatedSocket::bind(cfg.gossip_addr, cfg.gossip_advertise, keys, sealing, stats)
+                .await
+                .map_err(|e| binding(&e))?,
+        )
+    })
+}
+
+/// Every source of contact points: the seeds (but this node), the SRV names and the user's
+/// own. Every source goes through discovery (chitchat gets no seeds of its own): names are
+/// looked up again as `[discovery]` says, not once a minute.
+fn discovery_sources(
+    cfg: &NodeConfig,
+    gossip_addr: SocketAddr,
+    extra_discovery: Vec<Arc<dyn Discovery>>,
+) -> Result<AggregateDiscovery> {
+    let seeds: Vec<_> = cfg.seeds.iter().filter(|s| s.socket_addr() != Some(gossip_addr)).cloned().collect();
+    let mut sources = AggregateDiscovery::default();
+    if !seeds.is_empty() {
+        sources.push(Arc::new(SeedList::new(seeds).with_name_timeout(cfg.discovery.lookup_timeout)));
+    }
+    for name in &cfg.discovery.srv_names {
+        let srv = match cfg.discovery.dns_server {
+            Some(server) => DnsSrv::with_server(name, server)?,
+            None => DnsSrv::system(name)?,
+        };
+        sources.push(Arc::new(srv));
+    }
+    for source in extra_discovery {
+        sources.push(source);
+    }
+    Ok(sources)
+}
+
+fn chitchat_config(
+    cfg: &NodeConfig,
+    address: &UniqueAddress,
+    gossip_addr: SocketAddr,
+    bound: SocketAddr,
+) -> ChitchatConfig {
+    let m = &cfg.membership;
+    ChitchatConfig {
+        chitchat_id: ChitchatId::new(address.node_id.to_string(), address.generation, gossip_addr),
+        cluster_id: cfg.cluster_id.clone(),
+        gossip_interval: m.gossip_interval,
+        listen_addr: bound,
+        seed_nodes: Vec::new(),
+        failure_detector_config: FailureDetectorConfig {
+            phi_threshold: m.phi_threshold,
+            sampling_window_size: 1000,
+            max_interval: Duration::from_secs(10),
+            initial_interval: m.initial_interval,
+            dead_node_grace_period: m.dead_node_grace_period,
+        },
+        marked_for_deletion_grace_period: m.dead_node_grace_period,
+        catchup_callback: None,
+        extra_liveness_predicate: None,
+        protocol_version: chitchat::ProtocolVersion::V0,
+    }
+}
+
+fn lifecycle_settings(m: &MembershipSettings, has_seeds: bool, self_is_first_seed: bool) -> LifecycleSettings {
+    LifecycleSettings {
+        has_seeds,
+        self_is_first_seed,
+        gossip_interval: m.gossip_interval,
+        seed_node_timeout: m.seed_node_timeout,
+        bootstrap: (m.bootstrap_contact_points > 0).then_some(Bootstrap {
+            contact_points: m.bootstrap_contact_points,
+            stable_margin: m.bootstrap_stable_margin,
+        }),
+        down_removal_margin: m.down_removal_margin,
+        downing: Strategy::from_settings(m).map(|strategy| (strategy, m.stable_after)),
+        down_all_when_unstable: m.down_all_when_unstable.after(m.stable_after),
     }
 }

@@ -122,15 +122,7 @@ impl Node {
             );
         }
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
-        let dir = config.data_dir.join("ddata");
-        let map_size = config.replicator.lmdb_map_size;
-        let (store, generation) = tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
-            let store = DurableStore::open(&dir, map_size)?;
-            let generation = store.next_generation(wall_ms())?;
-            Ok((store, generation))
-        })
-        .await
-        .map_err(|e| Error::storage(&config.data_dir, format!("open task failed: {e}")))??;
+        let (store, generation) = open_store(&config).await?;
         let address = UniqueAddress::new(config.node_id.as_str(), generation);
         let spawner = Spawner::new(info_span!("node", node = %address), CancellationToken::new());
         let shutdown = spawner.shutdown_token().clone();
@@ -153,13 +145,7 @@ impl Node {
             b.discovery,
         )
         .await;
-        let (membership, mut driver) = match started {
-            Ok(m) => m,
-            Err(e) => {
-                spawner.shut_down().await;
-                return Err(e);
-            }
-        };
+        let (membership, mut driver) = or_shut_down(&spawner, started).await?;
         let floor_store = store.clone();
         driver.set_generation_floor(Arc::new(move |generation| floor_store.raise_generation_floor(generation)));
         spawner.spawn_essential("membership", driver.run(spawner.clone()));
@@ -175,31 +161,10 @@ impl Node {
                 shutdown.clone(),
             ),
         );
-        let params = ReplicatorParams {
-            self_addr: address.clone(),
-            role: config.replicator.role.clone(),
-            durable_prefixes: config.replicator.durable_key_prefixes.clone(),
-            gossip_interval: config.replicator.gossip_interval,
-            delta_interval: config.replicator.delta_interval,
-            max_message_bytes: config.replicator_message_bytes(),
-            max_map_size: config.replicator.lmdb_max_map_size,
-            forget_absent_after: Some(config.replicator.forget_absent_after).filter(|d| !d.is_zero()),
-        };
+        let params = replicator_params(&config, &address);
         let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;
-        let replicator = match started {
-            Ok(r) => r,
-            Err(e) => {
-                spawner.shut_down().await;
-                return Err(e);
-            }
-        };
-        spawner.spawn_essential(
-            "forget removed peers",
-            forget_removed_peers(membership.events(), membership.watch(), transport.clone(), shutdown.clone()),
-        );
-        spawner.spawn_essential("stop when downed", stop_when_downed(membership.watch(), spawner.clone()));
-        let deadlines = DeadlineSweep::new();
-        spawner.spawn_essential("ask deadlines", deadlines.clone().run(shutdown.clone()));
+        let replicator = or_shut_down(&spawner, started).await?;
+        let deadlines = spawn_housekeeping(&spawner, &membership, &transport);
         info!(node = %address, gossip = %membership.gossip_addr(), messaging = %transport.local().messaging_addr, "node started");
         let node = Node {
             inner: Arc::new(NodeInner {
@@ -217,12 +182,18 @@ impl Node {
                 admin_stats: Arc::default(),
             }),
         };
-        let leave_requests = node.inner.transport.subscribe(LEAVE_TOPIC, 16);
-        node.inner.spawner.spawn_until_shutdown(serve_leave_requests(node.clone(), leave_requests));
+        node.spawn_node_tasks();
+        Ok(node)
+    }
+
+    /// What runs beside the node's services: leave requests from peers, metrics sampling.
+    fn spawn_node_tasks(&self) {
+        let leave_requests = self.inner.transport.subscribe(LEAVE_TOPIC, 16);
+        self.inner.spawner.spawn_until_shutdown(serve_leave_requests(self.clone(), leave_requests));
         #[cfg(feature = "metrics")]
         {
-            let sampled = node.clone();
-            node.inner.spawner.spawn_until_shutdown(async move {
+            let sampled = self.clone();
+            self.inner.spawner.spawn_until_shutdown(async move {
                 let mut every = tokio::time::interval(crate::metrics::SAMPLE_INTERVAL);
                 every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
@@ -231,7 +202,6 @@ impl Node {
                 }
             });
         }
-        Ok(node)
     }
 
     /// The stable node id.
@@ -433,9 +403,55 @@ impl Node {
     }
 }
 
-/// A node that is downed (by the other side, or by itself on the minority side) stops at once,
-/// like a crash: its regions and singletons end before the others move them (they wait the
-/// down-removal margin). It must restart as a new incarnation to rejoin.
+/// Opens the node's LMDB store (off the async workers) and takes the next generation.
+async fn open_store(config: &NodeConfig) -> Result<(DurableStore, u64)> {
+    let dir = config.data_dir.join("ddata");
+    let map_size = config.replicator.lmdb_map_size;
+    tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
+        let store = DurableStore::open(&dir, map_size)?;
+        let generation = store.next_generation(wall_ms())?;
+        Ok((store, generation))
+    })
+    .await
+    .map_err(|e| Error::storage(&config.data_dir, format!("open task failed: {e}")))?
+}
+
+/// The node's essential housekeeping: forgetting removed peers, stopping when downed, and the
+/// ask deadline sweep (returned: regions register their asks with it).
+fn spawn_housekeeping(spawner: &Spawner, membership: &MembershipHandle, transport: &Transport) -> DeadlineSweep {
+    let shutdown = spawner.shutdown_token().clone();
+    spawner.spawn_essential(
+        "forget removed peers",
+        forget_removed_peers(membership.events(), membership.watch(), transport.clone(), shutdown.clone()),
+    );
+    spawner.spawn_essential("stop when downed", stop_when_downed(membership.watch(), spawner.clone()));
+    let deadlines = DeadlineSweep::new();
+    spawner.spawn_essential("ask deadlines", deadlines.clone().run(shutdown));
+    deadlines
+}
+
+/// A start step's result; on an error the tasks spawned so far are stopped first.
+async fn or_shut_down<T>(spawner: &Spawner, started: Result<T>) -> Result<T> {
+    if started.is_err() {
+        spawner.shut_down().await;
+    }
+    started
+}
+
+fn replicator_params(config: &NodeConfig, address: &UniqueAddress) -> ReplicatorParams {
+    let r = &config.replicator;
+    ReplicatorParams {
+        self_addr: address.clone(),
+        role: r.role.clone(),
+        durable_prefixes: r.durable_key_prefixes.clone(),
+        gossip_interval: r.gossip_interval,
+        delta_interval: r.delta_interval,
+        max_message_bytes: config.replicator_message_bytes(),
+        max_map_size: r.lmdb_max_map_size,
+        forget_absent_after: Some(r.forget_absent_after).filter(|d| !d.is_zero()),
+    }
+}
+
 /// Where members ask this node to leave ([`Node::leave_member`]).
 const LEAVE_TOPIC: &str = "node/leave";
 
@@ -461,6 +477,9 @@ fn leave_in_background(node: Node) {
     });
 }
 
+/// A node that is downed (by the other side, or by itself on the minority side) stops at once,
+/// like a crash: its regions and singletons end before the others move them (they wait the
+/// down-removal margin). It must restart as a new incarnation to rejoin.
 async fn stop_when_downed(mut members: watch::Receiver<Arc<MembershipSnapshot>>, spawner: Spawner) {
     let shutdown = spawner.shutdown_token().clone();
     loop {

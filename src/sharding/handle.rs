@@ -17,12 +17,12 @@ use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_s
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
-    AskTable, Direct, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionDriver, RegionSettings, RemoteHomes,
+    Direct, PeerSenders, RegionCmd, RegionCommands, RegionCore, RegionDriver, RegionSettings, RemoteHomes,
     SharedRegion, region_commands,
 };
 use super::region_ref::{RegionRef, coordinator_request, stand_in_has_no_cluster};
 use super::settings::ShardingSettings;
-use super::shard::{Factory, LocalShards, RememberIo, StateIo};
+use super::shard::{Factory, LocalShards, RegionParts};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
 use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
@@ -381,42 +381,10 @@ pub(crate) async fn start_region_of<E: Entity>(
     let transport = node.transport().clone();
     let replier = Replier::new(transport.clone(), type_name, node.watch_membership());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
-    let slot_budget = node.config().replicator_message_bytes();
-    inner.counters.slot_budget_bytes.store(slot_budget as u64, std::sync::atomic::Ordering::Relaxed);
+    let parts = region_parts(node, &inner);
     let shards = factory.clone().map(|factory| {
-        let remember = RememberIo::new(
-            node.replicator().clone(),
-            node.spawner().clone(),
-            type_name,
-            &settings,
-            slot_budget,
-            inner.counters.clone(),
-            inner.metrics.clone(),
-        );
-        let state = durable.then(|| {
-            StateIo::new(
-                node.replicator().clone(),
-                node.spawner().clone(),
-                type_name,
-                &settings,
-                slot_budget,
-                inner.counters.clone(),
-            )
-        });
-        LocalShards::new(
-            type_name,
-            factory,
-            settings.clone(),
-            inner.extractor.clone(),
-            events_tx,
-            replier.clone(),
-            inner.counters.clone(),
-            remember,
-            state,
-            node.spawner().clone(),
-            routed.clone(),
-            inner.metrics.clone(),
-        )
+        let extractor = inner.extractor.clone();
+        LocalShards::new(&parts, factory, extractor, events_tx, replier.clone(), routed.clone(), durable)
     });
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
     let region_settings = RegionSettings::of(&settings, fingerprint);
@@ -429,7 +397,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         extractor: inner.extractor.clone(),
         max_entity_id_bytes: settings.max_entity_id_bytes,
         counters: inner.counters.clone(),
-        asks: Arc::new(std::sync::Mutex::new(AskTable::default())),
+        asks: Arc::default(),
         senders: Arc::new(PeerSenders::new(transport.clone())),
     });
     let _ = inner.shared.set(shared.clone());
@@ -454,12 +422,39 @@ pub(crate) async fn start_region_of<E: Entity>(
     };
     node.spawner().spawn_essential("shard region", task.run(node.clone(), rx, events_rx));
     if !proxy {
-        let shard_ids = if options.shard_id_extractor.is_some() {
-            crate::sharding::ids::ShardIdRule::Custom
-        } else {
-            crate::sharding::ids::ShardIdRule::Numbered(n)
-        };
-        coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint, shard_ids);
+        start_coordinator(node, type_name, settings, options, fingerprint);
     }
     Ok(ShardRegion { inner })
+}
+
+/// What the region's shards, writers and entities share; the slot budget is the replicator's
+/// message budget (shown in the counters).
+fn region_parts<E: Entity>(node: &Node, inner: &HandleInner<E>) -> RegionParts {
+    let slot_budget = node.config().replicator_message_bytes();
+    inner.counters.slot_budget_bytes.store(slot_budget as u64, std::sync::atomic::Ordering::Relaxed);
+    RegionParts {
+        type_name: inner.type_name.as_str().into(),
+        settings: inner.settings.clone(),
+        counters: inner.counters.clone(),
+        metrics: inner.metrics.clone(),
+        replicator: node.replicator().clone(),
+        spawner: node.spawner().clone(),
+        slot_budget,
+    }
+}
+
+/// Starts the type's coordinator singleton on this node (it runs where the oldest member is).
+fn start_coordinator(
+    node: &Node,
+    type_name: &str,
+    settings: ShardingSettings,
+    options: StartOptions,
+    fingerprint: u64,
+) {
+    let shard_ids = if options.shard_id_extractor.is_some() {
+        crate::sharding::ids::ShardIdRule::Custom
+    } else {
+        crate::sharding::ids::ShardIdRule::Numbered(settings.number_of_shards)
+    };
+    coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint, shard_ids);
 }

@@ -19,113 +19,144 @@ use crate::error::Error;
 /// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
 /// reconnects with backoff. Frames in a failed write are lost (delivery is at most once).
 pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<PeerQueue>) {
-    let s = &inner.settings;
-    let mut backoff = s.reconnect_backoff_min;
-    // When dialing started failing; a peer unreachable for `unreachable_give_up` loses its writer.
-    let mut unreachable_since: Option<tokio::time::Instant> = None;
-    // Lowered once if the peer is an older node that refuses this version.
-    let mut version = PROTOCOL_VERSION;
-    'reconnect: loop {
-        let conn = tokio::select! {
-            _ = inner.shutdown.cancelled() => return,
-            r = tokio::time::timeout(s.connect_timeout, dial(&inner, &peer, version)) => {
-                r.unwrap_or(Err(DialError::TimedOut))
-            }
-        };
-        let mut link = match conn {
-            Ok(link) => {
-                backoff = s.reconnect_backoff_min;
-                link
-            }
-            Err(DialError::OlderVersion(theirs)) => {
-                debug!(peer = %peer.address, version = theirs, "peer speaks an older protocol version; dialing at it");
-                version = theirs;
-                continue 'reconnect;
-            }
-            Err(DialError::Refused(reason)) => {
-                warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
-                // Kept in the writers map, closed, so the next send fails with the reason.
-                close_writer(&inner, &peer, &queue, &format!("it refused our handshake: {reason}"), false);
-                return;
-            }
-            Err(e) => {
-                let failing = *unreachable_since.get_or_insert_with(tokio::time::Instant::now);
-                if failing.elapsed() >= s.unreachable_give_up {
-                    let reason = format!("not reachable for {:?}", s.unreachable_give_up);
-                    debug!(peer = %peer.address, %reason, "giving up on the peer; dropping its queue");
-                    close_writer(&inner, &peer, &queue, &reason, true);
-                    return;
-                }
-                match e {
-                    DialError::Io(e) => debug!(peer = %peer.address, error = %e, "connect failed; retrying"),
-                    _ => debug!(peer = %peer.address, "connect timed out; retrying"),
-                }
-                tokio::select! {
-                    _ = inner.shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(s.reconnect_backoff_max);
-                continue 'reconnect;
-            }
-        };
-        unreachable_since = None;
-        let mut sealed = bytes::BytesMut::new();
-        let mut older = bytes::BytesMut::new();
-        loop {
-            let (chunk, n) = {
-                let mut q = queue.state.lock().expect("queue lock");
-                if q.closed {
-                    return; // forgotten peer
-                }
-                let n = std::mem::take(&mut q.frames);
-                (q.buf.split().freeze(), n)
-            };
-            if n == 0 {
-                tokio::select! {
-                    _ = inner.shutdown.cancelled() => return,
-                    _ = queue.wake.notified() => continue,
-                }
-            }
-            if cut(&inner, &inner.local.address.node_id, &peer.address.node_id) {
-                inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
-                continue;
-            }
-            let chunk: &[u8] = if version < BINARY_FRAMES {
-                older.clear();
-                match wire::binary_frames_to_v2(&chunk, &mut older, s.max_frame_size) {
-                    Ok(0) => {}
-                    Ok(left_out) => {
-                        inner.stats.frames_dropped.fetch_add(left_out as u64, Ordering::Relaxed);
-                        warn!(peer = %peer.address, left_out, "frames too large for an older peer's layout; dropped");
-                    }
-                    Err(e) => {
-                        inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
-                        warn!(peer = %peer.address, error = %e, "frames not rewritten for an older peer; dropped");
-                        continue;
-                    }
-                }
-                &older
-            } else {
-                &chunk
-            };
-            let bytes: &[u8] = match &mut link.cipher {
-                Some(cipher) => {
-                    sealed.clear();
-                    if let Err(e) = noise::seal(cipher, chunk, &mut sealed) {
-                        warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
-                        continue 'reconnect;
-                    }
-                    &sealed
-                }
-                None => chunk,
-            };
-            if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
-                debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
-                continue 'reconnect;
-            }
-            inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
-            inner.stats.bytes_sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    let mut dialer =
+        Dialer { backoff: inner.settings.reconnect_backoff_min, unreachable_since: None, version: PROTOCOL_VERSION };
+    while let Some(mut link) = dialer.connect(&inner, &peer, &queue).await {
+        if write_queued(&inner, &peer, &queue, &mut link, dialer.version).await == LinkEnd::Stop {
+            return;
         }
+    }
+}
+
+/// The writer's dialing state across reconnects.
+struct Dialer {
+    backoff: Duration,
+    /// When dialing started failing; a peer unreachable for `unreachable_give_up` loses its
+    /// writer.
+    unreachable_since: Option<tokio::time::Instant>,
+    /// Lowered once if the peer is an older node that refuses this version.
+    version: u32,
+}
+
+impl Dialer {
+    /// Dials (with backoff) until a link is up; `None` when the writer ends: shutdown, a
+    /// refused handshake, or a peer unreachable for too long (its queue is closed).
+    async fn connect(&mut self, inner: &Inner, peer: &PeerAddr, queue: &Arc<PeerQueue>) -> Option<Link> {
+        let s = &inner.settings;
+        loop {
+            let conn = tokio::select! {
+                _ = inner.shutdown.cancelled() => return None,
+                r = tokio::time::timeout(s.connect_timeout, dial(inner, peer, self.version)) => {
+                    r.unwrap_or(Err(DialError::TimedOut))
+                }
+            };
+            let e = match conn {
+                Ok(link) => {
+                    self.backoff = s.reconnect_backoff_min;
+                    self.unreachable_since = None;
+                    return Some(link);
+                }
+                Err(DialError::OlderVersion(theirs)) => {
+                    debug!(peer = %peer.address, version = theirs, "peer speaks an older protocol version; dialing at it");
+                    self.version = theirs;
+                    continue;
+                }
+                Err(DialError::Refused(reason)) => {
+                    warn!(peer = %peer.address, %reason, "peer refused the handshake; dropping its queue");
+                    // Kept in the writers map, closed, so the next send fails with the reason.
+                    close_writer(inner, peer, queue, &format!("it refused our handshake: {reason}"), false);
+                    return None;
+                }
+                Err(e) => e,
+            };
+            let failing = *self.unreachable_since.get_or_insert_with(tokio::time::Instant::now);
+            if failing.elapsed() >= s.unreachable_give_up {
+                let reason = format!("not reachable for {:?}", s.unreachable_give_up);
+                debug!(peer = %peer.address, %reason, "giving up on the peer; dropping its queue");
+                close_writer(inner, peer, queue, &reason, true);
+                return None;
+            }
+            match e {
+                DialError::Io(e) => debug!(peer = %peer.address, error = %e, "connect failed; retrying"),
+                _ => debug!(peer = %peer.address, "connect timed out; retrying"),
+            }
+            tokio::select! {
+                _ = inner.shutdown.cancelled() => return None,
+                _ = tokio::time::sleep(self.backoff) => {}
+            }
+            self.backoff = (self.backoff * 2).min(s.reconnect_backoff_max);
+        }
+    }
+}
+
+/// How a link's write loop ended.
+#[derive(PartialEq, Eq)]
+enum LinkEnd {
+    /// The link broke: dial again.
+    Reconnect,
+    /// Shutdown, or the peer was forgotten: the writer ends.
+    Stop,
+}
+
+/// Writes whatever queues up, one write per wake-up, until the link breaks or the writer ends.
+async fn write_queued(inner: &Inner, peer: &PeerAddr, queue: &PeerQueue, link: &mut Link, version: u32) -> LinkEnd {
+    let s = &inner.settings;
+    let mut sealed = bytes::BytesMut::new();
+    let mut older = bytes::BytesMut::new();
+    loop {
+        let (chunk, n) = {
+            let mut q = queue.state.lock().expect("queue lock");
+            if q.closed {
+                return LinkEnd::Stop; // forgotten peer
+            }
+            let n = std::mem::take(&mut q.frames);
+            (q.buf.split().freeze(), n)
+        };
+        if n == 0 {
+            tokio::select! {
+                _ = inner.shutdown.cancelled() => return LinkEnd::Stop,
+                _ = queue.wake.notified() => continue,
+            }
+        }
+        if cut(inner, &inner.local.address.node_id, &peer.address.node_id) {
+            inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
+            continue;
+        }
+        let chunk: &[u8] = if version < BINARY_FRAMES {
+            older.clear();
+            match wire::binary_frames_to_v2(&chunk, &mut older, s.max_frame_size) {
+                Ok(0) => {}
+                Ok(left_out) => {
+                    inner.stats.frames_dropped.fetch_add(left_out as u64, Ordering::Relaxed);
+                    warn!(peer = %peer.address, left_out, "frames too large for an older peer's layout; dropped");
+                }
+                Err(e) => {
+                    inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
+                    warn!(peer = %peer.address, error = %e, "frames not rewritten for an older peer; dropped");
+                    continue;
+                }
+            }
+            &older
+        } else {
+            &chunk
+        };
+        let bytes: &[u8] = match &mut link.cipher {
+            Some(cipher) => {
+                sealed.clear();
+                if let Err(e) = noise::seal(cipher, chunk, &mut sealed) {
+                    warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
+                    return LinkEnd::Reconnect;
+                }
+                &sealed
+            }
+            None => chunk,
+        };
+        if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
+            debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
+            return LinkEnd::Reconnect;
+        }
+        inner.stats.frames_sent.fetch_add(n as u64, Ordering::Relaxed);
+        inner.stats.bytes_sent.fetch_add(bytes.len() as u64, Ordering::Relaxed);
     }
 }
 

@@ -433,49 +433,7 @@ impl<R> ReplicatorCore<R> {
 
     fn on_remote(&mut self, from: PeerAddr, msg: ReplicatorMsg, out: &mut Vec<ReplicatorAction<R>>) {
         match msg {
-            ReplicatorMsg::WriteDelta { op, entries, values } => {
-                let mut ok = true;
-                let mut keys = Vec::with_capacity(entries.len() + values.len());
-                let mut fenced = Vec::new();
-                for (key, delta) in entries {
-                    if let Some(refusal) = self.refusal(&key, delta.fence()) {
-                        fenced.push((key, refusal));
-                        continue;
-                    }
-                    if let Err(e) = self.merge_delta_in(&key, delta, out) {
-                        self.reject(&from, "replicated delta", &e);
-                        ok = false;
-                    }
-                    keys.push(key);
-                }
-                for (key, value) in values {
-                    if let Some(refusal) = self.refusal(&key, value.fence()) {
-                        fenced.push((key, refusal));
-                        continue;
-                    }
-                    if let Err(e) = self.merge_in(&key, value, out) {
-                        self.reject(&from, "replicated value", &e);
-                        ok = false;
-                    }
-                    keys.push(key);
-                }
-                if !fenced.is_empty() {
-                    ReplicatorStats::add(&self.stats.fenced_writes, fenced.len());
-                    out.push(ReplicatorAction::Send {
-                        to: from.clone(),
-                        msg: ReplicatorMsg::WriteFenced { op, keys: fenced },
-                    });
-                }
-                // A write with a refused key is not acknowledged: the writer must not count
-                // this replica for it. The ack leaves once the keys are committed here.
-                if ok && let Ok(ticket) = self.commit_ticket(keys.iter().map(String::as_str)) {
-                    self.after_commit(
-                        ticket,
-                        ReplicatorAction::Send { to: from, msg: ReplicatorMsg::WriteAck { op } },
-                        out,
-                    );
-                }
-            }
+            ReplicatorMsg::WriteDelta { op, entries, values } => self.on_write_delta(from, op, entries, values, out),
             ReplicatorMsg::DeltaPropagation { entries } => {
                 for (key, delta) in entries {
                     if let Err(e) = self.merge_delta_in(&key, delta, out) {
@@ -486,35 +444,8 @@ impl<R> ReplicatorCore<R> {
             ReplicatorMsg::WriteAck { op } if self.hand_over.as_ref().is_some_and(|h| h.parts.contains_key(&op)) => {
                 self.on_hand_over_ack(op, from.address, out)
             }
-            ReplicatorMsg::WriteAck { op } => {
-                let done = match self.writes.get_mut(&op) {
-                    Some(w) if w.addressed.contains(&from.address) => {
-                        w.acked.insert(from.address);
-                        w.acked.len() >= w.needed
-                    }
-                    Some(_) => {
-                        ReplicatorStats::inc(&self.stats.rejected);
-                        false
-                    }
-                    None => false,
-                };
-                if done {
-                    self.finish_write(op, out);
-                }
-            }
-            ReplicatorMsg::WriteFenced { op, keys } => match self.writes.get_mut(&op) {
-                Some(w) if w.addressed.contains(&from.address) => {
-                    // Only keys of this write, each once: a peer cannot grow the list.
-                    for (key, refusal) in keys {
-                        if let Some(i) = w.keys.iter().position(|k| *k == key) {
-                            let key = w.keys.swap_remove(i);
-                            w.fenced.push((key, refusal));
-                        }
-                    }
-                }
-                Some(_) => ReplicatorStats::inc(&self.stats.rejected),
-                None => {}
-            },
+            ReplicatorMsg::WriteAck { op } => self.on_write_ack(op, from.address, out),
+            ReplicatorMsg::WriteFenced { op, keys } => self.on_write_fenced(op, &from.address, keys),
             ReplicatorMsg::MergeThenRead { op, keys, entries, values } => {
                 self.on_merge_then_read(from, op, keys, entries, values, out)
             }
@@ -526,6 +457,85 @@ impl<R> ReplicatorCore<R> {
             ReplicatorMsg::Gossip { entries, want, want_buckets, value_buckets } => {
                 self.on_gossip(from, entries, want, want_buckets, value_buckets, out)
             }
+        }
+    }
+
+    /// A writer's delta or value write: merged unless fenced; acknowledged, once committed
+    /// here, only when every key merged.
+    fn on_write_delta(
+        &mut self,
+        from: PeerAddr,
+        op: u64,
+        entries: Vec<(String, ReplicatedDelta)>,
+        values: Vec<(String, ReplicatedData)>,
+        out: &mut Vec<ReplicatorAction<R>>,
+    ) {
+        let mut ok = true;
+        let mut keys = Vec::with_capacity(entries.len() + values.len());
+        let mut fenced = Vec::new();
+        for (key, delta) in entries {
+            if let Some(refusal) = self.refusal(&key, delta.fence()) {
+                fenced.push((key, refusal));
+                continue;
+            }
+            if let Err(e) = self.merge_delta_in(&key, delta, out) {
+                self.reject(&from, "replicated delta", &e);
+                ok = false;
+            }
+            keys.push(key);
+        }
+        for (key, value) in values {
+            if let Some(refusal) = self.refusal(&key, value.fence()) {
+                fenced.push((key, refusal));
+                continue;
+            }
+            if let Err(e) = self.merge_in(&key, value, out) {
+                self.reject(&from, "replicated value", &e);
+                ok = false;
+            }
+            keys.push(key);
+        }
+        if !fenced.is_empty() {
+            ReplicatorStats::add(&self.stats.fenced_writes, fenced.len());
+            out.push(ReplicatorAction::Send { to: from.clone(), msg: ReplicatorMsg::WriteFenced { op, keys: fenced } });
+        }
+        // A write with a refused key is not acknowledged: the writer must not count
+        // this replica for it. The ack leaves once the keys are committed here.
+        if ok && let Ok(ticket) = self.commit_ticket(keys.iter().map(String::as_str)) {
+            self.after_commit(ticket, ReplicatorAction::Send { to: from, msg: ReplicatorMsg::WriteAck { op } }, out);
+        }
+    }
+
+    fn on_write_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<ReplicatorAction<R>>) {
+        let done = match self.writes.get_mut(&op) {
+            Some(w) if w.addressed.contains(&from) => {
+                w.acked.insert(from);
+                w.acked.len() >= w.needed
+            }
+            Some(_) => {
+                ReplicatorStats::inc(&self.stats.rejected);
+                false
+            }
+            None => false,
+        };
+        if done {
+            self.finish_write(op, out);
+        }
+    }
+
+    fn on_write_fenced(&mut self, op: u64, from: &UniqueAddress, keys: Vec<(String, Fenced)>) {
+        match self.writes.get_mut(&op) {
+            Some(w) if w.addressed.contains(from) => {
+                // Only keys of this write, each once: a peer cannot grow the list.
+                for (key, refusal) in keys {
+                    if let Some(i) = w.keys.iter().position(|k| *k == key) {
+                        let key = w.keys.swap_remove(i);
+                        w.fenced.push((key, refusal));
+                    }
+                }
+            }
+            Some(_) => ReplicatorStats::inc(&self.stats.rejected),
+            None => {}
         }
     }
 

@@ -344,65 +344,7 @@ impl CoordinatorCore {
     fn on_region_msg(&mut self, msg: ToCoordinator, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
         match msg {
             ToCoordinator::Register { region, proxy, extractor } => {
-                if extractor != self.settings.extractor_fingerprint {
-                    // The same entity id would map to two shards: the region must not route.
-                    warn!(%region, "registration refused: its shard-id extractor differs from this node's");
-                    self.rejected += 1;
-                    let refused = ToRegion::RegisterRefused { coordinator: self.me.clone() };
-                    self.commit(vec![], vec![Self::send(&region, refused)], out);
-                    // A region the state lists (registered with a predecessor that ran its
-                    // extractor) still hosts shards: they move off it by hand-off, its entities
-                    // stopping first, as when it shuts down.
-                    if self.state.regions.contains(&region) && self.shutting_down.insert(region.clone()) {
-                        let shards: Vec<ShardId> = self
-                            .state
-                            .shards_of(&region)
-                            .iter()
-                            .filter(|s| !self.handoffs.contains_key(*s))
-                            .cloned()
-                            .collect();
-                        for s in shards {
-                            let why = "its region's shard-id extractor differs from the coordinator's".to_string();
-                            self.start_handoff(s, region.clone(), why, now, out);
-                        }
-                    }
-                    return;
-                }
-                if !self.members.status(&region).is_some_and(MemberStatus::is_up_or_leaving) {
-                    // A joining member retries; a Down or gone one must not come back.
-                    debug!(%region, "registration from a member that is not up; ignored");
-                    self.rejected += 1;
-                    return;
-                }
-                let known =
-                    if proxy { self.state.proxies.contains(&region) } else { self.state.regions.contains(&region) };
-                let mut entries = Vec::new();
-                if !known {
-                    info!(%region, proxy, "region registered");
-                    let rec = RegionRecord { region: region.clone(), proxy };
-                    entries.push((
-                        keys::region_entry(&region),
-                        Some(rmp_serde::to_vec(&rec).expect("region record encodes")),
-                    ));
-                    if proxy {
-                        self.state.proxies.insert(region.clone());
-                    } else {
-                        self.state.regions.insert(region.clone());
-                    }
-                }
-                let mut effects = vec![Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() })];
-                for (shard, rec) in self.state.shards() {
-                    if let (Some(home), false) = (&rec.region, self.handoffs.contains_key(shard)) {
-                        effects.push(Self::send(
-                            &region,
-                            ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch: rec.epoch },
-                        ));
-                    }
-                }
-                self.commit(entries, effects, out);
-                if !known && !proxy {
-                    self.allocate_deferred(now, wall_ms, out);
-                }
+                self.on_register(region, proxy, extractor, now, wall_ms, out)
             }
             ToCoordinator::GetShardHome { shard, region } => self.on_get_shard_home(shard, region, now, wall_ms, out),
             ToCoordinator::ShardStarted { shard, region } => {
@@ -439,6 +381,70 @@ impl CoordinatorCore {
                 self.resend_handoff_messages_to(&region, now, out);
                 self.shut_down_region(region, "its region is shutting down (leave or stop)", now, out)
             }
+        }
+    }
+
+    /// A region (or proxy) registers: refused when its extractor differs (its shards then move
+    /// off it) or it is not up; otherwise recorded, acknowledged with every known home, and
+    /// deferred allocations retried with the new region.
+    fn on_register(
+        &mut self,
+        region: RegionId,
+        proxy: bool,
+        extractor: u64,
+        now: Instant,
+        wall_ms: u64,
+        out: &mut Vec<CoordinatorAction>,
+    ) {
+        if extractor != self.settings.extractor_fingerprint {
+            // The same entity id would map to two shards: the region must not route.
+            warn!(%region, "registration refused: its shard-id extractor differs from this node's");
+            self.rejected += 1;
+            let refused = ToRegion::RegisterRefused { coordinator: self.me.clone() };
+            self.commit(vec![], vec![Self::send(&region, refused)], out);
+            // A region the state lists (registered with a predecessor that ran its
+            // extractor) still hosts shards: they move off it by hand-off, its entities
+            // stopping first, as when it shuts down.
+            if self.state.regions.contains(&region) && self.shutting_down.insert(region.clone()) {
+                let shards: Vec<ShardId> =
+                    self.state.shards_of(&region).iter().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
+                for s in shards {
+                    let why = "its region's shard-id extractor differs from the coordinator's".to_string();
+                    self.start_handoff(s, region.clone(), why, now, out);
+                }
+            }
+            return;
+        }
+        if !self.members.status(&region).is_some_and(MemberStatus::is_up_or_leaving) {
+            // A joining member retries; a Down or gone one must not come back.
+            debug!(%region, "registration from a member that is not up; ignored");
+            self.rejected += 1;
+            return;
+        }
+        let known = if proxy { self.state.proxies.contains(&region) } else { self.state.regions.contains(&region) };
+        let mut entries = Vec::new();
+        if !known {
+            info!(%region, proxy, "region registered");
+            let rec = RegionRecord { region: region.clone(), proxy };
+            entries.push((keys::region_entry(&region), Some(rmp_serde::to_vec(&rec).expect("region record encodes"))));
+            if proxy {
+                self.state.proxies.insert(region.clone());
+            } else {
+                self.state.regions.insert(region.clone());
+            }
+        }
+        let mut effects = vec![Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() })];
+        for (shard, rec) in self.state.shards() {
+            if let (Some(home), false) = (&rec.region, self.handoffs.contains_key(shard)) {
+                effects.push(Self::send(
+                    &region,
+                    ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch: rec.epoch },
+                ));
+            }
+        }
+        self.commit(entries, effects, out);
+        if !known && !proxy {
+            self.allocate_deferred(now, wall_ms, out);
         }
     }
 

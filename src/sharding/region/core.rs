@@ -478,6 +478,50 @@ impl<M> RegionCore<M> {
         }
     }
 
+    /// The coordinator names a shard's home: hosted here, or remembered and its buffered
+    /// messages sent on; a late (older) answer changes nothing, and a newer home elsewhere
+    /// stops the local copy.
+    fn on_shard_home(
+        &mut self,
+        shard: ShardId,
+        region: RegionId,
+        epoch: u64,
+        now: Instant,
+        out: &mut Vec<RegionAction<M>>,
+    ) {
+        if self.is_superseded(&shard, epoch) {
+            // Asked again after the retry interval (messages wait), by when the
+            // coordinator has read the newer allocation or its node learnt it was downed.
+            return;
+        }
+        // Epochs never go backwards: a home older than one known here is a late message.
+        let known = self.homes.get(&shard).map(|(_, e)| *e).max(self.hosted.get(&shard).copied());
+        if known.is_some_and(|k| epoch < k) {
+            return;
+        }
+        // Placed elsewhere with a newer epoch while running here (the coordinator's state
+        // lost it, or it took this region for gone): stop the local one, so the id never
+        // runs in two places.
+        if region != self.me
+            && self.hosted.get(&shard).is_some_and(|hosted| *hosted < epoch)
+            && !self.handing_off.contains_key(&shard)
+        {
+            self.handing_off.insert(shard.clone(), 0);
+            out.push(RegionAction::HandOffShard { shard: shard.clone() });
+        }
+        if region == self.me || self.routable.contains(&region) {
+            // Otherwise the request stays throttled: asking again at once for a home
+            // this region cannot reach yet would loop with the coordinator.
+            self.requested.remove(&shard);
+        }
+        if region == self.me {
+            self.host(shard, epoch, now, out);
+        } else {
+            self.homes.insert(shard.clone(), (region, epoch));
+            self.flush(&shard, now, out);
+        }
+    }
+
     fn on_coordinator(&mut self, msg: ToRegion, now: Instant, out: &mut Vec<RegionAction<M>>) {
         match msg {
             ToRegion::RegisterAck { coordinator } => {
@@ -504,39 +548,7 @@ impl<M> RegionCore<M> {
                     out.push(RegionAction::Drop { entity_id, msg, reason: RegionDrop::Refused });
                 }
             }
-            ToRegion::ShardHome { shard, region, epoch } => {
-                if self.is_superseded(&shard, epoch) {
-                    // Asked again after the retry interval (messages wait), by when the
-                    // coordinator has read the newer allocation or its node learnt it was downed.
-                    return;
-                }
-                // Epochs never go backwards: a home older than one known here is a late message.
-                let known = self.homes.get(&shard).map(|(_, e)| *e).max(self.hosted.get(&shard).copied());
-                if known.is_some_and(|k| epoch < k) {
-                    return;
-                }
-                // Placed elsewhere with a newer epoch while running here (the coordinator's state
-                // lost it, or it took this region for gone): stop the local one, so the id never
-                // runs in two places.
-                if region != self.me
-                    && self.hosted.get(&shard).is_some_and(|hosted| *hosted < epoch)
-                    && !self.handing_off.contains_key(&shard)
-                {
-                    self.handing_off.insert(shard.clone(), 0);
-                    out.push(RegionAction::HandOffShard { shard: shard.clone() });
-                }
-                if region == self.me || self.routable.contains(&region) {
-                    // Otherwise the request stays throttled: asking again at once for a home
-                    // this region cannot reach yet would loop with the coordinator.
-                    self.requested.remove(&shard);
-                }
-                if region == self.me {
-                    self.host(shard, epoch, now, out);
-                } else {
-                    self.homes.insert(shard.clone(), (region, epoch));
-                    self.flush(&shard, now, out);
-                }
-            }
+            ToRegion::ShardHome { shard, region, epoch } => self.on_shard_home(shard, region, epoch, now, out),
             ToRegion::HostShard { shard, epoch } => {
                 if self.proxy || self.shutting_down.is_some() || self.is_superseded(&shard, epoch) {
                     return; // the coordinator re-sends elsewhere after shard_start_timeout

@@ -18,7 +18,6 @@ mod driver;
 mod fast;
 mod inbound;
 
-pub(crate) use asks::AskTable;
 pub(crate) use core::{RegionCore, RegionInput, RegionSettings};
 pub(crate) use driver::{RegionCmd, RegionCommands, RegionCommandsRx, RegionDriver, region_commands};
 pub(crate) use fast::{Direct, PeerSenders, RemoteHomes, SharedRegion};

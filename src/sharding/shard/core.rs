@@ -508,6 +508,88 @@ impl<M, S> ShardCore<M, S> {
         }
     }
 
+    /// The remembered ids (or, for durable entities, the claim) arrived: they recover, and
+    /// what arrived before the load is delivered now.
+    fn on_loaded(&mut self, ids: BTreeSet<String>, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
+        if self.loaded {
+            return;
+        }
+        self.loaded = true;
+        for id in ids.iter().filter(|_| self.remember.is_some()) {
+            self.entities.entry(Arc::from(id.as_str())).or_insert(EntityEntry::new(EntityState::Remembered, 0));
+        }
+        if !ids.is_empty() && self.remember.is_some() {
+            out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
+        }
+        for (id, msg) in self.held.take_early() {
+            self.deliver(id, msg, now, out);
+        }
+    }
+
+    /// A remember write ended: the recorded starts start (refused ones fail their messages),
+    /// the recorded stops leave (restarting where messages arrived meanwhile).
+    fn on_write_done(&mut self, refused: BTreeSet<String>, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
+        let Some(r) = self.remember.as_mut() else { return };
+        let Some((adds, removes)) = r.in_flight.take() else { return };
+        for id in adds {
+            if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStart) {
+                if refused.contains(&id) {
+                    // Not remembered, so never started: its messages fail at once.
+                    self.entities.remove(id.as_str());
+                    for msg in self.held.take(&id) {
+                        out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::SlotFull });
+                    }
+                } else if self.handoff_deadline.is_some() {
+                    self.entities.remove(id.as_str());
+                } else {
+                    self.start(&id, now, out);
+                }
+            }
+        }
+        for id in removes {
+            if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::Remembered) {
+                // Moved to another shard (changed extractor) and started there.
+                self.entities.remove(id.as_str());
+                continue;
+            }
+            if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStop) {
+                self.entities.remove(id.as_str());
+                if self.held.has_for(&id) {
+                    // Messages arrived while it passivated: it starts again (recorded again).
+                    let buffered = self.held.take(&id);
+                    for msg in buffered {
+                        self.deliver(id.clone(), msg, now, out);
+                    }
+                }
+            }
+        }
+        self.maybe_write(out);
+        self.check_handoff_done(out);
+    }
+
+    /// Hand-off begins: buffered messages fail, idle entries leave, running entities stop; the
+    /// shard reports `Stopped` once the last has ended (or at the hand-off stop timeout).
+    fn on_hand_off(&mut self, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
+        if self.handoff_deadline.is_some() {
+            return;
+        }
+        self.handoff_deadline = Some(now + self.handoff_stop_timeout);
+        for (id, buffered) in self.held.take_all() {
+            for msg in buffered {
+                out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::HandOff });
+            }
+        }
+        for (id, msg) in self.held.take_early() {
+            out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::HandOff });
+        }
+        // Entries without a task leave now; running ones are told to stop (in id order).
+        self.entities.retain(|_, e| e.state.has_task());
+        self.restarts_due.clear();
+        let running: Vec<Arc<str>> = self.entities.keys().cloned().collect();
+        self.stop_victims(running, StopReason::HandOff, out);
+        self.check_handoff_done(out);
+    }
+
     fn check_handoff_done(&mut self, out: &mut Vec<ShardAction<M, S>>) {
         let writing = self.remember.as_ref().is_some_and(|r| r.in_flight.is_some());
         if self.handoff_deadline.is_some() && self.entities.is_empty() && !writing {
@@ -531,63 +613,8 @@ impl<M, S> ShardCore<M, S> {
             ShardInput::Terminated { entity_id, incarnation, leftovers } => {
                 self.on_terminated(entity_id, incarnation, leftovers, now, out)
             }
-            ShardInput::Loaded(ids) => {
-                if self.loaded {
-                    return;
-                }
-                self.loaded = true;
-                for id in ids.iter().filter(|_| self.remember.is_some()) {
-                    self.entities.entry(Arc::from(id.as_str())).or_insert(EntityEntry::new(EntityState::Remembered, 0));
-                }
-                if !ids.is_empty() && self.remember.is_some() {
-                    out.push(ShardAction::Recover { entity_ids: ids.into_iter().collect() });
-                }
-                for (id, msg) in self.held.take_early() {
-                    self.deliver(id, msg, now, out);
-                }
-            }
-            ShardInput::WriteDone { refused } => {
-                let Some(r) = self.remember.as_mut() else { return };
-                let Some((adds, removes)) = r.in_flight.take() else { return };
-                for id in adds {
-                    if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStart) {
-                        if refused.contains(&id) {
-                            // Not remembered, so never started: its messages fail at once.
-                            self.entities.remove(id.as_str());
-                            for msg in self.held.take(&id) {
-                                out.push(ShardAction::Drop {
-                                    entity_id: id.clone(),
-                                    msg,
-                                    reason: DropReason::SlotFull,
-                                });
-                            }
-                        } else if self.handoff_deadline.is_some() {
-                            self.entities.remove(id.as_str());
-                        } else {
-                            self.start(&id, now, out);
-                        }
-                    }
-                }
-                for id in removes {
-                    if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::Remembered) {
-                        // Moved to another shard (changed extractor) and started there.
-                        self.entities.remove(id.as_str());
-                        continue;
-                    }
-                    if self.entities.get(id.as_str()).is_some_and(|e| e.state == EntityState::RememberingStop) {
-                        self.entities.remove(id.as_str());
-                        if self.held.has_for(&id) {
-                            // Messages arrived while it passivated: it starts again (recorded again).
-                            let buffered = self.held.take(&id);
-                            for msg in buffered {
-                                self.deliver(id.clone(), msg, now, out);
-                            }
-                        }
-                    }
-                }
-                self.maybe_write(out);
-                self.check_handoff_done(out);
-            }
+            ShardInput::Loaded(ids) => self.on_loaded(ids, now, out),
+            ShardInput::WriteDone { refused } => self.on_write_done(refused, now, out),
             ShardInput::StoreFailed => self.fail(out),
             ShardInput::MovedAway { entity_id } => {
                 if let Some(r) = self.remember.as_mut() {
@@ -596,26 +623,7 @@ impl<M, S> ShardCore<M, S> {
                     self.maybe_write(out);
                 }
             }
-            ShardInput::HandOff => {
-                if self.handoff_deadline.is_some() {
-                    return;
-                }
-                self.handoff_deadline = Some(now + self.handoff_stop_timeout);
-                for (id, buffered) in self.held.take_all() {
-                    for msg in buffered {
-                        out.push(ShardAction::Drop { entity_id: id.clone(), msg, reason: DropReason::HandOff });
-                    }
-                }
-                for (id, msg) in self.held.take_early() {
-                    out.push(ShardAction::Drop { entity_id: id, msg, reason: DropReason::HandOff });
-                }
-                // Entries without a task leave now; running ones are told to stop (in id order).
-                self.entities.retain(|_, e| e.state.has_task());
-                self.restarts_due.clear();
-                let running: Vec<Arc<str>> = self.entities.keys().cloned().collect();
-                self.stop_victims(running, StopReason::HandOff, out);
-                self.check_handoff_done(out);
-            }
+            ShardInput::HandOff => self.on_hand_off(now, out),
             ShardInput::Tick => self.on_tick(now, out),
             ShardInput::PassivationLimit(limit) => {
                 let mut victims = Vec::new();

@@ -28,7 +28,7 @@ use super::entity::{EntityCmd, EntityRun, Factory, Mailbox, Pushed, RunnerShared
 use super::passivation::PolicySettings;
 use super::remember::RememberIo;
 use super::state::StateIo;
-use super::{ShardEvent, StoreResult, Work};
+use super::{RegionParts, ShardEvent, StoreResult, Work};
 use crate::error::Error;
 use crate::metrics::TypeMetrics;
 use crate::sharding::counters::RegionCounterCells;
@@ -241,22 +241,20 @@ pub(crate) fn new_shard_core<M, S>(s: &ShardingSettings, durable: bool, policy: 
 }
 
 impl<E: Entity> LocalShards<E> {
-    #[allow(clippy::too_many_arguments)]
+    /// The shards of one type on this node, with their remember writer and, for `durable`
+    /// entities, their state writer.
     pub(crate) fn new(
-        type_name: &str,
+        parts: &RegionParts,
         factory: Factory<E>,
-        settings: ShardingSettings,
         extractor: ShardIdExtractor,
         events: mpsc::UnboundedSender<ShardEvent<E>>,
         replier: Replier,
-        counters: Arc<RegionCounterCells>,
-        remember: RememberIo,
-        state: Option<StateIo>,
-        spawner: Spawner,
         routed: Arc<RoutedInFlight>,
-        metrics: Arc<TypeMetrics>,
+        durable: bool,
     ) -> Self {
-        let type_name: Arc<str> = type_name.into();
+        let remember = RememberIo::new(parts);
+        let state = durable.then(|| StateIo::new(parts));
+        let RegionParts { type_name, settings, counters, metrics, spawner, .. } = parts.clone();
         let runner = Arc::new(RunnerShared {
             factory,
             events: events.clone(),
@@ -579,95 +577,15 @@ impl<E: Entity> LocalShards<E> {
                 self.counters.entity_starts.fetch_add(1, Ordering::Relaxed);
                 self.spawn_entity(shard_id, entity_id, incarnation)
             }
-            ShardAction::Send { entity_id, msg } => {
-                let Some(cell) = self.shards.get(shard_id) else {
-                    self.replier.fail(msg, &entity_id, "entity is not running");
-                    return;
-                };
-                let shard = cell.lock();
-                if shard.core.slot(&entity_id).is_none() {
-                    drop(shard);
-                    self.replier.fail(msg, &entity_id, "entity is not running");
-                    return;
-                }
-                if let Err(env) = self.launcher.push(shard_id, &entity_id, shard, msg) {
-                    // The incarnation already ended; its Terminated event is on the way. The
-                    // message goes to the next incarnation after it (not back into this loop,
-                    // which would spin until the event is read).
-                    self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
-                }
-            }
-            ShardAction::Stop { entity_id, reason } => {
-                let counter = match reason {
-                    StopReason::Passivated => &self.counters.passivations_explicit,
-                    StopReason::Idle => &self.counters.passivations_idle,
-                    StopReason::Limit => &self.counters.passivations_limit,
-                    StopReason::HandOff => &self.counters.handoff_stops,
-                };
-                counter.fetch_add(1, Ordering::Relaxed);
-                let Some(cell) = self.shards.get(shard_id) else { return };
-                let shard = cell.lock();
-                let Some((h, incarnation)) = shard.core.slot(&entity_id) else { return };
-                if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX) {
-                    let run = RunOf {
-                        mailbox: h.mailbox.clone(),
-                        epoch: h.epoch,
-                        incarnation,
-                        shard_tasks: shard.tasks.clone(),
-                    };
-                    drop(shard);
-                    self.launcher.launch(shard_id, &entity_id, run, scheduled);
-                }
-            }
+            ShardAction::Send { entity_id, msg } => self.send_to_entity(shard_id, entity_id, msg),
+            ShardAction::Stop { entity_id, reason } => self.stop_entity(shard_id, entity_id, reason),
             ShardAction::ForceStop { entity_id, slot } => {
                 if let Some(h) = slot {
                     warn!(type_name = %self.type_name, %entity_id, "entity did not stop within the hand-off timeout; aborted");
                     self.end_entity(&entity_id, h, "the entity was aborted");
                 }
             }
-            ShardAction::Drop { entity_id, msg, reason } => {
-                let why = match reason {
-                    DropReason::HandOff => {
-                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
-                        "dropped during shard hand-off"
-                    }
-                    DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
-                    DropReason::BufferFull => {
-                        self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed);
-                        let (type_name, buffer_size) = (self.type_name.to_string(), self.settings.buffer_size);
-                        return self
-                            .replier
-                            .fail_with(msg, &entity_id, || Error::BufferFull { type_name, buffer_size });
-                    }
-                    DropReason::RememberedLimit => {
-                        self.counters.dropped_remembered_limit.fetch_add(1, Ordering::Relaxed);
-                        let limit = self.settings.remember.max_per_shard.unwrap_or(usize::MAX);
-                        if let Some(held_back) = self.remembered_limit_log.allow(shard_id, std::time::Instant::now()) {
-                            warn!(type_name = %self.type_name, shard = %shard_id, limit, held_back,
-                                "shard remembers its limit of entities: new ones are refused (RememberedLimit)");
-                        }
-                        let shard = shard_id.clone();
-                        return self.replier.fail_with(msg, &entity_id, || Error::RememberedLimit {
-                            entity_id: entity_id.clone(),
-                            shard,
-                            limit,
-                        });
-                    }
-                    DropReason::SlotFull => {
-                        // Counted by the remember writer, once per refused id.
-                        let (slot, budget) =
-                            (remembered_slot(&entity_id, self.remember.slots), self.remember.slot_budget);
-                        let shard = shard_id.clone();
-                        return self.replier.fail_with(msg, &entity_id, || Error::SlotFull {
-                            entity_id: entity_id.clone(),
-                            shard,
-                            slot,
-                            budget,
-                        });
-                    }
-                };
-                self.replier.fail(msg, &entity_id, why);
-            }
+            ShardAction::Drop { entity_id, msg, reason } => self.drop_message(shard_id, entity_id, msg, reason),
             ShardAction::Recover { entity_ids } => {
                 // With a recovery batch set, the load task feeds them in batches instead.
                 if let Some(s) = self.shards.get(shard_id)
@@ -683,44 +601,134 @@ impl<E: Entity> LocalShards<E> {
                     self.remember.write(shard_id.clone(), instance, adds, removes, self.events.clone());
                 }
             }
-            ShardAction::Failed => {
-                self.fail_orphans(shard_id);
-                let Some(s) = self.remove_shard(shard_id, work) else { return };
-                let s = self.abort_entities(&s);
-                self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
-                let backoff = self.settings.shard_failure_backoff;
-                warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
-                let (events, shard, epoch, tasks) = (self.events.clone(), shard_id.clone(), s.epoch, s.tasks);
-                self.spawner.spawn_until_shutdown(async move {
-                    tasks.wait().await;
-                    tokio::time::sleep(backoff).await;
-                    let _ = events.send(ShardEvent::RestartShard { shard, epoch });
+            ShardAction::Failed => self.on_shard_failed(shard_id, work),
+            ShardAction::Stopped => self.on_shard_stopped(shard_id, work),
+        }
+    }
+
+    /// Pushes a message into a running entity's mailbox.
+    fn send_to_entity(&mut self, shard_id: &ShardId, entity_id: String, msg: Envelope<E>) {
+        let Some(cell) = self.shards.get(shard_id) else {
+            self.replier.fail(msg, &entity_id, "entity is not running");
+            return;
+        };
+        let shard = cell.lock();
+        if shard.core.slot(&entity_id).is_none() {
+            drop(shard);
+            self.replier.fail(msg, &entity_id, "entity is not running");
+            return;
+        }
+        if let Err(env) = self.launcher.push(shard_id, &entity_id, shard, msg) {
+            // The incarnation already ended; its Terminated event is on the way. The
+            // message goes to the next incarnation after it (not back into this loop,
+            // which would spin until the event is read).
+            self.orphans.entry((shard_id.clone(), entity_id)).or_default().push(env);
+        }
+    }
+
+    /// Queues a stop behind the entity's messages (it runs its stop hook, then ends).
+    fn stop_entity(&mut self, shard_id: &ShardId, entity_id: String, reason: StopReason) {
+        let counter = match reason {
+            StopReason::Passivated => &self.counters.passivations_explicit,
+            StopReason::Idle => &self.counters.passivations_idle,
+            StopReason::Limit => &self.counters.passivations_limit,
+            StopReason::HandOff => &self.counters.handoff_stops,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        let Some(cell) = self.shards.get(shard_id) else { return };
+        let shard = cell.lock();
+        let Some((h, incarnation)) = shard.core.slot(&entity_id) else { return };
+        if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX) {
+            let run =
+                RunOf { mailbox: h.mailbox.clone(), epoch: h.epoch, incarnation, shard_tasks: shard.tasks.clone() };
+            drop(shard);
+            self.launcher.launch(shard_id, &entity_id, run, scheduled);
+        }
+    }
+
+    /// Fails a message the shard could not take, with the error its reason names.
+    fn drop_message(&mut self, shard_id: &ShardId, entity_id: String, msg: Envelope<E>, reason: DropReason) {
+        let why = match reason {
+            DropReason::HandOff => {
+                self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                "dropped during shard hand-off"
+            }
+            DropReason::ShardFailed => "its shard failed and restarts after shard_failure_backoff",
+            DropReason::BufferFull => {
+                self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed);
+                let (type_name, buffer_size) = (self.type_name.to_string(), self.settings.buffer_size);
+                return self.replier.fail_with(msg, &entity_id, || Error::BufferFull { type_name, buffer_size });
+            }
+            DropReason::RememberedLimit => {
+                self.counters.dropped_remembered_limit.fetch_add(1, Ordering::Relaxed);
+                let limit = self.settings.remember.max_per_shard.unwrap_or(usize::MAX);
+                if let Some(held_back) = self.remembered_limit_log.allow(shard_id, std::time::Instant::now()) {
+                    warn!(type_name = %self.type_name, shard = %shard_id, limit, held_back,
+                        "shard remembers its limit of entities: new ones are refused (RememberedLimit)");
+                }
+                let shard = shard_id.clone();
+                return self.replier.fail_with(msg, &entity_id, || Error::RememberedLimit {
+                    entity_id: entity_id.clone(),
+                    shard,
+                    limit,
                 });
             }
-            ShardAction::Stopped => {
-                self.counters.handoffs_completed.fetch_add(1, Ordering::Relaxed);
-                if let Some(started) = self.handoff_started.remove(shard_id) {
-                    self.metrics.handoff_done(started);
-                }
-                self.fail_orphans(shard_id);
-                let Some(s) = self.remove_shard(shard_id, work) else {
-                    work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
-                    return;
-                };
-                let s = self.abort_entities(&s);
-                if s.tasks.is_empty() {
-                    debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
-                    work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
-                } else {
-                    // Aborted entities end at their next await; report the shard stopped (so it
-                    // may start elsewhere) only then.
-                    let (events, shard, tasks) = (self.events.clone(), shard_id.clone(), s.tasks);
-                    self.spawner.spawn_until_shutdown(async move {
-                        tasks.wait().await;
-                        let _ = events.send(ShardEvent::ShardTasksEnded { shard });
-                    });
-                }
+            DropReason::SlotFull => {
+                // Counted by the remember writer, once per refused id.
+                let (slot, budget) = (remembered_slot(&entity_id, self.remember.slots), self.remember.slot_budget);
+                let shard = shard_id.clone();
+                return self.replier.fail_with(msg, &entity_id, || Error::SlotFull {
+                    entity_id: entity_id.clone(),
+                    shard,
+                    slot,
+                    budget,
+                });
             }
+        };
+        self.replier.fail(msg, &entity_id, why);
+    }
+
+    /// The shard failed (its store did): its entities end and it restarts after the backoff,
+    /// once their tasks have ended.
+    fn on_shard_failed(&mut self, shard_id: &ShardId, work: &mut VecDeque<Work<E>>) {
+        self.fail_orphans(shard_id);
+        let Some(s) = self.remove_shard(shard_id, work) else { return };
+        let s = self.abort_entities(&s);
+        self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
+        let backoff = self.settings.shard_failure_backoff;
+        warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
+        let (events, shard, epoch, tasks) = (self.events.clone(), shard_id.clone(), s.epoch, s.tasks);
+        self.spawner.spawn_until_shutdown(async move {
+            tasks.wait().await;
+            tokio::time::sleep(backoff).await;
+            let _ = events.send(ShardEvent::RestartShard { shard, epoch });
+        });
+    }
+
+    /// The shard handed off: out of the directory, reported stopped to the region once its
+    /// entity tasks have ended.
+    fn on_shard_stopped(&mut self, shard_id: &ShardId, work: &mut VecDeque<Work<E>>) {
+        self.counters.handoffs_completed.fetch_add(1, Ordering::Relaxed);
+        if let Some(started) = self.handoff_started.remove(shard_id) {
+            self.metrics.handoff_done(started);
+        }
+        self.fail_orphans(shard_id);
+        let Some(s) = self.remove_shard(shard_id, work) else {
+            work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+            return;
+        };
+        let s = self.abort_entities(&s);
+        if s.tasks.is_empty() {
+            debug!(type_name = %self.type_name, shard = %shard_id, "shard stopped");
+            work.push_back(Work::Region(RegionInput::LocalShardStopped(shard_id.clone())));
+        } else {
+            // Aborted entities end at their next await; report the shard stopped (so it
+            // may start elsewhere) only then.
+            let (events, shard, tasks) = (self.events.clone(), shard_id.clone(), s.tasks);
+            self.spawner.spawn_until_shutdown(async move {
+                tasks.wait().await;
+                let _ = events.send(ShardEvent::ShardTasksEnded { shard });
+            });
         }
     }
 

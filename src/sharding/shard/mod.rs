@@ -15,15 +15,35 @@ pub(crate) use entity::Factory;
 #[cfg(feature = "testkit")]
 pub(crate) use host::new_shard_core;
 pub(crate) use host::{LocalShards, ShardDirectory};
-pub(crate) use remember::RememberIo;
 pub(crate) use state::StateIo;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use crate::ddata::Replicator;
+use crate::metrics::TypeMetrics;
+use crate::sharding::counters::RegionCounterCells;
+use crate::sharding::settings::ShardingSettings;
+use crate::spawn::Spawner;
 
 use crate::sharding::Entity;
 use crate::sharding::envelope::Envelope;
 use crate::sharding::ids::ShardId;
 use crate::sharding::region::RegionInput;
+
+/// What the parts of one entity type's region on a node share: its name, settings, counters
+/// and metrics, and the node services its shards, writers and entities use.
+#[derive(Clone)]
+pub(crate) struct RegionParts {
+    pub(crate) type_name: Arc<str>,
+    pub(crate) settings: ShardingSettings,
+    pub(crate) counters: Arc<RegionCounterCells>,
+    pub(crate) metrics: Arc<TypeMetrics>,
+    pub(crate) replicator: Replicator,
+    pub(crate) spawner: Spawner,
+    /// What one replicated slot may hold: the replicator's message budget.
+    pub(crate) slot_budget: usize,
+}
 
 /// What entity and I/O tasks report to their region.
 pub(crate) enum ShardEvent<E: Entity> {

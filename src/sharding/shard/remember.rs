@@ -13,12 +13,11 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::batch::{BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberRequest, write_timeout};
-use super::{ShardEvent, StoreResult, report_full_slot};
+use super::{RegionParts, ShardEvent, StoreResult, report_full_slot};
 use crate::ddata::{OrSet, Replicator};
 use crate::log_limit::LogLimiter;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::ShardId;
-use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, keys};
 use crate::spawn::Spawner;
 
@@ -64,29 +63,22 @@ impl RememberIo {
     /// Starts the region's remember writer (group commit: the starts and stops of all its
     /// shards go out together, one multi-key majority update per batch; the next batch
     /// accumulates while one is in flight).
-    pub(crate) fn new(
-        replicator: Replicator,
-        spawner: Spawner,
-        type_name: &str,
-        s: &ShardingSettings,
-        slot_budget: usize,
-        counters: Arc<RegionCounterCells>,
-        metrics: Arc<crate::metrics::TypeMetrics>,
-    ) -> Self {
+    pub(crate) fn new(parts: &RegionParts) -> Self {
+        let s = &parts.settings;
         let (writer, requests) = mpsc::unbounded_channel();
         let io = RememberIo {
-            replicator,
-            spawner,
-            type_name: type_name.to_string(),
+            replicator: parts.replicator.clone(),
+            spawner: parts.spawner.clone(),
+            type_name: parts.type_name.to_string(),
             slots: s.remember.slots,
             read_timeout: s.coordinator.waiting_for_state_timeout,
             write_timeout: write_timeout(s),
             recovery_batch: s.remember.recovery_batch,
             recovery_interval: s.remember.recovery_interval,
-            slot_budget,
+            slot_budget: parts.slot_budget,
             writer,
-            counters,
-            metrics,
+            counters: parts.counters.clone(),
+            metrics: parts.metrics.clone(),
         };
         io.spawner.spawn_until_shutdown(io.clone().run_writer(requests));
         io

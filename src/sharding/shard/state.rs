@@ -37,12 +37,10 @@ use crate::log_limit::LogLimiter;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
-use crate::sharding::settings::ShardingSettings;
 use crate::sharding::shard::batch::{
     BatchAction, StateBatch, StateRequest, StateResult, state_read_consistency, state_write_consistency, write_timeout,
 };
-use crate::sharding::shard::report_full_slot;
-use crate::spawn::Spawner;
+use crate::sharding::shard::{RegionParts, report_full_slot};
 
 /// Tries of a shard's claim-and-load, each with `coordinator.waiting_for_state_timeout`.
 const LOAD_TRIES: usize = 3;
@@ -141,14 +139,8 @@ pub(crate) fn claim_outcome(
 
 impl StateIo {
     /// Starts the region's state writer.
-    pub(crate) fn new(
-        replicator: Replicator,
-        spawner: Spawner,
-        type_name: &str,
-        s: &ShardingSettings,
-        slot_budget: usize,
-        counters: Arc<RegionCounterCells>,
-    ) -> Self {
+    pub(crate) fn new(parts: &RegionParts) -> Self {
+        let s = &parts.settings;
         // Unbounded in type, bounded in effect: every request is one entity's persist (or
         // delete), and an entity sends the next only after this one answered, so the queue
         // holds at most one state (≤ max_state_bytes) per live entity, which the region's
@@ -157,20 +149,20 @@ impl StateIo {
         let (writer, requests) = mpsc::unbounded_channel();
         let io = StateIo {
             inner: Arc::new(Inner {
-                replicator,
-                type_name: type_name.to_string(),
+                replicator: parts.replicator.clone(),
+                type_name: parts.type_name.to_string(),
                 slots: s.state.slots,
                 max_state_bytes: s.state.max_bytes,
-                slot_budget,
+                slot_budget: parts.slot_budget,
                 write_consistency: state_write_consistency(s),
                 read_consistency: state_read_consistency(s),
                 write_timeout: write_timeout(s),
                 read_timeout: s.coordinator.waiting_for_state_timeout,
                 writer,
-                counters,
+                counters: parts.counters.clone(),
             }),
         };
-        spawner.spawn_until_shutdown(io.clone().run_writer(requests));
+        parts.spawner.spawn_until_shutdown(io.clone().run_writer(requests));
         io
     }
 

@@ -97,86 +97,96 @@ impl Sim {
                 continue;
             }
             let view = self.view_of(i);
-            let wall = self.wall();
-            let node = self.nodes[i].as_mut().expect("running");
-            let mut down_trace = None;
-            match node.downing.decide(&view, now) {
-                crate::membership::downing::Decision::DownOthers(victims) => {
-                    let me = node.addr.clone();
-                    let mut downed = Vec::new();
-                    for m in self.members.iter_mut().filter(|m| victims.contains(&m.addr)) {
-                        if m.status != MemberStatus::Down && m.status != MemberStatus::Removed {
-                            m.status = MemberStatus::Down;
-                            self.report.downed.push(m.addr.to_string());
-                            downed.push(m.addr.to_string());
-                        }
-                    }
-                    if !downed.is_empty() {
-                        down_trace = Some(format!("{me} downs {}", downed.join(", ")));
-                    }
-                }
-                crate::membership::downing::Decision::DownMyself => {
-                    let me = node.addr.clone();
-                    for m in self.members.iter_mut().filter(|m| m.addr == me) {
-                        m.status = MemberStatus::Down;
-                    }
-                    self.report.downed.push(me.to_string());
-                    self.crash(i, "downs itself (minority side)");
-                    continue;
-                }
-                crate::membership::downing::Decision::DownAll => {
-                    for m in self.members.iter_mut() {
-                        if !matches!(m.status, MemberStatus::Removed | MemberStatus::Down) {
-                            m.status = MemberStatus::Down;
-                            self.report.downed.push(m.addr.to_string());
-                        }
-                    }
-                    self.crash(i, "downs everyone (reachability never settled)");
-                    continue;
-                }
-                crate::membership::downing::Decision::Wait => {}
+            if !self.apply_downing(i, &view, now) {
+                continue;
             }
-            if let Some(line) = down_trace {
-                self.trace(|| line);
-            }
-            let node = self.nodes[i].as_mut().expect("running");
             if view.members.iter().any(|m| m.address == view.self_address && m.status == MemberStatus::Down) {
                 self.crash(i, "sees itself downed and stops");
                 continue;
             }
+            let node = self.nodes[i].as_mut().expect("running");
             if node.last_view.as_ref() == Some(&view) {
                 continue;
             }
             node.last_view = Some(view.clone());
-            let me = node.addr.clone();
-            let mut beats = Vec::new();
-            if let Some(h) = node.heartbeat.as_mut() {
-                let ring = view
-                    .members
-                    .iter()
-                    .filter(|m| m.status.is_routable() || m.address == me)
-                    .map(|m| m.address.clone())
-                    .collect();
-                h.handle(crate::membership::failure_detector::HeartbeatInput::Members(ring), now, &mut beats);
-            }
-            let mut single = Vec::new();
-            node.singleton.handle(SingletonInput::Host(view.hosts_singleton(None)), now, &mut single);
-            let routable = view.members.iter().filter(|m| m.status.is_routable()).map(|m| m.address.clone()).collect();
-            let coordinator = view.singleton_host(None).map(|m| m.address.clone());
-            let mut region_out = Vec::new();
-            node.region.handle(RegionInput::Members { routable, coordinator }, now, &mut region_out);
-            let mut coord_out = Vec::new();
-            if let Some(c) = node.coordinator.as_mut() {
-                c.core.handle(CoordinatorInput::Members(MembersView::of(&view)), now, wall, &mut coord_out);
-            }
-            let mut rep_out = Vec::new();
-            node.replicator.handle(ReplicatorInput::members_of(&view, None), now, wall, &mut rep_out);
-            self.perform_singleton(i, single);
-            self.perform_region(i, region_out);
-            self.perform_coordinator(i, coord_out);
-            self.perform_replicator(i, rep_out);
-            self.perform_heartbeat(i, beats);
+            self.deliver_view(i, &view, now);
         }
         self.schedule(MEMBERSHIP_MS, Event::Membership);
+    }
+
+    /// Runs node `i`'s downing decision on its view (the shared member table is the gossip);
+    /// false when the node stopped (it downed itself or everyone).
+    fn apply_downing(&mut self, i: usize, view: &MembershipSnapshot, now: Instant) -> bool {
+        let node = self.nodes[i].as_mut().expect("running");
+        let me = node.addr.clone();
+        match node.downing.decide(view, now) {
+            crate::membership::downing::Decision::DownOthers(victims) => {
+                let mut downed = Vec::new();
+                for m in self.members.iter_mut().filter(|m| victims.contains(&m.addr)) {
+                    if m.status != MemberStatus::Down && m.status != MemberStatus::Removed {
+                        m.status = MemberStatus::Down;
+                        self.report.downed.push(m.addr.to_string());
+                        downed.push(m.addr.to_string());
+                    }
+                }
+                if !downed.is_empty() {
+                    self.trace(|| format!("{me} downs {}", downed.join(", ")));
+                }
+                true
+            }
+            crate::membership::downing::Decision::DownMyself => {
+                for m in self.members.iter_mut().filter(|m| m.addr == me) {
+                    m.status = MemberStatus::Down;
+                }
+                self.report.downed.push(me.to_string());
+                self.crash(i, "downs itself (minority side)");
+                false
+            }
+            crate::membership::downing::Decision::DownAll => {
+                for m in self.members.iter_mut() {
+                    if !matches!(m.status, MemberStatus::Removed | MemberStatus::Down) {
+                        m.status = MemberStatus::Down;
+                        self.report.downed.push(m.addr.to_string());
+                    }
+                }
+                self.crash(i, "downs everyone (reachability never settled)");
+                false
+            }
+            crate::membership::downing::Decision::Wait => true,
+        }
+    }
+
+    /// Hands node `i`'s new view to each of its cores, as the membership watch does.
+    fn deliver_view(&mut self, i: usize, view: &MembershipSnapshot, now: Instant) {
+        let wall = self.wall();
+        let node = self.nodes[i].as_mut().expect("running");
+        let me = node.addr.clone();
+        let mut beats = Vec::new();
+        if let Some(h) = node.heartbeat.as_mut() {
+            let ring = view
+                .members
+                .iter()
+                .filter(|m| m.status.is_routable() || m.address == me)
+                .map(|m| m.address.clone())
+                .collect();
+            h.handle(crate::membership::failure_detector::HeartbeatInput::Members(ring), now, &mut beats);
+        }
+        let mut single = Vec::new();
+        node.singleton.handle(SingletonInput::Host(view.hosts_singleton(None)), now, &mut single);
+        let routable = view.members.iter().filter(|m| m.status.is_routable()).map(|m| m.address.clone()).collect();
+        let coordinator = view.singleton_host(None).map(|m| m.address.clone());
+        let mut region_out = Vec::new();
+        node.region.handle(RegionInput::Members { routable, coordinator }, now, &mut region_out);
+        let mut coord_out = Vec::new();
+        if let Some(c) = node.coordinator.as_mut() {
+            c.core.handle(CoordinatorInput::Members(MembersView::of(view)), now, wall, &mut coord_out);
+        }
+        let mut rep_out = Vec::new();
+        node.replicator.handle(ReplicatorInput::members_of(view, None), now, wall, &mut rep_out);
+        self.perform_singleton(i, single);
+        self.perform_region(i, region_out);
+        self.perform_coordinator(i, coord_out);
+        self.perform_replicator(i, rep_out);
+        self.perform_heartbeat(i, beats);
     }
 }

@@ -82,28 +82,7 @@ impl Sim {
         // The writes reach the disk when their commit is reported, an fsync later, as with the
         // persist thread (the core holds acks and update replies until then); a crash before
         // that loses them, though their deltas may already have left.
-        let mut through = 0;
-        for a in &actions {
-            if let ReplicatorAction::ReserveCounters { ticket, ceiling } = a {
-                through = through.max(*ticket);
-                self.unsynced[i].push((*ticket, DiskWrite::Ceiling(*ceiling).keyed("")));
-                continue;
-            }
-            let ReplicatorAction::Persist { key, ticket, record } = a else { continue };
-            through = through.max(*ticket);
-            let Some(node) = self.nodes[i].as_ref() else { return };
-            let write = match record {
-                PersistRecord::Snapshot => node.replicator.local_value(key).cloned().map(DiskWrite::Snapshot),
-                PersistRecord::Delta(d) => Some(DiskWrite::Delta(d.clone())),
-            };
-            if let Some(write) = write {
-                self.unsynced[i].push((*ticket, write.keyed(key)));
-            }
-        }
-        if through > 0 {
-            let node = self.nodes[i].as_ref().expect("live node").addr.clone();
-            self.schedule(FSYNC_MS, Event::Persisted { node, through });
-        }
+        self.queue_persists(i, &actions);
         for action in actions {
             let Some(node) = self.nodes[i].as_mut() else { return };
             let me = node.addr.clone();
@@ -154,21 +133,7 @@ impl Sim {
                     self.on_state_try(i, id, result)
                 }
                 ReplicatorAction::ReplyUpdate { reply: RepReply::HandOver, result } => {
-                    // As `Node::leave`: the member exits whether or not the hand-over succeeded.
-                    if let Err(e) = &result {
-                        let addr = me.clone();
-                        self.trace(|| format!("{addr} replica not handed over: {e}"));
-                    }
-                    for m in self.members.iter_mut().filter(|m| m.addr == me) {
-                        m.status = MemberStatus::Removed;
-                    }
-                    self.crash(i, "region stopped; leaves the cluster");
-                    self.on_membership();
-                    if self.recovering.is_some() {
-                        // A process manager's restart delay; the settle counts from the start.
-                        self.schedule(1_000, Event::StartAfterLeave(i));
-                        self.recovering = Some(self.now_ms + 1_000);
-                    }
+                    self.on_handed_over(i, &me, result);
                     return;
                 }
                 ReplicatorAction::ReplyUpdate { reply: RepReply::RememberWrite(id), result } => {
@@ -182,6 +147,52 @@ impl Sim {
                     self.report.violations.push("replicator reply of the wrong kind".into());
                 }
             }
+        }
+    }
+
+    /// Queues node `i`'s persists until their commit is reported (an fsync later).
+    fn queue_persists(&mut self, i: usize, actions: &[ReplicatorAction<RepReply>]) {
+        let mut through = 0;
+        for a in actions {
+            if let ReplicatorAction::ReserveCounters { ticket, ceiling } = a {
+                through = through.max(*ticket);
+                self.unsynced[i].push((*ticket, DiskWrite::Ceiling(*ceiling).keyed("")));
+                continue;
+            }
+            let ReplicatorAction::Persist { key, ticket, record } = a else { continue };
+            through = through.max(*ticket);
+            let Some(node) = self.nodes[i].as_ref() else { return };
+            let write = match record {
+                PersistRecord::Snapshot => node.replicator.local_value(key).cloned().map(DiskWrite::Snapshot),
+                PersistRecord::Delta(d) => Some(DiskWrite::Delta(d.clone())),
+            };
+            if let Some(write) = write {
+                self.unsynced[i].push((*ticket, write.keyed(key)));
+            }
+        }
+        if through > 0 {
+            let node = self.nodes[i].as_ref().expect("live node").addr.clone();
+            self.schedule(FSYNC_MS, Event::Persisted { node, through });
+        }
+    }
+
+    /// The leaving node's replicas were handed over (or not): as `Node::leave`, the member
+    /// exits either way, and a process manager restarts it when the run recovers.
+    fn on_handed_over<T>(&mut self, i: usize, me: &UniqueAddress, result: crate::error::Result<T>) {
+        // As `Node::leave`: the member exits whether or not the hand-over succeeded.
+        if let Err(e) = &result {
+            let addr = me.clone();
+            self.trace(|| format!("{addr} replica not handed over: {e}"));
+        }
+        for m in self.members.iter_mut().filter(|m| m.addr == *me) {
+            m.status = MemberStatus::Removed;
+        }
+        self.crash(i, "region stopped; leaves the cluster");
+        self.on_membership();
+        if self.recovering.is_some() {
+            // A process manager's restart delay; the settle counts from the start.
+            self.schedule(1_000, Event::StartAfterLeave(i));
+            self.recovering = Some(self.now_ms + 1_000);
         }
     }
 
@@ -234,45 +245,56 @@ impl Sim {
                         self.perform_region(i, out);
                     }
                 }
-                RegionAction::Drop { msg, reason, .. } => {
-                    let why = match reason {
-                        crate::sharding::region::core::RegionDrop::BufferFull => BUFFER_FULL,
-                        crate::sharding::region::core::RegionDrop::HandOff
-                        | crate::sharding::region::core::RegionDrop::MovedOn => HAND_OFF,
-                        crate::sharding::region::core::RegionDrop::Refused => {
-                            self.report.violations.push(format!("{me} refused although every node has one extractor"));
-                            REFUSED
-                        }
-                    };
-                    self.fail(msg, why);
-                }
-                RegionAction::RegionGone(region) => {
-                    let gone: Vec<u64> =
-                        node.forwarded.iter().filter(|(_, r)| **r == region).map(|(a, _)| *a).collect();
-                    for ask in &gone {
-                        node.forwarded.remove(ask);
-                    }
-                    for ask in gone {
-                        self.resolve(ask, Err(REGION_GONE));
-                    }
-                }
+                RegionAction::Drop { msg, reason, .. } => self.fail_dropped(&me, msg, reason),
+                RegionAction::RegionGone(region) => self.fail_forwarded_to(i, &region),
                 RegionAction::Stopped { forced } => {
-                    // Graceful leave done (or timed out): the member exits and the node stops.
-                    if forced {
-                        self.trace(|| format!("{me} graceful shutdown timed out"));
-                    }
-                    // Then its replica goes to the members that stay, and it exits (on the reply).
-                    let (now, wall) = (self.now(), self.wall());
-                    let node = self.nodes[i].as_mut().expect("running");
-                    let timeout = crate::config::MembershipSettings::default().leave_hand_over_timeout;
-                    let input = ReplicatorInput::HandOver { timeout, reply: RepReply::HandOver };
-                    let mut out = Vec::new();
-                    node.replicator.handle(input, now, wall, &mut out);
-                    self.perform_replicator(i, out);
+                    self.hand_over_and_leave(i, &me, forced);
                     return;
                 }
             }
         }
+    }
+
+    /// A message the region could not take fails with the error its reason names.
+    fn fail_dropped(&mut self, me: &UniqueAddress, msg: Msg, reason: crate::sharding::region::core::RegionDrop) {
+        let why = match reason {
+            crate::sharding::region::core::RegionDrop::BufferFull => BUFFER_FULL,
+            crate::sharding::region::core::RegionDrop::HandOff | crate::sharding::region::core::RegionDrop::MovedOn => {
+                HAND_OFF
+            }
+            crate::sharding::region::core::RegionDrop::Refused => {
+                self.report.violations.push(format!("{me} refused although every node has one extractor"));
+                REFUSED
+            }
+        };
+        self.fail(msg, why);
+    }
+
+    /// The asks node `i` forwarded to a region that left or went down fail.
+    fn fail_forwarded_to(&mut self, i: usize, region: &UniqueAddress) {
+        let node = self.nodes[i].as_mut().expect("running");
+        let gone: Vec<u64> = node.forwarded.iter().filter(|(_, r)| *r == region).map(|(a, _)| *a).collect();
+        for ask in &gone {
+            node.forwarded.remove(ask);
+        }
+        for ask in gone {
+            self.resolve(ask, Err(REGION_GONE));
+        }
+    }
+
+    /// The graceful leave is done (or timed out): the replica goes to the members that stay,
+    /// and the member exits on the reply.
+    fn hand_over_and_leave(&mut self, i: usize, me: &UniqueAddress, forced: bool) {
+        if forced {
+            self.trace(|| format!("{me} graceful shutdown timed out"));
+        }
+        let (now, wall) = (self.now(), self.wall());
+        let node = self.nodes[i].as_mut().expect("running");
+        let timeout = crate::config::MembershipSettings::default().leave_hand_over_timeout;
+        let input = ReplicatorInput::HandOver { timeout, reply: RepReply::HandOver };
+        let mut out = Vec::new();
+        node.replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
     }
 
     pub(super) fn fail(&mut self, msg: Msg, why: &'static str) {
@@ -296,36 +318,7 @@ impl Sim {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let me = node.addr.clone();
         match action {
-            ShardAction::Start { entity_id, incarnation } => {
-                let epoch = node.shards.get(shard).map_or(0, |(_, e)| *e);
-                node.entities.insert(entity_id.clone(), (shard.clone(), incarnation));
-                self.report.activations += 1;
-                self.trace(|| format!("{me} starts {entity_id} (shard {shard}, epoch {epoch})"));
-                // An activation on a node that was paused is a zombie once its peers downed it:
-                // nothing can stop a frozen process from running again before it learns that
-                // (no lease), so with durable state the promise is that it commits nothing (the
-                // fence; checked on every acknowledged write), not that it never runs. That
-                // covers both sides: a zombie's old activation beside the new one, and a zombie
-                // starting one from a stale allocation it handles on waking.
-                let me_zombie = self.is_downed_zombie(&me);
-                let (zombies, others): (Vec<&UniqueAddress>, Vec<&UniqueAddress>) = self
-                    .live
-                    .get(&entity_id)
-                    .map(|v| v.iter().filter(|(n, _)| *n != me).map(|(n, _)| n).collect::<Vec<_>>())
-                    .unwrap_or_default()
-                    .into_iter()
-                    .partition(|n| me_zombie || self.is_downed_zombie(n));
-                let others: Vec<String> = others.into_iter().map(ToString::to_string).collect();
-                self.report.zombie_overlaps += zombies.len();
-                if !others.is_empty() {
-                    let v = format!("t={} {entity_id} started on {me} while live on {others:?}", self.now_ms);
-                    self.report.violations.push(v);
-                }
-                self.live.entry(entity_id.clone()).or_default().push((me, incarnation));
-                if self.cfg.durable {
-                    self.start_durable_entity(i, shard, &entity_id, incarnation);
-                }
-            }
+            ShardAction::Start { entity_id, incarnation } => self.start_entity(i, shard, entity_id, incarnation),
             ShardAction::Send { entity_id, msg } => {
                 if !node.entities.contains_key(&entity_id) {
                     self.fail(msg, NOT_HOSTED);
@@ -382,6 +375,40 @@ impl Sim {
                 let w = remember::RememberWrite { shard: shard.clone(), instance, adds, removes };
                 self.remember_write(i, w);
             }
+        }
+    }
+
+    /// An activation: recorded, traced, and checked against every other live one of its id.
+    fn start_entity(&mut self, i: usize, shard: &ShardId, entity_id: String, incarnation: u64) {
+        let node = self.nodes[i].as_mut().expect("running");
+        let me = node.addr.clone();
+        let epoch = node.shards.get(shard).map_or(0, |(_, e)| *e);
+        node.entities.insert(entity_id.clone(), (shard.clone(), incarnation));
+        self.report.activations += 1;
+        self.trace(|| format!("{me} starts {entity_id} (shard {shard}, epoch {epoch})"));
+        // An activation on a node that was paused is a zombie once its peers downed it:
+        // nothing can stop a frozen process from running again before it learns that
+        // (no lease), so with durable state the promise is that it commits nothing (the
+        // fence; checked on every acknowledged write), not that it never runs. That
+        // covers both sides: a zombie's old activation beside the new one, and a zombie
+        // starting one from a stale allocation it handles on waking.
+        let me_zombie = self.is_downed_zombie(&me);
+        let (zombies, others): (Vec<&UniqueAddress>, Vec<&UniqueAddress>) = self
+            .live
+            .get(&entity_id)
+            .map(|v| v.iter().filter(|(n, _)| *n != me).map(|(n, _)| n).collect::<Vec<_>>())
+            .unwrap_or_default()
+            .into_iter()
+            .partition(|n| me_zombie || self.is_downed_zombie(n));
+        let others: Vec<String> = others.into_iter().map(ToString::to_string).collect();
+        self.report.zombie_overlaps += zombies.len();
+        if !others.is_empty() {
+            let v = format!("t={} {entity_id} started on {me} while live on {others:?}", self.now_ms);
+            self.report.violations.push(v);
+        }
+        self.live.entry(entity_id.clone()).or_default().push((me, incarnation));
+        if self.cfg.durable {
+            self.start_durable_entity(i, shard, &entity_id, incarnation);
         }
     }
 
