@@ -29,7 +29,7 @@ use crate::membership::{
     Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress,
 };
 use crate::spawn::Spawner;
-use crate::transport::Transport;
+use crate::transport::{Endpoint, Transport};
 
 /// What a node runs on top of itself and must reach without knowing its type (a sharding
 /// region or proxy): it hands off before the node leaves, counts in the node's readiness and is
@@ -126,17 +126,15 @@ impl Node {
         let address = UniqueAddress::new(config.node_id.as_str(), generation);
         let spawner = Spawner::new(info_span!("node", node = %address), CancellationToken::new());
         let shutdown = spawner.shutdown_token().clone();
-        let transport = Transport::bind_with(
-            config.messaging_addr,
-            config.messaging_advertise,
-            address.clone(),
-            config.cluster_id.clone(),
-            config.secrets(),
-            config.transport.clone(),
-            spawner.clone(),
-            b.link_filter,
-        )
-        .await?;
+        let endpoint = Endpoint {
+            bind: config.messaging_addr,
+            advertise: config.messaging_advertise,
+            local: address.clone(),
+            cluster_id: config.cluster_id.clone(),
+            secrets: config.secrets(),
+            settings: config.transport.clone(),
+        };
+        let transport = Transport::bind_with(endpoint, spawner.clone(), b.link_filter).await?;
         let started = MembershipDriver::start(
             &config,
             address.clone(),

@@ -242,6 +242,18 @@ fn codec(max_frame: usize) -> LengthDelimitedCodec {
 /// afterwards `max_frame_size` applies.
 const MAX_HANDSHAKE_FRAME: usize = 4096;
 
+/// Where and as whom a transport listens: the address it binds and the one peers dial (when
+/// they differ), its incarnation, cluster, secrets (dials with the first, accepts any) and
+/// settings.
+pub(crate) struct Endpoint {
+    pub(crate) bind: SocketAddr,
+    pub(crate) advertise: Option<SocketAddr>,
+    pub(crate) local: UniqueAddress,
+    pub(crate) cluster_id: String,
+    pub(crate) secrets: Vec<ClusterSecret>,
+    pub(crate) settings: TransportSettings,
+}
+
 impl Transport {
     /// Binds the listener and starts accepting, outside any node (its tasks end when
     /// `shutdown` fires). `bind` may use port 0. With `secret`, every connection is
@@ -256,23 +268,19 @@ impl Transport {
     ) -> Result<Transport> {
         let spawner = Spawner::new(tracing::Span::current(), shutdown);
         let secrets = secret.into_iter().cloned().collect();
-        Self::bind_with(bind, None, local, cluster_id, secrets, settings, spawner, None).await
+        let endpoint = Endpoint { bind, advertise: None, local, cluster_id, secrets, settings };
+        Self::bind_with(endpoint, spawner, None).await
     }
 
     /// Binds the listener and starts accepting; every task goes through `spawner`, and the
     /// link filter (if any) decides which links carry messages. Dials with the first of
     /// `secrets` and accepts dialers holding any of them (none: plain connections).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn bind_with(
-        bind: SocketAddr,
-        advertise: Option<SocketAddr>,
-        local: UniqueAddress,
-        cluster_id: String,
-        secrets: Vec<ClusterSecret>,
-        settings: TransportSettings,
+        endpoint: Endpoint,
         spawner: Spawner,
         link_filter: Option<Arc<dyn LinkFilter>>,
     ) -> Result<Transport> {
+        let Endpoint { bind, advertise, local, cluster_id, secrets, settings } = endpoint;
         let shutdown = spawner.shutdown_token().clone();
         let listener =
             TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;

@@ -338,22 +338,22 @@ impl<R> ReplicatorCore<R> {
     ) {
         match input {
             ReplicatorInput::Get { key, consistency, timeout, reply } => {
-                self.on_get(vec![key], false, consistency, timeout, reply, now, out)
+                self.on_get(vec![key], false, consistency, now + timeout, reply, out)
             }
             ReplicatorInput::GetMany { keys, consistency, timeout, reply } => {
-                self.on_get(keys, true, consistency, timeout, reply, now, out)
+                self.on_get(keys, true, consistency, now + timeout, reply, out)
             }
             ReplicatorInput::Update { key, consistency, timeout, modify, reply } => {
                 self.ctx.now_ms = wall_ms;
-                self.on_update(vec![(key, modify)], consistency, timeout, reply, now, out)
+                self.on_update(vec![(key, modify)], consistency, now + timeout, reply, out)
             }
             ReplicatorInput::UpdateMany { updates, consistency, timeout, reply } => {
                 self.ctx.now_ms = wall_ms;
-                self.on_update(updates, consistency, timeout, reply, now, out)
+                self.on_update(updates, consistency, now + timeout, reply, out)
             }
             ReplicatorInput::UpdateAndGetMany { updates, consistency, timeout, reply } => {
                 self.ctx.now_ms = wall_ms;
-                self.on_update_and_get(updates, consistency, timeout, reply, now, out)
+                self.on_update_and_get(updates, consistency, now + timeout, reply, out)
             }
             ReplicatorInput::Remote { from, msg } => {
                 if self.quarantines(&from.address) {

@@ -3,7 +3,6 @@
 //! into the local values, with read repair of the replicas that answered stale.
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use tracing::warn;
 
@@ -46,15 +45,13 @@ impl<R> PendingRead<R> {
 
 impl<R> ReplicatorCore<R> {
     /// Starts a read of `keys`; `many` selects the reply kind.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_get(
         &mut self,
         keys: Vec<String>,
         many: bool,
         c: Consistency,
-        timeout: Duration,
+        deadline: Instant,
         reply: R,
-        now: Instant,
         out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let reachable = self.reachable_replicas();
@@ -81,7 +78,7 @@ impl<R> ReplicatorCore<R> {
             addressed,
             responders: BTreeMap::new(),
             merged: local,
-            deadline: now + timeout,
+            deadline,
             reply,
         };
         self.reads.insert(op, read);
@@ -92,14 +89,12 @@ impl<R> ReplicatorCore<R> {
     /// new allocation's claim uses it, so that no replica it read from can still take a write
     /// of an older epoch afterwards. Answered with `ReplyGetMany` once the local write is
     /// committed too.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_update_and_get(
         &mut self,
         updates: Vec<(String, super::Modify)>,
         c: Consistency,
-        timeout: Duration,
+        deadline: Instant,
         reply: R,
-        now: Instant,
         out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let reachable = self.reachable_replicas();
@@ -146,7 +141,7 @@ impl<R> ReplicatorCore<R> {
             addressed,
             responders: BTreeMap::new(),
             merged: local,
-            deadline: now + timeout,
+            deadline,
             reply,
         };
         self.reads.insert(op, read);

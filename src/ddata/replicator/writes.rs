@@ -4,7 +4,6 @@
 
 use std::borrow::Cow;
 use std::collections::HashSet;
-use std::time::Duration;
 
 use tracing::warn;
 
@@ -110,14 +109,12 @@ impl<R> ReplicatorCore<R> {
     /// goes instead (a retried write must still reach the majority). A failing modify fails the
     /// update; keys modified before it keep their local change (it spreads as with any local
     /// update).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn on_update(
         &mut self,
         updates: Vec<(String, Modify)>,
         c: Consistency,
-        timeout: Duration,
+        deadline: Instant,
         reply: R,
-        now: Instant,
         out: &mut Vec<ReplicatorAction<R>>,
     ) {
         let Applied { keys, deltas, unchanged, fenced, failure } = self.apply_all(updates, out);
@@ -153,7 +150,7 @@ impl<R> ReplicatorCore<R> {
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         out.push(ReplicatorAction::Broadcast { to: reachable, msg });
         let acked = HashSet::from([self.self_addr.clone()]);
-        let (consistency, deadline) = (c, now + timeout);
+        let consistency = c;
         self.writes.insert(op, PendingWrite { keys, fenced, consistency, needed, addressed, acked, deadline, reply });
     }
 
