@@ -77,7 +77,6 @@ struct StageCounters {
 
 impl StageCounters {
     fn read(cluster: &TestCluster, region: &ShardRegion<Thing>) -> StageCounters {
-        use std::sync::atomic::Ordering::Relaxed;
         let c = region.counters();
         let mut s = StageCounters {
             batches: c.remember_batches,
@@ -88,10 +87,10 @@ impl StageCounters {
             ..Default::default()
         };
         for (_, n) in cluster.running() {
-            s.commits += n.replicator().stats().durable_commits.load(Relaxed);
-            s.commit_us += n.replicator().stats().durable_commit_micros.load(Relaxed);
-            s.records += n.replicator().stats().durable_records.load(Relaxed);
-            s.deltas_merged += n.replicator().stats().deltas_merged.load(Relaxed);
+            s.commits += n.replicator().stats().durable_commits;
+            s.commit_us += n.replicator().stats().durable_commit_micros;
+            s.records += n.replicator().stats().durable_records;
+            s.deltas_merged += n.replicator().stats().deltas_merged;
         }
         s
     }

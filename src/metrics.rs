@@ -120,7 +120,6 @@ pub use enabled::*;
 
 #[cfg(feature = "metrics")]
 mod enabled {
-    use std::sync::atomic::{AtomicU64, Ordering};
 
     use ::metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
     #[cfg(feature = "prometheus")]
@@ -275,8 +274,8 @@ mod enabled {
         }
     }
 
-    pub(crate) fn set_counter(name: &'static str, labels: &[(&'static str, String)], value: &AtomicU64) {
-        counter!(name, labels).absolute(value.load(Ordering::Relaxed));
+    pub(crate) fn set_counter(name: &'static str, labels: &[(&'static str, String)], value: u64) {
+        counter!(name, labels).absolute(value);
     }
 
     /// One counter per value of label `key`, each with `labels` too.
@@ -284,12 +283,12 @@ mod enabled {
         name: &'static str,
         labels: &[(&'static str, String)],
         key: &'static str,
-        values: &[(&'static str, &AtomicU64)],
+        values: &[(&'static str, u64)],
     ) {
         for (label, value) in values {
             let mut l = labels.to_vec();
             l.push((key, (*label).into()));
-            set_counter(name, &l, value);
+            set_counter(name, &l, *value);
         }
     }
 }

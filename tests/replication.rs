@@ -333,14 +333,8 @@ async fn node_that_lost_its_data_dir_rejoins_with_the_same_id_without_corrupting
 }
 
 fn counters(n: &Node) -> [u64; 4] {
-    use std::sync::atomic::Ordering::Relaxed;
     let s = n.replicator().stats();
-    [
-        s.full_values_sent.load(Relaxed),
-        s.values_merged.load(Relaxed),
-        s.durable_commits.load(Relaxed),
-        s.deltas_sent.load(Relaxed),
-    ]
+    [s.full_values_sent, s.values_merged, s.durable_commits, s.deltas_sent]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -395,14 +389,10 @@ async fn a_converged_cluster_ships_no_values_and_commits_nothing_during_anti_ent
     })
     .await;
     let before: Vec<[u64; 4]> = nodes.iter().map(counters).collect();
-    let rounds_before: Vec<u64> =
-        nodes.iter().map(|n| n.replicator().stats().digest_rounds.load(std::sync::atomic::Ordering::Relaxed)).collect();
+    let rounds_before: Vec<u64> = nodes.iter().map(|n| n.replicator().stats().digest_rounds).collect();
     // Let every node run at least 8 anti-entropy rounds.
     eventually(CONVERGE, "8 anti-entropy rounds on every node", || {
-        let done = nodes
-            .iter()
-            .zip(&rounds_before)
-            .all(|(n, r0)| n.replicator().stats().digest_rounds.load(std::sync::atomic::Ordering::Relaxed) >= r0 + 8);
+        let done = nodes.iter().zip(&rounds_before).all(|(n, r0)| n.replicator().stats().digest_rounds >= r0 + 8);
         async move { done.then_some(()) }
     })
     .await;

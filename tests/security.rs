@@ -60,10 +60,7 @@ async fn outsider_stays_out(c: &TestCluster, members: usize, outsider: &Node, da
             "the outsider learned the members: {:?}",
             member_ids(outsider)
         );
-        let dropped = (0..members)
-            .map(|i| c.node(i).gossip_stats().datagrams_unauthenticated.load(Ordering::Relaxed))
-            .min()
-            .unwrap();
+        let dropped = (0..members).map(|i| c.node(i).gossip_stats().datagrams_unauthenticated).min().unwrap();
         std::future::ready((dropped >= datagrams).then_some(()))
     })
     .await;
@@ -91,8 +88,8 @@ async fn a_cluster_with_a_secret_forms_replicates_and_serves_entities_over_encry
         .expect("a write to every replica over authenticated links");
     for i in 0..3 {
         let s = c.node(i).gossip_stats();
-        assert_eq!(s.datagrams_unauthenticated.load(Ordering::Relaxed), 0, "members' gossip is authentic");
-        assert_eq!(c.node(i).transport().stats().connections_rejected.load(Ordering::Relaxed), 0);
+        assert_eq!(s.datagrams_unauthenticated, 0, "members' gossip is authentic");
+        assert_eq!(c.node(i).transport().stats().connections_rejected, 0);
     }
     c.shutdown().await;
 }
@@ -115,7 +112,7 @@ async fn a_node_with_another_secret_never_becomes_a_member_and_cannot_deliver_a_
     let r = outsider.transport().request(&to, "probe", b"?", Duration::from_secs(10)).await;
     assert!(matches!(r, Err(Error::PeerUnavailable { .. })), "{r:?}");
     assert!(inbox.try_recv().is_err(), "a frame from a node without the secret was delivered");
-    assert!(c.node(0).transport().stats().connections_rejected.load(Ordering::Relaxed) >= 1);
+    assert!(c.node(0).transport().stats().connections_rejected >= 1);
     c.shutdown().await;
 }
 
@@ -152,7 +149,7 @@ async fn a_client_speaking_the_plain_handshake_is_refused_and_delivers_nothing()
     let mut c = cluster_with_outsider(2, |_| None).await;
     let node = c.node(0).clone();
     let mut inbox = node.transport().subscribe("probe", 16);
-    let rejected_before = node.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    let rejected_before = node.transport().stats().connections_rejected;
     // A client that knows the cluster id and a member's exact incarnation, but not the secret.
     let mut s = TcpStream::connect(node.messaging_addr()).await.unwrap();
     let hello = Hello {
@@ -173,7 +170,7 @@ async fn a_client_speaking_the_plain_handshake_is_refused_and_delivers_nothing()
     assert!(inbox.try_recv().is_err());
     // Counted once the server's side of the connection has ended, which may be just after the
     // client saw it close: polled, with a deadline.
-    let rejected = || node.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    let rejected = || node.transport().stats().connections_rejected;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while rejected() < rejected_before + 1 && std::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -200,7 +197,7 @@ async fn a_connection_that_never_finishes_the_secure_handshake_is_closed_at_the_
     assert!(read_frame(&mut s).await.is_none(), "closed after the refusal");
     assert!(read_frame(&mut silent).await.is_none(), "a silent connection is closed at the handshake deadline");
     eventually(CONVERGE, "both connections counted as rejected", || {
-        std::future::ready((node.transport().stats().connections_rejected.load(Ordering::Relaxed) >= 2).then_some(()))
+        std::future::ready((node.transport().stats().connections_rejected >= 2).then_some(()))
     })
     .await;
     c.shutdown().await;
@@ -258,7 +255,7 @@ async fn forged_gossip_with_down_marks_fake_members_and_a_max_generation_changes
             assert_eq!(now, before, "n{}'s membership changed under forged gossip", i + 1);
             assert!(!c.node(i).is_shut_down(), "n{} stopped under forged gossip", i + 1);
         }
-        let dropped = c.node(0).gossip_stats().datagrams_unauthenticated.load(Ordering::Relaxed);
+        let dropped = c.node(0).gossip_stats().datagrams_unauthenticated;
         std::future::ready((dropped >= 50).then_some(()))
     })
     .await;
@@ -300,7 +297,7 @@ async fn two_thousand_idle_connections_and_an_8_mib_length_prefix_leave_the_node
         common::start_counter(c.node(0), &probe, common::settings()).await,
         common::start_counter(c.node(1), &probe, common::settings()).await,
     ];
-    let rejected_before = node.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    let rejected_before = node.transport().stats().connections_rejected;
     let mut idle = Vec::new();
     for _ in 0..2_000 {
         idle.push(TcpStream::connect(node.messaging_addr()).await.unwrap());
@@ -309,7 +306,7 @@ async fn two_thousand_idle_connections_and_an_8_mib_length_prefix_leave_the_node
     huge.write_all(&(8u32 << 20).to_be_bytes()).await.unwrap();
     // All but a handful from this one address are closed at once; the rest at the deadline.
     eventually(Duration::from_secs(20), "connections over the per-address handshake limit closed at once", || {
-        let rejected = node.transport().stats().connections_rejected.load(Ordering::Relaxed) - rejected_before;
+        let rejected = node.transport().stats().connections_rejected - rejected_before;
         std::future::ready((rejected >= 2_000 - 32).then_some(()))
     })
     .await;
@@ -460,18 +457,14 @@ async fn replay_formation_gossip_after_leaves_and_a_restart(accept_unstamped: bo
     }
     // Watch for ten gossip rounds after the replays were handled.
     let stats = c.node(0).gossip_stats();
-    let refused = || {
-        stats.datagrams_stale.load(Ordering::Relaxed)
-            + stats.datagrams_replayed.load(Ordering::Relaxed)
-            + stats.datagrams_unstamped.load(Ordering::Relaxed)
-    };
+    let refused = || stats.datagrams_stale + stats.datagrams_replayed + stats.datagrams_unstamped;
     let mut phantom = false;
     let watch_until = std::time::Instant::now() + Duration::from_millis(3_000);
     while std::time::Instant::now() < watch_until {
         phantom |= member_ids(c.node(0)) != ["n1"];
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(stats.downs_published.load(Ordering::Relaxed), 0, "the replay made n1 down someone");
+    assert_eq!(stats.downs_published, 0, "the replay made n1 down someone");
     assert!(!c.node(0).is_shut_down(), "the replay stopped n1");
     let mut buf = [0u8; 16];
     let answered = tokio::time::timeout(Duration::from_millis(10), attacker.recv_from(&mut buf)).await.is_ok();
@@ -564,7 +557,7 @@ async fn forty_addresses_holding_32_silent_connections_each_do_not_lock_out_a_re
     })
     .await;
     let took = restarted.elapsed();
-    let closed = n1.transport().stats().connections_rejected.load(Ordering::Relaxed);
+    let closed = n1.transport().stats().connections_rejected;
     println!(
         "restarted n2 reached n1 {took:?} after its restart, past 1,280 silent connections and ten more addresses \
          opening more ({closed} closed by n1)"
@@ -572,7 +565,7 @@ async fn forty_addresses_holding_32_silent_connections_each_do_not_lock_out_a_re
     assert!(took < Duration::from_secs(10), "n2 needed {took:?} to reach n1");
     c.await_converged(CONVERGE).await;
     for (_, n) in c.running() {
-        assert_eq!(n.gossip_stats().downs_published.load(Ordering::Relaxed), 0, "{} downed a member", n.node_id());
+        assert_eq!(n.gossip_stats().downs_published, 0, "{} downed a member", n.node_id());
     }
     stop.store(true, Ordering::Relaxed);
     for p in pressure {

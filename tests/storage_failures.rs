@@ -4,7 +4,6 @@
 //! lost.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use ddshard::ddata::durable::StoreOp;
@@ -37,7 +36,7 @@ async fn undecodable_value_in_a_valid_store_costs_its_key_only_and_the_node_star
     }
     c.restart(0).await.expect("a bad value does not stop the node from starting");
     let r = c.node(0).replicator().clone();
-    assert_eq!(r.stats().rejected.load(Ordering::Relaxed), 1, "the skipped value is counted");
+    assert_eq!(r.stats().rejected, 1, "the skipped value is counted");
     let b = r.get::<OrSet>("shard-b-0", Consistency::Local, OP).await.unwrap();
     assert_eq!(members(b), BTreeSet::from(["y".to_string()]), "the other key loaded intact");
     assert!(r.get::<OrSet>("shard-a-0", Consistency::Local, OP).await.unwrap().is_none(), "the bad key is skipped");
@@ -117,7 +116,7 @@ async fn full_map_at_its_maximum_refuses_the_write_with_a_typed_error_and_the_no
     // refused key is written again only after a backoff, so it does not spin either).
     r.update::<OrSet, _>("shard-small-1", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "later")).await.unwrap();
     assert!(r.durable_health().is_healthy(), "the last commit succeeded");
-    let failures = r.stats().durable_failures.load(Ordering::Relaxed);
+    let failures = r.stats().durable_failures;
     // Without the backoff this was about one failed commit per millisecond.
     assert!(failures <= 5, "{failures} failed commits so soon: the rewrite must back off");
     // After a restart, what was acknowledged is still there.

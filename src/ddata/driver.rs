@@ -15,7 +15,7 @@ use super::replicator::ReplicatorMsg;
 use super::replicator::{
     self, KeyLog, PersistRecord, RESERVATION_SPAN, ReplicatorAction, ReplicatorCore, ReplicatorInput, StoreWriter,
 };
-use super::{Command, ReplicatedData, Replicator, ReplicatorStats, ReplyTx, TOPIC};
+use super::{Command, ReplicatedData, Replicator, ReplicatorStatCells, ReplyTx, TOPIC};
 use crate::clock::{Instant, wall_ms};
 use crate::error::{Error, Result};
 use crate::membership::{MembershipSnapshot, UniqueAddress};
@@ -66,11 +66,11 @@ pub(crate) async fn start(
         max_message_bytes: params.max_message_bytes,
         forget_absent_after: params.forget_absent_after,
     };
-    let stats = Arc::new(ReplicatorStats::default());
+    let stats = Arc::new(ReplicatorStatCells::default());
     let writer = StoreWriter::new(&params.self_addr.node_id, reservation);
     let mut core = ReplicatorCore::new(params.self_addr.clone(), writer, settings, stats.clone());
     for (key, error) in &loaded.corrupt {
-        ReplicatorStats::inc(&stats.rejected);
+        ReplicatorStatCells::inc(&stats.rejected);
         error!(%key, %error, "durable value does not decode; skipped (other replicas repair it)");
     }
     if loaded.dead_deltas > 0 {
@@ -111,7 +111,7 @@ struct ReplicatorDriver {
     transport: Transport,
     role: Option<String>,
     watchers: HashMap<String, watch::Sender<Option<ReplicatedData>>>,
-    stats: Arc<ReplicatorStats>,
+    stats: Arc<ReplicatorStatCells>,
     /// Bytes handed to the persist thread and not yet reported.
     persist_backlog: usize,
 }
@@ -169,7 +169,7 @@ impl ReplicatorDriver {
                         match crate::transport::wire::decode::<ReplicatorMsg>(&m.body) {
                             Ok(msg) => self.core.handle(ReplicatorInput::Remote { from: m.from, msg }, now, wall, &mut actions),
                             Err(e) => {
-                                ReplicatorStats::inc(&self.stats.rejected);
+                                ReplicatorStatCells::inc(&self.stats.rejected);
                                 warn!(peer = %m.from.address, error = %e, "malformed replicator message dropped");
                             }
                         }

@@ -44,6 +44,7 @@ pub use persist::DurableHealth;
 use replicator::ReplicatorInput;
 
 pub use replicator::Consistency;
+pub(crate) use stats::ReplicatorStatCells;
 pub use stats::ReplicatorStats;
 
 pub(crate) use driver::{ReplicatorParams, start};
@@ -88,7 +89,7 @@ type Inspection = Box<dyn FnOnce(Option<&ReplicatedData>) + Send>;
 #[derive(Clone, Debug)]
 pub struct Replicator {
     commands: mpsc::Sender<Command>,
-    stats: Arc<ReplicatorStats>,
+    stats: Arc<ReplicatorStatCells>,
     health: Arc<DurableHealth>,
 }
 
@@ -100,9 +101,9 @@ impl std::fmt::Debug for Command {
 
 impl Replicator {
     /// The replicator's counters (values and deltas sent and merged, durable commits, digest
-    /// rounds, refused input).
-    pub fn stats(&self) -> &ReplicatorStats {
-        &self.stats
+    /// rounds, refused input), as of this call.
+    pub fn stats(&self) -> ReplicatorStats {
+        self.stats.snapshot()
     }
 
     /// Whether the durable store commits (false after a commit failed its retries, until one

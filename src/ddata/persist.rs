@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 use tracing::{error, info, warn};
 
 use super::durable::{DurableStore, StoreOp};
-use super::stats::ReplicatorStats;
+use super::stats::ReplicatorStatCells;
 use crate::metrics::CommitTimer;
 
 /// Pauses before the retries of a failed transaction.
@@ -80,7 +80,7 @@ impl PersistThread {
         store: DurableStore,
         max_map_size: usize,
         health: Arc<DurableHealth>,
-        stats: Arc<ReplicatorStats>,
+        stats: Arc<ReplicatorStatCells>,
         commit_timer: CommitTimer,
     ) -> std::io::Result<PersistThread> {
         Self::start_with(store, max_map_size, health, stats, commit_timer, Vec::new(), Limits::PRODUCTION)
@@ -91,7 +91,7 @@ impl PersistThread {
         store: DurableStore,
         max_map_size: usize,
         health: Arc<DurableHealth>,
-        stats: Arc<ReplicatorStats>,
+        stats: Arc<ReplicatorStatCells>,
         commit_timer: CommitTimer,
         queued: Vec<PersistJob>,
         limits: Limits,
@@ -157,7 +157,7 @@ struct Writer {
     store: DurableStore,
     max_map_size: usize,
     health: Arc<DurableHealth>,
-    stats: Arc<ReplicatorStats>,
+    stats: Arc<ReplicatorStatCells>,
     commit_timer: CommitTimer,
     retry_backoff: &'static [Duration],
 }
@@ -170,14 +170,14 @@ impl Writer {
             let started = std::time::Instant::now();
             let applied = self.store.apply(ops);
             let took = started.elapsed();
-            ReplicatorStats::add(&self.stats.durable_commit_micros, took.as_micros() as usize);
+            ReplicatorStatCells::add(&self.stats.durable_commit_micros, took.as_micros() as usize);
             self.commit_timer.record(took);
             // (error, whether retrying can help)
             let (error, retry) = match applied {
                 Ok(()) => {
                     self.stats.durable_map_used_bytes.store(self.store.map_used(), Ordering::Relaxed);
-                    ReplicatorStats::inc(&self.stats.durable_commits);
-                    ReplicatorStats::add(&self.stats.durable_records, ops.len());
+                    ReplicatorStatCells::inc(&self.stats.durable_commits);
+                    ReplicatorStatCells::add(&self.stats.durable_records, ops.len());
                     if !self.health.is_healthy() {
                         info!(path = %self.store.path().display(), "durable store commits again");
                     }
@@ -191,12 +191,12 @@ impl Writer {
                 Err(e) => (e.to_string(), true),
             };
             let Some(pause) = self.retry_backoff.get(attempt).filter(|_| retry) else {
-                ReplicatorStats::inc(&self.stats.durable_failures);
+                ReplicatorStatCells::inc(&self.stats.durable_failures);
                 error!(path = %self.store.path().display(), %error, "durable commit failed; its writes are not acknowledged");
                 self.health.set(Some(error.clone()));
                 return Err(error);
             };
-            ReplicatorStats::inc(&self.stats.durable_retries);
+            ReplicatorStatCells::inc(&self.stats.durable_retries);
             warn!(path = %self.store.path().display(), %error, attempt = attempt + 1, "durable commit failed; retrying");
             std::thread::sleep(*pause);
             attempt += 1;
@@ -236,7 +236,7 @@ mod tests {
     async fn a_full_map_grows_and_the_commit_succeeds() {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
-        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
         let mut t = PersistThread::start(store.clone(), 64 << 20, health.clone(), stats.clone(), CommitTimer::new("n"))
             .unwrap();
         let r = run_one(&mut t, 1, big_ops(8, 512 << 10)).await;
@@ -259,7 +259,7 @@ mod tests {
     async fn a_full_map_at_its_maximum_fails_loudly_and_marks_the_store_unhealthy_until_a_commit_succeeds() {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
-        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
         let mut t = PersistThread::start(store, 2 << 20, health.clone(), stats.clone(), CommitTimer::new("n")).unwrap();
         let r = run_one(&mut t, 5, big_ops(8, 512 << 10)).await;
         let (_, reason) = r.failure.expect("a failure report");
@@ -278,7 +278,7 @@ mod tests {
     async fn batches_queued_while_a_commit_runs_share_the_next_transaction() {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
-        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
         let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
         let mut t = PersistThread::start_with(
             store.clone(),
@@ -302,7 +302,7 @@ mod tests {
     async fn a_transaction_stops_taking_queued_jobs_once_it_holds_the_byte_cap() {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
-        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
         // Each job writes 2 + 8 + 64 = 74 bytes; a cap of two jobs exactly.
         let queued = (1..=3u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
         let limits = Limits { max_transaction_bytes: 2 * 74, ..Limits::PRODUCTION };
@@ -321,7 +321,7 @@ mod tests {
     async fn a_commit_that_keeps_failing_is_tried_once_per_backoff_step_then_reported_and_unhealthy() {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
-        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStats::default()));
+        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
         const BACKOFF: [Duration; 2] = [Duration::from_millis(1), Duration::from_millis(1)];
         let limits = Limits { retry_backoff: &BACKOFF, ..Limits::PRODUCTION };
         let mut t = PersistThread::start_with(

@@ -17,7 +17,7 @@ use super::discovery::{
     AggregateDiscovery, Discovery, DiscoveryAction, DiscoveryCore, DiscoveryInput, DnsSrv, SeedList,
 };
 use super::downing::Strategy;
-use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStats};
+use super::gossip_auth::{AuthenticatedSocket, GossipSealing, GossipStatCells};
 use super::lifecycle::{Bootstrap, LifecycleAction, LifecycleCore, LifecycleSettings};
 use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
@@ -43,7 +43,7 @@ pub(crate) struct MembershipHandle {
     events: broadcast::Sender<MemberEvent>,
     commands: mpsc::UnboundedSender<Command>,
     gossip_addr: SocketAddr,
-    stats: Arc<GossipStats>,
+    stats: Arc<GossipStatCells>,
 }
 
 impl MembershipHandle {
@@ -59,7 +59,7 @@ impl MembershipHandle {
     pub(crate) fn gossip_addr(&self) -> SocketAddr {
         self.gossip_addr
     }
-    pub(crate) fn stats(&self) -> &Arc<GossipStats> {
+    pub(crate) fn stats(&self) -> &Arc<GossipStatCells> {
         &self.stats
     }
     /// Publishes this node's verdicts, the members its heartbeats find unreachable, in gossip
@@ -132,7 +132,7 @@ pub(crate) struct MembershipDriver {
     /// Records a generation the next start must exceed (set by the node: its durable store).
     generation_floor: Option<GenerationFloor>,
     /// Counts the down marks this node publishes.
-    stats: Arc<GossipStats>,
+    stats: Arc<GossipStatCells>,
     /// Seeds, SRV names and the builder's sources (none: this node forms a cluster alone).
     discovery: Option<DiscoveryRunner>,
     /// The gossip addresses of the other live nodes at the last refresh.
@@ -160,7 +160,7 @@ impl MembershipDriver {
         wrap_socket: Option<&GossipSocketWrapper>,
         extra_discovery: Vec<Arc<dyn Discovery>>,
     ) -> Result<(MembershipHandle, MembershipDriver)> {
-        let stats = Arc::new(GossipStats::default());
+        let stats = Arc::new(GossipStatCells::default());
         let socket = bind_gossip_socket(cfg, stats.clone()).await?;
         let bound = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
         let gossip_addr = crate::config::advertised_addr(bound, cfg.gossip_advertise)?;
@@ -452,7 +452,7 @@ async fn resolves_to(seed: &str, addr: SocketAddr, patience: Duration) -> bool {
 
 /// Binds the gossip socket: with a secret every datagram is authenticated; without one,
 /// chitchat's plain socket (config validation allowed that only on loopback or with `insecure`).
-async fn bind_gossip_socket(cfg: &NodeConfig, stats: Arc<GossipStats>) -> Result<Box<dyn Socket>> {
+async fn bind_gossip_socket(cfg: &NodeConfig, stats: Arc<GossipStatCells>) -> Result<Box<dyn Socket>> {
     let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
     let keys: Vec<_> = cfg.secrets().iter().map(ClusterSecret::gossip_mac_key).collect();
     Ok(if keys.is_empty() {

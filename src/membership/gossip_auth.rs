@@ -60,34 +60,70 @@ const MAX_STAMP_LEN: usize = 8 + 1 + 16 + 2;
 const MAX_REMEMBERED_TAGS: usize = 65_536;
 
 /// Counters of the gossip socket, for logs, tests and operators.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GossipStats {
     /// Datagrams dropped because their MAC did not verify (no secret, another secret, forged or
     /// altered).
-    pub datagrams_unauthenticated: AtomicU64,
+    pub datagrams_unauthenticated: u64,
     /// Authenticated datagrams that still did not decode (a bug or a member on another version).
-    pub datagrams_malformed: AtomicU64,
+    pub datagrams_malformed: u64,
     /// Envelopes not sent because, even compressed, they did not fit one datagram with the tag.
-    pub datagrams_oversized: AtomicU64,
+    pub datagrams_oversized: u64,
     /// Authentic datagrams stamped outside the freshness window of this node's clock: old
     /// captures replayed, or a member whose clock is that far off.
-    pub datagrams_stale: AtomicU64,
+    pub datagrams_stale: u64,
     /// Authentic datagrams already received once inside the window: replays.
-    pub datagrams_replayed: AtomicU64,
+    pub datagrams_replayed: u64,
     /// Authentic datagrams without a stamp (a member on a release before stamps), dropped
     /// unless `membership.accept_unstamped_gossip` is on.
-    pub datagrams_unstamped: AtomicU64,
+    pub datagrams_unstamped: u64,
     /// Down marks this node published in gossip, one per member downed: its split-brain
     /// resolver's decisions (itself included when it is on the losing side) and operators'
     /// downs ([`crate::Node::down`]).
-    pub downs_published: AtomicU64,
+    pub downs_published: u64,
     /// Discovery lookups that failed or timed out (every source at once).
-    pub discovery_lookups_failed: AtomicU64,
+    pub discovery_lookups_failed: u64,
     /// Addresses the last successful discovery lookup found (this node's own and duplicates
     /// left out, at most `discovery.max_contact_points`).
-    pub discovery_contact_points: AtomicU64,
+    pub discovery_contact_points: u64,
     /// Addresses left out because a lookup found more than `discovery.max_contact_points`.
-    pub discovery_addresses_dropped: AtomicU64,
+    pub discovery_addresses_dropped: u64,
+}
+
+/// The live cells behind [`GossipStats`], one per field (the snapshot names every cell, so the two
+/// cannot drift apart).
+#[derive(Debug, Default)]
+pub(crate) struct GossipStatCells {
+    pub(crate) datagrams_unauthenticated: AtomicU64,
+    pub(crate) datagrams_malformed: AtomicU64,
+    pub(crate) datagrams_oversized: AtomicU64,
+    pub(crate) datagrams_stale: AtomicU64,
+    pub(crate) datagrams_replayed: AtomicU64,
+    pub(crate) datagrams_unstamped: AtomicU64,
+    pub(crate) downs_published: AtomicU64,
+    pub(crate) discovery_lookups_failed: AtomicU64,
+    pub(crate) discovery_contact_points: AtomicU64,
+    pub(crate) discovery_addresses_dropped: AtomicU64,
+}
+
+impl GossipStatCells {
+    /// The counters as of now (each read on its own: a snapshot, not one instant).
+    pub(crate) fn snapshot(&self) -> GossipStats {
+        GossipStats {
+            datagrams_unauthenticated: self.datagrams_unauthenticated.load(Ordering::Relaxed),
+            datagrams_malformed: self.datagrams_malformed.load(Ordering::Relaxed),
+            datagrams_oversized: self.datagrams_oversized.load(Ordering::Relaxed),
+            datagrams_stale: self.datagrams_stale.load(Ordering::Relaxed),
+            datagrams_replayed: self.datagrams_replayed.load(Ordering::Relaxed),
+            datagrams_unstamped: self.datagrams_unstamped.load(Ordering::Relaxed),
+            downs_published: self.downs_published.load(Ordering::Relaxed),
+            discovery_lookups_failed: self.discovery_lookups_failed.load(Ordering::Relaxed),
+            discovery_contact_points: self.discovery_contact_points.load(Ordering::Relaxed),
+            discovery_addresses_dropped: self.discovery_addresses_dropped.load(Ordering::Relaxed),
+            ..Default::default()
+        }
+    }
 }
 
 /// Why a received datagram was dropped.
@@ -338,7 +374,7 @@ pub(crate) struct AuthenticatedSocket {
     stale_log: LogLimiter<SocketAddr>,
     /// One line a minute about unstamped datagrams.
     unstamped_log: LogLimiter<()>,
-    stats: Arc<GossipStats>,
+    stats: Arc<GossipStatCells>,
     buf: Box<[u8]>,
     /// Sender and size of an opened datagram handed to `codec` whose decoded envelope has not
     /// been returned yet, and when to give it up (kept across a cancelled `recv`, so the next
@@ -355,7 +391,7 @@ impl AuthenticatedSocket {
         advertise: Option<SocketAddr>,
         keys: Vec<DerivedKey>,
         sealing: GossipSealing,
-        stats: Arc<GossipStats>,
+        stats: Arc<GossipStatCells>,
     ) -> anyhow::Result<AuthenticatedSocket> {
         let loopback = SocketAddr::from(([127, 0, 0, 1], 0));
         let codec = chitchat::transport::UdpSocket::open(loopback).await?;
@@ -530,6 +566,38 @@ fn is_transient(e: &std::io::Error) -> bool {
 mod tests {
     use super::*;
 
+    /// Every field of the snapshot reads its own cell (distinct values, so two crossed wires
+    /// fail).
+    #[test]
+    fn a_gossip_stats_snapshot_reads_each_counter_from_its_own_cell() {
+        use std::sync::atomic::Ordering;
+        let cells = GossipStatCells::default();
+        cells.datagrams_unauthenticated.store(1, Ordering::Relaxed);
+        cells.datagrams_malformed.store(2, Ordering::Relaxed);
+        cells.datagrams_oversized.store(3, Ordering::Relaxed);
+        cells.datagrams_stale.store(4, Ordering::Relaxed);
+        cells.datagrams_replayed.store(5, Ordering::Relaxed);
+        cells.datagrams_unstamped.store(6, Ordering::Relaxed);
+        cells.downs_published.store(7, Ordering::Relaxed);
+        cells.discovery_lookups_failed.store(8, Ordering::Relaxed);
+        cells.discovery_contact_points.store(9, Ordering::Relaxed);
+        cells.discovery_addresses_dropped.store(10, Ordering::Relaxed);
+        let snapshot = cells.snapshot();
+        let expected = GossipStats {
+            datagrams_unauthenticated: 1,
+            datagrams_malformed: 2,
+            datagrams_oversized: 3,
+            datagrams_stale: 4,
+            datagrams_replayed: 5,
+            datagrams_unstamped: 6,
+            downs_published: 7,
+            discovery_lookups_failed: 8,
+            discovery_contact_points: 9,
+            discovery_addresses_dropped: 10,
+        };
+        assert_eq!(snapshot, expected);
+    }
+
     fn sealer(byte: u8) -> DatagramSealer {
         DatagramSealer::new(vec![[byte; 32]])
     }
@@ -701,8 +769,8 @@ mod tests {
         assert_eq!(g.admit(now - 2, [1; TAG_LEN], now), Err(Refusal::Replayed), "still remembered");
     }
 
-    async fn socket(window: Duration, accept_unstamped: bool) -> (AuthenticatedSocket, Arc<GossipStats>) {
-        let stats = Arc::new(GossipStats::default());
+    async fn socket(window: Duration, accept_unstamped: bool) -> (AuthenticatedSocket, Arc<GossipStatCells>) {
+        let stats = Arc::new(GossipStatCells::default());
         let sealing = GossipSealing { freshness_window: window, accept_unstamped };
         let s = AuthenticatedSocket::bind("127.0.0.1:0".parse().unwrap(), None, vec![[5; 32]], sealing, stats.clone())
             .await

@@ -37,22 +37,52 @@ enum HeartbeatFrame {
 }
 
 /// Counters of the message-path failure detector.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FailureDetectorStats {
     /// Heartbeat requests sent to observed members.
-    pub requests_sent: AtomicU64,
+    pub requests_sent: u64,
     /// Requests from observers answered.
-    pub requests_answered: AtomicU64,
+    pub requests_answered: u64,
     /// Responses received (the core ignores stale, duplicate and unsolicited ones).
-    pub responses_received: AtomicU64,
+    pub responses_received: u64,
     /// Responses ignored: not the answer to the latest request to that member.
-    pub responses_ignored: AtomicU64,
+    pub responses_ignored: u64,
     /// Heartbeat frames that did not decode.
-    pub malformed: AtomicU64,
+    pub malformed: u64,
     /// Heartbeats that could not be queued (peer unavailable, queue full).
-    pub send_failures: AtomicU64,
+    pub send_failures: u64,
     /// Times this node's published verdicts changed.
-    pub verdict_changes: AtomicU64,
+    pub verdict_changes: u64,
+}
+
+/// The live cells behind [`FailureDetectorStats`], one per field (the snapshot names every cell, so the two
+/// cannot drift apart).
+#[derive(Debug, Default)]
+pub(crate) struct FailureDetectorStatCells {
+    pub(crate) requests_sent: AtomicU64,
+    pub(crate) requests_answered: AtomicU64,
+    pub(crate) responses_received: AtomicU64,
+    pub(crate) responses_ignored: AtomicU64,
+    pub(crate) malformed: AtomicU64,
+    pub(crate) send_failures: AtomicU64,
+    pub(crate) verdict_changes: AtomicU64,
+}
+
+impl FailureDetectorStatCells {
+    /// The counters as of now (each read on its own: a snapshot, not one instant).
+    pub(crate) fn snapshot(&self) -> FailureDetectorStats {
+        FailureDetectorStats {
+            requests_sent: self.requests_sent.load(Ordering::Relaxed),
+            requests_answered: self.requests_answered.load(Ordering::Relaxed),
+            responses_received: self.responses_received.load(Ordering::Relaxed),
+            responses_ignored: self.responses_ignored.load(Ordering::Relaxed),
+            malformed: self.malformed.load(Ordering::Relaxed),
+            send_failures: self.send_failures.load(Ordering::Relaxed),
+            verdict_changes: self.verdict_changes.load(Ordering::Relaxed),
+            ..Default::default()
+        }
+    }
 }
 
 /// Runs until `shutdown`.
@@ -60,7 +90,7 @@ pub(crate) async fn run_heartbeats(
     transport: Transport,
     membership: MembershipHandle,
     settings: FailureDetectorSettings,
-    stats: Arc<FailureDetectorStats>,
+    stats: Arc<FailureDetectorStatCells>,
     shutdown: CancellationToken,
 ) {
     let mut inbound = transport.subscribe(TOPIC, INBOUND_CAPACITY);
@@ -134,7 +164,7 @@ pub(crate) async fn run_heartbeats(
 /// requester may not be in this node's view yet).
 fn perform(
     transport: &Transport,
-    stats: &FailureDetectorStats,
+    stats: &FailureDetectorStatCells,
     peers: &HashMap<UniqueAddress, PeerAddr>,
     out: &mut Vec<HeartbeatAction>,
     reply_to: &mut Option<PeerAddr>,
@@ -159,5 +189,36 @@ fn perform(
             Ok(()) => counter.fetch_add(1, Ordering::Relaxed),
             Err(_) => stats.send_failures.fetch_add(1, Ordering::Relaxed),
         };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field of the snapshot reads its own cell (distinct values, so two crossed wires
+    /// fail).
+    #[test]
+    fn a_failure_detector_stats_snapshot_reads_each_counter_from_its_own_cell() {
+        use std::sync::atomic::Ordering;
+        let cells = FailureDetectorStatCells::default();
+        cells.requests_sent.store(1, Ordering::Relaxed);
+        cells.requests_answered.store(2, Ordering::Relaxed);
+        cells.responses_received.store(3, Ordering::Relaxed);
+        cells.responses_ignored.store(4, Ordering::Relaxed);
+        cells.malformed.store(5, Ordering::Relaxed);
+        cells.send_failures.store(6, Ordering::Relaxed);
+        cells.verdict_changes.store(7, Ordering::Relaxed);
+        let snapshot = cells.snapshot();
+        let expected = FailureDetectorStats {
+            requests_sent: 1,
+            requests_answered: 2,
+            responses_received: 3,
+            responses_ignored: 4,
+            malformed: 5,
+            send_failures: 6,
+            verdict_changes: 7,
+        };
+        assert_eq!(snapshot, expected);
     }
 }

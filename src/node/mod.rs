@@ -16,6 +16,7 @@ use tracing::{info, info_span, warn};
 
 pub use builder::NodeBuilder;
 pub(crate) use data_dir::lock_data_dir;
+pub(crate) use heartbeat::FailureDetectorStatCells;
 pub use heartbeat::FailureDetectorStats;
 pub use readiness::Readiness;
 pub(crate) use readiness::RegionState;
@@ -62,7 +63,7 @@ struct NodeInner {
     transport: Transport,
     replicator: Replicator,
     spawner: Spawner,
-    failure_detector: Arc<FailureDetectorStats>,
+    failure_detector: Arc<FailureDetectorStatCells>,
     /// Every ask's timeout (one sweeper, not a runtime timer per ask).
     deadlines: DeadlineSweep,
     /// Counters of the admin listener, when one serves this node.
@@ -148,7 +149,7 @@ impl Node {
         driver.set_generation_floor(Arc::new(move |generation| floor_store.raise_generation_floor(generation)));
         spawner.spawn_essential("membership", driver.run(spawner.clone()));
         transport.admit_only_members(membership.watch());
-        let failure_detector = Arc::new(FailureDetectorStats::default());
+        let failure_detector = Arc::new(FailureDetectorStatCells::default());
         spawner.spawn_essential(
             "heartbeats",
             heartbeat::run_heartbeats(
@@ -215,9 +216,9 @@ impl Node {
         self.inner.membership.gossip_addr()
     }
     /// Counters of the gossip socket (datagrams dropped as unauthenticated, malformed or
-    /// oversized).
-    pub fn gossip_stats(&self) -> &crate::membership::GossipStats {
-        self.inner.membership.stats()
+    /// oversized), as of this call.
+    pub fn gossip_stats(&self) -> crate::membership::GossipStats {
+        self.inner.membership.stats().snapshot()
     }
     /// The bound messaging (TCP) address.
     pub fn messaging_addr(&self) -> SocketAddr {
@@ -248,9 +249,9 @@ impl Node {
     pub fn replicator(&self) -> &Replicator {
         &self.inner.replicator
     }
-    /// Counters of the heartbeats over the message path.
-    pub fn failure_detector_stats(&self) -> &FailureDetectorStats {
-        &self.inner.failure_detector
+    /// Counters of the heartbeats over the message path, as of this call.
+    pub fn failure_detector_stats(&self) -> FailureDetectorStats {
+        self.inner.failure_detector.snapshot()
     }
     /// The messaging layer.
     pub fn transport(&self) -> &Transport {

@@ -85,22 +85,20 @@ impl Attached for AttachedRegion {
 /// Copies the region's counters and state into the `metrics` facade.
 #[cfg(feature = "metrics")]
 async fn sample(region: &dyn RegionControl, node_id: &str) {
-    use std::sync::atomic::Ordering;
-
     use ::metrics::gauge;
 
     use crate::metrics::{set_counter, set_counters_by};
 
     let l = vec![("node", node_id.to_string()), ("type", region.type_name().to_string())];
-    let c = region.counters();
+    let c = region.counters().snapshot();
     set_counters_by(
         "ddshard_region_messages_total",
         &l,
         "path",
         &[
-            ("local_routed", &c.local_routed),
-            ("remote_direct", &c.remote_direct),
-            ("remote_sent_direct", &c.remote_sent_direct),
+            ("local_routed", c.local_routed),
+            ("remote_direct", c.remote_direct),
+            ("remote_sent_direct", c.remote_sent_direct),
         ],
     );
     set_counters_by(
@@ -108,35 +106,35 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
         &l,
         "reason",
         &[
-            ("buffer_full", &c.dropped_buffer_full),
-            ("handoff", &c.dropped_handoff),
-            ("invalid", &c.dropped_invalid),
-            ("mailbox_full", &c.dropped_mailbox_full),
-            ("refused", &c.dropped_refused),
-            ("remembered_limit", &c.dropped_remembered_limit),
-            ("slot_full", &c.dropped_slot_full),
+            ("buffer_full", c.dropped_buffer_full),
+            ("handoff", c.dropped_handoff),
+            ("invalid", c.dropped_invalid),
+            ("mailbox_full", c.dropped_mailbox_full),
+            ("refused", c.dropped_refused),
+            ("remembered_limit", c.dropped_remembered_limit),
+            ("slot_full", c.dropped_slot_full),
         ],
     );
-    set_counter("ddshard_entity_starts_total", &l, &c.entity_starts);
+    set_counter("ddshard_entity_starts_total", &l, c.entity_starts);
     set_counters_by(
         "ddshard_entity_stops_total",
         &l,
         "reason",
         &[
-            ("passivated", &c.passivations_explicit),
-            ("idle", &c.passivations_idle),
-            ("limit", &c.passivations_limit),
-            ("handoff", &c.handoff_stops),
+            ("passivated", c.passivations_explicit),
+            ("idle", c.passivations_idle),
+            ("limit", c.passivations_limit),
+            ("handoff", c.handoff_stops),
         ],
     );
-    set_counter("ddshard_entity_panics_total", &l, &c.entity_panics);
-    set_counter("ddshard_shard_failures_total", &l, &c.shard_failures);
-    set_counter("ddshard_handoffs_started_total", &l, &c.handoffs_started);
-    set_counter("ddshard_handoffs_completed_total", &l, &c.handoffs_completed);
-    set_counter("ddshard_remember_batches_total", &l, &c.remember_batches);
-    set_counter("ddshard_remember_ids_written_total", &l, &c.remember_ids_written);
-    gauge!("ddshard_slot_bytes_high_water", &l).set(c.slot_bytes_high_water.load(Ordering::Relaxed) as f64);
-    gauge!("ddshard_slot_budget_bytes", &l).set(c.slot_budget_bytes.load(Ordering::Relaxed) as f64);
+    set_counter("ddshard_entity_panics_total", &l, c.entity_panics);
+    set_counter("ddshard_shard_failures_total", &l, c.shard_failures);
+    set_counter("ddshard_handoffs_started_total", &l, c.handoffs_started);
+    set_counter("ddshard_handoffs_completed_total", &l, c.handoffs_completed);
+    set_counter("ddshard_remember_batches_total", &l, c.remember_batches);
+    set_counter("ddshard_remember_ids_written_total", &l, c.remember_ids_written);
+    gauge!("ddshard_slot_bytes_high_water", &l).set(c.slot_bytes_high_water as f64);
+    gauge!("ddshard_slot_budget_bytes", &l).set(c.slot_budget_bytes as f64);
     // A region that does not answer (stopping) keeps its last gauges.
     if let Ok(info) = region.info().await {
         gauge!("ddshard_region_registered", &l).set(if info.registered { 1.0 } else { 0.0 });

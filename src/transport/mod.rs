@@ -105,21 +105,49 @@ impl Inbound {
 }
 
 /// Counters of the transport, for logs, tests and operators.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TransportStats {
     /// Frames written to sockets.
-    pub frames_sent: AtomicU64,
+    pub frames_sent: u64,
     /// Frames read from sockets.
-    pub frames_received: AtomicU64,
+    pub frames_received: u64,
     /// Bytes written to sockets (after encryption: what goes on the wire, length prefixes
     /// included).
-    pub bytes_sent: AtomicU64,
+    pub bytes_sent: u64,
     /// Bytes of the frames read from sockets (after decryption, without length prefixes).
-    pub bytes_received: AtomicU64,
+    pub bytes_received: u64,
     /// Connections closed because of bad input or a refused handshake.
-    pub connections_rejected: AtomicU64,
+    pub connections_rejected: u64,
     /// Frames dropped: unknown topic, full subscriber, or cut by the link filter.
-    pub frames_dropped: AtomicU64,
+    pub frames_dropped: u64,
+}
+
+/// The live cells behind [`TransportStats`], one per field (the snapshot names every cell, so the two
+/// cannot drift apart).
+#[derive(Debug, Default)]
+pub(crate) struct TransportStatCells {
+    pub(crate) frames_sent: AtomicU64,
+    pub(crate) frames_received: AtomicU64,
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) bytes_received: AtomicU64,
+    pub(crate) connections_rejected: AtomicU64,
+    pub(crate) frames_dropped: AtomicU64,
+}
+
+impl TransportStatCells {
+    /// The counters as of now (each read on its own: a snapshot, not one instant).
+    pub(crate) fn snapshot(&self) -> TransportStats {
+        TransportStats {
+            frames_sent: self.frames_sent.load(Ordering::Relaxed),
+            frames_received: self.frames_received.load(Ordering::Relaxed),
+            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: self.bytes_received.load(Ordering::Relaxed),
+            connections_rejected: self.connections_rejected.load(Ordering::Relaxed),
+            frames_dropped: self.frames_dropped.load(Ordering::Relaxed),
+            ..Default::default()
+        }
+    }
 }
 
 /// Frames waiting for one peer's writer, already length-prefixed in one buffer: senders encode
@@ -152,7 +180,7 @@ struct Inner {
     topics: Mutex<HashMap<String, Route>>,
     pending: Mutex<HashMap<u64, PendingRequest>>,
     next_request_id: AtomicU64,
-    stats: TransportStats,
+    stats: TransportStatCells,
     shutdown: CancellationToken,
     /// Frames this node sends to itself, dispatched in order by one task.
     loopback: mpsc::UnboundedSender<Bytes>,
@@ -297,7 +325,7 @@ impl Transport {
             topics: Mutex::default(),
             pending: Mutex::default(),
             next_request_id: AtomicU64::new(1),
-            stats: TransportStats::default(),
+            stats: TransportStatCells::default(),
             shutdown,
             loopback: loopback_tx,
             link_filter,
@@ -315,9 +343,9 @@ impl Transport {
         &self.inner.local
     }
 
-    /// Counters.
-    pub fn stats(&self) -> &TransportStats {
-        &self.inner.stats
+    /// Counters, as of this call.
+    pub fn stats(&self) -> TransportStats {
+        self.inner.stats.snapshot()
     }
 
     /// Subscribes to a topic; messages and requests for it arrive on the returned channel.
@@ -684,5 +712,34 @@ async fn dispatch(inner: &Arc<Inner>, from: &PeerAddr, buf: &Bytes, frame: Frame
             let t = Transport { inner: inner.clone() };
             let _ = t.respond(from, id, Err(format!("no service for topic {topic:?}")));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field of the snapshot reads its own cell (distinct values, so two crossed wires
+    /// fail).
+    #[test]
+    fn a_transport_stats_snapshot_reads_each_counter_from_its_own_cell() {
+        use std::sync::atomic::Ordering;
+        let cells = TransportStatCells::default();
+        cells.frames_sent.store(1, Ordering::Relaxed);
+        cells.frames_received.store(2, Ordering::Relaxed);
+        cells.bytes_sent.store(3, Ordering::Relaxed);
+        cells.bytes_received.store(4, Ordering::Relaxed);
+        cells.connections_rejected.store(5, Ordering::Relaxed);
+        cells.frames_dropped.store(6, Ordering::Relaxed);
+        let snapshot = cells.snapshot();
+        let expected = TransportStats {
+            frames_sent: 1,
+            frames_received: 2,
+            bytes_sent: 3,
+            bytes_received: 4,
+            connections_rejected: 5,
+            frames_dropped: 6,
+        };
+        assert_eq!(snapshot, expected);
     }
 }

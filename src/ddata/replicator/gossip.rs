@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{KEY_BUCKETS, ReplicatorAction, ReplicatorCore, ReplicatorMsg};
 use crate::ddata::crdt::{BUCKETS, ReplicatedData};
-use crate::ddata::stats::ReplicatorStats;
+use crate::ddata::stats::ReplicatorStatCells;
 use crate::transport::PeerAddr;
 
 /// Values with more elements than this move by value bucket when they differ.
@@ -24,7 +24,7 @@ impl<R> ReplicatorCore<R> {
         if root == self.root_digest() {
             return;
         }
-        ReplicatorStats::inc(&self.stats.digest_mismatches);
+        ReplicatorStatCells::inc(&self.stats.digest_mismatches);
         out.push(ReplicatorAction::Send {
             to: from,
             msg: ReplicatorMsg::KeyBuckets { digests: self.key_buckets.clone() },
@@ -33,7 +33,7 @@ impl<R> ReplicatorCore<R> {
 
     pub(super) fn on_key_buckets(&mut self, from: PeerAddr, theirs: Vec<u64>, out: &mut Vec<ReplicatorAction<R>>) {
         if theirs.len() != KEY_BUCKETS {
-            ReplicatorStats::inc(&self.stats.rejected);
+            ReplicatorStatCells::inc(&self.stats.rejected);
             return;
         }
         let differing: BTreeSet<usize> = (0..KEY_BUCKETS).filter(|b| theirs[*b] != self.key_buckets[*b]).collect();
@@ -115,7 +115,7 @@ impl<R> ReplicatorCore<R> {
         if entries.is_empty() && want.is_empty() && value_buckets.is_empty() {
             return;
         }
-        ReplicatorStats::add(&self.stats.full_values_sent, entries.len());
+        ReplicatorStatCells::add(&self.stats.full_values_sent, entries.len());
         out.push(ReplicatorAction::Send {
             to: from,
             msg: ReplicatorMsg::Gossip { entries, want, want_buckets: Vec::new(), value_buckets },
@@ -148,7 +148,7 @@ impl<R> ReplicatorCore<R> {
         };
         let wanted: BTreeSet<String> = want.into_iter().take(MAX_WANTED_KEYS).collect();
         if wanted.len() >= MAX_WANTED_KEYS {
-            ReplicatorStats::inc(&self.stats.rejected);
+            ReplicatorStatCells::inc(&self.stats.rejected);
         }
         for k in wanted {
             if let Some(e) = self.data.get(&k)
@@ -176,7 +176,7 @@ impl<R> ReplicatorCore<R> {
             let Some(e) = self.data.get(&k) else { continue };
             let Some(mine) = e.value.bucket_digests() else { continue };
             if theirs.len() != BUCKETS {
-                ReplicatorStats::inc(&self.stats.rejected);
+                ReplicatorStatCells::inc(&self.stats.rejected);
                 continue;
             }
             let differing: Vec<usize> = (0..BUCKETS).filter(|b| mine[*b] != theirs[*b]).collect();
@@ -192,7 +192,7 @@ impl<R> ReplicatorCore<R> {
         if back.is_empty() && want_back.is_empty() {
             return;
         }
-        ReplicatorStats::add(&self.stats.full_values_sent, back.len());
+        ReplicatorStatCells::add(&self.stats.full_values_sent, back.len());
         out.push(ReplicatorAction::Send {
             to: from,
             msg: ReplicatorMsg::Gossip {

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{ReplicatorAction, ReplicatorCore, ReplicatorMsg, ReplicatorStats, split_by_bytes};
+use super::{ReplicatorAction, ReplicatorCore, ReplicatorMsg, ReplicatorStatCells, split_by_bytes};
 use crate::clock::Instant;
 use crate::error::Error;
 use crate::membership::UniqueAddress;
@@ -113,7 +113,7 @@ impl<R> ReplicatorCore<R> {
         let size = |(k, v): &(String, super::ReplicatedData)| k.len() + v.approx_bytes();
         for values in split_by_bytes(values, self.settings.max_message_bytes, size) {
             let op = self.next_op();
-            ReplicatorStats::add(&self.stats.full_values_sent, to.len() * values.len());
+            ReplicatorStatCells::add(&self.stats.full_values_sent, to.len() * values.len());
             let keys = values.iter().map(|(k, _)| k.clone()).collect();
             let h = self.hand_over.as_mut().expect("hand-over");
             h.parts.insert(op, Part { keys, acked: HashSet::new() });
@@ -142,7 +142,7 @@ impl<R> ReplicatorCore<R> {
             for (op, part) in &h.parts {
                 let values: Vec<_> =
                     part.keys.iter().filter_map(|k| self.data.get(k).map(|e| (k.clone(), e.value.clone()))).collect();
-                ReplicatorStats::add(&self.stats.full_values_sent, new.len() * values.len());
+                ReplicatorStatCells::add(&self.stats.full_values_sent, new.len() * values.len());
                 let msg = ReplicatorMsg::WriteDelta { op: *op, entries: Vec::new(), values };
                 out.push(ReplicatorAction::Broadcast { to: new.clone(), msg });
             }
@@ -175,7 +175,7 @@ impl<R> ReplicatorCore<R> {
     pub(super) fn on_hand_over_ack(&mut self, op: u64, from: UniqueAddress, out: &mut Vec<ReplicatorAction<R>>) {
         let Some(h) = self.hand_over.as_mut() else { return };
         if !h.addressed.contains(&from) {
-            ReplicatorStats::inc(&self.stats.rejected);
+            ReplicatorStatCells::inc(&self.stats.rejected);
             return;
         }
         if let Some(part) = h.parts.get_mut(&op) {

@@ -41,7 +41,7 @@ use tracing::warn;
 
 use super::crdt::{MergeError, ReplicatedData, ReplicatedDelta, WriteCtx};
 use super::fenced::Fenced;
-use super::stats::ReplicatorStats;
+use super::stats::ReplicatorStatCells;
 use crate::clock::Instant;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
@@ -127,7 +127,7 @@ pub(crate) struct ReplicatorCore<R> {
     /// Who durable quorums count (see [`roster`]).
     roster: Roster,
     rng: StdRng,
-    stats: Arc<ReplicatorStats>,
+    stats: Arc<ReplicatorStatCells>,
     durability: Durability<R>,
 }
 
@@ -148,7 +148,7 @@ impl<R> ReplicatorCore<R> {
         self_addr: UniqueAddress,
         writer: StoreWriter,
         settings: CoreSettings,
-        stats: Arc<ReplicatorStats>,
+        stats: Arc<ReplicatorStatCells>,
     ) -> Self {
         let actor = format!("{}#{}", self_addr.node_id, self_addr.generation);
         let seed = xxhash_rust::xxh3::xxh3_64(actor.as_bytes());
@@ -253,7 +253,7 @@ impl<R> ReplicatorCore<R> {
 
     /// Merges a full value into `key`; emits Persist/Changed only when the value changed.
     fn merge_in(&mut self, key: &str, incoming: ReplicatedData, out: &mut Vec<ReplicatorAction<R>>) -> Result<()> {
-        ReplicatorStats::inc(&self.stats.values_merged);
+        ReplicatorStatCells::inc(&self.stats.values_merged);
         let changed = self.merge_with(key, |current| match current {
             Some(v) => v.try_merge(incoming).map(|()| None),
             None => Ok(Some(incoming)),
@@ -267,7 +267,7 @@ impl<R> ReplicatorCore<R> {
     /// Merges a delta into `key` (an absent key starts from the empty value of the delta's type);
     /// the delta itself is what gets persisted when the key's log has room (moved, not cloned).
     fn merge_delta_in(&mut self, key: &str, delta: ReplicatedDelta, out: &mut Vec<ReplicatorAction<R>>) -> Result<()> {
-        ReplicatorStats::inc(&self.stats.deltas_merged);
+        ReplicatorStatCells::inc(&self.stats.deltas_merged);
         let changed = self.merge_with(key, |current| match current {
             Some(v) => v.merge_delta(&delta).map(|()| None),
             None => {
@@ -324,7 +324,7 @@ impl<R> ReplicatorCore<R> {
     }
 
     fn reject(&self, from: &PeerAddr, what: &str, e: &Error) {
-        ReplicatorStats::inc(&self.stats.rejected);
+        ReplicatorStatCells::inc(&self.stats.rejected);
         warn!(peer = %from.address, error = %e, "refusing {what}");
     }
 
@@ -419,7 +419,7 @@ impl<R> ReplicatorCore<R> {
         }
         let parts = split_by_bytes(pending, self.settings.max_message_bytes, |(k, d)| k.len() + d.approx_bytes());
         for entries in parts {
-            ReplicatorStats::add(&self.stats.deltas_sent, entries.len() * self.gossip_targets.len());
+            ReplicatorStatCells::add(&self.stats.deltas_sent, entries.len() * self.gossip_targets.len());
             let msg = ReplicatorMsg::DeltaPropagation { entries };
             out.push(ReplicatorAction::Broadcast { to: self.gossip_targets.clone(), msg });
         }
@@ -496,7 +496,7 @@ impl<R> ReplicatorCore<R> {
             keys.push(key);
         }
         if !fenced.is_empty() {
-            ReplicatorStats::add(&self.stats.fenced_writes, fenced.len());
+            ReplicatorStatCells::add(&self.stats.fenced_writes, fenced.len());
             out.push(ReplicatorAction::Send { to: from.clone(), msg: ReplicatorMsg::WriteFenced { op, keys: fenced } });
         }
         // A write with a refused key is not acknowledged: the writer must not count
@@ -513,7 +513,7 @@ impl<R> ReplicatorCore<R> {
                 w.acked.len() >= w.needed
             }
             Some(_) => {
-                ReplicatorStats::inc(&self.stats.rejected);
+                ReplicatorStatCells::inc(&self.stats.rejected);
                 false
             }
             None => false,
@@ -534,7 +534,7 @@ impl<R> ReplicatorCore<R> {
                     }
                 }
             }
-            Some(_) => ReplicatorStats::inc(&self.stats.rejected),
+            Some(_) => ReplicatorStatCells::inc(&self.stats.rejected),
             None => {}
         }
     }
@@ -591,7 +591,7 @@ impl<R> ReplicatorCore<R> {
             if !self.gossip_targets.is_empty() {
                 let i = self.rng.random_range(0..self.gossip_targets.len());
                 let to = self.gossip_targets[i].clone();
-                ReplicatorStats::inc(&self.stats.digest_rounds);
+                ReplicatorStatCells::inc(&self.stats.digest_rounds);
                 out.push(ReplicatorAction::Send { to, msg: ReplicatorMsg::Status { root: self.root_digest() } });
             }
         }

@@ -10,7 +10,7 @@ use super::{Consistency, ReplicatorAction, ReplicatorCore, ReplicatorMsg};
 use crate::clock::Instant;
 use crate::ddata::crdt::{ReplicatedData, ReplicatedDelta};
 use crate::ddata::fenced::Fenced;
-use crate::ddata::stats::ReplicatorStats;
+use crate::ddata::stats::ReplicatorStatCells;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
 use crate::transport::PeerAddr;
@@ -127,8 +127,8 @@ impl<R> ReplicatorCore<R> {
         }
         let (entries, values) = self.outgoing(applied.deltas, applied.unchanged);
         let op = self.next_op();
-        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * entries.len());
-        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
+        ReplicatorStatCells::add(&self.stats.deltas_sent, reachable.len() * entries.len());
+        ReplicatorStatCells::add(&self.stats.full_values_sent, reachable.len() * values.len());
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         let msg = ReplicatorMsg::MergeThenRead { op, keys: all_keys.clone(), entries, values };
         out.push(ReplicatorAction::Broadcast { to: reachable, msg });
@@ -160,14 +160,14 @@ impl<R> ReplicatorCore<R> {
         out: &mut Vec<ReplicatorAction<R>>,
     ) {
         if keys.len() > MAX_READ_KEYS || entries.len() + values.len() > keys.len() {
-            ReplicatorStats::inc(&self.stats.rejected);
+            ReplicatorStatCells::inc(&self.stats.rejected);
             return;
         }
         // Only the keys that are read may be written: a peer cannot write more than it reads.
         let mut written = Vec::with_capacity(entries.len() + values.len());
         for (key, delta) in entries {
             if !keys.contains(&key) {
-                ReplicatorStats::inc(&self.stats.rejected);
+                ReplicatorStatCells::inc(&self.stats.rejected);
                 return;
             }
             if let Err(e) = self.merge_delta_in(&key, delta, out) {
@@ -178,7 +178,7 @@ impl<R> ReplicatorCore<R> {
         }
         for (key, value) in values {
             if !keys.contains(&key) {
-                ReplicatorStats::inc(&self.stats.rejected);
+                ReplicatorStatCells::inc(&self.stats.rejected);
                 return;
             }
             if let Err(e) = self.merge_in(&key, value, out) {
@@ -196,7 +196,7 @@ impl<R> ReplicatorCore<R> {
     /// Answers a peer's read with this node's values, in messages capped in bytes.
     pub(super) fn on_read(&mut self, from: PeerAddr, op: u64, keys: Vec<String>, out: &mut Vec<ReplicatorAction<R>>) {
         if keys.len() > MAX_READ_KEYS {
-            ReplicatorStats::inc(&self.stats.rejected);
+            ReplicatorStatCells::inc(&self.stats.rejected);
             return;
         }
         for msg in self.read_results(op, &keys) {
@@ -208,7 +208,7 @@ impl<R> ReplicatorCore<R> {
     fn read_results(&self, op: u64, keys: &[String]) -> Vec<ReplicatorMsg> {
         let values: Vec<(u32, Option<ReplicatedData>)> =
             keys.iter().enumerate().map(|(i, key)| (i as u32, self.local_value(key).cloned())).collect();
-        ReplicatorStats::add(&self.stats.full_values_sent, values.iter().filter(|(_, v)| v.is_some()).count());
+        ReplicatorStatCells::add(&self.stats.full_values_sent, values.iter().filter(|(_, v)| v.is_some()).count());
         let size = |(_, v): &(u32, Option<ReplicatedData>)| 8 + v.as_ref().map_or(0, ReplicatedData::approx_bytes);
         let mut parts = super::split_by_bytes(values, self.settings.max_message_bytes, size);
         if parts.is_empty() {
@@ -226,7 +226,7 @@ impl<R> ReplicatorCore<R> {
     ) {
         let Some(r) = self.reads.get_mut(&op) else { return };
         if !r.addressed.contains(&from.address) {
-            ReplicatorStats::inc(&self.stats.rejected);
+            ReplicatorStatCells::inc(&self.stats.rejected);
             return;
         }
         let n = r.keys.len();
@@ -235,7 +235,7 @@ impl<R> ReplicatorCore<R> {
             let i = i as usize;
             // An index out of range, or a key answered twice, is ignored.
             let Some(slot @ None) = digests.get_mut(i) else {
-                ReplicatorStats::inc(&self.stats.rejected);
+                ReplicatorStatCells::inc(&self.stats.rejected);
                 continue;
             };
             *slot = Some(value.as_ref().map_or(0, ReplicatedData::digest));
@@ -328,7 +328,7 @@ impl<R> ReplicatorCore<R> {
                     (d.is_some_and(|d| d != v.digest())).then(|| (key.clone(), v.clone()))
                 })
                 .collect();
-            ReplicatorStats::add(&self.stats.full_values_sent, stale.len());
+            ReplicatorStatCells::add(&self.stats.full_values_sent, stale.len());
             let size = |(k, v): &(String, ReplicatedData)| k.len() + v.approx_bytes();
             for entries in super::split_by_bytes(stale, self.settings.max_message_bytes, size) {
                 out.push(repair(&peer, entries));

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tracing::warn;
 
-use super::{ReplicatorCore, ReplicatorInput, ReplicatorStats};
+use super::{ReplicatorCore, ReplicatorInput, ReplicatorStatCells};
 use crate::membership::{Member, MembershipSnapshot, PeerStanding, UniqueAddress};
 
 /// The incarnations in good standing in the latest view, and those that left it.
@@ -90,7 +90,7 @@ impl<R> ReplicatorCore<R> {
         if !self.standing.refuses(peer) {
             return false;
         }
-        ReplicatorStats::inc(&self.stats.quarantined);
+        ReplicatorStatCells::inc(&self.stats.quarantined);
         let dropped = self.standing.departed.entry(peer.clone()).or_default();
         *dropped += 1;
         if dropped.is_power_of_two() {

@@ -12,7 +12,7 @@ use crate::clock::Instant;
 use crate::ddata::crdt::{ReplicatedData, ReplicatedDelta};
 use crate::ddata::fenced::Fenced;
 use crate::ddata::orset;
-use crate::ddata::stats::ReplicatorStats;
+use crate::ddata::stats::ReplicatorStatCells;
 use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
 
@@ -69,7 +69,7 @@ impl<R> ReplicatorCore<R> {
             // The map refused the write and changed nothing; earlier local changes of the key
             // stay pending and spread as usual.
             result?;
-            ReplicatorStats::inc(&self.stats.fenced_writes);
+            ReplicatorStatCells::inc(&self.stats.fenced_writes);
             return Err(Error::Fenced { key: key.to_string(), epoch, fence });
         }
         let (changed, created) = match result? {
@@ -95,7 +95,7 @@ impl<R> ReplicatorCore<R> {
             None
         };
         if let Some(refusal) = refusal {
-            ReplicatorStats::add(&self.stats.refused_adds, (refused + too_long) as usize);
+            ReplicatorStatCells::add(&self.stats.refused_adds, (refused + too_long) as usize);
             if let Some(d) = delta {
                 self.pend_delta(key.to_string(), d);
             }
@@ -144,8 +144,8 @@ impl<R> ReplicatorCore<R> {
         // Earlier local changes of these keys ride along.
         let (deltas, values) = self.outgoing(deltas, unchanged);
         let op = self.next_op();
-        ReplicatorStats::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
-        ReplicatorStats::add(&self.stats.full_values_sent, reachable.len() * values.len());
+        ReplicatorStatCells::add(&self.stats.deltas_sent, reachable.len() * deltas.len());
+        ReplicatorStatCells::add(&self.stats.full_values_sent, reachable.len() * values.len());
         let msg = ReplicatorMsg::WriteDelta { op, entries: deltas, values };
         let addressed = reachable.iter().map(|p| p.address.clone()).collect();
         out.push(ReplicatorAction::Broadcast { to: reachable, msg });

@@ -323,7 +323,7 @@ pub struct Sim {
     /// the settle.
     recovering: Option<u64>,
     /// Every node's replicator counts into these (the cluster's totals).
-    replicator_stats: Arc<crate::ddata::ReplicatorStats>,
+    replicator_stats: Arc<crate::ddata::ReplicatorStatCells>,
     report: SimReport,
 }
 
@@ -390,7 +390,7 @@ impl Sim {
             ledger: Default::default(),
             dropping: false,
             recovering: None,
-            replicator_stats: Arc::new(crate::ddata::ReplicatorStats::default()),
+            replicator_stats: Arc::new(crate::ddata::ReplicatorStatCells::default()),
             report: SimReport::default(),
             cfg,
         };

@@ -81,7 +81,7 @@ pub struct SimReport {
     /// Message path: members downed by the resolver, by node incarnation, in order.
     pub downed: Vec<String>,
     /// Replicator messages dropped because their sender had been downed or removed where they
-    /// arrived (a paused zombie's writes, say): see `ReplicatorStats::quarantined`.
+    /// arrived (a paused zombie's writes, say): see `ReplicatorStatCells::quarantined`.
     pub quarantined_messages: u64,
 }
 

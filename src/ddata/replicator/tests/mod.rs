@@ -17,7 +17,7 @@ fn core(id: &str) -> ReplicatorCore<u32> {
         UniqueAddress::new(id, 1),
         fresh_store(id),
         CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)),
-        Arc::new(ReplicatorStats::default()),
+        Arc::new(ReplicatorStatCells::default()),
     )
 }
 

@@ -229,7 +229,7 @@ fn a_leaving_node_hands_every_value_over_and_is_done_once_a_majority_of_those_st
         fresh_store("a"),
         // Small messages: the values go in several parts.
         CoreSettings { max_message_bytes: 8, ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)) },
-        Arc::new(ReplicatorStats::default()),
+        Arc::new(ReplicatorStatCells::default()),
     );
     let now = Instant::now();
     three_members(&mut c, now);
@@ -600,7 +600,7 @@ fn a_hand_over_fills_each_part_up_to_the_message_budget_and_counts_every_value_s
         UniqueAddress::new("a", 1),
         fresh_store("a"),
         CoreSettings { max_message_bytes: 3 * one, ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)) },
-        Arc::new(ReplicatorStats::default()),
+        Arc::new(ReplicatorStatCells::default()),
     );
     let now = Instant::now();
     three_members(&mut c, now);

@@ -103,7 +103,7 @@ fn with_forget_after(id: &str, after: Duration) -> ReplicatorCore<u32> {
             forget_absent_after: Some(after),
             ..CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1))
         },
-        Arc::new(ReplicatorStats::default()),
+        Arc::new(ReplicatorStatCells::default()),
     )
 }
 

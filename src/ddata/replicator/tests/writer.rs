@@ -15,7 +15,7 @@ fn core_with(writer: StoreWriter) -> ReplicatorCore<u32> {
         UniqueAddress::new("a", 1),
         writer,
         CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)),
-        Arc::new(ReplicatorStats::default()),
+        Arc::new(ReplicatorStatCells::default()),
     )
 }
 
@@ -79,7 +79,7 @@ fn fifty_restarts_with_their_disk_leave_one_writer_per_node_in_a_durable_set() {
             UniqueAddress::new("a", restart + 1),
             StoreWriter::new("a", reserved),
             CoreSettings::new(vec!["shard-".into()], Duration::from_secs(1)),
-            Arc::new(ReplicatorStats::default()),
+            Arc::new(ReplicatorStatCells::default()),
         );
         let entries = loaded.entries.into_iter().map(|k| (k.key, k.value, KeyLog::default())).collect();
         c.load(entries, loaded.max_seq);
