@@ -1,5 +1,5 @@
 //! Imports point one way: no two files of the library import each other, directly or around a
-//! circle, and no production file imports the testkit.
+//! circle, and no production file imports the testkit. And one module layout: no `#[path]`.
 //!
 //! The check reads the crate the way the compiler lays it out: from `src/lib.rs` along its
 //! `mod` declarations (with `#[path]`), leaving out `#[cfg(test)]` items. Every path that
@@ -133,6 +133,32 @@ fn no_production_file_imports_the_testkit() {
         .map(|((from, to), names)| format!("{from} -> {to}: {names:?}"))
         .collect();
     assert!(wrong.is_empty(), "production code must not depend on the testkit:\n{}", wrong.join("\n"));
+}
+
+/// One module layout: a module of one file keeps its tests inline; a module that spans files
+/// is a folder (`x/mod.rs`), with its tests in `x/tests.rs` or `x/tests/`. A `#[path]`
+/// attribute would mount a file somewhere its name does not say, so none is allowed.
+#[test]
+fn every_module_sits_where_its_name_says_without_a_path_attribute() {
+    fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("src is readable") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                rust_files(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    rust_files(Path::new("src"), &mut files);
+    assert!(files.len() > 50, "the library's files were found");
+    let mounted: Vec<String> = files
+        .iter()
+        .filter(|f| std::fs::read_to_string(f).expect("a source file").contains("#[path"))
+        .map(|f| f.display().to_string())
+        .collect();
+    assert!(mounted.is_empty(), "move these modules into folders instead of #[path]: {mounted:?}");
 }
 
 /// The check itself: a circle through a re-export and a `super::` path is found, and the

@@ -792,12 +792,9 @@ fn phase_name(phase: &HandoffPhase) -> &'static str {
     }
 }
 
-#[path = "core_queries.rs"]
 mod queries;
-#[path = "core_rebalance.rs"]
 mod rebalance;
 pub(crate) use queries::plan_dto;
 
 #[cfg(test)]
-#[path = "core_tests.rs"]
 mod tests;

@@ -552,10 +552,8 @@ fn unanswered_hand_off_messages_are_sent_again_after_the_shard_start_timeout() {
     assert_eq!(again, vec![(r("a"), ToRegion::HandOff { shard: "1".into(), handoff })]);
 }
 
-#[path = "core_state_and_timer_tests.rs"]
 mod state_and_timers;
 
-#[path = "core_query_tests.rs"]
 mod queries;
 
 /// A view in which `region`'s member is Leaving (the others keep their status).
