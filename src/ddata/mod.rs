@@ -11,6 +11,7 @@
 
 mod buckets;
 pub(crate) mod crdt;
+mod delta_crdt;
 mod driver;
 // The LMDB record layer: public with the `testkit` feature only, for storage tests (no
 // stability promise); crate-private otherwise.

@@ -1,6 +1,9 @@
-//! The replicated data types: an LWW-map, an OR-set and a G-set, all state-based CRDTs whose
-//! `merge` is commutative, associative and idempotent (property-tested). Each keeps a canonical
-//! digest up to date on every change and hands out deltas (δ-states) of its local changes.
+//! The replicated data types: an LWW-map, an OR-set, a G-set and the fenced map, all
+//! state-based CRDTs whose `merge` is commutative, associative and idempotent (property-tested).
+//! Each keeps a canonical digest up to date on every change and hands out deltas (δ-states) of
+//! its local changes. What a type provides is the [`DeltaCrdt`] trait (`delta_crdt.rs`);
+//! [`ReplicatedData`] and [`ReplicatedDelta`] dispatch to it through `with_types!`, the one list
+//! of the types.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -12,6 +15,7 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 use crate::error::{Error, Result};
 
 pub(crate) use super::buckets::{BUCKETS, Buckets, bucket_of};
+use super::delta_crdt::DeltaCrdt;
 pub(crate) use super::write_ctx::Marker;
 pub use super::write_ctx::WriteCtx;
 
@@ -366,22 +370,12 @@ pub enum ReplicatedDelta {
 impl ReplicatedDelta {
     /// The type's name, for errors.
     pub fn type_name(&self) -> &'static str {
-        match self {
-            ReplicatedDelta::LwwMap(_) => LwwMap::NAME,
-            ReplicatedDelta::OrSet(_) => OrSet::NAME,
-            ReplicatedDelta::GSet(_) => GSet::NAME,
-            ReplicatedDelta::FencedMap(_) => FencedMap::NAME,
-        }
+        with_types!(match_delta!(self, (T, _d) => <T as DeltaCrdt>::NAME))
     }
 
     /// Number of elements the delta carries (for batching limits).
     pub fn len(&self) -> usize {
-        match self {
-            ReplicatedDelta::LwwMap(m) => m.entry_count(),
-            ReplicatedDelta::OrSet(d) => d.len(),
-            ReplicatedDelta::GSet(g) => g.len(),
-            ReplicatedDelta::FencedMap(m) => m.entry_count(),
-        }
+        with_types!(match_delta!(self, (T, d) => T::delta_len(d)))
     }
 
     /// True when it carries nothing.
@@ -391,42 +385,27 @@ impl ReplicatedDelta {
 
     /// Approximate encoded size in bytes.
     pub fn approx_bytes(&self) -> usize {
-        match self {
-            ReplicatedDelta::LwwMap(m) => m.approx_bytes(),
-            ReplicatedDelta::OrSet(d) => d.approx_bytes(),
-            ReplicatedDelta::GSet(g) => g.approx_bytes(),
-            ReplicatedDelta::FencedMap(m) => m.approx_bytes(),
-        }
+        with_types!(match_delta!(self, (T, d) => T::delta_bytes(d)))
     }
 
     /// Joins `other` into `self` (same type), so pending deltas of one key ship as one.
     pub fn join(&mut self, other: ReplicatedDelta) -> std::result::Result<(), (&'static str, &'static str)> {
-        match (self, other) {
-            (ReplicatedDelta::LwwMap(a), ReplicatedDelta::LwwMap(b)) => a.merge(b),
-            (ReplicatedDelta::OrSet(a), ReplicatedDelta::OrSet(b)) => a.join_delta(b),
-            (ReplicatedDelta::GSet(a), ReplicatedDelta::GSet(b)) => a.merge(b),
-            (ReplicatedDelta::FencedMap(a), ReplicatedDelta::FencedMap(b)) => a.merge(b),
-            (a, b) => return Err((a.type_name(), b.type_name())),
-        }
+        with_types!(match_pair!(
+            ReplicatedDelta(self), ReplicatedDelta(other),
+            (T, a, b) => T::join_deltas(a, b),
+            (a, b) => return Err((a.type_name(), b.type_name()))
+        ));
         Ok(())
     }
 
     /// The writer's fence carried by a fenced map's delta; `None` for other types.
     pub fn fence(&self) -> Option<u64> {
-        match self {
-            ReplicatedDelta::FencedMap(m) => Some(m.fence()),
-            _ => None,
-        }
+        with_types!(match_delta!(self, (T, d) => T::delta_fence(d)))
     }
 
     /// The empty value of the delta's type (what a replica without the key merges it into).
     pub fn empty_value(&self) -> ReplicatedData {
-        match self {
-            ReplicatedDelta::LwwMap(_) => ReplicatedData::LwwMap(LwwMap::default()),
-            ReplicatedDelta::OrSet(_) => ReplicatedData::OrSet(OrSet::default()),
-            ReplicatedDelta::GSet(_) => ReplicatedData::GSet(GSet::default()),
-            ReplicatedDelta::FencedMap(_) => ReplicatedData::FencedMap(FencedMap::default()),
-        }
+        with_types!(match_delta!(self, (T, _d) => T::default().into_data()))
     }
 }
 
@@ -447,12 +426,7 @@ pub enum MergeError {
 impl ReplicatedData {
     /// The type's name, for errors.
     pub fn type_name(&self) -> &'static str {
-        match self {
-            ReplicatedData::LwwMap(_) => LwwMap::NAME,
-            ReplicatedData::OrSet(_) => OrSet::NAME,
-            ReplicatedData::GSet(_) => GSet::NAME,
-            ReplicatedData::FencedMap(_) => FencedMap::NAME,
-        }
+        with_types!(match_data!(self, (T, _v) => <T as DeltaCrdt>::NAME))
     }
 
     /// Merges `other` into `self`; both must be of the same type.
@@ -469,97 +443,70 @@ impl ReplicatedData {
 
     /// Merges `other` into `self`, leaving `self` unchanged on error.
     pub fn try_merge(&mut self, other: ReplicatedData) -> std::result::Result<(), MergeError> {
-        match (self, other) {
-            (ReplicatedData::LwwMap(a), ReplicatedData::LwwMap(b)) => a.merge(b),
-            (ReplicatedData::OrSet(a), ReplicatedData::OrSet(b)) => a.try_merge(&b).map_err(MergeError::Invalid)?,
-            (ReplicatedData::GSet(a), ReplicatedData::GSet(b)) => a.merge(b),
-            (ReplicatedData::FencedMap(a), ReplicatedData::FencedMap(b)) => a.merge(b),
-            (a, b) => return Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() }),
-        }
-        Ok(())
+        with_types!(match_pair!(
+            ReplicatedData(self), ReplicatedData(other),
+            (T, a, b) => T::merge_state(a, b).map_err(MergeError::from),
+            (a, b) => Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() })
+        ))
     }
 
     /// Merges a delta, leaving `self` unchanged on error. O(delta).
     pub fn merge_delta(&mut self, delta: &ReplicatedDelta) -> std::result::Result<(), MergeError> {
-        match (self, delta) {
-            (ReplicatedData::LwwMap(a), ReplicatedDelta::LwwMap(b)) => a.merge(b.clone()),
-            (ReplicatedData::OrSet(a), ReplicatedDelta::OrSet(b)) => a.merge_delta(b).map_err(MergeError::Invalid)?,
-            (ReplicatedData::GSet(a), ReplicatedDelta::GSet(b)) => a.merge(b.clone()),
-            (ReplicatedData::FencedMap(a), ReplicatedDelta::FencedMap(b)) => a.merge(b.clone()),
-            (a, b) => return Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() }),
-        }
-        Ok(())
+        with_types!(match_pair!(
+            ReplicatedData(self), ReplicatedDelta(delta),
+            (T, a, b) => T::merge_delta_state(a, b).map_err(MergeError::from),
+            (a, b) => Err(MergeError::WrongType { mine: a.type_name(), theirs: b.type_name() })
+        ))
     }
 
     /// Takes the local changes since the last take.
     pub fn take_delta(&mut self) -> Option<ReplicatedDelta> {
-        match self {
-            ReplicatedData::LwwMap(m) => m.take_delta().map(ReplicatedDelta::LwwMap),
-            ReplicatedData::OrSet(s) => s.take_delta().map(ReplicatedDelta::OrSet),
-            ReplicatedData::GSet(g) => g.take_delta().map(ReplicatedDelta::GSet),
-            ReplicatedData::FencedMap(m) => m.take_delta().map(ReplicatedDelta::FencedMap),
-        }
+        with_types!(match_data!(self, (T, v) => T::take_delta_state(v).map(T::wrap_delta)))
     }
 
     /// Canonical digest: equal values have equal digests on every node.
     pub fn digest(&self) -> u64 {
-        let (tag, d) = match self {
-            ReplicatedData::LwwMap(m) => (1u64, m.digest()),
-            ReplicatedData::OrSet(s) => (2, s.digest()),
-            ReplicatedData::GSet(g) => (3, g.digest()),
-            ReplicatedData::FencedMap(m) => (4, m.digest()),
-        };
+        let (tag, d) = with_types!(match_data!(self, (T, v) => (T::DIGEST_TAG, T::state_digest(v))));
         d.wrapping_add(tag.wrapping_mul(0x9E37_79B9_7F4A_7C15))
     }
 
     /// Per-bucket digests, for values that can be shipped by bucket (maps and G-sets).
     pub fn bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
-        match self {
-            ReplicatedData::LwwMap(m) => Some(m.bucket_digests()),
-            ReplicatedData::GSet(g) => Some(g.bucket_digests()),
-            ReplicatedData::FencedMap(m) => Some(m.bucket_digests()),
-            ReplicatedData::OrSet(_) => None,
-        }
+        with_types!(match_data!(self, (T, v) => T::state_bucket_digests(v)))
     }
 
     /// The part of the value in the given buckets (the whole value for an OR-set, whose causal
     /// context cannot be split).
     pub fn buckets_subset(&self, buckets: &[usize]) -> ReplicatedData {
-        match self {
-            ReplicatedData::LwwMap(m) => ReplicatedData::LwwMap(m.buckets_subset(buckets)),
-            ReplicatedData::GSet(g) => ReplicatedData::GSet(g.buckets_subset(buckets)),
-            ReplicatedData::FencedMap(m) => ReplicatedData::FencedMap(m.buckets_subset(buckets)),
-            ReplicatedData::OrSet(_) => self.clone(),
-        }
+        with_types!(match_data!(self, (T, v) => T::state_buckets_subset(v, buckets).into_data()))
     }
 
     /// Approximate encoded size in bytes (for message budgets; never encodes).
     pub fn approx_bytes(&self) -> usize {
-        match self {
-            ReplicatedData::LwwMap(m) => m.approx_bytes(),
-            ReplicatedData::OrSet(s) => s.approx_bytes(),
-            ReplicatedData::GSet(g) => g.approx_bytes(),
-            ReplicatedData::FencedMap(m) => m.approx_bytes(),
-        }
+        with_types!(match_data!(self, (T, v) => T::state_bytes(v)))
     }
 
     /// Number of elements (entries, members), for batching limits.
     pub fn element_count(&self) -> usize {
-        match self {
-            ReplicatedData::LwwMap(m) => m.entry_count(),
-            ReplicatedData::OrSet(s) => s.len(),
-            ReplicatedData::GSet(g) => g.len(),
-            ReplicatedData::FencedMap(m) => m.entry_count(),
-        }
+        with_types!(match_data!(self, (T, v) => T::element_count(v)))
     }
 
     /// The fence of a fenced map (what a replica judges a replicated write by); `None` for
     /// types without one.
     pub fn fence(&self) -> Option<u64> {
-        match self {
-            ReplicatedData::FencedMap(m) => Some(m.fence()),
-            _ => None,
-        }
+        with_types!(match_data!(self, (T, v) => T::state_fence(v)))
+    }
+}
+
+impl From<std::convert::Infallible> for MergeError {
+    fn from(never: std::convert::Infallible) -> Self {
+        match never {}
+    }
+}
+
+impl From<OrSetError> for MergeError {
+    fn from(e: OrSetError) -> Self {
+        MergeError::Invalid(e)
     }
 }
 
@@ -577,44 +524,191 @@ pub trait Crdt: Clone + Default + Send + 'static {
     fn data_ref<'a>(data: &'a ReplicatedData, key: &str) -> Result<&'a Self>;
 }
 
+/// Every replicated type, each named as its variant of [`ReplicatedData`] and
+/// [`ReplicatedDelta`] (the type's `DeltaCrdt::Delta` in the latter): adding a type is its file,
+/// its two variants and its name here. Calls `$callback!([types…] args…)`.
+macro_rules! with_types {
+    ($callback:ident ! ($($args:tt)*)) => {
+        $callback! { [LwwMap, OrSet, GSet, FencedMap] $($args)* }
+    };
+}
+use with_types;
+
+/// `match` on a [`ReplicatedData`], the body run with `$ty` naming the variant's type and `$v`
+/// bound to its value.
+macro_rules! match_data {
+    ([$($t:ident),*] $value:expr, ($ty:ident, $v:ident) => $body:expr) => {
+        match $value {
+            $(ReplicatedData::$t($v) => {
+                #[allow(dead_code)]
+                type $ty = $t;
+                $body
+            })*
+        }
+    };
+}
+use match_data;
+
+/// `match` on a [`ReplicatedDelta`], as [`match_data`].
+macro_rules! match_delta {
+    ([$($t:ident),*] $value:expr, ($ty:ident, $v:ident) => $body:expr) => {
+        match $value {
+            $(ReplicatedDelta::$t($v) => {
+                #[allow(dead_code)]
+                type $ty = $t;
+                $body
+            })*
+        }
+    };
+}
+use match_delta;
+
+/// `match` on two values of the enums named, the body run where both are of one type, the
+/// fallback where they differ.
+macro_rules! match_pair {
+    ([$($t:ident),*] $left:ident($lhs:expr), $right:ident($rhs:expr),
+        ($ty:ident, $a:ident, $b:ident) => $body:expr, ($x:ident, $y:ident) => $otherwise:expr) => {
+        match ($lhs, $rhs) {
+            $(($left::$t($a), $right::$t($b)) => {
+                #[allow(dead_code)]
+                type $ty = $t;
+                $body
+            })*
+            ($x, $y) => $otherwise,
+        }
+    };
+}
+use match_pair;
+
 macro_rules! impl_crdt {
-    ($t:ident, $name:literal) => {
-        impl Crdt for $t {
-            const NAME: &'static str = $name;
+    ([$($t:ident),*]) => {
+        $(impl Crdt for $t {
+            const NAME: &'static str = <$t as DeltaCrdt>::NAME;
             fn into_data(self) -> ReplicatedData {
                 ReplicatedData::$t(self)
             }
             fn from_data(data: ReplicatedData, key: &str) -> Result<Self> {
                 match data {
                     ReplicatedData::$t(v) => Ok(v),
-                    other => {
-                        Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() })
-                    }
+                    other => Err(wrong_type::<Self>(key, &other)),
                 }
             }
             fn data_mut<'a>(data: &'a mut ReplicatedData, key: &str) -> Result<&'a mut Self> {
                 match data {
                     ReplicatedData::$t(v) => Ok(v),
-                    other => {
-                        Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() })
-                    }
+                    other => Err(wrong_type::<Self>(key, other)),
                 }
             }
             fn data_ref<'a>(data: &'a ReplicatedData, key: &str) -> Result<&'a Self> {
                 match data {
                     ReplicatedData::$t(v) => Ok(v),
-                    other => {
-                        Err(Error::WrongDataType { key: key.to_string(), expected: $name, found: other.type_name() })
-                    }
+                    other => Err(wrong_type::<Self>(key, other)),
                 }
             }
         }
+        impl DeltaVariant for $t {
+            fn wrap_delta(delta: <Self as DeltaCrdt>::Delta) -> ReplicatedDelta {
+                ReplicatedDelta::$t(delta)
+            }
+        })*
     };
 }
-impl_crdt!(LwwMap, "LwwMap");
-impl_crdt!(OrSet, "OrSet");
-impl_crdt!(GSet, "GSet");
-impl_crdt!(FencedMap, "FencedMap");
+with_types!(impl_crdt!());
+
+/// The [`ReplicatedDelta`] variant of a type's delta.
+trait DeltaVariant: DeltaCrdt {
+    fn wrap_delta(delta: Self::Delta) -> ReplicatedDelta;
+}
+
+fn wrong_type<T: Crdt>(key: &str, found: &ReplicatedData) -> Error {
+    Error::WrongDataType { key: key.to_string(), expected: T::NAME, found: found.type_name() }
+}
+
+impl DeltaCrdt for LwwMap {
+    const NAME: &'static str = "LwwMap";
+    const DIGEST_TAG: u64 = 1;
+    type Delta = LwwMap;
+    type Refusal = std::convert::Infallible;
+
+    fn merge_state(&mut self, other: Self) -> std::result::Result<(), Self::Refusal> {
+        self.merge(other);
+        Ok(())
+    }
+    fn merge_delta_state(&mut self, delta: &LwwMap) -> std::result::Result<(), Self::Refusal> {
+        self.merge(delta.clone());
+        Ok(())
+    }
+    fn take_delta_state(&mut self) -> Option<LwwMap> {
+        self.take_delta()
+    }
+    fn state_digest(&self) -> u64 {
+        self.digest()
+    }
+    fn state_bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
+        Some(self.bucket_digests())
+    }
+    fn state_buckets_subset(&self, buckets: &[usize]) -> Self {
+        self.buckets_subset(buckets)
+    }
+    fn state_bytes(&self) -> usize {
+        self.approx_bytes()
+    }
+    fn element_count(&self) -> usize {
+        self.entry_count()
+    }
+    fn delta_len(delta: &LwwMap) -> usize {
+        delta.entry_count()
+    }
+    fn delta_bytes(delta: &LwwMap) -> usize {
+        delta.approx_bytes()
+    }
+    fn join_deltas(into: &mut LwwMap, other: LwwMap) {
+        into.merge(other)
+    }
+}
+
+impl DeltaCrdt for GSet {
+    const NAME: &'static str = "GSet";
+    const DIGEST_TAG: u64 = 3;
+    type Delta = GSet;
+    type Refusal = std::convert::Infallible;
+
+    fn merge_state(&mut self, other: Self) -> std::result::Result<(), Self::Refusal> {
+        self.merge(other);
+        Ok(())
+    }
+    fn merge_delta_state(&mut self, delta: &GSet) -> std::result::Result<(), Self::Refusal> {
+        self.merge(delta.clone());
+        Ok(())
+    }
+    fn take_delta_state(&mut self) -> Option<GSet> {
+        self.take_delta()
+    }
+    fn state_digest(&self) -> u64 {
+        self.digest()
+    }
+    fn state_bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
+        Some(self.bucket_digests())
+    }
+    fn state_buckets_subset(&self, buckets: &[usize]) -> Self {
+        self.buckets_subset(buckets)
+    }
+    fn state_bytes(&self) -> usize {
+        self.approx_bytes()
+    }
+    fn element_count(&self) -> usize {
+        self.len()
+    }
+    fn delta_len(delta: &GSet) -> usize {
+        delta.len()
+    }
+    fn delta_bytes(delta: &GSet) -> usize {
+        delta.approx_bytes()
+    }
+    fn join_deltas(into: &mut GSet, other: GSet) {
+        into.merge(other)
+    }
+}
 
 #[cfg(test)]
 mod tests;

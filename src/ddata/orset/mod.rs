@@ -32,6 +32,8 @@ use std::fmt;
 use hashbrown::HashTable;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
+use super::buckets::BUCKETS;
+use super::delta_crdt::DeltaCrdt;
 pub(crate) use super::encoded_len::rmp_uint_len;
 use super::write_ctx::{Actor, WriteCtx};
 
@@ -728,6 +730,48 @@ mod delta;
 mod wire;
 
 pub use delta::OrSetDelta;
+
+impl DeltaCrdt for OrSet {
+    const NAME: &'static str = "OrSet";
+    const DIGEST_TAG: u64 = 2;
+    type Delta = OrSetDelta;
+    type Refusal = OrSetError;
+
+    fn merge_state(&mut self, other: Self) -> Result<(), OrSetError> {
+        self.try_merge(&other)
+    }
+    fn merge_delta_state(&mut self, delta: &OrSetDelta) -> Result<(), OrSetError> {
+        self.merge_delta(delta)
+    }
+    fn take_delta_state(&mut self) -> Option<OrSetDelta> {
+        self.take_delta()
+    }
+    fn state_digest(&self) -> u64 {
+        self.digest()
+    }
+    /// None: an OR-set's causal context cannot be split by bucket.
+    fn state_bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
+        None
+    }
+    fn state_buckets_subset(&self, _buckets: &[usize]) -> Self {
+        self.clone()
+    }
+    fn state_bytes(&self) -> usize {
+        self.approx_bytes()
+    }
+    fn element_count(&self) -> usize {
+        self.len()
+    }
+    fn delta_len(delta: &OrSetDelta) -> usize {
+        delta.len()
+    }
+    fn delta_bytes(delta: &OrSetDelta) -> usize {
+        delta.approx_bytes()
+    }
+    fn join_deltas(into: &mut OrSetDelta, other: OrSetDelta) {
+        into.join_delta(other)
+    }
+}
 
 #[cfg(test)]
 mod tests;
