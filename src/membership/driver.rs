@@ -111,7 +111,7 @@ type PendingLookup =
     std::pin::Pin<Box<dyn std::future::Future<Output = std::result::Result<Vec<SocketAddr>, String>> + Send>>;
 
 /// Where this node finds nodes to join through, and the core deciding when and whom.
-struct DiscoveryRunner {
+struct DiscoveryDriver {
     sources: Arc<AggregateDiscovery>,
     /// What the sources are, for logs (described once).
     described: Arc<str>,
@@ -134,7 +134,7 @@ pub(crate) struct MembershipDriver {
     /// Counts the down marks this node publishes.
     stats: Arc<GossipStatCells>,
     /// Seeds, SRV names and the builder's sources (none: this node forms a cluster alone).
-    discovery: Option<DiscoveryRunner>,
+    discovery: Option<DiscoveryDriver>,
     /// The gossip addresses of the other live nodes at the last refresh.
     live_peers: Vec<SocketAddr>,
 }
@@ -182,7 +182,7 @@ impl MembershipDriver {
         };
         let sources = discovery_sources(cfg, gossip_addr, extra_discovery)?;
         let has_seeds = !sources.is_empty();
-        let discovery = has_seeds.then(|| DiscoveryRunner {
+        let discovery = has_seeds.then(|| DiscoveryDriver {
             described: sources.describe().into(),
             sources: Arc::new(sources),
             core: DiscoveryCore::new(cfg.discovery.clone(), m.gossip_interval, gossip_addr, Instant::now()),
