@@ -54,3 +54,64 @@ pub(crate) trait DeltaCrdt: Clone + Default {
         None
     }
 }
+
+/// [`DeltaCrdt`] for a type whose delta is a value of the type itself, merged with its
+/// infallible inherent `merge` and read with its inherent `take_delta`, `digest`,
+/// `bucket_digests`, `buckets_subset` and `approx_bytes`; `count` names the method that counts
+/// its elements, and `fenced` gives it the fence of its inherent `fence`.
+macro_rules! self_delta_crdt {
+    ($t:ty, $name:literal, tag $tag:literal, count $count:ident $(, $fenced:ident)?) => {
+        impl $crate::ddata::delta_crdt::DeltaCrdt for $t {
+            const NAME: &'static str = $name;
+            const DIGEST_TAG: u64 = $tag;
+            type Delta = $t;
+            type Refusal = std::convert::Infallible;
+
+            fn merge_state(&mut self, other: Self) -> Result<(), Self::Refusal> {
+                self.merge(other);
+                Ok(())
+            }
+            fn merge_delta_state(&mut self, delta: &$t) -> Result<(), Self::Refusal> {
+                self.merge(delta.clone());
+                Ok(())
+            }
+            fn take_delta_state(&mut self) -> Option<$t> {
+                self.take_delta()
+            }
+            fn state_digest(&self) -> u64 {
+                self.digest()
+            }
+            fn state_bucket_digests(&self) -> Option<&[u64; $crate::ddata::buckets::BUCKETS]> {
+                Some(self.bucket_digests())
+            }
+            fn state_buckets_subset(&self, buckets: &[usize]) -> Self {
+                self.buckets_subset(buckets)
+            }
+            fn state_bytes(&self) -> usize {
+                self.approx_bytes()
+            }
+            fn element_count(&self) -> usize {
+                self.$count()
+            }
+            fn delta_len(delta: &$t) -> usize {
+                delta.$count()
+            }
+            fn delta_bytes(delta: &$t) -> usize {
+                delta.approx_bytes()
+            }
+            fn join_deltas(into: &mut $t, other: $t) {
+                into.merge(other)
+            }
+            $(
+                fn state_fence(&self) -> Option<u64> {
+                    let _ = stringify!($fenced); // the marker only selects this block
+                    Some(self.fence())
+                }
+                fn delta_fence(delta: &$t) -> Option<u64> {
+                    Some(delta.fence())
+                }
+            )?
+        }
+    };
+}
+pub(crate) use self_delta_crdt;

@@ -25,7 +25,7 @@ use serde_bytes::ByteBuf;
 use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 
 use super::buckets::{BUCKETS, Buckets, bucket_of};
-use super::delta_crdt::DeltaCrdt;
+use super::delta_crdt::self_delta_crdt;
 use super::encoded_len::rmp_uint_len;
 
 /// A write refused because a newer allocation (epoch `fence`) has claimed the map.
@@ -323,54 +323,7 @@ impl FencedMap {
     }
 }
 
-impl DeltaCrdt for FencedMap {
-    const NAME: &'static str = "FencedMap";
-    const DIGEST_TAG: u64 = 4;
-    type Delta = FencedMap;
-    type Refusal = std::convert::Infallible;
-
-    fn merge_state(&mut self, other: Self) -> Result<(), Self::Refusal> {
-        self.merge(other);
-        Ok(())
-    }
-    fn merge_delta_state(&mut self, delta: &FencedMap) -> Result<(), Self::Refusal> {
-        self.merge(delta.clone());
-        Ok(())
-    }
-    fn take_delta_state(&mut self) -> Option<FencedMap> {
-        self.take_delta()
-    }
-    fn state_digest(&self) -> u64 {
-        self.digest()
-    }
-    fn state_bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
-        Some(self.bucket_digests())
-    }
-    fn state_buckets_subset(&self, buckets: &[usize]) -> Self {
-        self.buckets_subset(buckets)
-    }
-    fn state_bytes(&self) -> usize {
-        self.approx_bytes()
-    }
-    fn element_count(&self) -> usize {
-        self.entry_count()
-    }
-    fn state_fence(&self) -> Option<u64> {
-        Some(self.fence())
-    }
-    fn delta_len(delta: &FencedMap) -> usize {
-        delta.entry_count()
-    }
-    fn delta_bytes(delta: &FencedMap) -> usize {
-        delta.approx_bytes()
-    }
-    fn join_deltas(into: &mut FencedMap, other: FencedMap) {
-        into.merge(other)
-    }
-    fn delta_fence(delta: &FencedMap) -> Option<u64> {
-        Some(delta.fence())
-    }
-}
+self_delta_crdt!(FencedMap, "FencedMap", tag 4, count entry_count, fenced);
 
 #[cfg(test)]
 mod tests {

@@ -15,7 +15,7 @@ use xxhash_rust::xxh3::{Xxh3, xxh3_64};
 use crate::error::{Error, Result};
 
 pub(crate) use super::buckets::{BUCKETS, Buckets, bucket_of};
-use super::delta_crdt::DeltaCrdt;
+use super::delta_crdt::{DeltaCrdt, self_delta_crdt};
 pub(crate) use super::write_ctx::Marker;
 pub use super::write_ctx::WriteCtx;
 
@@ -624,91 +624,8 @@ fn wrong_type<T: Crdt>(key: &str, found: &ReplicatedData) -> Error {
     Error::WrongDataType { key: key.to_string(), expected: T::NAME, found: found.type_name() }
 }
 
-impl DeltaCrdt for LwwMap {
-    const NAME: &'static str = "LwwMap";
-    const DIGEST_TAG: u64 = 1;
-    type Delta = LwwMap;
-    type Refusal = std::convert::Infallible;
-
-    fn merge_state(&mut self, other: Self) -> std::result::Result<(), Self::Refusal> {
-        self.merge(other);
-        Ok(())
-    }
-    fn merge_delta_state(&mut self, delta: &LwwMap) -> std::result::Result<(), Self::Refusal> {
-        self.merge(delta.clone());
-        Ok(())
-    }
-    fn take_delta_state(&mut self) -> Option<LwwMap> {
-        self.take_delta()
-    }
-    fn state_digest(&self) -> u64 {
-        self.digest()
-    }
-    fn state_bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
-        Some(self.bucket_digests())
-    }
-    fn state_buckets_subset(&self, buckets: &[usize]) -> Self {
-        self.buckets_subset(buckets)
-    }
-    fn state_bytes(&self) -> usize {
-        self.approx_bytes()
-    }
-    fn element_count(&self) -> usize {
-        self.entry_count()
-    }
-    fn delta_len(delta: &LwwMap) -> usize {
-        delta.entry_count()
-    }
-    fn delta_bytes(delta: &LwwMap) -> usize {
-        delta.approx_bytes()
-    }
-    fn join_deltas(into: &mut LwwMap, other: LwwMap) {
-        into.merge(other)
-    }
-}
-
-impl DeltaCrdt for GSet {
-    const NAME: &'static str = "GSet";
-    const DIGEST_TAG: u64 = 3;
-    type Delta = GSet;
-    type Refusal = std::convert::Infallible;
-
-    fn merge_state(&mut self, other: Self) -> std::result::Result<(), Self::Refusal> {
-        self.merge(other);
-        Ok(())
-    }
-    fn merge_delta_state(&mut self, delta: &GSet) -> std::result::Result<(), Self::Refusal> {
-        self.merge(delta.clone());
-        Ok(())
-    }
-    fn take_delta_state(&mut self) -> Option<GSet> {
-        self.take_delta()
-    }
-    fn state_digest(&self) -> u64 {
-        self.digest()
-    }
-    fn state_bucket_digests(&self) -> Option<&[u64; BUCKETS]> {
-        Some(self.bucket_digests())
-    }
-    fn state_buckets_subset(&self, buckets: &[usize]) -> Self {
-        self.buckets_subset(buckets)
-    }
-    fn state_bytes(&self) -> usize {
-        self.approx_bytes()
-    }
-    fn element_count(&self) -> usize {
-        self.len()
-    }
-    fn delta_len(delta: &GSet) -> usize {
-        delta.len()
-    }
-    fn delta_bytes(delta: &GSet) -> usize {
-        delta.approx_bytes()
-    }
-    fn join_deltas(into: &mut GSet, other: GSet) {
-        into.merge(other)
-    }
-}
+self_delta_crdt!(LwwMap, "LwwMap", tag 1, count entry_count);
+self_delta_crdt!(GSet, "GSet", tag 3, count len);
 
 #[cfg(test)]
 mod tests;
