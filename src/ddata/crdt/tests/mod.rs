@@ -5,6 +5,63 @@ use super::*;
 
 mod accessors;
 
+/// One value and its delta of each type, each with something in it.
+fn one_of_each() -> Vec<ReplicatedData> {
+    let mut ctx = WriteCtx::new("a#1", 1);
+    let mut lww = LwwMap::default();
+    lww.put(&mut ctx, "k", vec![1, 2, 3]);
+    let mut or = OrSet::default();
+    or.add(&ctx, "member-1");
+    or.add(&ctx, "member-2");
+    let mut g = GSet::default();
+    g.insert("a-member-of-the-g-set");
+    let mut fenced = FencedMap::default();
+    fenced.put("k", 7, vec![9; 40]).unwrap();
+    let all = vec![
+        ReplicatedData::LwwMap(lww),
+        ReplicatedData::OrSet(or),
+        ReplicatedData::GSet(g),
+        ReplicatedData::FencedMap(fenced),
+    ];
+    assert_eq!(all.len(), 4, "every type of with_types! is here");
+    all
+}
+
+/// The enums dispatch to each type's own answer: its name, fence (the fenced map's alone),
+/// sizes, counts and empty value, for the value and for the delta it hands out.
+#[test]
+fn each_type_answers_through_the_enums_with_its_own_name_fence_sizes_and_counts() {
+    for mut value in one_of_each() {
+        let name = value.type_name();
+        let fenced = name == "FencedMap";
+        assert_eq!(value.fence(), fenced.then_some(7), "{name}");
+        let elements = match &value {
+            ReplicatedData::OrSet(s) => s.len(),
+            ReplicatedData::GSet(g) => g.len(),
+            ReplicatedData::LwwMap(m) => m.entry_count(),
+            ReplicatedData::FencedMap(m) => m.entry_count(),
+        };
+        assert_eq!(value.element_count(), elements, "{name}");
+        assert!(value.approx_bytes() > 10, "{name}: its own size, not a constant");
+        let delta = value.take_delta().unwrap_or_else(|| panic!("{name} hands out its local changes"));
+        assert_eq!(delta.type_name(), name);
+        assert_eq!(delta.fence(), fenced.then_some(7), "{name}");
+        assert_eq!(delta.len(), elements, "{name}: the delta carries every local change");
+        let own_bytes = match &delta {
+            ReplicatedDelta::OrSet(d) => d.approx_bytes(),
+            ReplicatedDelta::GSet(g) => g.approx_bytes(),
+            ReplicatedDelta::LwwMap(m) => m.approx_bytes(),
+            ReplicatedDelta::FencedMap(m) => m.approx_bytes(),
+        };
+        assert_eq!(delta.approx_bytes(), own_bytes, "{name}");
+        assert!(own_bytes > 1, "{name}");
+        let empty = delta.empty_value();
+        assert_eq!(empty.type_name(), name);
+        assert_eq!(empty.element_count(), 0, "{name}");
+        assert!(value.take_delta().is_none(), "{name}: taken once");
+    }
+}
+
 #[test]
 fn lww_writer_that_read_a_value_overwrites_it_even_with_an_older_clock() {
     let mut a = LwwMap::default();
