@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use ddshard::testkit::{TestCluster, eventually, fast_downing};
@@ -582,4 +582,44 @@ async fn rolling_change_of_the_shard_id_extractor_refuses_the_new_nodes_until_th
     if let Err(v) = log.check() {
         panic!("an entity ran twice during the rolling extractor change: {v:#?}");
     }
+}
+
+/// An ask waiting on a node that stops being routable (partitioned off) fails when its region
+/// goes, not at its own 60 s timeout: the region driver fails the asks pending on a gone region.
+/// Found by the driver-bug catalogue (issue 41, step 2): with that step removed from the driver
+/// no other test and no simulated seed noticed; this one waits the full 60 s then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ask_waiting_on_a_node_that_becomes_unreachable_fails_then_not_at_its_own_timeout() {
+    let mut c = TestCluster::start_with(3, |_, cfg| fast_downing(cfg)).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let s =
+        ddshard::ShardingSettings { min_nr_of_members: 3, rebalance_interval: Duration::from_secs(3600), ..settings() };
+    let mut regions = Vec::new();
+    for (_, n) in c.running() {
+        regions.push(start_counter(n, &probe, s.clone()).await);
+    }
+    let mut id = None;
+    for i in 0.. {
+        let candidate = format!("p{i}");
+        if where_is(&regions[0], &candidate).await == "n3" {
+            id = Some(candidate);
+            break;
+        }
+    }
+    let id = id.expect("an id homed on n3");
+    let asking = {
+        let (r, id) = (regions[0].clone(), id.clone());
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let res = r.ask_with_timeout(&id, CounterMsg::SleepMs(50_000), Duration::from_secs(60)).await;
+            (res, started.elapsed())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    c.partition(&[0, 1], &[2]);
+    let (res, took) = asking.await.unwrap();
+    assert!(res.is_err(), "the entity was cut off mid-ask: {res:?}");
+    assert!(took < Duration::from_secs(40), "the ask waited for its own timeout: {took:?} {res:?}");
+    c.shutdown().await;
 }
