@@ -149,8 +149,8 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
 mod tests {
     use super::*;
 
-    /// A region that answers with a fixed view of itself (or not at all).
-    struct Answers(Option<RegionInfo>);
+    /// A region that answers with a fixed view of itself (or not at all), no counts and no ids.
+    struct Answers(Option<RegionInfo>, RegionCounterCells);
 
     impl RegionControl for Answers {
         fn type_name(&self) -> &str {
@@ -175,13 +175,13 @@ mod tests {
             1
         }
         fn counters(&self) -> &RegionCounterCells {
-            unimplemented!("not read by readiness")
+            &self.1
         }
         fn info(&self) -> BoxFuture<'_, Result<RegionInfo>> {
             Box::pin(async move { self.0.clone().ok_or(crate::Error::ShutDown) })
         }
         fn entity_ids(&self, _: Option<(ShardId, String)>, _: usize) -> BoxFuture<'_, Result<EntityIdPage>> {
-            unimplemented!("not read by readiness")
+            Box::pin(async { Ok(EntityIdPage { entities: Vec::new(), next: None }) })
         }
     }
 
@@ -202,13 +202,15 @@ mod tests {
 
     #[tokio::test]
     async fn a_region_is_ready_once_registered_and_not_while_unregistered_refused_or_silent() {
-        let state = |i: Option<RegionInfo>| async move { AttachedRegion(Arc::new(Answers(i))).readiness().await };
+        let state = |i: Option<RegionInfo>| async move {
+            AttachedRegion(Arc::new(Answers(i, RegionCounterCells::default()))).readiness().await
+        };
         assert_eq!(state(Some(info(true, false))).await, RegionState::Registered);
         assert_eq!(state(Some(info(false, false))).await, RegionState::Unregistered);
         assert_eq!(state(Some(info(false, true))).await, RegionState::Refused);
         assert_eq!(state(Some(info(true, true))).await, RegionState::Refused, "a refusal wins");
         assert!(matches!(state(None).await, RegionState::NotAnswering(_)));
-        let region = AttachedRegion(Arc::new(Answers(None)));
+        let region = AttachedRegion(Arc::new(Answers(None, RegionCounterCells::default())));
         assert_eq!(region.name(), "t");
         assert!(region.as_any().downcast_ref::<AttachedRegion>().is_some(), "the node's layer finds its type again");
     }
