@@ -66,8 +66,8 @@ pub struct ReplicatorStats {
     updates: [[u64; UPDATE_OUTCOMES.len()]; UPDATE_CONSISTENCIES.len()],
 }
 
-/// The live cells behind [`ReplicatorStats`], one per field (the snapshot names every cell, so the two
-/// cannot drift apart).
+/// The live cells behind [`ReplicatorStats`], one per field (the snapshot names every cell, so the
+/// two cannot drift apart).
 #[derive(Debug, Default)]
 pub(crate) struct ReplicatorStatCells {
     pub(crate) full_values_sent: AtomicU64,
@@ -131,6 +131,25 @@ impl ReplicatorStatCells {
             updates: self.updates.each_ref().map(|row| row.each_ref().map(|cell| cell.load(Ordering::Relaxed))),
         }
     }
+
+    /// Counts an update that ended with `outcome` at `consistency`.
+    pub(crate) fn count_update(&self, consistency: Consistency, outcome: UpdateOutcome) {
+        let c = match consistency {
+            Consistency::Local => 0,
+            Consistency::Majority { .. } => 1,
+            Consistency::All => 2,
+            Consistency::AllReachable { .. } => 3,
+        };
+        self.updates[c][outcome as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn add(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn inc(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// The consistencies updates are counted by (see [`ReplicatorStats::updates`]).
@@ -159,27 +178,6 @@ impl UpdateOutcome {
 
 /// The outcomes updates are counted by (see [`ReplicatorStats::updates`]).
 pub(crate) const UPDATE_OUTCOMES: [&str; 5] = ["ok", "timeout", "not_enough_replicas", "fenced", "error"];
-
-impl ReplicatorStatCells {
-    /// Counts an update that ended with `outcome` at `consistency`.
-    pub(crate) fn count_update(&self, consistency: Consistency, outcome: UpdateOutcome) {
-        let c = match consistency {
-            Consistency::Local => 0,
-            Consistency::Majority { .. } => 1,
-            Consistency::All => 2,
-            Consistency::AllReachable { .. } => 3,
-        };
-        self.updates[c][outcome as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn add(counter: &AtomicU64, n: usize) {
-        counter.fetch_add(n as u64, Ordering::Relaxed);
-    }
-
-    pub(crate) fn inc(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-}
 
 #[cfg(test)]
 mod tests {

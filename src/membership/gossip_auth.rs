@@ -91,8 +91,8 @@ pub struct GossipStats {
     pub discovery_addresses_dropped: u64,
 }
 
-/// The live cells behind [`GossipStats`], one per field (the snapshot names every cell, so the two
-/// cannot drift apart).
+/// The live cells behind [`GossipStats`], one per field (the snapshot names every cell, so the
+/// two cannot drift apart).
 #[derive(Debug, Default)]
 pub(crate) struct GossipStatCells {
     pub(crate) datagrams_unauthenticated: AtomicU64,
@@ -121,7 +121,6 @@ impl GossipStatCells {
             discovery_lookups_failed: self.discovery_lookups_failed.load(Ordering::Relaxed),
             discovery_contact_points: self.discovery_contact_points.load(Ordering::Relaxed),
             discovery_addresses_dropped: self.discovery_addresses_dropped.load(Ordering::Relaxed),
-            ..Default::default()
         }
     }
 }

@@ -56,8 +56,8 @@ pub struct FailureDetectorStats {
     pub verdict_changes: u64,
 }
 
-/// The live cells behind [`FailureDetectorStats`], one per field (the snapshot names every cell, so the two
-/// cannot drift apart).
+/// The live cells behind [`FailureDetectorStats`], one per field (the snapshot names every cell, so the
+/// two cannot drift apart).
 #[derive(Debug, Default)]
 pub(crate) struct FailureDetectorStatCells {
     pub(crate) requests_sent: AtomicU64,
@@ -80,7 +80,6 @@ impl FailureDetectorStatCells {
             malformed: self.malformed.load(Ordering::Relaxed),
             send_failures: self.send_failures.load(Ordering::Relaxed),
             verdict_changes: self.verdict_changes.load(Ordering::Relaxed),
-            ..Default::default()
         }
     }
 }

@@ -27,8 +27,8 @@ fn sample_links(node: &Node, n: &[(&'static str, String)]) {
     set_counter("ddshard_transport_connections_rejected_total", n, ts.connections_rejected);
     set_counter("ddshard_transport_bytes_sent_total", n, ts.bytes_sent);
     set_counter("ddshard_transport_bytes_received_total", n, ts.bytes_received);
-    set_counter("ddshard_downs_published_total", n, node.gossip_stats().downs_published);
     let gs = node.gossip_stats();
+    set_counter("ddshard_downs_published_total", n, gs.downs_published);
     set_counters_by(
         "ddshard_gossip_datagrams_rejected_total",
         n,

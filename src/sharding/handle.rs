@@ -382,6 +382,7 @@ pub(crate) async fn start_region_of<E: Entity>(
     let replier = Replier::new(transport.clone(), type_name, node.watch_membership());
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let parts = region_parts(node, &inner);
+    inner.counters.slot_budget_bytes.store(parts.slot_budget as u64, std::sync::atomic::Ordering::Relaxed);
     let shards = factory.clone().map(|factory| {
         let extractor = inner.extractor.clone();
         LocalShards::new(&parts, factory, extractor, events_tx, replier.clone(), routed.clone(), durable)
@@ -428,10 +429,9 @@ pub(crate) async fn start_region_of<E: Entity>(
 }
 
 /// What the region's shards, writers and entities share; the slot budget is the replicator's
-/// message budget (shown in the counters).
+/// message budget.
 fn region_parts<E: Entity>(node: &Node, inner: &HandleInner<E>) -> RegionParts {
     let slot_budget = node.config().replicator_message_bytes();
-    inner.counters.slot_budget_bytes.store(slot_budget as u64, std::sync::atomic::Ordering::Relaxed);
     RegionParts {
         type_name: inner.type_name.as_str().into(),
         settings: inner.settings.clone(),

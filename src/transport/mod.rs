@@ -123,8 +123,8 @@ pub struct TransportStats {
     pub frames_dropped: u64,
 }
 
-/// The live cells behind [`TransportStats`], one per field (the snapshot names every cell, so the two
-/// cannot drift apart).
+/// The live cells behind [`TransportStats`], one per field (the snapshot names every cell, so the
+/// two cannot drift apart).
 #[derive(Debug, Default)]
 pub(crate) struct TransportStatCells {
     pub(crate) frames_sent: AtomicU64,
@@ -145,7 +145,6 @@ impl TransportStatCells {
             bytes_received: self.bytes_received.load(Ordering::Relaxed),
             connections_rejected: self.connections_rejected.load(Ordering::Relaxed),
             frames_dropped: self.frames_dropped.load(Ordering::Relaxed),
-            ..Default::default()
         }
     }
 }
