@@ -608,6 +608,8 @@ async fn an_ask_waiting_on_a_node_that_becomes_unreachable_fails_then_not_at_its
         }
     }
     let id = id.expect("an id homed on n3");
+    let handled = || probe.handled.load(std::sync::atomic::Ordering::Relaxed);
+    let before = handled();
     let asking = {
         let (r, id) = (regions[0].clone(), id.clone());
         tokio::spawn(async move {
@@ -616,7 +618,10 @@ async fn an_ask_waiting_on_a_node_that_becomes_unreachable_fails_then_not_at_its
             (res, started.elapsed())
         })
     };
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    eventually(Duration::from_secs(10), "the ask reached its entity on n3", || {
+        std::future::ready((handled() > before).then_some(()))
+    })
+    .await;
     c.partition(&[0, 1], &[2]);
     let (res, took) = asking.await.unwrap();
     assert!(res.is_err(), "the entity was cut off mid-ask: {res:?}");

@@ -183,10 +183,12 @@ async fn two_of_five_leave_at_once_including_the_coordinator_and_no_other_shard_
 
 type Live = std::sync::Arc<std::sync::Mutex<std::collections::BTreeMap<String, (i64, i64)>>>;
 
-/// Counts its live instances per id (up in the factory, down on drop).
+/// Counts its live instances per id (up in the factory, down on drop) and tells when a handler
+/// started blocking.
 struct Blocky {
     id: String,
     live: Live,
+    blocking: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -201,6 +203,7 @@ impl ddshard::Entity for Blocky {
     type Reply = ();
     async fn handle(&mut self, msg: BMsg, _ctx: &mut ddshard::EntityContext) {
         if let BMsg::Block(ms) = msg {
+            self.blocking.store(true, std::sync::atomic::Ordering::Relaxed);
             std::thread::sleep(Duration::from_millis(ms));
         }
     }
@@ -223,11 +226,12 @@ async fn a_shard_whose_entity_does_not_yield_starts_elsewhere_only_after_the_abo
     let mut c = TestCluster::start(2).await.unwrap();
     c.await_converged(CONVERGE).await;
     let live: Live = Live::default();
+    let blocking = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // Stop timeout: max(hand-off timeout - 5 s, 1 s) = 5 s; the handler blocks 8 s, so it is
     // aborted at 5 s and its task ends at 8 s, before the 10 s hand-off timeout.
     let s = ddshard::ShardingSettings { min_nr_of_members: 2, handoff_timeout: Duration::from_secs(10), ..settings() };
     let start = |n: &ddshard::Node| {
-        let (live, n, s) = (live.clone(), n.clone(), s.clone());
+        let (live, blocking, n, s) = (live.clone(), blocking.clone(), n.clone(), s.clone());
         async move {
             n.sharding()
                 .start(
@@ -237,7 +241,7 @@ async fn a_shard_whose_entity_does_not_yield_starts_elsewhere_only_after_the_abo
                         let e = l.entry(id.to_string()).or_default();
                         e.0 += 1;
                         e.1 = e.1.max(e.0);
-                        Blocky { id: id.to_string(), live: live.clone() }
+                        Blocky { id: id.to_string(), live: live.clone(), blocking: blocking.clone() }
                     },
                     s,
                 )
@@ -261,7 +265,10 @@ async fn a_shard_whose_entity_does_not_yield_starts_elsewhere_only_after_the_abo
         let (r, id) = (r0.clone(), id.clone());
         tokio::spawn(async move { r.ask_with_timeout(&id, BMsg::Block(8_000), Duration::from_secs(30)).await })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    eventually(Duration::from_secs(10), "the handler is blocking its thread", || {
+        std::future::ready(blocking.load(std::sync::atomic::Ordering::Relaxed).then_some(()))
+    })
+    .await;
     let t0 = std::time::Instant::now();
     let shutdown = tokio::spawn({
         let r0 = r0.clone();
