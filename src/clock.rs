@@ -5,12 +5,44 @@
 //! deterministic simulation (`testkit::sim`) feeds a fake clock instead. The type is
 //! `std::time::Instant`, not tokio's, so the cores do not depend on a runtime.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+//!
+//! Drivers read both through this module, never `std::time` directly, so a node run in virtual
+//! time (the test kit's whole-node simulation: paused tokio runtimes stepped together) sees one
+//! coherent clock: [`now`] is the runtime's clock (the real one outside a paused runtime), and
+//! [`wall_ms`] follows it while a wall-clock anchor is set on the thread.
+
+use std::cell::Cell;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The monotonic instant every core takes as `now`.
 pub type Instant = std::time::Instant;
 
+thread_local! {
+    /// Wall-clock milliseconds at a monotonic instant, when this thread runs nodes in virtual
+    /// time: [`wall_ms`] is then that reading moved on by the runtime's clock.
+    static WALL_ANCHOR: Cell<Option<(u64, Instant)>> = const { Cell::new(None) };
+}
+
+/// The monotonic instant drivers feed their cores: the current tokio runtime's clock (which is
+/// the system's, unless the runtime's time is paused), or the system's outside a runtime.
+pub(crate) fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn wall_ms() -> u64 {
+    if let Some((at_ms, at)) = WALL_ANCHOR.with(Cell::get) {
+        let since = now().saturating_duration_since(at);
+        return at_ms.saturating_add(u64::try_from(since.as_millis()).unwrap_or(u64::MAX));
+    }
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Makes [`wall_ms`] on this thread read `wall` at the monotonic instant `at` and move on with
+/// [`now`] from there (`None`: the system clock again). Only the test kit's virtual-time
+/// harness sets it, on the one thread that steps its nodes' runtimes.
+#[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+pub(crate) fn anchor_wall_clock(anchor: Option<(Duration, Instant)>) {
+    let ms = anchor.map(|(wall, at)| (u64::try_from(wall.as_millis()).unwrap_or(u64::MAX), at));
+    WALL_ANCHOR.with(|c| c.set(ms));
 }

@@ -236,7 +236,7 @@ impl DeadlineSweep {
         let stripes = (cores * 4).next_power_of_two().min(64);
         DeadlineSweep {
             shared: Arc::new(Shared {
-                origin: Instant::now(),
+                origin: crate::clock::now(),
                 stripes: (0..stripes).map(|_| PaddedStripe::default()).collect(),
                 next_wake: AtomicU64::new(IDLE),
                 notify: Notify::new(),
@@ -250,7 +250,7 @@ impl DeadlineSweep {
     pub(crate) async fn run(self, shutdown: CancellationToken) {
         let shared = &self.shared;
         loop {
-            let due = shared.sweep(Instant::now());
+            let due = shared.sweep(crate::clock::now());
             let notified = shared.notify.notified();
             tokio::select! {
                 _ = shutdown.cancelled() => break,
@@ -312,7 +312,7 @@ impl<F: Future + Unpin> Future for Within<'_, F> {
             None => {
                 // A deadline past the clock's range never comes: filed under IDLE, it only
                 // times out at shutdown and never wakes the sweeper.
-                let deadline = Instant::now().checked_add(this.timeout);
+                let deadline = crate::clock::now().checked_add(this.timeout);
                 let tick = deadline.map_or(IDLE, |d| shared.tick_at_or_after(d));
                 let stripe = stripe_of(THREAD_STRIPE.with(|n| *n), shared.stripes.len());
                 let key = shared.stripe(stripe).file(tick, cx.waker().clone());

@@ -85,6 +85,7 @@ pub mod error;
 #[cfg(test)]
 mod fuzzing;
 mod log_limit;
+mod machine;
 pub mod membership;
 pub mod metrics;
 mod node;

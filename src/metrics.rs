@@ -259,7 +259,7 @@ mod enabled {
 
     /// When a timed event starts (the feature is on: always).
     pub(crate) fn start_timer() -> Option<Instant> {
-        Some(Instant::now())
+        Some(crate::clock::now())
     }
 
     /// Times LMDB commits of one node.

@@ -1,5 +1,5 @@
 //! The replicator's tokio driver: one task owns the [`ReplicatorCore`], the inbox and the
-//! ticker, performs the core's actions and hands store writes to the persist thread.
+//! ticker, performs the core's actions and hands store writes to the persist worker.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,14 +10,15 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, warn};
 
 use super::durable::{DurableStore, StoreOp};
-use super::persist::{DurableHealth, PersistJob, PersistReport, PersistThread};
+use super::persist::{DurableHealth, PersistJob, PersistParts, PersistReport, PersistWorker};
 use super::replicator::ReplicatorMsg;
 use super::replicator::{
     self, KeyLog, PersistRecord, RESERVATION_SPAN, ReplicatorAction, ReplicatorCore, ReplicatorInput, StoreWriter,
 };
 use super::{Command, ReplicatedData, Replicator, ReplicatorStatCells, ReplyTx, TOPIC};
-use crate::clock::{Instant, wall_ms};
+use crate::clock::wall_ms;
 use crate::error::{Error, Result};
+use crate::machine::DiskWriter;
 use crate::membership::{MembershipSnapshot, UniqueAddress};
 use crate::spawn::Spawner;
 use crate::transport::{Inbound, PeerAddr, Transport};
@@ -34,6 +35,8 @@ pub(crate) struct ReplicatorParams {
     pub max_map_size: usize,
     /// A roster id absent this long is forgotten (`None`: only by an operator).
     pub forget_absent_after: Option<Duration>,
+    /// Where the persist worker runs (the node's machine says).
+    pub disk_writer: DiskWriter,
 }
 
 /// Store writes handed to the persist thread and not yet committed, at most (bytes); past it the
@@ -89,8 +92,15 @@ pub(crate) async fn start(
     core.load(entries.collect(), loaded.max_seq);
     let health = Arc::new(DurableHealth::default());
     let commit_timer = crate::metrics::CommitTimer::new(&params.self_addr.node_id);
-    let persist = PersistThread::start(store, params.max_map_size, health.clone(), stats.clone(), commit_timer)
-        .map_err(|e| Error::io("starting the persist thread", e))?;
+    let parts = PersistParts {
+        store,
+        max_map_size: params.max_map_size,
+        health: health.clone(),
+        stats: stats.clone(),
+        commit_timer,
+    };
+    let persist =
+        PersistWorker::start(parts, params.disk_writer).map_err(|e| Error::io("starting the persist worker", e))?;
     let inbound = transport.subscribe(TOPIC, 4096);
     let (tx, rx) = mpsc::channel(4096);
     let driver = ReplicatorDriver {
@@ -122,7 +132,7 @@ impl ReplicatorDriver {
         mut commands: mpsc::Receiver<Command>,
         mut inbound: mpsc::Receiver<Inbound>,
         mut members: watch::Receiver<Arc<MembershipSnapshot>>,
-        mut persist: PersistThread,
+        mut persist: PersistWorker,
         shutdown: CancellationToken,
     ) {
         let mut tick = tokio::time::interval(Duration::from_millis(25));
@@ -132,7 +142,7 @@ impl ReplicatorDriver {
         let mut actions = Vec::new();
         self.apply_members(&members.borrow_and_update(), &mut actions);
         loop {
-            let now = Instant::now();
+            let now = crate::clock::now();
             let wall = wall_ms();
             let accepting = self.persist_backlog < MAX_PERSIST_BACKLOG_BYTES;
             tokio::select! {
@@ -193,7 +203,7 @@ impl ReplicatorDriver {
     }
 
     fn apply_members(&mut self, snap: &MembershipSnapshot, out: &mut Vec<ReplicatorAction<ReplyTx>>) {
-        self.core.handle(ReplicatorInput::members_of(snap, self.role.as_deref()), Instant::now(), wall_ms(), out);
+        self.core.handle(ReplicatorInput::members_of(snap, self.role.as_deref()), crate::clock::now(), wall_ms(), out);
     }
 
     /// Performs actions: the persists of the batch go to the persist thread as one job (the

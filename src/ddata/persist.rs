@@ -18,6 +18,7 @@ use tracing::{error, info, warn};
 
 use super::durable::{DurableStore, StoreOp};
 use super::stats::ReplicatorStatCells;
+use crate::machine::DiskWriter;
 use crate::metrics::CommitTimer;
 
 /// Pauses before the retries of a failed transaction.
@@ -66,77 +67,128 @@ pub(crate) struct PersistReport {
     pub bytes: usize,
 }
 
-/// Handle of a running persist thread. Dropping the sender ends it once the queue is drained;
-/// [`PersistThread::join`] waits for that.
-pub(crate) struct PersistThread {
-    pub jobs: mpsc::UnboundedSender<PersistJob>,
-    pub reports: mpsc::UnboundedReceiver<PersistReport>,
-    handle: std::thread::JoinHandle<()>,
+/// What the persist worker commits with and reports to.
+pub(crate) struct PersistParts {
+    pub(crate) store: DurableStore,
+    /// The map grows up to this size.
+    pub(crate) max_map_size: usize,
+    pub(crate) health: Arc<DurableHealth>,
+    pub(crate) stats: Arc<ReplicatorStatCells>,
+    pub(crate) commit_timer: CommitTimer,
 }
 
-impl PersistThread {
-    /// Starts the thread, the only user of `store` from now on.
-    pub(crate) fn start(
-        store: DurableStore,
-        max_map_size: usize,
-        health: Arc<DurableHealth>,
-        stats: Arc<ReplicatorStatCells>,
-        commit_timer: CommitTimer,
-    ) -> std::io::Result<PersistThread> {
-        Self::start_with(store, max_map_size, health, stats, commit_timer, Vec::new(), Limits::PRODUCTION)
+/// Handle of a running persist worker: a thread of its own, or (on a machine that says so) a
+/// task committing on the runtime's blocking pool; either takes one batch at a time, in order.
+/// Dropping the sender ends it once the queue is drained; [`PersistWorker::join`] waits for that.
+pub(crate) struct PersistWorker {
+    pub jobs: mpsc::UnboundedSender<PersistJob>,
+    pub reports: mpsc::UnboundedReceiver<PersistReport>,
+    handle: WorkerHandle,
+}
+
+enum WorkerHandle {
+    Thread(std::thread::JoinHandle<()>),
+    Task(tokio::task::JoinHandle<()>),
+}
+
+impl PersistWorker {
+    /// Starts the worker, the only user of the store from now on.
+    pub(crate) fn start(parts: PersistParts, disk_writer: DiskWriter) -> std::io::Result<PersistWorker> {
+        Self::start_with(parts, disk_writer, Vec::new(), Limits::PRODUCTION)
     }
 
-    /// Starts the thread with `queued` jobs already waiting.
+    /// Starts the worker with `queued` jobs already waiting.
     fn start_with(
-        store: DurableStore,
-        max_map_size: usize,
-        health: Arc<DurableHealth>,
-        stats: Arc<ReplicatorStatCells>,
-        commit_timer: CommitTimer,
+        parts: PersistParts,
+        disk_writer: DiskWriter,
         queued: Vec<PersistJob>,
         limits: Limits,
-    ) -> std::io::Result<PersistThread> {
+    ) -> std::io::Result<PersistWorker> {
         let (jobs, mut rx) = mpsc::unbounded_channel::<PersistJob>();
         for job in queued {
             let _ = jobs.send(job);
         }
         let (report_tx, reports) = mpsc::unbounded_channel();
-        let handle = std::thread::Builder::new().name("ddshard-persist".into()).spawn(move || {
-            let mut writer =
-                Writer { store, max_map_size, health, stats, commit_timer, retry_backoff: limits.retry_backoff };
-            writer.stats.durable_map_max_bytes.store(max_map_size as u64, Ordering::Relaxed);
-            writer.stats.durable_map_used_bytes.store(writer.store.map_used(), Ordering::Relaxed);
-            while let Some(first) = rx.blocking_recv() {
-                let mut through = first.through;
-                let mut ops = first.ops;
-                let mut bytes: usize = ops.iter().map(StoreOp::bytes_written).sum();
-                // Group commit: whatever queued meanwhile goes into the same transaction.
-                while bytes < limits.max_transaction_bytes {
-                    let Ok(next) = rx.try_recv() else { break };
-                    through = through.max(next.through);
-                    bytes += next.ops.iter().map(StoreOp::bytes_written).sum::<usize>();
-                    ops.extend(next.ops);
-                }
-                let failure = writer.commit(&ops).err().map(|e| (writer.store.path().to_path_buf(), e));
-                if report_tx.send(PersistReport { through, failure, bytes }).is_err() {
-                    break;
-                }
+        let PersistParts { store, max_map_size, health, stats, commit_timer } = parts;
+        let mut writer =
+            Writer { store, max_map_size, health, stats, commit_timer, retry_backoff: limits.retry_backoff };
+        writer.stats.durable_map_max_bytes.store(max_map_size as u64, Ordering::Relaxed);
+        writer.stats.durable_map_used_bytes.store(writer.store.map_used(), Ordering::Relaxed);
+        let cap = limits.max_transaction_bytes;
+        let handle = match disk_writer {
+            DiskWriter::OwnThread => {
+                WorkerHandle::Thread(std::thread::Builder::new().name("ddshard-persist".into()).spawn(move || {
+                    while let Some(first) = rx.blocking_recv() {
+                        let batch = Batch::gather(first, &mut rx, cap);
+                        if !writer.commit_and_report(batch, &report_tx) {
+                            break;
+                        }
+                    }
+                })?)
             }
-        })?;
-        Ok(PersistThread { jobs, reports, handle })
+            DiskWriter::BlockingPool => WorkerHandle::Task(tokio::spawn(async move {
+                while let Some(first) = rx.recv().await {
+                    let batch = Batch::gather(first, &mut rx, cap);
+                    let report_tx = report_tx.clone();
+                    let committed = tokio::task::spawn_blocking(move || {
+                        let more = writer.commit_and_report(batch, &report_tx);
+                        (writer, more)
+                    });
+                    match committed.await {
+                        Ok((back, true)) => writer = back,
+                        Ok((_, false)) => break,
+                        Err(e) => {
+                            error!(error = %e, "persist commit did not finish");
+                            break;
+                        }
+                    }
+                }
+            })),
+        };
+        Ok(PersistWorker { jobs, reports, handle })
     }
 
     /// Closes the queue and waits until everything queued is committed (or failed).
     pub(crate) async fn join(self) {
-        let PersistThread { jobs, reports, handle } = self;
+        let PersistWorker { jobs, reports, handle } = self;
         drop(jobs);
         drop(reports);
-        match tokio::task::spawn_blocking(move || handle.join()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(_)) => error!("persist thread panicked"),
-            // The runtime is shutting down: the thread still ends once its queue is closed.
-            Err(_) => tracing::debug!("persist thread not joined: the runtime is shutting down"),
+        let ended = match handle {
+            WorkerHandle::Thread(handle) => match tokio::task::spawn_blocking(move || handle.join()).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(_)) => Err("panicked".to_string()),
+                Err(e) => Err(e.to_string()),
+            },
+            WorkerHandle::Task(task) => task.await.map_err(|e| e.to_string()),
+        };
+        if let Err(e) = ended {
+            // A runtime shutting down cancels the join: the worker still ends once its queue is
+            // closed.
+            error!(error = %e, "persist worker not joined");
         }
+    }
+}
+
+/// Queued jobs joined into one transaction (group commit).
+struct Batch {
+    through: u64,
+    ops: Vec<StoreOp>,
+    bytes: usize,
+}
+
+impl Batch {
+    /// `first` and whatever queued meanwhile, while the batch holds fewer than `cap` bytes.
+    fn gather(first: PersistJob, rx: &mut mpsc::UnboundedReceiver<PersistJob>, cap: usize) -> Batch {
+        let mut through = first.through;
+        let mut ops = first.ops;
+        let mut bytes: usize = ops.iter().map(StoreOp::bytes_written).sum();
+        while bytes < cap {
+            let Ok(next) = rx.try_recv() else { break };
+            through = through.max(next.through);
+            bytes += next.ops.iter().map(StoreOp::bytes_written).sum::<usize>();
+            ops.extend(next.ops);
+        }
+        Batch { through, ops, bytes }
     }
 }
 
@@ -163,6 +215,13 @@ struct Writer {
 }
 
 impl Writer {
+    /// Commits `batch` and reports its outcome; `false` when nobody listens any more.
+    fn commit_and_report(&mut self, batch: Batch, reports: &mpsc::UnboundedSender<PersistReport>) -> bool {
+        let Batch { through, ops, bytes } = batch;
+        let failure = self.commit(&ops).err().map(|e| (self.store.path().to_path_buf(), e));
+        reports.send(PersistReport { through, failure, bytes }).is_ok()
+    }
+
     /// Commits `ops` in one transaction, with the retries and map growth of the module doc.
     fn commit(&mut self, ops: &[StoreOp]) -> Result<(), String> {
         let mut attempt = 0;
@@ -227,7 +286,22 @@ mod tests {
         (0..n).map(|i| StoreOp::Snapshot { key: format!("k{i}"), seq: i as u64, bytes: vec![7; each] }).collect()
     }
 
-    async fn run_one(t: &mut PersistThread, through: u64, ops: Vec<StoreOp>) -> PersistReport {
+    fn parts(
+        store: DurableStore,
+        max_map_size: usize,
+        health: &Arc<DurableHealth>,
+        stats: &Arc<ReplicatorStatCells>,
+    ) -> PersistParts {
+        PersistParts {
+            store,
+            max_map_size,
+            health: health.clone(),
+            stats: stats.clone(),
+            commit_timer: CommitTimer::new("n"),
+        }
+    }
+
+    async fn run_one(t: &mut PersistWorker, through: u64, ops: Vec<StoreOp>) -> PersistReport {
         t.jobs.send(PersistJob { through, ops }).unwrap();
         t.reports.recv().await.unwrap()
     }
@@ -237,8 +311,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
-        let mut t = PersistThread::start(store.clone(), 64 << 20, health.clone(), stats.clone(), CommitTimer::new("n"))
-            .unwrap();
+        let mut t =
+            PersistWorker::start(parts(store.clone(), 64 << 20, &health, &stats), DiskWriter::OwnThread).unwrap();
         let r = run_one(&mut t, 1, big_ops(8, 512 << 10)).await;
         assert!(r.failure.is_none(), "{:?}", r.failure);
         assert_eq!(r.through, 1);
@@ -260,7 +334,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = DurableStore::open(dir.path(), 1 << 20).unwrap();
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
-        let mut t = PersistThread::start(store, 2 << 20, health.clone(), stats.clone(), CommitTimer::new("n")).unwrap();
+        let mut t = PersistWorker::start(parts(store, 2 << 20, &health, &stats), DiskWriter::OwnThread).unwrap();
         let r = run_one(&mut t, 5, big_ops(8, 512 << 10)).await;
         let (_, reason) = r.failure.expect("a failure report");
         assert!(reason.contains("lmdb_max_map_size"), "{reason}");
@@ -275,27 +349,36 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn batches_queued_while_a_commit_runs_share_the_next_transaction() {
-        let dir = tempfile::tempdir().unwrap();
-        let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
-        let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
-        let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
-        let mut t = PersistThread::start_with(
-            store.clone(),
-            64 << 20,
-            health,
-            stats.clone(),
-            CommitTimer::new("n"),
-            queued,
-            Limits::PRODUCTION,
-        )
-        .unwrap();
-        let r = t.reports.recv().await.unwrap();
-        assert!(r.failure.is_none());
-        assert_eq!(r.through, 200, "one report covers every queued ticket");
-        assert_eq!(r.bytes, 200 * (2 + 8 + 64), "and every queued byte");
-        assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1, "one transaction");
-        t.join().await;
+    async fn batches_queued_while_a_commit_runs_share_the_next_transaction_on_a_thread_or_the_blocking_pool() {
+        for disk_writer in [DiskWriter::OwnThread, DiskWriter::BlockingPool] {
+            let dir = tempfile::tempdir().unwrap();
+            let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
+            let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
+            let queued = (1..=200u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
+            let mut t = PersistWorker::start_with(
+                parts(store, 64 << 20, &health, &stats),
+                disk_writer,
+                queued,
+                Limits::PRODUCTION,
+            )
+            .unwrap();
+            let r = t.reports.recv().await.unwrap();
+            assert!(r.failure.is_none());
+            assert_eq!(r.through, 200, "{disk_writer:?}: one report covers every queued ticket");
+            assert_eq!(r.bytes, 200 * (2 + 8 + 64), "{disk_writer:?}: and every queued byte");
+            assert_eq!(stats.durable_commits.load(Ordering::Relaxed), 1, "{disk_writer:?}: one transaction");
+            // A later job gets its own report, after the first: one batch at a time, in order.
+            let late = StoreOp::Snapshot { key: "late".into(), seq: 201, bytes: vec![7; 8] };
+            t.jobs.send(PersistJob { through: 201, ops: vec![late] }).unwrap();
+            assert_eq!(t.reports.recv().await.unwrap().through, 201, "{disk_writer:?}");
+            t.join().await;
+            // Joined: the store is closed (it opens again) and both keys are on disk. The records
+            // are raw bytes (no CRDT): they load as keys that do not decode.
+            let loaded = DurableStore::open(dir.path(), 64 << 20).unwrap().load_all().unwrap();
+            let mut keys: Vec<String> = loaded.corrupt.into_iter().map(|(k, _)| k).collect();
+            keys.sort();
+            assert_eq!(keys, ["k0", "late"], "{disk_writer:?}");
+        }
     }
 
     #[tokio::test]
@@ -307,7 +390,7 @@ mod tests {
         let queued = (1..=3u64).map(|i| PersistJob { through: i, ops: big_ops(1, 64) }).collect();
         let limits = Limits { max_transaction_bytes: 2 * 74, ..Limits::PRODUCTION };
         let mut t =
-            PersistThread::start_with(store, 64 << 20, health, stats.clone(), CommitTimer::new("n"), queued, limits)
+            PersistWorker::start_with(parts(store, 64 << 20, &health, &stats), DiskWriter::OwnThread, queued, limits)
                 .unwrap();
         let first = t.reports.recv().await.unwrap();
         assert_eq!((first.through, first.bytes), (2, 148), "the cap is reached: the third job waits");
@@ -324,12 +407,9 @@ mod tests {
         let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));
         const BACKOFF: [Duration; 2] = [Duration::from_millis(1), Duration::from_millis(1)];
         let limits = Limits { retry_backoff: &BACKOFF, ..Limits::PRODUCTION };
-        let mut t = PersistThread::start_with(
-            store,
-            64 << 20,
-            health.clone(),
-            stats.clone(),
-            CommitTimer::new("n"),
+        let mut t = PersistWorker::start_with(
+            parts(store, 64 << 20, &health, &stats),
+            DiskWriter::OwnThread,
             Vec::new(),
             limits,
         )

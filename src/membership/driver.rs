@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::clock::Instant;
 use async_trait::async_trait;
 use chitchat::transport::{Socket, Transport};
 use chitchat::{ChitchatConfig, ChitchatHandle, ChitchatId, FailureDetectorConfig, spawn_chitchat};
@@ -23,6 +22,7 @@ use super::view::{GossipNode, keys};
 use super::{MemberEvent, MemberStatus, MembershipSnapshot, UniqueAddress, diff_snapshots};
 use crate::config::{MembershipSettings, NodeConfig};
 use crate::error::{Error, Result};
+use crate::machine::Machine;
 use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
 
@@ -103,6 +103,12 @@ impl Transport for PreboundTransport {
 pub(crate) type GossipSocketWrapper =
     std::sync::Arc<dyn Fn(Box<dyn Socket>, &UniqueAddress, SocketAddr) -> Box<dyn Socket> + Send + Sync>;
 
+/// Where a node's gossip socket comes from: its machine, and a wrapper (if any) it goes through.
+pub(crate) struct GossipSockets<'a> {
+    pub(crate) machine: &'a dyn Machine,
+    pub(crate) wrap: Option<&'a GossipSocketWrapper>,
+}
+
 /// Records that this node id's next start must take a generation above the one given.
 pub(crate) type GenerationFloor = Arc<dyn Fn(u64) -> crate::error::Result<()> + Send + Sync>;
 
@@ -157,14 +163,14 @@ impl MembershipDriver {
         cfg: &NodeConfig,
         address: UniqueAddress,
         messaging_addr: SocketAddr,
-        wrap_socket: Option<&GossipSocketWrapper>,
+        sockets: GossipSockets<'_>,
         extra_discovery: Vec<Arc<dyn Discovery>>,
     ) -> Result<(MembershipHandle, MembershipDriver)> {
         let stats = Arc::new(GossipStatCells::default());
-        let socket = bind_gossip_socket(cfg, stats.clone()).await?;
+        let socket = bind_gossip_socket(cfg, sockets.machine, stats.clone()).await?;
         let bound = socket.local_addr().map_err(|e| Error::Gossip(format!("{e:#}")))?;
         let gossip_addr = crate::config::advertised_addr(bound, cfg.gossip_advertise)?;
-        let socket = match wrap_socket {
+        let socket = match sockets.wrap {
             Some(wrap) => wrap(socket, &address, gossip_addr),
             None => socket,
         };
@@ -185,7 +191,7 @@ impl MembershipDriver {
         let discovery = has_seeds.then(|| DiscoveryDriver {
             described: sources.describe().into(),
             sources: Arc::new(sources),
-            core: DiscoveryCore::new(cfg.discovery.clone(), m.gossip_interval, gossip_addr, Instant::now()),
+            core: DiscoveryCore::new(cfg.discovery.clone(), m.gossip_interval, gossip_addr, crate::clock::now()),
             // Each name has lookup_timeout; the whole gets a second more to gather them.
             timeout: cfg.discovery.lookup_timeout + Duration::from_secs(1),
         });
@@ -213,7 +219,7 @@ impl MembershipDriver {
         let driver = MembershipDriver {
             stats,
             chitchat,
-            core: LifecycleCore::new(address.clone(), lifecycle, Instant::now()),
+            core: LifecycleCore::new(address.clone(), lifecycle, crate::clock::now()),
             gossip_interval: m.gossip_interval,
             snapshot_tx,
             events,
@@ -295,7 +301,7 @@ impl MembershipDriver {
             self.stats.discovery_lookups_failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
         let mut actions = Vec::new();
-        d.core.handle(input, Instant::now(), &mut actions);
+        d.core.handle(input, crate::clock::now(), &mut actions);
         for action in actions {
             match action {
                 DiscoveryAction::Lookup => {
@@ -374,7 +380,7 @@ impl MembershipDriver {
         let me = self.snapshot_tx.borrow().self_address.clone();
         self.live_peers = nodes.iter().filter(|n| n.live && n.address != me).map(|n| n.gossip_addr).collect();
         let mut actions = Vec::new();
-        let next = self.core.on_gossip(&nodes, Instant::now(), &mut actions);
+        let next = self.core.on_gossip(&nodes, crate::clock::now(), &mut actions);
         for action in actions {
             match action {
                 LifecycleAction::PublishStatus { status, up_number } => self.publish_status(status, up_number).await,
@@ -452,11 +458,17 @@ async fn resolves_to(seed: &str, addr: SocketAddr, patience: Duration) -> bool {
 
 /// Binds the gossip socket: with a secret every datagram is authenticated; without one,
 /// chitchat's plain socket (config validation allowed that only on loopback or with `insecure`).
-async fn bind_gossip_socket(cfg: &NodeConfig, stats: Arc<GossipStatCells>) -> Result<Box<dyn Socket>> {
+async fn bind_gossip_socket(
+    cfg: &NodeConfig,
+    machine: &dyn Machine,
+    stats: Arc<GossipStatCells>,
+) -> Result<Box<dyn Socket>> {
     let binding = |e: &dyn std::fmt::Display| Error::Gossip(format!("binding {}: {e:#}", cfg.gossip_addr));
     let keys: Vec<_> = cfg.secrets().iter().map(ClusterSecret::gossip_mac_key).collect();
     Ok(if keys.is_empty() {
-        Box::new(chitchat::transport::UdpSocket::open(cfg.gossip_addr).await.map_err(|e| binding(&e))?)
+        machine.open_gossip(cfg.gossip_addr).await.map_err(|e| binding(&e))?
+    } else if !machine.seals_gossip() {
+        return Err(binding(&"sealed gossip (a cluster secret) needs the operating system's UDP sockets"));
     } else {
         let sealing = GossipSealing {
             freshness_window: cfg.membership.gossip_freshness_window,

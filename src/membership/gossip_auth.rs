@@ -31,7 +31,7 @@ use std::collections::BTreeSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use blake2::Blake2sMac256;
@@ -422,7 +422,7 @@ impl AuthenticatedSocket {
                 return Some(from_addr);
             }
             self.stats.datagrams_unstamped.fetch_add(1, Ordering::Relaxed);
-            if let Some(held_back) = self.unstamped_log.allow(&(), Instant::now()) {
+            if let Some(held_back) = self.unstamped_log.allow(&(), crate::clock::now()) {
                 warn!(
                     from = %from_addr,
                     held_back,
@@ -441,7 +441,7 @@ impl AuthenticatedSocket {
             }
             Err(Refusal::Stale { offset_ms }) => {
                 self.stats.datagrams_stale.fetch_add(1, Ordering::Relaxed);
-                if let Some(held_back) = self.stale_log.allow(&stamp.sender, Instant::now()) {
+                if let Some(held_back) = self.stale_log.allow(&stamp.sender, crate::clock::now()) {
                     warn!(
                         from = %from_addr,
                         sender = %stamp.sender,

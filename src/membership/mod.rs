@@ -26,7 +26,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 pub use discovery::{AggregateDiscovery, Discovery, DiscoveryError, DnsSrv, SeedList};
-pub(crate) use driver::{GossipSocketWrapper, MembershipDriver, MembershipHandle};
+pub(crate) use driver::{GossipSocketWrapper, GossipSockets, MembershipDriver, MembershipHandle};
 pub use failure_detector::FailureDetectorSettings;
 pub use gossip_auth::GossipStats;
 pub use view::compute_members;

@@ -1,12 +1,15 @@
 //! [`NodeBuilder`]: a node's configuration plus the seams that are not configuration — a
 //! [`LinkFilter`] for messaging and a wrapper of the gossip socket (the test kit's fault
-//! injector uses both). Production code compiles the same with or without the test kit.
+//! injector uses both), and the machine whose sockets and threads it uses (the test kit's
+//! whole-node simulation swaps it). Production code compiles the same with or without the test
+//! kit.
 
 use std::sync::Arc;
 
 use super::Node;
 use crate::config::NodeConfig;
 use crate::error::Result;
+use crate::machine::{Machine, OsMachine};
 use crate::membership::{Discovery, GossipSocketWrapper};
 use crate::transport::LinkFilter;
 
@@ -17,6 +20,7 @@ pub struct NodeBuilder {
     pub(super) link_filter: Option<Arc<dyn LinkFilter>>,
     pub(super) gossip_socket: Option<GossipSocketWrapper>,
     pub(super) discovery: Vec<Arc<dyn Discovery>>,
+    pub(super) machine: Arc<dyn Machine>,
 }
 
 impl std::fmt::Debug for NodeBuilder {
@@ -26,6 +30,7 @@ impl std::fmt::Debug for NodeBuilder {
             .field("link_filter", &self.link_filter)
             .field("gossip_socket", &self.gossip_socket.is_some())
             .field("discovery", &self.discovery.iter().map(|d| d.describe()).collect::<Vec<_>>())
+            .field("machine", &self.machine)
             .finish()
     }
 }
@@ -33,7 +38,13 @@ impl std::fmt::Debug for NodeBuilder {
 impl NodeBuilder {
     /// A builder for a node with this configuration and no seams.
     pub fn new(config: NodeConfig) -> Self {
-        NodeBuilder { config, link_filter: None, gossip_socket: None, discovery: Vec::new() }
+        NodeBuilder {
+            config,
+            link_filter: None,
+            gossip_socket: None,
+            discovery: Vec::new(),
+            machine: Arc::new(OsMachine),
+        }
     }
 
     /// Messages between nodes pass only where `filter` allows.
@@ -55,6 +66,14 @@ impl NodeBuilder {
     #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
     pub(crate) fn gossip_socket(mut self, wrap: GossipSocketWrapper) -> Self {
         self.gossip_socket = Some(wrap);
+        self
+    }
+
+    /// Runs the node on `machine`'s sockets and threads instead of the operating system's
+    /// (crate-private: only the test kit's whole-node simulation swaps it).
+    #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
+    pub(crate) fn machine(mut self, machine: Arc<dyn Machine>) -> Self {
+        self.machine = machine;
         self
     }
 

@@ -15,7 +15,6 @@ use serde::{Deserialize, Serialize};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use crate::clock::Instant;
 use crate::membership::failure_detector::{HeartbeatAction, HeartbeatCore, HeartbeatInput};
 use crate::membership::{FailureDetectorSettings, MembershipHandle, MembershipSnapshot, PeerAddr, UniqueAddress};
 use crate::transport::{Transport, wire};
@@ -108,7 +107,7 @@ pub(crate) async fn run_heartbeats(
         peers.keys().cloned().chain(std::iter::once(me.clone())).collect::<BTreeSet<_>>()
     };
     let initial = on_members(&members.borrow_and_update(), &mut peers);
-    core.handle(HeartbeatInput::Members(initial), Instant::now(), &mut out);
+    core.handle(HeartbeatInput::Members(initial), crate::clock::now(), &mut out);
     loop {
         let mut reply_to = None;
         perform(&transport, &stats, &peers, &mut out, &mut reply_to);
@@ -123,14 +122,14 @@ pub(crate) async fn run_heartbeats(
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
-            _ = tick.tick() => core.handle(HeartbeatInput::Tick, Instant::now(), &mut out),
+            _ = tick.tick() => core.handle(HeartbeatInput::Tick, crate::clock::now(), &mut out),
             changed = members.changed() => {
                 if changed.is_err() {
                     return;
                 }
                 let snap: Arc<MembershipSnapshot> = members.borrow_and_update().clone();
                 let ring = on_members(&snap, &mut peers);
-                core.handle(HeartbeatInput::Members(ring), Instant::now(), &mut out);
+                core.handle(HeartbeatInput::Members(ring), crate::clock::now(), &mut out);
             }
             msg = inbound.recv() => {
                 let Some(msg) = msg else { return };
@@ -138,13 +137,13 @@ pub(crate) async fn run_heartbeats(
                 match wire::decode::<HeartbeatFrame>(&msg.body) {
                     Ok(HeartbeatFrame::Request { seq }) => {
                         reply_to = Some(msg.from);
-                        core.handle(HeartbeatInput::Request { from, seq }, Instant::now(), &mut out);
+                        core.handle(HeartbeatInput::Request { from, seq }, crate::clock::now(), &mut out);
                         perform(&transport, &stats, &peers, &mut out, &mut reply_to);
                     }
                     Ok(HeartbeatFrame::Response { seq }) => {
                         stats.responses_received.fetch_add(1, Ordering::Relaxed);
                         let ignored = core.ignored;
-                        core.handle(HeartbeatInput::Response { from, seq }, Instant::now(), &mut out);
+                        core.handle(HeartbeatInput::Response { from, seq }, crate::clock::now(), &mut out);
                         if core.ignored != ignored {
                             stats.responses_ignored.fetch_add(1, Ordering::Relaxed);
                         }

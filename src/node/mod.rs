@@ -26,8 +26,10 @@ use crate::config::NodeConfig;
 use crate::ddata::{self, DurableStore, Replicator, ReplicatorParams};
 use crate::deadline::DeadlineSweep;
 use crate::error::{Error, Result};
+use crate::machine::DiskWriter;
 use crate::membership::{
-    Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot, UniqueAddress,
+    GossipSockets, Member, MemberEvent, MemberStatus, MembershipDriver, MembershipHandle, MembershipSnapshot,
+    UniqueAddress,
 };
 use crate::spawn::Spawner;
 use crate::transport::{Endpoint, Transport};
@@ -134,16 +136,13 @@ impl Node {
             cluster_id: config.cluster_id.clone(),
             secrets: config.secrets(),
             settings: config.transport.clone(),
+            machine: b.machine.clone(),
         };
         let transport = Transport::bind_with(endpoint, spawner.clone(), b.link_filter).await?;
-        let started = MembershipDriver::start(
-            &config,
-            address.clone(),
-            transport.local().messaging_addr,
-            b.gossip_socket.as_ref(),
-            b.discovery,
-        )
-        .await;
+        let sockets = GossipSockets { machine: &*b.machine, wrap: b.gossip_socket.as_ref() };
+        let started =
+            MembershipDriver::start(&config, address.clone(), transport.local().messaging_addr, sockets, b.discovery)
+                .await;
         let (membership, mut driver) = or_shut_down(&spawner, started).await?;
         let floor_store = store.clone();
         driver.set_generation_floor(Arc::new(move |generation| floor_store.raise_generation_floor(generation)));
@@ -160,7 +159,7 @@ impl Node {
                 shutdown.clone(),
             ),
         );
-        let params = replicator_params(&config, &address);
+        let params = replicator_params(&config, &address, b.machine.disk_writer());
         let started = ddata::start(params, transport.clone(), membership.watch(), store, spawner.clone()).await;
         let replicator = or_shut_down(&spawner, started).await?;
         let deadlines = spawn_housekeeping(&spawner, &membership, &transport);
@@ -298,7 +297,7 @@ impl Node {
         }
         let observation = Observation { stopped, status, storage_failing, regions };
         let (ready, not_ready_because) =
-            self.inner.readiness.lock().expect("readiness lock").observe(observation, crate::clock::Instant::now());
+            self.inner.readiness.lock().expect("readiness lock").observe(observation, crate::clock::now());
         Readiness { ready, not_ready_because }
     }
 
@@ -388,6 +387,15 @@ impl Node {
         self.inner.data_dir_lock.lock().expect("lock slot").take();
     }
 
+    /// What a crash leaves of a node once every one of its tasks is gone (the test kit's
+    /// whole-node simulation drops the runtime they ran on): its data dir unlocked, as a dead
+    /// process holds no lock, and the handles still held elsewhere seeing a stopped node.
+    #[cfg(feature = "testkit")]
+    pub(crate) fn mark_crashed(&self) {
+        self.inner.data_dir_lock.lock().expect("lock slot").take();
+        self.inner.spawner.stop("crashed".into());
+    }
+
     /// Whether the node stopped: [`Node::shutdown`] or leave was called, or it stopped by
     /// itself (see [`Node::stop_reason`]).
     pub fn is_shut_down(&self) -> bool {
@@ -406,9 +414,11 @@ impl Node {
 async fn open_store(config: &NodeConfig) -> Result<(DurableStore, u64)> {
     let dir = config.data_dir.join("ddata");
     let map_size = config.replicator.lmdb_map_size;
+    // Read here, not on the blocking thread: the runtime's clock is the node's clock.
+    let now_ms = wall_ms();
     tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
         let store = DurableStore::open(&dir, map_size)?;
-        let generation = store.next_generation(wall_ms())?;
+        let generation = store.next_generation(now_ms)?;
         Ok((store, generation))
     })
     .await
@@ -437,7 +447,7 @@ async fn or_shut_down<T>(spawner: &Spawner, started: Result<T>) -> Result<T> {
     started
 }
 
-fn replicator_params(config: &NodeConfig, address: &UniqueAddress) -> ReplicatorParams {
+fn replicator_params(config: &NodeConfig, address: &UniqueAddress, disk_writer: DiskWriter) -> ReplicatorParams {
     let r = &config.replicator;
     ReplicatorParams {
         self_addr: address.clone(),
@@ -448,6 +458,7 @@ fn replicator_params(config: &NodeConfig, address: &UniqueAddress) -> Replicator
         max_message_bytes: config.replicator_message_bytes(),
         max_map_size: r.lmdb_max_map_size,
         forget_absent_after: Some(r.forget_absent_after).filter(|d| !d.is_zero()),
+        disk_writer,
     }
 }
 

@@ -24,7 +24,6 @@ use super::region_ref::{RegionRef, coordinator_request, stand_in_has_no_cluster}
 use super::settings::ShardingSettings;
 use super::shard::{Factory, LocalShards, RegionParts};
 use super::{ClusterShardingStats, Entity, StartOptions, coordinator, keys};
-use crate::clock::Instant;
 use crate::ddata::{Consistency, LwwMap};
 use crate::deadline::DeadlineSweep;
 use crate::error::{Error, Result};
@@ -406,7 +405,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         type_name: type_name.to_string(),
         role: settings.role.clone(),
         transport,
-        core: RegionCore::new(me, proxy, region_settings, Instant::now()),
+        core: RegionCore::new(me, proxy, region_settings, crate::clock::now()),
         shards,
         settings: settings.clone(),
         shared,

@@ -25,6 +25,7 @@ use crate::node::Node;
 pub mod dns;
 pub mod process;
 pub mod sim;
+pub mod virtual_time;
 
 pub use crate::activation::{Activation, ActivationGuard, ActivationLog, check_activations};
 
@@ -52,6 +53,11 @@ impl FaultInjector {
 
     /// Starts a node whose messaging and gossip go through this switchboard.
     pub async fn start_node(&self, config: NodeConfig) -> Result<Node> {
+        self.builder(config).start().await
+    }
+
+    /// A builder for a node whose messaging and gossip go through this switchboard.
+    pub(crate) fn builder(&self, config: NodeConfig) -> crate::node::NodeBuilder {
         let injector = self.clone();
         let wrap: crate::membership::GossipSocketWrapper = Arc::new(move |socket, address, gossip_addr| {
             // Only the UDP address: messaging is cut by node id, and a TCP port may carry the
@@ -59,7 +65,7 @@ impl FaultInjector {
             injector.register_gossip_addr(&address.node_id, gossip_addr);
             Box::new(FaultySocket::new(socket, address.node_id.clone(), injector.clone()))
         });
-        Node::builder(config).link_filter(Arc::new(self.clone())).gossip_socket(wrap).start().await
+        Node::builder(config).link_filter(Arc::new(self.clone())).gossip_socket(wrap)
     }
 
     /// Records which node owns a gossip (UDP) address; a later owner of the same address (a

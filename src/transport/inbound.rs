@@ -8,15 +8,14 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{FutureExt, SinkExt, StreamExt};
-use tokio::net::{TcpListener, TcpStream};
 use tokio_util::codec::{Framed, LengthDelimitedCodec};
 use tracing::{debug, info, warn};
 
 use super::admission::HandshakeSlots;
-use super::outbound::configure_socket;
 use super::wire::{self, Frame, Hello, HelloReply, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RejectReason};
 use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, RouteCache, codec, cut, dispatch, noise};
 use crate::log_limit::LogLimiter;
+use crate::machine::{BoxedConnection, Listener};
 use crate::membership::{PeerStanding, UniqueAddress};
 use tokio_util::sync::CancellationToken;
 
@@ -62,7 +61,7 @@ impl InboundLimits {
     }
 }
 
-pub(super) async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
+pub(super) async fn accept_loop(mut listener: Box<dyn Listener>, inner: Arc<Inner>) {
     let limits = Arc::new(InboundLimits {
         handshaking: Mutex::new(HandshakeSlots::new(
             inner.settings.max_handshaking_connections,
@@ -84,7 +83,6 @@ pub(super) async fn accept_loop(listener: TcpListener, inner: Arc<Inner>) {
                     debug!(%remote, "inbound connection over the per-address handshake limit; closed");
                     continue;
                 };
-                let _ = configure_socket(&stream, &inner.settings);
                 inner.spawner.spawn(read_connection(inner.clone(), stream, remote, permit));
             }
             Err(e) => {
@@ -147,7 +145,7 @@ impl tokio_util::codec::Decoder for InboundCodec {
     }
 }
 
-async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAddr, permit: HandshakePermit) {
+async fn read_connection(inner: Arc<Inner>, stream: BoxedConnection, remote: SocketAddr, permit: HandshakePermit) {
     let limits = permit.limits.clone();
     let result = tokio::select! {
         _ = inner.shutdown.cancelled() => Ok(()),
@@ -164,7 +162,11 @@ async fn read_connection(inner: Arc<Inner>, stream: TcpStream, remote: SocketAdd
     }
 }
 
-async fn serve_connection(inner: &Arc<Inner>, stream: TcpStream, permit: HandshakePermit) -> Result<(), InboundError> {
+async fn serve_connection(
+    inner: &Arc<Inner>,
+    stream: BoxedConnection,
+    permit: HandshakePermit,
+) -> Result<(), InboundError> {
     let handshake = tokio::time::timeout(inner.settings.connect_timeout, accept_handshake(inner, stream, &permit));
     let (from, mut framed, version) = tokio::select! {
         _ = permit.evicted.cancelled() => return Err(InboundError::Evicted),
@@ -238,9 +240,9 @@ const RECEIVE_BATCH_BYTES: usize = 256 * 1024;
 /// before saying anything.
 async fn accept_handshake(
     inner: &Arc<Inner>,
-    stream: TcpStream,
+    stream: BoxedConnection,
     permit: &HandshakePermit,
-) -> Result<Option<(PeerAddr, Framed<TcpStream, InboundCodec>, u32)>, InboundError> {
+) -> Result<Option<(PeerAddr, Framed<BoxedConnection, InboundCodec>, u32)>, InboundError> {
     let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     // A dialer sends its first frame right after connecting: a silent connection is an idle
     // slot-holder, closed long before the whole handshake's deadline.

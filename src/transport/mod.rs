@@ -37,7 +37,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::codec::LengthDelimitedCodec;
 use tokio_util::sync::CancellationToken;
@@ -45,6 +44,7 @@ use tracing::{debug, warn};
 
 use crate::config::TransportSettings;
 use crate::error::{Error, Result};
+use crate::machine::{Machine, OsMachine};
 use crate::membership::UniqueAddress;
 use crate::secret::ClusterSecret;
 use crate::spawn::Spawner;
@@ -184,6 +184,8 @@ struct Inner {
     /// Frames this node sends to itself, dispatched in order by one task.
     loopback: mpsc::UnboundedSender<Bytes>,
     link_filter: Option<Arc<dyn LinkFilter>>,
+    /// The sockets this node dials with.
+    machine: Arc<dyn Machine>,
     spawner: Spawner,
     /// The node's membership: once set, only current members' incarnations are accepted.
     members: std::sync::OnceLock<tokio::sync::watch::Receiver<Arc<crate::membership::MembershipSnapshot>>>,
@@ -279,6 +281,8 @@ pub(crate) struct Endpoint {
     pub(crate) cluster_id: String,
     pub(crate) secrets: Vec<ClusterSecret>,
     pub(crate) settings: TransportSettings,
+    /// The machine whose sockets it listens and dials on.
+    pub(crate) machine: Arc<dyn Machine>,
 }
 
 impl Transport {
@@ -295,7 +299,8 @@ impl Transport {
     ) -> Result<Transport> {
         let spawner = Spawner::new(tracing::Span::current(), shutdown);
         let secrets = secret.into_iter().cloned().collect();
-        let endpoint = Endpoint { bind, advertise: None, local, cluster_id, secrets, settings };
+        let endpoint =
+            Endpoint { bind, advertise: None, local, cluster_id, secrets, settings, machine: Arc::new(OsMachine) };
         Self::bind_with(endpoint, spawner, None).await
     }
 
@@ -307,10 +312,12 @@ impl Transport {
         spawner: Spawner,
         link_filter: Option<Arc<dyn LinkFilter>>,
     ) -> Result<Transport> {
-        let Endpoint { bind, advertise, local, cluster_id, secrets, settings } = endpoint;
+        let Endpoint { bind, advertise, local, cluster_id, secrets, settings, machine } = endpoint;
         let shutdown = spawner.shutdown_token().clone();
-        let listener =
-            TcpListener::bind(bind).await.map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
+        let listener = machine
+            .listen(bind, settings.keepalive)
+            .await
+            .map_err(|e| Error::io(format!("binding messaging address {bind}"), e))?;
         let bound = listener.local_addr().map_err(|e| Error::io("reading bound messaging address", e))?;
         // What peers dial, and what the Noise prologue binds a connection to.
         let messaging_addr = crate::config::advertised_addr(bound, advertise)?;
@@ -328,6 +335,7 @@ impl Transport {
             shutdown,
             loopback: loopback_tx,
             link_filter,
+            machine,
             spawner,
             members: std::sync::OnceLock::new(),
             inbound: Mutex::default(),

@@ -7,14 +7,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
-use tokio::net::TcpStream;
 use tokio_util::codec::Framed;
 use tracing::{debug, warn};
 
 use super::wire::{self, BINARY_FRAMES, Hello, HelloReply, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RejectReason};
 use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, PeerQueue, codec, cut, noise};
-use crate::config::TransportSettings;
 use crate::error::Error;
+use crate::machine::BoxedConnection;
 
 /// Dials the peer, handshakes, then writes whatever has queued up in one write per wake-up;
 /// reconnects with backoff. Frames in a failed write are lost (delivery is at most once).
@@ -162,7 +161,7 @@ async fn write_queued(inner: &Inner, peer: &PeerAddr, queue: &PeerQueue, link: &
 
 /// Writes all of `buf`, failing if the peer accepts no byte for `stall` (a peer that stopped
 /// reading, or a dead path TCP would retransmit into for many minutes).
-async fn write_making_progress(stream: &mut TcpStream, mut buf: &[u8], stall: Duration) -> std::io::Result<()> {
+async fn write_making_progress(stream: &mut BoxedConnection, mut buf: &[u8], stall: Duration) -> std::io::Result<()> {
     use tokio::io::AsyncWriteExt;
     while !buf.is_empty() {
         match tokio::time::timeout(stall, stream.write(buf)).await {
@@ -180,20 +179,9 @@ async fn write_making_progress(stream: &mut TcpStream, mut buf: &[u8], stall: Du
     Ok(())
 }
 
-/// No Nagle delay, and TCP keepalive so a peer that vanished (power cut, dropped route) is
-/// noticed on an idle connection instead of never.
-pub(super) fn configure_socket(stream: &TcpStream, settings: &TransportSettings) -> std::io::Result<()> {
-    stream.set_nodelay(true)?;
-    let probe_every = (settings.keepalive / 3).max(Duration::from_secs(1));
-    let keepalive = socket2::TcpKeepalive::new().with_time(settings.keepalive).with_interval(probe_every);
-    #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
-    let keepalive = keepalive.with_retries(3);
-    socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
-}
-
 /// An established outbound connection: the socket and, with a secret, its sending cipher.
 struct Link {
-    stream: TcpStream,
+    stream: BoxedConnection,
     cipher: Option<snow::TransportState>,
 }
 
@@ -234,8 +222,7 @@ fn close_writer(inner: &Inner, peer: &PeerAddr, queue: &Arc<PeerQueue>, reason: 
 
 async fn dial(inner: &Inner, peer: &PeerAddr, version: u32) -> Result<Link, DialError> {
     use tokio::io::AsyncWriteExt;
-    let stream = TcpStream::connect(peer.messaging_addr).await.map_err(DialError::Io)?;
-    configure_socket(&stream, &inner.settings).map_err(DialError::Io)?;
+    let stream = inner.machine.connect(peer.messaging_addr, inner.settings.keepalive).await.map_err(DialError::Io)?;
     let mut framed = Framed::new(stream, codec(MAX_HANDSHAKE_FRAME));
     let hello = Hello {
         protocol_version: version,

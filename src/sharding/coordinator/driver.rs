@@ -26,7 +26,7 @@ use super::take_over::{
     REMEMBERED_SHARDS, StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction,
     TakeOverInput, TakeOverState,
 };
-use crate::clock::{Instant, wall_ms};
+use crate::clock::wall_ms;
 use crate::ddata::{FencedMap, GSet, Replicator};
 use crate::error::Error;
 use crate::membership::MembershipSnapshot;
@@ -138,7 +138,7 @@ impl CoordinatorDriver {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut snap = members.borrow_and_update().clone();
         let mut single = Vec::new();
-        singleton.handle(SingletonInput::Host(snap.hosts_singleton(role.as_deref())), Instant::now(), &mut single);
+        singleton.handle(SingletonInput::Host(snap.hosts_singleton(role.as_deref())), crate::clock::now(), &mut single);
         loop {
             let mut out = Vec::new();
             for action in single.drain(..) {
@@ -147,7 +147,7 @@ impl CoordinatorDriver {
             if let Some(r) = running.as_mut() {
                 self.perform(r, &mut out, &snap, &done_tx);
             }
-            let (now, wall) = (Instant::now(), wall_ms());
+            let (now, wall) = (crate::clock::now(), wall_ms());
             tokio::select! {
                 _ = shutdown.cancelled() => break,
                 changed = members.changed() => {
@@ -243,8 +243,14 @@ impl CoordinatorDriver {
                 let inbound = self.node.transport().subscribe(&keys::coordinator_topic(&self.type_name), 65_536);
                 let me = self.node.address().clone();
                 let members = Some(MembersView::of(snap));
-                let core =
-                    state.start_coordinator(me, cs, self.strategy.clone(), members, (Instant::now(), wall_ms()), out);
+                let core = state.start_coordinator(
+                    me,
+                    cs,
+                    self.strategy.clone(),
+                    members,
+                    (crate::clock::now(), wall_ms()),
+                    out,
+                );
                 *running = Some(Running { core, term, inbound, write: None });
                 self.metrics.coordinator_active(true);
             }
@@ -272,14 +278,16 @@ impl CoordinatorDriver {
                 Ok(CoordinatorQuery::CurrentRegions) => {
                     wire::encode(&core.regions().cloned().collect::<BTreeSet<crate::sharding::RegionId>>())
                 }
-                Ok(CoordinatorQuery::Allocation) => wire::encode(&core.allocation_table(type_name, Instant::now())),
+                Ok(CoordinatorQuery::Allocation) => {
+                    wire::encode(&core.allocation_table(type_name, crate::clock::now()))
+                }
                 Ok(CoordinatorQuery::Explain { shard }) => {
-                    wire::encode(&core.explain(type_name, &shard, Instant::now()))
+                    wire::encode(&core.explain(type_name, &shard, crate::clock::now()))
                 }
                 Ok(CoordinatorQuery::RebalancePlan) => wire::encode(&core.rebalance_plan(type_name)),
                 Ok(CoordinatorQuery::Rebalance) => {
                     let in_progress = core.in_progress();
-                    core.handle(CoordinatorInput::RebalanceNow, Instant::now(), wall_ms(), out);
+                    core.handle(CoordinatorInput::RebalanceNow, crate::clock::now(), wall_ms(), out);
                     let round = core.take_requested_round().unwrap_or_else(|| Err("the round did not run".into()));
                     wire::encode(&plan_dto(type_name, round, in_progress, true))
                 }
@@ -296,7 +304,7 @@ impl CoordinatorDriver {
             Ok(msg) => {
                 debug!(type_name = %self.type_name, ?msg, "coordinator received");
                 let input = CoordinatorInput::FromRegion { from: m.from.address, msg };
-                core.handle(input, Instant::now(), wall_ms(), out);
+                core.handle(input, crate::clock::now(), wall_ms(), out);
             }
             Err(e) => warn!(peer = %m.from.address, error = %e, "malformed coordinator message dropped"),
         }
@@ -344,7 +352,7 @@ impl CoordinatorDriver {
         let mut out = Vec::new();
         let mut write = StateWrite::start(&self.settings, entries, term, &mut out);
         async move {
-            let started = Instant::now();
+            let started = crate::clock::now();
             while let Some(action) = out.pop() {
                 match action {
                     StateWriteAction::Write { entries, term, consistency, timeout, remembered } => {

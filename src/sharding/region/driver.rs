@@ -333,7 +333,7 @@ impl<E: Entity> RegionDriver<E> {
     }
 
     fn process(&mut self) {
-        let now = Instant::now();
+        let now = crate::clock::now();
         while let Some(w) = self.work.pop_front() {
             match w {
                 Work::Region(input) => {

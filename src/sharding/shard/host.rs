@@ -160,7 +160,7 @@ impl<E: Entity> ShardDirectory<E> {
         let Some((shard_id, cell)) = shards.get_key_value(shard_id) else { return Err(env) };
         let mut shard = cell.lock();
         if !self.launcher.runner.routed.is_clear(stripe)
-            || shard.core.direct_slot(entity_id, crate::clock::Instant::now()).is_none()
+            || shard.core.direct_slot(entity_id, crate::clock::now()).is_none()
         {
             return Err(env);
         }

@@ -1,0 +1,433 @@
+//! Whole nodes in virtual time: the shipped node — every driver, the transport, chitchat, the
+//! persist worker, the entity tasks — run unchanged on a simulated machine, with time that
+//! moves only when every node is idle.
+//!
+//! **How.** Each node runs on its own current-thread tokio runtime with a paused clock, and so
+//! does the test ([`VirtualRun::run`] hands it a [`VirtualCluster`]). One thread steps them
+//! together: every runtime runs what is ready, then its clock moves on by one tick, so all
+//! clocks read the same instant between steps and a second of timers costs what the nodes do
+//! in it, not a second. A commit on the disk (the blocking pool) holds its node's clock — and so
+//! everyone's — until it is done. Messaging uses in-memory pipes and gossip chitchat's
+//! in-process transport ([`network`]); links are cut by the same [`FaultInjector`] as in
+//! [`super::TestCluster`]. [`crate::clock::wall_ms`] follows the virtual clock on the stepping
+//! thread.
+//!
+//! **Crash.** [`VirtualCluster::crash`] drops the node's runtime: every task of the node ends
+//! where it stood, what the persist worker had not committed is lost, its pipes break and its
+//! listener and gossip address are freed; a restart opens the same data dir as a new
+//! incarnation. That is a process crash, which [`super::TestCluster::kill`] (a graceful stop)
+//! is not.
+//!
+//! **What it is not.** Not byte-for-byte replayable like [`super::sim`]: tasks within one
+//! tick interleave as tokio schedules them, hash maps are seeded per process, and a commit's
+//! real duration does not count. A seed fixes the faults and the workload; a failure found is
+//! made into a named test by its schedule. Gossip is plain (a cluster secret needs the
+//! operating system's UDP sockets), and links have no latency of their own beyond a tick.
+
+mod network;
+
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tempfile::TempDir;
+use tokio::runtime::{Handle, Runtime};
+use tokio::sync::{mpsc, oneshot};
+
+use super::{FaultInjector, eventually, init_test_tracing, test_config};
+use crate::config::NodeConfig;
+use crate::error::{Error, Result};
+use crate::membership::MemberStatus;
+use crate::node::Node;
+use network::SimulatedNetwork;
+
+/// Every runtime's clock is moved this far ahead when it is made, so that one made later (a
+/// restarted node's, whose clock starts at the real time) is never ahead of the others and can
+/// always be moved to the shared instant.
+const HEADROOM: Duration = Duration::from_secs(24 * 3600);
+
+/// Gossip and messaging ports of every simulated node (each node has its own address).
+const GOSSIP_PORT: u16 = 7946;
+const MESSAGING_PORT: u16 = 7947;
+
+/// Hook that changes node `i`'s configuration before it starts.
+type Customize = dyn Fn(usize, &mut NodeConfig) + Send + Sync;
+
+/// A run of whole nodes in virtual time: how many, their configuration, the tick and the
+/// virtual-time limit.
+pub struct VirtualRun {
+    nodes: usize,
+    customize: Arc<Customize>,
+    tick: Duration,
+    limit: Duration,
+}
+
+impl VirtualRun {
+    /// `nodes` nodes `n1..=nN` with [`test_config`] settings; `n1` forms the cluster.
+    pub fn new(nodes: usize) -> Self {
+        VirtualRun {
+            nodes,
+            customize: Arc::new(|_, _| {}),
+            tick: Duration::from_millis(1),
+            limit: Duration::from_secs(3600),
+        }
+    }
+
+    /// Changes node `i`'s configuration (index from 0) before each of its starts.
+    pub fn configure(mut self, customize: impl Fn(usize, &mut NodeConfig) + Send + Sync + 'static) -> Self {
+        self.customize = Arc::new(customize);
+        self
+    }
+
+    /// How far every clock moves per step (default 1 ms, tokio's timer resolution).
+    pub fn tick(mut self, tick: Duration) -> Self {
+        self.tick = tick.max(Duration::from_millis(1));
+        self
+    }
+
+    /// The run fails once this much virtual time has passed (default an hour).
+    pub fn time_limit(mut self, limit: Duration) -> Self {
+        self.limit = limit;
+        self
+    }
+
+    /// Starts the nodes one by one (each joining those already up) and runs `test` against
+    /// them; returns what `test` returns, or panics with its panic or when the time limit is
+    /// reached. Call it from a plain `#[test]`, not inside a runtime.
+    pub fn run<T, F, Fut>(self, test: F) -> T
+    where
+        F: FnOnce(VirtualCluster) -> Fut,
+        Fut: Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        init_test_tracing();
+        let dirs: Vec<TempDir> = (0..self.nodes).map(|_| tempfile::tempdir().expect("a temp dir")).collect();
+        let (commands, rx) = mpsc::unbounded_channel();
+        let cluster = VirtualCluster {
+            shared: Arc::new(Shared {
+                nodes: Mutex::new(vec![None; self.nodes]),
+                dirs: dirs.iter().map(|d| d.path().to_path_buf()).collect(),
+                customize: self.customize,
+            }),
+            commands,
+            injector: FaultInjector::new(),
+        };
+        let mut world = World::new(self.tick, cluster.clone(), rx);
+        let nodes = self.nodes;
+        let starting = cluster.clone();
+        let body = test(cluster);
+        let task = world.client.spawn(async move {
+            for i in 0..nodes {
+                starting.start(i).await.unwrap_or_else(|e| panic!("n{} did not start: {e}", i + 1));
+            }
+            body.await
+        });
+        while !task.is_finished() {
+            assert!(world.elapsed < self.limit, "the run passed its virtual-time limit of {:?}", self.limit);
+            world.step();
+        }
+        let outcome = world.client.block_on(task);
+        world.stop();
+        drop(dirs);
+        match outcome {
+            Ok(value) => value,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => panic!("the test task ended without an outcome: {e}"),
+        }
+    }
+}
+
+/// What the test and the stepping thread share.
+struct Shared {
+    /// Each running node with the runtime it runs on.
+    nodes: Mutex<Vec<Option<(Node, Handle)>>>,
+    dirs: Vec<PathBuf>,
+    customize: Arc<Customize>,
+}
+
+/// What only the stepping thread can do: make and drop runtimes.
+enum Command {
+    Start { i: usize, config: Box<NodeConfig>, done: oneshot::Sender<Result<()>> },
+    Crash { i: usize, done: oneshot::Sender<()> },
+}
+
+/// The test's handle on a [`VirtualRun`]'s nodes. Cheap to clone.
+#[derive(Clone)]
+pub struct VirtualCluster {
+    shared: Arc<Shared>,
+    commands: mpsc::UnboundedSender<Command>,
+    injector: FaultInjector,
+}
+
+impl std::fmt::Debug for VirtualCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VirtualCluster").field("nodes", &self.len()).finish()
+    }
+}
+
+impl VirtualCluster {
+    /// Node id of index `i`.
+    pub fn node_id(i: usize) -> String {
+        format!("n{}", i + 1)
+    }
+
+    /// Number of node slots (running or not).
+    pub fn len(&self) -> usize {
+        self.shared.dirs.len()
+    }
+
+    /// True when the run has no nodes.
+    pub fn is_empty(&self) -> bool {
+        self.shared.dirs.is_empty()
+    }
+
+    /// Node `i`, if it runs.
+    pub fn node(&self, i: usize) -> Option<Node> {
+        self.shared.nodes.lock().expect("nodes").get(i)?.as_ref().map(|(n, _)| n.clone())
+    }
+
+    /// Running nodes with their indexes.
+    pub fn running(&self) -> Vec<(usize, Node)> {
+        let nodes = self.shared.nodes.lock().expect("nodes");
+        nodes.iter().enumerate().filter_map(|(i, n)| Some((i, n.as_ref()?.0.clone()))).collect()
+    }
+
+    /// Data dir of node `i`.
+    pub fn data_dir(&self, i: usize) -> &Path {
+        &self.shared.dirs[i]
+    }
+
+    /// The shared fault injector.
+    pub fn injector(&self) -> &FaultInjector {
+        &self.injector
+    }
+
+    /// Cuts gossip and messaging between the two sets of node indexes.
+    pub fn partition(&self, a: &[usize], b: &[usize]) {
+        let ids = |v: &[usize]| v.iter().map(|i| Self::node_id(*i)).collect::<Vec<_>>();
+        let (a, b) = (ids(a), ids(b));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let b: Vec<&str> = b.iter().map(String::as_str).collect();
+        self.injector.cut(&a, &b);
+    }
+
+    /// Heals every cut.
+    pub fn heal(&self) {
+        self.injector.heal_all();
+    }
+
+    /// Runs `f` with node `i` on that node's runtime (so what it spawns is the node's, and ends
+    /// with a crash of it); `None` if the node does not run or crashes before `f` ends.
+    pub async fn on_node<T, F, Fut>(&self, i: usize, f: F) -> Option<T>
+    where
+        F: FnOnce(Node) -> Fut,
+        Fut: Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let (node, handle) = self.shared.nodes.lock().expect("nodes").get(i)?.clone()?;
+        handle.spawn(f(node)).await.ok()
+    }
+
+    /// Crashes node `i` (see the module doc); nothing if it does not run.
+    pub async fn crash(&self, i: usize) {
+        let (done, crashed) = oneshot::channel();
+        if self.commands.send(Command::Crash { i, done }).is_ok() {
+            let _ = crashed.await;
+        }
+    }
+
+    /// Stops node `i` gracefully ([`Node::shutdown`]: no leave, no hand-off), then frees its
+    /// runtime.
+    pub async fn shutdown(&self, i: usize) {
+        if let Some(node) = self.node(i) {
+            node.shutdown().await;
+        }
+        self.crash(i).await;
+    }
+
+    /// Starts node `i` on its data dir (a new incarnation after a crash), joining through the
+    /// Up members (or, while none is Up, every running node).
+    pub async fn start(&self, i: usize) -> Result<()> {
+        let config = self.config_for(i, true);
+        self.start_with(i, config).await
+    }
+
+    /// Crashes node `i` if it runs, then starts it again.
+    pub async fn restart(&self, i: usize) -> Result<()> {
+        self.crash(i).await;
+        self.start(i).await
+    }
+
+    /// Restarts node `i` with no seeds, so it forms a new cluster (what an operator does when
+    /// every member is gone).
+    pub async fn restart_forming(&self, i: usize) -> Result<()> {
+        self.crash(i).await;
+        let config = self.config_for(i, false);
+        self.start_with(i, config).await
+    }
+
+    async fn start_with(&self, i: usize, config: NodeConfig) -> Result<()> {
+        let (done, started) = oneshot::channel();
+        let command = Command::Start { i, config: Box::new(config), done };
+        self.commands.send(command).map_err(|_| Error::ShutDown)?;
+        // A start cut short by a crash of the node: its runtime is gone.
+        started.await.unwrap_or(Err(Error::ShutDown))
+    }
+
+    fn config_for(&self, i: usize, with_seeds: bool) -> NodeConfig {
+        let mut cfg = test_config(&Self::node_id(i), &self.shared.dirs[i], "virtual-cluster");
+        cfg.gossip_addr = SocketAddr::new(ip_of(i), GOSSIP_PORT);
+        cfg.messaging_addr = SocketAddr::new(ip_of(i), MESSAGING_PORT);
+        if with_seeds {
+            let running: Vec<Node> = self.running().into_iter().map(|(_, n)| n).filter(|n| !n.is_shut_down()).collect();
+            let up: Vec<&Node> = running.iter().filter(|n| is_member(n)).collect();
+            let seeds: Vec<&Node> = if up.is_empty() { running.iter().collect() } else { up };
+            cfg.seeds = seeds.into_iter().map(|n| n.gossip_addr().into()).collect();
+        }
+        (self.shared.customize)(i, &mut cfg);
+        cfg
+    }
+
+    /// Whether every running node lists exactly the running nodes, all Up and reachable.
+    pub fn is_converged(&self) -> bool {
+        let running = self.running();
+        let mut expected: Vec<&str> = running.iter().map(|(_, n)| n.node_id()).collect();
+        expected.sort_unstable();
+        running.iter().all(|(_, n)| {
+            let members = n.members();
+            let mut ids: Vec<&str> = members.iter().map(|m| m.node_id()).collect();
+            ids.sort_unstable();
+            ids == expected && members.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
+        })
+    }
+
+    /// Waits (in virtual time) until [`VirtualCluster::is_converged`]; panics after `timeout`.
+    pub async fn await_converged(&self, timeout: Duration) {
+        eventually(timeout, "all running nodes see exactly the running nodes up", || {
+            std::future::ready(self.is_converged().then_some(()))
+        })
+        .await
+    }
+}
+
+/// Whether `node` runs and is an Up member in its own view.
+fn is_member(node: &Node) -> bool {
+    !node.is_shut_down() && node.membership().self_member().is_some_and(|m| m.status() == MemberStatus::Up)
+}
+
+/// Node `i`'s address on the simulated network.
+fn ip_of(i: usize) -> IpAddr {
+    let host = u8::try_from(i + 1).expect("at most 254 simulated nodes");
+    IpAddr::from([127, 0, 0, host])
+}
+
+/// The stepping thread's side: the runtimes and the clock they share.
+struct World {
+    /// The test's runtime.
+    client: Runtime,
+    /// Each node's runtime while it runs.
+    runtimes: Vec<Option<Runtime>>,
+    tick: Duration,
+    /// The instant every clock read when the run started.
+    origin: std::time::Instant,
+    /// Virtual time since the run started.
+    elapsed: Duration,
+    net: SimulatedNetwork,
+    cluster: VirtualCluster,
+    commands: mpsc::UnboundedReceiver<Command>,
+}
+
+impl World {
+    fn new(tick: Duration, cluster: VirtualCluster, commands: mpsc::UnboundedReceiver<Command>) -> World {
+        let client = paused_runtime();
+        client.block_on(tokio::time::advance(HEADROOM));
+        let origin = client.block_on(async { crate::clock::now() });
+        let wall = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        crate::clock::anchor_wall_clock(Some((wall, origin)));
+        let runtimes = (0..cluster.len()).map(|_| None).collect();
+        World {
+            client,
+            runtimes,
+            tick,
+            origin,
+            elapsed: Duration::ZERO,
+            net: SimulatedNetwork::default(),
+            cluster,
+            commands,
+        }
+    }
+
+    /// Every runtime runs what is ready and moves its clock on by one tick; then the test's
+    /// commands are carried out.
+    fn step(&mut self) {
+        let tick = self.tick;
+        for rt in self.runtimes.iter().flatten() {
+            rt.block_on(async { tokio::time::sleep(tick).await });
+        }
+        self.client.block_on(async { tokio::time::sleep(tick).await });
+        self.elapsed += self.tick;
+        while let Ok(command) = self.commands.try_recv() {
+            match command {
+                Command::Start { i, config, done } => self.start(i, *config, done),
+                Command::Crash { i, done } => {
+                    self.crash(i);
+                    let _ = done.send(());
+                }
+            }
+        }
+    }
+
+    /// A paused runtime whose clock reads the shared instant.
+    fn aligned_runtime(&self) -> Runtime {
+        let rt = paused_runtime();
+        let target = self.origin + self.elapsed;
+        let now = rt.block_on(async { crate::clock::now() });
+        let behind = target.checked_duration_since(now).expect("a new runtime's clock is behind the shared one");
+        rt.block_on(tokio::time::advance(behind));
+        rt
+    }
+
+    fn start(&mut self, i: usize, config: NodeConfig, done: oneshot::Sender<Result<()>>) {
+        self.crash(i);
+        let rt = self.aligned_runtime();
+        let machine = Arc::new(self.net.machine(ip_of(i)));
+        let builder = self.cluster.injector.builder(config).machine(machine);
+        let (shared, handle) = (self.cluster.shared.clone(), rt.handle().clone());
+        rt.spawn(async move {
+            let started = builder.start().await.map(|node| {
+                shared.nodes.lock().expect("nodes")[i] = Some((node, handle));
+            });
+            let _ = done.send(started);
+        });
+        self.runtimes[i] = Some(rt);
+    }
+
+    /// Drops node `i`'s runtime, and with it every task of the node.
+    fn crash(&mut self, i: usize) {
+        let node = self.cluster.shared.nodes.lock().expect("nodes")[i].take();
+        // Dropping the runtime waits for a commit in flight on its blocking pool, so the data
+        // dir is closed when this returns.
+        drop(self.runtimes[i].take());
+        if let Some((node, _)) = node {
+            node.mark_crashed();
+        }
+    }
+
+    /// Ends the run: every node crashes (nothing graceful is owed to a finished test).
+    fn stop(&mut self) {
+        for i in 0..self.runtimes.len() {
+            self.crash(i);
+        }
+        crate::clock::anchor_wall_clock(None);
+    }
+}
+
+fn paused_runtime() -> Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .expect("a current-thread runtime")
+}
