@@ -69,9 +69,13 @@ impl Drop for ActivationGuard {
         let now = SystemTime::now();
         // A poisoned lock still records the stop: a missing one would read as an overlap.
         let mut l = self.log.inner.lock().unwrap_or_else(|p| p.into_inner());
-        l.activations[self.index].stop = Some(now);
-        let line = format!("stop\t{}\t{}\n", self.index, micros(now));
-        write_line(&mut l, &line);
+        // Stopped already if its node died (`node_died`): the instance outlived its process only
+        // as memory nobody can run.
+        if l.activations[self.index].stop.is_none() {
+            l.activations[self.index].stop = Some(now);
+            let line = format!("stop\t{}\t{}\n", self.index, micros(now));
+            write_line(&mut l, &line);
+        }
     }
 }
 
@@ -153,6 +157,22 @@ impl ActivationLog {
         let line = format!("start\t{index}\t{epoch}\t{}\t{}\t{}\n", micros(now), escape(node), escape(entity_id));
         write_line(&mut l, &line);
         ActivationGuard { log: self.clone(), index }
+    }
+
+    /// Records that `node`'s process died now: every activation on it still live stops here, as
+    /// it would with its process (an in-process simulation of a crash may leave the instances
+    /// in memory, where nothing runs them).
+    pub fn node_died(&self, node: &str) {
+        let now = SystemTime::now();
+        let mut l = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let live: Vec<usize> = (0..l.activations.len())
+            .filter(|i| l.activations[*i].node == node && l.activations[*i].stop.is_none())
+            .collect();
+        for index in live {
+            l.activations[index].stop = Some(now);
+            let line = format!("stop\t{index}\t{}\n", micros(now));
+            write_line(&mut l, &line);
+        }
     }
 
     /// Every activation so far.
@@ -277,6 +297,21 @@ mod tests {
     fn act(id: &str, node: &str, epoch: u64, start: u64, stop: Option<u64>) -> Activation {
         let t = |s: u64| UNIX_EPOCH + Duration::from_secs(1_000_000 + s);
         Activation { entity_id: id.into(), node: node.into(), epoch, start: t(start), stop: stop.map(t) }
+    }
+
+    #[test]
+    fn a_dead_node_stops_its_live_activations_once_and_a_later_drop_keeps_that_stop() {
+        let log = ActivationLog::new();
+        let on_n1 = log.started("a", "n1", 1);
+        let on_n2 = log.started("b", "n2", 1);
+        log.node_died("n1");
+        let died = log.activations()[0].stop.expect("stopped when its node died");
+        assert_eq!(log.activations()[1].stop, None, "another node's activation runs on");
+        std::thread::sleep(Duration::from_millis(2));
+        drop(on_n1);
+        assert_eq!(log.activations()[0].stop, Some(died), "the drop of leftover memory changes nothing");
+        drop(on_n2);
+        assert!(log.activations()[1].stop.is_some());
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Seeded random fault runs: crash / partition / messaging-only cut / heal / restart / leave on
-//! a 5-node in-process cluster under traffic, with remembered entities and the activation
-//! checker. Every run must end with zero overlapping activations (acknowledged ids or not),
+//! a 5-node cluster under traffic, with remembered entities and the activation checker. One
+//! scenario, two clusters: in-process nodes in real time on a multi-threaded runtime
+//! (`TestCluster`, where a crash is a graceful stop), and whole nodes in virtual time
+//! (`VirtualCluster`, where a crash drops every task of the node and what its disk writer had not
+//! committed, and a run costs its CPU, not its timers). Every run must end with zero overlapping activations (acknowledged ids or not),
 //! epochs that never go back, every acknowledged (hence remembered) entity id running again
 //! without a message and then answering an ask with its own id, at least `MIN_ACKED` ids
 //! acknowledged, and no ask error of a kind the faults cannot explain (counted by kind).
@@ -8,17 +11,20 @@
 //! The seed fixes the fault schedule (which fault, which nodes, how long between steps); thread
 //! timing and the traffic interleaving still vary from run to run.
 //!
-//! - CI runs seeds 1–3 and the seeds that found real bugs, 14 and 20
-//!   (`cargo test --test random_faults`).
-//! - Soak: `DDSHARD_FAULT_SEEDS=200 cargo test --release --test random_faults -- --nocapture`
+//! - CI runs, in real time, seeds 1–3 and the seeds that found real bugs, 14 and 20; in virtual
+//!   time, seeds 1–`VIRTUAL_CI_SEEDS` (`cargo test --test random_faults`).
+//! - Soak: `DDSHARD_FAULT_SEEDS=200 cargo test --release --test random_faults real_time -- --nocapture`
 //!   (seeds 1..=200; `DDSHARD_FAULT_SEED_START` moves the range, `DDSHARD_FAULT_STEPS` sets
-//!   the faults per run, default 8).
-//! - Replay one: `DDSHARD_FAULT_SEED=<seed> cargo test --test random_faults -- --nocapture`.
+//!   the faults per run, default 8); the same with `DDSHARD_VFAULT_*` and the filter
+//!   `virtual_time` for the virtual-time runs.
+//! - Replay one: `DDSHARD_FAULT_SEED=<seed>` (or `DDSHARD_VFAULT_SEED`) with `-- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use async_trait::async_trait;
+use ddshard::testkit::virtual_time::{VirtualCluster, VirtualRun};
 use ddshard::testkit::{ActivationGuard, ActivationLog, TestCluster, fast_downing};
 use ddshard::{Entity, EntityContext, Node, ShardRegion, ShardingSettings};
 use rand::rngs::StdRng;
@@ -74,12 +80,117 @@ fn settings() -> ShardingSettings {
     }
 }
 
-async fn start_tracked(n: &Node, log: &ActivationLog) -> ShardRegion<Tracked> {
-    let (log, node) = (log.clone(), n.node_id().to_string());
+async fn start_tracked(n: Node, log: ActivationLog) -> ShardRegion<Tracked> {
+    let node = n.node_id().to_string();
     n.sharding()
         .start("tracked", move |_: &str| Tracked { log: log.clone(), node: node.clone(), guard: None }, settings())
         .await
         .unwrap()
+}
+
+/// What the scenario does to a cluster, in real time or in virtual time.
+#[async_trait]
+trait Faults: Send + Sync {
+    /// Node `i` if it runs and has not stopped.
+    fn live(&self, i: usize) -> Option<Node>;
+    fn partition(&self, a: &[usize], b: &[usize]);
+    fn cut_messaging(&self, a: usize, b: usize);
+    fn heal(&self);
+    fn is_converged(&self) -> bool;
+    async fn await_converged(&self, timeout: Duration);
+    async fn crash(&mut self, i: usize);
+    /// Starts node `i` again on its data dir; `forming` a new cluster (no seeds).
+    async fn restart(&mut self, i: usize, forming: bool);
+    /// Starts the tracked region on node `i` (on that node's runtime).
+    async fn start_tracked(&self, i: usize, log: &ActivationLog) -> ShardRegion<Tracked>;
+    async fn shutdown(&mut self);
+    fn caller(&self) -> Caller;
+}
+
+/// In-process nodes in real time; a crash is a graceful stop (`TestCluster::kill`).
+#[async_trait]
+impl Faults for TestCluster {
+    fn live(&self, i: usize) -> Option<Node> {
+        self.running().find(|(j, n)| *j == i && !n.is_shut_down()).map(|(_, n)| n.clone())
+    }
+    fn partition(&self, a: &[usize], b: &[usize]) {
+        TestCluster::partition(self, a, b);
+    }
+    fn cut_messaging(&self, a: usize, b: usize) {
+        let (a, b) = (TestCluster::node_id(a), TestCluster::node_id(b));
+        self.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
+    }
+    fn heal(&self) {
+        TestCluster::heal(self);
+    }
+    fn is_converged(&self) -> bool {
+        TestCluster::is_converged(self)
+    }
+    async fn await_converged(&self, timeout: Duration) {
+        TestCluster::await_converged(self, timeout).await;
+    }
+    async fn crash(&mut self, i: usize) {
+        self.kill(i).await;
+    }
+    async fn restart(&mut self, i: usize, forming: bool) {
+        if forming { self.restart_forming(i).await } else { TestCluster::restart(self, i).await }.unwrap();
+    }
+    async fn start_tracked(&self, i: usize, log: &ActivationLog) -> ShardRegion<Tracked> {
+        start_tracked(self.node(i).clone(), log.clone()).await
+    }
+    async fn shutdown(&mut self) {
+        TestCluster::shutdown(self).await;
+    }
+    fn caller(&self) -> Caller {
+        Caller::Here
+    }
+}
+
+/// Whole nodes in virtual time; a crash drops every task of the node.
+#[async_trait]
+impl Faults for VirtualCluster {
+    fn live(&self, i: usize) -> Option<Node> {
+        self.node(i).filter(|n| !n.is_shut_down())
+    }
+    fn partition(&self, a: &[usize], b: &[usize]) {
+        VirtualCluster::partition(self, a, b);
+    }
+    fn cut_messaging(&self, a: usize, b: usize) {
+        let (a, b) = (VirtualCluster::node_id(a), VirtualCluster::node_id(b));
+        self.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
+    }
+    fn heal(&self) {
+        VirtualCluster::heal(self);
+    }
+    fn is_converged(&self) -> bool {
+        VirtualCluster::is_converged(self)
+    }
+    async fn await_converged(&self, timeout: Duration) {
+        VirtualCluster::await_converged(self, timeout).await;
+    }
+    async fn crash(&mut self, i: usize) {
+        VirtualCluster::crash(self, i).await;
+    }
+    async fn restart(&mut self, i: usize, forming: bool) {
+        if forming { self.restart_forming(i).await } else { VirtualCluster::restart(self, i).await }.unwrap();
+    }
+    async fn start_tracked(&self, i: usize, log: &ActivationLog) -> ShardRegion<Tracked> {
+        let log = log.clone();
+        self.on_node(i, move |n| start_tracked(n, log)).await.expect("the node runs")
+    }
+    async fn shutdown(&mut self) {
+        for i in 0..NODES {
+            VirtualCluster::crash(self, i).await;
+        }
+    }
+    fn caller(&self) -> Caller {
+        Caller::OnNode(self.clone())
+    }
+}
+
+/// Whether `node` is an Up member in its own view.
+fn is_member(node: &Node) -> bool {
+    node.membership().self_member().is_some_and(|m| m.status() == ddshard::MemberStatus::Up)
 }
 
 type Regions = Arc<Mutex<Vec<Option<ShardRegion<Tracked>>>>>;
@@ -97,12 +208,12 @@ enum Fault {
     Quiet,
 }
 
-fn is_up(c: &TestCluster, i: usize) -> bool {
-    c.running().any(|(j, n)| j == i && !n.is_shut_down())
+fn is_up(c: &impl Faults, i: usize) -> bool {
+    c.live(i).is_some()
 }
 
 /// Picks the next fault from what the cluster's state allows.
-fn next_fault(rng: &mut StdRng, c: &TestCluster, partitioned: bool) -> Fault {
+fn next_fault(rng: &mut StdRng, c: &impl Faults, partitioned: bool) -> Fault {
     let up: Vec<usize> = (0..NODES).filter(|i| is_up(c, *i)).collect();
     let down: Vec<usize> = (0..NODES).filter(|i| !is_up(c, *i)).collect();
     let mut options: Vec<u8> = vec![5]; // quiet
@@ -214,17 +325,39 @@ fn error_kind(e: &ddshard::Error) -> (String, bool) {
     }
 }
 
-async fn traffic(seed: u64, regions: Regions, acks: Acks, stop: Arc<tokio::sync::Notify>) {
+/// Where an ask through a node's region runs: here (in-process nodes share the test's runtime),
+/// or on that node's runtime, so the caller dies with its node as in a real process.
+#[derive(Clone)]
+enum Caller {
+    Here,
+    OnNode(VirtualCluster),
+}
+
+impl Caller {
+    async fn ask(&self, i: usize, region: ShardRegion<Tracked>, id: String) -> Result<String, ddshard::Error> {
+        let timeout = Duration::from_secs(2);
+        match self {
+            Caller::Here => region.ask_with_timeout(&id, Touch, timeout).await,
+            Caller::OnNode(c) => c
+                .on_node(i, move |_| async move { region.ask_with_timeout(&id, Touch, timeout).await })
+                .await
+                .unwrap_or(Err(ddshard::Error::ShutDown)),
+        }
+    }
+}
+
+async fn traffic(seed: u64, regions: Regions, caller: Caller, acks: Acks, stop: Arc<tokio::sync::Notify>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
     loop {
         let id = format!("e{}", rng.random_range(0..IDS));
         let region = {
             let r = regions.lock().unwrap();
-            let live: Vec<&ShardRegion<Tracked>> = r.iter().flatten().collect();
-            live.choose(&mut rng).map(|r| (*r).clone())
+            let live: Vec<(usize, &ShardRegion<Tracked>)> =
+                r.iter().enumerate().filter_map(|(i, r)| Some((i, r.as_ref()?))).collect();
+            live.choose(&mut rng).map(|(i, r)| (*i, (*r).clone()))
         };
-        if let Some(region) = region {
-            let ask = region.ask_with_timeout(&id, Touch, Duration::from_secs(2));
+        if let Some((i, region)) = region {
+            let ask = caller.ask(i, region, id.clone());
             tokio::select! {
                 _ = stop.notified() => return,
                 r = ask => match r {
@@ -249,16 +382,15 @@ async fn traffic(seed: u64, regions: Regions, acks: Acks, stop: Arc<tokio::sync:
     }
 }
 
-async fn restart(c: &mut TestCluster, i: usize, regions: &Regions, log: &ActivationLog) {
+async fn restart(c: &mut impl Faults, i: usize, regions: &Regions, log: &ActivationLog) {
     regions.lock().unwrap()[i] = None;
     // With no Up member left anywhere, the remaining nodes only wait for each other: the first
     // one back forms the cluster anew (from the durable state on its disk).
-    if c.running().all(|(_, n)| !TestCluster::is_member(n)) {
-        c.restart_forming(i).await.unwrap();
-    } else {
-        c.restart(i).await.unwrap();
-    }
-    let r = start_tracked(c.node(i), log).await;
+    let forming = (0..NODES).filter_map(|j| c.live(j)).all(|n| !is_member(&n));
+    c.crash(i).await;
+    log.node_died(&TestCluster::node_id(i));
+    c.restart(i, forming).await;
+    let r = c.start_tracked(i, log).await;
     regions.lock().unwrap()[i] = Some(r);
 }
 
@@ -275,21 +407,20 @@ async fn shards_per_node(regions: &Regions) -> Vec<(String, usize, usize)> {
     out
 }
 
-async fn run_seed(seed: u64, steps: usize) {
+async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
     println!("seed {seed}: {NODES} nodes, {steps} faults");
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut c = TestCluster::start_with(NODES, |_, cfg| fast_downing(cfg)).await.unwrap();
     c.await_converged(SETTLE).await;
     let log = ActivationLog::new();
     let regions: Regions = Arc::new(Mutex::new(vec![None; NODES]));
     for i in 0..NODES {
-        let r = start_tracked(c.node(i), &log).await;
+        let r = c.start_tracked(i, &log).await;
         regions.lock().unwrap()[i] = Some(r);
     }
     let acks = Acks::default();
     let stop = Arc::new(tokio::sync::Notify::new());
     let workers: Vec<_> = (0..WORKERS)
-        .map(|w| tokio::spawn(traffic(seed * WORKERS + w, regions.clone(), acks.clone(), stop.clone())))
+        .map(|w| tokio::spawn(traffic(seed * WORKERS + w, regions.clone(), c.caller(), acks.clone(), stop.clone())))
         .collect();
 
     let mut partitioned = false;
@@ -300,7 +431,8 @@ async fn run_seed(seed: u64, steps: usize) {
         match fault {
             Fault::Crash(i) => {
                 regions.lock().unwrap()[i] = None;
-                c.kill(i).await;
+                c.crash(i).await;
+                log.node_died(&TestCluster::node_id(i));
             }
             Fault::Partition(side) => {
                 let rest: Vec<usize> = (0..NODES).filter(|i| !side.contains(i)).collect();
@@ -308,8 +440,7 @@ async fn run_seed(seed: u64, steps: usize) {
                 partitioned = true;
             }
             Fault::CutMessaging(a, b) => {
-                let (a, b) = (TestCluster::node_id(a), TestCluster::node_id(b));
-                c.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
+                c.cut_messaging(a, b);
                 partitioned = true;
             }
             Fault::Heal => {
@@ -319,12 +450,13 @@ async fn run_seed(seed: u64, steps: usize) {
             Fault::Restart(i) => restart(&mut c, i, &regions, &log).await,
             Fault::Leave(i) => {
                 regions.lock().unwrap()[i] = None;
-                let node = c.node(i).clone();
+                let node = c.live(i).expect("a leave is picked among running nodes");
                 tokio::time::timeout(Duration::from_secs(60), node.leave())
                     .await
                     .unwrap_or_else(|_| panic!("seed {seed}: n{} did not leave within 60 s", i + 1))
                     .unwrap();
-                c.kill(i).await;
+                c.crash(i).await;
+                log.node_died(&TestCluster::node_id(i));
             }
             Fault::Quiet => {}
         }
@@ -345,17 +477,17 @@ async fn run_seed(seed: u64, steps: usize) {
     // others downed while cut has heard it and stopped). Not reaching it is fine: the rounds
     // below restart whatever is left behind.
     let settle = tokio::time::Instant::now() + Duration::from_secs(20);
-    let settled = |c: &TestCluster| {
-        c.running()
-            .filter(|(_, n)| !n.is_shut_down())
-            .all(|(_, n)| n.members().iter().all(|m| m.is_reachable() && m.status() != ddshard::MemberStatus::Down))
+    let settled = |c: &dyn Faults| {
+        (0..NODES)
+            .filter_map(|i| c.live(i))
+            .all(|n| n.members().iter().all(|m| m.is_reachable() && m.status() != ddshard::MemberStatus::Down))
     };
     while !settled(&c) && tokio::time::Instant::now() < settle {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for round in 0.. {
         for i in 0..NODES {
-            if !is_up(&c, i) || (round > 0 && !TestCluster::is_member(c.node(i))) {
+            if c.live(i).is_none_or(|n| round > 0 && !is_member(&n)) {
                 restart(&mut c, i, &regions, &log).await;
             }
         }
@@ -471,38 +603,88 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name} must be a number, got {v:?}")))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn random_crash_partition_heal_restart_leave_sequences_keep_one_activation_per_id_and_lose_no_remembered_id() {
-    let steps = env_u64("DDSHARD_FAULT_STEPS").unwrap_or(8) as usize;
-    let seeds: Vec<u64> = match (env_u64("DDSHARD_FAULT_SEED"), env_u64("DDSHARD_FAULT_SEEDS")) {
+/// The seeds a run covers: `<prefix>_SEED` alone, or `<prefix>_SEEDS` from `<prefix>_SEED_START`
+/// (default 1), or `ci`.
+fn seeds(prefix: &str, ci: Vec<u64>) -> Vec<u64> {
+    match (env_u64(&format!("{prefix}_SEED")), env_u64(&format!("{prefix}_SEEDS"))) {
         (Some(one), _) => vec![one],
         (None, Some(n)) => {
-            let start = env_u64("DDSHARD_FAULT_SEED_START").unwrap_or(1);
+            let start = env_u64(&format!("{prefix}_SEED_START")).unwrap_or(1);
             (start..start + n).collect()
         }
-        // 14 and 20 found real bugs (a hand-off race and the coordinator starting after it was
-        // no longer oldest).
-        (None, None) => vec![1, 2, 3, 14, 20],
-    };
-    // A soak runs every seed and then reports all that failed, not just the first.
-    let mut failed = Vec::new();
-    for seed in seeds {
-        let run = tokio::spawn(run_seed(seed, steps));
-        if let Err(e) = run.await {
-            let why = e.try_into_panic().ok().and_then(|p| {
-                p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-            });
-            println!("seed {seed}: FAILED: {}", why.as_deref().unwrap_or_default());
-            failed.push((seed, why.unwrap_or_default()));
-        }
+        (None, None) => ci,
     }
+}
+
+/// The panic message of a failed run.
+fn why(panic: Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+/// Fails with every failed seed and how to replay it (a soak runs all seeds, not to the first).
+fn report(failed: &[(u64, String)], prefix: &str, filter: &str) {
     if !failed.is_empty() {
         let lines: Vec<String> = failed
             .iter()
             .map(|(seed, why)| {
-                format!("seed {seed}: {why}\n  replay: DDSHARD_FAULT_SEED={seed} cargo test --test random_faults -- --nocapture")
+                format!("seed {seed}: {why}\n  replay: {prefix}_SEED={seed} cargo test --test random_faults {filter} -- --nocapture")
             })
             .collect();
         panic!("{} random fault run(s) failed:\n{}", failed.len(), lines.join("\n"));
     }
+}
+
+fn steps(prefix: &str) -> usize {
+    env_u64(&format!("{prefix}_STEPS")).unwrap_or(8) as usize
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_time_random_crash_partition_heal_restart_leave_sequences_keep_one_activation_per_id_and_lose_no_remembered_id()
+ {
+    let steps = steps("DDSHARD_FAULT");
+    // 14 and 20 found real bugs (a hand-off race and the coordinator starting after it was no
+    // longer oldest).
+    let mut failed = Vec::new();
+    for seed in seeds("DDSHARD_FAULT", vec![1, 2, 3, 14, 20]) {
+        let run = tokio::spawn(async move {
+            let c = TestCluster::start_with(NODES, |_, cfg| fast_downing(cfg)).await.unwrap();
+            run_seed(seed, steps, c).await;
+        });
+        if let Err(e) = run.await {
+            let why = e.try_into_panic().map(why).unwrap_or_default();
+            println!("seed {seed}: FAILED: {why}");
+            failed.push((seed, why));
+        }
+    }
+    report(&failed, "DDSHARD_FAULT", "real_time");
+}
+
+/// Seeds the virtual-time runs cover in CI.
+const VIRTUAL_CI_SEEDS: u64 = 30;
+
+#[test]
+fn virtual_time_random_crash_partition_heal_restart_leave_sequences_keep_one_activation_per_id_and_lose_no_remembered_id()
+ {
+    let steps = steps("DDSHARD_VFAULT");
+    let mut failed = Vec::new();
+    for seed in seeds("DDSHARD_VFAULT", (1..=VIRTUAL_CI_SEEDS).collect()) {
+        let real = std::time::Instant::now();
+        let run = std::panic::catch_unwind(|| {
+            VirtualRun::new(NODES)
+                .configure(|_, cfg| fast_downing(cfg))
+                .time_limit(Duration::from_secs(1800))
+                .run(move |c| run_seed(seed, steps, c))
+        });
+        println!("seed {seed}: {:?} of real time", real.elapsed());
+        if let Err(panic) = run {
+            let why = why(panic);
+            println!("seed {seed}: FAILED: {why}");
+            failed.push((seed, why));
+        }
+    }
+    report(&failed, "DDSHARD_VFAULT", "virtual_time");
 }

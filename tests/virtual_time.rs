@@ -55,3 +55,55 @@ fn three_whole_nodes_form_a_cluster_and_answer_asks_in_virtual_time_faster_than_
     assert!(virtual_elapsed >= Duration::from_secs(60));
     assert!(real < virtual_elapsed, "virtual time ran faster than real time ({real:?} for {virtual_elapsed:?})");
 }
+
+mod crash {
+    use super::*;
+    use ddshard::testkit::{ActivationGuard, ActivationLog};
+
+    struct Tracked {
+        log: ActivationLog,
+        node: String,
+        guard: Option<ActivationGuard>,
+    }
+
+    impl Entity for Tracked {
+        type Message = Ping;
+        type Reply = String;
+        async fn started(&mut self, ctx: &EntityContext) {
+            self.guard = Some(self.log.started(ctx.entity_id(), &self.node, ctx.epoch()));
+        }
+        async fn handle(&mut self, _msg: Ping, ctx: &mut EntityContext) -> String {
+            ctx.entity_id().to_string()
+        }
+    }
+
+    #[test]
+    fn a_crash_ends_every_activation_of_the_crashed_node_at_once() {
+        VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+            cluster.await_converged(Duration::from_secs(30)).await;
+            let log = ActivationLog::new();
+            let mut regions = Vec::new();
+            for i in 0..3 {
+                let (log, node) = (log.clone(), VirtualCluster::node_id(i));
+                let tracked = move |_: &str| Tracked { log: log.clone(), node: node.clone(), guard: None };
+                let start = |n: ddshard::Node| async move { n.sharding().start("tracked", tracked, settings()).await };
+                regions.push(cluster.on_node(i, start).await.unwrap().unwrap());
+            }
+            for (i, region) in regions.into_iter().enumerate() {
+                // Asked from each node's own runtime, like a caller in that node's process; the
+                // test keeps no handle of the region.
+                let asks = |_| async move {
+                    for k in 0..20 {
+                        let id = format!("e{k}");
+                        assert_eq!(region.ask_with_timeout(&id, Ping, Duration::from_secs(10)).await.unwrap(), id);
+                    }
+                };
+                cluster.on_node(i, asks).await.unwrap();
+            }
+            let live_on = |node: &str| log.activations().iter().filter(|a| a.node == node && a.stop.is_none()).count();
+            assert!(live_on("n2") > 0, "n2 hosts some of the entities");
+            cluster.crash(1).await;
+            assert_eq!(live_on("n2"), 0, "a crashed node runs no entity");
+        });
+    }
+}

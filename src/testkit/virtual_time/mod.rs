@@ -379,18 +379,39 @@ impl World {
         }
     }
 
-    /// A paused runtime whose clock reads the shared instant.
+    /// A paused runtime whose clock reads the shared instant, less than a millisecond behind.
+    ///
+    /// Whole milliseconds only: tokio's timer counts milliseconds from where the runtime's
+    /// clock started, and a clock moved off that grid sleeps a tick too long at every step (it
+    /// would run at twice the others' pace).
     fn aligned_runtime(&self) -> Runtime {
         let rt = paused_runtime();
-        let target = self.origin + self.elapsed;
         let now = rt.block_on(async { crate::clock::now() });
-        let behind = target.checked_duration_since(now).expect("a new runtime's clock is behind the shared one");
-        rt.block_on(tokio::time::advance(behind));
+        let behind =
+            self.shared_now().checked_duration_since(now).expect("a new runtime's clock is behind the shared one");
+        rt.block_on(tokio::time::advance(whole_millis(behind)));
         rt
+    }
+
+    /// The instant every clock reads between steps.
+    fn shared_now(&self) -> std::time::Instant {
+        self.origin + self.elapsed
+    }
+
+    /// Panics unless every runtime's clock is within a millisecond of the shared instant.
+    fn assert_clocks_agree(&self) {
+        let shared = self.shared_now();
+        let clocks = self.runtimes.iter().enumerate().filter_map(|(i, rt)| Some((format!("n{}", i + 1), rt.as_ref()?)));
+        for (name, rt) in clocks.chain([("the test".to_string(), &self.client)]) {
+            let now = rt.block_on(async { crate::clock::now() });
+            let off = now.max(shared) - now.min(shared);
+            assert!(off < Duration::from_millis(1), "{name}'s clock is {off:?} off the shared one");
+        }
     }
 
     fn start(&mut self, i: usize, config: NodeConfig, done: oneshot::Sender<Result<()>>) {
         self.crash(i);
+        self.assert_clocks_agree();
         let rt = self.aligned_runtime();
         let machine = Arc::new(self.net.machine(ip_of(i)));
         let builder = self.cluster.injector.builder(config).machine(machine);
@@ -422,6 +443,10 @@ impl World {
         }
         crate::clock::anchor_wall_clock(None);
     }
+}
+
+fn whole_millis(d: Duration) -> Duration {
+    Duration::from_millis(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 fn paused_runtime() -> Runtime {
