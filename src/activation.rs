@@ -66,7 +66,7 @@ pub struct ActivationGuard {
 
 impl Drop for ActivationGuard {
     fn drop(&mut self) {
-        let now = SystemTime::now();
+        let now = crate::clock::wall_time();
         // A poisoned lock still records the stop: a missing one would read as an overlap.
         let mut l = self.log.inner.lock().unwrap_or_else(|p| p.into_inner());
         // Stopped already if its node died (`node_died`): the instance outlived its process only
@@ -137,14 +137,14 @@ impl ActivationLog {
                 last[0] != b'\n'
             }
         };
-        let open = format!("{}open\t{}\n", if torn { TORN_MARK } else { "" }, micros(SystemTime::now()));
+        let open = format!("{}open\t{}\n", if torn { TORN_MARK } else { "" }, micros(crate::clock::wall_time()));
         file.write_all(open.as_bytes()).map_err(io)?;
         Ok(ActivationLog { inner: Arc::new(Mutex::new(LogInner { activations: Vec::new(), file: Some(file) })) })
     }
 
     /// Records a start; keep the guard in the entity for as long as it lives.
     pub fn started(&self, entity_id: &str, node: &str, epoch: u64) -> ActivationGuard {
-        let now = SystemTime::now();
+        let now = crate::clock::wall_time();
         let mut l = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         l.activations.push(Activation {
             entity_id: entity_id.to_string(),
@@ -163,7 +163,7 @@ impl ActivationLog {
     /// it would with its process (an in-process simulation of a crash may leave the instances
     /// in memory, where nothing runs them).
     pub fn node_died(&self, node: &str) {
-        let now = SystemTime::now();
+        let now = crate::clock::wall_time();
         let mut l = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let live: Vec<usize> = (0..l.activations.len())
             .filter(|i| l.activations[*i].node == node && l.activations[*i].stop.is_none())

@@ -20,7 +20,7 @@ pub type Instant = std::time::Instant;
 thread_local! {
     /// Wall-clock milliseconds at a monotonic instant, when this thread runs nodes in virtual
     /// time: [`wall_ms`] is then that reading moved on by the runtime's clock.
-    static WALL_ANCHOR: Cell<Option<(u64, Instant)>> = const { Cell::new(None) };
+    static WALL_ANCHOR: Cell<Option<(SystemTime, Instant)>> = const { Cell::new(None) };
 }
 
 /// The monotonic instant drivers feed their cores: the current tokio runtime's clock (which is
@@ -31,11 +31,16 @@ pub(crate) fn now() -> Instant {
 
 /// Milliseconds since the Unix epoch (0 if the clock is before it).
 pub fn wall_ms() -> u64 {
-    if let Some((at_ms, at)) = WALL_ANCHOR.with(Cell::get) {
-        let since = now().saturating_duration_since(at);
-        return at_ms.saturating_add(u64::try_from(since.as_millis()).unwrap_or(u64::MAX));
+    wall_time().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The wall clock: the system's, or on a thread running nodes in virtual time the anchored
+/// reading moved on by the runtime's clock.
+pub(crate) fn wall_time() -> SystemTime {
+    match WALL_ANCHOR.with(Cell::get) {
+        Some((at_wall, at)) => at_wall + now().saturating_duration_since(at),
+        None => SystemTime::now(),
     }
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Makes [`wall_ms`] on this thread read `wall` at the monotonic instant `at` and move on with
@@ -43,6 +48,5 @@ pub fn wall_ms() -> u64 {
 /// harness sets it, on the one thread that steps its nodes' runtimes.
 #[cfg_attr(not(feature = "testkit"), allow(dead_code))]
 pub(crate) fn anchor_wall_clock(anchor: Option<(Duration, Instant)>) {
-    let ms = anchor.map(|(wall, at)| (u64::try_from(wall.as_millis()).unwrap_or(u64::MAX), at));
-    WALL_ANCHOR.with(|c| c.set(ms));
+    WALL_ANCHOR.with(|c| c.set(anchor.map(|(wall, at)| (UNIX_EPOCH + wall, at))));
 }

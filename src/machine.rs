@@ -64,6 +64,10 @@ pub(crate) trait Machine: Send + Sync + Debug + 'static {
 
     /// Where the disk writer runs.
     fn disk_writer(&self) -> DiskWriter;
+
+    /// Whether a commit waits for the disk (`fsync`) rather than only the operating system's
+    /// cache: what a power loss needs, and a process crash does not.
+    fn fsyncs(&self) -> bool;
 }
 
 /// The operating system's sockets and threads.
@@ -113,6 +117,10 @@ impl Machine for OsMachine {
 
     fn disk_writer(&self) -> DiskWriter {
         DiskWriter::OwnThread
+    }
+
+    fn fsyncs(&self) -> bool {
+        true
     }
 }
 

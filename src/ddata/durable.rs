@@ -203,14 +203,30 @@ impl DurableStore {
     /// Opens (creating if needed) the store in `dir`. A corrupt or foreign file is a typed
     /// [`Error::Storage`].
     pub fn open(dir: &Path, map_size: usize) -> Result<DurableStore> {
+        Self::open_with(dir, map_size, true)
+    }
+
+    /// Opens the store; without `fsync` a commit is left in the operating system's cache (it
+    /// survives the process, not the machine: only the test kit's simulated machine opens so).
+    pub(crate) fn open_with(dir: &Path, map_size: usize, fsync: bool) -> Result<DurableStore> {
         create_private_dir(dir)?;
         let page = 4096;
         let map_size = map_size.div_ceil(page) * page;
+        let mut options = EnvOpenOptions::new().read_txn_without_tls();
+        options.map_size(map_size).max_dbs(4);
+        if !fsync {
+            // SAFETY: NO_SYNC only drops the flush at commit; LMDB stays consistent after a
+            // crash of the process (not of the machine), which is all it is used for.
+            #[allow(unsafe_code)]
+            unsafe {
+                options.flags(heed::EnvFlags::NO_SYNC);
+            }
+        }
         // SAFETY: heed requires that the same file is not opened twice in one process in a way
         // that breaks LMDB's locking; heed itself refuses a second open of the same path, and
         // ddshard opens each data dir once per node.
         #[allow(unsafe_code)]
-        let env = unsafe { EnvOpenOptions::new().read_txn_without_tls().map_size(map_size).max_dbs(4).open(dir) }
+        let env = unsafe { options.open(dir) }
             .map_err(|e| Error::storage(dir, format!("cannot open LMDB environment: {e}")))?;
         let wtxn = env.write_txn().map_err(|e| Error::storage(dir, e))?;
         let (data, deltas, meta) = env

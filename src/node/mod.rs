@@ -125,7 +125,7 @@ impl Node {
             );
         }
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
-        let (store, generation) = open_store(&config).await?;
+        let (store, generation) = open_store(&config, b.machine.fsyncs()).await?;
         let address = UniqueAddress::new(config.node_id.as_str(), generation);
         let spawner = Spawner::new(info_span!("node", node = %address), CancellationToken::new());
         let shutdown = spawner.shutdown_token().clone();
@@ -411,13 +411,13 @@ impl Node {
 }
 
 /// Opens the node's LMDB store (off the async workers) and takes the next generation.
-async fn open_store(config: &NodeConfig) -> Result<(DurableStore, u64)> {
+async fn open_store(config: &NodeConfig, fsync: bool) -> Result<(DurableStore, u64)> {
     let dir = config.data_dir.join("ddata");
     let map_size = config.replicator.lmdb_map_size;
     // Read here, not on the blocking thread: the runtime's clock is the node's clock.
     let now_ms = wall_ms();
     tokio::task::spawn_blocking(move || -> Result<(DurableStore, u64)> {
-        let store = DurableStore::open(&dir, map_size)?;
+        let store = DurableStore::open_with(&dir, map_size, fsync)?;
         let generation = store.next_generation(now_ms)?;
         Ok((store, generation))
     })

@@ -151,6 +151,7 @@ struct Shared {
 enum Command {
     Start { i: usize, config: Box<NodeConfig>, done: oneshot::Sender<Result<()>> },
     Crash { i: usize, done: oneshot::Sender<()> },
+    Pause { i: usize, duration: Duration },
 }
 
 /// The test's handle on a [`VirtualRun`]'s nodes. Cheap to clone.
@@ -236,6 +237,14 @@ impl VirtualCluster {
         if self.commands.send(Command::Crash { i, done }).is_ok() {
             let _ = crashed.await;
         }
+    }
+
+    /// Pauses node `i` for `duration` of virtual time, as a stopped process (`SIGSTOP`), a long
+    /// garbage collection or a frozen VM would be: nothing of it runs meanwhile — not its
+    /// timers, not its reads of what others send — while everyone else goes on; then its clock
+    /// jumps to the others' and what came due fires at once. Returns at once.
+    pub fn pause(&self, i: usize, duration: Duration) {
+        let _ = self.commands.send(Command::Pause { i, duration });
     }
 
     /// Stops node `i` gracefully ([`Node::shutdown`]: no leave, no hand-off), then frees its
@@ -329,6 +338,8 @@ struct World {
     client: Runtime,
     /// Each node's runtime while it runs.
     runtimes: Vec<Option<Runtime>>,
+    /// When (virtual time since the start) each paused node resumes.
+    resumes_at: Vec<Option<Duration>>,
     tick: Duration,
     /// The instant every clock read when the run started.
     origin: std::time::Instant,
@@ -350,6 +361,7 @@ impl World {
         World {
             client,
             runtimes,
+            resumes_at: vec![None; cluster.len()],
             tick,
             origin,
             elapsed: Duration::ZERO,
@@ -363,8 +375,15 @@ impl World {
     /// commands are carried out.
     fn step(&mut self) {
         let tick = self.tick;
-        for rt in self.runtimes.iter().flatten() {
-            rt.block_on(async { tokio::time::sleep(tick).await });
+        for i in 0..self.runtimes.len() {
+            match self.resumes_at[i] {
+                Some(at) if at > self.elapsed => continue,
+                Some(_) => self.resume(i),
+                None => {}
+            }
+            if let Some(rt) = &self.runtimes[i] {
+                rt.block_on(async { tokio::time::sleep(tick).await });
+            }
         }
         self.client.block_on(async { tokio::time::sleep(tick).await });
         self.elapsed += self.tick;
@@ -374,6 +393,12 @@ impl World {
                 Command::Crash { i, done } => {
                     self.crash(i);
                     let _ = done.send(());
+                }
+                Command::Pause { i, duration } => {
+                    if self.runtimes.get(i).is_some_and(Option::is_some) {
+                        let until = self.elapsed + duration;
+                        self.resumes_at[i] = Some(self.resumes_at[i].map_or(until, |at| at.max(until)));
+                    }
                 }
             }
         }
@@ -393,6 +418,16 @@ impl World {
         rt
     }
 
+    /// Moves a paused node's clock on to the shared instant (what came due fires as it runs).
+    fn resume(&mut self, i: usize) {
+        self.resumes_at[i] = None;
+        if let Some(rt) = &self.runtimes[i] {
+            let now = rt.block_on(async { crate::clock::now() });
+            let behind = self.shared_now().saturating_duration_since(now);
+            rt.block_on(tokio::time::advance(whole_millis(behind)));
+        }
+    }
+
     /// The instant every clock reads between steps.
     fn shared_now(&self) -> std::time::Instant {
         self.origin + self.elapsed
@@ -401,7 +436,8 @@ impl World {
     /// Panics unless every runtime's clock is within a millisecond of the shared instant.
     fn assert_clocks_agree(&self) {
         let shared = self.shared_now();
-        let clocks = self.runtimes.iter().enumerate().filter_map(|(i, rt)| Some((format!("n{}", i + 1), rt.as_ref()?)));
+        let running = |i: usize| self.resumes_at[i].is_none().then_some(self.runtimes[i].as_ref()).flatten();
+        let clocks = (0..self.runtimes.len()).filter_map(|i| Some((format!("n{}", i + 1), running(i)?)));
         for (name, rt) in clocks.chain([("the test".to_string(), &self.client)]) {
             let now = rt.block_on(async { crate::clock::now() });
             let off = now.max(shared) - now.min(shared);
@@ -427,6 +463,7 @@ impl World {
 
     /// Drops node `i`'s runtime, and with it every task of the node.
     fn crash(&mut self, i: usize) {
+        self.resumes_at[i] = None;
         let node = self.cluster.shared.nodes.lock().expect("nodes")[i].take();
         // Dropping the runtime waits for a commit in flight on its blocking pool, so the data
         // dir is closed when this returns.
