@@ -39,9 +39,11 @@ pub(crate) enum DiskWriter {
     /// A thread of its own, blocked on its queue between commits.
     OwnThread,
     /// A task that runs each commit on the runtime's blocking pool, so a paused runtime clock
-    /// does not move on while the disk works (only the test kit's simulated machine).
+    /// does not move on while the disk works, after waiting `latency` on the runtime's clock (a
+    /// disk's write latency in virtual time, during which a crash loses the batch). Only the
+    /// test kit's simulated machine.
     #[cfg_attr(not(any(test, feature = "testkit")), allow(dead_code))]
-    BlockingPool,
+    BlockingPool { latency: std::time::Duration },
 }
 
 /// The sockets and threads a node takes from its machine.

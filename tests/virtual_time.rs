@@ -107,3 +107,42 @@ mod crash {
         });
     }
 }
+
+mod durability {
+    use super::*;
+    use ddshard::ddata::{Consistency, DurableStore, OrSet, ReplicatedData};
+
+    const OP: Duration = Duration::from_secs(5);
+
+    #[test]
+    fn a_majority_write_acknowledged_just_before_every_node_crashes_is_on_the_disks_of_the_acknowledging_majority() {
+        VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+            cluster.await_converged(Duration::from_secs(30)).await;
+            // n3 hears no replicator message (gossip says it is reachable, so the majority stays
+            // 2 of 3): the write from n2 is acknowledged by exactly n1 and n2.
+            cluster.injector().cut_messaging(&["n3"], &["n1", "n2"]);
+            let write = |n: ddshard::Node| async move {
+                n.replicator()
+                    .update::<OrSet, _>("shard-ledger-7-0", Consistency::MAJORITY, OP, |s, ctx| s.add(ctx, "c-1"))
+                    .await
+            };
+            cluster.on_node(1, write).await.expect("n2 runs").expect("a majority acknowledges");
+            // Crashed in the same tick the acknowledgement arrived: a commit still waiting for
+            // the disk (each takes 2 ms of virtual time) is lost with its process.
+            for i in 0..3 {
+                cluster.crash(i).await;
+            }
+            let mut holders = Vec::new();
+            for i in 0..3 {
+                let loaded = DurableStore::open(&cluster.data_dir(i).join("ddata"), 64 << 20).unwrap().load_all().unwrap();
+                let holds = loaded.entries.iter().any(|k| {
+                    k.key == "shard-ledger-7-0" && matches!(&k.value, ReplicatedData::OrSet(s) if s.contains("c-1"))
+                });
+                if holds {
+                    holders.push(VirtualCluster::node_id(i));
+                }
+            }
+            assert_eq!(holders, ["n1", "n2"], "on the disks of exactly the acknowledging majority");
+        });
+    }
+}

@@ -126,9 +126,12 @@ impl PersistWorker {
                     }
                 })?)
             }
-            DiskWriter::BlockingPool => WorkerHandle::Task(tokio::spawn(async move {
+            DiskWriter::BlockingPool { latency } => WorkerHandle::Task(tokio::spawn(async move {
                 while let Some(first) = rx.recv().await {
                     let batch = Batch::gather(first, &mut rx, cap);
+                    if !latency.is_zero() {
+                        tokio::time::sleep(latency).await;
+                    }
                     let report_tx = report_tx.clone();
                     let committed = tokio::task::spawn_blocking(move || {
                         let more = writer.commit_and_report(batch, &report_tx);
@@ -350,7 +353,8 @@ mod tests {
 
     #[tokio::test]
     async fn batches_queued_while_a_commit_runs_share_the_next_transaction_on_a_thread_or_the_blocking_pool() {
-        for disk_writer in [DiskWriter::OwnThread, DiskWriter::BlockingPool] {
+        let blocking_pool = DiskWriter::BlockingPool { latency: Duration::from_millis(1) };
+        for disk_writer in [DiskWriter::OwnThread, blocking_pool] {
             let dir = tempfile::tempdir().unwrap();
             let store = DurableStore::open(dir.path(), 64 << 20).unwrap();
             let (health, stats) = (Arc::new(DurableHealth::default()), Arc::new(ReplicatorStatCells::default()));

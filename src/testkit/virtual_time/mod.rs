@@ -62,6 +62,7 @@ pub struct VirtualRun {
     customize: Arc<Customize>,
     tick: Duration,
     limit: Duration,
+    commit_latency: Duration,
 }
 
 impl VirtualRun {
@@ -72,6 +73,7 @@ impl VirtualRun {
             customize: Arc::new(|_, _| {}),
             tick: Duration::from_millis(1),
             limit: Duration::from_secs(3600),
+            commit_latency: Duration::from_millis(2),
         }
     }
 
@@ -84,6 +86,13 @@ impl VirtualRun {
     /// How far every clock moves per step (default 1 ms, tokio's timer resolution).
     pub fn tick(mut self, tick: Duration) -> Self {
         self.tick = tick.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long each commit to a node's disk takes, in virtual time (default 2 ms): a crash
+    /// meanwhile loses that commit, as a crash before a disk's `fsync` returned does.
+    pub fn commit_latency(mut self, latency: Duration) -> Self {
+        self.commit_latency = latency;
         self
     }
 
@@ -114,7 +123,8 @@ impl VirtualRun {
             commands,
             injector: FaultInjector::new(),
         };
-        let mut world = World::new(self.tick, cluster.clone(), rx);
+        let net = SimulatedNetwork::with_commit_latency(self.commit_latency);
+        let mut world = World::new(self.tick, net, cluster.clone(), rx);
         let nodes = self.nodes;
         let starting = cluster.clone();
         let body = test(cluster);
@@ -351,7 +361,12 @@ struct World {
 }
 
 impl World {
-    fn new(tick: Duration, cluster: VirtualCluster, commands: mpsc::UnboundedReceiver<Command>) -> World {
+    fn new(
+        tick: Duration,
+        net: SimulatedNetwork,
+        cluster: VirtualCluster,
+        commands: mpsc::UnboundedReceiver<Command>,
+    ) -> World {
         let client = paused_runtime();
         client.block_on(tokio::time::advance(HEADROOM));
         let origin = client.block_on(async { crate::clock::now() });
@@ -365,7 +380,7 @@ impl World {
             tick,
             origin,
             elapsed: Duration::ZERO,
-            net: SimulatedNetwork::default(),
+            net,
             cluster,
             commands,
         }

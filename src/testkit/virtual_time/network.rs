@@ -38,6 +38,8 @@ type Pending = (DuplexStream, SocketAddr);
 pub(crate) struct SimulatedNetwork {
     state: Arc<Mutex<NetState>>,
     gossip: ChannelTransport,
+    /// How long each machine's disk takes to commit, in virtual time.
+    commit_latency: Duration,
 }
 
 #[derive(Default)]
@@ -55,6 +57,11 @@ impl NetState {
 }
 
 impl SimulatedNetwork {
+    /// A network whose machines' disks take `commit_latency` per commit.
+    pub(crate) fn with_commit_latency(commit_latency: Duration) -> Self {
+        SimulatedNetwork { commit_latency, ..SimulatedNetwork::default() }
+    }
+
     /// A machine on this network with the address `ip`.
     pub(crate) fn machine(&self, ip: IpAddr) -> SimulatedMachine {
         SimulatedMachine { net: self.clone(), ip }
@@ -134,7 +141,7 @@ impl Machine for SimulatedMachine {
     }
 
     fn disk_writer(&self) -> DiskWriter {
-        DiskWriter::BlockingPool
+        DiskWriter::BlockingPool { latency: self.net.commit_latency }
     }
 
     /// The simulation crashes processes, never the machine: what is committed stays in the
