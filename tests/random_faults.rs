@@ -395,6 +395,7 @@ fn error_kind(e: &ddshard::Error) -> (String, bool) {
                 "the shard's home is not routable",
                 "the entity's node ",
                 "dropped during shard hand-off",
+                "its shard moved on from the node it was sent to",
                 "region buffer full",
                 // Remember-entities: a remember write that found no majority during a partition.
                 "its shard failed and restarts after shard_failure_backoff",

@@ -134,7 +134,8 @@ mod durability {
             }
             let mut holders = Vec::new();
             for i in 0..3 {
-                let loaded = DurableStore::open(&cluster.data_dir(i).join("ddata"), 64 << 20).unwrap().load_all().unwrap();
+                let loaded =
+                    DurableStore::open(&cluster.data_dir(i).join("ddata"), 64 << 20).unwrap().load_all().unwrap();
                 let holds = loaded.entries.iter().any(|k| {
                     k.key == "shard-ledger-7-0" && matches!(&k.value, ReplicatedData::OrSet(s) if s.contains("c-1"))
                 });
@@ -143,6 +144,100 @@ mod durability {
                 }
             }
             assert_eq!(holders, ["n1", "n2"], "on the disks of exactly the acknowledging majority");
+        });
+    }
+}
+
+mod take_over {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    /// Remembered entities, and coordinator state written at a plain majority (Akka's default
+    /// adds 3 and caps at 5: every member of three, so a member that missed a write could not
+    /// exist).
+    fn remembering() -> ShardingSettings {
+        let defaults = ShardingSettings::default();
+        ShardingSettings {
+            remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: 4, ..defaults.remember },
+            coordinator: ddshard::sharding::ShardCoordinatorSettings {
+                write_majority_plus: 0,
+                read_majority_plus: 0,
+                majority_min_cap: 0,
+                ..defaults.coordinator
+            },
+            // The shards start on n1 and n2 alone.
+            min_nr_of_members: 2,
+            ..settings()
+        }
+    }
+
+    async fn start_echo(cluster: &VirtualCluster, i: usize) -> ddshard::ShardRegion<Echo> {
+        let start = |n: ddshard::Node| async move { n.sharding().start("echo", |_: &str| Echo, remembering()).await };
+        cluster.on_node(i, start).await.expect("the node runs").expect("the region starts")
+    }
+
+    /// Every entity id running in `regions` (no message sent to any), each asked on its node.
+    async fn running_ids(
+        cluster: &VirtualCluster,
+        regions: &[(usize, ddshard::ShardRegion<Echo>)],
+    ) -> BTreeSet<String> {
+        let mut ids = BTreeSet::new();
+        for (i, region) in regions {
+            let region = region.clone();
+            if let Some(Ok(state)) = cluster.on_node(*i, move |_| async move { region.region_state().await }).await {
+                ids.extend(state.into_values().flatten());
+            }
+        }
+        ids
+    }
+
+    #[test]
+    fn a_take_over_by_a_node_whose_replicas_missed_the_remembered_shards_restores_every_one_once_the_others_return() {
+        VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+            cluster.await_converged(Duration::from_secs(30)).await;
+            // n3 hosts nothing yet, and hears no replicator traffic (gossip flows: it stays a
+            // reachable member) while entities in every shard start on n1 and n2: the
+            // coordinator's state and the remembered shards reach n1 and n2 only.
+            let regions = [start_echo(&cluster, 0).await, start_echo(&cluster, 1).await];
+            cluster.injector().cut_messaging(&["n3"], &["n1", "n2"]);
+            let ids: Vec<String> = (0..40).map(|k| format!("e{k}")).collect();
+            let (region, asked) = (regions[0].clone(), ids.clone());
+            let asks = move |_| async move {
+                for id in &asked {
+                    assert_eq!(&region.ask_with_timeout(id, Ping, Duration::from_secs(10)).await.unwrap(), id);
+                }
+            };
+            cluster.on_node(0, asks).await.expect("n1 runs");
+            // The two nodes that hold them crash; the operator downs them, so n3 is the oldest
+            // member and takes the coordinator over from its stale replicas.
+            cluster.crash(0).await;
+            cluster.crash(1).await;
+            cluster.heal();
+            for gone in ["n1", "n2"] {
+                cluster.on_node(2, move |n| async move { n.down(gone).await }).await.unwrap().unwrap();
+            }
+            // They come back as new incarnations with their disks: a take-over that read the
+            // remembered shards at a majority of the roster restores all 40 without a message.
+            cluster.start(0).await.unwrap();
+            cluster.start(1).await.unwrap();
+            let mut now_running = vec![(2, start_echo(&cluster, 2).await)];
+            for i in 0..2 {
+                now_running.push((i, start_echo(&cluster, i).await));
+            }
+            let expected: BTreeSet<String> = ids.into_iter().collect();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let running = running_ids(&cluster, &now_running).await;
+                if running == expected {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "remembered entities not running after the take-over: {:?}",
+                    expected.difference(&running).collect::<Vec<_>>()
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
         });
     }
 }

@@ -44,8 +44,8 @@ pub struct ReplicatorStats {
     /// limit, or from a peer that was not asked.
     pub rejected: u64,
     /// OR-set adds refused because no durably reserved counter was left (their updates failed
-    /// with a storage error) or the member was longer than
-    /// [`MAX_ENTITY_ID_LEN`](crate::sharding::MAX_ENTITY_ID_LEN) bytes (failed with `BadRequest`).
+    /// with a storage error) or the member was longer than 16 KiB, the longest an OR-set holds
+    /// (failed with `BadRequest`).
     pub refused_adds: u64,
     /// Messages dropped because their sender is an incarnation this node downed or removed, or
     /// one a newer incarnation of its node replaced: a quarantined member's writes are never

@@ -72,8 +72,8 @@ impl WriteCtx {
         self.refused_adds.get()
     }
 
-    /// OR-set adds refused so far because the member was longer than
-    /// [`MAX_ENTITY_ID_LEN`](crate::sharding::MAX_ENTITY_ID_LEN) bytes.
+    /// OR-set adds refused so far because the member was longer than 16 KiB, the longest an
+    /// OR-set holds.
     pub fn refused_too_long(&self) -> u64 {
         self.refused_too_long.get()
     }

@@ -247,7 +247,7 @@ fn needs_a_cluster<T>(result: &Result<T>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::EntityContext;
+    use crate::sharding::EntityContext;
     use std::time::Duration;
 
     struct Echo;
