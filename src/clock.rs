@@ -8,7 +8,7 @@
 //!
 //! Drivers read both through this module, never `std::time` directly, so a node run in virtual
 //! time (the test kit's whole-node simulation: paused tokio runtimes stepped together) sees one
-//! coherent clock: [`now`] is the runtime's clock (the real one outside a paused runtime), and
+//! coherent clock: `now()` is the runtime's clock (the real one outside a paused runtime), and
 //! [`wall_ms`] follows it while a wall-clock anchor is set on the thread.
 
 use std::cell::Cell;

@@ -211,7 +211,7 @@ pub struct OrSet {
 
 impl OrSet {
     /// Adds a member (with a fresh dot of `ctx`'s OR-set writer; older dots of it are
-    /// superseded). An add of a member longer than [`MAX_ELEMENT_LEN`] bytes (peers would refuse the
+    /// superseded). An add of a member longer than 16 KiB (peers would refuse the
     /// whole set) is refused and counted in [`WriteCtx::refused_too_long`]; one that finds no
     /// counter left in the writer's reserved range, or no room for a new writer, in
     /// [`WriteCtx::refused_adds`]. A refused add leaves the set unchanged.

@@ -8,7 +8,7 @@
 //! clocks read the same instant between steps and a second of timers costs what the nodes do
 //! in it, not a second. A commit on the disk (the blocking pool) holds its node's clock — and so
 //! everyone's — until it is done. Messaging uses in-memory pipes and gossip chitchat's
-//! in-process transport ([`network`]); links are cut by the same [`FaultInjector`] as in
+//! in-process transport (`network.rs`); links are cut by the same [`FaultInjector`] as in
 //! [`super::TestCluster`]. [`crate::clock::wall_ms`] follows the virtual clock on the stepping
 //! thread.
 //!
