@@ -50,3 +50,21 @@ pub(crate) fn wall_time() -> SystemTime {
 pub(crate) fn anchor_wall_clock(anchor: Option<(Duration, Instant)>) {
     WALL_ANCHOR.with(|c| c.set(anchor.map(|(wall, at)| (UNIX_EPOCH + wall, at))));
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn an_anchored_wall_clock_moves_with_the_paused_runtime_and_the_system_one_returns_once_cleared() {
+        let before = SystemTime::now();
+        anchor_wall_clock(Some((Duration::from_secs(1_000_000), now())));
+        assert_eq!(wall_ms(), 1_000_000_000);
+        tokio::time::advance(Duration::from_millis(1500)).await;
+        assert_eq!(wall_ms(), 1_000_001_500, "paused time moved the wall clock");
+        assert_eq!(wall_time(), UNIX_EPOCH + Duration::from_millis(1_000_001_500));
+        anchor_wall_clock(None);
+        assert!(wall_time() >= before, "the system clock again");
+        assert!(wall_ms() >= before.duration_since(UNIX_EPOCH).unwrap().as_millis() as u64);
+    }
+}

@@ -573,6 +573,17 @@ pub(crate) fn create_private_dir(dir: &Path) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_store_flushes_every_commit_to_disk_unless_opened_without_fsync() {
+        let no_sync =
+            |store: &super::DurableStore| store.env.get_flags().unwrap() & heed::EnvFlags::NO_SYNC.bits() != 0;
+        let dir = tempfile::tempdir().unwrap();
+        let store = super::DurableStore::open(&dir.path().join("a"), 1 << 20).unwrap();
+        assert!(!no_sync(&store), "what production opens waits for the disk");
+        let simulated = super::DurableStore::open_with(&dir.path().join("b"), 1 << 20, false).unwrap();
+        assert!(no_sync(&simulated));
+    }
+
     use super::*;
     use crate::ddata::crdt::{Crdt, GSet, OrSet, ReplicatedData, WriteCtx};
 

@@ -129,9 +129,7 @@ impl PersistWorker {
             DiskWriter::BlockingPool { latency } => WorkerHandle::Task(tokio::spawn(async move {
                 while let Some(first) = rx.recv().await {
                     let batch = Batch::gather(first, &mut rx, cap);
-                    if !latency.is_zero() {
-                        tokio::time::sleep(latency).await;
-                    }
+                    tokio::time::sleep(latency).await;
                     let report_tx = report_tx.clone();
                     let committed = tokio::task::spawn_blocking(move || {
                         let more = writer.commit_and_report(batch, &report_tx);
