@@ -79,7 +79,7 @@ impl WriteCtx {
     }
 
     /// Reports that this update's write to a [`FencedMap`](super::FencedMap) was refused by the map's fence:
-    /// the replicator then fails the key with [`Error::Fenced`](crate::Error::Fenced) (the other keys of the update
+    /// the replicator then fails the key with [`Error::Fenced`](crate::error::Error::Fenced) (the other keys of the update
     /// go on).
     pub fn refuse(&mut self, fenced: super::fenced::Fenced) {
         self.fenced = Some(fenced);

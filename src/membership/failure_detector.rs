@@ -60,8 +60,8 @@ pub struct FailureDetectorSettings {
 
 impl FailureDetectorSettings {
     /// Checks the settings (called by [`crate::NodeConfig::validate`]).
-    pub fn validate(&self) -> crate::Result<()> {
-        let bad = |m: &str| Err(crate::Error::Config(format!("failure_detector.{m}")));
+    pub fn validate(&self) -> crate::error::Result<()> {
+        let bad = |m: &str| Err(crate::error::Error::Config(format!("failure_detector.{m}")));
         if self.heartbeat_interval < Duration::from_millis(10) {
             return bad("heartbeat_interval must be at least 10ms");
         }

@@ -553,7 +553,7 @@ fn forget_non_members(transport: &Transport, snapshot: &MembershipSnapshot) -> u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::TransportSettings;
+    use crate::config::TransportSettings;
     use crate::transport::PeerAddr;
 
     async fn transport(id: &str, shutdown: &CancellationToken) -> Transport {

@@ -109,7 +109,7 @@ pub(super) fn raise(id: Arc<str>, entry: RosterEntry) -> Modify {
                 }
                 Ok(None)
             }
-            Some(other) => Err(crate::Error::WrongDataType {
+            Some(other) => Err(crate::error::Error::WrongDataType {
                 key: ROSTER_KEY.to_string(),
                 expected: LwwMap::NAME,
                 found: other.type_name(),
@@ -254,8 +254,8 @@ impl<R> ReplicatorCore<R> {
         &mut self,
         node_id: &str,
         out: &mut Vec<ReplicatorAction<R>>,
-    ) -> crate::Result<()> {
-        let refuse = |why: String| Err(crate::Error::BadRequest(why));
+    ) -> crate::error::Result<()> {
+        let refuse = |why: String| Err(crate::error::Error::BadRequest(why));
         if *self.self_addr.node_id == *node_id {
             return refuse(format!("{node_id} is this node; forget it from another member"));
         }
