@@ -493,6 +493,12 @@ impl World {
         for i in 0..self.runtimes.len() {
             self.crash(i);
         }
+    }
+}
+
+impl Drop for World {
+    /// The thread's wall clock is the system's again, also when a run panicked.
+    fn drop(&mut self) {
         crate::clock::anchor_wall_clock(None);
     }
 }
