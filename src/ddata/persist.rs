@@ -154,18 +154,21 @@ impl PersistWorker {
         let PersistWorker { jobs, reports, handle } = self;
         drop(jobs);
         drop(reports);
-        let ended = match handle {
-            WorkerHandle::Thread(handle) => match tokio::task::spawn_blocking(move || handle.join()).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(_)) => Err("panicked".to_string()),
-                Err(e) => Err(e.to_string()),
+        // Whether the worker panicked; `None`: not joined because the runtime is shutting down
+        // (the worker still ends once its queue is closed).
+        let panicked = match handle {
+            WorkerHandle::Thread(handle) => {
+                tokio::task::spawn_blocking(move || handle.join()).await.ok().map(|r| r.is_err())
+            }
+            WorkerHandle::Task(task) => match task.await {
+                Ok(()) => Some(false),
+                Err(e) => e.is_panic().then_some(true),
             },
-            WorkerHandle::Task(task) => task.await.map_err(|e| e.to_string()),
         };
-        if let Err(e) = ended {
-            // A runtime shutting down cancels the join: the worker still ends once its queue is
-            // closed.
-            error!(error = %e, "persist worker not joined");
+        match panicked {
+            Some(true) => error!("persist worker panicked"),
+            Some(false) => {}
+            None => tracing::debug!("persist worker not joined: the runtime is shutting down"),
         }
     }
 }
