@@ -32,13 +32,18 @@ use rand::seq::IndexedRandom;
 use rand::{RngExt, SeedableRng};
 use serde::{Deserialize, Serialize};
 
+/// Nodes of the real-time runs and of the virtual-time runs' main shape.
 const NODES: usize = 5;
 const IDS: usize = 40;
-/// Crashes, leaves and partitions are only started while fewer than this many nodes are down
-/// (crashed, left, or stopped by downing). Combined faults can still take more down — a 2|3
-/// cut then a crash on the majority side downs everyone — and the run then ends with a
-/// full-cluster restart from the durable state, which the checks cover as well.
-const MAX_DOWN: usize = 2;
+
+/// Crashes, leaves and partitions are only started while fewer than this many of `nodes` are
+/// down (crashed, left, or stopped by downing): fewer than half, so a majority can remain.
+/// Combined faults can still take more down — a 2|3 cut then a crash on the majority side
+/// downs everyone — and the run then ends with a full-cluster restart from the durable state,
+/// which the checks cover as well.
+fn max_down(nodes: usize) -> usize {
+    nodes.saturating_sub(1) / 2
+}
 const SETTLE: Duration = Duration::from_secs(60);
 
 /// Records each activation from its start hook (remembered entities start without a message).
@@ -141,12 +146,15 @@ async fn start_regions(n: Node, log: ActivationLog) -> NodeRegions {
 /// What the scenario does to a cluster, in real time or in virtual time.
 #[async_trait]
 trait Faults: Send + Sync {
+    /// How many nodes the cluster has (running or not).
+    fn nodes(&self) -> usize;
     /// Node `i` if it runs and has not stopped.
     fn live(&self, i: usize) -> Option<Node>;
     /// The incarnation in slot `i` (running, or stopped by itself), as activations name it.
     fn incarnation(&self, i: usize) -> Option<String>;
     fn partition(&self, a: &[usize], b: &[usize]);
     fn cut_messaging(&self, a: usize, b: usize);
+    fn cut_one_way(&self, from: usize, to: usize);
     fn heal(&self);
     fn is_converged(&self) -> bool;
     async fn await_converged(&self, timeout: Duration);
@@ -157,8 +165,10 @@ trait Faults: Send + Sync {
     async fn start_regions(&self, i: usize, log: &ActivationLog) -> NodeRegions;
     async fn shutdown(&mut self);
     fn caller(&self) -> Caller;
-    /// Whether nodes can be paused ([`Faults::pause`]).
-    fn can_pause(&self) -> bool;
+    /// Whether the faults the real-time runs never had — pauses ([`Faults::pause`]) and
+    /// one-way cuts — are drawn too (the real-time seeds keep the schedules they were found
+    /// with).
+    fn whole_node_faults(&self) -> bool;
     /// Pauses node `i` for `duration` (a stopped process).
     fn pause(&self, i: usize, duration: Duration);
 }
@@ -166,6 +176,9 @@ trait Faults: Send + Sync {
 /// In-process nodes in real time; a crash is a graceful stop (`TestCluster::kill`).
 #[async_trait]
 impl Faults for TestCluster {
+    fn nodes(&self) -> usize {
+        self.len()
+    }
     fn live(&self, i: usize) -> Option<Node> {
         self.running().find(|(j, n)| *j == i && !n.is_shut_down()).map(|(_, n)| n.clone())
     }
@@ -178,6 +191,9 @@ impl Faults for TestCluster {
     fn cut_messaging(&self, a: usize, b: usize) {
         let (a, b) = (TestCluster::node_id(a), TestCluster::node_id(b));
         self.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
+    }
+    fn cut_one_way(&self, from: usize, to: usize) {
+        self.injector().cut_one_way(&TestCluster::node_id(from), &TestCluster::node_id(to));
     }
     fn heal(&self) {
         TestCluster::heal(self);
@@ -203,7 +219,7 @@ impl Faults for TestCluster {
     fn caller(&self) -> Caller {
         Caller::Here
     }
-    fn can_pause(&self) -> bool {
+    fn whole_node_faults(&self) -> bool {
         false
     }
     fn pause(&self, _: usize, _: Duration) {
@@ -214,6 +230,9 @@ impl Faults for TestCluster {
 /// Whole nodes in virtual time; a crash drops every task of the node.
 #[async_trait]
 impl Faults for VirtualCluster {
+    fn nodes(&self) -> usize {
+        self.len()
+    }
     fn live(&self, i: usize) -> Option<Node> {
         self.node(i).filter(|n| !n.is_shut_down())
     }
@@ -226,6 +245,9 @@ impl Faults for VirtualCluster {
     fn cut_messaging(&self, a: usize, b: usize) {
         let (a, b) = (VirtualCluster::node_id(a), VirtualCluster::node_id(b));
         self.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
+    }
+    fn cut_one_way(&self, from: usize, to: usize) {
+        self.injector().cut_one_way(&VirtualCluster::node_id(from), &VirtualCluster::node_id(to));
     }
     fn heal(&self) {
         VirtualCluster::heal(self);
@@ -247,14 +269,14 @@ impl Faults for VirtualCluster {
         self.on_node(i, move |n| start_regions(n, log)).await.expect("the node runs")
     }
     async fn shutdown(&mut self) {
-        for i in 0..NODES {
+        for i in 0..self.len() {
             VirtualCluster::crash(self, i).await;
         }
     }
     fn caller(&self) -> Caller {
         Caller::OnNode(self.clone())
     }
-    fn can_pause(&self) -> bool {
+    fn whole_node_faults(&self) -> bool {
         true
     }
     fn pause(&self, i: usize, duration: Duration) {
@@ -279,6 +301,9 @@ enum Fault {
     Heal,
     Restart(usize),
     Leave(usize),
+    /// Traffic (gossip and messaging) from the first node to the second is lost; the other way
+    /// works.
+    CutOneWay(usize, usize),
     /// The node stops running for a while (a stopped process, a long GC pause, a frozen VM),
     /// long enough to be found unreachable and perhaps downed, then goes on where it stood.
     Pause(usize, Duration),
@@ -291,10 +316,11 @@ fn is_up(c: &impl Faults, i: usize) -> bool {
 
 /// Picks the next fault from what the cluster's state allows.
 fn next_fault(rng: &mut StdRng, c: &impl Faults, partitioned: bool) -> Fault {
-    let up: Vec<usize> = (0..NODES).filter(|i| is_up(c, *i)).collect();
-    let down: Vec<usize> = (0..NODES).filter(|i| !is_up(c, *i)).collect();
+    let max_down = max_down(c.nodes());
+    let up: Vec<usize> = (0..c.nodes()).filter(|i| is_up(c, *i)).collect();
+    let down: Vec<usize> = (0..c.nodes()).filter(|i| !is_up(c, *i)).collect();
     let mut options: Vec<u8> = vec![5]; // quiet
-    if down.len() < MAX_DOWN && up.len() > 1 {
+    if down.len() < max_down && up.len() > 1 {
         options.extend([0, 0]); // crash
         if !partitioned {
             options.extend([1, 1, 4]); // partition, leave
@@ -309,15 +335,17 @@ fn next_fault(rng: &mut StdRng, c: &impl Faults, partitioned: bool) -> Fault {
     if !down.is_empty() {
         options.extend([3, 3]); // restart
     }
-    // Only where nodes can be paused, so the schedules of the real-time seeds stay as they were.
-    if c.can_pause() && down.len() < MAX_DOWN && up.len() > 1 {
-        options.extend([7, 7]); // pause
+    if c.whole_node_faults() && up.len() > 1 {
+        options.push(8); // one-way cut
+        if down.len() < max_down {
+            options.extend([7, 7]); // pause
+        }
     }
     match *options.choose(rng).unwrap() {
         0 => Fault::Crash(*up.choose(rng).unwrap()),
         1 => {
             // A minority (or, with an even count, half) of the running nodes.
-            let size = rng.random_range(1..=(up.len() / 2).min(MAX_DOWN - down.len()));
+            let size = rng.random_range(1..=(up.len() / 2).min(max_down - down.len()));
             let mut side: Vec<usize> = up.sample(rng, size).copied().collect();
             side.sort();
             Fault::Partition(side)
@@ -329,6 +357,10 @@ fn next_fault(rng: &mut StdRng, c: &impl Faults, partitioned: bool) -> Fault {
         6 => {
             let pair: Vec<usize> = up.sample(rng, 2).copied().collect();
             Fault::CutMessaging(pair[0].min(pair[1]), pair[0].max(pair[1]))
+        }
+        8 => {
+            let pair: Vec<usize> = up.sample(rng, 2).copied().collect();
+            Fault::CutOneWay(pair[0], pair[1])
         }
         _ => Fault::Quiet,
     }
@@ -491,7 +523,7 @@ type Zombies = Arc<Mutex<BTreeMap<String, std::time::SystemTime>>>;
 fn watch_downing(c: &impl Faults, i: usize, zombies: &Zombies) {
     let Some(incarnation) = c.incarnation(i) else { return };
     let paused_at = std::time::UNIX_EPOCH + Duration::from_millis(ddshard::clock::wall_ms());
-    for peer in (0..NODES).filter(|j| *j != i).filter_map(|j| c.live(j)) {
+    for peer in (0..c.nodes()).filter(|j| *j != i).filter_map(|j| c.live(j)) {
         let (mut members, zombies, incarnation) = (peer.watch_membership(), zombies.clone(), incarnation.clone());
         tokio::spawn(async move {
             loop {
@@ -563,7 +595,7 @@ async fn restart(c: &mut impl Faults, i: usize, regions: &Regions, log: &Activat
     regions.lock().unwrap()[i] = None;
     // With no Up member left anywhere, the remaining nodes only wait for each other: the first
     // one back forms the cluster anew (from the durable state on its disk).
-    let forming = (0..NODES).filter_map(|j| c.live(j)).all(|n| !is_member(&n));
+    let forming = (0..c.nodes()).filter_map(|j| c.live(j)).all(|n| !is_member(&n));
     crash(c, i, log).await;
     c.restart(i, forming).await;
     let r = c.start_regions(i, log).await;
@@ -693,12 +725,13 @@ async fn check_ledgers(
 }
 
 async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
-    println!("seed {seed}: {NODES} nodes, {steps} faults");
+    let nodes = c.nodes();
+    println!("seed {seed}: {nodes} nodes, {steps} faults");
     let mut rng = StdRng::seed_from_u64(seed);
     c.await_converged(SETTLE).await;
     let log = ActivationLog::new();
-    let regions: Regions = Arc::new(Mutex::new(vec![None; NODES]));
-    for i in 0..NODES {
+    let regions: Regions = Arc::new(Mutex::new(vec![None; nodes]));
+    for i in 0..nodes {
         let r = c.start_regions(i, &log).await;
         regions.lock().unwrap()[i] = Some(r);
     }
@@ -725,7 +758,7 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
                 crash(&mut c, i, &log).await;
             }
             Fault::Partition(side) => {
-                let rest: Vec<usize> = (0..NODES).filter(|i| !side.contains(i)).collect();
+                let rest: Vec<usize> = (0..nodes).filter(|i| !side.contains(i)).collect();
                 c.partition(&side, &rest);
                 partitioned = true;
             }
@@ -758,6 +791,10 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
                 }
                 crash(&mut c, i, &log).await;
             }
+            Fault::CutOneWay(from, to) => {
+                c.cut_one_way(from, to);
+                partitioned = true;
+            }
             Fault::Pause(i, duration) => {
                 watch_downing(&c, i, &zombies);
                 c.pause(i, duration);
@@ -767,7 +804,7 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
         tokio::time::sleep(pause).await;
         println!("seed {seed} step {step}: shards per node {:?}", shards_per_node(&regions).await);
         // Downed nodes stop themselves; their regions are gone.
-        for i in 0..NODES {
+        for i in 0..nodes {
             if !is_up(&c, i) {
                 regions.lock().unwrap()[i] = None;
             }
@@ -782,7 +819,7 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
     // below restart whatever is left behind.
     let settle = tokio::time::Instant::now() + Duration::from_secs(20);
     let settled = |c: &dyn Faults| {
-        (0..NODES)
+        (0..nodes)
             .filter_map(|i| c.live(i))
             .all(|n| n.members().iter().all(|m| m.is_reachable() && m.status() != ddshard::MemberStatus::Down))
     };
@@ -790,7 +827,7 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     for round in 0.. {
-        for i in 0..NODES {
+        for i in 0..nodes {
             if c.live(i).is_none_or(|n| round > 0 && !is_member(&n)) {
                 restart(&mut c, i, &regions, &log).await;
             }
@@ -799,7 +836,7 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
         while !c.is_converged() && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        if c.is_converged() && (0..NODES).all(|i| is_up(&c, i)) {
+        if c.is_converged() && (0..nodes).all(|i| is_up(&c, i)) {
             break;
         }
         assert!(round < 3, "seed {seed}: the cluster did not converge after healing and restarting");
@@ -989,27 +1026,31 @@ async fn real_time_random_crash_partition_heal_restart_leave_sequences_keep_one_
     report(&failed, "DDSHARD_FAULT", "real_time");
 }
 
-/// Seeds the virtual-time runs cover in CI.
-const VIRTUAL_CI_SEEDS: u64 = 20;
+/// The virtual-time shapes (node counts) and the seeds CI runs of each; `DDSHARD_VFAULT_NODES`
+/// picks one shape for a soak.
+const VIRTUAL_SHAPES: [(usize, u64); 3] = [(3, 6), (NODES, 16), (7, 6)];
 
 #[test]
-fn virtual_time_random_crash_partition_heal_restart_leave_sequences_keep_one_activation_per_id_and_lose_no_remembered_id()
+fn virtual_time_random_crash_partition_pause_one_way_cut_heal_restart_leave_sequences_keep_one_activation_per_id_and_lose_no_remembered_id_or_durable_write()
  {
     let steps = steps("DDSHARD_VFAULT");
+    let only = env_u64("DDSHARD_VFAULT_NODES").map(|n| n as usize);
     let mut failed = Vec::new();
-    for seed in seeds("DDSHARD_VFAULT", (1..=VIRTUAL_CI_SEEDS).collect()) {
-        let real = std::time::Instant::now();
-        let run = std::panic::catch_unwind(|| {
-            VirtualRun::new(NODES)
-                .configure(|_, cfg| fast_downing(cfg))
-                .time_limit(Duration::from_secs(1800))
-                .run(move |c| run_seed(seed, steps, c))
-        });
-        println!("seed {seed}: {:?} of real time", real.elapsed());
-        if let Err(panic) = run {
-            let why = why(panic);
-            println!("seed {seed}: FAILED: {why}");
-            failed.push((seed, why));
+    for (nodes, ci_seeds) in VIRTUAL_SHAPES.into_iter().filter(|(n, _)| only.is_none_or(|o| o == *n)) {
+        for seed in seeds("DDSHARD_VFAULT", (1..=ci_seeds).collect()) {
+            let real = std::time::Instant::now();
+            let run = std::panic::catch_unwind(|| {
+                VirtualRun::new(nodes)
+                    .configure(|_, cfg| fast_downing(cfg))
+                    .time_limit(Duration::from_secs(1800))
+                    .run(move |c| run_seed(seed, steps, c))
+            });
+            println!("seed {seed} ({nodes} nodes): {:?} of real time", real.elapsed());
+            if let Err(panic) = run {
+                let why = why(panic);
+                println!("seed {seed} ({nodes} nodes): FAILED: {why}");
+                failed.push((seed, format!("{nodes} nodes (DDSHARD_VFAULT_NODES={nodes}): {why}")));
+            }
         }
     }
     report(&failed, "DDSHARD_VFAULT", "virtual_time");
