@@ -12,11 +12,12 @@
 //! timing and the traffic interleaving still vary from run to run.
 //!
 //! - CI runs, in real time, seeds 1–3 and the seeds that found real bugs, 14 and 20; in virtual
-//!   time, seeds 1–`VIRTUAL_CI_SEEDS` (`cargo test --test random_faults`).
+//!   time, the first seeds of each shape in `VIRTUAL_SHAPES` (3, 5 and 7 nodes; virtual runs
+//!   also draw pauses and one-way cuts) (`cargo test --test random_faults`).
 //! - Soak: `DDSHARD_FAULT_SEEDS=200 cargo test --release --test random_faults real_time -- --nocapture`
 //!   (seeds 1..=200; `DDSHARD_FAULT_SEED_START` moves the range, `DDSHARD_FAULT_STEPS` sets
 //!   the faults per run, default 8); the same with `DDSHARD_VFAULT_*` and the filter
-//!   `virtual_time` for the virtual-time runs.
+//!   `virtual_time` for the virtual-time runs, `DDSHARD_VFAULT_NODES=3|5|7` for one shape.
 //! - Replay one: `DDSHARD_FAULT_SEED=<seed>` (or `DDSHARD_VFAULT_SEED`) with `-- --nocapture`.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -25,7 +26,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use ddshard::testkit::virtual_time::{VirtualCluster, VirtualRun};
-use ddshard::testkit::{ActivationGuard, ActivationLog, TestCluster, fast_downing};
+use ddshard::testkit::{ActivationGuard, ActivationLog, FaultInjector, TestCluster, fast_downing, node_id};
 use ddshard::{Durable, DurableEntity, Entity, EntityContext, Node, ShardRegion, ShardingSettings};
 use rand::rngs::StdRng;
 use rand::seq::IndexedRandom;
@@ -152,10 +153,20 @@ trait Faults: Send + Sync {
     fn live(&self, i: usize) -> Option<Node>;
     /// The incarnation in slot `i` (running, or stopped by itself), as activations name it.
     fn incarnation(&self, i: usize) -> Option<String>;
-    fn partition(&self, a: &[usize], b: &[usize]);
-    fn cut_messaging(&self, a: usize, b: usize);
-    fn cut_one_way(&self, from: usize, to: usize);
-    fn heal(&self);
+    /// The switchboard of the cluster's links.
+    fn injector(&self) -> &FaultInjector;
+    fn partition(&self, a: &[usize], b: &[usize]) {
+        self.injector().cut_indexes(a, b);
+    }
+    fn cut_messaging(&self, a: usize, b: usize) {
+        self.injector().cut_messaging(&[node_id(a).as_str()], &[node_id(b).as_str()]);
+    }
+    fn cut_one_way(&self, from: usize, to: usize) {
+        self.injector().cut_one_way(&node_id(from), &node_id(to));
+    }
+    fn heal(&self) {
+        self.injector().heal_all();
+    }
     fn is_converged(&self) -> bool;
     async fn await_converged(&self, timeout: Duration);
     async fn crash(&mut self, i: usize);
@@ -185,18 +196,8 @@ impl Faults for TestCluster {
     fn incarnation(&self, i: usize) -> Option<String> {
         self.running().find(|(j, _)| *j == i).map(|(_, n)| n.address().to_string())
     }
-    fn partition(&self, a: &[usize], b: &[usize]) {
-        TestCluster::partition(self, a, b);
-    }
-    fn cut_messaging(&self, a: usize, b: usize) {
-        let (a, b) = (TestCluster::node_id(a), TestCluster::node_id(b));
-        self.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
-    }
-    fn cut_one_way(&self, from: usize, to: usize) {
-        self.injector().cut_one_way(&TestCluster::node_id(from), &TestCluster::node_id(to));
-    }
-    fn heal(&self) {
-        TestCluster::heal(self);
+    fn injector(&self) -> &FaultInjector {
+        TestCluster::injector(self)
     }
     fn is_converged(&self) -> bool {
         TestCluster::is_converged(self)
@@ -239,18 +240,8 @@ impl Faults for VirtualCluster {
     fn incarnation(&self, i: usize) -> Option<String> {
         self.node(i).map(|n| n.address().to_string())
     }
-    fn partition(&self, a: &[usize], b: &[usize]) {
-        VirtualCluster::partition(self, a, b);
-    }
-    fn cut_messaging(&self, a: usize, b: usize) {
-        let (a, b) = (VirtualCluster::node_id(a), VirtualCluster::node_id(b));
-        self.injector().cut_messaging(&[a.as_str()], &[b.as_str()]);
-    }
-    fn cut_one_way(&self, from: usize, to: usize) {
-        self.injector().cut_one_way(&VirtualCluster::node_id(from), &VirtualCluster::node_id(to));
-    }
-    fn heal(&self) {
-        VirtualCluster::heal(self);
+    fn injector(&self) -> &FaultInjector {
+        VirtualCluster::injector(self)
     }
     fn is_converged(&self) -> bool {
         VirtualCluster::is_converged(self)

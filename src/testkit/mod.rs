@@ -87,6 +87,16 @@ impl FaultInjector {
         self.any_cut.store(true, std::sync::atomic::Ordering::Release);
     }
 
+    /// Cuts every link between a node of indexes `a` and a node of indexes `b` (named by
+    /// [`node_id`]), both directions.
+    pub fn cut_indexes(&self, a: &[usize], b: &[usize]) {
+        let (a, b) =
+            (a.iter().map(|i| node_id(*i)).collect::<Vec<_>>(), b.iter().map(|i| node_id(*i)).collect::<Vec<_>>());
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let b: Vec<&str> = b.iter().map(String::as_str).collect();
+        self.cut(&a, &b);
+    }
+
     /// Cuts traffic from `from` to `to` only.
     pub fn cut_one_way(&self, from: &str, to: &str) {
         self.state.write().expect("fault state").cut.insert((from.to_string(), to.to_string()));
@@ -194,6 +204,11 @@ pub fn forged_deliver(shard: &str, entity_id: &str, payload: Vec<u8>) -> Vec<u8>
     crate::transport::wire::encode(&msg).expect("a Deliver encodes").to_vec()
 }
 
+/// The node id test clusters give node index `i`: `n1`, `n2`, …
+pub fn node_id(i: usize) -> String {
+    format!("n{}", i + 1)
+}
+
 /// Polls `check` until it returns `Some`, or panics with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where
@@ -286,7 +301,7 @@ impl TestCluster {
 
     /// Node id of index `i`.
     pub fn node_id(i: usize) -> String {
-        format!("n{}", i + 1)
+        node_id(i)
     }
 
     fn config_for(&self, i: usize) -> NodeConfig {
@@ -342,11 +357,7 @@ impl TestCluster {
 
     /// Cuts gossip and messaging between the two sets of node indexes.
     pub fn partition(&self, a: &[usize], b: &[usize]) {
-        let ids = |v: &[usize]| v.iter().map(|i| Self::node_id(*i)).collect::<Vec<_>>();
-        let (a, b) = (ids(a), ids(b));
-        let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        let b: Vec<&str> = b.iter().map(String::as_str).collect();
-        self.injector.cut(&a, &b);
+        self.injector.cut_indexes(a, b);
     }
 
     /// Heals every cut.

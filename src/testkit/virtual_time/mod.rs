@@ -181,7 +181,7 @@ impl std::fmt::Debug for VirtualCluster {
 impl VirtualCluster {
     /// Node id of index `i`.
     pub fn node_id(i: usize) -> String {
-        format!("n{}", i + 1)
+        super::node_id(i)
     }
 
     /// Number of node slots (running or not).
@@ -217,11 +217,7 @@ impl VirtualCluster {
 
     /// Cuts gossip and messaging between the two sets of node indexes.
     pub fn partition(&self, a: &[usize], b: &[usize]) {
-        let ids = |v: &[usize]| v.iter().map(|i| Self::node_id(*i)).collect::<Vec<_>>();
-        let (a, b) = (ids(a), ids(b));
-        let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        let b: Vec<&str> = b.iter().map(String::as_str).collect();
-        self.injector.cut(&a, &b);
+        self.injector.cut_indexes(a, b);
     }
 
     /// Heals every cut.
