@@ -109,22 +109,31 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     regions[0].ask("m5", CounterMsg::Stop).await.unwrap(); // passivates itself
 
     let nodes: Vec<ddshard::Node> = c.running().map(|(_, n)| n.clone()).collect();
-    let samples = eventually(CONVERGE, "every region registered, 29 entities running and remembered", || {
-        let (nodes, prometheus) = (nodes.clone(), prometheus.clone());
-        async move {
-            for n in &nodes {
-                n.sample_metrics().await;
+    let samples =
+        eventually(CONVERGE, "every region registered, 29 entities running and remembered, batches settled", || {
+            let (nodes, prometheus) = (nodes.clone(), prometheus.clone());
+            async move {
+                for n in &nodes {
+                    n.sample_metrics().await;
+                }
+                let text = prometheus.render();
+                let samples: Vec<_> =
+                    text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(parse_sample).collect();
+                let registered = sum(&samples, "ddshard_region_registered", &[("type", "counter")]);
+                let running = sum(&samples, "ddshard_region_entities", &[("type", "counter")]);
+                let remembered = sum(&samples, "ddshard_remembered_entities", &[("type", "counter")]);
+                // Histograms are recorded as a batch ends, counters copied at the sample: a remember
+                // batch (m5's stop) ending between the two shows in one only. Settled, they agree
+                // (checked below).
+                let batches = sum(&samples, "ddshard_remember_batches_total", &[("type", "counter")]);
+                let timed = sum(&samples, "ddshard_remember_write_seconds_count", &[("type", "counter")]);
+                let ids = sum(&samples, "ddshard_remember_ids_written_total", &[("type", "counter")]);
+                let sized = sum(&samples, "ddshard_remember_batch_size_sum", &[("type", "counter")]);
+                let settled = batches == timed && ids == sized;
+                (registered == 3.0 && running == 29.0 && remembered == 29.0 && settled).then_some(samples)
             }
-            let text = prometheus.render();
-            let samples: Vec<_> =
-                text.lines().filter(|l| !l.starts_with('#') && !l.trim().is_empty()).map(parse_sample).collect();
-            let registered = sum(&samples, "ddshard_region_registered", &[("type", "counter")]);
-            let running = sum(&samples, "ddshard_region_entities", &[("type", "counter")]);
-            let remembered = sum(&samples, "ddshard_remembered_entities", &[("type", "counter")]);
-            (registered == 3.0 && running == 29.0 && remembered == 29.0).then_some(samples)
-        }
-    })
-    .await;
+        })
+        .await;
 
     let emitted: BTreeSet<String> = samples.iter().map(|(n, _, _)| catalog_name(n)).collect();
     let catalog: BTreeSet<String> = CATALOG.iter().map(|m| m.name.to_string()).collect();
