@@ -275,11 +275,6 @@ impl Faults for VirtualCluster {
     }
 }
 
-/// Whether `node` is an Up member in its own view.
-fn is_member(node: &Node) -> bool {
-    node.membership().self_member().is_some_and(|m| m.status() == ddshard::MemberStatus::Up)
-}
-
 type Regions = Arc<Mutex<Vec<Option<NodeRegions>>>>;
 
 #[derive(Debug)]
@@ -586,7 +581,7 @@ async fn restart(c: &mut impl Faults, i: usize, regions: &Regions, log: &Activat
     regions.lock().unwrap()[i] = None;
     // With no Up member left anywhere, the remaining nodes only wait for each other: the first
     // one back forms the cluster anew (from the durable state on its disk).
-    let forming = (0..c.nodes()).filter_map(|j| c.live(j)).all(|n| !is_member(&n));
+    let forming = (0..c.nodes()).filter_map(|j| c.live(j)).all(|n| !TestCluster::is_member(&n));
     crash(c, i, log).await;
     c.restart(i, forming).await;
     let r = c.start_regions(i, log).await;
@@ -819,7 +814,7 @@ async fn run_seed(seed: u64, steps: usize, mut c: impl Faults) {
     }
     for round in 0.. {
         for i in 0..nodes {
-            if c.live(i).is_none_or(|n| round > 0 && !is_member(&n)) {
+            if c.live(i).is_none_or(|n| round > 0 && !TestCluster::is_member(&n)) {
                 restart(&mut c, i, &regions, &log).await;
             }
         }

@@ -209,6 +209,27 @@ pub fn node_id(i: usize) -> String {
     format!("n{}", i + 1)
 }
 
+/// The seeds a node starting beside `nodes` joins through: the running ones that are Up
+/// members (a node that is itself still joining cannot let anyone in), else every running one
+/// (they are all starting up).
+fn seeds_among<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> Vec<crate::config::SeedAddr> {
+    let running: Vec<&Node> = nodes.into_iter().filter(|n| !n.is_shut_down()).collect();
+    let up: Vec<&Node> = running.iter().copied().filter(|n| TestCluster::is_member(n)).collect();
+    if up.is_empty() { running } else { up }.into_iter().map(|n| n.gossip_addr().into()).collect()
+}
+
+/// Whether each of `nodes` lists exactly `nodes` as members, all Up and reachable.
+fn converged(nodes: &[&Node]) -> bool {
+    let mut expected: Vec<&str> = nodes.iter().map(|n| n.node_id()).collect();
+    expected.sort_unstable();
+    nodes.iter().all(|n| {
+        let members = n.members();
+        let mut ids: Vec<&str> = members.iter().map(|m| m.node_id()).collect();
+        ids.sort_unstable();
+        ids == expected && members.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
+    })
+}
+
 /// Polls `check` until it returns `Some`, or panics with `what` after `timeout`.
 pub async fn eventually<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
 where
@@ -306,11 +327,7 @@ impl TestCluster {
 
     fn config_for(&self, i: usize) -> NodeConfig {
         let mut cfg = test_config(&Self::node_id(i), self.dirs[i].path(), &self.cluster_id);
-        // Seeds: the members that are Up (a node that is itself still joining cannot let anyone
-        // in), else every running node (they are all starting up).
-        let running: Vec<&Node> = self.nodes.iter().flatten().filter(|n| !n.is_shut_down()).collect();
-        let up: Vec<&Node> = running.iter().copied().filter(|n| Self::is_member(n)).collect();
-        cfg.seeds = if up.is_empty() { running } else { up }.into_iter().map(|n| n.gossip_addr().into()).collect();
+        cfg.seeds = seeds_among(self.nodes.iter().flatten());
         (self.customize)(i, &mut cfg);
         cfg
     }
@@ -397,14 +414,7 @@ impl TestCluster {
 
     /// Whether every running node lists exactly the running nodes, all Up and reachable.
     pub fn is_converged(&self) -> bool {
-        let mut expected: Vec<String> = self.running().map(|(_, n)| n.node_id().to_string()).collect();
-        expected.sort();
-        self.running().all(|(_, n)| {
-            let ms = n.members();
-            let mut ids: Vec<String> = ms.iter().map(|m| m.node_id().to_string()).collect();
-            ids.sort();
-            ids == expected && ms.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
-        })
+        converged(&self.running().map(|(_, n)| n).collect::<Vec<_>>())
     }
 
     /// Waits until [`TestCluster::is_converged`]; panics after `timeout`.

@@ -39,7 +39,6 @@ use tokio::sync::{mpsc, oneshot};
 use super::{FaultInjector, eventually, init_test_tracing, test_config};
 use crate::config::NodeConfig;
 use crate::error::{Error, Result};
-use crate::membership::MemberStatus;
 use crate::node::Node;
 use network::SimulatedNetwork;
 
@@ -296,10 +295,7 @@ impl VirtualCluster {
         cfg.gossip_addr = SocketAddr::new(ip_of(i), GOSSIP_PORT);
         cfg.messaging_addr = SocketAddr::new(ip_of(i), MESSAGING_PORT);
         if with_seeds {
-            let running: Vec<Node> = self.running().into_iter().map(|(_, n)| n).filter(|n| !n.is_shut_down()).collect();
-            let up: Vec<&Node> = running.iter().filter(|n| is_member(n)).collect();
-            let seeds: Vec<&Node> = if up.is_empty() { running.iter().collect() } else { up };
-            cfg.seeds = seeds.into_iter().map(|n| n.gossip_addr().into()).collect();
+            cfg.seeds = super::seeds_among(self.running().iter().map(|(_, n)| n));
         }
         (self.shared.customize)(i, &mut cfg);
         cfg
@@ -307,15 +303,7 @@ impl VirtualCluster {
 
     /// Whether every running node lists exactly the running nodes, all Up and reachable.
     pub fn is_converged(&self) -> bool {
-        let running = self.running();
-        let mut expected: Vec<&str> = running.iter().map(|(_, n)| n.node_id()).collect();
-        expected.sort_unstable();
-        running.iter().all(|(_, n)| {
-            let members = n.members();
-            let mut ids: Vec<&str> = members.iter().map(|m| m.node_id()).collect();
-            ids.sort_unstable();
-            ids == expected && members.iter().all(|m| m.status() == MemberStatus::Up && m.is_reachable())
-        })
+        super::converged(&self.running().iter().map(|(_, n)| n).collect::<Vec<_>>())
     }
 
     /// Waits (in virtual time) until [`VirtualCluster::is_converged`]; panics after `timeout`.
@@ -325,11 +313,6 @@ impl VirtualCluster {
         })
         .await
     }
-}
-
-/// Whether `node` runs and is an Up member in its own view.
-fn is_member(node: &Node) -> bool {
-    !node.is_shut_down() && node.membership().self_member().is_some_and(|m| m.status() == MemberStatus::Up)
 }
 
 /// Node `i`'s address on the simulated network.
