@@ -42,8 +42,17 @@ pub(crate) enum DiskWriter {
     /// does not move on while the disk works, after waiting `latency` on the runtime's clock (a
     /// disk's write latency in virtual time, during which a crash loses the batch). Only the
     /// test kit's simulated machine.
+    /// Its commits do not wait for the disk (`fsync`), only for the operating system's cache:
+    /// the simulation crashes processes, never the machine.
     #[cfg_attr(not(any(test, feature = "testkit")), allow(dead_code))]
     BlockingPool { latency: std::time::Duration },
+}
+
+impl DiskWriter {
+    /// Whether a commit waits for the disk (`fsync`), as a power loss needs.
+    pub(crate) fn fsyncs(self) -> bool {
+        matches!(self, DiskWriter::OwnThread)
+    }
 }
 
 /// The sockets and threads a node takes from its machine.
@@ -64,12 +73,8 @@ pub(crate) trait Machine: Send + Sync + Debug + 'static {
     /// operating system's UDP sockets).
     fn seals_gossip(&self) -> bool;
 
-    /// Where the disk writer runs.
+    /// Where the disk writer runs (and so whether commits wait for the disk).
     fn disk_writer(&self) -> DiskWriter;
-
-    /// Whether a commit waits for the disk (`fsync`) rather than only the operating system's
-    /// cache: what a power loss needs, and a process crash does not.
-    fn fsyncs(&self) -> bool;
 }
 
 /// The operating system's sockets and threads.
@@ -120,10 +125,6 @@ impl Machine for OsMachine {
     fn disk_writer(&self) -> DiskWriter {
         DiskWriter::OwnThread
     }
-
-    fn fsyncs(&self) -> bool {
-        true
-    }
 }
 
 /// No Nagle delay, and TCP keepalive so a peer that vanished (power cut, dropped route) is
@@ -135,4 +136,16 @@ fn configure_tcp(stream: &tokio::net::TcpStream, keepalive: Duration) -> io::Res
     #[cfg(any(target_os = "linux", target_os = "macos", target_os = "freebsd"))]
     let probes = probes.with_retries(3);
     socket2::SockRef::from(stream).set_tcp_keepalive(&probes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_operating_systems_disk_writer_waits_for_the_disk_and_the_simulated_one_does_not() {
+        assert_eq!(OsMachine.disk_writer(), DiskWriter::OwnThread);
+        assert!(DiskWriter::OwnThread.fsyncs());
+        assert!(!DiskWriter::BlockingPool { latency: Duration::from_millis(2) }.fsyncs());
+    }
 }

@@ -125,7 +125,7 @@ impl Node {
             );
         }
         let data_dir_lock = lock_data_dir(&config.data_dir)?;
-        let (store, generation) = open_store(&config, b.machine.fsyncs()).await?;
+        let (store, generation) = open_store(&config, b.machine.disk_writer().fsyncs()).await?;
         let address = UniqueAddress::new(config.node_id.as_str(), generation);
         let spawner = Spawner::new(info_span!("node", node = %address), CancellationToken::new());
         let shutdown = spawner.shutdown_token().clone();

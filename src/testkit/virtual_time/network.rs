@@ -140,14 +140,10 @@ impl Machine for SimulatedMachine {
         false
     }
 
+    /// Commits wait their modelled latency, not a real disk: the simulation crashes processes,
+    /// never the machine, so what is committed stays in the operating system's cache.
     fn disk_writer(&self) -> DiskWriter {
         DiskWriter::BlockingPool { latency: self.net.commit_latency }
-    }
-
-    /// The simulation crashes processes, never the machine: what is committed stays in the
-    /// operating system's cache, and no commit waits for a real disk.
-    fn fsyncs(&self) -> bool {
-        false
     }
 }
 
