@@ -152,6 +152,8 @@ mod take_over {
     use super::*;
     use std::collections::BTreeSet;
 
+    use ddshard::testkit::eventually;
+
     /// Remembered entities, and coordinator state written at a plain majority (Akka's default
     /// adds 3 and caps at 5: every member of three, so a member that missed a write could not
     /// exist).
@@ -195,11 +197,20 @@ mod take_over {
     fn a_take_over_by_a_node_whose_replicas_missed_the_remembered_shards_restores_every_one_once_the_others_return() {
         VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
             cluster.await_converged(Duration::from_secs(30)).await;
-            // n3 hosts nothing yet, and hears no replicator traffic (gossip flows: it stays a
-            // reachable member) while entities in every shard start on n1 and n2: the
-            // coordinator's state and the remembered shards reach n1 and n2 only.
+            // n3 hosts nothing yet, and is cut off (n1 and n2 see it unreachable) while
+            // entities in every shard start on n1 and n2: the coordinator's state and the
+            // remembered shards reach n1 and n2 only.
             let regions = [start_echo(&cluster, 0).await, start_echo(&cluster, 1).await];
-            cluster.injector().cut_messaging(&["n3"], &["n1", "n2"]);
+            cluster.partition(&[2], &[0, 1]);
+            eventually(Duration::from_secs(30), "n1 and n2 see n3 unreachable", || {
+                let sees = |i: usize| {
+                    cluster
+                        .node(i)
+                        .is_some_and(|n| n.members().iter().any(|m| m.node_id() == "n3" && !m.is_reachable()))
+                };
+                std::future::ready((sees(0) && sees(1)).then_some(()))
+            })
+            .await;
             let ids: Vec<String> = (0..40).map(|k| format!("e{k}")).collect();
             let (region, asked) = (regions[0].clone(), ids.clone());
             let asks = move |_| async move {
@@ -239,5 +250,143 @@ mod take_over {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         });
+    }
+}
+
+mod remember_store {
+    use super::*;
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use ddshard::ShardRegion;
+    use ddshard::sharding::default_shard_id;
+    use ddshard::testkit::eventually;
+
+    const SHARDS: u32 = 6;
+
+    /// Remembered entities; coordinator writes at a plain majority of today's members, so
+    /// allocations go on while n3 is paused (Akka's plus 3 and min-cap 5 would wait for it).
+    fn remembering() -> ShardingSettings {
+        let defaults = ShardingSettings::default();
+        ShardingSettings {
+            number_of_shards: SHARDS,
+            remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: 4, ..defaults.remember },
+            coordinator: ddshard::sharding::ShardCoordinatorSettings {
+                write_majority_plus: 0,
+                read_majority_plus: 0,
+                majority_min_cap: 0,
+                ..defaults.coordinator
+            },
+            ..settings()
+        }
+    }
+
+    async fn start_echo(cluster: &VirtualCluster, i: usize) -> (usize, ShardRegion<Echo>) {
+        let start = |n: ddshard::Node| async move { n.sharding().start("echo", |_: &str| Echo, remembering()).await };
+        (i, cluster.on_node(i, start).await.expect("the node runs").expect("the region starts"))
+    }
+
+    /// Each running region's shards and their running entity ids, asked on its own node.
+    async fn placement(
+        cluster: &VirtualCluster,
+        regions: &[(usize, ShardRegion<Echo>)],
+    ) -> BTreeMap<usize, BTreeMap<String, Vec<String>>> {
+        let mut placed = BTreeMap::new();
+        for (i, region) in regions {
+            let region = region.clone();
+            if let Some(Ok(state)) = cluster.on_node(*i, move |_| async move { region.region_state().await }).await {
+                placed.insert(*i, state);
+            }
+        }
+        placed
+    }
+
+    async fn ask_all(cluster: &VirtualCluster, (i, region): &(usize, ShardRegion<Echo>), ids: &[String]) {
+        let (region, ids) = (region.clone(), ids.to_vec());
+        let asks = move |_| async move {
+            for id in &ids {
+                assert_eq!(&region.ask_with_timeout(id, Ping, Duration::from_secs(10)).await.unwrap(), id);
+            }
+        };
+        cluster.on_node(*i, asks).await.expect("the asking node runs");
+    }
+
+    /// Issue 42, step 5. Ids remembered while the roster was n1–n3 are acknowledged by n2 (their
+    /// shard's home) and n3 alone. The cluster grows to seven, n2 crashes and is downed, and its
+    /// shards move to a new node whose load of their remembered ids needs 4 of the 7: n1 and
+    /// the new nodes answer at once and hold none of them, while n3 — the only other holder, a
+    /// reachable member — hears nothing on the message path for 10 s. A load that took the
+    /// first majority lost every id (and, with no anti-entropy meanwhile, even the ids all
+    /// three held); a load that reads every reachable replica waits for n3 and brings them
+    /// all back.
+    #[test]
+    fn ids_remembered_under_three_members_come_back_after_growing_to_seven_and_losing_their_home_while_the_other_holder_is_cut_off()
+     {
+        VirtualRun::new(7)
+            .initially(3)
+            .configure(|_, c| {
+                // No anti-entropy within the test: only the acknowledging replicas hold the ids.
+                c.replicator.gossip_interval = Duration::from_secs(3600);
+                // n3, cut off the message path for 10 s, stays a reachable member meanwhile.
+                c.failure_detector.acceptable_pause = Duration::from_secs(60);
+            })
+            .run(|cluster: VirtualCluster| async move {
+                cluster.await_converged(Duration::from_secs(30)).await;
+                let mut regions = Vec::new();
+                for i in 0..3 {
+                    regions.push(start_echo(&cluster, i).await);
+                }
+                // Every shard allocated and remembered while all three hear every write.
+                let warm: Vec<String> = (0..30).map(|k| format!("w{k}")).collect();
+                ask_all(&cluster, &regions[0], &warm).await;
+                let on_n2: BTreeSet<String> =
+                    placement(&cluster, &regions[1..2]).await.remove(&1).unwrap_or_default().into_keys().collect();
+                assert!(!on_n2.is_empty(), "n2 hosts shards");
+                let ids: Vec<String> = (0..400)
+                    .map(|k| format!("e{k}"))
+                    .filter(|id| on_n2.contains(&default_shard_id(id, SHARDS)))
+                    .take(10)
+                    .collect();
+                // n1 hears no replicator message from n2 or n3 (gossip flows): the starts n2
+                // remembers are acknowledged by n2 and n3, a majority of three.
+                cluster.injector().cut_messaging(&["n1"], &["n2", "n3"]);
+                ask_all(&cluster, &regions[1], &ids).await;
+                cluster.crash(1).await;
+                regions.remove(1);
+                cluster.heal();
+                for i in 3..7 {
+                    cluster.start(i).await.unwrap();
+                }
+                eventually(Duration::from_secs(30), "n1 sees n4..n7 up", || {
+                    let members = cluster.node(0).map(|n| n.members()).unwrap_or_default();
+                    let up = members.iter().filter(|m| m.status() == ddshard::MemberStatus::Up).count();
+                    std::future::ready((up == 7).then_some(()))
+                })
+                .await;
+                for i in 3..7 {
+                    regions.push(start_echo(&cluster, i).await);
+                }
+                // n3's messages are held up (gossip flows: it is a reachable member), and n2 is
+                // downed: its shards move to the nodes with none.
+                cluster.injector().cut_messaging(&["n3"], &["n1", "n4", "n5", "n6", "n7"]);
+                cluster.on_node(0, |n| async move { n.down("n2").await }).await.unwrap().unwrap();
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                cluster.heal();
+                let expected: BTreeSet<String> = warm.iter().chain(&ids).cloned().collect();
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    let placed = placement(&cluster, &regions).await;
+                    let running: BTreeSet<String> =
+                        placed.values().flat_map(|shards| shards.values().flatten().cloned()).collect();
+                    if running == expected {
+                        break;
+                    }
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "remembered entities not running again: {:?}",
+                        expected.difference(&running).collect::<Vec<_>>()
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            });
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::ddata::Consistency;
 use crate::error::{Error, Result};
 
 /// The longest `max_entity_id_bytes` may allow: the longest member a remembered-entity set
@@ -157,6 +158,30 @@ pub struct RememberEntitiesSettings {
     /// The pace of `recovery_batch`.
     #[serde(with = "humantime_serde")]
     pub recovery_interval: Duration,
+    /// Writes of remembered ids, and of the coordinator's set of remembered shards, wait for a
+    /// majority of the replicator's roster plus this many more replicas, each with the write
+    /// in LMDB.
+    pub write_majority_plus: usize,
+    /// A shard's load of its remembered ids, and a coordinator take-over's read of the
+    /// remembered shards, read every reachable replica, and never fewer than a majority of the
+    /// roster plus this many. Replicas that joined since a write can make up a majority of
+    /// their own; the holders that acknowledged it are read as long as they are reachable.
+    pub read_majority_plus: usize,
+    /// Lower bound on those write and read replica counts (capped at the roster's size).
+    pub majority_min_cap: usize,
+}
+
+impl RememberEntitiesSettings {
+    /// Consistency of remembered-id writes and of the remembered-shards set's writes.
+    pub(crate) fn write_consistency(&self) -> Consistency {
+        Consistency::Majority { plus: self.write_majority_plus, min_cap: self.majority_min_cap }
+    }
+
+    /// Consistency of a shard's load of its remembered ids and of the take-over's read of the
+    /// remembered shards: every reachable replica, never fewer than the majority floor.
+    pub(crate) fn read_consistency(&self) -> Consistency {
+        Consistency::AllReachable { plus: self.read_majority_plus, min_cap: self.majority_min_cap }
+    }
 }
 
 impl Default for RememberEntitiesSettings {
@@ -167,6 +192,9 @@ impl Default for RememberEntitiesSettings {
             max_per_shard: None,
             recovery_batch: 0,
             recovery_interval: Duration::from_millis(100),
+            write_majority_plus: 0,
+            read_majority_plus: 0,
+            majority_min_cap: 0,
         }
     }
 }

@@ -23,8 +23,8 @@ use tracing::{debug, info, warn};
 use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView, plan_dto};
 use super::state::CoordinatorState;
 use super::take_over::{
-    REMEMBERED_SHARDS, StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction,
-    TakeOverInput, TakeOverState,
+    StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction, TakeOverInput,
+    TakeOverState,
 };
 use crate::clock::wall_ms;
 use crate::ddata::{FencedMap, GSet, Replicator};
@@ -357,14 +357,14 @@ impl CoordinatorDriver {
                 match action {
                     StateWriteAction::Write { entries, term, consistency, timeout, remembered } => {
                         // The state entries (counted over the members, with Akka's plus and
-                        // min-cap) and the newly remembered shards (a durable key: a plain
-                        // majority of the roster, which downing cannot shrink) go at once.
+                        // min-cap) and the newly remembered shards (a durable key: counted over
+                        // the roster, which downing cannot shrink) go at once.
                         let update = super::state::write_update(&type_name, entries, term);
                         let state = replicator.update_many(consistency, timeout, vec![update]);
                         let shards = async {
-                            let Some(shards) = remembered else { return Ok(()) };
+                            let Some((shards, consistency)) = remembered else { return Ok(()) };
                             let insert = super::state::remembered_shards_update(&type_name, shards);
-                            replicator.update_many(REMEMBERED_SHARDS, timeout, vec![insert]).await
+                            replicator.update_many(consistency, timeout, vec![insert]).await
                         };
                         let (state, shards) = tokio::join!(state, shards);
                         if matches!(state, Err(Error::ShutDown)) || matches!(shards, Err(Error::ShutDown)) {

@@ -40,12 +40,6 @@ pub(crate) const TAKE_OVER_RETRY: Duration = Duration::from_millis(200);
 /// Backoff of a failed state write: from the first value, doubling up to the second.
 pub(crate) const WRITE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
 
-/// Consistency of the durable set of remembered shards, written and read: a plain majority of
-/// the replicator's roster (DESIGN.md, decision 4). The coordinator's plus and min-cap are for
-/// quorums over today's members; over the roster they would make a small cluster wait for
-/// every holder ever seen.
-pub(crate) const REMEMBERED_SHARDS: Consistency = Consistency::MAJORITY;
-
 /// Consistency of the state claim at take-over (Akka's ReadMajorityPlus, 5 and min-cap 5 by
 /// default).
 fn state_read(s: &ShardingSettings) -> Consistency {
@@ -144,7 +138,11 @@ pub(crate) struct TakeOver {
     type_name: String,
     term: u64,
     claims: usize,
-    remember: bool,
+    /// With remember-entities, how the remembered shards are read: the remember store's
+    /// quorum (`sharding.remember`), counted over the replicator's roster. The coordinator's
+    /// plus and min-cap are for quorums over today's members; over the roster they would make
+    /// a small cluster wait for every holder ever seen.
+    remembered_read: Option<Consistency>,
     consistency: Consistency,
     timeout: Duration,
     claimed: Option<FencedMap>,
@@ -164,7 +162,7 @@ impl TakeOver {
             type_name: type_name.to_string(),
             term: wall_ms.max(local_fence.saturating_add(1)),
             claims: 0,
-            remember: s.remember.enabled,
+            remembered_read: s.remember.enabled.then(|| s.remember.read_consistency()),
             consistency: state_read(s),
             timeout: s.coordinator.waiting_for_state_timeout,
             claimed: None,
@@ -204,11 +202,11 @@ impl TakeOver {
                 match result {
                     Ok(map) => {
                         let map = map.unwrap_or_default();
-                        if self.remember {
+                        if let Some(consistency) = self.remembered_read {
                             self.claimed = Some(map);
                             out.push(TakeOverAction::ReadRememberedShards {
                                 key: keys::remembered_shards(&self.type_name),
-                                consistency: REMEMBERED_SHARDS,
+                                consistency,
                                 timeout: self.timeout,
                             });
                         } else {
@@ -236,13 +234,14 @@ impl TakeOver {
 pub(crate) enum StateWriteAction {
     /// Write `entries` under `term` ([`write_update`](super::state::write_update), at
     /// `consistency`) and, at the same time, add `remembered` (if any) to the durable set of
-    /// shards (at [`REMEMBERED_SHARDS`]); answer [`StateWriteInput::Written`] with both outcomes.
+    /// shards, at the remember store's write consistency it carries; answer
+    /// [`StateWriteInput::Written`] with both outcomes.
     Write {
         entries: Vec<StateEntry>,
         term: u64,
         consistency: Consistency,
         timeout: Duration,
-        remembered: Option<BTreeSet<ShardId>>,
+        remembered: Option<(BTreeSet<ShardId>, Consistency)>,
     },
     /// Both were acknowledged: the coordinator's write is done.
     Acknowledged,
@@ -269,7 +268,7 @@ pub(crate) struct StateWrite {
     term: u64,
     consistency: Consistency,
     timeout: Duration,
-    remembered: Option<BTreeSet<ShardId>>,
+    remembered: Option<(BTreeSet<ShardId>, Consistency)>,
     backoff: Duration,
 }
 
@@ -282,7 +281,7 @@ impl StateWrite {
         term: u64,
         out: &mut Vec<StateWriteAction>,
     ) -> Self {
-        let remembered: Option<BTreeSet<ShardId>> = s
+        let remembered = s
             .remember
             .enabled
             .then(|| {
@@ -292,7 +291,8 @@ impl StateWrite {
                     .filter_map(|(k, _)| keys::shard_of_entry(k).map(String::from))
                     .collect::<BTreeSet<ShardId>>()
             })
-            .filter(|shards| !shards.is_empty());
+            .filter(|shards| !shards.is_empty())
+            .map(|shards| (shards, s.remember.write_consistency()));
         let w = StateWrite {
             entries,
             term,
@@ -342,6 +342,11 @@ mod tests {
         ShardingSettings {
             remember: crate::sharding::RememberEntitiesSettings {
                 enabled: true,
+                // Set apart from the coordinator's and the states' quorums, so a test sees
+                // which one a read or write took.
+                write_majority_plus: 1,
+                read_majority_plus: 2,
+                majority_min_cap: 4,
                 ..ShardingSettings::default().remember
             },
             ..ShardingSettings::default()
@@ -470,7 +475,7 @@ mod tests {
             out,
             vec![TakeOverAction::ReadRememberedShards {
                 key: "shard-t/all".into(),
-                consistency: REMEMBERED_SHARDS,
+                consistency: Consistency::AllReachable { plus: 2, min_cap: 4 },
                 timeout: s.coordinator.waiting_for_state_timeout
             }]
         );
@@ -519,8 +524,9 @@ mod tests {
         let mut out = Vec::new();
         StateWrite::start(&remember(), entries(), 9, &mut out);
         match out.as_slice() {
-            [StateWriteAction::Write { remembered: Some(r), .. }] => {
-                assert_eq!(r, &BTreeSet::from(["5".to_string()]), "only shards allocated, not deleted, not regions")
+            [StateWriteAction::Write { remembered: Some((r, consistency)), .. }] => {
+                assert_eq!(r, &BTreeSet::from(["5".to_string()]), "only shards allocated, not deleted, not regions");
+                assert_eq!(*consistency, Consistency::Majority { plus: 1, min_cap: 4 }, "the remember store's");
             }
             other => panic!("{other:?}"),
         }

@@ -31,9 +31,18 @@ use crate::sharding::settings::ShardingSettings;
 /// quarter of the update timeout).
 pub(crate) const WRITE_TRIES: usize = 3;
 
-/// Consistency of remembered-entity reads and writes: plain majorities, so a shard keeps working
-/// while a minority of nodes is unreachable (majority reads and writes always intersect).
-pub(crate) const REMEMBER_CONSISTENCY: Consistency = Consistency::MAJORITY;
+/// Tries of a shard's load (its remembered ids, its states' claim), each with
+/// `coordinator.waiting_for_state_timeout`.
+pub(crate) const LOAD_TRIES: usize = 3;
+
+/// Whether a shard's failed load is tried again: at most [`LOAD_TRIES`] tries, and only after a
+/// consistency timeout. A load reads every replica reachable when it starts; one that stopped
+/// answering is, by the next try, usually judged unreachable and no longer waited for, so a
+/// slow or half-cut replica delays a shard's start by a read timeout or two instead of failing
+/// it for `shard_failure_backoff`.
+pub(crate) fn load_again(tries: usize, error: &Error) -> bool {
+    tries < LOAD_TRIES && matches!(error, Error::ConsistencyTimeout { .. })
+}
 
 /// Consistency of entity state writes: a majority of the roster plus `state.write_majority_plus`.
 pub(crate) fn state_write_consistency(s: &ShardingSettings) -> Consistency {
@@ -442,7 +451,8 @@ mod tests {
     }
 
     #[test]
-    fn each_try_waits_a_quarter_of_the_update_timeout_at_least_100_ms_and_states_use_their_own_quorums() {
+    fn each_try_waits_a_quarter_of_the_update_timeout_at_least_100_ms_and_states_and_remembered_ids_use_their_own_quorums()
+     {
         let s = |ms| ShardingSettings {
             coordinator: crate::sharding::ShardCoordinatorSettings {
                 updating_state_timeout: Duration::from_millis(ms),
@@ -459,11 +469,28 @@ mod tests {
                 majority_min_cap: 3,
                 ..Default::default()
             },
+            remember: crate::sharding::RememberEntitiesSettings {
+                write_majority_plus: 4,
+                read_majority_plus: 5,
+                majority_min_cap: 6,
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(state_write_consistency(&s), Consistency::Majority { plus: 1, min_cap: 3 });
         assert_eq!(state_read_consistency(&s), Consistency::AllReachable { plus: 2, min_cap: 3 });
-        assert_eq!(REMEMBER_CONSISTENCY, Consistency::Majority { plus: 0, min_cap: 0 });
+        assert_eq!(s.remember.write_consistency(), Consistency::Majority { plus: 4, min_cap: 6 });
+        assert_eq!(s.remember.read_consistency(), Consistency::AllReachable { plus: 5, min_cap: 6 });
+    }
+
+    #[test]
+    fn a_load_is_tried_again_only_after_a_consistency_timeout_and_at_most_three_times() {
+        let timeout = Error::ConsistencyTimeout { needed: 3, acked: 2 };
+        assert!(load_again(1, &timeout));
+        assert!(load_again(2, &timeout));
+        assert!(!load_again(3, &timeout), "the third try was the last");
+        assert!(!load_again(1, &Error::ShutDown));
+        assert!(!load_again(1, &Error::NotEnoughReplicas { needed: 3, reachable: 1 }), "no quorum: the backoff");
     }
 
     #[test]

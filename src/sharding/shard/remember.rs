@@ -1,6 +1,6 @@
-//! Remember-entities I/O of a region's shards: the majority read of a shard's remembered ids at
-//! start, and one remember writer per region that group-commits the starts and stops of all its
-//! shards (one multi-key majority update, so one delta message per replica and one LMDB
+//! Remember-entities I/O of a region's shards: the read of a shard's remembered ids at start,
+//! and one remember writer per region that group-commits the starts and stops of all its shards
+//! (one multi-key update, so one delta message per replica and one LMDB
 //! transaction per node, per batch). Each answers the shard with a [`ShardEvent::Store`] (or
 //! feeds recovery in batches with [`ShardEvent::Recover`]).
 
@@ -12,9 +12,9 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::batch::{BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberRequest, write_timeout};
+use super::batch::{BatchAction, RememberBatch, RememberRequest, load_again, write_timeout};
 use super::{RegionParts, ShardEvent, StoreResult, report_full_slot};
-use crate::ddata::{OrSet, Replicator};
+use crate::ddata::{Consistency, OrSet, Replicator};
 use crate::log_limit::LogLimiter;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::ShardId;
@@ -30,6 +30,9 @@ pub(crate) struct RememberIo {
     pub slots: u32,
     pub read_timeout: Duration,
     pub write_timeout: Duration,
+    /// The remember store's quorums (`sharding.remember`).
+    pub read_consistency: Consistency,
+    pub write_consistency: Consistency,
     pub recovery_batch: usize,
     pub recovery_interval: Duration,
     /// Largest a slot may grow to (approximate encoded bytes): one replicator message.
@@ -61,7 +64,7 @@ pub(crate) fn loaded_ids(slots: Vec<Option<OrSet>>) -> BTreeSet<String> {
 
 impl RememberIo {
     /// Starts the region's remember writer (group commit: the starts and stops of all its
-    /// shards go out together, one multi-key majority update per batch; the next batch
+    /// shards go out together, one multi-key update per batch; the next batch
     /// accumulates while one is in flight).
     pub(crate) fn new(parts: &RegionParts) -> Self {
         let s = &parts.settings;
@@ -73,6 +76,8 @@ impl RememberIo {
             slots: s.remember.slots,
             read_timeout: s.coordinator.waiting_for_state_timeout,
             write_timeout: write_timeout(s),
+            read_consistency: s.remember.read_consistency(),
+            write_consistency: s.remember.write_consistency(),
             recovery_batch: s.remember.recovery_batch,
             recovery_interval: s.remember.recovery_interval,
             slot_budget: parts.slot_budget,
@@ -106,7 +111,7 @@ impl RememberIo {
                 match out.pop() {
                     Some(BatchAction::Write(updates)) => {
                         let written =
-                            self.replicator.update_many(REMEMBER_CONSISTENCY, self.write_timeout, updates).await;
+                            self.replicator.update_many(self.write_consistency, self.write_timeout, updates).await;
                         core.handle(written, &mut out);
                     }
                     Some(BatchAction::Done(outcome)) => break outcome,
@@ -130,7 +135,9 @@ impl RememberIo {
         }
     }
 
-    /// Loads the shard's remembered ids with one majority read of all its slots; then, with a
+    /// Loads the shard's remembered ids with one read of all its slots (every reachable
+    /// replica, at least a majority of the roster; tried again as [`load_again`] says); then,
+    /// with a
     /// recovery batch set, feeds them back in batches at the configured rate.
     pub(crate) async fn load<E: Entity>(
         self,
@@ -140,13 +147,20 @@ impl RememberIo {
     ) {
         let io = self;
         {
-            let keys = slot_keys(&io.type_name, &shard, io.slots);
-            let ids = match io.replicator.get_many::<OrSet>(keys, REMEMBER_CONSISTENCY, io.read_timeout).await {
-                Ok(sets) => loaded_ids(sets),
-                Err(e) => {
-                    warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
-                    let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
-                    return;
+            let mut tries = 0;
+            let ids = loop {
+                tries += 1;
+                let keys = slot_keys(&io.type_name, &shard, io.slots);
+                match io.replicator.get_many::<OrSet>(keys, io.read_consistency, io.read_timeout).await {
+                    Ok(sets) => break loaded_ids(sets),
+                    Err(e) if load_again(tries, &e) => {
+                        debug!(type_name = %io.type_name, %shard, error = %e, tries, "loading remembered entities again");
+                    }
+                    Err(e) => {
+                        warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
+                        let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
+                        return;
+                    }
                 }
             };
             debug!(type_name = %io.type_name, %shard, entities = ids.len(), "remembered entities loaded");

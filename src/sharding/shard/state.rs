@@ -38,12 +38,10 @@ use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::ids::{ShardId, remembered_slot};
 use crate::sharding::keys;
 use crate::sharding::shard::batch::{
-    BatchAction, StateBatch, StateRequest, StateResult, state_read_consistency, state_write_consistency, write_timeout,
+    BatchAction, StateBatch, StateRequest, StateResult, load_again, state_read_consistency, state_write_consistency,
+    write_timeout,
 };
 use crate::sharding::shard::{RegionParts, report_full_slot};
-
-/// Tries of a shard's claim-and-load, each with `coordinator.waiting_for_state_timeout`.
-const LOAD_TRIES: usize = 3;
 
 /// Most writes one batch takes (the rest wait for the next).
 const MAX_BATCH: usize = 4096;
@@ -112,7 +110,7 @@ pub(crate) enum ClaimOutcome {
 }
 
 /// The claim-and-load rule (see the module documentation), one for the state I/O and the
-/// simulation: at most [`LOAD_TRIES`] tries, again only after a consistency timeout.
+/// simulation: tried again as [`load_again`] says.
 pub(crate) fn claim_outcome(
     type_name: &str,
     shard: &str,
@@ -122,7 +120,7 @@ pub(crate) fn claim_outcome(
 ) -> ClaimOutcome {
     let values = match read {
         Ok(values) => values,
-        Err(Error::ConsistencyTimeout { .. }) if tries < LOAD_TRIES => return ClaimOutcome::Again,
+        Err(e) if load_again(tries, &e) => return ClaimOutcome::Again,
         Err(e) => return ClaimOutcome::Failed(e),
     };
     let mut states = 0;

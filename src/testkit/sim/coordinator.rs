@@ -152,10 +152,9 @@ impl Sim {
                         timeout,
                         reply,
                     }];
-                    if let Some(shards) = remembered {
+                    if let Some((shards, consistency)) = remembered {
                         let insert = crate::sharding::coordinator::state::remembered_shards_update(TYPE, shards);
                         let reply = RepReply::StateWrite { write, part: WritePart::RememberedShards };
-                        let consistency = crate::sharding::coordinator::take_over::REMEMBERED_SHARDS;
                         inputs.push(ReplicatorInput::UpdateMany {
                             updates: vec![insert.into_parts()],
                             consistency,

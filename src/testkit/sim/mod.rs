@@ -210,6 +210,8 @@ enum RepReply {
     RememberLoad {
         shard: ShardId,
         instance: u64,
+        /// Tries made so far, this one included.
+        tries: usize,
     },
     /// A try of remember batch `u64`.
     RememberWrite(u64),

@@ -123,8 +123,8 @@ impl Sim {
                     let result = result.and_then(crate::ddata::first_fenced);
                     self.on_state_write_part(i, write, part, result);
                 }
-                ReplicatorAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance }, result } => {
-                    self.on_remember_loaded(i, shard, instance, result)
+                ReplicatorAction::ReplyGetMany { reply: RepReply::RememberLoad { shard, instance, tries }, result } => {
+                    self.on_remember_loaded(i, shard, instance, tries, result)
                 }
                 ReplicatorAction::ReplyGetMany { reply: RepReply::StateClaim(claim), result } => {
                     self.on_states_claimed(i, claim, result)

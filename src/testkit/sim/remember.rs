@@ -14,9 +14,7 @@
 
 use super::*;
 use crate::sharding::ids::remembered_slot;
-use crate::sharding::shard::batch::{
-    BatchAction, REMEMBER_CONSISTENCY, RememberBatch, RememberOutcome, RememberRequest,
-};
+use crate::sharding::shard::batch::{BatchAction, RememberBatch, RememberOutcome, RememberRequest};
 use crate::sharding::shard::{StoreResult, batch};
 
 fn slot_key(cfg: &SimConfig, shard: &str, entity_id: &str) -> String {
@@ -41,20 +39,20 @@ impl Sim {
         node.next_write += 1;
         let instance = node.next_write;
         node.shard_instances.insert(shard.clone(), instance);
-        self.load_remembered(i, shard, instance);
+        self.load_remembered(i, shard, instance, 1);
     }
 
     /// The remembered-id load of a shard instance: one majority read of its slots.
-    pub(super) fn load_remembered(&mut self, i: usize, shard: &ShardId, instance: u64) {
+    pub(super) fn load_remembered(&mut self, i: usize, shard: &ShardId, instance: u64, tries: usize) {
         let (now, wall) = (self.now(), self.wall());
         let Some(node) = self.nodes[i].as_mut() else { return };
         let s = settings(&self.cfg);
         let keys = crate::sharding::shard::remember::slot_keys(TYPE, shard, s.remember.slots);
         let input = ReplicatorInput::GetMany {
             keys,
-            consistency: REMEMBER_CONSISTENCY,
+            consistency: s.remember.read_consistency(),
             timeout: s.coordinator.waiting_for_state_timeout,
-            reply: RepReply::RememberLoad { shard: shard.clone(), instance },
+            reply: RepReply::RememberLoad { shard: shard.clone(), instance, tries },
         };
         let mut out = Vec::new();
         node.replicator.handle(input, now, wall, &mut out);
@@ -72,6 +70,7 @@ impl Sim {
         i: usize,
         shard: ShardId,
         instance: u64,
+        tries: usize,
         result: crate::Result<Vec<Option<ReplicatedData>>>,
     ) {
         if !self.is_current(i, &shard, instance) {
@@ -93,6 +92,12 @@ impl Sim {
                 let me = self.nodes[i].as_ref().expect("running").addr.clone();
                 self.trace(|| format!("{me} shard {shard} loads {} remembered ids", ids.len()));
                 ShardInput::Loaded(ids)
+            }
+            Err(e) if crate::sharding::shard::batch::load_again(tries, &e) => {
+                let me = self.nodes[i].as_ref().expect("running").addr.clone();
+                self.trace(|| format!("{me} shard {shard} loads its remembered ids again: {e}"));
+                self.load_remembered(i, &shard, instance, tries + 1);
+                return;
             }
             Err(e) => {
                 let me = self.nodes[i].as_ref().expect("running").addr.clone();
@@ -125,7 +130,7 @@ impl Sim {
                 BatchAction::Write(updates) => {
                     let input = ReplicatorInput::UpdateMany {
                         updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
-                        consistency: REMEMBER_CONSISTENCY,
+                        consistency: settings(&self.cfg).remember.write_consistency(),
                         timeout: batch::write_timeout(&settings(&self.cfg)),
                         reply: RepReply::RememberWrite(id),
                     };

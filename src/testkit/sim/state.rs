@@ -149,7 +149,7 @@ impl Sim {
                 self.ledger.claim_evidence.insert(claim.shard.clone(), evidence);
                 self.node_claims_started(i).insert(claim.shard.clone(), claim.started_ms);
                 if self.cfg.remember {
-                    self.load_remembered(i, &claim.shard, claim.instance);
+                    self.load_remembered(i, &claim.shard, claim.instance, 1);
                 } else {
                     self.shard_input(i, &claim.shard, ShardInput::Loaded(BTreeSet::new()));
                 }

@@ -58,6 +58,7 @@ type Customize = dyn Fn(usize, &mut NodeConfig) + Send + Sync;
 /// virtual-time limit.
 pub struct VirtualRun {
     nodes: usize,
+    initially: usize,
     customize: Arc<Customize>,
     tick: Duration,
     limit: Duration,
@@ -69,11 +70,19 @@ impl VirtualRun {
     pub fn new(nodes: usize) -> Self {
         VirtualRun {
             nodes,
+            initially: nodes,
             customize: Arc::new(|_, _| {}),
             tick: Duration::from_millis(1),
             limit: Duration::from_secs(3600),
             commit_latency: Duration::from_millis(2),
         }
+    }
+
+    /// Starts only the first `k` nodes before the test runs; the test starts the others
+    /// ([`VirtualCluster::start`]), to grow the cluster.
+    pub fn initially(mut self, k: usize) -> Self {
+        self.initially = k.min(self.nodes);
+        self
     }
 
     /// Changes node `i`'s configuration (index from 0) before each of its starts.
@@ -101,7 +110,8 @@ impl VirtualRun {
         self
     }
 
-    /// Starts the nodes one by one (each joining those already up) and runs `test` against
+    /// Starts the nodes (or the first of them, see [`VirtualRun::initially`]) one by one, each
+    /// joining those already up, and runs `test` against
     /// them; returns what `test` returns, or panics with its panic or when the time limit is
     /// reached. Call it from a plain `#[test]`, not inside a runtime.
     pub fn run<T, F, Fut>(self, test: F) -> T
@@ -124,7 +134,7 @@ impl VirtualRun {
         };
         let net = SimulatedNetwork::with_commit_latency(self.commit_latency);
         let mut world = World::new(self.tick, net, cluster.clone(), rx);
-        let nodes = self.nodes;
+        let nodes = self.initially;
         let starting = cluster.clone();
         let body = test(cluster);
         let task = world.client.spawn(async move {
