@@ -390,3 +390,80 @@ mod remember_store {
             });
     }
 }
+
+mod warm_up {
+    use super::*;
+
+    use ddshard::ShardRegion;
+
+    const SHARDS: u32 = 12;
+
+    fn sharded() -> ShardingSettings {
+        ShardingSettings { number_of_shards: SHARDS, ..settings() }
+    }
+
+    async fn start_echo(cluster: &VirtualCluster, i: usize) -> ShardRegion<Echo> {
+        let start = |n: ddshard::Node| async move { n.sharding().start("echo", |_: &str| Echo, sharded()).await };
+        cluster.on_node(i, start).await.expect("the node runs").expect("the region starts")
+    }
+
+    /// One id in each shard.
+    fn one_per_shard() -> Vec<String> {
+        let mut ids: Vec<String> = Vec::new();
+        for k in 0.. {
+            let id = format!("e{k}");
+            let shard = ddshard::sharding::default_shard_id(&id, SHARDS);
+            if !ids.iter().any(|known| ddshard::sharding::default_shard_id(known, SHARDS) == shard) {
+                ids.push(id);
+            }
+            if ids.len() == SHARDS as usize {
+                return ids;
+            }
+        }
+        unreachable!()
+    }
+
+    /// Asks every id once, all at once, on node `i`.
+    async fn ask_each(cluster: &VirtualCluster, i: usize, region: &ShardRegion<Echo>, ids: &[String]) {
+        let (region, ids) = (region.clone(), ids.to_vec());
+        let asks = move |_| async move {
+            let asks = ids.iter().map(|id| region.ask_with_timeout(id, Ping, Duration::from_secs(20)));
+            for (id, answer) in ids.iter().zip(futures::future::join_all(asks).await) {
+                assert_eq!(&answer.expect("answered"), id);
+            }
+        };
+        cluster.on_node(i, asks).await.expect("the asking node runs");
+    }
+
+    /// Issue 42, step 2. Each node of three leaves, restarts as a new incarnation and, the
+    /// moment its region starts, is asked for an entity in every shard. The coordinator sends a
+    /// registering region every home it knows before acknowledging it, so none of those first
+    /// messages waits for a `GetShardHome` round trip.
+    #[test]
+    fn after_a_rolling_restart_the_first_message_to_each_known_shard_needs_no_home_request() {
+        VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+            cluster.await_converged(Duration::from_secs(30)).await;
+            let ids = one_per_shard();
+            let mut regions = Vec::new();
+            for i in 0..3 {
+                regions.push(start_echo(&cluster, i).await);
+            }
+            ask_each(&cluster, 0, &regions[0], &ids).await;
+            let mut requests = Vec::new();
+            for i in [2, 1, 0] {
+                cluster.on_node(i, |n| async move { n.leave().await }).await.expect("runs").expect("left");
+                cluster.crash(i).await;
+                // Traffic from a node that stays allocates the shards the leaver handed off.
+                let other = (i + 1) % 3;
+                ask_each(&cluster, other, &regions[other], &ids).await;
+                cluster.start(i).await.unwrap();
+                cluster.await_converged(Duration::from_secs(30)).await;
+                regions[i] = start_echo(&cluster, i).await;
+                ask_each(&cluster, i, &regions[i], &ids).await;
+                requests.push((VirtualCluster::node_id(i), regions[i].counters().home_requests));
+            }
+            println!("home requests of each restarted region for its first {SHARDS} messages: {requests:?}");
+            assert!(requests.iter().all(|(_, n)| *n == 0), "{requests:?}");
+        });
+    }
+}

@@ -129,6 +129,7 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
     );
     set_counter("ddshard_entity_panics_total", &l, c.entity_panics);
     set_counter("ddshard_shard_failures_total", &l, c.shard_failures);
+    set_counter("ddshard_shard_home_requests_total", &l, c.home_requests);
     set_counter("ddshard_handoffs_started_total", &l, c.handoffs_started);
     set_counter("ddshard_handoffs_completed_total", &l, c.handoffs_completed);
     set_counter("ddshard_remember_batches_total", &l, c.remember_batches);

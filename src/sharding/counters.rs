@@ -115,6 +115,11 @@ pub struct RegionCounters {
 
     /// Durable entities: stored states that did not decode as the entity's `State`.
     pub state_undecodable: u64,
+
+    /// Requests for a shard's home sent to the coordinator (`GetShardHome`, retries included).
+    /// A region learns every known home when it registers, so after a restart this counts
+    /// only shards that had no home, or whose home moved.
+    pub home_requests: u64,
 }
 
 /// The live counters of one region, one cell per field of [`RegionCounters`] (the snapshot
@@ -152,6 +157,7 @@ pub(crate) struct RegionCounterCells {
     pub(crate) state_write_failures: AtomicU64,
     pub(crate) state_fenced: AtomicU64,
     pub(crate) state_undecodable: AtomicU64,
+    pub(crate) home_requests: AtomicU64,
 }
 
 impl RegionCounterCells {
@@ -189,6 +195,7 @@ impl RegionCounterCells {
             state_write_failures: self.state_write_failures.load(Ordering::Relaxed),
             state_fenced: self.state_fenced.load(Ordering::Relaxed),
             state_undecodable: self.state_undecodable.load(Ordering::Relaxed),
+            home_requests: self.home_requests.load(Ordering::Relaxed),
         }
     }
 }
@@ -233,6 +240,7 @@ mod tests {
         cells.state_write_failures.store(29, Ordering::Relaxed);
         cells.state_fenced.store(30, Ordering::Relaxed);
         cells.state_undecodable.store(31, Ordering::Relaxed);
+        cells.home_requests.store(32, Ordering::Relaxed);
         let s = cells.snapshot();
         assert_eq!(s.local_routed, 1);
         assert_eq!(s.remote_direct, 2);
@@ -265,5 +273,6 @@ mod tests {
         assert_eq!(s.state_write_failures, 29);
         assert_eq!(s.state_fenced, 30);
         assert_eq!(s.state_undecodable, 31);
+        assert_eq!(s.home_requests, 32);
     }
 }

@@ -52,6 +52,10 @@ pub(crate) enum ToRegion {
     RegisterRefused { coordinator: RegionId },
     /// The shard lives at `region`, allocated with `epoch`.
     ShardHome { shard: ShardId, region: RegionId, epoch: u64 },
+    /// Every home the coordinator knows, sent to a registering region before its
+    /// `RegisterAck` (in messages of at most [`SHARD_HOMES_PER_MESSAGE`] entries), so its first
+    /// message to a known shard needs no `GetShardHome`. Each entry is a `ShardHome`.
+    ShardHomes { homes: Vec<(ShardId, RegionId, u64)> },
     /// Start hosting the shard (re-sent until `ShardStarted`).
     HostShard { shard: ShardId, epoch: u64 },
     /// Stop routing to the shard's current home; buffer its messages; acknowledge.
@@ -60,6 +64,10 @@ pub(crate) enum ToRegion {
     /// same hand-off id.
     HandOff { shard: ShardId, handoff: u64 },
 }
+
+/// Most entries of one [`ToRegion::ShardHomes`]: with shard ids of at most 256 bytes, a message
+/// stays within about 200 KB, far under the transport's frame limit.
+pub(crate) const SHARD_HOMES_PER_MESSAGE: usize = 512;
 
 /// Region → region.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -549,6 +549,11 @@ impl<M> RegionCore<M> {
                 }
             }
             ToRegion::ShardHome { shard, region, epoch } => self.on_shard_home(shard, region, epoch, now, out),
+            ToRegion::ShardHomes { homes } => {
+                for (shard, region, epoch) in homes {
+                    self.on_shard_home(shard, region, epoch, now, out);
+                }
+            }
             ToRegion::HostShard { shard, epoch } => {
                 if self.proxy || self.shutting_down.is_some() || self.is_superseded(&shard, epoch) {
                     return; // the coordinator re-sends elsewhere after shard_start_timeout
@@ -703,6 +708,42 @@ mod tests {
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { .. }, .. }]));
         c.handle(coord(ToRegion::RegisterAck { coordinator: r("coord") }), Instant::now(), &mut out);
         c
+    }
+
+    #[test]
+    fn homes_sent_before_the_registration_ack_deliver_what_was_buffered_and_the_ack_asks_only_for_unknown_shards() {
+        let mut c = RegionCore::new(
+            r("me"),
+            false,
+            RegionSettings {
+                buffer_size: 10,
+                retry_interval: Duration::from_secs(2),
+                extractor_fingerprint: 7,
+                shutdown_timeout: Duration::from_secs(31),
+            },
+            Instant::now(),
+        );
+        run(&mut c, members(&["me", "coord", "other"], Some("coord")));
+        assert!(run(&mut c, route("1", 1)).is_empty(), "buffered until registered");
+        assert!(run(&mut c, route("9", 2)).is_empty(), "buffered until registered");
+        let homes = vec![("1".to_string(), r("other"), 4), ("2".to_string(), r("me"), 3)];
+        let out = run(&mut c, coord(ToRegion::ShardHomes { homes }));
+        assert!(
+            out.iter().any(|a| matches!(a, RegionAction::Forward { msg: 1, epoch: 4, .. })),
+            "a known home delivers what waited for it: {out:?}"
+        );
+        assert!(out.iter().any(|a| matches!(a, RegionAction::StartShard { .. })), "its own shard starts: {out:?}");
+        let out = run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
+        let asked: Vec<&ShardId> = out
+            .iter()
+            .filter_map(|a| match a {
+                RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { shard, .. }, .. } => Some(shard),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(asked, ["9"], "only the shard nobody named");
+        let out = run(&mut c, route("1", 3));
+        assert!(matches!(&out[..], [RegionAction::Forward { msg: 3, .. }]), "{out:?}");
     }
 
     /// A membership view with these routable regions and this coordinator host.

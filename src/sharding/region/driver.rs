@@ -370,6 +370,7 @@ impl<E: Entity> RegionDriver<E> {
         match action {
             RegionAction::ToCoordinator { coordinator, msg } => {
                 if let ToCoordinator::GetShardHome { shard, .. } = &msg {
+                    self.counters.home_requests.fetch_add(1, Ordering::Relaxed);
                     // Timed from the first request (a retry does not restart the clock); a
                     // bounded table, since a custom extractor may name any number of shards.
                     if self.home_asked.len() < MAX_HOMES_TIMED || self.home_asked.contains_key(shard) {

@@ -18,7 +18,7 @@ use crate::membership::MemberStatus;
 use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdRule};
 use crate::sharding::keys;
-use crate::sharding::protocol::{ToCoordinator, ToRegion};
+use crate::sharding::protocol::{SHARD_HOMES_PER_MESSAGE, ToCoordinator, ToRegion};
 use crate::sharding::query::{
     AllocationChoice, AllocationTable, HandOffProgress, PlannedMove, RebalancePlan, RebalanceStatus, RegionSummary,
     RegionVerdict, ShardAllocation, ShardEvent, ShardExplanation,
@@ -433,15 +433,20 @@ impl CoordinatorCore {
                 self.state.regions.insert(region.clone());
             }
         }
-        let mut effects = vec![Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() })];
-        for (shard, rec) in self.state.shards() {
-            if let (Some(home), false) = (&rec.region, self.handoffs.contains_key(shard)) {
-                effects.push(Self::send(
-                    &region,
-                    ToRegion::ShardHome { shard: shard.clone(), region: home.clone(), epoch: rec.epoch },
-                ));
-            }
-        }
+        // Every known home first, in a few batches, then the ack: by the time the region asks
+        // for the homes of the messages it buffered, it only asks for shards nobody hosts.
+        let homes: Vec<(ShardId, RegionId, u64)> = self
+            .state
+            .shards()
+            .iter()
+            .filter(|(shard, _)| !self.handoffs.contains_key(*shard))
+            .filter_map(|(shard, rec)| Some((shard.clone(), rec.region.clone()?, rec.epoch)))
+            .collect();
+        let mut effects: Vec<_> = homes
+            .chunks(SHARD_HOMES_PER_MESSAGE)
+            .map(|batch| Self::send(&region, ToRegion::ShardHomes { homes: batch.to_vec() }))
+            .collect();
+        effects.push(Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() }));
         self.commit(entries, effects, out);
         if !known && !proxy {
             self.allocate_deferred(now, wall_ms, out);

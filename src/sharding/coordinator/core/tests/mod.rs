@@ -176,6 +176,42 @@ fn a_registered_region_that_comes_back_with_another_extractor_has_its_shards_han
 }
 
 #[test]
+fn a_registering_region_gets_every_known_home_in_bounded_batches_before_its_ack_except_shards_in_hand_off() {
+    let mut c = core(1);
+    let now = Instant::now();
+    reg(&mut c, "a", now);
+    reg(&mut c, "b", now);
+    let shards = 3 * SHARD_HOMES_PER_MESSAGE + 76;
+    for s in 0..shards {
+        let who = if s % 2 == 0 { "a" } else { "b" };
+        step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
+    }
+    // Region a comes back with another extractor: its shards are being handed off.
+    let sent =
+        step(&mut c, from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8 }), now, 1);
+    let handing_off = begun_shards(&sent);
+    assert!(!handing_off.is_empty());
+    let sent =
+        step(&mut c, from_region(ToCoordinator::Register { region: r("z"), proxy: false, extractor: 7 }), now, 1);
+    let to_z: Vec<&ToRegion> = sent.iter().filter(|(to, _)| *to == r("z")).map(|(_, m)| m).collect();
+    let (ack, batches) = to_z.split_last().expect("messages to z");
+    assert!(matches!(ack, ToRegion::RegisterAck { .. }), "the ack comes last: {ack:?}");
+    let mut named = BTreeMap::new();
+    for batch in batches {
+        let ToRegion::ShardHomes { homes } = batch else { panic!("only batches before the ack: {batch:?}") };
+        assert!(homes.len() <= SHARD_HOMES_PER_MESSAGE, "a batch of {}", homes.len());
+        for (shard, home, epoch) in homes {
+            assert_eq!(c.state().home(shard), Some((home, *epoch)), "shard {shard} as the state has it");
+            assert!(named.insert(shard.clone(), home.clone()).is_none(), "shard {shard} named once");
+        }
+    }
+    assert_eq!(named.len(), shards - handing_off.len(), "every home but those in hand-off");
+    assert!(named.len() > SHARD_HOMES_PER_MESSAGE, "the test needs more than one batch");
+    assert_eq!(batches.len(), named.len().div_ceil(SHARD_HOMES_PER_MESSAGE), "full batches");
+    assert!(handing_off.iter().all(|s| !named.contains_key(s)), "a shard in hand-off has no home to give");
+}
+
+#[test]
 fn messages_revealing_an_allocation_wait_for_the_majority_write() {
     let mut c = core(1);
     c.members.statuses.insert(r("a"), MemberStatus::Up);
