@@ -120,6 +120,10 @@ pub struct RegionCounters {
     /// A region learns every known home when it registers, so after a restart this counts
     /// only shards that had no home, or whose home moved.
     pub home_requests: u64,
+
+    /// Entity stop hooks dropped at their bound (`Entity::on_stop` still running after the
+    /// entity stop timeout); the stop went on.
+    pub stop_hook_overruns: u64,
 }
 
 /// The live counters of one region, one cell per field of [`RegionCounters`] (the snapshot
@@ -158,6 +162,7 @@ pub(crate) struct RegionCounterCells {
     pub(crate) state_fenced: AtomicU64,
     pub(crate) state_undecodable: AtomicU64,
     pub(crate) home_requests: AtomicU64,
+    pub(crate) stop_hook_overruns: AtomicU64,
 }
 
 impl RegionCounterCells {
@@ -196,6 +201,7 @@ impl RegionCounterCells {
             state_fenced: self.state_fenced.load(Ordering::Relaxed),
             state_undecodable: self.state_undecodable.load(Ordering::Relaxed),
             home_requests: self.home_requests.load(Ordering::Relaxed),
+            stop_hook_overruns: self.stop_hook_overruns.load(Ordering::Relaxed),
         }
     }
 }
@@ -241,6 +247,7 @@ mod tests {
         cells.state_fenced.store(30, Ordering::Relaxed);
         cells.state_undecodable.store(31, Ordering::Relaxed);
         cells.home_requests.store(32, Ordering::Relaxed);
+        cells.stop_hook_overruns.store(33, Ordering::Relaxed);
         let s = cells.snapshot();
         assert_eq!(s.local_routed, 1);
         assert_eq!(s.remote_direct, 2);
@@ -274,5 +281,6 @@ mod tests {
         assert_eq!(s.state_fenced, 30);
         assert_eq!(s.state_undecodable, 31);
         assert_eq!(s.home_requests, 32);
+        assert_eq!(s.stop_hook_overruns, 33);
     }
 }

@@ -31,7 +31,7 @@ use std::sync::atomic::Ordering;
 use serde::{Serialize, de::DeserializeOwned};
 use tracing::warn;
 
-use super::{EndIncarnation, Entity, EntityContext, StateChange};
+use super::{EndIncarnation, Entity, EntityContext, StateChange, StopReason};
 use crate::error::{Error, Result};
 use crate::transport::wire;
 
@@ -59,6 +59,22 @@ pub trait DurableEntity: Send + 'static {
     /// nothing by default.
     fn started(&mut self, state: &Self::State, ctx: &EntityContext) -> impl Future<Output = ()> + Send {
         let _ = (state, ctx);
+        async {}
+    }
+
+    /// [`Entity::on_stop`] with the entity's state: runs once when the incarnation stops on
+    /// purpose, bounded the same way. [`EntityContext::persist`] (or
+    /// [`EntityContext::delete_state`]) here writes the state before the incarnation ends, with
+    /// the guarantees of a write after a message; a write that fails is logged and the stop
+    /// goes on (the next incarnation starts from what is stored). Not called for an entity
+    /// whose stored state could not be read. Does nothing by default.
+    fn on_stop(
+        &mut self,
+        state: &mut Self::State,
+        reason: StopReason,
+        ctx: &mut EntityContext,
+    ) -> impl Future<Output = ()> + Send {
+        let _ = (state, reason, ctx);
         async {}
     }
 }
@@ -166,6 +182,19 @@ impl<D: DurableEntity> Entity for Durable<D> {
         self.load(ctx).await;
         if self.broken.is_none() {
             self.entity.started(&self.state, ctx).await;
+        }
+    }
+
+    async fn on_stop(&mut self, reason: StopReason, ctx: &mut EntityContext) {
+        if self.broken.is_some() {
+            return;
+        }
+        ctx.state_change = None;
+        self.entity.on_stop(&mut self.state, reason, ctx).await;
+        if let Some(change) = ctx.state_change.take()
+            && let Err(e) = self.write(change, ctx).await
+        {
+            warn!(entity_id = %ctx.entity_id, error = %e, "the state the stop hook wrote was not persisted; the stop goes on");
         }
     }
 }

@@ -59,6 +59,7 @@ pub use settings::{
     AllocationSettings, DurableStateSettings, PassivationAdmission, PassivationSettings, PassivationStrategy,
     RememberEntitiesSettings, ReplacementPolicy, ShardCoordinatorSettings, ShardingSettings,
 };
+pub use shard::StopReason;
 pub use stand_in::{RegionProbe, Sent};
 
 use crate::error::{Error, Result};
@@ -98,6 +99,23 @@ pub trait Entity: Send + 'static {
     /// next incarnation, which would panic the same way). Does nothing by default.
     fn started(&mut self, ctx: &EntityContext) -> impl Future<Output = ()> + Send {
         let _ = ctx;
+        async {}
+    }
+
+    /// Runs once when this incarnation stops on purpose, after the last message it took, and
+    /// says why: passivation (asked, idle or the active-entity limit) or a hand-off of its
+    /// shard (a rebalance, or this node leaving). The place to flush, unsubscribe or release
+    /// what [`Entity::started`] claimed, or to run what Akka users send as a stop message.
+    ///
+    /// Messages that arrive meanwhile wait for the next incarnation. The hook is bounded: one
+    /// still running after the entity stop timeout (`handoff_timeout` less 5 s, at least 1 s)
+    /// is dropped where it stands, and one that panics is logged; either way the stop goes on
+    /// (both are counted: `stop_hook_overruns`, `entity_panics`). Not called when its node
+    /// crashes or stops without leaving ([`Node::shutdown`](crate::Node::shutdown)), nor after
+    /// a handler panicked. Durable entities implement [`DurableEntity::on_stop`], which may
+    /// persist. Does nothing by default.
+    fn on_stop(&mut self, reason: StopReason, ctx: &mut EntityContext) -> impl Future<Output = ()> + Send {
+        let _ = (reason, ctx);
         async {}
     }
 }

@@ -66,16 +66,19 @@ impl<S> EntityEntry<S> {
     }
 }
 
-/// Why an entity is stopped (for operators: counted by reason).
+/// Why an entity incarnation stops on purpose: what [`Entity::on_stop`](crate::Entity::on_stop)
+/// is told, and what operators see counted by reason.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum StopReason {
-    /// The entity asked to passivate.
+#[non_exhaustive]
+pub enum StopReason {
+    /// The entity asked to passivate ([`EntityContext::passivate`](crate::EntityContext::passivate)).
     Passivated,
     /// It was idle for the idle timeout.
     Idle,
     /// The region's active-entity limit made room for another entity.
     Limit,
-    /// Its shard is handed off.
+    /// Its shard moves to another node: a rebalance, or this node leaving
+    /// ([`Node::leave`](crate::Node::leave)). The next incarnation starts there.
     HandOff,
 }
 

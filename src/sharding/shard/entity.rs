@@ -33,7 +33,10 @@ use tokio::time::Sleep;
 use tracing::{Instrument, error};
 
 use super::ShardEvent;
+use super::core::StopReason;
+use crate::clock::Instant;
 use crate::error::Result;
+use crate::log_limit::LogLimiter;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use crate::sharding::{EndIncarnation, Entity, EntityContext};
@@ -44,7 +47,8 @@ pub(crate) type Factory<E> = Arc<dyn Fn(&str) -> E + Send + Sync>;
 /// What the region sends an entity.
 pub(crate) enum EntityCmd<E: Entity> {
     Msg(Envelope<E>),
-    Stop,
+    /// End the incarnation after its stop hook, told why.
+    Stop(StopReason),
 }
 
 /// Where the entity of a mailbox is.
@@ -71,7 +75,7 @@ struct MailboxInner<E: Entity> {
 impl<E: Entity> MailboxInner<E> {
     /// Messages queued (a `Stop`, at most one and always last, is not one).
     fn messages_queued(&self) -> usize {
-        self.queue.len() - usize::from(matches!(self.queue.back(), Some(EntityCmd::Stop)))
+        self.queue.len() - usize::from(matches!(self.queue.back(), Some(EntityCmd::Stop(_))))
     }
 }
 
@@ -127,7 +131,7 @@ impl<E: Entity> Mailbox<E> {
         match cmd {
             EntityCmd::Msg(env) if matches!(m.phase, Phase::Ended) => return Pushed::Ended(env),
             EntityCmd::Msg(env) if m.messages_queued() >= capacity => return Pushed::Full(env),
-            EntityCmd::Stop if matches!(m.phase, Phase::Ended) => return Pushed::Queued,
+            EntityCmd::Stop(_) if matches!(m.phase, Phase::Ended) => return Pushed::Queued,
             cmd => m.queue.push_back(cmd),
         }
         match start_run(&mut m.phase) {
@@ -273,7 +277,7 @@ fn messages<E: Entity>(queued: VecDeque<EntityCmd<E>>) -> Vec<Envelope<E>> {
         .into_iter()
         .filter_map(|c| match c {
             EntityCmd::Msg(env) => Some(env),
-            EntityCmd::Stop => None,
+            EntityCmd::Stop(_) => None,
         })
         .collect()
 }
@@ -287,6 +291,11 @@ pub(crate) struct RunnerShared<E: Entity> {
     pub counters: Arc<RegionCounterCells>,
     /// `entity_linger`: how long a run waits on an empty queue before it parks its entity.
     pub linger: Duration,
+    /// How long an entity's stop hook may run.
+    pub stop_timeout: Duration,
+    /// Stop hooks that panic or overrun are user code gone wrong, possibly in every entity of
+    /// a hand-off at once: one line per kind per period.
+    pub stop_log: Mutex<LogLimiter<&'static str>>,
     /// The local handle's routed-path counts: messages it put straight into a mailbox go back
     /// on the routed path, counted, when their incarnation ends before taking them.
     pub routed: Arc<RoutedInFlight>,
@@ -369,6 +378,40 @@ impl<E: Entity> EntityRun<E> {
         Some(entity)
     }
 
+    /// Ends the incarnation on a `Stop`: its hook runs, then it is gone before anyone hears it
+    /// terminated (the next incarnation may start elsewhere). Nothing is sent after a Stop (the
+    /// shard holds the messages of a stopping entity); anything that was goes to the next
+    /// incarnation.
+    async fn stop(&mut self, entity: Option<E>, reason: StopReason, span: &tracing::Span) {
+        if let Some(mut stopping) = entity {
+            self.stop_hook(&mut stopping, reason, span).await;
+        }
+        let leftovers = self.mailbox.end_from_task(&self.shared.routed);
+        self.terminated(leftovers);
+    }
+
+    /// Runs the entity's stop hook within the stop timeout; a panic or an overrun is counted and
+    /// logged (rate-limited), and the stop goes on either way.
+    async fn stop_hook(&mut self, entity: &mut E, reason: StopReason, span: &tracing::Span) {
+        let hook = AssertUnwindSafe(entity.on_stop(reason, &mut self.ctx)).catch_unwind().instrument(span.clone());
+        let (kind, detail) = match tokio::time::timeout(self.shared.stop_timeout, hook).await {
+            Ok(Ok(())) => return,
+            Ok(Err(panic)) => {
+                self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
+                ("entity stop hook panicked; the stop goes on", panic_text(&*panic))
+            }
+            Err(_) => {
+                self.shared.counters.stop_hook_overruns.fetch_add(1, Ordering::Relaxed);
+                ("entity stop hook overran its bound and was dropped; the stop goes on", String::new())
+            }
+        };
+        let allowed = self.shared.stop_log.lock().unwrap_or_else(|p| p.into_inner()).allow(&kind, Instant::now());
+        if let Some(held_back) = allowed {
+            error!(type_name = %self.shared.type_name, entity_id = %self.ctx.entity_id, ?reason, bound = ?self.shared.stop_timeout,
+                detail = %detail, held_back, "{kind}");
+        }
+    }
+
     /// Runs the entity until its queue is empty or it ends; ends early, dropping the entity,
     /// when its mailbox is ended meanwhile.
     pub(crate) async fn run(self, scheduled: Scheduled<E>) {
@@ -395,13 +438,8 @@ impl<E: Entity> EntityRun<E> {
             });
             let Some(cmd) = next.await else { return };
             let env = match cmd {
-                EntityCmd::Stop => {
-                    // Gone before anyone hears it terminated: the next incarnation may start
-                    // elsewhere. Nothing is sent after a Stop (the shard holds the messages
-                    // of a stopping entity); anything that was goes to the next incarnation.
-                    drop(entity.take());
-                    let leftovers = self.mailbox.end_from_task(&self.shared.routed);
-                    self.terminated(leftovers);
+                EntityCmd::Stop(reason) => {
+                    self.stop(entity.take(), reason, &span).await;
                     return;
                 }
                 EntityCmd::Msg(env) => env,
@@ -515,7 +553,7 @@ mod tests {
     fn next(m: &Mailbox<Probe>, entity: &mut Option<Probe>) -> Option<u32> {
         match m.next_or_park(entity) {
             Some(EntityCmd::Msg(env)) => env.msg.map(|p| p.0),
-            Some(EntityCmd::Stop) => Some(u32::MAX),
+            Some(EntityCmd::Stop(_)) => Some(u32::MAX),
             None => None,
         }
     }
@@ -594,13 +632,16 @@ mod tests {
         let m = Mailbox::<Probe>::new();
         let _first = m.schedule_new();
         let mut entity = Some(Probe(Arc::default()));
-        assert!(matches!(m.push(EntityCmd::Stop, 10), Pushed::Queued), "running: queued for its task");
+        assert!(
+            matches!(m.push(EntityCmd::Stop(StopReason::Passivated), 10), Pushed::Queued),
+            "running: queued for its task"
+        );
         assert_eq!(next(&m, &mut entity), Some(u32::MAX), "the task takes the stop");
         let m = Mailbox::<Probe>::new();
         let _first = m.schedule_new();
         let mut entity = Some(Probe(Arc::default()));
         assert_eq!(next(&m, &mut entity), None, "parked");
-        let run = scheduled(m.push(EntityCmd::Stop, 10));
+        let run = scheduled(m.push(EntityCmd::Stop(StopReason::Passivated), 10));
         let mut entity = run.entity;
         assert!(entity.is_some(), "the new run owns the parked instance, to drop it");
         assert_eq!(next(&m, &mut entity), Some(u32::MAX));
@@ -613,7 +654,10 @@ mod tests {
         assert!(matches!(m.push(msg(1), 2), Pushed::Queued));
         assert!(matches!(m.push(msg(2), 2), Pushed::Queued));
         assert!(matches!(m.push(msg(3), 2), Pushed::Full(_)), "the capacity counts queued messages");
-        assert!(matches!(m.push(EntityCmd::Stop, 2), Pushed::Queued), "a stop is never refused");
+        assert!(
+            matches!(m.push(EntityCmd::Stop(StopReason::Passivated), 2), Pushed::Queued),
+            "a stop is never refused"
+        );
         assert_eq!(m.queued(), 2, "a stop is not a message");
         let mut entity = Some(Probe(Arc::default()));
         assert_eq!(next(&m, &mut entity), Some(1));
@@ -630,7 +674,10 @@ mod tests {
         assert_eq!(m.end().len(), 0);
         assert_eq!(drops.load(Ordering::SeqCst), 1, "a parked entity is dropped by end() itself");
         assert!(matches!(m.push(msg(1), 10), Pushed::Ended(_)), "an ended mailbox takes nothing");
-        assert!(matches!(m.push(EntityCmd::Stop, 10), Pushed::Queued), "a stop to it does nothing");
+        assert!(
+            matches!(m.push(EntityCmd::Stop(StopReason::Passivated), 10), Pushed::Queued),
+            "a stop to it does nothing"
+        );
         assert_eq!(m.queued(), 0);
         assert_eq!(m.queue_capacity(), 0, "not even queued");
 

@@ -220,7 +220,7 @@ pub(crate) struct LocalShards<E: Entity> {
 pub(crate) const MAX_ENTITY_PAGE: usize = 10_000;
 
 /// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
-/// rest for the hand-off messages around it.
+/// rest for the hand-off messages around it; an entity's stop hook has as long.
 pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
     handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1))
 }
@@ -262,6 +262,8 @@ impl<E: Entity> LocalShards<E> {
             type_name: type_name.clone(),
             counters: counters.clone(),
             linger: settings.entity_linger,
+            stop_timeout: entity_stop_timeout(settings.handoff_timeout),
+            stop_log: std::sync::Mutex::new(crate::log_limit::LogLimiter::new(Duration::from_secs(10))),
             routed,
             metrics: metrics.clone(),
         });
@@ -638,7 +640,7 @@ impl<E: Entity> LocalShards<E> {
         let Some(cell) = self.shards.get(shard_id) else { return };
         let shard = cell.lock();
         let Some((h, incarnation)) = shard.core.slot(&entity_id) else { return };
-        if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop, usize::MAX) {
+        if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop(reason), usize::MAX) {
             let run =
                 RunOf { mailbox: h.mailbox.clone(), epoch: h.epoch, incarnation, shard_tasks: shard.tasks.clone() };
             drop(shard);

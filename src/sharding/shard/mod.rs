@@ -11,6 +11,7 @@ pub(crate) mod remember;
 pub(crate) mod state;
 
 pub(crate) use core::ShardInput;
+pub use core::StopReason;
 pub(crate) use entity::Factory;
 #[cfg(feature = "testkit")]
 pub(crate) use host::new_shard_core;
