@@ -467,3 +467,98 @@ mod warm_up {
         });
     }
 }
+
+mod recovery_pace {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    use ddshard::ShardRegion;
+
+    /// Start times (virtual) of each incarnation, by id.
+    type Starts = Arc<Mutex<Vec<(String, tokio::time::Instant)>>>;
+
+    struct Recorded {
+        starts: Starts,
+    }
+
+    impl Entity for Recorded {
+        type Message = Ping;
+        type Reply = String;
+        async fn started(&mut self, ctx: &EntityContext) {
+            self.starts.lock().unwrap().push((ctx.entity_id().to_string(), tokio::time::Instant::now()));
+        }
+        async fn handle(&mut self, _msg: Ping, ctx: &mut EntityContext) -> String {
+            ctx.entity_id().to_string()
+        }
+    }
+
+    const BATCH: usize = 10;
+    const INTERVAL: Duration = Duration::from_secs(1);
+
+    fn paced() -> ShardingSettings {
+        let defaults = ShardingSettings::default();
+        ShardingSettings {
+            // One shard: its remembered ids come back in one load, paced.
+            number_of_shards: 1,
+            remember: ddshard::sharding::RememberEntitiesSettings {
+                enabled: true,
+                recovery_batch: BATCH,
+                recovery_interval: INTERVAL,
+                ..defaults.remember
+            },
+            min_nr_of_members: 1,
+            ..settings()
+        }
+    }
+
+    async fn start(cluster: &VirtualCluster, starts: &Starts) -> ShardRegion<Recorded> {
+        let starts = starts.clone();
+        let factory = move |_: &str| Recorded { starts: starts.clone() };
+        let start = |n: ddshard::Node| async move { n.sharding().start("paced", factory, paced()).await };
+        cluster.on_node(0, start).await.expect("the node runs").expect("the region starts")
+    }
+
+    /// Issue 42, step 9: `remember.recovery_batch` and `recovery_interval` (the constant
+    /// recovery strategy) start a restarted shard's remembered entities `BATCH` per interval,
+    /// never more, and every one of them.
+    #[test]
+    fn remembered_entities_come_back_after_a_restart_ten_per_recovery_interval_and_all_of_them() {
+        VirtualRun::new(1).run(|cluster: VirtualCluster| async move {
+            let starts: Starts = Arc::default();
+            let region = start(&cluster, &starts).await;
+            let ids: Vec<String> = (0..45).map(|k| format!("r{k}")).collect();
+            let asked = ids.clone();
+            let asks = move |_| async move {
+                for id in &asked {
+                    assert_eq!(&region.ask_with_timeout(id, Ping, Duration::from_secs(10)).await.unwrap(), id);
+                }
+            };
+            cluster.on_node(0, asks).await.expect("n1 runs");
+            cluster.crash(0).await;
+            starts.lock().unwrap().clear();
+            cluster.start(0).await.unwrap();
+            let _region = start(&cluster, &starts).await;
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+            while starts.lock().unwrap().len() < ids.len() {
+                assert!(tokio::time::Instant::now() < deadline, "not every remembered entity came back");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tokio::time::sleep(INTERVAL * 2).await;
+            let starts = starts.lock().unwrap().clone();
+            let mut came_back: Vec<&str> = starts.iter().map(|(id, _)| id.as_str()).collect();
+            came_back.sort_unstable();
+            let mut expected: Vec<&str> = ids.iter().map(String::as_str).collect();
+            expected.sort_unstable();
+            assert_eq!(came_back, expected, "every remembered entity, once");
+            // Counted per interval from the first batch: 10, 10, 10, 10, 5.
+            let first = starts.iter().map(|(_, at)| *at).min().unwrap();
+            let mut per_interval = [0usize; 6];
+            for (_, at) in &starts {
+                let k = ((*at - first).as_millis() / INTERVAL.as_millis()) as usize;
+                per_interval[k.min(5)] += 1;
+            }
+            println!("remembered entities started per {INTERVAL:?}: {per_interval:?}");
+            assert_eq!(per_interval, [10, 10, 10, 10, 5, 0]);
+        });
+    }
+}
