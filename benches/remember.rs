@@ -256,68 +256,109 @@ fn bench(c: &mut Criterion) {
             remember: ddshard::sharding::RememberEntitiesSettings { slots: 16, ..settings(true).remember },
             ..settings(true)
         };
-        let r = cluster.node(0).replicator().clone();
-        let mut by_key: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-        for i in 0..n {
-            let id = format!("r-{i}");
-            let shard = ddshard::sharding::default_shard_id(&id, s.number_of_shards);
-            let slot = xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember.slots);
-            by_key.entry(format!("shard-restart/{shard}/{slot}")).or_default().push(id);
-        }
+        let by_key = seed_remembered(&cluster, "restart", &s, n).await;
         let baseline = raw_lmdb_restart(&by_key).await;
-        for (key, ids) in by_key {
-            r.update::<OrSet, _>(&key, ddshard::Consistency::All, Duration::from_secs(10), move |set, ctx| {
-                set.add_all(ctx, ids)
-            })
-            .await
-            .unwrap();
-        }
-        let shards: BTreeSet<String> = (0..s.number_of_shards).map(|i| i.to_string()).collect();
-        r.update::<ddshard::ddata::GSet, _>(
-            "shard-restart/all",
-            ddshard::Consistency::All,
-            Duration::from_secs(10),
-            move |g, _| {
-                for sh in shards {
-                    g.insert(sh);
-                }
-            },
-        )
-        .await
-        .unwrap();
-        for i in 0..3 {
-            cluster.kill(i).await;
-        }
-        let t = Instant::now();
-        for i in 0..3 {
-            cluster.restart(i).await.unwrap();
-        }
-        cluster.await_converged(Duration::from_secs(60)).await;
-        let mut regions = Vec::new();
-        for (_, n) in cluster.running() {
-            regions.push(n.sharding().start("restart", |_: &str| Thing, s.clone()).await.unwrap());
-        }
-        let deadline = Instant::now() + Duration::from_secs(300);
-        loop {
-            let mut running = 0;
-            for r in &regions {
-                running += r.region_stats().await.unwrap().values().sum::<usize>();
-            }
-            if running >= n {
-                let took = t.elapsed();
-                println!(
-                    "full-cluster restart: {n} remembered entities running again {took:?} after the restart began \
-                     (raw LMDB read + one task per id: {baseline:?})"
-                );
-                let ms = |d: Duration| d.as_secs_f64() * 1e3;
-                common::print_ratio_of("restart_ms_vs_raw_lmdb_read_and_tasks_ms", ms(took), ms(baseline));
-                break;
-            }
-            assert!(Instant::now() < deadline, "only {running} of {n} running after 300 s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let (took, _) = full_restart(&mut cluster, "restart", &s, n).await;
+        println!(
+            "full-cluster restart: {n} remembered entities running again {took:?} after the restart began \
+             (raw LMDB read + one task per id: {baseline:?})"
+        );
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        common::print_ratio_of("restart_ms_vs_raw_lmdb_read_and_tasks_ms", ms(took), ms(baseline));
+
+        // The same restart with 1,000 shards, whose loads all start at once: capped at
+        // `max_concurrent_shard_loads` per region (the default) beside uncapped, in the same run.
+        let many = ShardingSettings { number_of_shards: 1000, ..s.clone() };
+        seed_remembered(&cluster, "restart-1k", &many, n).await;
+        let uncapped = ShardingSettings { max_concurrent_shard_loads: 1_000_000, ..many.clone() };
+        let (took_uncapped, faults_uncapped) = full_restart(&mut cluster, "restart-1k", &uncapped, n).await;
+        let (took_capped, faults_capped) = full_restart(&mut cluster, "restart-1k", &many, n).await;
+        println!(
+            "full-cluster restart, 1,000 shards, {n} remembered ids: capped at {} loads per region {took_capped:?} \
+             (load timeouts, shard failures: {faults_capped:?}); uncapped {took_uncapped:?} ({faults_uncapped:?})",
+            many.max_concurrent_shard_loads
+        );
+        common::print_ratio_of("restart_1k_shards_capped_ms_vs_uncapped_ms", ms(took_capped), ms(took_uncapped));
         cluster.shutdown().await;
     });
+}
+
+/// Seeds `n` remembered ids of type `type_name` straight into the replicated sets (as its
+/// shards would have recorded them), and the type's set of remembered shards; returns the ids
+/// by slot key.
+async fn seed_remembered(
+    cluster: &TestCluster,
+    type_name: &str,
+    s: &ShardingSettings,
+    n: usize,
+) -> std::collections::BTreeMap<String, Vec<String>> {
+    let r = cluster.node(0).replicator().clone();
+    let mut by_key: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for i in 0..n {
+        let id = format!("r-{i}");
+        let shard = ddshard::sharding::default_shard_id(&id, s.number_of_shards);
+        let slot = xxhash_rust::xxh3::xxh3_64_with_seed(id.as_bytes(), 0x5107) % u64::from(s.remember.slots);
+        by_key.entry(format!("shard-{type_name}/{shard}/{slot}")).or_default().push(id);
+    }
+    for (key, ids) in by_key.clone() {
+        r.update::<OrSet, _>(&key, ddshard::Consistency::All, Duration::from_secs(30), move |set, ctx| {
+            set.add_all(ctx, ids)
+        })
+        .await
+        .unwrap();
+    }
+    let shards: BTreeSet<String> = (0..s.number_of_shards).map(|i| i.to_string()).collect();
+    r.update::<ddshard::ddata::GSet, _>(
+        &format!("shard-{type_name}/all"),
+        ddshard::Consistency::All,
+        Duration::from_secs(30),
+        move |g, _| {
+            for sh in shards {
+                g.insert(sh);
+            }
+        },
+    )
+    .await
+    .unwrap();
+    by_key
+}
+
+/// Kills and restarts every node, starts type `type_name` on each, and waits until its `n`
+/// remembered entities run again; returns the time from the restart and the regions' shard
+/// load timeouts and shard failures.
+async fn full_restart(
+    cluster: &mut TestCluster,
+    type_name: &str,
+    s: &ShardingSettings,
+    n: usize,
+) -> (Duration, (u64, u64)) {
+    for i in 0..3 {
+        cluster.kill(i).await;
+    }
+    let t = Instant::now();
+    for i in 0..3 {
+        cluster.restart(i).await.unwrap();
+    }
+    cluster.await_converged(Duration::from_secs(60)).await;
+    let mut regions = Vec::new();
+    for (_, node) in cluster.running() {
+        regions.push(node.sharding().start(type_name, |_: &str| Thing, s.clone()).await.unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        let mut running = 0;
+        for r in &regions {
+            running += r.region_stats().await.unwrap().values().sum::<usize>();
+        }
+        if running >= n {
+            let took = t.elapsed();
+            let timeouts = regions.iter().map(|r| r.counters().shard_load_timeouts).sum();
+            let failures = regions.iter().map(|r| r.counters().shard_failures).sum();
+            return (took, (timeouts, failures));
+        }
+        assert!(Instant::now() < deadline, "only {running} of {n} running after 300 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The restart's floor on one node: the same ids in the same keys, written to a fresh LMDB

@@ -82,6 +82,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_region_entities", G, "node,type", "Entities running in this region."),
     def("ddshard_remembered_entities", G, "node,type", "With remember-entities: the ids this region's shards remember (running or not)."),
     def("ddshard_shard_home_seconds", H, "node,type", "Time from asking the coordinator for a shard's home to learning it."),
+    def("ddshard_shard_load_timeouts_total", C, "node,type", "Tries of a shard's load (remembered ids, state claim) that timed out."),
     def("ddshard_stop_hook_overruns_total", C, "node,type", "Entity stop hooks dropped at their bound (the stop went on)."),
     def("ddshard_shard_home_requests_total", C, "node,type", "Requests for a shard's home sent to the coordinator (retries included)."),
     def("ddshard_region_buffered_messages", G, "node,type", "Messages waiting for a shard's home."),

@@ -562,3 +562,73 @@ mod recovery_pace {
         });
     }
 }
+
+mod load_cap {
+    use super::*;
+
+    use ddshard::ShardRegion;
+
+    fn capped(cap: usize) -> ShardingSettings {
+        let defaults = ShardingSettings::default();
+        ShardingSettings {
+            number_of_shards: 12,
+            remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..defaults.remember },
+            // Allocations go on with n3 cut off the message path.
+            coordinator: ddshard::sharding::ShardCoordinatorSettings {
+                write_majority_plus: 0,
+                read_majority_plus: 0,
+                majority_min_cap: 0,
+                ..defaults.coordinator
+            },
+            max_concurrent_shard_loads: cap,
+            // Shards go to n1 and n2 (n3 may not have registered before it is cut off).
+            min_nr_of_members: 2,
+            ..settings()
+        }
+    }
+
+    /// Load timeouts on n1 and n2 once every shard has been asked for and 2.5 s have passed:
+    /// each load waits for n3 (a reachable member that hears nothing), whose read times out
+    /// after 2 s.
+    fn timeouts_after_loads_start(cap: usize) -> Vec<u64> {
+        VirtualRun::new(3).configure(|_, c| c.failure_detector.acceptable_pause = Duration::from_secs(60)).run(
+            move |cluster: VirtualCluster| async move {
+                cluster.await_converged(Duration::from_secs(30)).await;
+                let mut regions: Vec<ShardRegion<Echo>> = Vec::new();
+                for i in 0..3 {
+                    let start = move |n: ddshard::Node| async move {
+                        n.sharding().start("echo", |_: &str| Echo, capped(cap)).await
+                    };
+                    regions.push(cluster.on_node(i, start).await.unwrap().unwrap());
+                }
+                cluster.injector().cut_messaging(&["n3"], &["n1", "n2"]);
+                let region = regions[0].clone();
+                cluster
+                    .on_node(0, move |_| async move {
+                        for k in 0..60 {
+                            let region = region.clone();
+                            tokio::spawn(async move {
+                                region.ask_with_timeout(&format!("e{k}"), Ping, Duration::from_secs(30)).await
+                            });
+                        }
+                    })
+                    .await
+                    .unwrap();
+                tokio::time::sleep(Duration::from_millis(2500)).await;
+                regions[..2].iter().map(|r| r.counters().shard_load_timeouts).collect()
+            },
+        )
+    }
+
+    /// Issue 42, step 6: a region loads at most `max_concurrent_shard_loads` shards at once.
+    #[test]
+    fn a_region_runs_at_most_its_cap_of_shard_loads_at_once_and_the_rest_wait_their_turn() {
+        let capped = timeouts_after_loads_start(1);
+        let uncapped = timeouts_after_loads_start(100);
+        println!(
+            "load timeouts within the first read timeout on n1 and n2: capped at 1 {capped:?}, uncapped {uncapped:?}"
+        );
+        assert!(capped.iter().all(|t| *t <= 1), "one load at a time per region: {capped:?}");
+        assert!(uncapped.iter().sum::<u64>() > 2, "uncapped, every shard's load ran at once: {uncapped:?}");
+    }
+}

@@ -129,6 +129,7 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
     );
     set_counter("ddshard_entity_panics_total", &l, c.entity_panics);
     set_counter("ddshard_stop_hook_overruns_total", &l, c.stop_hook_overruns);
+    set_counter("ddshard_shard_load_timeouts_total", &l, c.shard_load_timeouts);
     set_counter("ddshard_shard_failures_total", &l, c.shard_failures);
     set_counter("ddshard_shard_home_requests_total", &l, c.home_requests);
     set_counter("ddshard_handoffs_started_total", &l, c.handoffs_started);

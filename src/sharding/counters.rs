@@ -124,6 +124,10 @@ pub struct RegionCounters {
     /// Entity stop hooks dropped at their bound (`Entity::on_stop` still running after the
     /// entity stop timeout); the stop went on.
     pub stop_hook_overruns: u64,
+
+    /// Tries of a shard's load (its remembered ids, its states' claim) that timed out; each is
+    /// tried again, up to three tries, before the shard fails for `shard_failure_backoff`.
+    pub shard_load_timeouts: u64,
 }
 
 /// The live counters of one region, one cell per field of [`RegionCounters`] (the snapshot
@@ -163,6 +167,7 @@ pub(crate) struct RegionCounterCells {
     pub(crate) state_undecodable: AtomicU64,
     pub(crate) home_requests: AtomicU64,
     pub(crate) stop_hook_overruns: AtomicU64,
+    pub(crate) shard_load_timeouts: AtomicU64,
 }
 
 impl RegionCounterCells {
@@ -202,6 +207,7 @@ impl RegionCounterCells {
             state_undecodable: self.state_undecodable.load(Ordering::Relaxed),
             home_requests: self.home_requests.load(Ordering::Relaxed),
             stop_hook_overruns: self.stop_hook_overruns.load(Ordering::Relaxed),
+            shard_load_timeouts: self.shard_load_timeouts.load(Ordering::Relaxed),
         }
     }
 }
@@ -248,6 +254,7 @@ mod tests {
         cells.state_undecodable.store(31, Ordering::Relaxed);
         cells.home_requests.store(32, Ordering::Relaxed);
         cells.stop_hook_overruns.store(33, Ordering::Relaxed);
+        cells.shard_load_timeouts.store(34, Ordering::Relaxed);
         let s = cells.snapshot();
         assert_eq!(s.local_routed, 1);
         assert_eq!(s.remote_direct, 2);
@@ -282,5 +289,6 @@ mod tests {
         assert_eq!(s.state_undecodable, 31);
         assert_eq!(s.home_requests, 32);
         assert_eq!(s.stop_hook_overruns, 33);
+        assert_eq!(s.shard_load_timeouts, 34);
     }
 }

@@ -329,6 +329,12 @@ pub struct ShardingSettings {
     pub ask_timeout: Duration,
     /// Regions that must have registered before the first shard is allocated.
     pub min_nr_of_members: usize,
+    /// Shards of a remembering or durable type that one region loads at once (their
+    /// remembered ids, their states' claim); the others wait their turn, their messages
+    /// buffered. After a full-cluster restart every shard starts at once: without a cap their
+    /// reads compete for the same replicas, run past `coordinator.waiting_for_state_timeout`
+    /// and fail for `shard_failure_backoff`, and the retries compete again.
+    pub max_concurrent_shard_loads: usize,
     /// Registration and shard-home retry interval (backoff starts at an eighth of it).
     #[serde(with = "humantime_serde")]
     pub retry_interval: Duration,
@@ -357,6 +363,7 @@ impl Default for ShardingSettings {
             coordinator: ShardCoordinatorSettings::default(),
             state: DurableStateSettings::default(),
             ask_timeout: Duration::from_secs(5),
+            max_concurrent_shard_loads: 32,
             min_nr_of_members: 1,
             retry_interval: Duration::from_secs(2),
             shard_start_timeout: Duration::from_secs(10),
@@ -396,6 +403,9 @@ impl ShardingSettings {
         }
         if self.min_nr_of_members == 0 {
             return bad("min_nr_of_members must be >= 1");
+        }
+        if self.max_concurrent_shard_loads == 0 {
+            return bad("max_concurrent_shard_loads must be >= 1");
         }
         if self.handoff_timeout < Duration::from_millis(100) || self.ask_timeout.is_zero() {
             return bad("handoff_timeout must be >= 100ms and ask_timeout > 0");

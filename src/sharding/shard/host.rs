@@ -214,6 +214,8 @@ pub(crate) struct LocalShards<E: Entity> {
     metrics: Arc<TypeMetrics>,
     /// Warnings about shards at their remembered limit: at most one a minute per shard.
     remembered_limit_log: crate::log_limit::LogLimiter<ShardId>,
+    /// Permits for shard loads running at once (`max_concurrent_shard_loads`).
+    loads: Arc<tokio::sync::Semaphore>,
 }
 
 /// Most entity ids in one page of [`LocalShards::entity_page`].
@@ -279,6 +281,7 @@ impl<E: Entity> LocalShards<E> {
             open: AtomicBool::new(true),
             launcher: launcher.clone(),
         });
+        let settings_loads = settings.max_concurrent_shard_loads;
         LocalShards {
             type_name,
             passivation_limit: settings.passivation_limit(),
@@ -298,6 +301,7 @@ impl<E: Entity> LocalShards<E> {
             handoff_started: HashMap::new(),
             metrics,
             remembered_limit_log: crate::log_limit::LogLimiter::new(Duration::from_secs(60)),
+            loads: Arc::new(tokio::sync::Semaphore::new(settings_loads)),
         }
     }
 
@@ -414,7 +418,11 @@ impl<E: Entity> LocalShards<E> {
     fn load(&self, shard: ShardId, instance: u64, epoch: u64) {
         let (state, events, type_name) = (self.state.clone(), self.events.clone(), self.type_name.clone());
         let remember = self.settings.remember.enabled.then(|| self.remember.clone());
+        let loads = self.loads.clone();
         self.spawner.spawn_until_shutdown(async move {
+            // Its turn among the region's loads; held until the reads are done (not while
+            // recovery paces the starts). The semaphore is never closed.
+            let permit = loads.acquire_owned().await.ok();
             if let Some(state) = state {
                 match state.claim_and_load(&shard, epoch).await {
                     Ok(states) => debug!(%type_name, %shard, epoch, states, "entity states claimed and loaded"),
@@ -430,8 +438,9 @@ impl<E: Entity> LocalShards<E> {
                 }
             }
             match remember {
-                Some(remember) => remember.load(shard, instance, events).await,
+                Some(remember) => remember.load(shard, instance, events, permit).await,
                 None => {
+                    drop(permit);
                     let input = StoreResult::Loaded(Default::default());
                     let _ = events.send(ShardEvent::Store { shard, instance, input });
                 }

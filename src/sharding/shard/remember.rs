@@ -144,6 +144,7 @@ impl RememberIo {
         shard: ShardId,
         instance: u64,
         events: mpsc::UnboundedSender<ShardEvent<E>>,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) {
         let io = self;
         {
@@ -154,15 +155,20 @@ impl RememberIo {
                 match io.replicator.get_many::<OrSet>(keys, io.read_consistency, io.read_timeout).await {
                     Ok(sets) => break loaded_ids(sets),
                     Err(e) if load_again(tries, &e) => {
+                        io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
                         debug!(type_name = %io.type_name, %shard, error = %e, tries, "loading remembered entities again");
                     }
                     Err(e) => {
+                        if matches!(e, crate::error::Error::ConsistencyTimeout { .. }) {
+                            io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
+                        }
                         warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
                         let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
                         return;
                     }
                 }
             };
+            drop(permit);
             debug!(type_name = %io.type_name, %shard, entities = ids.len(), "remembered entities loaded");
             let all: Vec<String> = ids.iter().cloned().collect();
             // The shard takes the set first; recovery starts follow (at the configured rate).

@@ -192,7 +192,11 @@ impl StateIo {
             tries += 1;
             let updates = claim_updates(&io.type_name, shard, io.slots, epoch);
             let read = io.replicator.update_and_get_many::<FencedMap>(io.read_consistency, io.read_timeout, updates);
-            match claim_outcome(&io.type_name, shard, epoch, tries, read.await) {
+            let read = read.await;
+            if matches!(read, Err(Error::ConsistencyTimeout { .. })) {
+                io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            match claim_outcome(&io.type_name, shard, epoch, tries, read) {
                 ClaimOutcome::Claimed { states } => return Ok(states),
                 ClaimOutcome::Again => {
                     debug!(type_name = %io.type_name, %shard, tries, "claiming the states timed out; again");
