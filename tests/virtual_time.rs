@@ -632,3 +632,72 @@ mod load_cap {
         assert!(uncapped.iter().sum::<u64>() > 2, "uncapped, every shard's load ran at once: {uncapped:?}");
     }
 }
+
+mod settings_agreement {
+    use super::*;
+
+    use ddshard::{DurableEntity, Error};
+
+    #[derive(Default)]
+    struct Tally;
+
+    impl DurableEntity for Tally {
+        type Message = Ping;
+        type Reply = u64;
+        type State = u64;
+        async fn handle(&mut self, state: &mut u64, _msg: Ping, ctx: &mut EntityContext) -> u64 {
+            *state += 1;
+            ctx.persist();
+            *state
+        }
+    }
+
+    fn with_slots(slots: u32) -> ShardingSettings {
+        let defaults = ShardingSettings::default();
+        ShardingSettings {
+            state: ddshard::sharding::DurableStateSettings { slots, ..defaults.state },
+            min_nr_of_members: 1,
+            ..settings()
+        }
+    }
+
+    /// Issue 42, step 7. n2 starts a durable type with 8 state slots where the cluster has 16:
+    /// it would read and write other keys and miss states. Its region is refused with an error
+    /// naming the setting, and n1 keeps serving.
+    #[test]
+    fn a_node_started_with_other_state_slots_is_refused_naming_the_setting_and_the_cluster_keeps_serving() {
+        VirtualRun::new(2).run(|cluster: VirtualCluster| async move {
+            cluster.await_converged(Duration::from_secs(30)).await;
+            let start = |slots: u32| {
+                move |n: ddshard::Node| async move {
+                    n.sharding().start_durable("tally", |_: &str| Tally, with_slots(slots)).await
+                }
+            };
+            let r1 = cluster.on_node(0, start(16)).await.unwrap().unwrap();
+            let r2 = cluster.on_node(1, start(8)).await.unwrap().unwrap();
+            let ask = |i: usize, region: ddshard::ShardRegion<Durable<Tally>>| {
+                cluster.on_node(
+                    i,
+                    move |_| async move { region.ask_with_timeout("t", Ping, Duration::from_secs(10)).await },
+                )
+            };
+            assert_eq!(ask(0, r1.clone()).await.unwrap().unwrap(), 1, "n1 serves");
+            let refused = eventually(Duration::from_secs(30), "n2's region is refused", || {
+                let r2 = r2.clone();
+                async move { r2.erased().info().await.ok().filter(|i| i.refused) }
+            })
+            .await;
+            assert!(!refused.registered);
+            match ask(1, r2.clone()).await.unwrap() {
+                Err(Error::NotDelivered { reason, .. }) => {
+                    assert!(reason.contains("`state.slots` is 8 there but 16"), "{reason}");
+                }
+                other => panic!("refused with the setting named: {other:?}"),
+            }
+            assert_eq!(ask(0, r1).await.unwrap().unwrap(), 2, "n1 still serves");
+        });
+    }
+
+    use ddshard::Durable;
+    use ddshard::testkit::eventually;
+}

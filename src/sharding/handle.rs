@@ -387,7 +387,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         LocalShards::new(&parts, factory, extractor, events_tx, replier.clone(), routed.clone(), durable)
     });
     let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
-    let region_settings = RegionSettings::of(&settings, fingerprint);
+    let region_settings = RegionSettings::of(&settings, fingerprint, durable);
     let shared = Arc::new(SharedRegion {
         me: me.clone(),
         topic: keys::region_topic(type_name).into(),
@@ -422,7 +422,9 @@ pub(crate) async fn start_region_of<E: Entity>(
     };
     node.spawner().spawn_essential("shard region", task.run(node.clone(), rx, events_rx));
     if !proxy {
-        start_coordinator(node, type_name, settings, options, fingerprint);
+        let must_agree = settings.must_agree(durable);
+        let registration = coordinator::Registration { extractor_fingerprint: fingerprint, must_agree };
+        start_coordinator(node, type_name, settings, options, registration);
     }
     Ok(ShardRegion { inner })
 }
@@ -448,12 +450,12 @@ fn start_coordinator(
     type_name: &str,
     settings: ShardingSettings,
     options: StartOptions,
-    fingerprint: u64,
+    registration: coordinator::Registration,
 ) {
     let shard_ids = if options.shard_id_extractor.is_some() {
         crate::sharding::ids::ShardIdRule::Custom
     } else {
         crate::sharding::ids::ShardIdRule::Numbered(settings.number_of_shards)
     };
-    coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, fingerprint, shard_ids);
+    coordinator::start_singleton(node, type_name, settings, options.allocation_strategy, registration, shard_ids);
 }

@@ -11,8 +11,16 @@ use crate::error::Error;
 /// Region → coordinator.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) enum ToCoordinator {
-    /// A region (or proxy) announces itself, with its shard-id extractor's fingerprint.
-    Register { region: RegionId, proxy: bool, extractor: u64 },
+    /// A region (or proxy) announces itself, with its shard-id extractor's fingerprint and the
+    /// settings that must agree across nodes (none from a proxy, or from a node that predates
+    /// the check).
+    Register {
+        region: RegionId,
+        proxy: bool,
+        extractor: u64,
+        #[serde(default)]
+        settings: Vec<(String, String)>,
+    },
     /// Where does this shard live?
     GetShardHome { shard: ShardId, region: RegionId },
     /// The region started the shard it was asked to host.
@@ -48,8 +56,14 @@ impl ToCoordinator {
 pub(crate) enum ToRegion {
     /// Registration accepted.
     RegisterAck { coordinator: RegionId },
-    /// Registration refused: the region's shard-id extractor is not the coordinator's.
-    RegisterRefused { coordinator: RegionId },
+    /// Registration refused: the region's shard-id extractor is not the coordinator's, or a
+    /// setting that must agree differs (`reason` says which; empty from a node that predates
+    /// it).
+    RegisterRefused {
+        coordinator: RegionId,
+        #[serde(default)]
+        reason: String,
+    },
     /// The shard lives at `region`, allocated with `epoch`.
     ShardHome { shard: ShardId, region: RegionId, epoch: u64 },
     /// Every home the coordinator knows, sent to a registering region before its
@@ -318,9 +332,14 @@ mod tests {
         let region: RegionId = crate::membership::UniqueAddress::new("n1", 5);
         use crate::transport::wire;
         let seeds: Vec<Vec<u8>> = vec![
-            wire::encode(&ToCoordinator::Register { region: region.clone(), proxy: false, extractor: 77 })
-                .unwrap()
-                .to_vec(),
+            wire::encode(&ToCoordinator::Register {
+                region: region.clone(),
+                proxy: false,
+                extractor: 77,
+                settings: vec![],
+            })
+            .unwrap()
+            .to_vec(),
             wire::encode(&ToCoordinator::ShardStopped { shard: "12".into(), region: region.clone(), handoff: 3 })
                 .unwrap()
                 .to_vec(),

@@ -171,6 +171,42 @@ pub struct RememberEntitiesSettings {
     pub majority_min_cap: usize,
 }
 
+impl ShardingSettings {
+    /// The settings every node hosting a type must share, by name and value: a node with
+    /// another value would place ids in other shards (`number_of_shards`, a daemon process's
+    /// count), or read and write other keys (`remember.*`, `state.*`, whether the type is
+    /// durable) and silently miss data. A region sends them when it registers; the coordinator
+    /// refuses one whose values differ from its node's, naming the setting.
+    pub(crate) fn must_agree(&self, durable: bool) -> Vec<(String, String)> {
+        let mut agreed = vec![
+            ("number_of_shards".to_string(), self.number_of_shards.to_string()),
+            ("remember.enabled".to_string(), self.remember.enabled.to_string()),
+            ("durable (start_durable)".to_string(), durable.to_string()),
+        ];
+        if self.remember.enabled {
+            agreed.push(("remember.slots".to_string(), self.remember.slots.to_string()));
+        }
+        if durable {
+            agreed.push(("state.slots".to_string(), self.state.slots.to_string()));
+        }
+        agreed
+    }
+}
+
+/// The settings of `theirs` that `ours` has with another value, as a sentence naming each
+/// (`None` when they agree). Names only one side has are left out: an older or newer node
+/// may not know them, and the names both know decide.
+pub(crate) fn disagreement(ours: &[(String, String)], theirs: &[(String, String)]) -> Option<String> {
+    let differing: Vec<String> = theirs
+        .iter()
+        .filter_map(|(name, value)| {
+            let (_, mine) = ours.iter().find(|(n, _)| n == name)?;
+            (mine != value).then(|| format!("`{name}` is {value} there but {mine} on the coordinator's node"))
+        })
+        .collect();
+    (!differing.is_empty()).then(|| differing.join("; "))
+}
+
 impl RememberEntitiesSettings {
     /// Consistency of remembered-id writes and of the remembered-shards set's writes.
     pub(crate) fn write_consistency(&self) -> Consistency {

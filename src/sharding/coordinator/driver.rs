@@ -20,7 +20,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tracing::{debug, info, warn};
 
-use super::core::{CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView, plan_dto};
+use super::core::{
+    CoordinatorAction, CoordinatorCore, CoordinatorInput, CoordinatorSettings, MembersView, Registration, plan_dto,
+};
 use super::state::CoordinatorState;
 use super::take_over::{
     StateWrite, StateWriteAction, StateWriteInput, TAKE_OVER_RETRY, TakeOver, TakeOverAction, TakeOverInput,
@@ -58,7 +60,7 @@ pub(crate) fn start_singleton(
     type_name: &str,
     settings: ShardingSettings,
     custom: Option<Arc<dyn ShardAllocationStrategy>>,
-    extractor_fingerprint: u64,
+    registration: Registration,
     shard_ids: crate::sharding::ids::ShardIdRule,
 ) {
     let table: Arc<RwLock<BTreeMap<ShardId, String>>> = Arc::default();
@@ -73,7 +75,7 @@ pub(crate) fn start_singleton(
         type_name: type_name.to_string(),
         settings,
         strategy,
-        extractor_fingerprint,
+        registration,
         shard_ids,
     };
     node.spawner().spawn_essential("shard coordinator", driver.run());
@@ -104,7 +106,7 @@ struct CoordinatorDriver {
     type_name: String,
     settings: ShardingSettings,
     strategy: Arc<dyn ShardAllocationStrategy>,
-    extractor_fingerprint: u64,
+    registration: Registration,
     shard_ids: crate::sharding::ids::ShardIdRule,
 }
 
@@ -235,7 +237,7 @@ impl CoordinatorDriver {
                 }
                 let cs = CoordinatorSettings::from_sharding(
                     &self.settings,
-                    self.extractor_fingerprint,
+                    self.registration.clone(),
                     self.shard_ids,
                     self.node.config().transport.max_frame_size,
                 );

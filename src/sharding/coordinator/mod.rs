@@ -7,4 +7,5 @@ mod driver;
 pub(crate) mod state;
 pub(crate) mod take_over;
 
+pub(crate) use core::Registration;
 pub(crate) use driver::start_singleton;

@@ -67,7 +67,7 @@ impl CoordinatorSettings {
     /// the message budget still travels alone in one frame).
     pub(crate) fn from_sharding(
         s: &ShardingSettings,
-        extractor_fingerprint: u64,
+        registration: super::core::Registration,
         shard_ids: ShardIdRule,
         max_frame_size: usize,
     ) -> Self {
@@ -77,7 +77,8 @@ impl CoordinatorSettings {
             handoff_timeout: s.handoff_timeout,
             shard_start_timeout: s.shard_start_timeout,
             eager_reallocation: s.remember.enabled,
-            extractor_fingerprint,
+            extractor_fingerprint: registration.extractor_fingerprint,
+            must_agree: registration.must_agree,
             shard_ids,
             max_state_bytes: max_frame_size / 2,
         }
@@ -338,6 +339,10 @@ impl StateWrite {
 mod tests {
     use super::*;
 
+    fn registration() -> super::super::core::Registration {
+        super::super::core::Registration { extractor_fingerprint: 77, must_agree: vec![] }
+    }
+
     fn remember() -> ShardingSettings {
         ShardingSettings {
             remember: crate::sharding::RememberEntitiesSettings {
@@ -381,7 +386,7 @@ mod tests {
     #[test]
     fn coordinator_settings_follow_the_type_and_reallocate_eagerly_only_when_entities_are_remembered() {
         let s = ShardingSettings { min_nr_of_members: 3, ..ShardingSettings::default() };
-        let cs = CoordinatorSettings::from_sharding(&s, 77, ShardIdRule::Numbered(10), 8 << 20);
+        let cs = CoordinatorSettings::from_sharding(&s, registration(), ShardIdRule::Numbered(10), 8 << 20);
         assert_eq!(cs.min_nr_of_members, 3);
         assert_eq!(
             (cs.rebalance_interval, cs.handoff_timeout, cs.shard_start_timeout),
@@ -390,7 +395,7 @@ mod tests {
         assert_eq!((cs.extractor_fingerprint, cs.shard_ids), (77, ShardIdRule::Numbered(10)));
         assert_eq!(cs.max_state_bytes, 4 << 20, "half the largest frame");
         assert!(!cs.eager_reallocation);
-        let cs = CoordinatorSettings::from_sharding(&remember(), 77, ShardIdRule::Custom, 8 << 20);
+        let cs = CoordinatorSettings::from_sharding(&remember(), registration(), ShardIdRule::Custom, 8 << 20);
         assert!(cs.eager_reallocation, "remembered shards come back without a message");
     }
 

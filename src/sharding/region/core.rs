@@ -131,16 +131,19 @@ pub(crate) struct RegionSettings {
     pub extractor_fingerprint: u64,
     /// How long a graceful shutdown may take before the region stops anyway.
     pub shutdown_timeout: Duration,
+    /// The settings that must agree across nodes ([`crate::sharding::ShardingSettings::must_agree`]).
+    pub must_agree: Vec<(String, String)>,
 }
 
 impl RegionSettings {
     /// The settings of a region of a type with these sharding settings.
-    pub(crate) fn of(settings: &crate::sharding::ShardingSettings, extractor_fingerprint: u64) -> Self {
+    pub(crate) fn of(settings: &crate::sharding::ShardingSettings, extractor_fingerprint: u64, durable: bool) -> Self {
         RegionSettings {
             buffer_size: settings.buffer_size,
             retry_interval: settings.retry_interval,
             extractor_fingerprint,
             shutdown_timeout: settings.handoff_timeout + SHUTDOWN_GRACE,
+            must_agree: settings.must_agree(durable),
         }
     }
 }
@@ -161,6 +164,8 @@ pub(crate) struct RegionCore<M> {
     /// The coordinator refused the registration (another extractor): nothing is routed until
     /// a coordinator accepts it.
     refused: bool,
+    /// Why the coordinator refused it, when it said.
+    refusal: Option<String>,
     register_backoff: Duration,
     next_register: Instant,
     homes: Homes,
@@ -246,6 +251,7 @@ impl<M> RegionCore<M> {
             routable: BTreeSet::new(),
             registered: false,
             refused: false,
+            refusal: None,
             next_register: now,
             homes: Homes::default(),
             hosted: BTreeMap::new(),
@@ -264,6 +270,11 @@ impl<M> RegionCore<M> {
     /// entities of shards still hosted here) until one accepts it.
     pub(crate) fn refused(&self) -> bool {
         self.refused
+    }
+
+    /// Why the coordinator refused this region, if it did and said why.
+    pub(crate) fn refusal(&self) -> Option<&str> {
+        self.refusal.as_deref().filter(|_| self.refused)
     }
 
     /// The coordinator acknowledged this region's registration.
@@ -538,9 +549,10 @@ impl<M> RegionCore<M> {
                     self.request_shutdown(now, out);
                 }
             }
-            ToRegion::RegisterRefused { .. } => {
+            ToRegion::RegisterRefused { reason, .. } => {
                 // Retried with the backoff: a coordinator elsewhere may accept it later.
                 self.refused = true;
+                self.refusal = (!reason.is_empty()).then_some(reason);
                 self.homes.clear();
                 self.requested.clear();
                 self.buffered = 0;
@@ -610,7 +622,9 @@ impl<M> RegionCore<M> {
     fn on_tick(&mut self, now: Instant, out: &mut Vec<RegionAction<M>>) {
         if !self.registered && self.coordinator.is_some() && now >= self.next_register {
             let extractor = self.settings.extractor_fingerprint;
-            self.to_coordinator(ToCoordinator::Register { region: self.me.clone(), proxy: self.proxy, extractor }, out);
+            let settings = if self.proxy { Vec::new() } else { self.settings.must_agree.clone() };
+            let register = ToCoordinator::Register { region: self.me.clone(), proxy: self.proxy, extractor, settings };
+            self.to_coordinator(register, out);
             self.next_register = now + self.register_backoff;
             self.register_backoff = (self.register_backoff * 2).min(self.settings.retry_interval);
         }
@@ -670,6 +684,7 @@ mod tests {
                 retry_interval: Duration::from_secs(2),
                 extractor_fingerprint: 8,
                 shutdown_timeout: Duration::from_secs(31),
+                must_agree: Vec::new(),
             },
             Instant::now(),
         );
@@ -680,13 +695,20 @@ mod tests {
             [RegionAction::ToCoordinator { msg: ToCoordinator::Register { extractor: 8, .. }, .. }]
         ));
         assert!(run(&mut c, route("1", 1)).is_empty(), "buffered until registered");
-        let out = run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord") }));
+        let out = run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord"), reason: String::new() }));
         assert!(matches!(&out[..], [RegionAction::Drop { msg: 1, reason: RegionDrop::Refused, .. }]), "{out:?}");
         assert_eq!(c.buffered(), 0);
         let out = run(&mut c, route("1", 2));
         assert!(matches!(&out[..], [RegionAction::Drop { msg: 2, reason: RegionDrop::Refused, .. }]), "{out:?}");
+        assert_eq!(c.refusal(), None, "a coordinator that predates the reason gave none");
+        run(
+            &mut c,
+            coord(ToRegion::RegisterRefused { coordinator: r("coord"), reason: "`state.slots` differs".into() }),
+        );
+        assert_eq!(c.refusal(), Some("`state.slots` differs"));
         // A coordinator that accepts it (the cluster now runs this extractor) lifts the refusal.
         run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
+        assert_eq!(c.refusal(), None, "accepted: no refusal to report");
         let out = run(&mut c, route("1", 3));
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]));
     }
@@ -700,6 +722,7 @@ mod tests {
                 retry_interval: Duration::from_secs(2),
                 extractor_fingerprint: 7,
                 shutdown_timeout: Duration::from_secs(31),
+                must_agree: Vec::new(),
             },
             Instant::now(),
         );
@@ -720,6 +743,7 @@ mod tests {
                 retry_interval: Duration::from_secs(2),
                 extractor_fingerprint: 7,
                 shutdown_timeout: Duration::from_secs(31),
+                must_agree: Vec::new(),
             },
             Instant::now(),
         );
@@ -795,7 +819,7 @@ mod tests {
         moved(&c, "a shard hosted here", true);
         run(&mut c, RegionInput::LocalShardFenced { shard: "3".into(), epoch: 1 });
         moved(&c, "a local shard fenced (its home forgotten)", true);
-        run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord") }));
+        run(&mut c, coord(ToRegion::RegisterRefused { coordinator: r("coord"), reason: String::new() }));
         moved(&c, "the registration refused", true);
         run(&mut c, coord(ToRegion::RegisterAck { coordinator: r("coord") }));
         moved(&c, "the registration accepted again (no home known yet)", false);
@@ -1229,7 +1253,7 @@ mod tests {
     #[test]
     fn a_region_s_shutdown_timeout_is_the_hand_off_timeout_plus_a_second() {
         let settings = crate::sharding::ShardingSettings::default();
-        let region = RegionSettings::of(&settings, 7);
+        let region = RegionSettings::of(&settings, 7, false);
         assert_eq!(region.shutdown_timeout, settings.handoff_timeout + Duration::from_secs(1));
         assert_eq!((region.buffer_size, region.retry_interval), (settings.buffer_size, settings.retry_interval));
         assert_eq!(region.extractor_fingerprint, 7);
@@ -1271,6 +1295,7 @@ mod tests {
                 retry_interval: Duration::from_secs(2),
                 extractor_fingerprint: 7,
                 shutdown_timeout: Duration::from_secs(31),
+                must_agree: Vec::new(),
             },
             t0,
         );

@@ -418,14 +418,17 @@ impl<E: Entity> RegionDriver<E> {
                         "its shard moved on from the node it was sent to (hand-off)"
                     }
                     RegionDrop::Refused => {
+                        let why = match self.core.refusal() {
+                            Some(reason) => format!("the coordinator refused this region: {reason}"),
+                            None => "the coordinator refused this region: its shard-id extractor differs from the \
+                                     cluster's (change extractors with a full cluster restart)"
+                                .to_string(),
+                        };
                         if self.counters.dropped_refused.fetch_add(1, Ordering::Relaxed) == 0 {
-                            warn!(
-                                type_name = %self.type_name,
-                                "the coordinator refused this region: its shard-id extractor differs from the \
-                                 coordinator's node (change extractors with a full cluster restart)"
-                            );
+                            warn!(type_name = %self.type_name, "{why}");
                         }
-                        "the coordinator refused this region: its shard-id extractor differs from the cluster's"
+                        self.replier.fail(msg, &entity_id, &why);
+                        return;
                     }
                 };
                 self.replier.fail(msg, &entity_id, why);

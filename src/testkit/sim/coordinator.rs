@@ -51,9 +51,13 @@ impl Sim {
                 }
                 SingletonAction::Start(found) => {
                     node.take_over = None;
+                    let s = settings(&self.cfg);
+                    let must_agree = s.must_agree(self.cfg.durable);
+                    let registration =
+                        crate::sharding::coordinator::Registration { extractor_fingerprint: EXTRACTOR, must_agree };
                     let cs = CoordinatorSettings::from_sharding(
-                        &settings(&self.cfg),
-                        EXTRACTOR,
+                        &s,
+                        registration,
                         crate::sharding::ids::ShardIdRule::Custom,
                         crate::config::TransportSettings::default().max_frame_size,
                     );

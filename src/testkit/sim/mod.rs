@@ -458,7 +458,8 @@ impl Sim {
         );
         let disk = self.disks[i].iter().map(|(k, v)| (k.clone(), v.clone(), Default::default()));
         replicator.load(disk.collect(), 0);
-        let region_settings = RegionSettings { buffer_size: 1000, ..RegionSettings::of(&s, EXTRACTOR) };
+        let region_settings =
+            RegionSettings { buffer_size: 1000, ..RegionSettings::of(&s, EXTRACTOR, self.cfg.durable) };
         self.nodes[i] = Some(Node {
             region: RegionCore::new(addr.clone(), false, region_settings, now),
             shards: BTreeMap::new(),

@@ -42,11 +42,21 @@ pub(crate) struct CoordinatorSettings {
     pub eager_reallocation: bool,
     /// This node's shard-id extractor fingerprint; regions with another one are refused.
     pub extractor_fingerprint: u64,
+    /// This node's settings that must agree; regions that send other values are refused.
+    pub must_agree: Vec<(String, String)>,
     /// The shard ids the extractor can produce; requests for others are ignored.
     pub shard_ids: ShardIdRule,
     /// Largest the encoded state may grow (one replicator message): a new shard that would
     /// take it past this is refused, since a successor could never read the state back.
     pub max_state_bytes: usize,
+}
+
+/// What a coordinator checks in a registration: the extractor's fingerprint and the settings
+/// that must agree, as this node has them.
+#[derive(Debug, Clone)]
+pub(crate) struct Registration {
+    pub extractor_fingerprint: u64,
+    pub must_agree: Vec<(String, String)>,
 }
 
 /// What the coordinator knows of the membership: the status of every listed member and
@@ -343,8 +353,9 @@ impl CoordinatorCore {
 
     fn on_region_msg(&mut self, msg: ToCoordinator, now: Instant, wall_ms: u64, out: &mut Vec<CoordinatorAction>) {
         match msg {
-            ToCoordinator::Register { region, proxy, extractor } => {
-                self.on_register(region, proxy, extractor, now, wall_ms, out)
+            ToCoordinator::Register { region, proxy, extractor, settings } => {
+                let refusal = self.refusal(proxy, extractor, &settings);
+                self.on_register(region, proxy, refusal, now, wall_ms, out)
             }
             ToCoordinator::GetShardHome { shard, region } => self.on_get_shard_home(shard, region, now, wall_ms, out),
             ToCoordinator::ShardStarted { shard, region } => {
@@ -387,29 +398,47 @@ impl CoordinatorCore {
     /// A region (or proxy) registers: refused when its extractor differs (its shards then move
     /// off it) or it is not up; otherwise recorded, acknowledged with every known home, and
     /// deferred allocations retried with the new region.
+    /// Why a registration is refused, if it is: another shard-id extractor (the same entity id
+    /// would map to two shards), or, for a region that hosts, a setting that must agree with
+    /// another value (it would read and write other keys, and miss data).
+    fn refusal(&self, proxy: bool, extractor: u64, settings: &[(String, String)]) -> Option<String> {
+        if extractor != self.settings.extractor_fingerprint {
+            return Some(
+                "its shard-id extractor differs from the coordinator's node (change extractors with a full \
+                 cluster restart)"
+                    .to_string(),
+            );
+        }
+        if proxy {
+            return None;
+        }
+        let differing = crate::sharding::settings::disagreement(&self.settings.must_agree, settings)?;
+        Some(format!("a setting that must agree across nodes differs: {differing}"))
+    }
+
     fn on_register(
         &mut self,
         region: RegionId,
         proxy: bool,
-        extractor: u64,
+        refusal: Option<String>,
         now: Instant,
         wall_ms: u64,
         out: &mut Vec<CoordinatorAction>,
     ) {
-        if extractor != self.settings.extractor_fingerprint {
-            // The same entity id would map to two shards: the region must not route.
-            warn!(%region, "registration refused: its shard-id extractor differs from this node's");
+        if let Some(reason) = refusal {
+            // The region must not route: refused until a coordinator that agrees takes it.
+            warn!(%region, %reason, "registration refused");
             self.rejected += 1;
-            let refused = ToRegion::RegisterRefused { coordinator: self.me.clone() };
+            let refused = ToRegion::RegisterRefused { coordinator: self.me.clone(), reason: reason.clone() };
             self.commit(vec![], vec![Self::send(&region, refused)], out);
             // A region the state lists (registered with a predecessor that ran its
-            // extractor) still hosts shards: they move off it by hand-off, its entities
-            // stopping first, as when it shuts down.
+            // extractor and settings) still hosts shards: they move off it by hand-off, its
+            // entities stopping first, as when it shuts down.
             if self.state.regions.contains(&region) && self.shutting_down.insert(region.clone()) {
                 let shards: Vec<ShardId> =
                     self.state.shards_of(&region).iter().filter(|s| !self.handoffs.contains_key(*s)).cloned().collect();
                 for s in shards {
-                    let why = "its region's shard-id extractor differs from the coordinator's".to_string();
+                    let why = format!("its region was refused: {reason}");
                     self.start_handoff(s, region.clone(), why, now, out);
                 }
             }

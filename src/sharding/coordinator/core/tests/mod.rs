@@ -11,6 +11,7 @@ fn r(n: &str) -> RegionId {
 fn test_settings(min: usize) -> CoordinatorSettings {
     CoordinatorSettings {
         extractor_fingerprint: 7,
+        must_agree: vec![("number_of_shards".into(), "10".into()), ("state.slots".into(), "16".into())],
         min_nr_of_members: min,
         rebalance_interval: Duration::from_secs(10),
         handoff_timeout: Duration::from_secs(5),
@@ -101,7 +102,12 @@ fn ack(c: &mut CoordinatorCore, shard: &str, region: RegionId, now: Instant, wal
 }
 
 fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
-    step(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), now, 1);
+    step(
+        c,
+        from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7, settings: vec![] }),
+        now,
+        1,
+    );
 }
 
 #[test]
@@ -142,15 +148,65 @@ fn shard_id_rules_match_what_extractors_produce() {
 fn a_region_with_another_shard_id_extractor_is_refused_registers_nothing_and_is_counted() {
     let mut c = core(1);
     let now = Instant::now();
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 8 }), now, 1);
-    assert_eq!(sent, vec![(r("b"), ToRegion::RegisterRefused { coordinator: r("c") })]);
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 8, settings: vec![] }),
+        now,
+        1,
+    );
+    match &sent[..] {
+        [(to, ToRegion::RegisterRefused { coordinator, reason })] => {
+            assert_eq!((to, coordinator), (&r("b"), &r("c")));
+            assert!(reason.contains("shard-id extractor differs"), "{reason}");
+        }
+        other => panic!("refused: {other:?}"),
+    }
     assert!(c.regions().next().is_none(), "not registered");
     assert_eq!(c.rejected_messages(), 1);
     // The same region with the cluster's extractor is accepted.
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7 }), now, 1);
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7, settings: vec![] }),
+        now,
+        1,
+    );
     assert!(matches!(&sent[..], [(_, ToRegion::RegisterAck { .. })]), "{sent:?}");
+}
+
+#[test]
+fn a_region_whose_settings_that_must_agree_differ_is_refused_naming_the_setting_and_others_are_not() {
+    let mut c = core(1);
+    let now = Instant::now();
+    let register = |region: &str, proxy: bool, settings: Vec<(String, String)>| {
+        from_region(ToCoordinator::Register { region: r(region), proxy, extractor: 7, settings })
+    };
+    let slots =
+        |n: &str| vec![("number_of_shards".to_string(), "10".to_string()), ("state.slots".to_string(), n.to_string())];
+    let sent = step(&mut c, register("b", false, slots("8")), now, 1);
+    match &sent[..] {
+        [(to, ToRegion::RegisterRefused { reason, .. })] => {
+            assert_eq!(to, &r("b"));
+            assert!(reason.contains("`state.slots` is 8 there but 16 on the coordinator's node"), "{reason}");
+            assert!(!reason.contains("number_of_shards"), "only what differs: {reason}");
+        }
+        other => panic!("refused: {other:?}"),
+    }
+    assert!(c.regions().next().is_none(), "not registered");
+    assert_eq!(c.rejected_messages(), 1);
+    // The same values, a proxy (it reads and writes no keys), a region that predates the
+    // check (sends none) and a setting the coordinator does not know are all accepted.
+    for (region, proxy, settings) in [
+        ("same", false, slots("16")),
+        ("proxy", true, slots("8")),
+        ("older", false, vec![]),
+        ("newer", false, [slots("16"), vec![("future.knob".to_string(), "on".to_string())]].concat()),
+    ] {
+        let sent = step(&mut c, register(region, proxy, settings), now, 1);
+        assert!(
+            sent.iter().any(|(to, m)| *to == r(region) && matches!(m, ToRegion::RegisterAck { .. })),
+            "{region}: {sent:?}"
+        );
+    }
 }
 
 #[test]
@@ -165,9 +221,13 @@ fn a_registered_region_that_comes_back_with_another_extractor_has_its_shards_han
     }
     let on_a: BTreeSet<ShardId> = c.state().shards_of(&r("a")).iter().cloned().collect();
     assert!(!on_a.is_empty());
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8 }), now, 1);
-    assert!(sent.contains(&(r("a"), ToRegion::RegisterRefused { coordinator: r("c") })));
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8, settings: vec![] }),
+        now,
+        1,
+    );
+    assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::RegisterRefused { .. })), "{sent:?}");
     let begins = begun_shards(&sent);
     assert_eq!(begins, on_a, "its shards leave it by hand-off (entities stop before they start elsewhere)");
     // A new shard never goes to it.
@@ -187,12 +247,20 @@ fn a_registering_region_gets_every_known_home_in_bounded_batches_before_its_ack_
         step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
     }
     // Region a comes back with another extractor: its shards are being handed off.
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8 }), now, 1);
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8, settings: vec![] }),
+        now,
+        1,
+    );
     let handing_off = begun_shards(&sent);
     assert!(!handing_off.is_empty());
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("z"), proxy: false, extractor: 7 }), now, 1);
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("z"), proxy: false, extractor: 7, settings: vec![] }),
+        now,
+        1,
+    );
     let to_z: Vec<&ToRegion> = sent.iter().filter(|(to, _)| *to == r("z")).map(|(_, m)| m).collect();
     let (ack, batches) = to_z.split_last().expect("messages to z");
     assert!(matches!(ack, ToRegion::RegisterAck { .. }), "the ack comes last: {ack:?}");
@@ -217,7 +285,12 @@ fn messages_revealing_an_allocation_wait_for_the_majority_write() {
     c.members.statuses.insert(r("a"), MemberStatus::Up);
     let now = Instant::now();
     let mut out = Vec::new();
-    c.handle(from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 7 }), now, 1, &mut out);
+    c.handle(
+        from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 7, settings: vec![] }),
+        now,
+        1,
+        &mut out,
+    );
     assert!(matches!(out.as_slice(), [CoordinatorAction::Write(_)]), "only the write: {out:?}");
     let mut out2 = Vec::new();
     c.handle(from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1, &mut out2);
@@ -241,8 +314,12 @@ fn min_nr_of_members_defers_allocation_until_enough_regions_registered() {
     assert!(sent.is_empty());
     reg(&mut c, "b", now);
     assert!(c.state().shards().is_empty());
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("c3"), proxy: false, extractor: 7 }), now, 1);
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("c3"), proxy: false, extractor: 7, settings: vec![] }),
+        now,
+        1,
+    );
     assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
 }
 
@@ -253,8 +330,12 @@ fn remembered_shards_are_allocated_without_any_request_once_regions_registered()
     let shards: BTreeSet<ShardId> = ["3".to_string(), "9".to_string()].into();
     assert!(step(&mut c, CoordinatorInput::RememberedShards(shards), now, 1).is_empty(), "waits for regions");
     reg(&mut c, "a", now);
-    let sent =
-        step(&mut c, from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7 }), now, 1);
+    let sent = step(
+        &mut c,
+        from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7, settings: vec![] }),
+        now,
+        1,
+    );
     let hosted: BTreeSet<ShardId> = sent
         .iter()
         .filter_map(|(_, m)| match m {
@@ -319,7 +400,12 @@ fn epochs_strictly_increase_across_reallocations() {
         terminate(&mut c, home.clone(), now, 5);
         assert!(c.state().home("7").is_none());
         let again = UniqueAddress::new(home.node_id.clone(), home.generation + 1);
-        step(&mut c, from_region(ToCoordinator::Register { region: again, proxy: false, extractor: 7 }), now, 5);
+        step(
+            &mut c,
+            from_region(ToCoordinator::Register { region: again, proxy: false, extractor: 7, settings: vec![] }),
+            now,
+            5,
+        );
     }
 }
 
@@ -492,7 +578,12 @@ fn registration_is_accepted_only_from_up_or_leaving_members() {
         let rejected = c.rejected_messages();
         let mut out = Vec::new();
         c.handle(
-            from_region(ToCoordinator::Register { region: region.clone(), proxy: false, extractor: 7 }),
+            from_region(ToCoordinator::Register {
+                region: region.clone(),
+                proxy: false,
+                extractor: 7,
+                settings: vec![],
+            }),
             now,
             1,
             &mut out,

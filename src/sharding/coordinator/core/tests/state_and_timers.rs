@@ -48,7 +48,12 @@ fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut cra
 fn register_up_into_map(c: &mut CoordinatorCore, names: &[&str], map: &mut crate::ddata::FencedMap, now: Instant) {
     for n in names {
         c.members.statuses.insert(r(n), MemberStatus::Up);
-        step_into_map(c, from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7 }), map, now);
+        step_into_map(
+            c,
+            from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7, settings: vec![] }),
+            map,
+            now,
+        );
     }
 }
 
@@ -272,7 +277,7 @@ fn a_terminated_proxy_is_removed_from_the_state_a_successor_reads() {
     c.members.statuses.insert(r("p"), MemberStatus::Up);
     step_into_map(
         &mut c,
-        from_region(ToCoordinator::Register { region: r("p"), proxy: true, extractor: 7 }),
+        from_region(ToCoordinator::Register { region: r("p"), proxy: true, extractor: 7, settings: vec![] }),
         &mut map,
         now,
     );
