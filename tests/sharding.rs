@@ -56,6 +56,27 @@ async fn single_node_counter_answers_and_lists_its_own_region() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entity_ref_tells_and_asks_its_one_entity_in_order_and_checks_its_id() {
+    let mut c = TestCluster::start(1).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let r = start_counter(c.node(0), &probe, settings()).await;
+    let cart = r.entity_ref("cart-1");
+    assert_eq!(cart.entity_id(), "cart-1");
+    cart.tell(CounterMsg::Add(2)).unwrap();
+    let copy = cart.clone();
+    assert!(matches!(copy.ask(CounterMsg::Add(3)).await.unwrap(), CounterReply::Value(5)), "after the tell");
+    assert!(matches!(
+        cart.ask_with_timeout(CounterMsg::Get, Duration::from_secs(5)).await.unwrap(),
+        CounterReply::Value(5)
+    ));
+    assert_eq!(value(&r, "cart-2").await, 0, "another id is another entity");
+    assert!(matches!(r.entity_ref("").tell(CounterMsg::Get), Err(Error::EmptyEntityId)));
+    assert!(format!("{cart:?}").contains("cart-1"));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_node_joins_and_entities_spread_over_both() {
     let mut c = TestCluster::start(1).await.unwrap();
     c.await_converged(CONVERGE).await;

@@ -118,6 +118,51 @@ impl<E: Entity> HandleInner<E> {
     }
 }
 
+/// One entity of a [`ShardRegion`], by id ([`ShardRegion::entity_ref`]). Cheap to clone;
+/// messages sent through it go the way [`ShardRegion::tell`] and [`ShardRegion::ask`] send
+/// them (in order from one region, wherever the entity lives).
+pub struct EntityRef<E: Entity> {
+    region: ShardRegion<E>,
+    entity_id: String,
+}
+
+impl<E: Entity> Clone for EntityRef<E> {
+    fn clone(&self) -> Self {
+        EntityRef { region: self.region.clone(), entity_id: self.entity_id.clone() }
+    }
+}
+
+impl<E: Entity> std::fmt::Debug for EntityRef<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EntityRef")
+            .field("type_name", &self.region.type_name())
+            .field("entity_id", &self.entity_id)
+            .finish()
+    }
+}
+
+impl<E: Entity> EntityRef<E> {
+    /// The entity's id.
+    pub fn entity_id(&self) -> &str {
+        &self.entity_id
+    }
+
+    /// [`ShardRegion::tell`] to this entity.
+    pub fn tell(&self, msg: E::Message) -> Result<()> {
+        self.region.tell(&self.entity_id, msg)
+    }
+
+    /// [`ShardRegion::ask`] of this entity.
+    pub async fn ask(&self, msg: E::Message) -> Result<E::Reply> {
+        self.region.ask(&self.entity_id, msg).await
+    }
+
+    /// [`ShardRegion::ask_with_timeout`] of this entity.
+    pub async fn ask_with_timeout(&self, msg: E::Message, timeout: Duration) -> Result<E::Reply> {
+        self.region.ask_with_timeout(&self.entity_id, msg, timeout).await
+    }
+}
+
 impl<E: Entity> ShardRegion<E> {
     pub(crate) fn from_inner(inner: Arc<HandleInner<E>>) -> Self {
         ShardRegion { inner }
@@ -178,6 +223,13 @@ impl<E: Entity> ShardRegion<E> {
         i.commands
             .send(RegionCmd::Deliver { shard, entity_id: entity_id.to_string(), env })
             .map_err(|_| Error::ShutDown)
+    }
+
+    /// A handle on one entity of this region: [`EntityRef::tell`] and [`EntityRef::ask`]
+    /// without naming the id each time (a reference to pass to the code that talks to that
+    /// entity only). The id is checked when a message is sent, as by [`ShardRegion::tell`].
+    pub fn entity_ref(&self, entity_id: impl Into<String>) -> EntityRef<E> {
+        EntityRef { region: self.clone(), entity_id: entity_id.into() }
     }
 
     /// Sends a message to entity `entity_id`, wherever it lives; no reply. Messages from this

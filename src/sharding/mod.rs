@@ -50,7 +50,7 @@ pub use allocation::{
 pub use counters::RegionCounters;
 pub use daemon::{DaemonContext, DaemonProcess};
 pub use durable::{Durable, DurableEntity};
-pub use handle::ShardRegion;
+pub use handle::{EntityRef, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
 pub use region_ref::RegionRef;

@@ -114,6 +114,11 @@ pub(crate) enum RegionAction<M> {
     },
     /// The region is no longer routable: asks waiting for an answer from it fail now.
     RegionGone(RegionId),
+    /// The region has not been registered for another `retry_interval` × 10 (and counting):
+    /// `why` says what it waits for, for an operator's log.
+    StillUnregistered {
+        why: String,
+    },
     /// Graceful shutdown finished: no shards and no buffered messages left, or (`forced`) the
     /// shutdown timeout passed first; the driver stops whatever still runs. The coordinator
     /// learns of a forced stop from the membership (the member exits), not from this region.
@@ -168,6 +173,8 @@ pub(crate) struct RegionCore<M> {
     refusal: Option<String>,
     register_backoff: Duration,
     next_register: Instant,
+    /// When the next warning is due while the region is not registered.
+    next_unregistered_warning: Instant,
     homes: Homes,
     hosted: BTreeMap<ShardId, u64>,
     /// Per shard, the newest epoch this region hosted it at (kept after it stopped), so a
@@ -236,12 +243,18 @@ impl Homes {
 
 /// Registration retries start at an eighth of the retry interval (at least 100 ms) and double
 /// up to the interval.
+/// How often a region that is not registered says so: every ten retry intervals.
+fn unregistered_warning_every(retry_interval: Duration) -> Duration {
+    retry_interval.saturating_mul(10)
+}
+
 fn initial_register_backoff(retry_interval: Duration) -> Duration {
     (retry_interval / 8).max(Duration::from_millis(100)).min(retry_interval)
 }
 
 impl<M> RegionCore<M> {
     pub(crate) fn new(me: RegionId, proxy: bool, settings: RegionSettings, now: Instant) -> Self {
+        let settings_warn_after = unregistered_warning_every(settings.retry_interval);
         RegionCore {
             me,
             proxy,
@@ -253,6 +266,7 @@ impl<M> RegionCore<M> {
             refused: false,
             refusal: None,
             next_register: now,
+            next_unregistered_warning: now + settings_warn_after,
             homes: Homes::default(),
             hosted: BTreeMap::new(),
             hosted_before: BTreeMap::new(),
@@ -270,6 +284,22 @@ impl<M> RegionCore<M> {
     /// entities of shards still hosted here) until one accepts it.
     pub(crate) fn refused(&self) -> bool {
         self.refused
+    }
+
+    /// What an unregistered region waits for, in an operator's words.
+    fn unregistered_because(&self) -> String {
+        match (&self.coordinator, self.refused) {
+            (None, _) => "no coordinator: no member that can run the type's coordinator is up and reachable (is a \
+                          node with the type's role running?)"
+                .to_string(),
+            (Some(_), true) => format!(
+                "the coordinator refused it: {}",
+                self.refusal().unwrap_or("its shard-id extractor differs from the coordinator's node")
+            ),
+            (Some(c), false) => format!(
+                "the coordinator on {c} has not answered its registration (unreachable, or still reading its state)"
+            ),
+        }
     }
 
     /// Why the coordinator refused this region, if it did and said why.
@@ -436,6 +466,9 @@ impl<M> RegionCore<M> {
                 // left takes its homes with it (the retain above moved the generation).
                 self.routable = routable;
                 if coordinator != self.coordinator {
+                    if self.registered {
+                        self.next_unregistered_warning = now + unregistered_warning_every(self.settings.retry_interval);
+                    }
                     self.coordinator = coordinator;
                     self.registered = false;
                     self.register_backoff = initial_register_backoff(self.settings.retry_interval);
@@ -620,6 +653,10 @@ impl<M> RegionCore<M> {
     }
 
     fn on_tick(&mut self, now: Instant, out: &mut Vec<RegionAction<M>>) {
+        if !self.registered && self.shutting_down.is_none() && now >= self.next_unregistered_warning {
+            self.next_unregistered_warning = now + unregistered_warning_every(self.settings.retry_interval);
+            out.push(RegionAction::StillUnregistered { why: self.unregistered_because() });
+        }
         if !self.registered && self.coordinator.is_some() && now >= self.next_register {
             let extractor = self.settings.extractor_fingerprint;
             let settings = if self.proxy { Vec::new() } else { self.settings.must_agree.clone() };
@@ -768,6 +805,46 @@ mod tests {
         assert_eq!(asked, ["9"], "only the shard nobody named");
         let out = run(&mut c, route("1", 3));
         assert!(matches!(&out[..], [RegionAction::Forward { msg: 3, .. }]), "{out:?}");
+    }
+
+    #[test]
+    fn an_unregistered_region_says_why_every_ten_retry_intervals_and_a_registered_one_is_quiet() {
+        let t0 = Instant::now();
+        let settings = RegionSettings {
+            buffer_size: 10,
+            retry_interval: Duration::from_secs(2),
+            extractor_fingerprint: 7,
+            shutdown_timeout: Duration::from_secs(31),
+            must_agree: Vec::new(),
+        };
+        let mut c: RegionCore<u32> = RegionCore::new(r("me"), false, settings, t0);
+        let warnings = |c: &mut RegionCore<u32>, at: Duration| -> Vec<String> {
+            let mut out = Vec::new();
+            c.handle(RegionInput::Tick, t0 + at, &mut out);
+            out.into_iter()
+                .filter_map(|a| match a {
+                    RegionAction::StillUnregistered { why } => Some(why),
+                    _ => None,
+                })
+                .collect()
+        };
+        assert!(warnings(&mut c, Duration::from_secs(19)).is_empty(), "not before ten retry intervals");
+        let why = warnings(&mut c, Duration::from_secs(20));
+        assert!(matches!(&why[..], [w] if w.starts_with("no coordinator")), "{why:?}");
+        assert!(warnings(&mut c, Duration::from_secs(21)).is_empty(), "once per period");
+        c.handle(members(&["me", "coord"], Some("coord")), t0 + Duration::from_secs(21), &mut Vec::new());
+        let why = warnings(&mut c, Duration::from_secs(40));
+        assert!(matches!(&why[..], [w] if w.contains("has not answered")), "{why:?}");
+        let refused = ToRegion::RegisterRefused { coordinator: r("coord"), reason: "`state.slots` differs".into() };
+        c.handle(coord(refused), t0 + Duration::from_secs(41), &mut Vec::new());
+        let why = warnings(&mut c, Duration::from_secs(60));
+        assert!(matches!(&why[..], [w] if w.contains("refused it: `state.slots` differs")), "{why:?}");
+        c.handle(
+            coord(ToRegion::RegisterAck { coordinator: r("coord") }),
+            t0 + Duration::from_secs(61),
+            &mut Vec::new(),
+        );
+        assert!(warnings(&mut c, Duration::from_secs(200)).is_empty(), "registered: nothing to say");
     }
 
     /// A membership view with these routable regions and this coordinator host.

@@ -401,44 +401,16 @@ impl<E: Entity> RegionDriver<E> {
                 self.counters.handoffs_started.fetch_add(1, Ordering::Relaxed);
                 self.work.push_back(Work::Shard(shard, ShardInput::HandOff));
             }
-            RegionAction::Drop { entity_id, msg, reason } => {
-                let why = match reason {
-                    RegionDrop::BufferFull => {
-                        if self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed) == 0 {
-                            warn!(type_name = %self.type_name, "region buffer full; dropping messages");
-                        }
-                        "region buffer full"
-                    }
-                    RegionDrop::HandOff => {
-                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
-                        "dropped during shard hand-off"
-                    }
-                    RegionDrop::MovedOn => {
-                        self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
-                        "its shard moved on from the node it was sent to (hand-off)"
-                    }
-                    RegionDrop::Refused => {
-                        let why = match self.core.refusal() {
-                            Some(reason) => format!("the coordinator refused this region: {reason}"),
-                            None => "the coordinator refused this region: its shard-id extractor differs from the \
-                                     cluster's (change extractors with a full cluster restart)"
-                                .to_string(),
-                        };
-                        if self.counters.dropped_refused.fetch_add(1, Ordering::Relaxed) == 0 {
-                            warn!(type_name = %self.type_name, "{why}");
-                        }
-                        self.replier.fail(msg, &entity_id, &why);
-                        return;
-                    }
-                };
-                self.replier.fail(msg, &entity_id, why);
-            }
+            RegionAction::Drop { entity_id, msg, reason } => self.drop_message(entity_id, msg, reason),
             RegionAction::RegionGone(region) => {
                 let gone = self.shared.asks.lock().expect("asks lock").take_region(&region);
                 for (entity_id, pending) in gone {
                     let reason = format!("the entity's node {region} left or went down before answering");
                     pending.fail(not_delivered(&entity_id, reason));
                 }
+            }
+            RegionAction::StillUnregistered { why } => {
+                warn!(type_name = %self.type_name, "region still not registered with its coordinator: {why}");
             }
             RegionAction::Stopped { forced: false } => {
                 info!(type_name = %self.type_name, "region stopped after handing off its shards");
@@ -449,6 +421,40 @@ impl<E: Entity> RegionDriver<E> {
                 self.finish_shutdown();
             }
         }
+    }
+
+    /// Fails a message the region could not take, with its reason, and counts it.
+    fn drop_message(&mut self, entity_id: String, msg: Envelope<E>, reason: RegionDrop) {
+        let why = match reason {
+            RegionDrop::BufferFull => {
+                if self.counters.dropped_buffer_full.fetch_add(1, Ordering::Relaxed) == 0 {
+                    warn!(type_name = %self.type_name, "region buffer full; dropping messages");
+                }
+                "region buffer full"
+            }
+            RegionDrop::HandOff => {
+                self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                "dropped during shard hand-off"
+            }
+            RegionDrop::MovedOn => {
+                self.counters.dropped_handoff.fetch_add(1, Ordering::Relaxed);
+                "its shard moved on from the node it was sent to (hand-off)"
+            }
+            RegionDrop::Refused => {
+                let why = match self.core.refusal() {
+                    Some(reason) => format!("the coordinator refused this region: {reason}"),
+                    None => "the coordinator refused this region: its shard-id extractor differs from the cluster's \
+                             (change extractors with a full cluster restart)"
+                        .to_string(),
+                };
+                if self.counters.dropped_refused.fetch_add(1, Ordering::Relaxed) == 0 {
+                    warn!(type_name = %self.type_name, "{why}");
+                }
+                self.replier.fail(msg, &entity_id, &why);
+                return;
+            }
+        };
+        self.replier.fail(msg, &entity_id, why);
     }
 
     fn forward(&mut self, region: RegionId, shard: ShardId, epoch: u64, entity_id: String, env: Envelope<E>) {

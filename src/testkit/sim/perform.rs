@@ -247,6 +247,7 @@ impl Sim {
                 }
                 RegionAction::Drop { msg, reason, .. } => self.fail_dropped(&me, msg, reason),
                 RegionAction::RegionGone(region) => self.fail_forwarded_to(i, &region),
+                RegionAction::StillUnregistered { why } => self.trace(|| format!("{me} region not registered: {why}")),
                 RegionAction::Stopped { forced } => {
                     self.hand_over_and_leave(i, &me, forced);
                     return;
