@@ -25,6 +25,62 @@ fn settings() -> ShardingSettings {
     ShardingSettings { number_of_shards: 10, min_nr_of_members: 3, ..ShardingSettings::default() }
 }
 
+/// Remembered entities (4 slots per shard), with the coordinator's state written and read at
+/// plain majorities of today's members, so allocations go on while one node of three is cut
+/// off (Akka's plus 3 and min-cap 5 need every member of a small cluster, so a member that
+/// missed a write could not exist).
+fn remembering_at_plain_majorities() -> ShardingSettings {
+    let defaults = ShardingSettings::default();
+    ShardingSettings {
+        remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: 4, ..defaults.remember },
+        coordinator: ddshard::sharding::ShardCoordinatorSettings {
+            write_majority_plus: 0,
+            read_majority_plus: 0,
+            majority_min_cap: 0,
+            ..defaults.coordinator
+        },
+        ..settings()
+    }
+}
+
+/// Every entity id running in `regions` (no message sent to any), each asked on its node.
+async fn running_ids(
+    cluster: &VirtualCluster,
+    regions: &[(usize, ddshard::ShardRegion<Echo>)],
+) -> std::collections::BTreeSet<String> {
+    let mut ids = std::collections::BTreeSet::new();
+    for (i, region) in regions {
+        let region = region.clone();
+        if let Some(Ok(state)) = cluster.on_node(*i, move |_| async move { region.region_state().await }).await {
+            ids.extend(state.into_values().flatten());
+        }
+    }
+    ids
+}
+
+/// Waits (up to a virtual minute) until exactly `expected` runs in `regions`, without a
+/// message to any; panics naming the ids missing.
+async fn await_running(
+    cluster: &VirtualCluster,
+    regions: &[(usize, ddshard::ShardRegion<Echo>)],
+    expected: &std::collections::BTreeSet<String>,
+    when: &str,
+) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let running = running_ids(cluster, regions).await;
+        if &running == expected {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "remembered entities not running {when}: {:?}",
+            expected.difference(&running).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[test]
 fn three_whole_nodes_form_a_cluster_and_answer_asks_in_virtual_time_faster_than_real_time() {
     let real = Instant::now();
@@ -154,43 +210,14 @@ mod take_over {
 
     use ddshard::testkit::eventually;
 
-    /// Remembered entities, and coordinator state written at a plain majority (Akka's default
-    /// adds 3 and caps at 5: every member of three, so a member that missed a write could not
-    /// exist).
     fn remembering() -> ShardingSettings {
-        let defaults = ShardingSettings::default();
-        ShardingSettings {
-            remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: 4, ..defaults.remember },
-            coordinator: ddshard::sharding::ShardCoordinatorSettings {
-                write_majority_plus: 0,
-                read_majority_plus: 0,
-                majority_min_cap: 0,
-                ..defaults.coordinator
-            },
-            // The shards start on n1 and n2 alone.
-            min_nr_of_members: 2,
-            ..settings()
-        }
+        // The shards start on n1 and n2 alone.
+        ShardingSettings { min_nr_of_members: 2, ..remembering_at_plain_majorities() }
     }
 
     async fn start_echo(cluster: &VirtualCluster, i: usize) -> ddshard::ShardRegion<Echo> {
         let start = |n: ddshard::Node| async move { n.sharding().start("echo", |_: &str| Echo, remembering()).await };
         cluster.on_node(i, start).await.expect("the node runs").expect("the region starts")
-    }
-
-    /// Every entity id running in `regions` (no message sent to any), each asked on its node.
-    async fn running_ids(
-        cluster: &VirtualCluster,
-        regions: &[(usize, ddshard::ShardRegion<Echo>)],
-    ) -> BTreeSet<String> {
-        let mut ids = BTreeSet::new();
-        for (i, region) in regions {
-            let region = region.clone();
-            if let Some(Ok(state)) = cluster.on_node(*i, move |_| async move { region.region_state().await }).await {
-                ids.extend(state.into_values().flatten());
-            }
-        }
-        ids
     }
 
     #[test]
@@ -236,19 +263,7 @@ mod take_over {
                 now_running.push((i, start_echo(&cluster, i).await));
             }
             let expected: BTreeSet<String> = ids.into_iter().collect();
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-            loop {
-                let running = running_ids(&cluster, &now_running).await;
-                if running == expected {
-                    break;
-                }
-                assert!(
-                    tokio::time::Instant::now() < deadline,
-                    "remembered entities not running after the take-over: {:?}",
-                    expected.difference(&running).collect::<Vec<_>>()
-                );
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
+            await_running(&cluster, &now_running, &expected, "after the take-over").await;
         });
     }
 }
@@ -263,21 +278,8 @@ mod remember_store {
 
     const SHARDS: u32 = 6;
 
-    /// Remembered entities; coordinator writes at a plain majority of today's members, so
-    /// allocations go on while n3 is paused (Akka's plus 3 and min-cap 5 would wait for it).
     fn remembering() -> ShardingSettings {
-        let defaults = ShardingSettings::default();
-        ShardingSettings {
-            number_of_shards: SHARDS,
-            remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, slots: 4, ..defaults.remember },
-            coordinator: ddshard::sharding::ShardCoordinatorSettings {
-                write_majority_plus: 0,
-                read_majority_plus: 0,
-                majority_min_cap: 0,
-                ..defaults.coordinator
-            },
-            ..settings()
-        }
+        ShardingSettings { number_of_shards: SHARDS, ..remembering_at_plain_majorities() }
     }
 
     async fn start_echo(cluster: &VirtualCluster, i: usize) -> (usize, ShardRegion<Echo>) {
@@ -372,21 +374,7 @@ mod remember_store {
                 tokio::time::sleep(Duration::from_secs(10)).await;
                 cluster.heal();
                 let expected: BTreeSet<String> = warm.iter().chain(&ids).cloned().collect();
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-                loop {
-                    let placed = placement(&cluster, &regions).await;
-                    let running: BTreeSet<String> =
-                        placed.values().flat_map(|shards| shards.values().flatten().cloned()).collect();
-                    if running == expected {
-                        break;
-                    }
-                    assert!(
-                        tokio::time::Instant::now() < deadline,
-                        "remembered entities not running again: {:?}",
-                        expected.difference(&running).collect::<Vec<_>>()
-                    );
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
+                await_running(&cluster, &regions, &expected, "again").await;
             });
     }
 }
@@ -569,21 +557,12 @@ mod load_cap {
     use ddshard::ShardRegion;
 
     fn capped(cap: usize) -> ShardingSettings {
-        let defaults = ShardingSettings::default();
         ShardingSettings {
             number_of_shards: 12,
-            remember: ddshard::sharding::RememberEntitiesSettings { enabled: true, ..defaults.remember },
-            // Allocations go on with n3 cut off the message path.
-            coordinator: ddshard::sharding::ShardCoordinatorSettings {
-                write_majority_plus: 0,
-                read_majority_plus: 0,
-                majority_min_cap: 0,
-                ..defaults.coordinator
-            },
             max_concurrent_shard_loads: cap,
             // Shards go to n1 and n2 (n3 may not have registered before it is cut off).
             min_nr_of_members: 2,
-            ..settings()
+            ..remembering_at_plain_majorities()
         }
     }
 

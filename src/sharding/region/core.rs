@@ -713,18 +713,7 @@ mod tests {
 
     #[test]
     fn a_refused_region_fails_what_it_buffered_routes_nothing_and_routes_again_once_accepted() {
-        let mut c = RegionCore::new(
-            r("me"),
-            false,
-            RegionSettings {
-                buffer_size: 10,
-                retry_interval: Duration::from_secs(2),
-                extractor_fingerprint: 8,
-                shutdown_timeout: Duration::from_secs(31),
-                must_agree: Vec::new(),
-            },
-            Instant::now(),
-        );
+        let mut c = RegionCore::new(r("me"), false, test_settings(10, 8), Instant::now());
         let mut out = Vec::new();
         c.handle(members(&["me", "coord", "other"], Some("coord")), Instant::now(), &mut out);
         assert!(matches!(
@@ -750,19 +739,19 @@ mod tests {
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::GetShardHome { .. }, .. }]));
     }
 
+    /// Region settings for tests: a 2 s retry interval, this buffer and extractor fingerprint.
+    fn test_settings(buffer_size: usize, extractor_fingerprint: u64) -> RegionSettings {
+        RegionSettings {
+            buffer_size,
+            retry_interval: Duration::from_secs(2),
+            extractor_fingerprint,
+            shutdown_timeout: Duration::from_secs(31),
+            must_agree: Vec::new(),
+        }
+    }
+
     fn region(buffer_size: usize) -> RegionCore<u32> {
-        let mut c = RegionCore::new(
-            r("me"),
-            false,
-            RegionSettings {
-                buffer_size,
-                retry_interval: Duration::from_secs(2),
-                extractor_fingerprint: 7,
-                shutdown_timeout: Duration::from_secs(31),
-                must_agree: Vec::new(),
-            },
-            Instant::now(),
-        );
+        let mut c = RegionCore::new(r("me"), false, test_settings(buffer_size, 7), Instant::now());
         let mut out = Vec::new();
         c.handle(members(&["me", "coord", "other"], Some("coord")), Instant::now(), &mut out);
         assert!(matches!(&out[..], [RegionAction::ToCoordinator { msg: ToCoordinator::Register { .. }, .. }]));
@@ -772,18 +761,7 @@ mod tests {
 
     #[test]
     fn homes_sent_before_the_registration_ack_deliver_what_was_buffered_and_the_ack_asks_only_for_unknown_shards() {
-        let mut c = RegionCore::new(
-            r("me"),
-            false,
-            RegionSettings {
-                buffer_size: 10,
-                retry_interval: Duration::from_secs(2),
-                extractor_fingerprint: 7,
-                shutdown_timeout: Duration::from_secs(31),
-                must_agree: Vec::new(),
-            },
-            Instant::now(),
-        );
+        let mut c = RegionCore::new(r("me"), false, test_settings(10, 7), Instant::now());
         run(&mut c, members(&["me", "coord", "other"], Some("coord")));
         assert!(run(&mut c, route("1", 1)).is_empty(), "buffered until registered");
         assert!(run(&mut c, route("9", 2)).is_empty(), "buffered until registered");
@@ -810,13 +788,7 @@ mod tests {
     #[test]
     fn an_unregistered_region_says_why_every_ten_retry_intervals_and_a_registered_one_is_quiet() {
         let t0 = Instant::now();
-        let settings = RegionSettings {
-            buffer_size: 10,
-            retry_interval: Duration::from_secs(2),
-            extractor_fingerprint: 7,
-            shutdown_timeout: Duration::from_secs(31),
-            must_agree: Vec::new(),
-        };
+        let settings = test_settings(10, 7);
         let mut c: RegionCore<u32> = RegionCore::new(r("me"), false, settings, t0);
         let warnings = |c: &mut RegionCore<u32>, at: Duration| -> Vec<String> {
             let mut out = Vec::new();
@@ -1364,18 +1336,7 @@ mod tests {
     #[test]
     fn registration_retries_with_backoff_until_acknowledged() {
         let t0 = Instant::now();
-        let mut c: RegionCore<u32> = RegionCore::new(
-            r("me"),
-            true,
-            RegionSettings {
-                buffer_size: 10,
-                retry_interval: Duration::from_secs(2),
-                extractor_fingerprint: 7,
-                shutdown_timeout: Duration::from_secs(31),
-                must_agree: Vec::new(),
-            },
-            t0,
-        );
+        let mut c: RegionCore<u32> = RegionCore::new(r("me"), true, test_settings(10, 7), t0);
         let mut out = Vec::new();
         c.handle(members(&["me", "coord"], Some("coord")), t0, &mut out);
         assert!(matches!(
