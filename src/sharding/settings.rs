@@ -512,3 +512,52 @@ impl ShardingSettings {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn the_settings_that_must_agree_name_the_keys_and_shards_an_id_maps_to_and_only_those_in_use() {
+        let plain = ShardingSettings { number_of_shards: 30, ..ShardingSettings::default() };
+        assert_eq!(
+            plain.must_agree(false),
+            named(&[("number_of_shards", "30"), ("remember.enabled", "false"), ("durable (start_durable)", "false")])
+        );
+        let remembering = ShardingSettings {
+            remember: RememberEntitiesSettings { enabled: true, slots: 8, ..RememberEntitiesSettings::default() },
+            state: DurableStateSettings { slots: 4, ..DurableStateSettings::default() },
+            ..plain
+        };
+        assert_eq!(
+            remembering.must_agree(true),
+            named(&[
+                ("number_of_shards", "30"),
+                ("remember.enabled", "true"),
+                ("durable (start_durable)", "true"),
+                ("remember.slots", "8"),
+                ("state.slots", "4"),
+            ])
+        );
+    }
+
+    #[test]
+    fn a_disagreement_names_each_differing_setting_both_sides_know_and_nothing_else() {
+        let ours = named(&[("number_of_shards", "30"), ("state.slots", "16"), ("remember.slots", "8")]);
+        assert_eq!(disagreement(&ours, &ours), None);
+        assert_eq!(disagreement(&ours, &[]), None, "a node that predates the check");
+        let theirs =
+            named(&[("number_of_shards", "30"), ("state.slots", "8"), ("remember.slots", "4"), ("new.knob", "x")]);
+        assert_eq!(
+            disagreement(&ours, &theirs).as_deref(),
+            Some(
+                "`state.slots` is 8 there but 16 on the coordinator's node; \
+                 `remember.slots` is 4 there but 8 on the coordinator's node"
+            )
+        );
+    }
+}
