@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ddata::Consistency;
 use crate::error::{Error, Result};
 
 /// The longest `max_entity_id_bytes` may allow: the longest member a remembered-entity set
@@ -205,19 +204,6 @@ pub(crate) fn disagreement(ours: &[(String, String)], theirs: &[(String, String)
         })
         .collect();
     (!differing.is_empty()).then(|| differing.join("; "))
-}
-
-impl RememberEntitiesSettings {
-    /// Consistency of remembered-id writes and of the remembered-shards set's writes.
-    pub(crate) fn write_consistency(&self) -> Consistency {
-        Consistency::Majority { plus: self.write_majority_plus, min_cap: self.majority_min_cap }
-    }
-
-    /// Consistency of a shard's load of its remembered ids and of the take-over's read of the
-    /// remembered shards: every reachable replica, never fewer than the majority floor.
-    pub(crate) fn read_consistency(&self) -> Consistency {
-        Consistency::AllReachable { plus: self.read_majority_plus, min_cap: self.majority_min_cap }
-    }
 }
 
 impl Default for RememberEntitiesSettings {

@@ -29,6 +29,7 @@ use crate::sharding::allocation::ShardAllocationStrategy;
 use crate::sharding::ids::{RegionId, ShardId, ShardIdRule};
 use crate::sharding::keys;
 use crate::sharding::settings::ShardingSettings;
+use crate::sharding::shard::batch::{remember_read_consistency, remember_write_consistency};
 
 /// Claims of the state under a higher term, when a replica turns out to hold a newer one,
 /// before the take-over read fails (and is retried by the singleton core).
@@ -163,7 +164,7 @@ impl TakeOver {
             type_name: type_name.to_string(),
             term: wall_ms.max(local_fence.saturating_add(1)),
             claims: 0,
-            remembered_read: s.remember.enabled.then(|| s.remember.read_consistency()),
+            remembered_read: s.remember.enabled.then(|| remember_read_consistency(s)),
             consistency: state_read(s),
             timeout: s.coordinator.waiting_for_state_timeout,
             claimed: None,
@@ -293,7 +294,7 @@ impl StateWrite {
                     .collect::<BTreeSet<ShardId>>()
             })
             .filter(|shards| !shards.is_empty())
-            .map(|shards| (shards, s.remember.write_consistency()));
+            .map(|shards| (shards, remember_write_consistency(s)));
         let w = StateWrite {
             entries,
             term,

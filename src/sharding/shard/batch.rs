@@ -44,6 +44,19 @@ pub(crate) fn load_again(tries: usize, error: &Error) -> bool {
     tries < LOAD_TRIES && matches!(error, Error::ConsistencyTimeout { .. })
 }
 
+/// Consistency of remembered-id writes and of the coordinator's remembered-shards set's
+/// writes: a majority of the roster plus `remember.write_majority_plus`.
+pub(crate) fn remember_write_consistency(s: &ShardingSettings) -> Consistency {
+    Consistency::Majority { plus: s.remember.write_majority_plus, min_cap: s.remember.majority_min_cap }
+}
+
+/// Consistency of a shard's load of its remembered ids and of the coordinator take-over's
+/// read of the remembered shards: every reachable replica, never fewer than a majority plus
+/// `remember.read_majority_plus`.
+pub(crate) fn remember_read_consistency(s: &ShardingSettings) -> Consistency {
+    Consistency::AllReachable { plus: s.remember.read_majority_plus, min_cap: s.remember.majority_min_cap }
+}
+
 /// Consistency of entity state writes: a majority of the roster plus `state.write_majority_plus`.
 pub(crate) fn state_write_consistency(s: &ShardingSettings) -> Consistency {
     Consistency::Majority { plus: s.state.write_majority_plus, min_cap: s.state.majority_min_cap }
@@ -479,8 +492,8 @@ mod tests {
         };
         assert_eq!(state_write_consistency(&s), Consistency::Majority { plus: 1, min_cap: 3 });
         assert_eq!(state_read_consistency(&s), Consistency::AllReachable { plus: 2, min_cap: 3 });
-        assert_eq!(s.remember.write_consistency(), Consistency::Majority { plus: 4, min_cap: 6 });
-        assert_eq!(s.remember.read_consistency(), Consistency::AllReachable { plus: 5, min_cap: 6 });
+        assert_eq!(remember_write_consistency(&s), Consistency::Majority { plus: 4, min_cap: 6 });
+        assert_eq!(remember_read_consistency(&s), Consistency::AllReachable { plus: 5, min_cap: 6 });
     }
 
     #[test]

@@ -12,7 +12,10 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
-use super::batch::{BatchAction, RememberBatch, RememberRequest, load_again, write_timeout};
+use super::batch::{
+    BatchAction, RememberBatch, RememberRequest, load_again, remember_read_consistency, remember_write_consistency,
+    write_timeout,
+};
 use super::{RegionParts, ShardEvent, StoreResult, report_full_slot};
 use crate::ddata::{Consistency, OrSet, Replicator};
 use crate::log_limit::LogLimiter;
@@ -76,8 +79,8 @@ impl RememberIo {
             slots: s.remember.slots,
             read_timeout: s.coordinator.waiting_for_state_timeout,
             write_timeout: write_timeout(s),
-            read_consistency: s.remember.read_consistency(),
-            write_consistency: s.remember.write_consistency(),
+            read_consistency: remember_read_consistency(s),
+            write_consistency: remember_write_consistency(s),
             recovery_batch: s.remember.recovery_batch,
             recovery_interval: s.remember.recovery_interval,
             slot_budget: parts.slot_budget,

@@ -50,7 +50,7 @@ impl Sim {
         let keys = crate::sharding::shard::remember::slot_keys(TYPE, shard, s.remember.slots);
         let input = ReplicatorInput::GetMany {
             keys,
-            consistency: s.remember.read_consistency(),
+            consistency: batch::remember_read_consistency(&s),
             timeout: s.coordinator.waiting_for_state_timeout,
             reply: RepReply::RememberLoad { shard: shard.clone(), instance, tries },
         };
@@ -130,7 +130,7 @@ impl Sim {
                 BatchAction::Write(updates) => {
                     let input = ReplicatorInput::UpdateMany {
                         updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
-                        consistency: settings(&self.cfg).remember.write_consistency(),
+                        consistency: batch::remember_write_consistency(&settings(&self.cfg)),
                         timeout: batch::write_timeout(&settings(&self.cfg)),
                         reply: RepReply::RememberWrite(id),
                     };
