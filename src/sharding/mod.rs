@@ -385,6 +385,21 @@ mod tests {
                 remember: RememberEntitiesSettings { max_per_shard: Some(0), ..Default::default() },
                 ..Default::default()
             },
+            ShardingSettings { max_concurrent_shard_loads: 0, ..Default::default() },
+            ShardingSettings {
+                coordinator: ShardCoordinatorSettings {
+                    write_retry_backoff_min: std::time::Duration::ZERO,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            ShardingSettings {
+                coordinator: ShardCoordinatorSettings {
+                    write_retry_backoff_min: std::time::Duration::from_secs(3),
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
         ] {
             assert!(matches!(s.validate(), Err(Error::Config(_))), "{s:?}");
         }

@@ -244,6 +244,13 @@ pub struct ShardCoordinatorSettings {
     /// member for each allocation, so one unreachable node holds new allocations back until it
     /// is downed; lower it (say to 3) to keep allocating in small clusters with one node out.
     pub majority_min_cap: usize,
+    /// Pause before a failed state write is tried again, doubling after each failure up to
+    /// `write_retry_backoff_max` (allocations wait meanwhile).
+    #[serde(with = "humantime_serde")]
+    pub write_retry_backoff_min: Duration,
+    /// The longest pause between tries of a failed state write.
+    #[serde(with = "humantime_serde")]
+    pub write_retry_backoff_max: Duration,
 }
 
 impl Default for ShardCoordinatorSettings {
@@ -254,6 +261,8 @@ impl Default for ShardCoordinatorSettings {
             write_majority_plus: 3,
             read_majority_plus: 5,
             majority_min_cap: 5,
+            write_retry_backoff_min: Duration::from_millis(100),
+            write_retry_backoff_max: Duration::from_secs(2),
         }
     }
 }
@@ -410,7 +419,13 @@ impl ShardingSettings {
             ("sharding.shard_start_timeout", self.shard_start_timeout),
             ("sharding.coordinator.updating_state_timeout", self.coordinator.updating_state_timeout),
             ("sharding.coordinator.waiting_for_state_timeout", self.coordinator.waiting_for_state_timeout),
+            ("sharding.coordinator.write_retry_backoff_min", self.coordinator.write_retry_backoff_min),
+            ("sharding.coordinator.write_retry_backoff_max", self.coordinator.write_retry_backoff_max),
         ])?;
+        let c = &self.coordinator;
+        if c.write_retry_backoff_min.is_zero() || c.write_retry_backoff_max < c.write_retry_backoff_min {
+            return bad("coordinator.write_retry_backoff_min must be > 0 and at most write_retry_backoff_max");
+        }
         if self.number_of_shards == 0 {
             return bad("number_of_shards must be > 0");
         }

@@ -12,7 +12,7 @@
 //!   allocates every remembered shard again.
 //! - Every state write carries the claimed term. A write refused by a newer term ends the
 //!   coordinator ([`StateWriteAction::Fenced`]) and is never retried; any other failure is
-//!   retried after a backoff ([`WRITE_BACKOFF`]) until the state and the newly remembered shards
+//!   retried after a backoff (`coordinator.write_retry_backoff_*`) until the state and the newly remembered shards
 //!   are both acknowledged, and only then is the write done.
 
 use std::collections::BTreeSet;
@@ -37,9 +37,6 @@ pub(crate) const CLAIM_TRIES: usize = 3;
 
 /// Pause between failed take-over reads (the singleton core's retry interval).
 pub(crate) const TAKE_OVER_RETRY: Duration = Duration::from_millis(200);
-
-/// Backoff of a failed state write: from the first value, doubling up to the second.
-pub(crate) const WRITE_BACKOFF: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(2));
 
 /// Consistency of the state claim at take-over (Akka's ReadMajorityPlus, 5 and min-cap 5 by
 /// default).
@@ -272,6 +269,7 @@ pub(crate) struct StateWrite {
     timeout: Duration,
     remembered: Option<(BTreeSet<ShardId>, Consistency)>,
     backoff: Duration,
+    max_backoff: Duration,
 }
 
 impl StateWrite {
@@ -301,7 +299,8 @@ impl StateWrite {
             consistency: state_write(s),
             timeout: s.coordinator.updating_state_timeout,
             remembered,
-            backoff: WRITE_BACKOFF.0,
+            backoff: s.coordinator.write_retry_backoff_min,
+            max_backoff: s.coordinator.write_retry_backoff_max,
         };
         w.write(out);
         w
@@ -326,7 +325,7 @@ impl StateWrite {
                     Err(Error::Fenced { fence, .. }) => out.push(StateWriteAction::Fenced { term: self.term, fence }),
                     Err(e) => {
                         let after = self.backoff;
-                        self.backoff = (self.backoff * 2).min(WRITE_BACKOFF.1);
+                        self.backoff = (self.backoff * 2).min(self.max_backoff);
                         out.push(StateWriteAction::RetryAfter { after, error: e.to_string() });
                     }
                 }
@@ -561,7 +560,24 @@ mod tests {
             w.handle(StateWriteInput::Retry, &mut out);
             assert_eq!(out, vec![first.clone()], "the same write again");
         }
-        assert_eq!(afters, vec![100, 200, 400, 800, 1600, 2000, 2000]);
+        assert_eq!(afters, vec![100, 200, 400, 800, 1600, 2000, 2000], "Akka's defaults");
+        // Set otherwise, followed.
+        let mut s = remember();
+        s.coordinator.write_retry_backoff_min = Duration::from_millis(300);
+        s.coordinator.write_retry_backoff_max = Duration::from_millis(1000);
+        let mut w = StateWrite::start(&s, entries(), 9, &mut Vec::new());
+        let afters: Vec<u128> = (0..4)
+            .map(|_| {
+                let mut out = Vec::new();
+                w.handle(StateWriteInput::Written { state: timeout(), shards: Ok(()) }, &mut out);
+                w.handle(StateWriteInput::Retry, &mut Vec::new());
+                match out.as_slice() {
+                    [StateWriteAction::RetryAfter { after, .. }] => after.as_millis(),
+                    other => panic!("{other:?}"),
+                }
+            })
+            .collect();
+        assert_eq!(afters, vec![300, 600, 1000, 1000]);
         out.clear();
         w.handle(StateWriteInput::Written { state: Ok(()), shards: Ok(()) }, &mut out);
         assert_eq!(out, vec![StateWriteAction::Acknowledged]);
