@@ -48,6 +48,12 @@ fn begun_shards(sent: &[(RegionId, ToRegion)]) -> BTreeSet<ShardId> {
         .collect()
 }
 
+/// A registration of `region` with `extractor` and no settings to check (a node that predates
+/// the check, or a test that is not about it).
+fn register(region: RegionId, proxy: bool, extractor: u64) -> CoordinatorInput {
+    from_region(ToCoordinator::Register { region, proxy, extractor, settings: vec![] })
+}
+
 /// A message from the region it names.
 fn from_region(msg: ToCoordinator) -> CoordinatorInput {
     CoordinatorInput::FromRegion { from: msg.region().clone(), msg }
@@ -102,12 +108,7 @@ fn ack(c: &mut CoordinatorCore, shard: &str, region: RegionId, now: Instant, wal
 }
 
 fn reg(c: &mut CoordinatorCore, n: &str, now: Instant) {
-    step(
-        c,
-        from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    step(c, register(r(n), false, 7), now, 1);
 }
 
 #[test]
@@ -148,12 +149,7 @@ fn shard_id_rules_match_what_extractors_produce() {
 fn a_region_with_another_shard_id_extractor_is_refused_registers_nothing_and_is_counted() {
     let mut c = core(1);
     let now = Instant::now();
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 8, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("b"), false, 8), now, 1);
     match &sent[..] {
         [(to, ToRegion::RegisterRefused { coordinator, reason })] => {
             assert_eq!((to, coordinator), (&r("b"), &r("c")));
@@ -164,12 +160,7 @@ fn a_region_with_another_shard_id_extractor_is_refused_registers_nothing_and_is_
     assert!(c.regions().next().is_none(), "not registered");
     assert_eq!(c.rejected_messages(), 1);
     // The same region with the cluster's extractor is accepted.
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("b"), false, 7), now, 1);
     assert!(matches!(&sent[..], [(_, ToRegion::RegisterAck { .. })]), "{sent:?}");
 }
 
@@ -221,12 +212,7 @@ fn a_registered_region_that_comes_back_with_another_extractor_has_its_shards_han
     }
     let on_a: BTreeSet<ShardId> = c.state().shards_of(&r("a")).iter().cloned().collect();
     assert!(!on_a.is_empty());
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("a"), false, 8), now, 1);
     assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::RegisterRefused { .. })), "{sent:?}");
     let begins = begun_shards(&sent);
     assert_eq!(begins, on_a, "its shards leave it by hand-off (entities stop before they start elsewhere)");
@@ -247,20 +233,10 @@ fn a_registering_region_gets_every_known_home_in_bounded_batches_before_its_ack_
         step(&mut c, from_region(ToCoordinator::GetShardHome { shard: format!("{s}"), region: r(who) }), now, 1);
     }
     // Region a comes back with another extractor: its shards are being handed off.
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 8, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("a"), false, 8), now, 1);
     let handing_off = begun_shards(&sent);
     assert!(!handing_off.is_empty());
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("z"), proxy: false, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("z"), false, 7), now, 1);
     let to_z: Vec<&ToRegion> = sent.iter().filter(|(to, _)| *to == r("z")).map(|(_, m)| m).collect();
     let (ack, batches) = to_z.split_last().expect("messages to z");
     assert!(matches!(ack, ToRegion::RegisterAck { .. }), "the ack comes last: {ack:?}");
@@ -285,12 +261,7 @@ fn messages_revealing_an_allocation_wait_for_the_majority_write() {
     c.members.statuses.insert(r("a"), MemberStatus::Up);
     let now = Instant::now();
     let mut out = Vec::new();
-    c.handle(
-        from_region(ToCoordinator::Register { region: r("a"), proxy: false, extractor: 7, settings: vec![] }),
-        now,
-        1,
-        &mut out,
-    );
+    c.handle(register(r("a"), false, 7), now, 1, &mut out);
     assert!(matches!(out.as_slice(), [CoordinatorAction::Write(_)]), "only the write: {out:?}");
     let mut out2 = Vec::new();
     c.handle(from_region(ToCoordinator::GetShardHome { shard: "1".into(), region: r("a") }), now, 1, &mut out2);
@@ -314,12 +285,7 @@ fn min_nr_of_members_defers_allocation_until_enough_regions_registered() {
     assert!(sent.is_empty());
     reg(&mut c, "b", now);
     assert!(c.state().shards().is_empty());
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("c3"), proxy: false, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("c3"), false, 7), now, 1);
     assert!(sent.iter().any(|(to, m)| *to == r("a") && matches!(m, ToRegion::ShardHome { .. })), "{sent:?}");
 }
 
@@ -330,12 +296,7 @@ fn remembered_shards_are_allocated_without_any_request_once_regions_registered()
     let shards: BTreeSet<ShardId> = ["3".to_string(), "9".to_string()].into();
     assert!(step(&mut c, CoordinatorInput::RememberedShards(shards), now, 1).is_empty(), "waits for regions");
     reg(&mut c, "a", now);
-    let sent = step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("b"), proxy: false, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    let sent = step(&mut c, register(r("b"), false, 7), now, 1);
     let hosted: BTreeSet<ShardId> = sent
         .iter()
         .filter_map(|(_, m)| match m {
@@ -400,12 +361,7 @@ fn epochs_strictly_increase_across_reallocations() {
         terminate(&mut c, home.clone(), now, 5);
         assert!(c.state().home("7").is_none());
         let again = UniqueAddress::new(home.node_id.clone(), home.generation + 1);
-        step(
-            &mut c,
-            from_region(ToCoordinator::Register { region: again, proxy: false, extractor: 7, settings: vec![] }),
-            now,
-            5,
-        );
+        step(&mut c, register(again, false, 7), now, 5);
     }
 }
 
@@ -577,17 +533,7 @@ fn registration_is_accepted_only_from_up_or_leaving_members() {
         }
         let rejected = c.rejected_messages();
         let mut out = Vec::new();
-        c.handle(
-            from_region(ToCoordinator::Register {
-                region: region.clone(),
-                proxy: false,
-                extractor: 7,
-                settings: vec![],
-            }),
-            now,
-            1,
-            &mut out,
-        );
+        c.handle(register(region.clone(), false, 7), now, 1, &mut out);
         assert_eq!(c.regions().any(|x| *x == region), accepted, "{status:?}");
         assert_eq!(c.rejected_messages() == rejected, accepted, "{status:?}");
     }

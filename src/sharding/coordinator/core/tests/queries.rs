@@ -115,12 +115,7 @@ fn a_blocked_rebalance_says_why_and_moves_nothing() {
 #[test]
 fn the_allocation_table_lists_regions_proxies_homes_epochs_and_hand_offs_in_progress() {
     let (mut c, now) = all_on_a_then_b(4);
-    step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("p"), proxy: true, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    step(&mut c, register(r("p"), true, 7), now, 1);
     c.handle(CoordinatorInput::RebalanceNow, now, 2_000, &mut Vec::new());
     let table = c.allocation_table("t", now);
     assert_eq!(table.type_name, "t");
@@ -148,12 +143,7 @@ fn the_allocation_table_lists_regions_proxies_homes_epochs_and_hand_offs_in_prog
 #[test]
 fn the_explanation_lists_every_region_with_why_it_cannot_take_the_shard() {
     let (mut c, now) = all_on_a_then_b(2);
-    step(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("p"), proxy: true, extractor: 7, settings: vec![] }),
-        now,
-        1,
-    );
+    step(&mut c, register(r("p"), true, 7), now, 1);
     reg(&mut c, "l", now);
     let mut view = c.members.clone();
     view.statuses.insert(r("l"), MemberStatus::Leaving);

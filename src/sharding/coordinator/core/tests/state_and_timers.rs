@@ -48,12 +48,7 @@ fn step_into_map(c: &mut CoordinatorCore, input: CoordinatorInput, map: &mut cra
 fn register_up_into_map(c: &mut CoordinatorCore, names: &[&str], map: &mut crate::ddata::FencedMap, now: Instant) {
     for n in names {
         c.members.statuses.insert(r(n), MemberStatus::Up);
-        step_into_map(
-            c,
-            from_region(ToCoordinator::Register { region: r(n), proxy: false, extractor: 7, settings: vec![] }),
-            map,
-            now,
-        );
+        step_into_map(c, register(r(n), false, 7), map, now);
     }
 }
 
@@ -275,12 +270,7 @@ fn a_terminated_proxy_is_removed_from_the_state_a_successor_reads() {
     let now = Instant::now();
     let mut map = crate::ddata::FencedMap::default();
     c.members.statuses.insert(r("p"), MemberStatus::Up);
-    step_into_map(
-        &mut c,
-        from_region(ToCoordinator::Register { region: r("p"), proxy: true, extractor: 7, settings: vec![] }),
-        &mut map,
-        now,
-    );
+    step_into_map(&mut c, register(r("p"), true, 7), &mut map, now);
     assert!(CoordinatorState::from_map(&map).proxies.contains(&r("p")));
     let stopped = CoordinatorInput::FromRegion { from: r("p"), msg: ToCoordinator::RegionStopped { region: r("p") } };
     step_into_map(&mut c, stopped, &mut map, now);
