@@ -141,7 +141,6 @@ fn an_idle_entity_runs_its_stop_hook_told_idle() {
         s.passivation.idle_timeout = Some(Duration::from_secs(30));
         let region = start(&cluster, 0, &log, Hook::Records, s).await;
         ask(&cluster, 0, &region, "idle", Cmd::Ping).await;
-        tokio::time::sleep(Duration::from_secs(45)).await;
         let events = await_log(&log, "idle", 3).await;
         assert_eq!(events, [event("n1", "started"), event("n1", "stopping Idle"), event("n1", "stopped Idle")]);
     });

@@ -531,6 +531,8 @@ mod recovery_pace {
                 assert!(tokio::time::Instant::now() < deadline, "not every remembered entity came back");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
+            // Two more intervals in which no start may follow the last batch (checked below:
+            // each id exactly once).
             tokio::time::sleep(INTERVAL * 2).await;
             let starts = starts.lock().unwrap().clone();
             let mut came_back: Vec<&str> = starts.iter().map(|(id, _)| id.as_str()).collect();
@@ -593,6 +595,8 @@ mod load_cap {
                     })
                     .await
                     .unwrap();
+                // The count is taken at a point in virtual time: past the first read timeout
+                // (2 s), before the second (4 s).
                 tokio::time::sleep(Duration::from_millis(2500)).await;
                 regions[..2].iter().map(|r| r.counters().shard_load_timeouts).collect()
             },

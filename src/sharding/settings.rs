@@ -192,6 +192,9 @@ impl ShardingSettings {
     }
 }
 
+/// Longest part of a peer's setting value that a disagreement quotes.
+const MAX_SETTING_VALUE_SHOWN: usize = 32;
+
 /// The settings of `theirs` that `ours` has with another value, as a sentence naming each
 /// (`None` when they agree). Names only one side has are left out: an older or newer node
 /// may not know them, and the names both know decide.
@@ -200,7 +203,9 @@ pub(crate) fn disagreement(ours: &[(String, String)], theirs: &[(String, String)
         .iter()
         .filter_map(|(name, value)| {
             let (_, mine) = ours.iter().find(|(n, _)| n == name)?;
-            (mine != value).then(|| format!("`{name}` is {value} there but {mine} on the coordinator's node"))
+            // A peer's value goes into logs and errors: only as much of it as a setting needs.
+            let value: String = value.chars().take(MAX_SETTING_VALUE_SHOWN).collect();
+            (*mine != value).then(|| format!("`{name}` is {value} there but {mine} on the coordinator's node"))
         })
         .collect();
     (!differing.is_empty()).then(|| differing.join("; "))
@@ -553,6 +558,9 @@ mod tests {
         assert_eq!(disagreement(&ours, &[]), None, "a node that predates the check");
         let theirs =
             named(&[("number_of_shards", "30"), ("state.slots", "8"), ("remember.slots", "4"), ("new.knob", "x")]);
+        let long = named(&[("state.slots", &"9".repeat(10_000))]);
+        let said = disagreement(&ours, &long).unwrap();
+        assert!(said.len() < 120, "a peer's value is quoted in part: {said}");
         assert_eq!(
             disagreement(&ours, &theirs).as_deref(),
             Some(

@@ -25,10 +25,10 @@ use tracing::{debug, info, warn};
 
 use super::core::{DropReason, ShardAction, ShardCore, ShardInput, StopReason};
 use super::entity::{EntityCmd, EntityRun, Factory, Mailbox, Pushed, RunnerShared, Scheduled};
-use super::passivation::PolicySettings;
 use super::remember::RememberIo;
 use super::state::StateIo;
 use super::{RegionParts, ShardEvent, StoreResult, Work};
+use super::{entity_stop_timeout, new_shard_core};
 use crate::error::Error;
 use crate::metrics::TypeMetrics;
 use crate::sharding::counters::RegionCounterCells;
@@ -221,27 +221,6 @@ pub(crate) struct LocalShards<E: Entity> {
 /// Most entity ids in one page of [`LocalShards::entity_page`].
 pub(crate) const MAX_ENTITY_PAGE: usize = 10_000;
 
-/// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
-/// rest for the hand-off messages around it; an entity's stop hook has as long.
-pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
-    handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1))
-}
-
-/// A new shard's core as its type's settings make it: remembering its entities, loading its
-/// durable states first (`durable`), or serving at once; with the type's buffer and
-/// remembered limits. `policy` is the shard's passivation (its share of the region's limit).
-pub(crate) fn new_shard_core<M, S>(s: &ShardingSettings, durable: bool, policy: PolicySettings) -> ShardCore<M, S> {
-    let stop_timeout = entity_stop_timeout(s.handoff_timeout);
-    let core = if s.remember.enabled {
-        ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
-    } else if durable {
-        ShardCore::loading(policy, stop_timeout)
-    } else {
-        ShardCore::new(policy, stop_timeout)
-    };
-    core.with_buffer_limit(s.buffer_size).with_remembered_limit(s.remember.max_per_shard)
-}
-
 impl<E: Entity> LocalShards<E> {
     /// The shards of one type on this node, with their remember writer and, for `durable`
     /// entities, their state writer.
@@ -281,7 +260,7 @@ impl<E: Entity> LocalShards<E> {
             open: AtomicBool::new(true),
             launcher: launcher.clone(),
         });
-        let settings_loads = settings.max_concurrent_shard_loads;
+        let load_permits = Arc::new(tokio::sync::Semaphore::new(settings.max_concurrent_shard_loads));
         LocalShards {
             type_name,
             passivation_limit: settings.passivation_limit(),
@@ -301,7 +280,7 @@ impl<E: Entity> LocalShards<E> {
             handoff_started: HashMap::new(),
             metrics,
             remembered_limit_log: crate::log_limit::LogLimiter::new(Duration::from_secs(60)),
-            loads: Arc::new(tokio::sync::Semaphore::new(settings_loads)),
+            loads: load_permits,
         }
     }
 

@@ -13,19 +13,20 @@ pub(crate) mod state;
 pub(crate) use core::ShardInput;
 pub use core::StopReason;
 pub(crate) use entity::Factory;
-#[cfg(feature = "testkit")]
-pub(crate) use host::new_shard_core;
 pub(crate) use host::{LocalShards, ShardDirectory};
 pub(crate) use state::StateIo;
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::ddata::Replicator;
 use crate::metrics::TypeMetrics;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::settings::ShardingSettings;
 use crate::spawn::Spawner;
+use core::ShardCore;
+use passivation::PolicySettings;
 
 use crate::sharding::Entity;
 use crate::sharding::envelope::Envelope;
@@ -143,4 +144,25 @@ pub(crate) fn report_full_slot(
         tracing::warn!(%type_name, %key, budget, refused, held_back,
             "{what} slot at its byte budget: writes that would grow it are refused (SlotFull)");
     }
+}
+
+/// Hand-off stops entities with this much of the hand-off timeout (at least 1 s), leaving the
+/// rest for the hand-off messages around it; an entity's stop hook has as long.
+pub(crate) fn entity_stop_timeout(handoff_timeout: Duration) -> Duration {
+    handoff_timeout.saturating_sub(Duration::from_secs(5)).max(Duration::from_secs(1))
+}
+
+/// A new shard's core as its type's settings make it: remembering its entities, loading its
+/// durable states first (`durable`), or serving at once; with the type's buffer and
+/// remembered limits. `policy` is the shard's passivation (its share of the region's limit).
+pub(crate) fn new_shard_core<M, S>(s: &ShardingSettings, durable: bool, policy: PolicySettings) -> ShardCore<M, S> {
+    let stop_timeout = entity_stop_timeout(s.handoff_timeout);
+    let core = if s.remember.enabled {
+        ShardCore::remembering(stop_timeout, s.entity_restart_backoff)
+    } else if durable {
+        ShardCore::loading(policy, stop_timeout)
+    } else {
+        ShardCore::new(policy, stop_timeout)
+    };
+    core.with_buffer_limit(s.buffer_size).with_remembered_limit(s.remember.max_per_shard)
 }

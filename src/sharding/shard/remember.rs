@@ -139,9 +139,9 @@ impl RememberIo {
     }
 
     /// Loads the shard's remembered ids with one read of all its slots (every reachable
-    /// replica, at least a majority of the roster; tried again as [`load_again`] says); then,
-    /// with a
-    /// recovery batch set, feeds them back in batches at the configured rate.
+    /// replica, at least a majority of the roster; tried again as [`load_again`] says), gives
+    /// `permit` back, then, with a recovery batch set, feeds the ids back in batches at the
+    /// configured rate.
     pub(crate) async fn load<E: Entity>(
         self,
         shard: ShardId,
@@ -150,39 +150,37 @@ impl RememberIo {
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
     ) {
         let io = self;
-        {
-            let mut tries = 0;
-            let ids = loop {
-                tries += 1;
-                let keys = slot_keys(&io.type_name, &shard, io.slots);
-                match io.replicator.get_many::<OrSet>(keys, io.read_consistency, io.read_timeout).await {
-                    Ok(sets) => break loaded_ids(sets),
-                    Err(e) if load_again(tries, &e) => {
-                        io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
-                        debug!(type_name = %io.type_name, %shard, error = %e, tries, "loading remembered entities again");
-                    }
-                    Err(e) => {
-                        if matches!(e, crate::error::Error::ConsistencyTimeout { .. }) {
-                            io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
-                        }
-                        warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
-                        let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
-                        return;
-                    }
+        let mut tries = 0;
+        let ids = loop {
+            tries += 1;
+            let keys = slot_keys(&io.type_name, &shard, io.slots);
+            let read = io.replicator.get_many::<OrSet>(keys, io.read_consistency, io.read_timeout).await;
+            if matches!(read, Err(crate::error::Error::ConsistencyTimeout { .. })) {
+                io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            match read {
+                Ok(sets) => break loaded_ids(sets),
+                Err(e) if load_again(tries, &e) => {
+                    debug!(type_name = %io.type_name, %shard, error = %e, tries, "loading remembered entities again");
                 }
-            };
-            drop(permit);
-            debug!(type_name = %io.type_name, %shard, entities = ids.len(), "remembered entities loaded");
-            let all: Vec<String> = ids.iter().cloned().collect();
-            // The shard takes the set first; recovery starts follow (at the configured rate).
-            let _ = events.send(ShardEvent::Store { shard: shard.clone(), instance, input: StoreResult::Loaded(ids) });
-            if io.recovery_batch > 0 {
-                for chunk in all.chunks(io.recovery_batch) {
-                    tokio::time::sleep(io.recovery_interval).await;
-                    let ev = ShardEvent::Recover { shard: shard.clone(), instance, entity_ids: chunk.to_vec() };
-                    if events.send(ev).is_err() {
-                        return;
-                    }
+                Err(e) => {
+                    warn!(type_name = %io.type_name, %shard, error = %e, "loading remembered entities failed");
+                    let _ = events.send(ShardEvent::Store { shard, instance, input: StoreResult::Failed });
+                    return;
+                }
+            }
+        };
+        drop(permit);
+        debug!(type_name = %io.type_name, %shard, entities = ids.len(), "remembered entities loaded");
+        let all: Vec<String> = ids.iter().cloned().collect();
+        // The shard takes the set first; recovery starts follow (at the configured rate).
+        let _ = events.send(ShardEvent::Store { shard: shard.clone(), instance, input: StoreResult::Loaded(ids) });
+        if io.recovery_batch > 0 {
+            for chunk in all.chunks(io.recovery_batch) {
+                tokio::time::sleep(io.recovery_interval).await;
+                let ev = ShardEvent::Recover { shard: shard.clone(), instance, entity_ids: chunk.to_vec() };
+                if events.send(ev).is_err() {
+                    return;
                 }
             }
         }
