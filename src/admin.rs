@@ -266,6 +266,9 @@ pub struct MemberInfo {
     pub status: String,
     /// Its roles.
     pub roles: Vec<String>,
+    /// The application version it runs (`app_version`).
+    #[serde(default)]
+    pub app_version: String,
     /// No counted observer sees it unreachable.
     pub reachable: bool,
     /// The observers whose heartbeats find it unreachable.
@@ -284,6 +287,7 @@ fn member_info(node: &Node, m: &Member) -> MemberInfo {
         address: m.address().to_string(),
         status: m.status().as_key().to_string(),
         roles: m.roles().to_vec(),
+        app_version: m.app_version().to_string(),
         reachable: m.is_reachable(),
         unreachable_by: m.observed_unreachable_by().iter().map(ToString::to_string).collect(),
         up_number: m.up_number(),

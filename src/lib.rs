@@ -77,6 +77,7 @@ pub mod activation;
 pub mod admin;
 #[cfg(test)]
 mod alloc_count;
+mod app_version;
 pub mod clock;
 pub mod config;
 pub mod ddata;
@@ -100,6 +101,7 @@ pub mod transport;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use app_version::AppVersion;
 pub use config::{
     DiscoverySettings, DownAllWhenUnstable, DowningStrategy, MembershipSettings, NodeConfig, ReadinessSettings,
     ReplicatorSettings, SeedAddr, TransportSettings,

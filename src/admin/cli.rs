@@ -222,7 +222,7 @@ fn render(command: &AdminCommand, value: Value) -> Result<String> {
 }
 
 fn render_members(members: Vec<MemberInfo>) -> String {
-    let mut t = table(&["node", "status", "reachable", "roles", "up #", "address"]);
+    let mut t = table(&["node", "status", "reachable", "roles", "version", "up #", "address"]);
     for m in members {
         let reachable = if m.reachable {
             "yes".to_string()
@@ -231,7 +231,7 @@ fn render_members(members: Vec<MemberInfo>) -> String {
         };
         let up = m.up_number.map(|n| n.to_string()).unwrap_or_default();
         let node = if m.is_self { format!("{} *", m.node_id) } else { m.node_id };
-        t.add_row(vec![node, m.status, reachable, m.roles.join(","), up, m.address]);
+        t.add_row(vec![node, m.status, reachable, m.roles.join(","), m.app_version, up, m.address]);
     }
     t.to_string()
 }
@@ -251,10 +251,11 @@ fn render_shards(stats: &TypeStats) -> String {
 fn render_allocation(a: &AllocationTable) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "type {} — coordinator {}", a.type_name, a.coordinator);
-    let mut regions = table(&["region", "status", "shards", "takes new shards"]);
+    let mut regions = table(&["region", "status", "version", "shards", "takes new shards"]);
     for r in &a.regions {
         let status = r.member_status.clone().unwrap_or_default();
-        regions.add_row(vec![r.region.clone(), status, r.shards.to_string(), r.takes_new_shards.to_string()]);
+        let shards = r.shards.to_string();
+        regions.add_row(vec![r.region.clone(), status, r.app_version.clone(), shards, r.takes_new_shards.to_string()]);
     }
     let _ = writeln!(out, "{regions}");
     let mut shards = table(&["shard", "home", "epoch", "hand-off"]);

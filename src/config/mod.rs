@@ -67,6 +67,11 @@ pub struct NodeConfig {
     pub discovery: DiscoverySettings,
     /// Roles of this node; sharded types and replicated data can be limited to a role.
     pub roles: Vec<String>,
+    /// The version of the application this node runs (`"2"`, `"1.4.0"`, `"v1.4.0-rc.1"`),
+    /// gossiped to every member. Raise it with every release you roll out: while the regions of
+    /// a type run different versions, new and moved shards go only to the newest and nothing is
+    /// rebalanced, so each shard moves once per rolling update. Default `0.0.0`.
+    pub app_version: crate::AppVersion,
     /// Directory for durable data (LMDB). Created if missing; never derived from a port.
     pub data_dir: PathBuf,
     /// Gossip membership and failure detection.
@@ -207,6 +212,7 @@ impl Default for NodeConfig {
             seeds: Vec::new(),
             discovery: DiscoverySettings::default(),
             roles: Vec::new(),
+            app_version: crate::AppVersion::ZERO,
             data_dir: PathBuf::from("ddshard-data"),
             membership: MembershipSettings::default(),
             failure_detector: crate::membership::FailureDetectorSettings::default(),
@@ -741,6 +747,24 @@ mod tests {
         let a = toml::to_string(&parsed).unwrap();
         let b = toml::to_string(&NodeConfig::default()).unwrap();
         assert_eq!(a, b);
+    }
+
+    #[test]
+    fn an_app_version_is_read_from_toml_and_overrides_and_a_malformed_one_is_an_error_naming_it() {
+        let cfg = NodeConfig::from_toml_str("app_version = \"v2.1\"").unwrap();
+        assert_eq!(cfg.app_version, crate::AppVersion::new(2, 1, 0));
+        let overrides = [("app_version".to_string(), "3.0.0-rc.1".to_string())];
+        let cfg = NodeConfig::from_toml_str_with_overrides("", &overrides).unwrap();
+        assert_eq!(cfg.app_version.to_string(), "3.0.0-rc.1");
+        assert_eq!(NodeConfig::default().app_version, crate::AppVersion::ZERO);
+        for text in ["app_version = \"two\"", "app_version = \"1.2.3.4\""] {
+            match NodeConfig::from_toml_str(text) {
+                Err(Error::Config(m)) => {
+                    assert!(m.contains("app_version") && m.contains(&text[15..text.len() - 1]), "{m}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
     }
 
     #[test]

@@ -199,6 +199,7 @@ impl MembershipDriver {
         let initial = vec![
             (keys::STATUS.to_string(), MemberStatus::Joining.as_key().to_string()),
             (keys::ROLES.to_string(), cfg.roles.join(",")),
+            (keys::APP_VERSION.to_string(), cfg.app_version.to_string()),
             (keys::MESSAGING.to_string(), messaging_addr.to_string()),
         ];
         let transport = PreboundTransport(Mutex::new(Some(socket)));

@@ -153,6 +153,7 @@ pub struct Member {
     pub(crate) status: MemberStatus,
     pub(crate) up_number: Option<u64>,
     pub(crate) roles: Vec<String>,
+    pub(crate) app_version: crate::AppVersion,
     /// Gossip says it is alive and no counted observer sees it unreachable.
     pub(crate) reachable: bool,
     /// Its gossip heartbeat reaches this node (directly or through others).
@@ -173,6 +174,7 @@ impl Member {
             status,
             up_number: Some(up_number),
             roles: Vec::new(),
+            app_version: crate::AppVersion::ZERO,
             reachable,
             gossip_live: reachable,
             unreachable_by: Vec::new(),
@@ -202,6 +204,11 @@ impl Member {
     /// Roles the member has.
     pub fn roles(&self) -> &[String] {
         &self.roles
+    }
+    /// The version of the application it runs (`app_version`; `0.0.0` when unset or from
+    /// a release that does not gossip one).
+    pub fn app_version(&self) -> &crate::AppVersion {
+        &self.app_version
     }
     /// Whether it has the role (`None` = any member).
     pub fn has_role(&self, role: Option<&str>) -> bool {

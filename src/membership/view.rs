@@ -12,6 +12,8 @@ pub(crate) mod keys {
     pub(crate) const UP_NUMBER: &str = "up";
     pub(crate) const ROLES: &str = "roles";
     pub(crate) const MESSAGING: &str = "msg";
+    /// The application version it runs ([`crate::AppVersion`]); absent from older releases.
+    pub(crate) const APP_VERSION: &str = "version";
     /// `down:<node_id>#<generation>`: the publishing node downed that incarnation.
     pub(crate) const DOWN_PREFIX: &str = "down:";
     /// The members the publishing node's heartbeats find unreachable: `node#generation`
@@ -93,11 +95,15 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
                 .get(keys::ROLES)
                 .map(|r| r.split(',').filter(|s| !s.is_empty()).map(String::from).collect())
                 .unwrap_or_default();
+            // A version that does not parse (a peer's bug) counts as the oldest.
+            let app_version =
+                n.keys.get(keys::APP_VERSION).and_then(|v| crate::AppVersion::parse(v).ok()).unwrap_or_default();
             Some(Member {
                 address: n.address.clone(),
                 status,
                 up_number: if status == MemberStatus::Joining { None } else { up_number },
                 roles,
+                app_version,
                 reachable: live,
                 gossip_live: live,
                 unreachable_by: Vec::new(),
@@ -180,6 +186,18 @@ mod tests {
         assert_eq!(ids, ["b", "c", "d", "a"]);
         assert_eq!(s.oldest(None).unwrap().node_id(), "b");
         assert_eq!(s.members[0].roles(), ["a", "b"]);
+    }
+
+    #[test]
+    fn a_members_app_version_comes_from_gossip_and_a_missing_or_malformed_one_counts_as_zero() {
+        let me = UniqueAddress::new("a", 1);
+        let mut nodes = vec![node("a", 1, "up", Some(1), true), node("b", 1, "up", Some(2), true)];
+        nodes.push(node("c", 1, "up", Some(3), true));
+        nodes[0].keys.insert(keys::APP_VERSION.to_string(), "2.1.0".to_string());
+        nodes[1].keys.insert(keys::APP_VERSION.to_string(), "not a version".to_string());
+        let s = compute_members(&me, &nodes);
+        let versions: Vec<String> = s.members.iter().map(|m| m.app_version().to_string()).collect();
+        assert_eq!(versions, ["2.1.0", "0.0.0", "0.0.0"]);
     }
 
     #[test]

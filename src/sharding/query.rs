@@ -41,8 +41,12 @@ pub struct RegionSummary {
     pub member_status: Option<String>,
     /// Its region asked to hand off everything (leaving or stopping).
     pub shutting_down: bool,
-    /// New and moved shards may go to it now (Up and not shutting down).
+    /// New and moved shards may go to it now (Up, not shutting down, and of the newest
+    /// version among such regions).
     pub takes_new_shards: bool,
+    /// The application version its node runs (`app_version`).
+    #[serde(default)]
+    pub app_version: String,
 }
 
 /// A shard and its home.

@@ -13,6 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::state::StateEntry;
 use super::state::{CoordinatorState, RegionRecord};
+use crate::AppVersion;
 use crate::clock::Instant;
 use crate::membership::MemberStatus;
 use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};
@@ -59,11 +60,14 @@ pub(crate) struct Registration {
     pub must_agree: Vec<(String, String)>,
 }
 
-/// What the coordinator knows of the membership: the status of every listed member and
-/// whether the cluster is settled (see [`crate::membership::MembershipSnapshot::is_settled`]).
+/// What the coordinator knows of the membership: the status and application version of every
+/// listed member and whether the cluster is settled (see
+/// [`crate::membership::MembershipSnapshot::is_settled`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct MembersView {
     pub statuses: BTreeMap<RegionId, MemberStatus>,
+    /// Members whose version is not `0.0.0` (the rest have that one).
+    pub versions: BTreeMap<RegionId, AppVersion>,
     pub settled: bool,
 }
 
@@ -72,12 +76,23 @@ impl MembersView {
     pub(crate) fn of(snap: &crate::membership::MembershipSnapshot) -> Self {
         MembersView {
             statuses: snap.members.iter().map(|m| (m.address().clone(), m.status())).collect(),
+            versions: snap
+                .members
+                .iter()
+                .filter(|m| *m.app_version() != AppVersion::ZERO)
+                .map(|m| (m.address().clone(), m.app_version().clone()))
+                .collect(),
             settled: snap.is_settled(),
         }
     }
 
     fn status(&self, region: &RegionId) -> Option<MemberStatus> {
         self.statuses.get(region).copied()
+    }
+
+    fn version(&self, region: &RegionId) -> &AppVersion {
+        static ZERO: AppVersion = AppVersion::ZERO;
+        self.versions.get(region).unwrap_or(&ZERO)
     }
 }
 
@@ -437,7 +452,24 @@ impl CoordinatorCore {
         }
     }
 
+    /// The regions that may take new and moved shards: registered, not shutting down, their
+    /// member Up, and of the newest version among those (during a rolling update a shard goes
+    /// only to an updated node, so it does not move again when the old ones are replaced).
     fn live_candidates(&self) -> Vec<RegionAllocation> {
+        let mut takers = self.takers();
+        if let Some(newest) = self.newest_version(&takers) {
+            takers.retain(|r| *self.members.version(&r.region) == newest);
+        }
+        takers
+    }
+
+    /// The newest version among `regions`.
+    fn newest_version(&self, regions: &[RegionAllocation]) -> Option<AppVersion> {
+        regions.iter().map(|r| self.members.version(&r.region)).max().cloned()
+    }
+
+    /// Registered regions that are not shutting down and whose member is Up, of any version.
+    fn takers(&self) -> Vec<RegionAllocation> {
         self.state
             .allocations()
             .into_iter()
@@ -446,6 +478,15 @@ impl CoordinatorCore {
             })
             .map(|(region, shards)| RegionAllocation { region, shards, leaving: false })
             .collect()
+    }
+
+    /// The oldest and newest versions of the regions that take shards, when they differ: a
+    /// rolling update is under way.
+    fn mixed_versions(&self) -> Option<(AppVersion, AppVersion)> {
+        let takers = self.takers();
+        let versions = takers.iter().map(|r| self.members.version(&r.region));
+        let (oldest, newest) = (versions.clone().min()?, versions.max()?);
+        (oldest != newest).then(|| (oldest.clone(), newest.clone()))
     }
 
     fn on_get_shard_home(

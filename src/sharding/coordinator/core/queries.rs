@@ -33,6 +33,7 @@ impl CoordinatorCore {
 
     /// Every region, proxy and shard as this coordinator holds them.
     pub(crate) fn allocation_table(&self, type_name: &str, now: Instant) -> AllocationTable {
+        let candidates: BTreeSet<RegionId> = self.live_candidates().into_iter().map(|c| c.region).collect();
         let regions = self
             .state
             .regions
@@ -46,7 +47,8 @@ impl CoordinatorCore {
                     shards: self.state.shards_of(r).len(),
                     member_status: status.map(|s| s.as_key().to_string()),
                     shutting_down,
-                    takes_new_shards: !shutting_down && status.is_some_and(MemberStatus::takes_new_shards),
+                    takes_new_shards: candidates.contains(r),
+                    app_version: self.members.version(r).to_string(),
                 }
             })
             .collect();
@@ -88,6 +90,7 @@ impl CoordinatorCore {
         }
         let shard_id: ShardId = shard.to_string();
         let home = self.state.home(shard).map(|(h, _)| h.clone());
+        let newest = self.newest_version(&self.takers());
         let mut regions: Vec<RegionVerdict> = self
             .state
             .regions
@@ -99,7 +102,10 @@ impl CoordinatorCore {
                 } else if !status.is_some_and(MemberStatus::takes_new_shards) {
                     Some(format!("its member is {}, not up", status.map_or("not listed", MemberStatus::as_key)))
                 } else {
-                    None
+                    let mine = self.members.version(r);
+                    newest.as_ref().filter(|n| *n != mine).map(|newest| {
+                        format!("its node runs {mine}, and regions of {newest} take shards (a rolling update)")
+                    })
                 };
                 RegionVerdict {
                     region: r.to_string(),

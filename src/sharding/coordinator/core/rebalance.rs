@@ -15,6 +15,11 @@ impl CoordinatorCore {
         } else if !self.shutting_down.is_empty() {
             let regions: Vec<String> = self.shutting_down.iter().map(ToString::to_string).collect();
             Some(format!("regions are handing off everything: {}", regions.join(", ")))
+        } else if let Some((oldest, newest)) = self.mixed_versions() {
+            Some(format!(
+                "a rolling update is under way (regions run {oldest} to {newest}): shards move again once \
+                 every region runs one version"
+            ))
         } else if candidates < 2 {
             Some(format!("{candidates} region(s) take shards; a rebalance needs two"))
         } else {

@@ -25,7 +25,7 @@ impl CoordinatorCore {
 
     /// A region (or proxy) registers: refused with the reason [`CoordinatorCore::refusal`] gave
     /// (its shards then move off it) or ignored when it is not up; otherwise recorded, sent
-    /// every known home and then the ack, and deferred allocations retried with the new region.
+    /// every known home and then the ack, and deferred allocations retried.
     pub(super) fn on_register(
         &mut self,
         region: RegionId,
@@ -80,8 +80,8 @@ impl CoordinatorCore {
             .collect();
         effects.push(Self::send(&region, ToRegion::RegisterAck { coordinator: self.me.clone() }));
         self.commit(entries, effects, out);
-        if !known && !proxy {
-            self.allocate_deferred(now, wall_ms, out);
-        }
+        // Deferred allocations may find a home in a new region. Retrying on every registration
+        // is one rule, and a no-op when nothing changed (a known region or a proxy).
+        self.allocate_deferred(now, wall_ms, out);
     }
 }

@@ -629,6 +629,8 @@ mod state_and_timers;
 
 mod queries;
 
+mod rolling_update;
+
 /// A view in which `region`'s member is Leaving (the others keep their status).
 fn leaving(c: &CoordinatorCore, region: &str) -> CoordinatorInput {
     let mut view = c.members.clone();
