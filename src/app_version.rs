@@ -117,6 +117,17 @@ mod tests {
         assert!(v("1.9.0") > v("1.9.0-rc.1"));
         assert!(v("1.9.0-rc.2") > v("1.9.0-rc.1"));
         assert_eq!(AppVersion::default(), AppVersion::ZERO);
+        assert_eq!("2.1".parse::<AppVersion>().unwrap(), AppVersion::new(2, 1, 0));
+        let longest = format!("1.2.3-{}", "a".repeat(MAX_LEN - 6));
+        assert_eq!(AppVersion::parse(&longest).unwrap().to_string(), longest, "64 characters are accepted");
+    }
+
+    #[test]
+    fn a_version_too_long_or_with_four_numbers_is_refused_saying_why() {
+        let why = |text: &str| AppVersion::parse(text).unwrap_err().to_string();
+        assert!(why(&format!("1.2.3-{}", "a".repeat(MAX_LEN - 5))).contains("longer than 64"));
+        assert!(why("1.2.3.4").contains("expected MAJOR[.MINOR[.PATCH]]"));
+        assert!(why("").contains("expected MAJOR[.MINOR[.PATCH]]"));
     }
 
     #[test]

@@ -24,6 +24,7 @@ mod attached;
 pub(crate) mod coordinator;
 mod counters;
 pub mod daemon;
+mod deferred;
 mod durable;
 mod envelope;
 mod handle;
@@ -49,6 +50,7 @@ pub use allocation::{
 };
 pub use counters::RegionCounters;
 pub use daemon::{DaemonContext, DaemonProcess};
+pub use deferred::DeferredReply;
 pub use durable::{Durable, DurableEntity};
 pub use handle::{EntityRef, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
@@ -133,6 +135,10 @@ pub struct EntityContext {
     pub(crate) end: Option<EndIncarnation>,
     /// Durable entities: the region's state store.
     pub(crate) state_io: Option<shard::StateIo>,
+    /// While an ask is handled and its reply not taken: the entity's `Reply` type.
+    pub(crate) reply_type: Option<std::any::TypeId>,
+    /// The reply the handler took ([`EntityContext::reply_later`]), until the handler ends.
+    pub(crate) taken_reply: Option<deferred::ErasedReply>,
 }
 
 /// A change of a durable entity's stored state, asked by its handler.
@@ -188,9 +194,39 @@ impl EntityContext {
         self.state_change = Some(StateChange::Delete);
     }
 
+    /// Takes the answer to the ask being handled, to send later through the
+    /// [`DeferredReply`] — after other messages, or from a task that asks another entity and
+    /// passes its answer on. The value the handler returns is then dropped (return any). `R`
+    /// is the entity's `Reply` type. `None` when the message is a tell (nobody waits), the
+    /// reply was taken already, or `R` is another type.
+    ///
+    /// The asker's own timeout still runs. A send made before the handler returns leaves when
+    /// the handler's reply would have: for a durable entity after the message's state write,
+    /// replaced by that write's error if it fails. Dropping the `DeferredReply` unanswered
+    /// fails the ask with [`crate::Error::NotDelivered`].
+    pub fn reply_later<R: Send + 'static>(&mut self) -> Option<DeferredReply<R>> {
+        if self.reply_type != Some(std::any::TypeId::of::<R>()) {
+            return None;
+        }
+        self.reply_type = None;
+        let (later, taken) = deferred::take::<R>(&self.entity_id);
+        self.taken_reply = Some(taken);
+        Some(later)
+    }
+
     /// A context for entity `entity_id` of `shard_id` at `epoch`.
     pub(crate) fn new(entity_id: String, shard_id: ShardId, epoch: u64, state_io: Option<shard::StateIo>) -> Self {
-        EntityContext { entity_id, shard_id, epoch, passivate: false, state_change: None, end: None, state_io }
+        EntityContext {
+            entity_id,
+            shard_id,
+            epoch,
+            passivate: false,
+            state_change: None,
+            end: None,
+            state_io,
+            reply_type: None,
+            taken_reply: None,
+        }
     }
 }
 

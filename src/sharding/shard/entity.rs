@@ -328,6 +328,24 @@ impl<E: Entity> EntityRun<E> {
         )
     }
 
+    /// Answers the ask the handler ended with `result`: through the reply the handler took
+    /// ([`EntityContext::reply_later`]), when it took it, else directly.
+    fn answer(
+        &self,
+        taken: Option<crate::sharding::deferred::ErasedReply>,
+        reply: Option<ReplyTo<E>>,
+        result: Result<Option<E::Reply>>,
+    ) {
+        match (taken, reply) {
+            (Some(taken), Some(reply)) => {
+                let (replier, id) = (self.shared.replier.clone(), self.ctx.entity_id.clone());
+                let deliver = Box::new(move |r: Result<E::Reply>| replier.reply::<E>(reply, &id, r.map(Some)));
+                crate::sharding::deferred::finish(taken, deliver, result.map(|_| ()));
+            }
+            (_, reply) => self.respond(reply, result),
+        }
+    }
+
     fn respond(&self, reply: Option<ReplyTo<E>>, result: Result<Option<E::Reply>>) {
         if let Some(r) = reply {
             self.shared.replier.reply::<E>(r, &self.ctx.entity_id, result);
@@ -450,19 +468,22 @@ impl<E: Entity> EntityRun<E> {
             };
             let running = entity.as_mut().expect("a task that took a command holds its entity");
             let started = crate::metrics::start_timer();
+            self.ctx.reply_type = env.reply.is_some().then(std::any::TypeId::of::<E::Reply>);
             let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx))
                 .catch_unwind()
                 .instrument(span.clone())
                 .await;
+            self.ctx.reply_type = None;
             self.shared.metrics.handled(started);
+            let taken = self.ctx.taken_reply.take();
             match outcome {
-                Ok(result) => self.respond(env.reply, result.map(Some)),
+                Ok(result) => self.answer(taken, env.reply, result.map(Some)),
                 Err(panic) => {
                     self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
                     let what = panic_text(&*panic);
                     drop(entity.take());
                     error!(type_name = %self.shared.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
-                    self.respond(env.reply, Err(not_delivered(&id, format!("entity handler panicked: {what}"))));
+                    self.answer(taken, env.reply, Err(not_delivered(&id, format!("entity handler panicked: {what}"))));
                     // Messages still queued go to a fresh instance.
                     let leftovers = self.mailbox.end_from_task(&self.shared.routed);
                     self.terminated(leftovers);
