@@ -66,7 +66,7 @@ pub(crate) struct Registration {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct MembersView {
     pub statuses: BTreeMap<RegionId, MemberStatus>,
-    /// Members whose version is not `0.0.0` (the rest have that one).
+    /// Each member's application version (`0.0.0` for one not listed).
     pub versions: BTreeMap<RegionId, AppVersion>,
     pub settled: bool,
 }
@@ -76,12 +76,7 @@ impl MembersView {
     pub(crate) fn of(snap: &crate::membership::MembershipSnapshot) -> Self {
         MembersView {
             statuses: snap.members.iter().map(|m| (m.address().clone(), m.status())).collect(),
-            versions: snap
-                .members
-                .iter()
-                .filter(|m| *m.app_version() != AppVersion::ZERO)
-                .map(|m| (m.address().clone(), m.app_version().clone()))
-                .collect(),
+            versions: snap.members.iter().map(|m| (m.address().clone(), m.app_version().clone())).collect(),
             settled: snap.is_settled(),
         }
     }
