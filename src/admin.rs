@@ -107,6 +107,7 @@ pub fn router(node: Node, settings: AdminSettings) -> Router {
         .route("/cluster/shards/{type_name}/shards/{shard}/explain", get(explain))
         .route("/cluster/shards/{type_name}/entities/{id}", get(locate))
         .route("/cluster/shards/{type_name}/rebalance", post(rebalance))
+        .route("/cluster/daemons/{name}", get(daemon_scale).put(daemon_rescale))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(Admin { node, settings })
 }
@@ -479,6 +480,41 @@ async fn rebalance(
     }
     authorize(&admin, &headers)?;
     Ok(json(&region.rebalance().await?))
+}
+
+fn daemon(admin: &Admin, name: &str) -> ApiResult<crate::sharding::DaemonProcess> {
+    admin.node.sharding().daemon(name).ok_or_else(|| {
+        ApiError::new(StatusCode::NOT_FOUND, format!("daemon process {name:?} is not started on this node"))
+    })
+}
+
+/// `GET /cluster/daemons/{name}`: the process's revision, count and rescale in progress.
+async fn daemon_scale(State(admin): State<Admin>, Path(name): Path<String>) -> ApiResult<Response> {
+    Ok(json(&daemon(&admin, &name)?.scale().await?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Rescale {
+    count: usize,
+}
+
+/// How long `PUT /cluster/daemons/{name}` waits for the new revision's workers.
+const RESCALE_WAIT: Duration = Duration::from_secs(30);
+
+/// `PUT /cluster/daemons/{name}` `{"count": N}`: rescales the process cluster-wide; answers
+/// with the new scale once its workers run (504 after 30 s, the rescale going on).
+async fn daemon_rescale(
+    State(admin): State<Admin>,
+    Path(name): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> ApiResult<Response> {
+    authorize(&admin, &headers)?;
+    let process = daemon(&admin, &name)?;
+    let rescale: Rescale = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, format!(r#"expected {{"count": N}}: {e}"#)))?;
+    Ok(json(&process.set_count(rescale.count, RESCALE_WAIT).await?))
 }
 
 #[cfg(test)]

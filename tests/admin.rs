@@ -485,3 +485,67 @@ async fn the_admin_router_merges_into_an_application_with_its_own_fallback() {
     assert_eq!(get(&app, "/nowhere").await.0, StatusCode::IM_A_TEAPOT, "the application's own fallback");
     c.shutdown().await;
 }
+
+/// Issue 42, step 4: `GET /cluster/daemons/{name}` shows a daemon process's scale and `PUT`
+/// with `{"count": N}` rescales it cluster-wide (with the token), answering once the new
+/// revision's workers run; a count of 0 or past its shard count is a 400 naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_route_shows_a_processes_scale_and_rescales_it_with_the_token() {
+    let mut c = TestCluster::start(3).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let s = ddshard::ShardingSettings { number_of_shards: 8, min_nr_of_members: 3, ..settings() };
+    let mut processes = Vec::new();
+    for i in 0..3 {
+        let worker = |_ctx: ddshard::sharding::DaemonContext| std::future::pending::<()>();
+        processes.push(c.node(i).sharding().daemon_process("pump", 2, worker, s.clone()).await.unwrap());
+    }
+    let app = router(c.node(1).clone(), AdminSettings { token: Some(TOKEN.into()), ..Default::default() });
+    let scale_app = app.clone();
+    let (_, scale) = eventually(CONVERGE, "the scale answers", || {
+        let app = scale_app.clone();
+        async move { Some(get(&app, "/cluster/daemons/pump").await).filter(|(s, _)| *s == StatusCode::OK) }
+    })
+    .await;
+    assert_eq!((&scale["revision"], &scale["count"]), (&Value::from(0), &Value::from(2)));
+    assert_eq!(get(&app, "/cluster/daemons/nope").await.0, StatusCode::NOT_FOUND);
+
+    let route = "/cluster/daemons/pump";
+    assert_eq!(call(&app, "PUT", route, None, r#"{"count": 5}"#).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(call(&app, "PUT", route, Some(TOKEN), r#"{"count": "five"}"#).await.0, StatusCode::BAD_REQUEST);
+    for count in [0, 9] {
+        let (status, err) = call(&app, "PUT", route, Some(TOKEN), &format!(r#"{{"count": {count}}}"#)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(err["error"].as_str().unwrap().contains(&format!("count of {count}")), "{err}");
+    }
+    let (status, scale) = call(&app, "PUT", route, Some(TOKEN), r#"{"count": 5}"#).await;
+    assert_eq!(status, StatusCode::OK, "{scale}");
+    assert_eq!(
+        (&scale["revision"], &scale["count"], &scale["rescaling_to"]),
+        (&Value::from(1), &Value::from(5), &Value::Null)
+    );
+    let workers = eventually(CONVERGE, "five workers run", || {
+        let p = processes[0].clone();
+        async move { p.workers(Duration::from_secs(2)).await.ok().filter(|w| w.len() == 5) }
+    })
+    .await;
+    assert_eq!(workers.keys().copied().collect::<Vec<_>>(), [0, 1, 2, 3, 4]);
+
+    // The same through `ddshard admin daemon`, on a real socket.
+    use ddshard::admin::cli::{AdminClient, AdminCommand as A};
+    let server =
+        ddshard::admin::serve(c.node(1), "127.0.0.1:0".parse().unwrap(), app, Default::default()).await.unwrap();
+    let client = AdminClient {
+        url: format!("http://{}", server.local_addr),
+        token: Some(TOKEN.into()),
+        timeout: Duration::from_secs(40),
+    };
+    let rescaled = tokio::task::spawn_blocking(move || {
+        let rescaled = client.run(&A::Daemon { name: "pump".into(), count: Some(3) }, false);
+        (rescaled, client.run(&A::Daemon { name: "pump".into(), count: None }, false))
+    });
+    let (rescaled, shown) = rescaled.await.unwrap();
+    let (rescaled, shown) = (rescaled.unwrap(), shown.unwrap());
+    assert!(rescaled.contains("pump") && rescaled.contains('2') && rescaled.contains('3'), "{rescaled}");
+    assert_eq!(rescaled, shown, "the table of the new scale, then the same read back");
+    c.shutdown().await;
+}

@@ -61,6 +61,15 @@ pub enum AdminCommand {
         /// The member's node id.
         node_id: String,
     },
+    /// A daemon process's revision and worker count; with --count, rescale it cluster-wide
+    /// and wait for the new workers (sends DDSHARD_ADMIN_TOKEN).
+    Daemon {
+        /// The daemon process's name.
+        name: String,
+        /// The new number of workers.
+        #[arg(long)]
+        count: Option<usize>,
+    },
     /// The replica holders durable quorums are counted over, members or not.
     Roster,
     /// Take a node that is gone for good out of the roster, so durable shards that wait for a
@@ -162,6 +171,12 @@ impl AdminClient {
             AdminCommand::Down { node_id } => {
                 self.request("PUT", &format!("/cluster/members/{}", t(node_id)), Some(r#"{"operation":"down"}"#))?
             }
+            AdminCommand::Daemon { name, count: None } => {
+                self.request("GET", &format!("/cluster/daemons/{}", t(name)), None)?
+            }
+            AdminCommand::Daemon { name, count: Some(n) } => {
+                self.request("PUT", &format!("/cluster/daemons/{}", t(name)), Some(&format!(r#"{{"count":{n}}}"#)))?
+            }
             AdminCommand::Roster => self.request("GET", "/cluster/roster", None)?,
             AdminCommand::Forget { node_id } => {
                 self.request("PUT", &format!("/cluster/members/{}", t(node_id)), Some(r#"{"operation":"forget"}"#))?
@@ -208,6 +223,13 @@ fn render(command: &AdminCommand, value: Value) -> Result<String> {
         AdminCommand::Rebalance { .. } => render_plan(&AdminClient::typed(value)?),
         AdminCommand::Leave { node_id } => format!("{node_id}: leave requested"),
         AdminCommand::Down { node_id } => format!("{node_id}: downed"),
+        AdminCommand::Daemon { name, .. } => {
+            let scale: crate::sharding::DaemonScale = AdminClient::typed(value)?;
+            let mut t = table(&["daemon process", "revision", "workers", "rescaling to"]);
+            let rescaling = scale.rescaling_to.map(|n| n.to_string()).unwrap_or_default();
+            t.add_row(vec![name.clone(), scale.revision.to_string(), scale.count.to_string(), rescaling]);
+            t.to_string()
+        }
         AdminCommand::Roster => {
             let roster: Vec<crate::admin::RosterInfo> = AdminClient::typed(value)?;
             let mut t = table(&["node", "generation", "member"]);

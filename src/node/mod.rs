@@ -58,6 +58,9 @@ struct NodeInner {
     config: NodeConfig,
     /// What runs on top of the node (regions, proxies), in start order.
     attached: Mutex<Vec<Arc<dyn Attached>>>,
+    /// Handles the layers above keep on the node to find again (daemon processes), each
+    /// downcast by the layer that kept it.
+    kept: Mutex<Vec<Arc<dyn std::any::Any + Send + Sync>>>,
     /// Readiness once was (probes keep a ready node ready while its coordinator moves).
     readiness: Mutex<readiness::ReadinessLatch>,
     address: UniqueAddress,
@@ -170,6 +173,7 @@ impl Node {
                 readiness: Mutex::new(readiness::ReadinessLatch::new(config.readiness.coordinator_grace)),
                 config,
                 attached: Mutex::new(Vec::new()),
+                kept: Mutex::new(Vec::new()),
                 address,
                 membership,
                 transport,
@@ -266,6 +270,17 @@ impl Node {
         }
         attached.push(part);
         Ok(())
+    }
+
+    /// Keeps `handle` on this node for the layer above to find again ([`Node::kept`]).
+    pub(crate) fn keep(&self, handle: Arc<dyn std::any::Any + Send + Sync>) {
+        self.inner.kept.lock().expect("kept lock").push(handle);
+    }
+
+    /// The handles of type `T` kept on this node, in the order kept.
+    pub(crate) fn kept<T: Send + Sync + 'static>(&self) -> Vec<Arc<T>> {
+        let kept = self.inner.kept.lock().expect("kept lock");
+        kept.iter().filter_map(|k| k.clone().downcast::<T>().ok()).collect()
     }
 
     /// What is attached to this node, in start order.

@@ -49,7 +49,7 @@ pub use allocation::{
     RegionAllocation, ShardAllocationStrategy,
 };
 pub use counters::RegionCounters;
-pub use daemon::{DaemonContext, DaemonProcess};
+pub use daemon::{DaemonContext, DaemonProcess, DaemonScale};
 pub use deferred::DeferredReply;
 pub use durable::{Durable, DurableEntity};
 pub use handle::{EntityRef, ShardRegion};
@@ -309,6 +309,12 @@ impl Sharding {
         Some(RegionRef::new(control, Some(self.node.clone())))
     }
 
+    /// The daemon process `name` started on this node ([`Sharding::daemon_process`]), for
+    /// tools; `None` when it was not started here.
+    pub fn daemon(&self, name: &str) -> Option<DaemonProcess> {
+        daemon::find(&self.node, name)
+    }
+
     /// Starts hosting entity type `type_name` here (or a proxy if this node lacks the role),
     /// creating entities with `factory(entity_id)`.
     pub async fn start<E, F>(&self, type_name: &str, factory: F, settings: ShardingSettings) -> Result<ShardRegion<E>>
@@ -376,8 +382,11 @@ impl Sharding {
     /// workers, indexes `0..count`, each running `worker(context)` on exactly one node at a
     /// time, spread over the nodes that host it (`settings.role`), and started again on
     /// another node after a crash, a leave or a rebalance (see [`daemon`]). The type runs as
-    /// `daemon-<name>` with `number_of_shards = count` and remember-entities; call it with the
-    /// same `count` on every node.
+    /// `daemon-<name>`, durable, with remember-entities; call it with the same `count` on
+    /// every node (a node started with another is refused, its messages failing with an error
+    /// naming `number_of_shards`, which holds this count). [`DaemonProcess::set_count`]
+    /// rescales it cluster-wide later, up to `settings.number_of_shards` workers; the cluster
+    /// then keeps the new count across restarts.
     pub async fn daemon_process<F, Fut>(
         &self,
         name: &str,
