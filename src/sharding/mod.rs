@@ -21,6 +21,7 @@
 
 pub mod allocation;
 mod attached;
+mod cluster_singleton;
 pub(crate) mod coordinator;
 mod counters;
 pub mod daemon;
@@ -48,6 +49,7 @@ pub use allocation::{
     ConsistentHashingAllocation, ExternalAllocation, LeastShardAllocation, LegacyLeastShardAllocation,
     RegionAllocation, ShardAllocationStrategy,
 };
+pub use cluster_singleton::ClusterSingleton;
 pub use counters::RegionCounters;
 pub use daemon::{DaemonContext, DaemonProcess, DaemonScale};
 pub use deferred::DeferredReply;
@@ -399,6 +401,38 @@ impl Sharding {
         Fut: std::future::Future<Output = ()> + Send + 'static,
     {
         daemon::start(&self.node, name, count, worker, settings).await
+    }
+
+    /// Starts (or joins, on every node that calls it) cluster singleton `name`: one instance of
+    /// `factory()`'s entity in the whole cluster, running without being asked, moved by a
+    /// hand-off when its node leaves and restarted elsewhere when its node crashes (see
+    /// [`ClusterSingleton`]). Nodes without `settings.role` route to it and never host it.
+    pub async fn singleton<E, F>(
+        &self,
+        name: &str,
+        factory: F,
+        settings: ShardingSettings,
+    ) -> Result<ClusterSingleton<E>>
+    where
+        E: Entity,
+        F: Fn() -> E + Send + Sync + 'static,
+    {
+        cluster_singleton::start(&self.node, name, factory, settings).await
+    }
+
+    /// [`Sharding::singleton`] of a durable entity: its state survives its moves, crashes and
+    /// full-cluster restarts ([`DurableEntity`]).
+    pub async fn durable_singleton<D, F>(
+        &self,
+        name: &str,
+        factory: F,
+        settings: ShardingSettings,
+    ) -> Result<ClusterSingleton<Durable<D>>>
+    where
+        D: DurableEntity,
+        F: Fn() -> D + Send + Sync + 'static,
+    {
+        cluster_singleton::start_durable(&self.node, name, factory, settings).await
     }
 
     /// Starts a proxy: routes to the type's entities without hosting any.
