@@ -232,6 +232,16 @@ pub enum Error {
         reason: String,
     },
 
+    /// The entity answered a typed request ([`crate::sharding::Request`]) with a reply of
+    /// another kind: a bug in the entity's handler.
+    #[error("entity {entity_id:?} answered request {request} with a reply of another kind")]
+    UnexpectedReply {
+        /// The entity.
+        entity_id: String,
+        /// The request's type.
+        request: &'static str,
+    },
+
     /// A sharded type of this name is already started on this node.
     #[error("entity type {0:?} is already started on this node")]
     TypeAlreadyStarted(String),
@@ -326,6 +336,7 @@ impl Error {
             | Error::SlotFull { .. }
             | Error::RememberedLimit { .. }
             | Error::StateUndecodable { .. }
+            | Error::UnexpectedReply { .. }
             | Error::TypeAlreadyStarted(_)
             | Error::UnknownMember(_)
             | Error::BadAddress(_)
@@ -367,6 +378,7 @@ mod tests {
             (Error::storage(std::path::Path::new("/x"), "x"), false),
             (Error::ShutDown, false),
             (Error::Codec(s()), false),
+            (Error::UnexpectedReply { entity_id: s(), request: "R" }, false),
             (Error::WrongDataType { key: s(), expected: "a", found: "b" }, false),
             (Error::Fenced { key: s(), epoch: 1, fence: 2 }, false),
             (Error::EmptyEntityId, false),

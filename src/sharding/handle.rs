@@ -161,6 +161,11 @@ impl<E: Entity> EntityRef<E> {
     pub async fn ask_with_timeout(&self, msg: E::Message, timeout: Duration) -> Result<E::Reply> {
         self.region.ask_with_timeout(&self.entity_id, msg, timeout).await
     }
+
+    /// [`ShardRegion::request`] of this entity.
+    pub async fn request<R: super::Request<E>>(&self, request: R) -> Result<R::Reply> {
+        self.region.request(&self.entity_id, request).await
+    }
 }
 
 impl<E: Entity> ShardRegion<E> {
@@ -255,6 +260,17 @@ impl<E: Entity> ShardRegion<E> {
         };
         self.inner.metrics.ask_done(started, &result);
         result
+    }
+
+    /// Sends a typed request ([`super::Request`]) and waits for its typed answer, up to the
+    /// settings' `ask_timeout`, as [`ShardRegion::ask`] does; an entity that answers with
+    /// another kind of reply is [`Error::UnexpectedReply`].
+    pub async fn request<R: super::Request<E>>(&self, entity_id: &str, request: R) -> Result<R::Reply> {
+        let reply = self.ask(entity_id, request.into()).await?;
+        R::reply_of(reply).ok_or_else(|| Error::UnexpectedReply {
+            entity_id: entity_id.to_string(),
+            request: std::any::type_name::<R>(),
+        })
     }
 
     /// Starts entity `entity_id` without a message; returns once it runs.

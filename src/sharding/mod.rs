@@ -124,6 +124,54 @@ pub trait Entity: Send + 'static {
     }
 }
 
+/// A message with a reply type of its own, for an entity that answers different messages with
+/// different types. The entity keeps one `Message` and one `Reply` type (say two enums); a
+/// request converts into the entity's message and picks its answer out of the entity's reply,
+/// so callers get a typed answer from [`ShardRegion::request`] and cannot mix requests up:
+///
+/// ```
+/// use ddshard::{Entity, EntityContext, sharding::Request};
+///
+/// struct Cart { items: Vec<String> }
+///
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// enum CartMsg { Add(String), Count }
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// enum CartReply { Added, Count(usize) }
+///
+/// impl Entity for Cart {
+///     type Message = CartMsg;
+///     type Reply = CartReply;
+///     async fn handle(&mut self, msg: CartMsg, _ctx: &mut EntityContext) -> CartReply {
+///         match msg {
+///             CartMsg::Add(item) => { self.items.push(item); CartReply::Added }
+///             CartMsg::Count => CartReply::Count(self.items.len()),
+///         }
+///     }
+/// }
+///
+/// /// How many items the cart holds.
+/// struct Count;
+/// impl From<Count> for CartMsg {
+///     fn from(_: Count) -> CartMsg { CartMsg::Count }
+/// }
+/// impl Request<Cart> for Count {
+///     type Reply = usize;
+///     fn reply_of(reply: CartReply) -> Option<usize> {
+///         match reply { CartReply::Count(n) => Some(n), _ => None }
+///     }
+/// }
+/// // let n: usize = carts.request("cart-1", Count).await?;
+/// ```
+pub trait Request<E: Entity>: Into<E::Message> {
+    /// What the entity answers this request with.
+    type Reply;
+
+    /// This request's answer out of the entity's reply; `None` when the entity answered with
+    /// another kind (a bug in the entity: the caller gets [`crate::Error::UnexpectedReply`]).
+    fn reply_of(reply: E::Reply) -> Option<Self::Reply>;
+}
+
 /// What an entity knows about itself while handling a message.
 #[derive(Debug, Clone)]
 pub struct EntityContext {

@@ -1,6 +1,6 @@
-//! Deferred replies (`EntityContext::reply_later`): an entity answers an ask after other
-//! messages, from a task that asks another entity, or not at all (dropped: the ask fails at
-//! once). Whole nodes in virtual time.
+//! Replies: deferred (`EntityContext::reply_later`: an entity answers an ask after other
+//! messages, from a task that asks another entity, or not at all — dropped, the ask fails at
+//! once) and typed (`Request`: a reply type per message). Whole nodes in virtual time.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -232,5 +232,130 @@ fn a_durable_entitys_deferred_reply_sent_in_its_handler_leaves_after_the_state_w
             .await
             .unwrap();
         assert_eq!(after.unwrap(), 6, "every acknowledged count was written before its reply left");
+    });
+}
+
+/// A cart that answers its two requests with two kinds of reply.
+#[derive(Default)]
+struct Cart {
+    items: Vec<String>,
+}
+
+#[derive(Serialize, Deserialize)]
+enum CartMsg {
+    Add(String),
+    Count,
+}
+
+#[derive(Serialize, Deserialize)]
+enum CartReply {
+    Added(usize),
+    Count(usize),
+}
+
+impl Entity for Cart {
+    type Message = CartMsg;
+    type Reply = CartReply;
+    async fn handle(&mut self, msg: CartMsg, _ctx: &mut EntityContext) -> CartReply {
+        match msg {
+            CartMsg::Add(item) => {
+                self.items.push(item);
+                CartReply::Added(self.items.len())
+            }
+            CartMsg::Count => CartReply::Count(self.items.len()),
+        }
+    }
+}
+
+struct Add(String);
+impl From<Add> for CartMsg {
+    fn from(a: Add) -> CartMsg {
+        CartMsg::Add(a.0)
+    }
+}
+impl ddshard::sharding::Request<Cart> for Add {
+    /// The position of the item added.
+    type Reply = usize;
+    fn reply_of(reply: CartReply) -> Option<usize> {
+        match reply {
+            CartReply::Added(n) => Some(n),
+            CartReply::Count(_) => None,
+        }
+    }
+}
+
+struct ItemCount;
+impl From<ItemCount> for CartMsg {
+    fn from(_: ItemCount) -> CartMsg {
+        CartMsg::Count
+    }
+}
+impl ddshard::sharding::Request<Cart> for ItemCount {
+    type Reply = usize;
+    fn reply_of(reply: CartReply) -> Option<usize> {
+        match reply {
+            CartReply::Count(n) => Some(n),
+            CartReply::Added(_) => None,
+        }
+    }
+}
+
+/// A request whose expected reply the entity never gives (a mismatch in user code).
+struct Miswired;
+impl From<Miswired> for CartMsg {
+    fn from(_: Miswired) -> CartMsg {
+        CartMsg::Count
+    }
+}
+impl ddshard::sharding::Request<Cart> for Miswired {
+    type Reply = usize;
+    fn reply_of(reply: CartReply) -> Option<usize> {
+        match reply {
+            CartReply::Added(n) => Some(n),
+            CartReply::Count(_) => None,
+        }
+    }
+}
+
+/// Issue 42, step 8: typed requests get their own reply types from any node, through the
+/// region and an `EntityRef`, beside plain asks of the same entity; a reply of another kind
+/// is a typed error naming the request.
+#[test]
+fn typed_requests_get_their_own_reply_types_and_a_reply_of_another_kind_is_a_typed_error() {
+    VirtualRun::new(2).run(|cluster: VirtualCluster| async move {
+        cluster.await_converged(Duration::from_secs(30)).await;
+        let mut regions = Vec::new();
+        for i in 0..2 {
+            let start = |n: ddshard::Node| async move {
+                n.sharding().start("cart", |_: &str| Cart::default(), settings()).await
+            };
+            regions.push(cluster.on_node(i, start).await.unwrap().unwrap());
+        }
+        for (i, region) in regions.iter().enumerate() {
+            let region: ShardRegion<Cart> = region.clone();
+            let (positions, count, plain, miswired) = cluster
+                .on_node(i, move |_| async move {
+                    let cart = region.entity_ref("cart-1");
+                    let mut positions = Vec::new();
+                    for item in ["apple", "pear"] {
+                        positions.push(region.request("cart-1", Add(item.into())).await.unwrap());
+                    }
+                    let count = cart.request(ItemCount).await.unwrap();
+                    let plain = matches!(region.ask("cart-1", CartMsg::Count).await.unwrap(), CartReply::Count(_));
+                    (positions, count, plain, cart.request(Miswired).await)
+                })
+                .await
+                .unwrap();
+            assert_eq!(positions, [2 * i + 1, 2 * i + 2]);
+            assert_eq!(count, 2 * i + 2);
+            assert!(plain, "the untyped ask still works");
+            match miswired {
+                Err(Error::UnexpectedReply { entity_id, request }) => {
+                    assert_eq!(entity_id, "cart-1");
+                    assert!(request.ends_with("Miswired"), "{request}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
     });
 }
