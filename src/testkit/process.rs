@@ -39,6 +39,9 @@ pub struct ProcessOptions {
     pub membership_toml: String,
     /// Extra lines of the `[sharding]` section.
     pub sharding_toml: String,
+    /// The IP messaging binds to instead of `bind_ip` (a second address of the host, so a
+    /// test can cut the message path with a route and leave gossip flowing).
+    pub messaging_ip: Option<IpAddr>,
     /// Extra lines of the `[replicator]` section.
     pub replicator_toml: String,
     /// Handed to the process in `DDSHARD_ADMIN_TOKEN` (mutating admin routes on); `None`: off.
@@ -77,6 +80,7 @@ impl ProcessOptions {
             gossip_port: 0,
             membership_toml: String::new(),
             sharding_toml: String::new(),
+            messaging_ip: None,
             replicator_toml: String::new(),
             admin_token: None,
             wrapper: Vec::new(),
@@ -105,7 +109,7 @@ impl ProcessOptions {
         ];
         let seeds: Vec<String> = self.seeds.iter().map(ToString::to_string).collect();
         let mut env = vec![
-            ("DDSHARD__MESSAGING_ADDR".to_string(), format!("{ip}:0")),
+            ("DDSHARD__MESSAGING_ADDR".to_string(), SocketAddr::new(self.messaging_ip.unwrap_or(ip), 0).to_string()),
             ("DDSHARD__SEEDS".to_string(), seeds.join(",")),
         ];
         if let Some(adv) = self.advertise_ip {
@@ -127,7 +131,7 @@ impl ProcessOptions {
         };
         format!(
             "node_id = \"{}\"\ncluster_id = \"{}\"\ndata_dir = \"{}\"\nseeds = [{}]\n\
-             gossip_addr = \"{ip}:{gossip_port}\"\nmessaging_addr = \"{ip}:0\"\n{advertise}\
+             gossip_addr = \"{ip}:{gossip_port}\"\nmessaging_addr = \"{messaging}\"\n{advertise}\
              [membership]\n{}\n[sharding]\n{}\n[replicator]\n{}\n",
             self.node_id,
             self.cluster_id,
@@ -138,6 +142,7 @@ impl ProcessOptions {
             self.replicator_toml,
             ip = SocketAddr::new(self.bind_ip, 0).ip(),
             gossip_port = self.gossip_port,
+            messaging = SocketAddr::new(self.messaging_ip.unwrap_or(self.bind_ip), 0),
         )
     }
 }
@@ -251,6 +256,11 @@ impl NodeProcess {
     /// One request to its admin HTTP API: the status and the body.
     pub async fn admin_request(&self, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
         admin_request_to(self.admin, method, path, body).await
+    }
+
+    /// [`NodeProcess::admin_request`] with the node's admin token, for mutating routes.
+    pub async fn admin_request_with_token(&self, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+        request_to(self.admin, self.admin_token.as_deref(), method, path, body).await
     }
 
     /// OS process id.

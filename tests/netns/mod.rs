@@ -103,6 +103,34 @@ impl Network {
         std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))
     }
 
+    /// Host `i`'s second address (`.101` for host 0), added by [`Network::add_second_addrs`].
+    pub fn second_addr(&self, i: usize) -> String {
+        self.host_addr(i as u8 + 101)
+    }
+
+    /// Gives every host a second address on its interface (for a socket that a route can cut
+    /// alone, say the message path, while the first address's traffic flows).
+    pub fn add_second_addrs(&self) -> Result<(), String> {
+        for i in 0..self.hosts {
+            let ns = self.ns(i);
+            ip(&["netns", "exec", &ns, "ip", "addr", "add", &format!("{}/24", self.second_addr(i)), "dev", "eth0"])?;
+        }
+        Ok(())
+    }
+
+    /// Blackhole routes from each host of `a` to the second address of each host of `b`, and
+    /// back: traffic to those addresses is cut both ways (no handshake completes), the rest
+    /// flows.
+    pub fn cut_second_addrs(&self, a: &[usize], b: &[usize], cut: bool) {
+        let op = if cut { "add" } else { "del" };
+        for (x, y) in a.iter().flat_map(|x| b.iter().map(move |y| (*x, *y))) {
+            for (from, to) in [(x, y), (y, x)] {
+                let dest = format!("{}/32", self.second_addr(to));
+                ip(&["netns", "exec", &self.ns(from), "ip", "route", op, "blackhole", &dest]).unwrap();
+            }
+        }
+    }
+
     /// Blackhole routes both ways between the two sides.
     pub fn partition(&self, a: &[usize], b: &[usize], cut: bool) {
         for (from, to) in a.iter().flat_map(|x| b.iter().map(move |y| (*x, *y))) {
