@@ -322,7 +322,9 @@ pub struct ShardingSettings {
     /// Remembered entity that stopped without passivating (panic) restarts after this.
     #[serde(with = "humantime_serde")]
     pub entity_restart_backoff: Duration,
-    /// A shard whose remembered set could not be loaded or written restarts after this.
+    /// A shard whose remembered set could not be loaded or written restarts after this, plus
+    /// up to a quarter more (by a hash of the shard, so shards that failed together restart
+    /// spread out).
     #[serde(with = "humantime_serde")]
     pub shard_failure_backoff: Duration,
     /// Messages a region buffers while shard homes are unknown, or that its task has not taken

@@ -44,6 +44,17 @@ pub(crate) fn load_again(tries: usize, error: &Error) -> bool {
     tries < LOAD_TRIES && matches!(error, Error::ConsistencyTimeout { .. })
 }
 
+/// How long a failed shard waits before it restarts: `shard_failure_backoff` plus up to a
+/// quarter of it, by a hash of the shard and its epoch. Shards that failed together (a store
+/// that stopped answering fails every shard loading from it) then restart spread over that
+/// quarter instead of at one instant, and every node and the simulation compute the same wait.
+pub(crate) fn shard_restart_after(backoff: Duration, shard: &str, epoch: u64) -> Duration {
+    let hash = xxhash_rust::xxh3::xxh3_64_with_seed(shard.as_bytes(), epoch);
+    // The hash's top 16 bits as a fraction of a quarter of the backoff.
+    let spread = backoff / 4;
+    backoff + spread.mul_f64((hash >> 48) as f64 / 65_536.0)
+}
+
 /// Consistency of remembered-id writes and of the coordinator's remembered-shards set's
 /// writes: a majority of the roster plus `remember.write_majority_plus`.
 pub(crate) fn remember_write_consistency(s: &ShardingSettings) -> Consistency {
@@ -414,6 +425,19 @@ mod tests {
     use super::*;
     use crate::ddata::ReplicatedData;
     use crate::ddata::crdt::WriteCtx;
+
+    #[test]
+    fn shards_that_failed_together_restart_spread_over_a_quarter_of_the_backoff_the_same_on_every_node() {
+        let backoff = Duration::from_secs(10);
+        let waits: Vec<Duration> = (0..200).map(|k| shard_restart_after(backoff, &k.to_string(), 7)).collect();
+        assert!(waits.iter().all(|w| *w >= backoff && *w <= backoff * 5 / 4), "{waits:?}");
+        let (min, max) = (waits.iter().min().unwrap(), waits.iter().max().unwrap());
+        assert!(*max - *min > backoff / 5, "spread over most of the quarter: {min:?}..{max:?}");
+        let distinct: BTreeSet<Duration> = waits.iter().copied().collect();
+        assert!(distinct.len() > 190, "hardly two shards at one instant: {}", distinct.len());
+        assert_eq!(shard_restart_after(backoff, "3", 7), waits[3], "the same wait wherever it is computed");
+        assert_ne!(shard_restart_after(backoff, "3", 8), waits[3], "another epoch, another wait");
+    }
 
     /// One replica: its values by key, updated as the replicator core applies a write.
     #[derive(Default)]

@@ -685,7 +685,7 @@ impl<E: Entity> LocalShards<E> {
         let Some(s) = self.remove_shard(shard_id, work) else { return };
         let s = self.abort_entities(&s);
         self.counters.shard_failures.fetch_add(1, Ordering::Relaxed);
-        let backoff = self.settings.shard_failure_backoff;
+        let backoff = super::batch::shard_restart_after(self.settings.shard_failure_backoff, shard_id, s.epoch);
         warn!(type_name = %self.type_name, shard = %shard_id, ?backoff, "shard failed; restarting after backoff");
         let (events, shard, epoch, tasks) = (self.events.clone(), shard_id.clone(), s.epoch, s.tasks);
         self.spawner.spawn_until_shutdown(async move {

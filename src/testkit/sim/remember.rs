@@ -189,7 +189,8 @@ impl Sim {
         let Some((_, epoch)) = node.shards.remove(shard.as_str()) else { return };
         let me = node.addr.clone();
         self.trace(|| format!("{me} shard {shard} failed; restarts after the backoff"));
-        let after = settings(&self.cfg).shard_failure_backoff.as_millis() as u64;
+        let backoff = settings(&self.cfg).shard_failure_backoff;
+        let after = crate::sharding::shard::batch::shard_restart_after(backoff, shard, epoch).as_millis() as u64;
         self.schedule(after, Event::RestartShard { node: me, shard: shard.clone(), epoch });
     }
 
