@@ -5,6 +5,11 @@
 //! coordinator gives new and moved shards only to the regions of the newest version and runs no
 //! rebalance, so a shard that moved onto an updated node stays there and no shard moves toward
 //! a node about to be replaced.
+//!
+//! Roll back by rolling *forward* to a higher version with the old code: a lower version never
+//! attracts shards. Finish every update: while two versions run, nothing is rebalanced (the
+//! allocation table says so), and a node of the newest version that is Up takes every new
+//! shard even while it is unreachable, until it is downed.
 
 use std::fmt;
 use std::str::FromStr;
@@ -18,8 +23,9 @@ const MAX_LEN: usize = 64;
 
 /// A semantic version, compared by semver precedence (`1.10.0` > `1.9.0` > `1.9.0-rc.1`).
 ///
-/// Parsed leniently from what deploy pipelines put in image tags: a leading `v` is dropped and
-/// missing minor and patch numbers are zero (`"2"` is `2.0.0`, `"v1.4"` is `1.4.0`). Build
+/// Parsed leniently from what deploy pipelines put in image tags: a leading `v` is dropped,
+/// missing minor and patch numbers are zero (`"2"` is `2.0.0`, `"v1.4"` is `1.4.0`) and
+/// leading zeros are ignored (`"2024.01.15"` is `2024.1.15`). A git hash is no version. Build
 /// metadata (`+…`) is dropped, since precedence ignores it. The default is `0.0.0`, which every
 /// node has until its operator sets one; a peer that gossips none (an older release) counts as
 /// `0.0.0`.
@@ -57,7 +63,16 @@ impl AppVersion {
         if core.is_empty() || parts > 3 {
             return Err(bad("expected MAJOR[.MINOR[.PATCH]][-PRERELEASE]"));
         }
-        let mut full = core.to_string();
+        // Calendar versions (`2024.01.15`) write leading zeros, which semver refuses.
+        let numbers: Vec<&str> = core
+            .split('.')
+            .map(|n| match n.trim_start_matches('0') {
+                "" if !n.is_empty() => "0",
+                trimmed if n.bytes().all(|b| b.is_ascii_digit()) => trimmed,
+                _ => n,
+            })
+            .collect();
+        let mut full = numbers.join(".");
         for _ in parts..3 {
             full.push_str(".0");
         }
@@ -113,6 +128,9 @@ mod tests {
         assert_eq!(v(" 1.2.3+build.7 "), AppVersion::new(1, 2, 3));
         assert_eq!(v("1.2.3-rc.1").to_string(), "1.2.3-rc.1");
         assert_eq!(v("1-alpha").to_string(), "1.0.0-alpha");
+        assert_eq!(v("2024.01.15"), AppVersion::new(2024, 1, 15));
+        assert!(v("2024.02.01") > v("2024.01.31"));
+        assert_eq!(v("0.00.0"), AppVersion::ZERO);
         assert!(v("1.10.0") > v("1.9.0"));
         assert!(v("1.9.0") > v("1.9.0-rc.1"));
         assert!(v("1.9.0-rc.2") > v("1.9.0-rc.1"));

@@ -359,3 +359,74 @@ fn typed_requests_get_their_own_reply_types_and_a_reply_of_another_kind_is_a_typ
         }
     });
 }
+
+/// A durable entity that holds asks until it is approved, and answers them from the handler
+/// that persists the approval.
+#[derive(Default)]
+struct Approval {
+    waiting: Vec<DeferredReply<bool>>,
+}
+
+#[derive(Serialize, Deserialize)]
+enum Decision {
+    Await,
+    Approve,
+}
+
+impl DurableEntity for Approval {
+    type State = bool;
+    type Message = Decision;
+    type Reply = bool;
+    async fn handle(&mut self, approved: &mut bool, msg: Decision, ctx: &mut EntityContext) -> bool {
+        match msg {
+            Decision::Await => self.waiting.extend(ctx.reply_later::<bool>()),
+            Decision::Approve => {
+                *approved = true;
+                ctx.persist();
+                for later in self.waiting.drain(..) {
+                    later.send(true);
+                }
+            }
+        }
+        *approved
+    }
+}
+
+/// The answer to an earlier ask, sent by a later handler that persists the state it rests
+/// on, leaves only once that write is acknowledged: with commits of 300 ms, not sooner.
+#[test]
+fn an_earlier_asks_answer_sent_by_a_persisting_handler_leaves_after_that_write() {
+    const COMMIT: Duration = Duration::from_millis(300);
+    VirtualRun::new(3).commit_latency(COMMIT).run(|cluster: VirtualCluster| async move {
+        cluster.await_converged(Duration::from_secs(30)).await;
+        let start = |n: ddshard::Node| async move {
+            let s = ShardingSettings { number_of_shards: 10, min_nr_of_members: 3, ..ShardingSettings::default() };
+            n.sharding().start_durable("approval", |_: &str| Approval::default(), s).await
+        };
+        let mut regions = Vec::new();
+        for i in 0..3 {
+            regions.push(cluster.on_node(i, start).await.unwrap().unwrap());
+        }
+        let region = regions[0].clone();
+        let (waited, approved) = cluster
+            .on_node(0, move |_| async move {
+                let waiting = async {
+                    let answer = region.ask_with_timeout("a", Decision::Await, ASK).await;
+                    (answer, tokio::time::Instant::now())
+                };
+                let approve = async {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    let sent = tokio::time::Instant::now();
+                    (region.ask_with_timeout("a", Decision::Approve, ASK).await, sent)
+                };
+                let ((waited, answered), (approved, sent)) = futures::future::join(waiting, approve).await;
+                (waited.map(|w| (w, answered.duration_since(sent))), approved)
+            })
+            .await
+            .unwrap();
+        assert!(approved.unwrap());
+        let (answer, after_approve) = waited.unwrap();
+        assert!(answer);
+        assert!(after_approve >= COMMIT, "the waiting ask was answered {after_approve:?} after the approval was sent");
+    });
+}

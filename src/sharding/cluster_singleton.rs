@@ -2,11 +2,13 @@
 //! scheduler, a leader-only job, an allocator), addressed without an id.
 //!
 //! **Promise.** At most one instance runs at a time, with the guarantees of one sharded entity
-//! (its shard has one home; a stale home is fenced); it runs without being asked — started
-//! when the first node starts the singleton, and again on its new home after its node
+//! (its shard has one home; across a partition that rests on downing, as for every entity, and
+//! a durable singleton's writes from a stale home are fenced); it runs without being asked —
+//! started when the first node starts the singleton, and again on its new home after its node
 //! leaves (a hand-off: the stop hook runs first) or crashes (once the crash is downed) — and
-//! it keeps running (no idle passivation). Messages sent meanwhile wait in the sending node's
-//! region buffer (`buffer_size`), as for any entity, and are answered by the new instance.
+//! it keeps running (no idle passivation; one that calls `ctx.passivate()` is forgotten until
+//! its next message). Messages sent meanwhile wait in the sending node's region buffer
+//! (`buffer_size`), as for any entity, and are answered by the new instance.
 //!
 //! Built on sharding: the singleton is the one entity of the one shard of type
 //! `singleton-<name>`, remembered so it restarts without a message. A node without the type's

@@ -5,8 +5,10 @@
 //! **Promise.** Every ask gets exactly one answer: the first of the handler's reply, a send
 //! or failure through the [`DeferredReply`], an error when the handler panicked or its state
 //! write failed, or `NotDelivered` when the `DeferredReply` is dropped unanswered. A send made
-//! while the handler still runs leaves when the handler's own reply would have: after the
-//! durable state write of that message, and replaced by that write's error if it fails.
+//! while the handler of the ask still runs leaves with the handler's reply; for a durable
+//! entity, a send made while any of its handlers runs — for the ask it handles or for an
+//! earlier one — leaves after that handler's state write, replaced by an error if the write
+//! fails (the answer may rest on the state that was not written).
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
@@ -29,6 +31,53 @@ enum Cell<R> {
 struct Shared<R> {
     entity_id: String,
     cell: Mutex<Cell<R>>,
+    gate: Arc<ReplyGate>,
+}
+
+/// A send held by a [`ReplyGate`]: called with `None` once the handler's write is done, or
+/// with why it failed.
+type Held = Box<dyn FnOnce(Option<&str>) + Send>;
+
+/// Holds the sends of a durable entity's taken replies while one of its handlers runs (and
+/// its state write), so no answer leaves before the state it may rest on is durable. One per
+/// durable entity incarnation that took a reply.
+#[derive(Default)]
+pub(crate) struct ReplyGate {
+    /// `Some` while a handler runs: the sends made meanwhile.
+    held: Mutex<Option<Vec<Held>>>,
+}
+
+impl std::fmt::Debug for ReplyGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReplyGate")
+    }
+}
+
+impl ReplyGate {
+    /// A handler starts: sends wait.
+    pub(crate) fn close(&self) {
+        *self.held.lock().unwrap_or_else(|p| p.into_inner()) = Some(Vec::new());
+    }
+
+    /// The handler (and its write) ended, failed with `failure` if it did: the held sends go.
+    pub(crate) fn open(&self, failure: Option<&str>) {
+        let held = self.held.lock().unwrap_or_else(|p| p.into_inner()).take();
+        for send in held.into_iter().flatten() {
+            send(failure);
+        }
+    }
+
+    /// Runs `send` now, or when the running handler ends.
+    fn send_or_hold(&self, send: Held) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        match held.as_mut() {
+            Some(waiting) => waiting.push(send),
+            None => {
+                drop(held);
+                send(None);
+            }
+        }
+    }
 }
 
 /// A taken reply as the entity's context holds it until the handler ends (type-erased: the
@@ -38,8 +87,9 @@ pub(crate) struct ErasedReply(Arc<dyn Any + Send + Sync>);
 
 /// Takes the reply of the ask `entity_id` handles, as the handler's [`DeferredReply`] and
 /// what its context keeps for [`finish`]. Costs nothing for asks whose reply is not taken.
-pub(crate) fn take<R: Send + 'static>(entity_id: &str) -> (DeferredReply<R>, ErasedReply) {
-    let shared = Arc::new(Shared { entity_id: entity_id.to_string(), cell: Mutex::new(Cell::Taken { held: None }) });
+pub(crate) fn take<R: Send + 'static>(entity_id: &str, gate: Arc<ReplyGate>) -> (DeferredReply<R>, ErasedReply) {
+    let cell = Mutex::new(Cell::Taken { held: None });
+    let shared = Arc::new(Shared { entity_id: entity_id.to_string(), cell, gate });
     (DeferredReply { cell: shared.clone() }, ErasedReply(shared))
 }
 
@@ -105,7 +155,14 @@ impl<R: Send + 'static> DeferredReply<R> {
             Cell::Taken { held: None } => *cell = Cell::Taken { held: Some(answer()) },
             Cell::Open(deliver) => {
                 drop(cell);
-                deliver(answer());
+                let (answer, entity_id) = (answer(), self.cell.entity_id.clone());
+                self.cell.gate.send_or_hold(Box::new(move |failure| match failure {
+                    None => deliver(answer),
+                    Some(why) => deliver(Err(Error::StateNotPersisted {
+                        entity_id,
+                        reason: format!("the entity's state write at the time of this answer failed: {why}"),
+                    })),
+                }));
             }
             other => *cell = other,
         }
@@ -151,7 +208,7 @@ mod tests {
 
     #[test]
     fn a_reply_sent_after_the_handler_ended_leaves_at_once_and_the_return_value_is_dropped() {
-        let (later, taken) = take::<u32>("e");
+        let (later, taken) = take::<u32>("e", Arc::default());
         let (d, a) = deliver();
         finish(taken, d, Ok(()));
         assert!(answers(&a).is_empty(), "the handler's return value does not answer a taken reply");
@@ -161,13 +218,13 @@ mod tests {
 
     #[test]
     fn a_reply_sent_while_the_handler_runs_waits_for_it_and_gives_way_to_its_error() {
-        let (later, taken) = take::<u32>("e");
+        let (later, taken) = take::<u32>("e", Arc::default());
         later.send(5);
         let (d, a) = deliver();
         finish(taken, d, Ok(()));
         assert_eq!(answers(&a), [Ok(5)]);
 
-        let (later, taken) = take::<u32>("e");
+        let (later, taken) = take::<u32>("e", Arc::default());
         later.send(5);
         let (d, a) = deliver();
         finish(taken, d, Err(write_failed()));
@@ -178,7 +235,7 @@ mod tests {
 
     #[test]
     fn a_handler_error_answers_a_taken_reply_not_yet_sent_and_a_later_send_goes_nowhere() {
-        let (later, taken) = take::<u32>("e");
+        let (later, taken) = take::<u32>("e", Arc::default());
         let (d, a) = deliver();
         finish(taken, d, Err(write_failed()));
         later.send(9);
@@ -188,8 +245,37 @@ mod tests {
     }
 
     #[test]
+    fn an_earlier_asks_reply_sent_while_a_later_handler_runs_waits_for_its_write_and_gives_way_to_its_failure() {
+        let gate: Arc<ReplyGate> = Arc::default();
+        let (later, taken) = take::<u32>("e", gate.clone());
+        let (d, a) = deliver();
+        finish(taken, d, Ok(()));
+        gate.close();
+        later.send(3);
+        assert!(answers(&a).is_empty(), "held while the next handler runs");
+        gate.open(None);
+        assert_eq!(answers(&a), [Ok(3)]);
+
+        let (later, taken) = take::<u32>("e", gate.clone());
+        let (d, a) = deliver();
+        finish(taken, d, Ok(()));
+        gate.close();
+        later.send(4);
+        gate.open(Some("not acknowledged"));
+        let got = answers(&a);
+        assert_eq!(got.len(), 1);
+        assert!(got[0].as_ref().unwrap_err().contains("not acknowledged"), "{got:?}");
+        // Open again: a send leaves at once.
+        let (later, taken) = take::<u32>("e", gate);
+        let (d, a) = deliver();
+        finish(taken, d, Ok(()));
+        later.send(5);
+        assert_eq!(answers(&a), [Ok(5)]);
+    }
+
+    #[test]
     fn a_dropped_or_failed_deferred_reply_fails_the_ask_once_naming_the_entity() {
-        let (later, taken) = take::<u32>("cart-7");
+        let (later, taken) = take::<u32>("cart-7", Arc::default());
         let (d, a) = deliver();
         finish(taken, d, Ok(()));
         drop(later);
@@ -198,7 +284,7 @@ mod tests {
         let e = got[0].as_ref().unwrap_err();
         assert!(e.contains("dropped its deferred reply") && e.contains("cart-7"), "{e}");
 
-        let (later, taken) = take::<u32>("e");
+        let (later, taken) = take::<u32>("e", Arc::default());
         later.fail("no stock");
         let (d, a) = deliver();
         finish(taken, d, Ok(()));

@@ -85,11 +85,14 @@ pub struct Durable<D: DurableEntity> {
     state: D::State,
     /// Why the stored state could not be loaded (answered to every message).
     broken: Option<Error>,
+    /// Holds the sends of replies the entity took ([`EntityContext::reply_later`]) while a
+    /// handler runs and writes; made when it first takes one.
+    reply_gate: Option<std::sync::Arc<super::deferred::ReplyGate>>,
 }
 
 impl<D: DurableEntity> Durable<D> {
     pub(crate) fn new(entity: D) -> Self {
-        Durable { entity, state: D::State::default(), broken: None }
+        Durable { entity, state: D::State::default(), broken: None, reply_gate: None }
     }
 
     /// Writes the state change the handler asked for; on failure, says how the incarnation
@@ -171,11 +174,22 @@ impl<D: DurableEntity> Entity for Durable<D> {
             });
         }
         ctx.state_change = None;
+        // An answer sent meanwhile (to this ask or an earlier one) may rest on the state this
+        // handler writes: it leaves once the write is acknowledged, or gives way to its error.
+        if let Some(gate) = &self.reply_gate {
+            gate.close();
+        }
+        ctx.reply_gate = self.reply_gate.clone();
         let reply = self.entity.handle(&mut self.state, msg, ctx).await;
-        match ctx.state_change.take() {
+        self.reply_gate = ctx.reply_gate.take();
+        let result = match ctx.state_change.take() {
             None => Ok(reply),
             Some(change) => self.write(change, ctx).await.map(|()| reply),
+        };
+        if let Some(gate) = &self.reply_gate {
+            gate.open(result.as_ref().err().map(ToString::to_string).as_deref());
         }
+        result
     }
 
     async fn started(&mut self, ctx: &EntityContext) {

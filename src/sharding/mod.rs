@@ -189,6 +189,8 @@ pub struct EntityContext {
     pub(crate) reply_type: Option<std::any::TypeId>,
     /// The reply the handler took ([`EntityContext::reply_later`]), until the handler ends.
     pub(crate) taken_reply: Option<deferred::ErasedReply>,
+    /// Holds sends of taken replies while a handler runs; made when a reply is first taken.
+    pub(crate) reply_gate: Option<std::sync::Arc<deferred::ReplyGate>>,
 }
 
 /// A change of a durable entity's stored state, asked by its handler.
@@ -250,16 +252,18 @@ impl EntityContext {
     /// is the entity's `Reply` type. `None` when the message is a tell (nobody waits), the
     /// reply was taken already, or `R` is another type.
     ///
-    /// The asker's own timeout still runs. A send made before the handler returns leaves when
-    /// the handler's reply would have: for a durable entity after the message's state write,
-    /// replaced by that write's error if it fails. Dropping the `DeferredReply` unanswered
+    /// The asker's own timeout still runs. A send made before this handler returns leaves
+    /// with its reply. For a durable entity, a send made while any of its handlers runs (this
+    /// one, or a later one answering an earlier ask) leaves after that handler's state write,
+    /// replaced by an error if the write fails. Dropping the `DeferredReply` unanswered
     /// fails the ask with [`crate::Error::NotDelivered`].
     pub fn reply_later<R: Send + 'static>(&mut self) -> Option<DeferredReply<R>> {
         if self.reply_type != Some(std::any::TypeId::of::<R>()) {
             return None;
         }
         self.reply_type = None;
-        let (later, taken) = deferred::take::<R>(&self.entity_id);
+        let gate = self.reply_gate.get_or_insert_with(Default::default).clone();
+        let (later, taken) = deferred::take::<R>(&self.entity_id, gate);
         self.taken_reply = Some(taken);
         Some(later)
     }
@@ -276,6 +280,7 @@ impl EntityContext {
             state_io,
             reply_type: None,
             taken_reply: None,
+            reply_gate: None,
         }
     }
 }

@@ -87,7 +87,8 @@ type WorkerFn = dyn Fn(DaemonContext) -> Pin<Box<dyn Future<Output = ()> + Send>
 /// The id of the entity that holds the process's count and drives rescales.
 const SCALE_ID: &str = "scale";
 
-/// How long a rescale step waits for one entity's answer before asking again.
+/// How long a rescale step waits for one entity's answer before asking again, beyond the
+/// time a worker may take to end (the entity stop timeout).
 const STEP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Messages of the process's entities.
@@ -98,8 +99,14 @@ pub(crate) enum DaemonMsg {
     /// A worker: stop for `revision` (and be forgotten with `forget`), answered once the
     /// worker's future has ended and the stop is recorded.
     Stop { revision: u64, forget: bool },
-    /// A worker: run as part of `revision` of `count` workers.
+    /// A worker: run as part of `revision` of `count` workers, once that is recorded (the
+    /// worker tells itself [`DaemonMsg::Start`], handled after the write).
     Run { revision: u64, count: u32 },
+    /// A worker to itself: its run of `revision` is recorded; start its future.
+    Start { revision: u64 },
+    /// Entity `scale`: write the rescale of `revision` again and answer with the scale once it
+    /// is acknowledged (the driver's first step: a rescale it drives is durable).
+    Record { revision: u64 },
     /// Entity `scale`: the process's scale.
     Scale,
     /// Entity `scale`: rescale to `count` workers.
@@ -182,17 +189,36 @@ impl DurableEntity for DaemonEntity {
                 self.on_stop_asked(index, state, revision, forget, ctx).await
             }
             (Some(index), DaemonMsg::Run { revision, count }) => {
-                if let Some(next) = rescale::run_asked(state, revision, count) {
-                    self.end_worker().await;
-                    *state = next;
-                    ctx.persist();
-                    // Started before the write is acknowledged: a failed write restarts the
-                    // entity, which drops this run and reads the stop recorded before.
-                    if index < count as usize {
-                        self.run(index, count, revision, ctx.epoch());
-                    }
+                let Some(next) = rescale::run_asked(state, revision, count) else { return DaemonReply::Done };
+                // Written again when repeated (a write that failed may sit on this node's
+                // replica alone), without bouncing a worker that runs for it already.
+                let repeated = next == *state && self.running.is_some();
+                if !repeated && !self.end_worker(self.process.stop_timeout).await {
+                    return DaemonReply::Refused(format!(
+                        "worker {index} did not end within {:?}",
+                        self.process.stop_timeout
+                    ));
+                }
+                *state = next;
+                ctx.persist();
+                // The future starts on `Start`, which this entity handles after the write.
+                if let (false, Some(region)) = (repeated, self.process.region.get()) {
+                    let _ = region.tell(&index.to_string(), DaemonMsg::Start { revision });
                 }
                 DaemonReply::Done
+            }
+            (Some(index), DaemonMsg::Start { revision }) => {
+                let count = state.count_or(self.process.initial_count);
+                if state.revision == revision && !state.stopped && self.running.is_none() && index < count as usize {
+                    self.run(index, count, revision, ctx.epoch());
+                }
+                DaemonReply::Done
+            }
+            (None, DaemonMsg::Record { revision }) => {
+                if state.rescaling.is_some_and(|r| r.revision == revision) {
+                    ctx.persist();
+                }
+                DaemonReply::Scale(state.scale(self.process.initial_count))
             }
             (None, DaemonMsg::Scale) => DaemonReply::Scale(state.scale(self.process.initial_count)),
             (None, DaemonMsg::SetCount { count }) => self.on_set_count(state, count, ctx),
@@ -209,15 +235,17 @@ impl DurableEntity for DaemonEntity {
     }
 
     async fn on_stop(&mut self, _state: &mut DaemonState, _reason: StopReason, _ctx: &mut EntityContext) {
-        // A hand-off waits for the worker's end before its new home starts it.
-        self.end_worker().await;
+        // A hand-off waits for the worker's end before its new home starts it (within the
+        // hook's own bound, so an overrun is logged here).
+        self.end_worker(self.process.stop_timeout * 3 / 4).await;
     }
 }
 
 impl DaemonEntity {
     fn new(process: Arc<Process>, id: &str) -> Self {
-        let index = if id == SCALE_ID { None } else { id.parse::<usize>().ok() };
-        if index.is_none() && id != SCALE_ID {
+        // An id that is neither `scale` nor an index stands for a worker past every count.
+        let index = if id == SCALE_ID { None } else { Some(id.parse::<usize>().unwrap_or(usize::MAX)) };
+        if index == Some(usize::MAX) {
             error!(daemon = %process.name, %id, "daemon worker id is not an index; not run");
         }
         DaemonEntity { process, index, running: None, driver: CancellationToken::new() }
@@ -235,7 +263,7 @@ impl DaemonEntity {
         let Some(next) = rescale::stop_asked(state, revision, self.process.initial_count) else {
             return DaemonReply::Done;
         };
-        if !self.end_worker().await {
+        if !self.end_worker(self.process.stop_timeout).await {
             return DaemonReply::Refused(format!("worker {index} did not end within {:?}", self.process.stop_timeout));
         }
         *state = next;
@@ -280,16 +308,17 @@ impl DaemonEntity {
         self.running = Some(Running { stop, task });
     }
 
-    /// Stops the running worker, if any, and waits for its end (up to the entity stop
-    /// timeout); whether it ended.
-    async fn end_worker(&mut self) -> bool {
+    /// Stops the running worker, if any, and waits for its end (up to `bound`); whether it
+    /// ended. A future ends at its next `.await`: one that computes without awaiting runs on
+    /// past every stop.
+    async fn end_worker(&mut self, bound: Duration) -> bool {
         let Some(running) = self.running.take() else { return true };
         running.stop.cancel();
         let mut task = running.task;
-        match tokio::time::timeout(self.process.stop_timeout, &mut task).await {
+        match tokio::time::timeout(bound, &mut task).await {
             Ok(_) => true,
             Err(_) => {
-                warn!(daemon = %self.process.name, index = ?self.index, bound = ?self.process.stop_timeout,
+                warn!(daemon = %self.process.name, index = ?self.index, ?bound,
                     "daemon worker did not end when asked; it is dropped at its next await");
                 self.running = Some(Running { stop: running.stop, task });
                 false
@@ -309,7 +338,8 @@ impl DaemonEntity {
                         None => tokio::time::sleep(Duration::from_millis(50)).await,
                     }
                 };
-                drive(&region, rescale).await;
+                // A step may wait for a worker to end (the stop timeout) and for its write.
+                drive(&region, rescale, process.stop_timeout + STEP_TIMEOUT).await;
             };
             tokio::select! {
                 () = stop.cancelled() => {}
@@ -320,33 +350,37 @@ impl DaemonEntity {
 }
 
 /// The rescale's steps, each asked again until its entity answers `Done`: the rescale is
-/// recorded (the `scale` entity answers only after its write), every worker of the old
-/// revision stopped, the new ones started, the rescale marked done.
-async fn drive(region: &ShardRegion<Durable<DaemonEntity>>, rescale: Rescale) {
-    let recorded = until_done(region, SCALE_ID.to_string(), || DaemonMsg::Scale).await;
-    if !matches!(recorded, DaemonReply::Scale(s) if s.revision == rescale.revision && s.rescaling_to.is_some()) {
-        return; // the write of this rescale failed: the entity restarted without it
-    }
+/// recorded (the `scale` entity writes it again and answers after the write), every worker of
+/// the old revision stopped, the new ones started, the rescale marked done. A step not
+/// answered because this node shuts down ends the drive; the next incarnation resumes it.
+async fn drive(region: &ShardRegion<Durable<DaemonEntity>>, rescale: Rescale, timeout: Duration) -> Option<()> {
     let Rescale { revision, from, to } = rescale;
+    let recorded = until_done(region, SCALE_ID.to_string(), timeout, || DaemonMsg::Record { revision }).await?;
+    if !matches!(recorded, DaemonReply::Scale(s) if s.revision == revision && s.rescaling_to.is_some()) {
+        return None; // the write of this rescale failed: the entity restarted without it
+    }
     let stops = (0..from.max(to))
-        .map(|i| until_done(region, i.to_string(), move || DaemonMsg::Stop { revision, forget: i >= to }));
-    futures::future::join_all(stops).await;
-    let runs = (0..to).map(|i| until_done(region, i.to_string(), move || DaemonMsg::Run { revision, count: to }));
-    futures::future::join_all(runs).await;
-    until_done(region, SCALE_ID.to_string(), move || DaemonMsg::Done { revision }).await;
+        .map(|i| until_done(region, i.to_string(), timeout, move || DaemonMsg::Stop { revision, forget: i >= to }));
+    futures::future::join_all(stops).await.into_iter().collect::<Option<Vec<_>>>()?;
+    let runs =
+        (0..to).map(|i| until_done(region, i.to_string(), timeout, move || DaemonMsg::Run { revision, count: to }));
+    futures::future::join_all(runs).await.into_iter().collect::<Option<Vec<_>>>()?;
+    until_done(region, SCALE_ID.to_string(), timeout, move || DaemonMsg::Done { revision }).await.map(|_| ())
 }
 
-/// Asks `id` the message `msg` makes until it answers other than `Refused`.
+/// Asks `id` the message `msg` makes until it answers other than `Refused`; `None` when this
+/// node shuts down.
 async fn until_done(
     region: &ShardRegion<Durable<DaemonEntity>>,
     id: String,
+    timeout: Duration,
     msg: impl Fn() -> DaemonMsg,
-) -> DaemonReply {
+) -> Option<DaemonReply> {
     loop {
-        match region.ask_with_timeout(&id, msg(), STEP_TIMEOUT).await {
+        match region.ask_with_timeout(&id, msg(), timeout).await {
             Ok(DaemonReply::Refused(why)) => warn!(%id, %why, "daemon rescale step refused; asking again"),
-            Ok(reply) => return reply,
-            Err(Error::ShutDown) => return DaemonReply::Refused("shut down".into()),
+            Ok(reply) => return Some(reply),
+            Err(Error::ShutDown) => return None,
             Err(e) => warn!(%id, error = %e, "daemon rescale step not answered; asking again"),
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -538,7 +572,9 @@ where
     node.spawner().spawn_until_shutdown(async move {
         let current = loop {
             match starter.ask(SCALE_ID, DaemonMsg::Scale).await {
-                Ok(DaemonReply::Scale(scale)) => break scale.count,
+                // During a rescale, only workers both revisions have (the others are being
+                // stopped and forgotten, or are started by the rescale).
+                Ok(DaemonReply::Scale(scale)) => break scale.count.min(scale.rescaling_to.unwrap_or(usize::MAX)),
                 Err(Error::ShutDown) => return,
                 _ => tokio::time::sleep(Duration::from_millis(200)).await,
             }

@@ -63,17 +63,20 @@ pub(super) fn stop_asked(state: &DaemonState, revision: u64, initial: u32) -> Op
     Some(DaemonState { revision, count: state.count_or(initial), stopped: true, rescaling: None })
 }
 
-/// A worker asked to run as part of `revision` of `count`: its state then, or `None` when the
-/// request is stale or repeated (it runs for that revision already, or knows a newer one).
+/// A worker asked to run as part of `revision` of `count`: its state then (also when the
+/// request is repeated: it is written again, since an earlier write may have failed and sit
+/// on one replica alone), or `None` when it is stale (the worker knows a newer revision).
 pub(super) fn run_asked(state: &DaemonState, revision: u64, count: u32) -> Option<DaemonState> {
-    let fresh = revision > state.revision || (revision == state.revision && state.stopped);
-    fresh.then_some(DaemonState { revision, count, stopped: false, rescaling: None })
+    (revision >= state.revision).then_some(DaemonState { revision, count, stopped: false, rescaling: None })
 }
 
 /// Entity `scale` asked for `count` workers: the state that starts the rescale, `None` when the
 /// process has that count already, or why not while another rescale runs.
 pub(super) fn set_count(state: &DaemonState, count: u32, initial: u32) -> Result<Option<DaemonState>, String> {
     if let Some(r) = state.rescaling {
+        if r.to == count {
+            return Ok(None); // the same rescale asked again (a caller that timed out retries)
+        }
         return Err(format!(
             "a rescale to {} workers (revision {}) is in progress; try again when it is done",
             r.to, r.revision
@@ -121,7 +124,7 @@ mod tests {
     fn a_worker_runs_for_a_revision_once_and_never_for_an_older_one() {
         assert_eq!(run_asked(&worker(2, 5, true), 2, 4), Some(worker(2, 4, false)));
         assert_eq!(run_asked(&worker(1, 5, false), 2, 4), Some(worker(2, 4, false)));
-        assert_eq!(run_asked(&worker(2, 4, false), 2, 4), None, "a repeated run");
+        assert_eq!(run_asked(&worker(2, 4, false), 2, 4), Some(worker(2, 4, false)), "a repeated run: written again");
         assert_eq!(run_asked(&worker(3, 4, true), 2, 4), None, "an older revision");
     }
 
@@ -133,6 +136,7 @@ mod tests {
         let rescale = Rescale { revision: 1, from: 3, to: 5 };
         assert_eq!(started, DaemonState { revision: 1, count: 3, stopped: false, rescaling: Some(rescale) });
         assert_eq!(started.scale(3), DaemonScale { revision: 1, count: 3, rescaling_to: Some(5) });
+        assert_eq!(set_count(&started, 5, 3), Ok(None), "the same rescale asked again");
         let busy = set_count(&started, 2, 3).unwrap_err();
         assert!(busy.contains("rescale to 5") && busy.contains("revision 1"), "{busy}");
         assert_eq!(done(&started, 2), None, "another revision's completion");

@@ -328,6 +328,25 @@ impl<E: Entity> EntityRun<E> {
         )
     }
 
+    /// After a handler: no reply to take any more; the reply it took, if it did. A durable
+    /// entity's handler that panicked left its reply gate closed: the replies sent meanwhile
+    /// give way to the panic (a handler that ended opened the gate itself).
+    fn after_handler(
+        &mut self,
+        outcome: &std::result::Result<Result<E::Reply>, Box<dyn std::any::Any + Send>>,
+    ) -> Option<crate::sharding::deferred::ErasedReply> {
+        self.ctx.reply_type = None;
+        if let Some(gate) = self.ctx.reply_gate.take() {
+            let failure = match outcome {
+                Ok(Ok(_)) => None,
+                Ok(Err(e)) => Some(e.to_string()),
+                Err(panic) => Some(format!("entity handler panicked: {}", panic_text(&**panic))),
+            };
+            gate.open(failure.as_deref());
+        }
+        self.ctx.taken_reply.take()
+    }
+
     /// Answers the ask the handler ended with `result`: through the reply the handler took
     /// ([`EntityContext::reply_later`]), when it took it, else directly.
     fn answer(
@@ -473,9 +492,8 @@ impl<E: Entity> EntityRun<E> {
                 .catch_unwind()
                 .instrument(span.clone())
                 .await;
-            self.ctx.reply_type = None;
             self.shared.metrics.handled(started);
-            let taken = self.ctx.taken_reply.take();
+            let taken = self.after_handler(&outcome);
             match outcome {
                 Ok(result) => self.answer(taken, env.reply, result.map(Some)),
                 Err(panic) => {
