@@ -120,6 +120,19 @@ async fn join(cluster: &VirtualCluster, i: usize, runs: &Runs, count: usize) -> 
     cluster.on_node(i, start).await.expect("the node runs")
 }
 
+/// Starts the process with `count` workers on nodes `0..nodes` once the cluster converged,
+/// and waits for its workers; the record of runs and each node's handle.
+async fn started(cluster: &VirtualCluster, nodes: usize, count: usize) -> (Runs, Vec<DaemonProcess>) {
+    cluster.await_converged(Duration::from_secs(30)).await;
+    let runs = Runs::default();
+    let mut processes = Vec::new();
+    for i in 0..nodes {
+        processes.push(join(cluster, i, &runs, count).await.unwrap());
+    }
+    await_live(&runs, count, 0).await;
+    (runs, processes)
+}
+
 /// Waits until exactly workers `0..count` of `revision` run, each once.
 async fn await_live(runs: &Runs, count: usize, revision: u64) {
     let expected: BTreeSet<(usize, u64, usize)> = (0..count).map(|i| (i, revision, count)).collect();
@@ -141,13 +154,7 @@ async fn set_count(cluster: &VirtualCluster, i: usize, p: &DaemonProcess, count:
 #[test]
 fn rescaling_a_daemon_process_never_runs_an_index_twice_nor_two_revisions_at_once() {
     VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
-        cluster.await_converged(Duration::from_secs(30)).await;
-        let runs = Runs::default();
-        let mut processes = Vec::new();
-        for i in 0..3 {
-            processes.push(join(&cluster, i, &runs, 3).await.unwrap());
-        }
-        await_live(&runs, 3, 0).await;
+        let (runs, processes) = started(&cluster, 3, 3).await;
         for (revision, (node, count)) in [(0, 5), (1, 2), (2, 4)].into_iter().enumerate() {
             let scale = set_count(&cluster, node, &processes[node], count).await.unwrap();
             let revision = revision as u64 + 1;
@@ -176,13 +183,7 @@ fn rescaling_a_daemon_process_never_runs_an_index_twice_nor_two_revisions_at_onc
 #[test]
 fn a_rescale_whose_driver_crashes_is_resumed_by_its_next_incarnation() {
     VirtualRun::new(4).run(|cluster: VirtualCluster| async move {
-        cluster.await_converged(Duration::from_secs(30)).await;
-        let runs = Runs::default();
-        let mut processes = Vec::new();
-        for i in 0..4 {
-            processes.push(join(&cluster, i, &runs, 4).await.unwrap());
-        }
-        await_live(&runs, 4, 0).await;
+        let (runs, processes) = started(&cluster, 4, 4).await;
         let located = cluster
             .on_node(0, |n| async move { n.sharding().region("daemon-feed").unwrap().locate("scale").await })
             .await
@@ -216,13 +217,7 @@ fn a_rescale_whose_driver_crashes_is_resumed_by_its_next_incarnation() {
 #[test]
 fn a_rescale_to_zero_or_past_the_shard_count_is_refused_naming_the_value() {
     VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
-        cluster.await_converged(Duration::from_secs(30)).await;
-        let runs = Runs::default();
-        let mut processes = Vec::new();
-        for i in 0..3 {
-            processes.push(join(&cluster, i, &runs, 3).await.unwrap());
-        }
-        await_live(&runs, 3, 0).await;
+        let (runs, processes) = started(&cluster, 3, 3).await;
         for count in [0, 17] {
             match set_count(&cluster, 0, &processes[0], count).await {
                 Err(Error::BadRequest(m)) => {
@@ -240,13 +235,7 @@ fn a_rescale_to_zero_or_past_the_shard_count_is_refused_naming_the_value() {
 #[test]
 fn a_rescale_starts_no_new_worker_while_an_old_one_on_a_paused_node_still_runs() {
     VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
-        cluster.await_converged(Duration::from_secs(30)).await;
-        let runs = Runs::default();
-        let mut processes = Vec::new();
-        for i in 0..3 {
-            processes.push(join(&cluster, i, &runs, 3).await.unwrap());
-        }
-        await_live(&runs, 3, 0).await;
+        let (runs, processes) = started(&cluster, 3, 3).await;
         let scale_home = cluster
             .on_node(0, |n| async move { n.sharding().region("daemon-feed").unwrap().locate("scale").await })
             .await

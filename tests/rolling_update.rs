@@ -226,16 +226,17 @@ fn rolling_update(how: Update) -> Report {
                     if how == Update::Surge {
                         cluster.start(new).await.expect("the new node starts");
                     }
-                    if how == Update::InPlace {
+                    // An old node leaves once no traffic round runs from it.
+                    let leave = async |leaving: usize| {
                         live.lock().unwrap().remove(&leaving);
                         drop(round_gate.lock().await);
-                        cluster
-                            .on_node(leaving, |n| async move { n.leave().await })
-                            .await
-                            .expect("runs")
-                            .expect("left");
+                        let left = cluster.on_node(leaving, |n| async move { n.leave().await }).await;
+                        left.expect("runs").expect("left");
                         cluster.crash(leaving).await;
                         old.lock().unwrap().remove(&leaving);
+                    };
+                    if how == Update::InPlace {
+                        leave(leaving).await;
                         cluster.restart(leaving).await.expect("the node restarts updated");
                     }
                     let region = start_echo(&cluster, new).await;
@@ -248,15 +249,7 @@ fn rolling_update(how: Update) -> Report {
                     in_use.lock().unwrap().extend(by_shard[unlocked].concat());
                     tokio::time::sleep(Duration::from_secs(2)).await;
                     if how == Update::Surge {
-                        live.lock().unwrap().remove(&leaving);
-                        drop(round_gate.lock().await);
-                        cluster
-                            .on_node(leaving, |n| async move { n.leave().await })
-                            .await
-                            .expect("runs")
-                            .expect("left");
-                        cluster.crash(leaving).await;
-                        old.lock().unwrap().remove(&leaving);
+                        leave(leaving).await;
                     }
                 }
                 // Quiet time: a rebalance may run once every region runs one version.

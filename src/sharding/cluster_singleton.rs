@@ -137,12 +137,7 @@ where
 fn keep_running<E: Entity>(node: &Node, name: &str, region: ShardRegion<E>) -> ClusterSingleton<E> {
     let starter = region.clone();
     node.spawner().spawn_until_shutdown(async move {
-        while let Err(e) = starter.start_entity(ENTITY_ID).await {
-            if matches!(e, Error::ShutDown) {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        starter.start_entity_until_running(ENTITY_ID).await;
     });
     ClusterSingleton { name: name.into(), region }
 }

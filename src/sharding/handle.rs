@@ -273,6 +273,18 @@ impl<E: Entity> ShardRegion<E> {
         })
     }
 
+    /// Starts entity `entity_id`, trying again every 200 ms until it runs (a coordinator or
+    /// home that is not there yet); false when this node shut down first.
+    pub(crate) async fn start_entity_until_running(&self, entity_id: &str) -> bool {
+        loop {
+            match self.start_entity(entity_id).await {
+                Ok(()) => return true,
+                Err(Error::ShutDown) => return false,
+                Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+            }
+        }
+    }
+
     /// Starts entity `entity_id` without a message; returns once it runs.
     pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();

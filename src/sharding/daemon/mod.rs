@@ -580,12 +580,8 @@ where
             }
         };
         for index in 0..current {
-            let id = index.to_string();
-            while let Err(e) = starter.start_entity(&id).await {
-                if matches!(e, Error::ShutDown) {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
+            if !starter.start_entity_until_running(&index.to_string()).await {
+                return;
             }
         }
     });
