@@ -71,7 +71,7 @@ pub struct NodeConfig {
     /// gossiped to every member. Raise it with every release you roll out: while the regions of
     /// a type run different versions, new and moved shards go only to the newest and nothing is
     /// rebalanced, so each shard moves once per rolling update. Default `0.0.0`.
-    pub app_version: crate::AppVersion,
+    pub app_version: crate::app_version::AppVersion,
     /// Directory for durable data (LMDB). Created if missing; never derived from a port.
     pub data_dir: PathBuf,
     /// Gossip membership and failure detection.
@@ -212,7 +212,7 @@ impl Default for NodeConfig {
             seeds: Vec::new(),
             discovery: DiscoverySettings::default(),
             roles: Vec::new(),
-            app_version: crate::AppVersion::ZERO,
+            app_version: crate::app_version::AppVersion::ZERO,
             data_dir: PathBuf::from("ddshard-data"),
             membership: MembershipSettings::default(),
             failure_detector: crate::membership::FailureDetectorSettings::default(),
@@ -752,11 +752,11 @@ mod tests {
     #[test]
     fn an_app_version_is_read_from_toml_and_overrides_and_a_malformed_one_is_an_error_naming_it() {
         let cfg = NodeConfig::from_toml_str("app_version = \"v2.1\"").unwrap();
-        assert_eq!(cfg.app_version, crate::AppVersion::new(2, 1, 0));
+        assert_eq!(cfg.app_version, crate::app_version::AppVersion::new(2, 1, 0));
         let overrides = [("app_version".to_string(), "3.0.0-rc.1".to_string())];
         let cfg = NodeConfig::from_toml_str_with_overrides("", &overrides).unwrap();
         assert_eq!(cfg.app_version.to_string(), "3.0.0-rc.1");
-        assert_eq!(NodeConfig::default().app_version, crate::AppVersion::ZERO);
+        assert_eq!(NodeConfig::default().app_version, crate::app_version::AppVersion::ZERO);
         for text in ["app_version = \"two\"", "app_version = \"1.2.3.4\""] {
             match NodeConfig::from_toml_str(text) {
                 Err(Error::Config(m)) => {

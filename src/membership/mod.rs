@@ -153,7 +153,7 @@ pub struct Member {
     pub(crate) status: MemberStatus,
     pub(crate) up_number: Option<u64>,
     pub(crate) roles: Vec<String>,
-    pub(crate) app_version: crate::AppVersion,
+    pub(crate) app_version: crate::app_version::AppVersion,
     /// Gossip says it is alive and no counted observer sees it unreachable.
     pub(crate) reachable: bool,
     /// Its gossip heartbeat reaches this node (directly or through others).
@@ -174,7 +174,7 @@ impl Member {
             status,
             up_number: Some(up_number),
             roles: Vec::new(),
-            app_version: crate::AppVersion::ZERO,
+            app_version: crate::app_version::AppVersion::ZERO,
             reachable,
             gossip_live: reachable,
             unreachable_by: Vec::new(),
@@ -207,7 +207,7 @@ impl Member {
     }
     /// The version of the application it runs (`app_version`; `0.0.0` when unset or from
     /// a release that does not gossip one).
-    pub fn app_version(&self) -> &crate::AppVersion {
+    pub fn app_version(&self) -> &crate::app_version::AppVersion {
         &self.app_version
     }
     /// Whether it has the role (`None` = any member).

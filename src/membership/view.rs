@@ -12,7 +12,7 @@ pub(crate) mod keys {
     pub(crate) const UP_NUMBER: &str = "up";
     pub(crate) const ROLES: &str = "roles";
     pub(crate) const MESSAGING: &str = "msg";
-    /// The application version it runs ([`crate::AppVersion`]); absent from older releases.
+    /// The application version it runs ([`crate::app_version::AppVersion`]); absent from older releases.
     pub(crate) const APP_VERSION: &str = "version";
     /// `down:<node_id>#<generation>`: the publishing node downed that incarnation.
     pub(crate) const DOWN_PREFIX: &str = "down:";
@@ -96,8 +96,11 @@ pub fn compute_members(self_address: &UniqueAddress, nodes: &[GossipNode]) -> Me
                 .map(|r| r.split(',').filter(|s| !s.is_empty()).map(String::from).collect())
                 .unwrap_or_default();
             // A version that does not parse (a peer's bug) counts as the oldest.
-            let app_version =
-                n.keys.get(keys::APP_VERSION).and_then(|v| crate::AppVersion::parse(v).ok()).unwrap_or_default();
+            let app_version = n
+                .keys
+                .get(keys::APP_VERSION)
+                .and_then(|v| crate::app_version::AppVersion::parse(v).ok())
+                .unwrap_or_default();
             Some(Member {
                 address: n.address.clone(),
                 status,

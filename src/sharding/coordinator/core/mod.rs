@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::state::StateEntry;
 use super::state::{CoordinatorState, RegionRecord};
-use crate::AppVersion;
+use crate::app_version::AppVersion;
 use crate::clock::Instant;
 use crate::membership::MemberStatus;
 use crate::sharding::allocation::{RegionAllocation, ShardAllocationStrategy};

@@ -3,7 +3,7 @@
 //! rebalance runs.
 
 use super::*;
-use crate::AppVersion;
+use crate::app_version::AppVersion;
 
 /// `region`'s member runs `version`.
 fn runs(c: &mut CoordinatorCore, region: &str, version: AppVersion) {

@@ -12,13 +12,16 @@ fn members_view_of_a_snapshot_keeps_every_status_and_whether_the_cluster_is_sett
         self_address: r("a"),
         members: vec![
             member("a", MemberStatus::Up, true),
-            Member { app_version: crate::AppVersion::new(2, 0, 0), ..member("b", MemberStatus::Leaving, true) },
+            Member {
+                app_version: crate::app_version::AppVersion::new(2, 0, 0),
+                ..member("b", MemberStatus::Leaving, true)
+            },
         ],
     };
     let view = MembersView::of(&snap);
     assert_eq!(view.statuses.get(&r("b")), Some(&MemberStatus::Leaving));
-    assert_eq!(view.version(&r("b")), &crate::AppVersion::new(2, 0, 0));
-    assert_eq!(view.version(&r("a")), &crate::AppVersion::ZERO);
+    assert_eq!(view.version(&r("b")), &crate::app_version::AppVersion::new(2, 0, 0));
+    assert_eq!(view.version(&r("a")), &crate::app_version::AppVersion::ZERO);
     assert_eq!(view.statuses.len(), 2);
     assert!(view.settled);
     let unsettled = MembershipSnapshot {
