@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use ddshard::sharding::DeferredReply;
+use ddshard::testkit::eventually;
 use ddshard::testkit::virtual_time::{VirtualCluster, VirtualRun};
 use ddshard::{DurableEntity, Entity, EntityContext, Error, ShardRegion, ShardingSettings};
 use serde::{Deserialize, Serialize};
@@ -26,6 +27,8 @@ enum Cmd {
     Drop,
     /// Says what `reply_later` gave: a second take, and a take of another type.
     Probe,
+    /// How many asks wait for a `Release`.
+    Waiting,
 }
 
 #[derive(Default)]
@@ -41,6 +44,7 @@ impl Entity for Gate {
         match msg {
             Cmd::Wait => self.waiting.extend(ctx.reply_later()),
             Cmd::Ping => return format!("pong from {}", ctx.entity_id()),
+            Cmd::Waiting => return self.waiting.len().to_string(),
             Cmd::Release => {
                 let n = self.waiting.len();
                 for later in self.waiting.drain(..) {
@@ -111,7 +115,10 @@ fn an_entity_answers_asks_from_both_nodes_after_handling_later_messages() {
         };
         let later = async {
             // Both waits are held while the entity goes on handling messages.
-            tokio::time::sleep(Duration::from_secs(1)).await;
+            eventually(Duration::from_secs(30), "both asks wait", || async {
+                (ask(&cluster, 0, &regions[0], "g", Cmd::Waiting).await.ok()? == "2").then_some(())
+            })
+            .await;
             assert_eq!(ask(&cluster, 0, &regions[0], "g", Cmd::Ping).await.unwrap(), "pong from g");
             assert_eq!(ask(&cluster, 1, &regions[1], "g", Cmd::Release).await.unwrap(), "2");
         };
@@ -414,8 +421,8 @@ fn an_earlier_asks_answer_sent_by_a_persisting_handler_leaves_after_that_write()
                     let answer = region.ask_with_timeout("a", Decision::Await, ASK).await;
                     (answer, tokio::time::Instant::now())
                 };
+                // Polled after `waiting`: one handle's messages to an entity arrive in order.
                 let approve = async {
-                    tokio::time::sleep(Duration::from_secs(2)).await;
                     let sent = tokio::time::Instant::now();
                     (region.ask_with_timeout("a", Decision::Approve, ASK).await, sent)
                 };

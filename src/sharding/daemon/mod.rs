@@ -173,12 +173,7 @@ impl DurableEntity for DaemonEntity {
                     self.drive(rescale);
                 }
             }
-            Some(index) => {
-                let count = state.count_or(self.process.initial_count);
-                if !state.stopped && index < count as usize {
-                    self.run(index, count, state.revision, ctx.epoch());
-                }
-            }
+            Some(index) => self.run_as_recorded(index, state, ctx.epoch()),
         }
     }
 
@@ -194,10 +189,7 @@ impl DurableEntity for DaemonEntity {
                 // replica alone), without bouncing a worker that runs for it already.
                 let repeated = next == *state && self.running.is_some();
                 if !repeated && !self.end_worker(self.process.stop_timeout).await {
-                    return DaemonReply::Refused(format!(
-                        "worker {index} did not end within {:?}",
-                        self.process.stop_timeout
-                    ));
+                    return self.not_ended(index);
                 }
                 *state = next;
                 ctx.persist();
@@ -208,9 +200,8 @@ impl DurableEntity for DaemonEntity {
                 DaemonReply::Done
             }
             (Some(index), DaemonMsg::Start { revision }) => {
-                let count = state.count_or(self.process.initial_count);
-                if state.revision == revision && !state.stopped && self.running.is_none() && index < count as usize {
-                    self.run(index, count, revision, ctx.epoch());
+                if state.revision == revision {
+                    self.run_as_recorded(index, state, ctx.epoch());
                 }
                 DaemonReply::Done
             }
@@ -264,7 +255,7 @@ impl DaemonEntity {
             return DaemonReply::Done;
         };
         if !self.end_worker(self.process.stop_timeout).await {
-            return DaemonReply::Refused(format!("worker {index} did not end within {:?}", self.process.stop_timeout));
+            return self.not_ended(index);
         }
         *state = next;
         ctx.persist();
@@ -289,6 +280,19 @@ impl DaemonEntity {
             }
         }
         DaemonReply::Scale(state.scale(self.process.initial_count))
+    }
+
+    /// Runs worker `index` when its recorded state says it runs and no future of it does.
+    fn run_as_recorded(&mut self, index: usize, state: &DaemonState, epoch: u64) {
+        let count = state.count_or(self.process.initial_count);
+        if !state.stopped && index < count as usize && self.running.is_none() {
+            self.run(index, count, state.revision, epoch);
+        }
+    }
+
+    /// The answer when worker `index`'s future did not end in time (the driver asks again).
+    fn not_ended(&self, index: usize) -> DaemonReply {
+        DaemonReply::Refused(format!("worker {index} did not end within {:?}", self.process.stop_timeout))
     }
 
     /// Runs worker `index` as part of `revision` of `count` workers.
