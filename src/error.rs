@@ -242,6 +242,56 @@ pub enum Error {
         request: &'static str,
     },
 
+    /// A reliable-delivery producer ([`crate::sharding::Producer`]) holds as many bytes of
+    /// unconfirmed messages as its budget allows: the message was not stored.
+    #[error(
+        "producer {producer_id:?} holds {queued_bytes} bytes unconfirmed; a message of {bytes} bytes passes its budget of {max_queued_bytes}"
+    )]
+    ProducerQueueFull {
+        /// The producer.
+        producer_id: String,
+        /// The message's size.
+        bytes: usize,
+        /// What the producer holds.
+        queued_bytes: usize,
+        /// Its budget.
+        max_queued_bytes: usize,
+    },
+
+    /// A message over the size one producer message may have (a frame's worth, less room for
+    /// its envelope): not stored.
+    #[error("message to entity {entity_id:?} is {bytes} bytes encoded, over the limit of {max}")]
+    MessageTooLarge {
+        /// The entity.
+        entity_id: String,
+        /// Its encoded size.
+        bytes: usize,
+        /// The limit.
+        max: usize,
+    },
+
+    /// A reliable delivery was given up: its entity panicked on it more than the producer's
+    /// `max_redeliveries` times. The producer's dead-letter hook got it.
+    #[error("message {seq} of producer {producer_id:?} to entity {entity_id:?} was given up: {reason}")]
+    DeadLettered {
+        /// The producer.
+        producer_id: String,
+        /// The entity.
+        entity_id: String,
+        /// The message's number in its stream.
+        seq: u64,
+        /// The entity's last panic on it.
+        reason: String,
+    },
+
+    /// The producer stopped (every handle dropped, or its node shut down) before the message
+    /// was confirmed: without a durable queue it is no longer sent.
+    #[error("producer {producer_id:?} stopped before the message was confirmed")]
+    ProducerStopped {
+        /// The producer.
+        producer_id: String,
+    },
+
     /// A sharded type of this name is already started on this node.
     #[error("entity type {0:?} is already started on this node")]
     TypeAlreadyStarted(String),
@@ -321,6 +371,7 @@ impl Error {
             | Error::StateNotPersisted { .. }
             | Error::AskTimeout { .. }
             | Error::NotDelivered { .. }
+            | Error::ProducerQueueFull { .. }
             | Error::CoordinatorUnavailable(_) => true,
             Error::Config(_)
             | Error::Io { .. }
@@ -337,6 +388,9 @@ impl Error {
             | Error::RememberedLimit { .. }
             | Error::StateUndecodable { .. }
             | Error::UnexpectedReply { .. }
+            | Error::MessageTooLarge { .. }
+            | Error::DeadLettered { .. }
+            | Error::ProducerStopped { .. }
             | Error::TypeAlreadyStarted(_)
             | Error::UnknownMember(_)
             | Error::BadAddress(_)
@@ -387,6 +441,10 @@ mod tests {
             (Error::SlotFull { entity_id: s(), shard: s(), slot: 3, budget: 1 }, false),
             (Error::RememberedLimit { entity_id: s(), shard: s(), limit: 1 }, false),
             (Error::StateUndecodable { type_name: s(), entity_id: s(), reason: s() }, false),
+            (Error::ProducerQueueFull { producer_id: s(), bytes: 1, queued_bytes: 1, max_queued_bytes: 1 }, true),
+            (Error::MessageTooLarge { entity_id: s(), bytes: 2, max: 1 }, false),
+            (Error::DeadLettered { producer_id: s(), entity_id: s(), seq: 1, reason: s() }, false),
+            (Error::ProducerStopped { producer_id: s() }, false),
             (Error::TypeAlreadyStarted(s()), false),
             (Error::UnknownMember(s()), false),
             (Error::BadAddress("0.0.0.0:1".parse().unwrap()), false),

@@ -31,6 +31,7 @@ use std::sync::atomic::Ordering;
 use serde::{Serialize, de::DeserializeOwned};
 use tracing::warn;
 
+use super::delivery::ConsumerMarks;
 use super::{EndIncarnation, Entity, EntityContext, StateChange, StopReason};
 use crate::error::{Error, Result};
 use crate::transport::wire;
@@ -88,21 +89,35 @@ pub struct Durable<D: DurableEntity> {
     /// Holds the sends of replies the entity took ([`EntityContext::reply_later`]) while a
     /// handler runs and writes; made when it first takes one.
     reply_gate: Option<std::sync::Arc<super::deferred::ReplyGate>>,
+    /// Its marks of reliable deliveries, stored with its state.
+    marks: ConsumerMarks,
 }
 
 impl<D: DurableEntity> Durable<D> {
     pub(crate) fn new(entity: D) -> Self {
-        Durable { entity, state: D::State::default(), broken: None, reply_gate: None }
+        let marks = ConsumerMarks::new(rand::random());
+        Durable { entity, state: D::State::default(), broken: None, reply_gate: None, marks }
     }
 
     /// Writes the state change the handler asked for; on failure, says how the incarnation
     /// ends.
     async fn write(&mut self, change: StateChange, ctx: &mut EntityContext) -> Result<()> {
         let Some(io) = ctx.state_io.clone() else { return Ok(()) };
-        let value = match change {
+        let state = match change {
             StateChange::Delete => None,
-            StateChange::Persist => {
-                let bytes = match wire::encode(&self.state) {
+            StateChange::Persist => Some(wire::encode(&self.state)),
+        };
+        // Marks of reliable deliveries go with the state, even a deleted one: a re-sent
+        // message whose effect (the deletion too) was written is not applied again.
+        let value = match (state, self.marks.is_empty()) {
+            (None, true) => None,
+            (state, true) => state,
+            (state, false) => Some(state.transpose().and_then(|state| with_marks(state.as_deref(), &self.marks))),
+        };
+        let value = match value {
+            None => None,
+            Some(encoded) => {
+                let bytes = match encoded {
                     Ok(b) => b,
                     Err(e) => {
                         io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
@@ -192,6 +207,10 @@ impl<D: DurableEntity> Entity for Durable<D> {
         result
     }
 
+    fn delivery_marks(&mut self) -> Option<&mut ConsumerMarks> {
+        Some(&mut self.marks)
+    }
+
     async fn started(&mut self, ctx: &EntityContext) {
         self.load(ctx).await;
         if self.broken.is_none() {
@@ -219,8 +238,12 @@ impl<D: DurableEntity> Durable<D> {
         let Some(io) = &ctx.state_io else { return };
         match io.read(&ctx.shard_id, &ctx.entity_id).await {
             Ok(None) => {}
-            Ok(Some(bytes)) => match wire::decode::<D::State>(&bytes) {
-                Ok(state) => self.state = state,
+            Ok(Some(bytes)) => match split_marks::<D::State>(&bytes) {
+                Ok((state, mut marks)) => {
+                    marks.begin_incarnation(rand::random());
+                    self.state = state;
+                    self.marks = marks;
+                }
                 Err(e) => {
                     io.counters().state_undecodable.fetch_add(1, Ordering::Relaxed);
                     warn!(type_name = %io.type_name(), entity_id = %ctx.entity_id, error = %e, "stored entity state does not decode; the entity answers errors");
@@ -236,5 +259,91 @@ impl<D: DurableEntity> Durable<D> {
                 self.broken = Some(e);
             }
         }
+    }
+}
+
+/// The first byte of a stored state that carries marks of reliable deliveries: `0xC1`, which
+/// MessagePack never uses, so a state stored without marks (by every earlier release too)
+/// reads as before.
+const WITH_MARKS: u8 = 0xC1;
+
+/// A stored state with its marks (`state: None`: deleted, the marks kept).
+#[derive(Serialize, serde::Deserialize)]
+struct StoredWithMarks {
+    state: Option<serde_bytes::ByteBuf>,
+    marks: ConsumerMarks,
+}
+
+/// The stored form of an encoded state (or none) with `marks`.
+fn with_marks(state: Option<&[u8]>, marks: &ConsumerMarks) -> Result<bytes::Bytes> {
+    let stored = StoredWithMarks { state: state.map(|s| serde_bytes::ByteBuf::from(s.to_vec())), marks: marks.clone() };
+    let mut out = vec![WITH_MARKS];
+    out.extend_from_slice(&wire::encode(&stored)?);
+    Ok(out.into())
+}
+
+/// A stored state and its marks (none for a state stored without).
+fn split_marks<S: DeserializeOwned + Default>(stored: &[u8]) -> Result<(S, ConsumerMarks)> {
+    match stored.split_first() {
+        Some((&WITH_MARKS, rest)) => {
+            let stored: StoredWithMarks = wire::decode(rest)?;
+            let state = match stored.state {
+                Some(bytes) => wire::decode(&bytes)?,
+                None => S::default(),
+            };
+            Ok((state, stored.marks))
+        }
+        _ => Ok((wire::decode(stored)?, ConsumerMarks::default())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::delivery::{Admission, DeliveryHeader};
+
+    fn marks() -> ConsumerMarks {
+        let mut m = ConsumerMarks::new(9);
+        let h = DeliveryHeader {
+            producer: "p".into(),
+            stream: 3,
+            seq: 1,
+            first_unconfirmed: 1,
+            redelivery: false,
+            nonce: 9,
+        };
+        assert_eq!(m.admit(&h), Admission::Handle);
+        m
+    }
+
+    /// What of the marks is stored (an incarnation's nonce is not).
+    fn stored_form(m: &ConsumerMarks) -> Vec<u8> {
+        wire::encode(m).unwrap().to_vec()
+    }
+
+    #[test]
+    fn a_state_stored_without_marks_reads_as_every_earlier_release_stored_it() {
+        let plain = wire::encode(&vec![1u32, 2]).unwrap();
+        let (state, m): (Vec<u32>, _) = split_marks(&plain).unwrap();
+        assert_eq!((state, m.is_empty()), (vec![1, 2], true));
+    }
+
+    #[test]
+    fn a_state_stored_with_marks_reads_back_both_and_a_deleted_one_keeps_its_marks() {
+        let state = wire::encode(&vec![7u32]).unwrap();
+        let stored = with_marks(Some(&state), &marks()).unwrap();
+        assert_eq!(stored[0], WITH_MARKS);
+        let (back, m): (Vec<u32>, _) = split_marks(&stored).unwrap();
+        assert_eq!((back, stored_form(&m)), (vec![7], stored_form(&marks())));
+        let deleted = with_marks(None, &marks()).unwrap();
+        let (back, m): (Vec<u32>, _) = split_marks(&deleted).unwrap();
+        assert_eq!((back, stored_form(&m)), (Vec::new(), stored_form(&marks())));
+    }
+
+    #[test]
+    fn a_truncated_stored_state_with_marks_is_an_error_not_a_default() {
+        let stored = with_marks(Some(&wire::encode(&5u32).unwrap()), &marks()).unwrap();
+        assert!(split_marks::<u32>(&stored[..stored.len() - 3]).is_err());
+        assert!(split_marks::<u32>(&[WITH_MARKS]).is_err());
     }
 }

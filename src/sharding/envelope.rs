@@ -8,6 +8,7 @@ use tokio::sync::{oneshot, watch};
 use tracing::debug;
 
 use super::Entity;
+use super::delivery::{DeliveryHeader, DeliveryOutcome};
 use super::ids::RegionId;
 use super::keys;
 use super::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
@@ -27,6 +28,32 @@ pub(crate) enum ReplyTo<E: Entity> {
     },
     /// `start_entity`: answered once the entity runs.
     Started(oneshot::Sender<Result<()>>),
+    /// A reliable delivery ([`super::producer`]): its producer waits for the entity's outcome.
+    Delivery(Box<DeliveryReply>),
+}
+
+/// A reliable delivery's header, and where its outcome goes.
+pub(crate) struct DeliveryReply {
+    pub header: DeliveryHeader,
+    pub to: OutcomeTo,
+}
+
+/// Where a delivery's outcome goes: its producer on this node, or on another (by ask id).
+pub(crate) enum OutcomeTo {
+    Local(oneshot::Sender<Result<DeliveryOutcome>>),
+    Remote { region: RegionId, ask_id: u64, via: Option<PeerSender> },
+}
+
+impl<E: Entity> ReplyTo<E> {
+    /// Whether the answer goes to another node (a relayed message keeps to the region task's
+    /// path).
+    pub(crate) fn is_remote(&self) -> bool {
+        match self {
+            ReplyTo::Remote { .. } => true,
+            ReplyTo::Delivery(d) => matches!(d.to, OutcomeTo::Remote { .. }),
+            ReplyTo::Local(_) | ReplyTo::Started(_) => false,
+        }
+    }
 }
 
 /// A message on its way to an entity. `msg: None` only starts the entity.
@@ -172,23 +199,58 @@ impl Replier {
                     Ok(None) => Ok(serde_bytes::ByteBuf::new()),
                     Err(e) => Err(DeliveryFailure::of(&e)),
                 };
-                let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result });
-                // A closed link means the asker's node refused us or was forgotten: membership
-                // says whether it is still there (no writer is dialed to a departed asker).
-                let sent = match via.filter(PeerSender::is_open) {
-                    Some(via) => via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)),
-                    None => {
-                        let peer = self.members.borrow().peer(&region);
-                        match peer {
-                            Some(peer) => wire::encode(&msg).and_then(|b| self.transport.send(&peer, &self.topic, &b)),
-                            None => Ok(()), // the asker's node is gone; its ask fails there
-                        }
-                    }
+                self.answer_remote(region, ask_id, via, result);
+            }
+            // A delivery is answered with its outcome by the entity runner; anything else
+            // reaching it here is a failure on the way.
+            ReplyTo::Delivery(d) => {
+                let outcome = result.and_then(|_| Err(not_delivered(entity_id, "no delivery outcome")));
+                self.outcome(d.to, outcome);
+            }
+        }
+    }
+
+    /// Answers a reliable delivery with `outcome`.
+    pub(crate) fn outcome(&self, to: OutcomeTo, outcome: Result<DeliveryOutcome>) {
+        match to {
+            OutcomeTo::Local(tx) => {
+                let _ = tx.send(outcome);
+            }
+            OutcomeTo::Remote { region, ask_id, via } => {
+                let result = match outcome {
+                    Ok(o) => rmp_serde::to_vec_named(&o)
+                        .map(serde_bytes::ByteBuf::from)
+                        .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string()))),
+                    Err(e) => Err(DeliveryFailure::of(&e)),
                 };
-                if let Err(e) = sent {
-                    debug!(%region, error = %e, "ask reply not sent");
+                self.answer_remote(region, ask_id, via, result);
+            }
+        }
+    }
+
+    /// Sends an `AskReply` to the asker's node.
+    fn answer_remote(
+        &self,
+        region: RegionId,
+        ask_id: u64,
+        via: Option<PeerSender>,
+        result: std::result::Result<serde_bytes::ByteBuf, DeliveryFailure>,
+    ) {
+        let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result });
+        // A closed link means the asker's node refused us or was forgotten: membership
+        // says whether it is still there (no writer is dialed to a departed asker).
+        let sent = match via.filter(PeerSender::is_open) {
+            Some(via) => via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)),
+            None => {
+                let peer = self.members.borrow().peer(&region);
+                match peer {
+                    Some(peer) => wire::encode(&msg).and_then(|b| self.transport.send(&peer, &self.topic, &b)),
+                    None => Ok(()), // the asker's node is gone; its ask fails there
                 }
             }
+        };
+        if let Err(e) = sent {
+            debug!(%region, error = %e, "ask reply not sent");
         }
     }
 

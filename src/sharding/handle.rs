@@ -285,6 +285,31 @@ impl<E: Entity> ShardRegion<E> {
         }
     }
 
+    /// Sends a reliable delivery: `msg` with its `header`; the receiver gets the entity's
+    /// outcome (or why there is none).
+    pub(crate) fn deliver_reliably(
+        &self,
+        entity_id: &str,
+        header: super::delivery::DeliveryHeader,
+        msg: E::Message,
+    ) -> Result<oneshot::Receiver<Result<super::delivery::DeliveryOutcome>>> {
+        let (tx, rx) = oneshot::channel();
+        let to = super::envelope::OutcomeTo::Local(tx);
+        let reply = ReplyTo::Delivery(Box::new(super::envelope::DeliveryReply { header, to }));
+        self.submit(entity_id, Envelope::new(Some(msg), Some(reply)))?;
+        Ok(rx)
+    }
+
+    /// The node behind the region (none for a stand-in).
+    pub(crate) fn node(&self) -> Result<&Node> {
+        self.inner.node()
+    }
+
+    /// The type's longest entity id.
+    pub(crate) fn max_entity_id_bytes(&self) -> usize {
+        self.inner.settings.max_entity_id_bytes
+    }
+
     /// Starts entity `entity_id` without a message; returns once it runs.
     pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();

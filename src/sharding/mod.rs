@@ -26,11 +26,13 @@ pub(crate) mod coordinator;
 mod counters;
 pub mod daemon;
 mod deferred;
+pub(crate) mod delivery;
 mod durable;
 mod envelope;
 mod handle;
 pub(crate) mod ids;
 pub(crate) mod keys;
+pub(crate) mod producer;
 pub(crate) mod protocol;
 pub mod query;
 pub(crate) mod region;
@@ -53,10 +55,12 @@ pub use cluster_singleton::ClusterSingleton;
 pub use counters::RegionCounters;
 pub use daemon::{DaemonContext, DaemonProcess, DaemonScale};
 pub use deferred::DeferredReply;
+pub use delivery::{DeliveryInfo, MAX_PRODUCERS_PER_ENTITY};
 pub use durable::{Durable, DurableEntity};
 pub use handle::{EntityRef, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
+pub use producer::{Confirmation, DeadLetter, MAX_PRODUCER_ID_LEN, Producer, ProducerSettings, ProducerStats};
 pub use region_ref::RegionRef;
 pub use settings::MAX_ENTITY_ID_LEN;
 pub use settings::{
@@ -94,6 +98,14 @@ pub trait Entity: Send + 'static {
         ctx: &mut EntityContext,
     ) -> impl Future<Output = Result<Self::Reply>> + Send {
         async move { Ok(self.handle(msg, ctx).await) }
+    }
+
+    /// The marks of reliable deliveries when the entity keeps them with its own state
+    /// ([`Durable`]: stored with it); `None`: the runner keeps them for the incarnation. Not
+    /// meant to be overridden.
+    #[doc(hidden)]
+    fn delivery_marks(&mut self) -> Option<&mut delivery::ConsumerMarks> {
+        None
     }
 
     /// Runs once when this incarnation starts, before its first message — also when a
@@ -191,6 +203,8 @@ pub struct EntityContext {
     pub(crate) taken_reply: Option<deferred::ErasedReply>,
     /// Holds sends of taken replies while a handler runs; made when a reply is first taken.
     pub(crate) reply_gate: Option<std::sync::Arc<deferred::ReplyGate>>,
+    /// While a reliable delivery is handled: which one.
+    pub(crate) delivery: Option<DeliveryInfo>,
 }
 
 /// A change of a durable entity's stored state, asked by its handler.
@@ -268,6 +282,12 @@ impl EntityContext {
         Some(later)
     }
 
+    /// The reliable delivery being handled ([`ShardRegion::producer`]): its producer, its number
+    /// and whether it was sent before; `None` for a plain `tell` or `ask`.
+    pub fn delivery(&self) -> Option<&DeliveryInfo> {
+        self.delivery.as_ref()
+    }
+
     /// A context for entity `entity_id` of `shard_id` at `epoch`.
     pub(crate) fn new(entity_id: String, shard_id: ShardId, epoch: u64, state_io: Option<shard::StateIo>) -> Self {
         EntityContext {
@@ -281,6 +301,7 @@ impl EntityContext {
             reply_type: None,
             taken_reply: None,
             reply_gate: None,
+            delivery: None,
         }
     }
 }

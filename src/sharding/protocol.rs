@@ -100,6 +100,19 @@ pub(crate) enum RegionToRegion {
         #[serde(default)]
         epoch: u64,
     },
+    /// A reliable delivery ([`super::producer`]): a `Deliver` of an ask whose answer is the
+    /// entity's [`DeliveryOutcome`](super::delivery::DeliveryOutcome). A variant of its own, so
+    /// a node that predates it drops it (its producer sends it again) instead of handling it
+    /// as a plain message whose answer the producer could not read.
+    DeliverReliably {
+        shard: ShardId,
+        entity_id: String,
+        #[serde(with = "serde_bytes")]
+        payload: Vec<u8>,
+        reply_to: (RegionId, u64),
+        epoch: u64,
+        header: super::delivery::DeliveryHeader,
+    },
     /// The answer to an ask (rmp-encoded `Entity::Reply`), or why there is none.
     AskReply { ask_id: u64, result: Result<serde_bytes::ByteBuf, DeliveryFailure> },
 }
@@ -267,6 +280,45 @@ mod tests {
             decoded,
             RegionInbound::Region(RegionToRegion::Deliver { epoch: 0, ref shard, .. }) if shard == "3"
         ));
+    }
+
+    #[test]
+    fn a_node_that_predates_reliable_delivery_cannot_decode_one_so_never_handles_it_as_a_plain_message() {
+        // What such a node decodes: the variants it knew.
+        #[derive(Deserialize, Debug)]
+        #[allow(dead_code)]
+        enum OldRegionToRegion {
+            Deliver {
+                shard: ShardId,
+                entity_id: String,
+                payload: serde_bytes::ByteBuf,
+                reply_to: Option<(RegionId, u64)>,
+            },
+            AskReply {
+                ask_id: u64,
+                result: Result<serde_bytes::ByteBuf, DeliveryFailure>,
+            },
+        }
+        let header = crate::sharding::delivery::DeliveryHeader {
+            producer: "p".into(),
+            stream: 1,
+            seq: 1,
+            first_unconfirmed: 1,
+            redelivery: false,
+            nonce: 9,
+        };
+        let new = RegionToRegion::DeliverReliably {
+            shard: "3".into(),
+            entity_id: "cart-9".into(),
+            payload: vec![7],
+            reply_to: (RegionId::new("n1", 1), 5),
+            epoch: 2,
+            header,
+        };
+        use crate::transport::wire;
+        let bytes = wire::encode(&new).unwrap();
+        assert!(wire::decode::<OldRegionToRegion>(&bytes).is_err());
+        assert_eq!(wire::decode::<RegionToRegion>(&bytes).unwrap(), new);
     }
 
     #[test]

@@ -308,8 +308,9 @@ impl<E: Entity> RegionDriver<E> {
             PassedOn::Routed { shard, entity_id, epoch, env } => {
                 self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
-            PassedOn::Classified(Classified::Deliver { shard, entity_id, msg, reply_to, epoch }) => {
-                let env = Envelope::new(msg, remote_reply(reply_to, &m.from, || self.shared.senders.get(&m.from)));
+            PassedOn::Classified(Classified::Deliver { shard, entity_id, msg, reply_to, epoch, delivery }) => {
+                let reply = remote_reply(reply_to, delivery, &m.from, || self.shared.senders.get(&m.from));
+                let env = Envelope::new(msg, reply);
                 self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
             PassedOn::Classified(Classified::Coordinator(msg)) => {
@@ -318,7 +319,7 @@ impl<E: Entity> RegionDriver<E> {
             PassedOn::Classified(Classified::Refused { entity_id, reply_to, error }) => {
                 self.counters.dropped_invalid.fetch_add(1, Ordering::Relaxed);
                 warn!(type_name = %self.type_name, peer = %m.from.address, %entity_id, %error, "invalid message dropped");
-                if let Some(r) = remote_reply::<E>(reply_to, &m.from, || self.shared.senders.get(&m.from)) {
+                if let Some(r) = remote_reply::<E>(reply_to, None, &m.from, || self.shared.senders.get(&m.from)) {
                     self.replier.reply::<E>(r, &entity_id, Err(error));
                 }
             }

@@ -34,7 +34,8 @@ use super::inbound::{Classified, PassedOn, classify, remote_reply};
 use crate::error::{Error, Result};
 use crate::sharding::Entity;
 use crate::sharding::counters::RegionCounterCells;
-use crate::sharding::envelope::{Envelope, Lane, ReplyTo, RoutedInFlight};
+use crate::sharding::delivery::DeliveryOutcome;
+use crate::sharding::envelope::{Envelope, Lane, OutcomeTo, ReplyTo, RoutedInFlight};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
@@ -44,6 +45,8 @@ use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
 pub(crate) enum PendingAsk<R> {
     Reply(oneshot::Sender<Result<R>>),
     Started(oneshot::Sender<Result<()>>),
+    /// A reliable delivery's producer, waiting for the entity's outcome.
+    Delivery(oneshot::Sender<Result<DeliveryOutcome>>),
 }
 
 impl<R> PendingAsk<R> {
@@ -51,6 +54,7 @@ impl<R> PendingAsk<R> {
         match self {
             PendingAsk::Reply(tx) => !tx.is_closed(),
             PendingAsk::Started(tx) => !tx.is_closed(),
+            PendingAsk::Delivery(tx) => !tx.is_closed(),
         }
     }
 
@@ -60,6 +64,9 @@ impl<R> PendingAsk<R> {
                 let _ = tx.send(Err(error));
             }
             PendingAsk::Started(tx) => {
+                let _ = tx.send(Err(error));
+            }
+            PendingAsk::Delivery(tx) => {
                 let _ = tx.send(Err(error));
             }
         }
@@ -92,6 +99,9 @@ pub(crate) fn complete_ask<E: Entity>(
         }
         (PendingAsk::Started(tx), Ok(_)) => {
             let _ = tx.send(Ok(()));
+        }
+        (PendingAsk::Delivery(tx), Ok(b)) => {
+            let _ = tx.send(wire::decode::<DeliveryOutcome>(&b));
         }
         (p, Err(failure)) => p.fail(failure.into_error(&entity_id)),
     }
@@ -234,7 +244,7 @@ impl<E: Entity> SharedRegion<E> {
         let Some(home) = state.homes.get(shard).filter(|h| h.generation == state.generation) else {
             return Direct::Routed(env);
         };
-        if !self.routed.is_clear(stripe) || matches!(env.reply, Some(ReplyTo::Remote { .. })) {
+        if !self.routed.is_clear(stripe) || env.reply.as_ref().is_some_and(ReplyTo::is_remote) {
             return Direct::Routed(env);
         }
         // Queued under the read lock (see `RemoteHomes`): `state` lives to the end.
@@ -262,11 +272,15 @@ impl<E: Entity> SharedRegion<E> {
         entity_id: &str,
         env: Envelope<E>,
     ) -> std::result::Result<(), NotSent<E::Reply>> {
-        let (reply_to, pending) = match env.reply {
-            None => (None, None),
-            Some(ReplyTo::Remote { region, ask_id, .. }) => (Some((region, ask_id)), None),
-            Some(ReplyTo::Local(tx)) => (None, Some(PendingAsk::Reply(tx))),
-            Some(ReplyTo::Started(tx)) => (None, Some(PendingAsk::Started(tx))),
+        let (reply_to, pending, header) = match env.reply {
+            None => (None, None, None),
+            Some(ReplyTo::Remote { region, ask_id, .. }) => (Some((region, ask_id)), None, None),
+            Some(ReplyTo::Local(tx)) => (None, Some(PendingAsk::Reply(tx)), None),
+            Some(ReplyTo::Started(tx)) => (None, Some(PendingAsk::Started(tx)), None),
+            Some(ReplyTo::Delivery(d)) => match d.to {
+                OutcomeTo::Local(tx) => (None, Some(PendingAsk::Delivery(tx)), Some(d.header)),
+                OutcomeTo::Remote { region, ask_id, .. } => (Some((region, ask_id)), None, Some(d.header)),
+            },
         };
         let payload = match env.msg.as_ref().map(rmp_serde::to_vec_named).transpose() {
             Ok(p) => p.unwrap_or_default(),
@@ -274,13 +288,21 @@ impl<E: Entity> SharedRegion<E> {
         };
         let ask_id =
             pending.map(|p| self.asks.lock().expect("asks lock").insert(region.clone(), entity_id.to_string(), p));
-        let msg = RegionInbound::Region(RegionToRegion::Deliver {
-            shard: shard.to_string(),
-            entity_id: entity_id.to_string(),
-            payload,
-            reply_to: reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id))),
-            epoch,
-        });
+        let reply_to = reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id)));
+        let (shard, entity_id) = (shard.to_string(), entity_id.to_string());
+        let msg = match (header, reply_to) {
+            (Some(header), Some(reply_to)) => RegionInbound::Region(RegionToRegion::DeliverReliably {
+                shard,
+                entity_id,
+                payload,
+                reply_to,
+                epoch,
+                header,
+            }),
+            (_, reply_to) => {
+                RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })
+            }
+        };
         sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)).map_err(|error| {
             let pending = ask_id.and_then(|id| self.asks.lock().expect("asks lock").take(id)).map(|(_, p)| p);
             NotSent { error, pending }
@@ -301,9 +323,10 @@ impl<E: Entity> SharedRegion<E> {
             }
             // A proxy (no directory) hosts nothing: the region task decides (it holds, forwards
             // or fails it).
-            (Classified::Deliver { shard, entity_id, msg, reply_to, epoch }, Some(direct)) => {
+            (Classified::Deliver { shard, entity_id, msg, reply_to, epoch, delivery }, Some(direct)) => {
                 let stripe = RoutedInFlight::stripe(&entity_id);
-                let mut env = Envelope::new(msg, remote_reply(reply_to, &m.from, || self.senders.get(&m.from)));
+                let reply = remote_reply(reply_to, delivery, &m.from, || self.senders.get(&m.from));
+                let mut env = Envelope::new(msg, reply);
                 if self.routed.is_clear(stripe) {
                     match direct.deliver(&shard, &entity_id, stripe, env) {
                         Ok(()) => {

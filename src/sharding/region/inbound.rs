@@ -9,7 +9,8 @@ use serde::de::DeserializeOwned;
 
 use crate::error::Error;
 use crate::sharding::Entity;
-use crate::sharding::envelope::{Envelope, ReplyTo, not_delivered};
+use crate::sharding::delivery::DeliveryHeader;
+use crate::sharding::envelope::{DeliveryReply, Envelope, OutcomeTo, ReplyTo, not_delivered};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion, ToRegion};
 use crate::transport::{PeerAddr, PeerSender, wire};
@@ -20,8 +21,15 @@ pub(crate) enum Classified<M> {
     /// From the coordinator.
     Coordinator(ToRegion),
     /// A message for an entity that passed every check; `msg` is `None` for a start without a
-    /// message.
-    Deliver { shard: ShardId, entity_id: String, msg: Option<M>, reply_to: Option<(RegionId, u64)>, epoch: u64 },
+    /// message; `delivery` is set for a reliable delivery (whose answer is its outcome).
+    Deliver {
+        shard: ShardId,
+        entity_id: String,
+        msg: Option<M>,
+        reply_to: Option<(RegionId, u64)>,
+        epoch: u64,
+        delivery: Option<DeliveryHeader>,
+    },
     /// A message for an entity refused: the error its asker (if any) gets.
     Refused { entity_id: String, reply_to: Option<(RegionId, u64)>, error: Error },
     /// The answer to an ask this node sent.
@@ -44,10 +52,22 @@ pub(crate) fn classify<M: DeserializeOwned>(
             return Classified::AskReply { ask_id, result };
         }
         Ok(RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })) => {
-            (shard, entity_id, payload, reply_to, epoch)
+            (shard, entity_id, payload, reply_to, epoch, None)
         }
+        Ok(RegionInbound::Region(RegionToRegion::DeliverReliably {
+            shard,
+            entity_id,
+            payload,
+            reply_to,
+            epoch,
+            header,
+        })) => (shard, entity_id, payload, Some(reply_to), epoch, Some(header)),
     };
-    let (shard, entity_id, payload, reply_to, epoch) = deliver;
+    let (shard, entity_id, payload, reply_to, epoch, delivery) = deliver;
+    if delivery.is_some() && payload.is_empty() {
+        let error = not_delivered(&entity_id, "a reliable delivery without a message");
+        return Classified::Refused { entity_id, reply_to, error };
+    }
     if let Err(error) = check_entity_id(&entity_id, max_entity_id_bytes) {
         return Classified::Refused { entity_id, reply_to, error };
     }
@@ -68,19 +88,26 @@ pub(crate) fn classify<M: DeserializeOwned>(
             not_delivered(&entity_id, format!("sent for shard {shard:?}, but this node's extractor gives {own:?}"));
         return Classified::Refused { entity_id, reply_to, error };
     }
-    Classified::Deliver { shard, entity_id, msg, reply_to, epoch }
+    Classified::Deliver { shard, entity_id, msg, reply_to, epoch, delivery }
 }
 
 /// Where the answer to a remote asker goes: its region, its ask id there, and (when the asker's
-/// region is on the node `from` that sent the message) the `link` to that node.
+/// region is on the node `from` that sent the message) the `link` to that node; for a reliable
+/// delivery (`delivery`), its outcome goes there.
 pub(crate) fn remote_reply<E: Entity>(
     reply_to: Option<(RegionId, u64)>,
+    delivery: Option<DeliveryHeader>,
     from: &PeerAddr,
     link: impl FnOnce() -> PeerSender,
 ) -> Option<ReplyTo<E>> {
     reply_to.map(|(region, ask_id)| {
         let via = (region == from.address).then(link);
-        ReplyTo::Remote { region, ask_id, via }
+        match delivery {
+            Some(header) => {
+                ReplyTo::Delivery(Box::new(DeliveryReply { header, to: OutcomeTo::Remote { region, ask_id, via } }))
+            }
+            None => ReplyTo::Remote { region, ask_id, via },
+        }
     })
 }
 
@@ -111,6 +138,26 @@ mod tests {
             payload,
             reply_to: None,
             epoch: 7,
+        });
+        wire::encode(&msg).unwrap().to_vec()
+    }
+
+    fn reliable(shard: &str, entity_id: &str, payload: Vec<u8>) -> Vec<u8> {
+        let header = DeliveryHeader {
+            producer: "p".into(),
+            stream: 4,
+            seq: 2,
+            first_unconfirmed: 1,
+            redelivery: true,
+            nonce: 3,
+        };
+        let msg = RegionInbound::Region(RegionToRegion::DeliverReliably {
+            shard: shard.to_string(),
+            entity_id: entity_id.to_string(),
+            payload,
+            reply_to: (RegionId::new("n1", 1), 9),
+            epoch: 7,
+            header,
         });
         wire::encode(&msg).unwrap().to_vec()
     }
@@ -148,6 +195,19 @@ mod tests {
                 deliver(&other, "cart-1", payload.clone()),
                 |c| matches!(c, Classified::Refused { error: Error::NotDelivered { reason, .. }, .. } if reason.contains("extractor gives")),
             ),
+            (
+                "a reliable delivery",
+                reliable(&home, "cart-1", payload.clone()),
+                |c| matches!(c, Classified::Deliver { msg: Some(42), reply_to: Some((_, 9)), delivery: Some(h), .. } if h.seq == 2),
+            ),
+            (
+                "a reliable delivery without a message",
+                reliable(&home, "cart-1", vec![]),
+                |c| matches!(c, Classified::Refused { reply_to: Some((_, 9)), error: Error::NotDelivered { reason, .. }, .. } if reason.contains("without a message")),
+            ),
+            ("a reliable delivery for an id over the limit", reliable(&home, "cart-123456", payload.clone()), |c| {
+                matches!(c, Classified::Refused { error: Error::EntityIdTooLong { .. }, .. })
+            }),
             ("not a region message", vec![0xc1, 0x00], |c| matches!(c, Classified::Malformed(_))),
             (
                 "an ask's answer",
@@ -200,13 +260,13 @@ mod tests {
             links += 1;
             t.sender(&from)
         };
-        assert!(remote_reply::<Nothing>(None, &from, &mut link).is_none(), "a tell has no reply");
-        match remote_reply::<Nothing>(Some((sender_node.clone(), 5)), &from, &mut link) {
+        assert!(remote_reply::<Nothing>(None, None, &from, &mut link).is_none(), "a tell has no reply");
+        match remote_reply::<Nothing>(Some((sender_node.clone(), 5)), None, &from, &mut link) {
             Some(ReplyTo::Remote { region, ask_id: 5, via: Some(_) }) => assert_eq!(region, sender_node),
             _ => panic!("the asker on the sending node is answered over its link"),
         }
         let elsewhere = UniqueAddress::new("n3", 1);
-        match remote_reply::<Nothing>(Some((elsewhere.clone(), 6)), &from, &mut link) {
+        match remote_reply::<Nothing>(Some((elsewhere.clone(), 6)), None, &from, &mut link) {
             Some(ReplyTo::Remote { region, ask_id: 6, via: None }) => assert_eq!(region, elsewhere),
             _ => panic!("an asker elsewhere gets no link"),
         }

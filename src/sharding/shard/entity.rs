@@ -38,7 +38,8 @@ use crate::clock::Instant;
 use crate::error::Result;
 use crate::log_limit::LogLimiter;
 use crate::sharding::counters::RegionCounterCells;
-use crate::sharding::envelope::{Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
+use crate::sharding::delivery::{Admission, ConsumerMarks, DeliveryHeader, DeliveryInfo, DeliveryOutcome};
+use crate::sharding::envelope::{DeliveryReply, Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use crate::sharding::{EndIncarnation, Entity, EntityContext};
 
 /// Creates the entity of an id.
@@ -70,6 +71,9 @@ struct MailboxInner<E: Entity> {
     phase: Phase<E>,
     /// The running task while it lingers on an empty queue: the next push wakes it.
     waiter: Option<Waker>,
+    /// A plain entity's marks of reliable deliveries, for the life of its incarnation (a
+    /// durable entity keeps its own, stored with its state); made by its first delivery.
+    marks: Option<Box<ConsumerMarks>>,
 }
 
 impl<E: Entity> MailboxInner<E> {
@@ -117,7 +121,9 @@ fn start_run<E>(phase: &mut Phase<E>) -> Option<Scheduled<E>> {
 
 impl<E: Entity> Mailbox<E> {
     pub(crate) fn new() -> Self {
-        Mailbox { inner: Mutex::new(MailboxInner { queue: VecDeque::new(), phase: Phase::New, waiter: None }) }
+        Mailbox {
+            inner: Mutex::new(MailboxInner { queue: VecDeque::new(), phase: Phase::New, waiter: None, marks: None }),
+        }
     }
 
     /// The lock; a poisoned one is still consistent (no code panics while holding it).
@@ -145,6 +151,11 @@ impl<E: Entity> Mailbox<E> {
                 Pushed::Queued
             }
         }
+    }
+
+    /// What a plain entity does with a reliable delivery, by the marks of its incarnation.
+    fn admit(&self, header: &DeliveryHeader) -> Admission {
+        self.lock().marks.get_or_insert_with(|| Box::new(ConsumerMarks::new(rand::random()))).admit(header)
     }
 
     /// Schedules the first run of a new incarnation (its start hook runs without waiting for a
@@ -365,6 +376,26 @@ impl<E: Entity> EntityRun<E> {
         }
     }
 
+    /// Decides on a reliable delivery by the entity's marks: handed back when the entity is to
+    /// handle it (the context then says which delivery it is); otherwise answered here.
+    fn admit(&mut self, running: &mut E, d: Box<DeliveryReply>) -> Option<Box<DeliveryReply>> {
+        let admission = match running.delivery_marks() {
+            Some(marks) => marks.admit(&d.header),
+            None => self.mailbox.admit(&d.header),
+        };
+        let outcome = match admission {
+            Admission::Handle => {
+                self.ctx.delivery = Some(DeliveryInfo::of(&d.header));
+                return Some(d);
+            }
+            Admission::Duplicate => DeliveryOutcome::Confirmed { handled: false },
+            Admission::Gap { expected } => DeliveryOutcome::Gap { expected },
+            Admission::Hello { nonce } => DeliveryOutcome::Hello { nonce },
+        };
+        self.shared.replier.outcome(d.to, Ok(outcome));
+        None
+    }
+
     fn respond(&self, reply: Option<ReplyTo<E>>, result: Result<Option<E::Reply>>) {
         if let Some(r) = reply {
             self.shared.replier.reply::<E>(r, &self.ctx.entity_id, result);
@@ -464,7 +495,6 @@ impl<E: Entity> EntityRun<E> {
                 None => return,
             },
         };
-        let id = self.ctx.entity_id.clone();
         let span = self.call_span();
         let (linger, mut idle_since) = (self.shared.linger, None);
         let sleep = tokio::time::sleep(linger);
@@ -485,59 +515,94 @@ impl<E: Entity> EntityRun<E> {
                 self.respond(env.reply, Ok(None));
                 continue;
             };
-            let running = entity.as_mut().expect("a task that took a command holds its entity");
-            let started = crate::metrics::start_timer();
-            self.ctx.reply_type = env.reply.is_some().then(std::any::TypeId::of::<E::Reply>);
-            let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx))
-                .catch_unwind()
-                .instrument(span.clone())
-                .await;
-            self.shared.metrics.handled(started);
-            let taken = self.after_handler(&outcome);
-            match outcome {
-                Ok(result) => self.answer(taken, env.reply, result.map(Some)),
-                Err(panic) => {
-                    self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
-                    let what = panic_text(&*panic);
-                    drop(entity.take());
-                    error!(type_name = %self.shared.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
-                    self.answer(taken, env.reply, Err(not_delivered(&id, format!("entity handler panicked: {what}"))));
-                    // Messages still queued go to a fresh instance.
-                    let leftovers = self.mailbox.end_from_task(&self.shared.routed);
-                    self.terminated(leftovers);
-                    return;
-                }
-            }
-            match self.ctx.end.take() {
-                None => {}
-                Some(EndIncarnation::Restart) => {
-                    // A durable entity whose state write failed: the next incarnation starts
-                    // from the stored state and takes the messages queued for this one.
-                    drop(entity.take());
-                    let leftovers = self.mailbox.end_from_task(&self.shared.routed);
-                    self.terminated(leftovers);
-                    return;
-                }
-                Some(EndIncarnation::Fenced { fence }) => {
-                    // A newer allocation owns the shard's state: nothing here may run it.
-                    drop(entity.take());
-                    let _ = self.shared.events.send(ShardEvent::Fenced {
-                        shard: self.ctx.shard_id.clone(),
-                        epoch: self.ctx.epoch,
-                        fence,
-                    });
-                    self.fail_queued_and_end("a newer allocation of its shard claimed its state");
-                    return;
-                }
-            }
-            if std::mem::take(&mut self.ctx.passivate) {
-                let _ = self.shared.events.send(ShardEvent::Passivate {
-                    shard: self.ctx.shard_id.clone(),
-                    entity_id: id.clone(),
-                    incarnation: self.incarnation,
-                });
+            if !self.handle_message(&mut entity, msg, env.reply, &span).await {
+                return;
             }
         }
+    }
+
+    /// Handles one message (a reliable delivery first passes the entity's marks) and answers
+    /// it; false when the incarnation ended with it (a panic, a failed or fenced state write).
+    async fn handle_message(
+        &mut self,
+        entity: &mut Option<E>,
+        msg: E::Message,
+        reply: Option<ReplyTo<E>>,
+        span: &tracing::Span,
+    ) -> bool {
+        let id = self.ctx.entity_id.clone();
+        let running = entity.as_mut().expect("a task that took a command holds its entity");
+        let (reply, delivery) = match reply {
+            Some(ReplyTo::Delivery(d)) => (None, Some(d)),
+            reply => (reply, None),
+        };
+        let delivery = match delivery {
+            Some(d) => match self.admit(running, d) {
+                Some(d) => Some(d),
+                None => return true,
+            },
+            None => None,
+        };
+        let started = crate::metrics::start_timer();
+        self.ctx.reply_type = reply.is_some().then(std::any::TypeId::of::<E::Reply>);
+        let outcome =
+            AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind().instrument(span.clone()).await;
+        self.shared.metrics.handled(started);
+        self.ctx.delivery = None;
+        let taken = self.after_handler(&outcome);
+        match outcome {
+            Ok(result) => match delivery {
+                Some(d) => {
+                    self.shared.replier.outcome(d.to, result.map(|_| DeliveryOutcome::Confirmed { handled: true }))
+                }
+                None => self.answer(taken, reply, result.map(Some)),
+            },
+            Err(panic) => {
+                self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
+                let what = panic_text(&*panic);
+                drop(entity.take());
+                error!(type_name = %self.shared.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
+                let reason = format!("entity handler panicked: {what}");
+                match delivery {
+                    Some(d) => self.shared.replier.outcome(d.to, Ok(DeliveryOutcome::Panicked { reason })),
+                    None => self.answer(taken, reply, Err(not_delivered(&id, reason))),
+                }
+                // Messages still queued go to a fresh instance.
+                let leftovers = self.mailbox.end_from_task(&self.shared.routed);
+                self.terminated(leftovers);
+                return false;
+            }
+        }
+        match self.ctx.end.take() {
+            None => {}
+            Some(EndIncarnation::Restart) => {
+                // A durable entity whose state write failed: the next incarnation starts
+                // from the stored state and takes the messages queued for this one.
+                drop(entity.take());
+                let leftovers = self.mailbox.end_from_task(&self.shared.routed);
+                self.terminated(leftovers);
+                return false;
+            }
+            Some(EndIncarnation::Fenced { fence }) => {
+                // A newer allocation owns the shard's state: nothing here may run it.
+                drop(entity.take());
+                let _ = self.shared.events.send(ShardEvent::Fenced {
+                    shard: self.ctx.shard_id.clone(),
+                    epoch: self.ctx.epoch,
+                    fence,
+                });
+                self.fail_queued_and_end("a newer allocation of its shard claimed its state");
+                return false;
+            }
+        }
+        if std::mem::take(&mut self.ctx.passivate) {
+            let _ = self.shared.events.send(ShardEvent::Passivate {
+                shard: self.ctx.shard_id.clone(),
+                entity_id: id,
+                incarnation: self.incarnation,
+            });
+        }
+        true
     }
 }
 

@@ -1,0 +1,403 @@
+//! Reliable delivery, the entity's side: which of a producer's deliveries an entity handles,
+//! which it confirms without handling, and which it sends back (see [`super::producer`]).
+//!
+//! # What is promised
+//! - **Nothing confirmed unhandled.** A delivery is confirmed only when this entity handled it
+//!   ([`Admission::Handle`], confirmed once the handler returned and, for a durable entity, its
+//!   write was acknowledged), or when it is older than what the entity already took from the
+//!   same stream ([`Admission::Duplicate`]): a message the entity handled before, or one its
+//!   producer says is confirmed already.
+//! - **In order per stream.** The messages of one stream (a producer's sequence to one entity)
+//!   are handled in sequence order, each at most once per set of marks; a delivery past the
+//!   next one expected is sent back with the number expected ([`Admission::Gap`]), and the
+//!   producer sends again from there.
+//! - **Effectively once for durable entities.** A durable entity keeps its marks in its stored
+//!   state, written in the same fenced write as the state a handler persists
+//!   (`super::durable`): a re-sent message whose effect was written is confirmed without being
+//!   handled again, across hand-offs, crashes and full restarts. A plain entity keeps its marks
+//!   for the life of its incarnation, so a message re-sent to a new incarnation is handled
+//!   again (at least once), with [`DeliveryInfo::redelivery`] set.
+//!
+//! # What is not promised
+//! An entity keeps the marks of at most [`MAX_PRODUCERS_PER_ENTITY`] producers; a further one
+//! replaces the producer heard from least recently, whose next delivery starts over as from a
+//! producer never heard (its re-sent messages are handled again). A stream the entity has not
+//! seen replaces the one it kept for that producer: a producer restarted without its durable
+//! queue starts new streams, and what the old incarnation left unconfirmed is not re-sent.
+
+use serde::{Deserialize, Serialize};
+
+/// Most producers whose marks one entity keeps (see the module doc).
+pub const MAX_PRODUCERS_PER_ENTITY: usize = 64;
+
+/// What a reliable delivery carries besides its message: who sent it, in which stream, and
+/// what the producer has had confirmed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DeliveryHeader {
+    /// The producer's id.
+    pub producer: String,
+    /// The stream: one producer's sequence to one entity, unique per start of that sequence.
+    pub stream: u64,
+    /// This message's number in its stream (from 1).
+    pub seq: u64,
+    /// The oldest number of the stream the producer has not had confirmed when it sent this
+    /// one: everything before it is confirmed (handled, or given up as a dead letter).
+    pub first_unconfirmed: u64,
+    /// The producer sent this message before (its outcome did not come back).
+    pub redelivery: bool,
+    /// The entity incarnation the producer was introduced to ([`DeliveryOutcome::Hello`]) on
+    /// this stream; 0 before any.
+    pub nonce: u64,
+}
+
+/// What an entity answers a delivery with (the transport's errors aside).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum DeliveryOutcome {
+    /// Handled now (`handled`), or earlier / confirmed already (`!handled`).
+    Confirmed { handled: bool },
+    /// Not handled: the entity expects `expected` of the stream first.
+    Gap { expected: u64 },
+    /// The handler panicked on it: not confirmed.
+    Panicked { reason: String },
+    /// Not handled: this incarnation takes the stream only from messages sent once its
+    /// producer knew of it, carrying `nonce`.
+    Hello { nonce: u64 },
+}
+
+/// What an entity does with a delivery ([`ConsumerMarks::admit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// The next message of its stream: handle it (the marks count it taken already).
+    Handle,
+    /// Taken before, or confirmed by its producer's own account: confirm, do not handle.
+    Duplicate,
+    /// Past the next one expected: send it back asking for `expected`.
+    Gap { expected: u64 },
+    /// A stream this incarnation was not introduced to: send it back with the incarnation's
+    /// nonce (see [`ConsumerMarks::admit`]).
+    Hello { nonce: u64 },
+}
+
+/// Where an entity stands with one producer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Mark {
+    producer: String,
+    stream: u64,
+    /// The next number of `stream` the entity takes.
+    expected: u64,
+    /// When the producer was last heard, by the marks' own count: the least recent is
+    /// replaced when the marks are full.
+    heard: u64,
+    /// The incarnation whose nonce the producer sent on this stream (0: none yet; not stored,
+    /// so every incarnation is introduced anew).
+    #[serde(skip)]
+    greeted: u64,
+}
+
+/// An entity's marks: per producer, the stream it takes and the next number expected. Public
+/// only as the hidden [`super::Entity::delivery_marks`] names it.
+#[doc(hidden)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerMarks {
+    marks: Vec<Mark>,
+    /// Deliveries heard, for [`Mark::heard`].
+    clock: u64,
+    /// This incarnation's nonce (random, never 0; not stored).
+    #[serde(skip)]
+    nonce: u64,
+}
+
+impl ConsumerMarks {
+    /// Empty marks of an incarnation whose nonce is `nonce`.
+    pub(crate) fn new(nonce: u64) -> Self {
+        ConsumerMarks { marks: Vec::new(), clock: 0, nonce: nonce.max(1) }
+    }
+
+    /// Marks loaded from the stored state, taken up by a new incarnation with `nonce`: every
+    /// producer is introduced to it again before it takes their streams on.
+    pub(crate) fn begin_incarnation(&mut self, nonce: u64) {
+        self.nonce = nonce.max(1);
+        for m in &mut self.marks {
+            m.greeted = 0;
+        }
+    }
+
+    /// Whether no producer has been heard.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.marks.is_empty()
+    }
+
+    /// Decides what to do with a delivery carrying `h`, and counts it taken when it is to be
+    /// handled (a handler that fails ends the incarnation, and its marks with it).
+    ///
+    /// **Introduction.** An incarnation takes a stream on only from a message that carries its
+    /// nonce: one sent after the producer heard of this incarnation, so what the producer
+    /// then counted confirmed includes everything an earlier incarnation handled and had
+    /// confirmed. Without it, a copy delayed on the way (held through a hand-off, sent again
+    /// meanwhile) could reach a new incarnation after the old one had handled what follows,
+    /// and be handled again out of order.
+    pub(crate) fn admit(&mut self, h: &DeliveryHeader) -> Admission {
+        if h.seq == u64::MAX {
+            // No producer numbers that far; taking it would leave nothing after it.
+            return Admission::Gap { expected: h.first_unconfirmed.min(h.seq - 1) };
+        }
+        let introduced = h.nonce == self.nonce;
+        let i = self.marks.iter().position(|m| m.producer == h.producer);
+        let taken_on = i.is_some_and(|i| self.marks[i].stream == h.stream && self.marks[i].greeted == self.nonce);
+        if !taken_on && !introduced {
+            return Admission::Hello { nonce: self.nonce };
+        }
+        self.clock = self.clock.saturating_add(1);
+        let (heard, nonce) = (self.clock, self.nonce);
+        let Some(i) = i else {
+            let admission = first_of_stream(h);
+            if admission == Admission::Handle {
+                let (producer, stream, expected) = (h.producer.clone(), h.stream, next(h.seq));
+                self.insert(Mark { producer, stream, expected, heard, greeted: nonce });
+            }
+            return admission;
+        };
+        let mark = &mut self.marks[i];
+        mark.heard = heard;
+        if mark.stream != h.stream {
+            let admission = first_of_stream(h);
+            if admission == Admission::Handle {
+                mark.stream = h.stream;
+                mark.expected = next(h.seq);
+                mark.greeted = nonce;
+            }
+            return admission;
+        }
+        mark.greeted = nonce;
+        // Everything before the producer's first unconfirmed message is confirmed: handled
+        // here, or given up.
+        mark.expected = mark.expected.max(h.first_unconfirmed);
+        match h.seq.cmp(&mark.expected) {
+            std::cmp::Ordering::Less => Admission::Duplicate,
+            std::cmp::Ordering::Equal => {
+                mark.expected = next(h.seq);
+                Admission::Handle
+            }
+            std::cmp::Ordering::Greater => Admission::Gap { expected: mark.expected },
+        }
+    }
+
+    /// Adds a mark, replacing the least recently heard one when the marks are full.
+    fn insert(&mut self, mark: Mark) {
+        if self.marks.len() >= MAX_PRODUCERS_PER_ENTITY
+            && let Some(oldest) = self.marks.iter().enumerate().min_by_key(|(_, m)| m.heard).map(|(i, _)| i)
+        {
+            self.marks.swap_remove(oldest);
+        }
+        self.marks.push(mark);
+    }
+}
+
+/// The number after `seq` (below `u64::MAX`: [`ConsumerMarks::admit`] refuses that one).
+fn next(seq: u64) -> u64 {
+    seq.saturating_add(1)
+}
+
+/// A delivery of a stream the entity has no mark of: the stream starts where the producer's
+/// confirmed messages end.
+fn first_of_stream(h: &DeliveryHeader) -> Admission {
+    match h.seq.cmp(&h.first_unconfirmed) {
+        std::cmp::Ordering::Less => Admission::Duplicate,
+        std::cmp::Ordering::Equal => Admission::Handle,
+        std::cmp::Ordering::Greater => Admission::Gap { expected: h.first_unconfirmed },
+    }
+}
+
+/// What an entity knows about the reliable delivery it is handling
+/// ([`super::EntityContext::delivery`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryInfo {
+    /// The producer's id.
+    pub producer_id: String,
+    /// The message's number in its producer's sequence to this entity.
+    pub seq: u64,
+    /// The producer sent it before: an earlier incarnation of this entity may have handled it
+    /// (a plain entity's; a durable entity never sees a message whose effect it wrote).
+    pub redelivery: bool,
+}
+
+impl DeliveryInfo {
+    /// What the entity learns of the delivery carrying `h`.
+    pub(crate) fn of(h: &DeliveryHeader) -> Self {
+        DeliveryInfo { producer_id: h.producer.clone(), seq: h.seq, redelivery: h.redelivery }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The nonce of the incarnation most tests run.
+    const N: u64 = 77;
+
+    /// A delivery sent once the producer knew incarnation `N`.
+    fn h(producer: &str, stream: u64, seq: u64, first_unconfirmed: u64) -> DeliveryHeader {
+        DeliveryHeader { producer: producer.into(), stream, seq, first_unconfirmed, redelivery: false, nonce: N }
+    }
+
+    /// The same delivery sent before the producer knew of incarnation `N`.
+    fn stale(producer: &str, stream: u64, seq: u64, first_unconfirmed: u64) -> DeliveryHeader {
+        DeliveryHeader { nonce: 5, ..h(producer, stream, seq, first_unconfirmed) }
+    }
+
+    /// Runs `steps` (a delivery and the admission it must get) through one set of marks.
+    fn check(steps: &[(DeliveryHeader, Admission)]) -> ConsumerMarks {
+        let mut marks = ConsumerMarks::new(N);
+        for (i, (header, want)) in steps.iter().enumerate() {
+            assert_eq!(marks.admit(header), *want, "step {i}: {header:?}");
+        }
+        marks
+    }
+
+    use Admission::{Duplicate, Gap, Handle};
+    const HELLO: Admission = Admission::Hello { nonce: N };
+
+    #[test]
+    fn an_incarnation_takes_a_stream_on_only_from_a_message_carrying_its_nonce() {
+        check(&[
+            (stale("p", 7, 1, 1), HELLO),
+            (h("p", 7, 1, 1), Handle),
+            // Taken on: what the producer sent before it knew the incarnation is judged by
+            // number (the same number is the same message).
+            (stale("p", 7, 2, 1), Handle),
+            (stale("p", 7, 2, 1), Duplicate),
+            (stale("p", 7, 4, 1), Gap { expected: 3 }),
+            // Another stream of the producer needs its own introduction.
+            (stale("p", 8, 1, 1), HELLO),
+            (stale("q", 1, 1, 1), HELLO),
+        ]);
+    }
+
+    #[test]
+    fn a_delayed_copy_never_rewinds_a_new_incarnation_past_what_an_earlier_one_handled() {
+        // Incarnation 5 handled 1..=6; its copies of 3 and 4 were held on the way and reach
+        // incarnation N, which has no marks (a plain entity restarted).
+        check(&[
+            (stale("p", 7, 3, 3), HELLO),
+            (stale("p", 7, 4, 3), HELLO),
+            // The producer, introduced, sends what it has unconfirmed: from 7.
+            (h("p", 7, 7, 7), Handle),
+            (stale("p", 7, 3, 3), Duplicate),
+        ]);
+    }
+
+    #[test]
+    fn stored_marks_are_introduced_to_each_new_incarnation_and_keep_their_numbers() {
+        let mut marks = check(&[(h("p", 7, 1, 1), Handle), (h("p", 7, 2, 1), Handle)]);
+        let bytes = crate::transport::wire::encode(&marks).unwrap();
+        marks = crate::transport::wire::decode(&bytes).unwrap();
+        marks.begin_incarnation(99);
+        let again = DeliveryHeader { nonce: 99, ..h("p", 7, 2, 1) };
+        assert_eq!(marks.admit(&h("p", 7, 2, 1)), Admission::Hello { nonce: 99 }, "the old nonce is not this one");
+        assert_eq!(marks.admit(&again), Duplicate, "2 was handled and stored");
+        assert_eq!(marks.admit(&DeliveryHeader { seq: 3, ..again }), Handle);
+    }
+
+    #[test]
+    fn a_stream_is_handled_in_order_each_message_once() {
+        check(&[
+            (h("p", 7, 1, 1), Handle),
+            (h("p", 7, 2, 1), Handle),
+            (h("p", 7, 2, 1), Duplicate),
+            (h("p", 7, 1, 1), Duplicate),
+            (h("p", 7, 3, 1), Handle),
+        ]);
+    }
+
+    #[test]
+    fn a_message_past_the_next_one_expected_is_sent_back_asking_for_that_one() {
+        check(&[
+            (h("p", 7, 1, 1), Handle),
+            (h("p", 7, 3, 1), Gap { expected: 2 }),
+            (h("p", 7, 4, 1), Gap { expected: 2 }),
+            (h("p", 7, 2, 1), Handle),
+            (h("p", 7, 3, 1), Handle),
+        ]);
+    }
+
+    #[test]
+    fn a_new_incarnation_takes_a_stream_from_the_producer_s_first_unconfirmed_message() {
+        // No marks (a plain entity restarted): 1..4 were confirmed, 5 is the first open one.
+        check(&[(h("p", 7, 6, 5), Gap { expected: 5 }), (h("p", 7, 5, 5), Handle), (h("p", 7, 6, 5), Handle)]);
+    }
+
+    #[test]
+    fn what_the_producer_counts_confirmed_is_never_asked_for_again() {
+        // The marks say 3 is next (written before 3 and 4 were confirmed without a write):
+        // the producer's account moves them on, and 3 is a duplicate.
+        check(&[
+            (h("p", 7, 1, 1), Handle),
+            (h("p", 7, 2, 1), Handle),
+            (h("p", 7, 5, 5), Handle),
+            (h("p", 7, 3, 5), Duplicate),
+            (h("p", 7, 6, 5), Handle),
+        ]);
+        // A producer that gave a message up (a dead letter) skips it the same way.
+        check(&[(h("p", 7, 1, 1), Handle), (h("p", 7, 3, 3), Handle)]);
+    }
+
+    #[test]
+    fn a_new_stream_of_a_producer_replaces_its_old_one_from_its_first_message() {
+        check(&[
+            (h("p", 7, 1, 1), Handle),
+            (h("p", 7, 2, 1), Handle),
+            // Restarted producer: new stream, numbered from 1 again.
+            (h("p", 9, 2, 1), Gap { expected: 1 }),
+            (h("p", 9, 1, 1), Handle),
+            (h("p", 9, 2, 1), Handle),
+            (h("p", 9, 1, 1), Duplicate),
+        ]);
+    }
+
+    #[test]
+    fn producers_are_kept_apart() {
+        check(&[
+            (h("a", 1, 1, 1), Handle),
+            (h("b", 1, 1, 1), Handle),
+            (h("b", 1, 1, 1), Duplicate),
+            (h("a", 1, 2, 1), Handle),
+            (h("b", 1, 3, 1), Gap { expected: 2 }),
+        ]);
+    }
+
+    #[test]
+    fn a_message_the_producer_already_counts_confirmed_is_not_handled_by_a_stranger_either() {
+        // Hostile or confused: a number below the producer's own first unconfirmed one.
+        let mut marks = check(&[(h("p", 7, 2, 4), Duplicate)]);
+        assert!(marks.is_empty(), "no mark is made for a message not handled");
+        assert_eq!(marks.admit(&h("p", 7, u64::MAX, u64::MAX)), Gap { expected: u64::MAX - 1 }, "never taken");
+        assert!(marks.is_empty());
+        assert_eq!(marks.admit(&h("p", 7, u64::MAX - 1, u64::MAX - 1)), Handle, "the last number a stream has");
+        assert_eq!(marks.admit(&h("p", 7, u64::MAX - 1, 1)), Duplicate);
+    }
+
+    #[test]
+    fn full_marks_replace_the_producer_heard_from_least_recently() {
+        let mut marks = ConsumerMarks::new(N);
+        for p in 0..MAX_PRODUCERS_PER_ENTITY {
+            assert_eq!(marks.admit(&h(&format!("p{p}"), 1, 1, 1)), Handle);
+        }
+        // p0 is heard again: p1 is now the least recent.
+        assert_eq!(marks.admit(&h("p0", 1, 1, 1)), Duplicate);
+        assert_eq!(marks.admit(&h("new", 1, 1, 1)), Handle);
+        assert_eq!(marks.marks.len(), MAX_PRODUCERS_PER_ENTITY);
+        assert_eq!(marks.admit(&h("p0", 1, 1, 1)), Duplicate, "p0 kept");
+        assert_eq!(marks.admit(&h("p1", 1, 1, 1)), Handle, "p1 was replaced: its stream starts over");
+    }
+
+    #[test]
+    fn marks_survive_an_encoding_round_trip() {
+        let marks = check(&[(h("a", 3, 1, 1), Handle), (h("b", 4, 1, 1), Handle)]);
+        let bytes = crate::transport::wire::encode(&marks).unwrap();
+        let back: ConsumerMarks = crate::transport::wire::decode(&bytes).unwrap();
+        let numbers =
+            |m: &ConsumerMarks| m.marks.iter().map(|m| (m.producer.clone(), m.stream, m.expected)).collect::<Vec<_>>();
+        assert_eq!(numbers(&back), numbers(&marks));
+        assert_eq!((back.nonce, back.marks[0].greeted), (0, 0), "an incarnation's nonce is not stored");
+    }
+}

@@ -1,0 +1,460 @@
+//! The producer's decisions, sans IO: which messages it stores, which it sends (again), when a
+//! stream starts a new round, and what is confirmed or given up (see [`super`]).
+//!
+//! # What is promised
+//! - **A stored message is delivered until confirmed.** Every stored message is sent; when a
+//!   send's outcome is a failure (timeout, hand-off, crash), a gap or a panic, the stream sends
+//!   everything unconfirmed again from its oldest message, after a backoff for failures and
+//!   panics, at once for a gap. Nothing leaves the queue but by a confirmation or, after
+//!   `max_redeliveries` panics of the entity on it, as a dead letter.
+//! - **Cumulative confirmation is sound.** The entity handles a stream in order
+//!   ([`crate::sharding::delivery`]), so a confirmation of message `n`, or a gap asking for
+//!   `n + 1`, confirms every message before it.
+//! - **Bounded.** At most `window` unconfirmed messages per entity, `max_entities` entities
+//!   with unconfirmed messages, and `max_queued_bytes` of stored messages; an offer past the
+//!   first two waits (its waiter is woken when room frees, oldest first), one past the byte
+//!   budget is refused at once.
+//!
+//! A round is one pass over a stream's unconfirmed messages: outcomes of an older round still
+//! confirm what they confirm, but never start another round.
+//!
+//! A stream outlives its last unconfirmed message (idle, so its entity's incarnation, which
+//! knows it, is not introduced to a new one per message), until an entity without a stream
+//! needs its place: the least recently idle one goes then.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::clock::Instant;
+use crate::sharding::delivery::{DeliveryHeader, DeliveryOutcome};
+
+/// The producer's bounds and timings.
+#[derive(Debug, Clone)]
+pub(crate) struct ProducerLimits {
+    pub window: usize,
+    pub max_entities: usize,
+    pub max_queued_bytes: usize,
+    pub resend_backoff_min: Duration,
+    pub resend_backoff_max: Duration,
+    pub max_redeliveries: u32,
+}
+
+/// How a delivery ended for the producer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum SendResult {
+    /// The entity answered.
+    Answered(DeliveryOutcome),
+    /// No answer (timeout, not delivered, a failed write): the outcome is unknown.
+    Failed(String),
+}
+
+#[derive(Debug)]
+pub(crate) enum ProducerInput {
+    /// A caller offers `bytes` for `entity`; `waiter` names it should it have to wait.
+    Offer { entity: String, bytes: Bytes, waiter: u64 },
+    /// A woken waiter was gone: the room it was woken for goes to the next one.
+    WakeLost { entity: Option<String> },
+    /// The outcome of message `seq` of `entity`'s stream `stream`, sent in round `round`.
+    Outcome { entity: String, stream: u64, round: u64, seq: u64, result: SendResult },
+    /// Time passed: due rounds start.
+    Tick,
+}
+
+#[derive(Debug, PartialEq)]
+pub(crate) enum ProducerAction {
+    /// The offer is stored as message `seq` of stream `stream`.
+    Stored { stream: u64, seq: u64 },
+    /// No room for the offer: its waiter is woken when there is.
+    Wait,
+    /// The offer would pass the byte budget: refused, nothing stored.
+    Refused { queued_bytes: usize, max_queued_bytes: usize },
+    /// Room for a waiter (`entity`'s queue, or `None`: the queue of entities waiting for a stream).
+    Wake { waiter: u64, entity: Option<String> },
+    /// Send a message, in round `round` of its stream.
+    Send { entity: String, header: DeliveryHeader, round: u64, bytes: Bytes },
+    /// Message `seq` of stream `stream` is confirmed.
+    Confirmed { stream: u64, seq: u64 },
+    /// Message `seq` of `entity`'s stream `stream` is given up: its entity panicked on it more
+    /// than `max_redeliveries` times.
+    DeadLetter { entity: String, stream: u64, seq: u64, bytes: Bytes, reason: String },
+}
+
+/// What the producer counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ProducerCounts {
+    pub stored: u64,
+    pub confirmed: u64,
+    pub resent: u64,
+    pub demand_waits: u64,
+    pub dead_lettered: u64,
+}
+
+struct Queued {
+    seq: u64,
+    bytes: Bytes,
+    stored_at: Instant,
+    /// Times sent.
+    sends: u32,
+    /// Times its entity panicked on it.
+    panics: u32,
+}
+
+struct Stream {
+    id: u64,
+    next_seq: u64,
+    /// Unconfirmed messages, oldest first.
+    queue: VecDeque<Queued>,
+    /// The newest message sent in this round.
+    sent_upto: u64,
+    round: u64,
+    /// When the next round starts (after a failure); nothing is sent until then.
+    retry_at: Option<Instant>,
+    backoff: Duration,
+    /// Offers waiting for room, oldest first.
+    waiters: VecDeque<u64>,
+    /// The entity incarnation the stream was introduced to (sent on every message; 0: none).
+    nonce: u64,
+    /// Since when it has had nothing unconfirmed and nobody waiting (its key in `idle`).
+    idle_since: Option<u64>,
+}
+
+impl Stream {
+    fn first_unconfirmed(&self) -> u64 {
+        self.queue.front().map_or(self.next_seq, |q| q.seq)
+    }
+}
+
+/// One producer's queue and streams.
+pub(crate) struct ProducerCore {
+    producer: String,
+    limits: ProducerLimits,
+    /// Stream ids are `stream_base + n`: a random base per incarnation keeps them unique.
+    stream_base: u64,
+    streams_made: u64,
+    streams: HashMap<String, Stream>,
+    /// Idle streams, least recently idle first; the count orders them.
+    idle: std::collections::BTreeMap<u64, String>,
+    idle_count: u64,
+    /// Offers for entities without a stream, waiting for one (`max_entities` reached).
+    parked: VecDeque<u64>,
+    queued_bytes: usize,
+    /// Rounds due, by time.
+    retries: BTreeSet<(Instant, String)>,
+    counts: ProducerCounts,
+}
+
+impl ProducerCore {
+    pub(crate) fn new(producer: String, limits: ProducerLimits, stream_base: u64) -> Self {
+        ProducerCore {
+            producer,
+            limits,
+            stream_base,
+            streams_made: 0,
+            streams: HashMap::new(),
+            idle: std::collections::BTreeMap::new(),
+            idle_count: 0,
+            parked: VecDeque::new(),
+            queued_bytes: 0,
+            retries: BTreeSet::new(),
+            counts: ProducerCounts::default(),
+        }
+    }
+
+    pub(crate) fn counts(&self) -> ProducerCounts {
+        self.counts
+    }
+
+    /// Unconfirmed messages.
+    pub(crate) fn unconfirmed(&self) -> usize {
+        self.streams.values().map(|s| s.queue.len()).sum()
+    }
+
+    /// Bytes of unconfirmed messages.
+    pub(crate) fn queued_bytes(&self) -> usize {
+        self.queued_bytes
+    }
+
+    /// Entities with unconfirmed messages (or offers waiting for room).
+    pub(crate) fn entities(&self) -> usize {
+        self.streams.len() - self.idle.len()
+    }
+
+    /// When the oldest unconfirmed message was stored.
+    pub(crate) fn oldest_unconfirmed(&self) -> Option<Instant> {
+        self.streams.values().filter_map(|s| s.queue.front().map(|q| q.stored_at)).min()
+    }
+
+    pub(crate) fn handle(&mut self, input: ProducerInput, now: Instant, out: &mut Vec<ProducerAction>) {
+        match input {
+            ProducerInput::Offer { entity, bytes, waiter } => self.offer(entity, bytes, waiter, now, out),
+            ProducerInput::WakeLost { entity: Some(entity) } => self.wake(&entity, out),
+            ProducerInput::WakeLost { entity: None } => self.wake_parked(out),
+            ProducerInput::Outcome { entity, stream, round, seq, result } => {
+                self.outcome(&entity, stream, round, seq, result, now, out);
+            }
+            ProducerInput::Tick => self.tick(now, out),
+        }
+    }
+
+    fn offer(&mut self, entity: String, bytes: Bytes, waiter: u64, now: Instant, out: &mut Vec<ProducerAction>) {
+        let room = match self.streams.get(&entity) {
+            Some(s) => s.queue.len() < self.limits.window,
+            None => self.entities() < self.limits.max_entities,
+        };
+        if !room {
+            self.counts.demand_waits += 1;
+            match self.streams.get_mut(&entity) {
+                Some(s) => s.waiters.push_back(waiter),
+                None => self.parked.push_back(waiter),
+            }
+            out.push(ProducerAction::Wait);
+            return;
+        }
+        if self.queued_bytes.saturating_add(bytes.len()) > self.limits.max_queued_bytes {
+            let (queued_bytes, max_queued_bytes) = (self.queued_bytes, self.limits.max_queued_bytes);
+            out.push(ProducerAction::Refused { queued_bytes, max_queued_bytes });
+            return;
+        }
+        if !self.streams.contains_key(&entity) && self.streams.len() >= self.limits.max_entities {
+            self.evict_idle();
+        }
+        let (base, made, backoff) = (self.stream_base, &mut self.streams_made, self.limits.resend_backoff_min);
+        let s = self.streams.entry(entity.clone()).or_insert_with(|| {
+            *made += 1;
+            Stream {
+                id: base.wrapping_add(*made),
+                next_seq: 1,
+                queue: VecDeque::new(),
+                sent_upto: 0,
+                round: 1,
+                retry_at: None,
+                backoff,
+                waiters: VecDeque::new(),
+                nonce: 0,
+                idle_since: None,
+            }
+        });
+        if let Some(at) = s.idle_since.take() {
+            self.idle.remove(&at);
+        }
+        let seq = s.next_seq;
+        s.next_seq += 1;
+        self.queued_bytes += bytes.len();
+        s.queue.push_back(Queued { seq, bytes, stored_at: now, sends: 0, panics: 0 });
+        self.counts.stored += 1;
+        out.push(ProducerAction::Stored { stream: s.id, seq });
+        self.pump(&entity, out);
+    }
+
+    /// Sends the stream's messages not yet sent in this round (none while a round is due).
+    fn pump(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+        let Some(s) = self.streams.get_mut(entity) else { return };
+        if s.retry_at.is_some() {
+            return;
+        }
+        let first_unconfirmed = s.first_unconfirmed();
+        let sent_upto = s.sent_upto;
+        // Before the entity's incarnation is known, one message asks for its introduction
+        // (a hello); the rest would only be sent back.
+        let probe = usize::from(s.nonce == 0 && sent_upto < first_unconfirmed);
+        let allowed = if s.nonce == 0 { probe } else { usize::MAX };
+        for q in s.queue.iter_mut().filter(|q| q.seq > sent_upto).take(allowed) {
+            let header = DeliveryHeader {
+                producer: self.producer.clone(),
+                stream: s.id,
+                seq: q.seq,
+                first_unconfirmed,
+                redelivery: q.sends > 0,
+                nonce: s.nonce,
+            };
+            if q.sends > 0 {
+                self.counts.resent += 1;
+            }
+            q.sends = q.sends.saturating_add(1);
+            s.sent_upto = q.seq;
+            out.push(ProducerAction::Send {
+                entity: entity.to_string(),
+                header,
+                round: s.round,
+                bytes: q.bytes.clone(),
+            });
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn outcome(
+        &mut self,
+        entity: &str,
+        stream: u64,
+        round: u64,
+        seq: u64,
+        result: SendResult,
+        now: Instant,
+        out: &mut Vec<ProducerAction>,
+    ) {
+        let Some(s) = self.streams.get(entity).filter(|s| s.id == stream) else { return };
+        let current = round == s.round;
+        match result {
+            SendResult::Answered(DeliveryOutcome::Confirmed { .. }) => {
+                self.confirm_through(entity, seq, out);
+                if let Some(s) = self.streams.get_mut(entity) {
+                    s.backoff = self.limits.resend_backoff_min;
+                }
+            }
+            SendResult::Answered(DeliveryOutcome::Gap { expected }) => {
+                // The entity took everything before `expected` (never more than was sent).
+                self.confirm_through(entity, expected.min(seq).saturating_sub(1), out);
+                if current {
+                    self.new_round(entity, out);
+                }
+            }
+            SendResult::Answered(DeliveryOutcome::Hello { nonce }) => {
+                // The entity's incarnation is new to the stream: everything unconfirmed goes
+                // again, introduced. Once per round: the other hellos of the round are then of
+                // an older one (and may carry an older incarnation's nonce).
+                if current {
+                    self.streams.get_mut(entity).expect("seen above").nonce = nonce;
+                    self.new_round(entity, out);
+                }
+            }
+            SendResult::Answered(DeliveryOutcome::Panicked { reason }) => {
+                self.confirm_through(entity, seq.saturating_sub(1), out);
+                if self.count_panic(entity, seq, reason, out) {
+                    self.new_round(entity, out);
+                } else if current {
+                    self.retry_later(entity, now);
+                }
+            }
+            SendResult::Failed(_) => {
+                if current {
+                    self.retry_later(entity, now);
+                }
+            }
+        }
+        self.after_progress(entity, out);
+    }
+
+    /// Counts a panic on message `seq`; gives it up when it passed `max_redeliveries` (true:
+    /// the stream goes on without it at once).
+    fn count_panic(&mut self, entity: &str, seq: u64, reason: String, out: &mut Vec<ProducerAction>) -> bool {
+        let Some(s) = self.streams.get_mut(entity) else { return false };
+        let Some(q) = s.queue.front_mut().filter(|q| q.seq == seq) else { return false };
+        q.panics = q.panics.saturating_add(1);
+        if q.panics <= self.limits.max_redeliveries {
+            return false;
+        }
+        let q = s.queue.pop_front().expect("the front was just seen");
+        self.queued_bytes -= q.bytes.len();
+        self.counts.dead_lettered += 1;
+        out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
+        true
+    }
+
+    /// Confirms every unconfirmed message of the stream up to `upto`.
+    fn confirm_through(&mut self, entity: &str, upto: u64, out: &mut Vec<ProducerAction>) {
+        let Some(s) = self.streams.get_mut(entity) else { return };
+        while let Some(q) = s.queue.front().filter(|q| q.seq <= upto) {
+            out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
+            self.queued_bytes -= q.bytes.len();
+            self.counts.confirmed += 1;
+            s.queue.pop_front();
+        }
+    }
+
+    /// Starts a new round now: everything unconfirmed is sent again.
+    fn new_round(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+        let Some(s) = self.streams.get_mut(entity) else { return };
+        if let Some(at) = s.retry_at.take() {
+            self.retries.remove(&(at, entity.to_string()));
+        }
+        s.round += 1;
+        s.sent_upto = s.first_unconfirmed().saturating_sub(1);
+        self.pump(entity, out);
+    }
+
+    /// Starts a new round after the stream's backoff (which doubles, up to its maximum).
+    fn retry_later(&mut self, entity: &str, now: Instant) {
+        let Some(s) = self.streams.get_mut(entity) else { return };
+        if s.retry_at.is_some() || s.queue.is_empty() {
+            return;
+        }
+        let at = now + s.backoff;
+        s.retry_at = Some(at);
+        s.backoff = (s.backoff * 2).min(self.limits.resend_backoff_max);
+        self.retries.insert((at, entity.to_string()));
+    }
+
+    fn tick(&mut self, now: Instant, out: &mut Vec<ProducerAction>) {
+        while let Some((at, entity)) = self.retries.first().cloned().filter(|(at, _)| *at <= now) {
+            self.retries.remove(&(at, entity.clone()));
+            if let Some(s) = self.streams.get_mut(&entity).filter(|s| s.retry_at == Some(at)) {
+                s.retry_at = None;
+                self.new_round(&entity, out);
+            }
+        }
+    }
+
+    /// After messages left the stream's queue: its waiters get the room; a stream with nothing
+    /// left goes idle, and its place to an entity waiting for one.
+    fn after_progress(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+        let Some(s) = self.streams.get(entity) else { return };
+        if s.queue.is_empty() && s.waiters.is_empty() {
+            self.go_idle(entity);
+            self.wake_parked(out);
+            return;
+        }
+        let room = self.limits.window.saturating_sub(s.queue.len());
+        for _ in 0..room.min(s.waiters.len()) {
+            self.wake(entity, out);
+        }
+    }
+
+    /// Wakes the oldest waiter of `entity`'s stream.
+    fn wake(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+        let Some(s) = self.streams.get_mut(entity) else { return self.wake_parked(out) };
+        match s.waiters.pop_front() {
+            Some(waiter) => out.push(ProducerAction::Wake { waiter, entity: Some(entity.to_string()) }),
+            None if s.queue.is_empty() => {
+                self.go_idle(entity);
+                self.wake_parked(out);
+            }
+            None => {}
+        }
+    }
+
+    /// The stream has nothing unconfirmed and nobody waiting: it stays, idle, until its place
+    /// is needed.
+    fn go_idle(&mut self, entity: &str) {
+        let Some(s) = self.streams.get_mut(entity) else { return };
+        if s.idle_since.is_some() {
+            return;
+        }
+        if let Some(at) = s.retry_at.take() {
+            self.retries.remove(&(at, entity.to_string()));
+        }
+        self.idle_count += 1;
+        s.idle_since = Some(self.idle_count);
+        self.idle.insert(self.idle_count, entity.to_string());
+    }
+
+    /// Drops the least recently idle stream (its entity starts a new one when sent to again).
+    fn evict_idle(&mut self) {
+        if let Some((_, entity)) = self.idle.pop_first() {
+            self.streams.remove(&entity);
+        }
+    }
+
+    /// Wakes the oldest offer waiting for a stream, if there is room for one.
+    fn wake_parked(&mut self, out: &mut Vec<ProducerAction>) {
+        if self.entities() < self.limits.max_entities
+            && let Some(waiter) = self.parked.pop_front()
+        {
+            out.push(ProducerAction::Wake { waiter, entity: None });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

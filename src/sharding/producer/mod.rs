@@ -1,0 +1,564 @@
+//! Reliable delivery, the producer's side: [`Producer`] sends messages to entities by id, each
+//! numbered in its (producer, entity) stream, and sends them again until each is confirmed.
+//!
+//! # What is promised
+//! - **Stored, then confirmed.** [`Producer::send`] returns once the message is stored in the
+//!   producer's queue, with a [`Confirmation`] that resolves once the entity handled it (for a
+//!   durable entity: handled and its state written). A stored message is sent again after a
+//!   hand-off, a crash of the entity's node, a partition or a lost frame, until confirmed; it
+//!   leaves the queue unconfirmed only as a dead letter (its entity panicked on it more than
+//!   `max_redeliveries` times: [`Error::DeadLettered`], and the hook of
+//!   [`Producer::on_dead_letter`]).
+//! - **At least once, in order.** An entity handles each stream in the order sent, and a
+//!   message it handled is confirmed without being handled again for as long as its marks live
+//!   ([`crate::sharding::delivery`]): for a plain entity, its incarnation (a message re-sent
+//!   to a new incarnation is handled again, flagged [`crate::sharding::DeliveryInfo::redelivery`]); for a
+//!   durable entity, its stored state (the effect of each message lands once).
+//! - **Flow control.** At most `window` unconfirmed messages per entity and `max_entities`
+//!   entities with unconfirmed messages: `send` waits for room (cancel-safe: a `send` dropped
+//!   while it waits stored nothing). Past `max_queued_bytes` of unconfirmed messages it fails
+//!   at once ([`Error::ProducerQueueFull`]).
+//!
+//! # What is not promised
+//! The queue lives in this producer's memory: a producer that stops (every handle dropped, its
+//! node shut down or crashed) loses what it had not had confirmed, and its waiting
+//! confirmations fail with [`Error::ProducerStopped`]. Two live producers with one id are not
+//! fenced from each other; give each its own id.
+//!
+//! The decisions live in the sans-IO [`core`]; this driver stores, sends through the region,
+//! and feeds each delivery's outcome back.
+
+mod core;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+use self::core::{ProducerAction, ProducerCore, ProducerInput, ProducerLimits, SendResult};
+use super::Entity;
+use super::delivery::{DeliveryHeader, DeliveryOutcome};
+use super::handle::ShardRegion;
+use crate::error::{Error, Result};
+use crate::transport::wire;
+
+/// How a [`Producer`] sends, waits and gives up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerSettings {
+    /// Most unconfirmed messages per entity (the demand an entity grants): `send` waits past it.
+    pub window: usize,
+    /// Most entities with unconfirmed messages at once: a `send` to another entity waits past it.
+    pub max_entities: usize,
+    /// Most bytes of unconfirmed messages (encoded): a `send` past it fails at once.
+    pub max_queued_bytes: usize,
+    /// How long one delivery waits for its outcome before it counts as failed (it is sent
+    /// again; the late outcome, if any, still counts).
+    pub delivery_timeout: Duration,
+    /// The first wait before a stream is sent again after a failure; it doubles per failure in
+    /// a row, up to `resend_backoff_max`.
+    pub resend_backoff_min: Duration,
+    /// The longest wait before a stream is sent again.
+    pub resend_backoff_max: Duration,
+    /// Panics of its entity a message survives; one more makes it a dead letter.
+    pub max_redeliveries: u32,
+}
+
+impl Default for ProducerSettings {
+    fn default() -> Self {
+        ProducerSettings {
+            window: 50,
+            max_entities: 10_000,
+            max_queued_bytes: 64 * 1024 * 1024,
+            delivery_timeout: Duration::from_secs(5),
+            resend_backoff_min: Duration::from_millis(200),
+            resend_backoff_max: Duration::from_secs(5),
+            max_redeliveries: 10,
+        }
+    }
+}
+
+impl ProducerSettings {
+    fn check(&self) -> Result<()> {
+        let bad = |what: &str| Err(Error::Config(format!("producer settings: {what}")));
+        if self.window == 0 || self.max_entities == 0 || self.max_queued_bytes == 0 {
+            return bad("window, max_entities and max_queued_bytes must be at least 1");
+        }
+        if self.delivery_timeout.is_zero() || self.resend_backoff_min.is_zero() {
+            return bad("delivery_timeout and resend_backoff_min must be more than zero");
+        }
+        if self.resend_backoff_max < self.resend_backoff_min {
+            return bad("resend_backoff_max must be at least resend_backoff_min");
+        }
+        Ok(())
+    }
+
+    fn limits(&self) -> ProducerLimits {
+        ProducerLimits {
+            window: self.window,
+            max_entities: self.max_entities,
+            max_queued_bytes: self.max_queued_bytes,
+            resend_backoff_min: self.resend_backoff_min,
+            resend_backoff_max: self.resend_backoff_max,
+            max_redeliveries: self.max_redeliveries,
+        }
+    }
+}
+
+/// Longest producer id, in bytes.
+pub const MAX_PRODUCER_ID_LEN: usize = 256;
+
+/// Room a delivery's envelope takes in a frame besides its message.
+const ENVELOPE_ROOM: usize = 4096;
+
+/// A message given up ([`Producer::on_dead_letter`]).
+#[derive(Debug)]
+pub struct DeadLetter<M> {
+    /// The entity it was for.
+    pub entity_id: String,
+    /// Its number in the producer's stream to that entity.
+    pub seq: u64,
+    /// The message.
+    pub message: M,
+    /// The entity's last panic on it.
+    pub reason: String,
+}
+
+/// What a producer counted and holds ([`Producer::stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ProducerStats {
+    /// Messages stored.
+    pub stored: u64,
+    /// Messages confirmed.
+    pub confirmed: u64,
+    /// Sends of a message sent before.
+    pub resent: u64,
+    /// `send` calls that had to wait for room.
+    pub demand_waits: u64,
+    /// Messages given up.
+    pub dead_lettered: u64,
+    /// Messages stored and not yet confirmed.
+    pub unconfirmed: usize,
+    /// Their bytes.
+    pub queued_bytes: usize,
+    /// Entities they are for.
+    pub entities: usize,
+    /// How long the oldest of them has waited.
+    pub oldest_unconfirmed_age: Option<Duration>,
+}
+
+type DeadLetterHook<M> = Arc<dyn Fn(DeadLetter<M>) + Send + Sync>;
+
+/// Resolves once the stored message is confirmed ([`Producer::send`]); dropping it does not
+/// withdraw the message.
+#[derive(Debug)]
+pub struct Confirmation {
+    seq: u64,
+    producer_id: Arc<str>,
+    rx: oneshot::Receiver<Result<()>>,
+}
+
+impl Confirmation {
+    /// The message's number in the producer's stream to its entity.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+impl Future for Confirmation {
+    type Output = Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match Pin::new(&mut self.rx).poll(cx) {
+            Poll::Ready(Ok(r)) => Poll::Ready(r),
+            Poll::Ready(Err(_)) => {
+                Poll::Ready(Err(Error::ProducerStopped { producer_id: self.producer_id.to_string() }))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A delivery in flight: what its outcome is for.
+struct Flight {
+    entity: String,
+    stream: u64,
+    round: u64,
+    seq: u64,
+    rx: oneshot::Receiver<Result<DeliveryOutcome>>,
+}
+
+struct State {
+    core: ProducerCore,
+    /// Offers waiting for room, by waiter id.
+    waiters: HashMap<u64, oneshot::Sender<()>>,
+    next_waiter: u64,
+    /// Stored messages' confirmations, by (stream, seq).
+    confirms: HashMap<(u64, u64), oneshot::Sender<Result<()>>>,
+    stopped: bool,
+}
+
+struct Inner<E: Entity> {
+    producer_id: Arc<str>,
+    region: ShardRegion<E>,
+    max_message_bytes: usize,
+    state: Mutex<State>,
+    flights: mpsc::UnboundedSender<Flight>,
+    dead_letters: Mutex<Option<DeadLetterHook<E::Message>>>,
+}
+
+/// Stops the producer's task when the last handle goes.
+struct StopOnDrop(CancellationToken);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.cancel();
+    }
+}
+
+/// A reliable-delivery producer for the entities of one region ([`ShardRegion::producer`]);
+/// cheap to clone. See the module doc for what it promises.
+pub struct Producer<E: Entity> {
+    inner: Arc<Inner<E>>,
+    _stop: Arc<StopOnDrop>,
+}
+
+impl<E: Entity> Clone for Producer<E> {
+    fn clone(&self) -> Self {
+        Producer { inner: self.inner.clone(), _stop: self._stop.clone() }
+    }
+}
+
+impl<E: Entity> std::fmt::Debug for Producer<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer").field("producer_id", &self.inner.producer_id).finish_non_exhaustive()
+    }
+}
+
+impl<E: Entity> ShardRegion<E> {
+    /// A reliable-delivery producer for this region's entities, with id `producer_id` (see
+    /// [`Producer`]): messages numbered per entity, sent again until confirmed, with flow
+    /// control per entity. Works on a proxy too. Fails for an empty id or one over
+    /// [`MAX_PRODUCER_ID_LEN`] bytes, settings out of range, or a stand-in.
+    pub fn producer(&self, producer_id: &str, settings: ProducerSettings) -> Result<Producer<E>> {
+        Producer::start(self.clone(), producer_id, settings)
+    }
+}
+
+impl<E: Entity> Producer<E> {
+    /// Starts a producer sending through `region` (see [`ShardRegion::producer`]).
+    fn start(region: ShardRegion<E>, producer_id: &str, settings: ProducerSettings) -> Result<Self> {
+        settings.check()?;
+        if producer_id.is_empty() || producer_id.len() > MAX_PRODUCER_ID_LEN {
+            return Err(Error::BadRequest(format!(
+                "producer id {producer_id:?} must be 1 to {MAX_PRODUCER_ID_LEN} bytes"
+            )));
+        }
+        let node = region.node()?.clone();
+        let max_message_bytes = node.config().transport.max_frame_size.saturating_sub(ENVELOPE_ROOM);
+        let (flights, flights_rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            producer_id: producer_id.into(),
+            region,
+            max_message_bytes,
+            state: Mutex::new(State {
+                core: ProducerCore::new(producer_id.to_string(), settings.limits(), rand::random()),
+                waiters: HashMap::new(),
+                next_waiter: 0,
+                confirms: HashMap::new(),
+                stopped: false,
+            }),
+            flights,
+            dead_letters: Mutex::new(None),
+        });
+        let stop = CancellationToken::new();
+        let task = drive(inner.clone(), flights_rx, stop.clone(), node.shutdown_token(), settings);
+        node.spawner().spawn(task);
+        Ok(Producer { inner, _stop: Arc::new(StopOnDrop(stop)) })
+    }
+
+    /// The producer's id.
+    pub fn producer_id(&self) -> &str {
+        &self.inner.producer_id
+    }
+
+    /// Stores `msg` for entity `entity_id` and returns once it is stored, waiting for room
+    /// first (see the module doc); the [`Confirmation`] resolves once the entity handled it.
+    /// An id over the type's limit, a message over the frame limit or past the producer's
+    /// byte budget fails at once, with nothing stored.
+    pub async fn send(&self, entity_id: &str, msg: E::Message) -> Result<Confirmation> {
+        let inner = &self.inner;
+        crate::sharding::ids::check_entity_id(entity_id, inner.region.max_entity_id_bytes())?;
+        let bytes = Bytes::from(
+            rmp_serde::to_vec_named(&msg).map_err(|e| Error::Codec(format!("message does not encode: {e}")))?,
+        );
+        if bytes.len() > inner.max_message_bytes {
+            return Err(Error::MessageTooLarge {
+                entity_id: entity_id.to_string(),
+                bytes: bytes.len(),
+                max: inner.max_message_bytes,
+            });
+        }
+        loop {
+            let woken = {
+                let mut st = inner.lock();
+                if st.stopped {
+                    return Err(Error::ProducerStopped { producer_id: inner.producer_id.to_string() });
+                }
+                st.next_waiter += 1;
+                let waiter = st.next_waiter;
+                let offer = ProducerInput::Offer { entity: entity_id.to_string(), bytes: bytes.clone(), waiter };
+                let (answer, dead) = inner.run_core(&mut st, offer);
+                let woken = match answer {
+                    Some(ProducerAction::Stored { stream, seq }) => {
+                        let (tx, rx) = oneshot::channel();
+                        st.confirms.insert((stream, seq), tx);
+                        drop(st);
+                        inner.dead_letters(dead);
+                        return Ok(Confirmation { seq, producer_id: inner.producer_id.clone(), rx });
+                    }
+                    Some(ProducerAction::Refused { queued_bytes, max_queued_bytes }) => {
+                        return Err(Error::ProducerQueueFull {
+                            producer_id: inner.producer_id.to_string(),
+                            bytes: bytes.len(),
+                            queued_bytes,
+                            max_queued_bytes,
+                        });
+                    }
+                    _ => {
+                        let (tx, rx) = oneshot::channel();
+                        st.waiters.insert(waiter, tx);
+                        rx
+                    }
+                };
+                drop(st);
+                inner.dead_letters(dead);
+                woken
+            };
+            // Woken for room, or the producer stopped (checked above).
+            let _ = woken.await;
+        }
+    }
+
+    /// Calls `hook` with every message given up from now on (its entity panicked on it more
+    /// than `max_redeliveries` times), besides failing its [`Confirmation`]. The hook runs on
+    /// the producer's task: keep it short.
+    pub fn on_dead_letter(&self, hook: impl Fn(DeadLetter<E::Message>) + Send + Sync + 'static) {
+        *self.inner.dead_letters.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(hook));
+    }
+
+    /// What the producer counted and holds now.
+    pub fn stats(&self) -> ProducerStats {
+        let st = self.inner.lock();
+        let c = st.core.counts();
+        ProducerStats {
+            stored: c.stored,
+            confirmed: c.confirmed,
+            resent: c.resent,
+            demand_waits: c.demand_waits,
+            dead_lettered: c.dead_lettered,
+            unconfirmed: st.core.unconfirmed(),
+            queued_bytes: st.core.queued_bytes(),
+            entities: st.core.entities(),
+            oldest_unconfirmed_age: st
+                .core
+                .oldest_unconfirmed()
+                .map(|t| crate::clock::now().saturating_duration_since(t)),
+        }
+    }
+}
+
+impl<E: Entity> Inner<E> {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `input` through the core and performs what it decided; returns the answer to an
+    /// offer (stored, wait, refused) and the dead letters for the hook (called unlocked).
+    fn run_core(&self, st: &mut State, input: ProducerInput) -> (Option<ProducerAction>, Vec<DeadLetter<E::Message>>) {
+        let now = crate::clock::now();
+        let (mut answer, mut dead) = (None, Vec::new());
+        let mut inputs = std::collections::VecDeque::from([input]);
+        let mut out = Vec::new();
+        while let Some(input) = inputs.pop_front() {
+            st.core.handle(input, now, &mut out);
+            for action in out.drain(..) {
+                match action {
+                    a @ (ProducerAction::Stored { .. } | ProducerAction::Wait | ProducerAction::Refused { .. }) => {
+                        answer = Some(a);
+                    }
+                    ProducerAction::Wake { waiter, entity } => {
+                        if st.waiters.remove(&waiter).is_none_or(|tx| tx.send(()).is_err()) {
+                            inputs.push_back(ProducerInput::WakeLost { entity });
+                        }
+                    }
+                    ProducerAction::Send { entity, header, round, bytes } => {
+                        let (stream, seq) = (header.stream, header.seq);
+                        match self.deliver(&entity, header, &bytes) {
+                            Ok(rx) => {
+                                let _ = self.flights.send(Flight { entity, stream, round, seq, rx });
+                            }
+                            Err(e) => {
+                                let result = SendResult::Failed(e.to_string());
+                                inputs.push_back(ProducerInput::Outcome { entity, stream, round, seq, result });
+                            }
+                        }
+                    }
+                    ProducerAction::Confirmed { stream, seq } => {
+                        if let Some(tx) = st.confirms.remove(&(stream, seq)) {
+                            let _ = tx.send(Ok(()));
+                        }
+                    }
+                    ProducerAction::DeadLetter { entity, stream, seq, bytes, reason } => {
+                        warn!(producer = %self.producer_id, entity_id = %entity, seq, reason = %reason,
+                            "message given up after its entity panicked on it past max_redeliveries");
+                        if let Some(tx) = st.confirms.remove(&(stream, seq)) {
+                            let _ = tx.send(Err(Error::DeadLettered {
+                                producer_id: self.producer_id.to_string(),
+                                entity_id: entity.clone(),
+                                seq,
+                                reason: reason.clone(),
+                            }));
+                        }
+                        if let Ok(message) = wire::decode::<E::Message>(&bytes) {
+                            dead.push(DeadLetter { entity_id: entity, seq, message, reason });
+                        }
+                    }
+                }
+            }
+        }
+        (answer, dead)
+    }
+
+    /// Sends one delivery through the region.
+    fn deliver(
+        &self,
+        entity: &str,
+        header: DeliveryHeader,
+        bytes: &[u8],
+    ) -> Result<oneshot::Receiver<Result<DeliveryOutcome>>> {
+        let msg = wire::decode::<E::Message>(bytes)?;
+        self.region.deliver_reliably(entity, header, msg)
+    }
+
+    fn dead_letters(&self, dead: Vec<DeadLetter<E::Message>>) {
+        if dead.is_empty() {
+            return;
+        }
+        let hook = self.dead_letters.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if let Some(hook) = hook {
+            for letter in dead {
+                hook(letter);
+            }
+        }
+    }
+
+    /// Feeds an input that answers no offer (an outcome, a tick).
+    fn feed(&self, input: ProducerInput) {
+        let dead = {
+            let mut st = self.lock();
+            if st.stopped {
+                return;
+            }
+            self.run_core(&mut st, input).1
+        };
+        self.dead_letters(dead);
+    }
+
+    /// The producer stopped: every waiting confirmation fails, every waiting `send` is woken
+    /// to find it stopped.
+    fn stop(&self) {
+        let mut st = self.lock();
+        st.stopped = true;
+        st.waiters.clear();
+        for (_, tx) in st.confirms.drain() {
+            let _ = tx.send(Err(Error::ProducerStopped { producer_id: self.producer_id.to_string() }));
+        }
+    }
+}
+
+/// How often due rounds are started.
+const TICK: Duration = Duration::from_millis(50);
+
+/// The producer's task: waits for the outcomes of deliveries in flight and feeds them, and
+/// time, to the core; ends when the last handle goes or the node shuts down.
+async fn drive<E: Entity>(
+    inner: Arc<Inner<E>>,
+    mut flights: mpsc::UnboundedReceiver<Flight>,
+    stop: CancellationToken,
+    shutdown: CancellationToken,
+    settings: ProducerSettings,
+) {
+    let timeout = settings.delivery_timeout;
+    let mut in_flight = FuturesUnordered::new();
+    let mut tick = tokio::time::interval(TICK.min(settings.resend_backoff_min));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = shutdown.cancelled() => break,
+            Some(f) = flights.recv() => {
+                let Flight { entity, stream, round, seq, rx } = f;
+                in_flight.push(async move {
+                    let result = match tokio::time::timeout(timeout, rx).await {
+                        Ok(Ok(Ok(outcome))) => SendResult::Answered(outcome),
+                        Ok(Ok(Err(e))) => SendResult::Failed(e.to_string()),
+                        Ok(Err(_)) => SendResult::Failed("the delivery was dropped".into()),
+                        Err(_) => SendResult::Failed(format!("no outcome within {timeout:?}")),
+                    };
+                    ProducerInput::Outcome { entity, stream, round, seq, result }
+                });
+            }
+            Some(outcome) = in_flight.next(), if !in_flight.is_empty() => inner.feed(outcome),
+            _ = tick.tick() => inner.feed(ProducerInput::Tick),
+        }
+    }
+    inner.stop();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sharding::delivery::DeliveryInfo;
+
+    #[test]
+    fn settings_out_of_range_are_refused_with_the_setting_named() {
+        assert!(ProducerSettings::default().check().is_ok());
+        let table: Vec<(ProducerSettings, &str)> = vec![
+            (ProducerSettings { window: 0, ..Default::default() }, "window"),
+            (ProducerSettings { max_entities: 0, ..Default::default() }, "max_entities"),
+            (ProducerSettings { max_queued_bytes: 0, ..Default::default() }, "max_queued_bytes"),
+            (ProducerSettings { delivery_timeout: Duration::ZERO, ..Default::default() }, "delivery_timeout"),
+            (ProducerSettings { resend_backoff_min: Duration::ZERO, ..Default::default() }, "resend_backoff_min"),
+            (
+                ProducerSettings { resend_backoff_max: Duration::from_millis(1), ..Default::default() },
+                "resend_backoff_max",
+            ),
+        ];
+        for (settings, named) in table {
+            let e = settings.check().unwrap_err().to_string();
+            assert!(e.contains(named), "{e}");
+        }
+    }
+
+    #[test]
+    fn delivery_info_says_which_message_and_whether_it_was_sent_before() {
+        let h = DeliveryHeader {
+            producer: "p".into(),
+            stream: 1,
+            seq: 4,
+            first_unconfirmed: 2,
+            redelivery: true,
+            nonce: 3,
+        };
+        assert_eq!(DeliveryInfo::of(&h), DeliveryInfo { producer_id: "p".into(), seq: 4, redelivery: true });
+    }
+}
