@@ -108,6 +108,7 @@ pub fn router(node: Node, settings: AdminSettings) -> Router {
         .route("/cluster/shards/{type_name}/entities/{id}", get(locate))
         .route("/cluster/shards/{type_name}/rebalance", post(rebalance))
         .route("/cluster/daemons/{name}", get(daemon_scale).put(daemon_rescale))
+        .route("/cluster/producers", get(producers))
         .layer(DefaultBodyLimit::max(limit))
         .with_state(Admin { node, settings })
 }
@@ -403,6 +404,62 @@ async fn events(State(admin): State<Admin>) -> Sse<impl Stream<Item = Result<Eve
         Some((Ok(event), (rx, node)))
     });
     Sse::new(stream).keep_alive(KeepAlive::default())
+}
+
+/// A reliable-delivery producer running on this node, as `GET /cluster/producers` lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProducerRow {
+    /// The producer's id.
+    pub producer_id: String,
+    /// The entity type it sends to.
+    pub type_name: String,
+    /// Messages stored.
+    pub stored: u64,
+    /// Messages confirmed.
+    pub confirmed: u64,
+    /// Sends of a message sent before.
+    pub resent: u64,
+    /// Sends that waited for room.
+    pub demand_waits: u64,
+    /// Messages given up.
+    pub dead_lettered: u64,
+    /// Messages stored and not yet confirmed.
+    pub unconfirmed: usize,
+    /// Their encoded bytes.
+    pub queued_bytes: usize,
+    /// Entities they are for.
+    pub entities: usize,
+    /// How long the oldest of them has waited, in milliseconds (`null`: none).
+    pub oldest_unconfirmed_age_ms: Option<u64>,
+}
+
+/// `GET /cluster/producers`: this node's producers, in start order.
+async fn producers(State(admin): State<Admin>) -> Response {
+    let rows: Vec<ProducerRow> = admin
+        .node
+        .sharding()
+        .producers()
+        .into_iter()
+        .map(|p| {
+            let s = p.stats;
+            ProducerRow {
+                producer_id: p.producer_id,
+                type_name: p.type_name,
+                stored: s.stored,
+                confirmed: s.confirmed,
+                resent: s.resent,
+                demand_waits: s.demand_waits,
+                dead_lettered: s.dead_lettered,
+                unconfirmed: s.unconfirmed,
+                queued_bytes: s.queued_bytes,
+                entities: s.entities,
+                oldest_unconfirmed_age_ms: s
+                    .oldest_unconfirmed_age
+                    .map(|a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX)),
+            }
+        })
+        .collect();
+    json(&rows)
 }
 
 /// An entity type started on this node.

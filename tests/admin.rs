@@ -549,3 +549,42 @@ async fn the_daemon_route_shows_a_processes_scale_and_rescales_it_with_the_token
     assert_eq!(rescaled, shown, "the table of the new scale, then the same read back");
     c.shutdown().await;
 }
+
+/// Issue 43: `GET /cluster/producers` lists this node's reliable-delivery producers with what
+/// each counted and holds, the age of its oldest unconfirmed message included; a producer whose
+/// handles are all dropped leaves the list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_producers_route_lists_this_nodes_producers_with_their_oldest_unconfirmed_age() {
+    let mut c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let probe = Probe::default();
+    let regions = start_everywhere(&c, &probe, settings()).await;
+    let app = router(c.node(0).clone(), AdminSettings::default());
+    assert_eq!(get(&app, "/cluster/producers").await, (StatusCode::OK, serde_json::json!([])));
+    let producer = regions[0].producer("orders", ddshard::sharding::ProducerSettings::default()).unwrap();
+    for i in 0..4 {
+        producer.send(&format!("p{i}"), CounterMsg::Add(1)).await.unwrap().await.unwrap();
+    }
+    // One held by a slow handler: unconfirmed while it sleeps.
+    let held = producer.send("p0", CounterMsg::SleepMs(1_500)).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (status, list) = get(&app, "/cluster/producers").await;
+    assert_eq!(status, StatusCode::OK);
+    let row = &list[0];
+    assert_eq!((&row["producer_id"], &row["type_name"]), (&Value::from("orders"), &Value::from("counter")), "{list}");
+    assert_eq!(
+        (&row["stored"], &row["confirmed"], &row["unconfirmed"]),
+        (&Value::from(5), &Value::from(4), &Value::from(1))
+    );
+    assert!(row["oldest_unconfirmed_age_ms"].as_u64().is_some_and(|ms| ms >= 300), "{row}");
+    held.await.unwrap();
+    let (_, list) = get(&app, "/cluster/producers").await;
+    assert_eq!(list[0]["oldest_unconfirmed_age_ms"], Value::Null);
+    drop(producer);
+    eventually(CONVERGE, "a dropped producer leaves the list", || {
+        let app = app.clone();
+        async move { (get(&app, "/cluster/producers").await.1 == serde_json::json!([])).then_some(()) }
+    })
+    .await;
+    c.shutdown().await;
+}

@@ -103,6 +103,11 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
         regions[0].ask(id, CounterMsg::Add(1)).await.unwrap();
     }
     // A timed-out ask and a failed one, so every outcome is recorded.
+    // A reliable-delivery producer: its series, and the deliveries its entities took.
+    let producer = regions[0].producer("metrics", ddshard::sharding::ProducerSettings::default()).unwrap();
+    for id in &ids[..3] {
+        producer.send(id, CounterMsg::Add(0)).await.unwrap().await.unwrap();
+    }
     let slow = regions[0].ask_with_timeout("m0", CounterMsg::SleepMs(300), Duration::from_millis(20)).await;
     assert!(matches!(slow, Err(ddshard::Error::AskTimeout { .. })), "{slow:?}");
     assert!(regions[0].ask("", CounterMsg::Get).await.is_err(), "an empty id is refused");
@@ -130,7 +135,9 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
                 let ids = sum(&samples, "ddshard_remember_ids_written_total", &[("type", "counter")]);
                 let sized = sum(&samples, "ddshard_remember_batch_size_sum", &[("type", "counter")]);
                 let settled = batches == timed && ids == sized;
-                (registered == 3.0 && running == 29.0 && remembered == 29.0 && settled).then_some(samples)
+                // The producer publishes its own series each second.
+                let produced = sum(&samples, "ddshard_producer_messages_total", &[("event", "confirmed")]) == 3.0;
+                (registered == 3.0 && running == 29.0 && remembered == 29.0 && settled && produced).then_some(samples)
             }
         })
         .await;
@@ -189,6 +196,13 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     assert!(majority_ok >= 1.0, "the coordinator's and the remember writers' writes");
     assert_eq!(sum(&samples, "ddshard_replicator_updates_total", &[("outcome", "timeout")]), 0.0);
     assert_eq!(sum(&samples, "ddshard_downs_published_total", &[]), 0.0, "nobody was downed");
+    let produced =
+        |event| sum(&samples, "ddshard_producer_messages_total", &[("producer", "metrics"), ("event", event)]);
+    assert_eq!((produced("stored"), produced("confirmed")), (3.0, 3.0));
+    assert_eq!(sum(&samples, "ddshard_producer_unconfirmed", &[("node", "n1")]), 0.0);
+    assert_eq!(sum(&samples, "ddshard_deliveries_total", &[("outcome", "handled")]), 3.0, "each taken once");
+    assert_eq!(sum(&samples, "ddshard_deliveries_total", &[("outcome", "sent_back")]), 3.0, "one hello per entity");
+    drop(producer);
 
     // n3's region hands its shards off (timed), then an operator downs n3 (counted).
     let n3_shards = sum(&samples, "ddshard_region_hosted_shards", &[("node", "n3")]);

@@ -128,6 +128,16 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
         ],
     );
     set_counter("ddshard_entity_panics_total", &l, c.entity_panics);
+    set_counters_by(
+        "ddshard_deliveries_total",
+        &l,
+        "outcome",
+        &[
+            ("handled", c.deliveries_handled),
+            ("duplicate", c.deliveries_duplicate),
+            ("sent_back", c.deliveries_sent_back),
+        ],
+    );
     set_counter("ddshard_stop_hook_overruns_total", &l, c.stop_hook_overruns);
     set_counter("ddshard_shard_load_timeouts_total", &l, c.shard_load_timeouts);
     set_counter("ddshard_shard_failures_total", &l, c.shard_failures);

@@ -65,6 +65,17 @@ pub struct RegionCounters {
     /// Entity handlers that panicked.
     pub entity_panics: u64,
 
+    /// Reliable deliveries taken to be handled here (the next message of their stream).
+    pub deliveries_handled: u64,
+
+    /// Reliable deliveries confirmed without being handled: taken before, or confirmed by the
+    /// producer's own account.
+    pub deliveries_duplicate: u64,
+
+    /// Reliable deliveries sent back: past the next number expected, or of a stream the
+    /// entity's incarnation had not been introduced to.
+    pub deliveries_sent_back: u64,
+
     /// Shards stopped because their remembered set could not be loaded or written.
     pub shard_failures: u64,
 
@@ -150,6 +161,9 @@ pub(crate) struct RegionCounterCells {
     pub(crate) slot_budget_bytes: AtomicU64,
     pub(crate) dropped_invalid: AtomicU64,
     pub(crate) entity_panics: AtomicU64,
+    pub(crate) deliveries_handled: AtomicU64,
+    pub(crate) deliveries_duplicate: AtomicU64,
+    pub(crate) deliveries_sent_back: AtomicU64,
     pub(crate) shard_failures: AtomicU64,
     pub(crate) dropped_mailbox_full: AtomicU64,
     pub(crate) dropped_refused: AtomicU64,
@@ -190,6 +204,9 @@ impl RegionCounterCells {
             slot_budget_bytes: self.slot_budget_bytes.load(Ordering::Relaxed),
             dropped_invalid: self.dropped_invalid.load(Ordering::Relaxed),
             entity_panics: self.entity_panics.load(Ordering::Relaxed),
+            deliveries_handled: self.deliveries_handled.load(Ordering::Relaxed),
+            deliveries_duplicate: self.deliveries_duplicate.load(Ordering::Relaxed),
+            deliveries_sent_back: self.deliveries_sent_back.load(Ordering::Relaxed),
             shard_failures: self.shard_failures.load(Ordering::Relaxed),
             dropped_mailbox_full: self.dropped_mailbox_full.load(Ordering::Relaxed),
             dropped_refused: self.dropped_refused.load(Ordering::Relaxed),
@@ -255,6 +272,9 @@ mod tests {
         cells.home_requests.store(32, Ordering::Relaxed);
         cells.stop_hook_overruns.store(33, Ordering::Relaxed);
         cells.shard_load_timeouts.store(34, Ordering::Relaxed);
+        cells.deliveries_handled.store(35, Ordering::Relaxed);
+        cells.deliveries_duplicate.store(36, Ordering::Relaxed);
+        cells.deliveries_sent_back.store(37, Ordering::Relaxed);
         let s = cells.snapshot();
         assert_eq!(s.local_routed, 1);
         assert_eq!(s.remote_direct, 2);
@@ -290,5 +310,6 @@ mod tests {
         assert_eq!(s.home_requests, 32);
         assert_eq!(s.stop_hook_overruns, 33);
         assert_eq!(s.shard_load_timeouts, 34);
+        assert_eq!((s.deliveries_handled, s.deliveries_duplicate, s.deliveries_sent_back), (35, 36, 37));
     }
 }

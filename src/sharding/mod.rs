@@ -60,7 +60,9 @@ pub use durable::{Durable, DurableEntity};
 pub use handle::{EntityRef, ShardRegion};
 pub use ids::{RegionId, ShardId, ShardIdExtractor, default_shard_id};
 pub use keys::durable_key_prefix;
-pub use producer::{Confirmation, DeadLetter, MAX_PRODUCER_ID_LEN, Producer, ProducerSettings, ProducerStats};
+pub use producer::{
+    Confirmation, DeadLetter, MAX_PRODUCER_ID_LEN, Producer, ProducerInfo, ProducerSettings, ProducerStats,
+};
 pub use region_ref::RegionRef;
 pub use settings::MAX_ENTITY_ID_LEN;
 pub use settings::{
@@ -389,6 +391,12 @@ impl Sharding {
     /// tools; `None` when it was not started here.
     pub fn daemon(&self, name: &str) -> Option<DaemonProcess> {
         daemon::find(&self.node, name)
+    }
+
+    /// The reliable-delivery producers running on this node ([`ShardRegion::producer`]), in
+    /// start order, with what each counted and holds.
+    pub fn producers(&self) -> Vec<ProducerInfo> {
+        producer::producers(&self.node)
     }
 
     /// Starts hosting entity type `type_name` here (or a proxy if this node lacks the role),

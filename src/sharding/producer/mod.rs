@@ -157,6 +157,48 @@ pub struct ProducerStats {
 
 type DeadLetterHook<M> = Arc<dyn Fn(DeadLetter<M>) + Send + Sync>;
 
+/// A producer running on this node ([`crate::sharding::Sharding::producers`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducerInfo {
+    /// The producer's id.
+    pub producer_id: String,
+    /// The entity type it sends to.
+    pub type_name: String,
+    /// What it counted and holds.
+    pub stats: ProducerStats,
+}
+
+/// A running producer, whatever its entity type.
+trait ProducerView: Send + Sync {
+    fn info(&self) -> ProducerInfo;
+}
+
+/// The producers started on a node (kept on it; a producer leaves when its task ends).
+#[derive(Default)]
+struct ProducerRegistry(Mutex<Vec<std::sync::Weak<dyn ProducerView>>>);
+
+/// Lists `view` among `node`'s producers.
+fn register(node: &crate::node::Node, view: std::sync::Weak<dyn ProducerView>) {
+    let registry = node.kept::<ProducerRegistry>().into_iter().next().unwrap_or_else(|| {
+        let r = Arc::new(ProducerRegistry::default());
+        node.keep(r.clone());
+        r
+    });
+    let mut list = registry.0.lock().unwrap_or_else(|p| p.into_inner());
+    list.retain(|w| w.strong_count() > 0);
+    list.push(view);
+}
+
+/// The producers running on `node`, in start order.
+pub(crate) fn producers(node: &crate::node::Node) -> Vec<ProducerInfo> {
+    let mut out = Vec::new();
+    for registry in node.kept::<ProducerRegistry>() {
+        let list = registry.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        out.extend(list.iter().filter_map(std::sync::Weak::upgrade).map(|p| p.info()));
+    }
+    out
+}
+
 /// Resolves once the stored message is confirmed ([`Producer::send`]); dropping it does not
 /// withdraw the message.
 #[derive(Debug)]
@@ -279,6 +321,8 @@ impl<E: Entity> Producer<E> {
             flights,
             dead_letters: Mutex::new(None),
         });
+        let view: Arc<dyn ProducerView> = inner.clone();
+        register(&node, Arc::downgrade(&view));
         let stop = CancellationToken::new();
         let task = drive(inner.clone(), flights_rx, stop.clone(), node.shutdown_token(), settings);
         node.spawner().spawn(task);
@@ -357,7 +401,20 @@ impl<E: Entity> Producer<E> {
 
     /// What the producer counted and holds now.
     pub fn stats(&self) -> ProducerStats {
-        let st = self.inner.lock();
+        self.inner.stats()
+    }
+}
+
+impl<E: Entity> ProducerView for Inner<E> {
+    fn info(&self) -> ProducerInfo {
+        let (producer_id, type_name) = (self.producer_id.to_string(), self.region.type_name().to_string());
+        ProducerInfo { producer_id, type_name, stats: self.stats() }
+    }
+}
+
+impl<E: Entity> Inner<E> {
+    fn stats(&self) -> ProducerStats {
+        let st = self.lock();
         let c = st.core.counts();
         ProducerStats {
             stored: c.stored,
@@ -498,6 +555,10 @@ async fn drive<E: Entity>(
     settings: ProducerSettings,
 ) {
     let timeout = settings.delivery_timeout;
+    #[cfg(feature = "metrics")]
+    let mut published = tokio::time::interval(Duration::from_secs(1));
+    #[cfg(not(feature = "metrics"))]
+    let mut published = futures::future::pending::<()>();
     let mut in_flight = FuturesUnordered::new();
     let mut tick = tokio::time::interval(TICK.min(settings.resend_backoff_min));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -519,9 +580,55 @@ async fn drive<E: Entity>(
             }
             Some(outcome) = in_flight.next(), if !in_flight.is_empty() => inner.feed(outcome),
             _ = tick.tick() => inner.feed(ProducerInput::Tick),
+            _ = next_publish(&mut published) => inner.publish_metrics(),
         }
     }
     inner.stop();
+    inner.publish_metrics();
+}
+
+#[cfg(feature = "metrics")]
+async fn next_publish(every: &mut tokio::time::Interval) {
+    every.tick().await;
+}
+
+#[cfg(not(feature = "metrics"))]
+async fn next_publish(never: &mut futures::future::Pending<()>) {
+    never.await
+}
+
+impl<E: Entity> Inner<E> {
+    /// Copies the producer's counts into the `metrics` facade (feature `metrics`), labelled
+    /// with its node, type and id: one producer id, one series per name.
+    fn publish_metrics(&self) {
+        #[cfg(feature = "metrics")]
+        {
+            use crate::metrics::{set_counter, set_counters_by};
+            let Ok(node) = self.region.node() else { return };
+            let s = self.stats();
+            let l = vec![
+                ("node", node.node_id().to_string()),
+                ("type", self.region.type_name().to_string()),
+                ("producer", self.producer_id.to_string()),
+            ];
+            set_counters_by(
+                "ddshard_producer_messages_total",
+                &l,
+                "event",
+                &[
+                    ("stored", s.stored),
+                    ("confirmed", s.confirmed),
+                    ("resent", s.resent),
+                    ("dead_lettered", s.dead_lettered),
+                ],
+            );
+            set_counter("ddshard_producer_demand_waits_total", &l, s.demand_waits);
+            ::metrics::gauge!("ddshard_producer_unconfirmed", &l).set(s.unconfirmed as f64);
+            ::metrics::gauge!("ddshard_producer_queued_bytes", &l).set(s.queued_bytes as f64);
+            let age = s.oldest_unconfirmed_age.map_or(0.0, |a| a.as_secs_f64());
+            ::metrics::gauge!("ddshard_producer_oldest_unconfirmed_seconds", &l).set(age);
+        }
+    }
 }
 
 #[cfg(test)]

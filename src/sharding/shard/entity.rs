@@ -383,6 +383,13 @@ impl<E: Entity> EntityRun<E> {
             Some(marks) => marks.admit(&d.header),
             None => self.mailbox.admit(&d.header),
         };
+        let counters = &self.shared.counters;
+        let cell = match admission {
+            Admission::Handle => &counters.deliveries_handled,
+            Admission::Duplicate => &counters.deliveries_duplicate,
+            Admission::Gap { .. } | Admission::Hello { .. } => &counters.deliveries_sent_back,
+        };
+        cell.fetch_add(1, Ordering::Relaxed);
         let outcome = match admission {
             Admission::Handle => {
                 self.ctx.delivery = Some(DeliveryInfo::of(&d.header));
