@@ -99,7 +99,7 @@ fn main() {
                 .unwrap();
             regions.push(r);
         }
-        let producer = regions[0].producer("bench", ProducerSettings::default()).unwrap();
+        let producer = regions[0].producer("bench", ProducerSettings::default()).await.unwrap();
         (c, regions.swap_remove(0), producer)
     });
     let passes = common::sized(3, 1);

@@ -292,6 +292,18 @@ pub enum Error {
         producer_id: String,
     },
 
+    /// A newer incarnation of this producer (the same id, started again here or elsewhere)
+    /// claimed its durable queue: this one stopped. What it stored is the newer one's now.
+    #[error("producer {producer_id:?} (epoch {epoch}) was superseded by a newer incarnation (epoch {fence})")]
+    ProducerFenced {
+        /// The producer.
+        producer_id: String,
+        /// This incarnation's epoch.
+        epoch: u64,
+        /// The newer one's.
+        fence: u64,
+    },
+
     /// A sharded type of this name is already started on this node.
     #[error("entity type {0:?} is already started on this node")]
     TypeAlreadyStarted(String),
@@ -391,6 +403,7 @@ impl Error {
             | Error::MessageTooLarge { .. }
             | Error::DeadLettered { .. }
             | Error::ProducerStopped { .. }
+            | Error::ProducerFenced { .. }
             | Error::TypeAlreadyStarted(_)
             | Error::UnknownMember(_)
             | Error::BadAddress(_)
@@ -445,6 +458,7 @@ mod tests {
             (Error::MessageTooLarge { entity_id: s(), bytes: 2, max: 1 }, false),
             (Error::DeadLettered { producer_id: s(), entity_id: s(), seq: 1, reason: s() }, false),
             (Error::ProducerStopped { producer_id: s() }, false),
+            (Error::ProducerFenced { producer_id: s(), epoch: 1, fence: 2 }, false),
             (Error::TypeAlreadyStarted(s()), false),
             (Error::UnknownMember(s()), false),
             (Error::BadAddress("0.0.0.0:1".parse().unwrap()), false),

@@ -561,7 +561,7 @@ async fn the_producers_route_lists_this_nodes_producers_with_their_oldest_unconf
     let regions = start_everywhere(&c, &probe, settings()).await;
     let app = router(c.node(0).clone(), AdminSettings::default());
     assert_eq!(get(&app, "/cluster/producers").await, (StatusCode::OK, serde_json::json!([])));
-    let producer = regions[0].producer("orders", ddshard::sharding::ProducerSettings::default()).unwrap();
+    let producer = regions[0].producer("orders", ddshard::sharding::ProducerSettings::default()).await.unwrap();
     for i in 0..4 {
         producer.send(&format!("p{i}"), CounterMsg::Add(1)).await.unwrap().await.unwrap();
     }

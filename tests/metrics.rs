@@ -104,7 +104,7 @@ async fn metrics_md_equals_the_catalog_and_a_live_cluster_emits_exactly_it_label
     }
     // A timed-out ask and a failed one, so every outcome is recorded.
     // A reliable-delivery producer: its series, and the deliveries its entities took.
-    let producer = regions[0].producer("metrics", ddshard::sharding::ProducerSettings::default()).unwrap();
+    let producer = regions[0].producer("metrics", ddshard::sharding::ProducerSettings::default()).await.unwrap();
     for id in &ids[..3] {
         producer.send(id, CounterMsg::Add(0)).await.unwrap().await.unwrap();
     }

@@ -124,7 +124,7 @@ fn every_stored_message_is_confirmed_after_its_entity_handled_it_once_in_order()
         let entities = ids(20);
         let confirmed = cluster
             .on_node(0, move |_| async move {
-                let producer = region.producer("orders", ProducerSettings::default())?;
+                let producer = region.producer("orders", ProducerSettings::default()).await?;
                 let confirmations = send_all(&producer, &entities, 1..=25).await;
                 let seqs: Vec<u64> = confirmations.iter().take(3).map(Confirmation::seq).collect();
                 for c in confirmations {
@@ -164,7 +164,7 @@ async fn crash_mid_stream<E: Entity<Message = u64>>(
     let (r, e) = (region.clone(), entities.to_vec());
     let producer = cluster
         .on_node(0, move |_| async move {
-            let producer = r.producer("orders", settings)?;
+            let producer = r.producer("orders", settings).await?;
             for c in send_all(&producer, &e, 1..=5).await {
                 c.await?;
             }
@@ -269,7 +269,7 @@ fn a_message_its_entity_keeps_panicking_on_becomes_a_dead_letter_and_the_stream_
                     resend_backoff_min: Duration::from_millis(10),
                     ..Default::default()
                 };
-                let producer = region.producer("p", settings)?;
+                let producer = region.producer("p", settings).await?;
                 let letters = Arc::new(Mutex::new(Vec::new()));
                 let seen = letters.clone();
                 producer.on_dead_letter(move |d| seen.lock().unwrap().push((d.entity_id, d.seq, d.message, d.reason)));
@@ -327,7 +327,7 @@ fn send_waits_for_the_entitys_window_and_a_send_dropped_while_waiting_stores_not
                 let g = gate.clone();
                 let region = n.sharding().start("slow", move |_: &str| Slow { gate: g.clone() }, settings(1)).await?;
                 let settings = ProducerSettings { window: 2, ..Default::default() };
-                let producer = region.producer("p", settings)?;
+                let producer = region.producer("p", settings).await?;
                 let first = producer.send("s", 1).await?;
                 let second = producer.send("s", 2).await?;
                 let third = tokio::time::timeout(Duration::from_secs(1), producer.send("s", 3)).await;
@@ -364,7 +364,7 @@ fn bad_sends_fail_at_once_with_typed_errors_and_store_nothing() {
         let errors = cluster
             .on_node(0, move |_| async move {
                 let settings = ProducerSettings { max_queued_bytes: 20, ..Default::default() };
-                let producer = region.producer("p", settings)?;
+                let producer = region.producer("p", settings).await?;
                 let long_id = "x".repeat(10_000);
                 let too_long = producer.send(&long_id, 1).await.unwrap_err();
                 let empty = producer.send("", 1).await.unwrap_err();
@@ -375,9 +375,9 @@ fn bad_sends_fail_at_once_with_typed_errors_and_store_nothing() {
                         Err(e) => break e,
                     }
                 };
-                let bad_id = region.producer("", ProducerSettings::default()).unwrap_err();
+                let bad_id = region.producer("", ProducerSettings::default()).await.unwrap_err();
                 let bad_settings =
-                    region.producer("q", ProducerSettings { window: 0, ..Default::default() }).unwrap_err();
+                    region.producer("q", ProducerSettings { window: 0, ..Default::default() }).await.unwrap_err();
                 Ok::<_, Error>((too_long, empty, stored, full, bad_id, bad_settings, producer.stats()))
             })
             .await
@@ -403,7 +403,7 @@ fn a_restarted_producer_starts_new_streams_its_entities_take_from_the_first_mess
         let total = cluster
             .on_node(1, move |_| async move {
                 for round in 0..3 {
-                    let producer = region.producer("same-id", ProducerSettings::default())?;
+                    let producer = region.producer("same-id", ProducerSettings::default()).await?;
                     for v in 1..=5 {
                         producer.send("acc", v + round * 100).await?.await?;
                     }

@@ -170,8 +170,13 @@ fn run_seed(seed: u64, nodes: usize) {
                 window: 8,
                 ..Default::default()
             };
-            let plain = producer_regions.plain.producer("faults", settings.clone())?;
-            let durable = producer_regions.durable.producer("faults", settings)?;
+            let plain = producer_regions.plain.producer("faults", settings.clone()).await?;
+            // The durable entities' producer keeps its queue in the cluster too: its writes go
+            // through the same faults.
+            let durable = producer_regions
+                .durable
+                .producer("faults", ProducerSettings { durable_queue: true, ..settings })
+                .await?;
             let mut confirmations = Vec::new();
             for v in 1..=MESSAGES {
                 for e in 0..ENTITIES {

@@ -53,10 +53,11 @@ pub(crate) struct DeliveryHeader {
 /// What an entity answers a delivery with (the transport's errors aside).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum DeliveryOutcome {
-    /// Handled now (`handled`), or earlier / confirmed already (`!handled`).
-    Confirmed { handled: bool },
+    /// Handled now (`handled`), or earlier / confirmed already (`!handled`), by the
+    /// incarnation with `nonce` (which the producer may send from now on).
+    Confirmed { handled: bool, nonce: u64 },
     /// Not handled: the entity expects `expected` of the stream first.
-    Gap { expected: u64 },
+    Gap { expected: u64, nonce: u64 },
     /// The handler panicked on it: not confirmed.
     Panicked { reason: String },
     /// Not handled: this incarnation takes the stream only from messages sent once its
@@ -120,6 +121,11 @@ impl ConsumerMarks {
         for m in &mut self.marks {
             m.greeted = 0;
         }
+    }
+
+    /// This incarnation's nonce.
+    pub(crate) fn nonce(&self) -> u64 {
+        self.nonce
     }
 
     /// Whether no producer has been heard.

@@ -300,6 +300,17 @@ impl<E: Entity> ShardRegion<E> {
         Ok(rx)
     }
 
+    /// A store of fenced slots in key space `space` for this region's type (a producer's
+    /// durable queue), counting into `counters`.
+    pub(crate) fn state_store(
+        &self,
+        space: String,
+        counters: Arc<RegionCounterCells>,
+    ) -> Result<super::shard::StateIo> {
+        let parts = region_parts(self.inner.node()?, &self.inner);
+        Ok(super::shard::StateIo::in_space(&parts, space, counters))
+    }
+
     /// The node behind the region (none for a stand-in).
     pub(crate) fn node(&self) -> Result<&Node> {
         self.inner.node()

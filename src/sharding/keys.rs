@@ -21,7 +21,25 @@ pub(crate) fn remembered_entities(type_name: &str, shard: &str, slot: u32) -> St
 
 /// Replicator key of one slot of a shard's durable entity states (a fenced map).
 pub(crate) fn entity_states(type_name: &str, shard: &str, slot: u32) -> String {
-    format!("shard-{type_name}/{shard}/state-{slot}")
+    slot_key(&state_space(type_name), shard, slot)
+}
+
+/// The key space of a type's durable entity states (see [`slot_key`]).
+pub(crate) fn state_space(type_name: &str) -> String {
+    format!("shard-{type_name}")
+}
+
+/// The key space of the durable queues of a type's producers. `shard-/` is no type's
+/// namespace (a type name is never empty), so no shard id of any type can reach it.
+pub(crate) fn producer_space(type_name: &str) -> String {
+    format!("shard-/producer/{type_name}")
+}
+
+/// Replicator key of one slot of a fenced store in `space`: a shard's entity states (`owner`
+/// the shard), or a producer's queue (`owner` the producer id). The slot ends the key, so an
+/// owner containing `/` still names one key per slot.
+pub(crate) fn slot_key(space: &str, owner: &str, slot: u32) -> String {
+    format!("{space}/{owner}/state-{slot}")
 }
 
 /// Replicator key of the durable set of a type's shards (for a full-cluster restart).

@@ -27,6 +27,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
+use super::queue::{QueueEntry, RestoredStream, entry_key};
 use crate::clock::Instant;
 use crate::sharding::delivery::{DeliveryHeader, DeliveryOutcome};
 
@@ -39,6 +40,21 @@ pub(crate) struct ProducerLimits {
     pub resend_backoff_min: Duration,
     pub resend_backoff_max: Duration,
     pub max_redeliveries: u32,
+    /// Messages are stored in the cluster (majority writes) before they count as stored.
+    pub durable: bool,
+}
+
+/// How a durable store write of one message ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PersistResult {
+    /// Acknowledged by a majority.
+    Stored,
+    /// Not acknowledged (a timeout, too few replicas): written again after a pause.
+    Retry(String),
+    /// Refused with nothing written (its slot is full): the message is not stored.
+    Refused(String),
+    /// A newer incarnation of this producer claimed the queue.
+    Fenced { fence: u64 },
 }
 
 /// How a delivery ended for the producer.
@@ -60,12 +76,27 @@ pub(crate) enum ProducerInput {
     Outcome { entity: String, stream: u64, round: u64, seq: u64, result: SendResult },
     /// Time passed: due rounds start.
     Tick,
+    /// The durable store write of message `seq` of `entity`'s stream `stream` ended.
+    Persisted { entity: String, stream: u64, seq: u64, result: PersistResult },
+    /// The streams a durable queue's load found (before any offer).
+    Restore(Vec<RestoredStream>),
 }
 
 #[derive(Debug, PartialEq)]
 pub(crate) enum ProducerAction {
-    /// The offer is stored as message `seq` of stream `stream`.
+    /// The offer is stored as message `seq` of stream `stream` (durable: acknowledged).
     Stored { stream: u64, seq: u64 },
+    /// Durable: the offer is message `seq` of stream `stream`, being written (`Stored` or
+    /// `StoreFailed` follows).
+    Storing { stream: u64, seq: u64 },
+    /// Durable: message `seq` of stream `stream` could not be stored: it is not.
+    StoreFailed { stream: u64, seq: u64, reason: String },
+    /// Durable: write `entry` at `key`.
+    Persist { key: String, entry: QueueEntry },
+    /// Durable: delete the entry at `key` (its message is confirmed or given up).
+    Unpersist { key: String },
+    /// Durable: a newer incarnation claimed the queue; this one must stop.
+    Fenced { fence: u64 },
     /// No room for the offer: its waiter is woken when there is.
     Wait,
     /// The offer would pass the byte budget: refused, nothing stored.
@@ -95,6 +126,9 @@ struct Queued {
     seq: u64,
     bytes: Bytes,
     stored_at: Instant,
+    /// Durable: its write was acknowledged (always true otherwise). Only a run of stored
+    /// messages from the front is sent.
+    stored: bool,
     /// Times sent.
     sends: u32,
     /// Times its entity panicked on it.
@@ -118,11 +152,19 @@ struct Stream {
     nonce: u64,
     /// Since when it has had nothing unconfirmed and nobody waiting (its key in `idle`).
     idle_since: Option<u64>,
+    /// Durable: its lane, places per lane, and when it was made (see [`super::queue`]).
+    lane: u32,
+    modulus: u64,
+    made: (u64, u64),
 }
 
 impl Stream {
     fn first_unconfirmed(&self) -> u64 {
         self.queue.front().map_or(self.next_seq, |q| q.seq)
+    }
+
+    fn key(&self, seq: u64) -> String {
+        entry_key(self.lane, seq, self.modulus)
     }
 }
 
@@ -143,10 +185,19 @@ pub(crate) struct ProducerCore {
     /// Rounds due, by time.
     retries: BTreeSet<(Instant, String)>,
     counts: ProducerCounts,
+    /// Durable: the epoch this incarnation claimed its queue at.
+    epoch: u64,
+    /// Durable: lanes given out, and those free again.
+    lanes: u32,
+    free_lanes: BTreeSet<u32>,
+    /// Durable: writes to try again, by time (entity, number).
+    persist_retries: BTreeSet<(Instant, String, u64)>,
 }
 
 impl ProducerCore {
-    pub(crate) fn new(producer: String, limits: ProducerLimits, stream_base: u64) -> Self {
+    /// A core whose streams are numbered from `stream_base`; `epoch`: the claim of its durable
+    /// queue (0 without one).
+    pub(crate) fn new(producer: String, limits: ProducerLimits, stream_base: u64, epoch: u64) -> Self {
         ProducerCore {
             producer,
             limits,
@@ -159,6 +210,10 @@ impl ProducerCore {
             queued_bytes: 0,
             retries: BTreeSet::new(),
             counts: ProducerCounts::default(),
+            epoch,
+            lanes: 0,
+            free_lanes: BTreeSet::new(),
+            persist_retries: BTreeSet::new(),
         }
     }
 
@@ -195,12 +250,33 @@ impl ProducerCore {
                 self.outcome(&entity, stream, round, seq, result, now, out);
             }
             ProducerInput::Tick => self.tick(now, out),
+            ProducerInput::Persisted { entity, stream, seq, result } => {
+                self.persisted(&entity, stream, seq, result, now, out);
+            }
+            ProducerInput::Restore(streams) => self.restore(streams, now, out),
         }
+    }
+
+    /// Whether `s` has room for another message: `window` unconfirmed messages, and (durable)
+    /// fewer numbers from its oldest unconfirmed one than its lane has places.
+    fn has_room(&self, s: &Stream) -> bool {
+        let span = s.next_seq - s.first_unconfirmed();
+        s.queue.len() < self.limits.window && (!self.limits.durable || span < s.modulus)
+    }
+
+    /// Messages that fit in `s` now.
+    fn room(&self, s: &Stream) -> usize {
+        let by_window = self.limits.window.saturating_sub(s.queue.len());
+        if !self.limits.durable {
+            return by_window;
+        }
+        let span = s.next_seq - s.first_unconfirmed();
+        by_window.min(usize::try_from(s.modulus.saturating_sub(span)).unwrap_or(usize::MAX))
     }
 
     fn offer(&mut self, entity: String, bytes: Bytes, waiter: u64, now: Instant, out: &mut Vec<ProducerAction>) {
         let room = match self.streams.get(&entity) {
-            Some(s) => s.queue.len() < self.limits.window,
+            Some(s) => self.has_room(s),
             None => self.entities() < self.limits.max_entities,
         };
         if !room {
@@ -220,32 +296,117 @@ impl ProducerCore {
         if !self.streams.contains_key(&entity) && self.streams.len() >= self.limits.max_entities {
             self.evict_idle();
         }
-        let (base, made, backoff) = (self.stream_base, &mut self.streams_made, self.limits.resend_backoff_min);
-        let s = self.streams.entry(entity.clone()).or_insert_with(|| {
-            *made += 1;
-            Stream {
-                id: base.wrapping_add(*made),
-                next_seq: 1,
-                queue: VecDeque::new(),
-                sent_upto: 0,
-                round: 1,
-                retry_at: None,
-                backoff,
-                waiters: VecDeque::new(),
-                nonce: 0,
-                idle_since: None,
-            }
-        });
+        if !self.streams.contains_key(&entity) {
+            let lane = self.free_lanes.pop_first().unwrap_or_else(|| {
+                self.lanes += 1;
+                self.lanes - 1
+            });
+            self.streams_made += 1;
+            let stream = self.new_stream(self.stream_base.wrapping_add(self.streams_made), lane);
+            self.streams.insert(entity.clone(), stream);
+        }
+        let s = self.streams.get_mut(&entity).expect("made above");
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
         }
         let seq = s.next_seq;
         s.next_seq += 1;
         self.queued_bytes += bytes.len();
-        s.queue.push_back(Queued { seq, bytes, stored_at: now, sends: 0, panics: 0 });
-        self.counts.stored += 1;
-        out.push(ProducerAction::Stored { stream: s.id, seq });
+        let durable = self.limits.durable;
+        if durable {
+            let entry = QueueEntry {
+                entity: entity.clone(),
+                stream: s.id,
+                made: s.made,
+                seq,
+                modulus: s.modulus,
+                bytes: bytes.to_vec(),
+            };
+            out.push(ProducerAction::Storing { stream: s.id, seq });
+            out.push(ProducerAction::Persist { key: s.key(seq), entry });
+        } else {
+            self.counts.stored += 1;
+            out.push(ProducerAction::Stored { stream: s.id, seq });
+        }
+        s.queue.push_back(Queued { seq, bytes, stored_at: now, stored: !durable, sends: 0, panics: 0 });
         self.pump(&entity, out);
+    }
+
+    /// A stream with id `id` in `lane`, numbered from 1.
+    fn new_stream(&self, id: u64, lane: u32) -> Stream {
+        Stream {
+            id,
+            next_seq: 1,
+            queue: VecDeque::new(),
+            sent_upto: 0,
+            round: 1,
+            retry_at: None,
+            backoff: self.limits.resend_backoff_min,
+            waiters: VecDeque::new(),
+            nonce: 0,
+            idle_since: None,
+            lane,
+            modulus: self.limits.window.max(1) as u64,
+            made: (self.epoch, self.streams_made),
+        }
+    }
+
+    /// A durable write ended.
+    fn persisted(
+        &mut self,
+        entity: &str,
+        stream: u64,
+        seq: u64,
+        result: PersistResult,
+        now: Instant,
+        out: &mut Vec<ProducerAction>,
+    ) {
+        let Some(s) = self.streams.get_mut(entity).filter(|s| s.id == stream) else { return };
+        let Some(i) = s.queue.iter().position(|q| q.seq == seq && !q.stored) else { return };
+        match result {
+            PersistResult::Stored => {
+                s.queue[i].stored = true;
+                self.counts.stored += 1;
+                out.push(ProducerAction::Stored { stream, seq });
+                self.pump(entity, out);
+            }
+            PersistResult::Retry(_) => {
+                self.persist_retries.insert((now + self.limits.resend_backoff_min, entity.to_string(), seq));
+            }
+            PersistResult::Refused(reason) => {
+                // Nothing was written; later numbers of the stream go on without it (the
+                // header's first unconfirmed number moves the entity past it).
+                let q = s.queue.remove(i).expect("found above");
+                self.queued_bytes -= q.bytes.len();
+                out.push(ProducerAction::StoreFailed { stream, seq, reason });
+                self.after_progress(entity, out);
+            }
+            PersistResult::Fenced { fence } => out.push(ProducerAction::Fenced { fence }),
+        }
+    }
+
+    /// Resumes the streams a durable queue's load found: everything in them counts as sent
+    /// before (their entities may have handled it), and is sent once each entity's
+    /// incarnation is known.
+    fn restore(&mut self, streams: Vec<RestoredStream>, now: Instant, out: &mut Vec<ProducerAction>) {
+        for r in streams {
+            if self.streams.contains_key(&r.entity) {
+                continue;
+            }
+            let mut s = self.new_stream(r.stream, r.lane);
+            (s.modulus, s.made) = (r.modulus.max(1), r.made);
+            for (seq, bytes) in r.messages {
+                self.queued_bytes += bytes.len();
+                s.next_seq = s.next_seq.max(seq.saturating_add(1));
+                s.queue.push_back(Queued { seq, bytes, stored_at: now, stored: true, sends: 1, panics: 0 });
+            }
+            self.lanes = self.lanes.max(r.lane.saturating_add(1));
+            self.streams.insert(r.entity.clone(), s);
+            self.pump(&r.entity, out);
+            self.after_progress(&r.entity, out);
+        }
+        let used: BTreeSet<u32> = self.streams.values().map(|s| s.lane).collect();
+        self.free_lanes = (0..self.lanes).filter(|l| !used.contains(l)).collect();
     }
 
     /// Sends the stream's messages not yet sent in this round (none while a round is due).
@@ -260,7 +421,8 @@ impl ProducerCore {
         // (a hello); the rest would only be sent back.
         let probe = usize::from(s.nonce == 0 && sent_upto < first_unconfirmed);
         let allowed = if s.nonce == 0 { probe } else { usize::MAX };
-        for q in s.queue.iter_mut().filter(|q| q.seq > sent_upto).take(allowed) {
+        // Durable: what is not stored yet waits (and what follows it, to keep the order).
+        for q in s.queue.iter_mut().filter(|q| q.seq > sent_upto).take_while(|q| q.stored).take(allowed) {
             let header = DeliveryHeader {
                 producer: self.producer.clone(),
                 stream: s.id,
@@ -297,18 +459,20 @@ impl ProducerCore {
         let Some(s) = self.streams.get(entity).filter(|s| s.id == stream) else { return };
         let current = round == s.round;
         match result {
-            SendResult::Answered(DeliveryOutcome::Confirmed { .. }) => {
+            SendResult::Answered(DeliveryOutcome::Confirmed { nonce, .. }) => {
                 self.confirm_through(entity, seq, out);
                 if let Some(s) = self.streams.get_mut(entity) {
                     s.backoff = self.limits.resend_backoff_min;
                 }
+                self.learn_nonce(entity, nonce, out);
             }
-            SendResult::Answered(DeliveryOutcome::Gap { expected }) => {
+            SendResult::Answered(DeliveryOutcome::Gap { expected, nonce }) => {
                 // The entity took everything before `expected` (never more than was sent).
                 self.confirm_through(entity, expected.min(seq).saturating_sub(1), out);
                 if current {
                     self.new_round(entity, out);
                 }
+                self.learn_nonce(entity, nonce, out);
             }
             SendResult::Answered(DeliveryOutcome::Hello { nonce }) => {
                 // The entity's incarnation is new to the stream: everything unconfirmed goes
@@ -336,6 +500,16 @@ impl ProducerCore {
         self.after_progress(entity, out);
     }
 
+    /// An answer from an incarnation that took the stream on without an introduction (it knew
+    /// the stream already: a restored producer's, or one whose hello was lost): a stream that
+    /// knew no incarnation sends to this one from now on, all at once.
+    fn learn_nonce(&mut self, entity: &str, nonce: u64, out: &mut Vec<ProducerAction>) {
+        if let Some(s) = self.streams.get_mut(entity).filter(|s| s.nonce == 0 && nonce != 0) {
+            s.nonce = nonce;
+            self.pump(entity, out);
+        }
+    }
+
     /// Counts a panic on message `seq`; gives it up when it passed `max_redeliveries` (true:
     /// the stream goes on without it at once).
     fn count_panic(&mut self, entity: &str, seq: u64, reason: String, out: &mut Vec<ProducerAction>) -> bool {
@@ -348,6 +522,9 @@ impl ProducerCore {
         let q = s.queue.pop_front().expect("the front was just seen");
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
+        if self.limits.durable {
+            out.push(ProducerAction::Unpersist { key: s.key(seq) });
+        }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         true
     }
@@ -355,8 +532,12 @@ impl ProducerCore {
     /// Confirms every unconfirmed message of the stream up to `upto`.
     fn confirm_through(&mut self, entity: &str, upto: u64, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get_mut(entity) else { return };
-        while let Some(q) = s.queue.front().filter(|q| q.seq <= upto) {
+        // Durable: only what was stored can have been sent, so only that is confirmed.
+        while let Some(q) = s.queue.front().filter(|q| q.seq <= upto && q.stored) {
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
+            if self.limits.durable {
+                out.push(ProducerAction::Unpersist { key: s.key(q.seq) });
+            }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
             s.queue.pop_front();
@@ -387,6 +568,21 @@ impl ProducerCore {
     }
 
     fn tick(&mut self, now: Instant, out: &mut Vec<ProducerAction>) {
+        while let Some((at, entity, seq)) = self.persist_retries.first().cloned().filter(|(at, ..)| *at <= now) {
+            self.persist_retries.remove(&(at, entity.clone(), seq));
+            let Some(s) = self.streams.get(&entity) else { continue };
+            if let Some(q) = s.queue.iter().find(|q| q.seq == seq && !q.stored) {
+                let entry = QueueEntry {
+                    entity: entity.clone(),
+                    stream: s.id,
+                    made: s.made,
+                    seq,
+                    modulus: s.modulus,
+                    bytes: q.bytes.to_vec(),
+                };
+                out.push(ProducerAction::Persist { key: s.key(seq), entry });
+            }
+        }
         while let Some((at, entity)) = self.retries.first().cloned().filter(|(at, _)| *at <= now) {
             self.retries.remove(&(at, entity.clone()));
             if let Some(s) = self.streams.get_mut(&entity).filter(|s| s.retry_at == Some(at)) {
@@ -405,7 +601,7 @@ impl ProducerCore {
             self.wake_parked(out);
             return;
         }
-        let room = self.limits.window.saturating_sub(s.queue.len());
+        let room = self.room(s);
         for _ in 0..room.min(s.waiters.len()) {
             self.wake(entity, out);
         }
@@ -441,8 +637,10 @@ impl ProducerCore {
 
     /// Drops the least recently idle stream (its entity starts a new one when sent to again).
     fn evict_idle(&mut self) {
-        if let Some((_, entity)) = self.idle.pop_first() {
-            self.streams.remove(&entity);
+        if let Some((_, entity)) = self.idle.pop_first()
+            && let Some(s) = self.streams.remove(&entity)
+        {
+            self.free_lanes.insert(s.lane);
         }
     }
 

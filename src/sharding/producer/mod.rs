@@ -29,6 +29,8 @@
 //! and feeds each delivery's outcome back.
 
 mod core;
+mod durable;
+mod queue;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -45,6 +47,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use self::core::{ProducerAction, ProducerCore, ProducerInput, ProducerLimits, SendResult};
+use self::durable::DurableQueue;
 use super::Entity;
 use super::delivery::{DeliveryHeader, DeliveryOutcome};
 use super::handle::ShardRegion;
@@ -70,6 +73,10 @@ pub struct ProducerSettings {
     pub resend_backoff_max: Duration,
     /// Panics of its entity a message survives; one more makes it a dead letter.
     pub max_redeliveries: u32,
+    /// Keep unconfirmed messages in the cluster (majority writes, LMDB on every replica), so a
+    /// producer started again with the same id — on this node or another — resumes them;
+    /// `send` then returns once the message is written. See [`ShardRegion::producer`].
+    pub durable_queue: bool,
 }
 
 impl Default for ProducerSettings {
@@ -82,6 +89,7 @@ impl Default for ProducerSettings {
             resend_backoff_min: Duration::from_millis(200),
             resend_backoff_max: Duration::from_secs(5),
             max_redeliveries: 10,
+            durable_queue: false,
         }
     }
 }
@@ -109,6 +117,7 @@ impl ProducerSettings {
             resend_backoff_min: self.resend_backoff_min,
             resend_backoff_max: self.resend_backoff_max,
             max_redeliveries: self.max_redeliveries,
+            durable: self.durable_queue,
         }
     }
 }
@@ -171,6 +180,8 @@ pub struct ProducerInfo {
 /// A running producer, whatever its entity type.
 trait ProducerView: Send + Sync {
     fn info(&self) -> ProducerInfo;
+    /// Stopped or stopping (its handles dropped; its task may still be ending).
+    fn stopping(&self) -> bool;
 }
 
 /// The producers started on a node (kept on it; a producer leaves when its task ends).
@@ -194,7 +205,7 @@ pub(crate) fn producers(node: &crate::node::Node) -> Vec<ProducerInfo> {
     let mut out = Vec::new();
     for registry in node.kept::<ProducerRegistry>() {
         let list = registry.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        out.extend(list.iter().filter_map(std::sync::Weak::upgrade).map(|p| p.info()));
+        out.extend(list.iter().filter_map(std::sync::Weak::upgrade).filter(|p| !p.stopping()).map(|p| p.info()));
     }
     out
 }
@@ -245,7 +256,29 @@ struct State {
     next_waiter: u64,
     /// Stored messages' confirmations, by (stream, seq).
     confirms: HashMap<(u64, u64), oneshot::Sender<Result<()>>>,
-    stopped: bool,
+    /// Durable: sends waiting for their message's write, by (stream, seq).
+    storing: HashMap<(u64, u64), oneshot::Sender<Result<()>>>,
+    /// Durable: why a write was refused, for its send, by (stream, seq).
+    refusals: HashMap<(u64, u64), Error>,
+    /// Why the producer stopped, once it did.
+    stopped: Option<Stopped>,
+}
+
+/// Why a producer stopped.
+#[derive(Debug, Clone, Copy)]
+enum Stopped {
+    /// Its handles were dropped or its node shut down.
+    Stopped,
+    /// A newer incarnation claimed its durable queue at `fence`.
+    Fenced { epoch: u64, fence: u64 },
+}
+
+/// A durable store write in flight: the entry's key and value (`None`: a deletion), and the
+/// message it stores (none for a deletion).
+struct PersistJob {
+    key: String,
+    value: Option<Vec<u8>>,
+    message: Option<(String, u64, u64)>,
 }
 
 struct Inner<E: Entity> {
@@ -255,6 +288,10 @@ struct Inner<E: Entity> {
     state: Mutex<State>,
     flights: mpsc::UnboundedSender<Flight>,
     dead_letters: Mutex<Option<DeadLetterHook<E::Message>>>,
+    /// The durable queue, with its store writes on their way to the producer's task.
+    durable: Option<(DurableQueue, mpsc::UnboundedSender<PersistJob>)>,
+    /// Ends the producer's task (its handles dropped, or fenced).
+    stop: CancellationToken,
 }
 
 /// Stops the producer's task when the last handle goes.
@@ -289,15 +326,20 @@ impl<E: Entity> ShardRegion<E> {
     /// A reliable-delivery producer for this region's entities, with id `producer_id` (see
     /// [`Producer`]): messages numbered per entity, sent again until confirmed, with flow
     /// control per entity. Works on a proxy too. Fails for an empty id or one over
-    /// [`MAX_PRODUCER_ID_LEN`] bytes, settings out of range, or a stand-in.
-    pub fn producer(&self, producer_id: &str, settings: ProducerSettings) -> Result<Producer<E>> {
-        Producer::start(self.clone(), producer_id, settings)
+    /// [`MAX_PRODUCER_ID_LEN`] bytes, settings out of range, a producer of this id running
+    /// on this node already, or a stand-in.
+    ///
+    /// With [`ProducerSettings::durable_queue`], the producer first claims the queue its id
+    /// left in the cluster (a majority read; [`Error::ProducerFenced`] stops an older
+    /// incarnation still running elsewhere) and sends again everything it holds.
+    pub async fn producer(&self, producer_id: &str, settings: ProducerSettings) -> Result<Producer<E>> {
+        Producer::start(self.clone(), producer_id, settings).await
     }
 }
 
 impl<E: Entity> Producer<E> {
     /// Starts a producer sending through `region` (see [`ShardRegion::producer`]).
-    fn start(region: ShardRegion<E>, producer_id: &str, settings: ProducerSettings) -> Result<Self> {
+    async fn start(region: ShardRegion<E>, producer_id: &str, settings: ProducerSettings) -> Result<Self> {
         settings.check()?;
         if producer_id.is_empty() || producer_id.len() > MAX_PRODUCER_ID_LEN {
             return Err(Error::BadRequest(format!(
@@ -305,26 +347,47 @@ impl<E: Entity> Producer<E> {
             )));
         }
         let node = region.node()?.clone();
+        if producers(&node).iter().any(|p| p.producer_id == producer_id && p.type_name == region.type_name()) {
+            return Err(Error::BadRequest(format!(
+                "a producer {producer_id:?} of type {:?} runs on this node already",
+                region.type_name()
+            )));
+        }
+        let opened = if settings.durable_queue { Some(durable::open(&region, producer_id).await?) } else { None };
+        let epoch = opened.as_ref().map_or(0, |o| o.queue.epoch);
         let max_message_bytes = node.config().transport.max_frame_size.saturating_sub(ENVELOPE_ROOM);
         let (flights, flights_rx) = mpsc::unbounded_channel();
+        let (persists, persists_rx) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        let core = ProducerCore::new(producer_id.to_string(), settings.limits(), rand::random(), epoch);
+        let (durable, restored) = match opened {
+            Some(o) => (Some((o.queue, persists)), Some(o.restored)),
+            None => (None, None),
+        };
         let inner = Arc::new(Inner {
             producer_id: producer_id.into(),
             region,
             max_message_bytes,
             state: Mutex::new(State {
-                core: ProducerCore::new(producer_id.to_string(), settings.limits(), rand::random()),
+                core,
                 waiters: HashMap::new(),
                 next_waiter: 0,
                 confirms: HashMap::new(),
-                stopped: false,
+                storing: HashMap::new(),
+                refusals: HashMap::new(),
+                stopped: None,
             }),
             flights,
             dead_letters: Mutex::new(None),
+            durable,
+            stop: stop.clone(),
         });
+        if let Some(restored) = restored {
+            inner.resume(restored);
+        }
         let view: Arc<dyn ProducerView> = inner.clone();
         register(&node, Arc::downgrade(&view));
-        let stop = CancellationToken::new();
-        let task = drive(inner.clone(), flights_rx, stop.clone(), node.shutdown_token(), settings);
+        let task = drive(inner.clone(), flights_rx, persists_rx, node.shutdown_token(), settings);
         node.spawner().spawn(task);
         Ok(Producer { inner, _stop: Arc::new(StopOnDrop(stop)) })
     }
@@ -338,6 +401,11 @@ impl<E: Entity> Producer<E> {
     /// first (see the module doc); the [`Confirmation`] resolves once the entity handled it.
     /// An id over the type's limit, a message over the frame limit or past the producer's
     /// byte budget fails at once, with nothing stored.
+    ///
+    /// Cancel-safe while it waits for room: dropped then, it stored nothing. With a durable
+    /// queue it then waits for the message's write; dropped during that wait, the message may
+    /// still be stored and delivered. A write refused (its slot full) fails with the refusal,
+    /// nothing stored; one not acknowledged is tried again until it is.
     pub async fn send(&self, entity_id: &str, msg: E::Message) -> Result<Confirmation> {
         let inner = &self.inner;
         crate::sharding::ids::check_entity_id(entity_id, inner.region.max_entity_id_bytes())?;
@@ -352,43 +420,21 @@ impl<E: Entity> Producer<E> {
             });
         }
         loop {
-            let woken = {
-                let mut st = inner.lock();
-                if st.stopped {
-                    return Err(Error::ProducerStopped { producer_id: inner.producer_id.to_string() });
+            match inner.offer(entity_id, &bytes)? {
+                Offered::Stored(confirmation) => return Ok(confirmation),
+                // Durable: stored once its write is acknowledged.
+                Offered::Storing(stored, confirmation) => {
+                    return match stored.await {
+                        Ok(Ok(())) => Ok(confirmation),
+                        Ok(Err(e)) => Err(e),
+                        Err(_) => Err(inner.stopped_error(Stopped::Stopped)),
+                    };
                 }
-                st.next_waiter += 1;
-                let waiter = st.next_waiter;
-                let offer = ProducerInput::Offer { entity: entity_id.to_string(), bytes: bytes.clone(), waiter };
-                let (answer, dead) = inner.run_core(&mut st, offer);
-                let woken = match answer {
-                    Some(ProducerAction::Stored { stream, seq }) => {
-                        let (tx, rx) = oneshot::channel();
-                        st.confirms.insert((stream, seq), tx);
-                        drop(st);
-                        inner.dead_letters(dead);
-                        return Ok(Confirmation { seq, producer_id: inner.producer_id.clone(), rx });
-                    }
-                    Some(ProducerAction::Refused { queued_bytes, max_queued_bytes }) => {
-                        return Err(Error::ProducerQueueFull {
-                            producer_id: inner.producer_id.to_string(),
-                            bytes: bytes.len(),
-                            queued_bytes,
-                            max_queued_bytes,
-                        });
-                    }
-                    _ => {
-                        let (tx, rx) = oneshot::channel();
-                        st.waiters.insert(waiter, tx);
-                        rx
-                    }
-                };
-                drop(st);
-                inner.dead_letters(dead);
-                woken
-            };
-            // Woken for room, or the producer stopped (checked above).
-            let _ = woken.await;
+                // Woken for room, or the producer stopped (seen by the next offer).
+                Offered::Wait(woken) => {
+                    let _ = woken.await;
+                }
+            }
         }
     }
 
@@ -409,6 +455,10 @@ impl<E: Entity> ProducerView for Inner<E> {
     fn info(&self) -> ProducerInfo {
         let (producer_id, type_name) = (self.producer_id.to_string(), self.region.type_name().to_string());
         ProducerInfo { producer_id, type_name, stats: self.stats() }
+    }
+
+    fn stopping(&self) -> bool {
+        self.stop.is_cancelled()
     }
 }
 
@@ -433,66 +483,197 @@ impl<E: Entity> Inner<E> {
     }
 }
 
+/// What performing a run of the core's actions gave its caller.
+struct Performed<M> {
+    answer: Option<ProducerAction>,
+    dead: Vec<DeadLetter<M>>,
+}
+
+impl<M> Default for Performed<M> {
+    fn default() -> Self {
+        Performed { answer: None, dead: Vec::new() }
+    }
+}
+
+/// What an offer came to ([`Inner::offer`]).
+enum Offered {
+    Stored(Confirmation),
+    /// Durable: stored once the receiver says so.
+    Storing(oneshot::Receiver<Result<()>>, Confirmation),
+    /// No room: wait for the wake, then offer again.
+    Wait(oneshot::Receiver<()>),
+}
+
 impl<E: Entity> Inner<E> {
+    /// Offers `bytes` for `entity_id` to the core once.
+    fn offer(&self, entity_id: &str, bytes: &Bytes) -> Result<Offered> {
+        let mut st = self.lock();
+        if let Some(why) = st.stopped {
+            return Err(self.stopped_error(why));
+        }
+        st.next_waiter += 1;
+        let waiter = st.next_waiter;
+        let offer = ProducerInput::Offer { entity: entity_id.to_string(), bytes: bytes.clone(), waiter };
+        let (answer, dead) = self.run_core(&mut st, offer);
+        let confirmation = |st: &mut State, stream, seq| {
+            let (tx, rx) = oneshot::channel();
+            st.confirms.insert((stream, seq), tx);
+            Confirmation { seq, producer_id: self.producer_id.clone(), rx }
+        };
+        let offered = match answer {
+            Some(ProducerAction::Stored { stream, seq }) => Ok(Offered::Stored(confirmation(&mut st, stream, seq))),
+            Some(ProducerAction::Storing { stream, seq }) => {
+                let (tx, rx) = oneshot::channel();
+                st.storing.insert((stream, seq), tx);
+                Ok(Offered::Storing(rx, confirmation(&mut st, stream, seq)))
+            }
+            Some(ProducerAction::Refused { queued_bytes, max_queued_bytes }) => Err(Error::ProducerQueueFull {
+                producer_id: self.producer_id.to_string(),
+                bytes: bytes.len(),
+                queued_bytes,
+                max_queued_bytes,
+            }),
+            _ => {
+                let (tx, rx) = oneshot::channel();
+                st.waiters.insert(waiter, tx);
+                Ok(Offered::Wait(rx))
+            }
+        };
+        drop(st);
+        self.dead_letters(dead);
+        offered
+    }
+
+    /// The error a stopped producer answers with.
+    fn stopped_error(&self, why: Stopped) -> Error {
+        let producer_id = self.producer_id.to_string();
+        match why {
+            Stopped::Stopped => Error::ProducerStopped { producer_id },
+            Stopped::Fenced { epoch, fence } => Error::ProducerFenced { producer_id, epoch, fence },
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs `input` through the core and performs what it decided; returns the answer to an
-    /// offer (stored, wait, refused) and the dead letters for the hook (called unlocked).
+    /// offer (stored, storing, wait, refused) and the dead letters for the hook (called
+    /// unlocked).
     fn run_core(&self, st: &mut State, input: ProducerInput) -> (Option<ProducerAction>, Vec<DeadLetter<E::Message>>) {
         let now = crate::clock::now();
-        let (mut answer, mut dead) = (None, Vec::new());
+        let mut done = Performed::default();
         let mut inputs = std::collections::VecDeque::from([input]);
         let mut out = Vec::new();
         while let Some(input) = inputs.pop_front() {
             st.core.handle(input, now, &mut out);
             for action in out.drain(..) {
-                match action {
-                    a @ (ProducerAction::Stored { .. } | ProducerAction::Wait | ProducerAction::Refused { .. }) => {
-                        answer = Some(a);
-                    }
-                    ProducerAction::Wake { waiter, entity } => {
-                        if st.waiters.remove(&waiter).is_none_or(|tx| tx.send(()).is_err()) {
-                            inputs.push_back(ProducerInput::WakeLost { entity });
-                        }
-                    }
-                    ProducerAction::Send { entity, header, round, bytes } => {
-                        let (stream, seq) = (header.stream, header.seq);
-                        match self.deliver(&entity, header, &bytes) {
-                            Ok(rx) => {
-                                let _ = self.flights.send(Flight { entity, stream, round, seq, rx });
-                            }
-                            Err(e) => {
-                                let result = SendResult::Failed(e.to_string());
-                                inputs.push_back(ProducerInput::Outcome { entity, stream, round, seq, result });
-                            }
-                        }
-                    }
-                    ProducerAction::Confirmed { stream, seq } => {
-                        if let Some(tx) = st.confirms.remove(&(stream, seq)) {
-                            let _ = tx.send(Ok(()));
-                        }
-                    }
-                    ProducerAction::DeadLetter { entity, stream, seq, bytes, reason } => {
-                        warn!(producer = %self.producer_id, entity_id = %entity, seq, reason = %reason,
-                            "message given up after its entity panicked on it past max_redeliveries");
-                        if let Some(tx) = st.confirms.remove(&(stream, seq)) {
-                            let _ = tx.send(Err(Error::DeadLettered {
-                                producer_id: self.producer_id.to_string(),
-                                entity_id: entity.clone(),
-                                seq,
-                                reason: reason.clone(),
-                            }));
-                        }
-                        if let Ok(message) = wire::decode::<E::Message>(&bytes) {
-                            dead.push(DeadLetter { entity_id: entity, seq, message, reason });
-                        }
+                self.perform(st, action, &mut inputs, &mut done);
+            }
+        }
+        (done.answer, done.dead)
+    }
+
+    /// Performs one of the core's actions; what it feeds back goes to `inputs`.
+    fn perform(
+        &self,
+        st: &mut State,
+        action: ProducerAction,
+        inputs: &mut std::collections::VecDeque<ProducerInput>,
+        done: &mut Performed<E::Message>,
+    ) {
+        match action {
+            // Durable: a write acknowledged completes its send.
+            ProducerAction::Stored { stream, seq } if st.storing.contains_key(&(stream, seq)) => {
+                let _ = st.storing.remove(&(stream, seq)).expect("checked").send(Ok(()));
+            }
+            a @ (ProducerAction::Stored { .. }
+            | ProducerAction::Storing { .. }
+            | ProducerAction::Wait
+            | ProducerAction::Refused { .. }) => done.answer = Some(a),
+            ProducerAction::StoreFailed { stream, seq, reason } => {
+                let error = st
+                    .refusals
+                    .remove(&(stream, seq))
+                    .unwrap_or_else(|| Error::StateNotPersisted { entity_id: String::new(), reason: reason.clone() });
+                st.confirms.remove(&(stream, seq));
+                if let Some(tx) = st.storing.remove(&(stream, seq)) {
+                    let _ = tx.send(Err(error));
+                }
+            }
+            ProducerAction::Persist { key, entry } => {
+                let message = Some((entry.entity.clone(), entry.stream, entry.seq));
+                match wire::encode(&entry) {
+                    Ok(value) => self.persist(PersistJob { key, value: Some(value.to_vec()), message }),
+                    Err(e) => {
+                        let result = core::PersistResult::Refused(e.to_string());
+                        let (entity, stream, seq) = (entry.entity, entry.stream, entry.seq);
+                        inputs.push_back(ProducerInput::Persisted { entity, stream, seq, result });
                     }
                 }
             }
+            ProducerAction::Unpersist { key } => self.persist(PersistJob { key, value: None, message: None }),
+            ProducerAction::Fenced { fence } => {
+                let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
+                warn!(producer = %self.producer_id, epoch, fence, "a newer incarnation of this producer claimed its queue; stopping");
+                self.stop_locked(st, Stopped::Fenced { epoch, fence });
+            }
+            ProducerAction::Wake { waiter, entity } => {
+                if st.waiters.remove(&waiter).is_none_or(|tx| tx.send(()).is_err()) {
+                    inputs.push_back(ProducerInput::WakeLost { entity });
+                }
+            }
+            ProducerAction::Send { entity, header, round, bytes } => {
+                let (stream, seq) = (header.stream, header.seq);
+                match self.deliver(&entity, header, &bytes) {
+                    Ok(rx) => {
+                        let _ = self.flights.send(Flight { entity, stream, round, seq, rx });
+                    }
+                    Err(e) => {
+                        let result = SendResult::Failed(e.to_string());
+                        inputs.push_back(ProducerInput::Outcome { entity, stream, round, seq, result });
+                    }
+                }
+            }
+            ProducerAction::Confirmed { stream, seq } => {
+                if let Some(tx) = st.confirms.remove(&(stream, seq)) {
+                    let _ = tx.send(Ok(()));
+                }
+            }
+            ProducerAction::DeadLetter { entity, stream, seq, bytes, reason } => {
+                warn!(producer = %self.producer_id, entity_id = %entity, seq, reason = %reason,
+                    "message given up after its entity panicked on it past max_redeliveries");
+                if let Some(tx) = st.confirms.remove(&(stream, seq)) {
+                    let _ = tx.send(Err(Error::DeadLettered {
+                        producer_id: self.producer_id.to_string(),
+                        entity_id: entity.clone(),
+                        seq,
+                        reason: reason.clone(),
+                    }));
+                }
+                if let Ok(message) = wire::decode::<E::Message>(&bytes) {
+                    done.dead.push(DeadLetter { entity_id: entity, seq, message, reason });
+                }
+            }
         }
-        (answer, dead)
+    }
+
+    /// Hands a store write to the producer's task.
+    fn persist(&self, job: PersistJob) {
+        if let Some((_, jobs)) = &self.durable {
+            let _ = jobs.send(job);
+        }
+    }
+
+    /// Feeds the streams a durable queue's load found, and deletes what it found stale.
+    fn resume(&self, restored: queue::Restored) {
+        if restored.undecodable > 0 {
+            warn!(producer = %self.producer_id, entries = restored.undecodable, "stored queue entries that do not decode were deleted");
+        }
+        for key in restored.stale {
+            self.persist(PersistJob { key, value: None, message: None });
+        }
+        self.feed(ProducerInput::Restore(restored.streams));
     }
 
     /// Sends one delivery through the region.
@@ -522,7 +703,7 @@ impl<E: Entity> Inner<E> {
     fn feed(&self, input: ProducerInput) {
         let dead = {
             let mut st = self.lock();
-            if st.stopped {
+            if st.stopped.is_some() {
                 return;
             }
             self.run_core(&mut st, input).1
@@ -530,15 +711,43 @@ impl<E: Entity> Inner<E> {
         self.dead_letters(dead);
     }
 
+    /// A store write ended: the core hears how, for a message's write; a deletion only
+    /// matters when it found the queue claimed by a newer incarnation.
+    fn written(&self, message: Option<(String, u64, u64)>, written: Result<()>) {
+        let (result, refusal) = durable::persist_result(written);
+        match message {
+            Some((entity, stream, seq)) => {
+                if let Some(e) = refusal {
+                    self.lock().refusals.insert((stream, seq), e);
+                }
+                self.feed(ProducerInput::Persisted { entity, stream, seq, result });
+            }
+            None => {
+                if let core::PersistResult::Fenced { fence } = result {
+                    let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
+                    let mut st = self.lock();
+                    self.stop_locked(&mut st, Stopped::Fenced { epoch, fence });
+                }
+            }
+        }
+    }
+
     /// The producer stopped: every waiting confirmation fails, every waiting `send` is woken
     /// to find it stopped.
     fn stop(&self) {
         let mut st = self.lock();
-        st.stopped = true;
+        self.stop_locked(&mut st, Stopped::Stopped);
+    }
+
+    /// Stops the producer for `why` (the first reason stays), failing what waits, and ends its
+    /// task.
+    fn stop_locked(&self, st: &mut State, why: Stopped) {
+        let why = *st.stopped.get_or_insert(why);
         st.waiters.clear();
-        for (_, tx) in st.confirms.drain() {
-            let _ = tx.send(Err(Error::ProducerStopped { producer_id: self.producer_id.to_string() }));
+        for (_, tx) in st.confirms.drain().chain(st.storing.drain()) {
+            let _ = tx.send(Err(self.stopped_error(why)));
         }
+        self.stop.cancel();
     }
 }
 
@@ -550,11 +759,13 @@ const TICK: Duration = Duration::from_millis(50);
 async fn drive<E: Entity>(
     inner: Arc<Inner<E>>,
     mut flights: mpsc::UnboundedReceiver<Flight>,
-    stop: CancellationToken,
+    mut persists: mpsc::UnboundedReceiver<PersistJob>,
     shutdown: CancellationToken,
     settings: ProducerSettings,
 ) {
+    let stop = inner.stop.clone();
     let timeout = settings.delivery_timeout;
+    let mut writing = FuturesUnordered::new();
     #[cfg(feature = "metrics")]
     let mut published = tokio::time::interval(Duration::from_secs(1));
     #[cfg(not(feature = "metrics"))]
@@ -579,6 +790,15 @@ async fn drive<E: Entity>(
                 });
             }
             Some(outcome) = in_flight.next(), if !in_flight.is_empty() => inner.feed(outcome),
+            Some(job) = persists.recv() => {
+                let Some((queue, _)) = &inner.durable else { continue };
+                let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
+                writing.push(async move {
+                    let written = store.write(&owner, epoch, &job.key, job.value).await;
+                    (job.message, written)
+                });
+            }
+            Some((message, written)) = writing.next(), if !writing.is_empty() => inner.written(message, written),
             _ = tick.tick() => inner.feed(ProducerInput::Tick),
             _ = next_publish(&mut published) => inner.publish_metrics(),
         }

@@ -307,7 +307,7 @@ impl StateBatch {
     /// (writes of an older epoch of the same shard, queued before its newer instance started
     /// here, are fenced at once).
     pub(crate) fn start(
-        type_name: &str,
+        space: &str,
         slots: u32,
         budget: usize,
         counters: Arc<RegionCounterCells>,
@@ -317,7 +317,7 @@ impl StateBatch {
         let mut outcomes: Vec<(String, Option<StateResult>)> = vec![(String::new(), None); requests.len()];
         let mut by_key: BTreeMap<String, Vec<(usize, StateRequest)>> = BTreeMap::new();
         for (index, req) in requests.into_iter().enumerate() {
-            let key = keys::entity_states(type_name, &req.shard, remembered_slot(&req.entity_id, slots));
+            let key = keys::slot_key(space, &req.shard, remembered_slot(&req.entity_id, slots));
             by_key.entry(key).or_default().push((index, req));
         }
         let mut parts = Vec::new();
@@ -650,7 +650,7 @@ mod tests {
         let requests =
             vec![state("1", 5, "a", Some(b"old")), state("1", 6, "b", Some(b"new")), state("1", 6, "c", None)];
         let mut out = Vec::new();
-        let mut batch = StateBatch::start("t", 1, 1 << 20, counters, requests, &mut out);
+        let mut batch = StateBatch::start(&keys::state_space("t"), 1, 1 << 20, counters, requests, &mut out);
         let mut replica = Replica::default();
         assert!(replica.apply(updates(&mut out)).is_empty());
         batch.handle(Ok(Vec::new()), &mut out);
@@ -681,7 +681,14 @@ mod tests {
         // A newer allocation claimed the slot at epoch 9.
         replica.apply(vec![KeyUpdate::new::<FencedMap, _>(&key, |m, _| m.claim(9).unwrap())]);
         let mut out = Vec::new();
-        let mut batch = StateBatch::start("t", 1, 1 << 20, counters, vec![state("1", 7, "a", Some(b"v"))], &mut out);
+        let mut batch = StateBatch::start(
+            &keys::state_space("t"),
+            1,
+            1 << 20,
+            counters,
+            vec![state("1", 7, "a", Some(b"v"))],
+            &mut out,
+        );
         let fenced = replica.apply(updates(&mut out));
         assert_eq!(fenced.len(), 1);
         batch.handle(Ok(fenced), &mut out);
@@ -692,8 +699,14 @@ mod tests {
     fn a_state_batch_failing_every_try_answers_not_persisted_and_a_full_slot_answers_slot_full() {
         let counters = Arc::new(RegionCounterCells::default());
         let mut out = Vec::new();
-        let mut batch =
-            StateBatch::start("t", 4, 1 << 20, counters.clone(), vec![state("1", 1, "a", Some(b"v"))], &mut out);
+        let mut batch = StateBatch::start(
+            &keys::state_space("t"),
+            4,
+            1 << 20,
+            counters.clone(),
+            vec![state("1", 1, "a", Some(b"v"))],
+            &mut out,
+        );
         for _ in 0..WRITE_TRIES {
             updates(&mut out);
             batch.handle(Err(timeout()), &mut out);
@@ -704,7 +717,7 @@ mod tests {
         // A budget of 100 bytes: the first state fits, the second not.
         let key = keys::entity_states("t", "1", remembered_slot("b", 1));
         let requests = vec![state("1", 1, "a", Some(&[0; 40])), state("1", 1, "b", Some(&[0; 80]))];
-        let mut batch = StateBatch::start("t", 1, 100, counters, requests, &mut out);
+        let mut batch = StateBatch::start(&keys::state_space("t"), 1, 100, counters, requests, &mut out);
         let mut replica = Replica::default();
         replica.apply(updates(&mut out));
         batch.handle(Ok(Vec::new()), &mut out);

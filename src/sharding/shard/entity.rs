@@ -154,8 +154,10 @@ impl<E: Entity> Mailbox<E> {
     }
 
     /// What a plain entity does with a reliable delivery, by the marks of its incarnation.
-    fn admit(&self, header: &DeliveryHeader) -> Admission {
-        self.lock().marks.get_or_insert_with(|| Box::new(ConsumerMarks::new(rand::random()))).admit(header)
+    fn admit(&self, header: &DeliveryHeader) -> (Admission, u64) {
+        let mut m = self.lock();
+        let marks = m.marks.get_or_insert_with(|| Box::new(ConsumerMarks::new(rand::random())));
+        (marks.admit(header), marks.nonce())
     }
 
     /// Schedules the first run of a new incarnation (its start hook runs without waiting for a
@@ -378,9 +380,9 @@ impl<E: Entity> EntityRun<E> {
 
     /// Decides on a reliable delivery by the entity's marks: handed back when the entity is to
     /// handle it (the context then says which delivery it is); otherwise answered here.
-    fn admit(&mut self, running: &mut E, d: Box<DeliveryReply>) -> Option<Box<DeliveryReply>> {
-        let admission = match running.delivery_marks() {
-            Some(marks) => marks.admit(&d.header),
+    fn admit(&mut self, running: &mut E, d: Box<DeliveryReply>) -> Option<(Box<DeliveryReply>, u64)> {
+        let (admission, nonce) = match running.delivery_marks() {
+            Some(marks) => (marks.admit(&d.header), marks.nonce()),
             None => self.mailbox.admit(&d.header),
         };
         let counters = &self.shared.counters;
@@ -393,10 +395,10 @@ impl<E: Entity> EntityRun<E> {
         let outcome = match admission {
             Admission::Handle => {
                 self.ctx.delivery = Some(DeliveryInfo::of(&d.header));
-                return Some(d);
+                return Some((d, nonce));
             }
-            Admission::Duplicate => DeliveryOutcome::Confirmed { handled: false },
-            Admission::Gap { expected } => DeliveryOutcome::Gap { expected },
+            Admission::Duplicate => DeliveryOutcome::Confirmed { handled: false, nonce },
+            Admission::Gap { expected } => DeliveryOutcome::Gap { expected, nonce },
             Admission::Hello { nonce } => DeliveryOutcome::Hello { nonce },
         };
         self.shared.replier.outcome(d.to, Ok(outcome));
@@ -545,7 +547,7 @@ impl<E: Entity> EntityRun<E> {
         };
         let delivery = match delivery {
             Some(d) => match self.admit(running, d) {
-                Some(d) => Some(d),
+                Some(taken) => Some(taken),
                 None => return true,
             },
             None => None,
@@ -559,9 +561,10 @@ impl<E: Entity> EntityRun<E> {
         let taken = self.after_handler(&outcome);
         match outcome {
             Ok(result) => match delivery {
-                Some(d) => {
-                    self.shared.replier.outcome(d.to, result.map(|_| DeliveryOutcome::Confirmed { handled: true }))
-                }
+                Some((d, nonce)) => self
+                    .shared
+                    .replier
+                    .outcome(d.to, result.map(|_| DeliveryOutcome::Confirmed { handled: true, nonce })),
                 None => self.answer(taken, reply, result.map(Some)),
             },
             Err(panic) => {
@@ -571,7 +574,7 @@ impl<E: Entity> EntityRun<E> {
                 error!(type_name = %self.shared.type_name, entity_id = %id, panic = %what, "entity handler panicked; entity stopped");
                 let reason = format!("entity handler panicked: {what}");
                 match delivery {
-                    Some(d) => self.shared.replier.outcome(d.to, Ok(DeliveryOutcome::Panicked { reason })),
+                    Some((d, _)) => self.shared.replier.outcome(d.to, Ok(DeliveryOutcome::Panicked { reason })),
                     None => self.answer(taken, reply, Err(not_delivered(&id, reason))),
                 }
                 // Messages still queued go to a fresh instance.

@@ -55,6 +55,8 @@ pub(crate) struct StateIo {
 struct Inner {
     replicator: Replicator,
     type_name: String,
+    /// The key space of its slots ([`keys::state_space`] or [`keys::producer_space`]).
+    space: String,
     slots: u32,
     max_state_bytes: usize,
     /// Largest a slot may grow to (approximate encoded bytes): one replicator message.
@@ -82,12 +84,12 @@ struct WriteRequest {
     done: oneshot::Sender<Result<()>>,
 }
 
-/// The claim of every state slot of `shard` at `epoch` (see the module documentation): a slot
-/// whose fence is newer refuses it.
-pub(crate) fn claim_updates(type_name: &str, shard: &str, slots: u32, epoch: u64) -> Vec<KeyUpdate> {
+/// The claim of every state slot of `shard` in key space `space` at `epoch` (see the module
+/// documentation): a slot whose fence is newer refuses it.
+pub(crate) fn claim_updates(space: &str, shard: &str, slots: u32, epoch: u64) -> Vec<KeyUpdate> {
     (0..slots)
         .map(|slot| {
-            KeyUpdate::new::<FencedMap, _>(&keys::entity_states(type_name, shard, slot), move |m, ctx| {
+            KeyUpdate::new::<FencedMap, _>(&keys::slot_key(space, shard, slot), move |m, ctx| {
                 if let Err(f) = m.claim(epoch) {
                     ctx.refuse(f);
                 }
@@ -112,7 +114,7 @@ pub(crate) enum ClaimOutcome {
 /// The claim-and-load rule (see the module documentation), one for the state I/O and the
 /// simulation: tried again as [`load_again`] says.
 pub(crate) fn claim_outcome(
-    type_name: &str,
+    space: &str,
     shard: &str,
     epoch: u64,
     tries: usize,
@@ -127,7 +129,7 @@ pub(crate) fn claim_outcome(
     for (slot, map) in values.iter().enumerate() {
         let Some(map) = map else { continue };
         if map.fence() > epoch {
-            let key = keys::entity_states(type_name, shard, slot as u32);
+            let key = keys::slot_key(space, shard, slot as u32);
             return ClaimOutcome::Failed(Error::Fenced { key, epoch, fence: map.fence() });
         }
         states += map.len();
@@ -138,6 +140,13 @@ pub(crate) fn claim_outcome(
 impl StateIo {
     /// Starts the region's state writer.
     pub(crate) fn new(parts: &RegionParts) -> Self {
+        Self::in_space(parts, keys::state_space(&parts.type_name), parts.counters.clone())
+    }
+
+    /// Starts a writer of fenced slots in key space `space` (a producer's durable queue: the
+    /// same claims, fencing, budgets and group commit as entity states), counting into
+    /// `counters`.
+    pub(crate) fn in_space(parts: &RegionParts, space: String, counters: Arc<RegionCounterCells>) -> Self {
         let s = &parts.settings;
         // Unbounded in type, bounded in effect: every request is one entity's persist (or
         // delete), and an entity sends the next only after this one answered, so the queue
@@ -149,6 +158,7 @@ impl StateIo {
             inner: Arc::new(Inner {
                 replicator: parts.replicator.clone(),
                 type_name: parts.type_name.to_string(),
+                space,
                 slots: s.state.slots,
                 max_state_bytes: s.state.max_bytes,
                 slot_budget: parts.slot_budget,
@@ -157,7 +167,7 @@ impl StateIo {
                 write_timeout: write_timeout(s),
                 read_timeout: s.coordinator.waiting_for_state_timeout,
                 writer,
-                counters: parts.counters.clone(),
+                counters,
             }),
         };
         parts.spawner.spawn_until_shutdown(io.clone().run_writer(requests));
@@ -180,7 +190,7 @@ impl StateIo {
     }
 
     fn key(&self, shard: &str, entity_id: &str) -> String {
-        keys::entity_states(&self.inner.type_name, shard, remembered_slot(entity_id, self.inner.slots))
+        keys::slot_key(&self.inner.space, shard, remembered_slot(entity_id, self.inner.slots))
     }
 
     /// Claims the shard's states for `epoch` and loads them into this node's replica (see the
@@ -190,13 +200,13 @@ impl StateIo {
         let mut tries = 0;
         loop {
             tries += 1;
-            let updates = claim_updates(&io.type_name, shard, io.slots, epoch);
+            let updates = claim_updates(&io.space, shard, io.slots, epoch);
             let read = io.replicator.update_and_get_many::<FencedMap>(io.read_consistency, io.read_timeout, updates);
             let read = read.await;
             if matches!(read, Err(Error::ConsistencyTimeout { .. })) {
                 io.counters.shard_load_timeouts.fetch_add(1, Ordering::Relaxed);
             }
-            match claim_outcome(&io.type_name, shard, epoch, tries, read) {
+            match claim_outcome(&io.space, shard, epoch, tries, read) {
                 ClaimOutcome::Claimed { states } => return Ok(states),
                 ClaimOutcome::Again => {
                     debug!(type_name = %io.type_name, %shard, tries, "claiming the states timed out; again");
@@ -204,6 +214,32 @@ impl StateIo {
                 ClaimOutcome::Failed(e) => return Err(e),
             }
         }
+    }
+
+    /// The highest fence of `owner`'s slots on this node's replica (0 when none is claimed):
+    /// where a new claim starts looking for an epoch above every earlier one.
+    pub(crate) async fn local_fence(&self, owner: &str) -> Result<u64> {
+        let mut fence = 0;
+        for slot in 0..self.inner.slots {
+            let key = keys::slot_key(&self.inner.space, owner, slot);
+            let f = self.inner.replicator.read_local_with::<FencedMap, _, _>(&key, |m| m.fence()).await?;
+            fence = fence.max(f.unwrap_or(0));
+        }
+        Ok(fence)
+    }
+
+    /// Every live entry of `owner`'s slots on this node's replica (after its claim: every entry
+    /// a majority acknowledged).
+    pub(crate) async fn load_all(&self, owner: &str) -> Result<Vec<(String, Vec<u8>)>> {
+        let mut all = Vec::new();
+        for slot in 0..self.inner.slots {
+            let key = keys::slot_key(&self.inner.space, owner, slot);
+            let entries = self.inner.replicator.read_local_with::<FencedMap, _, _>(&key, |m| {
+                m.iter().map(|(k, v)| (k.to_string(), v.to_vec())).collect::<Vec<_>>()
+            });
+            all.extend(entries.await?.unwrap_or_default());
+        }
+        Ok(all)
     }
 
     /// The stored state of one entity, from this node's replica (which its shard's claim
@@ -247,7 +283,7 @@ impl StateIo {
             .unzip();
         let shards: Vec<(ShardId, String)> = requests.iter().map(|r| (r.shard.clone(), r.entity_id.clone())).collect();
         let (counters, mut out) = (Arc::clone(&io.counters), Vec::new());
-        let mut core = StateBatch::start(&io.type_name, io.slots, io.slot_budget, counters, requests, &mut out);
+        let mut core = StateBatch::start(&io.space, io.slots, io.slot_budget, counters, requests, &mut out);
         let outcome = loop {
             match out.pop() {
                 Some(BatchAction::Write(updates)) => {
@@ -309,7 +345,7 @@ mod tests {
 
     #[test]
     fn a_claim_claims_every_state_slot_of_its_shard_and_is_refused_where_a_newer_epoch_claimed_first() {
-        let updates = claim_updates("t", "4", 3, 9);
+        let updates = claim_updates(&keys::state_space("t"), "4", 3, 9);
         let keys: Vec<&str> = updates.iter().map(|u| u.key()).collect();
         assert_eq!(keys, ["shard-t/4/state-0", "shard-t/4/state-1", "shard-t/4/state-2"]);
         let mut newer = crate::ddata::ReplicatedData::FencedMap(map(12, &[]));
@@ -332,15 +368,15 @@ mod tests {
 
     #[test]
     fn a_claim_that_times_out_is_tried_three_times_and_any_other_failure_fails_the_shard_at_once() {
-        assert!(matches!(claim_outcome("t", "1", 5, 1, Err(timeout())), ClaimOutcome::Again));
-        assert!(matches!(claim_outcome("t", "1", 5, 2, Err(timeout())), ClaimOutcome::Again));
+        assert!(matches!(claim_outcome(&keys::state_space("t"), "1", 5, 1, Err(timeout())), ClaimOutcome::Again));
+        assert!(matches!(claim_outcome(&keys::state_space("t"), "1", 5, 2, Err(timeout())), ClaimOutcome::Again));
         assert!(matches!(
-            claim_outcome("t", "1", 5, 3, Err(timeout())),
+            claim_outcome(&keys::state_space("t"), "1", 5, 3, Err(timeout())),
             ClaimOutcome::Failed(Error::ConsistencyTimeout { .. })
         ));
         let refused = Error::NotEnoughReplicas { needed: 3, reachable: 1 };
         assert!(matches!(
-            claim_outcome("t", "1", 5, 1, Err(refused)),
+            claim_outcome(&keys::state_space("t"), "1", 5, 1, Err(refused)),
             ClaimOutcome::Failed(Error::NotEnoughReplicas { .. })
         ));
     }
@@ -348,14 +384,20 @@ mod tests {
     #[test]
     fn a_claim_counts_the_states_it_loaded_and_a_newer_fence_on_any_slot_makes_the_allocation_stale() {
         let read = vec![Some(map(5, &["a", "b"])), None, Some(map(4, &["c"]))];
-        assert!(matches!(claim_outcome("t", "1", 5, 1, Ok(read)), ClaimOutcome::Claimed { states: 3 }));
+        assert!(matches!(
+            claim_outcome(&keys::state_space("t"), "1", 5, 1, Ok(read)),
+            ClaimOutcome::Claimed { states: 3 }
+        ));
         let read = vec![Some(map(5, &["a"])), Some(map(7, &[]))];
-        match claim_outcome("t", "1", 5, 1, Ok(read)) {
+        match claim_outcome(&keys::state_space("t"), "1", 5, 1, Ok(read)) {
             ClaimOutcome::Failed(Error::Fenced { key, epoch, fence }) => {
                 assert_eq!((key.as_str(), epoch, fence), ("shard-t/1/state-1", 5, 7))
             }
             other => panic!("{other:?}"),
         }
-        assert!(matches!(claim_outcome("t", "1", 5, 1, Ok(vec![None, None])), ClaimOutcome::Claimed { states: 0 }));
+        assert!(matches!(
+            claim_outcome(&keys::state_space("t"), "1", 5, 1, Ok(vec![None, None])),
+            ClaimOutcome::Claimed { states: 0 }
+        ));
     }
 }

@@ -100,7 +100,8 @@ impl Sim {
         let Some(node) = self.nodes[i].as_mut() else { return };
         let epoch = claim.epoch;
         let s = settings(&self.cfg);
-        let updates = crate::sharding::shard::state::claim_updates(TYPE, &claim.shard, s.state.slots, epoch);
+        let updates =
+            crate::sharding::shard::state::claim_updates(&keys::state_space(TYPE), &claim.shard, s.state.slots, epoch);
         let updates = updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect();
         let input = ReplicatorInput::UpdateAndGetMany {
             updates,
@@ -136,7 +137,7 @@ impl Sim {
         });
         let tries = claim.attempt as usize + 1;
         let me = self.nodes[i].as_ref().expect("running").addr.clone();
-        match claim_outcome(TYPE, &claim.shard, claim.epoch, tries, read) {
+        match claim_outcome(&keys::state_space(TYPE), &claim.shard, claim.epoch, tries, read) {
             ClaimOutcome::Claimed { .. } => {
                 self.trace(|| format!("{me} shard {} claims its states at epoch {}", claim.shard, claim.epoch));
                 self.ledger.claims.entry(claim.shard.clone()).or_default().push((self.now_ms, claim.epoch));
@@ -279,7 +280,8 @@ impl Sim {
         let value = Some(w.value.to_le_bytes().to_vec());
         let request = StateRequest { shard: shard.clone(), epoch: w.epoch, entity_id: w.entity_id.clone(), value };
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
-        let batch = StateBatch::start(TYPE, s.state.slots, budget, counters, vec![request], &mut out);
+        let batch =
+            StateBatch::start(&keys::state_space(TYPE), s.state.slots, budget, counters, vec![request], &mut out);
         node.state_batches.insert(id, (w, shard.clone(), batch));
         self.perform_state_batch(i, id, out);
     }

@@ -12,6 +12,7 @@ fn limits() -> ProducerLimits {
         resend_backoff_min: Duration::from_millis(100),
         resend_backoff_max: Duration::from_millis(400),
         max_redeliveries: 2,
+        durable: false,
     }
 }
 
@@ -23,7 +24,7 @@ struct Rig {
 
 impl Rig {
     fn new() -> Self {
-        Rig { core: ProducerCore::new("p".into(), limits(), 1000), now: Instant::now(), waiters: 0 }
+        Rig { core: ProducerCore::new("p".into(), limits(), 1000, 0), now: Instant::now(), waiters: 0 }
     }
 
     fn run(&mut self, input: ProducerInput) -> Vec<ProducerAction> {
@@ -56,7 +57,7 @@ impl Rig {
 }
 
 fn confirmed(handled: bool) -> SendResult {
-    SendResult::Answered(DeliveryOutcome::Confirmed { handled })
+    SendResult::Answered(DeliveryOutcome::Confirmed { handled, nonce: 9 })
 }
 
 fn failed() -> SendResult {
@@ -175,11 +176,11 @@ fn a_gap_confirms_what_came_before_and_sends_the_rest_again_at_once_once_per_rou
     r.offer("e", "b");
     r.offer("e", "c");
     // The entity took 1, lost 2, and sends 3 back asking for 2.
-    let out = r.answer("e", S, 2, 3, SendResult::Answered(DeliveryOutcome::Gap { expected: 2 }));
+    let out = r.answer("e", S, 2, 3, SendResult::Answered(DeliveryOutcome::Gap { expected: 2, nonce: 9 }));
     assert_eq!(confirms(&out), vec![1]);
     assert_eq!(sends(&out), vec![(2, 3, 2, true), (3, 3, 2, true)]);
     // The same gap seen by another message of round 2 starts no further round.
-    let out = r.answer("e", S, 2, 2, SendResult::Answered(DeliveryOutcome::Gap { expected: 2 }));
+    let out = r.answer("e", S, 2, 2, SendResult::Answered(DeliveryOutcome::Gap { expected: 2, nonce: 9 }));
     assert!(sends(&out).is_empty());
 }
 
@@ -188,7 +189,7 @@ fn a_gap_never_confirms_the_message_it_answers_or_anything_after_it() {
     let mut r = Rig::new();
     r.offer("e", "a");
     r.offer("e", "b");
-    let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Gap { expected: 9 }));
+    let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Gap { expected: 9, nonce: 9 }));
     assert!(confirms(&out).is_empty(), "{out:?}");
     assert_eq!(r.core.unconfirmed(), 2);
 }
@@ -269,4 +270,166 @@ fn the_oldest_unconfirmed_message_is_reported_until_confirmed() {
     assert_eq!(r.core.oldest_unconfirmed(), Some(first));
     r.answer("a", S, 1, 1, confirmed(true));
     assert_eq!(r.core.oldest_unconfirmed(), Some(first + Duration::from_secs(1)));
+}
+
+mod durable {
+    use super::*;
+    use crate::sharding::producer::queue::RestoredStream;
+
+    fn rig() -> Rig {
+        let limits = ProducerLimits { durable: true, ..limits() };
+        Rig { core: ProducerCore::new("p".into(), limits, 1000, 7 << 16), now: Instant::now(), waiters: 0 }
+    }
+
+    fn persisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
+        r.run(ProducerInput::Persisted { entity: entity.into(), stream: S, seq, result })
+    }
+
+    fn persists(out: &[ProducerAction]) -> Vec<(String, u64)> {
+        out.iter()
+            .filter_map(|a| match a {
+                ProducerAction::Persist { key, entry } => Some((key.clone(), entry.seq)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn unpersists(out: &[ProducerAction]) -> Vec<String> {
+        out.iter()
+            .filter_map(|a| match a {
+                ProducerAction::Unpersist { key } => Some(key.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_message_is_stored_and_sent_only_once_its_write_is_acknowledged() {
+        let mut r = rig();
+        let out = r.offer("e", "a");
+        assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 });
+        assert_eq!(persists(&out), vec![("0.1".to_string(), 1)], "lane 0, place 1 % 3");
+        assert!(sends(&out).is_empty(), "not sent before it is stored");
+        match &out[1] {
+            ProducerAction::Persist { entry, .. } => {
+                assert_eq!((entry.entity.as_str(), entry.stream, entry.made, entry.modulus), ("e", S, (7 << 16, 1), 3));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(r.core.counts().stored, 0);
+        let out = persisted(&mut r, "e", 1, PersistResult::Stored);
+        assert_eq!(out[0], ProducerAction::Stored { stream: S, seq: 1 });
+        assert_eq!(sends(&out), vec![(1, 1, 1, false)]);
+        assert_eq!(r.core.counts().stored, 1);
+    }
+
+    #[test]
+    fn what_follows_an_unstored_message_waits_for_it_so_the_order_holds() {
+        let mut r = rig();
+        r.offer("e", "a");
+        persisted(&mut r, "e", 1, PersistResult::Stored);
+        r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+        r.offer("e", "b");
+        r.offer("e", "c");
+        assert!(sends(&persisted(&mut r, "e", 3, PersistResult::Stored)).is_empty(), "3 waits for 2");
+        let out = persisted(&mut r, "e", 2, PersistResult::Stored);
+        assert_eq!(sends(&out), vec![(2, 2, 1, false), (3, 2, 1, false)]);
+    }
+
+    #[test]
+    fn a_write_not_acknowledged_is_tried_again_after_the_backoff() {
+        let mut r = rig();
+        r.offer("e", "a");
+        assert!(persisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
+        assert!(persists(&r.later(Duration::from_millis(99))).is_empty());
+        assert_eq!(persists(&r.later(Duration::from_millis(1))), vec![("0.1".to_string(), 1)]);
+    }
+
+    #[test]
+    fn a_refused_write_fails_its_send_and_the_stream_goes_on_past_its_number() {
+        let mut r = rig();
+        r.offer("e", "a");
+        r.offer("e", "b");
+        r.offer("e", "c");
+        assert_eq!(r.offer("e", "d"), vec![ProducerAction::Wait], "the window is full");
+        let out = persisted(&mut r, "e", 2, PersistResult::Refused("slot full".into()));
+        assert!(out.contains(&ProducerAction::StoreFailed { stream: S, seq: 2, reason: "slot full".into() }));
+        assert!(
+            !out.iter().any(|a| matches!(a, ProducerAction::Wake { .. })),
+            "3 places in its lane span 1..=3: no room"
+        );
+        assert_eq!(r.core.unconfirmed(), 2);
+        persisted(&mut r, "e", 1, PersistResult::Stored);
+        persisted(&mut r, "e", 3, PersistResult::Stored);
+        r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+        let out = r.answer("e", S, 2, 1, confirmed(true));
+        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "a confirmed message's entry is deleted");
+        assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })), "{out:?}");
+        // 3 goes with the header saying 3 is the first unconfirmed: its entity skips 2.
+        let out = r.offer("e", "d");
+        assert_eq!(persists(&out), vec![("0.1".to_string(), 4)], "4's place is 1's, freed");
+    }
+
+    #[test]
+    fn a_newer_incarnations_claim_stops_this_one() {
+        let mut r = rig();
+        r.offer("e", "a");
+        assert_eq!(
+            persisted(&mut r, "e", 1, PersistResult::Fenced { fence: 9 << 16 }),
+            vec![ProducerAction::Fenced { fence: 9 << 16 }]
+        );
+    }
+
+    #[test]
+    fn restored_streams_resume_as_sent_before_and_new_streams_take_free_lanes() {
+        let mut r = rig();
+        let limits = ProducerLimits { durable: true, max_entities: 3, ..limits() };
+        r.core = ProducerCore::new("p".into(), limits, 1000, 7 << 16);
+        let restored = |entity: &str, stream, lane, seqs: &[u64]| RestoredStream {
+            entity: entity.into(),
+            stream,
+            lane,
+            modulus: 3,
+            made: (1 << 16, 1),
+            messages: seqs.iter().map(|s| (*s, Bytes::from("m"))).collect(),
+        };
+        let out = r.run(ProducerInput::Restore(vec![restored("a", 50, 0, &[4, 5]), restored("b", 60, 2, &[1])]));
+        let probes: Vec<_> = out
+            .iter()
+            .filter_map(|a| match a {
+                ProducerAction::Send { entity, header, .. } => {
+                    Some((entity.clone(), header.stream, header.seq, header.redelivery))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(probes, vec![("a".to_string(), 50, 4, true), ("b".to_string(), 60, 1, true)]);
+        assert_eq!((r.core.unconfirmed(), r.core.entities()), (3, 2));
+        // `a` goes on at 6; a new entity takes lane 1, the free one.
+        let out = r.offer("a", "x");
+        assert_eq!(persists(&out), vec![("0.0".to_string(), 6)]);
+        let out = r.offer("c", "x");
+        assert_eq!(persists(&out), vec![("1.1".to_string(), 1)]);
+        assert_eq!(r.offer("d", "x"), vec![ProducerAction::Wait], "three entities is the limit: d waits");
+    }
+}
+
+#[test]
+fn an_answer_from_an_incarnation_that_knew_the_stream_lets_the_rest_go_at_once() {
+    // A restored stream probes with no nonce; its entity's incarnation, introduced to the
+    // stream before, confirms by number and names itself.
+    let mut r = Rig::new();
+    r.offer("e", "a");
+    r.offer("e", "b");
+    r.offer("e", "c");
+    let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Confirmed { handled: false, nonce: 5 }));
+    assert_eq!(confirms(&out), vec![1]);
+    let nonces: Vec<_> = out
+        .iter()
+        .filter_map(|a| match a {
+            ProducerAction::Send { header, .. } => Some((header.seq, header.nonce)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(nonces, vec![(2, 5), (3, 5)]);
 }
