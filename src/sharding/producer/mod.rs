@@ -31,6 +31,13 @@
 mod core;
 mod durable;
 mod queue;
+mod registry;
+mod settings;
+
+pub use registry::ProducerInfo;
+pub(crate) use registry::producers;
+use registry::{ProducerView, register};
+pub use settings::{MAX_PRODUCER_ID_LEN, ProducerSettings};
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -46,84 +53,13 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
-use self::core::{ProducerAction, ProducerCore, ProducerInput, ProducerLimits, SendResult};
+use self::core::{ProducerAction, ProducerCore, ProducerInput, SendResult};
 use self::durable::DurableQueue;
 use super::Entity;
 use super::delivery::{DeliveryHeader, DeliveryOutcome};
 use super::handle::ShardRegion;
 use crate::error::{Error, Result};
 use crate::transport::wire;
-
-/// How a [`Producer`] sends, waits and gives up.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProducerSettings {
-    /// Most unconfirmed messages per entity (the demand an entity grants): `send` waits past it.
-    pub window: usize,
-    /// Most entities with unconfirmed messages at once: a `send` to another entity waits past it.
-    pub max_entities: usize,
-    /// Most bytes of unconfirmed messages (encoded): a `send` past it fails at once.
-    pub max_queued_bytes: usize,
-    /// How long one delivery waits for its outcome before it counts as failed (it is sent
-    /// again; the late outcome, if any, still counts).
-    pub delivery_timeout: Duration,
-    /// The first wait before a stream is sent again after a failure; it doubles per failure in
-    /// a row, up to `resend_backoff_max`.
-    pub resend_backoff_min: Duration,
-    /// The longest wait before a stream is sent again.
-    pub resend_backoff_max: Duration,
-    /// Panics of its entity a message survives; one more makes it a dead letter.
-    pub max_redeliveries: u32,
-    /// Keep unconfirmed messages in the cluster (majority writes, LMDB on every replica), so a
-    /// producer started again with the same id — on this node or another — resumes them;
-    /// `send` then returns once the message is written. See [`ShardRegion::producer`].
-    pub durable_queue: bool,
-}
-
-impl Default for ProducerSettings {
-    fn default() -> Self {
-        ProducerSettings {
-            window: 50,
-            max_entities: 10_000,
-            max_queued_bytes: 64 * 1024 * 1024,
-            delivery_timeout: Duration::from_secs(5),
-            resend_backoff_min: Duration::from_millis(200),
-            resend_backoff_max: Duration::from_secs(5),
-            max_redeliveries: 10,
-            durable_queue: false,
-        }
-    }
-}
-
-impl ProducerSettings {
-    fn check(&self) -> Result<()> {
-        let bad = |what: &str| Err(Error::Config(format!("producer settings: {what}")));
-        if self.window == 0 || self.max_entities == 0 || self.max_queued_bytes == 0 {
-            return bad("window, max_entities and max_queued_bytes must be at least 1");
-        }
-        if self.delivery_timeout.is_zero() || self.resend_backoff_min.is_zero() {
-            return bad("delivery_timeout and resend_backoff_min must be more than zero");
-        }
-        if self.resend_backoff_max < self.resend_backoff_min {
-            return bad("resend_backoff_max must be at least resend_backoff_min");
-        }
-        Ok(())
-    }
-
-    fn limits(&self) -> ProducerLimits {
-        ProducerLimits {
-            window: self.window,
-            max_entities: self.max_entities,
-            max_queued_bytes: self.max_queued_bytes,
-            resend_backoff_min: self.resend_backoff_min,
-            resend_backoff_max: self.resend_backoff_max,
-            max_redeliveries: self.max_redeliveries,
-            durable: self.durable_queue,
-        }
-    }
-}
-
-/// Longest producer id, in bytes.
-pub const MAX_PRODUCER_ID_LEN: usize = 256;
 
 /// Room a delivery's envelope takes in a frame besides its message.
 const ENVELOPE_ROOM: usize = 4096;
@@ -165,50 +101,6 @@ pub struct ProducerStats {
 }
 
 type DeadLetterHook<M> = Arc<dyn Fn(DeadLetter<M>) + Send + Sync>;
-
-/// A producer running on this node ([`crate::sharding::Sharding::producers`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProducerInfo {
-    /// The producer's id.
-    pub producer_id: String,
-    /// The entity type it sends to.
-    pub type_name: String,
-    /// What it counted and holds.
-    pub stats: ProducerStats,
-}
-
-/// A running producer, whatever its entity type.
-trait ProducerView: Send + Sync {
-    fn info(&self) -> ProducerInfo;
-    /// Stopped or stopping (its handles dropped; its task may still be ending).
-    fn stopping(&self) -> bool;
-}
-
-/// The producers started on a node (kept on it; a producer leaves when its task ends).
-#[derive(Default)]
-struct ProducerRegistry(Mutex<Vec<std::sync::Weak<dyn ProducerView>>>);
-
-/// Lists `view` among `node`'s producers.
-fn register(node: &crate::node::Node, view: std::sync::Weak<dyn ProducerView>) {
-    let registry = node.kept::<ProducerRegistry>().into_iter().next().unwrap_or_else(|| {
-        let r = Arc::new(ProducerRegistry::default());
-        node.keep(r.clone());
-        r
-    });
-    let mut list = registry.0.lock().unwrap_or_else(|p| p.into_inner());
-    list.retain(|w| w.strong_count() > 0);
-    list.push(view);
-}
-
-/// The producers running on `node`, in start order.
-pub(crate) fn producers(node: &crate::node::Node) -> Vec<ProducerInfo> {
-    let mut out = Vec::new();
-    for registry in node.kept::<ProducerRegistry>() {
-        let list = registry.0.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        out.extend(list.iter().filter_map(std::sync::Weak::upgrade).filter(|p| !p.stopping()).map(|p| p.info()));
-    }
-    out
-}
 
 /// Resolves once the stored message is confirmed ([`Producer::send`]); dropping it does not
 /// withdraw the message.
@@ -855,26 +747,6 @@ impl<E: Entity> Inner<E> {
 mod tests {
     use super::*;
     use crate::sharding::delivery::DeliveryInfo;
-
-    #[test]
-    fn settings_out_of_range_are_refused_with_the_setting_named() {
-        assert!(ProducerSettings::default().check().is_ok());
-        let table: Vec<(ProducerSettings, &str)> = vec![
-            (ProducerSettings { window: 0, ..Default::default() }, "window"),
-            (ProducerSettings { max_entities: 0, ..Default::default() }, "max_entities"),
-            (ProducerSettings { max_queued_bytes: 0, ..Default::default() }, "max_queued_bytes"),
-            (ProducerSettings { delivery_timeout: Duration::ZERO, ..Default::default() }, "delivery_timeout"),
-            (ProducerSettings { resend_backoff_min: Duration::ZERO, ..Default::default() }, "resend_backoff_min"),
-            (
-                ProducerSettings { resend_backoff_max: Duration::from_millis(1), ..Default::default() },
-                "resend_backoff_max",
-            ),
-        ];
-        for (settings, named) in table {
-            let e = settings.check().unwrap_err().to_string();
-            assert!(e.contains(named), "{e}");
-        }
-    }
 
     #[test]
     fn delivery_info_says_which_message_and_whether_it_was_sent_before() {
