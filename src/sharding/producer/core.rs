@@ -166,6 +166,18 @@ impl Stream {
     fn key(&self, seq: u64) -> String {
         entry_key(self.lane, seq, self.modulus)
     }
+
+    /// The stored form of message `seq` (`bytes`) of this stream of `entity`.
+    fn entry(&self, entity: &str, seq: u64, bytes: &Bytes) -> QueueEntry {
+        QueueEntry {
+            entity: entity.to_string(),
+            stream: self.id,
+            made: self.made,
+            seq,
+            modulus: self.modulus,
+            bytes: bytes.to_vec(),
+        }
+    }
 }
 
 /// One producer's queue and streams.
@@ -314,16 +326,8 @@ impl ProducerCore {
         self.queued_bytes += bytes.len();
         let durable = self.limits.durable;
         if durable {
-            let entry = QueueEntry {
-                entity: entity.clone(),
-                stream: s.id,
-                made: s.made,
-                seq,
-                modulus: s.modulus,
-                bytes: bytes.to_vec(),
-            };
             out.push(ProducerAction::Storing { stream: s.id, seq });
-            out.push(ProducerAction::Persist { key: s.key(seq), entry });
+            out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &bytes) });
         } else {
             self.counts.stored += 1;
             out.push(ProducerAction::Stored { stream: s.id, seq });
@@ -572,15 +576,7 @@ impl ProducerCore {
             self.persist_retries.remove(&(at, entity.clone(), seq));
             let Some(s) = self.streams.get(&entity) else { continue };
             if let Some(q) = s.queue.iter().find(|q| q.seq == seq && !q.stored) {
-                let entry = QueueEntry {
-                    entity: entity.clone(),
-                    stream: s.id,
-                    made: s.made,
-                    seq,
-                    modulus: s.modulus,
-                    bytes: q.bytes.to_vec(),
-                };
-                out.push(ProducerAction::Persist { key: s.key(seq), entry });
+                out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &q.bytes) });
             }
         }
         while let Some((at, entity)) = self.retries.first().cloned().filter(|(at, _)| *at <= now) {
