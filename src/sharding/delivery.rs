@@ -293,6 +293,25 @@ mod tests {
     }
 
     #[test]
+    fn marks_name_their_incarnation_by_a_nonce_never_zero() {
+        assert_eq!(ConsumerMarks::new(N).nonce(), N);
+        assert_eq!(ConsumerMarks::new(0).nonce(), 1, "0 means no incarnation on the wire");
+        let mut marks = ConsumerMarks::new(N);
+        marks.begin_incarnation(99);
+        assert_eq!(marks.nonce(), 99);
+    }
+
+    #[test]
+    fn marks_are_empty_until_a_stream_is_taken_on_so_a_plain_state_is_stored_as_before() {
+        let mut marks = ConsumerMarks::new(N);
+        assert!(marks.is_empty());
+        assert_eq!(marks.admit(&stale("p", 7, 1, 1)), HELLO);
+        assert!(marks.is_empty(), "a hello takes nothing on");
+        assert_eq!(marks.admit(&h("p", 7, 1, 1)), Handle);
+        assert!(!marks.is_empty(), "now its marks are stored with the state");
+    }
+
+    #[test]
     fn stored_marks_are_introduced_to_each_new_incarnation_and_keep_their_numbers() {
         let mut marks = check(&[(h("p", 7, 1, 1), Handle), (h("p", 7, 2, 1), Handle)]);
         let bytes = crate::transport::wire::encode(&marks).unwrap();

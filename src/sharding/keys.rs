@@ -19,7 +19,9 @@ pub(crate) fn remembered_entities(type_name: &str, shard: &str, slot: u32) -> St
     format!("shard-{type_name}/{shard}/{slot}")
 }
 
-/// Replicator key of one slot of a shard's durable entity states (a fenced map).
+/// Replicator key of one slot of a shard's durable entity states (a fenced map); the stores
+/// name it by [`state_space`] and [`slot_key`], the simulation and tests by this.
+#[cfg(any(test, feature = "testkit"))]
 pub(crate) fn entity_states(type_name: &str, shard: &str, slot: u32) -> String {
     slot_key(&state_space(type_name), shard, slot)
 }

@@ -172,6 +172,10 @@ mod tests {
         let r = restore(vec![entry(0, "a", 10, (1, 1), 2), entry(3, "a", 14, (2, 5), 1)]);
         assert_eq!(r.streams.iter().map(|s| s.stream).collect::<Vec<_>>(), vec![14]);
         assert_eq!(r.stale, vec!["0.2".to_string()]);
+        // The newer in the lower lane: kept when the older comes later.
+        let r = restore(vec![entry(0, "a", 14, (2, 5), 1), entry(3, "a", 10, (1, 1), 2)]);
+        assert_eq!(r.streams.iter().map(|s| s.stream).collect::<Vec<_>>(), vec![14]);
+        assert_eq!(r.stale, vec!["3.2".to_string()]);
     }
 
     #[test]
