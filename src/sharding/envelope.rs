@@ -164,6 +164,13 @@ pub(crate) fn not_delivered(entity_id: &str, reason: impl Into<String>) -> Error
     Error::NotDelivered { entity_id: entity_id.to_string(), reason: reason.into() }
 }
 
+/// An answer as an `AskReply` carries it (a value that does not encode is a codec failure).
+fn encoded<T: serde::Serialize>(value: &T) -> std::result::Result<serde_bytes::ByteBuf, DeliveryFailure> {
+    rmp_serde::to_vec_named(value)
+        .map(serde_bytes::ByteBuf::from)
+        .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string())))
+}
+
 /// Sends answers: to local waiters directly, to remote askers over the transport.
 #[derive(Clone)]
 pub(crate) struct Replier {
@@ -193,9 +200,7 @@ impl Replier {
             }
             ReplyTo::Remote { region, ask_id, via } => {
                 let result = match result {
-                    Ok(Some(r)) => rmp_serde::to_vec_named(&r)
-                        .map(serde_bytes::ByteBuf::from)
-                        .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string()))),
+                    Ok(Some(r)) => encoded(&r),
                     Ok(None) => Ok(serde_bytes::ByteBuf::new()),
                     Err(e) => Err(DeliveryFailure::of(&e)),
                 };
@@ -217,12 +222,7 @@ impl Replier {
                 let _ = tx.send(outcome);
             }
             OutcomeTo::Remote { region, ask_id, via } => {
-                let result = match outcome {
-                    Ok(o) => rmp_serde::to_vec_named(&o)
-                        .map(serde_bytes::ByteBuf::from)
-                        .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string()))),
-                    Err(e) => Err(DeliveryFailure::of(&e)),
-                };
+                let result = outcome.map_err(|e| DeliveryFailure::of(&e)).and_then(|o| encoded(&o));
                 self.answer_remote(region, ask_id, via, result);
             }
         }
