@@ -660,6 +660,53 @@ fn heartbeat_frames_per_node_stay_flat_as_the_simulated_cluster_grows_to_100_nod
 /// `DDSHARD_SIM_SOAK_FROM + i × 10,000,000 + k` (from 100,000,000 by default: ranges no other
 /// test uses). Prints each shape's runs per second and its first failing seed with the command
 /// that replays it; fails if any run broke a promise.
+/// Reliable delivery, every reliable shape, random faults: producers (moved by a supervisor
+/// when their node stops or is downed) send numbered messages while nodes crash, pause,
+/// leave and are cut off; every seed checks that nothing is confirmed unhandled (a durable
+/// entity: whose effect no acknowledged write carries), that each stream is handled in order,
+/// that no durable entity writes an effect twice, and that after recovery every stored
+/// message is confirmed (all of them with a durable queue).
+#[test]
+fn reliable_delivery_under_random_faults_loses_no_stored_message_and_confirms_nothing_unhandled() {
+    let seeds: u64 = std::env::var("DDSHARD_SIM_RELIABLE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
+    for name in ["reliable", "reliable-durable", "reliable-seven-nodes-message-path-lossy"] {
+        let cfg = shape(name);
+        let cfg = SimConfig { trace: false, ..cfg };
+        let started = std::time::Instant::now();
+        let (reports, failed) = run_seeds(seeds, &cfg);
+        let stored: usize = reports.iter().map(|r| r.deliveries_stored).sum();
+        let ended: usize = reports.iter().map(|r| r.deliveries_ended_with_producer).sum();
+        println!(
+            "{name}: {seeds} seeds in {:.1}s, {stored} messages stored, {ended} ended with their producer's in-memory queue, failed asks {failed:?}",
+            started.elapsed().as_secs_f64()
+        );
+        assert!(stored > seeds as usize * 200, "{name}: traffic under faults: {stored} stored over {seeds} seeds");
+        if cfg.durable_queue {
+            assert_eq!(ended, 0, "{name}: a durable queue ends with no node");
+        }
+    }
+}
+
+/// Seed 200000001 of `reliable-durable`: a durable entity's write failed (no majority) but
+/// stayed on its node's replica; the next incarnation read those marks and answered a re-sent
+/// message as a duplicate, so its producer gave the message up although no majority held its
+/// effect. Marks read from a replica now settle (a write of them is acknowledged) before an
+/// answer confirms anything on their word.
+#[test]
+fn a_durable_entity_confirms_a_duplicate_only_once_a_majority_holds_its_marks() {
+    let report = check(200000001, &shape("reliable-durable"));
+    assert!(report.deliveries_stored > 100, "the scenario sends");
+    check(210000008, &shape("reliable-seven-nodes-message-path-lossy"));
+}
+
+/// Seed 200000004 of `reliable-durable`: an entity whose writes failed at once restarted and
+/// said hello to each re-sent message, and each hello started a round at once — a loop with
+/// no time passing. A round after a failure now waits for its backoff.
+#[test]
+fn a_producer_waits_out_its_backoff_for_an_entity_whose_writes_fail_at_once() {
+    check(200000004, &shape("reliable-durable"));
+}
+
 #[test]
 fn soak_every_shape_keeps_every_promise() {
     use std::sync::Mutex;

@@ -18,6 +18,14 @@
 //!   for the life of its incarnation, so a message re-sent to a new incarnation is handled
 //!   again (at least once), with [`DeliveryInfo::redelivery`] set.
 //!
+//! **Settled before confirming.** A durable entity's marks are read from its node's replica,
+//! which may hold a write no majority acknowledged (one that failed, and ended the incarnation
+//! that made it). Such marks are *unsettled*: an answer that would confirm more than the
+//! producer counts confirmed already (a duplicate, or a gap asking for a later number) waits
+//! until a write of this incarnation, carrying them, is acknowledged
+//! ([`ConsumerMarks::must_settle`]); otherwise the producer could give up a message whose effect
+//! a newer allocation of the shard then never reads.
+//!
 //! # What is not promised
 //! An entity keeps the marks of at most [`MAX_PRODUCERS_PER_ENTITY`] producers; a further one
 //! replaces the producer heard from least recently, whose next delivery starts over as from a
@@ -79,6 +87,19 @@ pub(crate) enum Admission {
     Hello { nonce: u64 },
 }
 
+impl Admission {
+    /// What the entity answers a delivery it does not handle, its incarnation's nonce being
+    /// `nonce` (`None`: it handles it, and answers once its handler returned).
+    pub(crate) fn answer(self, nonce: u64) -> Option<DeliveryOutcome> {
+        match self {
+            Admission::Handle => None,
+            Admission::Duplicate => Some(DeliveryOutcome::Confirmed { handled: false, nonce }),
+            Admission::Gap { expected } => Some(DeliveryOutcome::Gap { expected, nonce }),
+            Admission::Hello { nonce } => Some(DeliveryOutcome::Hello { nonce }),
+        }
+    }
+}
+
 /// Where an entity stands with one producer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 struct Mark {
@@ -106,21 +127,50 @@ pub struct ConsumerMarks {
     /// This incarnation's nonce (random, never 0; not stored).
     #[serde(skip)]
     nonce: u64,
+    /// Everything the marks say was acknowledged by a majority (fresh marks, or marks a write
+    /// of this incarnation carried); not stored (see the module doc).
+    #[serde(skip)]
+    settled: bool,
 }
 
 impl ConsumerMarks {
     /// Empty marks of an incarnation whose nonce is `nonce`.
     pub(crate) fn new(nonce: u64) -> Self {
-        ConsumerMarks { marks: Vec::new(), clock: 0, nonce: nonce.max(1) }
+        ConsumerMarks { marks: Vec::new(), clock: 0, nonce: nonce.max(1), settled: true }
     }
 
     /// Marks loaded from the stored state, taken up by a new incarnation with `nonce`: every
     /// producer is introduced to it again before it takes their streams on.
+    /// They are unsettled until a write of the incarnation carries them.
     pub(crate) fn begin_incarnation(&mut self, nonce: u64) {
         self.nonce = nonce.max(1);
+        self.settled = self.marks.is_empty();
         for m in &mut self.marks {
             m.greeted = 0;
         }
+    }
+
+    /// A write carrying the marks was acknowledged by a majority.
+    pub(crate) fn settle(&mut self) {
+        self.settled = true;
+    }
+
+    /// Whether answering `admission` of the delivery carrying `h` must wait for the marks to
+    /// settle: it would confirm a message the producer does not count confirmed yet, on the
+    /// word of unsettled marks.
+    pub(crate) fn must_settle(&self, h: &DeliveryHeader, admission: Admission) -> bool {
+        !self.settled
+            && match admission {
+                Admission::Duplicate => h.seq >= h.first_unconfirmed,
+                Admission::Gap { expected } => expected > h.first_unconfirmed,
+                Admission::Handle | Admission::Hello { .. } => false,
+            }
+    }
+
+    /// Each producer's stream and the next number expected: what the marks say was handled.
+    #[cfg(any(test, feature = "testkit"))]
+    pub(crate) fn streams(&self) -> impl Iterator<Item = (&str, u64, u64)> {
+        self.marks.iter().map(|m| (m.producer.as_str(), m.stream, m.expected))
     }
 
     /// This incarnation's nonce.
@@ -424,5 +474,31 @@ mod tests {
             |m: &ConsumerMarks| m.marks.iter().map(|m| (m.producer.clone(), m.stream, m.expected)).collect::<Vec<_>>();
         assert_eq!(numbers(&back), numbers(&marks));
         assert_eq!((back.nonce, back.marks[0].greeted), (0, 0), "an incarnation's nonce is not stored");
+    }
+
+    /// Simulation seed 200000001 of `reliable-durable` (see the module doc's "settled").
+    #[test]
+    fn marks_read_from_a_replica_settle_before_an_answer_confirms_on_their_word() {
+        let mut stored = check(&[(h("p", 1, 1, 1), Handle), (h("p", 1, 2, 1), Handle)]);
+        assert!(!stored.must_settle(&h("p", 1, 1, 1), Duplicate), "fresh marks are settled");
+        stored.begin_incarnation(N);
+        let (dup, gap) = (h("p", 1, 2, 1), h("p", 1, 5, 1));
+        // Introduced, a re-sent 2 is a duplicate, and 5 a gap asking for 3: both would confirm 2.
+        assert_eq!(stored.admit(&dup), Duplicate);
+        assert!(stored.must_settle(&dup, Duplicate));
+        assert_eq!(stored.admit(&gap), Gap { expected: 3 });
+        assert!(stored.must_settle(&gap, Gap { expected: 3 }));
+        // What the producer counts confirmed already needs no settling, nor does a handle or a
+        // hello (they confirm nothing the marks alone say).
+        assert!(!stored.must_settle(&h("p", 1, 1, 2), Duplicate));
+        assert!(!stored.must_settle(&h("p", 1, 4, 3), Gap { expected: 3 }));
+        assert!(!stored.must_settle(&h("p", 1, 3, 1), Handle));
+        assert!(!stored.must_settle(&stale("p", 1, 3, 1), Admission::Hello { nonce: N }));
+        stored.settle();
+        assert!(!stored.must_settle(&dup, Duplicate), "settled by an acknowledged write");
+        // Marks stored empty (a state without deliveries) have nothing to settle.
+        let mut empty = ConsumerMarks::default();
+        empty.begin_incarnation(N);
+        assert!(!empty.must_settle(&dup, Duplicate));
     }
 }

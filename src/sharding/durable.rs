@@ -91,12 +91,14 @@ pub struct Durable<D: DurableEntity> {
     reply_gate: Option<std::sync::Arc<super::deferred::ReplyGate>>,
     /// Its marks of reliable deliveries, stored with its state.
     marks: ConsumerMarks,
+    /// A state is stored (not none, or deleted): what settling its marks writes back.
+    stored: bool,
 }
 
 impl<D: DurableEntity> Durable<D> {
     pub(crate) fn new(entity: D) -> Self {
         let marks = ConsumerMarks::new(rand::random());
-        Durable { entity, state: D::State::default(), broken: None, reply_gate: None, marks }
+        Durable { entity, state: D::State::default(), broken: None, reply_gate: None, marks, stored: false }
     }
 
     /// Writes the state change the handler asked for; on failure, says how the incarnation
@@ -143,6 +145,8 @@ impl<D: DurableEntity> Durable<D> {
                 if change == StateChange::Delete {
                     self.state = D::State::default();
                 }
+                self.stored = change == StateChange::Persist;
+                self.marks.settle();
                 Ok(())
             }
             Err(Error::Fenced { fence, .. }) => {
@@ -211,6 +215,12 @@ impl<D: DurableEntity> Entity for Durable<D> {
         Some(&mut self.marks)
     }
 
+    async fn settle_marks(&mut self, ctx: &mut EntityContext) -> Result<()> {
+        // The state as it is stored (or its absence), now with a majority's acknowledgement.
+        let change = if self.stored { StateChange::Persist } else { StateChange::Delete };
+        self.write(change, ctx).await
+    }
+
     async fn started(&mut self, ctx: &EntityContext) {
         self.load(ctx).await;
         if self.broken.is_none() {
@@ -241,7 +251,8 @@ impl<D: DurableEntity> Durable<D> {
             Ok(Some(bytes)) => match split_marks::<D::State>(&bytes) {
                 Ok((state, mut marks)) => {
                     marks.begin_incarnation(rand::random());
-                    self.state = state;
+                    self.stored = state.is_some();
+                    self.state = state.unwrap_or_default();
                     self.marks = marks;
                 }
                 Err(e) => {
@@ -275,25 +286,33 @@ struct StoredWithMarks {
 }
 
 /// The stored form of an encoded state (or none) with `marks`.
-fn with_marks(state: Option<&[u8]>, marks: &ConsumerMarks) -> Result<bytes::Bytes> {
+pub(crate) fn with_marks(state: Option<&[u8]>, marks: &ConsumerMarks) -> Result<bytes::Bytes> {
     let stored = StoredWithMarks { state: state.map(|s| serde_bytes::ByteBuf::from(s.to_vec())), marks: marks.clone() };
     let mut out = vec![WITH_MARKS];
     out.extend_from_slice(&wire::encode(&stored)?);
     Ok(out.into())
 }
 
-/// A stored state and its marks (none for a state stored without).
-fn split_marks<S: DeserializeOwned + Default>(stored: &[u8]) -> Result<(S, ConsumerMarks)> {
+/// A stored state (`None`: deleted, its marks kept) and its marks (none for a state stored
+/// without).
+fn split_marks<S: DeserializeOwned>(stored: &[u8]) -> Result<(Option<S>, ConsumerMarks)> {
+    let (state, marks) = split_stored(stored)?;
+    let state = match state {
+        Some(bytes) => Some(wire::decode(&bytes)?),
+        None => None,
+    };
+    Ok((state, marks))
+}
+
+/// A stored value's encoded state (`None`: deleted, its marks kept) and its marks (none for a
+/// state stored without).
+pub(crate) fn split_stored(stored: &[u8]) -> Result<(Option<std::borrow::Cow<'_, [u8]>>, ConsumerMarks)> {
     match stored.split_first() {
         Some((&WITH_MARKS, rest)) => {
             let stored: StoredWithMarks = wire::decode(rest)?;
-            let state = match stored.state {
-                Some(bytes) => wire::decode(&bytes)?,
-                None => S::default(),
-            };
-            Ok((state, stored.marks))
+            Ok((stored.state.map(|b| std::borrow::Cow::Owned(b.into_vec())), stored.marks))
         }
-        _ => Ok((wire::decode(stored)?, ConsumerMarks::default())),
+        _ => Ok((Some(std::borrow::Cow::Borrowed(stored)), ConsumerMarks::default())),
     }
 }
 
@@ -324,8 +343,8 @@ mod tests {
     #[test]
     fn a_state_stored_without_marks_reads_as_every_earlier_release_stored_it() {
         let plain = wire::encode(&vec![1u32, 2]).unwrap();
-        let (state, m): (Vec<u32>, _) = split_marks(&plain).unwrap();
-        assert_eq!((state, m.is_empty()), (vec![1, 2], true));
+        let (state, m): (Option<Vec<u32>>, _) = split_marks(&plain).unwrap();
+        assert_eq!((state, m.is_empty()), (Some(vec![1, 2]), true));
     }
 
     #[test]
@@ -333,11 +352,11 @@ mod tests {
         let state = wire::encode(&vec![7u32]).unwrap();
         let stored = with_marks(Some(&state), &marks()).unwrap();
         assert_eq!(stored[0], WITH_MARKS);
-        let (back, m): (Vec<u32>, _) = split_marks(&stored).unwrap();
-        assert_eq!((back, stored_form(&m)), (vec![7], stored_form(&marks())));
+        let (back, m): (Option<Vec<u32>>, _) = split_marks(&stored).unwrap();
+        assert_eq!((back, stored_form(&m)), (Some(vec![7]), stored_form(&marks())));
         let deleted = with_marks(None, &marks()).unwrap();
-        let (back, m): (Vec<u32>, _) = split_marks(&deleted).unwrap();
-        assert_eq!((back, stored_form(&m)), (Vec::new(), stored_form(&marks())));
+        let (back, m): (Option<Vec<u32>>, _) = split_marks(&deleted).unwrap();
+        assert_eq!((back, stored_form(&m)), (None, stored_form(&marks())));
     }
 
     #[test]

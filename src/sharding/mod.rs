@@ -27,7 +27,7 @@ mod counters;
 pub mod daemon;
 mod deferred;
 pub(crate) mod delivery;
-mod durable;
+pub(crate) mod durable;
 mod envelope;
 mod handle;
 pub(crate) mod ids;
@@ -108,6 +108,13 @@ pub trait Entity: Send + 'static {
     #[doc(hidden)]
     fn delivery_marks(&mut self) -> Option<&mut delivery::ConsumerMarks> {
         None
+    }
+
+    /// Settles the marks [`Entity::delivery_marks`] returns: writes them (with the state they
+    /// are stored with) and waits for the write to be acknowledged. Not meant to be overridden.
+    #[doc(hidden)]
+    fn settle_marks(&mut self, _ctx: &mut EntityContext) -> impl Future<Output = Result<()>> + Send {
+        async { Ok(()) }
     }
 
     /// Runs once when this incarnation starts, before its first message — also when a

@@ -462,6 +462,9 @@ impl ProducerCore {
     ) {
         let Some(s) = self.streams.get(entity).filter(|s| s.id == stream) else { return };
         let current = round == s.round;
+        // A round after a failure waits for its backoff, whatever else the round hears: an
+        // entity that fails at once (its writes refused) would otherwise be sent to in a loop.
+        let backing_off = s.retry_at.is_some();
         match result {
             SendResult::Answered(DeliveryOutcome::Confirmed { nonce, .. }) => {
                 self.confirm_through(entity, seq, out);
@@ -473,7 +476,7 @@ impl ProducerCore {
             SendResult::Answered(DeliveryOutcome::Gap { expected, nonce }) => {
                 // The entity took everything before `expected` (never more than was sent).
                 self.confirm_through(entity, expected.min(seq).saturating_sub(1), out);
-                if current {
+                if current && !backing_off {
                     self.new_round(entity, out);
                 }
                 self.learn_nonce(entity, nonce, out);
@@ -484,7 +487,9 @@ impl ProducerCore {
                 // an older one (and may carry an older incarnation's nonce).
                 if current {
                     self.streams.get_mut(entity).expect("seen above").nonce = nonce;
-                    self.new_round(entity, out);
+                    if !backing_off {
+                        self.new_round(entity, out);
+                    }
                 }
             }
             SendResult::Answered(DeliveryOutcome::Panicked { reason }) => {

@@ -25,7 +25,7 @@ use crate::sharding::keys;
 use crate::sharding::shard::StateIo;
 
 /// Claims at most this many times (each a newer fence seen) before giving up.
-const MAX_CLAIMS: usize = 8;
+pub(crate) const MAX_CLAIMS: usize = 8;
 
 /// A producer's durable queue, claimed at `epoch`.
 #[derive(Clone)]
@@ -41,9 +41,14 @@ pub(super) struct Opened {
 }
 
 /// The epoch a claim tries above fence `fence`, for the node tagged `tag`.
-pub(super) fn next_epoch(fence: u64, tag: u16) -> u64 {
+pub(crate) fn next_epoch(fence: u64, tag: u16) -> u64 {
     let high = (fence >> 16).saturating_add(1).min((1 << 48) - 1);
     (high << 16) | u64::from(tag)
+}
+
+/// The 16 bits of a claiming node's address its epochs carry.
+pub(crate) fn node_tag(address: &str) -> u16 {
+    xxhash_rust::xxh3::xxh3_64(address.as_bytes()) as u16
 }
 
 /// Claims `producer_id`'s queue in `region`'s type at a new epoch and loads it.
@@ -51,7 +56,7 @@ pub(super) async fn open<E: Entity>(region: &ShardRegion<E>, producer_id: &str) 
     let node = region.node()?;
     let store =
         region.state_store(keys::producer_space(region.type_name()), Arc::new(RegionCounterCells::default()))?;
-    let tag = xxhash_rust::xxh3::xxh3_64(node.address().to_string().as_bytes()) as u16;
+    let tag = node_tag(&node.address().to_string());
     let mut fence = store.local_fence(producer_id).await?;
     for _ in 0..MAX_CLAIMS {
         let epoch = next_epoch(fence, tag);
@@ -69,7 +74,7 @@ pub(super) async fn open<E: Entity>(region: &ShardRegion<E>, producer_id: &str) 
 
 /// What a store write's result means: stored, try again, refused (nothing written: its error),
 /// or fenced.
-pub(super) fn persist_result(result: Result<()>) -> (PersistResult, Option<Error>) {
+pub(crate) fn persist_result(result: Result<()>) -> (PersistResult, Option<Error>) {
     match result {
         Ok(()) => (PersistResult::Stored, None),
         Err(Error::Fenced { fence, .. }) => (PersistResult::Fenced { fence }, None),

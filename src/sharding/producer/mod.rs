@@ -28,9 +28,9 @@
 //! The decisions live in the sans-IO [`core`]; this driver stores, sends through the region,
 //! and feeds each delivery's outcome back.
 
-mod core;
-mod durable;
-mod queue;
+pub(crate) mod core;
+pub(crate) mod durable;
+pub(crate) mod queue;
 mod registry;
 mod settings;
 

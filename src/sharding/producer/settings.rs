@@ -61,7 +61,7 @@ impl ProducerSettings {
         Ok(())
     }
 
-    pub(super) fn limits(&self) -> ProducerLimits {
+    pub(crate) fn limits(&self) -> ProducerLimits {
         ProducerLimits {
             window: self.window,
             max_entities: self.max_entities,

@@ -379,11 +379,18 @@ impl<E: Entity> EntityRun<E> {
     }
 
     /// Decides on a reliable delivery by the entity's marks: handed back when the entity is to
-    /// handle it (the context then says which delivery it is); otherwise answered here.
-    fn admit(&mut self, running: &mut E, d: Box<DeliveryReply>) -> Option<(Box<DeliveryReply>, u64)> {
-        let (admission, nonce) = match running.delivery_marks() {
-            Some(marks) => (marks.admit(&d.header), marks.nonce()),
-            None => self.mailbox.admit(&d.header),
+    /// handle it (the context then says which delivery it is), or when its answer waits for
+    /// the marks to settle; otherwise answered here.
+    fn admit(&mut self, running: &mut E, d: Box<DeliveryReply>) -> Admitted {
+        let (admission, nonce, settle) = match running.delivery_marks() {
+            Some(marks) => {
+                let admission = marks.admit(&d.header);
+                (admission, marks.nonce(), marks.must_settle(&d.header, admission))
+            }
+            None => {
+                let (admission, nonce) = self.mailbox.admit(&d.header);
+                (admission, nonce, false)
+            }
         };
         let counters = &self.shared.counters;
         let cell = match admission {
@@ -392,17 +399,26 @@ impl<E: Entity> EntityRun<E> {
             Admission::Gap { .. } | Admission::Hello { .. } => &counters.deliveries_sent_back,
         };
         cell.fetch_add(1, Ordering::Relaxed);
-        let outcome = match admission {
-            Admission::Handle => {
+        match admission.answer(nonce) {
+            None => {
                 self.ctx.delivery = Some(DeliveryInfo::of(&d.header));
-                return Some((d, nonce));
+                Admitted::Handle(d, nonce)
             }
-            Admission::Duplicate => DeliveryOutcome::Confirmed { handled: false, nonce },
-            Admission::Gap { expected } => DeliveryOutcome::Gap { expected, nonce },
-            Admission::Hello { nonce } => DeliveryOutcome::Hello { nonce },
-        };
-        self.shared.replier.outcome(d.to, Ok(outcome));
-        None
+            Some(outcome) if settle => Admitted::Settle(d, outcome),
+            Some(outcome) => {
+                self.shared.replier.outcome(d.to, Ok(outcome));
+                Admitted::Answered
+            }
+        }
+    }
+
+    /// Settles the entity's marks, then answers a delivery on their word; false when the
+    /// incarnation ended with it (its write failed or was fenced).
+    async fn settle(&mut self, entity: &mut Option<E>, d: Box<DeliveryReply>, outcome: DeliveryOutcome) -> bool {
+        let running = entity.as_mut().expect("a task that took a command holds its entity");
+        let settled = running.settle_marks(&mut self.ctx).await;
+        self.shared.replier.outcome(d.to, settled.map(|()| outcome));
+        self.goes_on(entity)
     }
 
     fn respond(&self, reply: Option<ReplyTo<E>>, result: Result<Option<E::Reply>>) {
@@ -547,8 +563,9 @@ impl<E: Entity> EntityRun<E> {
         };
         let delivery = match delivery {
             Some(d) => match self.admit(running, d) {
-                Some(taken) => Some(taken),
-                None => return true,
+                Admitted::Handle(d, nonce) => Some((d, nonce)),
+                Admitted::Settle(d, outcome) => return self.settle(entity, d, outcome).await,
+                Admitted::Answered => return true,
             },
             None => None,
         };
@@ -583,27 +600,8 @@ impl<E: Entity> EntityRun<E> {
                 return false;
             }
         }
-        match self.ctx.end.take() {
-            None => {}
-            Some(EndIncarnation::Restart) => {
-                // A durable entity whose state write failed: the next incarnation starts
-                // from the stored state and takes the messages queued for this one.
-                drop(entity.take());
-                let leftovers = self.mailbox.end_from_task(&self.shared.routed);
-                self.terminated(leftovers);
-                return false;
-            }
-            Some(EndIncarnation::Fenced { fence }) => {
-                // A newer allocation owns the shard's state: nothing here may run it.
-                drop(entity.take());
-                let _ = self.shared.events.send(ShardEvent::Fenced {
-                    shard: self.ctx.shard_id.clone(),
-                    epoch: self.ctx.epoch,
-                    fence,
-                });
-                self.fail_queued_and_end("a newer allocation of its shard claimed its state");
-                return false;
-            }
+        if !self.goes_on(entity) {
+            return false;
         }
         if std::mem::take(&mut self.ctx.passivate) {
             let _ = self.shared.events.send(ShardEvent::Passivate {
@@ -614,6 +612,43 @@ impl<E: Entity> EntityRun<E> {
         }
         true
     }
+
+    /// Ends the incarnation when its last write asked to (failed: restart from the stored
+    /// state; fenced: stop); true when it goes on.
+    fn goes_on(&mut self, entity: &mut Option<E>) -> bool {
+        match self.ctx.end.take() {
+            None => true,
+            Some(EndIncarnation::Restart) => {
+                // A durable entity whose state write failed: the next incarnation starts
+                // from the stored state and takes the messages queued for this one.
+                drop(entity.take());
+                let leftovers = self.mailbox.end_from_task(&self.shared.routed);
+                self.terminated(leftovers);
+                false
+            }
+            Some(EndIncarnation::Fenced { fence }) => {
+                // A newer allocation owns the shard's state: nothing here may run it.
+                drop(entity.take());
+                let _ = self.shared.events.send(ShardEvent::Fenced {
+                    shard: self.ctx.shard_id.clone(),
+                    epoch: self.ctx.epoch,
+                    fence,
+                });
+                self.fail_queued_and_end("a newer allocation of its shard claimed its state");
+                false
+            }
+        }
+    }
+}
+
+/// What an entity does with a reliable delivery ([`EntityRun::admit`]).
+enum Admitted {
+    /// Handles it, and answers it confirmed with this incarnation's nonce once handled.
+    Handle(Box<DeliveryReply>, u64),
+    /// Answers it so once its marks settled.
+    Settle(Box<DeliveryReply>, DeliveryOutcome),
+    /// Answered already.
+    Answered,
 }
 
 /// The message of a caught panic, if it carried one.

@@ -302,20 +302,12 @@ impl StateIo {
             report_full_slot(&io.counters, full_log, &io.type_name, key, io.slot_budget, *refused, what);
         }
         for ((done, result), (shard, entity_id)) in done.into_iter().zip(outcome.results).zip(shards) {
-            let result = match result {
-                StateResult::Written => {
-                    add(&io.counters.state_writes, 1);
-                    Ok(())
-                }
-                StateResult::Fenced { key, epoch, fence } => {
-                    add(&io.counters.state_fenced, 1);
-                    Err(Error::Fenced { key, epoch, fence })
-                }
-                StateResult::SlotFull { slot } => {
-                    Err(Error::SlotFull { entity_id, shard, slot, budget: io.slot_budget })
-                }
-                StateResult::NotPersisted { reason } => Err(Error::StateNotPersisted { entity_id, reason }),
-            };
+            match &result {
+                StateResult::Written => add(&io.counters.state_writes, 1),
+                StateResult::Fenced { .. } => add(&io.counters.state_fenced, 1),
+                _ => {}
+            }
+            let result = result.into_result(entity_id, shard, io.slot_budget);
             let _ = done.send(result);
         }
         debug!(type_name = %io.type_name, "state batch written");

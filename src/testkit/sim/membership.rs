@@ -91,6 +91,7 @@ impl Sim {
     }
 
     pub(super) fn on_membership(&mut self) {
+        self.supervise_producers();
         let now = self.now();
         for i in 0..self.nodes.len() {
             if self.nodes[i].is_none() || self.is_paused(i) {

@@ -14,19 +14,24 @@
 //! With `remember` on, shards record their starts in replicated OR-sets and recover them
 //! (`remember.rs`). With `durable` on, entities keep a counter as durable state: each shard
 //! claims its state slots by epoch before it serves, each message writes the incremented counter
-//! at a majority before it is answered (`state.rs`).
+//! at a majority before it is answered (`state.rs`). With `reliable` on, a producer per node
+//! slot runs the producer core and sends numbered messages that entities admit by their
+//! consumer marks (`producer.rs`, `delivery.rs`); with `durable_queue`, producers keep their
+//! queues in fenced slots and resume them wherever a supervisor starts them again.
 //!
 //! **What is checked.** Never two live activations of one entity id (on any nodes, at any
 //! time); every ask ends (answered, or failed with a typed reason that the faults explain);
 //! after the faults heal and downed nodes restart, every entity answers again; nothing waits
 //! for a commit at the end; with remember-entities, no acknowledged remembered id is lost; with
-//! durable state, no acknowledged write is lost and no fenced epoch gets a write acknowledged.
+//! durable state, no acknowledged write is lost and no fenced epoch gets a write acknowledged;
+//! with reliable delivery, nothing is confirmed unhandled, streams are handled in order, no
+//! durable effect is written twice and no stored message is lost (see `delivery.rs`).
 //!
 //! Files: this one holds the model (nodes, network, membership, the event loop), `perform.rs`
 //! what the drivers do with each core's actions, `coordinator.rs` the coordinator's life cycle,
 //! take-over and state writes, `remember.rs` and `state.rs` the shard stores, `workload.rs`
-//! the asks, the random faults and the controls of scripted runs, `run.rs` a run's shape and
-//! report.
+//! the asks, the random faults and the controls of scripted runs, `producer.rs` and
+//! `delivery.rs` reliable delivery, `run.rs` a run's shape, its course and its report.
 //!
 //! **Replay a seed.** `DDSHARD_SIM_SEED=<seed> cargo test --test sim -- --nocapture replay`
 //! runs one seed with its trace printed. The trace lists every sharding-protocol message and
@@ -59,8 +64,10 @@ use crate::sharding::{ShardId, default_shard_id, keys};
 use crate::singleton::{SingletonCore, SingletonInput};
 
 mod coordinator;
+mod delivery;
 mod membership;
 mod perform;
+mod producer;
 mod remember;
 mod run;
 mod shapes;
@@ -121,10 +128,12 @@ const REFUSED: &str = "NotDelivered(region refused)";
 /// The shard-id extractor fingerprint every simulated node has (one extractor per run).
 const EXTRACTOR: u64 = 0x5eed;
 
-/// The message an entity gets: the client ask it answers, if any.
+/// The message an entity gets: the client ask it answers, if any, or the reliable delivery it
+/// is (by its flight number).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Msg {
     ask: Option<u64>,
+    delivery: Option<u64>,
 }
 
 // Simulation only: messages are moved through the event queue once.
@@ -140,6 +149,11 @@ enum Wire {
     },
     AskReply {
         ask: u64,
+    },
+    /// A reliable delivery's outcome, to its producer's node.
+    Outcome {
+        flight: u64,
+        result: crate::sharding::producer::core::SendResult,
     },
     Replicator(ReplicatorMsg),
     /// A heartbeat request (`response` false) or its answer.
@@ -189,6 +203,10 @@ enum Event {
     /// Recovery starts node slot `usize` again: its leave ended after the recovery's restart
     /// point (an operator who scaled down during the faults scales back up after them).
     StartAfterLeave(usize),
+    /// Reliable delivery: a producer sends a message.
+    Offer,
+    /// Reliable delivery: producer `p{usize}` is started (again).
+    StartProducer(usize),
 }
 
 /// What a replicator reply answers.
@@ -220,6 +238,14 @@ enum RepReply {
     EntityWrite(u64),
     /// The leaving node's replica was handed over (or not): it exits now.
     HandOver,
+    /// A producer incarnation's claim of its durable queue at `epoch`.
+    QueueClaim {
+        producer: u64,
+        epoch: u64,
+        tries: usize,
+    },
+    /// A try of producer-queue write `u64`.
+    QueueWrite(u64),
 }
 
 struct Node {
@@ -252,6 +278,10 @@ struct Node {
     states: BTreeMap<String, state::Activation>,
     /// Durable state: when each shard's completed claim began.
     claims_started: BTreeMap<ShardId, u64>,
+    /// Reliable delivery: each running plain entity's marks, with its incarnation.
+    plain_marks: BTreeMap<String, (u64, crate::sharding::delivery::ConsumerMarks)>,
+    /// Reliable delivery: producer-queue writes in flight, by id.
+    queue_writes: BTreeMap<u64, (producer::QueueWrite, crate::sharding::shard::batch::StateBatch)>,
 }
 
 struct MemberRow {
@@ -273,6 +303,9 @@ struct Ask {
 
 /// How long recovery lets the cluster settle after its last node start before it asks.
 const SETTLE_MS: u64 = 15_000;
+
+/// After recovery, producers get this long to have every message they hold confirmed.
+const DRAIN_MS: u64 = 60_000;
 
 /// Retries of an ask after recovery that failed transiently.
 const MAX_RETRIES: u32 = 3;
@@ -319,6 +352,10 @@ pub struct Sim {
     remembered_evidence: BTreeMap<String, String>,
     /// Durable state: the acknowledged writes and completed claims.
     ledger: state::StateLedger,
+    /// Reliable delivery: the producers, and what they sent.
+    producers: producer::Producers,
+    /// Reliable delivery: what was stored, handled and confirmed.
+    delivery_ledger: delivery::DeliveryLedger,
     dropping: bool,
     /// Recovery has begun: every node whose leave ends from now on is started again (a node
     /// that downs itself stays stopped), and the last start, done or due (virtual ms), bounds
@@ -357,6 +394,7 @@ fn wire_name(w: &Wire) -> String {
         Wire::ToRegion(m) => format!("{m:?}"),
         Wire::Deliver { entity_id, .. } => format!("Deliver({entity_id})"),
         Wire::AskReply { ask } => format!("AskReply({ask})"),
+        Wire::Outcome { flight, result } => format!("Outcome({flight}: {result:?})"),
         Wire::Replicator(_) => "Replicator".into(),
         Wire::Heartbeat { .. } => "Heartbeat".into(),
     }
@@ -390,6 +428,8 @@ impl Sim {
             remembered_acked: BTreeSet::new(),
             remembered_evidence: BTreeMap::new(),
             ledger: Default::default(),
+            producers: Default::default(),
+            delivery_ledger: Default::default(),
             dropping: false,
             recovering: None,
             replicator_stats: Arc::new(crate::ddata::ReplicatorStatCells::default()),
@@ -488,6 +528,8 @@ impl Sim {
             next_write: 1,
             states: BTreeMap::new(),
             claims_started: BTreeMap::new(),
+            plain_marks: BTreeMap::new(),
+            queue_writes: BTreeMap::new(),
             addr: addr.clone(),
         });
         self.trace(|| format!("{addr} starts (up-number {up_number})"));
@@ -502,6 +544,9 @@ impl Sim {
         self.trace(|| format!("{} {why}", node.addr));
         for (entity_id, _) in node.entities {
             self.end_activation(&entity_id, &node.addr);
+        }
+        if self.cfg.reliable {
+            self.producers_stopped_with(&node.addr);
         }
     }
 
@@ -522,7 +567,13 @@ impl Sim {
             | Event::Persisted { node, .. }
             | Event::RestartShard { node, .. } => self.slot_of(node),
             Event::Tick(i) => Some(*i),
-            Event::Membership | Event::Fault | Event::Ask | Event::RetryAsk { .. } | Event::StartAfterLeave(_) => None,
+            Event::Membership
+            | Event::Fault
+            | Event::Ask
+            | Event::RetryAsk { .. }
+            | Event::StartAfterLeave(_)
+            | Event::Offer
+            | Event::StartProducer(_) => None,
         }
     }
 
@@ -554,8 +605,14 @@ impl Sim {
         {
             return;
         }
-        if !matches!(wire, Wire::Replicator(_) | Wire::Deliver { .. } | Wire::AskReply { .. } | Wire::Heartbeat { .. })
-        {
+        if !matches!(
+            wire,
+            Wire::Replicator(_)
+                | Wire::Deliver { .. }
+                | Wire::AskReply { .. }
+                | Wire::Heartbeat { .. }
+                | Wire::Outcome { .. }
+        ) {
             self.trace(|| format!("{from} -> {to} {}", wire_name(&wire)));
         }
         let (now, wall) = (self.now(), self.wall());
@@ -581,6 +638,13 @@ impl Sim {
             Wire::AskReply { ask } => {
                 node.forwarded.remove(&ask);
                 self.resolve(ask, Ok(()));
+            }
+            Wire::Outcome { flight, result } => {
+                // Heard by its producer if it still runs here.
+                let to_here = self.producers.flights.get(&flight).and_then(|f| self.producers_host(f.producer));
+                if to_here.as_ref() == Some(&to) {
+                    self.on_delivery_outcome(flight, result);
+                }
             }
             Wire::Replicator(msg) => {
                 let mut out = Vec::new();
@@ -653,6 +717,9 @@ impl Sim {
             h.handle(crate::membership::failure_detector::HeartbeatInput::Tick, now, &mut beats);
         }
         self.perform_heartbeat(i, beats);
+        if self.cfg.reliable {
+            self.tick_producers(i);
+        }
         self.perform_singleton(i, single);
         self.perform_region(i, region_out);
         for (shard, a) in shard_out {
@@ -715,84 +782,10 @@ impl Sim {
                         self.recovering = Some(self.now_ms);
                     }
                 }
+                Event::Offer => self.on_offer(),
+                Event::StartProducer(k) => self.start_producer(k),
             }
         }
         self.now_ms = self.now_ms.max(until_ms);
-    }
-
-    /// The whole run: traffic and faults for `fault_ms`, then heal, restart every stopped node,
-    /// let the cluster settle, and ask every entity once more (each must be answered).
-    pub fn run(mut self) -> SimReport {
-        self.schedule(200, Event::Ask);
-        if self.cfg.faults {
-            self.dropping = self.cfg.drop_per_mille > 0;
-            self.schedule(2_000, Event::Fault);
-        }
-        self.run_until(self.cfg.fault_ms);
-        self.dropping = false;
-        self.cut.clear();
-        self.messaging_cut.clear();
-        // Pauses end (what a paused node missed is handled first, as on a real resume).
-        let resumed = self.paused_until.iter().copied().max().unwrap_or(0);
-        if resumed > self.now_ms {
-            self.run_until(resumed);
-        }
-        self.trace(|| "heal; restarting stopped nodes".into());
-        for i in 0..self.nodes.len() {
-            if self.nodes[i].is_none() {
-                self.start_node(i);
-            }
-        }
-        self.recovering = Some(self.now_ms);
-        // Settle: downing of the old incarnations, removal margins, coordinator take-over; a
-        // leave still under way ends, and that node is started again (seed 760109273: every
-        // node was leaving, and none was left to answer), so settle from the last start.
-        while let Some(started) = self.recovering
-            && self.now_ms < started + SETTLE_MS
-        {
-            self.run_until(started + SETTLE_MS);
-        }
-        for e in 0..self.cfg.entities {
-            let i = e % self.nodes.len();
-            self.ask(i, format!("e{e}"), true);
-        }
-        let end = self.now_ms + ASK_TIMEOUT_MS + 1_000;
-        self.run_until(end);
-        // Asks still open end by their timeout, as `ask` does; an ask that ends twice (an answer
-        // after a failure or a second answer) was reported when it happened.
-        let open: Vec<u64> = self.asks.iter().filter(|(_, a)| a.outcome.is_none()).map(|(id, _)| *id).collect();
-        for id in open {
-            self.resolve(id, Err(TIMEOUT));
-        }
-        let failed: Vec<(u64, String, &'static str)> = self
-            .asks
-            .iter()
-            .filter_map(|(id, a)| match (a.must_answer, a.outcome) {
-                (true, Some(Err(why))) => Some((*id, a.entity_id.clone(), why)),
-                _ => None,
-            })
-            .collect();
-        for (id, entity_id, why) in failed {
-            let placement = self.placement_evidence(&entity_id);
-            self.report.violations.push(format!("after recovery, ask {id} to {entity_id} failed: {why}; {placement}"));
-        }
-        // A commit issued in the last milliseconds (a rebalance's write, say) is still on its
-        // way at `end`; a stuck one never clears. Wait out a few fsyncs for the first kind.
-        for _ in 0..20 {
-            if self.nodes.iter().flatten().all(|n| n.replicator.durability_backlog() == (0, 0)) {
-                break;
-            }
-            self.run_until(self.now_ms + 5 * FSYNC_MS);
-        }
-        self.check_nothing_waits_for_a_commit();
-        self.report.virtual_ms = self.now_ms;
-        self.report.quarantined_messages = self.replicator_stats.quarantined.load(std::sync::atomic::Ordering::Relaxed);
-        if self.cfg.remember {
-            self.check_no_acknowledged_id_lost();
-        }
-        if self.cfg.durable {
-            self.check_no_acknowledged_state_lost();
-        }
-        self.report
     }
 }

@@ -136,6 +136,12 @@ impl Sim {
                     self.on_handed_over(i, &me, result);
                     return;
                 }
+                ReplicatorAction::ReplyGetMany { reply: RepReply::QueueClaim { producer, epoch, tries }, result } => {
+                    self.on_queue_claimed(i, producer, epoch, tries, result)
+                }
+                ReplicatorAction::ReplyUpdate { reply: RepReply::QueueWrite(id), result } => {
+                    self.on_queue_try(i, id, result)
+                }
                 ReplicatorAction::ReplyUpdate { reply: RepReply::RememberWrite(id), result } => {
                     // As the driver's `update_many`: a key refused by its fence is the error
                     // (remembered-id sets have none).
@@ -302,6 +308,9 @@ impl Sim {
         if let Some(ask) = msg.ask {
             self.resolve(ask, Err(why));
         }
+        if let Some(flight) = msg.delivery {
+            self.fail_delivery(flight, why);
+        }
     }
 
     /// Whether `node` was paused and its peers have downed (or removed) it since: a zombie
@@ -329,6 +338,10 @@ impl Sim {
                     self.deliver_durable(i, &entity_id, msg);
                     return;
                 }
+                if let Some(flight) = msg.delivery {
+                    self.deliver_plain(i, &entity_id, flight);
+                    return;
+                }
                 if let Some(ask) = msg.ask
                     && let Some(asker) = self.asks.get(&ask).map(|a| a.asker.clone())
                 {
@@ -344,6 +357,7 @@ impl Sim {
             }
             ShardAction::ForceStop { entity_id, .. } => {
                 node.entities.remove(&entity_id);
+                node.plain_marks.remove(&entity_id);
                 // An aborted durable entity answers nothing more (a write in flight may still
                 // be acknowledged by the replicas).
                 node.states.remove(&entity_id);
@@ -426,6 +440,7 @@ impl Sim {
         let n = self.nodes[i].as_mut().expect("running");
         if n.entities.get(&entity_id).is_some_and(|(_, inc)| *inc == incarnation) {
             n.entities.remove(&entity_id);
+            n.plain_marks.remove(&entity_id);
             n.states.remove(&entity_id);
             self.end_activation(&entity_id, &node);
         }

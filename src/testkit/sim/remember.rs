@@ -219,7 +219,7 @@ impl Sim {
     /// Recovery: each remembered id gets a start-only message through its shard.
     pub(super) fn recover(&mut self, i: usize, shard: &ShardId, entity_ids: Vec<String>) {
         for entity_id in entity_ids {
-            self.shard_input(i, shard, ShardInput::Deliver { entity_id, msg: Msg { ask: None } });
+            self.shard_input(i, shard, ShardInput::Deliver { entity_id, msg: Msg { ask: None, delivery: None } });
         }
     }
 

@@ -29,7 +29,13 @@ pub fn shapes() -> Vec<(&'static str, SimConfig)> {
         ),
         ("three-nodes-many-shards", SimConfig { nodes: 3, shards: 40, entities: 120, remember: true, ..base }),
         ("seven-nodes-lossy", seven_lossy.clone()),
-        ("seven-nodes-message-path-lossy", SimConfig { message_path: true, ..seven_lossy }),
+        ("seven-nodes-message-path-lossy", SimConfig { message_path: true, ..seven_lossy.clone() }),
+        ("reliable", SimConfig { reliable: true, ..base.clone() }),
+        ("reliable-durable", SimConfig { reliable: true, durable: true, durable_queue: true, ..base.clone() }),
+        (
+            "reliable-seven-nodes-message-path-lossy",
+            SimConfig { reliable: true, durable_queue: true, message_path: true, ..seven_lossy },
+        ),
     ]
 }
 

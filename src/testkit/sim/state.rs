@@ -17,6 +17,8 @@
 //!   epoch of its shard completed is acknowledged.
 
 use super::*;
+use crate::sharding::delivery::ConsumerMarks;
+use crate::sharding::durable::{split_stored, with_marks};
 use crate::sharding::ids::remembered_slot;
 use crate::sharding::shard::batch::{self, BatchAction, StateBatch, StateOutcome, StateRequest, StateResult};
 use crate::sharding::shard::state::{ClaimOutcome, claim_outcome};
@@ -29,6 +31,26 @@ fn state_key(cfg: &SimConfig, shard: &str, entity_id: &str) -> String {
     keys::entity_states(TYPE, shard, remembered_slot(entity_id, settings(cfg).state.slots))
 }
 
+/// A stored counter with the entity's marks of reliable deliveries (as a durable entity
+/// stores them: `None`, a violation, when they do not encode).
+fn stored_form(value: u64, marks: &ConsumerMarks) -> Option<Vec<u8>> {
+    let counter = value.to_le_bytes();
+    if marks.is_empty() {
+        return Some(counter.to_vec());
+    }
+    with_marks(Some(&counter), marks).ok().map(|b| b.to_vec())
+}
+
+/// The counter and marks of a stored value; `None` when it does not read as one.
+fn read_stored(stored: &[u8]) -> Option<(u64, ConsumerMarks)> {
+    let (counter, marks) = split_stored(stored).ok()?;
+    let counter = match counter {
+        Some(bytes) => u64::from_le_bytes(<[u8; 8]>::try_from(&*bytes).ok()?),
+        None => 0,
+    };
+    Some((counter, marks))
+}
+
 /// One running durable entity: its counter and the message it is writing for.
 #[derive(Debug)]
 pub(super) struct Activation {
@@ -37,6 +59,8 @@ pub(super) struct Activation {
     /// The shard's epoch when the entity started: its writes carry it.
     epoch: u64,
     value: u64,
+    /// Its marks of reliable deliveries (stored with its counter).
+    marks: ConsumerMarks,
     /// The message whose write is in flight.
     writing: Option<Msg>,
     queue: VecDeque<Msg>,
@@ -62,6 +86,12 @@ pub(super) struct EntityWrite {
     epoch: u64,
     value: u64,
     issued_ms: u64,
+    /// The reliable delivery whose effect it writes: (producer, stream, seq).
+    delivery: Option<(String, u64, u64)>,
+    /// It settles the marks (the value unchanged): the answer it then sends.
+    settle: Option<crate::sharding::delivery::DeliveryOutcome>,
+    /// The marks it carries: (producer, stream, next expected).
+    marks: Vec<(String, u64, u64)>,
 }
 
 /// The run's record of durable writes.
@@ -123,18 +153,7 @@ impl Sim {
         if !self.is_current(i, &claim.shard, claim.instance) {
             return;
         }
-        // As the state I/O's typed read: a value of another type is an error.
-        let s = settings(&self.cfg);
-        let read = result.and_then(|values| {
-            let keys = (0..s.state.slots).map(|slot| keys::entity_states(TYPE, &claim.shard, slot));
-            values
-                .into_iter()
-                .zip(keys)
-                .map(|(d, key)| {
-                    d.map(|d| <crate::ddata::FencedMap as crate::ddata::Crdt>::from_data(d, &key)).transpose()
-                })
-                .collect::<crate::Result<Vec<_>>>()
-        });
+        let read = self.typed_slots(&keys::state_space(TYPE), &claim.shard, result);
         let tries = claim.attempt as usize + 1;
         let me = self.nodes[i].as_ref().expect("running").addr.clone();
         match claim_outcome(&keys::state_space(TYPE), &claim.shard, claim.epoch, tries, read) {
@@ -169,6 +188,27 @@ impl Sim {
         }
     }
 
+    /// A claim's read of `owner`'s slots in `space`, typed as the state I/O reads them: a
+    /// value of another type is an error.
+    pub(super) fn typed_slots(
+        &self,
+        space: &str,
+        owner: &str,
+        result: crate::Result<Vec<Option<ReplicatedData>>>,
+    ) -> crate::Result<Vec<Option<crate::ddata::FencedMap>>> {
+        let slots = settings(&self.cfg).state.slots;
+        result.and_then(|values| {
+            let keys = (0..slots).map(|slot| keys::slot_key(space, owner, slot));
+            values
+                .into_iter()
+                .zip(keys)
+                .map(|(d, key)| {
+                    d.map(|d| <crate::ddata::FencedMap as crate::ddata::Crdt>::from_data(d, &key)).transpose()
+                })
+                .collect::<crate::Result<Vec<_>>>()
+        })
+    }
+
     fn node_claims_started(&mut self, i: usize) -> &mut BTreeMap<ShardId, u64> {
         &mut self.nodes[i].as_mut().expect("running").claims_started
     }
@@ -191,20 +231,26 @@ impl Sim {
             Some(ReplicatedData::FencedMap(m)) => m.get(entity_id).map(<[u8]>::to_vec),
             _ => None,
         };
-        let value = match stored.as_deref().map(<[u8; 8]>::try_from) {
-            None => 0,
-            Some(Ok(bytes)) => u64::from_le_bytes(bytes),
-            Some(Err(_)) => {
-                self.report.violations.push(format!("{entity_id}: a stored state of the wrong size"));
-                0
+        let (value, mut marks) = match stored.as_deref().map(read_stored) {
+            None => (0, ConsumerMarks::default()),
+            Some(Some(read)) => read,
+            Some(None) => {
+                self.report.violations.push(format!("{entity_id}: a stored state that does not read"));
+                (0, ConsumerMarks::default())
             }
         };
+        // Reliable runs only: other runs keep the random stream (and so the seeds) they had.
+        if self.cfg.reliable {
+            marks.begin_incarnation(self.rng.random());
+        }
+        let node = self.nodes[i].as_mut().expect("running");
         let claimed_ms = node.claims_started.get(shard).copied();
         let activation = Activation {
             shard: shard.clone(),
             incarnation,
             epoch,
             value,
+            marks,
             writing: None,
             queue: VecDeque::new(),
             stopping: false,
@@ -233,22 +279,45 @@ impl Sim {
             self.fail(msg, NOT_HOSTED);
             return;
         };
-        if msg.ask.is_none() {
+        if msg.ask.is_none() && msg.delivery.is_none() {
             return; // a start-only message (remembered recovery): the start was all it asked
         }
         a.queue.push_back(msg);
         self.pump(i, entity_id);
     }
 
-    /// Handles the entity's next queued message unless a write is in flight; ends a stopping
-    /// entity whose queue is done.
+    /// Handles the entity's next queued message unless a write is in flight (a reliable
+    /// delivery it does not handle is answered at once); ends a stopping entity whose queue is
+    /// done.
     fn pump(&mut self, i: usize, entity_id: &str) {
+        let (delivery, settle) = loop {
+            let Some(a) = self.nodes[i].as_mut().and_then(|n| n.states.get_mut(entity_id)) else { return };
+            if a.writing.is_some() {
+                return;
+            }
+            let Some(flight) = a.queue.front().and_then(|m| m.delivery) else { break (None, None) };
+            let mut marks = std::mem::take(&mut a.marks);
+            let admission = self.admit_durable(flight, &mut marks);
+            let node = self.nodes[i].as_mut().expect("running");
+            let me = node.addr.clone();
+            let a = node.states.get_mut(entity_id).expect("seen above");
+            a.marks = marks;
+            match admission {
+                Some(delivery::DurableAdmission::Handle(d)) => break (Some(d), None),
+                Some(delivery::DurableAdmission::Settle(outcome)) => break (None, Some(outcome)),
+                Some(delivery::DurableAdmission::Answer(outcome)) => {
+                    a.queue.pop_front();
+                    let result = crate::sharding::producer::core::SendResult::Answered(outcome);
+                    self.answer_delivery(&me, flight, result);
+                }
+                None => {
+                    a.queue.pop_front();
+                }
+            }
+        };
         let Some(node) = self.nodes[i].as_mut() else { return };
         let me = node.addr.clone();
         let Some(a) = node.states.get_mut(entity_id) else { return };
-        if a.writing.is_some() {
-            return;
-        }
         let Some(msg) = a.queue.pop_front() else {
             if a.stopping {
                 let (shard, incarnation) = (a.shard.clone(), a.incarnation);
@@ -257,7 +326,9 @@ impl Sim {
             }
             return;
         };
-        a.value += 1;
+        if settle.is_none() {
+            a.value += 1;
+        }
         a.writing = Some(msg);
         let w = EntityWrite {
             entity_id: entity_id.to_string(),
@@ -265,6 +336,9 @@ impl Sim {
             epoch: a.epoch,
             value: a.value,
             issued_ms: self.now_ms,
+            delivery,
+            settle,
+            marks: a.marks.streams().map(|(p, s, e)| (p.to_string(), s, e)).collect(),
         };
         let shard = a.shard.clone();
         self.write_state(i, &shard, w);
@@ -277,7 +351,11 @@ impl Sim {
         let s = settings(&self.cfg);
         let id = node.next_write;
         node.next_write += 1;
-        let value = Some(w.value.to_le_bytes().to_vec());
+        let Some(value) = node.states.get(&w.entity_id).and_then(|a| stored_form(w.value, &a.marks)) else {
+            self.report.violations.push(format!("{}: marks that do not encode", w.entity_id));
+            return;
+        };
+        let value = Some(value);
         let request = StateRequest { shard: shard.clone(), epoch: w.epoch, entity_id: w.entity_id.clone(), value };
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
         let batch =
@@ -336,7 +414,15 @@ impl Sim {
         match result {
             StateResult::Written => {
                 let msg = a.writing.take();
+                a.marks.settle();
+                let nonce = a.marks.nonce();
                 let me = node.addr.clone();
+                if let Some(flight) = msg.and_then(|m| m.delivery) {
+                    let handled = crate::sharding::delivery::DeliveryOutcome::Confirmed { handled: true, nonce };
+                    let outcome = w.settle.clone().unwrap_or(handled);
+                    let result = crate::sharding::producer::core::SendResult::Answered(outcome);
+                    self.answer_delivery(&me, flight, result);
+                }
                 if let Some(ask) = msg.and_then(|m| m.ask) {
                     if self.asks.get(&ask).is_some_and(|a| a.must_answer) {
                         self.ledger.final_values.insert(w.entity_id.clone(), (w.value, self.now_ms));
@@ -376,6 +462,13 @@ impl Sim {
                 w.entity_id, w.epoch, w.issued_ms
             );
             self.report.violations.push(v);
+        }
+        if let Some(node) = self.nodes[i].as_ref().map(|n| n.addr.clone()) {
+            self.durable_delivery_write(&w.entity_id, node, w.incarnation, &w.marks, w.delivery.clone());
+        }
+        if w.settle.is_some() {
+            // The value unchanged, acknowledged again: its marks are settled.
+            return;
         }
         let acks = self.ledger.acked.entry(w.entity_id.clone()).or_default();
         if acks.insert(w.value, now).is_some() {
@@ -450,9 +543,7 @@ impl Sim {
     fn holders(&self, shard: &ShardId, entity_id: &str, value: u64) -> String {
         let key = state_key(&self.cfg, shard, entity_id);
         let stored = |data: Option<&ReplicatedData>| match data {
-            Some(ReplicatedData::FencedMap(m)) => {
-                m.get(entity_id).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes)
-            }
+            Some(ReplicatedData::FencedMap(m)) => m.get(entity_id).and_then(read_stored).map_or(0, |(v, _)| v),
             _ => 0,
         };
         let mut held = Vec::new();

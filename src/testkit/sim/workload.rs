@@ -22,7 +22,11 @@ impl Sim {
         let mut out = Vec::new();
         let now = self.now();
         let node = self.nodes[i].as_mut().expect("running");
-        node.region.handle(RegionInput::Route { shard, entity_id, msg: Msg { ask: Some(ask) } }, now, &mut out);
+        node.region.handle(
+            RegionInput::Route { shard, entity_id, msg: Msg { ask: Some(ask), delivery: None } },
+            now,
+            &mut out,
+        );
         self.perform_region(i, out);
     }
 

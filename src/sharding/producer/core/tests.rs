@@ -184,6 +184,31 @@ fn a_gap_confirms_what_came_before_and_sends_the_rest_again_at_once_once_per_rou
     assert!(sends(&out).is_empty());
 }
 
+/// Simulation seed 200000004 of `reliable-durable`: an entity whose every write failed at once
+/// (its node cut off from a majority) restarted, said hello, took a message, failed, restarted
+/// — and each hello started a round at once, a loop without time passing.
+#[test]
+fn a_hello_or_a_gap_after_a_failure_of_the_round_waits_for_the_backoff() {
+    let mut r = Rig::new();
+    r.introduce("e", S, "a");
+    r.offer("e", "b");
+    // 1 failed (its write refused, the incarnation ended); the next incarnation says hello to 2.
+    assert!(sends(&r.answer("e", S, 2, 1, failed())).is_empty());
+    let nonces = |out: &[ProducerAction]| {
+        out.iter()
+            .filter_map(|a| match a {
+                ProducerAction::Send { header, .. } => Some((header.seq, header.nonce)),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(r.answer("e", S, 2, 2, SendResult::Answered(DeliveryOutcome::Hello { nonce: 10 })).is_empty());
+    let gap = SendResult::Answered(DeliveryOutcome::Gap { expected: 1, nonce: 10 });
+    assert!(sends(&r.answer("e", S, 2, 2, gap)).is_empty(), "nor a gap");
+    assert!(sends(&r.later(Duration::from_millis(99))).is_empty());
+    assert_eq!(nonces(&r.later(Duration::from_millis(1))), vec![(1, 10), (2, 10)], "the backoff's round, introduced");
+}
+
 #[test]
 fn a_gap_never_confirms_the_message_it_answers_or_anything_after_it() {
     let mut r = Rig::new();
