@@ -453,4 +453,113 @@ impl Sim {
             }
         }
     }
+
+    /// Node slot `i`'s cores tick (and its producers).
+    pub(super) fn on_tick(&mut self, i: usize) {
+        self.schedule(TICK_MS, Event::Tick(i));
+        let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let mut single = Vec::new();
+        node.singleton.handle(SingletonInput::Tick, now, &mut single);
+        let mut region_out = Vec::new();
+        node.region.handle(RegionInput::Tick, now, &mut region_out);
+        let mut shard_out = Vec::new();
+        for (id, (core, _)) in node.shards.iter_mut() {
+            let mut out = Vec::new();
+            core.handle(ShardInput::Tick, now, &mut out);
+            shard_out.extend(out.into_iter().map(|a| (id.clone(), a)));
+        }
+        let mut coord_out = Vec::new();
+        if let Some(c) = node.coordinator.as_mut() {
+            c.core.handle(CoordinatorInput::Tick, now, wall, &mut coord_out);
+        }
+        let mut rep_out = Vec::new();
+        node.replicator.handle(ReplicatorInput::Tick, now, wall, &mut rep_out);
+        let mut beats = Vec::new();
+        if let Some(h) = node.heartbeat.as_mut() {
+            h.handle(crate::membership::failure_detector::HeartbeatInput::Tick, now, &mut beats);
+        }
+        self.perform_heartbeat(i, beats);
+        if self.cfg.reliable {
+            self.tick_producers(i);
+        }
+        self.perform_singleton(i, single);
+        self.perform_region(i, region_out);
+        for (shard, a) in shard_out {
+            self.perform_shard(i, &shard, a);
+        }
+        self.perform_coordinator(i, coord_out);
+        self.perform_replicator(i, rep_out);
+    }
+
+    /// A message reaches node `to` (dropped if the link was cut meanwhile or `to` is gone).
+    pub(super) fn deliver(&mut self, from: UniqueAddress, to: UniqueAddress, wire: Wire) {
+        let Some(i) = self.slot_of(&to) else { return };
+        if let Some(a) = self.slot_of(&from).or_else(|| from.node_id[1..].parse::<usize>().ok().map(|n| n - 1))
+            && a != i
+            && (self.cut.contains(&(a, i)) || self.messaging_cut.contains(&(a, i)))
+        {
+            return;
+        }
+        if !matches!(
+            wire,
+            Wire::Replicator(_)
+                | Wire::Deliver { .. }
+                | Wire::AskReply { .. }
+                | Wire::Heartbeat { .. }
+                | Wire::Outcome { .. }
+        ) {
+            self.trace(|| format!("{from} -> {to} {}", wire_name(&wire)));
+        }
+        let (now, wall) = (self.now(), self.wall());
+        let node = self.nodes[i].as_mut().expect("running");
+        match wire {
+            Wire::ToCoordinator(msg) => {
+                let mut out = Vec::new();
+                if let Some(c) = node.coordinator.as_mut() {
+                    c.core.handle(CoordinatorInput::FromRegion { from, msg }, now, wall, &mut out);
+                }
+                self.perform_coordinator(i, out);
+            }
+            Wire::ToRegion(msg) => {
+                let mut out = Vec::new();
+                node.region.handle(RegionInput::Coordinator { from, msg }, now, &mut out);
+                self.perform_region(i, out);
+            }
+            Wire::Deliver { shard, epoch, entity_id, msg } => {
+                let mut out = Vec::new();
+                node.region.handle(RegionInput::Forwarded { shard, epoch, entity_id, msg }, now, &mut out);
+                self.perform_region(i, out);
+            }
+            Wire::AskReply { ask } => {
+                node.forwarded.remove(&ask);
+                self.resolve(ask, Ok(()));
+            }
+            Wire::Outcome { flight, result } => {
+                // Heard by its producer if it still runs here.
+                let to_here = self.producers.flights.get(&flight).and_then(|f| self.producers_host(f.producer));
+                if to_here.as_ref() == Some(&to) {
+                    self.on_delivery_outcome(flight, result);
+                }
+            }
+            Wire::Replicator(msg) => {
+                let mut out = Vec::new();
+                node.replicator.handle(ReplicatorInput::Remote { from: peer_of(&from), msg }, now, wall, &mut out);
+                self.perform_replicator(i, out);
+            }
+            Wire::Heartbeat { response, seq } => {
+                use crate::membership::failure_detector::HeartbeatInput;
+                let mut out = Vec::new();
+                if let Some(h) = node.heartbeat.as_mut() {
+                    let input = if response {
+                        HeartbeatInput::Response { from, seq }
+                    } else {
+                        HeartbeatInput::Request { from, seq }
+                    };
+                    h.handle(input, now, &mut out);
+                }
+                self.perform_heartbeat(i, out);
+            }
+        }
+    }
 }

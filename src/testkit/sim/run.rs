@@ -2,8 +2,6 @@
 
 use std::collections::BTreeMap;
 
-use super::*;
-
 /// The shape of one simulated run.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
@@ -105,98 +103,4 @@ pub struct SimReport {
 /// Runs one seed with `cfg`.
 pub fn run_seed(seed: u64, cfg: &SimConfig) -> SimReport {
     super::Sim::new(seed, cfg.clone()).run()
-}
-
-impl Sim {
-    /// The whole run: traffic and faults for `fault_ms`, then heal, restart every stopped node,
-    /// let the cluster settle, and ask every entity once more (each must be answered).
-    pub fn run(mut self) -> SimReport {
-        self.schedule(200, Event::Ask);
-        if self.cfg.reliable {
-            for k in 0..self.nodes.len() {
-                self.schedule(100, Event::StartProducer(k));
-            }
-            self.schedule(300, Event::Offer);
-        }
-        if self.cfg.faults {
-            self.dropping = self.cfg.drop_per_mille > 0;
-            self.schedule(2_000, Event::Fault);
-        }
-        self.run_until(self.cfg.fault_ms);
-        self.dropping = false;
-        self.cut.clear();
-        self.messaging_cut.clear();
-        // Pauses end (what a paused node missed is handled first, as on a real resume).
-        let resumed = self.paused_until.iter().copied().max().unwrap_or(0);
-        if resumed > self.now_ms {
-            self.run_until(resumed);
-        }
-        self.trace(|| "heal; restarting stopped nodes".into());
-        for i in 0..self.nodes.len() {
-            if self.nodes[i].is_none() {
-                self.start_node(i);
-            }
-        }
-        self.recovering = Some(self.now_ms);
-        // Settle: downing of the old incarnations, removal margins, coordinator take-over; a
-        // leave still under way ends, and that node is started again (seed 760109273: every
-        // node was leaving, and none was left to answer), so settle from the last start.
-        while let Some(started) = self.recovering
-            && self.now_ms < started + SETTLE_MS
-        {
-            self.run_until(started + SETTLE_MS);
-        }
-        for e in 0..self.cfg.entities {
-            let i = e % self.nodes.len();
-            self.ask(i, format!("e{e}"), true);
-        }
-        let end = self.now_ms + ASK_TIMEOUT_MS + 1_000;
-        self.run_until(end);
-        // Asks still open end by their timeout, as `ask` does; an ask that ends twice (an answer
-        // after a failure or a second answer) was reported when it happened.
-        let open: Vec<u64> = self.asks.iter().filter(|(_, a)| a.outcome.is_none()).map(|(id, _)| *id).collect();
-        for id in open {
-            self.resolve(id, Err(TIMEOUT));
-        }
-        let failed: Vec<(u64, String, &'static str)> = self
-            .asks
-            .iter()
-            .filter_map(|(id, a)| match (a.must_answer, a.outcome) {
-                (true, Some(Err(why))) => Some((*id, a.entity_id.clone(), why)),
-                _ => None,
-            })
-            .collect();
-        for (id, entity_id, why) in failed {
-            let placement = self.placement_evidence(&entity_id);
-            self.report.violations.push(format!("after recovery, ask {id} to {entity_id} failed: {why}; {placement}"));
-        }
-        // A commit issued in the last milliseconds (a rebalance's write, say) is still on its
-        // way at `end`; a stuck one never clears. Wait out a few fsyncs for the first kind.
-        for _ in 0..20 {
-            if self.nodes.iter().flatten().all(|n| n.replicator.durability_backlog() == (0, 0)) {
-                break;
-            }
-            self.run_until(self.now_ms + 5 * FSYNC_MS);
-        }
-        if self.cfg.reliable {
-            // Producers send what they hold until it is confirmed.
-            let drained_by = self.now_ms + DRAIN_MS;
-            while !self.producers_drained() && self.now_ms < drained_by {
-                self.run_until(self.now_ms + 500);
-            }
-        }
-        self.check_nothing_waits_for_a_commit();
-        self.report.virtual_ms = self.now_ms;
-        self.report.quarantined_messages = self.replicator_stats.quarantined.load(std::sync::atomic::Ordering::Relaxed);
-        if self.cfg.remember {
-            self.check_no_acknowledged_id_lost();
-        }
-        if self.cfg.durable {
-            self.check_no_acknowledged_state_lost();
-        }
-        if self.cfg.reliable {
-            self.check_no_stored_message_lost();
-        }
-        self.report
-    }
 }

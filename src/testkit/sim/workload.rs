@@ -255,4 +255,30 @@ impl Sim {
     pub fn quarantined_messages(&self) -> u64 {
         self.replicator_stats.quarantined.load(std::sync::atomic::Ordering::Relaxed)
     }
+
+    /// Ask `ask` ended with `outcome` (once: a late answer after a failure is dropped).
+    pub(super) fn resolve(&mut self, ask: u64, outcome: Result<(), &'static str>) {
+        let Some(a) = self.asks.get_mut(&ask) else { return };
+        if let Some(earlier) = a.outcome {
+            // A late answer after a failure is dropped (the asker stopped waiting); an entity
+            // answering one ask twice handled the message twice.
+            if outcome.is_ok() && earlier.is_ok() {
+                self.report.violations.push(format!("ask {ask} to {} answered twice", a.entity_id));
+            }
+            return;
+        }
+        a.outcome = Some(outcome);
+        if let (true, Err(why)) = (a.must_answer, outcome)
+            && (why == HAND_OFF || why == REGION_GONE)
+            && a.attempt < MAX_RETRIES
+        {
+            let (entity_id, attempt) = (a.entity_id.clone(), a.attempt + 1);
+            a.must_answer = false; // its retry carries the promise now
+            self.schedule(200, Event::RetryAsk { entity_id, attempt });
+        }
+        match outcome {
+            Ok(()) => self.report.answered += 1,
+            Err(why) => *self.report.failed.entry(why).or_default() += 1,
+        }
+    }
 }
