@@ -43,7 +43,7 @@ pub const MAX_PRODUCERS_PER_ENTITY: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) struct DeliveryHeader {
     /// The producer's id.
-    pub producer: String,
+    pub producer: std::sync::Arc<str>,
     /// The stream: one producer's sequence to one entity, unique per start of that sequence.
     pub stream: u64,
     /// This message's number in its stream (from 1).
@@ -198,7 +198,7 @@ impl ConsumerMarks {
             return Admission::Gap { expected: h.first_unconfirmed.min(h.seq - 1) };
         }
         let introduced = h.nonce == self.nonce;
-        let i = self.marks.iter().position(|m| m.producer == h.producer);
+        let i = self.marks.iter().position(|m| *m.producer == *h.producer);
         let taken_on = i.is_some_and(|i| self.marks[i].stream == h.stream && self.marks[i].greeted == self.nonce);
         if !taken_on && !introduced {
             return Admission::Hello { nonce: self.nonce };
@@ -208,7 +208,7 @@ impl ConsumerMarks {
         let Some(i) = i else {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
-                let (producer, stream, expected) = (h.producer.clone(), h.stream, next(h.seq));
+                let (producer, stream, expected) = (h.producer.to_string(), h.stream, next(h.seq));
                 self.insert(Mark { producer, stream, expected, heard, greeted: nonce });
             }
             return admission;
@@ -280,7 +280,7 @@ pub struct DeliveryInfo {
 impl DeliveryInfo {
     /// What the entity learns of the delivery carrying `h`.
     pub(crate) fn of(h: &DeliveryHeader) -> Self {
-        DeliveryInfo { producer_id: h.producer.clone(), seq: h.seq, redelivery: h.redelivery }
+        DeliveryInfo { producer_id: h.producer.to_string(), seq: h.seq, redelivery: h.redelivery }
     }
 }
 
@@ -474,6 +474,14 @@ mod tests {
             |m: &ConsumerMarks| m.marks.iter().map(|m| (m.producer.clone(), m.stream, m.expected)).collect::<Vec<_>>();
         assert_eq!(numbers(&back), numbers(&marks));
         assert_eq!((back.nonce, back.marks[0].greeted), (0, 0), "an incarnation's nonce is not stored");
+    }
+
+    #[test]
+    fn each_admission_but_handle_is_answered_at_once_with_the_incarnation_s_nonce() {
+        assert_eq!(Handle.answer(N), None, "handled, it is answered once its handler returned");
+        assert_eq!(Duplicate.answer(N), Some(DeliveryOutcome::Confirmed { handled: false, nonce: N }));
+        assert_eq!(Gap { expected: 4 }.answer(N), Some(DeliveryOutcome::Gap { expected: 4, nonce: N }));
+        assert_eq!(Admission::Hello { nonce: 8 }.answer(N), Some(DeliveryOutcome::Hello { nonce: 8 }));
     }
 
     /// Simulation seed 200000001 of `reliable-durable` (see the module doc's "settled").

@@ -311,6 +311,11 @@ impl<E: Entity> ShardRegion<E> {
         Ok(super::shard::StateIo::in_space(&parts, space, counters))
     }
 
+    /// The deadlines the region's asks wait under.
+    pub(crate) fn deadlines(&self) -> &DeadlineSweep {
+        &self.inner.deadlines
+    }
+
     /// The node behind the region (none for a stand-in).
     pub(crate) fn node(&self) -> Result<&Node> {
         self.inner.node()

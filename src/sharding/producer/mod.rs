@@ -170,7 +170,15 @@ enum Stopped {
 struct PersistJob {
     key: String,
     value: Option<Vec<u8>>,
-    message: Option<(String, u64, u64)>,
+    what: Stored,
+}
+
+/// What a store write is for.
+enum Stored {
+    /// Message (entity, stream, seq).
+    Message(String, u64, u64),
+    /// The deletion of the entry at a place (`None`: a key that names no place).
+    Deletion(Option<u32>),
 }
 
 struct Inner<E: Entity> {
@@ -494,9 +502,9 @@ impl<E: Entity> Inner<E> {
                 }
             }
             ProducerAction::Persist { key, entry } => {
-                let message = Some((entry.entity.clone(), entry.stream, entry.seq));
+                let what = Stored::Message(entry.entity.clone(), entry.stream, entry.seq);
                 match wire::encode(&entry) {
-                    Ok(value) => self.persist(PersistJob { key, value: Some(value.to_vec()), message }),
+                    Ok(value) => self.persist(PersistJob { key, value: Some(value.to_vec()), what }),
                     Err(e) => {
                         let result = core::PersistResult::Refused(e.to_string());
                         let (entity, stream, seq) = (entry.entity, entry.stream, entry.seq);
@@ -504,7 +512,9 @@ impl<E: Entity> Inner<E> {
                     }
                 }
             }
-            ProducerAction::Unpersist { key } => self.persist(PersistJob { key, value: None, message: None }),
+            ProducerAction::Unpersist { key, place } => {
+                self.persist(PersistJob { key, value: None, what: Stored::Deletion(Some(place)) })
+            }
             ProducerAction::Fenced { fence } => {
                 let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
                 warn!(producer = %self.producer_id, epoch, fence, "a newer incarnation of this producer claimed its queue; stopping");
@@ -562,10 +572,13 @@ impl<E: Entity> Inner<E> {
         if restored.undecodable > 0 {
             warn!(producer = %self.producer_id, entries = restored.undecodable, "stored queue entries that do not decode were deleted");
         }
+        let mut deleting = Vec::new();
         for key in restored.stale {
-            self.persist(PersistJob { key, value: None, message: None });
+            let place = queue::place_of(&key);
+            deleting.extend(place);
+            self.persist(PersistJob { key, value: None, what: Stored::Deletion(place) });
         }
-        self.feed(ProducerInput::Restore(restored.streams));
+        self.feed(ProducerInput::Restore { streams: restored.streams, deleting });
     }
 
     /// Sends one delivery through the region.
@@ -603,22 +616,25 @@ impl<E: Entity> Inner<E> {
         self.dead_letters(dead);
     }
 
-    /// A store write ended: the core hears how, for a message's write; a deletion only
-    /// matters when it found the queue claimed by a newer incarnation.
-    fn written(&self, message: Option<(String, u64, u64)>, written: Result<()>) {
+    /// A store write ended: the core hears how a message's write ended, and that a
+    /// deletion did (its place may be written again); a deletion that found the queue claimed
+    /// by a newer incarnation stops this one.
+    fn written(&self, what: Stored, written: Result<()>) {
         let (result, refusal) = durable::persist_result(written);
-        match message {
-            Some((entity, stream, seq)) => {
+        match what {
+            Stored::Message(entity, stream, seq) => {
                 if let Some(e) = refusal {
                     self.lock().refusals.insert((stream, seq), e);
                 }
                 self.feed(ProducerInput::Persisted { entity, stream, seq, result });
             }
-            None => {
+            Stored::Deletion(place) => {
                 if let core::PersistResult::Fenced { fence } = result {
                     let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
                     let mut st = self.lock();
                     self.stop_locked(&mut st, Stopped::Fenced { epoch, fence });
+                } else if let Some(place) = place {
+                    self.feed(ProducerInput::Deleted { place });
                 }
             }
         }
@@ -657,6 +673,8 @@ async fn drive<E: Entity>(
 ) {
     let stop = inner.stop.clone();
     let timeout = settings.delivery_timeout;
+    // The region's deadline sweep, as its asks: no timer per delivery.
+    let deadlines = inner.region.deadlines().clone();
     let mut writing = FuturesUnordered::new();
     #[cfg(feature = "metrics")]
     let mut published = tokio::time::interval(Duration::from_secs(1));
@@ -671,8 +689,9 @@ async fn drive<E: Entity>(
             _ = shutdown.cancelled() => break,
             Some(f) = flights.recv() => {
                 let Flight { entity, stream, round, seq, rx } = f;
+                let deadlines = deadlines.clone();
                 in_flight.push(async move {
-                    let result = match tokio::time::timeout(timeout, rx).await {
+                    let result = match deadlines.within(timeout, rx).await {
                         Ok(Ok(Ok(outcome))) => SendResult::Answered(outcome),
                         Ok(Ok(Err(e))) => SendResult::Failed(e.to_string()),
                         Ok(Err(_)) => SendResult::Failed("the delivery was dropped".into()),
@@ -687,10 +706,10 @@ async fn drive<E: Entity>(
                 let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
                 writing.push(async move {
                     let written = store.write(&owner, epoch, &job.key, job.value).await;
-                    (job.message, written)
+                    (job.what, written)
                 });
             }
-            Some((message, written)) = writing.next(), if !writing.is_empty() => inner.written(message, written),
+            Some((what, written)) = writing.next(), if !writing.is_empty() => inner.written(what, written),
             _ = tick.tick() => inner.feed(ProducerInput::Tick),
             _ = next_publish(&mut published) => inner.publish_metrics(),
         }

@@ -186,7 +186,7 @@ impl Sim {
         let admission = marks.admit(&header);
         let nonce = marks.nonce();
         if admission == Admission::Handle {
-            let at = (entity_id.to_string(), me.clone(), incarnation, header.producer.clone(), header.stream);
+            let at = (entity_id.to_string(), me.clone(), incarnation, header.producer.to_string(), header.stream);
             let v = self.delivery_ledger.handled(at, header.seq);
             self.violations_at_now(v);
         }
@@ -200,7 +200,7 @@ impl Sim {
         let header = self.delivery_header(flight)?;
         let admission = marks.admit(&header);
         Some(match admission.answer(marks.nonce()) {
-            None => DurableAdmission::Handle((header.producer, header.stream, header.seq)),
+            None => DurableAdmission::Handle((header.producer.to_string(), header.stream, header.seq)),
             Some(outcome) if marks.must_settle(&header, admission) => DurableAdmission::Settle(outcome),
             Some(outcome) => DurableAdmission::Answer(outcome),
         })
