@@ -417,3 +417,56 @@ fn a_restarted_producer_starts_new_streams_its_entities_take_from_the_first_mess
         assert_eq!(total, 15 + 515 + 1015, "each incarnation's messages applied once, none taken for a duplicate");
     });
 }
+
+/// Simulation seed 200000001 of `reliable-durable`, on whole nodes: a durable entity's write
+/// that no majority acknowledged stays on its node's replica, and the next incarnation reads
+/// the marks it carried. A re-sent copy of that message is then a duplicate by those marks —
+/// but they may still be lost (a newer home of the shard would claim from a majority without
+/// them), so its producer must not hear it confirmed until a write of them is acknowledged.
+#[test]
+fn a_duplicate_by_marks_no_majority_holds_is_confirmed_only_once_a_write_of_them_is_acknowledged() {
+    VirtualRun::new(2)
+        // No downing during the cut: the test is about writes that cannot reach a majority.
+        .configure(|_, c| c.membership.stable_after = Duration::from_secs(3_600))
+        .run(|cluster: VirtualCluster| async move {
+            cluster.await_converged(Duration::from_secs(30)).await;
+            // The type runs on n1 only, so every shard is there; n2 holds replicas.
+            let start = |n: ddshard::Node| async move { n.sharding().start_durable("sum", |_: &str| Sum, settings(1)).await };
+            let region = cluster.on_node(0, start).await.unwrap().unwrap();
+            let settings = ProducerSettings { resend_backoff_max: Duration::from_millis(500), ..Default::default() };
+            let r = region.clone();
+            let producer = cluster.on_node(0, move |_| async move { r.producer("p", settings).await }).await.unwrap().unwrap();
+            let p = producer.clone();
+            cluster.on_node(0, move |_| async move { p.send("e", 1).await?.await }).await.unwrap().unwrap();
+            // Node-to-node messages cut, gossip flowing: n1's writes reach no majority. The
+            // handler adds 2, its write fails and ends the incarnation; the next one reads the
+            // sum and marks from n1's replica and is sent 2 again.
+            let n1 = VirtualCluster::node_id(0);
+            let n2 = VirtualCluster::node_id(1);
+            cluster.injector().cut_messaging(&[&n1], &[&n2]);
+            let p = producer.clone();
+            let confirmation = cluster.on_node(0, move |_| async move { p.send("e", 2).await }).await.unwrap().unwrap();
+            let (confirmation, early) = cluster
+                .on_node(0, move |_| async move {
+                    let mut confirmation = confirmation;
+                    let early = tokio::time::timeout(Duration::from_secs(15), &mut confirmation).await;
+                    (confirmation, early.is_ok())
+                })
+                .await
+                .unwrap();
+            let resent = producer.stats().resent;
+            assert!(!early, "confirmed while no majority held the marks that call it a duplicate");
+            assert!(resent >= 3, "the message went again and again during the cut: {resent}");
+            cluster.injector().heal_all();
+            let r = region.clone();
+            let total = cluster
+                .on_node(0, move |_| async move {
+                    confirmation.await?;
+                    r.ask("e", 0).await
+                })
+                .await
+                .unwrap()
+                .unwrap();
+            assert_eq!(total, 3, "2 applied once");
+        });
+}

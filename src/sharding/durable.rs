@@ -216,6 +216,11 @@ impl<D: DurableEntity> Entity for Durable<D> {
     }
 
     async fn settle_marks(&mut self, ctx: &mut EntityContext) -> Result<()> {
+        if self.broken.is_some() {
+            // Never write over a stored state that did not load (its marks were not read).
+            let reason = "its stored state did not load".to_string();
+            return Err(Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason });
+        }
         // The state as it is stored (or its absence), now with a majority's acknowledgement.
         let change = if self.stored { StateChange::Persist } else { StateChange::Delete };
         self.write(change, ctx).await

@@ -271,14 +271,14 @@ pub(crate) enum StateResult {
 impl StateResult {
     /// The write's result as its writer answers it: `entity_id`'s in `shard`, whose slots hold
     /// `slot_budget` bytes.
-    pub(crate) fn into_result(self, entity_id: String, shard: String, slot_budget: usize) -> crate::Result<()> {
+    pub(crate) fn into_result(self, entity_id: String, shard: String, slot_budget: usize) -> crate::error::Result<()> {
         match self {
             StateResult::Written => Ok(()),
-            StateResult::Fenced { key, epoch, fence } => Err(crate::Error::Fenced { key, epoch, fence }),
+            StateResult::Fenced { key, epoch, fence } => Err(crate::error::Error::Fenced { key, epoch, fence }),
             StateResult::SlotFull { slot } => {
-                Err(crate::Error::SlotFull { entity_id, shard, slot, budget: slot_budget })
+                Err(crate::error::Error::SlotFull { entity_id, shard, slot, budget: slot_budget })
             }
-            StateResult::NotPersisted { reason } => Err(crate::Error::StateNotPersisted { entity_id, reason }),
+            StateResult::NotPersisted { reason } => Err(crate::error::Error::StateNotPersisted { entity_id, reason }),
         }
     }
 }

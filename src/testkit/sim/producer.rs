@@ -492,22 +492,10 @@ impl Sim {
     }
 
     fn perform_queue_batch(&mut self, i: usize, id: u64, actions: Vec<BatchAction<StateOutcome>>) {
-        let (now, wall) = (self.now(), self.wall());
         for action in actions {
             let Some(node) = self.nodes[i].as_mut() else { return };
             match action {
-                BatchAction::Write(updates) => {
-                    let s = settings(&self.cfg);
-                    let input = ReplicatorInput::UpdateMany {
-                        updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
-                        consistency: batch::state_write_consistency(&s),
-                        timeout: batch::write_timeout(&s),
-                        reply: RepReply::QueueWrite(id),
-                    };
-                    let mut out = Vec::new();
-                    node.replicator.handle(input, now, wall, &mut out);
-                    self.perform_replicator(i, out);
-                }
+                BatchAction::Write(updates) => self.write_slots(i, updates, RepReply::QueueWrite(id)),
                 BatchAction::Done(outcome) => {
                     let Some((write, _)) = node.queue_writes.remove(&id) else { return };
                     let reason = || StateResult::NotPersisted { reason: "no outcome".into() };

@@ -364,23 +364,28 @@ impl Sim {
         self.perform_state_batch(i, id, out);
     }
 
-    fn perform_state_batch(&mut self, i: usize, id: u64, actions: Vec<BatchAction<StateOutcome>>) {
+    /// One try of a state batch's writes (entity states or a producer's queue), as the
+    /// state writer makes it: one multi-key update at the write consistency.
+    pub(super) fn write_slots(&mut self, i: usize, updates: Vec<crate::ddata::KeyUpdate>, reply: RepReply) {
         let (now, wall) = (self.now(), self.wall());
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let s = settings(&self.cfg);
+        let input = ReplicatorInput::UpdateMany {
+            updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
+            consistency: batch::state_write_consistency(&s),
+            timeout: batch::write_timeout(&s),
+            reply,
+        };
+        let mut out = Vec::new();
+        node.replicator.handle(input, now, wall, &mut out);
+        self.perform_replicator(i, out);
+    }
+
+    fn perform_state_batch(&mut self, i: usize, id: u64, actions: Vec<BatchAction<StateOutcome>>) {
         for action in actions {
             let Some(node) = self.nodes[i].as_mut() else { return };
             match action {
-                BatchAction::Write(updates) => {
-                    let s = settings(&self.cfg);
-                    let input = ReplicatorInput::UpdateMany {
-                        updates: updates.into_iter().map(crate::ddata::KeyUpdate::into_parts).collect(),
-                        consistency: batch::state_write_consistency(&s),
-                        timeout: batch::write_timeout(&s),
-                        reply: RepReply::EntityWrite(id),
-                    };
-                    let mut out = Vec::new();
-                    node.replicator.handle(input, now, wall, &mut out);
-                    self.perform_replicator(i, out);
-                }
+                BatchAction::Write(updates) => self.write_slots(i, updates, RepReply::EntityWrite(id)),
                 BatchAction::Done(outcome) => {
                     let Some((w, shard, _)) = node.state_batches.remove(&id) else { return };
                     let reason = || StateResult::NotPersisted { reason: "no outcome".into() };

@@ -76,6 +76,16 @@ fn sends(out: &[ProducerAction]) -> Vec<(u64, u64, u64, bool)> {
         .collect()
 }
 
+/// The sends among `out`: (seq, nonce).
+fn nonces(out: &[ProducerAction]) -> Vec<(u64, u64)> {
+    out.iter()
+        .filter_map(|a| match a {
+            ProducerAction::Send { header, .. } => Some((header.seq, header.nonce)),
+            _ => None,
+        })
+        .collect()
+}
+
 fn confirms(out: &[ProducerAction]) -> Vec<u64> {
     out.iter()
         .filter_map(|a| match a {
@@ -194,14 +204,6 @@ fn a_hello_or_a_gap_after_a_failure_of_the_round_waits_for_the_backoff() {
     r.offer("e", "b");
     // 1 failed (its write refused, the incarnation ended); the next incarnation says hello to 2.
     assert!(sends(&r.answer("e", S, 2, 1, failed())).is_empty());
-    let nonces = |out: &[ProducerAction]| {
-        out.iter()
-            .filter_map(|a| match a {
-                ProducerAction::Send { header, .. } => Some((header.seq, header.nonce)),
-                _ => None,
-            })
-            .collect::<Vec<_>>()
-    };
     assert!(r.answer("e", S, 2, 2, SendResult::Answered(DeliveryOutcome::Hello { nonce: 10 })).is_empty());
     let gap = SendResult::Answered(DeliveryOutcome::Gap { expected: 1, nonce: 10 });
     assert!(sends(&r.answer("e", S, 2, 2, gap)).is_empty(), "nor a gap");
@@ -265,14 +267,6 @@ fn a_hello_sends_every_unconfirmed_message_again_with_the_incarnation_s_nonce_on
         r.offer("e", body);
     }
     let hello = |nonce| SendResult::Answered(DeliveryOutcome::Hello { nonce });
-    let nonces = |out: &[ProducerAction]| {
-        out.iter()
-            .filter_map(|a| match a {
-                ProducerAction::Send { header, .. } => Some((header.seq, header.nonce)),
-                _ => None,
-            })
-            .collect::<Vec<_>>()
-    };
     let out = r.answer("e", S, 1, 1, hello(42));
     assert_eq!(nonces(&out), vec![(1, 42), (2, 42), (3, 42)]);
     assert!(confirms(&out).is_empty(), "a hello confirms nothing");
@@ -480,12 +474,5 @@ fn an_answer_from_an_incarnation_that_knew_the_stream_lets_the_rest_go_at_once()
     r.offer("e", "c");
     let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Confirmed { handled: false, nonce: 5 }));
     assert_eq!(confirms(&out), vec![1]);
-    let nonces: Vec<_> = out
-        .iter()
-        .filter_map(|a| match a {
-            ProducerAction::Send { header, .. } => Some((header.seq, header.nonce)),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(nonces, vec![(2, 5), (3, 5)]);
+    assert_eq!(nonces(&out), vec![(2, 5), (3, 5)]);
 }
