@@ -431,11 +431,13 @@ fn a_duplicate_by_marks_no_majority_holds_is_confirmed_only_once_a_write_of_them
         .run(|cluster: VirtualCluster| async move {
             cluster.await_converged(Duration::from_secs(30)).await;
             // The type runs on n1 only, so every shard is there; n2 holds replicas.
-            let start = |n: ddshard::Node| async move { n.sharding().start_durable("sum", |_: &str| Sum, settings(1)).await };
+            let start =
+                |n: ddshard::Node| async move { n.sharding().start_durable("sum", |_: &str| Sum, settings(1)).await };
             let region = cluster.on_node(0, start).await.unwrap().unwrap();
             let settings = ProducerSettings { resend_backoff_max: Duration::from_millis(500), ..Default::default() };
             let r = region.clone();
-            let producer = cluster.on_node(0, move |_| async move { r.producer("p", settings).await }).await.unwrap().unwrap();
+            let producer =
+                cluster.on_node(0, move |_| async move { r.producer("p", settings).await }).await.unwrap().unwrap();
             let p = producer.clone();
             cluster.on_node(0, move |_| async move { p.send("e", 1).await?.await }).await.unwrap().unwrap();
             // Node-to-node messages cut, gossip flowing: n1's writes reach no majority. The

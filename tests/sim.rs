@@ -707,17 +707,6 @@ fn a_producer_waits_out_its_backoff_for_an_entity_whose_writes_fail_at_once() {
     check(200000004, &shape("reliable-durable"));
 }
 
-/// Seed 500000007 of `reliable-durable` (and 510000004 of the seven-node lossy shape): once the
-/// durable queue reused a place as soon as its message was confirmed, a deletion not yet
-/// acknowledged was tried again after the next message's write there, and deleted it; the
-/// restarted producer never resumed that message. A place is reused only once its deletion
-/// ended.
-#[test]
-fn a_durable_queue_reuses_a_place_only_once_its_deletion_ended() {
-    check(500000007, &shape("reliable-durable"));
-    check(510000004, &shape("reliable-seven-nodes-message-path-lossy"));
-}
-
 #[test]
 fn soak_every_shape_keeps_every_promise() {
     use std::sync::Mutex;

@@ -78,12 +78,8 @@ pub(crate) enum ProducerInput {
     Tick,
     /// The durable store write of message `seq` of `entity`'s stream `stream` ended.
     Persisted { entity: String, stream: u64, seq: u64, result: PersistResult },
-    /// The streams a durable queue's load found (before any offer), and the places of the
-    /// stale entries the driver deletes (each answered by `Deleted`).
-    Restore { streams: Vec<RestoredStream>, deleting: Vec<u32> },
-    /// Durable: the deletion of the entry at `place` ended (written or not): the place may
-    /// be written again.
-    Deleted { place: u32 },
+    /// The streams a durable queue's load found (before any offer).
+    Restore(Vec<RestoredStream>),
 }
 
 #[derive(Debug, PartialEq)]
@@ -97,9 +93,8 @@ pub(crate) enum ProducerAction {
     StoreFailed { stream: u64, seq: u64, reason: String },
     /// Durable: write `entry` at `key`.
     Persist { key: String, entry: QueueEntry },
-    /// Durable: delete the entry at `key`, place `place` (its message is confirmed or given
-    /// up); answered by [`ProducerInput::Deleted`].
-    Unpersist { key: String, place: u32 },
+    /// Durable: delete the entry at `key` (its message is confirmed or given up).
+    Unpersist { key: String },
     /// Durable: a newer incarnation claimed the queue; this one must stop.
     Fenced { fence: u64 },
     /// No room for the offer: its waiter is woken when there is.
@@ -129,8 +124,6 @@ pub(crate) struct ProducerCounts {
 
 struct Queued {
     seq: u64,
-    /// Durable: where its entry is stored (see [`super::queue`]).
-    place: u32,
     bytes: Bytes,
     stored_at: Instant,
     /// Durable: its write was acknowledged (always true otherwise). Only a run of stored
@@ -159,7 +152,9 @@ struct Stream {
     nonce: u64,
     /// Since when it has had nothing unconfirmed and nobody waiting (its key in `idle`).
     idle_since: Option<u64>,
-    /// Durable: when it was made (see [`super::queue`]).
+    /// Durable: its lane, places per lane, and when it was made (see [`super::queue`]).
+    lane: u32,
+    modulus: u64,
     made: (u64, u64),
 }
 
@@ -168,9 +163,20 @@ impl Stream {
         self.queue.front().map_or(self.next_seq, |q| q.seq)
     }
 
+    fn key(&self, seq: u64) -> String {
+        entry_key(self.lane, seq, self.modulus)
+    }
+
     /// The stored form of message `seq` (`bytes`) of this stream of `entity`.
     fn entry(&self, entity: &str, seq: u64, bytes: &Bytes) -> QueueEntry {
-        QueueEntry { entity: entity.to_string(), stream: self.id, made: self.made, seq, bytes: bytes.to_vec() }
+        QueueEntry {
+            entity: entity.to_string(),
+            stream: self.id,
+            made: self.made,
+            seq,
+            modulus: self.modulus,
+            bytes: bytes.to_vec(),
+        }
     }
 }
 
@@ -193,12 +199,9 @@ pub(crate) struct ProducerCore {
     counts: ProducerCounts,
     /// Durable: the epoch this incarnation claimed its queue at.
     epoch: u64,
-    /// Durable: places given out, those free again (the lowest is taken first), and those
-    /// whose deletion is under way: a write there could be followed by a retry of the
-    /// deletion, which would delete it.
-    places: u32,
-    free_places: BTreeSet<u32>,
-    deleting: BTreeSet<u32>,
+    /// Durable: lanes given out, and those free again.
+    lanes: u32,
+    free_lanes: BTreeSet<u32>,
     /// Durable: writes to try again, by time (entity, number).
     persist_retries: BTreeSet<(Instant, String, u64)>,
 }
@@ -220,9 +223,8 @@ impl ProducerCore {
             retries: BTreeSet::new(),
             counts: ProducerCounts::default(),
             epoch,
-            places: 0,
-            free_places: BTreeSet::new(),
-            deleting: BTreeSet::new(),
+            lanes: 0,
+            free_lanes: BTreeSet::new(),
             persist_retries: BTreeSet::new(),
         }
     }
@@ -263,31 +265,25 @@ impl ProducerCore {
             ProducerInput::Persisted { entity, stream, seq, result } => {
                 self.persisted(&entity, stream, seq, result, now, out);
             }
-            ProducerInput::Restore { streams, deleting } => self.restore(streams, deleting, now, out),
-            ProducerInput::Deleted { place } => {
-                if self.deleting.remove(&place) {
-                    self.free_places.insert(place);
-                }
-            }
+            ProducerInput::Restore(streams) => self.restore(streams, now, out),
         }
     }
 
-    /// Whether `s` has room for another message: fewer than `window` unconfirmed.
+    /// Whether `s` has room for another message: `window` unconfirmed messages, and (durable)
+    /// fewer numbers from its oldest unconfirmed one than its lane has places.
     fn has_room(&self, s: &Stream) -> bool {
-        s.queue.len() < self.limits.window
+        let span = s.next_seq - s.first_unconfirmed();
+        s.queue.len() < self.limits.window && (!self.limits.durable || span < s.modulus)
     }
 
     /// Messages that fit in `s` now.
     fn room(&self, s: &Stream) -> usize {
-        self.limits.window.saturating_sub(s.queue.len())
-    }
-
-    /// Durable: the lowest free place.
-    fn take_place(&mut self) -> u32 {
-        self.free_places.pop_first().unwrap_or_else(|| {
-            self.places += 1;
-            self.places - 1
-        })
+        let by_window = self.limits.window.saturating_sub(s.queue.len());
+        if !self.limits.durable {
+            return by_window;
+        }
+        let span = s.next_seq - s.first_unconfirmed();
+        by_window.min(usize::try_from(s.modulus.saturating_sub(span)).unwrap_or(usize::MAX))
     }
 
     fn offer(&mut self, entity: String, bytes: Bytes, waiter: u64, now: Instant, out: &mut Vec<ProducerAction>) {
@@ -313,12 +309,14 @@ impl ProducerCore {
             self.evict_idle();
         }
         if !self.streams.contains_key(&entity) {
+            let lane = self.free_lanes.pop_first().unwrap_or_else(|| {
+                self.lanes += 1;
+                self.lanes - 1
+            });
             self.streams_made += 1;
-            let stream = self.new_stream(self.stream_base.wrapping_add(self.streams_made));
+            let stream = self.new_stream(self.stream_base.wrapping_add(self.streams_made), lane);
             self.streams.insert(entity.clone(), stream);
         }
-        let durable = self.limits.durable;
-        let place = if durable { self.take_place() } else { 0 };
         let s = self.streams.get_mut(&entity).expect("made above");
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
@@ -326,19 +324,20 @@ impl ProducerCore {
         let seq = s.next_seq;
         s.next_seq += 1;
         self.queued_bytes += bytes.len();
+        let durable = self.limits.durable;
         if durable {
             out.push(ProducerAction::Storing { stream: s.id, seq });
-            out.push(ProducerAction::Persist { key: entry_key(place), entry: s.entry(&entity, seq, &bytes) });
+            out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &bytes) });
         } else {
             self.counts.stored += 1;
             out.push(ProducerAction::Stored { stream: s.id, seq });
         }
-        s.queue.push_back(Queued { seq, place, bytes, stored_at: now, stored: !durable, sends: 0, panics: 0 });
+        s.queue.push_back(Queued { seq, bytes, stored_at: now, stored: !durable, sends: 0, panics: 0 });
         self.pump(&entity, out);
     }
 
-    /// A stream with id `id`, numbered from 1.
-    fn new_stream(&self, id: u64) -> Stream {
+    /// A stream with id `id` in `lane`, numbered from 1.
+    fn new_stream(&self, id: u64, lane: u32) -> Stream {
         Stream {
             id,
             next_seq: 1,
@@ -350,6 +349,8 @@ impl ProducerCore {
             waiters: VecDeque::new(),
             nonce: 0,
             idle_since: None,
+            lane,
+            modulus: self.limits.window.max(1) as u64,
             made: (self.epoch, self.streams_made),
         }
     }
@@ -381,8 +382,6 @@ impl ProducerCore {
                 // header's first unconfirmed number moves the entity past it).
                 let q = s.queue.remove(i).expect("found above");
                 self.queued_bytes -= q.bytes.len();
-                // Nothing was written there: the place is free at once.
-                self.free_places.insert(q.place);
                 out.push(ProducerAction::StoreFailed { stream, seq, reason });
                 self.after_progress(entity, out);
             }
@@ -393,35 +392,25 @@ impl ProducerCore {
     /// Resumes the streams a durable queue's load found: everything in them counts as sent
     /// before (their entities may have handled it), and is sent once each entity's
     /// incarnation is known.
-    fn restore(
-        &mut self,
-        streams: Vec<RestoredStream>,
-        deleting: Vec<u32>,
-        now: Instant,
-        out: &mut Vec<ProducerAction>,
-    ) {
+    fn restore(&mut self, streams: Vec<RestoredStream>, now: Instant, out: &mut Vec<ProducerAction>) {
         for r in streams {
             if self.streams.contains_key(&r.entity) {
                 continue;
             }
-            let mut s = self.new_stream(r.stream);
-            s.made = r.made;
-            for (seq, bytes, place) in r.messages {
+            let mut s = self.new_stream(r.stream, r.lane);
+            (s.modulus, s.made) = (r.modulus.max(1), r.made);
+            for (seq, bytes) in r.messages {
                 self.queued_bytes += bytes.len();
-                self.places = self.places.max(place.saturating_add(1));
                 s.next_seq = s.next_seq.max(seq.saturating_add(1));
-                s.queue.push_back(Queued { seq, place, bytes, stored_at: now, stored: true, sends: 1, panics: 0 });
+                s.queue.push_back(Queued { seq, bytes, stored_at: now, stored: true, sends: 1, panics: 0 });
             }
+            self.lanes = self.lanes.max(r.lane.saturating_add(1));
             self.streams.insert(r.entity.clone(), s);
             self.pump(&r.entity, out);
             self.after_progress(&r.entity, out);
         }
-        for place in &deleting {
-            self.places = self.places.max(place.saturating_add(1));
-        }
-        self.deleting.extend(deleting);
-        let used: BTreeSet<u32> = self.streams.values().flat_map(|s| s.queue.iter().map(|q| q.place)).collect();
-        self.free_places = (0..self.places).filter(|p| !used.contains(p) && !self.deleting.contains(p)).collect();
+        let used: BTreeSet<u32> = self.streams.values().map(|s| s.lane).collect();
+        self.free_lanes = (0..self.lanes).filter(|l| !used.contains(l)).collect();
     }
 
     /// Sends the stream's messages not yet sent in this round (none while a round is due).
@@ -543,8 +532,7 @@ impl ProducerCore {
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
         if self.limits.durable {
-            out.push(ProducerAction::Unpersist { key: entry_key(q.place), place: q.place });
-            self.deleting.insert(q.place);
+            out.push(ProducerAction::Unpersist { key: s.key(seq) });
         }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         true
@@ -557,9 +545,7 @@ impl ProducerCore {
         while let Some(q) = s.queue.front().filter(|q| q.seq <= upto && q.stored) {
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                // Free once the deletion ended (see `deleting`).
-                out.push(ProducerAction::Unpersist { key: entry_key(q.place), place: q.place });
-                self.deleting.insert(q.place);
+                out.push(ProducerAction::Unpersist { key: s.key(q.seq) });
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
@@ -595,7 +581,7 @@ impl ProducerCore {
             self.persist_retries.remove(&(at, entity.clone(), seq));
             let Some(s) = self.streams.get(&entity) else { continue };
             if let Some(q) = s.queue.iter().find(|q| q.seq == seq && !q.stored) {
-                out.push(ProducerAction::Persist { key: entry_key(q.place), entry: s.entry(&entity, seq, &q.bytes) });
+                out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &q.bytes) });
             }
         }
         while let Some((at, entity)) = self.retries.first().cloned().filter(|(at, _)| *at <= now) {
@@ -652,8 +638,10 @@ impl ProducerCore {
 
     /// Drops the least recently idle stream (its entity starts a new one when sent to again).
     fn evict_idle(&mut self) {
-        if let Some((_, entity)) = self.idle.pop_first() {
-            self.streams.remove(&entity);
+        if let Some((_, entity)) = self.idle.pop_first()
+            && let Some(s) = self.streams.remove(&entity)
+        {
+            self.free_lanes.insert(s.lane);
         }
     }
 

@@ -170,15 +170,7 @@ enum Stopped {
 struct PersistJob {
     key: String,
     value: Option<Vec<u8>>,
-    what: Stored,
-}
-
-/// What a store write is for.
-enum Stored {
-    /// Message (entity, stream, seq).
-    Message(String, u64, u64),
-    /// The deletion of the entry at a place (`None`: a key that names no place).
-    Deletion(Option<u32>),
+    message: Option<(String, u64, u64)>,
 }
 
 struct Inner<E: Entity> {
@@ -502,9 +494,9 @@ impl<E: Entity> Inner<E> {
                 }
             }
             ProducerAction::Persist { key, entry } => {
-                let what = Stored::Message(entry.entity.clone(), entry.stream, entry.seq);
+                let message = Some((entry.entity.clone(), entry.stream, entry.seq));
                 match wire::encode(&entry) {
-                    Ok(value) => self.persist(PersistJob { key, value: Some(value.to_vec()), what }),
+                    Ok(value) => self.persist(PersistJob { key, value: Some(value.to_vec()), message }),
                     Err(e) => {
                         let result = core::PersistResult::Refused(e.to_string());
                         let (entity, stream, seq) = (entry.entity, entry.stream, entry.seq);
@@ -512,9 +504,7 @@ impl<E: Entity> Inner<E> {
                     }
                 }
             }
-            ProducerAction::Unpersist { key, place } => {
-                self.persist(PersistJob { key, value: None, what: Stored::Deletion(Some(place)) })
-            }
+            ProducerAction::Unpersist { key } => self.persist(PersistJob { key, value: None, message: None }),
             ProducerAction::Fenced { fence } => {
                 let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
                 warn!(producer = %self.producer_id, epoch, fence, "a newer incarnation of this producer claimed its queue; stopping");
@@ -572,13 +562,10 @@ impl<E: Entity> Inner<E> {
         if restored.undecodable > 0 {
             warn!(producer = %self.producer_id, entries = restored.undecodable, "stored queue entries that do not decode were deleted");
         }
-        let mut deleting = Vec::new();
         for key in restored.stale {
-            let place = queue::place_of(&key);
-            deleting.extend(place);
-            self.persist(PersistJob { key, value: None, what: Stored::Deletion(place) });
+            self.persist(PersistJob { key, value: None, message: None });
         }
-        self.feed(ProducerInput::Restore { streams: restored.streams, deleting });
+        self.feed(ProducerInput::Restore(restored.streams));
     }
 
     /// Sends one delivery through the region.
@@ -616,25 +603,22 @@ impl<E: Entity> Inner<E> {
         self.dead_letters(dead);
     }
 
-    /// A store write ended: the core hears how a message's write ended, and that a
-    /// deletion did (its place may be written again); a deletion that found the queue claimed
-    /// by a newer incarnation stops this one.
-    fn written(&self, what: Stored, written: Result<()>) {
+    /// A store write ended: the core hears how, for a message's write; a deletion only
+    /// matters when it found the queue claimed by a newer incarnation.
+    fn written(&self, message: Option<(String, u64, u64)>, written: Result<()>) {
         let (result, refusal) = durable::persist_result(written);
-        match what {
-            Stored::Message(entity, stream, seq) => {
+        match message {
+            Some((entity, stream, seq)) => {
                 if let Some(e) = refusal {
                     self.lock().refusals.insert((stream, seq), e);
                 }
                 self.feed(ProducerInput::Persisted { entity, stream, seq, result });
             }
-            Stored::Deletion(place) => {
+            None => {
                 if let core::PersistResult::Fenced { fence } = result {
                     let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
                     let mut st = self.lock();
                     self.stop_locked(&mut st, Stopped::Fenced { epoch, fence });
-                } else if let Some(place) = place {
-                    self.feed(ProducerInput::Deleted { place });
                 }
             }
         }
@@ -706,10 +690,10 @@ async fn drive<E: Entity>(
                 let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
                 writing.push(async move {
                     let written = store.write(&owner, epoch, &job.key, job.value).await;
-                    (job.what, written)
+                    (job.message, written)
                 });
             }
-            Some((what, written)) = writing.next(), if !writing.is_empty() => inner.written(what, written),
+            Some((message, written)) = writing.next(), if !writing.is_empty() => inner.written(message, written),
             _ = tick.tick() => inner.feed(ProducerInput::Tick),
             _ = next_publish(&mut published) => inner.publish_metrics(),
         }

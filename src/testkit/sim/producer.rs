@@ -54,18 +54,10 @@ pub(super) struct Flight {
     pub open: bool,
 }
 
-/// A durable queue write in flight: whose, and what for.
+/// A durable queue write in flight: whose, and for which message (none: a deletion).
 pub(super) struct QueueWrite {
     producer: u64,
-    what: QueueWriteFor,
-}
-
-/// What a queue write is for.
-enum QueueWriteFor {
-    /// Message (entity, stream, seq).
-    Message(String, u64, u64),
-    /// The deletion of the entry at a place (`None`: a key that names no place).
-    Deletion(Option<u32>),
+    message: Option<(String, u64, u64)>,
 }
 
 /// The producers of a reliable run and what is in flight.
@@ -234,14 +226,10 @@ impl Sim {
                 let resumed: usize = restored.streams.iter().map(|s| s.messages.len()).sum();
                 self.trace(|| format!("{host} producer {id} claims its queue at {epoch:#x}: {found} entries, resumes {resumed}, {} stale", restored.stale.len()));
                 self.open_producer(incarnation, epoch);
-                let mut deleting = Vec::new();
                 for key in restored.stale {
-                    let place = queue::place_of(&key);
-                    deleting.extend(place);
-                    self.write_queue(incarnation, key, None, QueueWriteFor::Deletion(place));
+                    self.write_queue(incarnation, key, None, None);
                 }
-                let input = ProducerInput::Restore { streams: restored.streams, deleting };
-                self.feed_producer(incarnation, input, None);
+                self.feed_producer(incarnation, ProducerInput::Restore(restored.streams), None);
             }
             ClaimOutcome::Again => {
                 let (now, wall) = (self.now(), self.wall());
@@ -382,13 +370,11 @@ impl Sim {
                 None => inputs.push_back(ProducerInput::WakeLost { entity }),
             },
             ProducerAction::Persist { key, entry } => {
-                let what = QueueWriteFor::Message(entry.entity.clone(), entry.stream, entry.seq);
+                let message = Some((entry.entity.clone(), entry.stream, entry.seq));
                 let value = crate::transport::wire::encode(&entry).expect("a queue entry encodes").to_vec();
-                self.write_queue(incarnation, key, Some(value), what);
+                self.write_queue(incarnation, key, Some(value), message);
             }
-            ProducerAction::Unpersist { key, place } => {
-                self.write_queue(incarnation, key, None, QueueWriteFor::Deletion(Some(place)))
-            }
+            ProducerAction::Unpersist { key } => self.write_queue(incarnation, key, None, None),
             ProducerAction::Fenced { fence } => {
                 self.trace(|| format!("producer {id} (incarnation {incarnation}) fenced by {fence:#x}; stops"));
                 self.producers.running.remove(&incarnation);
@@ -475,7 +461,13 @@ impl Sim {
 
     /// Writes one entry of the producer's queue (`None`: deletes it) under its claim, as the
     /// region's state writer does.
-    fn write_queue(&mut self, incarnation: u64, key: String, value: Option<Vec<u8>>, what: QueueWriteFor) {
+    fn write_queue(
+        &mut self,
+        incarnation: u64,
+        key: String,
+        value: Option<Vec<u8>>,
+        message: Option<(String, u64, u64)>,
+    ) {
         let Some(p) = self.producers.running.get(&incarnation) else { return };
         let Some(i) = self.slot_of(&p.host) else { return };
         let (owner, epoch) = (p.id.clone(), p.epoch);
@@ -487,7 +479,7 @@ impl Sim {
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
         let space = keys::producer_space(TYPE);
         let batch = StateBatch::start(&space, s.state.slots, budget, counters, vec![request], &mut out);
-        node.queue_writes.insert(id, (QueueWrite { producer: incarnation, what }, batch));
+        node.queue_writes.insert(id, (QueueWrite { producer: incarnation, message }, batch));
         self.perform_queue_batch(i, id, out);
     }
 
@@ -524,19 +516,17 @@ impl Sim {
         let Some(p) = self.producers.running.get(&write.producer) else { return };
         let written = result.into_result(String::new(), p.id.clone(), slot_budget());
         let (result, _) = persist_result(written);
-        match write.what {
-            QueueWriteFor::Message(entity, stream, seq) => {
+        match write.message {
+            Some((entity, stream, seq)) => {
                 self.feed_producer(write.producer, ProducerInput::Persisted { entity, stream, seq, result }, None);
             }
-            QueueWriteFor::Deletion(place) => {
+            None => {
                 if let crate::sharding::producer::core::PersistResult::Fenced { fence } = result {
                     let id = p.id.clone();
                     self.trace(|| {
                         format!("producer {id} (incarnation {}) fenced by {fence:#x}; stops", write.producer)
                     });
                     self.producers.running.remove(&write.producer);
-                } else if let Some(place) = place {
-                    self.feed_producer(write.producer, ProducerInput::Deleted { place }, None);
                 }
             }
         }

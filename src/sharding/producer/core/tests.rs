@@ -316,7 +316,7 @@ mod durable {
     fn unpersists(out: &[ProducerAction]) -> Vec<String> {
         out.iter()
             .filter_map(|a| match a {
-                ProducerAction::Unpersist { key, .. } => Some(key.clone()),
+                ProducerAction::Unpersist { key } => Some(key.clone()),
                 _ => None,
             })
             .collect()
@@ -327,11 +327,11 @@ mod durable {
         let mut r = rig();
         let out = r.offer("e", "a");
         assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 });
-        assert_eq!(persists(&out), vec![("0".to_string(), 1)], "the lowest free place");
+        assert_eq!(persists(&out), vec![("0.1".to_string(), 1)], "lane 0, place 1 % 3");
         assert!(sends(&out).is_empty(), "not sent before it is stored");
         match &out[1] {
             ProducerAction::Persist { entry, .. } => {
-                assert_eq!((entry.entity.as_str(), entry.stream, entry.made, entry.seq), ("e", S, (7 << 16, 1), 1));
+                assert_eq!((entry.entity.as_str(), entry.stream, entry.made, entry.modulus), ("e", S, (7 << 16, 1), 3));
             }
             other => panic!("{other:?}"),
         }
@@ -361,7 +361,7 @@ mod durable {
         r.offer("e", "a");
         assert!(persisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
         assert!(persists(&r.later(Duration::from_millis(99))).is_empty());
-        assert_eq!(persists(&r.later(Duration::from_millis(1))), vec![("0".to_string(), 1)], "at its place");
+        assert_eq!(persists(&r.later(Duration::from_millis(1))), vec![("0.1".to_string(), 1)]);
     }
 
     #[test]
@@ -373,50 +373,20 @@ mod durable {
         assert_eq!(r.offer("e", "d"), vec![ProducerAction::Wait], "the window is full");
         let out = persisted(&mut r, "e", 2, PersistResult::Refused("slot full".into()));
         assert!(out.contains(&ProducerAction::StoreFailed { stream: S, seq: 2, reason: "slot full".into() }));
-        assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })), "its room goes to d: {out:?}");
+        assert!(
+            !out.iter().any(|a| matches!(a, ProducerAction::Wake { .. })),
+            "3 places in its lane span 1..=3: no room"
+        );
         assert_eq!(r.core.unconfirmed(), 2);
         persisted(&mut r, "e", 1, PersistResult::Stored);
         persisted(&mut r, "e", 3, PersistResult::Stored);
         r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
         let out = r.answer("e", S, 2, 1, confirmed(true));
-        assert_eq!(unpersists(&out), vec!["0".to_string()], "a confirmed message's entry is deleted");
+        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "a confirmed message's entry is deleted");
+        assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })), "{out:?}");
         // 3 goes with the header saying 3 is the first unconfirmed: its entity skips 2.
         let out = r.offer("e", "d");
-        assert_eq!(persists(&out), vec![("1".to_string(), 4)], "2's place: nothing was written there");
-        let out = r.offer("e", "e");
-        assert_eq!(persists(&out), vec![("3".to_string(), 5)], "1's place waits for its deletion");
-        r.run(ProducerInput::Deleted { place: 0 });
-        r.answer("e", S, 2, 3, confirmed(true));
-        let out = r.offer("e", "f");
-        assert_eq!(persists(&out), vec![("0".to_string(), 6)], "the lowest place whose deletion ended");
-    }
-
-    /// Keys were once (lane, place): a producer sending to 10,000 entities left up to
-    /// 10,000 × window tombstones in its slots, each written again with every store.
-    #[test]
-    fn keys_number_no_more_than_the_messages_unconfirmed_at_once_however_many_entities() {
-        let mut r = rig();
-        r.core =
-            ProducerCore::new("p".into(), ProducerLimits { durable: true, max_entities: 1_000, ..limits() }, 1000, 7);
-        let mut keys = std::collections::BTreeSet::new();
-        for e in 0..500u64 {
-            let entity = format!("e{e}");
-            // Two in flight at once, to two entities in turn.
-            let out = r.offer(&entity, "m");
-            keys.extend(persists(&out).into_iter().map(|(k, _)| k));
-            let stream = S + e;
-            r.run(ProducerInput::Persisted { entity: entity.clone(), stream, seq: 1, result: PersistResult::Stored });
-            if e > 0 {
-                let previous = format!("e{}", e - 1);
-                let out = r.answer(&previous, stream - 1, 1, 1, confirmed(true));
-                for a in out {
-                    if let ProducerAction::Unpersist { place, .. } = a {
-                        r.run(ProducerInput::Deleted { place });
-                    }
-                }
-            }
-        }
-        assert_eq!(keys.into_iter().collect::<Vec<_>>(), vec!["0".to_string(), "1".to_string()]);
+        assert_eq!(persists(&out), vec![("0.1".to_string(), 4)], "4's place is 1's, freed");
     }
 
     #[test]
@@ -430,19 +400,19 @@ mod durable {
     }
 
     #[test]
-    fn restored_streams_resume_as_sent_before_and_new_messages_take_the_free_places() {
+    fn restored_streams_resume_as_sent_before_and_new_streams_take_free_lanes() {
         let mut r = rig();
         let limits = ProducerLimits { durable: true, max_entities: 3, ..limits() };
         r.core = ProducerCore::new("p".into(), limits, 1000, 7 << 16);
-        let restored = |entity: &str, stream, messages: &[(u64, u32)]| RestoredStream {
+        let restored = |entity: &str, stream, lane, seqs: &[u64]| RestoredStream {
             entity: entity.into(),
             stream,
+            lane,
+            modulus: 3,
             made: (1 << 16, 1),
-            messages: messages.iter().map(|(s, place)| (*s, Bytes::from("m"), *place)).collect(),
+            messages: seqs.iter().map(|s| (*s, Bytes::from("m"))).collect(),
         };
-        let streams = vec![restored("a", 50, &[(4, 0), (5, 1)]), restored("b", 60, &[(1, 3)])];
-        // Place 2 held a stale entry, being deleted.
-        let out = r.run(ProducerInput::Restore { streams, deleting: vec![2] });
+        let out = r.run(ProducerInput::Restore(vec![restored("a", 50, 0, &[4, 5]), restored("b", 60, 2, &[1])]));
         let probes: Vec<_> = out
             .iter()
             .filter_map(|a| match a {
@@ -454,12 +424,11 @@ mod durable {
             .collect();
         assert_eq!(probes, vec![("a".to_string(), 50, 4, true), ("b".to_string(), 60, 1, true)]);
         assert_eq!((r.core.unconfirmed(), r.core.entities()), (3, 2));
-        // `a` goes on at 6, at a new place: 0, 1 and 3 hold messages, 2 waits for its deletion.
+        // `a` goes on at 6; a new entity takes lane 1, the free one.
         let out = r.offer("a", "x");
-        assert_eq!(persists(&out), vec![("4".to_string(), 6)]);
-        r.run(ProducerInput::Deleted { place: 2 });
+        assert_eq!(persists(&out), vec![("0.0".to_string(), 6)]);
         let out = r.offer("c", "x");
-        assert_eq!(persists(&out), vec![("2".to_string(), 1)], "free once deleted");
+        assert_eq!(persists(&out), vec![("1.1".to_string(), 1)]);
         assert_eq!(r.offer("d", "x"), vec![ProducerAction::Wait], "three entities is the limit: d waits");
     }
 }
