@@ -316,12 +316,15 @@ impl Sim {
     /// Whether `node` was paused and its peers have downed (or removed) it since: a zombie
     /// until it learns so.
     fn is_downed_zombie(&self, node: &UniqueAddress) -> bool {
-        self.was_paused.contains(node)
-            && self
-                .members
-                .iter()
-                .find(|m| m.addr == *node)
-                .is_none_or(|m| matches!(m.status, MemberStatus::Down | MemberStatus::Removed))
+        self.was_paused.contains(node) && self.downed_or_removed(node)
+    }
+
+    /// Whether the members table says `node` was downed or removed (or no longer lists it).
+    pub(super) fn downed_or_removed(&self, node: &UniqueAddress) -> bool {
+        self.members
+            .iter()
+            .find(|m| m.addr == *node)
+            .is_none_or(|m| matches!(m.status, MemberStatus::Down | MemberStatus::Removed))
     }
 
     pub(super) fn perform_shard(&mut self, i: usize, shard: &ShardId, action: ShardAction<Msg>) {

@@ -126,12 +126,7 @@ impl Sim {
 
     /// Whether `host` stopped, or was downed (or removed) by its peers.
     fn host_gone(&self, host: &UniqueAddress) -> bool {
-        self.slot_of(host).is_none()
-            || self
-                .members
-                .iter()
-                .find(|m| m.addr == *host)
-                .is_none_or(|m| matches!(m.status, MemberStatus::Down | MemberStatus::Removed))
+        self.slot_of(host).is_none() || self.downed_or_removed(host)
     }
 
     fn restart_producer_later(&mut self, k: usize) {
