@@ -6,6 +6,7 @@
 //!
 //! `cargo run --example reliable_orders`
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use ddshard::sharding::ProducerSettings;
@@ -32,9 +33,13 @@ impl DurableEntity for Order {
     type State = OrderState;
     async fn handle(&mut self, state: &mut OrderState, msg: OrderMsg, ctx: &mut EntityContext) -> (u64, u32) {
         if let OrderMsg::AddLine(amount) = msg {
-            // Some work per line: the producer runs ahead, so lines are stored and not yet
-            // handled when its node stops.
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            // The second quarter of the lines waits until n1 has stopped: lines are stored and
+            // not yet handled when it stops, whatever the machine's speed.
+            if amount > HELD_FROM {
+                while !LINES_FLOW.load(Ordering::Acquire) {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
             state.total += amount;
             state.lines += 1;
             // The line and the delivery's number are written together: a line sent again
@@ -47,6 +52,10 @@ impl DurableEntity for Order {
 
 const ORDERS: u64 = 20;
 const LINES: u64 = 400;
+/// Lines above this number are held back until the first producer's node has stopped.
+const HELD_FROM: u64 = LINES / 4;
+/// Opened once n1 has stopped and is downed.
+static LINES_FLOW: AtomicBool = AtomicBool::new(false);
 
 /// Line `k`'s order and amount.
 fn line(k: u64) -> (String, u64) {
@@ -86,13 +95,18 @@ async fn main() -> ddshard::Result<()> {
         async move { checkout.send(&order, OrderMsg::AddLine(amount)).await }
     });
     futures::future::try_join_all(sends).await?;
-    // The orders work through them meanwhile: part is handled when n1 stops.
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // The orders work through the first quarter meanwhile; the second is held.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while checkout.stats().unconfirmed > (LINES / 2 - HELD_FROM) as usize {
+        assert!(tokio::time::Instant::now() < deadline, "first lines unconfirmed: {:?}", checkout.stats());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let left = checkout.stats().unconfirmed;
     println!("{} lines stored from n1, {left} not confirmed yet; n1 stops without leaving", LINES / 2);
     drop(checkout);
     nodes[0].shutdown().await;
     nodes[1].down("n1").await?;
+    LINES_FLOW.store(true, Ordering::Release);
 
     // The same producer id on n2: it claims the queue (n1's incarnation could no longer store
     // anything) and sends again what n1 had not had confirmed, then the rest.
