@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tracing::debug;
 
 use super::Entity;
@@ -40,8 +40,47 @@ pub(crate) struct DeliveryReply {
 
 /// Where a delivery's outcome goes: its producer on this node, or on another (by ask id).
 pub(crate) enum OutcomeTo {
-    Local(oneshot::Sender<Result<DeliveryOutcome>>),
+    Local(OutcomeSink),
     Remote { region: RegionId, ask_id: u64, via: Option<PeerSender> },
+}
+
+/// The outcomes of a producer's deliveries, each tagged with its flight.
+pub(crate) type Outcomes = mpsc::UnboundedSender<(u64, Result<DeliveryOutcome>)>;
+
+/// Where one delivery's outcome goes: its producer's one channel of outcomes, tagged with the
+/// delivery's flight (no channel or task per delivery). Dropped unanswered, it tells the
+/// producer the delivery was dropped, as a dropped oneshot would.
+pub(crate) struct OutcomeSink {
+    outcomes: Option<Outcomes>,
+    flight: u64,
+    /// After this the producer no longer waits for it (its delivery timed out).
+    until: crate::clock::Instant,
+}
+
+impl OutcomeSink {
+    pub(crate) fn new(outcomes: Outcomes, flight: u64, until: crate::clock::Instant) -> Self {
+        OutcomeSink { outcomes: Some(outcomes), flight, until }
+    }
+
+    /// Sends the outcome to the producer.
+    pub(crate) fn send(mut self, outcome: Result<DeliveryOutcome>) {
+        if let Some(outcomes) = self.outcomes.take() {
+            let _ = outcomes.send((self.flight, outcome));
+        }
+    }
+
+    /// Whether the producer still waits for this outcome (an ask table keeps only those).
+    pub(crate) fn is_waiting(&self) -> bool {
+        self.outcomes.as_ref().is_some_and(|o| !o.is_closed()) && crate::clock::now() < self.until
+    }
+}
+
+impl Drop for OutcomeSink {
+    fn drop(&mut self) {
+        if let Some(outcomes) = self.outcomes.take() {
+            let _ = outcomes.send((self.flight, Err(not_delivered("", "the delivery was dropped"))));
+        }
+    }
 }
 
 impl<E: Entity> ReplyTo<E> {
@@ -218,9 +257,7 @@ impl Replier {
     /// Answers a reliable delivery with `outcome`.
     pub(crate) fn outcome(&self, to: OutcomeTo, outcome: Result<DeliveryOutcome>) {
         match to {
-            OutcomeTo::Local(tx) => {
-                let _ = tx.send(outcome);
-            }
+            OutcomeTo::Local(sink) => sink.send(outcome),
             OutcomeTo::Remote { region, ask_id, via } => {
                 let result = outcome.map_err(|e| DeliveryFailure::of(&e)).and_then(|o| encoded(&o));
                 self.answer_remote(region, ask_id, via, result);

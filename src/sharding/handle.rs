@@ -285,19 +285,19 @@ impl<E: Entity> ShardRegion<E> {
         }
     }
 
-    /// Sends a reliable delivery: `msg` with its `header`; the receiver gets the entity's
-    /// outcome (or why there is none).
+    /// Sends a reliable delivery: `msg` with its `header`; `sink` gets the entity's outcome (or
+    /// why there is none). An error here means it was not sent (the sink's own report of the
+    /// drop then follows).
     pub(crate) fn deliver_reliably(
         &self,
         entity_id: &str,
         header: super::delivery::DeliveryHeader,
         msg: E::Message,
-    ) -> Result<oneshot::Receiver<Result<super::delivery::DeliveryOutcome>>> {
-        let (tx, rx) = oneshot::channel();
-        let to = super::envelope::OutcomeTo::Local(tx);
+        sink: super::envelope::OutcomeSink,
+    ) -> Result<()> {
+        let to = super::envelope::OutcomeTo::Local(sink);
         let reply = ReplyTo::Delivery(Box::new(super::envelope::DeliveryReply { header, to }));
-        self.submit(entity_id, Envelope::new(Some(msg), Some(reply)))?;
-        Ok(rx)
+        self.submit(entity_id, Envelope::new(Some(msg), Some(reply)))
     }
 
     /// A store of fenced slots in key space `space` for this region's type (a producer's
@@ -309,11 +309,6 @@ impl<E: Entity> ShardRegion<E> {
     ) -> Result<super::shard::StateIo> {
         let parts = region_parts(self.inner.node()?, &self.inner);
         Ok(super::shard::StateIo::in_space(&parts, space, counters))
-    }
-
-    /// The deadlines the region's asks wait under.
-    pub(crate) fn deadlines(&self) -> &DeadlineSweep {
-        &self.inner.deadlines
     }
 
     /// The node behind the region (none for a stand-in).

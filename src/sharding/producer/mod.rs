@@ -39,7 +39,7 @@ pub(crate) use registry::producers;
 use registry::{ProducerView, register};
 pub use settings::{MAX_PRODUCER_ID_LEN, ProducerSettings};
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -57,7 +57,9 @@ use self::core::{ProducerAction, ProducerCore, ProducerInput, SendResult};
 use self::durable::DurableQueue;
 use super::Entity;
 use super::delivery::{DeliveryHeader, DeliveryOutcome};
+use super::envelope::{OutcomeSink, Outcomes};
 use super::handle::ShardRegion;
+use crate::clock::Instant;
 use crate::error::{Error, Result};
 use crate::transport::wire;
 
@@ -138,7 +140,39 @@ struct Flight {
     stream: u64,
     round: u64,
     seq: u64,
-    rx: oneshot::Receiver<Result<DeliveryOutcome>>,
+}
+
+/// Deliveries in flight, by flight tag, and when each times out (in sending order: the timeout
+/// is one for all).
+#[derive(Default)]
+struct Flights {
+    next: u64,
+    open: HashMap<u64, Flight>,
+    expiring: VecDeque<(Instant, u64)>,
+}
+
+impl Flights {
+    /// The outcome for flight `tag` as the core hears it, unless the flight is over (timed out).
+    fn land(&mut self, tag: u64, outcome: Result<DeliveryOutcome>) -> Option<ProducerInput> {
+        let Flight { entity, stream, round, seq } = self.open.remove(&tag)?;
+        let result = match outcome {
+            Ok(outcome) => SendResult::Answered(outcome),
+            Err(e) => SendResult::Failed(e.to_string()),
+        };
+        Some(ProducerInput::Outcome { entity, stream, round, seq, result })
+    }
+
+    /// The flights that timed out by `now`, as failures for the core.
+    fn expire(&mut self, now: Instant, timeout: Duration, out: &mut Vec<ProducerInput>) {
+        while let Some(&(at, tag)) = self.expiring.front().filter(|(at, _)| *at <= now) {
+            self.expiring.pop_front();
+            debug_assert!(at <= now);
+            if let Some(Flight { entity, stream, round, seq }) = self.open.remove(&tag) {
+                let result = SendResult::Failed(format!("no outcome within {timeout:?}"));
+                out.push(ProducerInput::Outcome { entity, stream, round, seq, result });
+            }
+        }
+    }
 }
 
 struct State {
@@ -154,6 +188,7 @@ struct State {
     refusals: HashMap<(u64, u64), Error>,
     /// Why the producer stopped, once it did.
     stopped: Option<Stopped>,
+    flights: Flights,
 }
 
 /// Why a producer stopped.
@@ -178,7 +213,9 @@ struct Inner<E: Entity> {
     region: ShardRegion<E>,
     max_message_bytes: usize,
     state: Mutex<State>,
-    flights: mpsc::UnboundedSender<Flight>,
+    /// Where the entities' outcomes come back (one channel, flights by tag).
+    outcomes: Outcomes,
+    delivery_timeout: Duration,
     dead_letters: Mutex<Option<DeadLetterHook<E::Message>>>,
     /// The durable queue, with its store writes on their way to the producer's task.
     durable: Option<(DurableQueue, mpsc::UnboundedSender<PersistJob>)>,
@@ -248,7 +285,7 @@ impl<E: Entity> Producer<E> {
         let opened = if settings.durable_queue { Some(durable::open(&region, producer_id).await?) } else { None };
         let epoch = opened.as_ref().map_or(0, |o| o.queue.epoch);
         let max_message_bytes = node.config().transport.max_frame_size.saturating_sub(ENVELOPE_ROOM);
-        let (flights, flights_rx) = mpsc::unbounded_channel();
+        let (outcomes, outcomes_rx) = mpsc::unbounded_channel();
         let (persists, persists_rx) = mpsc::unbounded_channel();
         let stop = CancellationToken::new();
         let core = ProducerCore::new(producer_id.to_string(), settings.limits(), rand::random(), epoch);
@@ -268,8 +305,10 @@ impl<E: Entity> Producer<E> {
                 storing: HashMap::new(),
                 refusals: HashMap::new(),
                 stopped: None,
+                flights: Flights::default(),
             }),
-            flights,
+            outcomes,
+            delivery_timeout: settings.delivery_timeout,
             dead_letters: Mutex::new(None),
             durable,
             stop: stop.clone(),
@@ -279,7 +318,7 @@ impl<E: Entity> Producer<E> {
         }
         let view: Arc<dyn ProducerView> = inner.clone();
         register(&node, Arc::downgrade(&view));
-        let task = drive(inner.clone(), flights_rx, persists_rx, node.shutdown_token(), settings);
+        let task = drive(inner.clone(), outcomes_rx, persists_rx, node.shutdown_token(), settings);
         node.spawner().spawn(task);
         Ok(Producer { inner, _stop: Arc::new(StopOnDrop(stop)) })
     }
@@ -517,9 +556,15 @@ impl<E: Entity> Inner<E> {
             }
             ProducerAction::Send { entity, header, round, bytes } => {
                 let (stream, seq) = (header.stream, header.seq);
-                match self.deliver(&entity, header, &bytes) {
-                    Ok(rx) => {
-                        let _ = self.flights.send(Flight { entity, stream, round, seq, rx });
+                let flights = &mut st.flights;
+                flights.next += 1;
+                let (tag, until) = (flights.next, crate::clock::now() + self.delivery_timeout);
+                // Recorded once sent: an outcome comes back through the task, which takes this
+                // lock first; a delivery not sent reports its drop, found in no flight.
+                match self.deliver(&entity, header, &bytes, tag, until) {
+                    Ok(()) => {
+                        flights.open.insert(tag, Flight { entity, stream, round, seq });
+                        flights.expiring.push_back((until, tag));
                     }
                     Err(e) => {
                         let result = SendResult::Failed(e.to_string());
@@ -568,15 +613,49 @@ impl<E: Entity> Inner<E> {
         self.feed(ProducerInput::Restore(restored.streams));
     }
 
-    /// Sends one delivery through the region.
-    fn deliver(
-        &self,
-        entity: &str,
-        header: DeliveryHeader,
-        bytes: &[u8],
-    ) -> Result<oneshot::Receiver<Result<DeliveryOutcome>>> {
+    /// Sends one delivery through the region, its outcome tagged `tag` and awaited until
+    /// `until`.
+    fn deliver(&self, entity: &str, header: DeliveryHeader, bytes: &[u8], tag: u64, until: Instant) -> Result<()> {
         let msg = wire::decode::<E::Message>(bytes)?;
-        self.region.deliver_reliably(entity, header, msg)
+        self.region.deliver_reliably(entity, header, msg, OutcomeSink::new(self.outcomes.clone(), tag, until))
+    }
+
+    /// Feeds a run of outcomes (and the timeouts due) to the core under one lock.
+    fn land(&self, outcomes: &mut Vec<(u64, Result<DeliveryOutcome>)>) {
+        let dead = {
+            let mut st = self.lock();
+            if st.stopped.is_some() {
+                outcomes.clear();
+                return;
+            }
+            let mut dead = Vec::new();
+            for (tag, outcome) in outcomes.drain(..) {
+                if let Some(input) = st.flights.land(tag, outcome) {
+                    dead.extend(self.run_core(&mut st, input).1);
+                }
+            }
+            dead
+        };
+        self.dead_letters(dead);
+    }
+
+    /// A tick: the deliveries that timed out fail, and the core hears the time.
+    fn tick(&self) {
+        let dead = {
+            let mut st = self.lock();
+            if st.stopped.is_some() {
+                return;
+            }
+            let mut inputs = Vec::new();
+            st.flights.expire(crate::clock::now(), self.delivery_timeout, &mut inputs);
+            inputs.push(ProducerInput::Tick);
+            let mut dead = Vec::new();
+            for input in inputs {
+                dead.extend(self.run_core(&mut st, input).1);
+            }
+            dead
+        };
+        self.dead_letters(dead);
     }
 
     fn dead_letters(&self, dead: Vec<DeadLetter<E::Message>>) {
@@ -650,41 +729,29 @@ const TICK: Duration = Duration::from_millis(50);
 /// time, to the core; ends when the last handle goes or the node shuts down.
 async fn drive<E: Entity>(
     inner: Arc<Inner<E>>,
-    mut flights: mpsc::UnboundedReceiver<Flight>,
+    mut outcomes: mpsc::UnboundedReceiver<(u64, Result<DeliveryOutcome>)>,
     mut persists: mpsc::UnboundedReceiver<PersistJob>,
     shutdown: CancellationToken,
     settings: ProducerSettings,
 ) {
     let stop = inner.stop.clone();
-    let timeout = settings.delivery_timeout;
-    // The region's deadline sweep, as its asks: no timer per delivery.
-    let deadlines = inner.region.deadlines().clone();
+    let mut landed = Vec::new();
     let mut writing = FuturesUnordered::new();
     #[cfg(feature = "metrics")]
     let mut published = tokio::time::interval(Duration::from_secs(1));
     #[cfg(not(feature = "metrics"))]
     let mut published = futures::future::pending::<()>();
-    let mut in_flight = FuturesUnordered::new();
     let mut tick = tokio::time::interval(TICK.min(settings.resend_backoff_min));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = stop.cancelled() => break,
             _ = shutdown.cancelled() => break,
-            Some(f) = flights.recv() => {
-                let Flight { entity, stream, round, seq, rx } = f;
-                let deadlines = deadlines.clone();
-                in_flight.push(async move {
-                    let result = match deadlines.within(timeout, rx).await {
-                        Ok(Ok(Ok(outcome))) => SendResult::Answered(outcome),
-                        Ok(Ok(Err(e))) => SendResult::Failed(e.to_string()),
-                        Ok(Err(_)) => SendResult::Failed("the delivery was dropped".into()),
-                        Err(_) => SendResult::Failed(format!("no outcome within {timeout:?}")),
-                    };
-                    ProducerInput::Outcome { entity, stream, round, seq, result }
-                });
+            // Every outcome waiting, under one lock.
+            n = outcomes.recv_many(&mut landed, 1024) => {
+                if n == 0 { break; }
+                inner.land(&mut landed);
             }
-            Some(outcome) = in_flight.next(), if !in_flight.is_empty() => inner.feed(outcome),
             Some(job) = persists.recv() => {
                 let Some((queue, _)) = &inner.durable else { continue };
                 let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
@@ -694,7 +761,7 @@ async fn drive<E: Entity>(
                 });
             }
             Some((message, written)) = writing.next(), if !writing.is_empty() => inner.written(message, written),
-            _ = tick.tick() => inner.feed(ProducerInput::Tick),
+            _ = tick.tick() => inner.tick(),
             _ = next_publish(&mut published) => inner.publish_metrics(),
         }
     }
@@ -762,5 +829,64 @@ mod tests {
             nonce: 3,
         };
         assert_eq!(DeliveryInfo::of(&h), DeliveryInfo { producer_id: "p".into(), seq: 4, redelivery: true });
+    }
+
+    fn flight(seq: u64) -> Flight {
+        Flight { entity: "e".into(), stream: 7, round: 1, seq }
+    }
+
+    fn confirmed() -> Result<DeliveryOutcome> {
+        Ok(DeliveryOutcome::Confirmed { handled: true, nonce: 3 })
+    }
+
+    #[test]
+    fn an_outcome_lands_on_its_flight_once_and_one_after_its_timeout_is_ignored() {
+        let (t0, timeout) = (crate::clock::now(), Duration::from_secs(5));
+        let mut f = Flights::default();
+        for (tag, seq) in [(1, 1), (2, 2)] {
+            f.open.insert(tag, flight(seq));
+            f.expiring.push_back((t0 + timeout, tag));
+        }
+        let landed = f.land(1, confirmed());
+        assert!(matches!(
+            landed,
+            Some(ProducerInput::Outcome { seq: 1, stream: 7, result: SendResult::Answered(_), .. })
+        ));
+        assert!(f.land(1, confirmed()).is_none(), "a flight lands once");
+        let mut out = Vec::new();
+        f.expire(t0 + timeout - Duration::from_millis(1), timeout, &mut out);
+        assert!(out.is_empty(), "nothing times out early");
+        f.expire(t0 + timeout, timeout, &mut out);
+        assert!(
+            matches!(&out[..], [ProducerInput::Outcome { seq: 2, result: SendResult::Failed(_), .. }]),
+            "only the flight still open fails: {out:?}"
+        );
+        assert!(f.land(2, confirmed()).is_none(), "an outcome after the timeout is ignored");
+        assert!(f.open.is_empty() && f.expiring.is_empty());
+    }
+
+    #[test]
+    fn a_delivery_dropped_unanswered_tells_its_producer_and_one_answered_says_nothing_more() {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let until = crate::clock::now() + Duration::from_secs(5);
+        drop(OutcomeSink::new(tx.clone(), 4, until));
+        let (tag, outcome) = rx.try_recv().expect("a dropped sink reports");
+        assert_eq!(tag, 4);
+        assert!(matches!(outcome, Err(Error::NotDelivered { .. })));
+        OutcomeSink::new(tx, 5, until).send(confirmed());
+        assert!(matches!(rx.try_recv(), Ok((5, Ok(DeliveryOutcome::Confirmed { .. })))));
+        assert!(rx.try_recv().is_err(), "an answered sink sends once");
+    }
+
+    #[test]
+    fn a_sink_is_waited_for_until_its_deadline_and_while_its_producer_lives() {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let now = crate::clock::now();
+        let live = OutcomeSink::new(tx.clone(), 1, now + Duration::from_secs(60));
+        let past = OutcomeSink::new(tx, 2, now);
+        assert!(live.is_waiting());
+        assert!(!past.is_waiting(), "the producer timed it out");
+        drop(rx);
+        assert!(!live.is_waiting(), "its producer is gone");
     }
 }

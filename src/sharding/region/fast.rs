@@ -35,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::sharding::Entity;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::delivery::DeliveryOutcome;
-use crate::sharding::envelope::{Envelope, Lane, OutcomeTo, ReplyTo, RoutedInFlight};
+use crate::sharding::envelope::{Envelope, Lane, OutcomeSink, OutcomeTo, ReplyTo, RoutedInFlight};
 use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
@@ -46,7 +46,7 @@ pub(crate) enum PendingAsk<R> {
     Reply(oneshot::Sender<Result<R>>),
     Started(oneshot::Sender<Result<()>>),
     /// A reliable delivery's producer, waiting for the entity's outcome.
-    Delivery(oneshot::Sender<Result<DeliveryOutcome>>),
+    Delivery(OutcomeSink),
 }
 
 impl<R> PendingAsk<R> {
@@ -54,7 +54,7 @@ impl<R> PendingAsk<R> {
         match self {
             PendingAsk::Reply(tx) => !tx.is_closed(),
             PendingAsk::Started(tx) => !tx.is_closed(),
-            PendingAsk::Delivery(tx) => !tx.is_closed(),
+            PendingAsk::Delivery(sink) => sink.is_waiting(),
         }
     }
 
@@ -66,9 +66,7 @@ impl<R> PendingAsk<R> {
             PendingAsk::Started(tx) => {
                 let _ = tx.send(Err(error));
             }
-            PendingAsk::Delivery(tx) => {
-                let _ = tx.send(Err(error));
-            }
+            PendingAsk::Delivery(sink) => sink.send(Err(error)),
         }
     }
 }
@@ -100,9 +98,7 @@ pub(crate) fn complete_ask<E: Entity>(
         (PendingAsk::Started(tx), Ok(_)) => {
             let _ = tx.send(Ok(()));
         }
-        (PendingAsk::Delivery(tx), Ok(b)) => {
-            let _ = tx.send(wire::decode::<DeliveryOutcome>(&b));
-        }
+        (PendingAsk::Delivery(sink), Ok(b)) => sink.send(wire::decode::<DeliveryOutcome>(&b)),
         (p, Err(failure)) => p.fail(failure.into_error(&entity_id)),
     }
 }
