@@ -44,7 +44,7 @@ use crate::sharding::shard::batch::{
 use crate::sharding::shard::{RegionParts, report_full_slot};
 
 /// Most writes one batch takes (the rest wait for the next).
-const MAX_BATCH: usize = 4096;
+pub(crate) const MAX_BATCH: usize = 4096;
 
 /// The state store of one region's durable entities; cheap to clone.
 #[derive(Clone)]
@@ -260,6 +260,10 @@ impl StateIo {
         result.await.map_err(|_| Error::ShutDown)?
     }
 
+    /// Takes one batch at a time, every request queued meanwhile, and ends it (its tries
+    /// included) before the next: a retried write never lands after a newer write of its key
+    /// (a producer's durable queue deletes and reuses places relying on it; the simulation
+    /// performs its queue writes the same way).
     async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
         let mut batch = Vec::new();
         // One warning a minute per full slot.

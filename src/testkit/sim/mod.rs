@@ -719,20 +719,21 @@ impl Sim {
             let placement = self.placement_evidence(&entity_id);
             self.report.violations.push(format!("after recovery, ask {id} to {entity_id} failed: {why}; {placement}"));
         }
-        // A commit issued in the last milliseconds (a rebalance's write, say) is still on its
-        // way at `end`; a stuck one never clears. Wait out a few fsyncs for the first kind.
-        for _ in 0..20 {
-            if self.nodes.iter().flatten().all(|n| n.replicator.durability_backlog() == (0, 0)) {
-                break;
-            }
-            self.run_until(self.now_ms + 5 * FSYNC_MS);
-        }
         if self.cfg.reliable {
             // Producers send what they hold until it is confirmed.
             let drained_by = self.now_ms + DRAIN_MS;
             while !self.producers_drained() && self.now_ms < drained_by {
                 self.run_until(self.now_ms + 500);
             }
+        }
+        // A commit issued in the last milliseconds (a rebalance's write, a producer's last
+        // deletions) is still on its way at `end`; a stuck one never clears. Wait out a few
+        // fsyncs for the first kind.
+        for _ in 0..20 {
+            if self.nodes.iter().flatten().all(|n| n.replicator.durability_backlog() == (0, 0)) {
+                break;
+            }
+            self.run_until(self.now_ms + 5 * FSYNC_MS);
         }
         self.check_nothing_waits_for_a_commit();
         self.report.virtual_ms = self.now_ms;

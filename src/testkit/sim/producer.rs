@@ -17,7 +17,7 @@ use crate::sharding::producer::core::{ProducerAction, ProducerCore, ProducerInpu
 use crate::sharding::producer::durable::{MAX_CLAIMS, next_epoch, node_tag, persist_result};
 use crate::sharding::producer::queue;
 use crate::sharding::shard::batch::{self, BatchAction, StateBatch, StateOutcome, StateRequest, StateResult};
-use crate::sharding::shard::state::{ClaimOutcome, claim_outcome, claim_updates};
+use crate::sharding::shard::state::{ClaimOutcome, MAX_BATCH, claim_outcome, claim_updates};
 
 /// A supervisor starts a stopped producer again after this long.
 const PRODUCER_RESTART_MS: u64 = 1_000;
@@ -40,6 +40,11 @@ pub(super) struct SimProducer {
     /// The highest fence its claims saw, and how many it made.
     fence: u64,
     claims: usize,
+    /// Durable: queue writes waiting for the batch in flight to end (its store's writer takes
+    /// one batch at a time: a try of an older write never follows a newer one).
+    queued: VecDeque<StateRequest>,
+    queued_messages: VecDeque<Option<(String, u64, u64)>>,
+    writing: bool,
 }
 
 /// A delivery sent and not yet ended.
@@ -57,7 +62,8 @@ pub(super) struct Flight {
 /// A durable queue write in flight: whose, and for which message (none: a deletion).
 pub(super) struct QueueWrite {
     producer: u64,
-    message: Option<(String, u64, u64)>,
+    /// What each request of the batch stores (none: a deletion).
+    messages: Vec<Option<(String, u64, u64)>>,
 }
 
 /// The producers of a reliable run and what is in flight.
@@ -75,9 +81,11 @@ pub(super) struct Producers {
     next_message: u64,
 }
 
-/// The producers' settings: the defaults, with a durable queue when the run has one.
+/// The producers' settings: the defaults, with a durable queue when the run has one, and
+/// tight bounds when it asks for them.
 fn producer_settings(cfg: &SimConfig) -> ProducerSettings {
-    ProducerSettings { durable_queue: cfg.durable_queue, ..ProducerSettings::default() }
+    let defaults = ProducerSettings { durable_queue: cfg.durable_queue, ..ProducerSettings::default() };
+    if cfg.tight_producers { ProducerSettings { window: 3, max_entities: 4, ..defaults } } else { defaults }
 }
 
 impl Sim {
@@ -115,6 +123,9 @@ impl Sim {
             storing: BTreeMap::new(),
             fence: 0,
             claims: 0,
+            queued: VecDeque::new(),
+            queued_messages: VecDeque::new(),
+            writing: false,
         };
         self.producers.running.insert(incarnation, producer);
         if self.cfg.durable_queue {
@@ -463,18 +474,39 @@ impl Sim {
         value: Option<Vec<u8>>,
         message: Option<(String, u64, u64)>,
     ) {
-        let Some(p) = self.producers.running.get(&incarnation) else { return };
-        let Some(i) = self.slot_of(&p.host) else { return };
+        let Some(p) = self.producers.running.get_mut(&incarnation) else { return };
         let (owner, epoch) = (p.id.clone(), p.epoch);
+        let line = match &message {
+            Some((entity, stream, seq)) => format!("producer {owner} writes {key}: {entity}'s {seq} of {stream:x}"),
+            None => format!("producer {owner} deletes {key}"),
+        };
+        p.queued.push_back(StateRequest { shard: owner, epoch, entity_id: key, value });
+        p.queued_messages.push_back(message);
+        self.trace(|| line);
+        self.next_queue_batch(incarnation);
+    }
+
+    /// Starts the producer's next queue batch, unless one is in flight: every write queued
+    /// meanwhile, in one batch, as the store's writer (`StateIo::run_writer`) takes them.
+    fn next_queue_batch(&mut self, incarnation: u64) {
+        let Some(p) = self.producers.running.get(&incarnation) else { return };
+        if p.writing || p.queued.is_empty() {
+            return;
+        }
+        let Some(i) = self.slot_of(&p.host.clone()) else { return };
+        let p = self.producers.running.get_mut(&incarnation).expect("seen above");
+        let n = p.queued.len().min(MAX_BATCH);
+        let requests: Vec<StateRequest> = p.queued.drain(..n).collect();
+        let messages: Vec<_> = p.queued_messages.drain(..n).collect();
+        p.writing = true;
         let s = settings(&self.cfg);
         let node = self.nodes[i].as_mut().expect("running");
         let id = node.next_write;
         node.next_write += 1;
-        let request = StateRequest { shard: owner, epoch, entity_id: key, value };
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
         let space = keys::producer_space(TYPE);
-        let batch = StateBatch::start(&space, s.state.slots, budget, counters, vec![request], &mut out);
-        node.queue_writes.insert(id, (QueueWrite { producer: incarnation, message }, batch));
+        let batch = StateBatch::start(&space, s.state.slots, budget, counters, requests, &mut out);
+        node.queue_writes.insert(id, (QueueWrite { producer: incarnation, messages }, batch));
         self.perform_queue_batch(i, id, out);
     }
 
@@ -485,9 +517,16 @@ impl Sim {
                 BatchAction::Write(updates) => self.write_slots(i, updates, RepReply::QueueWrite(id)),
                 BatchAction::Done(outcome) => {
                     let Some((write, _)) = node.queue_writes.remove(&id) else { return };
+                    let producer = write.producer;
                     let reason = || StateResult::NotPersisted { reason: "no outcome".into() };
-                    let result = outcome.results.into_iter().next().unwrap_or_else(reason);
-                    self.on_queue_written(write, result);
+                    let mut results = outcome.results.into_iter();
+                    for message in write.messages {
+                        self.on_queue_written(producer, message, results.next().unwrap_or_else(reason));
+                    }
+                    if let Some(p) = self.producers.running.get_mut(&producer) {
+                        p.writing = false;
+                    }
+                    self.next_queue_batch(producer);
                 }
             }
         }
@@ -507,30 +546,36 @@ impl Sim {
         self.perform_queue_batch(i, id, out);
     }
 
-    fn on_queue_written(&mut self, write: QueueWrite, result: StateResult) {
-        let Some(p) = self.producers.running.get(&write.producer) else { return };
-        let written = result.into_result(String::new(), p.id.clone(), slot_budget());
+    fn on_queue_written(&mut self, producer: u64, message: Option<(String, u64, u64)>, result: StateResult) {
+        let Some(p) = self.producers.running.get(&producer) else { return };
+        let id = p.id.clone();
+        self.trace(|| format!("producer {id}'s write of {message:?} ended: {result:?}"));
+        let written = result.into_result(String::new(), id, slot_budget());
+        let Some(p) = self.producers.running.get(&producer) else { return };
         let (result, _) = persist_result(written);
-        match write.message {
+        match message {
             Some((entity, stream, seq)) => {
-                self.feed_producer(write.producer, ProducerInput::Persisted { entity, stream, seq, result }, None);
+                self.feed_producer(producer, ProducerInput::Persisted { entity, stream, seq, result }, None);
             }
             None => {
                 if let crate::sharding::producer::core::PersistResult::Fenced { fence } = result {
                     let id = p.id.clone();
-                    self.trace(|| {
-                        format!("producer {id} (incarnation {}) fenced by {fence:#x}; stops", write.producer)
-                    });
-                    self.producers.running.remove(&write.producer);
+                    self.trace(|| format!("producer {id} (incarnation {}) fenced by {fence:#x}; stops", producer));
+                    self.producers.running.remove(&producer);
                 }
             }
         }
     }
 
-    /// After recovery: whether every running producer has had everything confirmed.
+    /// After recovery: whether every running producer has had everything confirmed, and its
+    /// queue's writes (the idle flushes' deletions included) have ended.
     pub(super) fn producers_drained(&self) -> bool {
         self.producers.running.values().all(|p| {
-            p.core.as_ref().is_some_and(|c| c.unconfirmed() == 0) && p.waiting.is_empty() && p.storing.is_empty()
+            p.core.as_ref().is_some_and(|c| c.unconfirmed() == 0)
+                && p.waiting.is_empty()
+                && p.storing.is_empty()
+                && p.queued.is_empty()
+                && !p.writing
         }) && self.producers.restarting.is_empty()
     }
 

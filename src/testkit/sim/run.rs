@@ -40,6 +40,9 @@ pub struct SimConfig {
     /// Reliable delivery: the producers keep their queues in the cluster (fenced, majority
     /// writes) and resume them wherever they start again.
     pub durable_queue: bool,
+    /// Reliable delivery: producers with a window of 3 and room for 4 entities' streams, so
+    /// a stream's places wrap, idle streams are evicted and their lanes given out again.
+    pub tight_producers: bool,
 }
 
 impl Default for SimConfig {
@@ -57,6 +60,7 @@ impl Default for SimConfig {
             message_path: false,
             reliable: false,
             durable_queue: false,
+            tight_producers: false,
         }
     }
 }
