@@ -669,7 +669,7 @@ fn heartbeat_frames_per_node_stay_flat_as_the_simulated_cluster_grows_to_100_nod
 #[test]
 fn reliable_delivery_under_random_faults_loses_no_stored_message_and_confirms_nothing_unhandled() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_RELIABLE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
-    for name in ["reliable", "reliable-durable", "reliable-seven-nodes-message-path-lossy"] {
+    for name in ["reliable", "reliable-durable", "reliable-durable-tight", "reliable-seven-nodes-message-path-lossy"] {
         let cfg = shape(name);
         let cfg = SimConfig { trace: false, ..cfg };
         let started = std::time::Instant::now();
@@ -705,15 +705,16 @@ fn a_producers_queue_writes_go_one_batch_at_a_time_so_no_retried_deletion_follow
     assert!(report.deliveries_stored > 100, "the scenario sends");
 }
 
-/// Seed 830000277 with tight producers, open (issue 43): the producer evicted entity e16's
-/// idle stream and later sent on a new one; a restarted incarnation resumed an entry of the
-/// old stream, whose message 1 e16 then handled again after message 2 of the newer one (a
-/// durable effect written twice). An entity keeps one stream per producer and cannot tell an
-/// older stream from a newer; 1 of 2,000 tight seeds (soaked from 720,000,000) fails so.
-/// `cargo test --test sim an_evicted -- --ignored` runs it.
+/// Seed 830000277 with tight producers: p0's incarnation on n1 was cut off; a new incarnation
+/// claimed its queue on n2, took over e16's stream and, after evicting it, sent on newer
+/// streams. The old incarnation, which learns of the claim only at its next write, sent its
+/// old stream's message 1 again; e16, keeping one stream per producer, took it as a new stream
+/// and applied it a second time. Deliveries now carry the epoch of their producer's claim,
+/// and an entity refuses one older than the newest it heard (`Superseded`: the sender stops,
+/// as fenced). Trace: `DDSHARD_SIM_SHAPE=reliable-durable DDSHARD_SIM_TIGHT_PRODUCERS=1
+/// DDSHARD_SIM_SEED=830000277 cargo test --test sim replay -- --nocapture`.
 #[test]
-#[ignore = "open (issue 43): an evicted stream resumed by a restarted producer is taken as a new one"]
-fn an_evicted_stream_resumed_after_a_restart_is_never_handled_again_by_a_durable_entity() {
+fn a_superseded_producer_incarnations_old_stream_is_never_handled_again_by_a_durable_entity() {
     check(830000277, &tight_producers());
 }
 
@@ -824,6 +825,9 @@ fn replay() {
         Ok(name) => ddshard::testkit::sim::shape(&name).unwrap_or_else(|| panic!("no shape named {name}")),
         Err(_) => SimConfig { remember, durable, message_path, ..SimConfig::default() },
     };
+    // `DDSHARD_SIM_TIGHT_PRODUCERS=1`: with `SimConfig::tight_producers`.
+    let tight = std::env::var("DDSHARD_SIM_TIGHT_PRODUCERS").as_deref() == Ok("1");
+    let cfg = SimConfig { tight_producers: tight || cfg.tight_producers, ..cfg };
     let report = run_seed(seed, &cfg);
     for line in &report.trace {
         println!("{line}");

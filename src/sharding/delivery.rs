@@ -56,6 +56,10 @@ pub(crate) struct DeliveryHeader {
     /// The entity incarnation the producer was introduced to ([`DeliveryOutcome::Hello`]) on
     /// this stream; 0 before any.
     pub nonce: u64,
+    /// The epoch the producer's incarnation claimed its durable queue at (0: no durable
+    /// queue). An entity that heard a newer one refuses this one's deliveries.
+    #[serde(default)]
+    pub epoch: u64,
 }
 
 /// What an entity answers a delivery with (the transport's errors aside).
@@ -71,6 +75,9 @@ pub(crate) enum DeliveryOutcome {
     /// Not handled: this incarnation takes the stream only from messages sent once its
     /// producer knew of it, carrying `nonce`.
     Hello { nonce: u64 },
+    /// Not handled: a newer incarnation of the producer (its queue claimed at `epoch`) sends
+    /// to this entity; the sender must stop.
+    Superseded { epoch: u64 },
 }
 
 /// What an entity does with a delivery ([`ConsumerMarks::admit`]).
@@ -85,6 +92,8 @@ pub(crate) enum Admission {
     /// A stream this incarnation was not introduced to: send it back with the incarnation's
     /// nonce (see [`ConsumerMarks::admit`]).
     Hello { nonce: u64 },
+    /// From a producer incarnation older than one heard (claimed at `epoch`): refuse it.
+    Superseded { epoch: u64 },
 }
 
 impl Admission {
@@ -96,6 +105,7 @@ impl Admission {
             Admission::Duplicate => Some(DeliveryOutcome::Confirmed { handled: false, nonce }),
             Admission::Gap { expected } => Some(DeliveryOutcome::Gap { expected, nonce }),
             Admission::Hello { nonce } => Some(DeliveryOutcome::Hello { nonce }),
+            Admission::Superseded { epoch } => Some(DeliveryOutcome::Superseded { epoch }),
         }
     }
 }
@@ -114,6 +124,9 @@ struct Mark {
     /// so every incarnation is introduced anew).
     #[serde(skip)]
     greeted: u64,
+    /// The newest producer incarnation heard (its durable queue's claim; 0: none).
+    #[serde(default)]
+    epoch: u64,
 }
 
 /// An entity's marks: per producer, the stream it takes and the next number expected. Public
@@ -163,7 +176,7 @@ impl ConsumerMarks {
             && match admission {
                 Admission::Duplicate => h.seq >= h.first_unconfirmed,
                 Admission::Gap { expected } => expected > h.first_unconfirmed,
-                Admission::Handle | Admission::Hello { .. } => false,
+                Admission::Handle | Admission::Hello { .. } | Admission::Superseded { .. } => false,
             }
     }
 
@@ -199,6 +212,11 @@ impl ConsumerMarks {
         }
         let introduced = h.nonce == self.nonce;
         let i = self.marks.iter().position(|m| *m.producer == *h.producer);
+        // A producer incarnation whose queue a newer one claimed (it learns so only at its
+        // next write) may still send what it held, in streams the newer one replaced.
+        if let Some(epoch) = i.map(|i| self.marks[i].epoch).filter(|e| h.epoch < *e) {
+            return Admission::Superseded { epoch };
+        }
         let taken_on = i.is_some_and(|i| self.marks[i].stream == h.stream && self.marks[i].greeted == self.nonce);
         if !taken_on && !introduced {
             return Admission::Hello { nonce: self.nonce };
@@ -209,12 +227,13 @@ impl ConsumerMarks {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
                 let (producer, stream, expected) = (h.producer.to_string(), h.stream, next(h.seq));
-                self.insert(Mark { producer, stream, expected, heard, greeted: nonce });
+                self.insert(Mark { producer, stream, expected, heard, greeted: nonce, epoch: h.epoch });
             }
             return admission;
         };
         let mark = &mut self.marks[i];
         mark.heard = heard;
+        mark.epoch = h.epoch;
         if mark.stream != h.stream {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
@@ -293,7 +312,15 @@ mod tests {
 
     /// A delivery sent once the producer knew incarnation `N`.
     fn h(producer: &str, stream: u64, seq: u64, first_unconfirmed: u64) -> DeliveryHeader {
-        DeliveryHeader { producer: producer.into(), stream, seq, first_unconfirmed, redelivery: false, nonce: N }
+        DeliveryHeader {
+            producer: producer.into(),
+            stream,
+            seq,
+            first_unconfirmed,
+            redelivery: false,
+            nonce: N,
+            epoch: 0,
+        }
     }
 
     /// The same delivery sent before the producer knew of incarnation `N`.
@@ -310,7 +337,7 @@ mod tests {
         marks
     }
 
-    use Admission::{Duplicate, Gap, Handle};
+    use Admission::{Duplicate, Gap, Handle, Superseded};
     const HELLO: Admission = Admission::Hello { nonce: N };
 
     #[test]
@@ -371,6 +398,31 @@ mod tests {
         assert_eq!(marks.admit(&h("p", 7, 2, 1)), Admission::Hello { nonce: 99 }, "the old nonce is not this one");
         assert_eq!(marks.admit(&again), Duplicate, "2 was handled and stored");
         assert_eq!(marks.admit(&DeliveryHeader { seq: 3, ..again }), Handle);
+    }
+
+    #[test]
+    fn a_producer_incarnation_older_than_one_heard_is_refused_even_after_a_restart() {
+        let mut marks = ConsumerMarks::new(N);
+        let newer = |stream, seq, first| DeliveryHeader { epoch: 0x2_0001, ..h("p", stream, seq, first) };
+        let older = |stream, seq, first| DeliveryHeader { epoch: 0x1_0001, ..h("p", stream, seq, first) };
+        assert_eq!(marks.admit(&older(7, 1, 1)), Handle);
+        assert_eq!(marks.admit(&newer(9, 1, 1)), Handle, "the newer incarnation's stream replaces the older's");
+        // The older incarnation, not yet told its queue was claimed, sends its old stream again:
+        // taken as a new stream, it would be handled a second time.
+        let refused = marks.admit(&older(7, 1, 1));
+        assert_eq!(refused, Superseded { epoch: 0x2_0001 });
+        assert!(!marks.must_settle(&older(7, 1, 1), refused), "nothing is confirmed by it");
+        assert_eq!(refused.answer(N), Some(DeliveryOutcome::Superseded { epoch: 0x2_0001 }));
+        assert_eq!(marks.admit(&newer(9, 2, 1)), Handle, "the newer goes on");
+        // Stored with the state and read by the next incarnation, the epoch still refuses.
+        let mut restarted: ConsumerMarks =
+            crate::transport::wire::decode(&crate::transport::wire::encode(&marks).unwrap()).unwrap();
+        restarted.begin_incarnation(N);
+        assert_eq!(restarted.admit(&older(7, 2, 1)), Superseded { epoch: 0x2_0001 });
+        // A producer with no durable queue (epoch 0) is never refused while none with one was heard.
+        let mut plain = ConsumerMarks::new(N);
+        assert_eq!(plain.admit(&h("q", 1, 1, 1)), Handle);
+        assert_eq!(plain.admit(&h("q", 2, 1, 1)), Handle);
     }
 
     #[test]

@@ -335,6 +335,7 @@ mod tests {
             first_unconfirmed: 1,
             redelivery: false,
             nonce: 9,
+            epoch: 0,
         };
         assert_eq!(m.admit(&h), Admission::Handle);
         m

@@ -306,6 +306,7 @@ mod tests {
             first_unconfirmed: 1,
             redelivery: false,
             nonce: 9,
+            epoch: 0,
         };
         let new = RegionToRegion::DeliverReliably {
             shard: "3".into(),

@@ -434,6 +434,7 @@ impl ProducerCore {
                 first_unconfirmed,
                 redelivery: q.sends > 0,
                 nonce: s.nonce,
+                epoch: self.epoch,
             };
             if q.sends > 0 {
                 self.counts.resent += 1;
@@ -504,6 +505,10 @@ impl ProducerCore {
                 if current {
                     self.retry_later(entity, now);
                 }
+            }
+            // The entity heard a newer incarnation of this producer: its queue was claimed.
+            SendResult::Answered(DeliveryOutcome::Superseded { epoch }) => {
+                out.push(ProducerAction::Fenced { fence: epoch });
             }
         }
         self.after_progress(entity, out);

@@ -827,6 +827,7 @@ mod tests {
             first_unconfirmed: 2,
             redelivery: true,
             nonce: 3,
+            epoch: 0,
         };
         assert_eq!(DeliveryInfo::of(&h), DeliveryInfo { producer_id: "p".into(), seq: 4, redelivery: true });
     }

@@ -150,6 +150,7 @@ mod tests {
             first_unconfirmed: 1,
             redelivery: true,
             nonce: 3,
+            epoch: 0,
         };
         let msg = RegionInbound::Region(RegionToRegion::DeliverReliably {
             shard: shard.to_string(),

@@ -396,7 +396,9 @@ impl<E: Entity> EntityRun<E> {
         let cell = match admission {
             Admission::Handle => &counters.deliveries_handled,
             Admission::Duplicate => &counters.deliveries_duplicate,
-            Admission::Gap { .. } | Admission::Hello { .. } => &counters.deliveries_sent_back,
+            Admission::Gap { .. } | Admission::Hello { .. } | Admission::Superseded { .. } => {
+                &counters.deliveries_sent_back
+            }
         };
         cell.fetch_add(1, Ordering::Relaxed);
         match admission.answer(nonce) {

@@ -33,6 +33,10 @@ pub fn shapes() -> Vec<(&'static str, SimConfig)> {
         ("reliable", SimConfig { reliable: true, ..base.clone() }),
         ("reliable-durable", SimConfig { reliable: true, durable: true, durable_queue: true, ..base.clone() }),
         (
+            "reliable-durable-tight",
+            SimConfig { reliable: true, durable: true, durable_queue: true, tight_producers: true, ..base.clone() },
+        ),
+        (
             "reliable-seven-nodes-message-path-lossy",
             SimConfig { reliable: true, durable_queue: true, message_path: true, ..seven_lossy },
         ),

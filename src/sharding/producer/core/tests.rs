@@ -434,6 +434,15 @@ mod durable {
 }
 
 #[test]
+fn an_entity_that_heard_a_newer_incarnation_of_this_producer_stops_it_as_fenced() {
+    let mut r = Rig::new();
+    r.offer("e", "a");
+    let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Superseded { epoch: 9 << 16 }));
+    assert!(out.contains(&ProducerAction::Fenced { fence: 9 << 16 }), "{out:?}");
+    assert!(confirms(&out).is_empty(), "nothing confirmed by it");
+}
+
+#[test]
 fn an_answer_from_an_incarnation_that_knew_the_stream_lets_the_rest_go_at_once() {
     // A restored stream probes with no nonce; its entity's incarnation, introduced to the
     // stream before, confirms by number and names itself.
