@@ -30,6 +30,7 @@
 
 pub(crate) mod core;
 pub(crate) mod durable;
+mod flights;
 pub(crate) mod queue;
 mod registry;
 mod settings;
@@ -39,7 +40,7 @@ pub(crate) use registry::producers;
 use registry::{ProducerView, register};
 pub use settings::{MAX_PRODUCER_ID_LEN, ProducerSettings};
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -55,6 +56,7 @@ use tracing::warn;
 
 use self::core::{ProducerAction, ProducerCore, ProducerInput, SendResult};
 use self::durable::DurableQueue;
+use self::flights::{Flight, Flights};
 use super::Entity;
 use super::delivery::{DeliveryHeader, DeliveryOutcome};
 use super::envelope::{OutcomeSink, Outcomes};
@@ -130,47 +132,6 @@ impl Future for Confirmation {
                 Poll::Ready(Err(Error::ProducerStopped { producer_id: self.producer_id.to_string() }))
             }
             Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-/// A delivery in flight: what its outcome is for.
-struct Flight {
-    entity: String,
-    stream: u64,
-    round: u64,
-    seq: u64,
-}
-
-/// Deliveries in flight, by flight tag, and when each times out (in sending order: the timeout
-/// is one for all).
-#[derive(Default)]
-struct Flights {
-    next: u64,
-    open: HashMap<u64, Flight>,
-    expiring: VecDeque<(Instant, u64)>,
-}
-
-impl Flights {
-    /// The outcome for flight `tag` as the core hears it, unless the flight is over (timed out).
-    fn land(&mut self, tag: u64, outcome: Result<DeliveryOutcome>) -> Option<ProducerInput> {
-        let Flight { entity, stream, round, seq } = self.open.remove(&tag)?;
-        let result = match outcome {
-            Ok(outcome) => SendResult::Answered(outcome),
-            Err(e) => SendResult::Failed(e.to_string()),
-        };
-        Some(ProducerInput::Outcome { entity, stream, round, seq, result })
-    }
-
-    /// The flights that timed out by `now`, as failures for the core.
-    fn expire(&mut self, now: Instant, timeout: Duration, out: &mut Vec<ProducerInput>) {
-        while let Some(&(at, tag)) = self.expiring.front().filter(|(at, _)| *at <= now) {
-            self.expiring.pop_front();
-            debug_assert!(at <= now);
-            if let Some(Flight { entity, stream, round, seq }) = self.open.remove(&tag) {
-                let result = SendResult::Failed(format!("no outcome within {timeout:?}"));
-                out.push(ProducerInput::Outcome { entity, stream, round, seq, result });
-            }
         }
     }
 }
@@ -556,15 +517,12 @@ impl<E: Entity> Inner<E> {
             }
             ProducerAction::Send { entity, header, round, bytes } => {
                 let (stream, seq) = (header.stream, header.seq);
-                let flights = &mut st.flights;
-                flights.next += 1;
-                let (tag, until) = (flights.next, crate::clock::now() + self.delivery_timeout);
+                let (tag, until) = (st.flights.next_tag(), crate::clock::now() + self.delivery_timeout);
                 // Recorded once sent: an outcome comes back through the task, which takes this
                 // lock first; a delivery not sent reports its drop, found in no flight.
                 match self.deliver(&entity, header, &bytes, tag, until) {
                     Ok(()) => {
-                        flights.open.insert(tag, Flight { entity, stream, round, seq });
-                        flights.expiring.push_back((until, tag));
+                        st.flights.sent(tag, until, Flight { entity, stream, round, seq });
                     }
                     Err(e) => {
                         let result = SendResult::Failed(e.to_string());
@@ -620,42 +578,20 @@ impl<E: Entity> Inner<E> {
         self.region.deliver_reliably(entity, header, msg, OutcomeSink::new(self.outcomes.clone(), tag, until))
     }
 
-    /// Feeds a run of outcomes (and the timeouts due) to the core under one lock.
+    /// Feeds a run of outcomes to the core under one lock.
     fn land(&self, outcomes: &mut Vec<(u64, Result<DeliveryOutcome>)>) {
-        let dead = {
-            let mut st = self.lock();
-            if st.stopped.is_some() {
-                outcomes.clear();
-                return;
-            }
-            let mut dead = Vec::new();
-            for (tag, outcome) in outcomes.drain(..) {
-                if let Some(input) = st.flights.land(tag, outcome) {
-                    dead.extend(self.run_core(&mut st, input).1);
-                }
-            }
-            dead
-        };
-        self.dead_letters(dead);
+        self.feed_with(|st, inputs| {
+            inputs.extend(outcomes.drain(..).filter_map(|(tag, outcome)| st.flights.land(tag, outcome)));
+        });
+        outcomes.clear();
     }
 
     /// A tick: the deliveries that timed out fail, and the core hears the time.
     fn tick(&self) {
-        let dead = {
-            let mut st = self.lock();
-            if st.stopped.is_some() {
-                return;
-            }
-            let mut inputs = Vec::new();
-            st.flights.expire(crate::clock::now(), self.delivery_timeout, &mut inputs);
+        self.feed_with(|st, inputs| {
+            st.flights.expire(crate::clock::now(), self.delivery_timeout, inputs);
             inputs.push(ProducerInput::Tick);
-            let mut dead = Vec::new();
-            for input in inputs {
-                dead.extend(self.run_core(&mut st, input).1);
-            }
-            dead
-        };
-        self.dead_letters(dead);
+        });
     }
 
     fn dead_letters(&self, dead: Vec<DeadLetter<E::Message>>) {
@@ -672,12 +608,24 @@ impl<E: Entity> Inner<E> {
 
     /// Feeds an input that answers no offer (an outcome, a tick).
     fn feed(&self, input: ProducerInput) {
+        self.feed_with(|_, inputs| inputs.push(input));
+    }
+
+    /// Feeds what `gather` finds under the producer's lock (inputs that answer no offer), all
+    /// under that one lock; the dead letters go to the hook after.
+    fn feed_with(&self, gather: impl FnOnce(&mut State, &mut Vec<ProducerInput>)) {
         let dead = {
             let mut st = self.lock();
             if st.stopped.is_some() {
                 return;
             }
-            self.run_core(&mut st, input).1
+            let mut inputs = Vec::new();
+            gather(&mut st, &mut inputs);
+            let mut dead = Vec::new();
+            for input in inputs {
+                dead.extend(self.run_core(&mut st, input).1);
+            }
+            dead
         };
         self.dead_letters(dead);
     }
@@ -832,38 +780,8 @@ mod tests {
         assert_eq!(DeliveryInfo::of(&h), DeliveryInfo { producer_id: "p".into(), seq: 4, redelivery: true });
     }
 
-    fn flight(seq: u64) -> Flight {
-        Flight { entity: "e".into(), stream: 7, round: 1, seq }
-    }
-
     fn confirmed() -> Result<DeliveryOutcome> {
         Ok(DeliveryOutcome::Confirmed { handled: true, nonce: 3 })
-    }
-
-    #[test]
-    fn an_outcome_lands_on_its_flight_once_and_one_after_its_timeout_is_ignored() {
-        let (t0, timeout) = (crate::clock::now(), Duration::from_secs(5));
-        let mut f = Flights::default();
-        for (tag, seq) in [(1, 1), (2, 2)] {
-            f.open.insert(tag, flight(seq));
-            f.expiring.push_back((t0 + timeout, tag));
-        }
-        let landed = f.land(1, confirmed());
-        assert!(matches!(
-            landed,
-            Some(ProducerInput::Outcome { seq: 1, stream: 7, result: SendResult::Answered(_), .. })
-        ));
-        assert!(f.land(1, confirmed()).is_none(), "a flight lands once");
-        let mut out = Vec::new();
-        f.expire(t0 + timeout - Duration::from_millis(1), timeout, &mut out);
-        assert!(out.is_empty(), "nothing times out early");
-        f.expire(t0 + timeout, timeout, &mut out);
-        assert!(
-            matches!(&out[..], [ProducerInput::Outcome { seq: 2, result: SendResult::Failed(_), .. }]),
-            "only the flight still open fails: {out:?}"
-        );
-        assert!(f.land(2, confirmed()).is_none(), "an outcome after the timeout is ignored");
-        assert!(f.open.is_empty() && f.expiring.is_empty());
     }
 
     #[test]

@@ -42,8 +42,8 @@ pub(super) struct SimProducer {
     claims: usize,
     /// Durable: queue writes waiting for the batch in flight to end (its store's writer takes
     /// one batch at a time: a try of an older write never follows a newer one).
-    queued: VecDeque<StateRequest>,
-    queued_messages: VecDeque<Option<(String, u64, u64)>>,
+    /// Each with the message it stores (none: a deletion).
+    queued: VecDeque<(StateRequest, Option<Stored>)>,
     writing: bool,
 }
 
@@ -63,8 +63,11 @@ pub(super) struct Flight {
 pub(super) struct QueueWrite {
     producer: u64,
     /// What each request of the batch stores (none: a deletion).
-    messages: Vec<Option<(String, u64, u64)>>,
+    messages: Vec<Option<Stored>>,
 }
+
+/// The message a queue write stores: entity, stream, number.
+type Stored = (String, u64, u64);
 
 /// The producers of a reliable run and what is in flight.
 #[derive(Default)]
@@ -124,7 +127,6 @@ impl Sim {
             fence: 0,
             claims: 0,
             queued: VecDeque::new(),
-            queued_messages: VecDeque::new(),
             writing: false,
         };
         self.producers.running.insert(incarnation, producer);
@@ -480,8 +482,7 @@ impl Sim {
             Some((entity, stream, seq)) => format!("producer {owner} writes {key}: {entity}'s {seq} of {stream:x}"),
             None => format!("producer {owner} deletes {key}"),
         };
-        p.queued.push_back(StateRequest { shard: owner, epoch, entity_id: key, value });
-        p.queued_messages.push_back(message);
+        p.queued.push_back((StateRequest { shard: owner, epoch, entity_id: key, value }, message));
         self.trace(|| line);
         self.next_queue_batch(incarnation);
     }
@@ -496,8 +497,7 @@ impl Sim {
         let Some(i) = self.slot_of(&p.host.clone()) else { return };
         let p = self.producers.running.get_mut(&incarnation).expect("seen above");
         let n = p.queued.len().min(MAX_BATCH);
-        let requests: Vec<StateRequest> = p.queued.drain(..n).collect();
-        let messages: Vec<_> = p.queued_messages.drain(..n).collect();
+        let (requests, messages): (Vec<StateRequest>, Vec<_>) = p.queued.drain(..n).unzip();
         p.writing = true;
         let s = settings(&self.cfg);
         let node = self.nodes[i].as_mut().expect("running");
@@ -550,8 +550,7 @@ impl Sim {
         let Some(p) = self.producers.running.get(&producer) else { return };
         let id = p.id.clone();
         self.trace(|| format!("producer {id}'s write of {message:?} ended: {result:?}"));
-        let written = result.into_result(String::new(), id, slot_budget());
-        let Some(p) = self.producers.running.get(&producer) else { return };
+        let written = result.into_result(String::new(), id.clone(), slot_budget());
         let (result, _) = persist_result(written);
         match message {
             Some((entity, stream, seq)) => {
@@ -559,7 +558,6 @@ impl Sim {
             }
             None => {
                 if let crate::sharding::producer::core::PersistResult::Fenced { fence } = result {
-                    let id = p.id.clone();
                     self.trace(|| format!("producer {id} (incarnation {}) fenced by {fence:#x}; stops", producer));
                     self.producers.running.remove(&producer);
                 }
@@ -568,7 +566,7 @@ impl Sim {
     }
 
     /// After recovery: whether every running producer has had everything confirmed, and its
-    /// queue's writes (the idle flushes' deletions included) have ended.
+    /// queue's writes (deletions included) have ended.
     pub(super) fn producers_drained(&self) -> bool {
         self.producers.running.values().all(|p| {
             p.core.as_ref().is_some_and(|c| c.unconfirmed() == 0)
