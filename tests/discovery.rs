@@ -36,7 +36,7 @@ fn up_ids(n: &Node) -> Vec<String> {
 }
 
 fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    ddshard::testkit::unused_port([127, 0, 0, 1].into())
 }
 
 /// One configuration for every node (the SRV name, bootstrap formation of 3): the nodes start

@@ -268,7 +268,7 @@ async fn a_restart_whose_clock_is_behind_its_predecessors_stops_once_then_joins_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seeds_given_as_host_names_are_resolved_and_the_first_forms_the_cluster_when_it_names_itself() {
     ddshard::testkit::init_test_tracing();
-    let port = std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = ddshard::testkit::unused_port([127, 0, 0, 1].into());
     let seed: ddshard::SeedAddr = format!("localhost:{port}").parse().unwrap();
     let dirs = [tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap()];
     let mut first = ddshard::testkit::test_config("n1", dirs[0].path(), "named-seeds");

@@ -575,8 +575,7 @@ async fn five_processes_with_one_configuration_started_at_once_form_exactly_one_
     for round in 0..5 {
         let dir = tempfile::tempdir().unwrap();
         // Ports known before the start, as a seed list written once for every node is.
-        let ports: Vec<u16> =
-            (0..5).map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()).collect();
+        let ports: Vec<u16> = (0..5).map(|_| ddshard::testkit::unused_port([127, 0, 0, 1].into())).collect();
         let seeds: Vec<std::net::SocketAddr> = ports.iter().map(|p| ([127, 0, 0, 1], *p).into()).collect();
         let starts: Vec<_> = ports
             .iter()

@@ -333,8 +333,8 @@ async fn a_peer_that_stays_unreachable_loses_its_writer_and_its_requests_fail_fa
     .await
     .unwrap();
     let node = c.node(0).clone();
-    // An address nothing listens on (bound, then released).
-    let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    // An address nothing listens on, outside the range port-0 binds draw from.
+    let gone = std::net::SocketAddr::from(([127, 0, 0, 1], ddshard::testkit::unused_port([127, 0, 0, 1].into())));
     let to = PeerAddr { address: ddshard::UniqueAddress::new("vanished", 3), messaging_addr: gone };
     let before = node.transport().peer_writers();
     let r = node.transport().request(&to, "probe", b"?", Duration::from_secs(60)).await;

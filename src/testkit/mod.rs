@@ -23,11 +23,13 @@ use crate::membership::MemberStatus;
 use crate::node::Node;
 
 pub mod dns;
+mod ports;
 pub mod process;
 pub mod sim;
 pub mod virtual_time;
 
 pub use crate::activation::{Activation, ActivationGuard, ActivationLog, check_activations};
+pub use ports::unused_port;
 
 #[derive(Debug, Default)]
 struct FaultState {

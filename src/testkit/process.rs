@@ -176,8 +176,8 @@ fn field(line: &str, name: &str) -> Option<SocketAddr> {
 impl NodeProcess {
     /// Writes the config and starts the process; returns once it printed its `READY` line
     /// (at most `startup_timeout`; this blocks the calling thread for the node's start-up,
-    /// typically well under a second). Its stderr (logs) is discarded unless
-    /// `DDSHARD_TEST_LOG=stderr`.
+    /// typically well under a second). Its stderr (logs) is appended to `<dir>/<node_id>.stderr.log`,
+    /// whose end a failed start quotes, or inherited with `DDSHARD_TEST_LOG=stderr`.
     pub fn spawn(binary: &Path, opts: &ProcessOptions, startup_timeout: Duration) -> Result<NodeProcess> {
         std::fs::create_dir_all(&opts.dir).map_err(|e| Error::io("creating the process dir", e))?;
         let (config, text, (own_args, own_env)) = if opts.shared_config_file {
@@ -199,8 +199,19 @@ impl NodeProcess {
         if let Some(log) = &opts.activation_log {
             args.extend(["--activation-log".into(), log.display().to_string()]);
         }
-        let stderr =
-            if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") { Stdio::inherit() } else { Stdio::null() };
+        // Logs go to a file beside the config (appended across restarts), so a node that fails
+        // to start says why in the error; `DDSHARD_TEST_LOG=stderr` shows them live instead.
+        let log_path = opts.dir.join(format!("{}.stderr.log", opts.node_id));
+        let stderr = if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") {
+            Stdio::inherit()
+        } else {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&log_path)
+                .map_err(|e| Error::io("opening the node's log file", e))?;
+            Stdio::from(file)
+        };
         let mut command = Command::new(&args[0]);
         command.envs(own_env);
         match &opts.cluster_secret {
@@ -233,7 +244,15 @@ impl NodeProcess {
         let fail = |child: &mut Child, why: String| {
             let _ = child.kill();
             let _ = child.wait();
-            Err(Error::Process(format!("node {} did not start: {why}", opts.node_id)))
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            Err(Error::Process(format!(
+                "node {} did not start: {why}; the end of its log ({}):\n{}",
+                opts.node_id,
+                log_path.display(),
+                tail.join("\n")
+            )))
         };
         let (line, reader) = match rx.recv_timeout(startup_timeout) {
             Ok(Ok(x)) => x,
