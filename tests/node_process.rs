@@ -607,3 +607,19 @@ async fn five_processes_with_one_configuration_started_at_once_form_exactly_one_
         assert!(lists.iter().all(|l| *l == lists[0]), "round {round}: the nodes disagree: {lists:#?}");
     }
 }
+
+/// A node whose gossip port is already taken exits before its READY line; the start fails with
+/// the reason from the node's own log, not a bare "unexpected first line" (how CI's one
+/// failed start looked before the logs were kept).
+#[test]
+fn a_node_that_cannot_bind_its_gossip_port_fails_to_start_with_the_reason_from_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = ddshard::testkit::unused_port([127, 0, 0, 1].into());
+    let _taken = std::net::UdpSocket::bind(("127.0.0.1", port)).unwrap();
+    let mut o = ProcessOptions::new("n1", "taken-port", dir.path());
+    o.gossip_port = port;
+    let err = NodeProcess::spawn(Path::new(env!("CARGO_BIN_EXE_ddshard")), &o, Duration::from_secs(60)).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("did not start"), "{text}");
+    assert!(text.contains("in use"), "the log's reason is quoted: {text}");
+}

@@ -169,6 +169,20 @@ impl Drop for NodeProcess {
     }
 }
 
+/// Logs go to a file beside the config (appended across restarts), so a node that fails to
+/// start says why in the error; `DDSHARD_TEST_LOG=stderr` shows them live instead.
+fn stderr_to(log_path: &Path) -> Result<Stdio> {
+    if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") {
+        return Ok(Stdio::inherit());
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path)
+        .map_err(|e| Error::io("opening the node's log file", e))?;
+    Ok(Stdio::from(file))
+}
+
 fn field(line: &str, name: &str) -> Option<SocketAddr> {
     line.split_whitespace().find_map(|w| w.strip_prefix(&format!("{name}=")))?.parse().ok()
 }
@@ -199,19 +213,8 @@ impl NodeProcess {
         if let Some(log) = &opts.activation_log {
             args.extend(["--activation-log".into(), log.display().to_string()]);
         }
-        // Logs go to a file beside the config (appended across restarts), so a node that fails
-        // to start says why in the error; `DDSHARD_TEST_LOG=stderr` shows them live instead.
         let log_path = opts.dir.join(format!("{}.stderr.log", opts.node_id));
-        let stderr = if std::env::var("DDSHARD_TEST_LOG").as_deref() == Ok("stderr") {
-            Stdio::inherit()
-        } else {
-            let file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&log_path)
-                .map_err(|e| Error::io("opening the node's log file", e))?;
-            Stdio::from(file)
-        };
+        let stderr = stderr_to(&log_path)?;
         let mut command = Command::new(&args[0]);
         command.envs(own_env);
         match &opts.cluster_secret {
