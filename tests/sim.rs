@@ -718,6 +718,19 @@ fn a_superseded_producer_incarnations_old_stream_is_never_handled_again_by_a_dur
     check(830000277, &tight_producers());
 }
 
+/// Seed 830000080 with tight producers and lazy deletion: an eviction began deleting e0's
+/// stream and gave lane 2 at once to e3, whose first write no majority acknowledged before
+/// its node stopped. The next incarnation, seeing e0's entries still stored, resumed e0's
+/// stream in lane 2 and stored messages 2 and 3 there; e3's entry then came back from the
+/// restarted node's disk, newer by `made`, and a later load took e3's stream as lane 2's and
+/// dropped e0's stored messages. An evicted stream now keeps its lane (and its entity) until a
+/// majority acknowledged the deletion of every entry it left.
+#[test]
+fn an_evicted_streams_lane_goes_to_another_stream_only_once_its_entries_are_deleted() {
+    let report = check(830000080, &tight_producers());
+    assert!(report.deliveries_stored > 100, "the scenario sends");
+}
+
 /// Seed 200000001 of `reliable-durable`: a durable entity's write failed (no majority) but
 /// stayed on its node's replica; the next incarnation read those marks and answered a re-sent
 /// message as a duplicate, so its producer gave the message up although no majority held its

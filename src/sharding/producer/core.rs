@@ -27,7 +27,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::queue::{QueueEntry, RestoredStream, entry_key};
+use super::queue::{QueueEntry, Restored, entry_key};
 use crate::clock::Instant;
 use crate::sharding::delivery::{DeliveryHeader, DeliveryOutcome};
 
@@ -78,9 +78,15 @@ pub(crate) enum ProducerInput {
     Tick,
     /// The durable store write of message `seq` of `entity`'s stream `stream` ended.
     Persisted { entity: String, stream: u64, seq: u64, result: PersistResult },
-    /// The streams a durable queue's load found (before any offer).
-    Restore(Vec<RestoredStream>),
+    /// The durable store deletion at a key ended: of message `seq` of `entity`'s stream
+    /// `stream`, or (`None`) of a stale entry a load found.
+    Unpersisted { of: Option<StoredMessage>, result: PersistResult },
+    /// What a durable queue's load found (before any offer).
+    Restore(Restored),
 }
+
+/// A stored message: its entity, stream and number.
+pub(crate) type StoredMessage = (String, u64, u64);
 
 #[derive(Debug, PartialEq)]
 pub(crate) enum ProducerAction {
@@ -93,8 +99,9 @@ pub(crate) enum ProducerAction {
     StoreFailed { stream: u64, seq: u64, reason: String },
     /// Durable: write `entry` at `key`.
     Persist { key: String, entry: QueueEntry },
-    /// Durable: delete the entry at `key` (its message is confirmed or given up).
-    Unpersist { key: String },
+    /// Durable: delete the entry at `key`: of a confirmed (or given up) message, whose result
+    /// comes back as `Unpersisted`, or (`None`) a stale one a load found.
+    Unpersist { key: String, of: Option<StoredMessage> },
     /// Durable: a newer incarnation claimed the queue; this one must stop.
     Fenced { fence: u64 },
     /// No room for the offer: its waiter is woken when there is.
@@ -156,6 +163,14 @@ struct Stream {
     lane: u32,
     modulus: u64,
     made: (u64, u64),
+    /// Durable: confirmed (or given up) messages whose entries may still be stored, deleted
+    /// lazily: a later message at the same place overwrites one, the stream's idle flush or
+    /// its eviction deletes the rest.
+    undeleted: BTreeSet<u64>,
+    /// Durable: those of `undeleted` whose deletion is being written.
+    deleting: BTreeSet<u64>,
+    /// Durable: when its idle flush (or, evicted, its next try at one) is due.
+    flush_at: Option<Instant>,
 }
 
 impl Stream {
@@ -176,7 +191,28 @@ impl Stream {
             seq,
             modulus: self.modulus,
             bytes: bytes.to_vec(),
+            // `seq` itself is unconfirmed (it is being written).
+            first_unconfirmed: self.first_unconfirmed().min(seq),
         }
+    }
+
+    /// The message at `seq`'s place is overwritten by `seq` (acknowledged): no deletion of
+    /// the one before is needed.
+    fn overwritten(&mut self, seq: u64) {
+        let modulus = self.modulus.max(1);
+        self.undeleted.retain(|u| u % modulus != seq % modulus);
+        self.deleting.retain(|u| u % modulus != seq % modulus);
+    }
+
+    /// Deletes the entries of its confirmed messages not being deleted already. Only while it
+    /// has nothing unconfirmed: a write at one of those places then waits for no deletion.
+    fn flush(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+        debug_assert!(self.queue.is_empty(), "a stream with unconfirmed messages is not flushed");
+        for &seq in self.undeleted.difference(&self.deleting) {
+            let of = Some((entity.to_string(), self.id, seq));
+            out.push(ProducerAction::Unpersist { key: self.key(seq), of });
+        }
+        self.deleting.extend(self.undeleted.iter().copied());
     }
 }
 
@@ -204,6 +240,15 @@ pub(crate) struct ProducerCore {
     free_lanes: BTreeSet<u32>,
     /// Durable: writes to try again, by time (entity, number).
     persist_retries: BTreeSet<(Instant, String, u64)>,
+    /// Durable: flushes of idle or evicted streams' confirmed entries, by time.
+    flushes: BTreeSet<(Instant, String)>,
+    /// Durable: evicted streams whose entries are being deleted. Their lane, and their entity's
+    /// next stream, wait until every deletion is acknowledged (an offer to the entity meanwhile
+    /// takes the stream back): so a load never finds a stream that was let go beside the one
+    /// that replaced it (see [`super::queue`]).
+    evicted: HashMap<String, Stream>,
+    /// When the input being handled came (none before the first).
+    now: Option<Instant>,
 }
 
 impl ProducerCore {
@@ -226,6 +271,9 @@ impl ProducerCore {
             lanes: 0,
             free_lanes: BTreeSet::new(),
             persist_retries: BTreeSet::new(),
+            flushes: BTreeSet::new(),
+            evicted: HashMap::new(),
+            now: None,
         }
     }
 
@@ -248,12 +296,18 @@ impl ProducerCore {
         self.streams.len() - self.idle.len()
     }
 
+    /// Durable: evicted streams whose entries are still being deleted.
+    pub(crate) fn evicted(&self) -> usize {
+        self.evicted.len()
+    }
+
     /// When the oldest unconfirmed message was stored.
     pub(crate) fn oldest_unconfirmed(&self) -> Option<Instant> {
         self.streams.values().filter_map(|s| s.queue.front().map(|q| q.stored_at)).min()
     }
 
     pub(crate) fn handle(&mut self, input: ProducerInput, now: Instant, out: &mut Vec<ProducerAction>) {
+        self.now = Some(self.now.map_or(now, |n| n.max(now)));
         match input {
             ProducerInput::Offer { entity, bytes, waiter } => self.offer(entity, bytes, waiter, now, out),
             ProducerInput::WakeLost { entity: Some(entity) } => self.wake(&entity, out),
@@ -265,7 +319,8 @@ impl ProducerCore {
             ProducerInput::Persisted { entity, stream, seq, result } => {
                 self.persisted(&entity, stream, seq, result, now, out);
             }
-            ProducerInput::Restore(streams) => self.restore(streams, now, out),
+            ProducerInput::Unpersisted { of, result } => self.unpersisted(of, result, now, out),
+            ProducerInput::Restore(restored) => self.restore(restored, now, out),
         }
     }
 
@@ -289,7 +344,7 @@ impl ProducerCore {
     fn offer(&mut self, entity: String, bytes: Bytes, waiter: u64, now: Instant, out: &mut Vec<ProducerAction>) {
         let room = match self.streams.get(&entity) {
             Some(s) => self.has_room(s),
-            None => self.entities() < self.limits.max_entities,
+            None => self.room_for_a_stream(),
         };
         if !room {
             self.counts.demand_waits += 1;
@@ -306,7 +361,15 @@ impl ProducerCore {
             return;
         }
         if !self.streams.contains_key(&entity) && self.streams.len() >= self.limits.max_entities {
-            self.evict_idle();
+            self.evict_idle(out);
+        }
+        if let Some(s) = self.evicted.remove(&entity) {
+            // Taken back while its entries were being deleted: the same stream and lane go on
+            // (a deletion still on its way is written before any new message at its place).
+            if let Some(at) = s.flush_at {
+                self.flushes.remove(&(at, entity.clone()));
+            }
+            self.streams.insert(entity.clone(), Stream { flush_at: None, ..s });
         }
         if !self.streams.contains_key(&entity) {
             let lane = self.free_lanes.pop_first().unwrap_or_else(|| {
@@ -336,6 +399,14 @@ impl ProducerCore {
         self.pump(&entity, out);
     }
 
+    /// Whether an entity without a stream may have one now: fewer than `max_entities` with
+    /// unconfirmed messages, and (durable) an idle stream to evict if all places are taken
+    /// while fewer than `max_entities` evicted ones are still being deleted.
+    fn room_for_a_stream(&self) -> bool {
+        self.entities() < self.limits.max_entities
+            && (self.streams.len() < self.limits.max_entities || self.evicted.len() < self.limits.max_entities)
+    }
+
     /// A stream with id `id` in `lane`, numbered from 1.
     fn new_stream(&self, id: u64, lane: u32) -> Stream {
         Stream {
@@ -352,6 +423,9 @@ impl ProducerCore {
             lane,
             modulus: self.limits.window.max(1) as u64,
             made: (self.epoch, self.streams_made),
+            undeleted: BTreeSet::new(),
+            deleting: BTreeSet::new(),
+            flush_at: None,
         }
     }
 
@@ -370,6 +444,7 @@ impl ProducerCore {
         match result {
             PersistResult::Stored => {
                 s.queue[i].stored = true;
+                s.overwritten(seq);
                 self.counts.stored += 1;
                 out.push(ProducerAction::Stored { stream, seq });
                 self.pump(entity, out);
@@ -392,13 +467,20 @@ impl ProducerCore {
     /// Resumes the streams a durable queue's load found: everything in them counts as sent
     /// before (their entities may have handled it), and is sent once each entity's
     /// incarnation is known.
-    fn restore(&mut self, streams: Vec<RestoredStream>, now: Instant, out: &mut Vec<ProducerAction>) {
-        for r in streams {
+    fn restore(&mut self, restored: Restored, now: Instant, out: &mut Vec<ProducerAction>) {
+        out.extend(restored.stale.into_iter().map(|key| ProducerAction::Unpersist { key, of: None }));
+        for r in restored.streams {
             if self.streams.contains_key(&r.entity) {
                 continue;
             }
             let mut s = self.new_stream(r.stream, r.lane);
             (s.modulus, s.made) = (r.modulus.max(1), r.made);
+            // Entries of confirmed messages, left for this stream to delete (before its lane or
+            // its entity's next stream is given out).
+            for seq in r.confirmed {
+                s.next_seq = s.next_seq.max(seq.saturating_add(1));
+                s.undeleted.insert(seq);
+            }
             for (seq, bytes) in r.messages {
                 self.queued_bytes += bytes.len();
                 s.next_seq = s.next_seq.max(seq.saturating_add(1));
@@ -537,7 +619,8 @@ impl ProducerCore {
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
         if self.limits.durable {
-            out.push(ProducerAction::Unpersist { key: s.key(seq) });
+            // Deleted lazily, as a confirmed message's entry is.
+            s.undeleted.insert(seq);
         }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         true
@@ -550,7 +633,8 @@ impl ProducerCore {
         while let Some(q) = s.queue.front().filter(|q| q.seq <= upto && q.stored) {
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                out.push(ProducerAction::Unpersist { key: s.key(q.seq) });
+                // Deleted lazily: the entries written after it say it is confirmed.
+                s.undeleted.insert(q.seq);
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
@@ -587,6 +671,16 @@ impl ProducerCore {
             let Some(s) = self.streams.get(&entity) else { continue };
             if let Some(q) = s.queue.iter().find(|q| q.seq == seq && !q.stored) {
                 out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &q.bytes) });
+            }
+        }
+        while let Some((at, entity)) = self.flushes.first().cloned().filter(|(at, _)| *at <= now) {
+            self.flushes.remove(&(at, entity.clone()));
+            let s = self.streams.get_mut(&entity).or_else(|| self.evicted.get_mut(&entity));
+            if let Some(s) = s.filter(|s| s.flush_at == Some(at)) {
+                s.flush_at = None;
+                if s.queue.is_empty() {
+                    s.flush(&entity, out);
+                }
             }
         }
         while let Some((at, entity)) = self.retries.first().cloned().filter(|(at, _)| *at <= now) {
@@ -636,29 +730,84 @@ impl ProducerCore {
         if let Some(at) = s.retry_at.take() {
             self.retries.remove(&(at, entity.to_string()));
         }
+        if let Some(now) = self.now.filter(|_| !s.undeleted.is_empty() && s.flush_at.is_none()) {
+            let at = now + IDLE_FLUSH_AFTER;
+            s.flush_at = Some(at);
+            self.flushes.insert((at, entity.to_string()));
+        }
         self.idle_count += 1;
         s.idle_since = Some(self.idle_count);
         self.idle.insert(self.idle_count, entity.to_string());
     }
 
     /// Drops the least recently idle stream (its entity starts a new one when sent to again).
-    fn evict_idle(&mut self) {
-        if let Some((_, entity)) = self.idle.pop_first()
-            && let Some(s) = self.streams.remove(&entity)
-        {
+    /// Durable, one with entries left is kept aside until they are deleted.
+    fn evict_idle(&mut self, out: &mut Vec<ProducerAction>) {
+        let Some((_, entity)) = self.idle.pop_first() else { return };
+        let Some(mut s) = self.streams.remove(&entity) else { return };
+        s.idle_since = None;
+        if let Some(at) = s.flush_at.take() {
+            self.flushes.remove(&(at, entity.clone()));
+        }
+        if s.undeleted.is_empty() {
             self.free_lanes.insert(s.lane);
+            return;
+        }
+        s.flush(&entity, out);
+        self.evicted.insert(entity, s);
+    }
+
+    /// A deletion ended. An evicted stream whose entries are all deleted is let go (its lane
+    /// is free, its entity may start a new stream); one whose deletion failed tries again
+    /// after a pause, as an idle stream does (a busy one deletes at its next idle flush).
+    fn unpersisted(
+        &mut self,
+        of: Option<StoredMessage>,
+        result: PersistResult,
+        now: Instant,
+        out: &mut Vec<ProducerAction>,
+    ) {
+        if let PersistResult::Fenced { fence } = result {
+            out.push(ProducerAction::Fenced { fence });
+            return;
+        }
+        let Some((entity, stream, seq)) = of else { return };
+        let evicted = !self.streams.contains_key(&entity);
+        let s = self.streams.get_mut(&entity).or_else(|| self.evicted.get_mut(&entity));
+        let Some(s) = s.filter(|s| s.id == stream) else { return };
+        if !s.deleting.remove(&seq) {
+            return; // its place was overwritten meanwhile
+        }
+        if result == PersistResult::Stored {
+            s.undeleted.remove(&seq);
+        }
+        if evicted && s.undeleted.is_empty() {
+            let lane = s.lane;
+            self.evicted.remove(&entity);
+            self.free_lanes.insert(lane);
+            self.wake_parked(out);
+        } else if s.deleting.is_empty() && !s.undeleted.is_empty() && s.queue.is_empty() && s.flush_at.is_none() {
+            let at = now + self.limits.resend_backoff_min;
+            s.flush_at = Some(at);
+            self.flushes.insert((at, entity));
         }
     }
 
     /// Wakes the oldest offer waiting for a stream, if there is room for one.
     fn wake_parked(&mut self, out: &mut Vec<ProducerAction>) {
-        if self.entities() < self.limits.max_entities
+        if self.room_for_a_stream()
             && let Some(waiter) = self.parked.pop_front()
         {
             out.push(ProducerAction::Wake { waiter, entity: None });
         }
     }
 }
+
+/// How long a durable stream stays idle before the entries of its confirmed messages are
+/// deleted: a stream sent to again meanwhile overwrites them instead (one write per message,
+/// not two), and what is left costs a restarted producer a window of duplicates per stream at
+/// most.
+pub(crate) const IDLE_FLUSH_AFTER: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests;

@@ -162,11 +162,11 @@ enum Stopped {
 }
 
 /// A durable store write in flight: the entry's key and value (`None`: a deletion), and the
-/// message it stores (none for a deletion).
+/// message it stores or deletes (none for a stale entry's deletion).
 struct PersistJob {
     key: String,
     value: Option<Vec<u8>>,
-    message: Option<(String, u64, u64)>,
+    message: Option<core::StoredMessage>,
 }
 
 struct Inner<E: Entity> {
@@ -504,7 +504,7 @@ impl<E: Entity> Inner<E> {
                     }
                 }
             }
-            ProducerAction::Unpersist { key } => self.persist(PersistJob { key, value: None, message: None }),
+            ProducerAction::Unpersist { key, of } => self.persist(PersistJob { key, value: None, message: of }),
             ProducerAction::Fenced { fence } => {
                 let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
                 warn!(producer = %self.producer_id, epoch, fence, "a newer incarnation of this producer claimed its queue; stopping");
@@ -560,15 +560,13 @@ impl<E: Entity> Inner<E> {
         }
     }
 
-    /// Feeds the streams a durable queue's load found, and deletes what it found stale.
+    /// Feeds what a durable queue's load found to the core (which resumes its streams and
+    /// deletes the stale entries).
     fn resume(&self, restored: queue::Restored) {
         if restored.undecodable > 0 {
             warn!(producer = %self.producer_id, entries = restored.undecodable, "stored queue entries that do not decode were deleted");
         }
-        for key in restored.stale {
-            self.persist(PersistJob { key, value: None, message: None });
-        }
-        self.feed(ProducerInput::Restore(restored.streams));
+        self.feed(ProducerInput::Restore(restored));
     }
 
     /// Sends one delivery through the region, its outcome tagged `tag` and awaited until
@@ -630,24 +628,17 @@ impl<E: Entity> Inner<E> {
         self.dead_letters(dead);
     }
 
-    /// A store write ended: the core hears how, for a message's write; a deletion only
-    /// matters when it found the queue claimed by a newer incarnation.
-    fn written(&self, message: Option<(String, u64, u64)>, written: Result<()>) {
+    /// A store write (or `deletion`) of `message` ended: the core hears how.
+    fn written(&self, deletion: bool, message: Option<core::StoredMessage>, written: Result<()>) {
         let (result, refusal) = durable::persist_result(written);
         match message {
-            Some((entity, stream, seq)) => {
+            Some((entity, stream, seq)) if !deletion => {
                 if let Some(e) = refusal {
                     self.lock().refusals.insert((stream, seq), e);
                 }
                 self.feed(ProducerInput::Persisted { entity, stream, seq, result });
             }
-            None => {
-                if let core::PersistResult::Fenced { fence } = result {
-                    let epoch = self.durable.as_ref().map_or(0, |(q, _)| q.epoch);
-                    let mut st = self.lock();
-                    self.stop_locked(&mut st, Stopped::Fenced { epoch, fence });
-                }
-            }
+            of => self.feed(ProducerInput::Unpersisted { of, result }),
         }
     }
 
@@ -704,11 +695,14 @@ async fn drive<E: Entity>(
                 let Some((queue, _)) = &inner.durable else { continue };
                 let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
                 writing.push(async move {
+                    let deletion = job.value.is_none();
                     let written = store.write(&owner, epoch, &job.key, job.value).await;
-                    (job.message, written)
+                    (deletion, job.message, written)
                 });
             }
-            Some((message, written)) = writing.next(), if !writing.is_empty() => inner.written(message, written),
+            Some((deletion, message, written)) = writing.next(), if !writing.is_empty() => {
+                inner.written(deletion, message, written);
+            }
             _ = tick.tick() => inner.tick(),
             _ = next_publish(&mut published) => inner.publish_metrics(),
         }

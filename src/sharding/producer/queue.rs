@@ -6,14 +6,33 @@
 //! gone idle and been evicted); message `seq` lives at `"{lane}.{seq % modulus}"`, `modulus`
 //! being the stream's window when it started. A stream never holds `modulus` numbers at once
 //! (the producer waits for room), so a place is free when the next number takes it, and no
-//! key per entity or per message ever accumulates: a confirmed message's tombstone is
+//! key per entity or per message ever accumulates: a confirmed message's entry is
 //! overwritten by a later message at its place.
 //!
+//! **Lazy deletion.** A confirmation writes nothing: each entry carries its stream's oldest
+//! unconfirmed number when it was written, so the entries written after a confirmation say
+//! which older ones are confirmed. A stream idle for [`super::core::IDLE_FLUSH_AFTER`]
+//! deletes the entries of its confirmed messages: one write per message while a stream is
+//! busy, not two.
+//!
+//! **A stream is let go only once its entries are deleted.** An evicted stream's lane, and its
+//! entity's next stream, wait until a majority acknowledged the deletion of every entry it
+//! may have left. So when a stream is made in a lane or for an entity, no entry of the one
+//! before can come back (a deletion outranks every earlier write of its key), and two streams
+//! of one lane or one entity meet in a load only when the newer was written by an incarnation
+//! whose load could not see the older's entries: the older's entries were then never
+//! acknowledged (an acknowledged entry is in every later load), so its messages were never
+//! sent, and dropping or sending them late harms nothing. Without the rule, an older stream's
+//! confirmed entries, still stored while its successor's were gone, were resumed as current:
+//! sent again, a durable entity that had moved on to the newer stream took them as new.
+//!
 //! **Restore.** Each entry names its entity, stream, number and when its stream was made (the
-//! claiming epoch and a count). Per entity and per lane, the newest stream's entries are what
-//! the producer had not had confirmed (or confirmed without its deletion written yet: sent
-//! again, its entity confirms it as a duplicate or, a plain entity's new incarnation, handles
-//! it again); entries of older streams are stale and deleted.
+//! claiming epoch and a count). Per lane, then per entity, the stream made last is resumed:
+//! its entries from the highest oldest-unconfirmed number they carry are what the producer
+//! had not had confirmed (or confirmed without that being written: sent again, its entity
+//! confirms it as a duplicate or, a plain entity's new incarnation, handles it again); the
+//! entries below that number are confirmed ones it deletes before it is let go; entries of
+//! other streams are stale and deleted.
 
 use std::collections::BTreeMap;
 
@@ -32,6 +51,10 @@ pub(crate) struct QueueEntry {
     pub modulus: u64,
     #[serde(with = "serde_bytes")]
     pub bytes: Vec<u8>,
+    /// The stream's oldest unconfirmed number when this was written: every entry of the
+    /// stream below it is confirmed (0 in entries written before it was kept: none known).
+    #[serde(default)]
+    pub first_unconfirmed: u64,
 }
 
 /// The key of message `seq` of the stream in `lane` with `modulus` places.
@@ -54,6 +77,17 @@ pub(crate) struct RestoredStream {
     pub made: (u64, u64),
     /// Its messages by number, oldest first.
     pub messages: Vec<(u64, Bytes)>,
+    /// Numbers of its confirmed messages whose entries are still stored (deletions are lazy):
+    /// the stream deletes them.
+    pub confirmed: Vec<u64>,
+}
+
+impl RestoredStream {
+    /// The keys of every entry it was rebuilt from.
+    fn keys(&self) -> impl Iterator<Item = String> + '_ {
+        let seqs = self.messages.iter().map(|(seq, _)| *seq).chain(self.confirmed.iter().copied());
+        seqs.map(|seq| entry_key(self.lane, seq, self.modulus))
+    }
 }
 
 /// What a load found: the streams to resume, the keys of stale entries to delete, and the
@@ -72,6 +106,8 @@ struct Found {
     modulus: u64,
     /// (seq, message, key).
     messages: Vec<(u64, Bytes, String)>,
+    /// The highest first unconfirmed number its entries carry: those below it are confirmed.
+    confirmed_below: u64,
 }
 
 /// Rebuilds the streams from loaded `(key, value)` entries (see the module doc).
@@ -90,7 +126,9 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
             entity: e.entity,
             modulus: e.modulus,
             messages: Vec::new(),
+            confirmed_below: 0,
         });
+        found.confirmed_below = found.confirmed_below.max(e.first_unconfirmed);
         found.messages.push((e.seq, Bytes::from(e.bytes), key));
     }
     // The newest stream of each lane, then of each entity.
@@ -98,25 +136,28 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
     for (lane, streams) in lanes {
         let mut streams: Vec<_> = streams.into_iter().collect();
         streams.sort_by_key(|(_, found)| found.made);
-        let Some((stream, Found { made, entity, modulus, mut messages })) = streams.pop() else { continue };
+        let Some((stream, Found { made, entity, modulus, mut messages, confirmed_below })) = streams.pop() else {
+            continue;
+        };
         restored.stale.extend(streams.into_iter().flat_map(|(_, s)| s.messages.into_iter().map(|(_, _, k)| k)));
         messages.sort_by_key(|(seq, ..)| *seq);
+        // Entries of confirmed messages whose deletion was not written yet (deletions are lazy).
+        let (confirmed, unconfirmed): (Vec<_>, Vec<_>) =
+            messages.into_iter().partition(|(seq, ..)| *seq < confirmed_below);
         let candidate = RestoredStream {
             entity: entity.clone(),
             stream,
             lane,
             modulus,
             made,
-            messages: messages.iter().map(|(seq, bytes, _)| (*seq, bytes.clone())).collect(),
-        };
-        let keys = |s: &RestoredStream| {
-            s.messages.iter().map(|(seq, _)| entry_key(s.lane, *seq, s.modulus)).collect::<Vec<_>>()
+            messages: unconfirmed.into_iter().map(|(seq, bytes, _)| (seq, bytes)).collect(),
+            confirmed: confirmed.into_iter().map(|(seq, ..)| seq).collect(),
         };
         match newest.get(&entity) {
-            Some(kept) if kept.made >= made => restored.stale.extend(keys(&candidate)),
+            Some(kept) if kept.made >= made => restored.stale.extend(candidate.keys()),
             _ => {
                 if let Some(older) = newest.insert(entity, candidate) {
-                    restored.stale.extend(keys(&older));
+                    restored.stale.extend(older.keys());
                 }
             }
         }
@@ -132,8 +173,67 @@ mod tests {
     use crate::transport::wire;
 
     fn entry(lane: u32, entity: &str, stream: u64, made: (u64, u64), seq: u64) -> (String, Vec<u8>) {
-        let e = QueueEntry { entity: entity.into(), stream, made, seq, modulus: 4, bytes: seq.to_be_bytes().to_vec() };
+        entry_confirmed_below(lane, entity, stream, made, seq, 0)
+    }
+
+    fn entry_confirmed_below(
+        lane: u32,
+        entity: &str,
+        stream: u64,
+        made: (u64, u64),
+        seq: u64,
+        first_unconfirmed: u64,
+    ) -> (String, Vec<u8>) {
+        let bytes = seq.to_be_bytes().to_vec();
+        let e = QueueEntry { entity: entity.into(), stream, made, seq, modulus: 4, bytes, first_unconfirmed };
         (entry_key(lane, seq, 4), wire::encode(&e).unwrap().to_vec())
+    }
+
+    #[test]
+    fn entries_below_what_a_newer_entry_says_is_confirmed_are_left_for_their_stream_to_delete() {
+        let r = restore(vec![
+            entry_confirmed_below(0, "a", 10, (1, 1), 1, 1),
+            entry_confirmed_below(0, "a", 10, (1, 1), 2, 1),
+            // Written after 1 and 2 were confirmed; 3 confirmed too, its deletion not written.
+            entry_confirmed_below(0, "a", 10, (1, 1), 3, 3),
+            entry_confirmed_below(0, "a", 10, (1, 1), 4, 3),
+        ]);
+        assert_eq!(r.streams.len(), 1);
+        assert_eq!(numbers(&r.streams[0]), vec![3, 4], "3 may be confirmed: sent again, a duplicate at most");
+        assert_eq!(r.streams[0].confirmed, vec![1, 2], "deleted by the stream before it is let go");
+        assert!(r.stale.is_empty());
+    }
+
+    #[test]
+    fn a_stream_with_only_confirmed_entries_is_still_resumed_to_delete_them() {
+        // Its lane and its entity stay its own until they are gone: a stream made beside it
+        // would meet them again in a later load.
+        let r = restore(vec![
+            entry_confirmed_below(1, "a", 10, (1, 1), 1, 1),
+            entry_confirmed_below(1, "a", 10, (1, 1), 2, 3),
+        ]);
+        assert_eq!(r.streams.len(), 1);
+        assert!(numbers(&r.streams[0]).is_empty());
+        assert_eq!((r.streams[0].lane, r.streams[0].confirmed.clone()), (1, vec![1, 2]));
+    }
+
+    #[test]
+    fn an_entry_written_before_entries_said_what_is_confirmed_reads_as_unconfirmed() {
+        let (key, _) = entry(0, "a", 10, (1, 1), 2);
+        #[derive(serde::Serialize)]
+        struct Older {
+            entity: String,
+            stream: u64,
+            made: (u64, u64),
+            seq: u64,
+            modulus: u64,
+            #[serde(with = "serde_bytes")]
+            bytes: Vec<u8>,
+        }
+        let older = Older { entity: "a".into(), stream: 10, made: (1, 1), seq: 2, modulus: 4, bytes: vec![7] };
+        let r = restore(vec![(key, wire::encode(&older).unwrap().to_vec())]);
+        assert_eq!((r.streams.len(), r.undecodable), (1, 0));
+        assert_eq!(numbers(&r.streams[0]), vec![2]);
     }
 
     fn numbers(s: &RestoredStream) -> Vec<u64> {

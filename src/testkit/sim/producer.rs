@@ -13,7 +13,7 @@
 use super::*;
 use crate::sharding::delivery::DeliveryHeader;
 use crate::sharding::producer::ProducerSettings;
-use crate::sharding::producer::core::{ProducerAction, ProducerCore, ProducerInput, SendResult};
+use crate::sharding::producer::core::{ProducerAction, ProducerCore, ProducerInput, SendResult, StoredMessage};
 use crate::sharding::producer::durable::{MAX_CLAIMS, next_epoch, node_tag, persist_result};
 use crate::sharding::producer::queue;
 use crate::sharding::shard::batch::{self, BatchAction, StateBatch, StateOutcome, StateRequest, StateResult};
@@ -42,8 +42,8 @@ pub(super) struct SimProducer {
     claims: usize,
     /// Durable: queue writes waiting for the batch in flight to end (its store's writer takes
     /// one batch at a time: a try of an older write never follows a newer one).
-    /// Each with the message it stores (none: a deletion).
-    queued: VecDeque<(StateRequest, Option<Stored>)>,
+    /// Each with what it does to which message.
+    queued: VecDeque<(StateRequest, QueueOp)>,
     writing: bool,
 }
 
@@ -59,15 +59,15 @@ pub(super) struct Flight {
     pub open: bool,
 }
 
-/// A durable queue write in flight: whose, and for which message (none: a deletion).
+/// A durable queue write in flight: whose, and what each of its requests does.
 pub(super) struct QueueWrite {
     producer: u64,
-    /// What each request of the batch stores (none: a deletion).
-    messages: Vec<Option<Stored>>,
+    ops: Vec<QueueOp>,
 }
 
-/// The message a queue write stores: entity, stream, number.
-type Stored = (String, u64, u64);
+/// What a queue write does: whether it deletes, and the message it stores or deletes (none:
+/// a stale entry's deletion).
+type QueueOp = (bool, Option<StoredMessage>);
 
 /// The producers of a reliable run and what is in flight.
 #[derive(Default)]
@@ -234,10 +234,7 @@ impl Sim {
                 let resumed: usize = restored.streams.iter().map(|s| s.messages.len()).sum();
                 self.trace(|| format!("{host} producer {id} claims its queue at {epoch:#x}: {found} entries, resumes {resumed}, {} stale", restored.stale.len()));
                 self.open_producer(incarnation, epoch);
-                for key in restored.stale {
-                    self.write_queue(incarnation, key, None, None);
-                }
-                self.feed_producer(incarnation, ProducerInput::Restore(restored.streams), None);
+                self.feed_producer(incarnation, ProducerInput::Restore(restored), None);
             }
             ClaimOutcome::Again => {
                 let (now, wall) = (self.now(), self.wall());
@@ -382,7 +379,7 @@ impl Sim {
                 let value = crate::transport::wire::encode(&entry).expect("a queue entry encodes").to_vec();
                 self.write_queue(incarnation, key, Some(value), message);
             }
-            ProducerAction::Unpersist { key } => self.write_queue(incarnation, key, None, None),
+            ProducerAction::Unpersist { key, of } => self.write_queue(incarnation, key, None, of),
             ProducerAction::Fenced { fence } => {
                 self.trace(|| format!("producer {id} (incarnation {incarnation}) fenced by {fence:#x}; stops"));
                 self.producers.running.remove(&incarnation);
@@ -478,11 +475,17 @@ impl Sim {
     ) {
         let Some(p) = self.producers.running.get_mut(&incarnation) else { return };
         let (owner, epoch) = (p.id.clone(), p.epoch);
-        let line = match &message {
-            Some((entity, stream, seq)) => format!("producer {owner} writes {key}: {entity}'s {seq} of {stream:x}"),
-            None => format!("producer {owner} deletes {key}"),
+        let line = match (&message, value.is_some()) {
+            (Some((entity, stream, seq)), true) => {
+                format!("producer {owner} writes {key}: {entity}'s {seq} of {stream:x}")
+            }
+            (Some((entity, stream, seq)), false) => {
+                format!("producer {owner} deletes {key}: {entity}'s {seq} of {stream:x}")
+            }
+            (None, _) => format!("producer {owner} deletes {key} (stale)"),
         };
-        p.queued.push_back((StateRequest { shard: owner, epoch, entity_id: key, value }, message));
+        let deletion = value.is_none();
+        p.queued.push_back((StateRequest { shard: owner, epoch, entity_id: key, value }, (deletion, message)));
         self.trace(|| line);
         self.next_queue_batch(incarnation);
     }
@@ -497,7 +500,7 @@ impl Sim {
         let Some(i) = self.slot_of(&p.host.clone()) else { return };
         let p = self.producers.running.get_mut(&incarnation).expect("seen above");
         let n = p.queued.len().min(MAX_BATCH);
-        let (requests, messages): (Vec<StateRequest>, Vec<_>) = p.queued.drain(..n).unzip();
+        let (requests, ops): (Vec<StateRequest>, Vec<_>) = p.queued.drain(..n).unzip();
         p.writing = true;
         let s = settings(&self.cfg);
         let node = self.nodes[i].as_mut().expect("running");
@@ -506,7 +509,7 @@ impl Sim {
         let (budget, counters, mut out) = (slot_budget(), Arc::default(), Vec::new());
         let space = keys::producer_space(TYPE);
         let batch = StateBatch::start(&space, s.state.slots, budget, counters, requests, &mut out);
-        node.queue_writes.insert(id, (QueueWrite { producer: incarnation, messages }, batch));
+        node.queue_writes.insert(id, (QueueWrite { producer: incarnation, ops }, batch));
         self.perform_queue_batch(i, id, out);
     }
 
@@ -520,8 +523,8 @@ impl Sim {
                     let producer = write.producer;
                     let reason = || StateResult::NotPersisted { reason: "no outcome".into() };
                     let mut results = outcome.results.into_iter();
-                    for message in write.messages {
-                        self.on_queue_written(producer, message, results.next().unwrap_or_else(reason));
+                    for op in write.ops {
+                        self.on_queue_written(producer, op, results.next().unwrap_or_else(reason));
                     }
                     if let Some(p) = self.producers.running.get_mut(&producer) {
                         p.writing = false;
@@ -546,30 +549,25 @@ impl Sim {
         self.perform_queue_batch(i, id, out);
     }
 
-    fn on_queue_written(&mut self, producer: u64, message: Option<(String, u64, u64)>, result: StateResult) {
+    fn on_queue_written(&mut self, producer: u64, (deletion, message): QueueOp, result: StateResult) {
         let Some(p) = self.producers.running.get(&producer) else { return };
         let id = p.id.clone();
-        self.trace(|| format!("producer {id}'s write of {message:?} ended: {result:?}"));
+        let what = if deletion { "deletion" } else { "write" };
+        self.trace(|| format!("producer {id}'s {what} of {message:?} ended: {result:?}"));
         let written = result.into_result(String::new(), id.clone(), slot_budget());
         let (result, _) = persist_result(written);
-        match message {
-            Some((entity, stream, seq)) => {
-                self.feed_producer(producer, ProducerInput::Persisted { entity, stream, seq, result }, None);
-            }
-            None => {
-                if let crate::sharding::producer::core::PersistResult::Fenced { fence } = result {
-                    self.trace(|| format!("producer {id} (incarnation {}) fenced by {fence:#x}; stops", producer));
-                    self.producers.running.remove(&producer);
-                }
-            }
-        }
+        let input = match message {
+            Some((entity, stream, seq)) if !deletion => ProducerInput::Persisted { entity, stream, seq, result },
+            of => ProducerInput::Unpersisted { of, result },
+        };
+        self.feed_producer(producer, input, None);
     }
 
-    /// After recovery: whether every running producer has had everything confirmed, and its
-    /// queue's writes (deletions included) have ended.
+    /// After recovery: whether every running producer has had everything confirmed, its
+    /// evicted streams' entries deleted, and its queue's writes (deletions included) ended.
     pub(super) fn producers_drained(&self) -> bool {
         self.producers.running.values().all(|p| {
-            p.core.as_ref().is_some_and(|c| c.unconfirmed() == 0)
+            p.core.as_ref().is_some_and(|c| c.unconfirmed() == 0 && c.evicted() == 0)
                 && p.waiting.is_empty()
                 && p.storing.is_empty()
                 && p.queued.is_empty()

@@ -293,7 +293,7 @@ fn the_oldest_unconfirmed_message_is_reported_until_confirmed() {
 
 mod durable {
     use super::*;
-    use crate::sharding::producer::queue::RestoredStream;
+    use crate::sharding::producer::queue::{Restored, RestoredStream};
 
     fn rig() -> Rig {
         let limits = ProducerLimits { durable: true, ..limits() };
@@ -301,7 +301,11 @@ mod durable {
     }
 
     fn persisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
-        r.run(ProducerInput::Persisted { entity: entity.into(), stream: S, seq, result })
+        persisted_of(r, entity, S, seq, result)
+    }
+
+    fn persisted_of(r: &mut Rig, entity: &str, stream: u64, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
+        r.run(ProducerInput::Persisted { entity: entity.into(), stream, seq, result })
     }
 
     fn persists(out: &[ProducerAction]) -> Vec<(String, u64)> {
@@ -316,7 +320,7 @@ mod durable {
     fn unpersists(out: &[ProducerAction]) -> Vec<String> {
         out.iter()
             .filter_map(|a| match a {
-                ProducerAction::Unpersist { key } => Some(key.clone()),
+                ProducerAction::Unpersist { key, .. } => Some(key.clone()),
                 _ => None,
             })
             .collect()
@@ -382,11 +386,157 @@ mod durable {
         persisted(&mut r, "e", 3, PersistResult::Stored);
         r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
         let out = r.answer("e", S, 2, 1, confirmed(true));
-        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "a confirmed message's entry is deleted");
+        assert!(unpersists(&out).is_empty(), "a confirmed message's entry is deleted lazily");
         assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })), "{out:?}");
         // 3 goes with the header saying 3 is the first unconfirmed: its entity skips 2.
         let out = r.offer("e", "d");
         assert_eq!(persists(&out), vec![("0.1".to_string(), 4)], "4's place is 1's, freed");
+    }
+
+    fn entry_of(out: &[ProducerAction]) -> &QueueEntry {
+        out.iter()
+            .find_map(|a| match a {
+                ProducerAction::Persist { entry, .. } => Some(entry),
+                _ => None,
+            })
+            .expect("a write")
+    }
+
+    /// Stores and confirms messages 1..=n of `e` (introduced by the first).
+    fn store_and_confirm(r: &mut Rig, n: u64) -> Vec<ProducerAction> {
+        let mut out = Vec::new();
+        for seq in 1..=n {
+            r.offer("e", "m");
+            out.extend(persisted(r, "e", seq, PersistResult::Stored));
+            if seq == 1 {
+                r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+            }
+            out.extend(r.answer("e", S, 2, seq, confirmed(true)));
+        }
+        out
+    }
+
+    #[test]
+    fn each_entry_says_which_numbers_before_it_are_confirmed() {
+        let mut r = rig();
+        assert_eq!(entry_of(&r.offer("e", "a")).first_unconfirmed, 1, "its own number when nothing is older");
+        assert_eq!(entry_of(&r.offer("e", "b")).first_unconfirmed, 1, "1 is not confirmed yet");
+        persisted(&mut r, "e", 1, PersistResult::Stored);
+        persisted(&mut r, "e", 2, PersistResult::Stored);
+        r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+        r.answer("e", S, 2, 1, confirmed(true));
+        assert_eq!(entry_of(&r.offer("e", "c")).first_unconfirmed, 2);
+    }
+
+    #[test]
+    fn an_idle_streams_confirmed_entries_are_deleted_after_the_flush_delay_and_not_before() {
+        let mut r = rig();
+        let out = store_and_confirm(&mut r, 2);
+        assert!(unpersists(&out).is_empty(), "no deletion per confirmation");
+        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER - Duration::from_millis(1))).is_empty());
+        let mut deleted = unpersists(&r.later(Duration::from_millis(1)));
+        deleted.sort();
+        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()]);
+        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER * 2)).is_empty(), "deleted once");
+    }
+
+    #[test]
+    fn a_stream_sent_to_again_overwrites_its_confirmed_entries_instead_of_deleting_them() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 3); // places 1, 2, 0 of lane 0
+        r.later(Duration::from_millis(10));
+        // Message 4 takes place 1 (message 1's) and stays unconfirmed through the flush time.
+        assert_eq!(persists(&r.offer("e", "d")), vec![("0.1".to_string(), 4)]);
+        persisted(&mut r, "e", 4, PersistResult::Stored);
+        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER)).is_empty(), "a busy stream is not flushed");
+        r.answer("e", S, 2, 4, confirmed(true));
+        let mut deleted = unpersists(&r.later(IDLE_FLUSH_AFTER));
+        deleted.sort();
+        assert_eq!(deleted, vec!["0.0".to_string(), "0.1".to_string(), "0.2".to_string()], "4 at 1; 2 and 3");
+    }
+
+    fn unpersisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
+        r.run(ProducerInput::Unpersisted { of: Some((entity.into(), S, seq)), result })
+    }
+
+    /// The lane of the first write among `out`.
+    fn lane_written(out: &[ProducerAction]) -> String {
+        persists(out)[0].0.split('.').next().unwrap().to_string()
+    }
+
+    #[test]
+    fn an_evicted_streams_lane_is_given_out_only_once_a_majority_acknowledged_its_deletions() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 2);
+        r.offer("f", "x"); // lane 1
+        let out = r.offer("g", "x"); // two entities is the limit: e's idle stream goes
+        let mut deleted = unpersists(&out);
+        deleted.sort();
+        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()], "e's entries are deleted at once");
+        assert_eq!(lane_written(&out), "2", "lane 0 is not free while they are being deleted");
+        assert_eq!(r.core.evicted(), 1);
+        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER * 2)).is_empty(), "no second deletion while one is on its way");
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        assert_eq!(r.core.evicted(), 1, "one entry is still there");
+        unpersisted(&mut r, "e", 2, PersistResult::Stored);
+        assert_eq!(r.core.evicted(), 0, "let go");
+        // f's stream idles and goes for h, which takes lane 0, now free.
+        persisted_of(&mut r, "f", S + 1, 1, PersistResult::Stored);
+        r.answer("f", S + 1, 1, 1, confirmed(true));
+        assert_eq!(lane_written(&r.offer("h", "x")), "0");
+    }
+
+    #[test]
+    fn an_evicted_streams_failed_deletion_is_tried_again_until_acknowledged() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 1);
+        r.offer("f", "x");
+        r.offer("g", "x");
+        assert!(unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
+        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "after the backoff");
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()]);
+        assert_eq!(r.core.evicted(), 1);
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        assert_eq!(r.core.evicted(), 0);
+    }
+
+    #[test]
+    fn an_offer_to_an_evicted_entity_takes_its_stream_back_instead_of_starting_a_new_one() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 2);
+        r.offer("f", "x");
+        r.offer("g", "x"); // e evicted, its deletions on their way
+        persisted_of(&mut r, "g", S + 2, 1, PersistResult::Stored);
+        r.answer("g", S + 2, 1, 1, confirmed(true)); // g idles: room for e
+        let out = r.offer("e", "again");
+        let e = entry_of(&out);
+        assert_eq!((e.entity.as_str(), e.stream, e.seq), ("e", S, 3), "the same stream goes on at 3");
+        assert_eq!(persists(&out), vec![("0.0".to_string(), 3)], "in its own lane");
+        assert_eq!(r.core.evicted(), 1, "g's stream went for it, e's is back");
+        // Deletions ending now are of places the stream still holds: nothing is let go.
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        unpersisted(&mut r, "e", 2, PersistResult::Stored);
+        assert_eq!(r.core.evicted(), 1);
+        r.run(ProducerInput::Unpersisted { of: Some(("g".into(), S + 2, 1)), result: PersistResult::Stored });
+        assert_eq!(r.core.evicted(), 0);
+    }
+
+    #[test]
+    fn new_entities_wait_while_as_many_evicted_streams_as_the_entity_limit_are_being_deleted() {
+        let mut r = rig();
+        let entity_done = |r: &mut Rig, entity: &str, stream: u64| {
+            r.offer(entity, "m");
+            persisted_of(r, entity, stream, 1, PersistResult::Stored);
+            r.answer(entity, stream, 1, 1, confirmed(true));
+        };
+        entity_done(&mut r, "a", S);
+        entity_done(&mut r, "b", S + 1);
+        entity_done(&mut r, "c", S + 2); // a evicted
+        entity_done(&mut r, "d", S + 3); // b evicted: two being deleted
+        assert_eq!(r.core.evicted(), 2);
+        assert_eq!(r.offer("e", "m"), vec![ProducerAction::Wait]);
+        let out = r.run(ProducerInput::Unpersisted { of: Some(("a".into(), S, 1)), result: PersistResult::Stored });
+        assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { entity: None, .. })), "{out:?}");
     }
 
     #[test]
@@ -411,8 +561,10 @@ mod durable {
             modulus: 3,
             made: (1 << 16, 1),
             messages: seqs.iter().map(|s| (*s, Bytes::from("m"))).collect(),
+            confirmed: Vec::new(),
         };
-        let out = r.run(ProducerInput::Restore(vec![restored("a", 50, 0, &[4, 5]), restored("b", 60, 2, &[1])]));
+        let streams = vec![restored("a", 50, 0, &[4, 5]), restored("b", 60, 2, &[1])];
+        let out = r.run(ProducerInput::Restore(Restored { streams, ..Restored::default() }));
         let probes: Vec<_> = out
             .iter()
             .filter_map(|a| match a {
@@ -430,6 +582,37 @@ mod durable {
         let out = r.offer("c", "x");
         assert_eq!(persists(&out), vec![("1.1".to_string(), 1)]);
         assert_eq!(r.offer("d", "x"), vec![ProducerAction::Wait], "three entities is the limit: d waits");
+    }
+
+    #[test]
+    fn a_restored_streams_confirmed_entries_are_deleted_by_it_and_stale_ones_at_once() {
+        let mut r = rig();
+        let stream = RestoredStream {
+            entity: "a".into(),
+            stream: S,
+            lane: 0,
+            modulus: 3,
+            made: (1 << 16, 1),
+            messages: Vec::new(),
+            confirmed: vec![4, 5],
+        };
+        let stale = vec!["1.0".to_string()];
+        let out = r.run(ProducerInput::Restore(Restored { streams: vec![stream], stale, undecodable: 0 }));
+        assert!(out.contains(&ProducerAction::Unpersist { key: "1.0".into(), of: None }), "{out:?}");
+        assert_eq!(unpersists(&out).len(), 1, "the confirmed ones wait for the idle flush");
+        let mut deleted = unpersists(&r.later(IDLE_FLUSH_AFTER));
+        deleted.sort();
+        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()]);
+        // Sent to again, it goes on after its highest number, at a place of its own lane.
+        assert_eq!(persists(&r.offer("a", "x")), vec![("0.0".to_string(), 6)]);
+    }
+
+    #[test]
+    fn a_deletion_refused_by_a_newer_claim_stops_this_incarnation() {
+        let mut r = rig();
+        let fenced = PersistResult::Fenced { fence: 9 << 16 };
+        let out = r.run(ProducerInput::Unpersisted { of: None, result: fenced });
+        assert_eq!(out, vec![ProducerAction::Fenced { fence: 9 << 16 }]);
     }
 }
 
