@@ -718,7 +718,8 @@ fn a_superseded_producer_incarnations_old_stream_is_never_handled_again_by_a_dur
     check(830000277, &tight_producers());
 }
 
-/// Seed 830000080 with tight producers and lazy deletion: an eviction began deleting e0's
+/// Seed 830000080 with tight producers, found while confirmed entries were deleted only when
+/// their stream idled (tried, not landed; the fault was there before, rarer): an eviction began deleting e0's
 /// stream and gave lane 2 at once to e3, whose first write no majority acknowledged before
 /// its node stopped. The next incarnation, seeing e0's entries still stored, resumed e0's
 /// stream in lane 2 and stored messages 2 and 3 there; e3's entry then came back from the

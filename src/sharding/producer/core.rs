@@ -27,9 +27,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use super::queue::{QueueEntry, Restored, entry_key};
+use super::queue::{QueueEntry, Restored};
 use crate::clock::Instant;
 use crate::sharding::delivery::{DeliveryHeader, DeliveryOutcome};
+use stream::{Queued, Stream};
 
 /// The producer's bounds and timings.
 #[derive(Debug, Clone)]
@@ -127,93 +128,6 @@ pub(crate) struct ProducerCounts {
     pub resent: u64,
     pub demand_waits: u64,
     pub dead_lettered: u64,
-}
-
-struct Queued {
-    seq: u64,
-    bytes: Bytes,
-    stored_at: Instant,
-    /// Durable: its write was acknowledged (always true otherwise). Only a run of stored
-    /// messages from the front is sent.
-    stored: bool,
-    /// Times sent.
-    sends: u32,
-    /// Times its entity panicked on it.
-    panics: u32,
-}
-
-struct Stream {
-    id: u64,
-    next_seq: u64,
-    /// Unconfirmed messages, oldest first.
-    queue: VecDeque<Queued>,
-    /// The newest message sent in this round.
-    sent_upto: u64,
-    round: u64,
-    /// When the next round starts (after a failure); nothing is sent until then.
-    retry_at: Option<Instant>,
-    backoff: Duration,
-    /// Offers waiting for room, oldest first.
-    waiters: VecDeque<u64>,
-    /// The entity incarnation the stream was introduced to (sent on every message; 0: none).
-    nonce: u64,
-    /// Since when it has had nothing unconfirmed and nobody waiting (its key in `idle`).
-    idle_since: Option<u64>,
-    /// Durable: its lane, places per lane, and when it was made (see [`super::queue`]).
-    lane: u32,
-    modulus: u64,
-    made: (u64, u64),
-    /// Durable: confirmed (or given up) messages whose entries may still be stored, deleted
-    /// lazily: a later message at the same place overwrites one, the stream's idle flush or
-    /// its eviction deletes the rest.
-    undeleted: BTreeSet<u64>,
-    /// Durable: those of `undeleted` whose deletion is being written.
-    deleting: BTreeSet<u64>,
-    /// Durable: when its idle flush (or, evicted, its next try at one) is due.
-    flush_at: Option<Instant>,
-}
-
-impl Stream {
-    fn first_unconfirmed(&self) -> u64 {
-        self.queue.front().map_or(self.next_seq, |q| q.seq)
-    }
-
-    fn key(&self, seq: u64) -> String {
-        entry_key(self.lane, seq, self.modulus)
-    }
-
-    /// The stored form of message `seq` (`bytes`) of this stream of `entity`.
-    fn entry(&self, entity: &str, seq: u64, bytes: &Bytes) -> QueueEntry {
-        QueueEntry {
-            entity: entity.to_string(),
-            stream: self.id,
-            made: self.made,
-            seq,
-            modulus: self.modulus,
-            bytes: bytes.to_vec(),
-            // `seq` itself is unconfirmed (it is being written).
-            first_unconfirmed: self.first_unconfirmed().min(seq),
-        }
-    }
-
-    /// The message at `seq`'s place is overwritten by `seq` (acknowledged): no deletion of
-    /// the one before is needed.
-    fn overwritten(&mut self, seq: u64) {
-        let modulus = self.modulus.max(1);
-        self.undeleted.retain(|u| u % modulus != seq % modulus);
-        self.deleting.retain(|u| u % modulus != seq % modulus);
-    }
-
-    /// Deletes the entries of its confirmed messages not being deleted already. Only while it
-    /// has nothing unconfirmed: a write at one of those places then waits for no deletion.
-    fn flush(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
-        debug_assert!(self.queue.is_empty(), "a stream with unconfirmed messages is not flushed");
-        for &seq in self.undeleted.difference(&self.deleting) {
-            let of = Some((entity.to_string(), self.id, seq));
-            out.push(ProducerAction::Unpersist { key: self.key(seq), of });
-        }
-        self.deleting.extend(self.undeleted.iter().copied());
-    }
 }
 
 /// One producer's queue and streams.
@@ -475,11 +389,11 @@ impl ProducerCore {
             }
             let mut s = self.new_stream(r.stream, r.lane);
             (s.modulus, s.made) = (r.modulus.max(1), r.made);
-            // Entries of confirmed messages, left for this stream to delete (before its lane or
-            // its entity's next stream is given out).
+            // Entries of confirmed messages whose deletion was not written: deleted now, and
+            // the stream is let go only once they are. Their places are not written before.
             for seq in r.confirmed {
                 s.next_seq = s.next_seq.max(seq.saturating_add(1));
-                s.undeleted.insert(seq);
+                s.delete(&r.entity, seq, out);
             }
             for (seq, bytes) in r.messages {
                 self.queued_bytes += bytes.len();
@@ -619,8 +533,7 @@ impl ProducerCore {
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
         if self.limits.durable {
-            // Deleted lazily, as a confirmed message's entry is.
-            s.undeleted.insert(seq);
+            s.delete(entity, seq, out);
         }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         true
@@ -630,15 +543,14 @@ impl ProducerCore {
     fn confirm_through(&mut self, entity: &str, upto: u64, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get_mut(entity) else { return };
         // Durable: only what was stored can have been sent, so only that is confirmed.
-        while let Some(q) = s.queue.front().filter(|q| q.seq <= upto && q.stored) {
+        while s.queue.front().is_some_and(|q| q.seq <= upto && q.stored) {
+            let q = s.queue.pop_front().expect("seen above");
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                // Deleted lazily: the entries written after it say it is confirmed.
-                s.undeleted.insert(q.seq);
+                s.delete(entity, q.seq, out);
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
-            s.queue.pop_front();
         }
     }
 
@@ -730,8 +642,10 @@ impl ProducerCore {
         if let Some(at) = s.retry_at.take() {
             self.retries.remove(&(at, entity.to_string()));
         }
-        if let Some(now) = self.now.filter(|_| !s.undeleted.is_empty() && s.flush_at.is_none()) {
-            let at = now + IDLE_FLUSH_AFTER;
+        // Deletions that failed while it was busy are tried again.
+        let failed = s.undeleted.len() > s.deleting.len();
+        if let Some(now) = self.now.filter(|_| failed && s.flush_at.is_none()) {
+            let at = now + self.limits.resend_backoff_min;
             s.flush_at = Some(at);
             self.flushes.insert((at, entity.to_string()));
         }
@@ -803,11 +717,6 @@ impl ProducerCore {
     }
 }
 
-/// How long a durable stream stays idle before the entries of its confirmed messages are
-/// deleted: a stream sent to again meanwhile overwrites them instead (one write per message,
-/// not two), and what is left costs a restarted producer a window of duplicates per stream at
-/// most.
-pub(crate) const IDLE_FLUSH_AFTER: Duration = Duration::from_secs(1);
-
+mod stream;
 #[cfg(test)]
 mod tests;

@@ -6,14 +6,13 @@
 //! gone idle and been evicted); message `seq` lives at `"{lane}.{seq % modulus}"`, `modulus`
 //! being the stream's window when it started. A stream never holds `modulus` numbers at once
 //! (the producer waits for room), so a place is free when the next number takes it, and no
-//! key per entity or per message ever accumulates: a confirmed message's entry is
+//! key per entity or per message ever accumulates: a confirmed message's tombstone is
 //! overwritten by a later message at its place.
 //!
-//! **Lazy deletion.** A confirmation writes nothing: each entry carries its stream's oldest
+//! **Deletion.** A confirmed (or given up) message's entry is deleted at once; a deletion that
+//! fails is tried again once its stream is idle. Each entry also carries its stream's oldest
 //! unconfirmed number when it was written, so the entries written after a confirmation say
-//! which older ones are confirmed. A stream idle for [`super::core::IDLE_FLUSH_AFTER`]
-//! deletes the entries of its confirmed messages: one write per message while a stream is
-//! busy, not two.
+//! which older ones are confirmed even where a deletion was not written.
 //!
 //! **A stream is let go only once its entries are deleted.** An evicted stream's lane, and its
 //! entity's next stream, wait until a majority acknowledged the deletion of every entry it
@@ -77,8 +76,8 @@ pub(crate) struct RestoredStream {
     pub made: (u64, u64),
     /// Its messages by number, oldest first.
     pub messages: Vec<(u64, Bytes)>,
-    /// Numbers of its confirmed messages whose entries are still stored (deletions are lazy):
-    /// the stream deletes them.
+    /// Numbers of its confirmed messages whose entries are still stored (their deletions were
+    /// not written): the stream deletes them.
     pub confirmed: Vec<u64>,
 }
 
@@ -141,7 +140,7 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
         };
         restored.stale.extend(streams.into_iter().flat_map(|(_, s)| s.messages.into_iter().map(|(_, _, k)| k)));
         messages.sort_by_key(|(seq, ..)| *seq);
-        // Entries of confirmed messages whose deletion was not written yet (deletions are lazy).
+        // Entries of confirmed messages whose deletion was not written.
         let (confirmed, unconfirmed): (Vec<_>, Vec<_>) =
             messages.into_iter().partition(|(seq, ..)| *seq < confirmed_below);
         let candidate = RestoredStream {

@@ -386,7 +386,7 @@ mod durable {
         persisted(&mut r, "e", 3, PersistResult::Stored);
         r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
         let out = r.answer("e", S, 2, 1, confirmed(true));
-        assert!(unpersists(&out).is_empty(), "a confirmed message's entry is deleted lazily");
+        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "a confirmed message's entry is deleted");
         assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })), "{out:?}");
         // 3 goes with the header saying 3 is the first unconfirmed: its entity skips 2.
         let out = r.offer("e", "d");
@@ -429,30 +429,30 @@ mod durable {
     }
 
     #[test]
-    fn an_idle_streams_confirmed_entries_are_deleted_after_the_flush_delay_and_not_before() {
+    fn a_confirmed_messages_entry_is_deleted_at_once_and_a_failed_deletion_is_tried_again_once_idle() {
         let mut r = rig();
         let out = store_and_confirm(&mut r, 2);
-        assert!(unpersists(&out).is_empty(), "no deletion per confirmation");
-        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER - Duration::from_millis(1))).is_empty());
-        let mut deleted = unpersists(&r.later(Duration::from_millis(1)));
-        deleted.sort();
-        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()]);
-        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER * 2)).is_empty(), "deleted once");
+        assert_eq!(unpersists(&out), vec!["0.1".to_string(), "0.2".to_string()]);
+        assert!(unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
+        unpersisted(&mut r, "e", 2, PersistResult::Stored);
+        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "after the backoff");
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()]);
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        assert!(unpersists(&r.later(Duration::from_secs(5))).is_empty(), "deleted: nothing more");
     }
 
     #[test]
-    fn a_stream_sent_to_again_overwrites_its_confirmed_entries_instead_of_deleting_them() {
+    fn a_failed_deletion_waits_while_its_stream_is_busy_and_a_later_message_at_its_place_ends_it() {
         let mut r = rig();
         store_and_confirm(&mut r, 3); // places 1, 2, 0 of lane 0
-        r.later(Duration::from_millis(10));
-        // Message 4 takes place 1 (message 1's) and stays unconfirmed through the flush time.
+        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
+        // Message 4 takes place 1 (message 1's) and stays unconfirmed past the retry's time.
         assert_eq!(persists(&r.offer("e", "d")), vec![("0.1".to_string(), 4)]);
+        assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "no deletion while 4 is on its way");
         persisted(&mut r, "e", 4, PersistResult::Stored);
-        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER)).is_empty(), "a busy stream is not flushed");
-        r.answer("e", S, 2, 4, confirmed(true));
-        let mut deleted = unpersists(&r.later(IDLE_FLUSH_AFTER));
-        deleted.sort();
-        assert_eq!(deleted, vec!["0.0".to_string(), "0.1".to_string(), "0.2".to_string()], "4 at 1; 2 and 3");
+        let out = r.answer("e", S, 2, 4, confirmed(true));
+        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "4's own deletion");
+        assert!(unpersists(&r.later(Duration::from_secs(5))).is_empty(), "1's entry was overwritten by 4");
     }
 
     fn unpersisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
@@ -467,15 +467,12 @@ mod durable {
     #[test]
     fn an_evicted_streams_lane_is_given_out_only_once_a_majority_acknowledged_its_deletions() {
         let mut r = rig();
-        store_and_confirm(&mut r, 2);
+        store_and_confirm(&mut r, 2); // deletions of 1 and 2 on their way
         r.offer("f", "x"); // lane 1
         let out = r.offer("g", "x"); // two entities is the limit: e's idle stream goes
-        let mut deleted = unpersists(&out);
-        deleted.sort();
-        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()], "e's entries are deleted at once");
-        assert_eq!(lane_written(&out), "2", "lane 0 is not free while they are being deleted");
+        assert!(unpersists(&out).is_empty(), "no second deletion while one is on its way");
+        assert_eq!(lane_written(&out), "2", "lane 0 is not free while e's entries are being deleted");
         assert_eq!(r.core.evicted(), 1);
-        assert!(unpersists(&r.later(IDLE_FLUSH_AFTER * 2)).is_empty(), "no second deletion while one is on its way");
         unpersisted(&mut r, "e", 1, PersistResult::Stored);
         assert_eq!(r.core.evicted(), 1, "one entry is still there");
         unpersisted(&mut r, "e", 2, PersistResult::Stored);
@@ -599,10 +596,9 @@ mod durable {
         let stale = vec!["1.0".to_string()];
         let out = r.run(ProducerInput::Restore(Restored { streams: vec![stream], stale, undecodable: 0 }));
         assert!(out.contains(&ProducerAction::Unpersist { key: "1.0".into(), of: None }), "{out:?}");
-        assert_eq!(unpersists(&out).len(), 1, "the confirmed ones wait for the idle flush");
-        let mut deleted = unpersists(&r.later(IDLE_FLUSH_AFTER));
+        let mut deleted = unpersists(&out);
         deleted.sort();
-        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()]);
+        assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string(), "1.0".to_string()]);
         // Sent to again, it goes on after its highest number, at a place of its own lane.
         assert_eq!(persists(&r.offer("a", "x")), vec![("0.0".to_string(), 6)]);
     }
