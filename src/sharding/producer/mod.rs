@@ -48,8 +48,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -160,6 +160,9 @@ enum Stopped {
     /// A newer incarnation claimed its durable queue at `fence`.
     Fenced { epoch: u64, fence: u64 },
 }
+
+/// A durable store write that ended: whether it was a deletion, its message, its result.
+type WriteEnded = (bool, Option<core::StoredMessage>, Result<()>);
 
 /// A durable store write in flight: the entry's key and value (`None`: a deletion), and the
 /// message it stores or deletes (none for a stale entry's deletion).
@@ -628,18 +631,23 @@ impl<E: Entity> Inner<E> {
         self.dead_letters(dead);
     }
 
-    /// A store write (or `deletion`) of `message` ended: the core hears how.
-    fn written(&self, deletion: bool, message: Option<core::StoredMessage>, written: Result<()>) {
-        let (result, refusal) = durable::persist_result(written);
-        match message {
-            Some((entity, stream, seq)) if !deletion => {
-                if let Some(e) = refusal {
-                    self.lock().refusals.insert((stream, seq), e);
-                }
-                self.feed(ProducerInput::Persisted { entity, stream, seq, result });
+    /// A run of store writes (or deletions) ended: the core hears how, under one lock.
+    fn written(&self, ended: &mut Vec<WriteEnded>) {
+        self.feed_with(|st, inputs| {
+            for (deletion, message, written) in ended.drain(..) {
+                let (result, refusal) = durable::persist_result(written);
+                inputs.push(match message {
+                    Some((entity, stream, seq)) if !deletion => {
+                        if let Some(e) = refusal {
+                            st.refusals.insert((stream, seq), e);
+                        }
+                        ProducerInput::Persisted { entity, stream, seq, result }
+                    }
+                    of => ProducerInput::Unpersisted { of, result },
+                });
             }
-            of => self.feed(ProducerInput::Unpersisted { of, result }),
-        }
+        });
+        ended.clear();
     }
 
     /// The producer stopped: every waiting confirmation fails, every waiting `send` is woken
@@ -675,7 +683,7 @@ async fn drive<E: Entity>(
 ) {
     let stop = inner.stop.clone();
     let mut landed = Vec::new();
-    let mut writing = FuturesUnordered::new();
+    let (mut writing, mut ended) = (FuturesUnordered::new(), Vec::new());
     #[cfg(feature = "metrics")]
     let mut published = tokio::time::interval(Duration::from_secs(1));
     #[cfg(not(feature = "metrics"))]
@@ -700,8 +708,13 @@ async fn drive<E: Entity>(
                     (deletion, job.message, written)
                 });
             }
-            Some((deletion, message, written)) = writing.next(), if !writing.is_empty() => {
-                inner.written(deletion, message, written);
+            Some(first) = writing.next(), if !writing.is_empty() => {
+                // Every write that ended by now, under one lock.
+                ended.push(first);
+                while let Some(Some(more)) = writing.next().now_or_never() {
+                    ended.push(more);
+                }
+                inner.written(&mut ended);
             }
             _ = tick.tick() => inner.tick(),
             _ = next_publish(&mut published) => inner.publish_metrics(),
