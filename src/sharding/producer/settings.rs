@@ -11,6 +11,8 @@ pub struct ProducerSettings {
     /// Most unconfirmed messages per entity (the demand an entity grants): `send` waits past it.
     pub window: usize,
     /// Most entities with unconfirmed messages at once: a `send` to another entity waits past it.
+    /// With a durable queue it also waits while this many streams let go still have their
+    /// stored entries being deleted (a lane is reused only once they are).
     pub max_entities: usize,
     /// Most bytes of unconfirmed messages (encoded): a `send` past it fails at once.
     pub max_queued_bytes: usize,
