@@ -314,11 +314,10 @@ impl ProducerCore {
     }
 
     /// Whether an entity without a stream may have one now: fewer than `max_entities` with
-    /// unconfirmed messages, and (durable) an idle stream to evict if all places are taken
-    /// while fewer than `max_entities` evicted ones are still being deleted.
+    /// unconfirmed messages (so an idle stream to evict if every place is taken), and
+    /// (durable) fewer than `max_entities` evicted ones still being deleted.
     fn room_for_a_stream(&self) -> bool {
-        self.entities() < self.limits.max_entities
-            && (self.streams.len() < self.limits.max_entities || self.evicted.len() < self.limits.max_entities)
+        self.entities() < self.limits.max_entities && self.evicted.len() < self.limits.max_entities
     }
 
     /// A stream with id `id` in `lane`, numbered from 1.

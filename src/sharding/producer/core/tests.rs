@@ -455,6 +455,49 @@ mod durable {
         assert!(unpersists(&r.later(Duration::from_secs(5))).is_empty(), "1's entry was overwritten by 4");
     }
 
+    #[test]
+    fn a_deletion_that_failed_while_its_stream_was_busy_is_tried_again_a_backoff_after_it_idles() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 2); // places 1 and 2
+        r.offer("e", "c"); // 3, at place 0: busy
+        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
+        unpersisted(&mut r, "e", 2, PersistResult::Stored);
+        assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "not while 3 is unconfirmed");
+        persisted(&mut r, "e", 3, PersistResult::Stored);
+        let out = r.answer("e", S, 2, 3, confirmed(true)); // idle now
+        assert_eq!(unpersists(&out), vec!["0.0".to_string()], "3's own deletion");
+        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "a backoff after it idled");
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "1 again, not 3");
+    }
+
+    #[test]
+    fn a_stream_idling_with_no_failed_deletion_schedules_no_retry() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 1); // idle, 1's deletion on its way
+        r.later(Duration::from_millis(50));
+        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
+        // The retry is a backoff after the failure, not after the stream idled.
+        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty());
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()]);
+    }
+
+    #[test]
+    fn a_stream_taken_back_from_eviction_retries_its_failed_deletions_when_it_idles_again() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 1);
+        r.offer("f", "x");
+        r.offer("g", "x"); // e evicted
+        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())); // a retry due at +100 ms
+        persisted_of(&mut r, "g", S + 2, 1, PersistResult::Stored);
+        r.answer("g", S + 2, 1, 1, confirmed(true));
+        r.offer("e", "again"); // taken back: 2, at place 2
+        persisted(&mut r, "e", 2, PersistResult::Stored);
+        assert!(unpersists(&r.later(Duration::from_millis(150))).is_empty(), "busy: the old retry is void");
+        r.answer("e", S, 2, 2, confirmed(true)); // idle again
+        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty());
+        assert!(unpersists(&r.later(Duration::from_millis(1))).contains(&"0.1".to_string()), "1 is tried again");
+    }
+
     fn unpersisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
         r.run(ProducerInput::Unpersisted { of: Some((entity.into(), S, seq)), result })
     }
