@@ -161,8 +161,6 @@ pub(crate) struct ProducerCore {
     /// takes the stream back): so a load never finds a stream that was let go beside the one
     /// that replaced it (see [`super::queue`]).
     evicted: HashMap<String, Stream>,
-    /// When the input being handled came (none before the first).
-    now: Option<Instant>,
 }
 
 impl ProducerCore {
@@ -187,7 +185,6 @@ impl ProducerCore {
             persist_retries: BTreeSet::new(),
             flushes: BTreeSet::new(),
             evicted: HashMap::new(),
-            now: None,
         }
     }
 
@@ -221,10 +218,9 @@ impl ProducerCore {
     }
 
     pub(crate) fn handle(&mut self, input: ProducerInput, now: Instant, out: &mut Vec<ProducerAction>) {
-        self.now = Some(self.now.map_or(now, |n| n.max(now)));
         match input {
             ProducerInput::Offer { entity, bytes, waiter } => self.offer(entity, bytes, waiter, now, out),
-            ProducerInput::WakeLost { entity: Some(entity) } => self.wake(&entity, out),
+            ProducerInput::WakeLost { entity: Some(entity) } => self.wake(&entity, now, out),
             ProducerInput::WakeLost { entity: None } => self.wake_parked(out),
             ProducerInput::Outcome { entity, stream, round, seq, result } => {
                 self.outcome(&entity, stream, round, seq, result, now, out);
@@ -277,13 +273,11 @@ impl ProducerCore {
         if !self.streams.contains_key(&entity) && self.streams.len() >= self.limits.max_entities {
             self.evict_idle(out);
         }
-        if let Some(s) = self.evicted.remove(&entity) {
+        if let Some(mut s) = self.evicted.remove(&entity) {
             // Taken back while its entries were being deleted: the same stream and lane go on
             // (a deletion still on its way is written before any new message at its place).
-            if let Some(at) = s.flush_at {
-                self.flushes.remove(&(at, entity.clone()));
-            }
-            self.streams.insert(entity.clone(), Stream { flush_at: None, ..s });
+            cancel_flush(&mut self.flushes, &entity, &mut s);
+            self.streams.insert(entity.clone(), s);
         }
         if !self.streams.contains_key(&entity) {
             let lane = self.free_lanes.pop_first().unwrap_or_else(|| {
@@ -371,7 +365,7 @@ impl ProducerCore {
                 let q = s.queue.remove(i).expect("found above");
                 self.queued_bytes -= q.bytes.len();
                 out.push(ProducerAction::StoreFailed { stream, seq, reason });
-                self.after_progress(entity, out);
+                self.after_progress(entity, now, out);
             }
             PersistResult::Fenced { fence } => out.push(ProducerAction::Fenced { fence }),
         }
@@ -402,7 +396,7 @@ impl ProducerCore {
             self.lanes = self.lanes.max(r.lane.saturating_add(1));
             self.streams.insert(r.entity.clone(), s);
             self.pump(&r.entity, out);
-            self.after_progress(&r.entity, out);
+            self.after_progress(&r.entity, now, out);
         }
         let used: BTreeSet<u32> = self.streams.values().map(|s| s.lane).collect();
         self.free_lanes = (0..self.lanes).filter(|l| !used.contains(l)).collect();
@@ -506,7 +500,7 @@ impl ProducerCore {
                 out.push(ProducerAction::Fenced { fence: epoch });
             }
         }
-        self.after_progress(entity, out);
+        self.after_progress(entity, now, out);
     }
 
     /// An answer from an incarnation that took the stream on without an introduction (it knew
@@ -605,26 +599,26 @@ impl ProducerCore {
 
     /// After messages left the stream's queue: its waiters get the room; a stream with nothing
     /// left goes idle, and its place to an entity waiting for one.
-    fn after_progress(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+    fn after_progress(&mut self, entity: &str, now: Instant, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get(entity) else { return };
         if s.queue.is_empty() && s.waiters.is_empty() {
-            self.go_idle(entity);
+            self.go_idle(entity, now);
             self.wake_parked(out);
             return;
         }
         let room = self.room(s);
         for _ in 0..room.min(s.waiters.len()) {
-            self.wake(entity, out);
+            self.wake(entity, now, out);
         }
     }
 
     /// Wakes the oldest waiter of `entity`'s stream.
-    fn wake(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+    fn wake(&mut self, entity: &str, now: Instant, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get_mut(entity) else { return self.wake_parked(out) };
         match s.waiters.pop_front() {
             Some(waiter) => out.push(ProducerAction::Wake { waiter, entity: Some(entity.to_string()) }),
             None if s.queue.is_empty() => {
-                self.go_idle(entity);
+                self.go_idle(entity, now);
                 self.wake_parked(out);
             }
             None => {}
@@ -633,7 +627,7 @@ impl ProducerCore {
 
     /// The stream has nothing unconfirmed and nobody waiting: it stays, idle, until its place
     /// is needed.
-    fn go_idle(&mut self, entity: &str) {
+    fn go_idle(&mut self, entity: &str, now: Instant) {
         let Some(s) = self.streams.get_mut(entity) else { return };
         if s.idle_since.is_some() {
             return;
@@ -642,12 +636,7 @@ impl ProducerCore {
             self.retries.remove(&(at, entity.to_string()));
         }
         // Deletions that failed while it was busy are tried again.
-        let failed = s.undeleted.len() > s.deleting.len();
-        if let Some(now) = self.now.filter(|_| failed && s.flush_at.is_none()) {
-            let at = now + self.limits.resend_backoff_min;
-            s.flush_at = Some(at);
-            self.flushes.insert((at, entity.to_string()));
-        }
+        retry_failed_deletions(&mut self.flushes, entity, s, now + self.limits.resend_backoff_min);
         self.idle_count += 1;
         s.idle_since = Some(self.idle_count);
         self.idle.insert(self.idle_count, entity.to_string());
@@ -659,9 +648,7 @@ impl ProducerCore {
         let Some((_, entity)) = self.idle.pop_first() else { return };
         let Some(mut s) = self.streams.remove(&entity) else { return };
         s.idle_since = None;
-        if let Some(at) = s.flush_at.take() {
-            self.flushes.remove(&(at, entity.clone()));
-        }
+        cancel_flush(&mut self.flushes, &entity, &mut s);
         if s.undeleted.is_empty() {
             self.free_lanes.insert(s.lane);
             return;
@@ -699,10 +686,8 @@ impl ProducerCore {
             self.evicted.remove(&entity);
             self.free_lanes.insert(lane);
             self.wake_parked(out);
-        } else if s.deleting.is_empty() && !s.undeleted.is_empty() && s.queue.is_empty() && s.flush_at.is_none() {
-            let at = now + self.limits.resend_backoff_min;
-            s.flush_at = Some(at);
-            self.flushes.insert((at, entity));
+        } else {
+            retry_failed_deletions(&mut self.flushes, &entity, s, now + self.limits.resend_backoff_min);
         }
     }
 
@@ -713,6 +698,22 @@ impl ProducerCore {
         {
             out.push(ProducerAction::Wake { waiter, entity: None });
         }
+    }
+}
+
+/// Schedules, at `at`, a try at the deletions of `s` that failed: only while it has nothing
+/// unconfirmed (no write at their places is on its way then) and none is scheduled.
+fn retry_failed_deletions(flushes: &mut BTreeSet<(Instant, String)>, entity: &str, s: &mut Stream, at: Instant) {
+    if s.queue.is_empty() && s.undeleted.len() > s.deleting.len() && s.flush_at.is_none() {
+        s.flush_at = Some(at);
+        flushes.insert((at, entity.to_string()));
+    }
+}
+
+/// Drops the try `s` has scheduled at its failed deletions.
+fn cancel_flush(flushes: &mut BTreeSet<(Instant, String)>, entity: &str, s: &mut Stream) {
+    if let Some(at) = s.flush_at.take() {
+        flushes.remove(&(at, entity.to_string()));
     }
 }
 
