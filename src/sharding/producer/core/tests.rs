@@ -482,6 +482,17 @@ mod durable {
     }
 
     #[test]
+    fn a_retry_once_scheduled_is_not_put_off_by_a_later_deletion_ending() {
+        let mut r = rig();
+        store_and_confirm(&mut r, 2); // idle, deletions of 1 and 2 on their way
+        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())); // retry at +100 ms
+        r.now += Duration::from_millis(50);
+        unpersisted(&mut r, "e", 2, PersistResult::Stored);
+        assert!(unpersists(&r.later(Duration::from_millis(49))).is_empty());
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "at +100 ms, not later");
+    }
+
+    #[test]
     fn a_stream_taken_back_from_eviction_retries_its_failed_deletions_when_it_idles_again() {
         let mut r = rig();
         store_and_confirm(&mut r, 1);
@@ -492,9 +503,9 @@ mod durable {
         r.answer("g", S + 2, 1, 1, confirmed(true));
         r.offer("e", "again"); // taken back: 2, at place 2
         persisted(&mut r, "e", 2, PersistResult::Stored);
-        assert!(unpersists(&r.later(Duration::from_millis(150))).is_empty(), "busy: the old retry is void");
-        r.answer("e", S, 2, 2, confirmed(true)); // idle again
-        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty());
+        r.now += Duration::from_millis(10);
+        r.answer("e", S, 2, 2, confirmed(true)); // idle again, before the old retry's time
+        assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "the old retry is void");
         assert!(unpersists(&r.later(Duration::from_millis(1))).contains(&"0.1".to_string()), "1 is tried again");
     }
 
@@ -675,4 +686,27 @@ fn an_answer_from_an_incarnation_that_knew_the_stream_lets_the_rest_go_at_once()
     let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Confirmed { handled: false, nonce: 5 }));
     assert_eq!(confirms(&out), vec![1]);
     assert_eq!(nonces(&out), vec![(2, 5), (3, 5)]);
+}
+
+#[test]
+fn a_wake_lost_by_a_stream_left_with_nothing_lets_it_idle_and_one_with_messages_does_not() {
+    let mut r = Rig::new(); // window 3, two entities
+    for body in ["1", "2", "3"] {
+        r.offer("a", body);
+    }
+    assert_eq!(r.offer("a", "4"), vec![ProducerAction::Wait], "a's window is full");
+    r.offer("b", "x");
+    assert_eq!(r.offer("c", "x"), vec![ProducerAction::Wait], "two entities: c waits for one");
+    r.answer("a", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+    let out = r.answer("a", S, 2, 1, confirmed(true));
+    assert!(out.iter().any(|x| matches!(x, ProducerAction::Wake { entity: Some(_), .. })), "{out:?}");
+    // a's woken offer is gone; a still has 2 and 3: it does not idle, c still waits.
+    let out = r.run(ProducerInput::WakeLost { entity: Some("a".into()) });
+    assert!(!out.iter().any(|x| matches!(x, ProducerAction::Wake { .. })), "{out:?}");
+    // Another waiter, woken once a has nothing left, and gone too: a idles, c is woken.
+    r.offer("a", "4");
+    assert_eq!(r.offer("a", "5"), vec![ProducerAction::Wait]);
+    r.answer("a", S, 2, 4, confirmed(true));
+    let out = r.run(ProducerInput::WakeLost { entity: Some("a".into()) });
+    assert!(out.iter().any(|x| matches!(x, ProducerAction::Wake { entity: None, .. })), "{out:?}");
 }
