@@ -472,3 +472,241 @@ fn a_duplicate_by_marks_no_majority_holds_is_confirmed_only_once_a_write_of_them
             assert_eq!(total, 3, "2 applied once");
         });
 }
+
+/// What an [`Approver`] is told: a job (sent reliably), or a plain message about its holds.
+#[derive(Debug, Serialize, Deserialize)]
+enum Step {
+    Job(u64),
+    /// Gives every confirmation it holds; answers how many.
+    Approve,
+    /// Drops what it holds unconfirmed.
+    Forget,
+    /// Answers how many confirmations it holds (a durable one: its total).
+    Count,
+    Passivate,
+}
+
+/// Holds the confirmation of every job its entity id handles for the first time (by any
+/// incarnation) until approved.
+struct Approver {
+    log: Log,
+    held: Vec<ddshard::sharding::DeferredConfirm>,
+}
+
+impl Entity for Approver {
+    type Message = Step;
+    type Reply = u64;
+    async fn handle(&mut self, step: Step, ctx: &mut EntityContext) -> u64 {
+        match step {
+            Step::Job(v) => {
+                let redelivery = ctx.delivery().is_some_and(|d| d.redelivery);
+                let mut log = self.log.lock().unwrap();
+                let handled = log.entry(ctx.entity_id().to_string()).or_default();
+                let first_time = !handled.iter().any(|(h, _)| *h == v);
+                handled.push((v, redelivery));
+                drop(log);
+                if first_time {
+                    let held = ctx.confirm_later().expect("a reliable delivery's handler holds its confirmation");
+                    assert_eq!(held.delivery().seq, v, "jobs are numbered as sent");
+                    assert!(ctx.confirm_later().is_none(), "once per handler");
+                    self.held.push(held);
+                }
+                0
+            }
+            Step::Approve => {
+                let n = self.held.len() as u64;
+                for held in self.held.drain(..) {
+                    assert!(ctx.confirm(held), "its own incarnation's");
+                }
+                n
+            }
+            Step::Forget => {
+                self.held.clear();
+                0
+            }
+            Step::Count => {
+                assert!(ctx.confirm_later().is_none(), "a plain message has nothing to hold");
+                self.held.len() as u64
+            }
+            Step::Passivate => {
+                ctx.passivate();
+                0
+            }
+        }
+    }
+}
+
+async fn start_approvers(cluster: &VirtualCluster, log: &Log) -> Vec<ShardRegion<Approver>> {
+    let mut regions = Vec::new();
+    for i in 0..cluster.len() {
+        let (log, nodes) = (log.clone(), cluster.len());
+        let start = move |n: ddshard::Node| async move {
+            n.sharding()
+                .start("approver", move |_: &str| Approver { log: log.clone(), held: Vec::new() }, settings(nodes))
+                .await
+        };
+        regions.push(cluster.on_node(i, start).await.expect("runs").expect("the region starts"));
+    }
+    regions
+}
+
+/// Whether `c` is still unresolved after `wait`.
+async fn still_open(c: &mut Confirmation, wait: Duration) -> bool {
+    tokio::time::timeout(wait, c).await.is_err()
+}
+
+#[test]
+fn a_held_confirmation_is_given_only_by_a_later_handler_and_its_stream_waits_meanwhile() {
+    VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+        cluster.await_converged(Duration::from_secs(30)).await;
+        let log = Log::default();
+        let region = start_approvers(&cluster, &log).await.remove(0);
+        let (r, l) = (region.clone(), log.clone());
+        cluster
+            .on_node(0, move |_| async move {
+                let producer = r.producer("jobs", ProducerSettings::default()).await?;
+                let mut c: Vec<Confirmation> = Vec::new();
+                for v in 1..=3 {
+                    c.push(producer.send("e", Step::Job(v)).await?);
+                }
+                // Held past several delivery timeouts: the producer sends 1 again meanwhile,
+                // and the hold answers the newest copy.
+                assert!(still_open(&mut c[0], Duration::from_secs(30)).await, "held: not confirmed");
+                assert!(still_open(&mut c[1], Duration::ZERO).await);
+                // (An entity's first message is flagged: it went first as the probe that learns
+                // of the entity's incarnation.)
+                assert_eq!(l.lock().unwrap()["e"], [(1, true)], "2 waits for 1, and 1 is handled once");
+                assert_eq!(r.ask("e", Step::Count).await?, 1, "plain messages are handled meanwhile");
+                assert_eq!(r.ask("e", Step::Approve).await?, 1);
+                let mut c = c.into_iter();
+                c.next().unwrap().await?;
+                let mut second = c.next().unwrap();
+                let third = c.next().unwrap();
+                // 2 comes at once once 1 is confirmed, and is held in turn.
+                assert!(still_open(&mut second, Duration::from_secs(3)).await);
+                // 2 was sent before (and sent back, as 1 was held): flagged, though never handled.
+                assert_eq!(l.lock().unwrap()["e"], [(1, true), (2, true)]);
+                assert_eq!(r.ask("e", Step::Approve).await?, 1);
+                second.await?;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                assert_eq!(r.ask("e", Step::Approve).await?, 1);
+                third.await?;
+                let stats = producer.stats();
+                assert_eq!((stats.confirmed, stats.unconfirmed), (3, 0));
+                Ok::<_, Error>(())
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let values: Vec<u64> = log.lock().unwrap()["e"].iter().map(|(v, _)| *v).collect();
+        assert_eq!(values, [1, 2, 3], "each once, in order");
+    });
+}
+
+#[test]
+fn a_held_confirmation_dropped_or_ended_with_its_incarnation_delivers_the_message_again() {
+    VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+        cluster.await_converged(Duration::from_secs(30)).await;
+        let log = Log::default();
+        let region = start_approvers(&cluster, &log).await.remove(0);
+        let r = region.clone();
+        cluster
+            .on_node(0, move |_| async move {
+                let producer = r.producer("jobs", ProducerSettings::default()).await?;
+                let mut dropped = producer.send("dropped", Step::Job(1)).await?;
+                let mut passivated = producer.send("passivated", Step::Job(1)).await?;
+                assert!(still_open(&mut dropped, Duration::from_secs(2)).await);
+                assert!(still_open(&mut passivated, Duration::ZERO).await);
+                // Let go unconfirmed: handled again (a redelivery, which it does not hold).
+                r.ask("dropped", Step::Forget).await?;
+                dropped.await?;
+                r.ask("passivated", Step::Passivate).await?;
+                passivated.await?;
+                assert_eq!(producer.stats().confirmed, 2);
+                Ok::<_, Error>(())
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        let log = log.lock().unwrap();
+        let values = |id: &str| log[id].iter().map(|(v, _)| *v).collect::<Vec<_>>();
+        assert_eq!((values("dropped"), log["dropped"][1]), (vec![1, 1], (1, true)), "again, flagged");
+        assert_eq!((values("passivated"), log["passivated"][1]), (vec![1, 1], (1, true)));
+    });
+}
+
+/// A durable total whose jobs count once approved: a job's confirmation is held until then,
+/// and its value is added by the handler that confirms it.
+struct DurableApprover {
+    held: Vec<(u64, ddshard::sharding::DeferredConfirm)>,
+}
+
+impl DurableEntity for DurableApprover {
+    type Message = Step;
+    type Reply = u64;
+    type State = Total;
+    async fn handle(&mut self, state: &mut Total, step: Step, ctx: &mut EntityContext) -> u64 {
+        match step {
+            Step::Job(v) => self.held.push((v, ctx.confirm_later().expect("a reliable delivery"))),
+            Step::Approve => {
+                for (v, held) in self.held.drain(..) {
+                    state.0 += v;
+                    assert!(ctx.confirm(held));
+                }
+                // No `persist`: the confirm writes the state with it.
+            }
+            Step::Forget => self.held.clear(),
+            Step::Count => {}
+            Step::Passivate => ctx.passivate(),
+        }
+        state.0
+    }
+}
+
+#[test]
+fn a_durable_entity_writes_a_held_message_s_effect_with_its_confirmation_once_across_incarnations() {
+    VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+        cluster.await_converged(Duration::from_secs(30)).await;
+        let mut regions = Vec::new();
+        for i in 0..3 {
+            let start = move |n: ddshard::Node| async move {
+                n.sharding()
+                    .start_durable("approved", |_: &str| DurableApprover { held: Vec::new() }, settings(3))
+                    .await
+            };
+            regions.push(cluster.on_node(i, start).await.expect("runs").expect("the region starts"));
+        }
+        let region = regions.remove(0);
+        let r = region.clone();
+        let total = cluster
+            .on_node(0, move |_| async move {
+                let producer = r.producer("jobs", ProducerSettings::default()).await?;
+                let first = producer.send("t", Step::Job(5)).await?;
+                let mut second = producer.send("t", Step::Job(7)).await?;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                // The incarnation ends with 5 held: its next one gets 5 again and holds it.
+                r.ask("t", Step::Passivate).await?;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                assert_eq!(r.ask("t", Step::Count).await?, 0, "nothing counted before approval");
+                assert_eq!(r.ask("t", Step::Approve).await?, 5);
+                first.await?;
+                assert!(still_open(&mut second, Duration::from_secs(2)).await, "7 is held in turn");
+                assert_eq!(r.ask("t", Step::Approve).await?, 12);
+                second.await?;
+                // A new incarnation reads the total and the marks written with it: nothing
+                // comes again, nothing counts twice.
+                r.ask("t", Step::Passivate).await?;
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                let third = producer.send("t", Step::Job(1)).await?;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                assert_eq!(r.ask("t", Step::Approve).await?, 13);
+                third.await?;
+                assert_eq!(producer.stats().confirmed, 3);
+                r.ask("t", Step::Count).await
+            })
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(total, 13);
+    });
+}

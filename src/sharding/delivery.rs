@@ -26,6 +26,13 @@
 //! ([`ConsumerMarks::must_settle`]); otherwise the producer could give up a message whose effect
 //! a newer allocation of the shard then never reads.
 //!
+//! **Deferred confirms.** A handler may hold its delivery's confirmation back
+//! ([`ConsumerMarks::defer`]): the message then counts as taken by this incarnation only, and
+//! is stored as not taken. Until it is confirmed ([`ConsumerMarks::confirm`]), a later message
+//! of its stream is sent back ([`Admission::Held`]), so a confirmation never covers a held
+//! message; when the hold is let go unconfirmed ([`ConsumerMarks::abandon`], or the
+//! incarnation ends), the message is handled again, as a redelivery.
+//!
 //! # What is not promised
 //! An entity keeps the marks of at most [`MAX_PRODUCERS_PER_ENTITY`] producers; a further one
 //! replaces the producer heard from least recently, whose next delivery starts over as from a
@@ -78,6 +85,10 @@ pub(crate) enum DeliveryOutcome {
     /// Not handled: a newer incarnation of the producer (its queue claimed at `epoch`) sends
     /// to this entity; the sender must stop.
     Superseded { epoch: u64 },
+    /// Not handled (or handled, and its confirmation held): the entity took everything
+    /// before `pending` and holds `pending`'s confirmation back (a deferred confirm); its
+    /// outcome comes when the entity confirms it.
+    Pending { pending: u64, nonce: u64 },
 }
 
 /// What an entity does with a delivery ([`ConsumerMarks::admit`]).
@@ -94,6 +105,12 @@ pub(crate) enum Admission {
     Hello { nonce: u64 },
     /// From a producer incarnation older than one heard (claimed at `epoch`): refuse it.
     Superseded { epoch: u64 },
+    /// A later message of a stream whose message `pending` is held unconfirmed (a deferred
+    /// confirm): sent back, its producer waits for `pending`'s outcome.
+    Held { pending: u64 },
+    /// The held message `pending` sent again: the held confirmation (`token`) is answered to
+    /// this delivery from now on, and the delivery it was for is answered as pending.
+    Redirect { token: u64, pending: u64 },
 }
 
 impl Admission {
@@ -106,6 +123,9 @@ impl Admission {
             Admission::Gap { expected } => Some(DeliveryOutcome::Gap { expected, nonce }),
             Admission::Hello { nonce } => Some(DeliveryOutcome::Hello { nonce }),
             Admission::Superseded { epoch } => Some(DeliveryOutcome::Superseded { epoch }),
+            Admission::Held { pending } | Admission::Redirect { pending, .. } => {
+                Some(DeliveryOutcome::Pending { pending, nonce })
+            }
         }
     }
 }
@@ -127,6 +147,10 @@ struct Mark {
     /// The newest producer incarnation heard (its durable queue's claim; 0: none).
     #[serde(default)]
     epoch: u64,
+    /// A message handled whose confirmation is held back, and its hold's token: then
+    /// `expected` is that message (stored as not taken). Not stored.
+    #[serde(skip)]
+    pending: Option<(u64, u64)>,
 }
 
 /// An entity's marks: per producer, the stream it takes and the next number expected. Public
@@ -160,6 +184,7 @@ impl ConsumerMarks {
         self.settled = self.marks.is_empty();
         for m in &mut self.marks {
             m.greeted = 0;
+            m.pending = None;
         }
     }
 
@@ -176,6 +201,7 @@ impl ConsumerMarks {
             && match admission {
                 Admission::Duplicate => h.seq >= h.first_unconfirmed,
                 Admission::Gap { expected } => expected > h.first_unconfirmed,
+                Admission::Held { pending } | Admission::Redirect { pending, .. } => pending > h.first_unconfirmed,
                 Admission::Handle | Admission::Hello { .. } | Admission::Superseded { .. } => false,
             }
     }
@@ -227,7 +253,7 @@ impl ConsumerMarks {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
                 let (producer, stream, expected) = (h.producer.to_string(), h.stream, next(h.seq));
-                self.insert(Mark { producer, stream, expected, heard, greeted: nonce, epoch: h.epoch });
+                self.insert(Mark { producer, stream, expected, heard, greeted: nonce, epoch: h.epoch, pending: None });
             }
             return admission;
         };
@@ -240,6 +266,7 @@ impl ConsumerMarks {
                 mark.stream = h.stream;
                 mark.expected = next(h.seq);
                 mark.greeted = nonce;
+                mark.pending = None;
             }
             return admission;
         }
@@ -247,6 +274,18 @@ impl ConsumerMarks {
         // Everything before the producer's first unconfirmed message is confirmed: handled
         // here, or given up.
         mark.expected = mark.expected.max(h.first_unconfirmed);
+        if let Some((pending, token)) = mark.pending {
+            if mark.expected > pending {
+                // Its producer counts the held message confirmed (given up): nothing is held.
+                mark.pending = None;
+            } else {
+                return match h.seq.cmp(&pending) {
+                    std::cmp::Ordering::Less => Admission::Duplicate,
+                    std::cmp::Ordering::Equal => Admission::Redirect { token, pending },
+                    std::cmp::Ordering::Greater => Admission::Held { pending },
+                };
+            }
+        }
         match h.seq.cmp(&mark.expected) {
             std::cmp::Ordering::Less => Admission::Duplicate,
             std::cmp::Ordering::Equal => {
@@ -254,6 +293,43 @@ impl ConsumerMarks {
                 Admission::Handle
             }
             std::cmp::Ordering::Greater => Admission::Gap { expected: mark.expected },
+        }
+    }
+
+    /// The handler of message `seq` of `producer`'s stream `stream`, just admitted to be
+    /// handled, holds its confirmation back under `token`: the message counts as taken by this
+    /// incarnation only, and is stored as not taken. False when it is not the message the
+    /// stream just took (nothing is held then).
+    pub(crate) fn defer(&mut self, producer: &str, stream: u64, seq: u64, token: u64) -> bool {
+        let Some(mark) = self
+            .marks
+            .iter_mut()
+            .find(|m| m.producer == producer && m.stream == stream && m.pending.is_none() && m.expected == next(seq))
+        else {
+            return false;
+        };
+        mark.expected = seq;
+        mark.pending = Some((seq, token));
+        true
+    }
+
+    /// The confirmation held under `token` is given: its message counts as taken (stored so
+    /// by the next write), and the stream goes on. False when nothing is held under it any
+    /// more (its stream was replaced, or its producer counts it confirmed already).
+    pub(crate) fn confirm(&mut self, token: u64) -> bool {
+        let Some(mark) = self.marks.iter_mut().find(|m| m.pending.is_some_and(|(_, t)| t == token)) else {
+            return false;
+        };
+        let (seq, _) = mark.pending.take().expect("found by it");
+        mark.expected = mark.expected.max(next(seq));
+        true
+    }
+
+    /// The hold under `token` is let go unconfirmed: its message is handled again when sent
+    /// again.
+    pub(crate) fn abandon(&mut self, token: u64) {
+        if let Some(mark) = self.marks.iter_mut().find(|m| m.pending.is_some_and(|(_, t)| t == token)) {
+            mark.pending = None;
         }
     }
 
@@ -534,6 +610,97 @@ mod tests {
         assert_eq!(Duplicate.answer(N), Some(DeliveryOutcome::Confirmed { handled: false, nonce: N }));
         assert_eq!(Gap { expected: 4 }.answer(N), Some(DeliveryOutcome::Gap { expected: 4, nonce: N }));
         assert_eq!(Admission::Hello { nonce: 8 }.answer(N), Some(DeliveryOutcome::Hello { nonce: 8 }));
+    }
+
+    #[test]
+    fn a_held_message_holds_its_stream_back_until_its_confirmation_is_given() {
+        let mut marks = check(&[(h("p", 7, 1, 1), Handle), (h("p", 7, 2, 1), Handle)]);
+        assert!(marks.defer("p", 7, 2, 40));
+        // What follows is sent back: confirming it would confirm the held message too.
+        assert_eq!(marks.admit(&h("p", 7, 3, 1)), Admission::Held { pending: 2 });
+        assert_eq!(marks.admit(&h("p", 7, 9, 1)), Admission::Held { pending: 2 });
+        assert_eq!(marks.admit(&h("p", 7, 1, 1)), Duplicate, "taken before the held one");
+        // The held message sent again takes the held answer over; it is not handled again.
+        assert_eq!(marks.admit(&h("p", 7, 2, 1)), Admission::Redirect { token: 40, pending: 2 });
+        assert_eq!(marks.admit(&h("q", 1, 1, 1)), Handle, "other producers go on");
+        assert!(marks.confirm(40));
+        assert!(!marks.confirm(40), "given once");
+        assert_eq!(marks.admit(&h("p", 7, 2, 1)), Duplicate);
+        assert_eq!(marks.admit(&h("p", 7, 3, 1)), Handle);
+    }
+
+    #[test]
+    fn a_held_message_is_stored_as_not_taken_so_a_new_incarnation_handles_it_again() {
+        let mut marks = check(&[(h("p", 7, 1, 1), Handle), (h("p", 7, 2, 1), Handle)]);
+        assert!(marks.defer("p", 7, 2, 40));
+        let mut restarted: ConsumerMarks =
+            crate::transport::wire::decode(&crate::transport::wire::encode(&marks).unwrap()).unwrap();
+        restarted.begin_incarnation(99);
+        let again = DeliveryHeader { nonce: 99, redelivery: true, ..h("p", 7, 2, 1) };
+        assert_eq!(restarted.admit(&again), Handle, "handled again, as a redelivery");
+        assert!(!restarted.confirm(40), "the old incarnation's hold is not this one's");
+        assert_eq!(restarted.admit(&DeliveryHeader { seq: 3, ..again }), Handle);
+    }
+
+    #[test]
+    fn a_hold_let_go_unconfirmed_hands_its_message_to_the_handler_again() {
+        let mut marks = check(&[(h("p", 7, 1, 1), Handle)]);
+        assert!(marks.defer("p", 7, 1, 40));
+        marks.abandon(41);
+        assert_eq!(marks.admit(&h("p", 7, 2, 1)), Admission::Held { pending: 1 }, "another token lets nothing go");
+        marks.abandon(40);
+        assert_eq!(marks.admit(&h("p", 7, 2, 1)), Gap { expected: 1 });
+        assert_eq!(marks.admit(&h("p", 7, 1, 1)), Handle);
+        assert!(!marks.confirm(40), "nothing is held under it any more");
+        assert_eq!(marks.admit(&h("p", 7, 2, 1)), Handle);
+    }
+
+    #[test]
+    fn a_producer_that_counts_the_held_message_confirmed_ends_the_hold() {
+        let mut marks = check(&[(h("p", 7, 1, 1), Handle)]);
+        assert!(marks.defer("p", 7, 1, 40));
+        assert_eq!(marks.admit(&h("p", 7, 2, 2)), Handle, "1 was given up or confirmed");
+        assert!(!marks.confirm(40));
+        // A new stream of the producer ends the hold on its old one too.
+        assert!(marks.defer("p", 7, 2, 41));
+        assert_eq!(marks.admit(&h("p", 9, 1, 1)), Handle);
+        assert!(!marks.confirm(41));
+        assert_eq!(marks.admit(&h("p", 9, 2, 1)), Handle);
+    }
+
+    #[test]
+    fn only_the_message_a_stream_just_took_can_be_held_and_only_once() {
+        let mut marks = check(&[(h("p", 7, 1, 1), Handle), (h("p", 7, 2, 1), Handle)]);
+        assert!(!marks.defer("p", 7, 1, 40), "1 is not the one just taken");
+        assert!(!marks.defer("p", 7, 3, 40), "3 was not taken");
+        assert!(!marks.defer("p", 8, 2, 40), "another stream");
+        assert!(!marks.defer("q", 7, 2, 40), "another producer");
+        assert!(marks.defer("p", 7, 2, 40));
+        assert!(!marks.defer("p", 7, 2, 41), "held already");
+        assert_eq!(marks.admit(&h("p", 7, 3, 1)), Admission::Held { pending: 2 });
+    }
+
+    #[test]
+    fn a_pending_answer_confirms_only_what_comes_before_the_held_message() {
+        assert_eq!(Admission::Held { pending: 4 }.answer(N), Some(DeliveryOutcome::Pending { pending: 4, nonce: N }));
+        let redirect = Admission::Redirect { token: 9, pending: 4 };
+        assert_eq!(redirect.answer(N), Some(DeliveryOutcome::Pending { pending: 4, nonce: N }));
+        // On unsettled marks, it waits for them to settle when it confirms more than the
+        // producer counts confirmed.
+        let mut stored = check(&[(h("p", 1, 1, 1), Handle)]);
+        stored.begin_incarnation(N);
+        assert_eq!(stored.admit(&h("p", 1, 2, 1)), Handle);
+        assert!(stored.defer("p", 1, 2, 40));
+        assert!(stored.must_settle(&h("p", 1, 3, 1), Admission::Held { pending: 2 }));
+        assert!(!stored.must_settle(&h("p", 1, 3, 2), Admission::Held { pending: 2 }));
+        assert!(stored.must_settle(&h("p", 1, 2, 1), redirect_of(40, 2)));
+        assert!(!stored.must_settle(&h("p", 1, 2, 2), redirect_of(40, 2)));
+        stored.settle();
+        assert!(!stored.must_settle(&h("p", 1, 3, 1), Admission::Held { pending: 2 }));
+    }
+
+    fn redirect_of(token: u64, pending: u64) -> Admission {
+        Admission::Redirect { token, pending }
     }
 
     /// Simulation seed 200000001 of `reliable-durable` (see the module doc's "settled").

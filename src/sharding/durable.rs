@@ -201,6 +201,7 @@ impl<D: DurableEntity> Entity for Durable<D> {
         ctx.reply_gate = self.reply_gate.clone();
         let reply = self.entity.handle(&mut self.state, msg, ctx).await;
         self.reply_gate = ctx.reply_gate.take();
+        self.apply_confirms(ctx);
         let result = match ctx.state_change.take() {
             None => Ok(reply),
             Some(change) => self.write(change, ctx).await.map(|()| reply),
@@ -239,6 +240,7 @@ impl<D: DurableEntity> Entity for Durable<D> {
         }
         ctx.state_change = None;
         self.entity.on_stop(&mut self.state, reason, ctx).await;
+        self.apply_confirms(ctx);
         if let Some(change) = ctx.state_change.take()
             && let Err(e) = self.write(change, ctx).await
         {
@@ -248,6 +250,16 @@ impl<D: DurableEntity> Entity for Durable<D> {
 }
 
 impl<D: DurableEntity> Durable<D> {
+    /// Applies the handler's held confirmations to the marks; one it gave is written with
+    /// the state (as `persist` does, unless the handler deleted it), so its message's effect
+    /// is never applied again.
+    fn apply_confirms(&mut self, ctx: &mut EntityContext) {
+        let seq = ctx.delivery.as_ref().map(|d| d.seq);
+        if ctx.confirms.to_apply() && super::confirm::apply(&mut ctx.confirms, seq, &mut self.marks) {
+            ctx.state_change.get_or_insert(StateChange::Persist);
+        }
+    }
+
     /// Loads the stored state from this node's replica (see [`EntityContext`]'s shard claim).
     async fn load(&mut self, ctx: &EntityContext) {
         let Some(io) = &ctx.state_io else { return };

@@ -22,6 +22,7 @@
 pub mod allocation;
 mod attached;
 mod cluster_singleton;
+pub(crate) mod confirm;
 pub(crate) mod coordinator;
 mod counters;
 pub mod daemon;
@@ -52,6 +53,7 @@ pub use allocation::{
     RegionAllocation, ShardAllocationStrategy,
 };
 pub use cluster_singleton::ClusterSingleton;
+pub use confirm::DeferredConfirm;
 pub use counters::RegionCounters;
 pub use daemon::{DaemonContext, DaemonProcess, DaemonScale};
 pub use deferred::DeferredReply;
@@ -214,6 +216,8 @@ pub struct EntityContext {
     pub(crate) reply_gate: Option<std::sync::Arc<deferred::ReplyGate>>,
     /// While a reliable delivery is handled: which one.
     pub(crate) delivery: Option<DeliveryInfo>,
+    /// Held confirmations of reliable deliveries: the incarnation's, and the handler's doing.
+    pub(crate) confirms: confirm::HandlerConfirms,
 }
 
 /// A change of a durable entity's stored state, asked by its handler.
@@ -297,6 +301,30 @@ impl EntityContext {
         self.delivery.as_ref()
     }
 
+    /// Holds back the confirmation of the reliable delivery being handled: it is confirmed to
+    /// its producer when a later handler of this incarnation gives it
+    /// ([`EntityContext::confirm`]), once what the message asked for is done. `None` outside a
+    /// reliable delivery's handler, or when this handler holds one already.
+    ///
+    /// Until it is given, the later messages of its stream wait (other producers' messages and
+    /// plain messages do not). Dropped unconfirmed, or when the incarnation ends first
+    /// (passivation, hand-off, a crash), the message is delivered and handled again, with
+    /// [`DeliveryInfo::redelivery`] set: a durable entity keeps a held message's effect once
+    /// only when the confirming handler writes it.
+    pub fn confirm_later(&mut self) -> Option<DeferredConfirm> {
+        let info = self.delivery.as_ref()?;
+        self.confirms.defer(&self.entity_id, info)
+    }
+
+    /// Gives a confirmation held back by [`EntityContext::confirm_later`]: its producer hears
+    /// the message confirmed once this handler ended (a durable entity's: once its state
+    /// write, which a confirm makes as [`EntityContext::persist`] does, is acknowledged), and
+    /// the message's stream goes on. False when `confirm` is not of this entity incarnation
+    /// (it is let go: its message is delivered again).
+    pub fn confirm(&mut self, confirm: DeferredConfirm) -> bool {
+        self.confirms.confirm(confirm)
+    }
+
     /// A context for entity `entity_id` of `shard_id` at `epoch`.
     pub(crate) fn new(entity_id: String, shard_id: ShardId, epoch: u64, state_io: Option<shard::StateIo>) -> Self {
         EntityContext {
@@ -311,6 +339,7 @@ impl EntityContext {
             taken_reply: None,
             reply_gate: None,
             delivery: None,
+            confirms: confirm::HandlerConfirms::default(),
         }
     }
 }

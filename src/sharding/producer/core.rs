@@ -15,6 +15,10 @@
 //!   first two waits (its waiter is woken when room frees, oldest first), one past the byte
 //!   budget is refused at once.
 //!
+//! - **A held message holds its stream.** An entity may hold a message's confirmation back (a
+//!   deferred confirm, answered `Pending`): what follows it is sent again once it is
+//!   confirmed, and until then only it is (again, after a failure).
+//!
 //! A round is one pass over a stream's unconfirmed messages: outcomes of an older round still
 //! confirm what they confirm, but never start another round.
 //!
@@ -208,6 +212,7 @@ impl ProducerCore {
     }
 
     /// Durable: evicted streams whose entries are still being deleted.
+    #[cfg(any(test, feature = "testkit"))]
     pub(crate) fn evicted(&self) -> usize {
         self.evicted.len()
     }
@@ -330,6 +335,7 @@ impl ProducerCore {
             lane,
             modulus: self.limits.window.max(1) as u64,
             made: (self.epoch, self.streams_made),
+            held: None,
             undeleted: BTreeSet::new(),
             deleting: BTreeSet::new(),
             flush_at: None,
@@ -415,7 +421,10 @@ impl ProducerCore {
         let probe = usize::from(s.nonce == 0 && sent_upto < first_unconfirmed);
         let allowed = if s.nonce == 0 { probe } else { usize::MAX };
         // Durable: what is not stored yet waits (and what follows it, to keep the order).
-        for q in s.queue.iter_mut().filter(|q| q.seq > sent_upto).take_while(|q| q.stored).take(allowed) {
+        // Past a message the entity holds (a deferred confirm), nothing would be taken.
+        let held = s.held.unwrap_or(u64::MAX);
+        let sendable = s.queue.iter_mut().filter(|q| q.seq > sent_upto).take_while(|q| q.stored && q.seq <= held);
+        for q in sendable.take(allowed) {
             let header = DeliveryHeader {
                 producer: self.producer.clone(),
                 stream: s.id,
@@ -458,14 +467,33 @@ impl ProducerCore {
         match result {
             SendResult::Answered(DeliveryOutcome::Confirmed { nonce, .. }) => {
                 self.confirm_through(entity, seq, out);
+                let mut released = false;
                 if let Some(s) = self.streams.get_mut(entity) {
                     s.backoff = self.limits.resend_backoff_min;
+                    // The held message is confirmed: what it held back (answered pending,
+                    // not handled) goes again, at once.
+                    released = s.held.take_if(|held| *held <= seq).is_some();
+                }
+                if released {
+                    self.new_round(entity, out);
+                }
+                self.learn_nonce(entity, nonce, out);
+            }
+            SendResult::Answered(DeliveryOutcome::Pending { pending, nonce }) => {
+                // The entity took everything before `pending` and holds `pending`'s
+                // confirmation back (a deferred confirm): its outcome comes when the entity
+                // gives it; until then only `pending` is sent (again).
+                self.confirm_through(entity, pending.min(seq).saturating_sub(1), out);
+                if let Some(s) = self.streams.get_mut(entity).filter(|s| s.first_unconfirmed() == pending) {
+                    s.held = Some(pending);
                 }
                 self.learn_nonce(entity, nonce, out);
             }
             SendResult::Answered(DeliveryOutcome::Gap { expected, nonce }) => {
-                // The entity took everything before `expected` (never more than was sent).
+                // The entity took everything before `expected` (never more than was sent),
+                // and holds nothing back.
                 self.confirm_through(entity, expected.min(seq).saturating_sub(1), out);
+                self.streams.get_mut(entity).expect("seen above").held = None;
                 if current && !backing_off {
                     self.new_round(entity, out);
                 }
@@ -476,7 +504,8 @@ impl ProducerCore {
                 // again, introduced. Once per round: the other hellos of the round are then of
                 // an older one (and may carry an older incarnation's nonce).
                 if current {
-                    self.streams.get_mut(entity).expect("seen above").nonce = nonce;
+                    let s = self.streams.get_mut(entity).expect("seen above");
+                    (s.nonce, s.held) = (nonce, None);
                     if !backing_off {
                         self.new_round(entity, out);
                     }
@@ -484,6 +513,7 @@ impl ProducerCore {
             }
             SendResult::Answered(DeliveryOutcome::Panicked { reason }) => {
                 self.confirm_through(entity, seq.saturating_sub(1), out);
+                self.streams.get_mut(entity).expect("seen above").held = None;
                 if self.count_panic(entity, seq, reason, out) {
                     self.new_round(entity, out);
                 } else if current {

@@ -37,9 +37,10 @@ use super::core::StopReason;
 use crate::clock::Instant;
 use crate::error::Result;
 use crate::log_limit::LogLimiter;
+use crate::sharding::confirm::{self, HandlerConfirms, Holds};
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::delivery::{Admission, ConsumerMarks, DeliveryHeader, DeliveryInfo, DeliveryOutcome};
-use crate::sharding::envelope::{DeliveryReply, Envelope, Replier, ReplyTo, RoutedInFlight, not_delivered};
+use crate::sharding::envelope::{DeliveryReply, Envelope, OutcomeTo, Replier, ReplyTo, RoutedInFlight, not_delivered};
 use crate::sharding::{EndIncarnation, Entity, EntityContext};
 
 /// Creates the entity of an id.
@@ -71,9 +72,30 @@ struct MailboxInner<E: Entity> {
     phase: Phase<E>,
     /// The running task while it lingers on an empty queue: the next push wakes it.
     waiter: Option<Waker>,
-    /// A plain entity's marks of reliable deliveries, for the life of its incarnation (a
-    /// durable entity keeps its own, stored with its state); made by its first delivery.
-    marks: Option<Box<ConsumerMarks>>,
+    /// Reliable deliveries' state for the life of the incarnation; made by its first delivery
+    /// (one pointer for an entity that never had one).
+    deliveries: Option<Box<Deliveries>>,
+}
+
+/// What an incarnation keeps of reliable deliveries besides its entity.
+#[derive(Default)]
+struct Deliveries {
+    /// A plain entity's marks (a durable entity keeps its own, stored with its state).
+    marks: Option<ConsumerMarks>,
+    /// Its held confirmations, once it held one.
+    holds: Option<Arc<Holds>>,
+}
+
+impl<E: Entity> MailboxInner<E> {
+    /// The incarnation's held confirmations, if it held one.
+    fn holds(&self) -> Option<Arc<Holds>> {
+        self.deliveries.as_ref().and_then(|d| d.holds.clone())
+    }
+
+    /// Ends the incarnation's holds: returns them, to be ended outside the lock.
+    fn take_holds(&mut self) -> Option<Arc<Holds>> {
+        self.deliveries.as_mut().and_then(|d| d.holds.take())
+    }
 }
 
 impl<E: Entity> MailboxInner<E> {
@@ -105,24 +127,32 @@ pub(crate) enum Pushed<E: Entity> {
 pub(crate) struct Scheduled<E> {
     entity: Option<E>,
     abort: AbortRegistration,
+    /// The incarnation's held confirmations, if it held one.
+    holds: Option<Arc<Holds>>,
 }
 
 /// Marks `phase` running and returns what the new run owns, with the entity it took out.
-fn start_run<E>(phase: &mut Phase<E>) -> Option<Scheduled<E>> {
-    if !matches!(phase, Phase::New | Phase::Parked(_)) {
+fn start_run<E: Entity>(m: &mut MailboxInner<E>) -> Option<Scheduled<E>> {
+    if !matches!(m.phase, Phase::New | Phase::Parked(_)) {
         return None;
     }
     let (handle, abort) = AbortHandle::new_pair();
-    match std::mem::replace(phase, Phase::Running(handle)) {
-        Phase::Parked(e) => Some(Scheduled { entity: Some(e), abort }),
-        _ => Some(Scheduled { entity: None, abort }),
+    let holds = m.holds();
+    match std::mem::replace(&mut m.phase, Phase::Running(handle)) {
+        Phase::Parked(e) => Some(Scheduled { entity: Some(e), abort, holds }),
+        _ => Some(Scheduled { entity: None, abort, holds }),
     }
 }
 
 impl<E: Entity> Mailbox<E> {
     pub(crate) fn new() -> Self {
         Mailbox {
-            inner: Mutex::new(MailboxInner { queue: VecDeque::new(), phase: Phase::New, waiter: None, marks: None }),
+            inner: Mutex::new(MailboxInner {
+                queue: VecDeque::new(),
+                phase: Phase::New,
+                waiter: None,
+                deliveries: None,
+            }),
         }
     }
 
@@ -140,7 +170,7 @@ impl<E: Entity> Mailbox<E> {
             EntityCmd::Stop(_) if matches!(m.phase, Phase::Ended) => return Pushed::Queued,
             cmd => m.queue.push_back(cmd),
         }
-        match start_run(&mut m.phase) {
+        match start_run(&mut m) {
             Some(scheduled) => Pushed::Schedule(scheduled),
             None => {
                 let waiter = m.waiter.take();
@@ -153,11 +183,30 @@ impl<E: Entity> Mailbox<E> {
         }
     }
 
-    /// What a plain entity does with a reliable delivery, by the marks of its incarnation.
+    /// What a plain entity does with a reliable delivery, by the marks of its incarnation
+    /// (which first let go the holds let go since).
     fn admit(&self, header: &DeliveryHeader) -> (Admission, u64) {
         let mut m = self.lock();
-        let marks = m.marks.get_or_insert_with(|| Box::new(ConsumerMarks::new(rand::random())));
+        let d = m.deliveries.get_or_insert_with(Box::default);
+        let marks = d.marks.get_or_insert_with(|| ConsumerMarks::new(rand::random()));
+        if let Some(holds) = &d.holds {
+            confirm::forget_let_go(holds, marks);
+        }
         (marks.admit(header), marks.nonce())
+    }
+
+    /// Keeps the holds a handler made for the incarnation, and applies what a plain entity's
+    /// handler did with holds to its marks (a durable entity's applied them before its write).
+    fn apply_confirms(&self, confirms: &mut HandlerConfirms, seq: Option<u64>, plain: bool) {
+        let mut m = self.lock();
+        let d = m.deliveries.get_or_insert_with(Box::default);
+        if d.holds.is_none() {
+            d.holds.clone_from(&confirms.holds);
+        }
+        if plain && confirms.to_apply() {
+            let marks = d.marks.get_or_insert_with(|| ConsumerMarks::new(rand::random()));
+            confirm::apply(confirms, seq, marks);
+        }
     }
 
     /// Schedules the first run of a new incarnation (its start hook runs without waiting for a
@@ -167,23 +216,26 @@ impl<E: Entity> Mailbox<E> {
         if !matches!(m.phase, Phase::New) {
             return None;
         }
-        start_run(&mut m.phase)
+        start_run(&mut m)
     }
 
     /// Ends the mailbox at once (hand-off timeout, shard stop): the parked entity, if any, is
     /// dropped here; a running task is aborted and drops its own at its next await. Returns
     /// the messages still queued.
     pub(crate) fn end(&self) -> Vec<Envelope<E>> {
-        let (previous, queued) = {
+        let (previous, queued, holds) = {
             let mut m = self.lock();
             let previous = std::mem::replace(&mut m.phase, Phase::Ended);
-            (previous, std::mem::take(&mut m.queue))
+            (previous, std::mem::take(&mut m.queue), m.take_holds())
         };
         // Outside the lock: an entity's Drop is user code.
         if let Phase::Running(task) = &previous {
             task.abort();
         }
         drop(previous);
+        if let Some(holds) = holds {
+            holds.end();
+        }
         messages(queued)
     }
 
@@ -268,6 +320,11 @@ impl<E: Entity> Mailbox<E> {
         let mut leftovers = messages(std::mem::take(&mut m.queue));
         for env in &mut leftovers {
             env.back_on_routed_path(gate);
+        }
+        let holds = m.take_holds();
+        drop(m);
+        if let Some(holds) = holds {
+            holds.end();
         }
         leftovers
     }
@@ -384,6 +441,9 @@ impl<E: Entity> EntityRun<E> {
     fn admit(&mut self, running: &mut E, d: Box<DeliveryReply>) -> Admitted {
         let (admission, nonce, settle) = match running.delivery_marks() {
             Some(marks) => {
+                if let Some(holds) = &self.ctx.confirms.holds {
+                    confirm::forget_let_go(holds, marks);
+                }
                 let admission = marks.admit(&d.header);
                 (admission, marks.nonce(), marks.must_settle(&d.header, admission))
             }
@@ -396,19 +456,27 @@ impl<E: Entity> EntityRun<E> {
         let cell = match admission {
             Admission::Handle => &counters.deliveries_handled,
             Admission::Duplicate => &counters.deliveries_duplicate,
-            Admission::Gap { .. } | Admission::Hello { .. } | Admission::Superseded { .. } => {
-                &counters.deliveries_sent_back
-            }
+            Admission::Gap { .. }
+            | Admission::Hello { .. }
+            | Admission::Superseded { .. }
+            | Admission::Held { .. }
+            | Admission::Redirect { .. } => &counters.deliveries_sent_back,
         };
         cell.fetch_add(1, Ordering::Relaxed);
         match admission.answer(nonce) {
             None => {
                 self.ctx.delivery = Some(DeliveryInfo::of(&d.header));
+                self.ctx.confirms.stream = Some((d.header.producer.clone(), d.header.stream));
                 Admitted::Handle(d, nonce)
             }
             Some(outcome) if settle => Admitted::Settle(d, outcome),
             Some(outcome) => {
-                self.shared.replier.outcome(d.to, Ok(outcome));
+                let to = match (admission, &self.ctx.confirms.holds) {
+                    // The held message sent again: its answer goes to this delivery now.
+                    (Admission::Redirect { token, .. }, Some(holds)) => holds.redirect(token, d.to),
+                    _ => d.to,
+                };
+                self.shared.replier.outcome(to, Ok(outcome));
                 Admitted::Answered
             }
         }
@@ -421,6 +489,49 @@ impl<E: Entity> EntityRun<E> {
         let settled = running.settle_marks(&mut self.ctx).await;
         self.shared.replier.outcome(d.to, settled.map(|()| outcome));
         self.goes_on(entity)
+    }
+
+    /// Answers a handled delivery: confirmed, why its write failed, or nothing yet when the
+    /// handler held its confirmation back.
+    fn answer_delivery(&mut self, to: OutcomeTo, nonce: u64, result: &Result<E::Reply>) {
+        let held = self.ctx.confirms.applied.as_mut().and_then(|a| a.held.take());
+        let holds = self.ctx.confirms.holds.clone();
+        let outcome = match result {
+            Ok(_) => Ok(DeliveryOutcome::Confirmed { handled: true, nonce }),
+            Err(e) => Err(not_delivered(&self.ctx.entity_id, e.to_string())),
+        };
+        match (held, holds) {
+            (Some(token), Some(holds)) if result.is_ok() => {
+                if let Some(to) = holds.place(token, to) {
+                    let reason = "its deferred confirm was dropped";
+                    self.shared.replier.outcome(to, Err(not_delivered(&self.ctx.entity_id, reason)));
+                }
+            }
+            (held, holds) => {
+                if let (Some(token), Some(holds)) = (held, holds) {
+                    holds.forget(token);
+                }
+                self.shared.replier.outcome(to, outcome);
+            }
+        }
+    }
+
+    /// Answers the confirmations the handler gave (after its write, for a durable entity),
+    /// and ends the handler's part in held confirmations.
+    fn answer_confirms(&mut self, entity_id: &str) {
+        let applied = self.ctx.confirms.applied.take();
+        if let (Some(applied), Some(holds)) = (applied, &self.ctx.confirms.holds) {
+            holds.kept_by(&self.shared.replier);
+            let failed = self.ctx.end.is_some();
+            for token in applied.confirmed {
+                let outcome = match failed {
+                    false => Ok(DeliveryOutcome::Confirmed { handled: true, nonce: applied.nonce }),
+                    true => Err(not_delivered(entity_id, "the write that confirmed it failed")),
+                };
+                holds.answer(token, outcome);
+            }
+        }
+        self.ctx.confirms.clear();
     }
 
     fn respond(&self, reply: Option<ReplyTo<E>>, result: Result<Option<E::Reply>>) {
@@ -509,8 +620,9 @@ impl<E: Entity> EntityRun<E> {
 
     /// Runs the entity until its queue is empty or it ends; ends early, dropping the entity,
     /// when its mailbox is ended meanwhile.
-    pub(crate) async fn run(self, scheduled: Scheduled<E>) {
-        let Scheduled { entity, abort } = scheduled;
+    pub(crate) async fn run(mut self, scheduled: Scheduled<E>) {
+        let Scheduled { entity, abort, holds } = scheduled;
+        self.ctx.confirms.holds = holds;
         let _ = Abortable::new(self.run_until_parked(entity), abort).await;
     }
 
@@ -576,17 +688,24 @@ impl<E: Entity> EntityRun<E> {
         let outcome =
             AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind().instrument(span.clone()).await;
         self.shared.metrics.handled(started);
+        // A durable entity applied its handler's holds before its write.
+        if outcome.is_ok() && (self.ctx.confirms.to_apply() || self.ctx.confirms.applied.is_some()) {
+            let seq = self.ctx.delivery.as_ref().map(|d| d.seq);
+            let plain = running.delivery_marks().is_none();
+            self.mailbox.apply_confirms(&mut self.ctx.confirms, seq, plain);
+        }
         self.ctx.delivery = None;
         let taken = self.after_handler(&outcome);
         match outcome {
-            Ok(result) => match delivery {
-                Some((d, nonce)) => self
-                    .shared
-                    .replier
-                    .outcome(d.to, result.map(|_| DeliveryOutcome::Confirmed { handled: true, nonce })),
-                None => self.answer(taken, reply, result.map(Some)),
-            },
+            Ok(result) => {
+                match delivery {
+                    Some((d, nonce)) => self.answer_delivery(d.to, nonce, &result),
+                    None => self.answer(taken, reply, result.map(Some)),
+                }
+                self.answer_confirms(&id);
+            }
             Err(panic) => {
+                self.ctx.confirms.clear();
                 self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
                 let what = panic_text(&*panic);
                 drop(entity.take());

@@ -46,6 +46,9 @@ pub(super) struct Stream {
     pub(super) lane: u32,
     pub(super) modulus: u64,
     pub(super) made: (u64, u64),
+    /// The message whose confirmation its entity holds back (a deferred confirm): nothing
+    /// after it is sent until it is confirmed.
+    pub(super) held: Option<u64>,
     /// Durable: confirmed (or given up) messages whose entries may still be stored: deleted at
     /// once, and until a majority acknowledged it (or a later message at the same place
     /// overwrote it) kept here, tried again when the stream is idle or evicted.

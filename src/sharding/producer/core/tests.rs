@@ -710,3 +710,61 @@ fn a_wake_lost_by_a_stream_left_with_nothing_lets_it_idle_and_one_with_messages_
     let out = r.run(ProducerInput::WakeLost { entity: Some("a".into()) });
     assert!(out.iter().any(|x| matches!(x, ProducerAction::Wake { entity: None, .. })), "{out:?}");
 }
+
+fn pending(pending: u64) -> SendResult {
+    SendResult::Answered(DeliveryOutcome::Pending { pending, nonce: 9 })
+}
+
+#[test]
+fn a_message_its_entity_holds_back_holds_its_stream_until_confirmed_then_the_rest_goes_at_once() {
+    let mut r = Rig::new();
+    r.introduce("e", S, "a");
+    r.offer("e", "b");
+    r.offer("e", "c");
+    // 1 is taken, 2 held (a deferred confirm), 3 sent back as pending.
+    assert_eq!(confirms(&r.answer("e", S, 2, 3, pending(2))), vec![1], "everything before the held one");
+    assert_eq!(r.core.unconfirmed(), 2);
+    // A failure of the held message sends it alone again (what follows would only come back).
+    assert!(sends(&r.answer("e", S, 2, 2, failed())).is_empty(), "after the backoff");
+    assert_eq!(sends(&r.later(Duration::from_millis(100))), vec![(2, 3, 2, true)]);
+    assert!(sends(&r.answer("e", S, 3, 2, pending(2))).is_empty(), "still held: nothing else goes");
+    // Confirmed: what it held back goes again at once.
+    let out = r.answer("e", S, 3, 2, confirmed(true));
+    assert_eq!(confirms(&out), vec![2]);
+    assert_eq!(sends(&out), vec![(3, 4, 3, true)]);
+    assert_eq!(sends(&r.offer("e", "d")), vec![(4, 4, 3, false)], "the stream flows again");
+}
+
+#[test]
+fn a_pending_answer_for_a_message_already_confirmed_holds_nothing() {
+    let mut r = Rig::new();
+    r.introduce("e", S, "a");
+    r.offer("e", "b");
+    assert_eq!(confirms(&r.answer("e", S, 2, 2, confirmed(true))), vec![1, 2]);
+    r.offer("e", "c");
+    // A late pending answer about 2 (its hold was redirected) must not stop 3.
+    assert!(confirms(&r.answer("e", S, 2, 2, pending(2))).is_empty());
+    assert_eq!(sends(&r.offer("e", "d")), vec![(4, 2, 3, false)], "not held");
+}
+
+#[test]
+fn a_new_incarnation_a_gap_or_a_panic_ends_a_hold() {
+    // Each of these answers says the entity holds nothing back any more: the next round
+    // sends everything unconfirmed, not the held message alone.
+    let ends: [(u64, SendResult); 3] = [
+        (1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 10 })),
+        (2, SendResult::Answered(DeliveryOutcome::Gap { expected: 2, nonce: 9 })),
+        (2, SendResult::Answered(DeliveryOutcome::Panicked { reason: "boom".into() })),
+    ];
+    for (seq, end) in ends {
+        let mut r = Rig::new();
+        r.introduce("e", S, "a");
+        r.offer("e", "b");
+        r.offer("e", "c");
+        r.answer("e", S, 2, 3, pending(2));
+        let mut out = r.answer("e", S, 2, seq, end.clone());
+        out.extend(r.later(Duration::from_millis(100)));
+        let sent: Vec<u64> = sends(&out).iter().map(|s| s.0).collect();
+        assert_eq!(sent, vec![2, 3], "after {end:?}");
+    }
+}
