@@ -669,11 +669,27 @@ fn heartbeat_frames_per_node_stay_flat_as_the_simulated_cluster_grows_to_100_nod
 #[test]
 fn reliable_delivery_under_random_faults_loses_no_stored_message_and_confirms_nothing_unhandled() {
     let seeds: u64 = std::env::var("DDSHARD_SIM_RELIABLE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
-    for name in ["reliable", "reliable-durable", "reliable-durable-tight", "reliable-seven-nodes-message-path-lossy"] {
+    let shapes = [
+        "reliable",
+        "reliable-durable",
+        "reliable-durable-tight",
+        "reliable-seven-nodes-message-path-lossy",
+        "reliable-deferred",
+        "reliable-durable-deferred",
+    ];
+    for name in shapes {
         let cfg = shape(name);
         let cfg = SimConfig { trace: false, ..cfg };
         let started = std::time::Instant::now();
         let (reports, failed) = run_seeds(seeds, &cfg);
+        if cfg.deferred_confirms {
+            let given: usize = reports.iter().map(|r| r.holds_given).sum();
+            let let_go: usize = reports.iter().map(|r| r.holds_let_go).sum();
+            assert!(
+                given > seeds as usize * 10 && let_go > seeds as usize,
+                "{name}: holds {given} given, {let_go} let go"
+            );
+        }
         let stored: usize = reports.iter().map(|r| r.deliveries_stored).sum();
         let ended: usize = reports.iter().map(|r| r.deliveries_ended_with_producer).sum();
         println!(

@@ -292,3 +292,78 @@ pub(crate) fn forget_let_go(holds: &Holds, marks: &mut ConsumerMarks) {
         marks.abandon(token);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(seq: u64) -> DeliveryInfo {
+        DeliveryInfo { producer_id: "p".into(), seq, redelivery: false }
+    }
+
+    /// A handler's part while it handles message `seq` of stream 7 from producer `p`.
+    fn handling(confirms: &mut HandlerConfirms, seq: u64) -> Option<DeferredConfirm> {
+        confirms.clear();
+        confirms.stream = Some(("p".into(), 7));
+        confirms.defer("e", &info(seq))
+    }
+
+    #[test]
+    fn a_handler_holds_its_own_delivery_once_and_nothing_outside_a_delivery() {
+        let mut confirms = HandlerConfirms::default();
+        assert!(confirms.defer("e", &info(1)).is_none(), "no delivery is being handled");
+        let held = handling(&mut confirms, 1).expect("a delivery's handler holds it");
+        assert!(confirms.defer("e", &info(1)).is_none(), "once per handler");
+        assert_eq!(held.delivery().seq, 1);
+        assert!(confirms.to_apply());
+    }
+
+    #[test]
+    fn a_confirmation_is_given_only_to_its_own_incarnation_and_a_copy_of_the_context_gives_none() {
+        let (mut mine, mut other) = (HandlerConfirms::default(), HandlerConfirms::default());
+        let held = handling(&mut mine, 1).unwrap();
+        let foreign = handling(&mut other, 1).unwrap();
+        mine.clear();
+        assert!(!mine.confirm(foreign), "another incarnation's: let go");
+        assert_eq!(other.holds.as_ref().unwrap().take_let_go(), [1], "dropped unconfirmed, it is let go");
+        let mut copy = mine.clone();
+        assert!(copy.holds.is_none() && copy.stream.is_none(), "a copy holds nothing");
+        assert!(!copy.confirm(handling(&mut other, 2).unwrap()), "and gives nothing");
+        assert!(mine.confirm(held));
+        assert_eq!(mine.confirming, vec![1]);
+        assert!(mine.holds.as_ref().unwrap().take_let_go().is_empty(), "given: nothing let go");
+    }
+
+    #[test]
+    fn applying_holds_rewinds_the_held_message_and_a_confirmation_moves_the_marks_on() {
+        use crate::sharding::delivery::{Admission, DeliveryHeader};
+        let h = |seq| DeliveryHeader {
+            producer: "p".into(),
+            stream: 7,
+            seq,
+            first_unconfirmed: 1,
+            redelivery: false,
+            nonce: 3,
+            epoch: 0,
+        };
+        let mut marks = ConsumerMarks::new(3);
+        let mut confirms = HandlerConfirms::default();
+        assert_eq!(marks.admit(&h(1)), Admission::Handle);
+        let held = handling(&mut confirms, 1).unwrap();
+        assert!(!apply(&mut confirms, Some(1), &mut marks), "holding moves nothing on");
+        assert_eq!(confirms.applied.as_ref().map(|a| (a.held, a.nonce)), Some((Some(1), 3)));
+        assert_eq!(marks.admit(&h(2)), Admission::Held { pending: 1 });
+        confirms.clear();
+        assert!(confirms.confirm(held));
+        assert!(apply(&mut confirms, None, &mut marks), "a confirmation moves the marks on");
+        assert_eq!(confirms.applied.as_ref().map(|a| a.confirmed.clone()), Some(vec![1]));
+        assert_eq!(marks.admit(&h(2)), Admission::Handle);
+        // A hold dropped is let go in the marks before the next admission.
+        confirms.clear();
+        let dropped = handling(&mut confirms, 2).unwrap();
+        apply(&mut confirms, Some(2), &mut marks);
+        drop(dropped);
+        forget_let_go(confirms.holds.as_ref().unwrap(), &mut marks);
+        assert_eq!(marks.admit(&h(2)), Admission::Handle, "handled again");
+    }
+}

@@ -4,7 +4,10 @@
 //! a plain entity keeps them for its incarnation and answers once it handled the message; a
 //! durable entity keeps them in its stored state, writes them with the counter the message
 //! increments, and answers once that write is acknowledged. What it does not handle it
-//! answers at once ([`crate::sharding::delivery::Admission::answer`]).
+//! answers at once ([`crate::sharding::delivery::Admission::answer`]). With deferred confirms,
+//! an entity holds some confirmations back ([`ConsumerMarks::defer`]) and gives or lets go of
+//! each later, as a handler holding a `DeferredConfirm` does; a durable entity writes the
+//! message's effect with its confirmation.
 //!
 //! **Checked**, on every seed:
 //! - **nothing confirmed unhandled**: a message its producer counts confirmed was handled (a
@@ -107,6 +110,14 @@ impl DeliveryLedger {
         ))
     }
 
+    /// Incarnation `at` let go the hold of message `seq` unconfirmed: it handles `seq` again
+    /// next (not a step back).
+    fn let_go(&mut self, at: IncarnationStream, seq: u64) {
+        if let Some(last) = self.last.get_mut(&at).filter(|last| **last == seq) {
+            *last = seq - 1;
+        }
+    }
+
     /// A durable entity's write carrying `marks` was acknowledged; `handled`: the message
     /// whose effect it wrote, by incarnation `at`. Violations: an effect written again after
     /// an acknowledged value carried it, or out of order in the incarnation.
@@ -150,6 +161,14 @@ impl DeliveryLedger {
     }
 }
 
+/// A confirmation held back: by which incarnation, where its answer goes (the newest copy of
+/// the message), and which message it is (producer, stream, seq).
+pub(super) struct Held {
+    pub incarnation: u64,
+    pub flight: u64,
+    pub delivery: (String, u64, u64),
+}
+
 /// What a durable entity does with a delivery ([`Sim::admit_durable`]).
 pub(super) enum DurableAdmission {
     /// Handle it: the message's (producer, stream, seq).
@@ -158,6 +177,9 @@ pub(super) enum DurableAdmission {
     Answer(DeliveryOutcome),
     /// Write the marks back, then answer.
     Settle(DeliveryOutcome),
+    /// The held message sent again: the hold `u64` answers it from now on; the copy it
+    /// answered before gets the outcome.
+    Redirect(u64, DeliveryOutcome),
 }
 
 impl Sim {
@@ -185,13 +207,123 @@ impl Sim {
         };
         let admission = marks.admit(&header);
         let nonce = marks.nonce();
-        if admission == Admission::Handle {
-            let at = (entity_id.to_string(), me.clone(), incarnation, header.producer.to_string(), header.stream);
-            let v = self.delivery_ledger.handled(at, header.seq);
-            self.violations_at_now(v);
+        let (producer, stream, seq) = (header.producer.to_string(), header.stream, header.seq);
+        let mut to = flight;
+        match admission {
+            Admission::Handle => {
+                let at = (entity_id.to_string(), me.clone(), incarnation, producer.clone(), stream);
+                let v = self.delivery_ledger.handled(at, seq);
+                self.violations_at_now(v);
+                if let Some(token) = self.hold_back(i, entity_id, &(producer.clone(), stream, seq)) {
+                    self.keep_hold(
+                        i,
+                        entity_id,
+                        token,
+                        Held { incarnation, flight, delivery: (producer, stream, seq) },
+                    );
+                    return;
+                }
+            }
+            Admission::Redirect { token, .. } => to = self.redirect_hold(i, entity_id, token, flight),
+            _ => {}
         }
         let outcome = admission.answer(nonce).unwrap_or(DeliveryOutcome::Confirmed { handled: true, nonce });
-        self.answer_delivery(&me, flight, SendResult::Answered(outcome));
+        self.answer_delivery(&me, to, SendResult::Answered(outcome));
+    }
+
+    /// Whether the handler of `delivery`, just admitted on node `i`, holds its confirmation
+    /// back (one in five, with deferred confirms): the hold's token, the marks holding it.
+    pub(super) fn hold_back(&mut self, i: usize, entity_id: &str, delivery: &(String, u64, u64)) -> Option<u64> {
+        if !self.cfg.deferred_confirms || self.rng.random_range(0..5) != 0 {
+            return None;
+        }
+        let durable = self.cfg.durable;
+        let node = self.nodes[i].as_mut()?;
+        node.next_hold += 1;
+        let token = node.next_hold;
+        let marks = match durable {
+            true => &mut node.states.get_mut(entity_id)?.marks,
+            false => &mut node.plain_marks.get_mut(entity_id)?.1,
+        };
+        let (producer, stream, seq) = delivery;
+        marks.defer(producer, *stream, *seq, token).then_some(token)
+    }
+
+    /// Keeps a hold on node `i` and schedules its end: given (four in five) or let go, 0.1–3 s
+    /// later.
+    pub(super) fn keep_hold(&mut self, i: usize, entity_id: &str, token: u64, held: Held) {
+        let (delay, give) = (self.rng.random_range(100..3000), self.rng.random_range(0..5) != 0);
+        let Some(node) = self.nodes[i].as_mut() else { return };
+        let (me, incarnation) = (node.addr.clone(), held.incarnation);
+        node.held.insert((entity_id.to_string(), token), held);
+        let entity_id = entity_id.to_string();
+        self.schedule(delay, Event::HoldEnds { node: me, entity_id, incarnation, token, give });
+    }
+
+    /// The held message came again as `flight`: the hold answers it from now on; returns the
+    /// flight to answer as pending (the one it answered before, or `flight` with no hold).
+    pub(super) fn redirect_hold(&mut self, i: usize, entity_id: &str, token: u64, flight: u64) -> u64 {
+        let held = self.nodes[i].as_mut().and_then(|n| n.held.get_mut(&(entity_id.to_string(), token)));
+        held.map_or(flight, |h| std::mem::replace(&mut h.flight, flight))
+    }
+
+    /// A hold ends: given, the message is confirmed (a durable entity writes its effect with
+    /// the confirmation first); let go, it is handled again when it comes again.
+    pub(super) fn on_hold_ends(
+        &mut self,
+        node: UniqueAddress,
+        entity_id: String,
+        incarnation: u64,
+        token: u64,
+        give: bool,
+    ) {
+        let Some(i) = self.slot_of(&node) else { return };
+        let Some(n) = self.nodes[i].as_mut() else { return };
+        let key = (entity_id.clone(), token);
+        if n.held.get(&key).is_none_or(|h| h.incarnation != incarnation) {
+            return;
+        }
+        match give {
+            true => self.report.holds_given += 1,
+            false => self.report.holds_let_go += 1,
+        }
+        if self.cfg.durable {
+            if let Some(a) = n.states.get_mut(&entity_id) {
+                a.confirms.push_back((token, give));
+                self.pump(i, &entity_id);
+            }
+            return;
+        }
+        let Some((_, marks)) = n.plain_marks.get_mut(&entity_id).filter(|(inc, _)| *inc == incarnation) else { return };
+        let held = n.held.remove(&key).expect("seen above");
+        let result = if give {
+            marks.confirm(token);
+            SendResult::Answered(DeliveryOutcome::Confirmed { handled: true, nonce: marks.nonce() })
+        } else {
+            marks.abandon(token);
+            let (producer, stream, seq) = held.delivery;
+            self.delivery_ledger.let_go((entity_id, node.clone(), incarnation, producer, stream), seq);
+            SendResult::Failed("its deferred confirm was dropped".into())
+        };
+        self.answer_delivery(&node, held.flight, result);
+    }
+
+    /// Entity `entity_id` on `node` ended: what it held is answered as not delivered.
+    pub(super) fn end_holds(&mut self, entity_id: &str, node: &UniqueAddress) {
+        let Some(n) = self.slot_of(node).and_then(|i| self.nodes[i].as_mut()) else { return };
+        let keys: Vec<(String, u64)> = n
+            .held
+            .range((entity_id.to_string(), 0)..=(entity_id.to_string(), u64::MAX))
+            .map(|(k, _)| k.clone())
+            .collect();
+        let flights: Vec<u64> = keys.iter().filter_map(|k| n.held.remove(k)).map(|h| h.flight).collect();
+        for flight in flights {
+            self.answer_delivery(
+                node,
+                flight,
+                SendResult::Failed("its incarnation ended with its confirm held".into()),
+            );
+        }
     }
 
     /// A durable entity's admission of delivery `flight` by `marks` (`None`: a delivery the
@@ -199,10 +331,11 @@ impl Sim {
     pub(super) fn admit_durable(&mut self, flight: u64, marks: &mut ConsumerMarks) -> Option<DurableAdmission> {
         let header = self.delivery_header(flight)?;
         let admission = marks.admit(&header);
-        Some(match admission.answer(marks.nonce()) {
-            None => DurableAdmission::Handle((header.producer.to_string(), header.stream, header.seq)),
-            Some(outcome) if marks.must_settle(&header, admission) => DurableAdmission::Settle(outcome),
-            Some(outcome) => DurableAdmission::Answer(outcome),
+        Some(match (admission.answer(marks.nonce()), admission) {
+            (None, _) => DurableAdmission::Handle((header.producer.to_string(), header.stream, header.seq)),
+            (Some(outcome), _) if marks.must_settle(&header, admission) => DurableAdmission::Settle(outcome),
+            (Some(outcome), Admission::Redirect { token, .. }) => DurableAdmission::Redirect(token, outcome),
+            (Some(outcome), _) => DurableAdmission::Answer(outcome),
         })
     }
 

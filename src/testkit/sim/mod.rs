@@ -207,6 +207,15 @@ enum Event {
     Offer,
     /// Reliable delivery: producer `p{usize}` is started (again).
     StartProducer(usize),
+    /// Reliable delivery: the confirmation incarnation `incarnation` of `entity_id` held back
+    /// under `token` is given (`give`) or let go.
+    HoldEnds {
+        node: UniqueAddress,
+        entity_id: String,
+        incarnation: u64,
+        token: u64,
+        give: bool,
+    },
 }
 
 /// What a replicator reply answers.
@@ -280,6 +289,10 @@ struct Node {
     claims_started: BTreeMap<ShardId, u64>,
     /// Reliable delivery: each running plain entity's marks, with its incarnation.
     plain_marks: BTreeMap<String, (u64, crate::sharding::delivery::ConsumerMarks)>,
+    /// Reliable delivery: confirmations held back, by (entity, token).
+    held: BTreeMap<(String, u64), delivery::Held>,
+    /// Reliable delivery: the last token a hold was given.
+    next_hold: u64,
     /// Reliable delivery: producer-queue writes in flight, by id.
     queue_writes: BTreeMap<u64, (producer::QueueWrite, crate::sharding::shard::batch::StateBatch)>,
 }
@@ -529,6 +542,8 @@ impl Sim {
             states: BTreeMap::new(),
             claims_started: BTreeMap::new(),
             plain_marks: BTreeMap::new(),
+            held: BTreeMap::new(),
+            next_hold: 0,
             queue_writes: BTreeMap::new(),
             addr: addr.clone(),
         });
@@ -565,7 +580,8 @@ impl Sim {
             | Event::Terminated { node, .. }
             | Event::RetryWrite { node, .. }
             | Event::Persisted { node, .. }
-            | Event::RestartShard { node, .. } => self.slot_of(node),
+            | Event::RestartShard { node, .. }
+            | Event::HoldEnds { node, .. } => self.slot_of(node),
             Event::Tick(i) => Some(*i),
             Event::Membership
             | Event::Fault
@@ -652,6 +668,9 @@ impl Sim {
                 }
                 Event::Offer => self.on_offer(),
                 Event::StartProducer(k) => self.start_producer(k),
+                Event::HoldEnds { node, entity_id, incarnation, token, give } => {
+                    self.on_hold_ends(node, entity_id, incarnation, token, give);
+                }
             }
         }
         self.now_ms = self.now_ms.max(until_ms);

@@ -434,6 +434,7 @@ impl Sim {
         if let Some(v) = self.live.get_mut(entity_id) {
             v.retain(|(n, _)| n != node);
         }
+        self.end_holds(entity_id, node);
         self.trace(|| format!("{node} stops {entity_id}"));
     }
 

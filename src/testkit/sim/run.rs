@@ -43,6 +43,10 @@ pub struct SimConfig {
     /// Reliable delivery: producers with a window of 3 and room for 4 entities' streams, so
     /// a stream's places wrap, idle streams are evicted and their lanes given out again.
     pub tight_producers: bool,
+    /// Reliable delivery: entities hold the confirmation of one delivery in five back
+    /// (`EntityContext::confirm_later`) and give it (or, one in five, let it go) 0.1–3 s
+    /// later; a durable entity writes the message's effect with the confirmation.
+    pub deferred_confirms: bool,
 }
 
 impl Default for SimConfig {
@@ -61,6 +65,7 @@ impl Default for SimConfig {
             reliable: false,
             durable_queue: false,
             tight_producers: false,
+            deferred_confirms: false,
         }
     }
 }
@@ -102,6 +107,10 @@ pub struct SimReport {
     /// Reliable delivery: stored messages that ended with their producer's in-memory queue
     /// (its node stopped) before they were confirmed.
     pub deliveries_ended_with_producer: usize,
+    /// Deferred confirms: holds given over the run.
+    pub holds_given: usize,
+    /// Deferred confirms: holds let go (dropped unconfirmed) over the run.
+    pub holds_let_go: usize,
 }
 
 /// Runs one seed with `cfg`.

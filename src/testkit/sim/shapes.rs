@@ -40,6 +40,12 @@ pub fn shapes() -> Vec<(&'static str, SimConfig)> {
             "reliable-seven-nodes-message-path-lossy",
             SimConfig { reliable: true, durable_queue: true, message_path: true, ..seven_lossy },
         ),
+        // Appended: each shape keeps its seed range (the soak gives shape `i` its own).
+        ("reliable-deferred", SimConfig { reliable: true, deferred_confirms: true, ..base.clone() }),
+        (
+            "reliable-durable-deferred",
+            SimConfig { reliable: true, durable: true, durable_queue: true, deferred_confirms: true, ..base },
+        ),
     ]
 }
 

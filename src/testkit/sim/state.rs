@@ -60,12 +60,14 @@ pub(super) struct Activation {
     epoch: u64,
     value: u64,
     /// Its marks of reliable deliveries (stored with its counter).
-    marks: ConsumerMarks,
+    pub(super) marks: ConsumerMarks,
     /// The message whose write is in flight.
     writing: Option<Msg>,
     queue: VecDeque<Msg>,
     /// Told to stop: it ends once its queue is written.
     stopping: bool,
+    /// Holds that ended (given or let go), by token, to apply before its next message.
+    pub(super) confirms: VecDeque<(u64, bool)>,
 }
 
 /// A claim in flight: the shard instance, its epoch and its try.
@@ -254,6 +256,7 @@ impl Sim {
             writing: None,
             queue: VecDeque::new(),
             stopping: false,
+            confirms: VecDeque::new(),
         };
         node.states.insert(entity_id.to_string(), activation);
         // Every value acknowledged before this shard's claim began is in what it read.
@@ -289,7 +292,10 @@ impl Sim {
     /// Handles the entity's next queued message unless a write is in flight (a reliable
     /// delivery it does not handle is answered at once); ends a stopping entity whose queue is
     /// done.
-    fn pump(&mut self, i: usize, entity_id: &str) {
+    pub(super) fn pump(&mut self, i: usize, entity_id: &str) {
+        if self.pump_holds(i, entity_id) {
+            return;
+        }
         let (delivery, settle) = loop {
             let Some(a) = self.nodes[i].as_mut().and_then(|n| n.states.get_mut(entity_id)) else { return };
             if a.writing.is_some() {
@@ -303,7 +309,19 @@ impl Sim {
             let a = node.states.get_mut(entity_id).expect("seen above");
             a.marks = marks;
             match admission {
-                Some(delivery::DurableAdmission::Handle(d)) => break (Some(d), None),
+                Some(delivery::DurableAdmission::Handle(d)) => {
+                    let Some(token) = self.hold_back(i, entity_id, &d) else { break (Some(d), None) };
+                    // Handled, its confirmation held: its effect is written when it is given.
+                    let a = self.nodes[i].as_mut().and_then(|n| n.states.get_mut(entity_id)).expect("seen above");
+                    a.queue.pop_front();
+                    let held = delivery::Held { incarnation: a.incarnation, flight, delivery: d };
+                    self.keep_hold(i, entity_id, token, held);
+                }
+                Some(delivery::DurableAdmission::Redirect(token, outcome)) => {
+                    a.queue.pop_front();
+                    let to = self.redirect_hold(i, entity_id, token, flight);
+                    self.answer_delivery(&me, to, crate::sharding::producer::core::SendResult::Answered(outcome));
+                }
                 Some(delivery::DurableAdmission::Settle(outcome)) => break (None, Some(outcome)),
                 Some(delivery::DurableAdmission::Answer(outcome)) => {
                     a.queue.pop_front();
@@ -342,6 +360,42 @@ impl Sim {
         };
         let shard = a.shard.clone();
         self.write_state(i, &shard, w);
+    }
+
+    /// Applies the holds that ended to the entity's marks, unless a write is in flight: one
+    /// let go is answered as not delivered; one given writes the message's effect with the
+    /// marks it moved on, answered confirmed once acknowledged. True when a write started.
+    fn pump_holds(&mut self, i: usize, entity_id: &str) -> bool {
+        loop {
+            let Some(node) = self.nodes[i].as_mut() else { return false };
+            let me = node.addr.clone();
+            let Some(a) = node.states.get_mut(entity_id).filter(|a| a.writing.is_none()) else { return false };
+            let Some((token, give)) = a.confirms.pop_front() else { return false };
+            let Some(held) = node.held.remove(&(entity_id.to_string(), token)) else { continue };
+            if !give {
+                a.marks.abandon(token);
+                let result =
+                    crate::sharding::producer::core::SendResult::Failed("its deferred confirm was dropped".into());
+                self.answer_delivery(&me, held.flight, result);
+                continue;
+            }
+            a.marks.confirm(token);
+            a.value += 1;
+            a.writing = Some(Msg { ask: None, delivery: Some(held.flight) });
+            let w = EntityWrite {
+                entity_id: entity_id.to_string(),
+                incarnation: a.incarnation,
+                epoch: a.epoch,
+                value: a.value,
+                issued_ms: self.now_ms,
+                delivery: Some(held.delivery),
+                settle: None,
+                marks: a.marks.streams().map(|(p, s, e)| (p.to_string(), s, e)).collect(),
+            };
+            let shard = a.shard.clone();
+            self.write_state(i, &shard, w);
+            return true;
+        }
     }
 
     /// Writes `w` as the region's state writer does: one [`StateBatch`] (here of one entity's
