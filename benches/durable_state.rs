@@ -156,7 +156,7 @@ fn bench(c: &mut Criterion) {
     );
     common::print_ratio_of("stored_bytes_per_state_vs_state_encoding", per_state, state_bytes.len() as f64);
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let (cluster, durable, volatile) = rt.block_on(async {
         let c = TestCluster::start(3).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

@@ -114,7 +114,7 @@ fn median(v: &mut [Duration]) -> Duration {
 }
 
 fn failover(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let configured = DETECTION_ESTIMATE + STABLE_AFTER + MARGIN;
     let mut group = c.benchmark_group("failover_after_sigkill");
     group.sample_size(RUNS).sampling_mode(SamplingMode::Flat);

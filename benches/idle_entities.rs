@@ -44,7 +44,7 @@ fn id(i: usize) -> String {
 
 fn main() {
     let total = common::sized(1_000_000, 10_000);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let mut cluster = rt.block_on(async {
         let c = TestCluster::start(1).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

@@ -146,7 +146,7 @@ fn pct(v: &[Duration], p: usize) -> Duration {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let mut cluster = rt.block_on(async {
         let c = TestCluster::start(1).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

@@ -105,7 +105,7 @@ fn child(name: &str) {
         *STRATEGIES.iter().find(|s| s.0 == name).unwrap_or_else(|| panic!("unknown strategy {name}"));
     let Shape { ids, messages, limit } = shape();
     let sequence = zipf_sequence(ids, messages);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let mut cluster = rt.block_on(async {
         let c = TestCluster::start(1).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

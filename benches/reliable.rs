@@ -91,8 +91,7 @@ async fn confirmed(producer: &Producer<CountingEntity>, entities: usize, total: 
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
-    println!("worker threads: 2");
+    let rt = common::runtime();
     let (mut cluster, region, producer, durable) = rt.block_on(async {
         let c = TestCluster::start(3).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

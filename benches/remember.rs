@@ -160,7 +160,7 @@ fn bench(c: &mut Criterion) {
     common::print_ratio_of("orset_serialized_vs_raw_id_bytes", bytes as f64, raw_id_bytes as f64);
     drop(sets);
 
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let (mut cluster, on, off) = rt.block_on(async {
         let c = TestCluster::start(3).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

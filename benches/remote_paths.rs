@@ -152,7 +152,7 @@ async fn raw_server(listener: TcpListener) {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let (mut cluster, proxy, ids) = rt.block_on(async {
         let c = TestCluster::start(2).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

@@ -22,7 +22,7 @@ const SLIDING_TOTAL: usize = 8192;
 const SLIDING_KEYS: usize = 4096;
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let cluster = rt.block_on(async {
         let c = TestCluster::start(3).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

@@ -102,7 +102,7 @@ where
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let (cluster, local, remote_from_a) = rt.block_on(async {
         let c = TestCluster::start(3).await.unwrap();
         c.await_converged(Duration::from_secs(30)).await;

@@ -159,7 +159,7 @@ impl Pipe for TransportPipe {
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = common::runtime();
     let shutdown = CancellationToken::new();
     let secret = ClusterSecret::generate();
     let mut pipes: Vec<(&str, Box<dyn Pipe>)> = vec![

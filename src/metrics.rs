@@ -94,7 +94,7 @@ pub const CATALOG: &[MetricDef] = &[
     def("ddshard_entity_stops_total", C, "node,type,reason", "Entities stopped (reason: passivated, idle, limit, handoff)."),
     def("ddshard_entity_handle_seconds", H, "node,type", "Time of one entity handler call (its message's processing, awaits included)."),
     def("ddshard_entity_panics_total", C, "node,type", "Entity handlers that panicked."),
-    def("ddshard_deliveries_total", C, "node,type,outcome", "Reliable deliveries that reached this region's entities (outcome: handled, the next message of its stream, taken to be handled; duplicate, confirmed without handling; sent_back, past the next number expected or of a stream the entity's incarnation was not introduced to)."),
+    def("ddshard_deliveries_total", C, "node,type,outcome", "Reliable deliveries that reached this region's entities (outcome: handled, the next message of its stream, taken to be handled; duplicate, confirmed without handling; sent_back, past the next number expected, of a stream the entity's incarnation was not introduced to, or behind a held message; held, handled with its confirmation held back by `confirm_later`)."),
     def("ddshard_producer_messages_total", C, "node,type,producer,event", "Messages of a reliable-delivery producer on this node (event: stored, confirmed, resent, dead_lettered)."),
     def("ddshard_producer_demand_waits_total", C, "node,type,producer", "Sends of a producer that waited for room (its window per entity or its entity limit)."),
     def("ddshard_producer_unconfirmed", G, "node,type,producer", "Messages a producer stored and has not had confirmed."),

@@ -560,7 +560,8 @@ fn a_held_confirmation_is_given_only_by_a_later_handler_and_its_stream_waits_mea
     VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
         cluster.await_converged(Duration::from_secs(30)).await;
         let log = Log::default();
-        let region = start_approvers(&cluster, &log).await.remove(0);
+        let regions = start_approvers(&cluster, &log).await;
+        let region = regions[0].clone();
         let (r, l) = (region.clone(), log.clone());
         cluster
             .on_node(0, move |_| async move {
@@ -600,6 +601,8 @@ fn a_held_confirmation_is_given_only_by_a_later_handler_and_its_stream_waits_mea
             .unwrap();
         let values: Vec<u64> = log.lock().unwrap()["e"].iter().map(|(v, _)| *v).collect();
         assert_eq!(values, [1, 2, 3], "each once, in order");
+        let held: u64 = regions.iter().map(|r| r.counters().deliveries_held).sum();
+        assert_eq!(held, 3, "each held once (a held message sent again is not handled again)");
     });
 }
 

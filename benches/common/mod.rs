@@ -89,3 +89,12 @@ pub fn print_ratio(label: &str, value: f64, baseline: f64) {
 pub fn print_ratio_of(label: &str, value: f64, baseline: f64) {
     println!("ratio={label} {:.3} ({value:.0} vs baseline {baseline:.0})", value / baseline);
 }
+
+/// The bench's tokio runtime: `DDSHARD_BENCH_WORKERS` worker threads (2 by default, this
+/// machine's cores), printed first so every figure carries how many threads made it. Run a
+/// bench with 1, 2 and more to see how it scales.
+pub fn runtime() -> tokio::runtime::Runtime {
+    let workers = std::env::var("DDSHARD_BENCH_WORKERS").ok().and_then(|w| w.parse().ok()).unwrap_or(2usize);
+    println!("worker threads: {workers}");
+    tokio::runtime::Builder::new_multi_thread().worker_threads(workers.max(1)).enable_all().build().unwrap()
+}

@@ -136,6 +136,7 @@ async fn sample(region: &dyn RegionControl, node_id: &str) {
             ("handled", c.deliveries_handled),
             ("duplicate", c.deliveries_duplicate),
             ("sent_back", c.deliveries_sent_back),
+            ("held", c.deliveries_held),
         ],
     );
     set_counter("ddshard_stop_hook_overruns_total", &l, c.stop_hook_overruns);

@@ -72,9 +72,13 @@ pub struct RegionCounters {
     /// producer's own account.
     pub deliveries_duplicate: u64,
 
-    /// Reliable deliveries sent back: past the next number expected, or of a stream the
-    /// entity's incarnation had not been introduced to.
+    /// Reliable deliveries sent back: past the next number expected, of a stream the
+    /// entity's incarnation had not been introduced to, or behind a held message.
     pub deliveries_sent_back: u64,
+
+    /// Reliable deliveries handled whose confirmation the handler held back
+    /// ([`EntityContext::confirm_later`](crate::EntityContext::confirm_later)).
+    pub deliveries_held: u64,
 
     /// Shards stopped because their remembered set could not be loaded or written.
     pub shard_failures: u64,
@@ -164,6 +168,7 @@ pub(crate) struct RegionCounterCells {
     pub(crate) deliveries_handled: AtomicU64,
     pub(crate) deliveries_duplicate: AtomicU64,
     pub(crate) deliveries_sent_back: AtomicU64,
+    pub(crate) deliveries_held: AtomicU64,
     pub(crate) shard_failures: AtomicU64,
     pub(crate) dropped_mailbox_full: AtomicU64,
     pub(crate) dropped_refused: AtomicU64,
@@ -207,6 +212,7 @@ impl RegionCounterCells {
             deliveries_handled: self.deliveries_handled.load(Ordering::Relaxed),
             deliveries_duplicate: self.deliveries_duplicate.load(Ordering::Relaxed),
             deliveries_sent_back: self.deliveries_sent_back.load(Ordering::Relaxed),
+            deliveries_held: self.deliveries_held.load(Ordering::Relaxed),
             shard_failures: self.shard_failures.load(Ordering::Relaxed),
             dropped_mailbox_full: self.dropped_mailbox_full.load(Ordering::Relaxed),
             dropped_refused: self.dropped_refused.load(Ordering::Relaxed),
@@ -275,6 +281,7 @@ mod tests {
         cells.deliveries_handled.store(35, Ordering::Relaxed);
         cells.deliveries_duplicate.store(36, Ordering::Relaxed);
         cells.deliveries_sent_back.store(37, Ordering::Relaxed);
+        cells.deliveries_held.store(38, Ordering::Relaxed);
         let s = cells.snapshot();
         assert_eq!(s.local_routed, 1);
         assert_eq!(s.remote_direct, 2);
@@ -311,5 +318,6 @@ mod tests {
         assert_eq!(s.stop_hook_overruns, 33);
         assert_eq!(s.shard_load_timeouts, 34);
         assert_eq!((s.deliveries_handled, s.deliveries_duplicate, s.deliveries_sent_back), (35, 36, 37));
+        assert_eq!(s.deliveries_held, 38);
     }
 }

@@ -502,6 +502,7 @@ impl<E: Entity> EntityRun<E> {
         };
         match (held, holds) {
             (Some(token), Some(holds)) if result.is_ok() => {
+                self.shared.counters.deliveries_held.fetch_add(1, Ordering::Relaxed);
                 if let Some(to) = holds.place(token, to) {
                     let reason = "its deferred confirm was dropped";
                     self.shared.replier.outcome(to, Err(not_delivered(&self.ctx.entity_id, reason)));
