@@ -748,6 +748,17 @@ fn an_evicted_streams_lane_goes_to_another_stream_only_once_its_entries_are_dele
     assert!(report.deliveries_stored > 100, "the scenario sends");
 }
 
+/// Seed 230000193 of `reliable-deferred` (a fault of the checker): e6's shard was allocated
+/// to n3 again, and its new incarnation there was numbered 1, as the one before; a message the
+/// first had held and confirmed (the confirmation lost on the way) was sent again and handled
+/// by the second, which the checker took for one incarnation stepping back. Incarnations are
+/// now told apart by their shard's epoch too (and a plain entity's marks with them).
+#[test]
+fn two_allocations_of_a_shard_to_one_node_are_two_incarnations_so_a_redelivery_to_the_second_is_no_step_back() {
+    let report = check(230000193, &shape("reliable-deferred"));
+    assert!(report.holds_given > 0 && report.deliveries_stored > 100, "the scenario holds and sends");
+}
+
 /// Seed 200000001 of `reliable-durable`: a durable entity's write failed (no majority) but
 /// stayed on its node's replica; the next incarnation read those marks and answered a re-sent
 /// message as a duplicate, so its producer gave the message up although no majority held its

@@ -33,8 +33,12 @@ struct StoredMessage {
     confirmed: bool,
 }
 
+/// An entity incarnation: its shard's epoch and its number there (numbers start again in
+/// every allocation of the shard, so a node may run two incarnations 1 of one entity).
+type Incarnation = (u64, u64);
+
 /// Where an incarnation is in a stream: (entity, node, incarnation, producer, stream).
-type IncarnationStream = (String, UniqueAddress, u64, String, u64);
+type IncarnationStream = (String, UniqueAddress, Incarnation, String, u64);
 
 /// The run's record of reliable deliveries.
 #[derive(Default)]
@@ -105,7 +109,7 @@ impl DeliveryLedger {
     fn in_order(&mut self, at: IncarnationStream, seq: u64) -> Option<String> {
         let last = self.last.insert(at.clone(), seq).filter(|last| *last >= seq)?;
         Some(format!(
-            "{} on {} (incarnation {}) handled message {seq} of stream {} after {last}",
+            "{} on {} (incarnation {:?}) handled message {seq} of stream {} after {last}",
             at.0, at.1, at.2, at.4
         ))
     }
@@ -165,6 +169,8 @@ impl DeliveryLedger {
 /// the message), and which message it is (producer, stream, seq).
 pub(super) struct Held {
     pub incarnation: u64,
+    /// Its shard's epoch (with `incarnation`, the incarnation's identity).
+    pub epoch: u64,
     pub flight: u64,
     pub delivery: (String, u64, u64),
 }
@@ -195,15 +201,18 @@ impl Sim {
         let nonce = self.rng.random();
         let node = self.nodes[i].as_mut().expect("running");
         let me = node.addr.clone();
-        let Some((_, incarnation)) = node.entities.get(entity_id).cloned() else { return };
+        let Some((shard, incarnation)) = node.entities.get(entity_id).cloned() else { return };
+        let epoch = node.shards.get(&shard).map_or(0, |(_, epoch)| *epoch);
         let marks = match node.plain_marks.entry(entity_id.to_string()) {
             std::collections::btree_map::Entry::Occupied(mut e) => {
-                if e.get().0 != incarnation {
-                    e.insert((incarnation, ConsumerMarks::new(nonce)));
+                if e.get().0 != (epoch, incarnation) {
+                    e.insert(((epoch, incarnation), ConsumerMarks::new(nonce)));
                 }
                 &mut e.into_mut().1
             }
-            std::collections::btree_map::Entry::Vacant(e) => &mut e.insert((incarnation, ConsumerMarks::new(nonce))).1,
+            std::collections::btree_map::Entry::Vacant(e) => {
+                &mut e.insert(((epoch, incarnation), ConsumerMarks::new(nonce))).1
+            }
         };
         let admission = marks.admit(&header);
         let nonce = marks.nonce();
@@ -211,15 +220,17 @@ impl Sim {
         let mut to = flight;
         match admission {
             Admission::Handle => {
-                let at = (entity_id.to_string(), me.clone(), incarnation, producer.clone(), stream);
+                let at = (entity_id.to_string(), me.clone(), (epoch, incarnation), producer.clone(), stream);
                 let v = self.delivery_ledger.handled(at, seq);
                 self.violations_at_now(v);
-                if let Some(token) = self.hold_back(i, entity_id, &(producer.clone(), stream, seq)) {
+                let held = self.hold_back(i, entity_id, &(producer.clone(), stream, seq));
+                self.trace(|| format!("{me} {entity_id}#{incarnation} handles {producer}'s {stream}/{seq} (flight {flight}, held {held:?})"));
+                if let Some(token) = held {
                     self.keep_hold(
                         i,
                         entity_id,
                         token,
-                        Held { incarnation, flight, delivery: (producer, stream, seq) },
+                        Held { incarnation, epoch, flight, delivery: (producer, stream, seq) },
                     );
                     return;
                 }
@@ -277,6 +288,7 @@ impl Sim {
         token: u64,
         give: bool,
     ) {
+        self.trace(|| format!("{node} {entity_id}#{incarnation} hold {token} ends, given: {give}"));
         let Some(i) = self.slot_of(&node) else { return };
         let Some(n) = self.nodes[i].as_mut() else { return };
         let key = (entity_id.clone(), token);
@@ -294,7 +306,10 @@ impl Sim {
             }
             return;
         }
-        let Some((_, marks)) = n.plain_marks.get_mut(&entity_id).filter(|(inc, _)| *inc == incarnation) else { return };
+        let epoch = n.held.get(&key).map_or(0, |h| h.epoch);
+        let Some((_, marks)) = n.plain_marks.get_mut(&entity_id).filter(|(inc, _)| *inc == (epoch, incarnation)) else {
+            return;
+        };
         let held = n.held.remove(&key).expect("seen above");
         let result = if give {
             marks.confirm(token);
@@ -302,7 +317,7 @@ impl Sim {
         } else {
             marks.abandon(token);
             let (producer, stream, seq) = held.delivery;
-            self.delivery_ledger.let_go((entity_id, node.clone(), incarnation, producer, stream), seq);
+            self.delivery_ledger.let_go((entity_id, node.clone(), (epoch, incarnation), producer, stream), seq);
             SendResult::Failed("its deferred confirm was dropped".into())
         };
         self.answer_delivery(&node, held.flight, result);
@@ -346,7 +361,7 @@ impl Sim {
         &mut self,
         entity_id: &str,
         node: UniqueAddress,
-        incarnation: u64,
+        incarnation: Incarnation,
         marks: &[(String, u64, u64)],
         delivery: Option<(String, u64, u64)>,
     ) {

@@ -288,7 +288,7 @@ struct Node {
     /// Durable state: when each shard's completed claim began.
     claims_started: BTreeMap<ShardId, u64>,
     /// Reliable delivery: each running plain entity's marks, with its incarnation.
-    plain_marks: BTreeMap<String, (u64, crate::sharding::delivery::ConsumerMarks)>,
+    plain_marks: BTreeMap<String, ((u64, u64), crate::sharding::delivery::ConsumerMarks)>,
     /// Reliable delivery: confirmations held back, by (entity, token).
     held: BTreeMap<(String, u64), delivery::Held>,
     /// Reliable delivery: the last token a hold was given.

@@ -70,6 +70,35 @@ pub(super) struct Activation {
     pub(super) confirms: VecDeque<(u64, bool)>,
 }
 
+impl Activation {
+    /// Starts the write of `msg` (its effect, one more on the counter, unless it only settles
+    /// the marks) with the marks as they are; returns its shard and the write.
+    fn start_write(
+        &mut self,
+        entity_id: &str,
+        issued_ms: u64,
+        msg: Msg,
+        delivery: Option<(String, u64, u64)>,
+        settle: Option<crate::sharding::delivery::DeliveryOutcome>,
+    ) -> (ShardId, EntityWrite) {
+        if settle.is_none() {
+            self.value += 1;
+        }
+        self.writing = Some(msg);
+        let w = EntityWrite {
+            entity_id: entity_id.to_string(),
+            incarnation: self.incarnation,
+            epoch: self.epoch,
+            value: self.value,
+            issued_ms,
+            delivery,
+            settle,
+            marks: self.marks.streams().map(|(p, s, e)| (p.to_string(), s, e)).collect(),
+        };
+        (self.shard.clone(), w)
+    }
+}
+
 /// A claim in flight: the shard instance, its epoch and its try.
 #[derive(Debug, Clone)]
 pub(super) struct Claim {
@@ -314,7 +343,7 @@ impl Sim {
                     // Handled, its confirmation held: its effect is written when it is given.
                     let a = self.nodes[i].as_mut().and_then(|n| n.states.get_mut(entity_id)).expect("seen above");
                     a.queue.pop_front();
-                    let held = delivery::Held { incarnation: a.incarnation, flight, delivery: d };
+                    let held = delivery::Held { incarnation: a.incarnation, epoch: a.epoch, flight, delivery: d };
                     self.keep_hold(i, entity_id, token, held);
                 }
                 Some(delivery::DurableAdmission::Redirect(token, outcome)) => {
@@ -344,21 +373,7 @@ impl Sim {
             }
             return;
         };
-        if settle.is_none() {
-            a.value += 1;
-        }
-        a.writing = Some(msg);
-        let w = EntityWrite {
-            entity_id: entity_id.to_string(),
-            incarnation: a.incarnation,
-            epoch: a.epoch,
-            value: a.value,
-            issued_ms: self.now_ms,
-            delivery,
-            settle,
-            marks: a.marks.streams().map(|(p, s, e)| (p.to_string(), s, e)).collect(),
-        };
-        let shard = a.shard.clone();
+        let (shard, w) = a.start_write(entity_id, self.now_ms, msg, delivery, settle);
         self.write_state(i, &shard, w);
     }
 
@@ -380,19 +395,8 @@ impl Sim {
                 continue;
             }
             a.marks.confirm(token);
-            a.value += 1;
-            a.writing = Some(Msg { ask: None, delivery: Some(held.flight) });
-            let w = EntityWrite {
-                entity_id: entity_id.to_string(),
-                incarnation: a.incarnation,
-                epoch: a.epoch,
-                value: a.value,
-                issued_ms: self.now_ms,
-                delivery: Some(held.delivery),
-                settle: None,
-                marks: a.marks.streams().map(|(p, s, e)| (p.to_string(), s, e)).collect(),
-            };
-            let shard = a.shard.clone();
+            let msg = Msg { ask: None, delivery: Some(held.flight) };
+            let (shard, w) = a.start_write(entity_id, self.now_ms, msg, Some(held.delivery), None);
             self.write_state(i, &shard, w);
             return true;
         }
@@ -523,7 +527,7 @@ impl Sim {
             self.report.violations.push(v);
         }
         if let Some(node) = self.nodes[i].as_ref().map(|n| n.addr.clone()) {
-            self.durable_delivery_write(&w.entity_id, node, w.incarnation, &w.marks, w.delivery.clone());
+            self.durable_delivery_write(&w.entity_id, node, (w.epoch, w.incarnation), &w.marks, w.delivery.clone());
         }
         if w.settle.is_some() {
             // The value unchanged, acknowledged again: its marks are settled.
