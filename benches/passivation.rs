@@ -189,6 +189,7 @@ fn main() {
         return;
     }
     let Shape { ids, messages, limit } = shape();
+    println!("worker threads: {} (in each strategy's child process)", common::workers());
     println!(
         "Zipf (s = 1) over {ids} ids, {messages} asks with {IN_FLIGHT} in flight, {SHARDS} shards, active-entity limit {limit} per region"
     );

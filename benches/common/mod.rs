@@ -94,7 +94,11 @@ pub fn print_ratio_of(label: &str, value: f64, baseline: f64) {
 /// machine's cores), printed first so every figure carries how many threads made it. Run a
 /// bench with 1, 2 and more to see how it scales.
 pub fn runtime() -> tokio::runtime::Runtime {
-    let workers = std::env::var("DDSHARD_BENCH_WORKERS").ok().and_then(|w| w.parse().ok()).unwrap_or(2usize);
-    println!("worker threads: {workers}");
-    tokio::runtime::Builder::new_multi_thread().worker_threads(workers.max(1)).enable_all().build().unwrap()
+    println!("worker threads: {}", workers());
+    tokio::runtime::Builder::new_multi_thread().worker_threads(workers()).enable_all().build().unwrap()
+}
+
+/// The worker threads [`runtime`] starts (`DDSHARD_BENCH_WORKERS`, 2 by default, at least 1).
+pub fn workers() -> usize {
+    std::env::var("DDSHARD_BENCH_WORKERS").ok().and_then(|w| w.parse().ok()).unwrap_or(2usize).max(1)
 }
