@@ -483,6 +483,8 @@ enum Step {
     Forget,
     /// Answers how many confirmations it holds (a durable one: its total).
     Count,
+    /// Answers how many confirmations it holds.
+    Held,
     Passivate,
 }
 
@@ -524,7 +526,7 @@ impl Entity for Approver {
                 self.held.clear();
                 0
             }
-            Step::Count => {
+            Step::Count | Step::Held => {
                 assert!(ctx.confirm_later().is_none(), "a plain message has nothing to hold");
                 self.held.len() as u64
             }
@@ -548,6 +550,26 @@ async fn start_approvers(cluster: &VirtualCluster, log: &Log) -> Vec<ShardRegion
         regions.push(cluster.on_node(i, start).await.expect("runs").expect("the region starts"));
     }
     regions
+}
+
+/// Waits until an incarnation of entity `id` other than `not_of` holds `n` confirmations,
+/// polling with a deadline (virtual time); returns that incarnation's number. (`Step::Held`
+/// answers `incarnation × 1,000 + confirmations held`.)
+async fn holds<E: Entity<Message = Step, Reply = u64>>(
+    r: &ShardRegion<E>,
+    id: &str,
+    n: u64,
+    not_of: Option<u64>,
+) -> Result<u64, Error> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let answer = r.ask(id, Step::Held).await?;
+        if answer % 1000 == n && Some(answer / 1000) != not_of {
+            return Ok(answer / 1000);
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{id} never held {n} confirmations");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Whether `c` is still unresolved after `wait`.
@@ -589,7 +611,7 @@ fn a_held_confirmation_is_given_only_by_a_later_handler_and_its_stream_waits_mea
                 assert_eq!(l.lock().unwrap()["e"], [(1, true), (2, true)]);
                 assert_eq!(r.ask("e", Step::Approve).await?, 1);
                 second.await?;
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                holds(&r, "e", 1, None).await?;
                 assert_eq!(r.ask("e", Step::Approve).await?, 1);
                 third.await?;
                 let stats = producer.stats();
@@ -642,7 +664,12 @@ fn a_held_confirmation_dropped_or_ended_with_its_incarnation_delivers_the_messag
 /// and its value is added by the handler that confirms it.
 struct DurableApprover {
     held: Vec<(u64, ddshard::sharding::DeferredConfirm)>,
+    /// This incarnation's number, from 1.
+    incarnation: u64,
 }
+
+/// Incarnations of [`DurableApprover`] made so far.
+static APPROVERS_MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl DurableEntity for DurableApprover {
     type Message = Step;
@@ -660,6 +687,7 @@ impl DurableEntity for DurableApprover {
             }
             Step::Forget => self.held.clear(),
             Step::Count => {}
+            Step::Held => return self.incarnation * 1000 + self.held.len() as u64,
             Step::Passivate => ctx.passivate(),
         }
         state.0
@@ -674,7 +702,14 @@ fn a_durable_entity_writes_a_held_message_s_effect_with_its_confirmation_once_ac
         for i in 0..3 {
             let start = move |n: ddshard::Node| async move {
                 n.sharding()
-                    .start_durable("approved", |_: &str| DurableApprover { held: Vec::new() }, settings(3))
+                    .start_durable(
+                        "approved",
+                        |_: &str| DurableApprover {
+                            held: Vec::new(),
+                            incarnation: APPROVERS_MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1,
+                        },
+                        settings(3),
+                    )
                     .await
             };
             regions.push(cluster.on_node(i, start).await.expect("runs").expect("the region starts"));
@@ -686,10 +721,10 @@ fn a_durable_entity_writes_a_held_message_s_effect_with_its_confirmation_once_ac
                 let producer = r.producer("jobs", ProducerSettings::default()).await?;
                 let first = producer.send("t", Step::Job(5)).await?;
                 let mut second = producer.send("t", Step::Job(7)).await?;
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                let first_incarnation = holds(&r, "t", 1, None).await?;
                 // The incarnation ends with 5 held: its next one gets 5 again and holds it.
                 r.ask("t", Step::Passivate).await?;
-                tokio::time::sleep(Duration::from_secs(2)).await;
+                holds(&r, "t", 1, Some(first_incarnation)).await?;
                 assert_eq!(r.ask("t", Step::Count).await?, 0, "nothing counted before approval");
                 assert_eq!(r.ask("t", Step::Approve).await?, 5);
                 first.await?;
@@ -698,10 +733,10 @@ fn a_durable_entity_writes_a_held_message_s_effect_with_its_confirmation_once_ac
                 second.await?;
                 // A new incarnation reads the total and the marks written with it: nothing
                 // comes again, nothing counts twice.
+                let second_incarnation = holds(&r, "t", 0, None).await?;
                 r.ask("t", Step::Passivate).await?;
-                tokio::time::sleep(Duration::from_secs(2)).await;
                 let third = producer.send("t", Step::Job(1)).await?;
-                tokio::time::sleep(Duration::from_secs(1)).await;
+                holds(&r, "t", 1, Some(second_incarnation)).await?;
                 assert_eq!(r.ask("t", Step::Approve).await?, 13);
                 third.await?;
                 assert_eq!(producer.stats().confirmed, 3);
