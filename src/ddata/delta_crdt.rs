@@ -56,7 +56,8 @@ pub(crate) trait DeltaCrdt: Clone + Default {
 }
 
 /// [`DeltaCrdt`] for a type whose delta is a value of the type itself, merged with its
-/// infallible inherent `merge` and read with its inherent `take_delta`, `digest`,
+/// infallible inherent `merge` (a borrowed delta with `merge_from`, which copies only what it
+/// takes) and read with its inherent `take_delta`, `digest`,
 /// `bucket_digests`, `buckets_subset` and `approx_bytes`; `count` names the method that counts
 /// its elements, and `fenced` gives it the fence of its inherent `fence`.
 macro_rules! self_delta_crdt {
@@ -72,7 +73,7 @@ macro_rules! self_delta_crdt {
                 Ok(())
             }
             fn merge_delta_state(&mut self, delta: &$t) -> Result<(), Self::Refusal> {
-                self.merge(delta.clone());
+                self.merge_from(delta);
                 Ok(())
             }
             fn take_delta_state(&mut self) -> Option<$t> {

@@ -19,6 +19,7 @@
 //! only in its fence still differs in a bucket, and every subset or delta carries the fence.
 
 use std::collections::BTreeMap;
+use std::collections::btree_map::Entry;
 
 use serde::{Deserialize, Serialize};
 use serde_bytes::ByteBuf;
@@ -74,6 +75,44 @@ fn entry_bytes(key: &str, r: &FencedReg) -> usize {
 fn reg_bytes(key_len: usize, epoch: u64, clock: u64, value_len: Option<usize>) -> usize {
     let value = value_len.map_or(1, |len| len + rmp_uint_len(len as u64) + 1);
     key_len + 2 + rmp_uint_len(epoch) + rmp_uint_len(clock) + value
+}
+
+/// The clock of the next write under `epoch` of a key whose register is `current`.
+fn next_clock_after(current: &FencedReg, epoch: u64) -> u64 {
+    // An entry from a newer epoch is impossible below the fence (every write raises it).
+    if current.0 == epoch { current.1.saturating_add(1) } else { 1 }
+}
+
+/// Installs `reg` at `entry` (one lookup), keeping `buckets` and the entries' byte count in
+/// step.
+fn install(buckets: &mut Buckets, total_bytes: &mut usize, entry: Entry<'_, String, FencedReg>, reg: FencedReg) {
+    match entry {
+        Entry::Occupied(mut o) => {
+            let (key, slot) = (o.key().clone(), o.get_mut());
+            replace(buckets, total_bytes, &key, slot, reg);
+        }
+        Entry::Vacant(v) => {
+            added(buckets, total_bytes, v.key(), &reg);
+            v.insert(reg);
+        }
+    }
+}
+
+/// Puts `reg` in `slot`, `key`'s register, keeping `buckets` and the byte count in step.
+fn replace(buckets: &mut Buckets, total_bytes: &mut usize, key: &str, slot: &mut FencedReg, reg: FencedReg) {
+    let b = bucket_of(key);
+    let (removed, old_bytes) = (slot.hash(key), entry_bytes(key, slot));
+    let (added, new_bytes) = (reg.hash(key), entry_bytes(key, &reg));
+    buckets[b] = buckets[b].wrapping_sub(removed).wrapping_add(added);
+    *total_bytes = *total_bytes - old_bytes + new_bytes;
+    *slot = reg;
+}
+
+/// Counts `reg`, new under `key`, into `buckets` and the byte count.
+fn added(buckets: &mut Buckets, total_bytes: &mut usize, key: &str, reg: &FencedReg) {
+    let b = bucket_of(key);
+    buckets[b] = buckets[b].wrapping_add(reg.hash(key));
+    *total_bytes += entry_bytes(key, reg);
 }
 
 /// Hash of a fence, folded into bucket 0 (0 for no fence, so an empty map digests to 0).
@@ -180,24 +219,21 @@ impl FencedMap {
         if epoch < self.fence {
             return Err(Fenced { epoch, fence: self.fence });
         }
-        let clock = self.next_clock(&key, epoch);
         if epoch > self.fence {
             self.raise_fence(epoch);
             self.claimed = true;
         }
+        // One lookup for the clock and the install.
+        let delta_key = key.clone();
+        let entry = self.entries.entry(key);
+        let clock = match &entry {
+            Entry::Occupied(o) => next_clock_after(o.get(), epoch),
+            Entry::Vacant(_) => 1,
+        };
         let reg = FencedReg(epoch, clock, value);
-        self.delta.insert(key.clone(), reg.clone());
-        self.set(key, reg);
+        install(&mut self.buckets, &mut self.entry_bytes, entry, reg.clone());
+        self.delta.insert(delta_key, reg);
         Ok(())
-    }
-
-    /// The clock of the next write of `key` under `epoch`.
-    fn next_clock(&self, key: &str, epoch: u64) -> u64 {
-        match self.entries.get(key) {
-            Some(r) if r.0 == epoch => r.1.saturating_add(1),
-            // An entry from a newer epoch is impossible below the fence (every write raises it).
-            _ => 1,
-        }
     }
 
     fn raise_fence(&mut self, fence: u64) {
@@ -209,13 +245,7 @@ impl FencedMap {
 
     /// Installs `reg` under `key`, keeping the bucket digest and the size in step.
     fn set(&mut self, key: String, reg: FencedReg) {
-        let b = bucket_of(&key);
-        let added = reg.hash(&key);
-        let (removed, old_bytes) =
-            self.entries.get(&key).map_or((0, 0), |old| (old.hash(&key), entry_bytes(&key, old)));
-        self.buckets[b] = self.buckets[b].wrapping_sub(removed).wrapping_add(added);
-        self.entry_bytes = self.entry_bytes - old_bytes + entry_bytes(&key, &reg);
-        self.entries.insert(key, reg);
+        install(&mut self.buckets, &mut self.entry_bytes, self.entries.entry(key), reg);
     }
 
     /// Whether a write of a `value_len`-byte value under `key` at `epoch` keeps the map within
@@ -228,7 +258,8 @@ impl FencedMap {
             return true;
         }
         let old = current.map_or(0, |r| entry_bytes(key, r));
-        let new = reg_bytes(key.len(), epoch, self.next_clock(key, epoch), Some(value_len));
+        let clock = current.map_or(1, |r| next_clock_after(r, epoch));
+        let new = reg_bytes(key.len(), epoch, clock, Some(value_len));
         self.approx_bytes() - old + new <= budget
     }
 
@@ -273,8 +304,30 @@ impl FencedMap {
     pub fn merge(&mut self, other: FencedMap) {
         self.raise_fence(other.fence);
         for (k, reg) in other.entries {
-            if self.entries.get(&k).is_none_or(|mine| reg.wins_over(mine)) {
-                self.set(k, reg);
+            let entry = self.entries.entry(k);
+            if let Entry::Occupied(mine) = &entry
+                && !reg.wins_over(mine.get())
+            {
+                continue;
+            }
+            install(&mut self.buckets, &mut self.entry_bytes, entry, reg);
+        }
+    }
+
+    /// [`FencedMap::merge`] of a borrowed map (a delta also persisted after it is merged):
+    /// only the registers that win are copied.
+    pub fn merge_from(&mut self, other: &FencedMap) {
+        self.raise_fence(other.fence);
+        for (k, reg) in &other.entries {
+            match self.entries.get_mut(k.as_str()) {
+                Some(mine) if reg.wins_over(mine) => {
+                    replace(&mut self.buckets, &mut self.entry_bytes, k, mine, reg.clone())
+                }
+                Some(_) => {}
+                None => {
+                    added(&mut self.buckets, &mut self.entry_bytes, k, reg);
+                    self.entries.insert(k.clone(), reg.clone());
+                }
             }
         }
     }
@@ -669,6 +722,45 @@ mod tests {
             let encoded = rmp_serde::to_vec_named(&m).unwrap().len() as f64;
             let ratio = m.approx_bytes() as f64 / encoded;
             assert!((0.8..=1.25).contains(&ratio), "{name}: approx {} vs encoded {encoded}", m.approx_bytes());
+        }
+    }
+
+    mod merge_by_reference {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A map written by `writes` (key, epoch, value or deletion), claims included.
+        fn written(writes: &[(u8, u64, Option<u8>)]) -> FencedMap {
+            let mut m = FencedMap::default();
+            for &(k, epoch, v) in writes {
+                let key = format!("k{k}");
+                let _ = match v {
+                    Some(v) => m.put(key, epoch, vec![v; usize::from(v % 5)]),
+                    None => m.delete(&key, epoch).and_then(|_| m.claim(epoch)),
+                };
+            }
+            m
+        }
+
+        fn writes() -> impl Strategy<Value = Vec<(u8, u64, Option<u8>)>> {
+            prop::collection::vec((0u8..6, 1u64..4, prop::option::of(0u8..8)), 0..12)
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(1_000))]
+            /// Replicas merge a delta they go on to persist by reference: the result, its
+            /// digest and its size are the owned merge's, whichever registers win.
+            #[test]
+            fn merging_a_borrowed_map_equals_merging_it_owned(mine in writes(), theirs in writes()) {
+                let (a, b) = (written(&mine), written(&theirs));
+                let mut owned = a.clone();
+                owned.merge(b.clone());
+                let mut borrowed = a;
+                borrowed.merge_from(&b);
+                prop_assert_eq!(&borrowed, &owned);
+                prop_assert_eq!(borrowed.bucket_digests(), owned.bucket_digests());
+                prop_assert_eq!(borrowed.approx_bytes(), owned.approx_bytes());
+            }
         }
     }
 

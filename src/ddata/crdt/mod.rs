@@ -169,6 +169,15 @@ impl LwwMap {
         }
     }
 
+    /// [`LwwMap::merge`] of a borrowed map: only the registers that win are copied.
+    pub fn merge_from(&mut self, other: &LwwMap) {
+        for (k, reg) in &other.entries {
+            if self.entries.get(k).is_none_or(|mine| reg.marker > mine.marker) {
+                self.set(k.clone(), reg.clone());
+            }
+        }
+    }
+
     /// Canonical digest (the sum of the bucket digests).
     pub fn digest(&self) -> u64 {
         self.buckets.iter().fold(0u64, |a, b| a.wrapping_add(*b))
@@ -302,6 +311,14 @@ impl GSet {
     pub fn merge(&mut self, other: GSet) {
         for m in other.set {
             self.add_member(m);
+        }
+    }
+    /// [`GSet::merge`] of a borrowed set: only new members are copied.
+    pub fn merge_from(&mut self, other: &GSet) {
+        for m in &other.set {
+            if !self.set.contains(m) {
+                self.add_member(m.clone());
+            }
         }
     }
     /// Canonical digest.

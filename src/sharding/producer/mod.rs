@@ -669,6 +669,9 @@ impl<E: Entity> Inner<E> {
     }
 }
 
+/// Most queue writes handed to the store's writer in one request.
+const MAX_WRITES_PER_REQUEST: usize = 1024;
+
 /// How often due rounds are started.
 const TICK: Duration = Duration::from_millis(50);
 
@@ -682,7 +685,7 @@ async fn drive<E: Entity>(
     settings: ProducerSettings,
 ) {
     let stop = inner.stop.clone();
-    let mut landed = Vec::new();
+    let (mut landed, mut jobs) = (Vec::new(), Vec::new());
     let (mut writing, mut ended) = (FuturesUnordered::new(), Vec::new());
     #[cfg(feature = "metrics")]
     let mut published = tokio::time::interval(Duration::from_secs(1));
@@ -699,20 +702,29 @@ async fn drive<E: Entity>(
                 if n == 0 { break; }
                 inner.land(&mut landed);
             }
-            Some(job) = persists.recv() => {
+            // Every write asked for by now, in order, as one request to the store's writer.
+            n = persists.recv_many(&mut jobs, MAX_WRITES_PER_REQUEST), if inner.durable.is_some() => {
+                // Its sender lives in `inner.durable`: closed only without a durable queue.
+                if n == 0 { break; }
                 let Some((queue, _)) = &inner.durable else { continue };
                 let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
+                let jobs = std::mem::take(&mut jobs);
                 writing.push(async move {
-                    let deletion = job.value.is_none();
-                    let written = store.write(&owner, epoch, &job.key, job.value).await;
-                    (deletion, job.message, written)
+                    let (mut whose, mut writes) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
+                    for job in jobs {
+                        whose.push((job.value.is_none(), job.message));
+                        writes.push((job.key, job.value));
+                    }
+                    let written = store.write_all(&owner, epoch, writes).await;
+                    whose.into_iter().zip(written).map(|((deletion, message), written)| (deletion, message, written))
+                        .collect::<Vec<WriteEnded>>()
                 });
             }
             Some(first) = writing.next(), if !writing.is_empty() => {
                 // Every write that ended by now, under one lock.
-                ended.push(first);
+                ended.extend(first);
                 while let Some(Some(more)) = writing.next().now_or_never() {
-                    ended.push(more);
+                    ended.extend(more);
                 }
                 inner.written(&mut ended);
             }

@@ -43,7 +43,8 @@ use crate::sharding::shard::batch::{
 };
 use crate::sharding::shard::{RegionParts, report_full_slot};
 
-/// Most writes one batch takes (the rest wait for the next).
+/// Most writes one batch takes (the rest wait for the next; a request of several writes is
+/// never split).
 pub(crate) const MAX_BATCH: usize = 4096;
 
 /// The state store of one region's durable entities; cheap to clone.
@@ -75,13 +76,14 @@ impl std::fmt::Debug for StateIo {
     }
 }
 
-/// One entity's write: its new encoded state (`None`: delete), under the shard's epoch.
+/// Writes under one owner (a shard, or a producer's queue) and epoch, answered together: each
+/// entry's new encoded value (`None`: delete). An entity writes one at a time; a producer
+/// hands over every write its core asked for meanwhile, in order.
 struct WriteRequest {
     shard: ShardId,
     epoch: u64,
-    entity_id: String,
-    value: Option<Vec<u8>>,
-    done: oneshot::Sender<Result<()>>,
+    writes: Vec<(String, Option<Vec<u8>>)>,
+    done: oneshot::Sender<Vec<Result<()>>>,
 }
 
 /// The claim of every state slot of `shard` in key space `space` at `epoch` (see the module
@@ -254,22 +256,45 @@ impl StateIo {
     /// Writes one entity's state (`None`: deletes it) under `epoch`: queued to the region's
     /// state writer, answered once its batch is acknowledged at the write consistency.
     pub(crate) async fn write(&self, shard: &str, epoch: u64, entity_id: &str, value: Option<Vec<u8>>) -> Result<()> {
-        let (done, result) = oneshot::channel();
-        let req = WriteRequest { shard: shard.to_string(), epoch, entity_id: entity_id.to_string(), value, done };
-        self.inner.writer.send(req).map_err(|_| Error::ShutDown)?;
-        result.await.map_err(|_| Error::ShutDown)?
+        let written = self.write_all(shard, epoch, vec![(entity_id.to_string(), value)]).await;
+        written.into_iter().next().unwrap_or(Err(Error::ShutDown))
     }
 
-    /// Takes one batch at a time, every request queued meanwhile, and ends it (its tries
-    /// included) before the next: a retried write never lands after a newer write of its key
-    /// (a producer's durable queue deletes and reuses places relying on it; the simulation
-    /// performs its queue writes the same way).
+    /// Writes several entries of `owner` under `epoch`, in order, in one request to the
+    /// writer (so in one batch): each one's result, in the same order ([`Error::ShutDown`]
+    /// for each once the writer is gone).
+    pub(crate) async fn write_all(
+        &self,
+        owner: &str,
+        epoch: u64,
+        writes: Vec<(String, Option<Vec<u8>>)>,
+    ) -> Vec<Result<()>> {
+        let count = writes.len();
+        let (done, result) = oneshot::channel();
+        let req = WriteRequest { shard: owner.to_string(), epoch, writes, done };
+        let answered = match self.inner.writer.send(req) {
+            Ok(()) => result.await.ok(),
+            Err(_) => None,
+        };
+        answered.unwrap_or_else(|| (0..count).map(|_| Err(Error::ShutDown)).collect())
+    }
+
+    /// Takes one batch at a time, every request queued meanwhile (up to [`MAX_BATCH`] writes),
+    /// and ends it (its tries included) before the next: a retried write never lands after a
+    /// newer write of its key (a producer's durable queue deletes and reuses places relying on
+    /// it; the simulation performs its queue writes the same way).
     async fn run_writer(self, mut requests: mpsc::UnboundedReceiver<WriteRequest>) {
-        let mut batch = Vec::new();
         // One warning a minute per full slot.
         let mut full_log = LogLimiter::new(Duration::from_secs(60));
-        while requests.recv_many(&mut batch, MAX_BATCH).await > 0 {
-            self.write_batch(std::mem::take(&mut batch), &mut full_log).await;
+        while let Some(first) = requests.recv().await {
+            let mut writes = first.writes.len();
+            let mut batch = vec![first];
+            while writes < MAX_BATCH {
+                let Ok(more) = requests.try_recv() else { break };
+                writes += more.writes.len();
+                batch.push(more);
+            }
+            self.write_batch(batch, &mut full_log).await;
         }
     }
 
@@ -278,13 +303,17 @@ impl StateIo {
     async fn write_batch(&self, batch: Vec<WriteRequest>, full_log: &mut LogLimiter<String>) {
         let io = &self.inner;
         add(&io.counters.state_batches, 1);
-        let (requests, done): (Vec<StateRequest>, Vec<_>) = batch
-            .into_iter()
-            .map(|r| {
-                let request = StateRequest { shard: r.shard, epoch: r.epoch, entity_id: r.entity_id, value: r.value };
-                (request, r.done)
-            })
-            .unzip();
+        let mut requests = Vec::new();
+        let mut done = Vec::with_capacity(batch.len());
+        for r in batch {
+            done.push((r.done, r.writes.len()));
+            requests.extend(r.writes.into_iter().map(|(entity_id, value)| StateRequest {
+                shard: r.shard.clone(),
+                epoch: r.epoch,
+                entity_id,
+                value,
+            }));
+        }
         let shards: Vec<(ShardId, String)> = requests.iter().map(|r| (r.shard.clone(), r.entity_id.clone())).collect();
         let (counters, mut out) = (Arc::clone(&io.counters), Vec::new());
         let mut core = StateBatch::start(&io.space, io.slots, io.slot_budget, counters, requests, &mut out);
@@ -305,14 +334,16 @@ impl StateIo {
             let what = "entity-state (raise sharding.state.slots, or find the client)";
             report_full_slot(&io.counters, full_log, &io.type_name, key, io.slot_budget, *refused, what);
         }
-        for ((done, result), (shard, entity_id)) in done.into_iter().zip(outcome.results).zip(shards) {
+        let mut results = outcome.results.into_iter().zip(shards).map(|(result, (shard, entity_id))| {
             match &result {
                 StateResult::Written => add(&io.counters.state_writes, 1),
                 StateResult::Fenced { .. } => add(&io.counters.state_fenced, 1),
                 _ => {}
             }
-            let result = result.into_result(entity_id, shard, io.slot_budget);
-            let _ = done.send(result);
+            result.into_result(entity_id, shard, io.slot_budget)
+        });
+        for (done, writes) in done {
+            let _ = done.send(results.by_ref().take(writes).collect());
         }
         debug!(type_name = %io.type_name, "state batch written");
     }

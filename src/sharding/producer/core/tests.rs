@@ -635,6 +635,30 @@ mod durable {
         assert_eq!(r.offer("d", "x"), vec![ProducerAction::Wait], "three entities is the limit: d waits");
     }
 
+    /// An earlier incarnation may have left an unacknowledged write of a number the load did
+    /// not see on a replica it did not read: the resumed stream writes that number at the same
+    /// key, so the old write can never come back beside it (seed 1210000435 of
+    /// `reliable-durable-tight` showed what a free-place layout does instead).
+    #[test]
+    fn a_resumed_stream_writes_each_number_at_the_place_every_incarnation_gives_it() {
+        let mut r = rig();
+        let stream = RestoredStream {
+            entity: "a".into(),
+            stream: S,
+            lane: 0,
+            modulus: 3,
+            made: (1 << 16, 1),
+            messages: vec![(2, Bytes::from("m"))],
+            confirmed: Vec::new(),
+        };
+        r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
+        for seq in 3..=4 {
+            let key = crate::sharding::producer::queue::entry_key(0, seq, 3);
+            assert_eq!(persists(&r.offer("a", "x")), vec![(key, seq)], "{seq}");
+        }
+        assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait], "5 would take 2's place, still unconfirmed");
+    }
+
     #[test]
     fn a_restored_streams_confirmed_entries_are_deleted_by_it_and_stale_ones_at_once() {
         let mut r = rig();
