@@ -15,6 +15,9 @@
 //!   first two waits (its waiter is woken when room frees, oldest first), one past the byte
 //!   budget is refused at once.
 //!
+//! - **New numbers are never below what an entity handled.** A stream resumed from a
+//!   durable queue's load takes no new message (see [`super::queue`]): its entity's next
+//!   offers wait until it is let go and then go in a new stream.
 //! - **A held message holds its stream.** An entity may hold a message's confirmation back (a
 //!   deferred confirm, answered `Pending`): what follows it is sent again once it is
 //!   confirmed, and until then only it is (again, after a failure).
@@ -246,8 +249,11 @@ impl ProducerCore {
         s.queue.len() < self.limits.window && (!self.limits.durable || span < s.modulus)
     }
 
-    /// Messages that fit in `s` now.
+    /// Messages that fit in `s` now (none in a resumed stream: see [`Stream::resumed`]).
     fn room(&self, s: &Stream) -> usize {
+        if s.resumed {
+            return 0;
+        }
         let by_window = self.limits.window.saturating_sub(s.queue.len());
         if !self.limits.durable {
             return by_window;
@@ -257,6 +263,17 @@ impl ProducerCore {
     }
 
     fn offer(&mut self, entity: String, bytes: Bytes, waiter: u64, now: Instant, out: &mut Vec<ProducerAction>) {
+        let current = match self.streams.get_mut(&entity) {
+            Some(s) => Some(s),
+            None => self.evicted.get_mut(&entity),
+        };
+        if let Some(s) = current.filter(|s| s.resumed) {
+            // Its entity's next messages go in a new stream, once this one is let go.
+            self.counts.demand_waits += 1;
+            s.waiters.push_back(waiter);
+            out.push(ProducerAction::Wait);
+            return;
+        }
         let room = match self.streams.get(&entity) {
             Some(s) => self.has_room(s),
             None => self.room_for_a_stream(),
@@ -336,6 +353,7 @@ impl ProducerCore {
             modulus: self.limits.window.max(1) as u64,
             made: (self.epoch, self.streams_made),
             held: None,
+            resumed: false,
             undeleted: BTreeSet::new(),
             deleting: BTreeSet::new(),
             flush_at: None,
@@ -387,7 +405,7 @@ impl ProducerCore {
                 continue;
             }
             let mut s = self.new_stream(r.stream, r.lane);
-            (s.modulus, s.made) = (r.modulus.max(1), r.made);
+            (s.modulus, s.made, s.resumed) = (r.modulus.max(1), r.made, true);
             // Entries of confirmed messages whose deletion was not written: deleted now, and
             // the stream is let go only once they are. Their places are not written before.
             for seq in r.confirmed {
@@ -688,8 +706,9 @@ impl ProducerCore {
     }
 
     /// A deletion ended. An evicted stream whose entries are all deleted is let go (its lane
-    /// is free, its entity may start a new stream); one whose deletion failed tries again
-    /// after a pause, as an idle stream does (a busy one deletes at its next idle flush).
+    /// is free, its entity may start a new stream), and so is a resumed one with nothing left
+    /// unconfirmed; one whose deletion failed tries again after a pause, as an idle stream
+    /// does (a busy one deletes at its next idle flush).
     fn unpersisted(
         &mut self,
         of: Option<StoredMessage>,
@@ -711,14 +730,35 @@ impl ProducerCore {
         if result == PersistResult::Stored {
             s.undeleted.remove(&seq);
         }
-        if evicted && s.undeleted.is_empty() {
-            let lane = s.lane;
-            self.evicted.remove(&entity);
-            self.free_lanes.insert(lane);
-            self.wake_parked(out);
+        if s.undeleted.is_empty() && (evicted || (s.resumed && s.queue.is_empty())) {
+            let s = if evicted { self.evicted.remove(&entity) } else { self.take_stream(&entity) };
+            self.let_go(&entity, s.expect("found above"), out);
         } else {
             retry_failed_deletions(&mut self.flushes, &entity, s, now + self.limits.resend_backoff_min);
         }
+    }
+
+    /// Removes `entity`'s stream, with what it has scheduled.
+    fn take_stream(&mut self, entity: &str) -> Option<Stream> {
+        let mut s = self.streams.remove(entity)?;
+        if let Some(at) = s.idle_since.take() {
+            self.idle.remove(&at);
+        }
+        if let Some(at) = s.retry_at.take() {
+            self.retries.remove(&(at, entity.to_string()));
+        }
+        cancel_flush(&mut self.flushes, entity, &mut s);
+        Some(s)
+    }
+
+    /// Lets go of a stream whose entries are all deleted: its lane is free, its entity may
+    /// start a new stream, and the offers that waited for that are woken.
+    fn let_go(&mut self, entity: &str, s: Stream, out: &mut Vec<ProducerAction>) {
+        self.free_lanes.insert(s.lane);
+        for waiter in s.waiters {
+            out.push(ProducerAction::Wake { waiter, entity: Some(entity.to_string()) });
+        }
+        self.wake_parked(out);
     }
 
     /// Wakes the oldest offer waiting for a stream, if there is room for one.

@@ -32,6 +32,13 @@
 //! confirms it as a duplicate or, a plain entity's new incarnation, handles it again); the
 //! entries below that number are confirmed ones it deletes before it is let go; entries of
 //! other streams are stale and deleted.
+//!
+//! **A resumed stream takes no new message.** A load cannot see the numbers an earlier
+//! incarnation had confirmed and deleted (a deletion leaves no number), so a stream resumed
+//! from an entry whose deletion failed may be behind what its entity handled; a new message
+//! numbered from there would be confirmed as a duplicate and never handled. The producer
+//! sends a resumed stream's messages, deletes its entries, lets it go, and only then starts
+//! its entity's next stream, which the entity takes from its first message.
 
 use std::collections::BTreeMap;
 

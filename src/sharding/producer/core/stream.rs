@@ -57,6 +57,12 @@ pub(super) struct Stream {
     pub(super) deleting: BTreeSet<u64>,
     /// Durable: when its next try at the deletions that failed is due.
     pub(super) flush_at: Option<Instant>,
+    /// Durable: resumed from a load. It takes no new message: the incarnation before may have
+    /// had later numbers confirmed and deleted, which no load sees, so a number given now
+    /// could be one its entity handled already (and would confirm as a duplicate without
+    /// handling). Offers to its entity wait until it is let go — nothing unconfirmed, every
+    /// entry deleted — and then start a new stream.
+    pub(super) resumed: bool,
 }
 
 impl Stream {

@@ -96,6 +96,8 @@ fn confirms(out: &[ProducerAction]) -> Vec<u64> {
 }
 
 const S: u64 = 1001; // the first stream of a core with base 1000
+/// A stream an earlier incarnation made (a load resumes it).
+const OLD: u64 = 77;
 
 #[test]
 fn stored_messages_are_numbered_sent_at_once_and_confirmed_cumulatively() {
@@ -293,6 +295,9 @@ fn the_oldest_unconfirmed_message_is_reported_until_confirmed() {
 
 mod durable {
     use super::*;
+    use std::collections::BTreeMap;
+
+    use crate::sharding::delivery::ConsumerMarks;
     use crate::sharding::producer::queue::{Restored, RestoredStream};
 
     fn rig() -> Rig {
@@ -627,36 +632,11 @@ mod durable {
             .collect();
         assert_eq!(probes, vec![("a".to_string(), 50, 4, true), ("b".to_string(), 60, 1, true)]);
         assert_eq!((r.core.unconfirmed(), r.core.entities()), (3, 2));
-        // `a` goes on at 6; a new entity takes lane 1, the free one.
-        let out = r.offer("a", "x");
-        assert_eq!(persists(&out), vec![("0.0".to_string(), 6)]);
+        // `a`'s resumed stream takes no new message; a new entity takes lane 1, the free one.
+        assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
         let out = r.offer("c", "x");
         assert_eq!(persists(&out), vec![("1.1".to_string(), 1)]);
         assert_eq!(r.offer("d", "x"), vec![ProducerAction::Wait], "three entities is the limit: d waits");
-    }
-
-    /// An earlier incarnation may have left an unacknowledged write of a number the load did
-    /// not see on a replica it did not read: the resumed stream writes that number at the same
-    /// key, so the old write can never come back beside it (seed 1210000435 of
-    /// `reliable-durable-tight` showed what a free-place layout does instead).
-    #[test]
-    fn a_resumed_stream_writes_each_number_at_the_place_every_incarnation_gives_it() {
-        let mut r = rig();
-        let stream = RestoredStream {
-            entity: "a".into(),
-            stream: S,
-            lane: 0,
-            modulus: 3,
-            made: (1 << 16, 1),
-            messages: vec![(2, Bytes::from("m"))],
-            confirmed: Vec::new(),
-        };
-        r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
-        for seq in 3..=4 {
-            let key = crate::sharding::producer::queue::entry_key(0, seq, 3);
-            assert_eq!(persists(&r.offer("a", "x")), vec![(key, seq)], "{seq}");
-        }
-        assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait], "5 would take 2's place, still unconfirmed");
     }
 
     #[test]
@@ -664,7 +644,7 @@ mod durable {
         let mut r = rig();
         let stream = RestoredStream {
             entity: "a".into(),
-            stream: S,
+            stream: OLD,
             lane: 0,
             modulus: 3,
             made: (1 << 16, 1),
@@ -677,8 +657,144 @@ mod durable {
         let mut deleted = unpersists(&out);
         deleted.sort();
         assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string(), "1.0".to_string()]);
-        // Sent to again, it goes on after its highest number, at a place of its own lane.
-        assert_eq!(persists(&r.offer("a", "x")), vec![("0.0".to_string(), 6)]);
+        // Sent to again, it waits until the resumed stream is let go: then a new stream.
+        assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
+        let deleted = |r: &mut Rig, seq| {
+            r.run(ProducerInput::Unpersisted { of: Some(("a".into(), OLD, seq)), result: PersistResult::Stored })
+        };
+        assert!(deleted(&mut r, 4).is_empty(), "5's entry is still there");
+        let out = deleted(&mut r, 5);
+        assert_eq!(out, vec![ProducerAction::Wake { waiter: 1, entity: Some("a".into()) }]);
+        let out = r.offer("a", "x");
+        assert_eq!(persists(&out), vec![("0.1".to_string(), 1)], "a new stream, numbered from 1, in the lane let go");
+        assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 }, "a stream of this incarnation");
+    }
+
+    /// A resumed stream cannot know the numbers the incarnation before had confirmed and
+    /// deleted; a new message in it could take one its entity handled. It takes none: offers
+    /// to its entity wait until it has nothing unconfirmed and every entry is deleted, then go
+    /// in a new stream, which the entity takes from its first message.
+    #[test]
+    fn a_resumed_stream_takes_no_new_message_and_its_entitys_offers_wait_for_a_new_stream() {
+        let mut r = rig();
+        let stream = RestoredStream {
+            entity: "a".into(),
+            stream: OLD,
+            lane: 0,
+            modulus: 3,
+            made: (1 << 16, 1),
+            messages: vec![(2, Bytes::from("m"))],
+            confirmed: Vec::new(),
+        };
+        r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
+        assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
+        assert_eq!(r.offer("a", "y"), vec![ProducerAction::Wait]);
+        assert_eq!(r.core.counts().demand_waits, 2);
+        r.answer("a", OLD, 1, 2, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+        let out = r.answer("a", OLD, 2, 2, confirmed(false));
+        assert_eq!(unpersists(&out), vec!["0.2".to_string()], "2's entry is deleted");
+        assert!(!out.iter().any(|a| matches!(a, ProducerAction::Wake { .. })), "not before the deletion is written");
+        let deleted =
+            |r: &mut Rig, result| r.run(ProducerInput::Unpersisted { of: Some(("a".into(), OLD, 2)), result });
+        let out = deleted(&mut r, PersistResult::Retry("timeout".into()));
+        assert!(out.is_empty(), "a failed deletion keeps it: {out:?}");
+        assert_eq!(unpersists(&r.later(Duration::from_millis(100))), vec!["0.2".to_string()], "tried again");
+        let out = deleted(&mut r, PersistResult::Stored);
+        let woken: Vec<u64> = out
+            .iter()
+            .filter_map(|a| match a {
+                ProducerAction::Wake { waiter, entity: Some(e) } if e == "a" => Some(*waiter),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(woken, vec![1, 2], "both offers, oldest first");
+        let out = r.offer("a", "x");
+        assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 }, "a stream of this incarnation");
+    }
+
+    /// Delivers every send among `out` to an entity's `marks` and feeds each answer back to
+    /// `r`'s core (and what that sends, in turn), recording the bodies the entity handled.
+    /// Returns the other actions.
+    fn deliver(
+        r: &mut Rig,
+        marks: &mut ConsumerMarks,
+        out: Vec<ProducerAction>,
+        handled: &mut Vec<String>,
+    ) -> Vec<ProducerAction> {
+        let (mut pending, mut rest): (std::collections::VecDeque<ProducerAction>, _) = (out.into(), Vec::new());
+        while let Some(action) = pending.pop_front() {
+            let ProducerAction::Send { entity, header, round, bytes } = action else {
+                rest.push(action);
+                continue;
+            };
+            let outcome = match marks.admit(&header).answer(marks.nonce()) {
+                Some(outcome) => outcome,
+                None => {
+                    handled.push(String::from_utf8(bytes.to_vec()).unwrap());
+                    DeliveryOutcome::Confirmed { handled: true, nonce: marks.nonce() }
+                }
+            };
+            let (stream, seq) = (header.stream, header.seq);
+            pending.extend(r.answer(&entity, stream, round, seq, SendResult::Answered(outcome)));
+        }
+        rest
+    }
+
+    /// p's first incarnation had messages 1 to 3 of e's stream confirmed; the deletions of 2
+    /// and 3 were written, 1's failed, and p stopped before trying it again. The next
+    /// incarnation loads only 1's entry and resumes the stream from it: a message it then
+    /// stores must reach e as a new one, not take a number e handled already.
+    #[test]
+    fn a_stream_resumed_from_an_entry_whose_deletion_failed_numbers_new_messages_past_what_its_entity_handled() {
+        let mut marks = ConsumerMarks::new(9);
+        let mut handled = Vec::new();
+        let mut first = rig();
+        let mut stored = BTreeMap::new();
+        for (seq, body) in [(1, "a"), (2, "b"), (3, "c")] {
+            for action in first.offer("e", body) {
+                if let ProducerAction::Persist { key, entry } = action {
+                    stored.insert(key, entry);
+                }
+            }
+            let out = persisted(&mut first, "e", seq, PersistResult::Stored);
+            deliver(&mut first, &mut marks, out, &mut handled);
+        }
+        assert_eq!(handled, ["a", "b", "c"]);
+        // Deleted: 2 and 3; 1's deletion failed (its entry stays).
+        stored.retain(|_, entry| entry.seq == 1);
+        let entries =
+            stored.into_iter().map(|(key, entry)| (key, crate::transport::wire::encode(&entry).unwrap().to_vec()));
+        let restored = crate::sharding::producer::queue::restore(entries.collect());
+        let mut next = Rig {
+            core: ProducerCore::new("p".into(), ProducerLimits { durable: true, ..limits() }, 5000, 8 << 16),
+            now: first.now,
+            waiters: 0,
+        };
+        let out = next.run(ProducerInput::Restore(restored));
+        assert_eq!(next.offer("e", "d"), vec![ProducerAction::Wait], "not in the resumed stream");
+        let mut deletions = Vec::new();
+        for action in deliver(&mut next, &mut marks, out, &mut handled) {
+            if let ProducerAction::Unpersist { of: Some((_, stream, seq)), .. } = action {
+                deletions.push((stream, seq));
+            }
+        }
+        assert_eq!(handled, ["a", "b", "c"], "1 again is a duplicate");
+        assert_eq!(deletions.len(), 1, "1's entry");
+        let (stream, seq) = deletions[0];
+        let of = Some(("e".to_string(), stream, seq));
+        let out = next.run(ProducerInput::Unpersisted { of, result: PersistResult::Stored });
+        assert!(matches!(out[..], [ProducerAction::Wake { waiter: 1, .. }]), "{out:?}");
+        let out = next.offer("e", "d");
+        let Some((stream, seq)) = out.iter().find_map(|a| match a {
+            ProducerAction::Storing { stream, seq } => Some((*stream, *seq)),
+            _ => None,
+        }) else {
+            panic!("stored: {out:?}")
+        };
+        let out = persisted_of(&mut next, "e", stream, seq, PersistResult::Stored);
+        deliver(&mut next, &mut marks, out, &mut handled);
+        assert_eq!(handled, ["a", "b", "c", "d"], "d handled once, as new");
+        assert_eq!(next.core.unconfirmed(), 0);
     }
 
     #[test]
