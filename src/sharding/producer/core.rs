@@ -29,7 +29,7 @@
 //! knows it, is not introduced to a new one per message), until an entity without a stream
 //! needs its place: the least recently idle one goes then.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -146,7 +146,7 @@ pub(crate) struct ProducerCore {
     streams_made: u64,
     streams: HashMap<String, Stream>,
     /// Idle streams, least recently idle first; the count orders them.
-    idle: std::collections::BTreeMap<u64, String>,
+    idle: BTreeMap<u64, String>,
     idle_count: u64,
     /// Offers for entities without a stream, waiting for one (`max_entities` reached).
     parked: VecDeque<u64>,
@@ -242,11 +242,10 @@ impl ProducerCore {
         }
     }
 
-    /// Whether `s` has room for another message: `window` unconfirmed messages, and (durable)
-    /// fewer numbers from its oldest unconfirmed one than its lane has places.
+    /// Whether `s` has room for another message: fewer than `window` unconfirmed messages,
+    /// and (durable) a free place in its lane.
     fn has_room(&self, s: &Stream) -> bool {
-        let span = s.next_seq - s.first_unconfirmed();
-        s.queue.len() < self.limits.window && (!self.limits.durable || span < s.modulus)
+        self.room(s) > 0
     }
 
     /// Messages that fit in `s` now (none in a resumed stream: see [`Stream::resumed`]).
@@ -258,8 +257,8 @@ impl ProducerCore {
         if !self.limits.durable {
             return by_window;
         }
-        let span = s.next_seq - s.first_unconfirmed();
-        by_window.min(usize::try_from(s.modulus.saturating_sub(span)).unwrap_or(usize::MAX))
+        let places = usize::try_from(s.modulus).unwrap_or(usize::MAX);
+        by_window.min(places.saturating_sub(s.queue.len()))
     }
 
     fn offer(&mut self, entity: String, bytes: Bytes, waiter: u64, now: Instant, out: &mut Vec<ProducerAction>) {
@@ -318,14 +317,15 @@ impl ProducerCore {
         s.next_seq += 1;
         self.queued_bytes += bytes.len();
         let durable = self.limits.durable;
+        let place = if durable { s.free_place() } else { 0 };
         if durable {
             out.push(ProducerAction::Storing { stream: s.id, seq });
-            out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &bytes) });
+            out.push(ProducerAction::Persist { key: s.key(place), entry: s.entry(&entity, seq, &bytes) });
         } else {
             self.counts.stored += 1;
             out.push(ProducerAction::Stored { stream: s.id, seq });
         }
-        s.queue.push_back(Queued { seq, bytes, stored_at: now, stored: !durable, sends: 0, panics: 0 });
+        s.queue.push_back(Queued { seq, place, bytes, stored_at: now, stored: !durable, sends: 0, panics: 0 });
         self.pump(&entity, out);
     }
 
@@ -354,7 +354,7 @@ impl ProducerCore {
             made: (self.epoch, self.streams_made),
             held: None,
             resumed: false,
-            undeleted: BTreeSet::new(),
+            undeleted: BTreeMap::new(),
             deleting: BTreeSet::new(),
             flush_at: None,
         }
@@ -375,7 +375,7 @@ impl ProducerCore {
         match result {
             PersistResult::Stored => {
                 s.queue[i].stored = true;
-                s.overwritten(seq);
+                s.overwritten(s.queue[i].place);
                 self.counts.stored += 1;
                 out.push(ProducerAction::Stored { stream, seq });
                 self.pump(entity, out);
@@ -408,14 +408,14 @@ impl ProducerCore {
             (s.modulus, s.made, s.resumed) = (r.modulus.max(1), r.made, true);
             // Entries of confirmed messages whose deletion was not written: deleted now, and
             // the stream is let go only once they are. Their places are not written before.
-            for seq in r.confirmed {
+            for (seq, place) in r.confirmed {
                 s.next_seq = s.next_seq.max(seq.saturating_add(1));
-                s.delete(&r.entity, seq, out);
+                s.delete(&r.entity, seq, place, out);
             }
-            for (seq, bytes) in r.messages {
+            for (seq, place, bytes) in r.messages {
                 self.queued_bytes += bytes.len();
                 s.next_seq = s.next_seq.max(seq.saturating_add(1));
-                s.queue.push_back(Queued { seq, bytes, stored_at: now, stored: true, sends: 1, panics: 0 });
+                s.queue.push_back(Queued { seq, place, bytes, stored_at: now, stored: true, sends: 1, panics: 0 });
             }
             self.lanes = self.lanes.max(r.lane.saturating_add(1));
             self.streams.insert(r.entity.clone(), s);
@@ -574,7 +574,7 @@ impl ProducerCore {
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
         if self.limits.durable {
-            s.delete(entity, seq, out);
+            s.delete(entity, seq, q.place, out);
         }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         true
@@ -588,7 +588,7 @@ impl ProducerCore {
             let q = s.queue.pop_front().expect("seen above");
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                s.delete(entity, q.seq, out);
+                s.delete(entity, q.seq, q.place, out);
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
@@ -623,7 +623,7 @@ impl ProducerCore {
             self.persist_retries.remove(&(at, entity.clone(), seq));
             let Some(s) = self.streams.get(&entity) else { continue };
             if let Some(q) = s.queue.iter().find(|q| q.seq == seq && !q.stored) {
-                out.push(ProducerAction::Persist { key: s.key(seq), entry: s.entry(&entity, seq, &q.bytes) });
+                out.push(ProducerAction::Persist { key: s.key(q.place), entry: s.entry(&entity, seq, &q.bytes) });
             }
         }
         while let Some((at, entity)) = self.flushes.first().cloned().filter(|(at, _)| *at <= now) {

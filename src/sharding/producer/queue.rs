@@ -3,11 +3,23 @@
 //! entries a restarted producer loads.
 //!
 //! **Keys.** A stream is given a lane when it starts (lanes are reused once their stream has
-//! gone idle and been evicted); message `seq` lives at `"{lane}.{seq % modulus}"`, `modulus`
-//! being the stream's window when it started. A stream never holds `modulus` numbers at once
-//! (the producer waits for room), so a place is free when the next number takes it, and no
-//! key per entity or per message ever accumulates: a confirmed message's tombstone is
-//! overwritten by a later message at its place.
+//! gone idle and been evicted); a message lives at `"{lane}.{place}"`, its place being the
+//! lowest one of the lane no unconfirmed message of the stream holds. A stream holds fewer
+//! unconfirmed messages than its lane has places (`modulus`, the stream's window when it
+//! started; the producer waits for room), so a new message always finds one, and no key per
+//! entity or per message accumulates: a confirmed message's tombstone is overwritten by the
+//! next message at its place. A lane keeps as many keys, tombstones included, as its streams
+//! ever held unconfirmed messages at once — one or two for an entity sent one message at a
+//! time, where `seq % modulus` (the layout before) wore a window's worth into every lane, and
+//! every write and merge of its slot paid for them. Stores written with that layout load the
+//! same way.
+//!
+//! **Each number is written by one incarnation, at one place.** Only the incarnation that
+//! made a stream gives it numbers (a resumed stream takes none, below), and it writes each at
+//! the place it chose, again until acknowledged. So no number can be stored twice: a later
+//! incarnation's message at another place beside an earlier one's unacknowledged write of the
+//! same number (seed 1210000435 of `reliable-durable-tight`, when resumed streams still took
+//! new numbers).
 //!
 //! **Deletion.** A confirmed (or given up) message's entry is deleted at once; a deletion that
 //! fails is tried again once its stream is idle. Each entry also carries its stream's oldest
@@ -63,14 +75,15 @@ pub(crate) struct QueueEntry {
     pub first_unconfirmed: u64,
 }
 
-/// The key of message `seq` of the stream in `lane` with `modulus` places.
-pub(crate) fn entry_key(lane: u32, seq: u64, modulus: u64) -> String {
-    format!("{lane}.{}", seq % modulus.max(1))
+/// The key of `place` in `lane`.
+pub(crate) fn entry_key(lane: u32, place: u64) -> String {
+    format!("{lane}.{place}")
 }
 
-/// The lane of an entry key.
-fn lane_of(key: &str) -> Option<u32> {
-    key.split_once('.')?.0.parse().ok()
+/// The lane and place of an entry key.
+fn lane_and_place(key: &str) -> Option<(u32, u64)> {
+    let (lane, place) = key.split_once('.')?;
+    Some((lane.parse().ok()?, place.parse().ok()?))
 }
 
 /// A stream rebuilt from its stored entries.
@@ -81,18 +94,18 @@ pub(crate) struct RestoredStream {
     pub lane: u32,
     pub modulus: u64,
     pub made: (u64, u64),
-    /// Its messages by number, oldest first.
-    pub messages: Vec<(u64, Bytes)>,
-    /// Numbers of its confirmed messages whose entries are still stored (their deletions were
-    /// not written): the stream deletes them.
-    pub confirmed: Vec<u64>,
+    /// Its messages (number, place, bytes), oldest first.
+    pub messages: Vec<(u64, u64, Bytes)>,
+    /// Its confirmed messages whose entries are still stored (their deletions were not
+    /// written), with their places: the stream deletes them.
+    pub confirmed: Vec<(u64, u64)>,
 }
 
 impl RestoredStream {
     /// The keys of every entry it was rebuilt from.
     fn keys(&self) -> impl Iterator<Item = String> + '_ {
-        let seqs = self.messages.iter().map(|(seq, _)| *seq).chain(self.confirmed.iter().copied());
-        seqs.map(|seq| entry_key(self.lane, seq, self.modulus))
+        let places = self.messages.iter().map(|(_, place, _)| *place);
+        places.chain(self.confirmed.iter().map(|(_, place)| *place)).map(|place| entry_key(self.lane, place))
     }
 }
 
@@ -110,8 +123,8 @@ struct Found {
     made: (u64, u64),
     entity: String,
     modulus: u64,
-    /// (seq, message, key).
-    messages: Vec<(u64, Bytes, String)>,
+    /// (seq, place, message, key).
+    messages: Vec<(u64, u64, Bytes, String)>,
     /// The highest first unconfirmed number its entries carry: those below it are confirmed.
     confirmed_below: u64,
 }
@@ -121,8 +134,8 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
     let mut restored = Restored::default();
     let mut lanes: BTreeMap<u32, BTreeMap<u64, Found>> = BTreeMap::new();
     for (key, value) in entries {
-        let decoded = lane_of(&key).zip(crate::transport::wire::decode::<QueueEntry>(&value).ok());
-        let Some((lane, e)) = decoded.filter(|(lane, e)| entry_key(*lane, e.seq, e.modulus) == key) else {
+        let decoded = lane_and_place(&key).zip(crate::transport::wire::decode::<QueueEntry>(&value).ok());
+        let Some(((lane, place), e)) = decoded.filter(|((_, place), e)| *place < e.modulus) else {
             restored.undecodable += 1;
             restored.stale.push(key);
             continue;
@@ -135,7 +148,7 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
             confirmed_below: 0,
         });
         found.confirmed_below = found.confirmed_below.max(e.first_unconfirmed);
-        found.messages.push((e.seq, Bytes::from(e.bytes), key));
+        found.messages.push((e.seq, place, Bytes::from(e.bytes), key));
     }
     // The newest stream of each lane, then of each entity.
     let mut newest: BTreeMap<String, RestoredStream> = BTreeMap::new();
@@ -145,7 +158,7 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
         let Some((stream, Found { made, entity, modulus, mut messages, confirmed_below })) = streams.pop() else {
             continue;
         };
-        restored.stale.extend(streams.into_iter().flat_map(|(_, s)| s.messages.into_iter().map(|(_, _, k)| k)));
+        restored.stale.extend(streams.into_iter().flat_map(|(_, s)| s.messages.into_iter().map(|(.., k)| k)));
         messages.sort_by_key(|(seq, ..)| *seq);
         // Entries of confirmed messages whose deletion was not written.
         let (confirmed, unconfirmed): (Vec<_>, Vec<_>) =
@@ -156,8 +169,8 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
             lane,
             modulus,
             made,
-            messages: unconfirmed.into_iter().map(|(seq, bytes, _)| (seq, bytes)).collect(),
-            confirmed: confirmed.into_iter().map(|(seq, ..)| seq).collect(),
+            messages: unconfirmed.into_iter().map(|(seq, place, bytes, _)| (seq, place, bytes)).collect(),
+            confirmed: confirmed.into_iter().map(|(seq, place, ..)| (seq, place)).collect(),
         };
         match newest.get(&entity) {
             Some(kept) if kept.made >= made => restored.stale.extend(candidate.keys()),
@@ -192,7 +205,8 @@ mod tests {
     ) -> (String, Vec<u8>) {
         let bytes = seq.to_be_bytes().to_vec();
         let e = QueueEntry { entity: entity.into(), stream, made, seq, modulus: 4, bytes, first_unconfirmed };
-        (entry_key(lane, seq, 4), wire::encode(&e).unwrap().to_vec())
+        // At the place the first layout gave it: a store written then loads as one written now.
+        (entry_key(lane, seq % 4), wire::encode(&e).unwrap().to_vec())
     }
 
     #[test]
@@ -206,7 +220,7 @@ mod tests {
         ]);
         assert_eq!(r.streams.len(), 1);
         assert_eq!(numbers(&r.streams[0]), vec![3, 4], "3 may be confirmed: sent again, a duplicate at most");
-        assert_eq!(r.streams[0].confirmed, vec![1, 2], "deleted by the stream before it is let go");
+        assert_eq!(r.streams[0].confirmed, vec![(1, 1), (2, 2)], "deleted by the stream before it is let go");
         assert!(r.stale.is_empty());
     }
 
@@ -220,7 +234,7 @@ mod tests {
         ]);
         assert_eq!(r.streams.len(), 1);
         assert!(numbers(&r.streams[0]).is_empty());
-        assert_eq!((r.streams[0].lane, r.streams[0].confirmed.clone()), (1, vec![1, 2]));
+        assert_eq!((r.streams[0].lane, r.streams[0].confirmed.clone()), (1, vec![(1, 1), (2, 2)]));
     }
 
     #[test]
@@ -243,17 +257,41 @@ mod tests {
     }
 
     fn numbers(s: &RestoredStream) -> Vec<u64> {
-        s.messages.iter().map(|(seq, _)| *seq).collect()
+        s.messages.iter().map(|(seq, ..)| *seq).collect()
     }
 
     #[test]
-    fn places_wrap_within_a_lane_and_keys_name_their_lane() {
-        assert_eq!(
-            (entry_key(7, 1, 4), entry_key(7, 5, 4), entry_key(7, 6, 4)),
-            ("7.1".into(), "7.1".into(), "7.2".into())
-        );
-        assert_eq!(lane_of("12.3"), Some(12));
-        assert_eq!(lane_of("x.3"), None);
+    fn keys_name_their_lane_and_place() {
+        assert_eq!((entry_key(7, 0), entry_key(7, 3)), ("7.0".into(), "7.3".into()));
+        assert_eq!(lane_and_place("12.3"), Some((12, 3)));
+        assert_eq!(lane_and_place("x.3"), None);
+        assert_eq!(lane_and_place("1.x"), None);
+        assert_eq!(lane_and_place("13"), None);
+    }
+
+    #[test]
+    fn a_streams_messages_load_in_order_whatever_places_they_took_and_keep_their_places() {
+        let at = |place: u64, seq: u64, first_unconfirmed: u64| {
+            let e = QueueEntry {
+                entity: "a".into(),
+                stream: 10,
+                made: (1, 1),
+                seq,
+                modulus: 4,
+                bytes: vec![seq as u8],
+                first_unconfirmed,
+            };
+            (entry_key(2, place), wire::encode(&e).unwrap().to_vec())
+        };
+        // 5 took place 0 once 4 (there before) was confirmed; 6 took place 1; 3 is confirmed.
+        let r = restore(vec![at(1, 6, 5), at(0, 5, 5), at(3, 3, 3)]);
+        assert_eq!(r.streams.len(), 1);
+        let places: Vec<(u64, u64)> = r.streams[0].messages.iter().map(|(seq, place, _)| (*seq, *place)).collect();
+        assert_eq!(places, vec![(5, 0), (6, 1)]);
+        assert_eq!(r.streams[0].confirmed, vec![(3, 3)]);
+        let mut keys: Vec<String> = r.streams[0].keys().collect();
+        keys.sort();
+        assert_eq!(keys, ["2.0", "2.1", "2.3"]);
     }
 
     #[test]
@@ -285,9 +323,9 @@ mod tests {
     }
 
     #[test]
-    fn an_entry_that_does_not_decode_or_sits_at_another_place_is_counted_and_deleted() {
+    fn an_entry_that_does_not_decode_or_sits_past_its_lanes_places_is_counted_and_deleted() {
         let (_, good) = entry(0, "a", 10, (1, 1), 2);
-        let r = restore(vec![("0.1".into(), vec![0xc1]), ("0.3".into(), good), ("bad".into(), vec![])]);
+        let r = restore(vec![("0.1".into(), vec![0xc1]), ("0.4".into(), good), ("bad".into(), vec![])]);
         assert!(r.streams.is_empty());
         assert_eq!(r.undecodable, 3);
         assert_eq!(r.stale.len(), 3);

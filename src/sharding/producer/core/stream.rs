@@ -1,7 +1,7 @@
 //! A producer's stream: one entity's numbered messages, its round, and (durable) its lane and
 //! the entries it has left to delete (see [`super`]).
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -13,6 +13,8 @@ use crate::sharding::producer::queue::{QueueEntry, entry_key};
 /// An unconfirmed message.
 pub(super) struct Queued {
     pub(super) seq: u64,
+    /// Durable: its place in the stream's lane (0 otherwise).
+    pub(super) place: u64,
     pub(super) bytes: Bytes,
     pub(super) stored_at: Instant,
     /// Durable: its write was acknowledged (always true otherwise). Only a run of stored
@@ -42,17 +44,18 @@ pub(super) struct Stream {
     pub(super) nonce: u64,
     /// Since when it has had nothing unconfirmed and nobody waiting (its key in `idle`).
     pub(super) idle_since: Option<u64>,
-    /// Durable: its lane, places per lane, and when it was made (see [`super::queue`]).
+    /// Durable: its lane, places in the lane, and when it was made (see [`super::queue`]).
     pub(super) lane: u32,
     pub(super) modulus: u64,
     pub(super) made: (u64, u64),
     /// The message whose confirmation its entity holds back (a deferred confirm): nothing
     /// after it is sent until it is confirmed.
     pub(super) held: Option<u64>,
-    /// Durable: confirmed (or given up) messages whose entries may still be stored: deleted at
-    /// once, and until a majority acknowledged it (or a later message at the same place
-    /// overwrote it) kept here, tried again when the stream is idle or evicted.
-    pub(super) undeleted: BTreeSet<u64>,
+    /// Durable: confirmed (or given up) messages whose entries may still be stored, by number,
+    /// with their places: deleted at once, and until a majority acknowledged it (or a later
+    /// message at the same place overwrote it) kept here, tried again when the stream is idle
+    /// or evicted.
+    pub(super) undeleted: BTreeMap<u64, u64>,
     /// Durable: those of `undeleted` whose deletion is being written.
     pub(super) deleting: BTreeSet<u64>,
     /// Durable: when its next try at the deletions that failed is due.
@@ -70,8 +73,25 @@ impl Stream {
         self.queue.front().map_or(self.next_seq, |q| q.seq)
     }
 
-    pub(super) fn key(&self, seq: u64) -> String {
-        entry_key(self.lane, seq, self.modulus)
+    pub(super) fn key(&self, place: u64) -> String {
+        entry_key(self.lane, place)
+    }
+
+    /// The place a new message takes: the lowest one no unconfirmed message holds (a stream
+    /// holds fewer unconfirmed messages than places). Reusing the places just freed keeps the
+    /// lane's keys, tombstones included, as few as the most messages it held at once.
+    pub(super) fn free_place(&self) -> u64 {
+        let mut taken: Vec<u64> = self.queue.iter().map(|q| q.place).collect();
+        taken.sort_unstable();
+        let mut place = 0;
+        for t in taken {
+            if t == place {
+                place += 1;
+            } else if t > place {
+                break;
+            }
+        }
+        place
     }
 
     /// The stored form of message `seq` (`bytes`) of this stream of `entity`.
@@ -88,31 +108,35 @@ impl Stream {
         }
     }
 
-    /// The message at `seq`'s place is overwritten by `seq` (acknowledged): no deletion of
-    /// the one before is needed.
-    pub(super) fn overwritten(&mut self, seq: u64) {
-        let modulus = self.modulus.max(1);
-        self.undeleted.retain(|u| u % modulus != seq % modulus);
-        self.deleting.retain(|u| u % modulus != seq % modulus);
+    /// `place` is overwritten by a newer message (acknowledged): no deletion of the one before
+    /// is needed.
+    pub(super) fn overwritten(&mut self, place: u64) {
+        let deleting = &mut self.deleting;
+        self.undeleted.retain(|seq, p| {
+            let keep = *p != place;
+            if !keep {
+                deleting.remove(seq);
+            }
+            keep
+        });
     }
 
-    /// Deletes the entry of message `seq`, confirmed or given up. Its place is written again
-    /// only after (a number `modulus` later needs it confirmed first), and the store's writer
-    /// keeps the order.
-    pub(super) fn delete(&mut self, entity: &str, seq: u64, out: &mut Vec<ProducerAction>) {
-        self.undeleted.insert(seq);
+    /// Deletes the entry of message `seq` at `place`, confirmed or given up. A message may
+    /// take the place at once: the store's writer keeps the order, so its write lands after.
+    pub(super) fn delete(&mut self, entity: &str, seq: u64, place: u64, out: &mut Vec<ProducerAction>) {
+        self.undeleted.insert(seq, place);
         self.deleting.insert(seq);
-        out.push(ProducerAction::Unpersist { key: self.key(seq), of: Some((entity.to_string(), self.id, seq)) });
+        out.push(ProducerAction::Unpersist { key: self.key(place), of: Some((entity.to_string(), self.id, seq)) });
     }
 
     /// Deletes (again) the entries of its confirmed messages not being deleted already. Only
     /// while it has nothing unconfirmed: no write at one of those places is then on its way.
     pub(super) fn flush(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
         debug_assert!(self.queue.is_empty(), "a stream with unconfirmed messages is not flushed");
-        for &seq in self.undeleted.difference(&self.deleting) {
+        for (&seq, &place) in self.undeleted.iter().filter(|(seq, _)| !self.deleting.contains(seq)) {
             let of = Some((entity.to_string(), self.id, seq));
-            out.push(ProducerAction::Unpersist { key: self.key(seq), of });
+            out.push(ProducerAction::Unpersist { key: self.key(place), of });
         }
-        self.deleting.extend(self.undeleted.iter().copied());
+        self.deleting.extend(self.undeleted.keys().copied());
     }
 }

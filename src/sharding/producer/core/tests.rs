@@ -336,7 +336,7 @@ mod durable {
         let mut r = rig();
         let out = r.offer("e", "a");
         assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 });
-        assert_eq!(persists(&out), vec![("0.1".to_string(), 1)], "lane 0, place 1 % 3");
+        assert_eq!(persists(&out), vec![("0.0".to_string(), 1)], "lane 0, its first place");
         assert!(sends(&out).is_empty(), "not sent before it is stored");
         match &out[1] {
             ProducerAction::Persist { entry, .. } => {
@@ -370,7 +370,7 @@ mod durable {
         r.offer("e", "a");
         assert!(persisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
         assert!(persists(&r.later(Duration::from_millis(99))).is_empty());
-        assert_eq!(persists(&r.later(Duration::from_millis(1))), vec![("0.1".to_string(), 1)]);
+        assert_eq!(persists(&r.later(Duration::from_millis(1))), vec![("0.0".to_string(), 1)]);
     }
 
     #[test]
@@ -383,19 +383,20 @@ mod durable {
         let out = persisted(&mut r, "e", 2, PersistResult::Refused("slot full".into()));
         assert!(out.contains(&ProducerAction::StoreFailed { stream: S, seq: 2, reason: "slot full".into() }));
         assert!(
-            !out.iter().any(|a| matches!(a, ProducerAction::Wake { .. })),
-            "3 places in its lane span 1..=3: no room"
+            out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })),
+            "2's place, never written, is free again: room for the waiter {out:?}"
         );
         assert_eq!(r.core.unconfirmed(), 2);
         persisted(&mut r, "e", 1, PersistResult::Stored);
         persisted(&mut r, "e", 3, PersistResult::Stored);
         r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
         let out = r.answer("e", S, 2, 1, confirmed(true));
-        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "a confirmed message's entry is deleted");
-        assert!(out.iter().any(|a| matches!(a, ProducerAction::Wake { waiter: 4, .. })), "{out:?}");
+        assert_eq!(unpersists(&out), vec!["0.0".to_string()], "a confirmed message's entry is deleted");
         // 3 goes with the header saying 3 is the first unconfirmed: its entity skips 2.
         let out = r.offer("e", "d");
-        assert_eq!(persists(&out), vec![("0.1".to_string(), 4)], "4's place is 1's, freed");
+        assert_eq!(persists(&out), vec![("0.0".to_string(), 4)], "4 takes the lowest free place: 1's, freed");
+        assert_eq!(persists(&r.offer("e", "e")), vec![("0.1".to_string(), 5)], "then 2's");
+        assert_eq!(r.offer("e", "f"), vec![ProducerAction::Wait], "3 places, 3 unconfirmed: no room");
     }
 
     fn entry_of(out: &[ProducerAction]) -> &QueueEntry {
@@ -407,18 +408,36 @@ mod durable {
             .expect("a write")
     }
 
-    /// Stores and confirms messages 1..=n of `e` (introduced by the first).
+    /// Stores messages 1..=n of `e` at once (at places 0..n), introduces the stream, and has
+    /// its entity confirm them all.
     fn store_and_confirm(r: &mut Rig, n: u64) -> Vec<ProducerAction> {
         let mut out = Vec::new();
-        for seq in 1..=n {
+        for _ in 1..=n {
             r.offer("e", "m");
+        }
+        for seq in 1..=n {
             out.extend(persisted(r, "e", seq, PersistResult::Stored));
+        }
+        r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+        out.extend(r.answer("e", S, 2, n, confirmed(true)));
+        out
+    }
+
+    #[test]
+    fn a_message_takes_the_place_its_predecessor_freed_so_a_lane_keeps_as_few_keys_as_it_held_at_once() {
+        let mut r = rig();
+        let mut keys = std::collections::BTreeSet::new();
+        for seq in 1..=20 {
+            let out = r.offer("e", "m");
+            keys.extend(persists(&out).into_iter().map(|(key, _)| key));
+            persisted(&mut r, "e", seq, PersistResult::Stored);
             if seq == 1 {
                 r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
             }
-            out.extend(r.answer("e", S, 2, seq, confirmed(true)));
+            let out = r.answer("e", S, 2, seq, confirmed(true));
+            keys.extend(unpersists(&out));
         }
-        out
+        assert_eq!(keys.into_iter().collect::<Vec<_>>(), vec!["0.0".to_string()], "one at a time: one key");
     }
 
     #[test]
@@ -437,11 +456,11 @@ mod durable {
     fn a_confirmed_messages_entry_is_deleted_at_once_and_a_failed_deletion_is_tried_again_once_idle() {
         let mut r = rig();
         let out = store_and_confirm(&mut r, 2);
-        assert_eq!(unpersists(&out), vec!["0.1".to_string(), "0.2".to_string()]);
+        assert_eq!(unpersists(&out), vec!["0.0".to_string(), "0.1".to_string()]);
         assert!(unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
         unpersisted(&mut r, "e", 2, PersistResult::Stored);
         assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "after the backoff");
-        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()]);
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.0".to_string()]);
         unpersisted(&mut r, "e", 1, PersistResult::Stored);
         assert!(unpersists(&r.later(Duration::from_secs(5))).is_empty(), "deleted: nothing more");
     }
@@ -449,30 +468,30 @@ mod durable {
     #[test]
     fn a_failed_deletion_waits_while_its_stream_is_busy_and_a_later_message_at_its_place_ends_it() {
         let mut r = rig();
-        store_and_confirm(&mut r, 3); // places 1, 2, 0 of lane 0
+        store_and_confirm(&mut r, 3); // places 0, 1, 2 of lane 0
         unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
-        // Message 4 takes place 1 (message 1's) and stays unconfirmed past the retry's time.
-        assert_eq!(persists(&r.offer("e", "d")), vec![("0.1".to_string(), 4)]);
+        // Message 4 takes place 0 (message 1's) and stays unconfirmed past the retry's time.
+        assert_eq!(persists(&r.offer("e", "d")), vec![("0.0".to_string(), 4)]);
         assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "no deletion while 4 is on its way");
         persisted(&mut r, "e", 4, PersistResult::Stored);
         let out = r.answer("e", S, 2, 4, confirmed(true));
-        assert_eq!(unpersists(&out), vec!["0.1".to_string()], "4's own deletion");
+        assert_eq!(unpersists(&out), vec!["0.0".to_string()], "4's own deletion");
         assert!(unpersists(&r.later(Duration::from_secs(5))).is_empty(), "1's entry was overwritten by 4");
     }
 
     #[test]
     fn a_deletion_that_failed_while_its_stream_was_busy_is_tried_again_a_backoff_after_it_idles() {
         let mut r = rig();
-        store_and_confirm(&mut r, 2); // places 1 and 2
-        r.offer("e", "c"); // 3, at place 0: busy
-        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
-        unpersisted(&mut r, "e", 2, PersistResult::Stored);
+        store_and_confirm(&mut r, 2); // places 0 and 1
+        r.offer("e", "c"); // 3, at place 0 (1's): busy
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        unpersisted(&mut r, "e", 2, PersistResult::Retry("timeout".into()));
         assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "not while 3 is unconfirmed");
         persisted(&mut r, "e", 3, PersistResult::Stored);
         let out = r.answer("e", S, 2, 3, confirmed(true)); // idle now
         assert_eq!(unpersists(&out), vec!["0.0".to_string()], "3's own deletion");
         assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "a backoff after it idled");
-        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "1 again, not 3");
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "2 again, not 3");
     }
 
     #[test]
@@ -483,7 +502,7 @@ mod durable {
         unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
         // The retry is a backoff after the failure, not after the stream idled.
         assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty());
-        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()]);
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.0".to_string()]);
     }
 
     #[test]
@@ -494,24 +513,25 @@ mod durable {
         r.now += Duration::from_millis(50);
         unpersisted(&mut r, "e", 2, PersistResult::Stored);
         assert!(unpersists(&r.later(Duration::from_millis(49))).is_empty());
-        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "at +100 ms, not later");
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.0".to_string()], "at +100 ms, not later");
     }
 
     #[test]
     fn a_stream_taken_back_from_eviction_retries_its_failed_deletions_when_it_idles_again() {
         let mut r = rig();
-        store_and_confirm(&mut r, 1);
+        store_and_confirm(&mut r, 2);
         r.offer("f", "x");
         r.offer("g", "x"); // e evicted
-        unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())); // a retry due at +100 ms
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        unpersisted(&mut r, "e", 2, PersistResult::Retry("timeout".into())); // a retry due at +100 ms
         persisted_of(&mut r, "g", S + 2, 1, PersistResult::Stored);
         r.answer("g", S + 2, 1, 1, confirmed(true));
-        r.offer("e", "again"); // taken back: 2, at place 2
-        persisted(&mut r, "e", 2, PersistResult::Stored);
+        r.offer("e", "again"); // taken back: 3, at place 0 (1's; 2's at 1 is still to delete)
+        persisted(&mut r, "e", 3, PersistResult::Stored);
         r.now += Duration::from_millis(10);
-        r.answer("e", S, 2, 2, confirmed(true)); // idle again, before the old retry's time
+        r.answer("e", S, 2, 3, confirmed(true)); // idle again, before the old retry's time
         assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "the old retry is void");
-        assert!(unpersists(&r.later(Duration::from_millis(1))).contains(&"0.1".to_string()), "1 is tried again");
+        assert!(unpersists(&r.later(Duration::from_millis(1))).contains(&"0.1".to_string()), "2 is tried again");
     }
 
     fn unpersisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
@@ -550,7 +570,7 @@ mod durable {
         r.offer("g", "x");
         assert!(unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
         assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "after the backoff");
-        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()]);
+        assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.0".to_string()]);
         assert_eq!(r.core.evicted(), 1);
         unpersisted(&mut r, "e", 1, PersistResult::Stored);
         assert_eq!(r.core.evicted(), 0);
@@ -616,7 +636,8 @@ mod durable {
             lane,
             modulus: 3,
             made: (1 << 16, 1),
-            messages: seqs.iter().map(|s| (*s, Bytes::from("m"))).collect(),
+            // At their places of the first layout (`seq % modulus`).
+            messages: seqs.iter().map(|s| (*s, *s % 3, Bytes::from("m"))).collect(),
             confirmed: Vec::new(),
         };
         let streams = vec![restored("a", 50, 0, &[4, 5]), restored("b", 60, 2, &[1])];
@@ -635,7 +656,7 @@ mod durable {
         // `a`'s resumed stream takes no new message; a new entity takes lane 1, the free one.
         assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
         let out = r.offer("c", "x");
-        assert_eq!(persists(&out), vec![("1.1".to_string(), 1)]);
+        assert_eq!(persists(&out), vec![("1.0".to_string(), 1)], "from its lane's first place");
         assert_eq!(r.offer("d", "x"), vec![ProducerAction::Wait], "three entities is the limit: d waits");
     }
 
@@ -649,7 +670,7 @@ mod durable {
             modulus: 3,
             made: (1 << 16, 1),
             messages: Vec::new(),
-            confirmed: vec![4, 5],
+            confirmed: vec![(4, 1), (5, 2)],
         };
         let stale = vec!["1.0".to_string()];
         let out = r.run(ProducerInput::Restore(Restored { streams: vec![stream], stale, undecodable: 0 }));
@@ -666,7 +687,7 @@ mod durable {
         let out = deleted(&mut r, 5);
         assert_eq!(out, vec![ProducerAction::Wake { waiter: 1, entity: Some("a".into()) }]);
         let out = r.offer("a", "x");
-        assert_eq!(persists(&out), vec![("0.1".to_string(), 1)], "a new stream, numbered from 1, in the lane let go");
+        assert_eq!(persists(&out), vec![("0.0".to_string(), 1)], "a new stream, numbered from 1, in the lane let go");
         assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 }, "a stream of this incarnation");
     }
 
@@ -683,7 +704,7 @@ mod durable {
             lane: 0,
             modulus: 3,
             made: (1 << 16, 1),
-            messages: vec![(2, Bytes::from("m"))],
+            messages: vec![(2, 2, Bytes::from("m"))],
             confirmed: Vec::new(),
         };
         r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
@@ -750,12 +771,14 @@ mod durable {
         let mut handled = Vec::new();
         let mut first = rig();
         let mut stored = BTreeMap::new();
-        for (seq, body) in [(1, "a"), (2, "b"), (3, "c")] {
+        for body in ["a", "b", "c"] {
             for action in first.offer("e", body) {
                 if let ProducerAction::Persist { key, entry } = action {
                     stored.insert(key, entry);
                 }
             }
+        }
+        for seq in 1..=3 {
             let out = persisted(&mut first, "e", seq, PersistResult::Stored);
             deliver(&mut first, &mut marks, out, &mut handled);
         }
