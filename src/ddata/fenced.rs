@@ -316,7 +316,7 @@ impl FencedMap {
 
     /// [`FencedMap::merge`] of a borrowed map (a delta also persisted after it is merged):
     /// only the registers that win are copied.
-    pub fn merge_from(&mut self, other: &FencedMap) {
+    pub(crate) fn merge_from(&mut self, other: &FencedMap) {
         self.raise_fence(other.fence);
         for (k, reg) in &other.entries {
             match self.entries.get_mut(k.as_str()) {

@@ -170,7 +170,7 @@ impl LwwMap {
     }
 
     /// [`LwwMap::merge`] of a borrowed map: only the registers that win are copied.
-    pub fn merge_from(&mut self, other: &LwwMap) {
+    pub(crate) fn merge_from(&mut self, other: &LwwMap) {
         for (k, reg) in &other.entries {
             if self.entries.get(k).is_none_or(|mine| reg.marker > mine.marker) {
                 self.set(k.clone(), reg.clone());
@@ -314,7 +314,7 @@ impl GSet {
         }
     }
     /// [`GSet::merge`] of a borrowed set: only new members are copied.
-    pub fn merge_from(&mut self, other: &GSet) {
+    pub(crate) fn merge_from(&mut self, other: &GSet) {
         for m in &other.set {
             if !self.set.contains(m) {
                 self.add_member(m.clone());

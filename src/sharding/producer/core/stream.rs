@@ -83,13 +83,13 @@ impl Stream {
     pub(super) fn free_place(&self) -> u64 {
         let mut taken: Vec<u64> = self.queue.iter().map(|q| q.place).collect();
         taken.sort_unstable();
+        // Places are distinct: the first gap in their sorted run is the lowest free one.
         let mut place = 0;
         for t in taken {
-            if t == place {
-                place += 1;
-            } else if t > place {
+            if t != place {
                 break;
             }
+            place += 1;
         }
         place
     }
