@@ -100,6 +100,41 @@ fn lww_map_bucket_subsets_hold_only_their_keys_and_only_their_buckets_change() {
     assert_eq!(sub.bucket_digests()[bucket_of(&k2)], 0);
 }
 
+/// Replicas merge a delta they go on to persist by reference: only the newer registers are
+/// taken, whichever side holds them, and the set gains only what it lacked.
+#[test]
+fn merging_a_borrowed_lww_map_or_g_set_takes_what_merging_it_owned_takes() {
+    let mut older = WriteCtx::new("a#1", 1);
+    let mut newer = WriteCtx::new("b#2", 9);
+    let mut mine = LwwMap::default();
+    mine.put(&mut older, "a", b"mine-old".to_vec());
+    mine.put(&mut newer, "b", b"mine-new".to_vec());
+    let mut theirs = LwwMap::default();
+    theirs.put(&mut newer, "a", b"theirs-new".to_vec());
+    theirs.put(&mut older, "b", b"theirs-old".to_vec());
+    theirs.put(&mut older, "c", b"theirs-only".to_vec());
+    // Registers of equal order (never two writes in practice): the one held stays.
+    mine.put(&mut WriteCtx::new("z#9", 5), "d", b"held".to_vec());
+    theirs.put(&mut WriteCtx::new("z#9", 5), "d", b"offered".to_vec());
+    let mut owned = mine.clone();
+    owned.merge(theirs.clone());
+    let mut borrowed = mine;
+    borrowed.merge_from(&theirs);
+    assert_eq!(borrowed, owned);
+    assert_eq!(borrowed.digest(), owned.digest());
+    assert_eq!(
+        (borrowed.get("a"), borrowed.get("b"), borrowed.get("c")),
+        (Some(&b"theirs-new"[..]), Some(&b"mine-new"[..]), Some(&b"theirs-only"[..])),
+        "each key's newer register, from either side"
+    );
+    assert_eq!(borrowed.get("d"), Some(&b"held"[..]));
+    let mut set = gset_with(&["x", "y"]);
+    set.merge_from(&gset_with(&["y", "z"]));
+    let mut owned = gset_with(&["x", "y"]);
+    owned.merge(gset_with(&["y", "z"]));
+    assert_eq!((set.len(), set.digest()), (3, owned.digest()));
+}
+
 #[test]
 fn lww_delta_holds_the_entries_written_since_the_last_take_and_merges_into_a_stale_replica() {
     let mut ctx = WriteCtx::new("a#1", 1);

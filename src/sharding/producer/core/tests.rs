@@ -374,6 +374,21 @@ mod durable {
     }
 
     #[test]
+    fn a_write_tried_again_is_its_own_message_at_its_own_place_and_none_once_it_is_stored() {
+        let mut r = rig();
+        r.offer("e", "a"); // 1, place 0: its write still on its way
+        r.offer("e", "b"); // 2, place 1
+        r.offer("e", "c"); // 3, place 2
+        persisted(&mut r, "e", 2, PersistResult::Retry("timeout".into()));
+        persisted(&mut r, "e", 3, PersistResult::Retry("timeout".into()));
+        // 3's write lands after all (a late acknowledgement of an earlier try).
+        persisted(&mut r, "e", 3, PersistResult::Stored);
+        let out = r.later(Duration::from_millis(100));
+        assert_eq!(persists(&out), vec![("0.1".to_string(), 2)], "2 again, not 1 nor 3");
+        assert_eq!(entry_of(&out).bytes, b"b".to_vec());
+    }
+
+    #[test]
     fn a_refused_write_fails_its_send_and_the_stream_goes_on_past_its_number() {
         let mut r = rig();
         r.offer("e", "a");
@@ -689,6 +704,30 @@ mod durable {
         let out = r.offer("a", "x");
         assert_eq!(persists(&out), vec![("0.0".to_string(), 1)], "a new stream, numbered from 1, in the lane let go");
         assert_eq!(out[0], ProducerAction::Storing { stream: S, seq: 1 }, "a stream of this incarnation");
+    }
+
+    #[test]
+    fn only_a_resumed_stream_with_nothing_unconfirmed_is_let_go_when_its_deletions_end() {
+        let mut r = rig();
+        // A stream of this incarnation, idle once its entry is deleted, goes on.
+        store_and_confirm(&mut r, 1);
+        unpersisted(&mut r, "e", 1, PersistResult::Stored);
+        assert_eq!(r.offer("e", "m")[0], ProducerAction::Storing { stream: S, seq: 2 }, "the same stream");
+        // A resumed one whose confirmed entry is deleted still sends what it loaded.
+        let stream = RestoredStream {
+            entity: "a".into(),
+            stream: OLD,
+            lane: 1,
+            modulus: 3,
+            made: (1 << 16, 1),
+            messages: vec![(2, 2, Bytes::from("m"))],
+            confirmed: vec![(1, 1)],
+        };
+        r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
+        assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
+        let out = r.run(ProducerInput::Unpersisted { of: Some(("a".into(), OLD, 1)), result: PersistResult::Stored });
+        assert!(out.is_empty(), "2 is unconfirmed: {out:?}");
+        assert_eq!(r.core.unconfirmed(), 2, "e's 2 and a's 2");
     }
 
     /// A resumed stream cannot know the numbers the incarnation before had confirmed and
