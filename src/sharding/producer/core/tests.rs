@@ -678,15 +678,7 @@ mod durable {
     #[test]
     fn a_restored_streams_confirmed_entries_are_deleted_by_it_and_stale_ones_at_once() {
         let mut r = rig();
-        let stream = RestoredStream {
-            entity: "a".into(),
-            stream: OLD,
-            lane: 0,
-            modulus: 3,
-            made: (1 << 16, 1),
-            messages: Vec::new(),
-            confirmed: vec![(4, 1), (5, 2)],
-        };
+        let stream = resumed_of_a(0, Vec::new(), vec![(4, 1), (5, 2)]);
         let stale = vec!["1.0".to_string()];
         let out = r.run(ProducerInput::Restore(Restored { streams: vec![stream], stale, undecodable: 0 }));
         assert!(out.contains(&ProducerAction::Unpersist { key: "1.0".into(), of: None }), "{out:?}");
@@ -714,20 +706,17 @@ mod durable {
         unpersisted(&mut r, "e", 1, PersistResult::Stored);
         assert_eq!(r.offer("e", "m")[0], ProducerAction::Storing { stream: S, seq: 2 }, "the same stream");
         // A resumed one whose confirmed entry is deleted still sends what it loaded.
-        let stream = RestoredStream {
-            entity: "a".into(),
-            stream: OLD,
-            lane: 1,
-            modulus: 3,
-            made: (1 << 16, 1),
-            messages: vec![(2, 2, Bytes::from("m"))],
-            confirmed: vec![(1, 1)],
-        };
+        let stream = resumed_of_a(1, vec![(2, 2, Bytes::from("m"))], vec![(1, 1)]);
         r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
         assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
         let out = r.run(ProducerInput::Unpersisted { of: Some(("a".into(), OLD, 1)), result: PersistResult::Stored });
         assert!(out.is_empty(), "2 is unconfirmed: {out:?}");
         assert_eq!(r.core.unconfirmed(), 2, "e's 2 and a's 2");
+    }
+
+    /// `a`'s stream made by an earlier incarnation (`OLD`), as a load found it in `lane`.
+    fn resumed_of_a(lane: u32, messages: Vec<(u64, u64, Bytes)>, confirmed: Vec<(u64, u64)>) -> RestoredStream {
+        RestoredStream { entity: "a".into(), stream: OLD, lane, modulus: 3, made: (1 << 16, 1), messages, confirmed }
     }
 
     /// A resumed stream cannot know the numbers the incarnation before had confirmed and
@@ -737,15 +726,7 @@ mod durable {
     #[test]
     fn a_resumed_stream_takes_no_new_message_and_its_entitys_offers_wait_for_a_new_stream() {
         let mut r = rig();
-        let stream = RestoredStream {
-            entity: "a".into(),
-            stream: OLD,
-            lane: 0,
-            modulus: 3,
-            made: (1 << 16, 1),
-            messages: vec![(2, 2, Bytes::from("m"))],
-            confirmed: Vec::new(),
-        };
+        let stream = resumed_of_a(0, vec![(2, 2, Bytes::from("m"))], Vec::new());
         r.run(ProducerInput::Restore(Restored { streams: vec![stream], ..Restored::default() }));
         assert_eq!(r.offer("a", "x"), vec![ProducerAction::Wait]);
         assert_eq!(r.offer("a", "y"), vec![ProducerAction::Wait]);
