@@ -88,31 +88,23 @@ fn next_clock_after(current: &FencedReg, epoch: u64) -> u64 {
 fn install(buckets: &mut Buckets, total_bytes: &mut usize, entry: Entry<'_, String, FencedReg>, reg: FencedReg) {
     match entry {
         Entry::Occupied(mut o) => {
-            let (key, slot) = (o.key().clone(), o.get_mut());
-            replace(buckets, total_bytes, &key, slot, reg);
+            account(buckets, total_bytes, o.key(), Some(o.get()), &reg);
+            o.insert(reg);
         }
         Entry::Vacant(v) => {
-            added(buckets, total_bytes, v.key(), &reg);
+            account(buckets, total_bytes, v.key(), None, &reg);
             v.insert(reg);
         }
     }
 }
 
-/// Puts `reg` in `slot`, `key`'s register, keeping `buckets` and the byte count in step.
-fn replace(buckets: &mut Buckets, total_bytes: &mut usize, key: &str, slot: &mut FencedReg, reg: FencedReg) {
+/// Moves `buckets` and the byte count from `old` (`None`: no entry) to `new`, `key`'s
+/// register.
+fn account(buckets: &mut Buckets, total_bytes: &mut usize, key: &str, old: Option<&FencedReg>, new: &FencedReg) {
     let b = bucket_of(key);
-    let (removed, old_bytes) = (slot.hash(key), entry_bytes(key, slot));
-    let (added, new_bytes) = (reg.hash(key), entry_bytes(key, &reg));
-    buckets[b] = buckets[b].wrapping_sub(removed).wrapping_add(added);
-    *total_bytes = *total_bytes - old_bytes + new_bytes;
-    *slot = reg;
-}
-
-/// Counts `reg`, new under `key`, into `buckets` and the byte count.
-fn added(buckets: &mut Buckets, total_bytes: &mut usize, key: &str, reg: &FencedReg) {
-    let b = bucket_of(key);
-    buckets[b] = buckets[b].wrapping_add(reg.hash(key));
-    *total_bytes += entry_bytes(key, reg);
+    let (removed, old_bytes) = old.map_or((0, 0), |old| (old.hash(key), entry_bytes(key, old)));
+    buckets[b] = buckets[b].wrapping_sub(removed).wrapping_add(new.hash(key));
+    *total_bytes = *total_bytes - old_bytes + entry_bytes(key, new);
 }
 
 /// Hash of a fence, folded into bucket 0 (0 for no fence, so an empty map digests to 0).
@@ -321,11 +313,12 @@ impl FencedMap {
         for (k, reg) in &other.entries {
             match self.entries.get_mut(k.as_str()) {
                 Some(mine) if reg.wins_over(mine) => {
-                    replace(&mut self.buckets, &mut self.entry_bytes, k, mine, reg.clone())
+                    account(&mut self.buckets, &mut self.entry_bytes, k, Some(mine), reg);
+                    *mine = reg.clone();
                 }
                 Some(_) => {}
                 None => {
-                    added(&mut self.buckets, &mut self.entry_bytes, k, reg);
+                    account(&mut self.buckets, &mut self.entry_bytes, k, None, reg);
                     self.entries.insert(k.clone(), reg.clone());
                 }
             }

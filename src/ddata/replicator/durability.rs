@@ -21,9 +21,9 @@
 //! which covers the key's older deltas. So a write costs O(delta) amortized — a snapshot byte
 //! per delta byte at most — and a load reads at most about twice each value. (Half the
 //! snapshot, the earlier budget, spent two snapshot bytes per delta byte: 10–12 % of a
-//! durable producer queue's CPU at 10,000 streams, whose slots hold their tombstones.) The log is trimmed below the oldest live delta of any
-//! key; a key whose oldest live delta falls [`MAX_LOG_SPAN`] tickets behind is written whole,
-//! so a key written once does not keep the whole log alive.
+//! durable producer queue's CPU at 10,000 streams.) The log is trimmed below the oldest live
+//! delta of any key; a key whose oldest live delta falls [`MAX_LOG_SPAN`] tickets behind is
+//! written whole, so a key written once does not keep the whole log alive.
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

@@ -135,7 +135,10 @@ pub(crate) fn restore(entries: Vec<(String, Vec<u8>)>) -> Restored {
     let mut lanes: BTreeMap<u32, BTreeMap<u64, Found>> = BTreeMap::new();
     for (key, value) in entries {
         let decoded = lane_and_place(&key).zip(crate::transport::wire::decode::<QueueEntry>(&value).ok());
-        let Some(((lane, place), e)) = decoded.filter(|((_, place), e)| *place < e.modulus) else {
+        // In the form the producer writes, so a deletion by lane and place finds it.
+        let canonical =
+            |(lane, place): &(u32, u64), e: &QueueEntry| *place < e.modulus && entry_key(*lane, *place) == key;
+        let Some(((lane, place), e)) = decoded.filter(|(at, e)| canonical(at, e)) else {
             restored.undecodable += 1;
             restored.stale.push(key);
             continue;
@@ -325,9 +328,14 @@ mod tests {
     #[test]
     fn an_entry_that_does_not_decode_or_sits_past_its_lanes_places_is_counted_and_deleted() {
         let (_, good) = entry(0, "a", 10, (1, 1), 2);
-        let r = restore(vec![("0.1".into(), vec![0xc1]), ("0.4".into(), good), ("bad".into(), vec![])]);
+        let r = restore(vec![
+            ("0.1".into(), vec![0xc1]),
+            ("0.4".into(), good.clone()),
+            ("0.+2".into(), good),
+            ("bad".into(), vec![]),
+        ]);
         assert!(r.streams.is_empty());
-        assert_eq!(r.undecodable, 3);
-        assert_eq!(r.stale.len(), 3);
+        assert_eq!(r.undecodable, 4);
+        assert_eq!(r.stale.len(), 4);
     }
 }
