@@ -345,6 +345,7 @@ mod tests {
             redelivery: false,
             nonce: 3,
             epoch: 0,
+            made: (0, 0),
         };
         let mut marks = ConsumerMarks::new(3);
         let mut confirms = HandlerConfirms::default();

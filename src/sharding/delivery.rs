@@ -10,7 +10,10 @@
 //! - **In order per stream.** The messages of one stream (a producer's sequence to one entity)
 //!   are handled in sequence order, each at most once per set of marks; a delivery past the
 //!   next one expected is sent back with the number expected ([`Admission::Gap`]), and the
-//!   producer sends again from there.
+//!   producer sends again from there. A producer makes an entity a new stream only once the
+//!   one before has nothing unconfirmed, so a late copy of a stream made before the one taken
+//!   (by the same incarnation, or under an older durable queue claim) is confirmed without
+//!   being handled ([`Admission::Duplicate`]), and the stream taken goes on.
 //! - **Effectively once for durable entities.** A durable entity keeps its marks in its stored
 //!   state, written in the same fenced write as the state a handler persists
 //!   (`super::durable`): a re-sent message whose effect was written is confirmed without being
@@ -37,8 +40,12 @@
 //! An entity keeps the marks of at most [`MAX_PRODUCERS_PER_ENTITY`] producers; a further one
 //! replaces the producer heard from least recently, whose next delivery starts over as from a
 //! producer never heard (its re-sent messages are handled again). A stream the entity has not
-//! seen replaces the one it kept for that producer: a producer restarted without its durable
-//! queue starts new streams, and what the old incarnation left unconfirmed is not re-sent.
+//! seen, and not made before it, replaces the one it kept for that producer: a producer
+//! restarted without its durable queue starts new streams, and what the old incarnation left
+//! unconfirmed is not re-sent. Nothing orders two incarnations without a durable queue, so a
+//! late copy from the old one is taken as a new stream (its producer is gone) and the new
+//! one's next message is sent back as a gap: without a durable queue, a producer's restart
+//! may get messages of the new incarnation handled twice.
 
 use serde::{Deserialize, Serialize};
 
@@ -67,6 +74,11 @@ pub(crate) struct DeliveryHeader {
     /// queue). An entity that heard a newer one refuses this one's deliveries.
     #[serde(default)]
     pub epoch: u64,
+    /// When the producer made the stream: the durable queue claim of the incarnation that
+    /// made it (0: none) and its number among that incarnation's streams (from 1; 0: not
+    /// known, from a node that predates it). See [`made_before`].
+    #[serde(default)]
+    pub made: (u64, u64),
 }
 
 /// What an entity answers a delivery with (the transport's errors aside).
@@ -147,6 +159,9 @@ struct Mark {
     /// The newest producer incarnation heard (its durable queue's claim; 0: none).
     #[serde(default)]
     epoch: u64,
+    /// When its producer made `stream` ([`DeliveryHeader::made`]).
+    #[serde(default)]
+    made: (u64, u64),
     /// A message handled whose confirmation is held back, and its hold's token: then
     /// `expected` is that message (stored as not taken). Not stored.
     #[serde(skip)]
@@ -243,6 +258,12 @@ impl ConsumerMarks {
         if let Some(epoch) = i.map(|i| self.marks[i].epoch).filter(|e| h.epoch < *e) {
             return Admission::Superseded { epoch };
         }
+        // A copy of a stream its producer replaced, late on the way: everything in it was
+        // confirmed before the newer one was made. Taken as a new stream, it would be handled
+        // again, and the newer stream's messages after it.
+        if i.is_some_and(|i| self.marks[i].stream != h.stream && made_before(h, &self.marks[i])) {
+            return Admission::Duplicate;
+        }
         let taken_on = i.is_some_and(|i| self.marks[i].stream == h.stream && self.marks[i].greeted == self.nonce);
         if !taken_on && !introduced {
             return Admission::Hello { nonce: self.nonce };
@@ -253,7 +274,8 @@ impl ConsumerMarks {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
                 let (producer, stream, expected) = (h.producer.to_string(), h.stream, next(h.seq));
-                self.insert(Mark { producer, stream, expected, heard, greeted: nonce, epoch: h.epoch, pending: None });
+                let (epoch, made) = (h.epoch, h.made);
+                self.insert(Mark { producer, stream, expected, heard, greeted: nonce, epoch, made, pending: None });
             }
             return admission;
         };
@@ -264,6 +286,7 @@ impl ConsumerMarks {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
                 mark.stream = h.stream;
+                mark.made = h.made;
                 mark.expected = next(h.seq);
                 mark.greeted = nonce;
                 mark.pending = None;
@@ -349,6 +372,22 @@ fn next(seq: u64) -> u64 {
     seq.saturating_add(1)
 }
 
+/// Whether the stream of `h` was made before `mark`'s by the same producer, so that all of it
+/// was confirmed before `mark`'s was made: a producer makes an entity a new stream only once
+/// the one before has nothing unconfirmed. Durable queue claims order a producer's
+/// incarnations (a stream resumed from a load keeps the claim it was made under); without
+/// one, only streams of one incarnation compare, told by the random base their ids share.
+fn made_before(h: &DeliveryHeader, mark: &Mark) -> bool {
+    let (theirs, ours) = (h.made, mark.made);
+    if theirs.1 == 0 || ours.1 == 0 {
+        return false;
+    }
+    if theirs.0 > 0 || ours.0 > 0 {
+        return theirs < ours;
+    }
+    h.stream.wrapping_sub(theirs.1) == mark.stream.wrapping_sub(ours.1) && theirs.1 < ours.1
+}
+
 /// A delivery of a stream the entity has no mark of: the stream starts where the producer's
 /// confirmed messages end.
 fn first_of_stream(h: &DeliveryHeader) -> Admission {
@@ -396,6 +435,7 @@ mod tests {
             redelivery: false,
             nonce: N,
             epoch: 0,
+            made: (0, 0),
         }
     }
 
@@ -499,6 +539,69 @@ mod tests {
         let mut plain = ConsumerMarks::new(N);
         assert_eq!(plain.admit(&h("q", 1, 1, 1)), Handle);
         assert_eq!(plain.admit(&h("q", 2, 1, 1)), Handle);
+    }
+
+    /// Message `seq` of the `n`th stream an incarnation without a durable queue made, its
+    /// stream ids counted from `base`.
+    fn nth(base: u64, n: u64, seq: u64, first_unconfirmed: u64) -> DeliveryHeader {
+        DeliveryHeader { made: (0, n), ..h("p", base.wrapping_add(n), seq, first_unconfirmed) }
+    }
+
+    #[test]
+    fn a_late_copy_of_a_stream_its_producer_replaced_is_confirmed_without_being_handled() {
+        let base = u64::MAX - 1; // ids wrap: base + 1 is the largest, base + 2 is 0
+        let marks = check(&[
+            (nth(base, 1, 1, 1), Handle),
+            (nth(base, 1, 2, 1), Handle),
+            // Stream 1 confirmed and let go; the producer makes the entity stream 2.
+            (nth(base, 2, 1, 1), Handle),
+            // A copy of stream 1's message 2, sent before its confirmation came back, arrives
+            // now: taken as a new stream it would be handled again, and stream 2's message 1
+            // after it (sent back as a gap).
+            (nth(base, 1, 2, 2), Duplicate),
+            (nth(base, 1, 3, 3), Duplicate),
+            (nth(base, 2, 2, 1), Handle),
+            (nth(base, 3, 1, 1), Handle),
+        ]);
+        assert_eq!(marks.streams().collect::<Vec<_>>(), [("p", base.wrapping_add(3), 2)]);
+        assert_eq!(Duplicate.answer(N), Some(DeliveryOutcome::Confirmed { handled: false, nonce: N }));
+    }
+
+    #[test]
+    fn a_stream_another_incarnation_without_a_durable_queue_made_replaces_the_one_taken() {
+        // Nothing orders incarnations without a claim: a restarted producer's streams are taken
+        // (see the module doc), whatever their number.
+        check(&[
+            (nth(1_000, 5, 1, 1), Handle),
+            (nth(9_000, 1, 1, 1), Handle),
+            (nth(1_000, 4, 3, 3), Handle),
+            // A node that predates the stream's number sends none (0): never taken as older.
+            (nth(1_000, 9, 1, 1), Handle),
+            (DeliveryHeader { made: (0, 0), ..h("p", 1_003, 2, 2) }, Handle),
+            (nth(1_000, 2, 1, 1), Handle),
+        ]);
+    }
+
+    #[test]
+    fn a_stream_resumed_from_an_older_claim_is_older_than_every_stream_the_newer_claim_made() {
+        let claim =
+            |made: (u64, u64), stream, seq, first| DeliveryHeader { epoch: 9, made, ..h("p", stream, seq, first) };
+        let mut marks = check(&[
+            // Incarnation 9 resumes the stream incarnation 4 made (its 7th), then lets it go.
+            (claim((4, 7), 500, 3, 3), Handle),
+            (claim((9, 1), 20, 1, 1), Handle),
+            (claim((4, 7), 500, 3, 3), Duplicate),
+            (claim((4, 8), 501, 1, 1), Duplicate),
+            (claim((9, 1), 20, 2, 1), Handle),
+            (claim((9, 2), 21, 1, 1), Handle),
+            (claim((9, 1), 20, 3, 1), Duplicate),
+        ]);
+        // Stored with the state, the stream's claim still orders the next incarnation's copies.
+        let mut restarted: ConsumerMarks =
+            crate::transport::wire::decode(&crate::transport::wire::encode(&marks).unwrap()).unwrap();
+        restarted.begin_incarnation(N);
+        assert_eq!(restarted.admit(&claim((9, 1), 20, 3, 3)), Duplicate);
+        assert_eq!(marks.admit(&claim((9, 3), 22, 1, 1)), Handle);
     }
 
     #[test]

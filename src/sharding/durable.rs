@@ -348,6 +348,7 @@ mod tests {
             redelivery: false,
             nonce: 9,
             epoch: 0,
+            made: (0, 0),
         };
         assert_eq!(m.admit(&h), Admission::Handle);
         m

@@ -307,6 +307,7 @@ mod tests {
             redelivery: false,
             nonce: 9,
             epoch: 0,
+            made: (4, 2),
         };
         let new = RegionToRegion::DeliverReliably {
             shard: "3".into(),

@@ -451,6 +451,7 @@ impl ProducerCore {
                 redelivery: q.sends > 0,
                 nonce: s.nonce,
                 epoch: self.epoch,
+                made: s.made,
             };
             if q.sends > 0 {
                 self.counts.resent += 1;

@@ -795,6 +795,7 @@ mod tests {
             redelivery: true,
             nonce: 3,
             epoch: 0,
+            made: (0, 0),
         };
         assert_eq!(DeliveryInfo::of(&h), DeliveryInfo { producer_id: "p".into(), seq: 4, redelivery: true });
     }

@@ -151,6 +151,7 @@ mod tests {
             redelivery: true,
             nonce: 3,
             epoch: 0,
+            made: (0, 0),
         };
         let msg = RegionInbound::Region(RegionToRegion::DeliverReliably {
             shard: shard.to_string(),
