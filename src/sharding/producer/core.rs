@@ -50,6 +50,10 @@ pub(crate) struct ProducerLimits {
     pub max_redeliveries: u32,
     /// Messages are stored in the cluster (majority writes) before they count as stored.
     pub durable: bool,
+    /// Durable: how long a confirmed message's entry may stay stored after its stream went
+    /// idle. Until then the stream's next message takes its place, and its write replaces
+    /// the entry: one write per message instead of two.
+    pub linger: Duration,
 }
 
 /// How a durable store write of one message ended.
@@ -91,6 +95,10 @@ pub(crate) enum ProducerInput {
     Unpersisted { of: Option<StoredMessage>, result: PersistResult },
     /// What a durable queue's load found (before any offer).
     Restore(Restored),
+    /// Durable: the producer is stopping. The entries of confirmed messages are deleted now
+    /// (those whose places no unconfirmed message holds), so that a later incarnation does
+    /// not send them again.
+    Closing,
 }
 
 /// A stored message: its entity, stream and number.
@@ -239,6 +247,7 @@ impl ProducerCore {
             }
             ProducerInput::Unpersisted { of, result } => self.unpersisted(of, result, now, out),
             ProducerInput::Restore(restored) => self.restore(restored, now, out),
+            ProducerInput::Closing => self.closing(out),
         }
     }
 
@@ -313,6 +322,8 @@ impl ProducerCore {
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
         }
+        // Busy again: its entries wait for its next idling (this message may replace one).
+        cancel_flush(&mut self.flushes, &entity, s);
         let seq = s.next_seq;
         s.next_seq += 1;
         self.queued_bytes += bytes.len();
@@ -575,7 +586,7 @@ impl ProducerCore {
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
         if self.limits.durable {
-            s.delete(entity, seq, q.place, out);
+            s.confirmed(entity, seq, q.place, out);
         }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         true
@@ -589,7 +600,7 @@ impl ProducerCore {
             let q = s.queue.pop_front().expect("seen above");
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                s.delete(entity, q.seq, q.place, out);
+                s.confirmed(entity, q.seq, q.place, out);
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
@@ -684,8 +695,9 @@ impl ProducerCore {
         if let Some(at) = s.retry_at.take() {
             self.retries.remove(&(at, entity.to_string()));
         }
-        // Deletions that failed while it was busy are tried again.
-        retry_failed_deletions(&mut self.flushes, entity, s, now + self.limits.resend_backoff_min);
+        // The entries its confirmed messages left are deleted unless its next message comes
+        // first (and deletions that failed while it was busy are tried again).
+        schedule_flush(&mut self.flushes, entity, s, now + self.limits.linger);
         self.idle_count += 1;
         s.idle_since = Some(self.idle_count);
         self.idle.insert(self.idle_count, entity.to_string());
@@ -735,7 +747,7 @@ impl ProducerCore {
             let s = if evicted { self.evicted.remove(&entity) } else { self.take_stream(&entity) };
             self.let_go(&entity, s.expect("found above"), out);
         } else {
-            retry_failed_deletions(&mut self.flushes, &entity, s, now + self.limits.resend_backoff_min);
+            schedule_flush(&mut self.flushes, &entity, s, now + self.limits.resend_backoff_min);
         }
     }
 
@@ -750,6 +762,15 @@ impl ProducerCore {
         }
         cancel_flush(&mut self.flushes, entity, &mut s);
         Some(s)
+    }
+
+    /// The producer is stopping: every stream deletes the entries it left at places no
+    /// unconfirmed message holds.
+    fn closing(&mut self, out: &mut Vec<ProducerAction>) {
+        for (entity, s) in &mut self.streams {
+            cancel_flush(&mut self.flushes, entity, s);
+            s.flush(entity, out);
+        }
     }
 
     /// Lets go of a stream whose entries are all deleted: its lane is free, its entity may
@@ -772,9 +793,10 @@ impl ProducerCore {
     }
 }
 
-/// Schedules, at `at`, a try at the deletions of `s` that failed: only while it has nothing
-/// unconfirmed (no write at their places is on its way then) and none is scheduled.
-fn retry_failed_deletions(flushes: &mut BTreeSet<(Instant, String)>, entity: &str, s: &mut Stream, at: Instant) {
+/// Schedules, at `at`, the deletions of the entries `s` left (confirmed messages' whose places
+/// were not taken, and deletions that failed): only while it has nothing unconfirmed and none
+/// is scheduled.
+fn schedule_flush(flushes: &mut BTreeSet<(Instant, String)>, entity: &str, s: &mut Stream, at: Instant) {
     if s.queue.is_empty() && s.undeleted.len() > s.deleting.len() && s.flush_at.is_none() {
         s.flush_at = Some(at);
         flushes.insert((at, entity.to_string()));

@@ -650,6 +650,34 @@ impl<E: Entity> Inner<E> {
         ended.clear();
     }
 
+    /// Hands `jobs` to the store's writer as one request; resolves with how each ended.
+    fn write_all(&self, jobs: Vec<PersistJob>) -> impl Future<Output = Vec<WriteEnded>> + Send + 'static {
+        let queue = self.durable.as_ref().map(|(queue, _)| (queue.store.clone(), queue.epoch));
+        let owner = self.producer_id.clone();
+        async move {
+            let Some((store, epoch)) = queue else { return Vec::new() };
+            let (mut whose, mut writes) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
+            for job in jobs {
+                whose.push((job.value.is_none(), job.message));
+                writes.push((job.key, job.value));
+            }
+            let written = store.write_all(&owner, epoch, writes).await;
+            whose.into_iter().zip(written).map(|((deletion, message), written)| (deletion, message, written)).collect()
+        }
+    }
+
+    /// The producer is stopping (its handles dropped, or its node shutting down): the core
+    /// deletes the entries confirmed messages left. False when it was fenced (a newer
+    /// incarnation owns the queue) and nothing is written.
+    fn closing(&self) -> bool {
+        let mut closed = false;
+        self.feed_with(|_, inputs| {
+            closed = true;
+            inputs.push(ProducerInput::Closing);
+        });
+        closed
+    }
+
     /// The producer stopped: every waiting confirmation fails, every waiting `send` is woken
     /// to find it stopped.
     fn stop(&self) {
@@ -671,6 +699,9 @@ impl<E: Entity> Inner<E> {
 
 /// Most queue writes handed to the store's writer in one request.
 const MAX_WRITES_PER_REQUEST: usize = 1024;
+
+/// Longest a stopping producer waits for the deletions of its confirmed messages' entries.
+const CLOSING_BUDGET: Duration = Duration::from_secs(2);
 
 /// How often due rounds are started.
 const TICK: Duration = Duration::from_millis(50);
@@ -706,19 +737,7 @@ async fn drive<E: Entity>(
             n = persists.recv_many(&mut jobs, MAX_WRITES_PER_REQUEST), if inner.durable.is_some() => {
                 // Its sender lives in `inner.durable`: closed only without a durable queue.
                 if n == 0 { break; }
-                let Some((queue, _)) = &inner.durable else { continue };
-                let (store, epoch, owner) = (queue.store.clone(), queue.epoch, inner.producer_id.clone());
-                let jobs = std::mem::take(&mut jobs);
-                writing.push(async move {
-                    let (mut whose, mut writes) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
-                    for job in jobs {
-                        whose.push((job.value.is_none(), job.message));
-                        writes.push((job.key, job.value));
-                    }
-                    let written = store.write_all(&owner, epoch, writes).await;
-                    whose.into_iter().zip(written).map(|((deletion, message), written)| (deletion, message, written))
-                        .collect::<Vec<WriteEnded>>()
-                });
+                writing.push(inner.write_all(std::mem::take(&mut jobs)));
             }
             Some(first) = writing.next(), if !writing.is_empty() => {
                 // Every write that ended by now, under one lock.
@@ -730,6 +749,26 @@ async fn drive<E: Entity>(
             }
             _ = tick.tick() => inner.tick(),
             _ = next_publish(&mut published) => inner.publish_metrics(),
+        }
+    }
+    if inner.durable.is_some() && inner.closing() {
+        // The entries of confirmed messages are deleted before the task ends (a later
+        // incarnation would send them again), within a bound: the store may be going too.
+        let deadline = tokio::time::sleep(CLOSING_BUDGET);
+        tokio::pin!(deadline);
+        while !(writing.is_empty() && persists.is_empty()) {
+            tokio::select! {
+                _ = &mut deadline => break,
+                n = persists.recv_many(&mut jobs, MAX_WRITES_PER_REQUEST), if !persists.is_empty() => {
+                    if n > 0 {
+                        writing.push(inner.write_all(std::mem::take(&mut jobs)));
+                    }
+                }
+                Some(written) = writing.next(), if !writing.is_empty() => {
+                    ended.extend(written);
+                    inner.written(&mut ended);
+                }
+            }
         }
     }
     inner.stop();

@@ -72,9 +72,16 @@ impl ProducerSettings {
             resend_backoff_max: self.resend_backoff_max,
             max_redeliveries: self.max_redeliveries,
             durable: self.durable_queue,
+            linger: CONFIRMED_ENTRY_LINGER,
         }
     }
 }
+
+/// How long a durable queue keeps a confirmed message's entry after its stream went idle, so
+/// that the stream's next message replaces it instead of a deletion being written: an entity
+/// sent to again within this saves a write per message; a producer that crashes meanwhile
+/// sends those messages again (their entities answer them as duplicates).
+pub(crate) const CONFIRMED_ENTRY_LINGER: Duration = Duration::from_secs(1);
 
 /// Longest producer id, in bytes.
 pub const MAX_PRODUCER_ID_LEN: usize = 256;

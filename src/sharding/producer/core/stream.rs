@@ -52,9 +52,10 @@ pub(super) struct Stream {
     /// after it is sent until it is confirmed.
     pub(super) held: Option<u64>,
     /// Durable: confirmed (or given up) messages whose entries may still be stored, by number,
-    /// with their places: deleted at once, and until a majority acknowledged it (or a later
-    /// message at the same place overwrote it) kept here, tried again when the stream is idle
-    /// or evicted.
+    /// with their places. Kept here until a later message at the same place overwrote the
+    /// entry, or a majority acknowledged its deletion: written once the stream has idled for
+    /// `linger`, is evicted or its producer stops (at once for a resumed stream), and tried
+    /// again when it fails.
     pub(super) undeleted: BTreeMap<u64, u64>,
     /// Durable: those of `undeleted` whose deletion is being written.
     pub(super) deleting: BTreeSet<u64>,
@@ -121,6 +122,17 @@ impl Stream {
         });
     }
 
+    /// Message `seq` at `place` is confirmed (or given up): its entry stays until the next
+    /// message at its place replaces it or the stream flushes, except in a resumed stream,
+    /// which is let go only once its entries are deleted.
+    pub(super) fn confirmed(&mut self, entity: &str, seq: u64, place: u64, out: &mut Vec<ProducerAction>) {
+        if self.resumed {
+            self.delete(entity, seq, place, out);
+        } else {
+            self.undeleted.insert(seq, place);
+        }
+    }
+
     /// Deletes the entry of message `seq` at `place`, confirmed or given up. A message may
     /// take the place at once: the store's writer keeps the order, so its write lands after.
     pub(super) fn delete(&mut self, entity: &str, seq: u64, place: u64, out: &mut Vec<ProducerAction>) {
@@ -129,14 +141,19 @@ impl Stream {
         out.push(ProducerAction::Unpersist { key: self.key(place), of: Some((entity.to_string(), self.id, seq)) });
     }
 
-    /// Deletes (again) the entries of its confirmed messages not being deleted already. Only
-    /// while it has nothing unconfirmed: no write at one of those places is then on its way.
+    /// Deletes (again) the entries of its confirmed messages not being deleted already, at
+    /// places no unconfirmed message holds: no write at those is on its way (one only follows
+    /// from a message taking the place later, and the store's writer keeps the order); an
+    /// unconfirmed message's own write replaces the entry at its place.
     pub(super) fn flush(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
-        debug_assert!(self.queue.is_empty(), "a stream with unconfirmed messages is not flushed");
-        for (&seq, &place) in self.undeleted.iter().filter(|(seq, _)| !self.deleting.contains(seq)) {
+        let held: BTreeSet<u64> = self.queue.iter().map(|q| q.place).collect();
+        for (&seq, &place) in &self.undeleted {
+            if self.deleting.contains(&seq) || held.contains(&place) {
+                continue;
+            }
             let of = Some((entity.to_string(), self.id, seq));
             out.push(ProducerAction::Unpersist { key: self.key(place), of });
+            self.deleting.insert(seq);
         }
-        self.deleting.extend(self.undeleted.keys().copied());
     }
 }

@@ -7,6 +7,9 @@ use std::collections::BTreeMap;
 use crate::sharding::delivery::ConsumerMarks;
 use crate::sharding::producer::queue::{Restored, RestoredStream};
 
+/// The rig's linger: how long an idle stream keeps its confirmed messages' entries.
+const LINGER: Duration = Duration::from_millis(1000);
+
 fn rig() -> Rig {
     let limits = ProducerLimits { durable: true, ..limits() };
     Rig { core: ProducerCore::new("p".into(), limits, 1000, 7 << 16), now: Instant::now(), waiters: 0 }
@@ -113,7 +116,7 @@ fn a_refused_write_fails_its_send_and_the_stream_goes_on_past_its_number() {
     persisted(&mut r, "e", 3, PersistResult::Stored);
     r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
     let out = r.answer("e", S, 2, 1, confirmed(true));
-    assert_eq!(unpersists(&out), vec!["0.0".to_string()], "a confirmed message's entry is deleted");
+    assert!(unpersists(&out).is_empty(), "a confirmed message's entry stays for the next message at its place");
     // 3 goes with the header saying 3 is the first unconfirmed: its entity skips 2.
     let out = r.offer("e", "d");
     assert_eq!(persists(&out), vec![("0.0".to_string(), 4)], "4 takes the lowest free place: 1's, freed");
@@ -175,10 +178,30 @@ fn each_entry_says_which_numbers_before_it_are_confirmed() {
 }
 
 #[test]
-fn a_confirmed_messages_entry_is_deleted_at_once_and_a_failed_deletion_is_tried_again_once_idle() {
+fn the_next_message_at_a_confirmed_messages_place_replaces_its_entry_so_no_deletion_is_written() {
+    let mut r = rig();
+    for seq in 1..=20 {
+        let out = r.offer("e", "m");
+        assert_eq!(persists(&out), vec![("0.0".to_string(), seq)]);
+        persisted(&mut r, "e", seq, PersistResult::Stored);
+        if seq == 1 {
+            r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+        }
+        assert!(unpersists(&r.answer("e", S, 2, seq, confirmed(true))).is_empty(), "{seq}");
+        assert!(unpersists(&r.later(LINGER / 2)).is_empty(), "{seq}: the stream idles for less than the linger");
+    }
+    assert_eq!(unpersists(&r.later(LINGER / 2)), vec!["0.0".to_string()], "the last one's, after the linger");
+    unpersisted(&mut r, "e", 20, PersistResult::Stored);
+    assert!(unpersists(&r.later(LINGER * 5)).is_empty(), "deleted: nothing more");
+}
+
+#[test]
+fn a_confirmed_messages_entry_is_deleted_once_its_stream_idled_for_the_linger_and_a_failed_deletion_again() {
     let mut r = rig();
     let out = store_and_confirm(&mut r, 2);
-    assert_eq!(unpersists(&out), vec!["0.0".to_string(), "0.1".to_string()]);
+    assert!(unpersists(&out).is_empty(), "kept for the stream's next messages");
+    assert!(unpersists(&r.later(LINGER - Duration::from_millis(1))).is_empty());
+    assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.0".to_string(), "0.1".to_string()]);
     assert!(unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())).is_empty());
     unpersisted(&mut r, "e", 2, PersistResult::Stored);
     assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "after the backoff");
@@ -191,35 +214,40 @@ fn a_confirmed_messages_entry_is_deleted_at_once_and_a_failed_deletion_is_tried_
 fn a_failed_deletion_waits_while_its_stream_is_busy_and_a_later_message_at_its_place_ends_it() {
     let mut r = rig();
     store_and_confirm(&mut r, 3); // places 0, 1, 2 of lane 0
+    r.later(LINGER); // their deletions on their way
     unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
     // Message 4 takes place 0 (message 1's) and stays unconfirmed past the retry's time.
     assert_eq!(persists(&r.offer("e", "d")), vec![("0.0".to_string(), 4)]);
     assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "no deletion while 4 is on its way");
     persisted(&mut r, "e", 4, PersistResult::Stored);
     let out = r.answer("e", S, 2, 4, confirmed(true));
-    assert_eq!(unpersists(&out), vec!["0.0".to_string()], "4's own deletion");
-    assert!(unpersists(&r.later(Duration::from_secs(5))).is_empty(), "1's entry was overwritten by 4");
+    assert!(unpersists(&out).is_empty(), "4's entry stays for the next message at its place");
+    assert_eq!(unpersists(&r.later(LINGER)), vec!["0.0".to_string()], "4's, idle for the linger: 1's was replaced by it");
+    unpersisted(&mut r, "e", 4, PersistResult::Stored);
+    assert!(unpersists(&r.later(LINGER * 5)).is_empty());
 }
 
 #[test]
-fn a_deletion_that_failed_while_its_stream_was_busy_is_tried_again_a_backoff_after_it_idles() {
+fn a_deletion_that_failed_while_its_stream_was_busy_is_tried_again_once_it_idled_for_the_linger() {
     let mut r = rig();
     store_and_confirm(&mut r, 2); // places 0 and 1
+    r.later(LINGER); // their deletions on their way
     r.offer("e", "c"); // 3, at place 0 (1's): busy
     unpersisted(&mut r, "e", 1, PersistResult::Stored);
     unpersisted(&mut r, "e", 2, PersistResult::Retry("timeout".into()));
     assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "not while 3 is unconfirmed");
     persisted(&mut r, "e", 3, PersistResult::Stored);
     let out = r.answer("e", S, 2, 3, confirmed(true)); // idle now
-    assert_eq!(unpersists(&out), vec!["0.0".to_string()], "3's own deletion");
-    assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "a backoff after it idled");
-    assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "2 again, not 3");
+    assert!(unpersists(&out).is_empty(), "3's entry stays for now");
+    assert!(unpersists(&r.later(LINGER - Duration::from_millis(1))).is_empty(), "the linger after it idled");
+    assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string(), "0.0".to_string()], "2 again, and 3");
 }
 
 #[test]
-fn a_stream_idling_with_no_failed_deletion_schedules_no_retry() {
+fn a_deletion_that_failed_on_an_idle_stream_is_tried_again_a_backoff_after_the_failure() {
     let mut r = rig();
-    store_and_confirm(&mut r, 1); // idle, 1's deletion on its way
+    store_and_confirm(&mut r, 1);
+    r.later(LINGER); // idle, 1's deletion on its way
     r.later(Duration::from_millis(50));
     unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into()));
     // The retry is a backoff after the failure, not after the stream idled.
@@ -230,7 +258,8 @@ fn a_stream_idling_with_no_failed_deletion_schedules_no_retry() {
 #[test]
 fn a_retry_once_scheduled_is_not_put_off_by_a_later_deletion_ending() {
     let mut r = rig();
-    store_and_confirm(&mut r, 2); // idle, deletions of 1 and 2 on their way
+    store_and_confirm(&mut r, 2);
+    r.later(LINGER); // idle, deletions of 1 and 2 on their way
     unpersisted(&mut r, "e", 1, PersistResult::Retry("timeout".into())); // retry at +100 ms
     r.now += Duration::from_millis(50);
     unpersisted(&mut r, "e", 2, PersistResult::Stored);
@@ -253,11 +282,24 @@ fn a_stream_taken_back_from_eviction_retries_its_failed_deletions_when_it_idles_
     r.now += Duration::from_millis(10);
     r.answer("e", S, 2, 3, confirmed(true)); // idle again, before the old retry's time
     assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "the old retry is void");
-    assert!(unpersists(&r.later(Duration::from_millis(1))).contains(&"0.1".to_string()), "2 is tried again");
+    assert!(unpersists(&r.later(LINGER - Duration::from_millis(100))).is_empty(), "a linger after it idled");
+    let out = r.later(Duration::from_millis(1));
+    assert_eq!(unpersists(&out), vec!["0.1".to_string(), "0.0".to_string()], "2 is tried again, and 3's goes");
 }
 
 fn unpersisted(r: &mut Rig, entity: &str, seq: u64, result: PersistResult) -> Vec<ProducerAction> {
     r.run(ProducerInput::Unpersisted { of: Some((entity.into(), S, seq)), result })
+}
+
+#[test]
+fn a_stopping_producer_deletes_the_entries_its_confirmed_messages_left_at_places_no_unconfirmed_one_holds() {
+    let mut r = rig();
+    store_and_confirm(&mut r, 3); // places 0, 1, 2, their entries kept
+    assert_eq!(persists(&r.offer("e", "d")), vec![("0.0".to_string(), 4)], "4 takes place 0, unconfirmed");
+    let out = r.run(ProducerInput::Closing);
+    assert_eq!(unpersists(&out), vec!["0.1".to_string(), "0.2".to_string()], "4's own write replaces 1's");
+    assert!(unpersists(&r.run(ProducerInput::Closing)).is_empty(), "each deletion asked for once");
+    assert!(unpersists(&r.later(LINGER * 5)).is_empty(), "4 is unconfirmed: nothing is due");
 }
 
 /// The lane of the first write among `out`.
@@ -268,10 +310,10 @@ fn lane_written(out: &[ProducerAction]) -> String {
 #[test]
 fn an_evicted_streams_lane_is_given_out_only_once_a_majority_acknowledged_its_deletions() {
     let mut r = rig();
-    store_and_confirm(&mut r, 2); // deletions of 1 and 2 on their way
+    store_and_confirm(&mut r, 2);
     r.offer("f", "x"); // lane 1
     let out = r.offer("g", "x"); // two entities is the limit: e's idle stream goes
-    assert!(unpersists(&out).is_empty(), "no second deletion while one is on its way");
+    assert_eq!(unpersists(&out), vec!["0.0".to_string(), "0.1".to_string()], "its entries deleted at once");
     assert_eq!(lane_written(&out), "2", "lane 0 is not free while e's entries are being deleted");
     assert_eq!(r.core.evicted(), 1);
     unpersisted(&mut r, "e", 1, PersistResult::Stored);

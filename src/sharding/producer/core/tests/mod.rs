@@ -13,6 +13,7 @@ fn limits() -> ProducerLimits {
         resend_backoff_max: Duration::from_millis(400),
         max_redeliveries: 2,
         durable: false,
+        linger: Duration::from_millis(1000),
     }
 }
 
