@@ -236,7 +236,7 @@ impl ProducerCore {
     pub(crate) fn handle(&mut self, input: ProducerInput, now: Instant, out: &mut Vec<ProducerAction>) {
         match input {
             ProducerInput::Offer { entity, bytes, waiter } => self.offer(entity, bytes, waiter, now, out),
-            ProducerInput::WakeLost { entity: Some(entity) } => self.wake(&entity, now, out),
+            ProducerInput::WakeLost { entity: Some(entity) } => self.wake(&entity, out),
             ProducerInput::WakeLost { entity: None } => self.wake_parked(out),
             ProducerInput::Outcome { entity, stream, round, seq, result } => {
                 self.outcome(&entity, stream, round, seq, result, now, out);
@@ -247,7 +247,7 @@ impl ProducerCore {
             }
             ProducerInput::Unpersisted { of, result } => self.unpersisted(of, result, now, out),
             ProducerInput::Restore(restored) => self.restore(restored, now, out),
-            ProducerInput::Closing => self.closing(out),
+            ProducerInput::Closing => self.closing(now, out),
         }
     }
 
@@ -301,7 +301,7 @@ impl ProducerCore {
             return;
         }
         if !self.streams.contains_key(&entity) && self.streams.len() >= self.limits.max_entities {
-            self.evict_idle(out);
+            self.evict_idle(now, out);
         }
         if let Some(mut s) = self.evicted.remove(&entity) {
             // Taken back while its entries were being deleted: the same stream and lane go on
@@ -322,8 +322,6 @@ impl ProducerCore {
         if let Some(at) = s.idle_since.take() {
             self.idle.remove(&at);
         }
-        // Busy again: its entries wait for its next idling (this message may replace one).
-        cancel_flush(&mut self.flushes, &entity, s);
         let seq = s.next_seq;
         s.next_seq += 1;
         self.queued_bytes += bytes.len();
@@ -400,7 +398,7 @@ impl ProducerCore {
                 let q = s.queue.remove(i).expect("found above");
                 self.queued_bytes -= q.bytes.len();
                 out.push(ProducerAction::StoreFailed { stream, seq, reason });
-                self.after_progress(entity, now, out);
+                self.after_progress(entity, out);
             }
             PersistResult::Fenced { fence } => out.push(ProducerAction::Fenced { fence }),
         }
@@ -421,7 +419,7 @@ impl ProducerCore {
             // the stream is let go only once they are. Their places are not written before.
             for (seq, place) in r.confirmed {
                 s.next_seq = s.next_seq.max(seq.saturating_add(1));
-                s.delete(&r.entity, seq, place, out);
+                s.delete(&r.entity, seq, place, now, out);
             }
             for (seq, place, bytes) in r.messages {
                 self.queued_bytes += bytes.len();
@@ -431,7 +429,7 @@ impl ProducerCore {
             self.lanes = self.lanes.max(r.lane.saturating_add(1));
             self.streams.insert(r.entity.clone(), s);
             self.pump(&r.entity, out);
-            self.after_progress(&r.entity, now, out);
+            self.after_progress(&r.entity, out);
         }
         let used: BTreeSet<u32> = self.streams.values().map(|s| s.lane).collect();
         self.free_lanes = (0..self.lanes).filter(|l| !used.contains(l)).collect();
@@ -496,7 +494,7 @@ impl ProducerCore {
         let backing_off = s.retry_at.is_some();
         match result {
             SendResult::Answered(DeliveryOutcome::Confirmed { nonce, .. }) => {
-                self.confirm_through(entity, seq, out);
+                self.confirm_through(entity, seq, now, out);
                 let mut released = false;
                 if let Some(s) = self.streams.get_mut(entity) {
                     s.backoff = self.limits.resend_backoff_min;
@@ -513,7 +511,7 @@ impl ProducerCore {
                 // The entity took everything before `pending` and holds `pending`'s
                 // confirmation back (a deferred confirm): its outcome comes when the entity
                 // gives it; until then only `pending` is sent (again).
-                self.confirm_through(entity, pending.min(seq).saturating_sub(1), out);
+                self.confirm_through(entity, pending.min(seq).saturating_sub(1), now, out);
                 if let Some(s) = self.streams.get_mut(entity).filter(|s| s.first_unconfirmed() == pending) {
                     s.held = Some(pending);
                 }
@@ -522,7 +520,7 @@ impl ProducerCore {
             SendResult::Answered(DeliveryOutcome::Gap { expected, nonce }) => {
                 // The entity took everything before `expected` (never more than was sent),
                 // and holds nothing back.
-                self.confirm_through(entity, expected.min(seq).saturating_sub(1), out);
+                self.confirm_through(entity, expected.min(seq).saturating_sub(1), now, out);
                 self.streams.get_mut(entity).expect("seen above").held = None;
                 if current && !backing_off {
                     self.new_round(entity, out);
@@ -542,9 +540,9 @@ impl ProducerCore {
                 }
             }
             SendResult::Answered(DeliveryOutcome::Panicked { reason }) => {
-                self.confirm_through(entity, seq.saturating_sub(1), out);
+                self.confirm_through(entity, seq.saturating_sub(1), now, out);
                 self.streams.get_mut(entity).expect("seen above").held = None;
-                if self.count_panic(entity, seq, reason, out) {
+                if self.count_panic(entity, seq, reason, now, out) {
                     self.new_round(entity, out);
                 } else if current {
                     self.retry_later(entity, now);
@@ -560,7 +558,7 @@ impl ProducerCore {
                 out.push(ProducerAction::Fenced { fence: epoch });
             }
         }
-        self.after_progress(entity, now, out);
+        self.after_progress(entity, out);
     }
 
     /// An answer from an incarnation that took the stream on without an introduction (it knew
@@ -575,7 +573,14 @@ impl ProducerCore {
 
     /// Counts a panic on message `seq`; gives it up when it passed `max_redeliveries` (true:
     /// the stream goes on without it at once).
-    fn count_panic(&mut self, entity: &str, seq: u64, reason: String, out: &mut Vec<ProducerAction>) -> bool {
+    fn count_panic(
+        &mut self,
+        entity: &str,
+        seq: u64,
+        reason: String,
+        now: Instant,
+        out: &mut Vec<ProducerAction>,
+    ) -> bool {
         let Some(s) = self.streams.get_mut(entity) else { return false };
         let Some(q) = s.queue.front_mut().filter(|q| q.seq == seq) else { return false };
         q.panics = q.panics.saturating_add(1);
@@ -585,22 +590,24 @@ impl ProducerCore {
         let q = s.queue.pop_front().expect("the front was just seen");
         self.queued_bytes -= q.bytes.len();
         self.counts.dead_lettered += 1;
-        if self.limits.durable {
-            s.confirmed(entity, seq, q.place, out);
-        }
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
+        if self.limits.durable {
+            s.confirmed(entity, seq, q.place, now, out);
+            schedule_flush(&mut self.flushes, entity, s, now + self.limits.linger);
+        }
         true
     }
 
     /// Confirms every unconfirmed message of the stream up to `upto`.
-    fn confirm_through(&mut self, entity: &str, upto: u64, out: &mut Vec<ProducerAction>) {
+    fn confirm_through(&mut self, entity: &str, upto: u64, now: Instant, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get_mut(entity) else { return };
         // Durable: only what was stored can have been sent, so only that is confirmed.
         while s.queue.front().is_some_and(|q| q.seq <= upto && q.stored) {
             let q = s.queue.pop_front().expect("seen above");
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                s.confirmed(entity, q.seq, q.place, out);
+                s.confirmed(entity, q.seq, q.place, now, out);
+                schedule_flush(&mut self.flushes, entity, s, now + self.limits.linger);
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
@@ -640,11 +647,18 @@ impl ProducerCore {
         }
         while let Some((at, entity)) = self.flushes.first().cloned().filter(|(at, _)| *at <= now) {
             self.flushes.remove(&(at, entity.clone()));
+            let evicted = !self.streams.contains_key(&entity);
             let s = self.streams.get_mut(&entity).or_else(|| self.evicted.get_mut(&entity));
             if let Some(s) = s.filter(|s| s.flush_at == Some(at)) {
                 s.flush_at = None;
-                if s.queue.is_empty() {
-                    s.flush(&entity, out);
+                // An evicted or resumed stream is let go once its entries are deleted: none
+                // lingers.
+                let after = if evicted || s.resumed { Duration::ZERO } else { self.limits.linger };
+                s.flush(&entity, now, after, out);
+                if let Some(next) = s.next_flush(after) {
+                    // Those at places a message holds wait for its write (or, refused, for this).
+                    let at = next.max(now + self.limits.resend_backoff_min);
+                    schedule_flush(&mut self.flushes, &entity, s, at);
                 }
             }
         }
@@ -659,26 +673,26 @@ impl ProducerCore {
 
     /// After messages left the stream's queue: its waiters get the room; a stream with nothing
     /// left goes idle, and its place to an entity waiting for one.
-    fn after_progress(&mut self, entity: &str, now: Instant, out: &mut Vec<ProducerAction>) {
+    fn after_progress(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get(entity) else { return };
         if s.queue.is_empty() && s.waiters.is_empty() {
-            self.go_idle(entity, now);
+            self.go_idle(entity);
             self.wake_parked(out);
             return;
         }
         let room = self.room(s);
         for _ in 0..room.min(s.waiters.len()) {
-            self.wake(entity, now, out);
+            self.wake(entity, out);
         }
     }
 
     /// Wakes the oldest waiter of `entity`'s stream.
-    fn wake(&mut self, entity: &str, now: Instant, out: &mut Vec<ProducerAction>) {
+    fn wake(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
         let Some(s) = self.streams.get_mut(entity) else { return self.wake_parked(out) };
         match s.waiters.pop_front() {
             Some(waiter) => out.push(ProducerAction::Wake { waiter, entity: Some(entity.to_string()) }),
             None if s.queue.is_empty() => {
-                self.go_idle(entity, now);
+                self.go_idle(entity);
                 self.wake_parked(out);
             }
             None => {}
@@ -687,7 +701,7 @@ impl ProducerCore {
 
     /// The stream has nothing unconfirmed and nobody waiting: it stays, idle, until its place
     /// is needed.
-    fn go_idle(&mut self, entity: &str, now: Instant) {
+    fn go_idle(&mut self, entity: &str) {
         let Some(s) = self.streams.get_mut(entity) else { return };
         if s.idle_since.is_some() {
             return;
@@ -695,9 +709,6 @@ impl ProducerCore {
         if let Some(at) = s.retry_at.take() {
             self.retries.remove(&(at, entity.to_string()));
         }
-        // The entries its confirmed messages left are deleted unless its next message comes
-        // first (and deletions that failed while it was busy are tried again).
-        schedule_flush(&mut self.flushes, entity, s, now + self.limits.linger);
         self.idle_count += 1;
         s.idle_since = Some(self.idle_count);
         self.idle.insert(self.idle_count, entity.to_string());
@@ -705,7 +716,7 @@ impl ProducerCore {
 
     /// Drops the least recently idle stream (its entity starts a new one when sent to again).
     /// Durable, one with entries left is kept aside until they are deleted.
-    fn evict_idle(&mut self, out: &mut Vec<ProducerAction>) {
+    fn evict_idle(&mut self, now: Instant, out: &mut Vec<ProducerAction>) {
         let Some((_, entity)) = self.idle.pop_first() else { return };
         let Some(mut s) = self.streams.remove(&entity) else { return };
         s.idle_since = None;
@@ -714,7 +725,7 @@ impl ProducerCore {
             self.free_lanes.insert(s.lane);
             return;
         }
-        s.flush(&entity, out);
+        s.flush(&entity, now, Duration::ZERO, out);
         self.evicted.insert(entity, s);
     }
 
@@ -766,10 +777,9 @@ impl ProducerCore {
 
     /// The producer is stopping: every stream deletes the entries it left at places no
     /// unconfirmed message holds.
-    fn closing(&mut self, out: &mut Vec<ProducerAction>) {
+    fn closing(&mut self, now: Instant, out: &mut Vec<ProducerAction>) {
         for (entity, s) in &mut self.streams {
-            cancel_flush(&mut self.flushes, entity, s);
-            s.flush(entity, out);
+            s.flush(entity, now, Duration::ZERO, out);
         }
     }
 
@@ -793,14 +803,15 @@ impl ProducerCore {
     }
 }
 
-/// Schedules, at `at`, the deletions of the entries `s` left (confirmed messages' whose places
-/// were not taken, and deletions that failed): only while it has nothing unconfirmed and none
-/// is scheduled.
+/// Schedules a flush of `s` (see [`Stream::flush`]) at `at`, or earlier if one is: when it has
+/// entries not being deleted (confirmed messages' that linger, deletions that failed).
 fn schedule_flush(flushes: &mut BTreeSet<(Instant, String)>, entity: &str, s: &mut Stream, at: Instant) {
-    if s.queue.is_empty() && s.undeleted.len() > s.deleting.len() && s.flush_at.is_none() {
-        s.flush_at = Some(at);
-        flushes.insert((at, entity.to_string()));
+    if s.undeleted.len() <= s.deleting.len() || s.flush_at.is_some_and(|t| t <= at) {
+        return;
     }
+    cancel_flush(flushes, entity, s);
+    s.flush_at = Some(at);
+    flushes.insert((at, entity.to_string()));
 }
 
 /// Drops the try `s` has scheduled at its failed deletions.

@@ -26,6 +26,14 @@ pub(super) struct Queued {
     pub(super) panics: u32,
 }
 
+/// A confirmed message's entry that may still be stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Undeleted {
+    pub(super) place: u64,
+    /// When the message was confirmed (or given up).
+    pub(super) since: Instant,
+}
+
 /// One entity's stream of messages.
 pub(super) struct Stream {
     pub(super) id: u64,
@@ -52,11 +60,11 @@ pub(super) struct Stream {
     /// after it is sent until it is confirmed.
     pub(super) held: Option<u64>,
     /// Durable: confirmed (or given up) messages whose entries may still be stored, by number,
-    /// with their places. Kept here until a later message at the same place overwrote the
-    /// entry, or a majority acknowledged its deletion: written once the stream has idled for
-    /// `linger`, is evicted or its producer stops (at once for a resumed stream), and tried
-    /// again when it fails.
-    pub(super) undeleted: BTreeMap<u64, u64>,
+    /// with their places and when they were confirmed. Kept here until a later message at the
+    /// same place replaced the entry, or a majority acknowledged its deletion: written once
+    /// the entry has lingered for `linger`, or the stream is evicted or its producer stops (at
+    /// once for a resumed stream), and tried again when it fails.
+    pub(super) undeleted: BTreeMap<u64, Undeleted>,
     /// Durable: those of `undeleted` whose deletion is being written.
     pub(super) deleting: BTreeSet<u64>,
     /// Durable: when its next try at the deletions that failed is due.
@@ -113,8 +121,8 @@ impl Stream {
     /// is needed.
     pub(super) fn overwritten(&mut self, place: u64) {
         let deleting = &mut self.deleting;
-        self.undeleted.retain(|seq, p| {
-            let keep = *p != place;
+        self.undeleted.retain(|seq, u| {
+            let keep = u.place != place;
             if !keep {
                 deleting.remove(seq);
             }
@@ -122,38 +130,54 @@ impl Stream {
         });
     }
 
-    /// Message `seq` at `place` is confirmed (or given up): its entry stays until the next
-    /// message at its place replaces it or the stream flushes, except in a resumed stream,
-    /// which is let go only once its entries are deleted.
-    pub(super) fn confirmed(&mut self, entity: &str, seq: u64, place: u64, out: &mut Vec<ProducerAction>) {
+    /// Message `seq` at `place` is confirmed (or given up) at `now`: its entry stays until
+    /// the next message at its place replaces it or it has lingered long enough (see
+    /// [`Stream::flush`]), except in a resumed stream, which is let go only once its entries
+    /// are deleted.
+    pub(super) fn confirmed(
+        &mut self,
+        entity: &str,
+        seq: u64,
+        place: u64,
+        now: Instant,
+        out: &mut Vec<ProducerAction>,
+    ) {
         if self.resumed {
-            self.delete(entity, seq, place, out);
+            self.delete(entity, seq, place, now, out);
         } else {
-            self.undeleted.insert(seq, place);
+            self.undeleted.insert(seq, Undeleted { place, since: now });
         }
     }
 
     /// Deletes the entry of message `seq` at `place`, confirmed or given up. A message may
     /// take the place at once: the store's writer keeps the order, so its write lands after.
-    pub(super) fn delete(&mut self, entity: &str, seq: u64, place: u64, out: &mut Vec<ProducerAction>) {
-        self.undeleted.insert(seq, place);
+    pub(super) fn delete(&mut self, entity: &str, seq: u64, place: u64, now: Instant, out: &mut Vec<ProducerAction>) {
+        self.undeleted.insert(seq, Undeleted { place, since: now });
         self.deleting.insert(seq);
         out.push(ProducerAction::Unpersist { key: self.key(place), of: Some((entity.to_string(), self.id, seq)) });
     }
 
-    /// Deletes (again) the entries of its confirmed messages not being deleted already, at
-    /// places no unconfirmed message holds: no write at those is on its way (one only follows
-    /// from a message taking the place later, and the store's writer keeps the order); an
-    /// unconfirmed message's own write replaces the entry at its place.
-    pub(super) fn flush(&mut self, entity: &str, out: &mut Vec<ProducerAction>) {
+    /// Deletes (again) the entries of its confirmed messages that have lingered `after` by
+    /// `now` and are not being deleted already, at places no unconfirmed message holds: no
+    /// write at those is on its way (one only follows from a message taking the place later,
+    /// and the store's writer keeps the order); an unconfirmed message's own write replaces
+    /// the entry at its place.
+    pub(super) fn flush(&mut self, entity: &str, now: Instant, after: Duration, out: &mut Vec<ProducerAction>) {
         let held: BTreeSet<u64> = self.queue.iter().map(|q| q.place).collect();
-        for (&seq, &place) in &self.undeleted {
-            if self.deleting.contains(&seq) || held.contains(&place) {
+        for (&seq, u) in &self.undeleted {
+            if self.deleting.contains(&seq) || held.contains(&u.place) || u.since + after > now {
                 continue;
             }
             let of = Some((entity.to_string(), self.id, seq));
-            out.push(ProducerAction::Unpersist { key: self.key(place), of });
+            out.push(ProducerAction::Unpersist { key: self.key(u.place), of });
             self.deleting.insert(seq);
         }
+    }
+
+    /// When the next of its entries not being deleted will have lingered `after` (`None`:
+    /// every one is being deleted).
+    pub(super) fn next_flush(&self, after: Duration) -> Option<Instant> {
+        let pending = self.undeleted.iter().filter(|(seq, _)| !self.deleting.contains(seq));
+        pending.map(|(_, u)| u.since + after).min()
     }
 }

@@ -222,25 +222,50 @@ fn a_failed_deletion_waits_while_its_stream_is_busy_and_a_later_message_at_its_p
     persisted(&mut r, "e", 4, PersistResult::Stored);
     let out = r.answer("e", S, 2, 4, confirmed(true));
     assert!(unpersists(&out).is_empty(), "4's entry stays for the next message at its place");
-    assert_eq!(unpersists(&r.later(LINGER)), vec!["0.0".to_string()], "4's, idle for the linger: 1's was replaced by it");
+    assert_eq!(
+        unpersists(&r.later(LINGER)),
+        vec!["0.0".to_string()],
+        "4's, idle for the linger: 1's was replaced by it"
+    );
     unpersisted(&mut r, "e", 4, PersistResult::Stored);
     assert!(unpersists(&r.later(LINGER * 5)).is_empty());
 }
 
 #[test]
-fn a_deletion_that_failed_while_its_stream_was_busy_is_tried_again_once_it_idled_for_the_linger() {
+fn a_failed_deletion_is_tried_again_a_backoff_later_at_a_place_no_message_holds_busy_or_not() {
     let mut r = rig();
     store_and_confirm(&mut r, 2); // places 0 and 1
     r.later(LINGER); // their deletions on their way
     r.offer("e", "c"); // 3, at place 0 (1's): busy
     unpersisted(&mut r, "e", 1, PersistResult::Stored);
     unpersisted(&mut r, "e", 2, PersistResult::Retry("timeout".into()));
-    assert!(unpersists(&r.later(Duration::from_millis(200))).is_empty(), "not while 3 is unconfirmed");
+    assert!(unpersists(&r.later(Duration::from_millis(99))).is_empty(), "a backoff after it failed");
+    assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string()], "while 3 is unconfirmed");
     persisted(&mut r, "e", 3, PersistResult::Stored);
-    let out = r.answer("e", S, 2, 3, confirmed(true)); // idle now
+    let out = r.answer("e", S, 2, 3, confirmed(true));
     assert!(unpersists(&out).is_empty(), "3's entry stays for now");
-    assert!(unpersists(&r.later(LINGER - Duration::from_millis(1))).is_empty(), "the linger after it idled");
-    assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.1".to_string(), "0.0".to_string()], "2 again, and 3");
+    assert!(unpersists(&r.later(LINGER - Duration::from_millis(1))).is_empty(), "the linger after 3 was confirmed");
+    assert_eq!(unpersists(&r.later(Duration::from_millis(1))), vec!["0.0".to_string()], "3's, and not 2's again");
+}
+
+#[test]
+fn a_busy_streams_entries_at_places_its_messages_no_longer_reach_are_deleted_after_the_linger() {
+    let mut r = rig();
+    store_and_confirm(&mut r, 3); // a burst: places 0, 1, 2
+    for seq in 4..=8 {
+        // Then one message at a time, always at place 0, each confirmed well within the linger.
+        assert_eq!(persists(&r.offer("e", "m")), vec![("0.0".to_string(), seq)]);
+        persisted(&mut r, "e", seq, PersistResult::Stored);
+        let out = r.later(LINGER / 4);
+        let deleted = unpersists(&out);
+        if seq < 7 {
+            assert!(deleted.is_empty(), "{seq}: {deleted:?}");
+        } else if seq == 7 {
+            assert_eq!(deleted, vec!["0.1".to_string(), "0.2".to_string()], "lingered a second, never reached");
+        }
+        assert!(!deleted.contains(&"0.0".to_string()), "{seq}: place 0 is held, or taken again at once");
+        r.answer("e", S, 2, seq, confirmed(true));
+    }
 }
 
 #[test]
