@@ -773,6 +773,18 @@ fn no_number_of_a_stream_is_written_by_two_incarnations_at_two_places() {
     assert!(report.deliveries_stored > 100, "the scenario sends");
 }
 
+/// Seed 1900000018 of `reliable-durable` (session 40), when an entity confirmed unhandled any
+/// copy of a stream made before the one it had taken: p0's incarnation 1 wrote e8's message 3,
+/// never acknowledged (no majority), kept on n1's disk; incarnation 8, not seeing it, made e8 a
+/// newer stream; incarnation 26's load found the entry and resumed the old stream, and e8
+/// confirmed message 3 as a duplicate of a stream its producer had moved past, unhandled. Only
+/// streams of the incarnation that sent the entity's current one compare now.
+#[test]
+fn a_stream_a_later_incarnation_resumed_from_a_replicas_disk_is_handled_not_confirmed_unseen() {
+    let report = check(1900000018, &shape("reliable-durable"));
+    assert!(report.deliveries_stored > 100, "the scenario sends");
+}
+
 /// Seed 200000001 of `reliable-durable`: a durable entity's write failed (no majority) but
 /// stayed on its node's replica; the next incarnation read those marks and answered a re-sent
 /// message as a duplicate, so its producer gave the message up although no majority held its

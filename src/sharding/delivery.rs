@@ -162,6 +162,10 @@ struct Mark {
     /// When its producer made `stream` ([`DeliveryHeader::made`]).
     #[serde(default)]
     made: (u64, u64),
+    /// The durable queue claim of the producer incarnation that last sent `stream` (0: none,
+    /// or not known).
+    #[serde(default)]
+    sender: u64,
     /// A message handled whose confirmation is held back, and its hold's token: then
     /// `expected` is that message (stored as not taken). Not stored.
     #[serde(skip)]
@@ -274,8 +278,18 @@ impl ConsumerMarks {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
                 let (producer, stream, expected) = (h.producer.to_string(), h.stream, next(h.seq));
-                let (epoch, made) = (h.epoch, h.made);
-                self.insert(Mark { producer, stream, expected, heard, greeted: nonce, epoch, made, pending: None });
+                let (epoch, made, sender) = (h.epoch, h.made, h.epoch);
+                self.insert(Mark {
+                    producer,
+                    stream,
+                    expected,
+                    heard,
+                    greeted: nonce,
+                    epoch,
+                    made,
+                    sender,
+                    pending: None,
+                });
             }
             return admission;
         };
@@ -286,7 +300,7 @@ impl ConsumerMarks {
             let admission = first_of_stream(h);
             if admission == Admission::Handle {
                 mark.stream = h.stream;
-                mark.made = h.made;
+                (mark.made, mark.sender) = (h.made, h.epoch);
                 mark.expected = next(h.seq);
                 mark.greeted = nonce;
                 mark.pending = None;
@@ -294,6 +308,7 @@ impl ConsumerMarks {
             return admission;
         }
         mark.greeted = nonce;
+        mark.sender = h.epoch;
         // Everything before the producer's first unconfirmed message is confirmed: handled
         // here, or given up.
         mark.expected = mark.expected.max(h.first_unconfirmed);
@@ -372,18 +387,23 @@ fn next(seq: u64) -> u64 {
     seq.saturating_add(1)
 }
 
-/// Whether the stream of `h` was made before `mark`'s by the same producer, so that all of it
-/// was confirmed before `mark`'s was made: a producer makes an entity a new stream only once
-/// the one before has nothing unconfirmed. Durable queue claims order a producer's
-/// incarnations (a stream resumed from a load keeps the claim it was made under); without
-/// one, only streams of one incarnation compare, told by the random base their ids share.
+/// Whether the stream of `h` was sent by the producer incarnation that sent `mark`'s and made
+/// before it, so that all of it was confirmed before `mark`'s was made: one incarnation sends
+/// an entity one stream at a time (the one it resumed from its load, if any, then those it
+/// makes), and starts the next only once the one before has nothing unconfirmed.
+///
+/// A later incarnation's streams do not compare: its load may resume a stream made before
+/// `mark`'s whose entries no earlier load saw (never acknowledged, so never sent, and come
+/// back from a replica's disk), and its messages are to be handled (seed 1900000018 of
+/// `reliable-durable`). Durable queue claims (`epoch`) name incarnations; without them, the
+/// random base the ids of one incarnation's streams share does.
 fn made_before(h: &DeliveryHeader, mark: &Mark) -> bool {
     let (theirs, ours) = (h.made, mark.made);
     if theirs.1 == 0 || ours.1 == 0 {
         return false;
     }
-    if theirs.0 > 0 || ours.0 > 0 {
-        return theirs < ours;
+    if h.epoch > 0 || mark.sender > 0 {
+        return h.epoch == mark.sender && theirs < ours;
     }
     h.stream.wrapping_sub(theirs.1) == mark.stream.wrapping_sub(ours.1) && theirs.1 < ours.1
 }
@@ -602,6 +622,21 @@ mod tests {
         restarted.begin_incarnation(N);
         assert_eq!(restarted.admit(&claim((9, 1), 20, 3, 3)), Duplicate);
         assert_eq!(marks.admit(&claim((9, 3), 22, 1, 1)), Handle);
+    }
+
+    #[test]
+    fn a_stream_a_later_incarnation_resumed_is_handled_however_old_its_claim() {
+        // Incarnation 9 sent stream (9, 3); incarnation 12's load found a stream incarnation 4
+        // made and never had acknowledged (so never sent), come back from a replica's disk.
+        let from =
+            |epoch, made: (u64, u64), stream, seq, first| DeliveryHeader { epoch, made, ..h("p", stream, seq, first) };
+        check(&[
+            (from(9, (9, 3), 22, 1, 1), Handle),
+            (from(12, (4, 6), 500, 3, 3), Handle),
+            (from(12, (12, 1), 30, 1, 1), Handle),
+            (from(12, (4, 6), 500, 3, 3), Duplicate),
+            (from(9, (9, 3), 22, 2, 2), Superseded { epoch: 12 }),
+        ]);
     }
 
     #[test]

@@ -21,10 +21,18 @@
 //! same number (seed 1210000435 of `reliable-durable-tight`, when resumed streams still took
 //! new numbers).
 //!
-//! **Deletion.** A confirmed (or given up) message's entry is deleted at once; a deletion that
-//! fails is tried again once its stream is idle. Each entry also carries its stream's oldest
-//! unconfirmed number when it was written, so the entries written after a confirmation say
-//! which older ones are confirmed even where a deletion was not written.
+//! **Deletion.** A confirmed (or given up) message's entry lingers: the stream's next message
+//! takes the lowest free place, usually that one, and its write replaces the entry — one write
+//! per message instead of two. An entry no message replaced within a second
+//! (`CONFIRMED_ENTRY_LINGER`) is deleted then, busy stream or idle, and so is every entry of a
+//! stream evicted, resumed from a load, or whose producer stops; a deletion that fails is tried
+//! again. A deletion is written only at a place no unconfirmed message holds, so none is on its
+//! way there (a message taking the place later writes after it: the store's writer keeps the
+//! order). Each entry also carries its stream's oldest unconfirmed number when it was written,
+//! so the entries written after a confirmation say which older ones are confirmed even where a
+//! deletion was not written; a confirmed entry a crash left with no later one is sent again
+//! and its entity confirms it as a duplicate (a plain entity's new incarnation handles it
+//! again).
 //!
 //! **A stream is let go only once its entries are deleted.** An evicted stream's lane, and its
 //! entity's next stream, wait until a majority acknowledged the deletion of every entry it
