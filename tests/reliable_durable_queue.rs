@@ -152,6 +152,41 @@ fn a_producer_restarted_on_another_node_resumes_what_it_stored_and_each_message_
 }
 
 #[test]
+fn a_producer_dropped_once_its_messages_were_confirmed_leaves_none_for_its_next_incarnation_to_send_again() {
+    VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
+        cluster.await_converged(Duration::from_secs(30)).await;
+        let regions = start(&cluster, 3).await;
+        let region = regions[0].clone();
+        let (first, next) = cluster
+            .on_node(0, move |_| async move {
+                let producer = region.producer("settled", durable()).await?;
+                let mut confirmations = Vec::new();
+                for v in 1..=2 * ENTITIES {
+                    confirmations.push(producer.send(&format!("l{}", v % ENTITIES), LedgerMsg::Apply(v)).await?);
+                }
+                for c in confirmations {
+                    c.await?;
+                }
+                // Dropped at once: the confirmed messages' entries still linger (an entity's next
+                // message would have replaced its entry); the stopping producer deletes them.
+                let first = producer.stats();
+                drop(producer);
+                // Past the bound a stopping producer gives its deletions.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                let next = region.producer("settled", durable()).await?;
+                Ok::<_, Error>((first, next.stats()))
+            })
+            .await
+            .expect("the node runs")
+            .expect("both producers start");
+        assert_eq!(first.confirmed, 2 * ENTITIES, "{first:?}");
+        assert_eq!(next.unconfirmed, 0, "nothing left to send again: {next:?}");
+        let applied: Vec<u64> = ledgers(&cluster, 0, &regions[0]).await.into_iter().flatten().collect();
+        assert_eq!(applied.len() as u64, 2 * ENTITIES, "each message applied once: {applied:?}");
+    });
+}
+
+#[test]
 fn a_second_producer_with_one_id_fences_the_first_which_fails_with_a_typed_error() {
     VirtualRun::new(3).run(|cluster: VirtualCluster| async move {
         cluster.await_converged(Duration::from_secs(30)).await;
