@@ -402,7 +402,9 @@ fn made_before(h: &DeliveryHeader, mark: &Mark) -> bool {
     if theirs.1 == 0 || ours.1 == 0 {
         return false;
     }
-    if h.epoch > 0 || mark.sender > 0 {
+    // A mark's sender is never newer than the newest claim it heard, which a delivery is not
+    // older than (`Superseded` otherwise): a delivery without a claim meets no sender with one.
+    if h.epoch > 0 {
         return h.epoch == mark.sender && theirs < ours;
     }
     h.stream.wrapping_sub(theirs.1) == mark.stream.wrapping_sub(ours.1) && theirs.1 < ours.1
@@ -600,6 +602,12 @@ mod tests {
             (DeliveryHeader { made: (0, 0), ..h("p", 1_003, 2, 2) }, Handle),
             (nth(1_000, 2, 1, 1), Handle),
         ]);
+        // Nor one with a claim but no number (a node that predates it).
+        let claimed = |made, stream| DeliveryHeader { epoch: 9, made, ..h("p", stream, 1, 1) };
+        check(&[(claimed((9, 2), 5), Handle), (claimed((0, 0), 4), Handle)]);
+        // Nor the stream of an incarnation with a claim after one without (ids of one base
+        // or not: a claim is what names an incarnation that has one).
+        check(&[(nth(1_000, 3, 1, 1), Handle), (claimed((9, 1), 1_001), Handle)]);
     }
 
     #[test]

@@ -228,6 +228,12 @@ impl ProducerCore {
         self.evicted.len()
     }
 
+    /// Durable: when the streams' flushes are due, soonest first.
+    #[cfg(test)]
+    pub(crate) fn flushes_due(&self) -> Vec<Instant> {
+        self.flushes.iter().map(|(at, _)| *at).collect()
+    }
+
     /// When the oldest unconfirmed message was stored.
     pub(crate) fn oldest_unconfirmed(&self) -> Option<Instant> {
         self.streams.values().filter_map(|s| s.queue.front().map(|q| q.stored_at)).min()
@@ -592,8 +598,7 @@ impl ProducerCore {
         self.counts.dead_lettered += 1;
         out.push(ProducerAction::DeadLetter { entity: entity.to_string(), stream: s.id, seq, bytes: q.bytes, reason });
         if self.limits.durable {
-            s.confirmed(entity, seq, q.place, now, out);
-            schedule_flush(&mut self.flushes, entity, s, now + self.limits.linger);
+            entry_confirmed(&mut self.flushes, self.limits.linger, entity, s, (seq, q.place), now, out);
         }
         true
     }
@@ -606,8 +611,7 @@ impl ProducerCore {
             let q = s.queue.pop_front().expect("seen above");
             out.push(ProducerAction::Confirmed { stream: s.id, seq: q.seq });
             if self.limits.durable {
-                s.confirmed(entity, q.seq, q.place, now, out);
-                schedule_flush(&mut self.flushes, entity, s, now + self.limits.linger);
+                entry_confirmed(&mut self.flushes, self.limits.linger, entity, s, (q.seq, q.place), now, out);
             }
             self.queued_bytes -= q.bytes.len();
             self.counts.confirmed += 1;
@@ -801,6 +805,21 @@ impl ProducerCore {
             out.push(ProducerAction::Wake { waiter, entity: None });
         }
     }
+}
+
+/// Durable: message `seq` at `place` of `s` is confirmed (or given up) at `now`; its entry
+/// lingers (see [`Stream::confirmed`]) and a flush is due when it will have lingered `linger`.
+fn entry_confirmed(
+    flushes: &mut BTreeSet<(Instant, String)>,
+    linger: Duration,
+    entity: &str,
+    s: &mut Stream,
+    (seq, place): (u64, u64),
+    now: Instant,
+    out: &mut Vec<ProducerAction>,
+) {
+    s.confirmed(entity, seq, place, now, out);
+    schedule_flush(flushes, entity, s, now + linger);
 }
 
 /// Schedules a flush of `s` (see [`Stream::flush`]) at `at`, or earlier if one is: when it has

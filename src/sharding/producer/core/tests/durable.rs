@@ -249,6 +249,25 @@ fn a_failed_deletion_is_tried_again_a_backoff_later_at_a_place_no_message_holds_
 }
 
 #[test]
+fn after_deleting_what_is_due_a_stream_flushes_next_when_its_next_entry_will_have_lingered() {
+    let mut r = rig();
+    r.offer("e", "a");
+    r.offer("e", "b"); // places 0 and 1
+    persisted(&mut r, "e", 1, PersistResult::Stored);
+    persisted(&mut r, "e", 2, PersistResult::Stored);
+    r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Hello { nonce: 9 }));
+    let t0 = r.now;
+    r.answer("e", S, 2, 1, confirmed(true));
+    assert_eq!(r.core.flushes_due(), vec![t0 + LINGER]);
+    r.now += Duration::from_millis(600);
+    r.answer("e", S, 2, 2, confirmed(true));
+    assert_eq!(r.core.flushes_due(), vec![t0 + LINGER], "the sooner one stays");
+    let out = r.later(Duration::from_millis(400));
+    assert_eq!(unpersists(&out), vec!["0.0".to_string()], "1's has lingered its second, 2's not yet");
+    assert_eq!(r.core.flushes_due(), vec![t0 + Duration::from_millis(600) + LINGER], "when 2's will have");
+}
+
+#[test]
 fn a_busy_streams_entries_at_places_its_messages_no_longer_reach_are_deleted_after_the_linger() {
     let mut r = rig();
     store_and_confirm(&mut r, 3); // a burst: places 0, 1, 2
