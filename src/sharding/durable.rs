@@ -125,14 +125,14 @@ impl<D: DurableEntity> Durable<D> {
                         io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
                         ctx.end = Some(EndIncarnation::Restart);
                         let reason = format!("the state does not encode: {e}");
-                        return Err(Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason });
+                        return Err(Error::StateNotPersisted { entity_id: ctx.entity_id.to_string(), reason });
                     }
                 };
                 if bytes.len() > io.max_state_bytes() {
                     io.counters().state_write_failures.fetch_add(1, Ordering::Relaxed);
                     ctx.end = Some(EndIncarnation::Restart);
                     return Err(Error::StateTooLarge {
-                        entity_id: ctx.entity_id.clone(),
+                        entity_id: ctx.entity_id.to_string(),
                         bytes: bytes.len(),
                         max: io.max_state_bytes(),
                     });
@@ -161,7 +161,9 @@ impl<D: DurableEntity> Durable<D> {
                 Err(match e {
                     // Nothing was written; the entity restarts from its stored state.
                     e @ (Error::StateNotPersisted { .. } | Error::SlotFull { .. }) => e,
-                    other => Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason: other.to_string() },
+                    other => {
+                        Error::StateNotPersisted { entity_id: ctx.entity_id.to_string(), reason: other.to_string() }
+                    }
                 })
             }
         }
@@ -189,7 +191,7 @@ impl<D: DurableEntity> Entity for Durable<D> {
                     entity_id: entity_id.clone(),
                     reason: reason.clone(),
                 },
-                other => Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason: other.to_string() },
+                other => Error::StateNotPersisted { entity_id: ctx.entity_id.to_string(), reason: other.to_string() },
             });
         }
         ctx.state_change = None;
@@ -220,7 +222,7 @@ impl<D: DurableEntity> Entity for Durable<D> {
         if self.broken.is_some() {
             // Never write over a stored state that did not load (its marks were not read).
             let reason = "its stored state did not load".to_string();
-            return Err(Error::StateNotPersisted { entity_id: ctx.entity_id.clone(), reason });
+            return Err(Error::StateNotPersisted { entity_id: ctx.entity_id.to_string(), reason });
         }
         // The state as it is stored (or its absence), now with a majority's acknowledgement.
         let change = if self.stored { StateChange::Persist } else { StateChange::Delete };
@@ -277,7 +279,7 @@ impl<D: DurableEntity> Durable<D> {
                     warn!(type_name = %io.type_name(), entity_id = %ctx.entity_id, error = %e, "stored entity state does not decode; the entity answers errors");
                     self.broken = Some(Error::StateUndecodable {
                         type_name: io.type_name().to_string(),
-                        entity_id: ctx.entity_id.clone(),
+                        entity_id: ctx.entity_id.to_string(),
                         reason: e.to_string(),
                     });
                 }

@@ -198,8 +198,8 @@ pub trait Request<E: Entity>: Into<E::Message> {
 /// What an entity knows about itself while handling a message.
 #[derive(Debug, Clone)]
 pub struct EntityContext {
-    pub(crate) entity_id: String,
-    pub(crate) shard_id: ShardId,
+    pub(crate) entity_id: Arc<str>,
+    pub(crate) shard_id: Arc<str>,
     pub(crate) epoch: u64,
     pub(crate) passivate: bool,
     /// Durable entities: what the handler asked to do with the stored state.
@@ -326,7 +326,7 @@ impl EntityContext {
     }
 
     /// A context for entity `entity_id` of `shard_id` at `epoch`.
-    pub(crate) fn new(entity_id: String, shard_id: ShardId, epoch: u64, state_io: Option<shard::StateIo>) -> Self {
+    pub(crate) fn new(entity_id: Arc<str>, shard_id: Arc<str>, epoch: u64, state_io: Option<shard::StateIo>) -> Self {
         EntityContext {
             entity_id,
             shard_id,

@@ -372,8 +372,10 @@ impl<M, S> ShardCore<M, S> {
     }
 
     /// The host's handle on the running incarnation of `entity_id`, with that incarnation.
-    pub(crate) fn slot(&self, entity_id: &str) -> Option<(&S, u64)> {
-        self.entities.get(entity_id).and_then(|e| e.slot.as_ref().map(|s| (s, e.incarnation)))
+    /// The id is the core's own copy, for the host to share rather than copy.
+    pub(crate) fn slot(&self, entity_id: &str) -> Option<(&Arc<str>, &S, u64)> {
+        let (id, e) = self.entities.get_key_value(entity_id)?;
+        e.slot.as_ref().map(|s| (id, s, e.incarnation))
     }
 
     /// Takes every attached handle out (the shard is being dropped).
@@ -965,14 +967,14 @@ mod tests {
         assert!(!s.attach("b", 1, "unknown"), "nor an entity the shard does not know");
         assert!(s.slot("a").is_none());
         assert!(s.attach("a", 1, "mailbox a#1"));
-        assert_eq!(s.slot("a"), Some((&"mailbox a#1", 1)));
+        assert_eq!(s.slot("a").map(|(id, h, i)| (&**id, h, i)), Some(("a", &"mailbox a#1", 1)));
         // A stale Terminated leaves it; the incarnation's own drops it.
         s.handle(
             ShardInput::Terminated { entity_id: "a".into(), incarnation: 7, leftovers: vec![] },
             now,
             &mut Vec::new(),
         );
-        assert_eq!(s.slot("a"), Some((&"mailbox a#1", 1)));
+        assert_eq!(s.slot("a").map(|(id, h, i)| (&**id, h, i)), Some(("a", &"mailbox a#1", 1)));
         s.handle(
             ShardInput::Terminated { entity_id: "a".into(), incarnation: 1, leftovers: vec![] },
             now,

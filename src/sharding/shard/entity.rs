@@ -543,8 +543,8 @@ impl<E: Entity> EntityRun<E> {
 
     fn terminated(&self, leftovers: Vec<Envelope<E>>) {
         let _ = self.shared.events.send(ShardEvent::Terminated {
-            shard: self.ctx.shard_id.clone(),
-            entity_id: self.ctx.entity_id.clone(),
+            shard: self.ctx.shard_id.to_string(),
+            entity_id: self.ctx.entity_id.to_string(),
             incarnation: self.incarnation,
             leftovers,
         });
@@ -727,8 +727,8 @@ impl<E: Entity> EntityRun<E> {
         }
         if std::mem::take(&mut self.ctx.passivate) {
             let _ = self.shared.events.send(ShardEvent::Passivate {
-                shard: self.ctx.shard_id.clone(),
-                entity_id: id,
+                shard: self.ctx.shard_id.to_string(),
+                entity_id: id.to_string(),
                 incarnation: self.incarnation,
             });
         }
@@ -752,7 +752,7 @@ impl<E: Entity> EntityRun<E> {
                 // A newer allocation owns the shard's state: nothing here may run it.
                 drop(entity.take());
                 let _ = self.shared.events.send(ShardEvent::Fenced {
-                    shard: self.ctx.shard_id.clone(),
+                    shard: self.ctx.shard_id.to_string(),
                     epoch: self.ctx.epoch,
                     fence,
                 });

@@ -49,6 +49,8 @@ struct EntityHandle<E: Entity> {
 }
 
 struct LocalShard<E: Entity> {
+    /// Its id, shared with its entities' contexts.
+    id: Arc<str>,
     core: ShardCore<Envelope<E>, EntityHandle<E>>,
     epoch: u64,
     instance: u64,
@@ -80,8 +82,8 @@ struct Launcher<E: Entity> {
 
 impl<E: Entity> Launcher<E> {
     /// Runs an entity on a new task until its queue is empty (or it ends).
-    fn launch(&self, shard_id: &ShardId, entity_id: &str, run: RunOf<E>, scheduled: Scheduled<E>) {
-        let ctx = EntityContext::new(entity_id.to_string(), shard_id.clone(), run.epoch, self.state.clone());
+    fn launch(&self, run: RunOf<E>, scheduled: Scheduled<E>) {
+        let ctx = EntityContext::new(run.entity_id, run.shard_id, run.epoch, self.state.clone());
         let task = EntityRun { shared: self.runner.clone(), mailbox: run.mailbox, ctx, incarnation: run.incarnation };
         // Detached: a held JoinHandle would keep the finished task's memory.
         drop(self.spawner.spawn(self.entity_tasks.track_future(run.shard_tasks.track_future(task.run(scheduled)))));
@@ -89,22 +91,15 @@ impl<E: Entity> Launcher<E> {
 
     /// Puts a message in a running entity's mailbox; `Err` with the envelope when the
     /// incarnation has ended (its `Terminated` event is on the way).
-    fn push(
-        &self,
-        shard_id: &ShardId,
-        entity_id: &str,
-        shard: MutexGuard<'_, LocalShard<E>>,
-        env: Envelope<E>,
-    ) -> Result<(), Envelope<E>> {
-        let Some((h, incarnation)) = shard.core.slot(entity_id) else { return Err(env) };
+    fn push(&self, entity_id: &str, shard: MutexGuard<'_, LocalShard<E>>, env: Envelope<E>) -> Result<(), Envelope<E>> {
+        let Some((id, h, incarnation)) = shard.core.slot(entity_id) else { return Err(env) };
         let capacity = self.mailbox_capacity;
         match h.mailbox.push(EntityCmd::Msg(env), capacity) {
             Pushed::Queued => Ok(()),
             Pushed::Schedule(scheduled) => {
-                let run =
-                    RunOf { mailbox: h.mailbox.clone(), epoch: h.epoch, incarnation, shard_tasks: shard.tasks.clone() };
+                let run = RunOf::new(&shard, id, h, incarnation);
                 drop(shard);
-                self.launch(shard_id, entity_id, run, scheduled);
+                self.launch(run, scheduled);
                 Ok(())
             }
             Pushed::Full(env) => {
@@ -126,10 +121,26 @@ impl<E: Entity> Launcher<E> {
 
 /// What a new run of an entity needs from its shard.
 struct RunOf<E: Entity> {
+    entity_id: Arc<str>,
+    shard_id: Arc<str>,
     mailbox: Arc<Mailbox<E>>,
     epoch: u64,
     incarnation: u64,
     shard_tasks: TaskTracker,
+}
+
+impl<E: Entity> RunOf<E> {
+    /// A run of incarnation `incarnation` of entity `id` of `shard`, whose handle is `h`.
+    fn new(shard: &LocalShard<E>, id: &Arc<str>, h: &EntityHandle<E>, incarnation: u64) -> Self {
+        RunOf {
+            entity_id: id.clone(),
+            shard_id: shard.id.clone(),
+            mailbox: h.mailbox.clone(),
+            epoch: h.epoch,
+            incarnation,
+            shard_tasks: shard.tasks.clone(),
+        }
+    }
 }
 
 /// The shards hosted here, as the region's handle sees them for the direct path.
@@ -157,7 +168,7 @@ impl<E: Entity> ShardDirectory<E> {
             return Err(env);
         }
         let shards = self.shards.read().unwrap_or_else(|p| p.into_inner());
-        let Some((shard_id, cell)) = shards.get_key_value(shard_id) else { return Err(env) };
+        let Some(cell) = shards.get(shard_id) else { return Err(env) };
         let mut shard = cell.lock();
         if !self.launcher.runner.routed.is_clear(stripe)
             || shard.core.direct_slot(entity_id, crate::clock::now()).is_none()
@@ -165,7 +176,7 @@ impl<E: Entity> ShardDirectory<E> {
             return Err(env);
         }
         env.lane = Lane::Direct(stripe);
-        self.launcher.push(shard_id, entity_id, shard, env)
+        self.launcher.push(entity_id, shard, env)
     }
 
     fn insert(&self, shard: ShardId, cell: Arc<ShardCell<E>>) {
@@ -381,8 +392,15 @@ impl<E: Entity> LocalShards<E> {
         self.next_instance += 1;
         let policy = s.passivation_policy(self.passivation_share(self.shards.len() + 1));
         let core = new_shard_core(s, self.state.is_some(), policy);
-        let cell =
-            Arc::new(ShardCell { shard: Mutex::new(LocalShard { core, epoch, instance, tasks: TaskTracker::new() }) });
+        let cell = Arc::new(ShardCell {
+            shard: Mutex::new(LocalShard {
+                id: Arc::from(shard.as_str()),
+                core,
+                epoch,
+                instance,
+                tasks: TaskTracker::new(),
+            }),
+        });
         self.shards.insert(shard.clone(), cell.clone());
         self.directory.insert(shard.clone(), cell);
         self.share_passivation_limit(work);
@@ -548,11 +566,12 @@ impl<E: Entity> LocalShards<E> {
         let mailbox = Arc::new(Mailbox::new());
         let first = mailbox.schedule_new().expect("a new mailbox");
         let mut shard = cell.lock();
-        let run = RunOf { mailbox: mailbox.clone(), epoch: shard.epoch, incarnation, shard_tasks: shard.tasks.clone() };
         let handle = EntityHandle { mailbox, epoch: shard.epoch };
         if shard.core.attach(&entity_id, incarnation, handle) {
+            let (id, h, _) = shard.core.slot(&entity_id).expect("just attached");
+            let run = RunOf::new(&shard, id, h, incarnation);
             drop(shard);
-            self.launcher.launch(shard_id, &entity_id, run, first);
+            self.launcher.launch(run, first);
         }
     }
 
@@ -608,7 +627,7 @@ impl<E: Entity> LocalShards<E> {
             self.replier.fail(msg, &entity_id, "entity is not running");
             return;
         }
-        if let Err(env) = self.launcher.push(shard_id, &entity_id, shard, msg) {
+        if let Err(env) = self.launcher.push(&entity_id, shard, msg) {
             // The incarnation already ended; its Terminated event is on the way. The
             // message goes to the next incarnation after it (not back into this loop,
             // which would spin until the event is read).
@@ -627,12 +646,11 @@ impl<E: Entity> LocalShards<E> {
         counter.fetch_add(1, Ordering::Relaxed);
         let Some(cell) = self.shards.get(shard_id) else { return };
         let shard = cell.lock();
-        let Some((h, incarnation)) = shard.core.slot(&entity_id) else { return };
+        let Some((id, h, incarnation)) = shard.core.slot(&entity_id) else { return };
         if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop(reason), usize::MAX) {
-            let run =
-                RunOf { mailbox: h.mailbox.clone(), epoch: h.epoch, incarnation, shard_tasks: shard.tasks.clone() };
+            let run = RunOf::new(&shard, id, h, incarnation);
             drop(shard);
-            self.launcher.launch(shard_id, &entity_id, run, scheduled);
+            self.launcher.launch(run, scheduled);
         }
     }
 
