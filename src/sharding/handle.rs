@@ -13,7 +13,9 @@ use tracing::warn;
 use super::attached::{self, RegionControl};
 use super::counters::{RegionCounterCells, RegionCounters};
 use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
-use super::ids::{RegionId, ShardId, ShardIdExtractor, check_entity_id, default_shard_id, valid_type_name};
+use super::ids::{
+    RegionId, ShardId, ShardIdExtractor, check_entity_id, default_shard_id, default_shard_number, valid_type_name,
+};
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
@@ -53,6 +55,9 @@ pub(crate) struct HandleInner<E: Entity> {
     deadlines: DeadlineSweep,
     settings: ShardingSettings,
     extractor: ShardIdExtractor,
+    /// With the default extractor, its shard ids by number: a message names its shard
+    /// without building the id (`None` with a custom extractor).
+    numbered: Option<Box<[ShardId]>>,
     commands: RegionCommands<E>,
     buffered: Arc<AtomicUsize>,
     counters: Arc<RegionCounterCells>,
@@ -102,6 +107,7 @@ impl<E: Entity> HandleInner<E> {
             deadlines,
             settings,
             extractor,
+            numbered: None,
             commands,
             buffered,
             counters: Arc::new(RegionCounterCells::default()),
@@ -200,18 +206,25 @@ impl<E: Entity> ShardRegion<E> {
     fn submit(&self, entity_id: &str, mut env: Envelope<E>) -> Result<()> {
         let i = &self.inner;
         check_entity_id(entity_id, i.settings.max_entity_id_bytes)?;
-        let shard = (i.extractor)(entity_id);
+        let built;
+        let shard: &str = match &i.numbered {
+            Some(ids) => &ids[default_shard_number(entity_id, ids.len() as u32) as usize],
+            None => {
+                built = (i.extractor)(entity_id);
+                &built
+            }
+        };
         let stripe = RoutedInFlight::stripe(entity_id);
         if let Some(direct) = i.shared.get().and_then(|f| f.direct.as_ref())
             && i.routed.is_clear(stripe)
         {
-            match direct.deliver(&shard, entity_id, stripe, env) {
+            match direct.deliver(shard, entity_id, stripe, env) {
                 Ok(()) => return Ok(()),
                 Err(back) => env = back,
             }
         }
         if let Some(shared) = i.shared.get() {
-            match shared.send_direct(&shard, entity_id, stripe, env) {
+            match shared.send_direct(shard, entity_id, stripe, env) {
                 Direct::Sent(sent) => return sent,
                 Direct::Routed(back) => env = back,
             }
@@ -226,7 +239,7 @@ impl<E: Entity> ShardRegion<E> {
         i.counters.local_routed.fetch_add(1, Ordering::Relaxed);
         env.lane = Lane::Routed { _ticket: i.routed.ticket(stripe) };
         i.commands
-            .send(RegionCmd::Deliver { shard, entity_id: entity_id.to_string(), env })
+            .send(RegionCmd::Deliver { shard: shard.to_string(), entity_id: entity_id.to_string(), env })
             .map_err(|_| Error::ShutDown)
     }
 
@@ -474,6 +487,7 @@ pub(crate) async fn start_region_of<E: Entity>(
     let n = settings.number_of_shards;
     let extractor: ShardIdExtractor =
         options.shard_id_extractor.clone().unwrap_or_else(|| Arc::new(move |id: &str| default_shard_id(id, n)));
+    let numbered = options.shard_id_extractor.is_none().then(|| (0..n.max(1)).map(|k| k.to_string()).collect());
     let (tx, rx) = region_commands();
     let proxy = factory.is_none();
     let routed = RoutedInFlight::new();
@@ -483,6 +497,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         deadlines: node.deadlines().clone(),
         settings: settings.clone(),
         extractor,
+        numbered,
         commands: tx,
         buffered: Arc::new(AtomicUsize::new(0)),
         counters: Arc::new(RegionCounterCells::default()),

@@ -53,7 +53,12 @@ pub type ShardIdExtractor = Arc<dyn Fn(&str) -> ShardId + Send + Sync>;
 /// `number_of_shards`, in decimal. Stable across versions, platforms and processes: changing it
 /// moves every entity (and orphans every remembered id), so a test pins literal values.
 pub fn default_shard_id(entity_id: &str, number_of_shards: u32) -> ShardId {
-    (xxhash_rust::xxh3::xxh3_64(entity_id.as_bytes()) % u64::from(number_of_shards.max(1))).to_string()
+    default_shard_number(entity_id, number_of_shards).to_string()
+}
+
+/// The number [`default_shard_id`] writes in decimal.
+pub(crate) fn default_shard_number(entity_id: &str, number_of_shards: u32) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(entity_id.as_bytes()) % u64::from(number_of_shards.max(1))
 }
 
 /// The slot of an entity id among `slots` remembered-entity keys (stable, like
