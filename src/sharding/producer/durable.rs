@@ -15,8 +15,9 @@
 
 use std::sync::Arc;
 
-use super::core::PersistResult;
+use super::core::{PersistResult, ProducerInput};
 use super::queue::{self, Restored};
+use super::{PersistJob, WriteEnded};
 use crate::error::{Error, Result};
 use crate::sharding::Entity;
 use crate::sharding::counters::RegionCounterCells;
@@ -82,6 +83,39 @@ pub(crate) fn persist_result(result: Result<()>) -> (PersistResult, Option<Error
             (PersistResult::Refused(e.to_string()), Some(e))
         }
         Err(e) => (PersistResult::Retry(e.to_string()), None),
+    }
+}
+
+impl<E: Entity> super::Inner<E> {
+    /// Hands `jobs` to the store's writer as one request; resolves with how each ended.
+    pub(super) fn write_all(
+        &self,
+        jobs: Vec<PersistJob>,
+    ) -> impl std::future::Future<Output = Vec<WriteEnded>> + Send + 'static {
+        let queue = self.durable.as_ref().map(|(queue, _)| (queue.store.clone(), queue.epoch));
+        let owner = self.producer_id.clone();
+        async move {
+            let Some((store, epoch)) = queue else { return Vec::new() };
+            let (mut whose, mut writes) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
+            for job in jobs {
+                whose.push((job.value.is_none(), job.message));
+                writes.push((job.key, job.value));
+            }
+            let written = store.write_all(&owner, epoch, writes).await;
+            whose.into_iter().zip(written).map(|((deletion, message), written)| (deletion, message, written)).collect()
+        }
+    }
+
+    /// The producer is stopping (its handles dropped, or its node shutting down): the core
+    /// deletes the entries confirmed messages left. False when it was fenced (a newer
+    /// incarnation owns the queue) and nothing is written.
+    pub(super) fn closing(&self) -> bool {
+        let mut closed = false;
+        self.feed_with(|_, inputs| {
+            closed = true;
+            inputs.push(ProducerInput::Closing);
+        });
+        closed
     }
 }
 

@@ -650,34 +650,6 @@ impl<E: Entity> Inner<E> {
         ended.clear();
     }
 
-    /// Hands `jobs` to the store's writer as one request; resolves with how each ended.
-    fn write_all(&self, jobs: Vec<PersistJob>) -> impl Future<Output = Vec<WriteEnded>> + Send + 'static {
-        let queue = self.durable.as_ref().map(|(queue, _)| (queue.store.clone(), queue.epoch));
-        let owner = self.producer_id.clone();
-        async move {
-            let Some((store, epoch)) = queue else { return Vec::new() };
-            let (mut whose, mut writes) = (Vec::with_capacity(jobs.len()), Vec::with_capacity(jobs.len()));
-            for job in jobs {
-                whose.push((job.value.is_none(), job.message));
-                writes.push((job.key, job.value));
-            }
-            let written = store.write_all(&owner, epoch, writes).await;
-            whose.into_iter().zip(written).map(|((deletion, message), written)| (deletion, message, written)).collect()
-        }
-    }
-
-    /// The producer is stopping (its handles dropped, or its node shutting down): the core
-    /// deletes the entries confirmed messages left. False when it was fenced (a newer
-    /// incarnation owns the queue) and nothing is written.
-    fn closing(&self) -> bool {
-        let mut closed = false;
-        self.feed_with(|_, inputs| {
-            closed = true;
-            inputs.push(ProducerInput::Closing);
-        });
-        closed
-    }
-
     /// The producer stopped: every waiting confirmation fails, every waiting `send` is woken
     /// to find it stopped.
     fn stop(&self) {
