@@ -51,9 +51,9 @@ pub(crate) struct ProducerLimits {
     pub max_redeliveries: u32,
     /// Messages are stored in the cluster (majority writes) before they count as stored.
     pub durable: bool,
-    /// Durable: how long a confirmed message's entry may stay stored after its stream went
-    /// idle. Until then the stream's next message takes its place, and its write replaces
-    /// the entry: one write per message instead of two.
+    /// Durable: how long a confirmed message's entry may stay stored after its confirmation.
+    /// Meanwhile the stream's next message takes its place, and its write replaces the entry:
+    /// one write per message instead of two.
     pub linger: Duration,
 }
 

@@ -77,7 +77,7 @@ impl ProducerSettings {
     }
 }
 
-/// How long a durable queue keeps a confirmed message's entry after its stream went idle, so
+/// How long a durable queue keeps a confirmed message's entry after its confirmation, so
 /// that the stream's next message replaces it instead of a deletion being written: an entity
 /// sent to again within this saves a write per message; a producer that crashes meanwhile
 /// sends those messages again (their entities answer them as duplicates).

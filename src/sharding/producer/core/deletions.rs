@@ -27,8 +27,8 @@ impl ProducerCore {
 
     /// A deletion ended. An evicted stream whose entries are all deleted is let go (its lane
     /// is free, its entity may start a new stream), and so is a resumed one with nothing left
-    /// unconfirmed; one whose deletion failed tries again after a pause, as an idle stream
-    /// does (a busy one deletes at its next idle flush).
+    /// unconfirmed; one whose deletion failed is tried again after a pause, at a place no
+    /// unconfirmed message holds by then.
     pub(super) fn unpersisted(
         &mut self,
         of: Option<StoredMessage>,
