@@ -171,7 +171,9 @@ fn a_producer_dropped_once_its_messages_were_confirmed_leaves_none_for_its_next_
                 // message would have replaced its entry); the stopping producer deletes them.
                 let first = producer.stats();
                 drop(producer);
-                // Past the bound a stopping producer gives its deletions.
+                // Nothing outside shows the stopping producer's deletions ending, and starting
+                // the next producer earlier would fence them: wait out the bound they are given
+                // (2 s, `CLOSING_BUDGET`), in virtual time.
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 let next = region.producer("settled", durable()).await?;
                 Ok::<_, Error>((first, next.stats()))

@@ -118,6 +118,15 @@ impl<E: Entity> HandleInner<E> {
         }
     }
 
+    /// The shard of `entity_id`: borrowed from the numbered ids with the default extractor,
+    /// built by the custom one otherwise.
+    fn shard_name(&self, entity_id: &str) -> std::borrow::Cow<'_, str> {
+        match &self.numbered {
+            Some(ids) => ids[default_shard_number(entity_id, ids.len() as u32) as usize].as_str().into(),
+            None => (self.extractor)(entity_id).into(),
+        }
+    }
+
     /// The node behind the region; a stand-in has none.
     fn node(&self) -> Result<&Node> {
         self.node.as_ref().ok_or_else(|| stand_in_has_no_cluster(&self.type_name))
@@ -191,7 +200,7 @@ impl<E: Entity> ShardRegion<E> {
 
     /// The shard an entity id belongs to.
     pub fn shard_id(&self, entity_id: &str) -> ShardId {
-        (self.inner.extractor)(entity_id)
+        self.inner.shard_name(entity_id).into_owned()
     }
 
     /// What this region counted since it started (messages by path, drops by reason,
@@ -206,14 +215,8 @@ impl<E: Entity> ShardRegion<E> {
     fn submit(&self, entity_id: &str, mut env: Envelope<E>) -> Result<()> {
         let i = &self.inner;
         check_entity_id(entity_id, i.settings.max_entity_id_bytes)?;
-        let built;
-        let shard: &str = match &i.numbered {
-            Some(ids) => &ids[default_shard_number(entity_id, ids.len() as u32) as usize],
-            None => {
-                built = (i.extractor)(entity_id);
-                &built
-            }
-        };
+        let shard = i.shard_name(entity_id);
+        let shard: &str = &shard;
         let stripe = RoutedInFlight::stripe(entity_id);
         if let Some(direct) = i.shared.get().and_then(|f| f.direct.as_ref())
             && i.routed.is_clear(stripe)
@@ -424,7 +427,7 @@ impl<E: Entity> RegionControl for HandleInner<E> {
         self.settings.ask_timeout
     }
     fn shard_of(&self, entity_id: &str) -> ShardId {
-        (self.extractor)(entity_id)
+        self.shard_name(entity_id).into_owned()
     }
     fn max_entity_id_bytes(&self) -> usize {
         self.settings.max_entity_id_bytes
