@@ -785,6 +785,18 @@ fn a_stream_a_later_incarnation_resumed_from_a_replicas_disk_is_handled_not_conf
     assert!(report.deliveries_stored > 100, "the scenario sends");
 }
 
+/// Seed 240000601 of `reliable-durable-deferred` (CI, session 40's submission): e17 held p4's
+/// message 6 (a deferred confirm), so the producer's next round sent 6 alone; the hold ended
+/// and a late answer of the round before (a gap asking for 7) confirmed 6 and ended the hold,
+/// but, being of an older round, started none. Round 4's answer for 6 then found nothing held
+/// to release, and 7 and 8, answered pending and never handled, were not sent again. An ended
+/// hold now starts a new round whichever round's answer ends it.
+#[test]
+fn a_hold_a_late_answer_ends_still_sends_again_what_it_held_back() {
+    let report = check(240000601, &shape("reliable-durable-deferred"));
+    assert!(report.deliveries_stored > 100, "the scenario sends");
+}
+
 /// Seed 200000001 of `reliable-durable`: a durable entity's write failed (no majority) but
 /// stayed on its node's replica; the next incarnation read those marks and answered a re-sent
 /// message as a duplicate, so its producer gave the message up although no majority held its

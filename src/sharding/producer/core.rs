@@ -19,8 +19,9 @@
 //!   durable queue's load takes no new message (see [`super::queue`]): its entity's next
 //!   offers wait until it is let go and then go in a new stream.
 //! - **A held message holds its stream.** An entity may hold a message's confirmation back (a
-//!   deferred confirm, answered `Pending`): what follows it is sent again once it is
-//!   confirmed, and until then only it is (again, after a failure).
+//!   deferred confirm, answered `Pending`): what follows it is sent again once the hold ends
+//!   (the message is confirmed, or an answer of any round says the entity holds nothing), and
+//!   until then only it is (again, after a failure).
 //!
 //! A round is one pass over a stream's unconfirmed messages: outcomes of an older round still
 //! confirm what they confirm, but never start another round.
@@ -496,21 +497,21 @@ impl ProducerCore {
     ) {
         let Some(s) = self.streams.get(entity).filter(|s| s.id == stream) else { return };
         let current = round == s.round;
-        // A round after a failure waits for its backoff, whatever else the round hears: an
-        // entity that fails at once (its writes refused) would otherwise be sent to in a loop.
-        let backing_off = s.retry_at.is_some();
+        let held_before = s.held;
+        // What the answer asks for next: a new round at once (even while one is due after a
+        // failure: the entity answered and moved on), or one unless a round is due already. A
+        // round after a failure waits for its backoff whatever else the stream hears (an
+        // entity that fails at once, its writes refused, would otherwise be sent to in a
+        // loop), and sends everything unconfirmed.
+        let (mut round_now, mut round_unless_due) = (false, false);
         match result {
             SendResult::Answered(DeliveryOutcome::Confirmed { nonce, .. }) => {
                 self.confirm_through(entity, seq, now, out);
-                let mut released = false;
                 if let Some(s) = self.streams.get_mut(entity) {
                     s.backoff = self.limits.resend_backoff_min;
                     // The held message is confirmed: what it held back (answered pending,
                     // not handled) goes again, at once.
-                    released = s.held.take_if(|held| *held <= seq).is_some();
-                }
-                if released {
-                    self.new_round(entity, out);
+                    round_now = s.held.take_if(|held| *held <= seq).is_some();
                 }
                 self.learn_nonce(entity, nonce, out);
             }
@@ -519,19 +520,25 @@ impl ProducerCore {
                 // confirmation back (a deferred confirm): its outcome comes when the entity
                 // gives it; until then only `pending` is sent (again).
                 self.confirm_through(entity, pending.min(seq).saturating_sub(1), now, out);
-                if let Some(s) = self.streams.get_mut(entity).filter(|s| s.first_unconfirmed() == pending) {
-                    s.held = Some(pending);
+                if let Some(s) = self.streams.get_mut(entity) {
+                    let first = s.first_unconfirmed();
+                    if first == pending {
+                        s.held = Some(pending);
+                    } else if current && pending < first && seq >= first {
+                        // The hold ended before this answer came (its confirmation overtook
+                        // it): `seq` was not handled, and no release will send it again.
+                        round_unless_due = true;
+                    }
                 }
                 self.learn_nonce(entity, nonce, out);
             }
             SendResult::Answered(DeliveryOutcome::Gap { expected, nonce }) => {
                 // The entity took everything before `expected` (never more than was sent),
-                // and holds nothing back.
+                // and holds nothing back: a hold this ends (whichever round's answer it is)
+                // kept back what follows, unsent in this round or answered pending.
                 self.confirm_through(entity, expected.min(seq).saturating_sub(1), now, out);
                 self.streams.get_mut(entity).expect("seen above").held = None;
-                if current && !backing_off {
-                    self.new_round(entity, out);
-                }
+                round_unless_due = current || held_before.is_some();
                 self.learn_nonce(entity, nonce, out);
             }
             SendResult::Answered(DeliveryOutcome::Hello { nonce }) => {
@@ -541,17 +548,15 @@ impl ProducerCore {
                 if current {
                     let s = self.streams.get_mut(entity).expect("seen above");
                     (s.nonce, s.held) = (nonce, None);
-                    if !backing_off {
-                        self.new_round(entity, out);
-                    }
+                    round_unless_due = true;
                 }
             }
             SendResult::Answered(DeliveryOutcome::Panicked { reason }) => {
                 self.confirm_through(entity, seq.saturating_sub(1), now, out);
                 self.streams.get_mut(entity).expect("seen above").held = None;
                 if self.count_panic(entity, seq, reason, now, out) {
-                    self.new_round(entity, out);
-                } else if current {
+                    round_now = true;
+                } else if current || held_before.is_some() {
                     self.retry_later(entity, now);
                 }
             }
@@ -564,6 +569,10 @@ impl ProducerCore {
             SendResult::Answered(DeliveryOutcome::Superseded { epoch }) => {
                 out.push(ProducerAction::Fenced { fence: epoch });
             }
+        }
+        let due = self.streams.get(entity).is_some_and(|s| s.retry_at.is_some());
+        if round_now || (round_unless_due && !due) {
+            self.new_round(entity, out);
         }
         self.after_progress(entity, out);
     }

@@ -366,6 +366,40 @@ fn a_message_its_entity_holds_back_holds_its_stream_until_confirmed_then_the_res
 }
 
 #[test]
+fn a_late_answer_of_an_older_round_that_confirms_the_held_message_sends_what_it_held_back() {
+    let mut r = Rig::new();
+    r.introduce("e", S, "a");
+    r.answer("e", S, 2, 1, confirmed(true));
+    for body in ["b", "c", "d"] {
+        r.offer("e", body);
+    }
+    // 2 held; 3 sent back as pending; 2's send fails: round 3 sends 2 alone.
+    r.answer("e", S, 2, 3, pending(2));
+    r.answer("e", S, 2, 2, failed());
+    assert_eq!(sends(&r.later(Duration::from_millis(100))), vec![(2, 3, 2, true)]);
+    // Round 2's late answer for 4: the hold ended, 2 is confirmed, 3 comes next.
+    let mut out = r.answer("e", S, 2, 4, SendResult::Answered(DeliveryOutcome::Gap { expected: 3, nonce: 9 }));
+    assert_eq!(confirms(&out), vec![2]);
+    // Round 3's answer for 2, a duplicate now, has nothing left to release.
+    out.extend(r.answer("e", S, 3, 2, confirmed(false)));
+    let sent: Vec<u64> = sends(&out).iter().map(|s| s.0).collect();
+    assert_eq!(sent, vec![3, 4], "what the hold kept back goes again");
+}
+
+#[test]
+fn a_pending_answer_overtaken_by_its_held_messages_confirmation_sends_the_unhandled_message_again() {
+    let mut r = Rig::new();
+    r.introduce("e", S, "a");
+    r.offer("e", "b");
+    r.offer("e", "c");
+    // The entity held 2 and sent 3 back as pending, then confirmed 2: that answer came first.
+    assert_eq!(confirms(&r.answer("e", S, 2, 2, confirmed(true))), vec![1, 2]);
+    let out = r.answer("e", S, 2, 3, pending(2));
+    assert!(confirms(&out).is_empty(), "3 was not handled");
+    assert_eq!(sends(&out), vec![(3, 3, 3, true)], "so it goes again");
+}
+
+#[test]
 fn a_pending_answer_for_a_message_already_confirmed_holds_nothing() {
     let mut r = Rig::new();
     r.introduce("e", S, "a");
