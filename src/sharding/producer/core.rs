@@ -522,12 +522,12 @@ impl ProducerCore {
                 self.confirm_through(entity, pending.min(seq).saturating_sub(1), now, out);
                 if let Some(s) = self.streams.get_mut(entity) {
                     let first = s.first_unconfirmed();
-                    if first == pending {
-                        s.held = Some(pending);
-                    } else if current && pending < first && seq >= first {
+                    match first.cmp(&pending) {
+                        std::cmp::Ordering::Equal => s.held = Some(pending),
                         // The hold ended before this answer came (its confirmation overtook
                         // it): `seq` was not handled, and no release will send it again.
-                        round_unless_due = true;
+                        std::cmp::Ordering::Greater => round_unless_due = current && seq >= first,
+                        std::cmp::Ordering::Less => {}
                     }
                 }
                 self.learn_nonce(entity, nonce, out);

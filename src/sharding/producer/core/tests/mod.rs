@@ -390,13 +390,18 @@ fn a_late_answer_of_an_older_round_that_confirms_the_held_message_sends_what_it_
 fn a_pending_answer_overtaken_by_its_held_messages_confirmation_sends_the_unhandled_message_again() {
     let mut r = Rig::new();
     r.introduce("e", S, "a");
-    r.offer("e", "b");
-    r.offer("e", "c");
-    // The entity held 2 and sent 3 back as pending, then confirmed 2: that answer came first.
-    assert_eq!(confirms(&r.answer("e", S, 2, 2, confirmed(true))), vec![1, 2]);
+    r.answer("e", S, 2, 1, confirmed(true));
+    for body in ["b", "c", "d"] {
+        r.offer("e", body);
+    }
+    // The entity held 2 and sent 3 and 4 back as pending, then confirmed 2: that answer came
+    // first.
+    assert_eq!(confirms(&r.answer("e", S, 2, 2, confirmed(true))), vec![2]);
     let out = r.answer("e", S, 2, 3, pending(2));
     assert!(confirms(&out).is_empty(), "3 was not handled");
-    assert_eq!(sends(&out), vec![(3, 3, 3, true)], "so it goes again");
+    assert_eq!(sends(&out), vec![(3, 3, 3, true), (4, 3, 3, true)], "so it goes again, and what follows");
+    // 4's answer of the round before: round 3 has sent it already.
+    assert!(sends(&r.answer("e", S, 2, 4, pending(2))).is_empty());
 }
 
 #[test]
