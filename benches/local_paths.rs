@@ -4,6 +4,7 @@
 //!   unbounded mpsc (a tell never waits either); the time runs until every message is handled;
 //! - ask: 64 concurrent askers over 1,000 entities vs 64 askers over 1,000 mpsc tasks answering
 //!   through a oneshot;
+//! - both again in the user's shape: the entity id built (`format!`) per message;
 //! - ask latency under 90 % load: asks started on a fixed schedule (open loop, whatever is in
 //!   flight) at 90 % of the slowest ask pass just measured, each timed from its start; p50/p99
 //!   for the region and for the baseline at the same rate.
@@ -168,14 +169,17 @@ fn main() {
     // Tell, 1,000 receivers.
     if common::part("tell") {
         let tell_total = common::sized(1_000_000, 10_000);
-        let (mut raw, mut ours) = (Vec::new(), Vec::new());
+        let (mut raw, mut ours, mut user) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..passes {
             raw.push(rt.block_on(tells(tell_total, |i| actors[i].send((Add(1), None)).unwrap())));
             ours.push(rt.block_on(tells(tell_total, |i| region.tell(&ids[i], Add(1)).unwrap())));
+            user.push(rt.block_on(tells(tell_total, |i| region.tell(&format!("c{i}"), Add(1)).unwrap())));
         }
-        let (raw, ours) = (common::median(&mut raw), common::median(&mut ours));
+        let (raw, ours, user) = (common::median(&mut raw), common::median(&mut ours), common::median(&mut user));
         println!("local tell, {ENTITIES} entities: region {ours:.0}/s vs mpsc {raw:.0}/s ({:.2}x)", ours / raw);
         common::print_ratio("local_tell_1000_entities_vs_mpsc", ours, raw);
+        println!("local tell, id built per message: region {user:.0}/s vs mpsc {raw:.0}/s ({:.2}x)", user / raw);
+        common::print_ratio("local_tell_1000_entities_id_per_message_vs_mpsc", user, raw);
     }
     if !common::part("ask") {
         rt.block_on(cluster.shutdown());
@@ -202,6 +206,17 @@ fn main() {
             }
         })));
     }
+    // The user's shape: the id built per message.
+    let mut user = Vec::new();
+    for _ in 0..passes {
+        let r = region.clone();
+        user.push(rt.block_on(asks(per_asker, move |i| {
+            let r = r.clone();
+            async move {
+                r.ask(&format!("c{i}"), Add(1)).await.unwrap();
+            }
+        })));
+    }
     // The slowest pass is the capacity the latency pass loads to 90 %: passes vary by up to 2x
     // on this machine, and a rate above what the region sustains measures a queue, not a load.
     let capacity = ours.iter().copied().fold(f64::INFINITY, f64::min);
@@ -211,6 +226,12 @@ fn main() {
         ask / raw_ask
     );
     common::print_ratio("local_ask_64_askers_vs_mpsc_oneshot", ask, raw_ask);
+    let user = common::median(&mut user);
+    println!(
+        "local ask, id built per message: region {user:.0}/s vs mpsc + oneshot {raw_ask:.0}/s ({:.2}x)",
+        user / raw_ask
+    );
+    common::print_ratio("local_ask_64_askers_id_per_message_vs_mpsc_oneshot", user, raw_ask);
 
     // Latency at 90 % load. The load is what the region sustains open loop (asks started on a
     // schedule, whatever is in flight): the highest rate, from the slowest closed-loop pass down
