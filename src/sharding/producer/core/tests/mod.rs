@@ -365,14 +365,20 @@ fn a_message_its_entity_holds_back_holds_its_stream_until_confirmed_then_the_res
     assert_eq!(sends(&r.offer("e", "d")), vec![(4, 4, 3, false)], "the stream flows again");
 }
 
-#[test]
-fn a_late_answer_of_an_older_round_that_confirms_the_held_message_sends_what_it_held_back() {
+/// A rig whose stream to `e` had 1 confirmed and sent 2, 3 and 4 in round 2.
+fn three_sent_in_round_2() -> Rig {
     let mut r = Rig::new();
     r.introduce("e", S, "a");
     r.answer("e", S, 2, 1, confirmed(true));
     for body in ["b", "c", "d"] {
         r.offer("e", body);
     }
+    r
+}
+
+#[test]
+fn a_late_answer_of_an_older_round_that_confirms_the_held_message_sends_what_it_held_back() {
+    let mut r = three_sent_in_round_2();
     // 2 held; 3 sent back as pending; 2's send fails: round 3 sends 2 alone.
     r.answer("e", S, 2, 3, pending(2));
     r.answer("e", S, 2, 2, failed());
@@ -388,12 +394,7 @@ fn a_late_answer_of_an_older_round_that_confirms_the_held_message_sends_what_it_
 
 #[test]
 fn a_pending_answer_overtaken_by_its_held_messages_confirmation_sends_the_unhandled_message_again() {
-    let mut r = Rig::new();
-    r.introduce("e", S, "a");
-    r.answer("e", S, 2, 1, confirmed(true));
-    for body in ["b", "c", "d"] {
-        r.offer("e", body);
-    }
+    let mut r = three_sent_in_round_2();
     // The entity held 2 and sent 3 and 4 back as pending, then confirmed 2: that answer came
     // first.
     assert_eq!(confirms(&r.answer("e", S, 2, 2, confirmed(true))), vec![2]);
