@@ -24,7 +24,7 @@
 //!   until then only it is (again, after a failure).
 //!
 //! A round is one pass over a stream's unconfirmed messages: outcomes of an older round still
-//! confirm what they confirm, but never start another round.
+//! confirm what they confirm, but start another round only when they end a hold.
 //!
 //! A stream outlives its last unconfirmed message (idle, so its entity's incarnation, which
 //! knows it, is not introduced to a new one per message), until an entity without a stream
@@ -504,6 +504,9 @@ impl ProducerCore {
         // entity that fails at once, its writes refused, would otherwise be sent to in a
         // loop), and sends everything unconfirmed.
         let (mut round_now, mut round_unless_due) = (false, false);
+        // The incarnation that answered (0: none), learned once the round is decided: a
+        // stream that knew none sends the rest of its round to it.
+        let mut learned = 0;
         match result {
             SendResult::Answered(DeliveryOutcome::Confirmed { nonce, .. }) => {
                 self.confirm_through(entity, seq, now, out);
@@ -513,7 +516,7 @@ impl ProducerCore {
                     // not handled) goes again, at once.
                     round_now = s.held.take_if(|held| *held <= seq).is_some();
                 }
-                self.learn_nonce(entity, nonce, out);
+                learned = nonce;
             }
             SendResult::Answered(DeliveryOutcome::Pending { pending, nonce }) => {
                 // The entity took everything before `pending` and holds `pending`'s
@@ -530,7 +533,7 @@ impl ProducerCore {
                         std::cmp::Ordering::Less => {}
                     }
                 }
-                self.learn_nonce(entity, nonce, out);
+                learned = nonce;
             }
             SendResult::Answered(DeliveryOutcome::Gap { expected, nonce }) => {
                 // The entity took everything before `expected` (never more than was sent),
@@ -539,7 +542,7 @@ impl ProducerCore {
                 self.confirm_through(entity, expected.min(seq).saturating_sub(1), now, out);
                 self.streams.get_mut(entity).expect("seen above").held = None;
                 round_unless_due = current || held_before.is_some();
-                self.learn_nonce(entity, nonce, out);
+                learned = nonce;
             }
             SendResult::Answered(DeliveryOutcome::Hello { nonce }) => {
                 // The entity's incarnation is new to the stream: everything unconfirmed goes
@@ -574,6 +577,7 @@ impl ProducerCore {
         if round_now || (round_unless_due && !due) {
             self.new_round(entity, out);
         }
+        self.learn_nonce(entity, learned, out);
         self.after_progress(entity, out);
     }
 

@@ -365,6 +365,19 @@ fn a_message_its_entity_holds_back_holds_its_stream_until_confirmed_then_the_res
     assert_eq!(sends(&r.offer("e", "d")), vec![(4, 4, 3, false)], "the stream flows again");
 }
 
+#[test]
+fn a_gap_from_an_incarnation_the_stream_did_not_know_yet_sends_each_unconfirmed_message_once() {
+    let mut r = Rig::new();
+    // Before an introduction only the probe goes; 2 and 3 wait.
+    assert_eq!(sends(&r.offer("e", "a")), vec![(1, 1, 1, false)]);
+    assert!(sends(&r.offer("e", "b")).is_empty());
+    assert!(sends(&r.offer("e", "c")).is_empty());
+    // An incarnation that knew the stream (a hello of it lost) asks for 1: the next round
+    // sends 1, 2 and 3 to it, each once.
+    let out = r.answer("e", S, 1, 1, SendResult::Answered(DeliveryOutcome::Gap { expected: 1, nonce: 9 }));
+    assert_eq!(sends(&out), vec![(1, 2, 1, true), (2, 2, 1, false), (3, 2, 1, false)]);
+}
+
 /// A rig whose stream to `e` had 1 confirmed and sent 2, 3 and 4 in round 2.
 fn three_sent_in_round_2() -> Rig {
     let mut r = Rig::new();
