@@ -101,7 +101,8 @@ pub trait Entity: Send + 'static {
         msg: Self::Message,
         ctx: &mut EntityContext,
     ) -> impl Future<Output = Result<Self::Reply>> + Send {
-        async move { Ok(self.handle(msg, ctx).await) }
+        // No async block: its frame would hold the message a second time, in every run task.
+        futures::FutureExt::map(self.handle(msg, ctx), Ok)
     }
 
     /// The marks of reliable deliveries when the entity keeps them with its own state

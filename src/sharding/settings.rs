@@ -343,7 +343,8 @@ pub struct ShardingSettings {
     /// bound).
     pub entity_mailbox_capacity: usize,
     /// How long the task running an entity waits for another message once its mailbox is
-    /// empty, before it parks the entity and ends. A busy entity then keeps its task (a message
+    /// empty, before it parks the entity and ends: at least this long, at most twice (its timer
+    /// is set once per period, not per message). A busy entity then keeps its task (a message
     /// only wakes it; starting a task per message costs several times more); an entity idle
     /// longer costs no task, only its parked value. Zero parks at once.
     #[serde(with = "humantime_serde")]

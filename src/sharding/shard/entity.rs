@@ -269,17 +269,31 @@ impl<E: Entity> Mailbox<E> {
     }
 
     /// The next command for the running task; with the queue empty the task *lingers*: it keeps
-    /// its entity and waits, woken by the next push, until it has been idle for `linger`
-    /// (`idle_since` is when its queue went empty, `sleep` its timer). Then it parks the entity
-    /// and gets `None`, as it does once the mailbox is ended.
+    /// its entity and waits, woken by the next push, until its linger timer (`sleep`) fires
+    /// with no command taken since it was set (`took` says whether one was). Then it parks the
+    /// entity and gets `None`, as it does once the mailbox is ended. A timer that fires after
+    /// commands were taken is set again, `linger` from then: an entity parks after between
+    /// `linger` and twice that without a message, and the clock is read once per linger
+    /// period, not once per message. The timer is looked at outside the lock, which a push
+    /// waits for.
     fn poll_next(
         &self,
         cx: &mut Context<'_>,
         entity: &mut Option<E>,
         linger: Duration,
-        idle_since: &mut Option<tokio::time::Instant>,
+        took: &mut bool,
         mut sleep: Pin<&mut Sleep>,
     ) -> Poll<Option<EntityCmd<E>>> {
+        let expired = linger.is_zero()
+            || (sleep.as_mut().poll(cx).is_ready() && {
+                let idle = !std::mem::take(took);
+                if !idle {
+                    sleep.as_mut().reset(tokio::time::Instant::now() + linger);
+                    // Registers this task with the timer again.
+                    let _ = sleep.as_mut().poll(cx);
+                }
+                idle
+            });
         let mut m = self.lock();
         if matches!(m.phase, Phase::Ended) {
             drop(m);
@@ -287,19 +301,10 @@ impl<E: Entity> Mailbox<E> {
             return Poll::Ready(None);
         }
         if let Some(cmd) = m.queue.pop_front() {
-            *idle_since = None;
+            *took = true;
             m.waiter = None;
             return Poll::Ready(Some(cmd));
         }
-        let now = tokio::time::Instant::now();
-        let due = *idle_since.get_or_insert(now) + linger;
-        // The timer is set once per linger period, not per message: it fires at an earlier
-        // idle period's end (never later than `due`) and is moved on then.
-        let expired = now >= due
-            || (sleep.as_mut().poll(cx).is_ready() && {
-                sleep.as_mut().reset(due);
-                sleep.as_mut().poll(cx).is_ready()
-            });
         if expired {
             park(&mut m, entity);
             return Poll::Ready(None);
@@ -621,32 +626,31 @@ impl<E: Entity> EntityRun<E> {
 
     /// Runs the entity until its queue is empty or it ends; ends early, dropping the entity,
     /// when its mailbox is ended meanwhile.
-    pub(crate) async fn run(mut self, scheduled: Scheduled<E>) {
+    pub(crate) fn run(mut self, scheduled: Scheduled<E>) -> impl Future<Output = ()> + Send + 'static {
         let Scheduled { entity, abort, holds } = scheduled;
         self.ctx.confirms.holds = holds;
-        let _ = Abortable::new(self.run_until_parked(entity), abort).await;
+        Abortable::new(self.run_until_parked(entity), abort).map(drop)
     }
 
-    async fn run_until_parked(mut self, entity: Option<E>) {
-        let mut entity = match entity {
-            Some(e) => Some(e),
-            None => match self.create().await {
-                Some(e) => Some(e),
-                None => return,
-            },
-        };
+    async fn run_until_parked(mut self, mut entity: Option<E>) {
+        if entity.is_none() {
+            // Boxed: a cold path, kept out of the task every run allocates.
+            entity = Box::pin(self.create()).await;
+            if entity.is_none() {
+                return;
+            }
+        }
         let span = self.call_span();
-        let (linger, mut idle_since) = (self.shared.linger, None);
+        let (linger, mut took) = (self.shared.linger, false);
         let sleep = tokio::time::sleep(linger);
         tokio::pin!(sleep);
         loop {
-            let next = std::future::poll_fn(|cx| {
-                self.mailbox.poll_next(cx, &mut entity, linger, &mut idle_since, sleep.as_mut())
-            });
+            let next =
+                std::future::poll_fn(|cx| self.mailbox.poll_next(cx, &mut entity, linger, &mut took, sleep.as_mut()));
             let Some(cmd) = next.await else { return };
             let env = match cmd {
                 EntityCmd::Stop(reason) => {
-                    self.stop(entity.take(), reason, &span).await;
+                    Box::pin(self.stop(entity.take(), reason, &span)).await;
                     return;
                 }
                 EntityCmd::Msg(env) => env,
@@ -655,40 +659,57 @@ impl<E: Entity> EntityRun<E> {
                 self.respond(env.reply, Ok(None));
                 continue;
             };
-            if !self.handle_message(&mut entity, msg, env.reply, &span).await {
+            // The handler is awaited here, not in a helper's future: the task's size is what a
+            // run allocates, and each async frame adds its arguments and locals to it.
+            let (reply, delivery) = match self.before_handler(&mut entity, env.reply) {
+                Before::Handle { reply, delivery } => (reply, delivery),
+                Before::Settle(d, outcome) => match Box::pin(self.settle(&mut entity, d, outcome)).await {
+                    true => continue,
+                    false => return,
+                },
+                Before::Answered => continue,
+            };
+            let running = entity.as_mut().expect("a task that took a command holds its entity");
+            let started = crate::metrics::start_timer();
+            self.ctx.reply_type = reply.is_some().then(std::any::TypeId::of::<E::Reply>);
+            let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx))
+                .catch_unwind()
+                .instrument(span.clone())
+                .await;
+            self.shared.metrics.handled(started);
+            if !self.after_handler_ran(&mut entity, outcome, reply, delivery) {
                 return;
             }
         }
     }
 
-    /// Handles one message (a reliable delivery first passes the entity's marks) and answers
-    /// it; false when the incarnation ended with it (a panic, a failed or fenced state write).
-    async fn handle_message(
-        &mut self,
-        entity: &mut Option<E>,
-        msg: E::Message,
-        reply: Option<ReplyTo<E>>,
-        span: &tracing::Span,
-    ) -> bool {
-        let id = self.ctx.entity_id.clone();
-        let running = entity.as_mut().expect("a task that took a command holds its entity");
+    /// Before a message's handler runs: a reliable delivery first passes the entity's marks,
+    /// which may answer it here or settle them first.
+    fn before_handler(&mut self, entity: &mut Option<E>, reply: Option<ReplyTo<E>>) -> Before<E> {
         let (reply, delivery) = match reply {
             Some(ReplyTo::Delivery(d)) => (None, Some(d)),
             reply => (reply, None),
         };
-        let delivery = match delivery {
-            Some(d) => match self.admit(running, d) {
-                Admitted::Handle(d, nonce) => Some((d, nonce)),
-                Admitted::Settle(d, outcome) => return self.settle(entity, d, outcome).await,
-                Admitted::Answered => return true,
-            },
-            None => None,
-        };
-        let started = crate::metrics::start_timer();
-        self.ctx.reply_type = reply.is_some().then(std::any::TypeId::of::<E::Reply>);
-        let outcome =
-            AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind().instrument(span.clone()).await;
-        self.shared.metrics.handled(started);
+        let Some(d) = delivery else { return Before::Handle { reply, delivery: None } };
+        let running = entity.as_mut().expect("a task that took a command holds its entity");
+        match self.admit(running, d) {
+            Admitted::Handle(d, nonce) => Before::Handle { reply, delivery: Some((d, nonce)) },
+            Admitted::Settle(d, outcome) => Before::Settle(d, outcome),
+            Admitted::Answered => Before::Answered,
+        }
+    }
+
+    /// After a message's handler ran (to `outcome`): answers it; false when the incarnation
+    /// ended with it (a panic, a failed or fenced state write).
+    fn after_handler_ran(
+        &mut self,
+        entity: &mut Option<E>,
+        outcome: std::result::Result<Result<E::Reply>, Box<dyn std::any::Any + Send>>,
+        reply: Option<ReplyTo<E>>,
+        delivery: Option<(Box<DeliveryReply>, u64)>,
+    ) -> bool {
+        let id = self.ctx.entity_id.clone();
+        let running = entity.as_mut().expect("a task that took a command holds its entity");
         // A durable entity applied its handler's holds before its write.
         if outcome.is_ok() && (self.ctx.confirms.to_apply() || self.ctx.confirms.applied.is_some()) {
             let seq = self.ctx.delivery.as_ref().map(|d| d.seq);
@@ -761,6 +782,16 @@ impl<E: Entity> EntityRun<E> {
             }
         }
     }
+}
+
+/// What a run does with a message before its handler ([`EntityRun::before_handler`]).
+enum Before<E: Entity> {
+    /// Runs the handler: the ask or tell to answer, or the reliable delivery and its nonce.
+    Handle { reply: Option<ReplyTo<E>>, delivery: Option<(Box<DeliveryReply>, u64)> },
+    /// Answers the delivery once the entity's marks settled.
+    Settle(Box<DeliveryReply>, DeliveryOutcome),
+    /// Answered already.
+    Answered,
 }
 
 /// What an entity does with a reliable delivery ([`EntityRun::admit`]).
@@ -858,6 +889,62 @@ mod tests {
         assert_eq!(drops.load(Ordering::SeqCst), 0);
     }
 
+    /// The task an entity run is spawned as, for an entity and message of 8 bytes each, is at
+    /// most this large: every entity started (by a first message, or again after it parked)
+    /// allocates one, and glibc's malloc keeps much of that memory once it is freed (the
+    /// `idle_entities` bench: about a task's size per entity started under concurrency).
+    const RUN_TASK_BOUND: usize = 1_300;
+
+    #[tokio::test]
+    async fn a_run_of_a_small_entity_is_a_small_task_with_cold_paths_boxed_and_no_frame_held_twice() {
+        use crate::config::TransportSettings;
+        use crate::membership::{MembershipSnapshot, UniqueAddress};
+        use crate::transport::Transport;
+        #[derive(Default)]
+        struct Small(u64);
+        impl Entity for Small {
+            type Message = u64;
+            type Reply = u64;
+            async fn handle(&mut self, msg: u64, _: &mut EntityContext) -> u64 {
+                self.0 += msg;
+                self.0
+            }
+        }
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let local = UniqueAddress::new("n1", 1);
+        let transport = Transport::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            local.clone(),
+            "c".into(),
+            None,
+            TransportSettings::default(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        let (_members_tx, members) =
+            tokio::sync::watch::channel(Arc::new(MembershipSnapshot { self_address: local, members: Vec::new() }));
+        let shared = Arc::new(RunnerShared::<Small> {
+            factory: Arc::new(|_: &str| Small::default()),
+            events: mpsc::unbounded_channel().0,
+            replier: Replier::new(transport, "small", members),
+            type_name: "small".into(),
+            counters: Arc::default(),
+            linger: Duration::from_millis(100),
+            stop_timeout: Duration::from_secs(1),
+            stop_log: Mutex::new(LogLimiter::new(Duration::from_secs(10))),
+            routed: RoutedInFlight::new(),
+            metrics: Arc::new(crate::metrics::TypeMetrics::new("n1", "small")),
+        });
+        let mailbox = Arc::new(Mailbox::<Small>::new());
+        let scheduled = mailbox.schedule_new().expect("a new mailbox schedules its first run");
+        let ctx = EntityContext::new("e1".into(), "s1".into(), 1, None);
+        let run = EntityRun { shared, mailbox, ctx, incarnation: 1 }.run(scheduled);
+        let size = std::mem::size_of_val(&run);
+        assert!(size <= RUN_TASK_BOUND, "a run of an 8-byte entity is {size} B, more than {RUN_TASK_BOUND} B");
+        shutdown.cancel();
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_running_task_lingers_its_linger_after_each_message_then_parks_its_entity() {
         let m = Arc::new(Mailbox::<Probe>::new());
@@ -868,21 +955,21 @@ mod tests {
             let (m, taken_count) = (m.clone(), taken.clone());
             async move {
                 let mut entity = Some(Probe(Arc::default()));
-                let (mut idle_since, sleep) = (None, tokio::time::sleep(linger));
+                let (mut took, sleep) = (false, tokio::time::sleep(linger));
                 tokio::pin!(sleep);
                 let mut taken = Vec::new();
                 while let Some(cmd) =
-                    std::future::poll_fn(|cx| m.poll_next(cx, &mut entity, linger, &mut idle_since, sleep.as_mut()))
-                        .await
+                    std::future::poll_fn(|cx| m.poll_next(cx, &mut entity, linger, &mut took, sleep.as_mut())).await
                 {
                     if let EntityCmd::Msg(env) = cmd {
                         taken.extend(env.msg.map(|p| p.0));
                         taken_count.fetch_add(1, Ordering::SeqCst);
                     }
                 }
-                (taken, entity.is_none())
+                (taken, entity.is_none(), tokio::time::Instant::now())
             }
         });
+        let t0 = tokio::time::Instant::now();
         tokio::time::sleep(Duration::from_millis(60)).await;
         assert!(!task.is_finished(), "idle for less than its linger: still running");
         assert!(matches!(m.push(msg(1), 10), Pushed::Queued), "the lingering task takes it, no new run");
@@ -892,9 +979,12 @@ mod tests {
         // the message must.
         tokio::time::sleep(Duration::from_millis(80)).await;
         assert!(!task.is_finished(), "80 ms after its last message: still running");
-        let (taken, parked) =
+        let (taken, parked, at) =
             tokio::time::timeout(Duration::from_secs(5), task).await.expect("parked once idle for its linger").unwrap();
         assert_eq!((taken, parked), (vec![1], true));
+        // The timer set at the start fired at 100 ms with a message taken since: set again, it
+        // parks the entity at 200 ms, between one and two lingers after the message (60 ms).
+        assert_eq!(at - t0, Duration::from_millis(200), "parked by the timer set again when the first fired");
         assert!(scheduled(m.push(msg(2), 10)).entity.is_some(), "the mailbox holds the parked entity");
     }
 
