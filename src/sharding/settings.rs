@@ -346,7 +346,9 @@ pub struct ShardingSettings {
     /// empty, before it parks the entity and ends: at least this long, at most twice (its timer
     /// is set once per period, not per message). A busy entity then keeps its task (a message
     /// only wakes it; starting a task per message costs several times more); an entity idle
-    /// longer costs no task, only its parked value. Zero parks at once.
+    /// longer costs no task, only its parked value. Zero parks at once. The run that creates
+    /// an entity does not linger: most entities started by a message get no other soon, and
+    /// their lingering tasks would hold memory the allocator then keeps.
     #[serde(with = "humantime_serde")]
     pub entity_linger: Duration,
     /// One timeout for a whole hand-off (acks, stopping the entities).

@@ -633,7 +633,13 @@ impl<E: Entity> EntityRun<E> {
     }
 
     async fn run_until_parked(mut self, mut entity: Option<E>) {
+        // The first run of an incarnation parks as soon as its queue is empty; later runs
+        // linger. Most entities started by a message get no other soon (a million devices
+        // each asked once), and a lingering first run holds its task's memory meanwhile; an
+        // entity that does get more is woken by a new run and lingers from then on.
+        let mut linger = self.shared.linger;
         if entity.is_none() {
+            linger = Duration::ZERO;
             // Boxed: a cold path, kept out of the task every run allocates.
             entity = Box::pin(self.create()).await;
             if entity.is_none() {
@@ -641,7 +647,7 @@ impl<E: Entity> EntityRun<E> {
             }
         }
         let span = self.call_span();
-        let (linger, mut took) = (self.shared.linger, false);
+        let mut took = false;
         let sleep = tokio::time::sleep(linger);
         tokio::pin!(sleep);
         loop {
@@ -895,53 +901,97 @@ mod tests {
     /// `idle_entities` bench: about a task's size per entity started under concurrency).
     const RUN_TASK_BOUND: usize = 1_300;
 
-    #[tokio::test]
-    async fn a_run_of_a_small_entity_is_a_small_task_with_cold_paths_boxed_and_no_frame_held_twice() {
+    /// An entity of 8 bytes that counts what it handled.
+    struct Small(Arc<AtomicUsize>);
+
+    impl Entity for Small {
+        type Message = u64;
+        type Reply = u64;
+        async fn handle(&mut self, msg: u64, _: &mut EntityContext) -> u64 {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            msg
+        }
+    }
+
+    /// What runs of `Small` entities share (a transport on port 0 behind the replier), the
+    /// count its entities bump, and the token that stops the transport.
+    async fn small_runner(
+        linger: Duration,
+    ) -> (Arc<RunnerShared<Small>>, Arc<AtomicUsize>, tokio_util::sync::CancellationToken) {
         use crate::config::TransportSettings;
         use crate::membership::{MembershipSnapshot, UniqueAddress};
         use crate::transport::Transport;
-        #[derive(Default)]
-        struct Small(u64);
-        impl Entity for Small {
-            type Message = u64;
-            type Reply = u64;
-            async fn handle(&mut self, msg: u64, _: &mut EntityContext) -> u64 {
-                self.0 += msg;
-                self.0
-            }
-        }
         let shutdown = tokio_util::sync::CancellationToken::new();
         let local = UniqueAddress::new("n1", 1);
+        let settings = TransportSettings::default();
         let transport = Transport::bind(
             "127.0.0.1:0".parse().unwrap(),
             local.clone(),
             "c".into(),
             None,
-            TransportSettings::default(),
+            settings,
             shutdown.clone(),
         )
         .await
         .unwrap();
-        let (_members_tx, members) =
+        let (_, members) =
             tokio::sync::watch::channel(Arc::new(MembershipSnapshot { self_address: local, members: Vec::new() }));
+        let handled = Arc::new(AtomicUsize::new(0));
+        let count = handled.clone();
         let shared = Arc::new(RunnerShared::<Small> {
-            factory: Arc::new(|_: &str| Small::default()),
+            factory: Arc::new(move |_: &str| Small(count.clone())),
             events: mpsc::unbounded_channel().0,
             replier: Replier::new(transport, "small", members),
             type_name: "small".into(),
             counters: Arc::default(),
-            linger: Duration::from_millis(100),
+            linger,
             stop_timeout: Duration::from_secs(1),
             stop_log: Mutex::new(LogLimiter::new(Duration::from_secs(10))),
             routed: RoutedInFlight::new(),
             metrics: Arc::new(crate::metrics::TypeMetrics::new("n1", "small")),
         });
+        (shared, handled, shutdown)
+    }
+
+    fn small_run(shared: &Arc<RunnerShared<Small>>, mailbox: &Arc<Mailbox<Small>>) -> EntityRun<Small> {
+        let ctx = EntityContext::new("e1".into(), "s1".into(), 1, None);
+        EntityRun { shared: shared.clone(), mailbox: mailbox.clone(), ctx, incarnation: 1 }
+    }
+
+    #[tokio::test]
+    async fn a_run_of_a_small_entity_is_a_small_task_with_cold_paths_boxed_and_no_frame_held_twice() {
+        let (shared, _, shutdown) = small_runner(Duration::from_millis(100)).await;
         let mailbox = Arc::new(Mailbox::<Small>::new());
         let scheduled = mailbox.schedule_new().expect("a new mailbox schedules its first run");
-        let ctx = EntityContext::new("e1".into(), "s1".into(), 1, None);
-        let run = EntityRun { shared, mailbox, ctx, incarnation: 1 }.run(scheduled);
+        let run = small_run(&shared, &mailbox).run(scheduled);
         let size = std::mem::size_of_val(&run);
         assert!(size <= RUN_TASK_BOUND, "a run of an 8-byte entity is {size} B, more than {RUN_TASK_BOUND} B");
+        shutdown.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_run_that_creates_an_entity_parks_it_once_its_queue_is_empty_and_later_runs_linger() {
+        let linger = Duration::from_millis(100);
+        let (shared, handled, shutdown) = small_runner(linger).await;
+        let mailbox = Arc::new(Mailbox::<Small>::new());
+        let push = |n: u64| match mailbox.push(EntityCmd::Msg(Envelope::new(Some(n), None)), 10) {
+            Pushed::Schedule(s) => s,
+            _ => panic!("expected a new run"),
+        };
+        let t0 = tokio::time::Instant::now();
+        let first = tokio::spawn(small_run(&shared, &mailbox).run(push(1)));
+        first.await.unwrap();
+        assert_eq!(handled.load(Ordering::SeqCst), 1);
+        assert_eq!(tokio::time::Instant::now(), t0, "the first run parked without waiting for a message");
+        let second = push(2);
+        assert!(second.entity.is_some(), "the mailbox held the parked entity");
+        let second = tokio::spawn(small_run(&shared, &mailbox).run(second));
+        tokio::time::sleep(linger / 2).await;
+        assert_eq!(handled.load(Ordering::SeqCst), 2);
+        assert!(!second.is_finished(), "a later run lingers for the next message");
+        assert!(matches!(mailbox.push(EntityCmd::Msg(Envelope::new(Some(3), None)), 10), Pushed::Queued));
+        tokio::time::timeout(linger * 3, second).await.expect("parked once idle for its linger").unwrap();
+        assert_eq!(handled.load(Ordering::SeqCst), 3, "the lingering run took the third message");
         shutdown.cancel();
     }
 
