@@ -269,23 +269,37 @@ impl<E: Entity> Mailbox<E> {
     }
 
     /// The next command for the running task; with the queue empty the task *lingers*: it keeps
-    /// its entity and waits, woken by the next push, until its linger timer (`sleep`) fires
-    /// with no command taken since it was set (`took` says whether one was). Then it parks the
-    /// entity and gets `None`, as it does once the mailbox is ended. A timer that fires after
-    /// commands were taken is set again, `linger` from then: an entity parks after between
-    /// `linger` and twice that without a message, and the clock is read once per linger
-    /// period, not once per message. The timer is looked at outside the lock, which a push
-    /// waits for.
+    /// its entity and waits, woken by the next push, until its linger timer (`timer`, made at
+    /// its first wait: a run that never waits has none) fires with no command taken since it
+    /// was set (`took` says whether one was). Then it parks the entity and gets `None`, as it
+    /// does once the mailbox is ended. A timer that fires after commands were taken is set
+    /// again, `linger` from then: an entity parks after between `linger` and twice that
+    /// without a message, and the clock is read once per linger period, not once per message.
+    /// The timer is looked at outside the lock, which a push waits for.
     fn poll_next(
         &self,
         cx: &mut Context<'_>,
         entity: &mut Option<E>,
         linger: Duration,
         took: &mut bool,
-        mut sleep: Pin<&mut Sleep>,
+        timer: &mut Option<Pin<Box<Sleep>>>,
     ) -> Poll<Option<EntityCmd<E>>> {
-        let expired = linger.is_zero()
-            || (sleep.as_mut().poll(cx).is_ready() && {
+        let mut m = self.lock();
+        if let Some(next) = take_next(&mut m, took) {
+            drop(m);
+            if next.is_none() {
+                drop(entity.take());
+            }
+            return Poll::Ready(next);
+        }
+        // Waiting: registered before the lock goes, so a push from then on wakes this task.
+        if !m.waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            m.waiter = Some(cx.waker().clone());
+        }
+        drop(m);
+        let expired = linger.is_zero() || {
+            let sleep = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(linger)));
+            sleep.as_mut().poll(cx).is_ready() && {
                 let idle = !std::mem::take(took);
                 if !idle {
                     sleep.as_mut().reset(tokio::time::Instant::now() + linger);
@@ -293,26 +307,21 @@ impl<E: Entity> Mailbox<E> {
                     let _ = sleep.as_mut().poll(cx);
                 }
                 idle
-            });
+            }
+        };
+        if !expired {
+            return Poll::Pending;
+        }
         let mut m = self.lock();
-        if matches!(m.phase, Phase::Ended) {
+        if let Some(next) = take_next(&mut m, took) {
             drop(m);
-            drop(entity.take());
-            return Poll::Ready(None);
+            if next.is_none() {
+                drop(entity.take());
+            }
+            return Poll::Ready(next);
         }
-        if let Some(cmd) = m.queue.pop_front() {
-            *took = true;
-            m.waiter = None;
-            return Poll::Ready(Some(cmd));
-        }
-        if expired {
-            park(&mut m, entity);
-            return Poll::Ready(None);
-        }
-        if !m.waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-            m.waiter = Some(cx.waker().clone());
-        }
-        Poll::Pending
+        park(&mut m, entity);
+        Poll::Ready(None)
     }
 
     /// Ends the incarnation from its task; returns the messages it had not handled, those the
@@ -333,6 +342,19 @@ impl<E: Entity> Mailbox<E> {
         }
         leftovers
     }
+}
+
+/// What a running task gets next without waiting: `None` inside when the mailbox was ended (the
+/// task then drops its entity, outside the lock: its `Drop` is user code), the next command
+/// (noted in `took`), or nothing with the queue empty.
+fn take_next<E: Entity>(m: &mut MailboxInner<E>, took: &mut bool) -> Option<Option<EntityCmd<E>>> {
+    if matches!(m.phase, Phase::Ended) {
+        return Some(None);
+    }
+    let cmd = m.queue.pop_front()?;
+    *took = true;
+    m.waiter = None;
+    Some(Some(cmd))
 }
 
 /// Parks the task's entity (if it still holds it) in the mailbox; the task ends next.
@@ -648,11 +670,10 @@ impl<E: Entity> EntityRun<E> {
         }
         let span = self.call_span();
         let mut took = false;
-        let sleep = tokio::time::sleep(linger);
-        tokio::pin!(sleep);
+        let mut timer = None;
         loop {
             let next =
-                std::future::poll_fn(|cx| self.mailbox.poll_next(cx, &mut entity, linger, &mut took, sleep.as_mut()));
+                std::future::poll_fn(|cx| self.mailbox.poll_next(cx, &mut entity, linger, &mut took, &mut timer));
             let Some(cmd) = next.await else { return };
             let env = match cmd {
                 EntityCmd::Stop(reason) => {
@@ -899,7 +920,7 @@ mod tests {
     /// most this large: every entity started (by a first message, or again after it parked)
     /// allocates one, and glibc's malloc keeps much of that memory once it is freed (the
     /// `idle_entities` bench: about a task's size per entity started under concurrency).
-    const RUN_TASK_BOUND: usize = 1_300;
+    const RUN_TASK_BOUND: usize = 1_100;
 
     /// An entity of 8 bytes that counts what it handled.
     struct Small(Arc<AtomicUsize>);
@@ -1005,11 +1026,10 @@ mod tests {
             let (m, taken_count) = (m.clone(), taken.clone());
             async move {
                 let mut entity = Some(Probe(Arc::default()));
-                let (mut took, sleep) = (false, tokio::time::sleep(linger));
-                tokio::pin!(sleep);
+                let (mut took, mut timer) = (false, None);
                 let mut taken = Vec::new();
                 while let Some(cmd) =
-                    std::future::poll_fn(|cx| m.poll_next(cx, &mut entity, linger, &mut took, sleep.as_mut())).await
+                    std::future::poll_fn(|cx| m.poll_next(cx, &mut entity, linger, &mut took, &mut timer)).await
                 {
                     if let EntityCmd::Msg(env) = cmd {
                         taken.extend(env.msg.map(|p| p.0));
