@@ -4,7 +4,10 @@
 //!   unbounded mpsc (a tell never waits either); the time runs until every message is handled;
 //! - ask: 64 concurrent askers over 1,000 entities vs 64 askers over 1,000 mpsc tasks answering
 //!   through a oneshot;
-//! - both again in the user's shape: the entity id built (`format!`) per message;
+//! - both again in the user's shape: the entity id built (`format!`) per message, beside the
+//!   mpsc baseline and beside a hand-rolled actor map of the same shape (the id built per
+//!   message and looked up in a `HashMap<String, mpsc sender>`: what a user would write
+//!   instead of a sharding library);
 //! - ask latency under 90 % load: asks started on a fixed schedule (open loop, whatever is in
 //!   flight) at 90 % of the slowest ask pass just measured, each timed from its start; p50/p99
 //!   for the region and for the baseline at the same rate.
@@ -164,22 +167,32 @@ fn main() {
     });
     let ids: Arc<Vec<String>> = Arc::new((0..ENTITIES).map(|i| format!("c{i}")).collect());
     let actors = Arc::new(baseline_actors(&rt));
+    // The hand-rolled actor map: the same tasks, found by their id.
+    let by_id: Arc<std::collections::HashMap<String, usize>> =
+        Arc::new((0..ENTITIES).map(|i| (format!("c{i}"), i)).collect());
     let passes = common::sized(5, 1);
 
     // Tell, 1,000 receivers.
     if common::part("tell") {
         let tell_total = common::sized(1_000_000, 10_000);
-        let (mut raw, mut ours, mut user) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut raw, mut ours, mut user, mut map) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..passes {
             raw.push(rt.block_on(tells(tell_total, |i| actors[i].send((Add(1), None)).unwrap())));
             ours.push(rt.block_on(tells(tell_total, |i| region.tell(&ids[i], Add(1)).unwrap())));
             user.push(rt.block_on(tells(tell_total, |i| region.tell(&format!("c{i}"), Add(1)).unwrap())));
+            map.push(rt.block_on(tells(tell_total, |i| actors[by_id[&format!("c{i}")]].send((Add(1), None)).unwrap())));
         }
         let (raw, ours, user) = (common::median(&mut raw), common::median(&mut ours), common::median(&mut user));
+        let map = common::median(&mut map);
         println!("local tell, {ENTITIES} entities: region {ours:.0}/s vs mpsc {raw:.0}/s ({:.2}x)", ours / raw);
         common::print_ratio("local_tell_1000_entities_vs_mpsc", ours, raw);
         println!("local tell, id built per message: region {user:.0}/s vs mpsc {raw:.0}/s ({:.2}x)", user / raw);
         common::print_ratio("local_tell_1000_entities_id_per_message_vs_mpsc", user, raw);
+        println!(
+            "local tell, id built per message: region {user:.0}/s vs hand-rolled actor map {map:.0}/s ({:.2}x)",
+            user / map
+        );
+        common::print_ratio("local_tell_1000_entities_id_per_message_vs_actor_map", user, map);
     }
     if !common::part("ask") {
         rt.block_on(cluster.shutdown());
@@ -206,14 +219,22 @@ fn main() {
             }
         })));
     }
-    // The user's shape: the id built per message.
-    let mut user = Vec::new();
+    // The user's shape: the id built per message, beside the hand-rolled actor map.
+    let (mut user, mut map) = (Vec::new(), Vec::new());
     for _ in 0..passes {
         let r = region.clone();
         user.push(rt.block_on(asks(per_asker, move |i| {
             let r = r.clone();
             async move {
                 r.ask(&format!("c{i}"), Add(1)).await.unwrap();
+            }
+        })));
+        let (a, by_id) = (actors.clone(), by_id.clone());
+        map.push(rt.block_on(asks(per_asker, move |i| {
+            let (tx, rx) = oneshot::channel();
+            a[by_id[&format!("c{i}")]].send((Add(1), Some(tx))).unwrap();
+            async move {
+                rx.await.unwrap();
             }
         })));
     }
@@ -232,6 +253,12 @@ fn main() {
         user / raw_ask
     );
     common::print_ratio("local_ask_64_askers_id_per_message_vs_mpsc_oneshot", user, raw_ask);
+    let map = common::median(&mut map);
+    println!(
+        "local ask, id built per message: region {user:.0}/s vs hand-rolled actor map + oneshot {map:.0}/s ({:.2}x)",
+        user / map
+    );
+    common::print_ratio("local_ask_64_askers_id_per_message_vs_actor_map", user, map);
 
     // Latency at 90 % load. The load is what the region sustains open loop (asks started on a
     // schedule, whatever is in flight): the highest rate, from the slowest closed-loop pass down
