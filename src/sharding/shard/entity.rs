@@ -1000,9 +1000,15 @@ mod tests {
             _ => panic!("expected a new run"),
         };
         let t0 = tokio::time::Instant::now();
-        let first = tokio::spawn(small_run(&shared, &mailbox).run(push(1)));
+        // The first message is an ask: its answer comes from the run, after the handler.
+        let (tx, answer) = tokio::sync::oneshot::channel();
+        let first = match mailbox.push(EntityCmd::Msg(Envelope::new(Some(1), Some(ReplyTo::Local(tx)))), 10) {
+            Pushed::Schedule(s) => tokio::spawn(small_run(&shared, &mailbox).run(s)),
+            _ => panic!("expected a new run"),
+        };
         first.await.unwrap();
         assert_eq!(handled.load(Ordering::SeqCst), 1);
+        assert_eq!(answer.await.unwrap().unwrap(), 1, "the ask was answered with the handler's reply");
         assert_eq!(tokio::time::Instant::now(), t0, "the first run parked without waiting for a message");
         let second = push(2);
         assert!(second.entity.is_some(), "the mailbox held the parked entity");
