@@ -286,11 +286,7 @@ impl<E: Entity> Mailbox<E> {
     ) -> Poll<Option<EntityCmd<E>>> {
         let mut m = self.lock();
         if let Some(next) = take_next(&mut m, took) {
-            drop(m);
-            if next.is_none() {
-                drop(entity.take());
-            }
-            return Poll::Ready(next);
+            return hand_over(m, entity, next);
         }
         // Waiting: registered before the lock goes, so a push from then on wakes this task.
         if !m.waiter.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
@@ -314,11 +310,7 @@ impl<E: Entity> Mailbox<E> {
         }
         let mut m = self.lock();
         if let Some(next) = take_next(&mut m, took) {
-            drop(m);
-            if next.is_none() {
-                drop(entity.take());
-            }
-            return Poll::Ready(next);
+            return hand_over(m, entity, next);
         }
         park(&mut m, entity);
         Poll::Ready(None)
@@ -345,8 +337,8 @@ impl<E: Entity> Mailbox<E> {
 }
 
 /// What a running task gets next without waiting: `None` inside when the mailbox was ended (the
-/// task then drops its entity, outside the lock: its `Drop` is user code), the next command
-/// (noted in `took`), or nothing with the queue empty.
+/// task then drops its entity, outside the lock: its `Drop` is user code; see [`hand_over`]),
+/// the next command (noted in `took`), or nothing with the queue empty.
 fn take_next<E: Entity>(m: &mut MailboxInner<E>, took: &mut bool) -> Option<Option<EntityCmd<E>>> {
     if matches!(m.phase, Phase::Ended) {
         return Some(None);
@@ -355,6 +347,20 @@ fn take_next<E: Entity>(m: &mut MailboxInner<E>, took: &mut bool) -> Option<Opti
     *took = true;
     m.waiter = None;
     Some(Some(cmd))
+}
+
+/// Gives the task what [`take_next`] found, once the lock is released (an ended mailbox's entity
+/// is dropped outside it).
+fn hand_over<E: Entity>(
+    m: MutexGuard<'_, MailboxInner<E>>,
+    entity: &mut Option<E>,
+    next: Option<EntityCmd<E>>,
+) -> Poll<Option<EntityCmd<E>>> {
+    drop(m);
+    if next.is_none() {
+        drop(entity.take());
+    }
+    Poll::Ready(next)
 }
 
 /// Parks the task's entity (if it still holds it) in the mailbox; the task ends next.
