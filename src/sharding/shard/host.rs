@@ -24,7 +24,8 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
 use super::core::{DropReason, ShardAction, ShardCore, ShardInput, StopReason};
-use super::entity::{EntityCmd, EntityRun, Factory, Mailbox, Pushed, RunnerShared, Scheduled};
+use super::entity::{EntityRun, Factory, RunnerShared};
+use super::mailbox::{EntityCmd, Mailbox, Pushed, Scheduled};
 use super::remember::RememberIo;
 use super::state::StateIo;
 use super::{RegionParts, ShardEvent, StoreResult, Work};

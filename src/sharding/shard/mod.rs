@@ -6,6 +6,7 @@ pub(crate) mod batch;
 pub(crate) mod core;
 mod entity;
 mod host;
+mod mailbox;
 pub(crate) mod passivation;
 pub(crate) mod remember;
 pub(crate) mod state;
