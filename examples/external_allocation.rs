@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use ddshard::sharding::AllocationSettings;
-use ddshard::{Entity, EntityContext, MemberStatus, Node, NodeConfig, ShardingSettings};
+use ddshard::{Entity, EntityContext, MemberStatus, Node, NodeConfig, ShardRegion, ShardingSettings};
 
 /// Answers with the node it runs on.
 struct Tenant {
@@ -22,6 +22,21 @@ impl Entity for Tenant {
     type Reply = String;
     async fn handle(&mut self, _msg: WhereAreYou, _ctx: &mut EntityContext) -> String {
         self.node.clone()
+    }
+}
+
+/// Places `shard` on `node`, retrying what the error says is worth retrying for up to 30 s: just
+/// after the cluster forms, a node's replicator may not count the other node yet, and a
+/// majority write then fails at once with `NotEnoughReplicas`.
+async fn place(region: &ShardRegion<Tenant>, shard: &str, node: &str) -> ddshard::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match region.set_external_shard_location(shard, node).await {
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            placed => return placed,
+        }
     }
 }
 
@@ -58,13 +73,13 @@ async fn main() -> ddshard::Result<()> {
     }
 
     let shard = tenants[0].shard_id("tenant-42");
-    tenants[0].set_external_shard_location(&shard, "n2").await?;
+    place(&tenants[0], &shard, "n2").await?;
     let host = tenants[0].ask("tenant-42", WhereAreYou).await?;
     assert_eq!(host, "n2");
     println!("shard {shard} placed on n2: tenant-42 runs on {host}");
 
     // Move it: the table changes now, the shard is handed off at the next rebalance round.
-    tenants[0].set_external_shard_location(&shard, "n1").await?;
+    place(&tenants[0], &shard, "n1").await?;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         let host = tenants[1].ask("tenant-42", WhereAreYou).await?;
