@@ -177,29 +177,33 @@ fn main() {
         let (mut raw_rates, mut ours) = (Vec::new(), Vec::new());
         for _ in 0..passes {
             let r = raw.clone();
-            raw_rates.push(rt.block_on(async move {
-                let t = Instant::now();
-                common::sliding(total, WINDOW, |i| {
-                    let r = r.clone();
-                    async move {
-                        r.ask(i % ENTITIES).await;
-                    }
-                })
-                .await;
-                total as f64 / t.elapsed().as_secs_f64()
-            }));
+            if common::side("baseline") {
+                raw_rates.push(rt.block_on(async move {
+                    let t = Instant::now();
+                    common::sliding(total, WINDOW, |i| {
+                        let r = r.clone();
+                        async move {
+                            r.ask(i % ENTITIES).await;
+                        }
+                    })
+                    .await;
+                    total as f64 / t.elapsed().as_secs_f64()
+                }));
+            }
             let (p, ids) = (proxy.clone(), ids.clone());
-            ours.push(rt.block_on(async move {
-                let t = Instant::now();
-                common::sliding(total, WINDOW, |i| {
-                    let (p, ids) = (p.clone(), ids.clone());
-                    async move {
-                        p.ask(&ids[i % ENTITIES], Add(1)).await.unwrap();
-                    }
-                })
-                .await;
-                total as f64 / t.elapsed().as_secs_f64()
-            }));
+            if common::side("ours") {
+                ours.push(rt.block_on(async move {
+                    let t = Instant::now();
+                    common::sliding(total, WINDOW, |i| {
+                        let (p, ids) = (p.clone(), ids.clone());
+                        async move {
+                            p.ask(&ids[i % ENTITIES], Add(1)).await.unwrap();
+                        }
+                    })
+                    .await;
+                    total as f64 / t.elapsed().as_secs_f64()
+                }));
+            }
         }
         let (raw_ask, ask) = (common::median(&mut raw_rates), common::median(&mut ours));
         println!(
@@ -214,30 +218,34 @@ fn main() {
         let total = common::sized(1_000_000, 5_000);
         let (mut raw_rates, mut ours) = (Vec::new(), Vec::new());
         for _ in 0..passes {
-            raw_rates.push(rt.block_on(async {
-                let target = common::HANDLED.load(Ordering::Relaxed) + total as u64;
-                let t = Instant::now();
-                for i in 0..total {
-                    raw.send(i % ENTITIES, None);
-                }
-                common::handled(target).await;
-                total as f64 / t.elapsed().as_secs_f64()
-            }));
-            ours.push(rt.block_on(async {
-                let target = common::HANDLED.load(Ordering::Relaxed) + total as u64;
-                let t = Instant::now();
-                let mut i = 0;
-                while i < total {
-                    match proxy.tell(&ids[i % ENTITIES], Add(1)) {
-                        Ok(()) => i += 1,
-                        // The peer's send queue is full: the writer is behind; let it run.
-                        Err(ddshard::Error::SendQueueFull { .. }) => tokio::task::yield_now().await,
-                        Err(e) => panic!("{e}"),
+            if common::side("baseline") {
+                raw_rates.push(rt.block_on(async {
+                    let target = common::HANDLED.load(Ordering::Relaxed) + total as u64;
+                    let t = Instant::now();
+                    for i in 0..total {
+                        raw.send(i % ENTITIES, None);
                     }
-                }
-                common::handled(target).await;
-                total as f64 / t.elapsed().as_secs_f64()
-            }));
+                    common::handled(target).await;
+                    total as f64 / t.elapsed().as_secs_f64()
+                }));
+            }
+            if common::side("ours") {
+                ours.push(rt.block_on(async {
+                    let target = common::HANDLED.load(Ordering::Relaxed) + total as u64;
+                    let t = Instant::now();
+                    let mut i = 0;
+                    while i < total {
+                        match proxy.tell(&ids[i % ENTITIES], Add(1)) {
+                            Ok(()) => i += 1,
+                            // The peer's send queue is full: the writer is behind; let it run.
+                            Err(ddshard::Error::SendQueueFull { .. }) => tokio::task::yield_now().await,
+                            Err(e) => panic!("{e}"),
+                        }
+                    }
+                    common::handled(target).await;
+                    total as f64 / t.elapsed().as_secs_f64()
+                }));
+            }
         }
         let (raw_tell, tell) = (common::median(&mut raw_rates), common::median(&mut ours));
         println!(

@@ -57,6 +57,13 @@ where
     }
 }
 
+/// Whether a bench measures `side` (`"ours"` or `"baseline"`): both, or only the one named in
+/// `DDSHARD_BENCH_SIDE`, to profile or count the system calls of one side alone. With one side
+/// skipped no ratio is printed.
+pub fn side(side: &str) -> bool {
+    std::env::var("DDSHARD_BENCH_SIDE").map_or(true, |only| only.trim() == side)
+}
+
 /// Smoke mode for CI (`DDSHARD_BENCH_QUICK=1 cargo bench -- --test`): every bench path and its
 /// asserts run once, with small sizes; the figures it prints mean nothing.
 pub fn quick() -> bool {
@@ -74,10 +81,10 @@ pub fn sized(full: usize, small: usize) -> usize {
     if quick() { small } else { full }
 }
 
-/// The median of timed passes (sorts `v`).
+/// The median of timed passes (sorts `v`); NaN for none (a side skipped by [`side`]).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Prints a machine-readable `ratio=` line: `value` against its same-run `baseline`.

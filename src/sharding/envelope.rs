@@ -11,7 +11,7 @@ use super::Entity;
 use super::delivery::{DeliveryHeader, DeliveryOutcome};
 use super::ids::RegionId;
 use super::keys;
-use super::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
+use super::protocol::{DeliveryFailure, RegionInbound, RegionToRegion, binary};
 use crate::error::{Error, Result};
 use crate::membership::MembershipSnapshot;
 use crate::transport::{PeerSender, Transport, wire};
@@ -203,11 +203,27 @@ pub(crate) fn not_delivered(entity_id: &str, reason: impl Into<String>) -> Error
     Error::NotDelivered { entity_id: entity_id.to_string(), reason: reason.into() }
 }
 
-/// An answer as an `AskReply` carries it (a value that does not encode is a codec failure).
-fn encoded<T: serde::Serialize>(value: &T) -> std::result::Result<serde_bytes::ByteBuf, DeliveryFailure> {
-    rmp_serde::to_vec_named(value)
-        .map(serde_bytes::ByteBuf::from)
-        .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string())))
+/// What an `AskReply` answers with.
+enum Answer<'a, T> {
+    /// The entity's answer.
+    Value(&'a T),
+    /// Done, with no value (a start).
+    Empty,
+    Failed(DeliveryFailure),
+}
+
+impl<T: serde::Serialize> Answer<'_, T> {
+    /// The answer as the rmp layout carries it (a value that does not encode is a codec
+    /// failure).
+    fn into_rmp(self) -> std::result::Result<serde_bytes::ByteBuf, DeliveryFailure> {
+        match self {
+            Answer::Value(v) => rmp_serde::to_vec_named(v)
+                .map(serde_bytes::ByteBuf::from)
+                .map_err(|e| DeliveryFailure::of(&Error::Codec(e.to_string()))),
+            Answer::Empty => Ok(serde_bytes::ByteBuf::new()),
+            Answer::Failed(f) => Err(f),
+        }
+    }
 }
 
 /// Sends answers: to local waiters directly, to remote askers over the transport.
@@ -238,12 +254,12 @@ impl Replier {
                 let _ = tx.send(result.map(|_| ()));
             }
             ReplyTo::Remote { region, ask_id, via } => {
-                let result = match result {
-                    Ok(Some(r)) => encoded(&r),
-                    Ok(None) => Ok(serde_bytes::ByteBuf::new()),
-                    Err(e) => Err(DeliveryFailure::of(&e)),
+                let answer = match &result {
+                    Ok(Some(r)) => Answer::Value(r),
+                    Ok(None) => Answer::Empty,
+                    Err(e) => Answer::Failed(DeliveryFailure::of(e)),
                 };
-                self.answer_remote(region, ask_id, via, result);
+                self.answer_remote(region, ask_id, via, answer);
             }
             // A delivery is answered with its outcome by the entity runner; anything else
             // reaching it here is a failure on the way.
@@ -259,29 +275,54 @@ impl Replier {
         match to {
             OutcomeTo::Local(sink) => sink.send(outcome),
             OutcomeTo::Remote { region, ask_id, via } => {
-                let result = outcome.map_err(|e| DeliveryFailure::of(&e)).and_then(|o| encoded(&o));
-                self.answer_remote(region, ask_id, via, result);
+                let answer = match &outcome {
+                    Ok(o) => Answer::Value(o),
+                    Err(e) => Answer::Failed(DeliveryFailure::of(e)),
+                };
+                self.answer_remote(region, ask_id, via, answer);
             }
         }
     }
 
-    /// Sends an `AskReply` to the asker's node.
-    fn answer_remote(
+    /// Sends an `AskReply` to the asker's node: in the binary layout over a link to a node that
+    /// reads it, the answer encoded straight into the link's queue; in the rmp layout otherwise.
+    fn answer_remote<T: serde::Serialize>(
         &self,
         region: RegionId,
         ask_id: u64,
         via: Option<PeerSender>,
-        result: std::result::Result<serde_bytes::ByteBuf, DeliveryFailure>,
+        answer: Answer<'_, T>,
     ) {
-        let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result });
         // A closed link means the asker's node refused us or was forgotten: membership
         // says whether it is still there (no writer is dialed to a departed asker).
         let sent = match via.filter(PeerSender::is_open) {
-            Some(via) => via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)),
+            Some(via) if binary::reads_binary(&via) => {
+                let sent = via.send_with(&self.topic, |buf| match &answer {
+                    Answer::Value(v) => binary::put_reply(buf, ask_id, |buf| wire::encode_into(buf, *v)),
+                    Answer::Empty => binary::put_reply(buf, ask_id, |_| Ok(())),
+                    Answer::Failed(f) => binary::put_failure(buf, ask_id, f),
+                });
+                match sent {
+                    // The answer does not encode, or is too large for a frame: the asker
+                    // hears why now rather than at its timeout.
+                    Err(e @ Error::Codec(_)) if matches!(answer, Answer::Value(_)) => {
+                        let failure = DeliveryFailure::of(&e);
+                        via.send_with(&self.topic, |buf| binary::put_failure(buf, ask_id, &failure))
+                    }
+                    other => other,
+                }
+            }
+            Some(via) => {
+                let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result: answer.into_rmp() });
+                via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg))
+            }
             None => {
                 let peer = self.members.borrow().peer(&region);
                 match peer {
-                    Some(peer) => wire::encode(&msg).and_then(|b| self.transport.send(&peer, &self.topic, &b)),
+                    Some(peer) => {
+                        let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result: answer.into_rmp() });
+                        wire::encode(&msg).and_then(|b| self.transport.send(&peer, &self.topic, &b))
+                    }
                     None => Ok(()), // the asker's node is gone; its ask fails there
                 }
             }

@@ -13,9 +13,7 @@ use tracing::warn;
 use super::attached::{self, RegionControl};
 use super::counters::{RegionCounterCells, RegionCounters};
 use super::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight, not_delivered};
-use super::ids::{
-    RegionId, ShardId, ShardIdExtractor, check_entity_id, default_shard_id, default_shard_number, valid_type_name,
-};
+use super::ids::{RegionId, ShardId, ShardIdExtractor, ShardNames, check_entity_id, valid_type_name};
 use super::protocol::CoordinatorQuery;
 use super::query::{EntityIdPage, RegionInfo};
 use super::region::{
@@ -54,10 +52,7 @@ pub(crate) struct HandleInner<E: Entity> {
     /// The deadlines its asks wait under (the node's, or a stand-in's own).
     deadlines: DeadlineSweep,
     settings: ShardingSettings,
-    extractor: ShardIdExtractor,
-    /// With the default extractor, its shard ids by number: a message names its shard
-    /// without building the id (`None` with a custom extractor).
-    numbered: Option<Box<[ShardId]>>,
+    shard_names: ShardNames,
     commands: RegionCommands<E>,
     buffered: Arc<AtomicUsize>,
     counters: Arc<RegionCounterCells>,
@@ -106,8 +101,7 @@ impl<E: Entity> HandleInner<E> {
             node: None,
             deadlines,
             settings,
-            extractor,
-            numbered: None,
+            shard_names: ShardNames::custom(extractor),
             commands,
             buffered,
             counters: Arc::new(RegionCounterCells::default()),
@@ -118,13 +112,9 @@ impl<E: Entity> HandleInner<E> {
         }
     }
 
-    /// The shard of `entity_id`: borrowed from the numbered ids with the default extractor,
-    /// built by the custom one otherwise.
+    /// The shard of `entity_id` ([`ShardNames::of`]).
     fn shard_name(&self, entity_id: &str) -> std::borrow::Cow<'_, str> {
-        match &self.numbered {
-            Some(ids) => ids[default_shard_number(entity_id, ids.len() as u32) as usize].as_str().into(),
-            None => (self.extractor)(entity_id).into(),
-        }
+        self.shard_names.of(entity_id)
     }
 
     /// The node behind the region; a stand-in has none.
@@ -487,10 +477,7 @@ pub(crate) async fn start_region_of<E: Entity>(
     if !valid_type_name(type_name) {
         return Err(Error::BadRequest(format!("entity type name {type_name:?} must be non-empty and without '/'")));
     }
-    let n = settings.number_of_shards;
-    let extractor: ShardIdExtractor =
-        options.shard_id_extractor.clone().unwrap_or_else(|| Arc::new(move |id: &str| default_shard_id(id, n)));
-    let numbered = options.shard_id_extractor.is_none().then(|| (0..n.max(1)).map(|k| k.to_string()).collect());
+    let shard_names = ShardNames::new(options.shard_id_extractor.clone(), settings.number_of_shards);
     let (tx, rx) = region_commands();
     let proxy = factory.is_none();
     let routed = RoutedInFlight::new();
@@ -499,8 +486,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         node: Some(node.clone()),
         deadlines: node.deadlines().clone(),
         settings: settings.clone(),
-        extractor,
-        numbered,
+        shard_names,
         commands: tx,
         buffered: Arc::new(AtomicUsize::new(0)),
         counters: Arc::new(RegionCounterCells::default()),
@@ -517,10 +503,10 @@ pub(crate) async fn start_region_of<E: Entity>(
     let parts = region_parts(node, &inner);
     inner.counters.slot_budget_bytes.store(parts.slot_budget as u64, std::sync::atomic::Ordering::Relaxed);
     let shards = factory.clone().map(|factory| {
-        let extractor = inner.extractor.clone();
+        let extractor = inner.shard_names.extractor().clone();
         LocalShards::new(&parts, factory, extractor, events_tx, replier.clone(), routed.clone(), durable)
     });
-    let fingerprint = crate::sharding::ids::extractor_fingerprint(&inner.extractor);
+    let fingerprint = crate::sharding::ids::extractor_fingerprint(inner.shard_names.extractor());
     let region_settings = RegionSettings::of(&settings, fingerprint, durable);
     let shared = Arc::new(SharedRegion {
         me: me.clone(),
@@ -528,7 +514,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         remote: RemoteHomes::default(),
         direct: shards.as_ref().map(|s| s.directory().clone()),
         routed: routed.clone(),
-        extractor: inner.extractor.clone(),
+        shard_names: inner.shard_names.clone(),
         max_entity_id_bytes: settings.max_entity_id_bytes,
         counters: inner.counters.clone(),
         asks: Arc::default(),
@@ -550,7 +536,7 @@ pub(crate) async fn start_region_of<E: Entity>(
         shutdown_waiters: Vec::new(),
         shutting_down: false,
         work: Default::default(),
-        extractor: inner.extractor.clone(),
+        shard_names: inner.shard_names.clone(),
         home_asked: Default::default(),
         metrics: inner.metrics.clone(),
     };

@@ -49,6 +49,47 @@ pub type ShardId = String;
 /// Maps an entity id to its shard id.
 pub type ShardIdExtractor = Arc<dyn Fn(&str) -> ShardId + Send + Sync>;
 
+/// How a region names the shard of an entity: by its extractor, and with the default extractor
+/// by number from ids built once, so naming a message's shard builds nothing (the handle for
+/// each message it sends, the region for each one it receives).
+#[derive(Clone)]
+pub(crate) struct ShardNames {
+    extractor: ShardIdExtractor,
+    /// With the default extractor, shard `k`'s id at index `k` (`None` with a custom one).
+    numbered: Option<Arc<[ShardId]>>,
+}
+
+impl ShardNames {
+    /// The user's extractor, or (`None`) the default one over `number_of_shards`.
+    pub(crate) fn new(custom: Option<ShardIdExtractor>, number_of_shards: u32) -> Self {
+        match custom {
+            Some(extractor) => ShardNames::custom(extractor),
+            None => ShardNames {
+                extractor: Arc::new(move |id: &str| default_shard_id(id, number_of_shards)),
+                numbered: Some((0..number_of_shards.max(1)).map(|k| k.to_string()).collect()),
+            },
+        }
+    }
+
+    /// Names given by `extractor` alone.
+    pub(crate) fn custom(extractor: ShardIdExtractor) -> Self {
+        ShardNames { extractor, numbered: None }
+    }
+
+    /// The shard of `entity_id`.
+    pub(crate) fn of(&self, entity_id: &str) -> std::borrow::Cow<'_, str> {
+        match &self.numbered {
+            Some(ids) => ids[default_shard_number(entity_id, ids.len() as u32) as usize].as_str().into(),
+            None => (self.extractor)(entity_id).into(),
+        }
+    }
+
+    /// The extractor behind the names.
+    pub(crate) fn extractor(&self) -> &ShardIdExtractor {
+        &self.extractor
+    }
+}
+
 /// The default shard of an entity: the XXH3-64 hash (seed 0) of the id's UTF-8 bytes, modulo
 /// `number_of_shards`, in decimal. Stable across versions, platforms and processes: changing it
 /// moves every entity (and orphans every remembered id), so a test pins literal values.

@@ -32,7 +32,7 @@ pub use link::LinkFilter;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -155,6 +155,9 @@ impl TransportStatCells {
 struct PeerQueue {
     state: Mutex<QueueState>,
     wake: tokio::sync::Notify,
+    /// The protocol version the peer accepted our link at (0 until one was): an incarnation
+    /// runs one build, so it never changes once set.
+    version: AtomicU32,
 }
 
 #[derive(Default)]
@@ -621,6 +624,17 @@ impl PeerSender {
     /// unreachable or was forgotten (a send then goes through the transport's writers map).
     pub fn is_open(&self) -> bool {
         self.0.queue.as_ref().is_none_or(|q| !q.state.lock().expect("queue lock").closed)
+    }
+
+    /// The protocol version the peer accepted this node's link at, `None` until a link was
+    /// accepted (this node itself speaks [`wire::PROTOCOL_VERSION`]). A service sends a body in
+    /// a layout that came with a version only to a peer known to speak it; frames queued before
+    /// the answer is known are read by any peer, so they keep the older layout.
+    pub fn peer_version(&self) -> Option<u32> {
+        match &self.0.queue {
+            None => Some(wire::PROTOCOL_VERSION),
+            Some(q) => Some(q.version.load(Ordering::Relaxed)).filter(|&v| v != 0),
+        }
     }
 
     /// Sends a one-way message, as [`Transport::send`] does.

@@ -21,6 +21,7 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
     let mut dialer =
         Dialer { backoff: inner.settings.reconnect_backoff_min, unreachable_since: None, version: PROTOCOL_VERSION };
     while let Some(mut link) = dialer.connect(&inner, &peer, &queue).await {
+        queue.version.store(dialer.version, Ordering::Relaxed);
         if write_queued(&inner, &peer, &queue, &mut link, dialer.version).await == LinkEnd::Stop {
             return;
         }

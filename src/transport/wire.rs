@@ -4,6 +4,10 @@
 //! the handshake (rmp-serde values); after it the dialing side sends [`Frame`]s only, in the
 //! compact binary layout of [`Frame::encode`] since protocol version 3 (as rmp-serde values with
 //! named fields in version 2, which a node still speaks to and hears from older peers).
+//! Version 4 frames are version 3's; the version tells services that the peer reads the
+//! binary layouts of their own bodies that came with it (the sharding's region envelopes), which
+//! a service sends only to a peer whose link was accepted at that version
+//! ([`crate::transport::PeerSender::peer_version`]).
 
 use std::net::SocketAddr;
 
@@ -14,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::membership::UniqueAddress;
 
 /// Bumped on any incompatible change of the frames below.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The oldest version this node still speaks: an acceptor hears dialers of any version from
 /// here to [`PROTOCOL_VERSION`], and a dialer refused by an older acceptor dials again at the

@@ -5,10 +5,19 @@
 //! Ask ids are random 64-bit numbers, not a sequence: an `AskReply` is matched by its id alone
 //! (a relayed ask is answered by a region other than the one it was sent to), so an id must not
 //! be guessable by a member, or a misrouted reply, that never saw the ask (review finding S17).
+//!
+//! The table is split into [`STRIPES`] stripes by ask id, each behind its own lock: askers
+//! insert and the tasks reading connections complete on every core at once, and one lock for
+//! all of them would make every remote ask wait for the others.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::sharding::ids::RegionId;
+
+/// Stripes of the table (a power of two: an id's stripe is its low bits, uniformly random).
+pub(crate) const STRIPES: usize = 16;
 
 struct Pending<P> {
     /// Order of insertion: failures of many asks at once go oldest first.
@@ -20,60 +29,79 @@ struct Pending<P> {
 
 /// Pending remote asks by ask id; `P` is the asker's handle.
 pub(crate) struct AskTable<P> {
-    next_seq: u64,
-    asks: HashMap<u64, Pending<P>>,
+    next_seq: AtomicU64,
+    stripes: [Mutex<HashMap<u64, Pending<P>>>; STRIPES],
 }
 
 impl<P> Default for AskTable<P> {
     fn default() -> Self {
-        AskTable { next_seq: 0, asks: HashMap::new() }
+        AskTable { next_seq: AtomicU64::new(0), stripes: std::array::from_fn(|_| Mutex::default()) }
     }
 }
 
 impl<P> AskTable<P> {
+    fn stripe(&self, id: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Pending<P>>> {
+        self.stripes[id as usize % STRIPES].lock().expect("asks lock")
+    }
+
     /// Records an ask sent to `target` for `entity_id`; returns its id.
-    pub(crate) fn insert(&mut self, target: RegionId, entity_id: String, handle: P) -> u64 {
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let id = loop {
+    pub(crate) fn insert(&self, target: RegionId, entity_id: &str, handle: P) -> u64 {
+        let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
+        let pending = Pending { seq, target, entity_id: entity_id.to_string(), handle };
+        loop {
             let id: u64 = rand::random();
-            if !self.asks.contains_key(&id) {
-                break id;
+            let mut stripe = self.stripe(id);
+            if let std::collections::hash_map::Entry::Vacant(slot) = stripe.entry(id) {
+                slot.insert(pending);
+                return id;
             }
-        };
-        self.asks.insert(id, Pending { seq, target, entity_id, handle });
-        id
+        }
     }
 
     /// The ask answered by an `AskReply` with this id, with its entity id.
-    pub(crate) fn take(&mut self, id: u64) -> Option<(String, P)> {
-        self.asks.remove(&id).map(|p| (p.entity_id, p.handle))
+    pub(crate) fn take(&self, id: u64) -> Option<(String, P)> {
+        self.stripe(id).remove(&id).map(|p| (p.entity_id, p.handle))
+    }
+
+    /// Takes the asks `which` picks from every stripe, oldest first.
+    fn take_where(&self, which: impl Fn(&Pending<P>) -> bool) -> Vec<(String, P)> {
+        let mut taken: Vec<Pending<P>> = Vec::new();
+        for stripe in &self.stripes {
+            let mut stripe = stripe.lock().expect("asks lock");
+            let ids: Vec<u64> = stripe.iter().filter(|(_, p)| which(p)).map(|(id, _)| *id).collect();
+            taken.extend(ids.iter().filter_map(|id| stripe.remove(id)));
+        }
+        taken.sort_unstable_by_key(|p| p.seq);
+        taken.into_iter().map(|p| (p.entity_id, p.handle)).collect()
     }
 
     /// Every ask sent to `region`, oldest first (the region is gone: they fail now).
-    pub(crate) fn take_region(&mut self, region: &RegionId) -> Vec<(String, P)> {
-        let mut ids: Vec<(u64, u64)> =
-            self.asks.iter().filter(|(_, p)| p.target == *region).map(|(id, p)| (p.seq, *id)).collect();
-        ids.sort_unstable();
-        ids.into_iter().filter_map(|(_, id)| self.take(id)).collect()
+    pub(crate) fn take_region(&self, region: &RegionId) -> Vec<(String, P)> {
+        self.take_where(|p| p.target == *region)
     }
 
     /// Every ask, oldest first (the region stops: they fail now).
-    pub(crate) fn take_all(&mut self) -> Vec<(String, P)> {
-        let mut all: Vec<Pending<P>> = self.asks.drain().map(|(_, p)| p).collect();
-        all.sort_unstable_by_key(|p| p.seq);
-        all.into_iter().map(|p| (p.entity_id, p.handle)).collect()
+    pub(crate) fn take_all(&self) -> Vec<(String, P)> {
+        self.take_where(|_| true)
     }
 
     /// Forgets asks whose asker stopped waiting (timed out).
-    pub(crate) fn retain_waiting(&mut self, waiting: impl Fn(&P) -> bool) {
-        self.asks.retain(|_, p| waiting(&p.handle));
+    pub(crate) fn retain_waiting(&self, waiting: impl Fn(&P) -> bool) {
+        for stripe in &self.stripes {
+            stripe.lock().expect("asks lock").retain(|_, p| waiting(&p.handle));
+        }
     }
 
     /// Asks pending.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
-        self.asks.len()
+        self.stripes.iter().map(|s| s.lock().unwrap().len()).sum()
+    }
+
+    /// Whether ask `id` is pending.
+    #[cfg(test)]
+    fn contains(&self, id: u64) -> bool {
+        self.stripe(id).contains_key(&id)
     }
 }
 
@@ -87,8 +115,8 @@ mod tests {
 
     #[test]
     fn an_answered_ask_is_taken_once_with_its_entity() {
-        let mut t = AskTable::default();
-        let id = t.insert(r("b"), "e1".into(), 10u32);
+        let t = AskTable::default();
+        let id = t.insert(r("b"), "e1", 10u32);
         assert_eq!(t.take(id), Some(("e1".to_string(), 10)));
         assert_eq!(t.take(id), None, "a duplicate answer finds nothing");
         assert_eq!(t.take(999), None);
@@ -96,10 +124,10 @@ mod tests {
 
     #[test]
     fn ask_ids_are_never_reused() {
-        let mut t = AskTable::default();
-        let a = t.insert(r("b"), "e1".into(), 1u32);
+        let t = AskTable::default();
+        let a = t.insert(r("b"), "e1", 1u32);
         t.take(a);
-        let b = t.insert(r("b"), "e2".into(), 2u32);
+        let b = t.insert(r("b"), "e2", 2u32);
         assert_ne!(a, b);
     }
 
@@ -108,10 +136,10 @@ mod tests {
     /// numbers a sequence would have used complete nothing.
     #[test]
     fn a_reply_with_a_guessed_ask_id_completes_no_pending_ask() {
-        let mut t = AskTable::default();
-        let ids: Vec<u64> = (0..1000u32).map(|i| t.insert(r("b"), format!("e{i}"), i)).collect();
+        let t = AskTable::default();
+        let ids: Vec<u64> = (0..1000u32).map(|i| t.insert(r("b"), &format!("e{i}"), i)).collect();
         for id in &ids {
-            assert!(!t.asks.contains_key(&id.wrapping_add(1)) && !t.asks.contains_key(&id.wrapping_sub(1)), "{id}");
+            assert!(!t.contains(id.wrapping_add(1)) && !t.contains(id.wrapping_sub(1)), "{id}");
         }
         for guess in 0..10_000u64 {
             assert_eq!(t.take(guess), None, "guessed id {guess} completed an ask");
@@ -121,10 +149,10 @@ mod tests {
 
     #[test]
     fn a_gone_region_fails_only_its_own_asks_oldest_first() {
-        let mut t = AskTable::default();
-        t.insert(r("b"), "e1".into(), 1u32);
-        t.insert(r("c"), "e2".into(), 2u32);
-        t.insert(r("b"), "e3".into(), 3u32);
+        let t = AskTable::default();
+        t.insert(r("b"), "e1", 1u32);
+        t.insert(r("c"), "e2", 2u32);
+        t.insert(r("b"), "e3", 3u32);
         assert_eq!(t.take_region(&r("b")), vec![("e1".to_string(), 1), ("e3".to_string(), 3)]);
         assert_eq!(t.len(), 1);
         assert!(t.take_region(&r("b")).is_empty());
@@ -132,10 +160,10 @@ mod tests {
 
     #[test]
     fn a_stopping_region_takes_every_ask_oldest_first() {
-        let mut t = AskTable::default();
-        t.insert(r("b"), "e1".into(), 1u32);
-        t.insert(r("c"), "e2".into(), 2u32);
-        t.insert(r("b"), "e3".into(), 3u32);
+        let t = AskTable::default();
+        t.insert(r("b"), "e1", 1u32);
+        t.insert(r("c"), "e2", 2u32);
+        t.insert(r("b"), "e3", 3u32);
         let all = t.take_all();
         assert_eq!(all, vec![("e1".to_string(), 1), ("e2".to_string(), 2), ("e3".to_string(), 3)]);
         assert_eq!(t.len(), 0);
@@ -143,9 +171,9 @@ mod tests {
 
     #[test]
     fn asks_whose_asker_gave_up_are_forgotten() {
-        let mut t = AskTable::default();
-        t.insert(r("b"), "e1".into(), 1u32);
-        let kept = t.insert(r("b"), "e2".into(), 2u32);
+        let t = AskTable::default();
+        t.insert(r("b"), "e1", 1u32);
+        let kept = t.insert(r("b"), "e2", 2u32);
         t.retain_waiting(|h| *h != 1);
         assert_eq!(t.len(), 1);
         assert!(t.take(kept).is_some());

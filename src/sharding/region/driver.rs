@@ -141,9 +141,9 @@ pub(crate) struct RegionDriver<E: Entity> {
     pub home_asked: std::collections::HashMap<ShardId, Instant>,
     /// Shard-home latency (feature `metrics`).
     pub metrics: Arc<crate::metrics::TypeMetrics>,
-    /// The type's shard-id extractor: a `Deliver` naming another shard than it gives is refused
+    /// The type's shard names: a `Deliver` naming another shard than its extractor gives is refused
     /// (two nodes that disagree on the shard of an id could otherwise both start it).
-    pub extractor: crate::sharding::ids::ShardIdExtractor,
+    pub shard_names: crate::sharding::ids::ShardNames,
 }
 
 impl<E: Entity> RegionDriver<E> {
@@ -188,7 +188,7 @@ impl<E: Entity> RegionDriver<E> {
                     for s in self.shards.as_ref().map(LocalShards::ids).unwrap_or_default() {
                         self.work.push_back(Work::Shard(s, ShardInput::Tick));
                     }
-                    self.shared.asks.lock().expect("asks lock").retain_waiting(PendingAsk::is_waiting);
+                    self.shared.asks.retain_waiting(PendingAsk::is_waiting);
                 }
             }
             self.process();
@@ -202,7 +202,7 @@ impl<E: Entity> RegionDriver<E> {
         // The table outlives this task (the handle and the topic handler share it): its asks
         // fail now rather than at their timeouts.
         // `ShutDown`, as every other ask of a region that stopped gets.
-        let waiting = self.shared.asks.lock().expect("asks lock").take_all();
+        let waiting = self.shared.asks.take_all();
         for (_, pending) in waiting {
             pending.fail(crate::error::Error::ShutDown);
         }
@@ -302,7 +302,9 @@ impl<E: Entity> RegionDriver<E> {
             return;
         }
         let passed = m.take_held::<PassedOn<E>>().unwrap_or_else(|| {
-            PassedOn::Classified(classify(&m.body, self.settings.max_entity_id_bytes, &self.extractor))
+            PassedOn::Classified(
+                classify(&m.body, &m.from.address, self.settings.max_entity_id_bytes, &self.shard_names).into_owned(),
+            )
         });
         match passed {
             PassedOn::Routed { shard, entity_id, epoch, env } => {
@@ -311,6 +313,7 @@ impl<E: Entity> RegionDriver<E> {
             PassedOn::Classified(Classified::Deliver { shard, entity_id, msg, reply_to, epoch, delivery }) => {
                 let reply = remote_reply(reply_to, delivery, &m.from, || self.shared.senders.get(&m.from));
                 let env = Envelope::new(msg, reply);
+                let (shard, entity_id) = (shard.into_owned(), entity_id.into_owned());
                 self.work.push_back(Work::Region(RegionInput::Forwarded { shard, epoch, entity_id, msg: env }));
             }
             PassedOn::Classified(Classified::Coordinator(msg)) => {
@@ -404,7 +407,7 @@ impl<E: Entity> RegionDriver<E> {
             }
             RegionAction::Drop { entity_id, msg, reason } => self.drop_message(entity_id, msg, reason),
             RegionAction::RegionGone(region) => {
-                let gone = self.shared.asks.lock().expect("asks lock").take_region(&region);
+                let gone = self.shared.asks.take_region(&region);
                 for (entity_id, pending) in gone {
                     let reason = format!("the entity's node {region} left or went down before answering");
                     pending.fail(not_delivered(&entity_id, reason));

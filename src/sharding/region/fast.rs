@@ -36,7 +36,8 @@ use crate::sharding::Entity;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::delivery::DeliveryOutcome;
 use crate::sharding::envelope::{Envelope, Lane, OutcomeSink, OutcomeTo, ReplyTo, RoutedInFlight};
-use crate::sharding::ids::{RegionId, ShardId, ShardIdExtractor};
+use crate::sharding::ids::{RegionId, ShardId, ShardNames};
+use crate::sharding::protocol::binary::{self, DeliverHead, ReplyAddress};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
 use crate::transport::{Inbound, PeerAddr, PeerSender, Transport, wire};
@@ -73,7 +74,7 @@ impl<R> PendingAsk<R> {
 
 /// Asks this region sent to other regions, shared by the region task (which sends them and
 /// fails them when their region is gone) and the fast path (which completes them).
-pub(crate) type SharedAsks<R> = Arc<Mutex<AskTable<PendingAsk<R>>>>;
+pub(crate) type SharedAsks<R> = Arc<AskTable<PendingAsk<R>>>;
 
 /// Completes the ask `ask_id` with `result`. The one rule for answers to forwarded asks, used
 /// by the fast path and the region task alike. The answer may come from another region than
@@ -84,9 +85,9 @@ pub(crate) fn complete_ask<E: Entity>(
     asks: &SharedAsks<E::Reply>,
     from: &RegionId,
     ask_id: u64,
-    result: Result<serde_bytes::ByteBuf, DeliveryFailure>,
+    result: Result<std::borrow::Cow<'_, [u8]>, DeliveryFailure>,
 ) {
-    let taken = asks.lock().expect("asks lock").take(ask_id);
+    let taken = asks.take(ask_id);
     let Some((entity_id, pending)) = taken else {
         debug!(%from, ask_id, "answer to an ask that no longer waits (answered, timed out or failed)");
         return;
@@ -223,7 +224,7 @@ pub(crate) struct SharedRegion<E: Entity> {
     /// The shards hosted here (`None` for a proxy: it hosts nothing).
     pub direct: Option<Arc<ShardDirectory<E>>>,
     pub routed: Arc<RoutedInFlight>,
-    pub extractor: ShardIdExtractor,
+    pub shard_names: ShardNames,
     /// The type's `max_entity_id_bytes`.
     pub max_entity_id_bytes: usize,
     pub counters: Arc<RegionCounterCells>,
@@ -278,12 +279,25 @@ impl<E: Entity> SharedRegion<E> {
                 OutcomeTo::Remote { region, ask_id, .. } => (Some((region, ask_id)), None, Some(d.header)),
             },
         };
+        if header.is_none() && binary::reads_binary(sender) {
+            let ask_id = pending.map(|p| self.asks.insert(region.clone(), entity_id, p));
+            let reply_to = match (&reply_to, ask_id) {
+                (Some((region, id)), _) => Some(ReplyAddress::of(region, *id)),
+                (None, Some(id)) => Some(ReplyAddress::of(&self.me, id)),
+                (None, None) => None,
+            };
+            let head = DeliverHead { shard, entity_id, epoch, reply_to };
+            let sent = sender.send_with(&self.topic, |buf| {
+                binary::put_deliver(buf, &head, |buf| env.msg.as_ref().map_or(Ok(()), |m| wire::encode_into(buf, m)))
+            });
+            return sent
+                .map_err(|error| NotSent { error, pending: ask_id.and_then(|id| self.asks.take(id)).map(|(_, p)| p) });
+        }
         let payload = match env.msg.as_ref().map(rmp_serde::to_vec_named).transpose() {
             Ok(p) => p.unwrap_or_default(),
             Err(e) => return Err(NotSent { error: Error::Codec(format!("message does not encode: {e}")), pending }),
         };
-        let ask_id =
-            pending.map(|p| self.asks.lock().expect("asks lock").insert(region.clone(), entity_id.to_string(), p));
+        let ask_id = pending.map(|p| self.asks.insert(region.clone(), entity_id, p));
         let reply_to = reply_to.or_else(|| ask_id.map(|id| (self.me.clone(), id)));
         let (shard, entity_id) = (shard.to_string(), entity_id.to_string());
         let msg = match (header, reply_to) {
@@ -299,10 +313,9 @@ impl<E: Entity> SharedRegion<E> {
                 RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch })
             }
         };
-        sender.send_with(&self.topic, |buf| wire::encode_into(buf, &msg)).map_err(|error| {
-            let pending = ask_id.and_then(|id| self.asks.lock().expect("asks lock").take(id)).map(|(_, p)| p);
-            NotSent { error, pending }
-        })
+        sender
+            .send_with(&self.topic, |buf| wire::encode_into(buf, &msg))
+            .map_err(|error| NotSent { error, pending: ask_id.and_then(|id| self.asks.take(id)).map(|(_, p)| p) })
     }
 
     /// Takes `m` if it can (`None`), or hands it back for the region task with what it found
@@ -311,7 +324,7 @@ impl<E: Entity> SharedRegion<E> {
         if m.request_id.is_some() {
             return Some(m); // queries
         }
-        let classified = classify::<E::Message>(&m.body, self.max_entity_id_bytes, &self.extractor);
+        let classified = classify::<E::Message>(&m.body, &m.from.address, self.max_entity_id_bytes, &self.shard_names);
         let passed = match (classified, self.direct.as_ref()) {
             (Classified::AskReply { ask_id, result }, _) => {
                 complete_ask::<E>(&self.asks, &m.from.address, ask_id, result);
@@ -333,11 +346,172 @@ impl<E: Entity> SharedRegion<E> {
                     }
                 }
                 env.lane = Lane::Routed { _ticket: self.routed.ticket(stripe) };
-                PassedOn::<E>::Routed { shard, entity_id, epoch, env }
+                PassedOn::<E>::Routed { shard: shard.into_owned(), entity_id: entity_id.into_owned(), epoch, env }
             }
-            (other, _) => PassedOn::Classified(other),
+            (other, _) => PassedOn::Classified(other.into_owned()),
         };
         m.hold(passed);
         Some(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::TransportSettings;
+    use crate::membership::{MembershipSnapshot, UniqueAddress};
+    use crate::sharding::envelope::Replier;
+    use crate::sharding::protocol::binary::Body;
+    use crate::transport::wire::{Frame, Hello, HelloReply, RejectReason};
+
+    struct Echo;
+    impl Entity for Echo {
+        type Message = u32;
+        type Reply = u32;
+        async fn handle(&mut self, m: u32, _: &mut crate::sharding::EntityContext) -> u32 {
+            m
+        }
+    }
+
+    async fn read_frame(s: &mut TcpStream) -> Vec<u8> {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            let mut len = [0u8; 4];
+            s.read_exact(&mut len).await.unwrap();
+            let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+            s.read_exact(&mut buf).await.unwrap();
+            buf
+        })
+        .await
+        .expect("a frame within 10 s")
+    }
+
+    async fn write_frame(s: &mut TcpStream, body: &[u8]) {
+        s.write_all(&(body.len() as u32).to_be_bytes()).await.unwrap();
+        s.write_all(body).await.unwrap();
+    }
+
+    /// A peer that speaks protocol versions up to `version`: it refuses a dial above it (naming
+    /// its own, as an older node does) and accepts one at it.
+    async fn accept_at(listener: &TcpListener, version: u32) -> TcpStream {
+        loop {
+            let (mut s, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept()).await.unwrap().unwrap();
+            let hello: Hello = wire::decode(&read_frame(&mut s).await).unwrap();
+            if hello.protocol_version > version {
+                let refusal = RejectReason::ProtocolVersion { theirs: hello.protocol_version, ours: version };
+                write_frame(&mut s, &wire::encode(&HelloReply::Reject(refusal)).unwrap()).await;
+                continue;
+            }
+            write_frame(&mut s, &wire::encode(&HelloReply::Accept { address: hello.to }).unwrap()).await;
+            return s;
+        }
+    }
+
+    /// The body of the next region frame on `s`.
+    async fn next_body(s: &mut TcpStream) -> Vec<u8> {
+        let frame = read_frame(s).await;
+        match Frame::decode(&frame).unwrap() {
+            Frame::Message { topic: "region/echo", body } => body.to_vec(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A `Deliver` sent to a node whose link is not up yet, or that speaks only protocol
+    /// version 3 (a rolling update), is in the rmp layout every version reads; once a node
+    /// accepted the link at version 4, `Deliver` and `AskReply` go in the binary layout. Both
+    /// name the same message, shard, entity and asker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn region_envelopes_go_binary_only_to_a_node_that_accepted_version_4() {
+        for (version, binary_after_link) in [(3, false), (4, true)] {
+            let shutdown = CancellationToken::new();
+            let local = UniqueAddress::new("n1", 1);
+            let settings = TransportSettings::default();
+            let t =
+                Transport::bind("127.0.0.1:0".parse().unwrap(), local, "c".into(), None, settings, shutdown.clone())
+                    .await
+                    .unwrap();
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let peer =
+                PeerAddr { address: UniqueAddress::new("n2", 1), messaging_addr: listener.local_addr().unwrap() };
+            let region = SharedRegion::<Echo> {
+                me: t.local().address.clone(),
+                topic: "region/echo".into(),
+                remote: RemoteHomes::default(),
+                direct: None,
+                routed: RoutedInFlight::new(),
+                shard_names: ShardNames::new(None, 10),
+                max_entity_id_bytes: 64,
+                counters: Arc::default(),
+                asks: Arc::default(),
+                senders: Arc::new(PeerSenders::new(t.clone())),
+            };
+            let sender = region.senders.get(&peer);
+            assert_eq!(sender.peer_version(), None, "no link yet");
+            let ask = |entity_id: &str| {
+                let (tx, _rx) = oneshot::channel();
+                let env = Envelope::new(Some(7), Some(ReplyTo::Local(tx)));
+                assert!(region.send_deliver(&sender, &peer.address, "3", 2, entity_id, env).is_ok());
+            };
+            ask("e1");
+            let mut s = accept_at(&listener, version).await;
+            let first = next_body(&mut s).await;
+            assert!(!binary::is_binary(&first), "version {version}: before the link is up, rmp");
+            match wire::decode::<RegionInbound>(&first).unwrap() {
+                RegionInbound::Region(RegionToRegion::Deliver { shard, entity_id, payload, reply_to, epoch: 2 }) => {
+                    assert_eq!((shard.as_str(), entity_id.as_str()), ("3", "e1"));
+                    assert_eq!(wire::decode::<u32>(&payload).unwrap(), 7);
+                    assert_eq!(reply_to.map(|(r, _)| r), Some(region.me.clone()));
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(sender.peer_version(), Some(version), "the version the link was accepted at");
+            ask("e2");
+            let second = next_body(&mut s).await;
+            assert_eq!(binary::is_binary(&second), binary_after_link, "version {version}");
+            let ask_id = if binary_after_link {
+                match binary::decode(&second).unwrap() {
+                    Body::Deliver { head, payload } => {
+                        assert_eq!((head.shard, head.entity_id, head.epoch), ("3", "e2", 2));
+                        assert_eq!(wire::decode::<u32>(payload).unwrap(), 7);
+                        let reply_to = head.reply_to.unwrap();
+                        assert_eq!((reply_to.node_id, reply_to.generation), ("n1", 1));
+                        reply_to.ask_id
+                    }
+                    other => panic!("{other:?}"),
+                }
+            } else {
+                match wire::decode::<RegionInbound>(&second).unwrap() {
+                    RegionInbound::Region(RegionToRegion::Deliver { entity_id, reply_to: Some((_, id)), .. }) => {
+                        assert_eq!(entity_id, "e2");
+                        id
+                    }
+                    other => panic!("{other:?}"),
+                }
+            };
+            assert_eq!(region.asks.take(ask_id).map(|(e, _)| e).as_deref(), Some("e2"), "the ask waits under its id");
+
+            // This node answers an ask of that node over the same link: in the layout it reads.
+            let members = tokio::sync::watch::channel(Arc::new(MembershipSnapshot {
+                self_address: region.me.clone(),
+                members: vec![],
+            }))
+            .1;
+            let replier = Replier::new(t.clone(), "echo", members);
+            let to = ReplyTo::<Echo>::Remote { region: peer.address.clone(), ask_id: 99, via: Some(sender.clone()) };
+            replier.reply::<Echo>(to, "e3", Ok(Some(8)));
+            let answer = next_body(&mut s).await;
+            assert_eq!(binary::is_binary(&answer), binary_after_link, "version {version}");
+            let classified = classify::<u32>(&answer, &peer.address, 64, &region.shard_names);
+            match classified {
+                Classified::AskReply { ask_id: 99, result: Ok(b) } => assert_eq!(wire::decode::<u32>(&b).unwrap(), 8),
+                other => panic!("{other:?}"),
+            }
+            shutdown.cancel();
+        }
     }
 }

@@ -1,5 +1,8 @@
 //! Messages of the sharding protocol between regions and the coordinator, and between regions.
-//! All travel over the transport as rmp-serde; entity payloads are already-encoded bytes.
+//! All travel over the transport as rmp-serde, except that `Deliver` and `AskReply` go to peers
+//! that read it in the binary layout of [`binary`]; entity payloads are already-encoded bytes.
+
+pub(crate) mod binary;
 
 use std::collections::BTreeMap;
 
