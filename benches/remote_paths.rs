@@ -52,14 +52,16 @@ fn codec() -> LengthDelimitedCodec {
     LengthDelimitedCodec::builder().max_frame_length(8 << 20).new_codec()
 }
 
-/// A writer task for one side of the baseline's connection: it writes whatever has queued up
-/// and flushes once per wake-up, as the transport's writer does.
+/// A writer task for one side of the baseline's connection: woken by a frame, it yields once
+/// (so the tasks already woken add theirs), then writes whatever has queued up and flushes, as
+/// the transport's writer does.
 fn spawn_writer(
     mut sink: futures::stream::SplitSink<Framed<TcpStream, LengthDelimitedCodec>, Bytes>,
 ) -> mpsc::UnboundedSender<Bytes> {
     let (out, mut rx) = mpsc::unbounded_channel::<Bytes>();
     tokio::spawn(async move {
         while let Some(first) = rx.recv().await {
+            tokio::task::yield_now().await;
             sink.feed(first).await.unwrap();
             while let Ok(more) = rx.try_recv() {
                 sink.feed(more).await.unwrap();

@@ -826,3 +826,33 @@ async fn a_topic_handler_keeps_what_it_handles_and_passes_on_the_rest_in_order()
     assert_eq!(*kept.lock().unwrap(), (0..100u8).step_by(2).collect::<Vec<_>>());
     c.shutdown().await;
 }
+
+/// A [`ddshard::transport::PeerSender`] learns of its node's shutdown from the peer's queue
+/// (its writer closes the queue as it ends): a send after the shutdown fails with `ShutDown`
+/// instead of queueing frames nobody will write, and a peer sender never asks the shutdown
+/// token on its fast path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_sender_of_a_node_that_shut_down_fails_with_shut_down() {
+    let bind = |name: &str, shutdown: &CancellationToken| {
+        let (name, shutdown) = (name.to_string(), shutdown.clone());
+        async move {
+            let local = UniqueAddress::new(name, 1);
+            let settings = TransportSettings::default();
+            Transport::bind("127.0.0.1:0".parse().unwrap(), local, "c".into(), None, settings, shutdown).await.unwrap()
+        }
+    };
+    let (a_stop, b_stop) = (CancellationToken::new(), CancellationToken::new());
+    let (a, b) = (bind("a", &a_stop).await, bind("b", &b_stop).await);
+    let mut inbox = b.subscribe("probe", 16);
+    let sender = a.sender(b.local());
+    sender.send("probe", b"before").unwrap();
+    assert_eq!(&next_inbound(&mut inbox).await.body[..], b"before");
+    assert_eq!(sender.peer_version(), Some(PROTOCOL_VERSION), "the link was accepted at this version");
+    a_stop.cancel();
+    eventually(Duration::from_secs(10), "a send after the shutdown fails with ShutDown", || {
+        let failed = matches!(sender.send("probe", b"after"), Err(Error::ShutDown));
+        async move { failed.then_some(()) }
+    })
+    .await;
+    b_stop.cancel();
+}

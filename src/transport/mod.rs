@@ -215,21 +215,30 @@ pub(crate) struct RouteCache {
 }
 
 impl RouteCache {
-    fn get(&mut self, inner: &Inner, topic: &str, fresh: bool) -> Option<Route> {
+    /// The route of `topic`, looked up in the transport's table when `fresh` or not cached.
+    /// Borrowed, not cloned: a clone per frame would touch the subscriber channel's sender
+    /// count, which every reading task shares.
+    fn get(&mut self, inner: &Inner, topic: &str, fresh: bool) -> Option<&Route> {
         let at = self.routes.iter().position(|(t, _)| &**t == topic);
         if let (Some(i), false) = (at, fresh) {
-            return Some(self.routes[i].1.clone());
+            return Some(&self.routes[i].1);
         }
         let route = inner.topics.lock().expect("topics lock").get(topic).cloned();
-        match (at, &route) {
-            (Some(i), Some(r)) => self.routes[i].1 = r.clone(),
+        match (at, route) {
+            (Some(i), Some(r)) => {
+                self.routes[i].1 = r;
+                Some(&self.routes[i].1)
+            }
             (Some(i), None) => {
                 self.routes.swap_remove(i);
+                None
             }
-            (None, Some(r)) => self.routes.push((topic.into(), r.clone())),
-            (None, None) => {}
+            (None, Some(r)) => {
+                self.routes.push((topic.into(), r));
+                self.routes.last().map(|(_, r)| r)
+            }
+            (None, None) => None,
         }
-        route
     }
 }
 
@@ -494,6 +503,15 @@ impl Transport {
         F: FnOnce(&mut bytes::BytesMut) -> Result<()>,
     {
         let inner = &self.inner;
+        // A sender's cached queue is closed by its writer when the node shuts down, so only
+        // the other paths ask the shutdown token (whose check takes a lock every core shares).
+        let body = match cached {
+            Some(queue) => match self.push_to(to, queue, header, body)? {
+                Pushed::Done => return Ok(()),
+                Pushed::Closed(body) => body,
+            },
+            None => body,
+        };
         if inner.shutdown.is_cancelled() {
             return Err(Error::ShutDown);
         }
@@ -509,13 +527,6 @@ impl Transport {
             // One task delivers loopback frames in order, like a connection would.
             return inner.loopback.send(frame.freeze()).map_err(|_| Error::ShutDown);
         }
-        let body = match cached {
-            Some(queue) => match self.push_to(to, queue, header, body)? {
-                Pushed::Done => return Ok(()),
-                Pushed::Closed(body) => body,
-            },
-            None => body,
-        };
         let queue = self.queue_of(to);
         match self.push_to(to, &queue, header, body)? {
             Pushed::Done => Ok(()),

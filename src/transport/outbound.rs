@@ -23,8 +23,12 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
     while let Some(mut link) = dialer.connect(&inner, &peer, &queue).await {
         queue.version.store(dialer.version, Ordering::Relaxed);
         if write_queued(&inner, &peer, &queue, &mut link, dialer.version).await == LinkEnd::Stop {
-            return;
+            break;
         }
+    }
+    if inner.shutdown.is_cancelled() {
+        // Senders holding this queue learn of the shutdown from it (see `Transport::push`).
+        queue.state.lock().expect("queue lock").closed = true;
     }
 }
 
@@ -115,7 +119,13 @@ async fn write_queued(inner: &Inner, peer: &PeerAddr, queue: &PeerQueue, link: &
         if n == 0 {
             tokio::select! {
                 _ = inner.shutdown.cancelled() => return LinkEnd::Stop,
-                _ = queue.wake.notified() => continue,
+                _ = queue.wake.notified() => {
+                    // Woken by the first frame; the tasks woken with it (entities answering
+                    // a batch that one read delivered) add theirs before we take the queue,
+                    // so they leave in one write rather than one each.
+                    tokio::task::yield_now().await;
+                    continue;
+                }
             }
         }
         if cut(inner, &inner.local.address.node_id, &peer.address.node_id) {

@@ -8,10 +8,12 @@
 //!
 //! The table is split into [`STRIPES`] stripes by ask id, each behind its own lock: askers
 //! insert and the tasks reading connections complete on every core at once, and one lock for
-//! all of them would make every remote ask wait for the others.
+//! all of them would make every remote ask wait for the others. An id is its own hash: it is
+//! uniformly random, and chosen here, never by a peer.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
+
+use hashbrown::HashTable;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::sharding::ids::RegionId;
@@ -20,6 +22,7 @@ use crate::sharding::ids::RegionId;
 pub(crate) const STRIPES: usize = 16;
 
 struct Pending<P> {
+    id: u64,
     /// Order of insertion: failures of many asks at once go oldest first.
     seq: u64,
     target: RegionId,
@@ -30,7 +33,7 @@ struct Pending<P> {
 /// Pending remote asks by ask id; `P` is the asker's handle.
 pub(crate) struct AskTable<P> {
     next_seq: AtomicU64,
-    stripes: [Mutex<HashMap<u64, Pending<P>>>; STRIPES],
+    stripes: [Mutex<HashTable<Pending<P>>>; STRIPES],
 }
 
 impl<P> Default for AskTable<P> {
@@ -40,19 +43,21 @@ impl<P> Default for AskTable<P> {
 }
 
 impl<P> AskTable<P> {
-    fn stripe(&self, id: u64) -> std::sync::MutexGuard<'_, HashMap<u64, Pending<P>>> {
-        self.stripes[id as usize % STRIPES].lock().expect("asks lock")
+    /// The stripe of ask `id`: from bits the table's own index leaves alone (it uses the
+    /// lowest for the bucket and the top seven for its tags).
+    fn stripe(&self, id: u64) -> std::sync::MutexGuard<'_, HashTable<Pending<P>>> {
+        self.stripes[(id >> 32) as usize % STRIPES].lock().expect("asks lock")
     }
 
     /// Records an ask sent to `target` for `entity_id`; returns its id.
     pub(crate) fn insert(&self, target: RegionId, entity_id: &str, handle: P) -> u64 {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let pending = Pending { seq, target, entity_id: entity_id.to_string(), handle };
+        let entity_id = entity_id.to_string();
         loop {
             let id: u64 = rand::random();
             let mut stripe = self.stripe(id);
-            if let std::collections::hash_map::Entry::Vacant(slot) = stripe.entry(id) {
-                slot.insert(pending);
+            if let hashbrown::hash_table::Entry::Vacant(slot) = stripe.entry(id, |p| p.id == id, |p| p.id) {
+                slot.insert(Pending { id, seq, target, entity_id, handle });
                 return id;
             }
         }
@@ -60,16 +65,17 @@ impl<P> AskTable<P> {
 
     /// The ask answered by an `AskReply` with this id, with its entity id.
     pub(crate) fn take(&self, id: u64) -> Option<(String, P)> {
-        self.stripe(id).remove(&id).map(|p| (p.entity_id, p.handle))
+        let mut stripe = self.stripe(id);
+        let found = stripe.find_entry(id, |p| p.id == id).ok()?;
+        let (p, _) = found.remove();
+        Some((p.entity_id, p.handle))
     }
 
     /// Takes the asks `which` picks from every stripe, oldest first.
     fn take_where(&self, which: impl Fn(&Pending<P>) -> bool) -> Vec<(String, P)> {
         let mut taken: Vec<Pending<P>> = Vec::new();
         for stripe in &self.stripes {
-            let mut stripe = stripe.lock().expect("asks lock");
-            let ids: Vec<u64> = stripe.iter().filter(|(_, p)| which(p)).map(|(id, _)| *id).collect();
-            taken.extend(ids.iter().filter_map(|id| stripe.remove(id)));
+            taken.extend(stripe.lock().expect("asks lock").extract_if(|p| which(p)));
         }
         taken.sort_unstable_by_key(|p| p.seq);
         taken.into_iter().map(|p| (p.entity_id, p.handle)).collect()
@@ -88,7 +94,7 @@ impl<P> AskTable<P> {
     /// Forgets asks whose asker stopped waiting (timed out).
     pub(crate) fn retain_waiting(&self, waiting: impl Fn(&P) -> bool) {
         for stripe in &self.stripes {
-            stripe.lock().expect("asks lock").retain(|_, p| waiting(&p.handle));
+            stripe.lock().expect("asks lock").retain(|p| waiting(&p.handle));
         }
     }
 
@@ -101,7 +107,7 @@ impl<P> AskTable<P> {
     /// Whether ask `id` is pending.
     #[cfg(test)]
     fn contains(&self, id: u64) -> bool {
-        self.stripe(id).contains_key(&id)
+        self.stripe(id).find(id, |p| p.id == id).is_some()
     }
 }
 
