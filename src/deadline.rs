@@ -211,7 +211,7 @@ impl Shared {
     }
 }
 
-/// The ask deadlines of one node: [`DeadlineSweep::within`] bounds a future by a timeout.
+/// The ask deadlines of one node: [`DeadlineSweep::within_from`] bounds a future by a timeout.
 /// Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct DeadlineSweep {
@@ -266,17 +266,31 @@ impl DeadlineSweep {
         shared.close();
     }
 
-    /// `future`, unless `timeout` passes first.
+    /// `future`, unless `timeout` passes first (counted from its first wait).
+    #[cfg(test)]
     pub(crate) fn within<F: Future + Unpin>(&self, timeout: Duration, future: F) -> Within<'_, F> {
-        Within { shared: &self.shared, future, timeout, filed: None }
+        self.within_from(None, timeout, future)
+    }
+
+    /// `future`, unless `timeout` passes first, counted from `start` (a clock reading the
+    /// caller already took, so the deadline costs none of its own) or from its first wait.
+    pub(crate) fn within_from<F: Future + Unpin>(
+        &self,
+        start: Option<crate::clock::Instant>,
+        timeout: Duration,
+        future: F,
+    ) -> Within<'_, F> {
+        Within { shared: &self.shared, future, timeout, start, filed: None }
     }
 }
 
-/// A future bounded by a deadline (see [`DeadlineSweep::within`]).
+/// A future bounded by a deadline (see [`DeadlineSweep::within_from`]).
 pub(crate) struct Within<'a, F> {
     shared: &'a Shared,
     future: F,
     timeout: Duration,
+    /// Counted from here (`None`: from the first wait).
+    start: Option<crate::clock::Instant>,
     /// (stripe, key) once filed.
     filed: Option<(usize, usize)>,
 }
@@ -312,7 +326,7 @@ impl<F: Future + Unpin> Future for Within<'_, F> {
             None => {
                 // A deadline past the clock's range never comes: filed under IDLE, it only
                 // times out at shutdown and never wakes the sweeper.
-                let deadline = crate::clock::now().checked_add(this.timeout);
+                let deadline = this.start.unwrap_or_else(crate::clock::now).checked_add(this.timeout);
                 let tick = deadline.map_or(IDLE, |d| shared.tick_at_or_after(d));
                 let stripe = stripe_of(THREAD_STRIPE.with(|n| *n), shared.stripes.len());
                 let key = shared.stripe(stripe).file(tick, cx.waker().clone());
@@ -564,6 +578,25 @@ mod tests {
             assert_eq!(out.map(|_| ()), Err(Elapsed), "{timeout:?}");
             assert!(started.elapsed() >= timeout, "{timeout:?} timed out after {:?}", started.elapsed());
         }
+        r.stop().await;
+    }
+
+    /// An ask's deadline counts from the clock reading its caller took when the ask began, not
+    /// from its first wait: it times out `timeout` after that start, never before.
+    #[tokio::test(start_paused = true)]
+    async fn a_deadline_given_its_start_counts_from_that_start() {
+        let r = Running::start();
+        let start = crate::clock::now();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let (_tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        let out = r.sweep.within_from(Some(start), Duration::from_millis(40), rx).await;
+        assert_eq!(out.map(|_| ()), Err(Elapsed));
+        let after_start = crate::clock::now() - start;
+        assert!(after_start >= Duration::from_millis(40), "never before its timeout: {after_start:?}");
+        assert!(
+            after_start < Duration::from_millis(40) + RESOLUTION,
+            "counted from the start, not from the first wait (30 ms later): {after_start:?}"
+        );
         r.stop().await;
     }
 

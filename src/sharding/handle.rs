@@ -30,15 +30,16 @@ use crate::error::{Error, Result};
 use crate::metrics::{TypeMetrics, start_timer};
 use crate::node::Node;
 
-/// Waits for an entity's answer up to `timeout` (the node's deadline sweep: it times out no
-/// earlier than `timeout`, and less than `deadline::RESOLUTION` later).
+/// Waits for an entity's answer up to `timeout` after `started` (when the caller read the
+/// clock already; else from its first wait): by the node's deadline sweep, it times out no
+/// earlier than `timeout`, and less than `deadline::RESOLUTION` later.
 async fn await_answer<T>(
     deadlines: &DeadlineSweep,
     entity_id: &str,
     rx: oneshot::Receiver<Result<T>>,
-    timeout: Duration,
+    (started, timeout): (Option<crate::clock::Instant>, Duration),
 ) -> Result<T> {
-    match deadlines.within(timeout, rx).await {
+    match deadlines.within_from(started, timeout, rx).await {
         Ok(Ok(r)) => r,
         Ok(Err(_)) => Err(not_delivered(entity_id, "entity stopped")),
         Err(_) => Err(Error::AskTimeout { entity_id: entity_id.to_string(), timeout }),
@@ -261,7 +262,7 @@ impl<E: Entity> ShardRegion<E> {
         let started = start_timer();
         let (tx, rx) = oneshot::channel();
         let result = match self.submit(entity_id, Envelope::new(Some(msg), Some(ReplyTo::Local(tx)))) {
-            Ok(()) => await_answer(&self.inner.deadlines, entity_id, rx, timeout).await,
+            Ok(()) => await_answer(&self.inner.deadlines, entity_id, rx, (started, timeout)).await,
             Err(e) => Err(e),
         };
         self.inner.metrics.ask_done(started, &result);
@@ -331,7 +332,7 @@ impl<E: Entity> ShardRegion<E> {
     pub async fn start_entity(&self, entity_id: &str) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         self.submit(entity_id, Envelope::new(None, Some(ReplyTo::Started(tx))))?;
-        await_answer(&self.inner.deadlines, entity_id, rx, self.inner.settings.ask_timeout).await
+        await_answer(&self.inner.deadlines, entity_id, rx, (None, self.inner.settings.ask_timeout)).await
     }
 
     /// Shards hosted by this region with their live entity ids.

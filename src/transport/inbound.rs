@@ -13,7 +13,7 @@ use tracing::{debug, info, warn};
 
 use super::admission::HandshakeSlots;
 use super::wire::{self, Frame, Hello, HelloReply, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, RejectReason};
-use super::{Inner, MAX_HANDSHAKE_FRAME, PeerAddr, RouteCache, codec, cut, dispatch, noise};
+use super::{ConnectionStop, Inner, MAX_HANDSHAKE_FRAME, PeerAddr, RouteCache, codec, cut, dispatch, noise};
 use crate::log_limit::LogLimiter;
 use crate::machine::{BoxedConnection, Listener};
 use crate::membership::{PeerStanding, UniqueAddress};
@@ -189,7 +189,7 @@ async fn serve_connection(
     let mut batch = Vec::with_capacity(RECEIVE_BATCH);
     loop {
         let item = tokio::select! {
-            _ = registration.token.cancelled() => return Ok(()), // the peer was forgotten
+            _ = registration.stop.token.cancelled() => return Ok(()), // the peer was forgotten
             item = framed.next() => match item {
                 Some(item) => item,
                 None => break,
@@ -213,7 +213,7 @@ async fn serve_connection(
         inner.stats.bytes_received.fetch_add(bytes_read as u64, Ordering::Relaxed);
         let is_cut = cut(inner, &from.address.node_id, &inner.local.address.node_id);
         for item in batch.drain(..) {
-            if registration.token.is_cancelled() {
+            if registration.stop.is_stopped() {
                 return Ok(()); // the peer was forgotten: nothing more of it is heard
             }
             let bytes = item.map_err(InboundError::BadFrame)?.freeze();
@@ -335,24 +335,24 @@ async fn not_a_member(inner: &Inner, peer: &UniqueAddress) -> Option<RejectReaso
 struct InboundRegistration<'a> {
     inner: &'a Inner,
     peer: UniqueAddress,
-    token: CancellationToken,
+    stop: Arc<ConnectionStop>,
 }
 
 impl<'a> InboundRegistration<'a> {
     fn new(inner: &'a Inner, peer: &UniqueAddress) -> Self {
-        let token = CancellationToken::new();
-        inner.inbound.lock().expect("inbound lock").entry(peer.clone()).or_default().push(token.clone());
-        InboundRegistration { inner, peer: peer.clone(), token }
+        let stop = Arc::new(ConnectionStop::default());
+        inner.inbound.lock().expect("inbound lock").entry(peer.clone()).or_default().push(stop.clone());
+        InboundRegistration { inner, peer: peer.clone(), stop }
     }
 }
 
 impl Drop for InboundRegistration<'_> {
     fn drop(&mut self) {
-        // Cancelled tokens are those of ended connections (this one included from here on).
-        self.token.cancel();
+        // Stopped connections are those that ended (this one included from here on).
+        self.stop.stop();
         let mut inbound = self.inner.inbound.lock().expect("inbound lock");
         if let Some(conns) = inbound.get_mut(&self.peer) {
-            conns.retain(|t| !t.is_cancelled());
+            conns.retain(|c| !c.is_stopped());
             if conns.is_empty() {
                 inbound.remove(&self.peer);
             }

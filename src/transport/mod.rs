@@ -158,6 +158,16 @@ struct PeerQueue {
     /// The protocol version the peer accepted our link at (0 until one was): an incarnation
     /// runs one build, so it never changes once set.
     version: AtomicU32,
+    /// `QueueState::closed`, readable without the lock ([`PeerSender::is_open`]).
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl PeerQueue {
+    /// Closes the queue, whose `state` the caller holds locked: later frames are refused.
+    fn close(&self, state: &mut QueueState) {
+        state.closed = true;
+        self.closed.store(true, Ordering::Relaxed);
+    }
 }
 
 #[derive(Default)]
@@ -194,7 +204,26 @@ struct Inner {
     members: std::sync::OnceLock<tokio::sync::watch::Receiver<Arc<crate::membership::MembershipSnapshot>>>,
     /// Established inbound connections by the incarnation that opened them, so forgetting a
     /// peer closes them too.
-    inbound: Mutex<HashMap<UniqueAddress, Vec<CancellationToken>>>,
+    inbound: Mutex<HashMap<UniqueAddress, Vec<Arc<ConnectionStop>>>>,
+}
+
+/// How an inbound connection is stopped: the token ends its reads, and the flag, read without
+/// a lock, stops it between two frames of a batch already read (a token's own check locks).
+#[derive(Default)]
+pub(crate) struct ConnectionStop {
+    pub(crate) token: CancellationToken,
+    stopped: std::sync::atomic::AtomicBool,
+}
+
+impl ConnectionStop {
+    pub(crate) fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+
+    pub(crate) fn is_stopped(&self) -> bool {
+        self.stopped.load(Ordering::Acquire)
+    }
 }
 
 /// A topic subscriber's handler run on the reading task ([`Transport::subscribe_with`]).
@@ -468,14 +497,14 @@ impl Transport {
     /// connections it opened to us; queued frames are dropped.
     pub fn forget_peer(&self, peer: &UniqueAddress) {
         for conn in self.inner.inbound.lock().expect("inbound lock").remove(peer).unwrap_or_default() {
-            conn.cancel();
+            conn.stop();
         }
         let mut writers = self.inner.writers.lock().expect("writers lock");
         writers.retain(|to, q| {
             if to.address != *peer {
                 return true;
             }
-            q.state.lock().expect("queue lock").closed = true;
+            q.close(&mut q.state.lock().expect("queue lock"));
             q.wake.notify_one();
             false
         });
@@ -634,7 +663,7 @@ impl PeerSender {
     /// Whether the peer's queue still takes frames: `false` once the peer refused us, stayed
     /// unreachable or was forgotten (a send then goes through the transport's writers map).
     pub fn is_open(&self) -> bool {
-        self.0.queue.as_ref().is_none_or(|q| !q.state.lock().expect("queue lock").closed)
+        self.0.queue.as_ref().is_none_or(|q| !q.closed.load(Ordering::Relaxed))
     }
 
     /// The protocol version the peer accepted this node's link at, `None` until a link was

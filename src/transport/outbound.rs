@@ -28,7 +28,7 @@ pub(super) async fn writer_task(inner: Arc<Inner>, peer: PeerAddr, queue: Arc<Pe
     }
     if inner.shutdown.is_cancelled() {
         // Senders holding this queue learn of the shutdown from it (see `Transport::push`).
-        queue.state.lock().expect("queue lock").closed = true;
+        queue.close(&mut queue.state.lock().expect("queue lock"));
     }
 }
 
@@ -210,7 +210,7 @@ enum DialError {
 fn close_writer(inner: &Inner, peer: &PeerAddr, queue: &Arc<PeerQueue>, reason: &str, forget: bool) {
     {
         let mut q = queue.state.lock().expect("queue lock");
-        q.closed = true;
+        queue.close(&mut q);
         q.refused = Some(reason.to_string());
         q.buf = bytes::BytesMut::new();
         q.frames = 0;
