@@ -102,19 +102,32 @@ enum LinkEnd {
     Stop,
 }
 
+/// The largest write buffer a writer keeps between writes.
+const KEPT_BUFFER_BYTES: usize = 1 << 20;
+
 /// Writes whatever queues up, one write per wake-up, until the link breaks or the writer ends.
 async fn write_queued(inner: &Inner, peer: &PeerAddr, queue: &PeerQueue, link: &mut Link, version: u32) -> LinkEnd {
     let s = &inner.settings;
     let mut sealed = bytes::BytesMut::new();
     let mut older = bytes::BytesMut::new();
+    // The buffer being written, swapped with the queue's: the two take turns, so queueing a
+    // frame allocates nothing once both have grown to the traffic's size.
+    let mut chunk = bytes::BytesMut::new();
     loop {
-        let (chunk, n) = {
+        chunk.clear();
+        if chunk.capacity() > KEPT_BUFFER_BYTES {
+            chunk = bytes::BytesMut::new(); // a burst's buffer is not kept for ever
+        }
+        let n = {
             let mut q = queue.state.lock().expect("queue lock");
             if q.closed {
                 return LinkEnd::Stop; // forgotten peer
             }
             let n = std::mem::take(&mut q.frames);
-            (q.buf.split().freeze(), n)
+            if n > 0 {
+                std::mem::swap(&mut q.buf, &mut chunk);
+            }
+            n
         };
         if n == 0 {
             tokio::select! {
@@ -132,7 +145,7 @@ async fn write_queued(inner: &Inner, peer: &PeerAddr, queue: &PeerQueue, link: &
             inner.stats.frames_dropped.fetch_add(n as u64, Ordering::Relaxed);
             continue;
         }
-        let chunk: &[u8] = if version < BINARY_FRAMES {
+        let frames: &[u8] = if version < BINARY_FRAMES {
             older.clear();
             match wire::binary_frames_to_v2(&chunk, &mut older, s.max_frame_size) {
                 Ok(0) => {}
@@ -153,13 +166,13 @@ async fn write_queued(inner: &Inner, peer: &PeerAddr, queue: &PeerQueue, link: &
         let bytes: &[u8] = match &mut link.cipher {
             Some(cipher) => {
                 sealed.clear();
-                if let Err(e) = noise::seal(cipher, chunk, &mut sealed) {
+                if let Err(e) = noise::seal(cipher, frames, &mut sealed) {
                     warn!(peer = %peer.address, error = %e, "sealing failed; reconnecting");
                     return LinkEnd::Reconnect;
                 }
                 &sealed
             }
-            None => chunk,
+            None => frames,
         };
         if let Err(e) = write_making_progress(&mut link.stream, bytes, s.write_timeout).await {
             debug!(peer = %peer.address, error = %e, "write failed; reconnecting");
