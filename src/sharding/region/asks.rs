@@ -52,14 +52,25 @@ impl<P> AskTable<P> {
     /// Records an ask sent to `target` for `entity_id`; returns its id.
     pub(crate) fn insert(&self, target: RegionId, entity_id: &str, handle: P) -> u64 {
         let seq = self.next_seq.fetch_add(1, Ordering::Relaxed);
-        let entity_id = entity_id.to_string();
+        let mut pending = Pending { id: 0, seq, target, entity_id: entity_id.to_string(), handle };
         loop {
-            let id: u64 = rand::random();
-            let mut stripe = self.stripe(id);
-            if let hashbrown::hash_table::Entry::Vacant(slot) = stripe.entry(id, |p| p.id == id, |p| p.id) {
-                slot.insert(Pending { id, seq, target, entity_id, handle });
-                return id;
+            match self.insert_as(rand::random(), pending) {
+                Ok(id) => return id,
+                Err(back) => pending = back,
             }
+        }
+    }
+
+    /// Files `pending` under `id`, unless an ask already waits under it (handed back).
+    fn insert_as(&self, id: u64, mut pending: Pending<P>) -> Result<u64, Pending<P>> {
+        let mut stripe = self.stripe(id);
+        match stripe.entry(id, |p| p.id == id, |p| p.id) {
+            hashbrown::hash_table::Entry::Vacant(slot) => {
+                pending.id = id;
+                slot.insert(pending);
+                Ok(id)
+            }
+            hashbrown::hash_table::Entry::Occupied(_) => Err(pending),
         }
     }
 
@@ -126,6 +137,29 @@ mod tests {
         assert_eq!(t.take(id), Some(("e1".to_string(), 10)));
         assert_eq!(t.take(id), None, "a duplicate answer finds nothing");
         assert_eq!(t.take(999), None);
+    }
+
+    #[test]
+    fn an_id_already_pending_is_never_given_to_a_second_ask() {
+        let t = AskTable::default();
+        let pending = |handle: u32| Pending { id: 0, seq: 0, target: r("b"), entity_id: "e".into(), handle };
+        assert_eq!(t.insert_as(42, pending(1)).ok(), Some(42));
+        let refused = t.insert_as(42, pending(2)).expect_err("the id is taken");
+        assert_eq!(refused.handle, 2, "handed back, to be filed under another id");
+        assert_eq!(t.take(42).map(|(_, h)| h), Some(1));
+        assert_eq!(t.len(), 0);
+    }
+
+    /// The table is striped for the asks of many cores at once: random ids spread over every
+    /// stripe, so no stripe's lock is everyone's.
+    #[test]
+    fn asks_spread_over_every_stripe() {
+        let t = AskTable::default();
+        for i in 0..1000u32 {
+            t.insert(r("b"), "e", i);
+        }
+        let sizes: Vec<usize> = t.stripes.iter().map(|s| s.lock().unwrap().len()).collect();
+        assert!(sizes.iter().all(|&n| n > 20), "{sizes:?}");
     }
 
     #[test]

@@ -23,7 +23,6 @@
 //! later `Deliver` of that stripe takes the fast path only when the count is zero, so it never
 //! overtakes one passed on before it.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use tokio::sync::oneshot;
@@ -36,7 +35,7 @@ use crate::sharding::Entity;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::delivery::DeliveryOutcome;
 use crate::sharding::envelope::{Envelope, Lane, OutcomeSink, OutcomeTo, ReplyTo, RoutedInFlight};
-use crate::sharding::ids::{RegionId, ShardId, ShardNames};
+use crate::sharding::ids::{IdMap, RegionId, ShardId, ShardNames};
 use crate::sharding::protocol::binary::{self, DeliverHead, ReplyAddress};
 use crate::sharding::protocol::{DeliveryFailure, RegionInbound, RegionToRegion};
 use crate::sharding::shard::ShardDirectory;
@@ -154,7 +153,7 @@ pub(crate) struct RemoteHomes {
 #[derive(Default)]
 struct HomesState {
     generation: u64,
-    homes: HashMap<ShardId, RemoteHome>,
+    homes: IdMap<ShardId, RemoteHome>,
 }
 
 struct RemoteHome {

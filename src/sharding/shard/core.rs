@@ -16,12 +16,13 @@
 //! tick is O(entities due), not a scan of the table (restart deadlines are indexed, idle
 //! entities leave the recency list's front).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::passivation::{Handle, Passivation, PolicySettings};
 use crate::clock::Instant;
+use crate::sharding::ids::IdMap;
 
 /// Life-cycle state of one entity.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -261,7 +262,7 @@ pub(crate) struct ShardCore<M, S = ()> {
     /// Every entity the shard knows: running, starting, stopping, and (remember-entities) the
     /// remembered ones not running. Iteration order is arbitrary: whatever turns it into
     /// actions sorts first (the simulation replays actions in order).
-    entities: HashMap<Arc<str>, EntityEntry<S>>,
+    entities: IdMap<Arc<str>, EntityEntry<S>>,
     /// Messages held for entities that are starting or stopping, and (`early`) until the load.
     held: Held<M>,
     next_incarnation: u64,
@@ -283,7 +284,7 @@ pub(crate) struct ShardCore<M, S = ()> {
 impl<M, S> ShardCore<M, S> {
     pub(crate) fn new(policy: PolicySettings, handoff_stop_timeout: Duration) -> Self {
         ShardCore {
-            entities: HashMap::new(),
+            entities: IdMap::default(),
             held: Held::new(usize::MAX),
             next_incarnation: 1,
             passivation: Passivation::new(policy),

@@ -33,7 +33,7 @@ use crate::error::Error;
 use crate::metrics::TypeMetrics;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
-use crate::sharding::ids::{ShardId, ShardIdExtractor, remembered_slot};
+use crate::sharding::ids::{IdMap, ShardId, ShardIdExtractor, remembered_slot};
 use crate::sharding::query::EntityIdPage;
 use crate::sharding::region::RegionInput;
 use crate::sharding::settings::ShardingSettings;
@@ -145,7 +145,7 @@ impl<E: Entity> RunOf<E> {
 
 /// The shards hosted here, as the region's handle sees them for the direct path.
 pub(crate) struct ShardDirectory<E: Entity> {
-    shards: RwLock<HashMap<ShardId, Arc<ShardCell<E>>>>,
+    shards: RwLock<IdMap<ShardId, Arc<ShardCell<E>>>>,
     /// Closed while the coordinator refuses this region: the region routes nothing then.
     open: AtomicBool,
     launcher: Arc<Launcher<E>>,
@@ -267,7 +267,7 @@ impl<E: Entity> LocalShards<E> {
             mailbox_capacity: settings.entity_mailbox_capacity,
         });
         let directory = Arc::new(ShardDirectory {
-            shards: RwLock::new(HashMap::new()),
+            shards: RwLock::new(IdMap::default()),
             open: AtomicBool::new(true),
             launcher: launcher.clone(),
         });
