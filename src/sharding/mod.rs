@@ -561,6 +561,23 @@ impl Sharding {
     }
 }
 
+/// Entities the crate's unit tests share.
+#[cfg(test)]
+pub(crate) mod test_entities {
+    use super::{Entity, EntityContext};
+
+    /// Answers each number with itself.
+    pub(crate) struct Echo;
+
+    impl Entity for Echo {
+        type Message = u32;
+        type Reply = u32;
+        async fn handle(&mut self, msg: u32, _ctx: &mut EntityContext) -> u32 {
+            msg
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

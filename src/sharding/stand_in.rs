@@ -247,18 +247,8 @@ fn needs_a_cluster<T>(result: &Result<T>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sharding::EntityContext;
+    use crate::sharding::test_entities::Echo;
     use std::time::Duration;
-
-    struct Echo;
-
-    impl Entity for Echo {
-        type Message = u32;
-        type Reply = u32;
-        async fn handle(&mut self, msg: u32, _ctx: &mut EntityContext) -> u32 {
-            msg
-        }
-    }
 
     fn stand_in() -> (ShardRegion<Echo>, RegionProbe<Echo>) {
         let settings =

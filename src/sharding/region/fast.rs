@@ -367,16 +367,8 @@ mod tests {
     use crate::membership::{MembershipSnapshot, UniqueAddress};
     use crate::sharding::envelope::Replier;
     use crate::sharding::protocol::binary::Body;
+    use crate::sharding::test_entities::Echo;
     use crate::transport::wire::{Frame, Hello, HelloReply, RejectReason};
-
-    struct Echo;
-    impl Entity for Echo {
-        type Message = u32;
-        type Reply = u32;
-        async fn handle(&mut self, m: u32, _: &mut crate::sharding::EntityContext) -> u32 {
-            m
-        }
-    }
 
     async fn read_frame(s: &mut TcpStream) -> Vec<u8> {
         tokio::time::timeout(Duration::from_secs(10), async {
