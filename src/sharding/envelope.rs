@@ -293,6 +293,9 @@ impl Replier {
         via: Option<PeerSender>,
         answer: Answer<'_, T>,
     ) {
+        let in_rmp = |answer: Answer<'_, T>| {
+            RegionInbound::Region(RegionToRegion::AskReply { ask_id, result: answer.into_rmp() })
+        };
         // A closed link means the asker's node refused us or was forgotten: membership
         // says whether it is still there (no writer is dialed to a departed asker).
         let sent = match via.filter(PeerSender::is_open) {
@@ -312,16 +315,12 @@ impl Replier {
                     other => other,
                 }
             }
-            Some(via) => {
-                let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result: answer.into_rmp() });
-                via.send_with(&self.topic, |buf| wire::encode_into(buf, &msg))
-            }
+            Some(via) => via.send_with(&self.topic, |buf| wire::encode_into(buf, &in_rmp(answer))),
             None => {
                 let peer = self.members.borrow().peer(&region);
                 match peer {
                     Some(peer) => {
-                        let msg = RegionInbound::Region(RegionToRegion::AskReply { ask_id, result: answer.into_rmp() });
-                        wire::encode(&msg).and_then(|b| self.transport.send(&peer, &self.topic, &b))
+                        wire::encode(&in_rmp(answer)).and_then(|b| self.transport.send(&peer, &self.topic, &b))
                     }
                     None => Ok(()), // the asker's node is gone; its ask fails there
                 }
