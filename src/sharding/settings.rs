@@ -103,7 +103,9 @@ pub struct PassivationSettings {
     pub strategy: PassivationStrategy,
     /// Entities idle this long are passivated (`None`: never), under the `idle` and
     /// `active-entity-limit` strategies of [`Self::strategy`]. An entity stops within a
-    /// region tick (about 100 ms) of the timeout after its last message.
+    /// region tick (about 100 ms) of the timeout after its last message, either side: a
+    /// message that reaches a running entity without a hop is dated by the shard's latest
+    /// tick or input, not by a clock read of its own.
     #[serde(with = "humantime_serde")]
     pub idle_timeout: Option<Duration>,
     /// `active-entity-limit`: entities running at once per region (the region divides it

@@ -279,6 +279,8 @@ pub(crate) struct ShardCore<M, S = ()> {
     /// since started (or whose deadline moved) is stale and skipped.
     restarts_due: BTreeSet<(Instant, String)>,
     failed: bool,
+    /// The latest `now` any input brought: the direct path's access stamp.
+    latest_now: Option<Instant>,
 }
 
 impl<M, S> ShardCore<M, S> {
@@ -295,6 +297,7 @@ impl<M, S> ShardCore<M, S> {
             restart_backoff: Duration::from_secs(10),
             restarts_due: BTreeSet::new(),
             failed: false,
+            latest_now: None,
         }
     }
 
@@ -440,7 +443,12 @@ impl<M, S> ShardCore<M, S> {
     /// delivery does, and the host's handle on that incarnation is returned to put the message
     /// in. `None` (and nothing changed) when the message must take the routed path: the entity
     /// is starting, stopping, not running, not attached yet, or the shard is not serving.
-    pub(crate) fn direct_slot(&mut self, entity_id: &str, now: Instant) -> Option<(&S, u64)> {
+    ///
+    /// The access is stamped with the latest instant the core was handed (its inputs, and the
+    /// region's tick every 100 ms), not a clock read per message: idle passivation of an entity
+    /// reached this way counts from up to one tick before its last message.
+    pub(crate) fn direct_slot(&mut self, entity_id: &str) -> Option<(&S, u64)> {
+        let now = self.latest_now?;
         if !self.serving() {
             return None;
         }
@@ -605,6 +613,8 @@ impl<M, S> ShardCore<M, S> {
     }
 
     pub(crate) fn handle(&mut self, input: ShardInput<M>, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
+        // Never backwards: drivers on several threads read the clock before taking the lock.
+        self.latest_now = Some(self.latest_now.map_or(now, |latest| latest.max(now)));
         match input {
             ShardInput::Deliver { entity_id, msg } => self.deliver(entity_id, msg, now, out),
             ShardInput::Passivate { entity_id, incarnation } => {
@@ -882,29 +892,54 @@ mod tests {
             ShardCore::new(PolicySettings::idle(Some(Duration::from_secs(10))), Duration::from_secs(1));
         let mut out = Vec::new();
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
-        assert!(s.direct_slot("a", t0).is_none(), "not attached yet");
+        assert!(s.direct_slot("a").is_none(), "not attached yet");
         assert!(s.attach("a", 1, "handle"));
-        assert_eq!(s.direct_slot("a", t0), Some((&"handle", 1)));
-        assert!(s.direct_slot("b", t0).is_none(), "not running");
-        // A message on the direct path counts as activity: no passivation a timeout after t0.
+        assert_eq!(s.direct_slot("a"), Some((&"handle", 1)));
+        assert!(s.direct_slot("b").is_none(), "not running");
+        // A message on the direct path counts as activity, stamped with the latest instant an
+        // input brought (here the tick at 8 s): no passivation a timeout after t0.
         let later = t0 + Duration::from_secs(8);
-        assert!(s.direct_slot("a", later).is_some());
+        s.handle(ShardInput::Tick, later, &mut out);
+        assert!(s.direct_slot("a").is_some());
         let mut out = Vec::new();
         s.handle(ShardInput::Tick, t0 + Duration::from_secs(12), &mut out);
         assert!(out.is_empty(), "activity at 8 s keeps it past 12 s: {out:?}");
         // Stopping (passivation) closes it.
         s.handle(ShardInput::Passivate { entity_id: "a".into(), incarnation: 1 }, later, &mut out);
-        assert!(s.direct_slot("a", later).is_none(), "stopping");
+        assert!(s.direct_slot("a").is_none(), "stopping");
         // So does a hand-off, for every entity.
         let mut s: ShardCore<u32, &str> = ShardCore::new(PolicySettings::idle(None), Duration::from_secs(1));
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
         assert!(s.attach("a", 1, "handle"));
         s.handle(ShardInput::HandOff, t0, &mut out);
-        assert!(s.direct_slot("a", t0).is_none(), "handing off");
+        assert!(s.direct_slot("a").is_none(), "handing off");
         // And a shard still loading its stored data.
         let mut s: ShardCore<u32, &str> = ShardCore::loading(PolicySettings::idle(None), Duration::from_secs(1));
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
-        assert!(s.direct_slot("a", t0).is_none(), "loading");
+        assert!(s.direct_slot("a").is_none(), "loading");
+    }
+
+    #[test]
+    fn a_direct_message_counts_from_the_latest_input_instant_so_its_entity_idles_out_one_timeout_after_it() {
+        let t0 = Instant::now();
+        let idle = Duration::from_secs(10);
+        let mut s: ShardCore<u32, &'static str> =
+            ShardCore::new(PolicySettings::idle(Some(idle)), Duration::from_secs(1));
+        let mut out = Vec::new();
+        s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
+        assert!(s.attach("a", 1, "handle"));
+        // Ticks at 5 s and 4 s (a driver's older reading, taken before the lock): the stamp
+        // never goes back, so the direct message is stamped 5 s.
+        s.handle(ShardInput::Tick, t0 + Duration::from_secs(5), &mut out);
+        s.handle(ShardInput::Tick, t0 + Duration::from_secs(4), &mut out);
+        assert!(s.direct_slot("a").is_some());
+        let tick = |s: &mut ShardCore<u32, &'static str>, secs: u64| {
+            let mut out = Vec::new();
+            s.handle(ShardInput::Tick, t0 + Duration::from_secs(secs), &mut out);
+            out
+        };
+        assert!(tick(&mut s, 14).is_empty(), "idle 9 s since the 5 s stamp");
+        assert_eq!(tick(&mut s, 15), vec![ShardAction::Stop { entity_id: "a".into(), reason: StopReason::Idle }]);
     }
 
     #[test]
@@ -1308,7 +1343,7 @@ mod tests {
         run(&mut s, deliver("b", 1), now + Duration::from_secs(1));
         s.attach("a", 1, ());
         // A message on the direct path counts as a use, as a routed one does.
-        assert!(s.direct_slot("a", now + Duration::from_secs(2)).is_some());
+        assert!(s.direct_slot("a").is_some());
         let out = run(&mut s, deliver("c", 1), now + Duration::from_secs(3));
         assert_eq!(out[0], stop("b", StopReason::Limit), "room is made before c starts: {out:?}");
         assert!(matches!(&out[1], ShardAction::Start { entity_id, .. } if entity_id == "c"), "{out:?}");

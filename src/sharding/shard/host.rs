@@ -170,9 +170,7 @@ impl<E: Entity> ShardDirectory<E> {
         let shards = self.shards.read().unwrap_or_else(|p| p.into_inner());
         let Some(cell) = shards.get(shard_id) else { return Err(env) };
         let mut shard = cell.lock();
-        if !self.launcher.runner.routed.is_clear(stripe)
-            || shard.core.direct_slot(entity_id, crate::clock::now()).is_none()
-        {
+        if !self.launcher.runner.routed.is_clear(stripe) || shard.core.direct_slot(entity_id).is_none() {
             return Err(env);
         }
         env.lane = Lane::Direct(stripe);
