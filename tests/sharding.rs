@@ -572,3 +572,65 @@ fn a_log_line_inside_handle_carries_the_entity_type_id_and_shard_unless_filtered
     let line = run("warn,app=info,ddshard::entity=off");
     assert!(!line.contains("entity{"), "filtered out: {line}");
 }
+
+/// An answer that refuses to encode when its text is `"unencodable"`.
+#[derive(serde::Deserialize)]
+struct PickyAnswer(String);
+
+impl serde::Serialize for PickyAnswer {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if self.0 == "unencodable" {
+            return Err(serde::ser::Error::custom("this answer refuses to encode"));
+        }
+        s.serialize_newtype_struct("PickyAnswer", &self.0)
+    }
+}
+
+/// Answers each message with its own text.
+#[derive(Default)]
+struct Picky;
+
+impl ddshard::Entity for Picky {
+    type Message = String;
+    type Reply = PickyAnswer;
+    async fn handle(&mut self, msg: String, _ctx: &mut ddshard::EntityContext) -> PickyAnswer {
+        PickyAnswer(msg)
+    }
+}
+
+/// The host of an entity cannot encode its answer to a remote ask: the asker hears why at once
+/// (a `NotDelivered` naming the codec error), not at its timeout, over links that carry the
+/// binary layout (protocol version 4); the entity answers the next ask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_ask_whose_answer_does_not_encode_fails_at_once_with_the_reason() {
+    let c = TestCluster::start(2).await.unwrap();
+    c.await_converged(CONVERGE).await;
+    let settings = ddshard::ShardingSettings { number_of_shards: 10, ..Default::default() };
+    let _host: ddshard::ShardRegion<Picky> =
+        c.node(0).sharding().start("picky", |_: &str| Picky, settings.clone()).await.unwrap();
+    let proxy: ddshard::ShardRegion<Picky> = c.node(1).sharding().start_proxy("picky", settings).await.unwrap();
+    let timeout = Duration::from_secs(10);
+    // Both links up (the ask's and the answer's) before the answer that fails.
+    eventually(Duration::from_secs(30), "five answers in a row", || async {
+        for _ in 0..5 {
+            if !matches!(proxy.ask_with_timeout("p-1", "ok".into(), timeout).await, Ok(PickyAnswer(a)) if a == "ok") {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    let failed = proxy.ask_with_timeout("p-1", "unencodable".into(), timeout).await;
+    match failed {
+        Err(Error::NotDelivered { entity_id, reason }) => {
+            assert_eq!(entity_id, "p-1");
+            assert!(reason.contains("this answer refuses to encode"), "{reason}");
+        }
+        Err(other) => panic!("expected NotDelivered naming the codec error, got {other:?}"),
+        Ok(_) => panic!("an answer that does not encode cannot arrive"),
+    }
+    assert!(asked.elapsed() < timeout / 2, "heard at once, not at the timeout: {:?}", asked.elapsed());
+    let next = proxy.ask_with_timeout("p-1", "still here".into(), timeout).await.expect("the entity answers");
+    assert_eq!(next.0, "still here");
+}
