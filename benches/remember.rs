@@ -230,7 +230,7 @@ fn bench(c: &mut Criterion) {
     StageCounters::read(&cluster, &on).print_since(&stage_before, stage_clock.elapsed());
     // The ratios, from interleaved timed passes (median of 3), for both windows.
     let mut next = 1usize << 40;
-    for window in [IN_FLIGHT, SLIDING_WINDOW] {
+    for window in [IN_FLIGHT, SLIDING_WINDOW, 1024] {
         let (mut on_rates, mut off_rates) = (Vec::new(), Vec::new());
         for _ in 0..common::sized(3, 1) {
             for (rates, region, prefix) in [(&mut off_rates, &off, "off-r"), (&mut on_rates, &on, "on-r")] {

@@ -353,7 +353,7 @@ impl<E: Entity> EntityRun<E> {
                 Before::Answered => continue,
             };
             let running = entity.as_mut().expect("a task that took a command holds its entity");
-            let started = crate::metrics::start_timer();
+            let started = crate::metrics::start_handler_timer();
             self.ctx.reply_type = reply.is_some().then(std::any::TypeId::of::<E::Reply>);
             let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx))
                 .catch_unwind()
