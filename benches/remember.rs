@@ -35,7 +35,7 @@ const IN_FLIGHT: usize = 64;
 
 fn settings(remember: bool) -> ShardingSettings {
     ShardingSettings {
-        number_of_shards: 100,
+        number_of_shards: std::env::var("XSHARDS").ok().and_then(|s| s.parse().ok()).unwrap_or(100),
         min_nr_of_members: 3,
         remember: ddshard::sharding::RememberEntitiesSettings { enabled: remember, ..Default::default() },
         ..Default::default()
@@ -50,9 +50,25 @@ async fn start_new(r: &ShardRegion<Thing>, prefix: &str, from: usize) {
 /// Sliding window: `window` asks always in flight (a new one starts as each finishes) until
 /// `total` new entities have started.
 async fn start_new_sliding(r: &ShardRegion<Thing>, prefix: &str, from: usize, total: usize, window: usize) {
+    start_new_timed(r, prefix, from, total, window, &std::sync::Mutex::new(Vec::new())).await
+}
+
+/// [`start_new_sliding`], adding each start's latency to `latencies`.
+async fn start_new_timed(
+    r: &ShardRegion<Thing>,
+    prefix: &str,
+    from: usize,
+    total: usize,
+    window: usize,
+    latencies: &std::sync::Mutex<Vec<Duration>>,
+) {
     sliding(total, window, |i| {
         let id = format!("{prefix}-{}", from + i);
-        async move { r.ask(&id, Ping).await.unwrap() }
+        async move {
+            let t = Instant::now();
+            r.ask(&id, Ping).await.unwrap();
+            latencies.lock().unwrap().push(t.elapsed());
+        }
     })
     .await
 }
@@ -122,7 +138,36 @@ fn rss_bytes() -> u64 {
 }
 
 fn bench(c: &mut Criterion) {
-    // Memory and serialized size of one shard holding 1M ids in 64 slots.
+    // Parts (`DDSHARD_BENCH_ONLY`): `set_size`, `starts` (criterion groups), `ratios` (timed
+    // sliding passes; `DDSHARD_BENCH_SIDE=ours` runs remember-on alone), `restart`.
+    if common::part("set_size") {
+        set_size();
+    }
+    let rt = common::runtime();
+    let (mut cluster, on, off) = rt.block_on(async {
+        let c = TestCluster::start(3).await.unwrap();
+        c.await_converged(Duration::from_secs(30)).await;
+        let (mut on, mut off) = (Vec::new(), Vec::new());
+        for (_, n) in c.running() {
+            on.push(n.sharding().start("on", |_: &str| Thing, settings(true)).await.unwrap());
+            off.push(n.sharding().start("off", |_: &str| Thing, settings(false)).await.unwrap());
+        }
+        (c, on[0].clone(), off[0].clone())
+    });
+    if common::part("starts") {
+        starts(c, &rt, &cluster, &on, &off);
+    }
+    if common::part("ratios") {
+        ratios(&rt, &cluster, &on, &off);
+    }
+    if common::part("restart") {
+        restart(&rt, &mut cluster);
+    }
+    rt.block_on(cluster.shutdown());
+}
+
+/// Memory and serialized size of one shard holding 1M ids in 64 slots.
+fn set_size() {
     let before = rss_bytes();
     let slots = 64u32;
     let mut sets: Vec<OrSet> = (0..slots).map(|_| OrSet::default()).collect();
@@ -158,19 +203,17 @@ fn bench(c: &mut Criterion) {
     );
     common::print_ratio_of("orset_heap_vs_raw_id_bytes", heap as f64, raw_id_bytes as f64);
     common::print_ratio_of("orset_serialized_vs_raw_id_bytes", bytes as f64, raw_id_bytes as f64);
-    drop(sets);
+}
 
-    let rt = common::runtime();
-    let (mut cluster, on, off) = rt.block_on(async {
-        let c = TestCluster::start(3).await.unwrap();
-        c.await_converged(Duration::from_secs(30)).await;
-        let (mut on, mut off) = (Vec::new(), Vec::new());
-        for (_, n) in c.running() {
-            on.push(n.sharding().start("on", |_: &str| Thing, settings(true)).await.unwrap());
-            off.push(n.sharding().start("off", |_: &str| Thing, settings(false)).await.unwrap());
-        }
-        (c, on[0].clone(), off[0].clone())
-    });
+/// New-entity starts with remember on and off, as criterion groups (64 and 512 in flight).
+fn starts(
+    c: &mut Criterion,
+    rt: &tokio::runtime::Runtime,
+    cluster: &TestCluster,
+    on: &ShardRegion<Thing>,
+    off: &ShardRegion<Thing>,
+) {
+    let (on, off) = (on.clone(), off.clone());
     let mut g = c.benchmark_group("new_entity_start_rate_3_nodes");
     g.throughput(Throughput::Elements(BATCH as u64));
     g.sample_size(10).measurement_time(Duration::from_secs(10));
@@ -227,16 +270,31 @@ fn bench(c: &mut Criterion) {
         });
     }
     g.finish();
-    StageCounters::read(&cluster, &on).print_since(&stage_before, stage_clock.elapsed());
+    StageCounters::read(cluster, &on).print_since(&stage_before, stage_clock.elapsed());
+}
+
+/// Remember on against off from interleaved timed passes (median of 3), for each window.
+fn ratios(rt: &tokio::runtime::Runtime, cluster: &TestCluster, on: &ShardRegion<Thing>, off: &ShardRegion<Thing>) {
     // The ratios, from interleaved timed passes (median of 3), for both windows.
     let mut next = 1usize << 40;
     for window in [IN_FLIGHT, SLIDING_WINDOW, 1024] {
         let (mut on_rates, mut off_rates) = (Vec::new(), Vec::new());
-        for _ in 0..common::sized(3, 1) {
-            for (rates, region, prefix) in [(&mut off_rates, &off, "off-r"), (&mut on_rates, &on, "on-r")] {
+        let latencies = std::sync::Mutex::new(Vec::new());
+        let (stage_before, mut stage_time) = (StageCounters::read(cluster, on), Duration::ZERO);
+        for _ in 0..common::passes(3, 1) {
+            for (rates, region, prefix, side) in
+                [(&mut off_rates, off, "off-r", "baseline"), (&mut on_rates, on, "on-r", "ours")]
+            {
+                if !common::side(side) {
+                    continue;
+                }
                 let t = Instant::now();
-                rt.block_on(start_new_sliding(region, prefix, next, SLIDING_TOTAL, window));
+                let timed = if side == "ours" { &latencies } else { &std::sync::Mutex::new(Vec::new()) };
+                rt.block_on(start_new_timed(region, prefix, next, SLIDING_TOTAL, window, timed));
                 rates.push(SLIDING_TOTAL as f64 / t.elapsed().as_secs_f64());
+                if side == "ours" {
+                    stage_time += t.elapsed();
+                }
             }
             next += SLIDING_TOTAL;
         }
@@ -245,11 +303,24 @@ fn bench(c: &mut Criterion) {
             common::median(&mut on_rates),
             common::median(&mut off_rates),
         );
+        let mut l = latencies.into_inner().unwrap();
+        l.sort();
+        let at = |q: f64| l.get(((l.len() as f64 * q) as usize).min(l.len().saturating_sub(1))).copied();
+        println!(
+            "remembered start latency, {window} in flight: p50 {:?}, p90 {:?}, p99 {:?}, max {:?}",
+            at(0.5).unwrap_or_default(),
+            at(0.9).unwrap_or_default(),
+            at(0.99).unwrap_or_default(),
+            l.last().copied().unwrap_or_default()
+        );
+        StageCounters::read(cluster, on).print_since(&stage_before, stage_time);
     }
+}
 
-    // Restart time after a full-cluster restart: seed 100k remembered ids straight into the
-    // replicated sets (as the shards would have recorded them), restart every node, and time
-    // until all of them run again.
+/// Restart time after a full-cluster restart: seed 100k remembered ids straight into the
+/// replicated sets (as the shards would have recorded them), restart every node, and time
+/// until all of them run again.
+fn restart(rt: &tokio::runtime::Runtime, cluster: &mut TestCluster) {
     let n = common::sized(100_000, 2_000);
     rt.block_on(async {
         let s = ShardingSettings {
@@ -258,7 +329,7 @@ fn bench(c: &mut Criterion) {
         };
         let by_key = seed_remembered(&cluster, "restart", &s, n).await;
         let baseline = raw_lmdb_restart(&by_key).await;
-        let (took, _) = full_restart(&mut cluster, "restart", &s, n).await;
+        let (took, _) = full_restart(cluster, "restart", &s, n).await;
         println!(
             "full-cluster restart: {n} remembered entities running again {took:?} after the restart began \
              (raw LMDB read + one task per id: {baseline:?})"
@@ -271,15 +342,14 @@ fn bench(c: &mut Criterion) {
         let many = ShardingSettings { number_of_shards: 1000, ..s.clone() };
         seed_remembered(&cluster, "restart-1k", &many, n).await;
         let uncapped = ShardingSettings { max_concurrent_shard_loads: 1_000_000, ..many.clone() };
-        let (took_uncapped, faults_uncapped) = full_restart(&mut cluster, "restart-1k", &uncapped, n).await;
-        let (took_capped, faults_capped) = full_restart(&mut cluster, "restart-1k", &many, n).await;
+        let (took_uncapped, faults_uncapped) = full_restart(cluster, "restart-1k", &uncapped, n).await;
+        let (took_capped, faults_capped) = full_restart(cluster, "restart-1k", &many, n).await;
         println!(
             "full-cluster restart, 1,000 shards, {n} remembered ids: capped at {} loads per region {took_capped:?} \
              (load timeouts, shard failures: {faults_capped:?}); uncapped {took_uncapped:?} ({faults_uncapped:?})",
             many.max_concurrent_shard_loads
         );
         common::print_ratio_of("restart_1k_shards_capped_ms_vs_uncapped_ms", ms(took_capped), ms(took_uncapped));
-        cluster.shutdown().await;
     });
 }
 

@@ -81,6 +81,12 @@ pub fn sized(full: usize, small: usize) -> usize {
     if quick() { small } else { full }
 }
 
+/// Timed passes per figure: `full` (`small` in smoke mode), or `DDSHARD_BENCH_PASSES` to run
+/// one part long enough to profile it.
+pub fn passes(full: usize, small: usize) -> usize {
+    std::env::var("DDSHARD_BENCH_PASSES").ok().and_then(|p| p.parse().ok()).unwrap_or_else(|| sized(full, small))
+}
+
 /// The median of timed passes (sorts `v`); NaN for none (a side skipped by [`side`]).
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -5,6 +5,7 @@ use std::fmt;
 
 use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
+use smallvec::SmallVec;
 
 use super::wire::{check_dot, check_element, check_writers};
 use super::{Dot, OrSetError, Writers, rmp_uint_len};
@@ -28,9 +29,13 @@ pub struct OrSetDelta {
 
 #[derive(Clone, Default, PartialEq, Eq, Debug, Serialize, Deserialize)]
 pub(super) struct DeltaEntry {
-    pub(super) present: Vec<(u16, u64)>,
-    pub(super) removed: Vec<(u16, u64)>,
+    pub(super) present: DeltaDots,
+    pub(super) removed: DeltaDots,
 }
+
+/// An element's `(writer index, counter)` dots in a delta: almost always one, held inline (the
+/// same encoding as a `Vec`).
+pub(super) type DeltaDots = SmallVec<[(u16, u64); 1]>;
 
 impl PartialEq for Writers {
     fn eq(&self, other: &Self) -> bool {
@@ -81,8 +86,8 @@ impl OrSetDelta {
             let w = self.writers.intern(from.name(d.writer())).expect("a delta has at most the set's writers");
             (w, d.counter())
         };
-        let present: Vec<(u16, u64)> = present.iter().map(&mut conv).collect();
-        let removed: Vec<(u16, u64)> = removed.iter().map(&mut conv).collect();
+        let present: DeltaDots = present.iter().map(&mut conv).collect();
+        let removed: DeltaDots = removed.iter().map(&mut conv).collect();
         match self.entries.get_mut(x) {
             None => {
                 self.entries.insert(x.to_string(), DeltaEntry { present, removed });
@@ -119,8 +124,8 @@ impl OrSetDelta {
             // The other side's claims cover dots of elements it does not name.
             for (x, mine) in self.entries.iter_mut() {
                 if !other.entries.contains_key(x) {
-                    let (gone, kept): (Vec<_>, Vec<_>) =
-                        mine.present.iter().partition(|d| Self::claimed(&claims2, **d));
+                    let (gone, kept): (DeltaDots, DeltaDots) =
+                        mine.present.iter().copied().partition(|d| Self::claimed(&claims2, *d));
                     mine.present = kept;
                     mine.removed.extend(gone);
                 }
@@ -128,8 +133,8 @@ impl OrSetDelta {
         }
         for (x, e) in other.entries {
             let conv = |(w, c): &(u16, u64)| (map[usize::from(*w)], *c);
-            let p2: Vec<(u16, u64)> = e.present.iter().map(conv).collect();
-            let r2: Vec<(u16, u64)> = e.removed.iter().map(conv).collect();
+            let p2: DeltaDots = e.present.iter().map(conv).collect();
+            let r2: DeltaDots = e.removed.iter().map(conv).collect();
             let mine = self.entries.entry(x).or_default();
             join_entry(mine, p2, r2, &self.claims, &claims2);
         }
@@ -146,8 +151,8 @@ impl OrSetDelta {
 /// other side has seen it without holding it.
 fn join_entry(
     mine: &mut DeltaEntry,
-    p2: Vec<(u16, u64)>,
-    r2: Vec<(u16, u64)>,
+    p2: DeltaDots,
+    r2: DeltaDots,
     claims1: &[(u16, u64, u64)],
     claims2: &[(u16, u64, u64)],
 ) {
@@ -155,7 +160,7 @@ fn join_entry(
     let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
     let seen_by_1 = |d: &(u16, u64)| seen1.contains(d) || OrSetDelta::claimed(claims1, *d);
     let seen_by_2 = |d: &(u16, u64)| seen2.contains(d) || OrSetDelta::claimed(claims2, *d);
-    let mut present: Vec<(u16, u64)> =
+    let mut present: DeltaDots =
         mine.present.iter().copied().filter(|d| p2.contains(d) || !seen_by_2(d)).collect();
     for d in &p2 {
         if !mine.present.contains(d) && !seen_by_1(d) {
@@ -176,14 +181,27 @@ pub(super) struct OrSetDeltaWire {
     pub(super) claims: Vec<(u16, u64, u64)>,
 }
 
+/// [`OrSetDeltaWire`] borrowed from a delta: the same encoding, with no copy of its elements.
+#[derive(Serialize)]
+struct OrSetDeltaWireRef<'a> {
+    writers: &'a [Actor],
+    entries: EntriesRef<'a>,
+    claims: &'a [(u16, u64, u64)],
+}
+
+/// A delta's elements as the sequence of `(element, entry)` pairs the wire form holds.
+struct EntriesRef<'a>(&'a BTreeMap<String, DeltaEntry>);
+
+impl Serialize for EntriesRef<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter())
+    }
+}
+
 impl Serialize for OrSetDelta {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        OrSetDeltaWire {
-            writers: self.writers.names.clone(),
-            entries: self.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            claims: self.claims.clone(),
-        }
-        .serialize(s)
+        OrSetDeltaWireRef { writers: &self.writers.names, entries: EntriesRef(&self.entries), claims: &self.claims }
+            .serialize(s)
     }
 }
 

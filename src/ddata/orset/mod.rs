@@ -26,6 +26,7 @@
 //! cloud dot, each computed from the writer's *name*: equal states have equal digests on every
 //! node, whatever their history or memory layout, and every change updates it in O(1).
 
+use smallvec::SmallVec;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
@@ -47,6 +48,9 @@ pub(crate) const MAX_ELEMENT_LEN: usize = 16 * 1024;
 const TAG_ENTRY: u64 = 0x6f72_7365_745f_656e;
 const TAG_VV: u64 = 0x6f72_7365_745f_7676;
 const TAG_CLOUD: u64 = 0x6f72_7365_745f_636c;
+
+/// An element's dots: almost always one, held inline.
+type Dots = SmallVec<[Dot; 2]>;
 
 /// A dot: writer index (16 bits) and counter (48 bits) packed into one word. Writer indexes are
 /// local to one set (or one delta); they are translated by name when states meet.
@@ -409,7 +413,7 @@ impl OrSet {
             let mine = self.dots_of(x);
             let result = self.join_dots(&mine, &d_theirs, |d| other.context_contains_mapped(d, &self.writers));
             if result != mine {
-                changes.push((x.to_vec(), result));
+                changes.push((x.to_vec(), result.into_vec()));
             }
         }
         for (x, dots) in changes {
@@ -434,10 +438,13 @@ impl OrSet {
             delta.claims.iter().map(|&(w, lo, hi)| (map[usize::from(w)], lo, hi)).collect();
         let claimed = |d: Dot| OrSetDelta::claimed(&claims, (d.writer(), d.counter()));
         for (x, e) in &delta.entries {
-            let present: Vec<Dot> = e.present.iter().copied().map(theirs).collect();
-            let seen: BTreeSet<Dot> = e.present.iter().chain(&e.removed).copied().map(theirs).collect();
+            // Inline for the usual one or two dots; sorted, so a long list is still searched
+            // in O(log n).
+            let present: Dots = e.present.iter().copied().map(theirs).collect();
+            let mut seen: SmallVec<[Dot; 4]> = e.present.iter().chain(&e.removed).copied().map(theirs).collect();
+            seen.sort_unstable();
             let mine = self.dots_of(x.as_bytes());
-            let result = self.join_dots(&mine, &present, |d| seen.contains(&d) || claimed(d));
+            let result = self.join_dots(&mine, &present, |d| seen.binary_search(&d).is_ok() || claimed(d));
             if result != mine {
                 self.set_dots(x.as_bytes(), &result);
             }
@@ -470,8 +477,8 @@ impl OrSet {
 
     /// `(L ∩ D) ∪ (L \ c') ∪ (D \ c)` for one element: `mine` = L, `theirs` = D (already in this
     /// set's writer indexes), `theirs_seen` tests c'; c is this set's context.
-    fn join_dots(&self, mine: &[Dot], theirs: &[Dot], theirs_seen: impl Fn(Dot) -> bool) -> Vec<Dot> {
-        let mut out: Vec<Dot> = mine.iter().copied().filter(|d| theirs.contains(d) || !theirs_seen(*d)).collect();
+    fn join_dots(&self, mine: &[Dot], theirs: &[Dot], theirs_seen: impl Fn(Dot) -> bool) -> Dots {
+        let mut out: Dots = mine.iter().copied().filter(|d| theirs.contains(d) || !theirs_seen(*d)).collect();
         for d in theirs {
             if !mine.contains(d) && !self.context_contains(*d) {
                 out.push(*d);
@@ -583,8 +590,8 @@ impl OrSet {
         self.index.find(xxh3_64(x), |s| self.element_at(s.offset) == x).copied()
     }
 
-    fn slot_dots(&self, slot: Slot) -> Vec<Dot> {
-        let mut v = vec![slot.dot()];
+    fn slot_dots(&self, slot: Slot) -> Dots {
+        let mut v: Dots = smallvec::smallvec![slot.dot()];
         if !self.extra.is_empty()
             && let Some(more) = self.extra.get(&slot.offset)
         {
@@ -594,7 +601,7 @@ impl OrSet {
         v
     }
 
-    fn dots_of(&self, x: &[u8]) -> Vec<Dot> {
+    fn dots_of(&self, x: &[u8]) -> Dots {
         self.find(x).map(|s| self.slot_dots(s)).unwrap_or_default()
     }
 

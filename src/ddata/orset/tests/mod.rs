@@ -286,6 +286,23 @@ fn claims_and_cloud_intervals_survive_encoding_and_older_encodings_still_decode(
 }
 
 #[test]
+fn a_delta_encodes_byte_for_byte_as_its_owned_wire_form() {
+    let mut s = OrSet::default();
+    s.add(&store_ctx(500), "b");
+    s.add(&ctx("w#2"), "a");
+    s.add(&ctx("w#2"), "c");
+    s.remove("c");
+    let d = s.take_delta().unwrap();
+    assert!(!d.claims.is_empty() && d.len() == 3, "the delta carries a claim, an add and a remove");
+    let owned = super::delta::OrSetDeltaWire {
+        writers: d.writers.names.clone(),
+        entries: d.entries.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        claims: d.claims.clone(),
+    };
+    assert_eq!(rmp_serde::to_vec(&d).unwrap(), rmp_serde::to_vec(&owned).unwrap());
+}
+
+#[test]
 fn malformed_claims_and_cloud_intervals_are_typed_errors() {
     let delta = |claims: Vec<(u16, u64, u64)>| {
         let wire = super::delta::OrSetDeltaWire { writers: vec!["w#1".into()], entries: vec![], claims };
