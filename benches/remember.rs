@@ -1,11 +1,15 @@
 //! Remember-entities costs, each beside its baseline in the same run:
 //! - new-entity start rate with remember-entities on vs off (3 nodes, majority writes, LMDB),
-//!   with sliding windows of 64 and of 512 always in flight;
+//!   with sliding windows of 64, 512 and 1,024 always in flight, each with its start latency
+//!   percentiles and the remember writer's stage counters;
 //! - restart time of 100k remembered entities after a full-cluster restart, beside a raw
 //!   LMDB baseline (the same ids in the same keys read back from one environment and a task
 //!   started per id);
 //! - memory and serialized size of one shard holding 1M remembered ids, beside the raw ids
 //!   (the bytes of the id strings themselves).
+//!
+//! To profile one part: `DDSHARD_BENCH_ONLY=ratios DDSHARD_BENCH_SIDE=ours
+//! DDSHARD_BENCH_PASSES=25` runs only the remember-on sliding passes, 25 per window.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -35,7 +39,7 @@ const IN_FLIGHT: usize = 64;
 
 fn settings(remember: bool) -> ShardingSettings {
     ShardingSettings {
-        number_of_shards: std::env::var("XSHARDS").ok().and_then(|s| s.parse().ok()).unwrap_or(100),
+        number_of_shards: 100,
         min_nr_of_members: 3,
         remember: ddshard::sharding::RememberEntitiesSettings { enabled: remember, ..Default::default() },
         ..Default::default()

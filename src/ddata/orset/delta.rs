@@ -160,8 +160,7 @@ fn join_entry(
     let seen2: BTreeSet<(u16, u64)> = p2.iter().chain(&r2).copied().collect();
     let seen_by_1 = |d: &(u16, u64)| seen1.contains(d) || OrSetDelta::claimed(claims1, *d);
     let seen_by_2 = |d: &(u16, u64)| seen2.contains(d) || OrSetDelta::claimed(claims2, *d);
-    let mut present: DeltaDots =
-        mine.present.iter().copied().filter(|d| p2.contains(d) || !seen_by_2(d)).collect();
+    let mut present: DeltaDots = mine.present.iter().copied().filter(|d| p2.contains(d) || !seen_by_2(d)).collect();
     for d in &p2 {
         if !mine.present.contains(d) && !seen_by_1(d) {
             present.push(*d);
