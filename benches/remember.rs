@@ -251,7 +251,7 @@ fn starts(
 
     // The same starts with 512 always in flight (the shape of a busy service), each beside the
     // remember-off baseline; stage counters of the remember-on run printed after.
-    let stage_before = StageCounters::read(&cluster, &on);
+    let stage_before = StageCounters::read(cluster, &on);
     let stage_clock = Instant::now();
     let mut g = c.benchmark_group("new_entity_start_rate_3_nodes_sliding_512");
     g.throughput(Throughput::Elements(SLIDING_TOTAL as u64));
@@ -331,7 +331,7 @@ fn restart(rt: &tokio::runtime::Runtime, cluster: &mut TestCluster) {
             remember: ddshard::sharding::RememberEntitiesSettings { slots: 16, ..settings(true).remember },
             ..settings(true)
         };
-        let by_key = seed_remembered(&cluster, "restart", &s, n).await;
+        let by_key = seed_remembered(cluster, "restart", &s, n).await;
         let baseline = raw_lmdb_restart(&by_key).await;
         let (took, _) = full_restart(cluster, "restart", &s, n).await;
         println!(
@@ -344,7 +344,7 @@ fn restart(rt: &tokio::runtime::Runtime, cluster: &mut TestCluster) {
         // The same restart with 1,000 shards, whose loads all start at once: capped at
         // `max_concurrent_shard_loads` per region (the default) beside uncapped, in the same run.
         let many = ShardingSettings { number_of_shards: 1000, ..s.clone() };
-        seed_remembered(&cluster, "restart-1k", &many, n).await;
+        seed_remembered(cluster, "restart-1k", &many, n).await;
         let uncapped = ShardingSettings { max_concurrent_shard_loads: 1_000_000, ..many.clone() };
         let (took_uncapped, faults_uncapped) = full_restart(cluster, "restart-1k", &uncapped, n).await;
         let (took_capped, faults_capped) = full_restart(cluster, "restart-1k", &many, n).await;
