@@ -13,7 +13,9 @@
 //!   for the region and for the baseline at the same rate.
 //!
 //! `cargo bench --bench local_paths` (`DDSHARD_BENCH_QUICK=1`: small sizes, figures meaningless;
-//! `DDSHARD_BENCH_ONLY=tell` or `ask`: one part, for a profile).
+//! `DDSHARD_BENCH_ONLY=tell`, `ask` or `ask,ask_latency`: one part, for a profile; the
+//! latency part overloads the region while it probes its open-loop rate, so a profile of the
+//! closed-loop asks leaves it out).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -259,6 +261,10 @@ fn main() {
         user / map
     );
     common::print_ratio("local_ask_64_askers_id_per_message_vs_actor_map", user, map);
+    if !common::part("ask_latency") {
+        rt.block_on(cluster.shutdown());
+        return;
+    }
 
     // Latency at 90 % load. The load is what the region sustains open loop (asks started on a
     // schedule, whatever is in flight): the highest rate, from the slowest closed-loop pass down
