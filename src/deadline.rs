@@ -166,14 +166,19 @@ impl Shared {
 
     /// The first tick at or after `at`: a deadline filed there never expires before `at`.
     fn tick_at_or_after(&self, at: Instant) -> u64 {
-        let nanos = u64::try_from(at.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX);
-        nanos.div_ceil(RESOLUTION.as_nanos() as u64)
+        self.nanos_since_origin(at).div_ceil(RESOLUTION.as_nanos() as u64)
     }
 
     /// The last tick that has fully begun at `now`.
     fn tick_reached(&self, now: Instant) -> u64 {
-        let nanos = u64::try_from(now.saturating_duration_since(self.origin).as_nanos()).unwrap_or(u64::MAX);
-        nanos / RESOLUTION.as_nanos() as u64
+        self.nanos_since_origin(now) / RESOLUTION.as_nanos() as u64
+    }
+
+    /// Nanoseconds from the origin to `at` (0 before it), saturating: in `u64` arithmetic, not
+    /// through `Duration::as_nanos`'s `u128` (every ask that waits computes its tick).
+    fn nanos_since_origin(&self, at: Instant) -> u64 {
+        let d = at.saturating_duration_since(self.origin);
+        d.as_secs().saturating_mul(1_000_000_000).saturating_add(u64::from(d.subsec_nanos()))
     }
 
     fn instant_of(&self, tick: u64) -> Instant {
@@ -471,6 +476,11 @@ mod tests {
         assert_eq!(sh.tick_reached(o + RESOLUTION), 1);
         assert_eq!(sh.tick_reached(o + RESOLUTION * 3 + Duration::from_nanos(1)), 3);
         assert_eq!(sh.instant_of(3), o + RESOLUTION * 3);
+        // Whole seconds count as well as the nanoseconds past them.
+        assert_eq!(sh.tick_at_or_after(o + Duration::new(30, 1)), 6_001);
+        assert_eq!(sh.tick_reached(o + Duration::new(30, 5_000_000)), 6_001);
+        // Past u64 nanoseconds (584 years) the tick saturates instead of wrapping.
+        assert_eq!(sh.tick_at_or_after(o + Duration::from_secs(20_000_000_000)), u64::MAX / 5_000_000 + 1);
         // A deadline is never due before it: its tick is reached only at or after it.
         for nanos in [1u64, 4_999_999, 5_000_000, 5_000_001, 12_345_678] {
             let at = o + Duration::from_nanos(nanos);

@@ -440,14 +440,14 @@ impl<M, S> ShardCore<M, S> {
     /// The direct path's decision, the same as [`ShardInput::Deliver`] would make: when a
     /// message for `entity_id` would be sent straight to its running incarnation (the shard
     /// serves and the entity is `Active`), its activity is marked (idle passivation) as a
-    /// delivery does, and the host's handle on that incarnation is returned to put the message
-    /// in. `None` (and nothing changed) when the message must take the routed path: the entity
+    /// delivery does, and the core's id, the host's handle on that incarnation and the
+    /// incarnation are returned to put the message in. `None` (and nothing changed) when the message must take the routed path: the entity
     /// is starting, stopping, not running, not attached yet, or the shard is not serving.
     ///
     /// The access is stamped with the latest instant the core was handed (its inputs, and the
     /// region's tick every 100 ms), not a clock read per message: idle passivation of an entity
     /// reached this way counts from up to one tick before its last message.
-    pub(crate) fn direct_slot(&mut self, entity_id: &str) -> Option<(&S, u64)> {
+    pub(crate) fn direct_slot(&mut self, entity_id: &str) -> Option<(&Arc<str>, &S, u64)> {
         let now = self.latest_now?;
         if !self.serving() {
             return None;
@@ -461,7 +461,7 @@ impl<M, S> ShardCore<M, S> {
         if let Some(h) = e.policy {
             self.passivation.accessed(h, key, now);
         }
-        Some((slot, e.incarnation))
+        Some((key, slot, e.incarnation))
     }
 
     fn deliver(&mut self, entity_id: String, msg: M, now: Instant, out: &mut Vec<ShardAction<M, S>>) {
@@ -894,7 +894,7 @@ mod tests {
         s.handle(ShardInput::Deliver { entity_id: "a".into(), msg: 1 }, t0, &mut out);
         assert!(s.direct_slot("a").is_none(), "not attached yet");
         assert!(s.attach("a", 1, "handle"));
-        assert_eq!(s.direct_slot("a"), Some((&"handle", 1)));
+        assert_eq!(s.direct_slot("a").map(|(id, h, i)| (&**id, h, i)), Some(("a", &"handle", 1)));
         assert!(s.direct_slot("b").is_none(), "not running");
         // A message on the direct path counts as activity, stamped with the latest instant an
         // input brought (here the tick at 8 s): no passivation a timeout after t0.

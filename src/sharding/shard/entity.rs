@@ -22,7 +22,7 @@ use tracing::{Instrument, error};
 
 use super::ShardEvent;
 use super::core::StopReason;
-use super::mailbox::{EntityCmd, Mailbox, Scheduled};
+use super::mailbox::{EntityCmd, LingerTimer, Mailbox, Scheduled};
 use crate::clock::Instant;
 use crate::error::Result;
 use crate::log_limit::LogLimiter;
@@ -326,7 +326,7 @@ impl<E: Entity> EntityRun<E> {
         }
         let span = self.call_span();
         let mut took = false;
-        let mut timer = None;
+        let mut timer = LingerTimer::default();
         loop {
             let next =
                 std::future::poll_fn(|cx| self.mailbox.poll_next(cx, &mut entity, linger, &mut took, &mut timer));

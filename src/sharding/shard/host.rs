@@ -15,8 +15,9 @@
 //! shard are dropped.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
@@ -33,12 +34,17 @@ use crate::error::Error;
 use crate::metrics::TypeMetrics;
 use crate::sharding::counters::RegionCounterCells;
 use crate::sharding::envelope::{Envelope, Lane, Replier, ReplyTo, RoutedInFlight};
-use crate::sharding::ids::{IdMap, ShardId, ShardIdExtractor, remembered_slot};
+use crate::sharding::ids::{ShardId, ShardIdExtractor, remembered_slot};
 use crate::sharding::query::EntityIdPage;
 use crate::sharding::region::RegionInput;
 use crate::sharding::settings::ShardingSettings;
 use crate::sharding::{Entity, EntityContext};
 use crate::spawn::Spawner;
+
+mod directory;
+
+use directory::Lookup;
+pub(crate) use directory::ShardDirectory;
 
 /// A running entity as its region sees it, attached to its entry in the shard core: its
 /// mailbox (which aborts the task running it, if any, when ended).
@@ -89,21 +95,37 @@ impl<E: Entity> Launcher<E> {
         drop(self.spawner.spawn(self.entity_tasks.track_future(run.shard_tasks.track_future(task.run(scheduled)))));
     }
 
-    /// Puts a message in a running entity's mailbox; `Err` with the envelope when the
-    /// incarnation has ended (its `Terminated` event is on the way).
-    fn push(&self, entity_id: &str, shard: MutexGuard<'_, LocalShard<E>>, env: Envelope<E>) -> Result<(), Envelope<E>> {
-        let Some((id, h, incarnation)) = shard.core.slot(entity_id) else { return Err(env) };
+    /// Puts a message in a running entity's mailbox, found in `guard` as `lookup` says; `Err`
+    /// with the envelope when it is not found there, or its incarnation has ended (its
+    /// `Terminated` event is on the way).
+    fn push(
+        &self,
+        entity_id: &str,
+        mut guard: MutexGuard<'_, LocalShard<E>>,
+        mut env: Envelope<E>,
+        lookup: Lookup,
+    ) -> Result<(), Envelope<E>> {
+        let shard = &mut *guard;
+        // One lookup of the entity: the direct path's decision gives its slot.
+        let found = match lookup {
+            Lookup::Direct(_) => shard.core.direct_slot(entity_id),
+            Lookup::Decided => shard.core.slot(entity_id),
+        };
+        let Some((id, h, incarnation)) = found else { return Err(env) };
+        if let Lookup::Direct(stripe) = lookup {
+            env.lane = Lane::Direct(stripe);
+        }
         let capacity = self.mailbox_capacity;
         match h.mailbox.push(EntityCmd::Msg(env), capacity) {
             Pushed::Queued => Ok(()),
             Pushed::Schedule(scheduled) => {
-                let run = RunOf::new(&shard, id, h, incarnation);
-                drop(shard);
+                let run = RunOf::new((&shard.id, &shard.tasks), id, h, incarnation);
+                drop(guard);
                 self.launch(run, scheduled);
                 Ok(())
             }
             Pushed::Full(env) => {
-                drop(shard);
+                drop(guard);
                 let counters = &self.runner.counters;
                 if counters.dropped_mailbox_full.fetch_add(1, Ordering::Relaxed) == 0 {
                     warn!(type_name = %self.runner.type_name, %entity_id, capacity, "entity mailbox full; dropping messages");
@@ -130,68 +152,17 @@ struct RunOf<E: Entity> {
 }
 
 impl<E: Entity> RunOf<E> {
-    /// A run of incarnation `incarnation` of entity `id` of `shard`, whose handle is `h`.
-    fn new(shard: &LocalShard<E>, id: &Arc<str>, h: &EntityHandle<E>, incarnation: u64) -> Self {
+    /// A run of incarnation `incarnation` of entity `id` of the shard with id `shard_id` and
+    /// tasks `tasks`, whose handle is `h`.
+    fn new((shard_id, tasks): (&Arc<str>, &TaskTracker), id: &Arc<str>, h: &EntityHandle<E>, incarnation: u64) -> Self {
         RunOf {
             entity_id: id.clone(),
-            shard_id: shard.id.clone(),
+            shard_id: shard_id.clone(),
             mailbox: h.mailbox.clone(),
             epoch: h.epoch,
             incarnation,
-            shard_tasks: shard.tasks.clone(),
+            shard_tasks: tasks.clone(),
         }
-    }
-}
-
-/// The shards hosted here, as the region's handle sees them for the direct path.
-pub(crate) struct ShardDirectory<E: Entity> {
-    shards: RwLock<IdMap<ShardId, Arc<ShardCell<E>>>>,
-    /// Closed while the coordinator refuses this region: the region routes nothing then.
-    open: AtomicBool,
-    launcher: Arc<Launcher<E>>,
-}
-
-impl<E: Entity> ShardDirectory<E> {
-    /// The direct path: puts `env` straight into the mailbox of `entity_id` when the entity
-    /// runs here, its shard's core would send it there anyway, and no earlier message of the
-    /// handle to an id of `stripe` is on the routed path (checked under the shard's lock, which
-    /// every redelivery to a new incarnation takes too). `Err` with the envelope when it must
-    /// take the routed path instead.
-    pub(crate) fn deliver(
-        &self,
-        shard_id: &str,
-        entity_id: &str,
-        stripe: usize,
-        mut env: Envelope<E>,
-    ) -> Result<(), Envelope<E>> {
-        if !self.open.load(Ordering::Acquire) {
-            return Err(env);
-        }
-        let shards = self.shards.read().unwrap_or_else(|p| p.into_inner());
-        let Some(cell) = shards.get(shard_id) else { return Err(env) };
-        let mut shard = cell.lock();
-        if !self.launcher.runner.routed.is_clear(stripe) || shard.core.direct_slot(entity_id).is_none() {
-            return Err(env);
-        }
-        env.lane = Lane::Direct(stripe);
-        self.launcher.push(entity_id, shard, env)
-    }
-
-    fn insert(&self, shard: ShardId, cell: Arc<ShardCell<E>>) {
-        self.shards.write().unwrap_or_else(|p| p.into_inner()).insert(shard, cell);
-    }
-
-    fn remove(&self, shard: &ShardId) {
-        self.shards.write().unwrap_or_else(|p| p.into_inner()).remove(shard);
-    }
-
-    fn clear(&self) {
-        self.shards.write().unwrap_or_else(|p| p.into_inner()).clear();
-    }
-
-    /// Opens or closes the direct path (the region's routing is open or refused).
-    pub(crate) fn set_open(&self, open: bool) {
-        self.open.store(open, Ordering::Release);
     }
 }
 
@@ -264,11 +235,7 @@ impl<E: Entity> LocalShards<E> {
             state: state.clone(),
             mailbox_capacity: settings.entity_mailbox_capacity,
         });
-        let directory = Arc::new(ShardDirectory {
-            shards: RwLock::new(IdMap::default()),
-            open: AtomicBool::new(true),
-            launcher: launcher.clone(),
-        });
+        let directory = Arc::new(ShardDirectory::new(launcher.clone()));
         let load_permits = Arc::new(tokio::sync::Semaphore::new(settings.max_concurrent_shard_loads));
         LocalShards {
             type_name,
@@ -567,7 +534,7 @@ impl<E: Entity> LocalShards<E> {
         let handle = EntityHandle { mailbox, epoch: shard.epoch };
         if shard.core.attach(&entity_id, incarnation, handle) {
             let (id, h, _) = shard.core.slot(&entity_id).expect("just attached");
-            let run = RunOf::new(&shard, id, h, incarnation);
+            let run = RunOf::new((&shard.id, &shard.tasks), id, h, incarnation);
             drop(shard);
             self.launcher.launch(run, first);
         }
@@ -625,7 +592,7 @@ impl<E: Entity> LocalShards<E> {
             self.replier.fail(msg, &entity_id, "entity is not running");
             return;
         }
-        if let Err(env) = self.launcher.push(&entity_id, shard, msg) {
+        if let Err(env) = self.launcher.push(&entity_id, shard, msg, Lookup::Decided) {
             // The incarnation already ended; its Terminated event is on the way. The
             // message goes to the next incarnation after it (not back into this loop,
             // which would spin until the event is read).
@@ -646,7 +613,7 @@ impl<E: Entity> LocalShards<E> {
         let shard = cell.lock();
         let Some((id, h, incarnation)) = shard.core.slot(&entity_id) else { return };
         if let Pushed::Schedule(scheduled) = h.mailbox.push(EntityCmd::Stop(reason), usize::MAX) {
-            let run = RunOf::new(&shard, id, h, incarnation);
+            let run = RunOf::new((&shard.id, &shard.tasks), id, h, incarnation);
             drop(shard);
             self.launcher.launch(run, scheduled);
         }

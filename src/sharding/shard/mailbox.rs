@@ -262,7 +262,7 @@ impl<E: Entity> Mailbox<E> {
         entity: &mut Option<E>,
         linger: Duration,
         took: &mut bool,
-        timer: &mut Option<Pin<Box<Sleep>>>,
+        timer: &mut LingerTimer,
     ) -> Poll<Option<EntityCmd<E>>> {
         let mut m = self.lock();
         if let Some(next) = take_next(&mut m, took) {
@@ -273,18 +273,14 @@ impl<E: Entity> Mailbox<E> {
             m.waiter = Some(cx.waker().clone());
         }
         drop(m);
-        let expired = linger.is_zero() || {
-            let sleep = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(linger)));
-            sleep.as_mut().poll(cx).is_ready() && {
+        let expired = linger.is_zero()
+            || timer.fired(cx, linger) && {
                 let idle = !std::mem::take(took);
                 if !idle {
-                    sleep.as_mut().reset(tokio::time::Instant::now() + linger);
-                    // Registers this task with the timer again.
-                    let _ = sleep.as_mut().poll(cx);
+                    timer.rearm(cx, linger);
                 }
                 idle
-            }
-        };
+            };
         if !expired {
             return Poll::Pending;
         }
@@ -313,6 +309,38 @@ impl<E: Entity> Mailbox<E> {
             holds.end();
         }
         leftovers
+    }
+}
+
+/// A run's linger timer ([`Mailbox::poll_next`]), made at its first wait. A lingering task
+/// checks it after every message; it is polled (which registers the task's waker with the
+/// runtime's timer, under the task's coop budget) only when it was not yet polled with this
+/// task's waker, and otherwise just read, since that registration wakes the task when it fires.
+#[derive(Default)]
+pub(super) struct LingerTimer {
+    sleep: Option<Pin<Box<Sleep>>>,
+    /// The waker the timer was last polled with.
+    polled_with: Option<Waker>,
+}
+
+impl LingerTimer {
+    /// Whether the timer fired; armed `linger` from now at the first call.
+    fn fired(&mut self, cx: &mut Context<'_>, linger: Duration) -> bool {
+        let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(linger)));
+        if self.polled_with.as_ref().is_some_and(|w| w.will_wake(cx.waker())) && !sleep.is_elapsed() {
+            return false;
+        }
+        self.polled_with = Some(cx.waker().clone());
+        sleep.as_mut().poll(cx).is_ready()
+    }
+
+    /// Sets the timer again, `linger` from now, and registers the task with it.
+    fn rearm(&mut self, cx: &mut Context<'_>, linger: Duration) {
+        if let Some(sleep) = &mut self.sleep {
+            sleep.as_mut().reset(tokio::time::Instant::now() + linger);
+            self.polled_with = Some(cx.waker().clone());
+            let _ = sleep.as_mut().poll(cx);
+        }
     }
 }
 
@@ -454,7 +482,7 @@ mod tests {
             let (m, taken_count) = (m.clone(), taken.clone());
             async move {
                 let mut entity = Some(Probe(Arc::default()));
-                let (mut took, mut timer) = (false, None);
+                let (mut took, mut timer) = (false, LingerTimer::default());
                 let mut taken = Vec::new();
                 while let Some(cmd) =
                     std::future::poll_fn(|cx| m.poll_next(cx, &mut entity, linger, &mut took, &mut timer)).await
