@@ -67,12 +67,14 @@ struct Stripe {
 impl Stripe {
     /// Files `waker` under `tick`; returns its key.
     fn file(&mut self, tick: u64, waker: Waker) -> usize {
-        let next = self.heads.get(&tick).copied().unwrap_or(NIL);
+        // One search of the ticks: the new entry becomes its tick's head.
+        let head = self.heads.entry(tick).or_insert(NIL);
+        let next = *head;
         let key = self.entries.insert(Entry { tick, prev: NIL, next, slot: Slot::Waiting(waker) });
+        *head = key;
         if next != NIL {
             self.entries[next].prev = key;
         }
-        self.heads.insert(tick, key);
         key
     }
 

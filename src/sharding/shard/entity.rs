@@ -202,9 +202,10 @@ impl<E: Entity> EntityRun<E> {
 
     /// Answers the confirmations the handler gave (after its write, for a durable entity),
     /// and ends the handler's part in held confirmations.
-    fn answer_confirms(&mut self, entity_id: &str) {
+    fn answer_confirms(&mut self) {
         let applied = self.ctx.confirms.applied.take();
         if let (Some(applied), Some(holds)) = (applied, &self.ctx.confirms.holds) {
+            let entity_id = &self.ctx.entity_id;
             holds.kept_by(&self.shared.replier);
             let failed = self.ctx.end.is_some();
             for token in applied.confirmed {
@@ -355,10 +356,13 @@ impl<E: Entity> EntityRun<E> {
             let running = entity.as_mut().expect("a task that took a command holds its entity");
             let started = crate::metrics::start_handler_timer();
             self.ctx.reply_type = reply.is_some().then(std::any::TypeId::of::<E::Reply>);
-            let outcome = AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx))
-                .catch_unwind()
-                .instrument(span.clone())
-                .await;
+            // In the run's span, entered for each poll: not a clone of it per message (with a
+            // subscriber that keeps spans, a clone and a drop are a reference count each).
+            let outcome = {
+                let mut handler =
+                    std::pin::pin!(AssertUnwindSafe(running.handle_or_fail(msg, &mut self.ctx)).catch_unwind());
+                std::future::poll_fn(|cx| span.in_scope(|| handler.as_mut().poll(cx))).await
+            };
             self.shared.metrics.handled(started);
             if !self.after_handler_ran(&mut entity, outcome, reply, delivery) {
                 return;
@@ -391,7 +395,6 @@ impl<E: Entity> EntityRun<E> {
         reply: Option<ReplyTo<E>>,
         delivery: Option<(Box<DeliveryReply>, u64)>,
     ) -> bool {
-        let id = self.ctx.entity_id.clone();
         let running = entity.as_mut().expect("a task that took a command holds its entity");
         // A durable entity applied its handler's holds before its write.
         if outcome.is_ok() && (self.ctx.confirms.to_apply() || self.ctx.confirms.applied.is_some()) {
@@ -407,9 +410,10 @@ impl<E: Entity> EntityRun<E> {
                     Some((d, nonce)) => self.answer_delivery(d.to, nonce, &result),
                     None => self.answer(taken, reply, result.map(Some)),
                 }
-                self.answer_confirms(&id);
+                self.answer_confirms();
             }
             Err(panic) => {
+                let id = self.ctx.entity_id.clone();
                 self.ctx.confirms.clear();
                 self.shared.counters.entity_panics.fetch_add(1, Ordering::Relaxed);
                 let what = panic_text(&*panic);
@@ -432,7 +436,7 @@ impl<E: Entity> EntityRun<E> {
         if std::mem::take(&mut self.ctx.passivate) {
             let _ = self.shared.events.send(ShardEvent::Passivate {
                 shard: self.ctx.shard_id.to_string(),
-                entity_id: id.to_string(),
+                entity_id: self.ctx.entity_id.to_string(),
                 incarnation: self.incarnation,
             });
         }
