@@ -441,8 +441,9 @@ impl<M, S> ShardCore<M, S> {
     /// message for `entity_id` would be sent straight to its running incarnation (the shard
     /// serves and the entity is `Active`), its activity is marked (idle passivation) as a
     /// delivery does, and the core's id, the host's handle on that incarnation and the
-    /// incarnation are returned to put the message in. `None` (and nothing changed) when the message must take the routed path: the entity
-    /// is starting, stopping, not running, not attached yet, or the shard is not serving.
+    /// incarnation are returned to put the message in. `None` (and nothing changed) when the
+    /// message must take the routed path: the entity is starting, stopping, not running, not
+    /// attached yet, or the shard is not serving.
     ///
     /// The access is stamped with the latest instant the core was handed (its inputs, and the
     /// region's tick every 100 ms), not a clock read per message: idle passivation of an entity
