@@ -340,8 +340,9 @@ pub struct Sim {
     disks: Vec<BTreeMap<String, ReplicatedData>>,
     /// Per disk, the OR-set counter ceiling its store writer reserved.
     counter_ceilings: Vec<u64>,
-    /// Per node slot, writes handed to its store and not yet committed (ticket, write).
-    unsynced: Vec<Vec<(u64, KeyedWrite)>>,
+    /// Per node slot, writes handed to its store and not yet committed (ticket, write), in
+    /// ticket order (the core issues tickets in increasing order), so a commit takes a prefix.
+    unsynced: Vec<VecDeque<(u64, KeyedWrite)>>,
     members: Vec<MemberRow>,
     cut: BTreeSet<(usize, usize)>,
     /// Links that lose node-to-node messages while gossip flows (message path only).
@@ -428,7 +429,7 @@ impl Sim {
             generations: vec![0; cfg.nodes],
             disks: vec![BTreeMap::new(); cfg.nodes],
             counter_ceilings: vec![0; cfg.nodes],
-            unsynced: vec![Vec::new(); cfg.nodes],
+            unsynced: vec![VecDeque::new(); cfg.nodes],
             members: Vec::new(),
             cut: BTreeSet::new(),
             messaging_cut: BTreeSet::new(),

@@ -7,10 +7,10 @@ impl Sim {
     /// The store of `node` committed its persists up to `through`: they are on its disk now.
     pub(super) fn on_persisted(&mut self, node: UniqueAddress, through: u64) {
         let Some(i) = self.slot_of(&node) else { return };
-        let pending = std::mem::take(&mut self.unsynced[i]);
-        let (done, rest): (Vec<_>, Vec<_>) = pending.into_iter().partition(|(ticket, _)| *ticket <= through);
-        self.unsynced[i] = rest;
-        for (_, write) in done {
+        // A prefix: one commit report per persisting step, so scanning the whole queue each
+        // time was quadratic in a burst of writes within one fsync delay.
+        while self.unsynced[i].front().is_some_and(|(ticket, _)| *ticket <= through) {
+            let (_, write) = self.unsynced[i].pop_front().expect("front seen");
             self.sync(i, write);
         }
         let (now, wall) = (self.now(), self.wall());
@@ -162,7 +162,7 @@ impl Sim {
         for a in actions {
             if let ReplicatorAction::ReserveCounters { ticket, ceiling } = a {
                 through = through.max(*ticket);
-                self.unsynced[i].push((*ticket, DiskWrite::Ceiling(*ceiling).keyed("")));
+                self.queue_unsynced(i, *ticket, DiskWrite::Ceiling(*ceiling).keyed(""));
                 continue;
             }
             let ReplicatorAction::Persist { key, ticket, record } = a else { continue };
@@ -173,13 +173,21 @@ impl Sim {
                 PersistRecord::Delta(d) => Some(DiskWrite::Delta(d.clone())),
             };
             if let Some(write) = write {
-                self.unsynced[i].push((*ticket, write.keyed(key)));
+                self.queue_unsynced(i, *ticket, write.keyed(key));
             }
         }
         if through > 0 {
             let node = self.nodes[i].as_ref().expect("live node").addr.clone();
             self.schedule(FSYNC_MS, Event::Persisted { node, through });
         }
+    }
+
+    /// A write handed to node `i`'s store, behind every earlier ticket (`on_persisted` takes a
+    /// commit's writes from the front).
+    fn queue_unsynced(&mut self, i: usize, ticket: u64, write: KeyedWrite) {
+        let queue = &mut self.unsynced[i];
+        debug_assert!(queue.back().is_none_or(|(last, _)| *last <= ticket), "persist tickets out of order");
+        queue.push_back((ticket, write));
     }
 
     /// The leaving node's replicas were handed over (or not): as `Node::leave`, the member
